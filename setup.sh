@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up .venv for labml_zero on a fresh machine.
+#   bash setup.sh          the package and what the fine-tune needs
+#   bash setup.sh test     also the test and docs extras
+# torch goes in first, by exact version, so that pip takes the CPU build this
+# machine keeps on disk instead of downloading a multi-GB CUDA build. Where torch
+# is already importable (a GPU image), it is left alone.
+set -euo pipefail
+cd "$(dirname "$0")"
+python3 -m venv .venv
+py=.venv/bin/python
+$py -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+if ! $py -c "import torch" 2>/dev/null; then
+    $py -m pip install -q "torch==${LABML_ZERO_TORCH:-2.13.0}"
+fi
+extras=""
+if [ "${1:-}" = "test" ]; then extras="[test,docs]"; fi
+$py -m pip install -q -e ".${extras}"
