@@ -1,4 +1,4 @@
-"""
+r"""
 ---
 title: labml_zero
 summary: An annotated ZeRO-3 (Zero-DP) engine with chunk-based memory management.
