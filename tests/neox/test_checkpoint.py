@@ -1,0 +1,199 @@
+"""`labml_zero/neox/checkpoint.py`: streaming load, checked shapes, atomic
+sharded export that Hugging Face reads back."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from labml_zero.neox import model as M
+from labml_zero.neox.checkpoint import (HFCheckpoint, hf_named_tensors,
+                                        load_layers, save_hf_checkpoint)
+
+
+def logits(layers, ids):
+    with torch.no_grad():
+        return nn.Sequential(*layers)(ids)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 97, (2, 23), generator=torch.Generator().manual_seed(1))
+
+
+def test_layer_state_dict_reads_only_that_layer(hf_checkpoint_dir, monkeypatch):
+    """Only the layer's tensors are read (get_tensor), and only from the files
+    that hold them."""
+    from labml_zero.neox import checkpoint as C
+
+    opened, read = [], []
+    real_safe_open = C.safe_open
+
+    class Recording:
+        def __init__(self, path, **kwargs):
+            opened.append(os.path.basename(path))
+            self.f = real_safe_open(path, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def get_slice(self, name):
+            return self.inner.get_slice(name)
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+    ckpt = HFCheckpoint(hf_checkpoint_dir)
+    block = M.build_layers(ckpt.config, filter_layers=[2], device="meta")[1]
+    monkeypatch.setattr(C, "safe_open", Recording)
+    sd = ckpt.layer_state_dict(block)
+    assert set(sd) == set(block.state_dict())
+    assert sorted(read) == sorted(f"gpt_neox.layers.2.{name}" for name in sd)
+    assert set(opened) == {ckpt.weight_map[name] for name in read}
+    # Onto a meta-built layer: to_empty, then load.
+    block.to_empty(device="cpu")
+    block.load_state_dict(sd)
+
+
+def test_dtype_cast(hf_checkpoint_dir):
+    ckpt = HFCheckpoint(hf_checkpoint_dir)
+    head = M.build_layers(ckpt.config, filter_layers=[], device="meta")[-1]
+    sd = ckpt.layer_state_dict(head, dtype=torch.bfloat16)
+    assert sd["embed_out.weight"].dtype == torch.bfloat16
+
+
+def test_shape_mismatch_names_tensor_and_both_shapes(hf_checkpoint_dir):
+    ckpt = HFCheckpoint(hf_checkpoint_dir)
+    wrong = M.NeoXConfig(n_vocab=97, d_model=72, n_heads=3, n_layers=3, d_ff=96)
+    block = M.build_layers(wrong, filter_layers=[0], device="meta")[1]
+    with pytest.raises(ValueError, match=r"'gpt_neox\.layers\.0\.mlp\.dense_h_to_4h"
+                                         r"\.weight'.*\(100, 72\).*\(96, 72\)"):
+        ckpt.layer_state_dict(block)
+
+
+def test_missing_shard_file_names_path(hf_checkpoint_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in hf_checkpoint_dir.iterdir():
+        os.symlink(f, broken / f.name)
+    weight_map = json.loads((broken / "model.safetensors.index.json").read_text())
+    victim = broken / weight_map["weight_map"]["embed_out.weight"]
+    victim.unlink()
+    ckpt = HFCheckpoint(broken)
+    head = M.build_layers(ckpt.config, filter_layers=[], device="meta")[-1]
+    with pytest.raises(FileNotFoundError, match=str(victim)):
+        ckpt.layer_state_dict(head)
+
+
+def test_missing_directory_and_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope")):
+        HFCheckpoint(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        HFCheckpoint(tmp_path)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    config = M.NeoXConfig(n_vocab=50, d_model=16, n_heads=2, n_layers=1)
+    (tmp_path / "config.json").write_text(json.dumps(M.to_hf_config(config)))
+    save_file({"gpt_neox.embed_in.weight": torch.zeros(50, 16)},
+              str(tmp_path / "model.safetensors"))
+    ckpt = HFCheckpoint(tmp_path)
+    layers = M.build_layers(config, device="meta")
+    assert ckpt.layer_state_dict(layers[0])["embed_in.weight"].shape == (50, 16)
+    with pytest.raises(ValueError, match=r"no tensor 'embed_out\.weight'"):
+        ckpt.layer_state_dict(layers[-1])
+
+
+def test_export_round_trip_through_hugging_face(hf_model, hf_checkpoint_dir,
+                                                tmp_path, ids):
+    """HF → our loader → our exporter (several shards) → HF `from_pretrained`
+    gives the same logits, and our loader reads our export too."""
+    from transformers import GPTNeoXForCausalLM
+
+    ckpt = HFCheckpoint(hf_checkpoint_dir)
+    layers = M.build_layers(ckpt.config)
+    load_layers(ckpt, layers)
+    out = save_hf_checkpoint(tmp_path / "export", ckpt.config,
+                             hf_named_tensors(layers), max_shard_bytes=30_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    n_files = len(set(index["weight_map"].values()))
+    assert n_files > 1
+    assert sorted(p.name for p in out.glob("*.safetensors")) == [
+        f"model-{k:05d}-of-{n_files:05d}.safetensors" for k in range(1, n_files + 1)]
+    n_params = sum(p.numel() for p in hf_model.parameters())
+    assert index["metadata"]["total_size"] == 4 * n_params
+
+    reloaded = GPTNeoXForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, hf_model(ids).logits,
+                                   atol=1e-5, rtol=0)
+    again = M.build_layers(HFCheckpoint(out).config)
+    load_layers(HFCheckpoint(out), again)
+    torch.testing.assert_close(logits(again, ids), logits(layers, ids),
+                               atol=0, rtol=0)
+
+
+def test_export_single_file_and_dtype(tmp_path):
+    config = M.NeoXConfig(n_vocab=50, d_model=16, n_heads=2, n_layers=1)
+    layers = M.build_layers(config)
+    out = save_hf_checkpoint(tmp_path / "one", config, hf_named_tensors(layers),
+                             dtype=torch.float16)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json",
+                                                     "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float16"
+    ckpt = HFCheckpoint(out)
+    assert ckpt.config == config
+    assert ckpt.layer_state_dict(layers[1])["attention.dense.weight"].dtype == \
+        torch.float16
+
+
+def test_export_is_atomic(tmp_path):
+    """A failure while streaming leaves neither a target directory nor a temp
+    directory; an existing checkpoint is kept unless overwrite is asked."""
+    config = M.NeoXConfig(n_vocab=50, d_model=16, n_heads=2, n_layers=1)
+    layers = M.build_layers(config)
+
+    def failing():
+        for k, item in enumerate(hf_named_tensors(layers)):
+            if k == 5:
+                raise RuntimeError("disk full")
+            yield item
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_hf_checkpoint(tmp_path / "ckpt", config, failing(), max_shard_bytes=64)
+    assert list(tmp_path.iterdir()) == []
+
+    save_hf_checkpoint(tmp_path / "ckpt", config, hf_named_tensors(layers))
+    with pytest.raises(FileExistsError, match="ckpt"):
+        save_hf_checkpoint(tmp_path / "ckpt", config, hf_named_tensors(layers))
+    with pytest.raises(RuntimeError, match="disk full"):
+        save_hf_checkpoint(tmp_path / "ckpt", config, failing(), overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    HFCheckpoint(tmp_path / "ckpt")  # the old one is intact
+
+    with torch.no_grad():
+        layers[0].embed_in.weight.add_(1.0)
+    save_hf_checkpoint(tmp_path / "ckpt", config, hf_named_tensors(layers),
+                       overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    sd = HFCheckpoint(tmp_path / "ckpt").layer_state_dict(layers[0])
+    torch.testing.assert_close(sd["embed_in.weight"], layers[0].embed_in.weight)
+
+
+def test_views_into_a_flat_buffer_export(tmp_path):
+    """Parameters that are views into one flat chunk (as under ZeRO) export as
+    separate tensors, not as the whole buffer."""
+    config = M.NeoXConfig(n_vocab=50, d_model=16, n_heads=2, n_layers=1)
+    flat = torch.arange(2 * 50 * 16, dtype=torch.float32)  # [1600] one chunk
+    named = [("gpt_neox.embed_in.weight", flat[:800].view(50, 16)),
+             ("embed_out.weight", flat[800:].view(50, 16))]
+    out = save_hf_checkpoint(tmp_path / "views", config, named)
+    assert (out / "model.safetensors").stat().st_size < 2 * 800 * 4 + 1000

@@ -1,0 +1,140 @@
+"""`labml_zero/neox/model.py`: HF parity, presets, meta-device build."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from labml_zero.neox import model as M
+from labml_zero.neox.checkpoint import HFCheckpoint, load_layers
+from labml_zero.neox.model import NeoXConfig, build_layers, count_parameters
+
+
+def test_logits_match_hugging_face(hf_model, hf_checkpoint_dir):
+    """Our layers, loaded through our streaming loader from HF's sharded
+    `save_pretrained`, give HF's logits in fp32."""
+    ckpt = HFCheckpoint(hf_checkpoint_dir)
+    assert len(set(ckpt.weight_map.values())) > 1, "want a sharded checkpoint"
+    layers = build_layers(ckpt.config)
+    load_layers(ckpt, layers)
+    ids = torch.randint(0, ckpt.config.n_vocab, (2, 29),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = nn.Sequential(*layers)(ids)
+        theirs = hf_model(ids).logits
+    assert ours.shape == (2, 29, ckpt.config.n_vocab)
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_from_hf_config_reads_shapes(hf_model):
+    config = M.from_hf_config(hf_model.config.to_dict())
+    assert (config.n_vocab, config.d_model, config.n_heads, config.n_layers,
+            config.ff_dim, config.rotary_dim) == (97, 72, 3, 3, 100, 6)
+    assert config.gelu_approximate == "none"
+    # The hub's transformers-4 spelling, as in EleutherAI/gpt-neox-20b.
+    neox20b = {"model_type": "gpt_neox", "hidden_size": 6144,
+               "num_attention_heads": 64, "num_hidden_layers": 44,
+               "intermediate_size": 24576, "vocab_size": 50432,
+               "rotary_pct": 0.25, "rotary_emb_base": 10000,
+               "hidden_act": "gelu_fast", "use_parallel_residual": True}
+    assert M.from_hf_config(neox20b) == M.gpt_neox_20b()
+    assert M.from_hf_config(M.to_hf_config(M.pythia_70m())) == M.pythia_70m()
+
+
+# Total parameter counts published with the Pythia suite and the GPT-NeoX-20B
+# paper; our presets, built on the meta device, must have exactly these.
+PUBLISHED = [
+    (M.pythia_70m, 70_426_624),
+    (M.pythia_160m, 162_322_944),
+    (M.pythia_410m, 405_334_016),
+    (M.pythia_1b, 1_011_781_632),
+    (M.pythia_1_4b, 1_414_647_808),
+    (M.pythia_2_8b, 2_775_208_960),
+    (M.pythia_6_9b, 6_857_302_016),
+    (M.pythia_12b, 11_846_072_320),
+    (M.gpt_neox_20b, 20_554_567_680),
+]
+
+
+@pytest.mark.parametrize("preset,n_params", PUBLISHED,
+                         ids=[p.__name__ for p, _ in PUBLISHED])
+def test_preset_parameter_counts(preset, n_params):
+    assert count_parameters(build_layers(preset(), device="meta")) == n_params
+
+
+def test_meta_build_allocates_nothing_then_materializes():
+    config = M.tiny()
+    layers = build_layers(config, device="meta")
+    assert all(p.is_meta for layer in layers for p in layer.parameters())
+    assert len(layers) == config.n_layers + 3
+
+    torch.manual_seed(0)
+    for layer in layers:
+        layer.to_empty(device="cpu")
+        layer.reset_parameters()
+    emb, block, norm, head = layers[0], layers[1], layers[-2], layers[-1]
+    assert 0.015 < emb.embed_in.weight.std().item() < 0.025
+    assert 0.015 < head.embed_out.weight.std().item() < 0.025
+    assert torch.all(block.attention.query_key_value.bias == 0)
+    assert torch.all(norm.final_layer_norm.weight == 1)
+    assert torch.all(norm.final_layer_norm.bias == 0)
+    ids = torch.randint(0, config.n_vocab, (1, 8))
+    assert torch.isfinite(nn.Sequential(*layers)(ids)).all()
+
+
+def test_filter_layers_keeps_original_indices():
+    config = dataclasses.replace(M.tiny(), n_layers=4)
+    layers = build_layers(config, filter_layers={3, 1}, device="meta")
+    blocks = [layer for layer in layers if isinstance(layer, M.TransformerLayer)]
+    assert [b.layer_idx for b in blocks] == [1, 3]
+    assert [M.hf_prefix(b) for b in blocks] == ["gpt_neox.layers.1.",
+                                                "gpt_neox.layers.3."]
+    assert M.hf_prefix(layers[0]) == "gpt_neox."
+    assert M.hf_prefix(layers[-1]) == ""
+
+
+def test_filter_layers_out_of_range_rejected():
+    with pytest.raises(ValueError, match=r"filter_layers \[2\] out of range.*2 "
+                                         r"layers"):
+        build_layers(M.tiny(), filter_layers=[0, 2], device="meta")
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(d_model=66), "not divisible by n_heads"),
+    (dict(rotary_pct=0.2), "must be even"),
+    (dict(gelu_approximate="erf"), "gelu_approximate"),
+    (dict(n_layers=0), "n_layers"),
+])
+def test_config_validation(changes, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(M.tiny(), **changes)
+
+
+def test_d_ff_follows_d_model_under_replace():
+    assert dataclasses.replace(M.tiny(), d_model=128).ff_dim == 512
+
+
+def test_bf16_close_to_fp32():
+    """Low precision runs and stays close: rotary angles are fp32 (see
+    `rotary_cos_sin`), layer norms in the parameter dtype."""
+    config = NeoXConfig(n_vocab=101, d_model=64, n_heads=4, n_layers=2,
+                        max_position=512)
+    torch.manual_seed(0)
+    layers = build_layers(config)
+    ids = torch.randint(0, 101, (1, 300))
+    with torch.no_grad():
+        ref = nn.Sequential(*layers)(ids)
+        low = nn.Sequential(*[layer.to(torch.bfloat16) for layer in layers])(ids)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_rotary_angles_are_fp32_even_for_bf16():
+    config = NeoXConfig(d_model=64, n_heads=1, rotary_pct=1.0, max_position=4096)
+    cos, _ = M.rotary_cos_sin(4000, config, device=torch.device("cpu"),
+                              dtype=torch.bfloat16)
+    pos = torch.arange(4000, dtype=torch.float64)
+    # θ_0 = 1: the angle is the position itself; bf16 positions past 256 would
+    # be rounded before the cosine.
+    torch.testing.assert_close(cos[:, 0].double(), pos.cos(), atol=1e-2, rtol=0)
