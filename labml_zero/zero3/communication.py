@@ -81,15 +81,11 @@ class CommCounter:
         self.bytes.clear()
 
 
-def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group) -> None:
-    """
-    #### Reduce-scatter by averaging
-
-    PyTorch 2.13 renamed `reduce_scatter_tensor` to `reduce_scatter_single`; older
-    releases (2.11 on the GPU machines) have only the first.
-    """
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(output, input, op=dist.ReduceOp.AVG, group=group)
+# PyTorch 2.13 renamed `all_gather_into_tensor` and `reduce_scatter_tensor` to
+# `all_gather_single` and `reduce_scatter_single` (the old names warn); older
+# releases, such as 2.11 on the GPU machines, have only the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Communicator:
