@@ -1,0 +1,34 @@
+"""`labml_zero/neox/tokenizer.py`: the bundled GPT-NeoX-20B tokenizer."""
+
+import gzip
+
+import pytest
+
+from labml_zero.neox.tokenizer import (BUNDLED_TOKENIZER, decode, encode,
+                                       load_tokenizer, vocab_size)
+
+
+def test_check_vector(tokenizer):
+    text = "First Citizen: Before we proceed any further"
+    ids = encode(tokenizer, text)
+    assert ids == [6407, 47422, 27, 9613, 359, 4262, 667, 2007]
+    assert decode(tokenizer, ids) == text
+
+
+def test_vocab_size_fits_every_preset_embedding(tokenizer):
+    from labml_zero.neox.model import gpt_neox_20b, pythia_70m
+
+    assert vocab_size(tokenizer) == 50281
+    assert vocab_size(tokenizer) <= pythia_70m().n_vocab <= gpt_neox_20b().n_vocab
+
+
+def test_plain_json_path(tmp_path, tokenizer):
+    path = tmp_path / "tokenizer.json"
+    with gzip.open(BUNDLED_TOKENIZER, "rb") as f:
+        path.write_bytes(f.read())
+    assert encode(load_tokenizer(path), "Hello") == encode(tokenizer, "Hello")
+
+
+def test_missing_file_names_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "t.json")):
+        load_tokenizer(tmp_path / "t.json")
