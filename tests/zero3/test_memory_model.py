@@ -1,0 +1,165 @@
+"""Analytic bytes, checked against numbers worked out by hand."""
+
+import pytest
+
+from labml_zero.zero3.chunk_layout import ParamSpec, plan_chunks
+from labml_zero.zero3.memory_model import (
+    Traffic,
+    ddp_step_comm,
+    gathered_peak,
+    layout_model_states,
+    peak_window_numel,
+    ring_wire_bytes,
+    zero3_step_comm,
+    zero_model_states,
+)
+
+
+def mixed_layout():
+    """
+    Chunk size 8 on 2 ranks (shards of 4):
+
+    * chunk 0, group 0, trainable: `w` (6) + 2 padding
+    * chunk 1, group 0, frozen: `f` (4) + 4 padding
+    * chunk 2, group 1, trainable: `b` (3) + 5 padding
+    """
+    params = [
+        ParamSpec("w", (2, 3), True, 0),
+        ParamSpec("f", (4,), False, 0),
+        ParamSpec("b", (3,), True, 1),
+    ]
+    layout = plan_chunks(params, 8, 2)
+    assert [(c.group, c.trainable, c.padding) for c in layout.chunks] == [
+        (0, True, 2),
+        (0, False, 4),
+        (1, True, 5),
+    ]
+    return layout
+
+
+# ZeRO paper formula
+
+
+def test_zero_model_states_is_the_paper_formula():
+    # (2 + 2 + 12) * 1000 bytes on one rank: DDP's replicated model states.
+    assert zero_model_states(1000, 0, 1) == 16_000
+    # Sharded over 4 ranks: 16 * 250.
+    assert zero_model_states(1000, 0, 4) == 4_000
+    # Frozen parameters add only their 2-byte shard: 2 * 600 / 4 = 300.
+    assert zero_model_states(1000, 600, 4) == 4_300
+    # fp32 gradients (g = 4): (2 + 4 + 12) * 250.
+    assert zero_model_states(1000, 0, 4, grad_bytes=4) == 4_500
+
+
+def test_zero_model_states_rounds_shards_up():
+    # 10 elements on 4 ranks: the largest shard holds 3, so 3 * 16.
+    assert zero_model_states(10, 0, 4) == 48
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(psi_trainable=-1, psi_frozen=0, world_size=1), "psi_trainable"),
+        (dict(psi_trainable=1, psi_frozen=0, world_size=0), "world_size"),
+        (
+            dict(psi_trainable=1, psi_frozen=0, world_size=1, param_bytes=0),
+            "param_bytes",
+        ),
+    ],
+)
+def test_zero_model_states_rejects_bad_input(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        zero_model_states(**kwargs)
+
+
+# Exact bytes of a layout
+
+
+def test_layout_model_states_counts_padding():
+    layout = mixed_layout()
+    # Shards of 4: two trainable chunks at 2 + 2 + 12, one frozen at 2.
+    assert layout_model_states(layout) == 4 * 16 + 4 * 2 + 4 * 16
+    # fp32 parameters and gradients, separate master: 4 + 4 + 12 per element.
+    fp32 = dict(param_bytes=4, grad_bytes=4, optimizer_bytes=12)
+    assert layout_model_states(layout, **fp32) == 4 * 20 + 4 * 4 + 4 * 20
+    # The parameter shard is the master: only the two moments remain, 4 + 4 + 8.
+    assert (
+        layout_model_states(layout, **fp32, master_aliases_param=True)
+        == 4 * 16 + 4 * 4 + 4 * 16
+    )
+
+
+def test_layout_without_padding_matches_the_paper():
+    # Two parameters of 4 fill a chunk of 8 exactly: no padding, so the layout
+    # costs what the formula says.
+    params = [ParamSpec("a", (4,), True, 0), ParamSpec("b", (4,), True, 0)]
+    layout = plan_chunks(params, 8, 2)
+    assert layout.padding() == 0
+    assert layout_model_states(layout) == zero_model_states(8, 0, 2) == 64
+
+
+def test_master_alias_needs_fp32():
+    with pytest.raises(ValueError, match="master_aliases_param"):
+        layout_model_states(mixed_layout(), master_aliases_param=True)
+
+
+# Gathered peak
+
+
+def test_gathered_peak_over_prefetch_windows():
+    # Chunk size 1 makes every parameter oversized: one chunk per group, of
+    # exactly its size. Group sizes 4, 8, 2, 6.
+    params = [ParamSpec(f"p{g}", (n,), True, g) for g, n in enumerate([4, 8, 2, 6])]
+    layout = plan_chunks(params, 1, 1)
+    assert [layout.group_numel(g) for g in range(4)] == [4, 8, 2, 6]
+    # d = 0: the largest group; d = 1: 4 + 8; d = 2: 8 + 2 + 6; d >= 3: all.
+    assert gathered_peak(layout, 0, 1) == 8
+    assert gathered_peak(layout, 1, 1) == 12
+    assert gathered_peak(layout, 2, 1) == 16
+    assert gathered_peak(layout, 9, 1) == 20
+    # In bf16, twice the elements.
+    assert gathered_peak(layout, 1, 2) == 24
+    assert peak_window_numel([4, 8, 2, 6], 1) == 12
+
+
+def test_gathered_peak_rejects_negative_depth():
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        gathered_peak(mixed_layout(), -1, 2)
+
+
+# Communication
+
+
+def test_zero3_step_comm_by_hand():
+    layout = mixed_layout()
+    comm = zero3_step_comm(layout, param_bytes=2, grad_bytes=4)
+    # Forward and backward gather all 3 chunks of 8 in bf16.
+    assert comm.forward_all_gather == Traffic(3, 24, 48)
+    assert comm.backward_all_gather == Traffic(3, 24, 48)
+    # The two trainable chunks are reduce-scattered in fp32.
+    assert comm.reduce_scatter == Traffic(2, 16, 64)
+    assert (comm.collectives, comm.numel, comm.nbytes) == (8, 64, 160)
+    # Backward that re-gathers only group 1 (its one trainable chunk).
+    partial = zero3_step_comm(layout, backward_groups=[1])
+    assert partial.backward_all_gather == Traffic(1, 8, 16)
+
+
+def test_zero3_is_three_psi_and_ddp_two_psi():
+    # Without padding, ZeRO-3 moves 3 * psi elements per step and DDP 2 * psi.
+    params = [ParamSpec(f"p{g}", (16,), True, g) for g in range(3)]
+    layout = plan_chunks(params, 16, 4)
+    psi = 48
+    assert layout.padding() == 0
+    zero = zero3_step_comm(layout, param_bytes=2, grad_bytes=2)
+    ddp = ddp_step_comm(psi, grad_bytes=2)
+    assert zero.numel == 3 * psi
+    assert ddp == Traffic(1, 2 * psi, 4 * psi)
+    # On the wire each rank sends (N - 1) / N of it: 3/4 on 4 ranks.
+    assert ring_wire_bytes(zero.nbytes, 4) == 3 * psi * 2 * 3 // 4 == 216
+    assert ring_wire_bytes(ddp.nbytes, 4) == 144
+    assert ring_wire_bytes(ddp.nbytes, 1) == 0
+
+
+def test_backward_groups_must_exist():
+    with pytest.raises(ValueError, match="backward_groups names group 7"):
+        zero3_step_comm(mixed_layout(), backward_groups=[7])
