@@ -1,0 +1,424 @@
+"""
+---
+title: Hugging Face GPT-NeoX checkpoints
+summary: Stream GPT-NeoX / Pythia safetensors into our layers one layer at a time,
+  with every shape checked, and export sharded safetensors atomically.
+---
+
+# Hugging Face GPT-NeoX checkpoints
+
+A 20B model in fp16 is 41 GB; a ZeRO-3 rank should never hold all of it. So
+loading is **per layer**: `HFCheckpoint.layer_state_dict(layer)` opens only the
+safetensors files that hold that layer's tensors and reads only those tensors
+(`safe_open` maps the file; `get_tensor` copies one tensor out), so the peak is one
+layer. The engine loads a layer, shards it into its chunks and drops it before
+the next.
+
+## The Hugging Face layout
+
+A checkpoint directory holds `config.json` and either one `model.safetensors`, or
+shards `model-00001-of-0000N.safetensors` plus `model.safetensors.index.json`,
+whose `weight_map` says which file holds each tensor. Names are those of
+`GPTNeoXForCausalLM`; since our layers use the same submodule names, the name of
+each of our tensors is `hf_prefix(layer) + name` (see [the model](model.html)).
+Old checkpoints also store buffers (`attention.bias`, `attention.masked_bias`,
+`attention.rotary_emb.inv_freq`); we ask only for the names our layers have, so
+these are never read.
+
+Every tensor's shape is checked *before* it is read (the safetensors header has
+it), so a checkpoint for a different model fails on the first wrong tensor with
+its name and both shapes, not after a 41 GB read or inside `load_state_dict`.
+
+## Export
+
+`save_hf_checkpoint` writes the same layout from an iterable of
+`(hf_name, tensor)`, e.g. `hf_named_tensors(layers)` or a generator that
+gathers a ZeRO model one layer at a time. It holds at most one shard in memory.
+See Note: atomic checkpoint directory.
+
+## Note: atomic checkpoint directory
+
+A crash halfway through writing must not leave a directory that loads: a reader
+would get half new and half missing (or old) tensors. So everything is written
+into a fresh temporary directory next to the target (same filesystem, so a
+rename is atomic), every file is `fsync`ed, then the directory itself, and only
+then is it renamed to the target name. If the target exists (and `overwrite` is
+set), it is first renamed aside and removed after the new one is in place; in
+between there is briefly *no* checkpoint at that path, never a partial one.
+
+## The original GPT-NeoX-20B release
+
+EleutherAI first released 20B as DeepSpeed pipeline files
+`layer_XX-model_0P-model_states.pt`: `XX` is the pipeline position (00 the
+embedding, `i + 2` transformer layer $i$, `n + 3` the final norm, `n + 4` the
+readout) and `P` one of the two tensor-parallel partitions. `NeoX20BCheckpoint`
+merges the two per layer, the same way as labml-nn and EleutherAI's HF
+conversion:
+
+* column-parallel weights and biases (QKV, `dense_h_to_4h`, embeddings, readout)
+  are split along the output dim: concatenate on dim 0. Partition 0 holds
+  heads $0 \ldots n_h/2 - 1$ in the same head-major layout, so the
+  concatenation is HF's QKV layout;
+* row-parallel weights (`attention.dense`, `dense_4h_to_h`) are split along the
+  input dim: concatenate on dim 1;
+* row-parallel biases are **summed**: with the parallel residual, GPT-NeoX adds
+  each partition's bias before the all-reduce that sums the partitions, so the
+  effective bias is the sum of the two stored ones;
+* layer norms are replicated; the two copies drift apart by rounding during
+  training, so they are averaged.
+
+
+* The original GPT-NeoX-20B release (`NeoX20BCheckpoint`) is read with
+  `torch.load(mmap=True)` per file; its shapes are checked after the merge, not
+  before the read (`.pt` files have no separate header).
+* `.bin` (pickle) checkpoints are not read; safetensors only.
+* Tied input/output embeddings are not supported (no released GPT-NeoX ties them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable, Iterator, NamedTuple
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from labml_zero.neox.model import (Embedding, FinalNorm, NeoXConfig, Readout,
+                                   TransformerLayer, from_hf_config, gpt_neox_20b,
+                                   hf_prefix, to_hf_config)
+
+__all__ = ["HFCheckpoint", "NeoX20BCheckpoint", "save_hf_checkpoint",
+           "hf_named_tensors", "load_layers"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+
+
+class HFCheckpoint:
+    """
+    ## A Hugging Face checkpoint directory, read lazily
+
+    Construction reads only `config.json` and the index (or the header of the
+    single file); tensors are read by `layer_state_dict`.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"checkpoint directory not found: {self.path}")
+        config_path = self.path / CONFIG_FILE
+        if not config_path.is_file():
+            raise FileNotFoundError(f"checkpoint config not found: {config_path}")
+        self.config: NeoXConfig = from_hf_config(json.loads(config_path.read_text()))
+        # tensor name -> file name (relative to self.path)
+        self.weight_map: dict[str, str] = self._read_weight_map()
+
+    def _read_weight_map(self) -> dict[str, str]:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            return dict(json.loads(index.read_text())["weight_map"])
+        single = self.path / SINGLE_FILE
+        if single.is_file():
+            with safe_open(single, framework="pt") as f:
+                return {name: SINGLE_FILE for name in f.keys()}
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}")
+
+    def layer_state_dict(self, layer: nn.Module, *,
+                         dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """
+        ### Read one layer's tensors
+
+        Returns `{our_name: tensor}` (CPU; cast to `dtype` if given) for every
+        entry of `layer.state_dict()`, ready for `layer.load_state_dict`. The
+        layer may be on the meta device: only its names and shapes are used.
+        """
+        prefix = hf_prefix(layer)
+        # our name -> expected shape
+        wanted = {name: tuple(t.shape) for name, t in layer.state_dict().items()}
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for name in wanted:
+            hf_name = prefix + name
+            if hf_name not in self.weight_map:
+                raise ValueError(f"checkpoint {self.path} has no tensor "
+                                 f"'{hf_name}'")
+            by_file[self.weight_map[hf_name]].append(name)
+
+        out: dict[str, torch.Tensor] = {}
+        for file_name, names in by_file.items():
+            file_path = self.path / file_name
+            if not file_path.is_file():
+                raise FileNotFoundError(f"checkpoint shard not found: {file_path}")
+            with safe_open(file_path, framework="pt", device="cpu") as f:
+                for name in names:
+                    hf_name = prefix + name
+                    # The header has the shape: check before reading any data.
+                    shape = tuple(f.get_slice(hf_name).get_shape())
+                    if shape != wanted[name]:
+                        raise ValueError(f"tensor '{hf_name}' in {file_path} has "
+                                         f"shape {shape}, the model expects "
+                                         f"{wanted[name]}")
+                    t = f.get_tensor(hf_name)
+                    out[name] = t if dtype is None else t.to(dtype)
+        return out
+
+
+class NeoX20BCheckpoint:
+    """
+    ## The original two-partition GPT-NeoX-20B files
+
+    Same interface as `HFCheckpoint`; see "The original GPT-NeoX-20B release".
+    """
+
+    # our name -> (name in the .pt file, how the two partitions merge)
+    LAYER_NAMES = {
+        "input_layernorm.weight": ("input_layernorm.weight", "mean"),
+        "input_layernorm.bias": ("input_layernorm.bias", "mean"),
+        "post_attention_layernorm.weight": ("post_attention_layernorm.weight",
+                                            "mean"),
+        "post_attention_layernorm.bias": ("post_attention_layernorm.bias", "mean"),
+        "attention.query_key_value.weight": ("attention.query_key_value.weight",
+                                             "cat0"),
+        "attention.query_key_value.bias": ("attention.query_key_value.bias",
+                                           "cat0"),
+        "attention.dense.weight": ("attention.dense.weight", "cat1"),
+        "attention.dense.bias": ("attention.dense.bias", "sum"),
+        "mlp.dense_h_to_4h.weight": ("mlp.dense_h_to_4h.weight", "cat0"),
+        "mlp.dense_h_to_4h.bias": ("mlp.dense_h_to_4h.bias", "cat0"),
+        "mlp.dense_4h_to_h.weight": ("mlp.dense_4h_to_h.weight", "cat1"),
+        "mlp.dense_4h_to_h.bias": ("mlp.dense_4h_to_h.bias", "sum"),
+    }
+    OTHER_NAMES = {
+        "embed_in.weight": ("word_embeddings.weight", "cat0"),
+        "final_layer_norm.weight": ("norm.weight", "mean"),
+        "final_layer_norm.bias": ("norm.bias", "mean"),
+        "embed_out.weight": ("final_linear.weight", "cat0"),
+    }
+
+    def __init__(self, path: str | os.PathLike, *,
+                 config: NeoXConfig | None = None, n_partitions: int = 2):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"checkpoint directory not found: {self.path}")
+        self.config = config or gpt_neox_20b()
+        self.n_partitions = n_partitions
+
+    def _position(self, layer: nn.Module) -> int:
+        """Pipeline position `XX` of a layer in the file names."""
+        n = self.config.n_layers
+        if isinstance(layer, Embedding):
+            return 0
+        if isinstance(layer, TransformerLayer):
+            return layer.layer_idx + 2
+        if isinstance(layer, FinalNorm):
+            return n + 3
+        if isinstance(layer, Readout):
+            return n + 4
+        raise ValueError(f"{type(layer).__name__} is not a GPT-NeoX layer")
+
+    def layer_state_dict(self, layer: nn.Module, *,
+                         dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """### Read both partitions of one layer and merge them"""
+        position = self._position(layer)
+        parts = []
+        for p in range(self.n_partitions):
+            file_path = (self.path
+                         / f"layer_{position:02d}-model_{p:02d}-model_states.pt")
+            if not file_path.is_file():
+                raise FileNotFoundError(f"checkpoint shard not found: {file_path}")
+            # mmap: only the tensors touched below are paged in.
+            parts.append(torch.load(file_path, map_location="cpu", mmap=True,
+                                    weights_only=True))
+        names = (self.LAYER_NAMES if isinstance(layer, TransformerLayer)
+                 else self.OTHER_NAMES)
+        out = {}
+        for name, expected in layer.state_dict().items():
+            file_name, how = names[name]
+            if file_name not in parts[0]:
+                raise ValueError(f"checkpoint {self.path} layer {position:02d} has "
+                                 f"no tensor '{file_name}'")
+            ts = [part[file_name] for part in parts]
+            match how:
+                case "cat0":
+                    t = torch.cat(ts, dim=0)
+                case "cat1":
+                    t = torch.cat(ts, dim=1)
+                case "sum":
+                    t = torch.stack(ts).sum(dim=0)
+                case _:  # "mean"
+                    t = torch.stack(ts).mean(dim=0)
+            if tuple(t.shape) != tuple(expected.shape):
+                raise ValueError(f"tensor '{file_name}' of layer {position:02d} "
+                                 f"merges to shape {tuple(t.shape)}, the model "
+                                 f"expects {tuple(expected.shape)}")
+            out[name] = t if dtype is None else t.to(dtype)
+        return out
+
+
+def load_layers(checkpoint: HFCheckpoint | NeoX20BCheckpoint,
+                layers: Iterable[nn.Module]):
+    """
+    ### Load every layer, one at a time
+
+    For an unsharded model (tests, `generate`). The engine instead calls
+    `layer_state_dict` per layer while it fills its chunks.
+    """
+    for layer in layers:
+        layer.load_state_dict(checkpoint.layer_state_dict(layer))
+
+
+def hf_named_tensors(layers: Iterable[nn.Module]
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(hf_name, tensor)` for every tensor of the layers, in layer order."""
+    for layer in layers:
+        prefix = hf_prefix(layer)
+        for name, t in layer.state_dict().items():
+            yield prefix + name, t
+
+
+# ## Export
+
+
+def _fsync_file(path: Path):
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_shard(tensors: dict[str, torch.Tensor], path: Path):
+    # metadata {"format": "pt"} is what transformers checks for on load.
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    _fsync_file(path)
+
+
+def save_hf_checkpoint(out_dir: str | os.PathLike, config: NeoXConfig,
+                       named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                       max_shard_bytes: int = 2 * 1024**3,
+                       dtype: torch.dtype | None = None,
+                       overwrite: bool = False) -> Path:
+    """
+    ### Write a sharded Hugging Face checkpoint atomically
+
+    * `named_tensors` yields `(hf_name, tensor)`; it is consumed once, and a
+      shard is written as soon as the next tensor would push it past
+      `max_shard_bytes` (a tensor larger than that gets a shard of its own).
+    * `dtype` casts every tensor (e.g. `torch.float16` for release), else each
+      keeps its own dtype.
+    * One shard is written as `model.safetensors` with no index, as HF does.
+
+    Returns the checkpoint directory. See Note: atomic checkpoint directory.
+    """
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"checkpoint directory exists: {out_dir} "
+                              f"(pass overwrite=True)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        written = _write_shards(tmp, named_tensors,
+                                max_shard_bytes=max_shard_bytes, dtype=dtype)
+        # Shards were written as part-K before their count was known; give them
+        # HF's final names now.
+        n = len(written.files)
+        final = {part: SINGLE_FILE if n == 1 else
+                 f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+                 for k, part in enumerate(written.files)}
+        for part, name in final.items():
+            os.rename(tmp / part, tmp / name)
+        if n > 1:
+            index = {"metadata": {"total_size": written.total_bytes,
+                                  "total_parameters": written.total_numel},
+                     "weight_map": {k: final[v]
+                                    for k, v in written.weight_map.items()}}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
+            _fsync_file(tmp / INDEX_FILE)
+        hf_config = to_hf_config(config, dtype=written.dtype)
+        (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
+        _fsync_file(tmp / CONFIG_FILE)
+        _fsync_dir(tmp)
+
+        # The only moment the target changes; see Note: atomic checkpoint directory.
+        old = None
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        _fsync_dir(out_dir.parent)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+class WrittenShards(NamedTuple):
+    """What `_write_shards` wrote into the temporary directory."""
+
+    files: list[str]
+    """Shard file names, in order (temporary `part-K` names)."""
+    weight_map: dict[str, str]
+    """`hf_name -> file name`."""
+    total_bytes: int
+    total_numel: int
+    dtype: torch.dtype
+    """The dtype of the first tensor, recorded as `torch_dtype` in `config.json`."""
+
+
+def _write_shards(tmp: Path, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                  max_shard_bytes: int, dtype: torch.dtype | None) -> WrittenShards:
+    """
+    #### Stream tensors into shard files
+    """
+    files: list[str] = []
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = total_bytes = total_numel = 0
+    first_dtype = None
+
+    def flush():
+        nonlocal shard, shard_bytes
+        name = f"part-{len(files):05d}.safetensors"
+        _write_shard(shard, tmp / name)
+        weight_map.update({k: name for k in shard})
+        files.append(name)
+        shard, shard_bytes = {}, 0
+
+    for hf_name, t in named_tensors:
+        if hf_name in weight_map or hf_name in shard:
+            raise ValueError(f"tensor '{hf_name}' given twice")
+        t = t.detach().to("cpu", dtype=dtype or t.dtype).contiguous()
+        nbytes = t.numel() * t.element_size()
+        # A view into a bigger buffer (a chunk) would make safetensors refuse it as
+        # "shared memory", and would write the whole buffer: copy it out.
+        if t.untyped_storage().nbytes() != nbytes:
+            t = t.clone()
+        if shard and shard_bytes + nbytes > max_shard_bytes:
+            flush()
+        shard[hf_name] = t
+        shard_bytes += nbytes
+        total_bytes += nbytes
+        total_numel += t.numel()
+        first_dtype = first_dtype or t.dtype
+    if not shard and not files:
+        raise ValueError("save_hf_checkpoint: no tensors given")
+    if shard:
+        flush()
+    return WrittenShards(files, weight_map, total_bytes, total_numel, first_dtype)

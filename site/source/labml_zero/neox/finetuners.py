@@ -1,0 +1,110 @@
+r"""
+---
+title: Fine-tuners
+summary: Choose which GPT-NeoX parameters train (biases only, the MLPs, or all)
+  by setting requires_grad before the ZeRO engine wraps the layers.
+---
+
+# Fine-tuners
+
+A fine-tuner marks parameters trainable or frozen. It must run **before** the
+engine shards the layers, because the engine packs trainable and frozen
+parameters into different chunks (see [chunk layout](../zero3/chunk_layout.html)):
+only trainable chunks carry gradients, fp32 masters and Adam moments, so with
+$\Psi_t$ trainable parameters out of $\Psi$ the model states cost
+$\frac{2\Psi + (2 + K)\Psi_t}{N_d}$ bytes per rank instead of
+$\frac{(2 + 2 + K)\Psi}{N_d}$.
+
+* `FineTuneBiases`: only the biases of the QKV projection, the attention output
+  and the MLP's first linear, as in labml-nn's GPT-NeoX fine-tune (a
+  BitFit-style tune: $3d + d + 4d$ per layer, about 0.03% of 20B).
+* `FineTuneFFN`: the whole MLP of every transformer layer.
+* `FineTuneAll`: everything.
+
+The embedding, final norm and readout are frozen by the first two.
+
+## Limitations
+
+* Choice is per parameter name; there is no LoRA or other added adapter.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+from torch import nn
+
+from labml_zero.neox.model import TransformerLayer
+
+__all__ = ["FineTuneBiases", "FineTuneFFN", "FineTuneAll", "TrainableCount",
+           "finetuner"]
+
+
+class TrainableCount(NamedTuple):
+    trainable: int
+    """Parameters (elements) with `requires_grad`: $\\Psi_t$."""
+    total: int
+    """All parameters (elements): $\\Psi$."""
+
+
+def mark_trainable(layers: Sequence[nn.Module],
+                   is_trainable: Callable[[nn.Module, str], bool]) -> TrainableCount:
+    """
+    ### Set `requires_grad` on every parameter of every layer
+
+    `is_trainable(layer, name)` decides, with `name` relative to the layer
+    (e.g. `attention.dense.bias`). Works on meta-device layers too.
+    """
+    trainable = total = 0
+    for layer in layers:
+        for name, p in layer.named_parameters():
+            p.requires_grad_(is_trainable(layer, name))
+            total += p.numel()
+            trainable += p.numel() if p.requires_grad else 0
+    return TrainableCount(trainable, total)
+
+
+class FineTuneBiases:
+    """## Train the three bias vectors of each transformer layer"""
+
+    name = "biases"
+    BIASES = ("attention.query_key_value.bias", "attention.dense.bias",
+              "mlp.dense_h_to_4h.bias")
+
+    def __call__(self, layers: Sequence[nn.Module]) -> TrainableCount:
+        return mark_trainable(layers, lambda layer, name: isinstance(
+            layer, TransformerLayer) and name in self.BIASES)
+
+
+class FineTuneFFN:
+    """## Train the MLP (weights and biases) of each transformer layer"""
+
+    name = "ffn"
+
+    def __call__(self, layers: Sequence[nn.Module]) -> TrainableCount:
+        return mark_trainable(layers, lambda layer, name: isinstance(
+            layer, TransformerLayer) and name.startswith("mlp."))
+
+
+class FineTuneAll:
+    """## Train every parameter"""
+
+    name = "all"
+
+    def __call__(self, layers: Sequence[nn.Module]) -> TrainableCount:
+        return mark_trainable(layers, lambda layer, name: True)
+
+
+def finetuner(name: str) -> FineTuneBiases | FineTuneFFN | FineTuneAll:
+    """
+    ### The fine-tuner called `name`: `'biases'`, `'ffn'` or `'all'`
+    """
+    match name:
+        case "biases":
+            return FineTuneBiases()
+        case "ffn":
+            return FineTuneFFN()
+        case "all":
+            return FineTuneAll()
+    raise ValueError(f"unknown fine-tuner {name!r}; expected 'biases', 'ffn' "
+                     f"or 'all'")

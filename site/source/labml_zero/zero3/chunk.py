@@ -1,0 +1,296 @@
+"""
+---
+title: Chunk
+summary: One flat buffer of parameters, sharded over ranks; gather, release, gradient reduction.
+---
+
+# Chunk
+
+A chunk is the unit of memory and of communication in this engine. The
+[layout](chunk_layout.html) decided which parameters it holds and where; this page
+owns the tensors.
+
+Every rank keeps its *shard*, a flat slice of $S = C / N_d$ elements of the
+chunk's $C$ elements, in the parameter dtype (bf16, fp16 or fp32). The parameters
+of the module are **views into one full-size buffer** `full` of $C$ elements. Most
+of the time that buffer has no storage at all; gathering gives it storage and fills
+it with one `all_gather`, releasing takes the storage away again. The modules never
+notice: their `nn.Parameter` objects stay the same, only the memory behind them
+comes and goes.
+
+## Note: why storage resize
+
+Autograd keeps references to the tensors a layer used in its forward pass (the
+weight of a linear layer, for its backward). If releasing a chunk made new tensors,
+those saved references would pin the old memory and the release would free
+nothing; if it freed the memory under them, the backward would read garbage. So the
+chunk keeps one tensor and resizes its *storage*: `untyped_storage().resize_(0)`
+frees the memory while every view, saved or not, keeps its shape and offset;
+`resize_(nbytes)` before the backward pass gives the same views fresh memory, which
+the all-gather fills with the same values. A view is only read while its chunk is
+gathered, which the [hooks](hooks.html) guarantee.
+
+## Gradients
+
+Autograd accumulates each parameter's gradient into `param.grad`, a full-size
+tensor in the parameter dtype. As soon as it is complete (the post-accumulate-grad
+hook), it is added into the chunk's full-size gradient buffer in the *reduce
+dtype* (fp32 by default) and `param.grad` is dropped. When every trainable
+parameter of the chunk has reported, one reduce-scatter averages the buffer over
+ranks into this rank's shard gradient `main_grad` (fp32, $S$ elements), and the
+buffer is freed. Padding is zero in the buffer, so it is zero in the gradient.
+
+The average, not the sum: each rank's loss is a mean over its own micro-batch, so
+the mean over ranks is the gradient of the mean loss over the global batch, the
+same gradient an unsharded model gets from the whole batch.
+
+## Memory per rank
+
+| tensor | elements | bytes per element | when |
+|---|---|---|---|
+| `shard` | $S$ | $p$ (2 for bf16) | always |
+| `main_grad` | $S$ | 4 | from the reduce-scatter to `zero_grad` |
+| `full` | $C$ | $p$ | while gathered |
+| full gradient | $C$ | $g$ (reduce dtype) | from the first gradient to the reduce-scatter |
+
+## Limitations
+
+* A parameter that gets no gradient in a backward pass counts as a zero gradient
+  (PyTorch's optimizers would skip it instead).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .chunk_layout import ChunkSpec
+from .communication import Communicator
+
+
+class ChunkState(Enum):
+    r"""
+    ## The states of a chunk's parameters
+
+    * `SHARDED`: only the shard exists ($S \cdot p$ bytes); the parameter views
+      have no memory and must not be read.
+    * `GATHERING`: the full buffer is allocated ($C \cdot p$ bytes) and an
+      all-gather into it is queued on the gather stream.
+    * `GATHERED`: the compute stream has waited for the gather; the views hold the
+      parameters.
+    """
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class Chunk:
+    """
+    ## A chunk
+
+    Lifecycle:
+
+    1. built: the shard is filled from the module's parameters (this rank's slice
+       only), the parameters become views into `full`, which has no storage;
+    2. `gather()`: `full` gets storage, an all-gather is queued → `GATHERING`;
+    3. `wait()`: the compute stream waits for the gather → `GATHERED`;
+    4. `release()`: `full` loses its storage → `SHARDED`;
+    5. for trainable chunks, `add_grad()` for each parameter's gradient, then
+       `reduce()` averages them into `main_grad`.
+
+    * `spec` is the chunk's place in the layout.
+    * `params` are the module's parameters, in the order of `spec.slots`.
+    * `comm` is the communicator; it knows the rank and the world size.
+    * `dtype` is the parameter dtype; `reduce_dtype` the dtype of the reduction.
+    * `names` are the parameters' qualified names in the model.
+    """
+
+    def __init__(
+        self,
+        spec: ChunkSpec,
+        params: Sequence[nn.Parameter],
+        comm: Communicator,
+        *,
+        dtype: torch.dtype,
+        reduce_dtype: torch.dtype = torch.float32,
+        names: Sequence[str] = (),
+    ):
+        self.spec = spec
+        self.comm = comm
+        self.dtype = dtype
+        self.reduce_dtype = reduce_dtype
+        self.trainable = spec.trainable
+        self.numel = spec.chunk_numel
+        self.shard_numel = self.numel // comm.world_size
+        # first element of this rank's shard inside the chunk
+        self.shard_offset = comm.rank * self.shard_numel
+        self.params = list(params)
+        # qualified names of the parameters, for checkpoints and error messages
+        self.names = list(names) or [f"chunk{spec.index}.{i}" for i in range(len(self.params))]
+        device = comm.device
+
+        # [S] param dtype; the only copy of these parameters this rank keeps.
+        shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        # [S] fp32; the original fp32 values, when the parameters were fp32 and the
+        # chunk is 16-bit, so the optimizer's master copy starts exact (AdamFP16
+        # takes it and drops it).
+        master_init = None
+        if self.trainable and dtype != torch.float32 and any(
+            p.dtype == torch.float32 for p in self.params
+        ):
+            master_init = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        self.materialized = True
+        for slot, param in zip(spec.slots, self.params):
+            if param.device.type == "meta":
+                self.materialized = False
+                continue
+            self._copy_into_shard(slot, param.detach(), shard, master_init)
+
+        if self.trainable:
+            # An nn.Parameter so that optimizers accept it. Its gradient lives in
+            # `main_grad` (fp32), since `.grad` must have the parameter's dtype.
+            self.shard: torch.Tensor = nn.Parameter(shard, requires_grad=True)
+            self.shard.main_grad = None
+            if master_init is not None:
+                self.shard.master_init = master_init
+        else:
+            self.shard = shard
+
+        # [C] param dtype; views into it replace the parameters' data.
+        self.full = torch.empty(self.numel, dtype=dtype, device=device)
+        for slot, param in zip(spec.slots, self.params):
+            param.data = self.full[slot.offset : slot.end].view(param.shape)
+        # see Note: why storage resize
+        self._full_nbytes = self.full.untyped_storage().nbytes()
+        self.full.untyped_storage().resize_(0)
+        self.state = ChunkState.SHARDED
+        self._gathered_event = None
+
+        # [C] reduce dtype, allocated at the first gradient of a backward pass
+        self.grad_full: torch.Tensor | None = None
+        # slots (by position) whose gradient arrived since the last reduce
+        self.grads_seen: set[int] = set()
+
+    def _copy_into_shard(self, slot, source: torch.Tensor, shard, master_init) -> None:
+        """
+        #### Copy this rank's part of a parameter into the shard
+
+        The parameter covers chunk elements $[o, o + n)$ and the shard
+        $[rS, (r + 1)S)$; only the overlap is copied, so a rank never materialises
+        the rest of the chunk.
+        """
+        start = max(slot.offset, self.shard_offset)
+        end = min(slot.end, self.shard_offset + self.shard_numel)
+        if start >= end:
+            return
+        # [n] flat slice of the parameter, still on its own device and dtype
+        part = source.reshape(-1)[start - slot.offset : end - slot.offset]
+        lo, hi = start - self.shard_offset, end - self.shard_offset
+        shard[lo:hi].copy_(part)
+        if master_init is not None:
+            master_init[lo:hi].copy_(part)
+
+    ### Gather and release
+
+    def gather(self) -> None:
+        """Queue the all-gather of the chunk; idempotent."""
+        if self.state is not ChunkState.SHARDED:
+            return
+        comm = self.comm
+        compute = comm.current_stream()
+        # Allocated on the compute stream, which is the only stream that reads it
+        # or frees it; see Note: why storage resize.
+        self.full.untyped_storage().resize_(self._full_nbytes)
+        # gather stream waits: the optimizer may have just written the shard, and
+        # the new storage may reuse memory the compute stream was still using.
+        comm.wait(comm.gather_stream, compute)
+        with comm.on(comm.gather_stream):
+            comm.all_gather(self.full, self.shard.detach())
+        self._gathered_event = comm.record_event(comm.gather_stream)
+        self.state = ChunkState.GATHERING
+
+    def wait(self) -> None:
+        """Make the compute stream wait for the gather; after this the views hold data."""
+        if self.state is ChunkState.GATHERING:
+            # compute stream waits: the all-gather writes `full` on the gather stream
+            self.comm.wait_event(self._gathered_event)
+            self._gathered_event = None
+            self.state = ChunkState.GATHERED
+
+    def release(self) -> None:
+        """Free the full buffer; the shard stays."""
+        if self.state is ChunkState.SHARDED:
+            return
+        # A prefetched chunk may never have been waited for: wait before freeing,
+        # or the allocator could hand the memory out while the gather still writes.
+        self.wait()
+        self.full.untyped_storage().resize_(0)
+        self.state = ChunkState.SHARDED
+
+    ### Gradients
+
+    def add_grad(self, position: int, grad: torch.Tensor) -> None:
+        """Add the gradient of parameter number `position` into the full gradient."""
+        slot = self.spec.slots[position]
+        if self.grad_full is None:
+            # [C] reduce dtype; zeros, so padding and missing gradients reduce as 0
+            self.grad_full = torch.zeros(
+                self.numel, dtype=self.reduce_dtype, device=self.comm.device
+            )
+        self.grad_full[slot.offset : slot.end].add_(grad.reshape(-1))
+        self.grads_seen.add(position)
+
+    @property
+    def all_grads_seen(self) -> bool:
+        return len(self.grads_seen) == len(self.spec.slots)
+
+    def reduce(self) -> None:
+        r"""
+        ### Reduce-scatter the gradient into `main_grad`
+
+        $g_{\text{shard}} \mathrel{+}= \frac{1}{N_d} \sum_r g^{(r)}_{\text{shard}}$,
+        added to what `main_grad` holds so that gradients accumulate until
+        `zero_grad`, as `param.grad` does.
+        """
+        assert self.trainable, "only trainable chunks have gradients"
+        comm = self.comm
+        device = comm.device
+        if self.grad_full is None:
+            # No parameter of the chunk got a gradient; every rank must still take
+            # part in the collective, so it reduces zeros.
+            self.grad_full = torch.zeros(self.numel, dtype=self.reduce_dtype, device=device)
+        compute = comm.current_stream()
+        shard = self.shard
+        fresh = shard.main_grad is None
+        if fresh:
+            # [S] fp32, allocated on the compute stream, which the optimizer reads on
+            shard.main_grad = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        reduce_into_main = fresh and self.reduce_dtype == torch.float32
+        reduced = shard.main_grad if reduce_into_main else torch.empty(
+            self.shard_numel, dtype=self.reduce_dtype, device=device
+        )
+        # reduce stream waits: the gradients were written on the compute stream
+        comm.wait(comm.reduce_stream, compute)
+        with comm.on(comm.reduce_stream):
+            comm.reduce_scatter_mean(reduced, self.grad_full)
+            if not reduce_into_main:
+                shard.main_grad.add_(reduced)
+        if comm.reduce_stream is not None:
+            # These tensors were allocated on the compute stream but are used on
+            # the reduce stream: the allocator must not reuse them before it is done.
+            for tensor in (self.grad_full, reduced, shard.main_grad):
+                tensor.record_stream(comm.reduce_stream)
+        self.grad_full = None
+        self.grads_seen.clear()
+        if self.dtype == torch.float32:
+            # In fp32 the gradient also fits `.grad`, so plain torch optimizers work.
+            shard.grad = shard.main_grad
+
+    def zero_grad(self) -> None:
+        if self.trainable:
+            self.shard.main_grad = None
+            self.shard.grad = None

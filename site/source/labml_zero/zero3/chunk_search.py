@@ -1,0 +1,432 @@
+"""
+---
+title: Chunk-size search
+summary: Simulate the packing for candidate chunk sizes and keep the one that wastes
+  least memory and traffic without raising the peak of gathered parameters.
+---
+
+# Chunk-size search
+
+The [layout](chunk_layout.html) packs parameters into chunks of one size $c$; this
+page picks $c$. Like ColossalAI's Gemini
+(`colossalai/zero/gemini/chunk/search_utils.py`, `search_chunk_configuration`),
+it simulates the packing for every candidate size in a range and scores the
+result; it departs from it in what it simulates and in what it scores.
+
+## Candidates
+
+Candidate sizes step by the hidden size $h$ (`hidden_dim`): transformer
+parameters are multiples of $h$ (a $h \\times 4h$ projection, a bias of $3h$), so
+is any run of them, and steps of $h$ reach every size that a run fills exactly;
+finer steps would add sizes that only pad more. The first candidate is
+
+$$c_0 = h \\left\\lceil \\frac{\\max(c_{\\min}, n_{\\max})}{h} \\right\\rceil$$
+
+with $c_{\\min}$ = `min_chunk_size_m` $\\cdot 2^{20}$ and $n_{\\max}$ the largest
+parameter not excluded (below): a smaller chunk would leave that parameter
+oversized. The candidates are $c_0, c_0 + h, \\dots$ up to $c_0 + R$ with
+$R$ = `search_range_m` $\\cdot 2^{20}$. All of this is ColossalAI's rule.
+
+*Very large parameters are excluded* (`filter_exlarge_params`, ColossalAI's rule
+too): a parameter with more than $\\mu + 3\\sigma$ elements, $\\mu$ and $\\sigma$ the
+mean and standard deviation of all parameter sizes, does not set $n_{\\max}$.
+In GPT-NeoX that is the two $50432 \\times h$ embeddings; sizing every chunk for
+them would pad every layer to the size of a vocabulary. They are still packed:
+the layout gives a parameter larger than $c$ a chunk of its own.
+
+## The objective
+
+For a candidate $c$, let $C_k$ be the size of chunk $k$ and $u_k$ the elements of
+parameters in it, and let $p$ be the bytes of the parameter dtype. We minimize
+
+$$\\text{score}(c) = \\underbrace{p \\sum_k (C_k - u_k)}_{\\text{waste}}
++ \\lambda \\cdot \\underbrace{p \\max_i \\sum_{j=i}^{i+d} C(\\text{group}_j)}_
+{\\text{peak gathered}}$$
+
+* *Waste* is the padding of all chunks in bytes. Every rank stores its share of
+  it (summed over ranks, the whole of it), every all-gather moves it and every
+  reduce-scatter reduces it. It is what ColossalAI minimizes (in elements).
+* *Peak gathered* is the [memory model's](memory_model.html) `gathered_peak`:
+  the engine gathers a layer's chunks whole and prefetches the next $d$
+  (`prefetch_depth`) layers, so the largest sum over $d + 1$ consecutive groups
+  is the most parameter memory that is ever gathered at once.
+* $\\lambda$ (`memory_weight`) prices a byte of peak against a byte of waste.
+
+Padding alone cannot see *where* the padding sits. Every byte of the peak must fit
+on the GPU at one moment, next to the activations; padding in a small layer that
+never sets the peak costs only its sharded storage and some traffic. Because a
+group is gathered whole, the peak is the window's parameters (a constant of the
+model) plus the window's padding: the second term counts the padding that hurts
+most a second time. A small case (the tests' first one): layer 0 holds
+parameters of 2 and 3 elements, layer 1 one of 1, and $d = 0$.
+
+| $c$ | chunks | padding | peak | score, $\lambda = 2$ |
+|---|---|---|---|---|
+| 3 | `[2.] [3]`, `[1..]` | 3 | 6 | 15 |
+| 4 | `[2..] [3.]`, `[1...]` | 6 | 8 | 22 |
+| 5 | `[2 3]`, `[1....]` | 4 | 5 | 14 |
+
+Padding alone picks $c = 3$: it splits layer 0 into two chunks, two collectives
+each way instead of one, and gathers 6 elements for it instead of 5. $c = 5$ pads
+more, but in layer 1, which never sets the peak; the score picks it.
+
+*Ties go to the larger chunk.* A tie means both sizes cost the same by this
+measure; the larger one usually moves the same elements in fewer chunks (with
+$\lambda = 1$ above, $c = 3$ and $c = 5$ tie at 9, with 9 and 6 collectives per
+step), and fewer, larger collectives use the links better: on 2×H200 an
+all-gather reaches 183 GB/s with a 32 MiB result and 254 GB/s at 512 MiB (see
+`ANCHORS.md`). ColossalAI keeps the first (smallest) size instead. The number of
+collectives per step is in every row of the table, so the bandwidth side can be
+read off it.
+
+## Where we depart from ColossalAI
+
+* We simulate the packer we run: chunks never span a layer and trainable and
+  frozen parameters never share a chunk. ColossalAI packs one stream of
+  parameters, so its waste ignores the padding those boundaries cause.
+* Each candidate is rounded up to a multiple of $N_d$ *before* it is scored, so the
+  score is the score of the layout used; ColossalAI rounds the winner afterwards.
+  Candidates that round to the same size are scored once.
+* Excluded parameters are still in the layout we score (in their own chunks);
+  ColossalAI leaves them out of the waste.
+* ColossalAI keeps a model smaller than $c_{\\min}$ gathered and unsharded; we
+  always shard. For that reason `min_chunk_size_m` defaults to $0$, not $32$: with
+  chunks confined to a layer, a floor above a layer's size is pure padding.
+
+## Cost
+
+The search plans each candidate's layout, linear in the number of parameters, and
+two shortcuts keep GPT-NeoX-20B (44 layers, a few thousand candidates at
+$h = 6144$) to a fraction of a second:
+
+* *Repeated layers are packed once.* A group's packing depends only on its own
+  parameters, so groups with the same parameter sizes and kinds share one plan
+  per candidate, and the totals are weighted by how often each shape repeats.
+* *Saturated candidates are skipped.* Once every group's trainable and frozen
+  parameters each fit in one chunk, a larger $c$ only grows every chunk: padding
+  and peak rise strictly, so no larger candidate can win until one reaches the
+  size of an oversized parameter and changes the packing.
+
+## Limitations
+
+* The score weighs trainable and frozen padding alike, though a trainable
+  element also costs a gradient and optimizer state ($g + K$ bytes per element,
+  sharded); `layout_model_states` on the result gives the exact bytes.
+* Bandwidth enters only as the tie rule. A latency term (a cost per collective)
+  would let the search trade a little padding for fewer calls; it needs measured
+  constants per machine.
+* The peak counts parameters only, not the gradient buffers or activations that
+  are live at the same time, and it assumes the engine's whole-group gather.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+from labml_zero.zero3.chunk_layout import ChunkLayout, ParamSpec, plan_chunks, round_up
+from labml_zero.zero3.memory_model import peak_window_numel, zero3_step_comm
+
+__all__ = [
+    "ChunkSearchConfig",
+    "CandidateScore",
+    "ChunkSearchResult",
+    "search_chunk_size",
+]
+
+# ColossalAI's unit for chunk sizes: "m" is $2^{20}$ elements.
+MEBI = 2**20
+
+
+@dataclass(frozen=True)
+class ChunkSearchConfig:
+    """
+    ## Search knobs
+
+    Defaults run a tiny model on a laptop; presets for a real model set
+    `hidden_dim` to its hidden size.
+    """
+
+    hidden_dim: int = 1024
+    """Step between candidates, in elements; the model's hidden size $h$."""
+    min_chunk_size_m: float = 0.0
+    """Smallest candidate, in $2^{20}$ elements (ColossalAI's default is 32; see
+    "Where we depart")."""
+    search_range_m: float = 32.0
+    """Width of the range of candidates, in $2^{20}$ elements:
+    $\\lfloor R / h \\rfloor + 1$ candidates."""
+    filter_exlarge_params: bool = True
+    """Leave parameters above $\\mu + 3\\sigma$ elements out of the start size."""
+    prefetch_depth: int = 1
+    """Groups gathered ahead of the running one, $d$: the peak window is $d + 1$."""
+    align: int = 1
+    """Element alignment of each parameter's offset in its chunk (see layout)."""
+    param_bytes: int = 2
+    """Bytes per element of the parameter dtype, $p$: 2 for bf16/fp16, 4 for fp32."""
+    memory_weight: float = 1.0
+    """$\\lambda$: a byte of peak gathered memory costs $\\lambda$ bytes of waste.
+    $0$ scores padding alone."""
+    max_candidates: int = 100_000
+    """Refuse ranges with more candidates than this (a `hidden_dim` of 1 over a
+    32 M range would take hours)."""
+
+    def __post_init__(self) -> None:
+        for name, minimum in (
+            ("hidden_dim", 1),
+            ("prefetch_depth", 0),
+            ("align", 1),
+            ("param_bytes", 1),
+            ("max_candidates", 1),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < minimum:
+                raise ValueError(
+                    f"{name} must be an integer >= {minimum}, got {value!r}"
+                )
+        if not isinstance(self.filter_exlarge_params, bool):
+            raise ValueError(
+                "filter_exlarge_params must be True or False, "
+                f"got {self.filter_exlarge_params!r}"
+            )
+        for name in ("min_chunk_size_m", "search_range_m", "memory_weight"):
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be finite and >= 0, got {value!r}")
+        if self.num_candidates > self.max_candidates:
+            raise ValueError(
+                f"search_range_m={self.search_range_m} in steps of hidden_dim="
+                f"{self.hidden_dim} gives {self.num_candidates} candidates, more "
+                f"than max_candidates={self.max_candidates}"
+            )
+
+    @property
+    def min_chunk_size(self) -> int:
+        return round(self.min_chunk_size_m * MEBI)
+
+    @property
+    def search_range(self) -> int:
+        return round(self.search_range_m * MEBI)
+
+    @property
+    def num_candidates(self) -> int:
+        return self.search_range // self.hidden_dim + 1
+
+
+class CandidateScore(NamedTuple):
+    """
+    ## One row of the search table
+
+    * `chunk_numel` is the candidate after rounding to a multiple of $N_d$.
+    * `chunks` is the number of chunks; `collectives` the collectives of one
+      training step (forward and backward all-gathers, reduce-scatters).
+    * `padding` is in elements; `waste_bytes`, `peak_gathered_bytes` and `score`
+      are the terms of the objective.
+    """
+
+    chunk_numel: int
+    chunks: int
+    collectives: int
+    padding: int
+    waste_bytes: int
+    peak_gathered_bytes: int
+    score: float
+
+
+@dataclass(frozen=True)
+class ChunkSearchResult:
+    """
+    ## The chosen size, its layout and the table it won
+
+    * `layout` is the full layout for `chunk_numel`.
+    * `candidates` are the rows scored, by increasing size; skipped candidates
+      (equal after rounding, or saturated) are not in it.
+    * `candidates_in_range` is how many sizes the range held.
+    * `excluded` names the parameters left out of the start size.
+    """
+
+    chunk_numel: int
+    layout: ChunkLayout
+    padding: int
+    waste_bytes: int
+    peak_gathered_bytes: int
+    collectives: int
+    score: float
+    candidates: tuple[CandidateScore, ...]
+    candidates_in_range: int
+    excluded: tuple[str, ...]
+
+
+def search_chunk_size(
+    params: Sequence[ParamSpec], world_size: int, *, config: ChunkSearchConfig
+) -> ChunkSearchResult:
+    """
+    ## Search the chunk size
+
+    * `params` in execution order, as for `plan_chunks`.
+    * `world_size` is $N_d$.
+    """
+    if not params:
+        raise ValueError("params is empty: there is nothing to pack")
+    # Plan the smallest candidate in full first: it raises the layout's own
+    # errors (execution order, world size) before any work is done.
+    excluded = excluded_params(params) if config.filter_exlarge_params else []
+    start = start_size(params, excluded, config)
+    plan_chunks(params, start, world_size, align=config.align)
+
+    shapes, shape_of_group = group_shapes(params)
+    # Every size a parameter has, sorted: where the set of oversized ones changes.
+    param_sizes = sorted({spec.numel for spec in params})
+
+    rows: list[CandidateScore] = []
+    last = 0
+    # While saturated, candidates (after rounding) below this size are skipped.
+    skip_below = 0
+    for requested in range(start, start + config.search_range + 1, config.hidden_dim):
+        chunk_numel = round_up(requested, world_size)
+        if chunk_numel == last or chunk_numel < skip_below:
+            continue
+        last = chunk_numel
+        row, saturated = score_candidate(
+            shapes, shape_of_group, chunk_numel, world_size, config
+        )
+        rows.append(row)
+        if saturated:
+            # No larger candidate can win until a parameter stops being oversized.
+            i = bisect.bisect_right(param_sizes, chunk_numel)
+            if i == len(param_sizes):
+                break
+            skip_below = param_sizes[i]
+
+    # The minimum score; scanning by increasing size with `<=` lets a tie go to
+    # the larger chunk (fewer, larger collectives).
+    best = rows[0]
+    for row in rows[1:]:
+        if row.score <= best.score:
+            best = row
+    layout = plan_chunks(params, best.chunk_numel, world_size, align=config.align)
+    return ChunkSearchResult(
+        chunk_numel=best.chunk_numel,
+        layout=layout,
+        padding=best.padding,
+        waste_bytes=best.waste_bytes,
+        peak_gathered_bytes=best.peak_gathered_bytes,
+        collectives=best.collectives,
+        score=best.score,
+        candidates=tuple(rows),
+        candidates_in_range=config.num_candidates,
+        excluded=tuple(spec.name for spec in excluded),
+    )
+
+
+def excluded_params(params: Sequence[ParamSpec]) -> list[ParamSpec]:
+    """
+    ### Parameters too large to set the start size
+
+    Those above $\\mu + 3\\sigma$ elements (population $\\sigma$, as ColossalAI's
+    `np.std`). With one parameter, or all alike, $\\sigma = 0$ and none is above.
+    """
+    sizes = [spec.numel for spec in params]
+    limit = statistics.fmean(sizes) + 3 * statistics.pstdev(sizes)
+    return [spec for spec in params if spec.numel > limit]
+
+
+def start_size(
+    params: Sequence[ParamSpec],
+    excluded: Sequence[ParamSpec],
+    config: ChunkSearchConfig,
+) -> int:
+    """
+    ### The first candidate, $c_0$
+
+    Raised to fit the largest parameter that is not excluded, then rounded up to a
+    multiple of the step.
+    """
+    excluded_ids = {id(spec) for spec in excluded}
+    largest = max(spec.numel for spec in params if id(spec) not in excluded_ids)
+    smallest = max(config.min_chunk_size, largest, 1)
+    return round_up(smallest, config.hidden_dim)
+
+
+class GroupShape(NamedTuple):
+    """
+    #### The parameters of one group, and how many groups share their sizes
+
+    `params` are the specs of the first group with this shape; `count` is how
+    many groups have it.
+    """
+
+    params: tuple[ParamSpec, ...]
+    count: int
+
+
+def group_shapes(params: Sequence[ParamSpec]) -> tuple[list[GroupShape], list[int]]:
+    """
+    ### Distinct group shapes
+
+    Returns the distinct shapes, and for each group in execution order the index
+    of its shape. A shape is the sequence of (size, trainable) of its parameters:
+    two groups with the same shape are packed the same way for any $c$, because a
+    chunk never spans groups.
+    """
+    runs: list[list[ParamSpec]] = []
+    for spec in params:
+        if runs and runs[-1][0].group == spec.group:
+            runs[-1].append(spec)
+        else:
+            runs.append([spec])
+    index_of: dict[tuple, int] = {}
+    shapes: list[GroupShape] = []
+    shape_of_group: list[int] = []
+    for run in runs:
+        key = tuple((spec.numel, spec.trainable) for spec in run)
+        if key not in index_of:
+            index_of[key] = len(shapes)
+            shapes.append(GroupShape(tuple(run), 0))
+        i = index_of[key]
+        shapes[i] = shapes[i]._replace(count=shapes[i].count + 1)
+        shape_of_group.append(i)
+    return shapes, shape_of_group
+
+
+def score_candidate(
+    shapes: Sequence[GroupShape],
+    shape_of_group: Sequence[int],
+    chunk_numel: int,
+    world_size: int,
+    config: ChunkSearchConfig,
+) -> tuple[CandidateScore, bool]:
+    """
+    ### Score one candidate size
+
+    Plans each distinct group shape once and adds up the totals, weighted by
+    the number of groups of each shape. Also returns whether the candidate is
+    *saturated*: every group holds at most one regular chunk (of size $c$) of
+    each kind, the rest being oversized parameters, whose chunks are larger
+    than $c$.
+    """
+    plans = [
+        plan_chunks(shape.params, chunk_numel, world_size, align=config.align)
+        for shape in shapes
+    ]
+    padding = sum(plan.padding() * shape.count for plan, shape in zip(plans, shapes))
+    chunks = sum(len(plan.chunks) * shape.count for plan, shape in zip(plans, shapes))
+    collectives = sum(
+        zero3_step_comm(plan).collectives * shape.count
+        for plan, shape in zip(plans, shapes)
+    )
+    group_numels = [plans[i].total_numel() for i in shape_of_group]
+    peak = peak_window_numel(group_numels, config.prefetch_depth) * config.param_bytes
+    waste = padding * config.param_bytes
+    saturated = all(
+        sum(c.chunk_numel == chunk_numel and c.trainable == kind for c in plan.chunks)
+        <= 1
+        for plan in plans
+        for kind in (True, False)
+    )
+    score = waste + config.memory_weight * peak
+    row = CandidateScore(chunk_numel, chunks, collectives, padding, waste, peak, score)
+    return row, saturated

@@ -1,0 +1,78 @@
+"""
+---
+title: ZeRO-3 configuration
+summary: The knobs of the engine, with their defaults and what each one costs.
+---
+
+# ZeRO-3 configuration
+
+Every knob of the engine, in one dataclass whose defaults run on a laptop. The
+memory each one costs is in the [memory model](memory_model.html).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class ZeroConfig:
+    """
+    ## Engine configuration
+    """
+
+    dtype: torch.dtype = torch.bfloat16
+    """
+    Parameter dtype: what the gathered chunks and the computation use, and what
+    the shards store. bf16 or fp16 for training ($p = 2$ bytes); fp32 makes the
+    arithmetic exact, which the parity tests use ($p = 4$, and the optimizer's master
+    copy is then the shard itself).
+    """
+
+    reduce_dtype: torch.dtype = torch.float32
+    """
+    Dtype of the gradient buffers and of the reduce-scatter. fp32 (default) sums
+    $N_d$ gradients without rounding each partial sum to 8 bits of mantissa; bf16
+    halves the bytes moved ($g = 2$ instead of 4).
+    """
+
+    chunk_numel: int | None = None
+    """
+    Elements per chunk. `None` searches for it (see the
+    [chunk-size search](chunk_search.html)); an integer fixes it.
+    """
+
+    prefetch_depth: int = 1
+    """
+    How many units ahead are gathered while one computes: each costs the gathered
+    size of one more unit, and hides one more all-gather behind computation.
+    """
+
+    reshard_after_forward: bool = True
+    """
+    Release a unit's chunks after its forward (ZeRO-3). `False` keeps them until
+    its backward: one all-gather per unit per step instead of two, for the memory of
+    every unit's gathered chunks at the peak.
+    """
+
+    align: int = 64
+    """
+    Each parameter starts at a multiple of this many elements inside its chunk
+    (64 bf16 elements = 128 bytes), so kernels read aligned memory.
+    """
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype}")
+        if self.reduce_dtype not in _DTYPES:
+            raise ValueError(f"reduce_dtype must be one of {_DTYPES}, got {self.reduce_dtype}")
+        if self.chunk_numel is not None and self.chunk_numel < 1:
+            raise ValueError(f"chunk_numel must be positive or None, got {self.chunk_numel}")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if self.align < 1:
+            raise ValueError(f"align must be >= 1, got {self.align}")

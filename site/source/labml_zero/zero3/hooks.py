@@ -1,0 +1,383 @@
+r"""
+---
+title: Hooks and schedule
+summary: When chunks are gathered, prefetched, released and reduced during a training step.
+---
+
+# Hooks and schedule
+
+The [chunks](chunk.html) know *how* to gather, release and reduce; this page decides
+*when*, from hooks that PyTorch calls around each wrapped layer. A wrapped layer is
+a *unit*: the module whose chunks are gathered together.
+
+## One training step
+
+Forward, for each unit in execution order:
+
+1. **pre-forward hook**: gather the unit's chunks (unless a prefetch already did),
+   queue the gathers of the next `prefetch_depth` units, and wait for this unit's;
+2. the layer computes;
+3. **post-forward hook**: release the chunks; if the output needs a gradient, hook
+   it so that the backward pass will announce when it reaches this unit.
+
+Backward, for each unit in reverse:
+
+4. **pre-backward** (the output's gradient is ready): gather the chunks again and
+   prefetch the units before it;
+5. the layer's backward runs; as each parameter's gradient is accumulated, a
+   **post-accumulate-grad hook** moves it into its chunk's gradient buffer, and a
+   chunk whose parameters have all reported is reduce-scattered at once, overlapping
+   with the backward of the layers below;
+6. **post-backward** (the gradients of the unit's inputs are ready): release.
+
+7. **end of backward**, a callback queued on the autograd engine: reduce every
+   trainable chunk that has not been reduced (its parameters got no gradient, so it
+   reduces zeros: every rank must take part in every collective), make the compute
+   stream wait for the reductions, release whatever is still gathered.
+
+Every hook is registered on the tensors of *this* step (outputs, inputs) or on the
+parameters themselves (`register_post_accumulate_grad_hook`), so the hooks fire on
+every step. (labml-nn hooked the gradient accumulator node of a view, which
+current PyTorch does not keep alive: the hook is lost and the second step fails.)
+
+## Prefetch
+
+The forward order of the last step predicts the next one; before the first step,
+the order in which units were registered does. Each pre-forward queues the gathers
+of the next `prefetch_depth` units on the gather stream, so they overlap with this
+unit's computation; at most $1 + \text{prefetch\_depth}$ units are gathered at a
+time. In backward only units that will run a backward are prefetched: a frozen
+embedding at the bottom is never gathered again.
+
+## Activation checkpointing
+
+With `torch.utils.checkpoint` (non-reentrant), a unit's forward runs a second
+time during the backward. Its pre-forward hook then finds the chunks already
+gathered by the pre-backward hook and does nothing: no second all-gather.
+
+## Limitations
+
+* A unit must run at most once per forward pass.
+* Ranks must run the same graph: a parameter that gets a gradient on one rank and
+  not on another changes the order of the collectives.
+* Reentrant checkpointing (`use_reentrant=True`) is not supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from .chunk import Chunk, ChunkState
+from .communication import Communicator
+
+
+class Phase(Enum):
+    """
+    ## Where the step is
+
+    * `IDLE`: between steps; every chunk is sharded.
+    * `FORWARD`: between the first pre-forward and the first backward hook.
+    * `BACKWARD`: until the end-of-backward callback.
+    """
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(eq=False)
+class Unit:
+    """
+    ## A unit of gather and release
+
+    * `index`: its position in registration order.
+    * `module`: the layer, or `None` for the root unit, which holds the parameters of
+      no wrapped layer and stays gathered for the whole step.
+    * `chunks`: its chunks in execution order.
+    * `expects_backward`: whether a pre-backward hook is registered in this step.
+    """
+
+    index: int
+    module: nn.Module | None
+    chunks: list[Chunk]
+    expects_backward: bool = False
+    handles: list = field(default_factory=list)
+
+    def gather(self) -> None:
+        for chunk in self.chunks:
+            chunk.gather()
+
+    def wait(self) -> None:
+        for chunk in self.chunks:
+            chunk.wait()
+
+    def release(self) -> None:
+        for chunk in self.chunks:
+            chunk.release()
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors inside nested tuples, lists and dicts (a layer's inputs or outputs)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+
+
+def needing_grad(value: Any) -> list[torch.Tensor]:
+    return [t for t in tensors_in(value) if t.requires_grad]
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """
+    #### Run `callback` when the current backward pass ends
+
+    PyTorch has no public API for this; FSDP uses the same private call, present
+    since PyTorch 1.x and unchanged through 2.13. It must be called while the
+    backward pass runs (from a hook).
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+class Zero3Runtime:
+    r"""
+    ## The runtime
+
+    One per sharded model; it owns the units and the step's state.
+
+    * `comm` is the [communicator](communication.html).
+    * `prefetch_depth` is how many units ahead are gathered while one computes.
+    * `reshard_after_forward`: release a unit's chunks after its forward
+      (ZeRO-3); `False` keeps them gathered until its backward is done, trading
+      $C \cdot p$ bytes per unit for one all-gather per unit per step.
+    """
+
+    def __init__(
+        self,
+        comm: Communicator,
+        *,
+        prefetch_depth: int = 1,
+        reshard_after_forward: bool = True,
+    ):
+        if prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
+        self.comm = comm
+        self.prefetch_depth = prefetch_depth
+        self.reshard_after_forward = reshard_after_forward
+        self.units: list[Unit] = []
+        self.root: Unit | None = None
+        self.phase = Phase.IDLE
+        self.forward_order: list[Unit] = []
+        self.last_forward_order: list[Unit] = []
+        # False while accumulating micro-batches: gradients stay in the full-size
+        # buffers and are reduced once, by the backward that runs with it True.
+        self.sync_gradients = True
+        self._reduced: set[int] = set()
+
+    ### Registration
+
+    def add_unit(self, module: nn.Module | None, chunks: list[Chunk]) -> Unit:
+        unit = Unit(len(self.units) if module is not None else -1, module, chunks)
+        if module is None:
+            self.root = unit
+        else:
+            self.units.append(unit)
+            unit.handles.append(
+                module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True)
+            )
+            unit.handles.append(
+                module.register_forward_hook(self._hook_post_forward(unit), with_kwargs=True)
+            )
+        for chunk in chunks:
+            if not chunk.trainable:
+                continue
+            for position, param in enumerate(chunk.params):
+                unit.handles.append(
+                    param.register_post_accumulate_grad_hook(
+                        self._hook_grad(chunk, position)
+                    )
+                )
+        return unit
+
+    def all_units(self) -> list[Unit]:
+        return ([self.root] if self.root is not None else []) + self.units
+
+    def all_chunks(self) -> list[Chunk]:
+        """Every chunk, root first, then the units in registration order."""
+        return [c for u in self.all_units() for c in u.chunks]
+
+    ### The root: start and end of a forward pass
+
+    def begin_forward(self) -> None:
+        """Called by the wrapper before the model's forward."""
+        if self.phase is Phase.BACKWARD:
+            raise RuntimeError(
+                "forward called while a backward pass is running through the same model"
+            )
+        if self.phase is Phase.FORWARD:
+            # The last forward had no backward (an evaluation with grad enabled):
+            # nothing is pending but gathered chunks.
+            self._release_all()
+        self.phase = Phase.FORWARD
+        self.forward_order = []
+        if self.root is not None:
+            self.root.gather()
+            self.root.wait()
+
+    def end_forward(self, output: Any) -> None:
+        """Called by the wrapper after the model's forward."""
+        if not (torch.is_grad_enabled() and needing_grad(output)):
+            # No backward will follow.
+            self._release_all()
+            self._finish_step()
+
+    ### Forward hooks
+
+    def _hook_pre_forward(self, unit: Unit):
+        def hook(module, args, kwargs):
+            if self.phase is Phase.BACKWARD:
+                # Activation checkpointing recomputes this forward during backward;
+                # the pre-backward hook has already gathered the chunks.
+                unit.gather()
+                unit.wait()
+                return None
+            if self.phase is Phase.IDLE:
+                # A unit called without the wrapper's forward (a single Zero3Layer).
+                self.begin_forward()
+            self.forward_order.append(unit)
+            unit.gather()
+            for ahead in self._next_in_forward(unit):
+                ahead.gather()
+            unit.wait()
+            if torch.is_grad_enabled():
+                inputs = needing_grad((args, kwargs))
+                if inputs:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        inputs, lambda grads: self._post_backward(unit), mode="all"
+                    )
+            return None
+
+        return hook
+
+    def _hook_post_forward(self, unit: Unit):
+        def hook(module, args, kwargs, output):
+            if self.phase is Phase.BACKWARD:
+                return None
+            if self.reshard_after_forward or not torch.is_grad_enabled():
+                unit.release()
+            outputs = needing_grad(output) if torch.is_grad_enabled() else []
+            unit.expects_backward = bool(outputs)
+            if outputs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    outputs, lambda grads: self._pre_backward(unit), mode="any"
+                )
+            return None
+
+        return hook
+
+    def _next_in_forward(self, unit: Unit) -> list[Unit]:
+        """The units expected to run after `unit`, from the last step's order."""
+        if self.prefetch_depth == 0:
+            return []
+        order = self.last_forward_order or self.units
+        position = len(self.forward_order) - 1
+        if position >= len(order) or order[position] is not unit:
+            # This forward departs from the last one; fall back to registration order.
+            order, position = self.units, self.units.index(unit)
+        return order[position + 1 : position + 1 + self.prefetch_depth]
+
+    ### Backward hooks
+
+    def _enter_backward(self) -> None:
+        if self.phase is not Phase.BACKWARD:
+            self.phase = Phase.BACKWARD
+            self._reduced = set()
+            queue_end_of_backward(self._end_backward)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self._enter_backward()
+        unit.gather()
+        # Prefetch the units whose backward comes next: those before this one in
+        # the forward order that hooked their outputs.
+        if unit in self.forward_order:
+            position = self.forward_order.index(unit)
+            earlier = [u for u in self.forward_order[:position] if u.expects_backward]
+            for behind in reversed(earlier[-self.prefetch_depth :] if self.prefetch_depth else []):
+                behind.gather()
+        unit.wait()
+
+    def _post_backward(self, unit: Unit) -> None:
+        if self.phase is Phase.BACKWARD:
+            unit.release()
+
+    def _hook_grad(self, chunk: Chunk, position: int):
+        def hook(param: torch.Tensor) -> None:
+            self._enter_backward()
+            chunk.add_grad(position, param.grad)
+            # The gradient now lives in the chunk's buffer; drop the full-size copy.
+            param.grad = None
+            if self.sync_gradients and chunk.all_grads_seen:
+                chunk.reduce()
+                self._reduced.add(id(chunk))
+
+        return hook
+
+    def _end_backward(self) -> None:
+        for chunk in self.all_chunks():
+            if not chunk.trainable:
+                continue
+            if self.sync_gradients:
+                if id(chunk) not in self._reduced:
+                    chunk.reduce()
+            else:
+                # Accumulating: keep the buffer, forget which gradients arrived.
+                chunk.grads_seen.clear()
+        # compute stream waits: the optimizer reads `main_grad` next
+        self.comm.wait(self.comm.current_stream(), self.comm.reduce_stream)
+        self._release_all()
+        self._finish_step()
+
+    ### Step bookkeeping
+
+    def _release_all(self) -> None:
+        for unit in self.all_units():
+            unit.release()
+
+    def _finish_step(self) -> None:
+        self.phase = Phase.IDLE
+        if self.forward_order:
+            self.last_forward_order = self.forward_order
+        for unit in self.units:
+            unit.expects_backward = False
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """
+        ### Every parameter readable, between steps
+
+        For evaluation code that reads weights directly, and for exports. Costs the
+        whole model's gathered size; chunks go back to their shards afterwards.
+        """
+        if self.phase is not Phase.IDLE:
+            raise RuntimeError("gathered() is for use between training steps")
+        for chunk in self.all_chunks():
+            chunk.gather()
+        try:
+            for chunk in self.all_chunks():
+                chunk.wait()
+            yield
+        finally:
+            self._release_all()
+
+    def gathered_chunks(self) -> list[Chunk]:
+        return [c for c in self.all_chunks() if c.state is not ChunkState.SHARDED]

@@ -1,0 +1,334 @@
+r"""
+---
+title: Memory and communication model
+summary: Analytic bytes per rank and per training step for ZeRO-3 with chunks, from the
+  ZeRO paper's formulas down to the exact bytes of one chunk layout.
+---
+
+# Memory and communication model
+
+This page counts bytes without allocating any. The tests compare the engine's real
+tensors against it, the [chunk-size search](chunk_search.html) scores layouts with
+it, and the benchmark prints it next to what it measured.
+
+## Model states
+
+Training with mixed-precision Adam keeps, for each of the $\Psi$ trainable
+parameters,
+
+* $p = 2$ bytes of 16-bit parameter, used by forward and backward,
+* $g = 2$ bytes of 16-bit gradient,
+* $K = 12$ bytes of optimizer state: an fp32 master copy of the parameter and
+  Adam's two fp32 moments, $4 + 4 + 4$.
+
+Data parallelism (DDP) replicates all of it on each rank:
+$(p + g + K)\Psi = 16\Psi$ bytes per rank, whatever the number of ranks.
+ZeRO-3 (the paper's $P_{os+g+p}$) partitions all three over the $N_d$
+data-parallel ranks, so a rank holds
+
+$$M_{\text{ZeRO-3}} = \frac{(p + g + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
+
+where $\Psi_t$ are the trainable and $\Psi_f$ the frozen parameters; a frozen
+parameter has neither gradient nor optimizer state. GPT-NeoX-20B
+($\Psi \approx 20.6 \cdot 10^9$) needs $330$ GB per rank under DDP and $41$ GB per
+rank with ZeRO-3 over $N_d = 8$; trained bias-only ($\Psi_t \approx 3$ M biases)
+it needs little more than the $2\Psi_f / N_d$ of its frozen weights.
+
+A chunked layout stores a little more than the formula: every chunk is padded
+(see [chunk layout](chunk_layout.html)), and the padding has the same cost per
+element as the parameters in the chunk. The exact bytes per rank are
+
+$$M_{\text{layout}} = \sum_{c} \frac{C_c}{N_d}\, b_c, \qquad
+b_c = \begin{cases} p + g + K & c \text{ trainable} \ p & c \text{ frozen}
+\end{cases}$$
+
+with $C_c$ the size of chunk $c$, padding included, a multiple of $N_d$.
+
+## Gathered parameters
+
+During forward, a layer's chunks are gathered in full before it runs, and the
+chunks of the next $d$ layers (the prefetch depth) are gathered ahead of time;
+a layer's chunks are released when it is done. Backward does the same in reverse.
+So at most $d + 1$ consecutive groups are gathered at once, and the peak is
+
+$$G = p \cdot \max_i \sum_{j = i}^{i + d} C(\text{group}_j)$$
+
+with $C(\text{group})$ the elements of a group's chunks. The windows of backward
+are the same sets of consecutive groups taken in the other order, so one maximum
+serves both passes.
+
+## Communication per step
+
+We count each collective by the size of the *whole* tensor it produces or
+consumes: the output of an all-gather (the gathered chunk) and the input of a
+reduce-scatter (the full-size gradient). One step of ZeRO-3 moves
+
+* a forward all-gather of every chunk: $\Psi$ elements in $p$ bytes,
+* a backward all-gather of every chunk again (released after forward): $\Psi$,
+* a reduce-scatter of every trainable chunk's gradient: $\Psi_t$ in the reduce
+  dtype's $g$ bytes,
+
+$\approx 3\Psi$ in total (padding included, and frozen chunks need no
+reduce-scatter). DDP's all-reduce of the gradients counts as $2\Psi$ in the same
+units, because an all-reduce *is* a reduce-scatter followed by an all-gather,
+which is how ring and NCCL's algorithms run it.
+
+On the wire, a ring all-gather of a tensor of $M$ bytes makes each rank send (and
+receive) $\frac{N_d - 1}{N_d} M$ bytes: it passes along the $N_d - 1$ shards that are
+not its own. A reduce-scatter moves the same. So per rank and step, ZeRO-3 sends
+$\frac{N_d - 1}{N_d}(2p\Psi + g\Psi_t)$ bytes and DDP
+$\frac{N_d - 1}{N_d} \cdot 2g\Psi$: with $p = g$, $1.5\times$ the traffic of DDP for
+$\frac{1}{N_d}$ of its model states. `ring_wire_bytes` does that conversion.
+
+## Limitations
+
+* Model states and gathered parameters only: activations, the full-size gradient
+  buffers that exist between backward and reduce-scatter, temporary buffers and
+  the allocator's fragmentation are not counted.
+* The peak assumes the engine's rule that a group is gathered and released whole,
+  and that prefetch runs exactly $d$ groups ahead; a schedule that releases early
+  or gathers chunk by chunk would need its own count.
+* Bytes on the wire assume ring-like algorithms; tree and NVLS algorithms move
+  other amounts, and the latency of each collective is not modelled at all.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple, Sequence
+
+from labml_zero.zero3.chunk_layout import ChunkLayout
+
+__all__ = [
+    "zero_model_states",
+    "layout_model_states",
+    "gathered_peak",
+    "peak_window_numel",
+    "Traffic",
+    "StepComm",
+    "zero3_step_comm",
+    "ddp_step_comm",
+    "ring_wire_bytes",
+]
+
+
+def _check_at_least(name: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+
+
+def zero_model_states(
+    psi_trainable: int,
+    psi_frozen: int,
+    world_size: int,
+    *,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    optimizer_bytes: int = 12,
+) -> int:
+    r"""
+    ## Model states per rank, the ZeRO paper's way
+
+    $$\frac{(p + g + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
+
+    * `psi_trainable` is $\Psi_t$ and `psi_frozen` is $\Psi_f$ (elements).
+    * `world_size` is $N_d$; $N_d = 1$ gives DDP's $(p + g + K)\Psi$.
+    * `param_bytes`, `grad_bytes` and `optimizer_bytes` are $p$, $g$ and $K$.
+
+    Each $\Psi / N_d$ is rounded up: a rank holds whole elements, and the largest
+    shard is the one that decides whether a rank runs out of memory.
+    """
+    _check_at_least("psi_trainable", psi_trainable, 0)
+    _check_at_least("psi_frozen", psi_frozen, 0)
+    _check_at_least("world_size", world_size, 1)
+    _check_at_least("param_bytes", param_bytes, 1)
+    _check_at_least("grad_bytes", grad_bytes, 0)
+    _check_at_least("optimizer_bytes", optimizer_bytes, 0)
+    per_rank_trainable = -(-psi_trainable // world_size)
+    per_rank_frozen = -(-psi_frozen // world_size)
+    return (
+        (param_bytes + grad_bytes + optimizer_bytes) * per_rank_trainable
+        + param_bytes * per_rank_frozen
+    )
+
+
+def layout_model_states(
+    layout: ChunkLayout,
+    *,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    optimizer_bytes: int = 12,
+    master_aliases_param: bool = False,
+) -> int:
+    r"""
+    ## Exact model states per rank of a chunk layout
+
+    $\sum_c \frac{C_c}{N_d} b_c$ with $b_c = p + g + K$ for a trainable chunk and
+    $p$ for a frozen one; shards include padding, which costs what a parameter
+    costs.
+
+    * `master_aliases_param`: when the parameters are fp32 ($p = 4$) the engine
+      uses the parameter shard itself as the fp32 master copy instead of keeping a
+      second one, so the optimizer adds $K - 4$ bytes (the two moments), not $K$.
+    """
+    _check_at_least("param_bytes", param_bytes, 1)
+    _check_at_least("grad_bytes", grad_bytes, 0)
+    _check_at_least("optimizer_bytes", optimizer_bytes, 0)
+    if master_aliases_param:
+        if param_bytes != 4:
+            raise ValueError(
+                "master_aliases_param needs fp32 parameters (param_bytes=4), "
+                f"got param_bytes={param_bytes}"
+            )
+        if optimizer_bytes < 4:
+            raise ValueError(
+                "master_aliases_param needs optimizer_bytes to include a 4-byte "
+                f"master copy, got optimizer_bytes={optimizer_bytes}"
+            )
+        optimizer_bytes -= 4
+    trainable_bytes = param_bytes + grad_bytes + optimizer_bytes
+    return sum(
+        layout.shard_numel(c) * (trainable_bytes if c.trainable else param_bytes)
+        for c in layout.chunks
+    )
+
+
+def gathered_peak(layout: ChunkLayout, prefetch_depth: int, param_bytes: int) -> int:
+    r"""
+    ## Peak bytes of gathered chunks
+
+    $G = p \cdot \max_i \sum_{j=i}^{i+d} C(\text{group}_j)$: the largest total
+    size of the chunks of $d + 1$ consecutive groups (`prefetch_depth` is $d$),
+    in the parameter dtype. With fewer than $d + 1$ groups, all of them.
+    """
+    _check_at_least("param_bytes", param_bytes, 1)
+    # `by_group` lists groups in the order of their chunks: execution order.
+    sizes = [layout.group_numel(group) for group in layout.by_group]
+    return peak_window_numel(sizes, prefetch_depth) * param_bytes
+
+
+def peak_window_numel(group_numels: Sequence[int], prefetch_depth: int) -> int:
+    """
+    #### Largest sum of $d + 1$ consecutive group sizes
+
+    `group_numels` are the gathered sizes of the groups in execution order. The
+    search calls this directly with sizes it computed without a full layout.
+    A sliding window keeps it linear in the number of groups.
+    """
+    _check_at_least("prefetch_depth", prefetch_depth, 0)
+    width = prefetch_depth + 1
+    window = sum(group_numels[:width])
+    peak = window
+    for i in range(width, len(group_numels)):
+        window += group_numels[i] - group_numels[i - width]
+        peak = max(peak, window)
+    return peak
+
+
+class Traffic(NamedTuple):
+    """
+    ## Volume of one kind of collective in a step
+
+    * `collectives` is how many calls are made.
+    * `numel` is the sum of their full tensor sizes (gathered output, or
+      reduce-scatter input), in elements.
+    * `nbytes` is the same in bytes of the dtype they run in.
+    """
+
+    collectives: int
+    numel: int
+    nbytes: int
+
+
+class StepComm(NamedTuple):
+    """
+    ## Communication of one ZeRO-3 training step
+
+    The three phases of a step, each counted by full tensor size (see the
+    introduction for bytes on the wire).
+    """
+
+    forward_all_gather: Traffic
+    backward_all_gather: Traffic
+    reduce_scatter: Traffic
+
+    @property
+    def collectives(self) -> int:
+        return sum(phase.collectives for phase in self)
+
+    @property
+    def numel(self) -> int:
+        return sum(phase.numel for phase in self)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(phase.nbytes for phase in self)
+
+
+def zero3_step_comm(
+    layout: ChunkLayout,
+    *,
+    param_bytes: int = 2,
+    grad_bytes: int = 2,
+    backward_groups: Iterable[int] | None = None,
+) -> StepComm:
+    """
+    ## Collectives of one ZeRO-3 step
+
+    * `param_bytes` is the dtype the all-gathers run in (the parameter dtype).
+    * `grad_bytes` is the dtype the reduce-scatters run in (the reduce dtype).
+    * `backward_groups` are the groups whose chunks backward gathers again; all
+      groups by default. An engine that keeps the last layer gathered from forward
+      into backward, or skips groups that need no gradient, passes fewer.
+
+    Forward gathers every chunk once; only trainable chunks are reduce-scattered.
+    """
+    _check_at_least("param_bytes", param_bytes, 1)
+    _check_at_least("grad_bytes", grad_bytes, 1)
+    if backward_groups is None:
+        backward = list(layout.chunks)
+    else:
+        backward = []
+        for group in backward_groups:
+            if group not in layout.by_group:
+                raise ValueError(
+                    f"backward_groups names group {group}, which has no chunks "
+                    "in the layout"
+                )
+            backward.extend(layout.chunks_of_group(group))
+    trainable = [chunk for chunk in layout.chunks if chunk.trainable]
+
+    def traffic(chunks, nbytes_per_element: int) -> Traffic:
+        numel = sum(chunk.chunk_numel for chunk in chunks)
+        return Traffic(len(chunks), numel, numel * nbytes_per_element)
+
+    return StepComm(
+        forward_all_gather=traffic(layout.chunks, param_bytes),
+        backward_all_gather=traffic(backward, param_bytes),
+        reduce_scatter=traffic(trainable, grad_bytes),
+    )
+
+
+def ddp_step_comm(psi_trainable: int, grad_bytes: int = 2) -> Traffic:
+    r"""
+    ## DDP's all-reduce, in the same units
+
+    An all-reduce of $\Psi_t$ gradient elements counts as $2\Psi_t$: it is a
+    reduce-scatter plus an all-gather of the full tensor. `collectives` is $1$, as
+    if the gradients were one flat bucket; DDP really uses buckets of about
+    25 MB, which changes the count but not the volume.
+    """
+    _check_at_least("psi_trainable", psi_trainable, 0)
+    _check_at_least("grad_bytes", grad_bytes, 1)
+    return Traffic(1, 2 * psi_trainable, 2 * psi_trainable * grad_bytes)
+
+
+def ring_wire_bytes(nbytes: int, world_size: int) -> int:
+    r"""
+    ### Bytes each rank sends for a collective of `nbytes` (full tensor size)
+
+    $\frac{N_d - 1}{N_d}\,M$ for a ring all-gather or reduce-scatter; zero on
+    one rank. Exact when `nbytes` is a multiple of $N_d$, as chunk sizes are.
+    """
+    _check_at_least("nbytes", nbytes, 0)
+    _check_at_least("world_size", world_size, 1)
+    return nbytes * (world_size - 1) // world_size

@@ -1,0 +1,366 @@
+r"""
+---
+title: Sharding a model
+summary: Zero3Layer, Zero3Sequential and shard_model, the public ways into the engine.
+---
+
+# Sharding a model
+
+Three ways to put a model under ZeRO-3, all built from the same pieces (a
+[layout](chunk_layout.html), [chunks](chunk.html) and the
+[runtime's hooks](hooks.html)):
+
+* `Zero3Layer(module, rank, world_size, device, dtype)` shards one layer, and
+  `Zero3Sequential([...])` runs a chain of them, as in labml-nn;
+* `zero3_layers(modules, device=..., config=...)` builds those layers with one
+  chunk size for all of them (searched unless the config fixes it);
+* `shard_model(model, layers, device=..., config=...)` wraps any `nn.Module`,
+  sharding the chosen submodules (each block of a Hugging Face model, say) as units
+  and the parameters outside them as a *root unit* that stays gathered for the
+  whole step (embeddings, final norms, tied readouts).
+
+## Sharding a layer
+
+1. List its parameters in execution order as `ParamSpec`s; frozen ones
+   (`requires_grad=False`) get frozen chunks.
+2. Plan the chunks for the chunk size.
+3. Build each chunk: copy this rank's slice of every parameter into the shard, and
+   turn the parameters into views of the chunk's (storage-less) full buffer.
+4. Move the module's buffers to the device; parameters are already there.
+
+After this the module holds $\frac{1}{N_d}$ of its parameters on this rank, and
+the rest only while a hook has them gathered.
+
+## Memory per rank
+
+With $\Psi_t$ trainable and $\Psi_f$ frozen elements (padding included),
+parameter dtype of $p$ bytes, gradient shards of 4 bytes and $K = 12$ bytes of
+optimizer state (`AdamFP16`):
+
+$$\frac{(p + 4 + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
+
+plus the gathered chunks of at most $1 + \text{prefetch\_depth}$ units and the
+full-size gradient buffers of the chunks being reduced.
+
+## Limitations
+
+* A parameter may belong to one wrapped layer only (tied weights go to the root).
+* Buffers (such as rotary tables) are not sharded: every rank keeps them whole.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .chunk import Chunk
+from .chunk_layout import ChunkLayout, ParamSpec, plan_chunks, round_up
+from .communication import Communicator
+from .config import ZeroConfig
+from .hooks import Zero3Runtime
+
+
+def param_specs(
+    groups: Sequence[Iterable[tuple[str, nn.Parameter]]],
+) -> tuple[list[ParamSpec], list[nn.Parameter]]:
+    """
+    #### Named parameters, group by group, as layout specs
+
+    `groups[i]` yields the parameters of unit $i$ (`module.named_parameters()`).
+    A parameter met twice (tied) belongs to the group where it was met first.
+    """
+    seen: set[int] = set()
+    specs, params = [], []
+    for group, named in enumerate(groups):
+        for name, param in named:
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            specs.append(ParamSpec(name, tuple(param.shape), param.requires_grad, group))
+            params.append(param)
+    return specs, params
+
+
+def one_chunk_per_kind(specs: Sequence[ParamSpec], align: int) -> int:
+    """labml-nn's layout: one chunk for the trainable and one for the frozen parameters."""
+    totals = {True: 0, False: 0}
+    for spec in specs:
+        totals[spec.trainable] = round_up(totals[spec.trainable], align) + spec.numel
+    return max(max(totals.values()), 1)
+
+
+def choose_chunk_numel(
+    specs: Sequence[ParamSpec], world_size: int, config: ZeroConfig
+) -> int:
+    """The configured chunk size, or the one the search picks."""
+    if config.chunk_numel is not None:
+        return config.chunk_numel
+    from .chunk_search import ChunkSearchConfig, search_chunk_size
+
+    search = ChunkSearchConfig(
+        prefetch_depth=config.prefetch_depth,
+        align=config.align,
+        param_bytes=torch.tensor([], dtype=config.dtype).element_size(),
+    )
+    return search_chunk_size(specs, world_size, config=search).chunk_numel
+
+
+def build_chunks(
+    layout: ChunkLayout,
+    params: Sequence[nn.Parameter],
+    comm: Communicator,
+    config: ZeroConfig,
+    *,
+    prefixes: dict[int, str] | None = None,
+) -> dict[int, list[Chunk]]:
+    """
+    Build the chunks of a layout, grouped by unit. `prefixes[group]` turns the
+    parameter names of a group into names in the whole model.
+    """
+    prefixes = prefixes or {}
+    by_group: dict[int, list[Chunk]] = {}
+    specs = layout.params
+    for spec in layout.chunks:
+        chunk = Chunk(
+            spec,
+            [params[slot.param_index] for slot in spec.slots],
+            comm,
+            dtype=config.dtype,
+            reduce_dtype=config.reduce_dtype,
+            names=[
+                prefixes.get(spec.group, "") + specs[slot.param_index].name
+                for slot in spec.slots
+            ],
+        )
+        by_group.setdefault(spec.group, []).append(chunk)
+    return by_group
+
+
+def move_buffers(module: nn.Module, device: torch.device) -> None:
+    """Buffers are not sharded; move them (parameters are views on `device` already)."""
+    for sub in module.modules():
+        for name, buffer in sub.named_buffers(recurse=False):
+            if buffer.device != device and buffer.device.type != "meta":
+                setattr(sub, name, buffer.to(device))
+
+
+def check_rank(rank: int, world_size: int, comm: Communicator) -> None:
+    if (rank, world_size) != (comm.rank, comm.world_size):
+        raise ValueError(
+            f"rank {rank} of world size {world_size} does not match the process "
+            f"group (rank {comm.rank} of {comm.world_size})"
+        )
+
+
+class Zero3Layer(nn.Module):
+    """
+    ## A sharded layer
+
+    labml-nn's signature, with the new capabilities as keyword arguments:
+
+    * `module` is the layer; its parameters are sharded in place.
+    * `rank`, `world_size` must match the process group (`group`, default the
+      global one; with no process group, `0, 1`).
+    * `device`, `dtype`: where and in which dtype the shards and gathered chunks live.
+    * `chunk_numel`: the chunk size; by default one chunk for the trainable and one
+      for the frozen parameters, as labml-nn does.
+    * `config`: the other knobs ([`ZeroConfig`](config.html)).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        rank: int,
+        world_size: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        *,
+        chunk_numel: int | None = None,
+        config: ZeroConfig | None = None,
+        group: dist.ProcessGroup | None = None,
+        comm: Communicator | None = None,
+        name_prefix: str = "",
+    ):
+        super().__init__()
+        device = torch.device(device)
+        config = ZeroConfig(**{**vars(config or ZeroConfig()), "dtype": dtype})
+        comm = comm or Communicator(device, group=group)
+        check_rank(rank, world_size, comm)
+        self.module = module
+        self.comm = comm
+        self.config = config
+        specs, params = param_specs([module.named_parameters()])
+        if chunk_numel is None:
+            chunk_numel = one_chunk_per_kind(specs, config.align)
+        self.layout = plan_chunks(specs, chunk_numel, world_size, align=config.align)
+        self.chunks: list[Chunk] = build_chunks(
+            self.layout, params, comm, config, prefixes={0: name_prefix}
+        ).get(0, [])
+        move_buffers(module, device)
+        # Set when the layer joins a `Zero3Sequential`; a layer used alone makes
+        # its own runtime at its first forward.
+        self.runtime: Zero3Runtime | None = None
+        self._owns_runtime = False
+
+    def join(self, runtime: Zero3Runtime) -> None:
+        if self.runtime is not None:
+            raise ValueError("this Zero3Layer already belongs to a model")
+        self.runtime = runtime
+        runtime.add_unit(self.module, self.chunks)
+
+    def forward(self, *args, **kwargs):
+        if self.runtime is None:
+            self.join(Zero3Runtime(self.comm, prefetch_depth=0))
+            self._owns_runtime = True
+        if not self._owns_runtime:
+            return self.module(*args, **kwargs)
+        self.runtime.begin_forward()
+        output = self.module(*args, **kwargs)
+        self.runtime.end_forward(output)
+        return output
+
+    def get_trainable_chunk(self) -> list[nn.Parameter]:
+        """The shards the optimizer updates (labml-nn's name)."""
+        return [c.shard for c in self.chunks if c.trainable]
+
+
+class Zero3Sequential(nn.Module):
+    """
+    ## A chain of sharded layers
+
+    `modules` run one after the other, each taking the previous one's output.
+    Prefetch follows the chain.
+    """
+
+    def __init__(self, modules: list[Zero3Layer], *, prefetch_depth: int | None = None):
+        super().__init__()
+        if not modules:
+            raise ValueError("Zero3Sequential needs at least one Zero3Layer")
+        self.layers = nn.ModuleList(modules)
+        config = modules[0].config
+        self.runtime = Zero3Runtime(
+            modules[0].comm,
+            prefetch_depth=config.prefetch_depth if prefetch_depth is None else prefetch_depth,
+            reshard_after_forward=config.reshard_after_forward,
+        )
+        for layer in modules:
+            layer.join(self.runtime)
+
+    def forward(self, x: Any) -> Any:
+        self.runtime.begin_forward()
+        for layer in self.layers:
+            x = layer(x)
+        self.runtime.end_forward(x)
+        return x
+
+    def get_trainable_chunk(self) -> list[nn.Parameter]:
+        return [p for layer in self.layers for p in layer.get_trainable_chunk()]
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.runtime.all_chunks()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad()
+
+
+def zero3_layers(
+    modules: Sequence[nn.Module],
+    *,
+    device: torch.device | str,
+    config: ZeroConfig | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> list[Zero3Layer]:
+    """
+    ## Shard a list of layers with one chunk size
+
+    The chunk size is the config's, or searched over all the layers' parameters
+    together, so the chunks of every layer have the same size.
+    """
+    config = config or ZeroConfig()
+    comm = Communicator(torch.device(device), group=group)
+    specs, _ = param_specs([m.named_parameters() for m in modules])
+    chunk_numel = choose_chunk_numel(specs, comm.world_size, config)
+    return [
+        Zero3Layer(
+            module, comm.rank, comm.world_size, device, config.dtype,
+            chunk_numel=chunk_numel, config=config, comm=comm, name_prefix=f"{i}.",
+        )
+        for i, module in enumerate(modules)
+    ]
+
+
+class ShardedModel(nn.Module):
+    """
+    ## Any model, with chosen submodules as units
+
+    Built by `shard_model`. `forward` is the model's own, between the runtime's
+    begin and end of forward.
+    """
+
+    def __init__(self, model: nn.Module, runtime: Zero3Runtime, layout: ChunkLayout):
+        super().__init__()
+        self.model = model
+        self.runtime = runtime
+        self.layout = layout
+
+    def forward(self, *args, **kwargs):
+        self.runtime.begin_forward()
+        output = self.model(*args, **kwargs)
+        self.runtime.end_forward(output)
+        return output
+
+    def get_trainable_chunk(self) -> list[nn.Parameter]:
+        return [c.shard for c in self.runtime.all_chunks() if c.trainable]
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.runtime.all_chunks()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad()
+
+
+def shard_model(
+    model: nn.Module,
+    layers: Sequence[nn.Module],
+    *,
+    device: torch.device | str,
+    config: ZeroConfig | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> ShardedModel:
+    """
+    ## Shard any model
+
+    * `layers` are the submodules that become units, in execution order (e.g.
+      `model.transformer.h` of a GPT-2). Everything else is the root unit.
+    """
+    config = config or ZeroConfig()
+    device = torch.device(device)
+    comm = Communicator(device, group=group)
+    layer_ids = {id(p) for layer in layers for p in layer.parameters()}
+    root = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_ids]
+
+    # Group 0 is the root; layer i is group i + 1.
+    specs, params = param_specs([root, *(layer.named_parameters() for layer in layers)])
+    chunk_numel = choose_chunk_numel(specs, comm.world_size, config)
+    layout = plan_chunks(specs, chunk_numel, comm.world_size, align=config.align)
+    qualified = {id(m): name for name, m in model.named_modules()}
+    prefixes = {i + 1: qualified[id(layer)] + "." for i, layer in enumerate(layers)}
+    chunks = build_chunks(layout, params, comm, config, prefixes=prefixes)
+    move_buffers(model, device)
+
+    runtime = Zero3Runtime(
+        comm,
+        prefetch_depth=config.prefetch_depth,
+        reshard_after_forward=config.reshard_after_forward,
+    )
+    runtime.add_unit(None, chunks.get(0, []))
+    for index, layer in enumerate(layers):
+        runtime.add_unit(layer, chunks.get(index + 1, []))
+    return ShardedModel(model, runtime, layout)
