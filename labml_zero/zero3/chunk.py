@@ -106,6 +106,7 @@ class Chunk:
     * `params` are the module's parameters, in the order of `spec.slots`.
     * `comm` is the communicator; it knows the rank and the world size.
     * `dtype` is the parameter dtype; `reduce_dtype` the dtype of the reduction.
+    * `names` are the parameters' qualified names in the model.
     """
 
     def __init__(
@@ -116,6 +117,7 @@ class Chunk:
         *,
         dtype: torch.dtype,
         reduce_dtype: torch.dtype = torch.float32,
+        names: Sequence[str] = (),
     ):
         self.spec = spec
         self.comm = comm
@@ -127,6 +129,8 @@ class Chunk:
         # first element of this rank's shard inside the chunk
         self.shard_offset = comm.rank * self.shard_numel
         self.params = list(params)
+        # qualified names of the parameters, for checkpoints and error messages
+        self.names = list(names) or [f"chunk{spec.index}.{i}" for i in range(len(self.params))]
         device = comm.device
 
         # [S] param dtype; the only copy of these parameters this rank keeps.

@@ -133,6 +133,8 @@ class ChunkLayout:
     world_size: int
     align: int
     chunks: tuple[ChunkSpec, ...]
+    # the parameters, as given to `plan_chunks`; slots index into it
+    params: tuple[ParamSpec, ...] = field(compare=False, repr=False)
     # chunk indices of each group, in order; derived, so kept out of `__eq__`
     by_group: dict[int, tuple[int, ...]] = field(compare=False, repr=False)
 
@@ -244,5 +246,6 @@ def plan_chunks(
         world_size,
         align,
         tuple(chunks),
+        tuple(params),
         {g: tuple(ix) for g, ix in by_group.items()},
     )

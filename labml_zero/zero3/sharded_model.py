@@ -113,9 +113,16 @@ def build_chunks(
     params: Sequence[nn.Parameter],
     comm: Communicator,
     config: ZeroConfig,
+    *,
+    prefixes: dict[int, str] | None = None,
 ) -> dict[int, list[Chunk]]:
-    """Build the chunks of a layout, grouped by unit."""
+    """
+    Build the chunks of a layout, grouped by unit. `prefixes[group]` turns the
+    parameter names of a group into names in the whole model.
+    """
+    prefixes = prefixes or {}
     by_group: dict[int, list[Chunk]] = {}
+    specs = layout.params
     for spec in layout.chunks:
         chunk = Chunk(
             spec,
@@ -123,6 +130,10 @@ def build_chunks(
             comm,
             dtype=config.dtype,
             reduce_dtype=config.reduce_dtype,
+            names=[
+                prefixes.get(spec.group, "") + specs[slot.param_index].name
+                for slot in spec.slots
+            ],
         )
         by_group.setdefault(spec.group, []).append(chunk)
     return by_group
@@ -171,6 +182,7 @@ class Zero3Layer(nn.Module):
         config: ZeroConfig | None = None,
         group: dist.ProcessGroup | None = None,
         comm: Communicator | None = None,
+        name_prefix: str = "",
     ):
         super().__init__()
         device = torch.device(device)
@@ -184,7 +196,9 @@ class Zero3Layer(nn.Module):
         if chunk_numel is None:
             chunk_numel = one_chunk_per_kind(specs, config.align)
         self.layout = plan_chunks(specs, chunk_numel, world_size, align=config.align)
-        self.chunks: list[Chunk] = build_chunks(self.layout, params, comm, config).get(0, [])
+        self.chunks: list[Chunk] = build_chunks(
+            self.layout, params, comm, config, prefixes={0: name_prefix}
+        ).get(0, [])
         move_buffers(module, device)
         # Set when the layer joins a `Zero3Sequential`; a layer used alone makes
         # its own runtime at its first forward.
@@ -274,9 +288,9 @@ def zero3_layers(
     return [
         Zero3Layer(
             module, comm.rank, comm.world_size, device, config.dtype,
-            chunk_numel=chunk_numel, config=config, comm=comm,
+            chunk_numel=chunk_numel, config=config, comm=comm, name_prefix=f"{i}.",
         )
-        for module in modules
+        for i, module in enumerate(modules)
     ]
 
 
@@ -336,7 +350,9 @@ def shard_model(
     specs, params = param_specs([root, *(layer.named_parameters() for layer in layers)])
     chunk_numel = choose_chunk_numel(specs, comm.world_size, config)
     layout = plan_chunks(specs, chunk_numel, comm.world_size, align=config.align)
-    chunks = build_chunks(layout, params, comm, config)
+    qualified = {id(m): name for name, m in model.named_modules()}
+    prefixes = {i + 1: qualified[id(layer)] + "." for i, layer in enumerate(layers)}
+    chunks = build_chunks(layout, params, comm, config, prefixes=prefixes)
     move_buffers(model, device)
 
     runtime = Zero3Runtime(
