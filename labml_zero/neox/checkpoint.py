@@ -1,4 +1,4 @@
-"""
+r"""
 ---
 title: Hugging Face GPT-NeoX checkpoints
 summary: Stream GPT-NeoX / Pythia safetensors into our layers one layer at a time,
@@ -46,10 +46,31 @@ then is it renamed to the target name. If the target exists (and `overwrite` is
 set), it is first renamed aside and removed after the new one is in place; in
 between there is briefly *no* checkpoint at that path, never a partial one.
 
-## Limitations
+## The original GPT-NeoX-20B release
 
-* The original GPT-NeoX-20B release format (`layer_XX-model_0Y-model_states.pt`,
-  two tensor-parallel partitions to merge) is not read; convert it to HF first.
+EleutherAI first released 20B as DeepSpeed pipeline files
+`layer_XX-model_0P-model_states.pt`: `XX` is the pipeline position (00 the
+embedding, `i + 2` transformer layer $i$, `n + 3` the final norm, `n + 4` the
+readout) and `P` one of the two tensor-parallel partitions. `NeoX20BCheckpoint`
+merges the two per layer, the same way as labml-nn and EleutherAI's HF
+conversion:
+
+* column-parallel weights and biases (QKV, `dense_h_to_4h`, embeddings, readout)
+  are split along the output dim: concatenate on dim 0. Partition 0 holds
+  heads $0 \ldots n_h/2 - 1$ in the same head-major layout, so the
+  concatenation is HF's QKV layout;
+* row-parallel weights (`attention.dense`, `dense_4h_to_h`) are split along the
+  input dim: concatenate on dim 1;
+* row-parallel biases are **summed**: with the parallel residual, GPT-NeoX adds
+  each partition's bias before the all-reduce that sums the partitions, so the
+  effective bias is the sum of the two stored ones;
+* layer norms are replicated; the two copies drift apart by rounding during
+  training, so they are averaged.
+
+
+* The original GPT-NeoX-20B release (`NeoX20BCheckpoint`) is read with
+  `torch.load(mmap=True)` per file; its shapes are checked after the merge, not
+  before the read (`.pt` files have no separate header).
 * `.bin` (pickle) checkpoints are not read; safetensors only.
 * Tied input/output embeddings are not supported (no released GPT-NeoX ties them).
 """
@@ -69,9 +90,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from labml_zero.neox.model import NeoXConfig, from_hf_config, hf_prefix, to_hf_config
+from labml_zero.neox.model import (Embedding, FinalNorm, NeoXConfig, Readout,
+                                   TransformerLayer, from_hf_config, gpt_neox_20b,
+                                   hf_prefix, to_hf_config)
 
-__all__ = ["HFCheckpoint", "save_hf_checkpoint", "hf_named_tensors", "load_layers"]
+__all__ = ["HFCheckpoint", "NeoX20BCheckpoint", "save_hf_checkpoint",
+           "hf_named_tensors", "load_layers"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -146,7 +170,100 @@ class HFCheckpoint:
         return out
 
 
-def load_layers(checkpoint: HFCheckpoint, layers: Iterable[nn.Module]):
+class NeoX20BCheckpoint:
+    """
+    ## The original two-partition GPT-NeoX-20B files
+
+    Same interface as `HFCheckpoint`; see "The original GPT-NeoX-20B release".
+    """
+
+    # our name -> (name in the .pt file, how the two partitions merge)
+    LAYER_NAMES = {
+        "input_layernorm.weight": ("input_layernorm.weight", "mean"),
+        "input_layernorm.bias": ("input_layernorm.bias", "mean"),
+        "post_attention_layernorm.weight": ("post_attention_layernorm.weight",
+                                            "mean"),
+        "post_attention_layernorm.bias": ("post_attention_layernorm.bias", "mean"),
+        "attention.query_key_value.weight": ("attention.query_key_value.weight",
+                                             "cat0"),
+        "attention.query_key_value.bias": ("attention.query_key_value.bias",
+                                           "cat0"),
+        "attention.dense.weight": ("attention.dense.weight", "cat1"),
+        "attention.dense.bias": ("attention.dense.bias", "sum"),
+        "mlp.dense_h_to_4h.weight": ("mlp.dense_h_to_4h.weight", "cat0"),
+        "mlp.dense_h_to_4h.bias": ("mlp.dense_h_to_4h.bias", "cat0"),
+        "mlp.dense_4h_to_h.weight": ("mlp.dense_4h_to_h.weight", "cat1"),
+        "mlp.dense_4h_to_h.bias": ("mlp.dense_4h_to_h.bias", "sum"),
+    }
+    OTHER_NAMES = {
+        "embed_in.weight": ("word_embeddings.weight", "cat0"),
+        "final_layer_norm.weight": ("norm.weight", "mean"),
+        "final_layer_norm.bias": ("norm.bias", "mean"),
+        "embed_out.weight": ("final_linear.weight", "cat0"),
+    }
+
+    def __init__(self, path: str | os.PathLike, *,
+                 config: NeoXConfig | None = None, n_partitions: int = 2):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"checkpoint directory not found: {self.path}")
+        self.config = config or gpt_neox_20b()
+        self.n_partitions = n_partitions
+
+    def _position(self, layer: nn.Module) -> int:
+        """Pipeline position `XX` of a layer in the file names."""
+        n = self.config.n_layers
+        if isinstance(layer, Embedding):
+            return 0
+        if isinstance(layer, TransformerLayer):
+            return layer.layer_idx + 2
+        if isinstance(layer, FinalNorm):
+            return n + 3
+        if isinstance(layer, Readout):
+            return n + 4
+        raise ValueError(f"{type(layer).__name__} is not a GPT-NeoX layer")
+
+    def layer_state_dict(self, layer: nn.Module, *,
+                         dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """### Read both partitions of one layer and merge them"""
+        position = self._position(layer)
+        parts = []
+        for p in range(self.n_partitions):
+            file_path = (self.path
+                         / f"layer_{position:02d}-model_{p:02d}-model_states.pt")
+            if not file_path.is_file():
+                raise FileNotFoundError(f"checkpoint shard not found: {file_path}")
+            # mmap: only the tensors touched below are paged in.
+            parts.append(torch.load(file_path, map_location="cpu", mmap=True,
+                                    weights_only=True))
+        names = (self.LAYER_NAMES if isinstance(layer, TransformerLayer)
+                 else self.OTHER_NAMES)
+        out = {}
+        for name, expected in layer.state_dict().items():
+            file_name, how = names[name]
+            if file_name not in parts[0]:
+                raise ValueError(f"checkpoint {self.path} layer {position:02d} has "
+                                 f"no tensor '{file_name}'")
+            ts = [part[file_name] for part in parts]
+            match how:
+                case "cat0":
+                    t = torch.cat(ts, dim=0)
+                case "cat1":
+                    t = torch.cat(ts, dim=1)
+                case "sum":
+                    t = torch.stack(ts).sum(dim=0)
+                case _:  # "mean"
+                    t = torch.stack(ts).mean(dim=0)
+            if tuple(t.shape) != tuple(expected.shape):
+                raise ValueError(f"tensor '{file_name}' of layer {position:02d} "
+                                 f"merges to shape {tuple(t.shape)}, the model "
+                                 f"expects {tuple(expected.shape)}")
+            out[name] = t if dtype is None else t.to(dtype)
+        return out
+
+
+def load_layers(checkpoint: HFCheckpoint | NeoX20BCheckpoint,
+                layers: Iterable[nn.Module]):
     """
     ### Load every layer, one at a time
 

@@ -42,12 +42,13 @@ needs nothing but `to_empty` and `reset_parameters`.
 Inside each layer the submodules have **Hugging Face's names**, so a
 checkpoint name is `hf_prefix(layer) + our_name`:
 
-| layer | our parameter | HF name |
-|---|---|---|
-| `Embedding` | `embed_in.weight` | `gpt_neox.embed_in.weight` |
-| `TransformerLayer` $i$ | `attention.query_key_value.weight` | `gpt_neox.layers.`$i$`.attention.query_key_value.weight` |
-| `FinalNorm` | `final_layer_norm.weight` | `gpt_neox.final_layer_norm.weight` |
-| `Readout` | `embed_out.weight` | `embed_out.weight` |
+* `Embedding`: `embed_in.weight` is `gpt_neox.embed_in.weight`;
+* `TransformerLayer` $i$: `attention.dense.weight` is
+  `gpt_neox.layers.`$i$`.attention.dense.weight`, and likewise
+  `input_layernorm`, `post_attention_layernorm`, `attention.query_key_value`,
+  `mlp.dense_h_to_4h`, `mlp.dense_4h_to_h`;
+* `FinalNorm`: `final_layer_norm.*` is `gpt_neox.final_layer_norm.*`;
+* `Readout`: `embed_out.weight` is `embed_out.weight`.
 
 ## GELU flavours
 

@@ -10,10 +10,10 @@ summary: Load the GPT-NeoX-20B BPE tokenizer (bundled, gzipped) with the
 GPT-NeoX-20B and every Pythia model share one byte-level BPE tokenizer:
 50,254 learned tokens plus 27 added ones (special tokens and runs of spaces),
 50,281 ids in all. Its `tokenizer.json` ships gzipped in `labml_zero/data/`
-(EleutherAI, Apache-2.0; see `data/NOTICE`), so nothing is downloaded. The models' embedding matrices have
-more rows than that (50,304 to 50,688, padded for fast matmuls); ids past
-`vocab_size(tokenizer)` are never produced here, and the sampler in
-[generate](generate.html) never picks them.
+(EleutherAI, Apache-2.0; see `data/NOTICE`), so nothing is downloaded. The
+models' embedding matrices have more rows than that (50,304 to 50,688, padded
+for fast matmuls); ids past `vocab_size(tokenizer)` are never produced here, and
+the sampler in [generate](generate.html) never picks them.
 
 `"First Citizen: Before we proceed any further"` encodes to
 `[6407, 47422, 27, 9613, 359, 4262, 667, 2007]`; the tests check this vector.

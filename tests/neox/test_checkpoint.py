@@ -197,3 +197,61 @@ def test_views_into_a_flat_buffer_export(tmp_path):
              ("embed_out.weight", flat[800:].view(50, 16))]
     out = save_hf_checkpoint(tmp_path / "views", config, named)
     assert (out / "model.safetensors").stat().st_size < 2 * 800 * 4 + 1000
+
+
+def split_like_neox20b(layers, config, out_dir):
+    """Write `layers` as two tensor-parallel partitions in the original 20B file
+    layout: the inverse of the merge rules of `NeoX20BCheckpoint`."""
+    from labml_zero.neox.checkpoint import NeoX20BCheckpoint as C
+
+    for layer in layers:
+        names = (C.LAYER_NAMES if isinstance(layer, M.TransformerLayer)
+                 else C.OTHER_NAMES)
+        parts = [{}, {}]
+        for name, t in layer.state_dict().items():
+            file_name, how = names[name]
+            if how == "cat0":
+                halves = t.chunk(2, dim=0)
+            elif how == "cat1":
+                halves = t.chunk(2, dim=1)
+            elif how == "sum":
+                halves = (0.25 * t, 0.75 * t)
+            else:  # replicated layer norms, with a little drift that averages out
+                halves = (t + 1e-3, t - 1e-3)
+            for part, half in zip(parts, halves):
+                part[file_name] = half.clone()
+        n = config.n_layers
+        position = {M.Embedding: 0, M.FinalNorm: n + 3, M.Readout: n + 4}.get(
+            type(layer), getattr(layer, "layer_idx", 0) + 2)
+        for p, part in enumerate(parts):
+            torch.save(part, out_dir / f"layer_{position:02d}-model_{p:02d}"
+                                       f"-model_states.pt")
+
+
+def test_neox20b_partitions_merge(tmp_path):
+    from labml_zero.neox.checkpoint import NeoX20BCheckpoint
+
+    # Even head count, so each partition holds whole heads.
+    config = M.NeoXConfig(n_vocab=96, d_model=64, n_heads=4, n_layers=2)
+    torch.manual_seed(3)
+    layers = M.build_layers(config)
+    split_like_neox20b(layers, config, tmp_path)
+
+    ckpt = NeoX20BCheckpoint(tmp_path, config=config)
+    merged = M.build_layers(config, device="meta")
+    for layer in merged:
+        layer.to_empty(device="cpu")
+    load_layers(ckpt, merged)
+    for ours, theirs in zip(layers, merged):
+        for (name, a), b in zip(ours.state_dict().items(),
+                                theirs.state_dict().values()):
+            torch.testing.assert_close(b, a, atol=1e-6, rtol=0, msg=name)
+
+    (tmp_path / "layer_03-model_01-model_states.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="layer_03-model_01"):
+        ckpt.layer_state_dict(merged[2])
+    wrong = M.NeoXConfig(n_vocab=96, d_model=64, n_heads=4, n_layers=2, d_ff=128)
+    block = M.build_layers(wrong, filter_layers=[0], device="meta")[1]
+    with pytest.raises(ValueError, match=r"'mlp\.dense_h_to_4h\.weight'.*"
+                                         r"\(256, 64\).*\(128, 64\)"):
+        NeoX20BCheckpoint(tmp_path, config=wrong).layer_state_dict(block)
