@@ -113,9 +113,10 @@ A layer holds four layer-norm vectors of $h$, QKV ($3h \times h$ and $3h$), the
 attention output ($h \times h$, $h$) and the MLP ($4h \times h$, $4h$,
 $h \times 4h$, $h$). The embeddings are excluded, so the range starts at
 $c_0 = 4h^2$, the MLP weights. At $c_0$ the attention output does not fit next
-to QKV and a third of every layer is padding; at $c_0 + 7h$ the layer norms, QKV
-and the attention output fill the first chunk exactly and each MLP half, with the
-biases, fills one more chunk within $6h$ elements. The search picks that size,
+to QKV, nor a bias next to an MLP weight: six chunks per layer, half of their
+elements padding. At $c_0 + 7h$ the layer norms, QKV and the attention output
+fill the first chunk exactly and each MLP half, with the biases, fills one more
+chunk within $6h$ elements. The search picks that size,
 three all-gathers per layer and $0.7\%$ padding in full fine-tuning, most of it
 the chunk of the final layer norm (next section).
 
