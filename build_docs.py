@@ -13,8 +13,8 @@ byte-identical files.
 
 Conventions the splitter understands (see `split_source`):
 
-* the module docstring is the page intro; front matter `---\\ntitle: …\\nsummary: …\\n---`
-  feeds the page title and the description meta;
+* the module docstring is the page intro; its front matter
+  (`---\\ntitle: …\\nsummary: …\\n---`) feeds the title and description meta;
 * a class/function docstring is the note beside its `def`/`class` line (decorators
   and a multi-line signature included); a comment block just above is merged in;
 * a block of full-line `#` comments, at any indentation, is the note of the code
@@ -334,10 +334,16 @@ def _math_to_mathml(latex: str, *, display: bool) -> str:
     from latex2mathml.converter import convert
 
     try:
-        return convert(latex, display="block" if display else "inline")
+        mathml = convert(latex, display="block" if display else "inline")
     except Exception as exc:  # noqa: BLE001 -- a bad formula must not stop the site
         print(f"warning: math not converted ({exc}): {latex!r}", file=sys.stderr)
         return f'<code class="math-error">{html.escape(latex)}</code>'
+    # latex2mathml keeps the escapes of `\text{prefetch\_depth}` in its <mtext>.
+    return re.sub(
+        r"<mtext>(.*?)</mtext>",
+        lambda m: "<mtext>" + re.sub(r"\\([_%&#$])", r"\1", m.group(1)) + "</mtext>",
+        mathml,
+    )
 
 
 class Renderer:
@@ -405,7 +411,9 @@ class Renderer:
             return NOTE_REF.sub(replace, text)
         # Leave code spans alone.
         parts = re.split(r"(`+[^`]*`+)", text)
-        return "".join(p if i % 2 else NOTE_REF.sub(replace, p) for i, p in enumerate(parts))
+        return "".join(
+            p if i % 2 else NOTE_REF.sub(replace, p) for i, p in enumerate(parts)
+        )
 
     def _math_inline(self, renderer, tokens, idx, options, env) -> str:
         return _math_to_mathml(tokens[idx].content, display=False)
@@ -418,7 +426,8 @@ class Renderer:
     def _image(self, renderer, tokens, idx, options, env) -> str:
         token = tokens[idx]
         src = token.attrGet("src") or ""
-        alt = html.escape(renderer.renderInlineAsText(token.children or [], options, env))
+        alt = renderer.renderInlineAsText(token.children or [], options, env)
+        alt = html.escape(alt)
         if src.startswith("figures/"):
             target = posixpath.normpath(src)
             if target not in self.files:
@@ -512,7 +521,8 @@ def link_code_notes(code_html: str, renderer: Renderer) -> str:
     """`# see Note: x` inside highlighted comments links to the note too."""
 
     def comment(match: re.Match) -> str:
-        return match.group(1) + renderer.link_notes(match.group(2), markdown=False) + "</span>"
+        linked = renderer.link_notes(match.group(2), markdown=False)
+        return f"{match.group(1)}{linked}</span>"
 
     return re.sub(r'(<span class="c1?">)(.*?)</span>', comment, code_html)
 
@@ -615,10 +625,12 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
         rows = []
         for k, section in enumerate(page.sections):
             doc_html = renderer.render(section.doc, page.out, page_notes[page.out])
-            code_html = link_code_notes(highlight(section.code), renderer) if section.code else ""
-            src = ""
+            code_html = src = ""
+            if section.code:
+                code_html = link_code_notes(highlight(section.code), renderer)
             if section.code and page.rel_py:
-                src = rel_href(source_page(page.rel_py), page.out) + f"#L{section.lineno}"
+                src_page = rel_href(source_page(page.rel_py), page.out)
+                src = f"{src_page}#L{section.lineno}"
             rows.append({"id": f"section-{k}", "doc": doc_html, "code": code_html,
                          "lineno": section.lineno, "src": src})
 
@@ -628,7 +640,9 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
             for d in range(1, len(parts)):
                 pkg_init = "/".join(parts[:d]) + "/__init__.py"
                 pkg_page = by_py.get(pkg_init)
-                href = rel_href(pkg_page.out, page.out) if pkg_page and pkg_page is not page else ""
+                href = ""
+                if pkg_page is not None and pkg_page is not page:
+                    href = rel_href(pkg_page.out, page.out)
                 crumbs.append({"href": href, "title": parts[d - 1]})
             if not page.rel_py.endswith("__init__.py"):
                 crumbs.append({"href": "", "title": parts[-1]})
@@ -644,7 +658,9 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
             "rows": rows,
             "error": page.error,
             "rel_py": page.rel_py or "",
-            "source_href": rel_href(source_page(page.rel_py), page.out) if page.rel_py else "",
+            "source_href": (
+                rel_href(source_page(page.rel_py), page.out) if page.rel_py else ""
+            ),
         }
         out[page.out] = template.render(kind="page", **context).encode()
 

@@ -221,8 +221,8 @@ def chunk_layout_svg(
     body.append(
         f'<text x="0" y="{_f(y + 12)}" style="{FONT};font-size:11px;fill:#555">'
         "Rows are gather/release groups; boxes are chunks drawn to scale, except "
-        "broken boxes: a parameter larger than the chunk size, in a chunk of its "
-        "own.</text>"
+        "broken boxes (a parameter larger than the chunk size, alone in its chunk). "
+        "Norms and biases are too thin to see; hover for every parameter.</text>"
     )
     w, h = max(width[0], 1000.0) + 4, y + 20
     return (

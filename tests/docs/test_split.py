@@ -248,3 +248,8 @@ def test_figures_resolve_from_any_depth():
 def test_docstrings_render_as_written_even_without_the_r_prefix():
     src = 'def f():\n    """Holds $\\frac{a}{b}$ and \\\\."""\n    return 1\n'
     assert sections(src)[0][0] == "Holds $\\frac{a}{b}$ and \\\\."
+
+
+def test_escaped_underscores_in_text_math_are_unescaped():
+    out, _ = render("at most $1 + \\text{prefetch\\_depth}$ units")
+    assert "<mtext>prefetch_depth</mtext>" in out

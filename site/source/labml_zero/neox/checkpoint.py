@@ -1,4 +1,4 @@
-"""
+r"""
 ---
 title: Hugging Face GPT-NeoX checkpoints
 summary: Stream GPT-NeoX / Pythia safetensors into our layers one layer at a time,

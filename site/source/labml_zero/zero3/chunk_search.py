@@ -1,4 +1,4 @@
-"""
+r"""
 ---
 title: Chunk-size search
 summary: Simulate the packing for candidate chunk sizes and keep the one that wastes
@@ -16,21 +16,21 @@ result; it departs from it in what it simulates and in what it scores.
 ## Candidates
 
 Candidate sizes step by the hidden size $h$ (`hidden_dim`): transformer
-parameters are multiples of $h$ (a $h \\times 4h$ projection, a bias of $3h$), so
+parameters are multiples of $h$ (a $h \times 4h$ projection, a bias of $3h$), so
 is any run of them, and steps of $h$ reach every size that a run fills exactly;
 finer steps would add sizes that only pad more. The first candidate is
 
-$$c_0 = h \\left\\lceil \\frac{\\max(c_{\\min}, n_{\\max})}{h} \\right\\rceil$$
+$$c_0 = h \left\lceil \frac{\max(c_{\min}, n_{\max})}{h} \right\rceil$$
 
-with $c_{\\min}$ = `min_chunk_size_m` $\\cdot 2^{20}$ and $n_{\\max}$ the largest
+with $c_{\min}$ = `min_chunk_size_m` $\cdot 2^{20}$ and $n_{\max}$ the largest
 parameter not excluded (below): a smaller chunk would leave that parameter
-oversized. The candidates are $c_0, c_0 + h, \\dots$ up to $c_0 + R$ with
-$R$ = `search_range_m` $\\cdot 2^{20}$. All of this is ColossalAI's rule.
+oversized. The candidates are $c_0, c_0 + h, \dots$ up to $c_0 + R$ with
+$R$ = `search_range_m` $\cdot 2^{20}$. All of this is ColossalAI's rule.
 
 *Very large parameters are excluded* (`filter_exlarge_params`, ColossalAI's rule
-too): a parameter with more than $\\mu + 3\\sigma$ elements, $\\mu$ and $\\sigma$ the
-mean and standard deviation of all parameter sizes, does not set $n_{\\max}$.
-In GPT-NeoX that is the two $50432 \\times h$ embeddings; sizing every chunk for
+too): a parameter with more than $\mu + 3\sigma$ elements, $\mu$ and $\sigma$ the
+mean and standard deviation of all parameter sizes, does not set $n_{\max}$.
+In GPT-NeoX that is the two $50432 \times h$ embeddings; sizing every chunk for
 them would pad every layer to the size of a vocabulary. They are still packed:
 the layout gives a parameter larger than $c$ a chunk of its own.
 
@@ -39,9 +39,9 @@ the layout gives a parameter larger than $c$ a chunk of its own.
 For a candidate $c$, let $C_k$ be the size of chunk $k$ and $u_k$ the elements of
 parameters in it, and let $p$ be the bytes of the parameter dtype. We minimize
 
-$$\\text{score}(c) = \\underbrace{p \\sum_k (C_k - u_k)}_{\\text{waste}}
-+ \\lambda \\cdot \\underbrace{p \\max_i \\sum_{j=i}^{i+d} C(\\text{group}_j)}_
-{\\text{peak gathered}}$$
+$$\text{score}(c) = \underbrace{p \sum_k (C_k - u_k)}_{\text{waste}}
++ \lambda \cdot \underbrace{p \max_i \sum_{j=i}^{i+d} C(\text{group}_j)}_
+{\text{peak gathered}}$$
 
 * *Waste* is the padding of all chunks in bytes. Every rank stores its share of
   it (summed over ranks, the whole of it), every all-gather moves it and every
@@ -50,7 +50,7 @@ $$\\text{score}(c) = \\underbrace{p \\sum_k (C_k - u_k)}_{\\text{waste}}
   the engine gathers a layer's chunks whole and prefetches the next $d$
   (`prefetch_depth`) layers, so the largest sum over $d + 1$ consecutive groups
   is the most parameter memory that is ever gathered at once.
-* $\\lambda$ (`memory_weight`) prices a byte of peak against a byte of waste.
+* $\lambda$ (`memory_weight`) prices a byte of peak against a byte of waste.
 
 Padding alone cannot see *where* the padding sits. Every byte of the peak must fit
 on the GPU at one moment, next to the activations; padding in a small layer that
@@ -89,23 +89,36 @@ read off it.
   Candidates that round to the same size are scored once.
 * Excluded parameters are still in the layout we score (in their own chunks);
   ColossalAI leaves them out of the waste.
-* ColossalAI keeps a model smaller than $c_{\\min}$ gathered and unsharded; we
+* ColossalAI keeps a model smaller than $c_{\min}$ gathered and unsharded; we
   always shard. For that reason `min_chunk_size_m` defaults to $0$, not $32$: with
   chunks confined to a layer, a floor above a layer's size is pure padding.
 
 ## Cost
 
 The search plans each candidate's layout, linear in the number of parameters, and
-two shortcuts keep GPT-NeoX-20B (44 layers, a few thousand candidates at
-$h = 6144$) to a fraction of a second:
+two shortcuts keep GPT-NeoX-20B (47 groups, 5462 candidates for a range of
+$32 \cdot 2^{20}$ at $h = 6144$) to about a second of pure Python:
 
 * *Repeated layers are packed once.* A group's packing depends only on its own
   parameters, so groups with the same parameter sizes and kinds share one plan
   per candidate, and the totals are weighted by how often each shape repeats.
 * *Saturated candidates are skipped.* Once every group's trainable and frozen
   parameters each fit in one chunk, a larger $c$ only grows every chunk: padding
-  and peak rise strictly, so no larger candidate can win until one reaches the
-  size of an oversized parameter and changes the packing.
+  rises strictly and the peak never falls, so no larger candidate can win until
+  one reaches the size of an oversized parameter and changes the packing.
+
+## GPT-NeoX-20B
+
+A layer holds four layer-norm vectors of $h$, QKV ($3h \times h$ and $3h$), the
+attention output ($h \times h$, $h$) and the MLP ($4h \times h$, $4h$,
+$h \times 4h$, $h$). The embeddings are excluded, so the range starts at
+$c_0 = 4h^2$, the MLP weights. At $c_0$ the attention output does not fit next
+to QKV, nor a bias next to an MLP weight: six chunks per layer, half of their
+elements padding. At $c_0 + 7h$ the layer norms, QKV and the attention output
+fill the first chunk exactly and each MLP half, with the biases, fills one more
+chunk within $6h$ elements. The search picks that size,
+three all-gathers per layer and $0.7\%$ padding in full fine-tuning, most of it
+the chunk of the final layer norm (next section).
 
 ## Limitations
 
@@ -117,6 +130,11 @@ $h = 6144$) to a fraction of a second:
   constants per machine.
 * The peak counts parameters only, not the gradient buffers or activations that
   are live at the same time, and it assumes the engine's whole-group gather.
+* One size for all chunks: a group smaller than $c$ still takes a whole chunk.
+  The final layer norm of GPT-NeoX-20B ($2h$ elements) gets a chunk of $4h^2$;
+  in bias-only training every layer's trainable chunk (its biases and norms,
+  $11h$ elements) does, a third of all chunk memory. The search can only choose
+  among such layouts, not fix them.
 """
 
 from __future__ import annotations
@@ -151,27 +169,59 @@ class ChunkSearchConfig:
     """
 
     hidden_dim: int = 1024
-    """Step between candidates, in elements; the model's hidden size $h$."""
+    """
+    Step between candidates, in elements: the model's hidden size $h$. The
+    default suits no model in particular; pass the real one.
+    """
+
     min_chunk_size_m: float = 0.0
-    """Smallest candidate, in $2^{20}$ elements (ColossalAI's default is 32; see
-    "Where we depart")."""
+    """
+    Smallest candidate, in $2^{20}$ elements. ColossalAI's default is 32; ours is
+    0 because chunks stay inside a layer (see "Where we depart").
+    """
+
     search_range_m: float = 32.0
-    """Width of the range of candidates, in $2^{20}$ elements:
-    $\\lfloor R / h \\rfloor + 1$ candidates."""
+    r"""
+    Width of the range of candidates, in $2^{20}$ elements (ColossalAI's 32):
+    $\lfloor R / h 
+floor + 1$ candidates, 5462 at $h = 6144$.
+    """
+
     filter_exlarge_params: bool = True
-    """Leave parameters above $\\mu + 3\\sigma$ elements out of the start size."""
+    r"""
+    Leave parameters above $\mu + 3\sigma$ elements out of the start size; they
+    still get chunks of their own.
+    """
+
     prefetch_depth: int = 1
-    """Groups gathered ahead of the running one, $d$: the peak window is $d + 1$."""
+    """
+    Groups gathered ahead of the running one, $d$: the peak window is $d + 1$
+    groups. Use the engine's value.
+    """
+
     align: int = 1
-    """Element alignment of each parameter's offset in its chunk (see layout)."""
+    """
+    Element alignment of each parameter's offset in its chunk; the engine's value,
+    since the skipped elements are padding.
+    """
+
     param_bytes: int = 2
-    """Bytes per element of the parameter dtype, $p$: 2 for bf16/fp16, 4 for fp32."""
+    """
+    Bytes per element of the parameter dtype, $p$: 2 for bf16 or fp16, 4 for fp32.
+    """
+
     memory_weight: float = 1.0
-    """$\\lambda$: a byte of peak gathered memory costs $\\lambda$ bytes of waste.
-    $0$ scores padding alone."""
+    r"""
+    $\lambda$: a byte of peak gathered memory costs as much as $\lambda$ bytes of
+    waste. At $1$ they count alike, so peak padding counts twice; $0$ scores
+    padding alone.
+    """
+
     max_candidates: int = 100_000
-    """Refuse ranges with more candidates than this (a `hidden_dim` of 1 over a
-    32 M range would take hours)."""
+    r"""
+    Refuse ranges with more candidates than this: a `hidden_dim` of 1 over a
+    range of $32 \cdot 2^{20}$ would plan 33 million layouts.
+    """
 
     def __post_init__(self) -> None:
         for name, minimum in (
@@ -323,11 +373,11 @@ def search_chunk_size(
 
 
 def excluded_params(params: Sequence[ParamSpec]) -> list[ParamSpec]:
-    """
+    r"""
     ### Parameters too large to set the start size
 
-    Those above $\\mu + 3\\sigma$ elements (population $\\sigma$, as ColossalAI's
-    `np.std`). With one parameter, or all alike, $\\sigma = 0$ and none is above.
+    Those above $\mu + 3\sigma$ elements (population $\sigma$, as ColossalAI's
+    `np.std`). With one parameter, or all alike, $\sigma = 0$ and none is above.
     """
     sizes = [spec.numel for spec in params]
     limit = statistics.fmean(sizes) + 3 * statistics.pstdev(sizes)
