@@ -13,16 +13,33 @@ from labml_zero import launch
 
 def _collect(ctx: launch.DistContext, fn: Callable, out_dir: str, args: tuple) -> None:
     result = fn(ctx, *args)
+    # Results travel through files; move tensors off the GPU first.
+    result = _to_cpu(result)
     torch.save(result, os.path.join(out_dir, f"rank{ctx.rank}.pt"))
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """`fn(ctx, *args)` on `world_size` gloo ranks; returns the ranks' results in order.
+# The same tests run on GPUs with NCCL when this says `nccl` (on the device machine).
+BACKEND = os.environ.get("LABML_ZERO_TEST_BACKEND", "gloo")
 
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """`fn(ctx, *args)` on `world_size` ranks; returns the ranks' results in order.
+
+    gloo on CPU by default, NCCL when `LABML_ZERO_TEST_BACKEND=nccl`.
     `fn` must be a module-level function of an importable module (processes spawn).
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        launch.spawn(_collect, world_size, fn, out_dir, args, backend="gloo", timeout_s=120)
+        launch.spawn(_collect, world_size, fn, out_dir, args, backend=BACKEND, timeout_s=120)
         return [
             torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
             for r in range(world_size)

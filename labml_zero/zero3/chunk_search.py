@@ -145,7 +145,13 @@ import statistics
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from labml_zero.zero3.chunk_layout import ChunkLayout, ParamSpec, plan_chunks, round_up
+from labml_zero.zero3.chunk_layout import (
+    ChunkLayout,
+    ChunkSpec,
+    ParamSpec,
+    plan_chunks,
+    round_up,
+)
 from labml_zero.zero3.memory_model import peak_window_numel, zero3_step_comm
 
 __all__ = [
@@ -442,6 +448,12 @@ def group_shapes(params: Sequence[ParamSpec]) -> tuple[list[GroupShape], list[in
     return shapes, shape_of_group
 
 
+def is_oversized(plan: ChunkLayout, chunk: ChunkSpec) -> bool:
+    """A chunk made for one parameter larger than the chunk size."""
+    first = chunk.slots[0]
+    return len(chunk.slots) == 1 and plan.params[first.param_index].numel > plan.chunk_numel
+
+
 def score_candidate(
     shapes: Sequence[GroupShape],
     shape_of_group: Sequence[int],
@@ -454,9 +466,10 @@ def score_candidate(
 
     Plans each distinct group shape once and adds up the totals, weighted by
     the number of groups of each shape. Also returns whether the candidate is
-    *saturated*: every group holds at most one regular chunk (of size $c$) of
-    each kind, the rest being oversized parameters, whose chunks are larger
-    than $c$.
+    *saturated*: every group holds at most one regular chunk of each kind (the
+    rest are chunks of oversized parameters): a larger candidate then packs
+    every group the same way, so it scores the same until one more parameter
+    stops being oversized.
     """
     plans = [
         plan_chunks(shape.params, chunk_numel, world_size, align=config.align)
@@ -472,7 +485,9 @@ def score_candidate(
     peak = peak_window_numel(group_numels, config.prefetch_depth) * config.param_bytes
     waste = padding * config.param_bytes
     saturated = all(
-        sum(c.chunk_numel == chunk_numel and c.trainable == kind for c in plan.chunks)
+        sum(
+            c.trainable == kind and not is_oversized(plan, c) for c in plan.chunks
+        )
         <= 1
         for plan in plans
         for kind in (True, False)

@@ -24,7 +24,7 @@ def reference_flat_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 def train_both(ctx, api: str, chunk_numel: int):
     """Train a sharded model and an unsharded reference side by side on each rank."""
     layers = tiny_layers()
-    reference = nn.Sequential(*copy.deepcopy(layers))
+    reference = nn.Sequential(*copy.deepcopy(layers)).to(ctx.device)
     config = ZeroConfig(dtype=torch.float32, chunk_numel=chunk_numel, align=4)
     if api == "sequential":
         model = Zero3Sequential(zero3_layers(layers, device=ctx.device, config=config))
@@ -42,7 +42,7 @@ def train_both(ctx, api: str, chunk_numel: int):
     rows = ROWS_PER_RANK * ctx.world_size
     report = {"grad_mismatch": 0.0, "missing_grads": 0}
     for step in range(STEPS):
-        x, y = batch(step, rows)
+        x, y = (t.to(ctx.device) for t in batch(step, rows))
         mine = slice(ctx.rank * ROWS_PER_RANK, (ctx.rank + 1) * ROWS_PER_RANK)
         loss = nn.functional.mse_loss(model(x[mine]), y[mine])
         loss.backward()
@@ -77,7 +77,7 @@ def gradient_mismatch(model, reference, ctx) -> float:
     for chunk in model.chunks:
         if not chunk.trainable:
             continue
-        expected = torch.zeros(chunk.numel)
+        expected = torch.zeros(chunk.numel, device=chunk.shard.device)
         for slot, param in zip(chunk.spec.slots, chunk.params):
             grad = ref_grads[id(ref_params[index[id(param)]])]
             expected[slot.offset : slot.end] = grad.reshape(-1)
