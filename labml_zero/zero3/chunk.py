@@ -194,6 +194,26 @@ class Chunk:
         if master_init is not None:
             master_init[lo:hi].copy_(part)
 
+    def load_param(self, position: int, value: torch.Tensor) -> None:
+        """
+        ### Load a parameter's value into this rank's shard
+
+        For pretrained weights loaded after sharding: only the slice this rank
+        keeps is copied, from wherever `value` lives (CPU, say). The fp32 master
+        starts from `value` too, when the optimizer has not taken it yet.
+        """
+        param = self.params[position]
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{self.names[position]}: checkpoint shape {tuple(value.shape)} does not "
+                f"match the model's {tuple(param.shape)}"
+            )
+        master_init = getattr(self.shard, "master_init", None)
+        with torch.no_grad():
+            self._copy_into_shard(
+                self.spec.slots[position], value.detach(), self.shard.data, master_init
+            )
+
     ### Gather and release
 
     def gather(self) -> None:

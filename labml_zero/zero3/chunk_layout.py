@@ -177,7 +177,7 @@ def round_up(value: int, multiple: int) -> int:
 def plan_chunks(
     params: Sequence[ParamSpec], chunk_numel: int, world_size: int, *, align: int = 1
 ) -> ChunkLayout:
-    """
+    r"""
     ## Pack parameters into chunks
 
     * `params` in execution order; their `group`s must not decrease.

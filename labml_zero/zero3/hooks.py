@@ -361,6 +361,22 @@ class Zero3Runtime:
             unit.expects_backward = False
 
     @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        r"""
+        ### Accumulate gradients without reducing them
+
+        Backward passes inside accumulate into each chunk's full-size gradient
+        buffer (held from one micro-batch to the next: $C \cdot g$ bytes per
+        trainable chunk); the first backward outside reduces the sum once. For $k$
+        micro-batches that is one reduce-scatter per step instead of $k$.
+        """
+        previous, self.sync_gradients = self.sync_gradients, False
+        try:
+            yield
+        finally:
+            self.sync_gradients = previous
+
+    @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
         """
         ### Every parameter readable, between steps
