@@ -1,0 +1,119 @@
+"""The notes' measurable claims: bytes held per rank and bytes communicated per step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from labml_zero.optimizers.adam_fp16 import AdamFP16
+from labml_zero.zero3 import ZeroConfig, shard_model
+from labml_zero.zero3.chunk import ChunkState
+from labml_zero.zero3.memory_model import (
+    layout_model_states,
+    zero3_step_comm,
+    zero_model_states,
+)
+from tests.distributed import run_distributed
+from tests.zero3.models import batch, tiny_layers
+
+
+def held_bytes(model, optimizer) -> int:
+    """Count the real tensors the engine and the optimizer keep for the model."""
+    seen: set[int] = set()
+    total = 0
+
+    def count(tensor):
+        nonlocal total
+        ptr = tensor.untyped_storage().data_ptr()
+        if tensor.numel() and ptr not in seen:
+            seen.add(ptr)
+            total += tensor.untyped_storage().nbytes()
+
+    for chunk in model.chunks:
+        count(chunk.shard)
+        # released chunks hold nothing: their full buffer has no storage
+        assert chunk.state is ChunkState.SHARDED
+        assert chunk.full.untyped_storage().nbytes() == 0
+        assert chunk.grad_full is None
+        if chunk.trainable:
+            count(chunk.shard.main_grad)
+        else:
+            assert chunk.shard not in optimizer.state
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                count(value)
+    return total
+
+
+def one_step(ctx, dtype_name: str, reduce_name: str):
+    dtype, reduce_dtype = getattr(torch, dtype_name), getattr(torch, reduce_name)
+    layers = tiny_layers()
+    config = ZeroConfig(dtype=dtype, reduce_dtype=reduce_dtype, chunk_numel=96, align=4)
+    model = shard_model(nn.Sequential(*layers), layers[1:4], device=ctx.device, config=config)
+    optimizer = AdamFP16(model.get_trainable_chunk(), lr=1e-3)
+    comm = model.runtime.comm
+    x, y = batch(0, 2 * ctx.world_size)
+    mine = slice(2 * ctx.rank, 2 * ctx.rank + 2)
+    comm.counter.reset()
+    loss = nn.functional.mse_loss(model(x[mine].to(ctx.device, dtype)), y[mine].to(ctx.device, dtype))
+    loss.backward()
+    optimizer.step()
+    counted = dict(comm.counter.elements), dict(comm.counter.bytes)
+    layout = model.layout
+    trainable = sum(p.numel() for p in nn.Sequential(*layers).parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in nn.Sequential(*layers).parameters() if not p.requires_grad)
+    return {
+        "held": held_bytes(model, optimizer),
+        "layout": layout,
+        "psi": (trainable, frozen),
+        "counted": counted,
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world_size,dtype,reduce_dtype",
+    [(2, "bfloat16", "bfloat16"), (2, "bfloat16", "float32"), (3, "float32", "float32")],
+)
+def test_memory_per_rank_and_bytes_per_step(world_size, dtype, reduce_dtype):
+    p = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    g = torch.tensor([], dtype=getattr(torch, reduce_dtype)).element_size()
+    for r in run_distributed(one_step, world_size, dtype, reduce_dtype):
+        layout = r["layout"]
+        # Memory: the engine's tensors are exactly the layout's (p + 4 + K)/N_d
+        # per trainable element and p/N_d per frozen one, padding included. The
+        # shard gradient is fp32 (4 bytes) whatever the reduce dtype: it is what
+        # the optimizer reads, and accumulates across micro-batches.
+        expected = layout_model_states(
+            layout, param_bytes=p, grad_bytes=4,
+            optimizer_bytes=12, master_aliases_param=p == 4,
+        )
+        assert r["held"] == expected
+        # ... which is ZeRO's ((2 + g + K)Ψ_t + 2Ψ_f)/N_d, with g = 4, plus the
+        # padding (each chunk's shard rounds up, hence the +1s).
+        psi_t, psi_f = r["psi"]
+        padding_t = layout.padding(trainable=True) // world_size
+        padding_f = layout.padding(trainable=False) // world_size
+        if p == 2:
+            formula = zero_model_states(psi_t, psi_f, world_size, param_bytes=2,
+                                        grad_bytes=4, optimizer_bytes=12)
+            assert r["held"] - formula <= (2 + 4 + 12) * (padding_t + 1) + 2 * (padding_f + 1)
+            assert r["held"] >= formula
+
+        # Communication: every chunk gathered for the forward, the layers'
+        # chunks again for the backward (the root stays gathered), and each
+        # trainable chunk reduce-scattered once: the "3Ψ" of the notes.
+        comm = zero3_step_comm(layout, param_bytes=p, grad_bytes=g,
+                               backward_groups=[1, 2, 3])
+        elements, nbytes = r["counted"]
+        assert elements["all_gather"] == (
+            comm.forward_all_gather.numel + comm.backward_all_gather.numel
+        )
+        assert elements["reduce_scatter"] == comm.reduce_scatter.numel
+        assert nbytes["reduce_scatter"] == comm.reduce_scatter.nbytes
+        total = layout.total_numel()
+        root = sum(c.chunk_numel for c in layout.chunks_of_group(0))
+        assert elements["all_gather"] == 2 * total - root
+        assert elements["reduce_scatter"] == layout.total_numel(trainable=True)
