@@ -1,32 +1,54 @@
-"""The chunk-size search, on layouts small enough to score by hand."""
+"""The chunk-size search, on layouts small enough to score by hand.
 
+Sizes in the comments are in elements; `[2.]` is a chunk holding a parameter of 2
+and one element of padding. The last chunk of each kind in a group is trimmed to
+what it holds (rounded up to the granule N_d * align).
+"""
+
+import math
+import random
 import time
 
 import pytest
 
-from labml_zero.zero3.chunk_layout import ParamSpec, plan_chunks
-from labml_zero.zero3.chunk_search import ChunkSearchConfig, search_chunk_size
-from labml_zero.zero3.memory_model import gathered_peak, zero3_step_comm
+from labml_zero.zero3.chunk_layout import ParamSpec, plan_chunks, round_up
+from labml_zero.zero3.chunk_search import (
+    ChunkSearchConfig,
+    excluded_params,
+    search_chunk_size,
+    start_size,
+)
+from labml_zero.zero3.memory_model import (
+    gathered_peak,
+    largest_grad_buffer,
+    layout_model_states,
+    zero3_step_comm,
+    zero_model_states,
+)
 
 MEBI = 2**20
 
 
 def config(*, search_range: int, **kwargs) -> ChunkSearchConfig:
     """A search over `search_range` elements, in steps of 1 element by default,
-    scoring 1-byte elements so bytes read as elements."""
+    scoring 1-byte parameters and gradients so bytes read as elements."""
     base = dict(
         hidden_dim=1,
         search_range_m=search_range / MEBI,
         filter_exlarge_params=False,
         prefetch_depth=0,
         param_bytes=1,
+        grad_bytes=1,
     )
     return ChunkSearchConfig(**{**base, **kwargs})
 
 
 def table(result):
-    rows = result.candidates
-    return [(r.chunk_numel, r.padding, r.peak_gathered_bytes) for r in rows]
+    """(c, padding, peak gathered, gradient buffer) of each scored candidate."""
+    return [
+        (r.chunk_numel, r.padding, r.peak_gathered_bytes, r.grad_buffer_bytes)
+        for r in result.candidates
+    ]
 
 
 def two_groups():
@@ -38,98 +60,185 @@ def two_groups():
     ]
 
 
-def test_padding_alone_picks_a_degenerate_size():
-    # Candidates 3, 4, 5 (the largest parameter is 3):
-    # * c = 3: [a|.] [b] | [c|..]   padding 1 + 0 + 2 = 3, group 0 gathers 6
-    # * c = 4: [a|..] [b|.] | [c|...] padding 2 + 1 + 3 = 6, group 0 gathers 8
-    # * c = 5: [a b] | [c|....]     padding 0 + 4 = 4, group 0 gathers 5
-    expected = [(3, 3, 6), (4, 6, 8), (5, 4, 5)]
+# Candidates 3, 4, 5 (the largest parameter is 3), on one rank:
+# * c = 3: [a|.] [b] | [c]     padding 1, group 0 gathers 6, largest chunk 3
+# * c = 4: [a|..] [b] | [c]    padding 2, group 0 gathers 7, largest chunk 4
+# * c = 5: [a b] | [c]         padding 0, group 0 gathers 5, largest chunk 5
+# ([b] and [c] are their group's last chunks, so trimmed to 3 and 1.)
+TWO_GROUPS_TABLE = [(3, 1, 6, 3), (4, 2, 7, 4), (5, 0, 5, 5)]
+
+
+def test_padding_alone_picks_the_giant_chunk():
     padding_only = search_chunk_size(
         two_groups(), 1, config=config(search_range=2, memory_weight=0.0)
     )
-    assert table(padding_only) == expected
-    # Padding alone splits layer 0 into two chunks: one more collective each
-    # way, and a larger peak (6 against 5).
-    assert padding_only.chunk_numel == 3
-    assert padding_only.collectives == 3 + 3 + 3
+    assert table(padding_only) == TWO_GROUPS_TABLE
+    # Padding alone: 1, 2, 0. The trim leaves one chunk per group unpadded.
+    assert [r.score for r in padding_only.candidates] == [1, 2, 0]
+    assert padding_only.chunk_numel == 5
+    assert [len(padding_only.layout.chunks_of_group(g)) for g in (0, 1)] == [1, 1]
 
-    # With lambda = 2: 3 + 2 * 6 = 15, 6 + 2 * 8 = 22, 4 + 2 * 5 = 14.
-    weighted = search_chunk_size(
-        two_groups(), 1, config=config(search_range=2, memory_weight=2.0)
-    )
-    assert [r.score for r in weighted.candidates] == [15, 22, 14]
-    assert weighted.chunk_numel == 5
-    assert (weighted.padding, weighted.peak_gathered_bytes) == (4, 5)
-    assert weighted.collectives == 2 + 2 + 2
+
+def test_the_gradient_buffer_picks_a_smaller_chunk():
+    # bf16 parameters (p = 2), fp32 gradients (g = 4), lambda = 1:
+    # waste 2 * padding + (2 * peak + 4 * largest trainable chunk)
+    # * c = 3: 2 * 1 + (2 * 6 + 4 * 3) = 2 + 12 + 12 = 26
+    # * c = 4: 2 * 2 + (2 * 7 + 4 * 4) = 4 + 14 + 16 = 34
+    # * c = 5: 2 * 0 + (2 * 5 + 4 * 5) = 0 + 10 + 20 = 30
+    cfg = config(search_range=2, param_bytes=2, grad_bytes=4, memory_weight=1.0)
+    result = search_chunk_size(two_groups(), 1, config=cfg)
+    assert [r.score for r in result.candidates] == [26, 34, 30]
+    assert result.chunk_numel == 3
+    assert (result.waste_bytes, result.peak_gathered_bytes) == (2, 12)
+    assert result.grad_buffer_bytes == 12
+    # Layer 0 is split: its gradient is reduced in two pieces, at one more
+    # collective each way (3 chunks, all trainable: 3 + 3 + 3).
+    assert result.collectives == 3 + 3 + 3
+    # grad_bytes = 4 is the default, for the engine's fp32 reduce.
+    assert ChunkSearchConfig().grad_bytes == 4
 
 
 def test_ties_go_to_the_larger_chunk():
-    # With lambda = 1: 3 + 6 = 9 and 4 + 5 = 9 tie; c = 5 needs fewer collectives.
+    # p = g = 1, lambda = 1: 1 + (6 + 3) = 10, 2 + (7 + 4) = 13, 0 + (5 + 5) = 10.
+    # c = 3 and c = 5 tie; c = 5 needs 2 + 2 + 2 collectives against 3 + 3 + 3.
     result = search_chunk_size(
         two_groups(), 1, config=config(search_range=2, memory_weight=1.0)
     )
-    assert [r.score for r in result.candidates] == [9, 14, 9]
+    assert [r.score for r in result.candidates] == [10, 13, 10]
     assert result.chunk_numel == 5
+    assert result.collectives == 2 + 2 + 2
 
 
-def test_result_agrees_with_the_memory_model():
-    # The search scores group shapes separately; the full layout must agree.
-    params = [ParamSpec(f"l{g}.{k}", (n,), True, g)
-              for g in range(4) for k, n in enumerate([5, 3, 2, 7])]
-    cfg = config(search_range=12, prefetch_depth=1, param_bytes=2)
-    result = search_chunk_size(params, 2, config=cfg)
-    for row in result.candidates:
-        layout = plan_chunks(params, row.chunk_numel, 2)
-        assert row.padding == layout.padding()
-        assert row.waste_bytes == 2 * layout.padding()
-        assert row.chunks == len(layout.chunks)
-        assert row.peak_gathered_bytes == gathered_peak(layout, 1, 2)
-        assert row.collectives == zero3_step_comm(layout).collectives
-    assert result.layout == plan_chunks(params, result.chunk_numel, 2)
-    assert result.padding == result.layout.padding()
+def layer_model():
+    # An embedding of 1000 and ten layers of [4, 4], all trainable.
+    return [ParamSpec("embed", (1000,), True, 0)] + [
+        ParamSpec(f"l{g}.{k}", (4,), True, g) for g in range(1, 11) for k in range(2)
+    ]
 
 
 def test_oversized_parameters_are_left_out_of_the_range():
-    # An embedding of 1000 and ten layers of [4, 4]. Sizes: mean 1080 / 21 =
-    # 51.4, population std 212.1, so the limit is 687.8 and only the embedding
-    # is above it.
-    params = [ParamSpec("embed", (1000,), True, 0)] + [
-        ParamSpec(f"l{g}.{k}", (4,), True, g) for g in range(1, 11) for k in range(2)
-    ]
+    # Sizes: mean 1080 / 21 = 51.4, population std 212.1, so the limit is 687.8
+    # and only the embedding is above it.
+    params = layer_model()
     cfg = config(search_range=8, hidden_dim=4, filter_exlarge_params=True)
     result = search_chunk_size(params, 1, config=cfg)
     assert result.excluded == ("embed",)
     # Candidates start at the largest kept parameter, 4:
-    # * c = 4: every layer [4] [4], the embedding alone: no padding, peak 1000
-    # * c = 8: every layer [4 4]: no padding, peak 1000
-    # A tie, so c = 8, with 11 chunks instead of 21.
-    # c = 12 is never scored: at c = 8 every layer fits one chunk already, so
-    # larger sizes only add padding.
-    assert table(result) == [(4, 0, 1000), (8, 0, 1000)]
+    # * c = 4: every layer [4] [4], the embedding alone: no padding, peak 1000,
+    #   and the embedding's chunk is the largest gradient buffer, 1000
+    # * c = 8: every layer [4 4]: the same terms, 0 + (1000 + 1000)
+    # A tie between two layouts, so c = 8, with 11 chunks instead of 21.
+    # c = 12 is never scored: at c = 8 every layer is one chunk already, so a
+    # larger size packs the same chunks (see the next test).
+    assert table(result) == [(4, 0, 1000, 1000), (8, 0, 1000, 1000)]
     assert result.chunk_numel == 8
     assert [r.chunks for r in result.candidates] == [21, 11]
     # The embedding still has its own chunk, sized to fit.
     assert result.layout.chunks[0].chunk_numel == 1000
 
-    # Without the filter the embedding sets the start and every layer is padded
-    # to 1000.
+    # Without the filter the embedding sets the start, 1000: every layer is one
+    # trimmed chunk of 8 there, the range can no longer split a layer, and the
+    # first candidate is saturated with no larger parameter left: one row.
     unfiltered = search_chunk_size(
         params, 1, config=config(search_range=8, hidden_dim=4)
     )
     assert unfiltered.excluded == ()
-    assert unfiltered.candidates[0].chunk_numel == 1000
-    assert unfiltered.padding == 10 * (1000 - 8)
+    assert [r.chunk_numel for r in unfiltered.candidates] == [1000]
+    assert [c.chunk_numel for c in unfiltered.layout.chunks] == [1000] + [8] * 10
 
 
-def test_skipped_candidates_would_have_lost():
-    # The case above: c = 12 is skipped as saturated; it would score worse.
-    params = [ParamSpec("embed", (1000,), True, 0)] + [
-        ParamSpec(f"l{g}.{k}", (4,), True, g) for g in range(1, 11) for k in range(2)
+def test_skipped_candidates_pack_the_same_chunks():
+    # The case above: c = 12 is skipped as saturated. With the trim it packs
+    # exactly the chunks of c = 8 (each layer [4 4], trimmed to 8), so it scores
+    # the same, and the same layout keeps its first size.
+    params = layer_model()
+    assert plan_chunks(params, 12, 1).chunks == plan_chunks(params, 8, 1).chunks
+
+
+def exhaustive(params, world_size, cfg):
+    """Score every candidate on the full layout, with the search's tie rule:
+    a tie goes to the larger size unless it packs the same chunks."""
+    granule = world_size * cfg.align
+    start = start_size(params, excluded_params(params), cfg)
+    best = None
+    sizes = range(start, start + cfg.search_range + 1, cfg.hidden_dim)
+    for c in sorted({round_up(size, granule) for size in sizes}):
+        layout = plan_chunks(params, c, world_size, align=cfg.align)
+        score = cfg.param_bytes * layout.padding() + cfg.memory_weight * (
+            gathered_peak(layout, cfg.prefetch_depth, cfg.param_bytes)
+            + largest_grad_buffer(layout, cfg.grad_bytes)
+        )
+        if best is None or score < best[0] or (
+            score == best[0] and layout.chunks != best[1].chunks
+        ):
+            best = (score, layout)
+    return best
+
+
+def random_model(rng: random.Random) -> list[ParamSpec]:
+    """2 to 5 groups of small parameters of mixed kinds, and often one large
+    one (an embedding) that stays oversized over part of the range."""
+    sizes = [
+        [rng.choice([1, 2, 3, 5, 8]) for _ in range(rng.randint(2, 4))]
+        for _ in range(rng.randint(2, 5))
     ]
-    skipped = plan_chunks(params, 12, 1)
-    # Each layer [4 4|....]: padding 40, and the embedding still sets the peak.
-    assert skipped.padding() == 40
-    assert 40 + gathered_peak(skipped, 0, 1) > 0 + 1000
+    if rng.random() < 0.7:
+        rng.choice(sizes).insert(0, rng.randint(14, 40))
+    return [
+        ParamSpec(f"p{g}.{k}", (n,), rng.random() < 0.7, g)
+        for g, group in enumerate(sizes)
+        for k, n in enumerate(group)
+    ]
+
+
+def test_saturation_skip_is_exact():
+    # The search (shapes packed once, saturated sizes skipped) must pick what
+    # scoring every candidate picks, on random models.
+    rng = random.Random(0)
+    skipped = 0
+    for trial in range(80):
+        params = random_model(rng)
+        world_size, align = rng.choice([(1, 1), (2, 1), (2, 2), (3, 1)])
+        cfg = config(
+            search_range=40,
+            filter_exlarge_params=True,
+            prefetch_depth=rng.randint(0, 2),
+            align=align,
+            param_bytes=2,
+            grad_bytes=rng.choice([2, 4]),
+            memory_weight=rng.choice([0.0, 0.5, 1.0]),
+        )
+        result = search_chunk_size(params, world_size, config=cfg)
+        score, layout = exhaustive(params, world_size, cfg)
+        assert (result.score, result.layout.chunks) == (score, layout.chunks), trial
+        assert result.chunk_numel == layout.chunk_numel, trial
+        start = start_size(params, excluded_params(params), cfg)
+        requested = range(start, start + 41)
+        sizes = {round_up(size, world_size * align) for size in requested}
+        skipped += len(result.candidates) < len(sizes)
+    # The skip really ran in most trials.
+    assert skipped > 40
+
+
+def test_result_agrees_with_the_memory_model():
+    # The search scores group shapes separately; the full layout must agree.
+    params = [
+        ParamSpec(f"l{g}.{k}", (n,), k != 1, g)
+        for g in range(4)
+        for k, n in enumerate([5, 3, 2, 7])
+    ]
+    cfg = config(search_range=12, prefetch_depth=1, align=2, param_bytes=2)
+    result = search_chunk_size(params, 2, config=cfg)
+    for row in result.candidates:
+        layout = plan_chunks(params, row.chunk_numel, 2, align=2)
+        assert row.padding == layout.padding()
+        assert row.waste_bytes == 2 * layout.padding()
+        assert row.chunks == len(layout.chunks)
+        assert row.peak_gathered_bytes == gathered_peak(layout, 1, 2)
+        assert row.grad_buffer_bytes == largest_grad_buffer(layout, 1)
+        assert row.collectives == zero3_step_comm(layout).collectives
+    assert result.layout == plan_chunks(params, result.chunk_numel, 2, align=2)
+    assert result.padding == result.layout.padding()
 
 
 def test_start_is_raised_to_the_largest_parameter():
@@ -143,50 +252,112 @@ def test_start_is_raised_to_the_largest_parameter():
     assert result.chunk_numel == 9
 
 
-def test_candidates_are_rounded_to_the_world_size():
-    # Group 0 = [3, 3, 3], group 1 = [2], on 3 ranks, in steps of 2 from 4:
-    # requested 4, 6, 8 become 6, 6, 9; the duplicate 6 is scored once.
-    # * c = 6: [3 3] [3|...] | [2|....]  padding 3 + 4 = 7, peak 12
-    # * c = 9: [3 3 3] | [2|.......]     padding 0 + 7 = 7, peak 9
+def test_candidates_are_rounded_to_the_granule():
+    # Group 0 = [3, 3, 3], group 1 = [2], on 2 ranks with align 2: the granule
+    # is 2 * 2 = 4. In steps of 2 from 4, requested 4, 6, 8 become 4, 8, 8 (6
+    # would split over 2 ranks, but into shards of 3, not aligned); the
+    # duplicate 8 is scored once. Offsets are even, so a 3 skips one element:
+    # * c = 4: [3.] [3.] [3.] | [2..]   padding 3 + 2 = 5, peak 12, buffer 4
+    # * c = 8: [3. 3.] [3.] | [2..]     padding 3 + 2 = 5, peak 12, buffer 8
+    # ([3.] and [2..] are trimmed tails: 3 and 2 rounded up to 4.)
+    # Scores, p = g = 1: 5 + (12 + 4) = 21 and 5 + (12 + 8) = 25.
     params = [ParamSpec(f"w{k}", (3,), True, 0) for k in range(3)]
     params.append(ParamSpec("b", (2,), True, 1))
-    result = search_chunk_size(params, 3, config=config(search_range=4, hidden_dim=2))
-    assert table(result) == [(6, 7, 12), (9, 7, 9)]
-    assert result.candidates_in_range == 3
-    assert result.chunk_numel == 9
-    assert all(c.chunk_numel % 3 == 0 for c in result.layout.chunks)
-
-
-def test_gpt_neox_20b_is_fast_and_packs_the_attention_into_one_chunk():
-    h, vocab = 6144, 50432
-    layer = [
-        ("ln1.w", (h,)), ("ln1.b", (h,)), ("ln2.w", (h,)), ("ln2.b", (h,)),
-        ("qkv.w", (3 * h, h)), ("qkv.b", (3 * h,)),
-        ("dense.w", (h, h)), ("dense.b", (h,)),
-        ("h_to_4h.w", (4 * h, h)), ("h_to_4h.b", (4 * h,)),
-        ("4h_to_h.w", (h, 4 * h)), ("4h_to_h.b", (h,)),
-    ]
-    params = [ParamSpec("embed", (vocab, h), True, 0)]
-    for i in range(44):
-        params += [ParamSpec(f"l{i}.{n}", s, True, i + 1) for n, s in layer]
-    params += [ParamSpec("ln_f.w", (h,), True, 45), ParamSpec("ln_f.b", (h,), True, 45)]
-    params.append(ParamSpec("head", (vocab, h), True, 46))
-    cfg = ChunkSearchConfig(hidden_dim=h, search_range_m=1.0, prefetch_depth=1)
-
-    began = time.perf_counter()
+    cfg = config(search_range=4, hidden_dim=2, align=2)
     result = search_chunk_size(params, 2, config=cfg)
+    assert table(result) == [(4, 5, 12, 4), (8, 5, 12, 8)]
+    assert [r.score for r in result.candidates] == [21, 25]
+    assert result.candidates_in_range == 3
+    assert result.chunk_numel == 4
+    assert all(c.chunk_numel % 4 == 0 for c in result.layout.chunks)
+
+
+H, VOCAB = 6144, 50432
+NEOX_LAYER = [
+    ("ln1.w", (H,)), ("ln1.b", (H,)), ("ln2.w", (H,)), ("ln2.b", (H,)),
+    ("qkv.w", (3 * H, H)), ("qkv.b", (3 * H,)),
+    ("dense.w", (H, H)), ("dense.b", (H,)),
+    ("h_to_4h.w", (4 * H, H)), ("h_to_4h.b", (4 * H,)),
+    ("4h_to_h.w", (H, 4 * H)), ("4h_to_h.b", (H,)),
+]
+
+
+def neox_20b(trainable) -> list[ParamSpec]:
+    """GPT-NeoX-20B's parameter shapes; `trainable(name)` picks the kind."""
+    def spec(name, shape, group):
+        return ParamSpec(name, shape, trainable(name.split(".", 1)[-1]), group)
+
+    params = [spec("embed", (VOCAB, H), 0)]
+    for i in range(44):
+        params += [spec(f"l{i}.{n}", s, i + 1) for n, s in NEOX_LAYER]
+    params += [spec("ln_f.w", (H,), 45), spec("ln_f.b", (H,), 45)]
+    params.append(spec("head", (VOCAB, H), 46))
+    return params
+
+
+def numel(name: str) -> int:
+    return math.prod(dict(NEOX_LAYER)[name])
+
+
+def neox_config() -> ChunkSearchConfig:
+    # The engine's align (64) on 2 ranks: a granule of 128, which divides h.
+    return ChunkSearchConfig(
+        hidden_dim=H, search_range_m=1.0, prefetch_depth=1, align=64
+    )
+
+
+def test_gpt_neox_20b_is_fast_and_packs_a_layer_into_three_chunks():
+    params = neox_20b(lambda name: True)
+    began = time.perf_counter()
+    result = search_chunk_size(params, 2, config=neox_config())
     elapsed = time.perf_counter() - began
     assert elapsed < 5.0, f"search took {elapsed:.1f} s"
 
     assert result.excluded == ("embed", "head")
-    assert result.candidates_in_range == MEBI // h + 1
-    # The start is the 4h x h projection. The best size is the smallest that
-    # holds the layer norms, QKV and the attention output in one chunk: then the
-    # MLP's two halves (with the biases) fill one chunk each almost exactly.
-    numels = [params[1 + k].numel for k in range(len(layer))]
-    assert result.candidates[0].chunk_numel == 4 * h * h
-    assert result.chunk_numel == sum(numels[:7])
-    assert len(result.layout.chunks_of_group(1)) == 3
+    assert result.candidates_in_range == MEBI // H + 1
+    # The start is the 4h x h projection; the range (2^20 < h^2) never reaches
+    # a layer. The best size is the smallest that holds the layer norms, QKV
+    # and the attention output weight in one chunk; the attention output bias
+    # and the first MLP half then fit the second chunk, and the second MLP half
+    # is the trimmed third.
+    first = ["ln1.w", "ln1.b", "ln2.w", "ln2.b", "qkv.w", "qkv.b", "dense.w"]
+    second = ["dense.b", "h_to_4h.w", "h_to_4h.b"]
+    third = ["4h_to_h.w", "4h_to_h.b"]
+    assert result.candidates[0].chunk_numel == numel("h_to_4h.w")
+    c = sum(map(numel, first))
+    assert result.chunk_numel == c
+    chunks = result.layout.chunks_of_group(1)
+    assert [x.chunk_numel for x in chunks] == [c, c, sum(map(numel, third))]
+    # Padding: only the second chunk's tail, c - (dense.b + the first MLP half).
+    per_layer = c - sum(map(numel, second))
+    assert per_layer == 2 * H
+    # The final layer norm's group is one trimmed chunk with no padding.
+    assert result.padding == 44 * per_layer
+    # The largest gradient buffer is the trainable embedding's, in fp32.
+    assert result.grad_buffer_bytes == 4 * VOCAB * H
+
+
+def test_gpt_neox_20b_bias_only_has_no_trainable_padding():
+    # The project's bias-only fine-tune trains three biases per layer.
+    biases = ("qkv.b", "dense.b", "h_to_4h.b")
+    params = neox_20b(lambda name: name in biases)
+    result = search_chunk_size(params, 2, config=neox_config())
+    # The frozen part decides: layer norms, QKV and attention output weights
+    # fill the first frozen chunk, the MLP weights one each (the second one
+    # trimmed, with the last bias); the biases share one trimmed chunk.
+    c = sum(map(numel, ["ln1.w", "ln1.b", "ln2.w", "ln2.b", "qkv.w", "dense.w"]))
+    assert result.chunk_numel == c
+    trainable = [x for x in result.layout.chunks_of_group(1) if x.trainable]
+    assert [x.chunk_numel for x in trainable] == [sum(map(numel, biases))]
+    assert result.layout.padding(trainable=True) == 0
+    # So the layout costs ZeRO's formula, with the frozen padding counted as
+    # frozen elements.
+    psi_t = sum(p.numel for p in params if p.trainable)
+    psi_f = sum(p.numel for p in params if not p.trainable)
+    frozen_padding = result.layout.padding(trainable=False)
+    assert layout_model_states(result.layout) == zero_model_states(
+        psi_t, psi_f + frozen_padding, 2
+    )
 
 
 @pytest.mark.parametrize(
@@ -199,6 +370,8 @@ def test_gpt_neox_20b_is_fast_and_packs_the_attention_into_one_chunk():
         ("prefetch_depth", -1),
         ("align", 0),
         ("param_bytes", 0),
+        ("grad_bytes", 0),
+        ("grad_bytes", 2.5),
         ("memory_weight", -0.5),
         ("max_candidates", 0),
     ],

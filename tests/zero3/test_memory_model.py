@@ -7,6 +7,7 @@ from labml_zero.zero3.memory_model import (
     Traffic,
     ddp_step_comm,
     gathered_peak,
+    largest_grad_buffer,
     layout_model_states,
     peak_window_numel,
     ring_wire_bytes,
@@ -17,23 +18,24 @@ from labml_zero.zero3.memory_model import (
 
 def mixed_layout():
     """
-    Chunk size 8 on 2 ranks (shards of 4):
+    Chunk size 8 on 2 ranks (a granule of 2); `w` (6) and `v` (3) trainable in
+    group 0, `f` (5) frozen in group 0, `b` (3) trainable in group 1:
 
-    * chunk 0, group 0, trainable: `w` (6) + 2 padding
-    * chunk 1, group 0, frozen: `f` (4) + 4 padding
-    * chunk 2, group 1, trainable: `b` (3) + 5 padding
+    * chunk 0, group 0, trainable: `w` (6) + 2 padding (`v` does not fit: 9 > 8)
+    * chunk 1, group 0, frozen: `f` (5) + 1, the frozen tail, trimmed to 6
+    * chunk 2, group 0, trainable: `v` (3) + 1, the trainable tail, trimmed to 4
+    * chunk 3, group 1, trainable: `b` (3) + 1, trimmed to 4
     """
     params = [
         ParamSpec("w", (2, 3), True, 0),
-        ParamSpec("f", (4,), False, 0),
+        ParamSpec("f", (5,), False, 0),
+        ParamSpec("v", (3,), True, 0),
         ParamSpec("b", (3,), True, 1),
     ]
     layout = plan_chunks(params, 8, 2)
-    assert [(c.group, c.trainable, c.padding) for c in layout.chunks] == [
-        (0, True, 2),
-        (0, False, 4),
-        (1, True, 5),
-    ]
+    assert [
+        (c.group, c.trainable, c.chunk_numel, c.padding) for c in layout.chunks
+    ] == [(0, True, 8, 2), (0, False, 6, 1), (0, True, 4, 1), (1, True, 4, 1)]
     return layout
 
 
@@ -77,16 +79,28 @@ def test_zero_model_states_rejects_bad_input(kwargs, name):
 
 def test_layout_model_states_counts_padding():
     layout = mixed_layout()
-    # Shards of 4: two trainable chunks at 2 + 2 + 12, one frozen at 2.
-    assert layout_model_states(layout) == 4 * 16 + 4 * 2 + 4 * 16
+    # Shards of 4, 3, 2, 2: trainable 4 + 2 + 2 = 8 elements at 2 + 2 + 12,
+    # frozen 3 at 2.
+    assert layout_model_states(layout) == 8 * 16 + 3 * 2
     # fp32 parameters and gradients, separate master: 4 + 4 + 12 per element.
     fp32 = dict(param_bytes=4, grad_bytes=4, optimizer_bytes=12)
-    assert layout_model_states(layout, **fp32) == 4 * 20 + 4 * 4 + 4 * 20
+    assert layout_model_states(layout, **fp32) == 8 * 20 + 3 * 4
     # The parameter shard is the master: only the two moments remain, 4 + 4 + 8.
     assert (
         layout_model_states(layout, **fp32, master_aliases_param=True)
-        == 4 * 16 + 4 * 4 + 4 * 16
+        == 8 * 16 + 3 * 4
     )
+
+
+def test_a_trimmed_trainable_tail_costs_what_it_holds():
+    # Bias-only in miniature: a frozen weight of 16 and a trainable bias of 4,
+    # chunk size 16 on 2 ranks. The bias chunk is trimmed to 4, so the layout
+    # costs the formula: 16 * 4 / 2 + 2 * 16 / 2 = 32 + 16 = 48. A whole chunk
+    # of 16 for the bias would cost 16 * 16 / 2 + 16 = 144, three times as much.
+    params = [ParamSpec("w", (4, 4), False, 0), ParamSpec("bias", (4,), True, 0)]
+    layout = plan_chunks(params, 16, 2)
+    assert [c.chunk_numel for c in layout.chunks] == [16, 4]
+    assert layout_model_states(layout) == zero_model_states(4, 16, 2) == 48
 
 
 def test_layout_without_padding_matches_the_paper():
@@ -127,21 +141,36 @@ def test_gathered_peak_rejects_negative_depth():
         gathered_peak(mixed_layout(), -1, 2)
 
 
+# Gradient buffer
+
+
+def test_largest_grad_buffer_is_the_largest_trainable_chunk():
+    layout = mixed_layout()
+    # Trainable chunks of 8, 4 and 4 (the frozen 6 has no gradient): in fp32,
+    # 4 * 8 bytes.
+    assert largest_grad_buffer(layout, 4) == 32
+    # Nothing trains: no buffer.
+    frozen = plan_chunks([ParamSpec("f", (5,), False, 0)], 8, 1)
+    assert largest_grad_buffer(frozen, 4) == 0
+    with pytest.raises(ValueError, match="grad_bytes"):
+        largest_grad_buffer(layout, 0)
+
+
 # Communication
 
 
 def test_zero3_step_comm_by_hand():
     layout = mixed_layout()
     comm = zero3_step_comm(layout, param_bytes=2, grad_bytes=4)
-    # Forward and backward gather all 3 chunks of 8 in bf16.
-    assert comm.forward_all_gather == Traffic(3, 24, 48)
-    assert comm.backward_all_gather == Traffic(3, 24, 48)
-    # The two trainable chunks are reduce-scattered in fp32.
-    assert comm.reduce_scatter == Traffic(2, 16, 64)
-    assert (comm.collectives, comm.numel, comm.nbytes) == (8, 64, 160)
-    # Backward that re-gathers only group 1 (its one trainable chunk).
+    # Forward and backward gather all 4 chunks, 8 + 6 + 4 + 4 = 22, in bf16.
+    assert comm.forward_all_gather == Traffic(4, 22, 44)
+    assert comm.backward_all_gather == Traffic(4, 22, 44)
+    # The three trainable chunks, 8 + 4 + 4 = 16, are reduce-scattered in fp32.
+    assert comm.reduce_scatter == Traffic(3, 16, 64)
+    assert (comm.collectives, comm.numel, comm.nbytes) == (11, 60, 152)
+    # Backward that re-gathers only group 1 (its one trainable chunk of 4).
     partial = zero3_step_comm(layout, backward_groups=[1])
-    assert partial.backward_all_gather == Traffic(1, 8, 16)
+    assert partial.backward_all_gather == Traffic(1, 4, 8)
 
 
 def test_zero3_is_three_psi_and_ddp_two_psi():
