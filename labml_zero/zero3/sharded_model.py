@@ -121,6 +121,7 @@ def choose_chunk_numel(
         prefetch_depth=config.prefetch_depth,
         align=config.align,
         param_bytes=torch.tensor([], dtype=config.dtype).element_size(),
+        grad_bytes=torch.tensor([], dtype=config.reduce_dtype).element_size(),
     )
     return search_chunk_size(specs, world_size, config=search).chunk_numel
 
