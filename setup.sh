@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv for labml_zero on a fresh machine.
 #   bash setup.sh          the package and what the fine-tune needs
-#   bash setup.sh test     also the test and docs extras
+#   bash setup.sh test     also the test and docs extras, and Chromium for the
+#                          test that renders a page of the notes
 # torch goes in first, by exact version, so that pip takes the CPU build this
 # machine keeps on disk instead of downloading a multi-GB CUDA build. Where torch
 # is already importable (a GPU image), it is left alone.
@@ -14,5 +15,16 @@ if ! $py -c "import torch" 2>/dev/null; then
     $py -m pip install -q "torch==${LABML_ZERO_TORCH:-2.13.0}"
 fi
 extras=""
-if [ "${1:-}" = "test" ]; then extras="[test,docs]"; fi
+if [ "${1:-}" = "test" ]; then
+    extras="[test,docs]"
+    if ! command -v chromium >/dev/null 2>&1; then
+        if [ "$(id -u)" = "0" ]; then
+            apt-get update -qq >/dev/null && \
+                DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+        else
+            echo "setup.sh: install Debian's chromium (sudo apt-get install chromium)" \
+                 "for the notes' rendering test" >&2
+        fi
+    fi
+fi
 $py -m pip install -q -e ".${extras}"
