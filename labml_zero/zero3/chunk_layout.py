@@ -47,6 +47,11 @@ Padding is memory that every rank stores (sharded) and every collective moves, s
 the layout reports it; the search trades it against the size of the gathered
 chunks.
 
+The layout of a Pythia-160M-shaped model on two ranks, at two chunk sizes,
+computed by `plan_chunks` itself:
+
+![chunk layout](figures/chunk_layout.svg)
+
 ## Limitations
 
 * A parameter shared by two groups (tied weights) must belong to one group only;

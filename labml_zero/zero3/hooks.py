@@ -35,6 +35,11 @@ Backward, for each unit in reverse:
    reduces zeros: every rank must take part in every collective), make the compute
    stream wait for the reductions, release whatever is still gathered.
 
+A measured step (the kernels of one GPU, from `torch.profiler`, converted by
+`bench/timeline.py`):
+
+![training step timeline](figures/step_timeline.svg)
+
 Every hook is registered on the tensors of *this* step (outputs, inputs) or on the
 parameters themselves (`register_post_accumulate_grad_hook`), so the hooks fire on
 every step. (labml-nn hooked the gradient accumulator node of a view, which

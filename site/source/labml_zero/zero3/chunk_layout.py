@@ -31,16 +31,26 @@ layouts and the tests can check layouts by hand.
   When the next parameter does not fit in the open chunk, the chunk is closed and
   its tail is *padding*.
 * A parameter larger than the chunk size gets a chunk of its own, sized to fit
-  (ColossalAI does the same); every other chunk has the one common size.
+  (ColossalAI does the same).
+* The last chunk of each kind in a group is trimmed to what it holds (rounded as
+  below); every other chunk has the one common size. Without the trim, a group
+  whose trainable part is tiny (the biases of a layer, in bias-only fine-tuning)
+  would still carry a whole chunk of trainable padding, at 16 bytes an element:
+  for GPT-NeoX-20B bias-only that is 3.6 times the model states ZeRO promises.
 * Each parameter starts at a multiple of `align` elements, so that vectorised
   kernels see aligned views; the skipped elements are padding too.
-* A chunk's size is a multiple of $N_d$ (the world size), so that it splits into
-  $N_d$ equal shards of `chunk_numel / N_d` elements; rank $r$ keeps elements
-  $[r \cdot S, (r+1) \cdot S)$ with $S$ the shard size.
+* A chunk's size is a multiple of $N_d \cdot$ `align` ($N_d$ the world size), so
+  that it splits into $N_d$ equal, aligned shards of $S$ elements; rank $r$ keeps
+  elements $[r S, (r+1) S)$.
 
 Padding is memory that every rank stores (sharded) and every collective moves, so
 the layout reports it; the search trades it against the size of the gathered
 chunks.
+
+The layout of a Pythia-160M-shaped model on two ranks, at two chunk sizes,
+computed by `plan_chunks` itself:
+
+![chunk layout](figures/chunk_layout.svg)
 
 ## Limitations
 
@@ -172,12 +182,12 @@ def round_up(value: int, multiple: int) -> int:
 def plan_chunks(
     params: Sequence[ParamSpec], chunk_numel: int, world_size: int, *, align: int = 1
 ) -> ChunkLayout:
-    """
+    r"""
     ## Pack parameters into chunks
 
     * `params` in execution order; their `group`s must not decrease.
     * `chunk_numel` is the wanted chunk size; it is rounded up to a multiple of
-      $N_d$ (`world_size`) so that every shard has the same size.
+      $N_d \cdot$ `align` so that every shard has the same, aligned size.
     * `align` is the element alignment of each parameter's offset.
     """
     if world_size < 1:
@@ -186,7 +196,9 @@ def plan_chunks(
         raise ValueError(f"chunk_numel must be at least 1, got {chunk_numel}")
     if align < 1:
         raise ValueError(f"align must be at least 1, got {align}")
-    chunk_numel = round_up(chunk_numel, world_size)
+    # the granule of chunk sizes: N_d aligned shards
+    unit = world_size * align
+    chunk_numel = round_up(chunk_numel, unit)
 
     chunks: list[ChunkSpec] = []
     by_group: dict[int, list[int]] = {}
@@ -211,7 +223,7 @@ def plan_chunks(
         if spec.group != current_group:
             # Chunks never span groups: close both open chunks of the last group.
             for kind in (True, False):
-                close(current_group, kind, open_slots[kind], chunk_numel)
+                close(current_group, kind, open_slots[kind], round_up(fill[kind], unit))
                 open_slots[kind], fill[kind] = [], 0
             current_group = spec.group
 
@@ -219,7 +231,7 @@ def plan_chunks(
         if spec.numel > chunk_numel:
             # An oversized parameter (a vocabulary embedding, say) gets a chunk of
             # its own; the open chunk of its kind stays open for the next ones.
-            size = round_up(spec.numel, world_size)
+            size = round_up(spec.numel, unit)
             close(spec.group, kind, [ParamSlot(index, 0, spec.numel)], size)
             continue
         offset = round_up(fill[kind], align)
@@ -230,7 +242,7 @@ def plan_chunks(
         fill[kind] = offset + spec.numel
 
     for kind in (True, False):
-        close(current_group, kind, open_slots[kind], chunk_numel)
+        close(current_group, kind, open_slots[kind], round_up(fill[kind], unit))
     # Sort each group's chunks into execution order of their first parameter,
     # so trainable and frozen chunks interleave the way the layer uses them.
     chunks.sort(key=lambda c: (c.group, c.slots[0].param_index))

@@ -1,8 +1,7 @@
 r"""
 ---
 title: Chunk-size search
-summary: Simulate the packing for candidate chunk sizes and keep the one that wastes
-  least memory and traffic without raising the peak of gathered parameters.
+summary: Pick the chunk size that trades padding against gathered and gradient memory.
 ---
 
 # Chunk-size search
@@ -25,23 +24,26 @@ $$c_0 = h \left\lceil \frac{\max(c_{\min}, n_{\max})}{h} \right\rceil$$
 with $c_{\min}$ = `min_chunk_size_m` $\cdot 2^{20}$ and $n_{\max}$ the largest
 parameter not excluded (below): a smaller chunk would leave that parameter
 oversized. The candidates are $c_0, c_0 + h, \dots$ up to $c_0 + R$ with
-$R$ = `search_range_m` $\cdot 2^{20}$. All of this is ColossalAI's rule.
+$R$ = `search_range_m` $\cdot 2^{20}$. All of this is ColossalAI's rule. Each
+candidate is then rounded up to the layout's granule $N_d \cdot$ `align`.
 
 *Very large parameters are excluded* (`filter_exlarge_params`, ColossalAI's rule
 too): a parameter with more than $\mu + 3\sigma$ elements, $\mu$ and $\sigma$ the
 mean and standard deviation of all parameter sizes, does not set $n_{\max}$.
 In GPT-NeoX that is the two $50432 \times h$ embeddings; sizing every chunk for
-them would pad every layer to the size of a vocabulary. They are still packed:
-the layout gives a parameter larger than $c$ a chunk of its own.
+them would make the candidates larger than a layer. They are still packed: the
+layout gives a parameter larger than $c$ a chunk of its own.
 
 ## The objective
 
 For a candidate $c$, let $C_k$ be the size of chunk $k$ and $u_k$ the elements of
-parameters in it, and let $p$ be the bytes of the parameter dtype. We minimize
+parameters in it, $p$ the bytes of the parameter dtype and $g$ those of the
+reduce dtype (`grad_bytes`). We minimize
 
 $$\text{score}(c) = \underbrace{p \sum_k (C_k - u_k)}_{\text{waste}}
-+ \lambda \cdot \underbrace{p \max_i \sum_{j=i}^{i+d} C(\text{group}_j)}_
-{\text{peak gathered}}$$
++ \lambda \Big( \underbrace{p \max_i \sum_{j=i}^{i+d} C(\text{group}_j)}_
+{\text{peak gathered}} + \underbrace{g \max_{k \text{ trainable}} C_k}_
+{\text{gradient buffer}} \Big)$$
 
 * *Waste* is the padding of all chunks in bytes. Every rank stores its share of
   it (summed over ranks, the whole of it), every all-gather moves it and every
@@ -50,48 +52,75 @@ $$\text{score}(c) = \underbrace{p \sum_k (C_k - u_k)}_{\text{waste}}
   the engine gathers a layer's chunks whole and prefetches the next $d$
   (`prefetch_depth`) layers, so the largest sum over $d + 1$ consecutive groups
   is the most parameter memory that is ever gathered at once.
-* $\lambda$ (`memory_weight`) prices a byte of peak against a byte of waste.
+* *Gradient buffer* is the memory model's `largest_grad_buffer`: in backward each
+  trainable chunk adds its parameters' gradients into a full-size buffer of
+  $C_k$ elements in the reduce dtype, and reduce-scatters and frees it only once
+  all of them have arrived.
+* $\lambda$ (`memory_weight`) prices a byte of peak memory against a byte of
+  waste.
 
-Padding alone cannot see *where* the padding sits. Every byte of the peak must fit
-on the GPU at one moment, next to the activations; padding in a small layer that
-never sets the peak costs only its sharded storage and some traffic. Because a
-group is gathered whole, the peak is the window's parameters (a constant of the
-model) plus the window's padding: the second term counts the padding that hurts
-most a second time. A small case (the tests' first one): layer 0 holds
-parameters of 2 and 3 elements, layer 1 one of 1, and $d = 0$.
+### Why not padding alone
 
-| $c$ | chunks | padding | peak | score, $\lambda = 2$ |
-|---|---|---|---|---|
-| 3 | `[2.] [3]`, `[1..]` | 3 | 6 | 15 |
-| 4 | `[2..] [3.]`, `[1...]` | 6 | 8 | 22 |
-| 5 | `[2 3]`, `[1....]` | 4 | 5 | 14 |
+The layout trims the last chunk of each kind in a group to what it holds, so
+padding sits only in the *regular* chunks (of size $c$) that a parameter did not
+fit into, and in alignment gaps. A candidate that holds a whole group packs it
+into one trimmed chunk with no padding at all: padding alone favours one giant
+chunk per group, as soon as the range reaches the size of a layer.
 
-Padding alone picks $c = 3$: it splits layer 0 into two chunks, two collectives
-each way instead of one, and gathers 6 elements for it instead of 5. $c = 5$ pads
-more, but in layer 1, which never sets the peak; the score picks it.
+The peak of gathered parameters does not stop that. A group is gathered whole,
+so the peak is the window's parameters (a constant of the model) plus the
+window's padding: it counts the padding that hurts most a second time, but a
+giant chunk has none.
+
+What does grow with $c$ is the gradient buffer. A giant chunk holds the whole
+layer's gradient at once, and its reduce-scatter waits for the layer's last
+gradient, so none of the layer's gradient traffic overlaps the layer's backward.
+With smaller chunks a chunk whose parameters are done (in backward, the ones used
+last in forward) is reduced and freed while the rest of the layer runs. The
+score makes that trade explicit. A small case (the tests' first one): layer 0
+holds parameters of 2 and 3 elements, layer 1 one of 1, $d = 0$, bf16
+parameters ($p = 2$), fp32 gradients ($g = 4$), $\lambda = 1$; sizes in elements,
+the score in bytes.
+
+| $c$ | chunks | padding | peak | gradient buffer | score |
+|---|---|---|---|---|---|
+| 3 | `[2.] [3]`, `[1]` | 1 | 6 | 3 | $2 + 12 + 12 = 26$ |
+| 4 | `[2..] [3]`, `[1]` | 2 | 7 | 4 | $4 + 14 + 16 = 34$ |
+| 5 | `[2 3]`, `[1]` | 0 | 5 | 5 | $0 + 10 + 20 = 30$ |
+
+Padding alone picks $c = 5$, one chunk per layer. The score picks $c = 3$: one
+element of padding and one more gathered, but layer 0's gradient is reduced in
+two pieces of at most 3, the first as soon as the second parameter's gradient is
+in. In a real model the same trade sets how many chunks a layer gets.
 
 *Ties go to the larger chunk.* A tie means both sizes cost the same by this
 measure; the larger one usually moves the same elements in fewer chunks (with
-$\lambda = 1$ above, $c = 3$ and $c = 5$ tie at 9, with 9 and 6 collectives per
+$p = g = 1$ above, $c = 3$ and $c = 5$ tie at $10$, with 9 and 6 collectives per
 step), and fewer, larger collectives use the links better: on 2×H200 an
 all-gather reaches 183 GB/s with a 32 MiB result and 254 GB/s at 512 MiB (see
-`ANCHORS.md`). ColossalAI keeps the first (smallest) size instead. The number of
+`ANCHORS.md`). ColossalAI keeps the first (smallest) size instead. One exception:
+a larger size that packs every group into the same chunks as a smaller one is the
+same layout under another name, and the smaller, the first size that gives it, is
+kept (see "Cost": this is what makes skipping such sizes exact). The number of
 collectives per step is in every row of the table, so the bandwidth side can be
 read off it.
 
 ## Where we depart from ColossalAI
 
-* We simulate the packer we run: chunks never span a layer and trainable and
-  frozen parameters never share a chunk. ColossalAI packs one stream of
-  parameters, so its waste ignores the padding those boundaries cause.
-* Each candidate is rounded up to a multiple of $N_d$ *before* it is scored, so the
-  score is the score of the layout used; ColossalAI rounds the winner afterwards.
-  Candidates that round to the same size are scored once.
+* We simulate the packer we run: chunks never span a layer, trainable and frozen
+  parameters never share a chunk, and each group's last chunk of a kind is
+  trimmed. ColossalAI packs one stream of parameters, so its waste ignores the
+  padding those boundaries cause.
+* Each candidate is rounded up to the granule $N_d \cdot$ `align` *before* it is
+  scored, so the score is the score of the layout used; ColossalAI rounds the
+  winner afterwards. Candidates that round to the same size are scored once.
 * Excluded parameters are still in the layout we score (in their own chunks);
   ColossalAI leaves them out of the waste.
+* ColossalAI scores padding alone; we add the peak memory terms above.
 * ColossalAI keeps a model smaller than $c_{\min}$ gathered and unsharded; we
   always shard. For that reason `min_chunk_size_m` defaults to $0$, not $32$: with
-  chunks confined to a layer, a floor above a layer's size is pure padding.
+  chunks confined to a layer, a floor above a layer's size only makes every layer
+  one giant chunk.
 
 ## Cost
 
@@ -102,39 +131,55 @@ $32 \cdot 2^{20}$ at $h = 6144$) to about a second of pure Python:
 * *Repeated layers are packed once.* A group's packing depends only on its own
   parameters, so groups with the same parameter sizes and kinds share one plan
   per candidate, and the totals are weighted by how often each shape repeats.
-* *Saturated candidates are skipped.* Once every group's trainable and frozen
-  parameters each fit in one chunk, a larger $c$ only grows every chunk: padding
-  rises strictly and the peak never falls, so no larger candidate can win until
-  one reaches the size of an oversized parameter and changes the packing.
+* *Saturated candidates are skipped.* Once each group's trainable parameters, and
+  its frozen ones, fit in one chunk (oversized parameters aside, in chunks of
+  their own), a larger $c$ packs every group into exactly the same chunks: every
+  parameter is placed where it was, the one chunk of a kind is the group's last
+  and so trimmed to the same size, and an oversized parameter's chunk does not
+  depend on $c$. Waste, peak and gradient buffer all stay equal, and the tie rule
+  keeps the smaller size, so the search jumps to the next size at which a
+  parameter stops being oversized, the first at which the packing can change.
+  The tests check this against scoring every candidate.
 
 ## GPT-NeoX-20B
 
 A layer holds four layer-norm vectors of $h$, QKV ($3h \times h$ and $3h$), the
 attention output ($h \times h$, $h$) and the MLP ($4h \times h$, $4h$,
-$h \times 4h$, $h$). The embeddings are excluded, so the range starts at
-$c_0 = 4h^2$, the MLP weights. At $c_0$ the attention output does not fit next
-to QKV, nor a bias next to an MLP weight: six chunks per layer, half of their
-elements padding. At $c_0 + 7h$ the layer norms, QKV and the attention output
-fill the first chunk exactly and each MLP half, with the biases, fills one more
-chunk within $6h$ elements. The search picks that size,
-three all-gathers per layer and $0.7\%$ padding in full fine-tuning, most of it
-the chunk of the final layer norm (next section).
+$h \times 4h$, $h$): $12h^2 + 13h$ elements. The embeddings are excluded, so the
+range starts at $c_0 = 4h^2$, the MLP weights, and with $R = 32 \cdot 2^{20}
+< h^2$ it never reaches a layer: the giant chunk is out of reach, and so is any
+packing into two chunks ($8h^2 + 12h$ would hold all but the last MLP weight).
+At $c_0$ the attention output does not fit next to QKV, nor a bias next to an MLP
+weight: six chunks per layer, $40\%$ of their elements padding. At $c_0 + 7h$
+the layer norms, QKV and the attention output weight fill the first chunk
+exactly, the attention output bias and the first MLP half fill the second within
+$2h$, and the second MLP half is the trimmed third chunk. The search picks that
+size: three all-gathers per layer and $2h$ of padding per layer, $0.003\%$ of the
+model in full fine-tuning. The gradient buffer does not move it: the embedding,
+trainable and in a chunk of its own, has the largest gradient buffer of all.
+
+Bias-only ($3h$, $h$ and $4h$ of biases trainable per layer) picks $c_0 + 4h$
+(layer norms, QKV and attention output weights in one frozen chunk) and each
+layer's $8h$ trainable elements share one trimmed chunk with no padding: the
+trainable model states are exactly ZeRO's $(p + g + K)\Psi_t / N_d$.
 
 ## Limitations
 
 * The score weighs trainable and frozen padding alike, though a trainable
   element also costs a gradient and optimizer state ($g + K$ bytes per element,
   sharded); `layout_model_states` on the result gives the exact bytes.
-* Bandwidth enters only as the tie rule. A latency term (a cost per collective)
-  would let the search trade a little padding for fewer calls; it needs measured
-  constants per machine.
-* The peak counts parameters only, not the gradient buffers or activations that
-  are live at the same time, and it assumes the engine's whole-group gather.
-* One size for all chunks: a group smaller than $c$ still takes a whole chunk.
-  The final layer norm of GPT-NeoX-20B ($2h$ elements) gets a chunk of $4h^2$;
-  in bias-only training every layer's trainable chunk (its biases and norms,
-  $11h$ elements) does, a third of all chunk memory. The search can only choose
-  among such layouts, not fix them.
+* Bandwidth enters only as the tie rule, and overlap only through the size of
+  the gradient buffer. A latency term (a cost per collective) would let the
+  search trade a little padding for fewer calls; it needs measured constants per
+  machine.
+* The peak terms count the gathered parameters and *one* gradient buffer, not
+  the other buffers live at the same time or the activations, and they assume
+  the engine's whole-group gather. A trainable parameter larger than every
+  candidate (a trainable embedding) sets the gradient buffer alone, and then the
+  term cannot tell the candidates apart.
+* One common size for the regular chunks: a layer's chunks cannot each take the
+  size that its parameters fill exactly. The trim fixes only each group's last
+  chunk of a kind.
 """
 
 from __future__ import annotations
@@ -145,8 +190,18 @@ import statistics
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-from labml_zero.zero3.chunk_layout import ChunkLayout, ParamSpec, plan_chunks, round_up
-from labml_zero.zero3.memory_model import peak_window_numel, zero3_step_comm
+from labml_zero.zero3.chunk_layout import (
+    ChunkLayout,
+    ChunkSpec,
+    ParamSpec,
+    plan_chunks,
+    round_up,
+)
+from labml_zero.zero3.memory_model import (
+    largest_grad_buffer,
+    peak_window_numel,
+    zero3_step_comm,
+)
 
 __all__ = [
     "ChunkSearchConfig",
@@ -183,8 +238,7 @@ class ChunkSearchConfig:
     search_range_m: float = 32.0
     r"""
     Width of the range of candidates, in $2^{20}$ elements (ColossalAI's 32):
-    $\lfloor R / h 
-floor + 1$ candidates, 5462 at $h = 6144$.
+    $\lfloor R / h \rfloor + 1$ candidates, 5462 at $h = 6144$.
     """
 
     filter_exlarge_params: bool = True
@@ -210,11 +264,19 @@ floor + 1$ candidates, 5462 at $h = 6144$.
     Bytes per element of the parameter dtype, $p$: 2 for bf16 or fp16, 4 for fp32.
     """
 
+    grad_bytes: int = 4
+    """
+    Bytes per element of the reduce dtype, $g$, in which a trainable chunk's
+    full-size gradient buffer is kept: 4 for the engine's default fp32, 2 for a
+    bf16 reduce.
+    """
+
     memory_weight: float = 1.0
     r"""
-    $\lambda$: a byte of peak gathered memory costs as much as $\lambda$ bytes of
-    waste. At $1$ they count alike, so peak padding counts twice; $0$ scores
-    padding alone.
+    $\lambda$: a byte of peak memory (gathered parameters plus the largest
+    gradient buffer) costs as much as $\lambda$ bytes of waste. At $1$ they count
+    alike, so padding in the peak window counts twice; $0$ scores padding alone,
+    which favours one giant chunk per layer.
     """
 
     max_candidates: int = 100_000
@@ -229,10 +291,12 @@ floor + 1$ candidates, 5462 at $h = 6144$.
             ("prefetch_depth", 0),
             ("align", 1),
             ("param_bytes", 1),
+            ("grad_bytes", 1),
             ("max_candidates", 1),
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < minimum:
+            integer = isinstance(value, int) and not isinstance(value, bool)
+            if not integer or value < minimum:
                 raise ValueError(
                     f"{name} must be an integer >= {minimum}, got {value!r}"
                 )
@@ -267,14 +331,15 @@ floor + 1$ candidates, 5462 at $h = 6144$.
 
 
 class CandidateScore(NamedTuple):
-    """
+    r"""
     ## One row of the search table
 
-    * `chunk_numel` is the candidate after rounding to a multiple of $N_d$.
+    * `chunk_numel` is the candidate after rounding to the granule
+      $N_d \cdot$ `align`.
     * `chunks` is the number of chunks; `collectives` the collectives of one
       training step (forward and backward all-gathers, reduce-scatters).
-    * `padding` is in elements; `waste_bytes`, `peak_gathered_bytes` and `score`
-      are the terms of the objective.
+    * `padding` is in elements; `waste_bytes`, `peak_gathered_bytes`,
+      `grad_buffer_bytes` and `score` are the terms of the objective and its value.
     """
 
     chunk_numel: int
@@ -283,6 +348,7 @@ class CandidateScore(NamedTuple):
     padding: int
     waste_bytes: int
     peak_gathered_bytes: int
+    grad_buffer_bytes: int
     score: float
 
 
@@ -293,7 +359,7 @@ class ChunkSearchResult:
 
     * `layout` is the full layout for `chunk_numel`.
     * `candidates` are the rows scored, by increasing size; skipped candidates
-      (equal after rounding, or saturated) are not in it.
+      (equal after rounding, or packed as a saturated one is) are not in it.
     * `candidates_in_range` is how many sizes the range held.
     * `excluded` names the parameters left out of the start size.
     """
@@ -303,6 +369,7 @@ class ChunkSearchResult:
     padding: int
     waste_bytes: int
     peak_gathered_bytes: int
+    grad_buffer_bytes: int
     collectives: int
     score: float
     candidates: tuple[CandidateScore, ...]
@@ -330,33 +397,41 @@ def search_chunk_size(
     shapes, shape_of_group = group_shapes(params)
     # Every size a parameter has, sorted: where the set of oversized ones changes.
     param_sizes = sorted({spec.numel for spec in params})
+    granule = world_size * config.align
 
     rows: list[CandidateScore] = []
+    best: CandidateScore | None = None
+    best_chunks: list[tuple[ChunkSpec, ...]] = []
     last = 0
     # While saturated, candidates (after rounding) below this size are skipped.
     skip_below = 0
     for requested in range(start, start + config.search_range + 1, config.hidden_dim):
-        chunk_numel = round_up(requested, world_size)
+        chunk_numel = round_up(requested, granule)
         if chunk_numel == last or chunk_numel < skip_below:
             continue
         last = chunk_numel
-        row, saturated = score_candidate(
+        row, plans = score_candidate(
             shapes, shape_of_group, chunk_numel, world_size, config
         )
         rows.append(row)
-        if saturated:
-            # No larger candidate can win until a parameter stops being oversized.
+        chunks = [plan.chunks for plan in plans]
+        # Scanning by increasing size, a tie goes to the larger chunk (fewer,
+        # larger collectives), unless it is the same layout under another size.
+        if (
+            best is None
+            or row.score < best.score
+            or (row.score == best.score and chunks != best_chunks)
+        ):
+            best, best_chunks = row, chunks
+        if is_saturated(plans):
+            # Same chunks, so the same score, until a parameter stops being
+            # oversized (see "Cost").
             i = bisect.bisect_right(param_sizes, chunk_numel)
             if i == len(param_sizes):
                 break
             skip_below = param_sizes[i]
 
-    # The minimum score; scanning by increasing size with `<=` lets a tie go to
-    # the larger chunk (fewer, larger collectives).
-    best = rows[0]
-    for row in rows[1:]:
-        if row.score <= best.score:
-            best = row
+    assert best is not None, "the range always holds its first candidate"
     layout = plan_chunks(params, best.chunk_numel, world_size, align=config.align)
     return ChunkSearchResult(
         chunk_numel=best.chunk_numel,
@@ -364,6 +439,7 @@ def search_chunk_size(
         padding=best.padding,
         waste_bytes=best.waste_bytes,
         peak_gathered_bytes=best.peak_gathered_bytes,
+        grad_buffer_bytes=best.grad_buffer_bytes,
         collectives=best.collectives,
         score=best.score,
         candidates=tuple(rows),
@@ -442,21 +518,40 @@ def group_shapes(params: Sequence[ParamSpec]) -> tuple[list[GroupShape], list[in
     return shapes, shape_of_group
 
 
+def is_oversized(plan: ChunkLayout, chunk: ChunkSpec) -> bool:
+    """A chunk made for one parameter larger than the chunk size."""
+    first = chunk.slots[0]
+    oversized = plan.params[first.param_index].numel > plan.chunk_numel
+    return len(chunk.slots) == 1 and oversized
+
+
+def is_saturated(plans: Sequence[ChunkLayout]) -> bool:
+    """
+    #### Does every group hold at most one regular chunk of each kind?
+
+    Then a larger size packs every group into the same chunks, until one more
+    parameter stops being oversized (see "Cost").
+    """
+    return all(
+        sum(c.trainable == kind and not is_oversized(plan, c) for c in plan.chunks)
+        <= 1
+        for plan in plans
+        for kind in (True, False)
+    )
+
+
 def score_candidate(
     shapes: Sequence[GroupShape],
     shape_of_group: Sequence[int],
     chunk_numel: int,
     world_size: int,
     config: ChunkSearchConfig,
-) -> tuple[CandidateScore, bool]:
+) -> tuple[CandidateScore, list[ChunkLayout]]:
     """
     ### Score one candidate size
 
     Plans each distinct group shape once and adds up the totals, weighted by
-    the number of groups of each shape. Also returns whether the candidate is
-    *saturated*: every group holds at most one regular chunk (of size $c$) of
-    each kind, the rest being oversized parameters, whose chunks are larger
-    than $c$.
+    the number of groups of each shape; returns the row and the plans.
     """
     plans = [
         plan_chunks(shape.params, chunk_numel, world_size, align=config.align)
@@ -470,13 +565,11 @@ def score_candidate(
     )
     group_numels = [plans[i].total_numel() for i in shape_of_group]
     peak = peak_window_numel(group_numels, config.prefetch_depth) * config.param_bytes
+    # A maximum, not a sum: one shape's plan stands for all its groups.
+    grad_buffer = max(largest_grad_buffer(plan, config.grad_bytes) for plan in plans)
     waste = padding * config.param_bytes
-    saturated = all(
-        sum(c.chunk_numel == chunk_numel and c.trainable == kind for c in plan.chunks)
-        <= 1
-        for plan in plans
-        for kind in (True, False)
+    score = waste + config.memory_weight * (peak + grad_buffer)
+    row = CandidateScore(
+        chunk_numel, chunks, collectives, padding, waste, peak, grad_buffer, score
     )
-    score = waste + config.memory_weight * peak
-    row = CandidateScore(chunk_numel, chunks, collectives, padding, waste, peak, score)
-    return row, saturated
+    return row, plans

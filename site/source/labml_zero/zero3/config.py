@@ -59,6 +59,15 @@ class ZeroConfig:
     every unit's gathered chunks at the peak.
     """
 
+    activation_checkpointing: bool = False
+    """
+    Recompute each layer's activations in the backward pass instead of keeping
+    them (`torch.utils.checkpoint`, non-reentrant): activation memory falls from
+    every layer's to one layer's, for one more forward per layer. The recompute
+    finds the layer's chunks already gathered, so it costs no communication.
+    Applies to `Zero3Sequential`; with `shard_model`, checkpoint in the model.
+    """
+
     align: int = 64
     """
     Each parameter starts at a multiple of this many elements inside its chunk

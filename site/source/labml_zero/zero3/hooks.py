@@ -35,6 +35,11 @@ Backward, for each unit in reverse:
    reduces zeros: every rank must take part in every collective), make the compute
    stream wait for the reductions, release whatever is still gathered.
 
+A measured step (the kernels of one GPU, from `torch.profiler`, converted by
+`bench/timeline.py`):
+
+![training step timeline](figures/step_timeline.svg)
+
 Every hook is registered on the tensors of *this* step (outputs, inputs) or on the
 parameters themselves (`register_post_accumulate_grad_hook`), so the hooks fire on
 every step. (labml-nn hooked the gradient accumulator node of a view, which
@@ -359,6 +364,22 @@ class Zero3Runtime:
             self.last_forward_order = self.forward_order
         for unit in self.units:
             unit.expects_backward = False
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        r"""
+        ### Accumulate gradients without reducing them
+
+        Backward passes inside accumulate into each chunk's full-size gradient
+        buffer (held from one micro-batch to the next: $C \cdot g$ bytes per
+        trainable chunk); the first backward outside reduces the sum once. For $k$
+        micro-batches that is one reduce-scatter per step instead of $k$.
+        """
+        previous, self.sync_gradients = self.sync_gradients, False
+        try:
+            yield
+        finally:
+            self.sync_gradients = previous
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:

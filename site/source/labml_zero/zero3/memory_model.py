@@ -1,8 +1,7 @@
 r"""
 ---
 title: Memory and communication model
-summary: Analytic bytes per rank and per training step for ZeRO-3 with chunks, from the
-  ZeRO paper's formulas down to the exact bytes of one chunk layout.
+summary: Analytic bytes per rank and step for ZeRO-3 with chunks, formulas to layouts.
 ---
 
 # Memory and communication model
@@ -34,15 +33,17 @@ parameter has neither gradient nor optimizer state. GPT-NeoX-20B
 rank with ZeRO-3 over $N_d = 8$; trained bias-only ($\Psi_t \approx 3$ M biases)
 it needs little more than the $2\Psi_f / N_d$ of its frozen weights.
 
-A chunked layout stores a little more than the formula: every chunk is padded
-(see [chunk layout](chunk_layout.html)), and the padding has the same cost per
-element as the parameters in the chunk. The exact bytes per rank are
+A chunked layout stores a little more than the formula: chunks are padded (see
+[chunk layout](chunk_layout.html)), and the padding has the same cost per element
+as the parameters in the chunk. The exact bytes per rank are
 
 $$M_{\text{layout}} = \sum_{c} \frac{C_c}{N_d}\, b_c, \qquad
-b_c = \begin{cases} p + g + K & c \text{ trainable} \ p & c \text{ frozen}
+b_c = \begin{cases} p + g + K & c \text{ trainable} \\ p & c \text{ frozen}
 \end{cases}$$
 
-with $C_c$ the size of chunk $c$, padding included, a multiple of $N_d$.
+with $C_c$ the size of chunk $c$, padding included, a multiple of $N_d$. Each
+group's last chunk of a kind is trimmed to what it holds, so a group whose
+trainable part is small (bias-only fine-tuning) pays for that part only.
 
 ## Gathered parameters
 
@@ -56,6 +57,19 @@ $$G = p \cdot \max_i \sum_{j = i}^{i + d} C(\text{group}_j)$$
 with $C(\text{group})$ the elements of a group's chunks. The windows of backward
 are the same sets of consecutive groups taken in the other order, so one maximum
 serves both passes.
+
+## Gradient buffers
+
+During backward a trainable chunk adds each parameter's gradient into a full-size
+buffer of $C_k$ elements in the reduce dtype ($g$ bytes, fp32 by default), from
+the first gradient that arrives until the last one, when it is reduce-scattered
+and freed. The largest of these buffers,
+
+$$B = g \cdot \max_{k \text{ trainable}} C_k,$$
+
+is live at some moment of every backward pass; unlike the gathered peak it grows
+with the chunk size even when a group is gathered whole, because one chunk per
+layer holds the whole layer's gradient at once.
 
 ## Communication per step
 
@@ -82,9 +96,10 @@ $\frac{1}{N_d}$ of its model states. `ring_wire_bytes` does that conversion.
 
 ## Limitations
 
-* Model states and gathered parameters only: activations, the full-size gradient
-  buffers that exist between backward and reduce-scatter, temporary buffers and
-  the allocator's fragmentation are not counted.
+* Model states, gathered parameters and the largest gradient buffer only:
+  activations, the other gradient buffers that are live at the same time (a chunk
+  waiting for its reduce-scatter while the next one accumulates), temporary
+  buffers and the allocator's fragmentation are not counted.
 * The peak assumes the engine's rule that a group is gathered and released whole,
   and that prefetch runs exactly $d$ groups ahead; a schedule that releases early
   or gathers chunk by chunk would need its own count.
@@ -103,6 +118,7 @@ __all__ = [
     "layout_model_states",
     "gathered_peak",
     "peak_window_numel",
+    "largest_grad_buffer",
     "Traffic",
     "StepComm",
     "zero3_step_comm",
@@ -222,6 +238,19 @@ def peak_window_numel(group_numels: Sequence[int], prefetch_depth: int) -> int:
         window += group_numels[i] - group_numels[i - width]
         peak = max(peak, window)
     return peak
+
+
+def largest_grad_buffer(layout: ChunkLayout, grad_bytes: int) -> int:
+    r"""
+    ## Largest full-size gradient buffer
+
+    $B = g \cdot \max_k C_k$ over the trainable chunks (oversized ones included:
+    an embedding's buffer is as real as any), in bytes of the reduce dtype
+    (`grad_bytes` is $g$); zero when nothing trains.
+    """
+    _check_at_least("grad_bytes", grad_bytes, 1)
+    sizes = [chunk.chunk_numel for chunk in layout.chunks if chunk.trainable]
+    return max(sizes, default=0) * grad_bytes
 
 
 class Traffic(NamedTuple):

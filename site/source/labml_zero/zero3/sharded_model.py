@@ -50,11 +50,12 @@ full-size gradient buffers of the chunks being reduced.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .chunk import Chunk
 from .chunk_layout import ChunkLayout, ParamSpec, plan_chunks, round_up
@@ -92,6 +93,21 @@ def one_chunk_per_kind(specs: Sequence[ParamSpec], align: int) -> int:
     return max(max(totals.values()), 1)
 
 
+def hidden_size(specs: Sequence[ParamSpec]) -> int:
+    """
+    #### The model's hidden size, the step of the chunk-size search
+
+    The most common last dimension of the matrices: in a transformer every
+    projection has $d$ columns or rows, so candidate sizes in steps of $d$ line up
+    with whole rows.
+    """
+    counts: dict[int, int] = {}
+    for spec in specs:
+        if len(spec.shape) >= 2:
+            counts[spec.shape[-1]] = counts.get(spec.shape[-1], 0) + 1
+    return max(counts, key=lambda d: (counts[d], d)) if counts else 1024
+
+
 def choose_chunk_numel(
     specs: Sequence[ParamSpec], world_size: int, config: ZeroConfig
 ) -> int:
@@ -101,9 +117,11 @@ def choose_chunk_numel(
     from .chunk_search import ChunkSearchConfig, search_chunk_size
 
     search = ChunkSearchConfig(
+        hidden_dim=hidden_size(specs),
         prefetch_depth=config.prefetch_depth,
         align=config.align,
         param_bytes=torch.tensor([], dtype=config.dtype).element_size(),
+        grad_bytes=torch.tensor([], dtype=config.reduce_dtype).element_size(),
     )
     return search_chunk_size(specs, world_size, config=search).chunk_numel
 
@@ -226,6 +244,21 @@ class Zero3Layer(nn.Module):
         """The shards the optimizer updates (labml-nn's name)."""
         return [c.shard for c in self.chunks if c.trainable]
 
+    def load_sharded(self, state: dict[str, torch.Tensor]) -> None:
+        """
+        ### Load the layer's weights into the shards
+
+        `state` maps parameter names (as in `module.state_dict()`) to full
+        tensors, typically on CPU; each rank copies only its slices. Every
+        parameter must be present.
+        """
+        for chunk in self.chunks:
+            for position, slot in enumerate(chunk.spec.slots):
+                name = self.layout.params[slot.param_index].name
+                if name not in state:
+                    raise KeyError(f"no tensor for parameter {name!r} in the state given")
+                chunk.load_param(position, state[name])
+
 
 class Zero3Sequential(nn.Module):
     """
@@ -251,10 +284,18 @@ class Zero3Sequential(nn.Module):
 
     def forward(self, x: Any) -> Any:
         self.runtime.begin_forward()
+        recompute = self.layers[0].config.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x)
+            if recompute:
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
         self.runtime.end_forward(x)
         return x
+
+    def no_sync(self):
+        """Accumulate gradients locally (see `Zero3Runtime.no_sync`)."""
+        return self.runtime.no_sync()
 
     def get_trainable_chunk(self) -> list[nn.Parameter]:
         return [p for layer in self.layers for p in layer.get_trainable_chunk()]
@@ -268,30 +309,72 @@ class Zero3Sequential(nn.Module):
             chunk.zero_grad()
 
 
+def materialize_on(module: nn.Module, device: torch.device) -> None:
+    """
+    #### Give a meta-device layer real, initialised weights on `device`
+
+    `to_empty` allocates the layer (uninitialised) and its own
+    `reset_parameters()` initialises it; every rank must draw the same values,
+    so seed the RNG identically on all ranks before sharding.
+    """
+    module.to_empty(device=device)
+    if not hasattr(module, "reset_parameters"):
+        raise ValueError(
+            f"{type(module).__name__} is on the meta device and has no "
+            "reset_parameters(): pass init= to initialise it"
+        )
+    with torch.no_grad():
+        module.reset_parameters()
+
+
+def on_meta(module: nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in module.parameters())
+
+
 def zero3_layers(
     modules: Sequence[nn.Module],
     *,
     device: torch.device | str,
     config: ZeroConfig | None = None,
     group: dist.ProcessGroup | None = None,
+    init: Callable[[nn.Module], None] | None = None,
 ) -> list[Zero3Layer]:
     """
     ## Shard a list of layers with one chunk size
 
     The chunk size is the config's, or searched over all the layers' parameters
-    together, so the chunks of every layer have the same size.
+    together (their shapes suffice: the layers may be on the meta device), so the
+    chunks of every layer have the same size.
+
+    ### Lazy initialisation
+
+    Layers built on the meta device hold no memory. They are materialised *one at a
+    time*, just before being sharded: allocated on `device`, initialised (by
+    `init(module)` if given, which may load pretrained weights, else by the layer's
+    `reset_parameters()`), sharded, and the full layer is freed before the next
+    one. A rank never holds more than one whole layer beyond its shards.
     """
     config = config or ZeroConfig()
-    comm = Communicator(torch.device(device), group=group)
+    device = torch.device(device)
+    comm = Communicator(device, group=group)
     specs, _ = param_specs([m.named_parameters() for m in modules])
     chunk_numel = choose_chunk_numel(specs, comm.world_size, config)
-    return [
-        Zero3Layer(
-            module, comm.rank, comm.world_size, device, config.dtype,
-            chunk_numel=chunk_numel, config=config, comm=comm, name_prefix=f"{i}.",
+    layers = []
+    for i, module in enumerate(modules):
+        if on_meta(module):
+            if init is None:
+                materialize_on(module, device)
+            else:
+                module.to_empty(device=device)
+                with torch.no_grad():
+                    init(module)
+        layers.append(
+            Zero3Layer(
+                module, comm.rank, comm.world_size, device, config.dtype,
+                chunk_numel=chunk_numel, config=config, comm=comm, name_prefix=f"{i}.",
+            )
         )
-        for i, module in enumerate(modules)
-    ]
+    return layers
 
 
 class ShardedModel(nn.Module):
@@ -313,6 +396,10 @@ class ShardedModel(nn.Module):
         output = self.model(*args, **kwargs)
         self.runtime.end_forward(output)
         return output
+
+    def no_sync(self):
+        """Accumulate gradients locally (see `Zero3Runtime.no_sync`)."""
+        return self.runtime.no_sync()
 
     def get_trainable_chunk(self) -> list[nn.Parameter]:
         return [c.shard for c in self.runtime.all_chunks() if c.trainable]

@@ -1,0 +1,84 @@
+r"""
+---
+title: Global gradient-norm clipping over shards
+summary: The norm of the whole model's gradient from its shards, with one all-reduce.
+---
+
+# Global gradient-norm clipping over shards
+
+Clipping rescales the gradient $g$ so that its norm is at most $c$:
+
+$$g \leftarrow g \cdot \min\left(1, \frac{c}{\lVert g \rVert_2 + 10^{-6}}\right)$$
+
+exactly as `torch.nn.utils.clip_grad_norm_` does on an unsharded model. The norm is
+over *all* parameters; each rank holds a disjoint shard of every trainable chunk,
+so the squared norm is a sum over ranks of the local sums of squares:
+
+$$\lVert g \rVert_2^2 = \sum_{r=1}^{N_d} \sum_{i \in \text{shard}_r} g_i^2$$
+
+one all-reduce of one scalar. Padding is zero, so it adds nothing.
+
+The gradients scaled are the shards' `main_grad`s, the very tensors `AdamFP16`
+consumes. (labml-nn clipped the module's parameters, whose gradients the engine
+had already moved away: the clipping did nothing.)
+
+A non-finite gradient makes the squared norm non-finite, so the same all-reduce
+also tells every rank whether any rank overflowed: the
+[loss scaler](grad_scaler.html) uses it instead of a collective of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from labml_zero.zero3.communication import Communicator
+
+
+def shard_grads(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The fp32 gradients of the shards that have one."""
+    grads = [getattr(s, "main_grad", None) for s in shards]
+    return [g if g is not None else s.grad for g, s in zip(grads, shards)
+            if g is not None or s.grad is not None]
+
+
+def global_grad_norm(shards: Sequence[torch.Tensor], comm: Communicator) -> torch.Tensor:
+    r"""
+    ### $\lVert g \rVert_2$ over every rank's shards
+
+    A 0-dim fp32 tensor on the device; no host sync.
+    """
+    grads = shard_grads(shards)
+    if grads:
+        # [n_shards] fp32 per-shard norms, squared and summed: Σ_i g_i² on this rank
+        local = torch.stack(torch._foreach_norm(grads)).float().square().sum()
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=comm.device)
+    comm.all_reduce(local)
+    return local.sqrt()
+
+
+def clip_grad_norm_(
+    shards: Sequence[torch.Tensor],
+    max_norm: float,
+    comm: Communicator,
+    *,
+    norm: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """
+    ### Clip the shards' gradients to a global norm of `max_norm`
+
+    Returns the norm before clipping. `norm` skips the all-reduce when the caller
+    has already computed it (the loss scaler does).
+    """
+    if max_norm <= 0:
+        raise ValueError(f"max_norm must be positive, got {max_norm}")
+    if norm is None:
+        norm = global_grad_norm(shards, comm)
+    # min(1, c / (‖g‖ + 1e-6)) on the device: no host sync
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    grads = shard_grads(shards)
+    if grads:
+        torch._foreach_mul_(grads, coefficient)
+    return norm
