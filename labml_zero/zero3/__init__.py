@@ -23,6 +23,14 @@ This engine shards in *chunks* (ColossalAI's Gemini): parameters are packed, in
 execution order, into flat buffers of one size, and a chunk is the unit of
 gathering, releasing and gradient reduction.
 
+Two departures from the paper's accounting, both deliberate: the shard gradient is
+fp32 (4 bytes, not 2: it is averaged in fp32 and accumulates across micro-batches
+without rounding), so a trainable parameter costs $\frac{2 + 4 + 12}{N_d}$ bytes
+from the reduce-scatter until `zero_grad`; and frozen parameters (fine-tuning a
+subset) cost only their 16-bit shard, $\frac{2}{N_d}$ bytes: no gradient, no
+master, no moments. `tests/zero3/test_memory_and_comm.py` counts the real tensors
+against these formulas.
+
 ## A step, in one picture
 
 Forward, layer by layer: gather → compute → release. Backward, in reverse:
