@@ -1,0 +1,20 @@
+"""
+---
+title: Benchmark
+summary: labml_zero against FSDP2, DDP and DeepSpeed ZeRO-3 on GPT-NeoX workloads.
+---
+
+# Benchmark
+
+Tokens per second, MFU, peak memory beside the analytic memory model, and the
+share of a step spent waiting on communication, for each engine and workload.
+See `bench/README.md` for the command and the table.
+
+Pages, in reading order:
+
+* [Workloads](workloads.html): the four jobs and the FLOPs a token costs.
+* [Engine](engine.html): what an engine hands the benchmark, and ours.
+* [Baselines](baselines.html): FSDP2, DDP and DeepSpeed ZeRO-3.
+* [Measure](measure.html): step time, memory, communication share.
+* [Run](run.html): processes, failures, the command line.
+"""

@@ -1,0 +1,203 @@
+r"""
+---
+title: An engine under test, and ours
+summary: What every engine hands the benchmark (a step function and its memory model),
+  and labml_zero built layer by layer so that no rank ever holds the whole model.
+---
+
+# An engine under test
+
+The benchmark treats every engine the same way: a builder takes the process's
+`DistContext` and a workload and returns an `Engine`, whose `step(batch)` runs
+one whole training step (forward, loss, backward, optimizer step, zeroing the
+gradients) and returns the loss. The builders differ only in how they put the
+model on the GPUs and which optimizer they use; the model (GPT-NeoX layers), the
+loss and the data are shared and defined here.
+
+## The loss and the data
+
+Random token ids, `[B, T + 1]` per rank and step, different on every rank; the
+model reads the first $T$ and predicts the last $T$. The loss is the mean
+cross-entropy computed in fp32 from the model's bf16 logits, the same for every
+engine. On random tokens it starts near $\ln n_{vocab} \approx 10.8$.
+
+## labml_zero, built layer by layer
+
+GPT-NeoX-20B is 82 GB in fp32: building it on one GPU and then sharding it would
+need that much free memory on every rank, and building it on the CPU takes
+minutes. So the layers are first built on the **meta device** (shapes, no
+memory), the fine-tuner marks them, the chunk size is searched over all their
+shapes, and then, one layer at a time:
+
+1. `to_empty` gives the layer fp32 storage on the GPU, `reset_parameters`
+   initialises it;
+2. `Zero3Layer` copies this rank's slice of each parameter into its bf16 shard
+   (and, for trainable chunks, into the fp32 copy that becomes `AdamFP16`'s
+   master) and turns the parameters into views of the chunk's storage-less
+   buffer;
+3. nothing references the fp32 storage any more, so it goes back to the caching
+   allocator, which hands the same block to the next layer.
+
+The peak during the build is one fp32 layer plus the shards built so far.
+
+The optimizer is `AdamFP16` on the trainable shards: AdamW with fp32 master
+weights and moments, gradients reduce-scattered in fp32.
+
+## Limitations
+
+* Every rank initialises each whole layer with the same seed and keeps its
+  slice: the initialisation work is not sharded, only the memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labml_zero.launch import DistContext
+from labml_zero.neox.finetuners import finetuner
+from labml_zero.neox.model import build_layers
+from labml_zero.optimizers.adam_fp16 import AdamFP16
+from labml_zero.zero3 import ZeroConfig, Zero3Layer, Zero3Sequential
+from labml_zero.zero3.communication import CommCounter, Communicator
+from labml_zero.zero3.memory_model import (
+    layout_model_states,
+    peak_window_numel,
+    zero_model_states,
+)
+from labml_zero.zero3.sharded_model import choose_chunk_numel, param_specs
+
+from .workloads import Workload
+
+LEARNING_RATE = 1e-4
+WEIGHT_DECAY = 0.01
+
+
+@dataclass
+class Engine:
+    r"""
+    ## What a builder returns
+
+    * `step(batch)` runs one training step on `batch` `[B, T + 1]` (long) and
+      returns the loss, a 0-dim tensor still on the device.
+    * `memory_model`: analytic bytes per rank, by name, to print beside the
+      measured peak; `memory_formula` says which formula.
+    * `psi_trainable`, `psi_frozen`: parameter counts $\Psi_t$, $\Psi_f$.
+    * `counter`: the engine's collective counter, if it has one (ours).
+    """
+
+    step: Callable[[torch.Tensor], torch.Tensor]
+    memory_model: dict[str, int]
+    memory_formula: str
+    psi_trainable: int
+    psi_frozen: int
+    counter: CommCounter | None = None
+    info: dict = field(default_factory=dict)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; `logits` `[B, T, V]` any dtype, in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def random_batches(
+    workload: Workload, ctx: DistContext, *, count: int, seed: int
+) -> list[torch.Tensor]:
+    """`count` batches of random ids `[B, T + 1]` long, different on every rank."""
+    generator = torch.Generator(device="cpu").manual_seed(seed + 1000 * ctx.rank)
+    shape = (workload.batch, workload.seq + 1)
+    return [
+        torch.randint(0, workload.model.n_vocab, shape, generator=generator).to(
+            ctx.device
+        )
+        for _ in range(count)
+    ]
+
+
+def meta_layers(workload: Workload) -> tuple[list[nn.Module], int, int]:
+    r"""
+    ### The model on the meta device, marked by the workload's fine-tuner
+
+    Returns the layers, $\Psi_t$ and $\Psi_f$.
+    """
+    layers = build_layers(workload.model, device="meta")
+    count = finetuner(workload.finetune)(layers)
+    return layers, count.trainable, count.total - count.trainable
+
+
+def materialize(layer: nn.Module, device: torch.device) -> None:
+    """Give a meta layer fp32 storage on `device` and initialise it."""
+    # to_empty keeps each parameter's requires_grad (set by the fine-tuner).
+    layer.to_empty(device=device)
+    with torch.no_grad():
+        layer.reset_parameters()
+
+
+def zero_step(model: nn.Module, optimizer: torch.optim.Optimizer):
+    def step(batch: torch.Tensor) -> torch.Tensor:
+        logits = model(batch[:, :-1])  # [B, T, V] bf16
+        loss = lm_loss(logits, batch[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
+    """
+    ## labml_zero: `Zero3Sequential` of `Zero3Layer`s and `AdamFP16`
+
+    Every layer (embedding, transformer layers, final norm, readout) is a unit;
+    the chunk size is searched once over all of them.
+    """
+    config = ZeroConfig(
+        dtype=torch.bfloat16, reduce_dtype=torch.float32,
+        chunk_numel=workload.chunk_numel,
+    )
+    layers, psi_t, psi_f = meta_layers(workload)
+    comm = Communicator(ctx.device)
+    specs, _ = param_specs([layer.named_parameters() for layer in layers])
+    chunk_numel = choose_chunk_numel(specs, ctx.world_size, config)
+    sharded = []
+    for index, layer in enumerate(layers):
+        materialize(layer, ctx.device)
+        sharded.append(
+            Zero3Layer(
+                layer, ctx.rank, ctx.world_size, ctx.device, config.dtype,
+                chunk_numel=chunk_numel, config=config, comm=comm,
+                name_prefix=f"{index}.",
+            )
+        )
+        # The fp32 storage is unreferenced now; step 3 above.
+    model = Zero3Sequential(sharded)
+    optimizer = AdamFP16(
+        model.get_trainable_chunk(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY
+    )
+
+    # p = 2 (bf16 shards), g = 4 (fp32 `main_grad`), K = 12 (AdamFP16).
+    sizes = dict(param_bytes=2, grad_bytes=4, optimizer_bytes=12)
+    layouts = [layer.layout for layer in sharded]
+    memory = {
+        "zero_states": zero_model_states(psi_t, psi_f, ctx.world_size, **sizes),
+        "layout_states": sum(layout_model_states(lay, **sizes) for lay in layouts),
+        # Each Zero3Layer's layout is one group (group 0): one unit.
+        "gathered_peak": 2 * peak_window_numel(
+            [lay.group_numel(0) for lay in layouts], config.prefetch_depth
+        ),
+    }
+    return Engine(
+        step=zero_step(model, optimizer),
+        memory_model=memory,
+        memory_formula="(2+4+12)·Ψt/N + 2·Ψf/N; layout = same with padding; "
+        "gathered_peak = bf16 chunks of 1 + prefetch_depth units",
+        psi_trainable=psi_t,
+        psi_frozen=psi_f,
+        counter=comm.counter,
+        info={"chunk_numel": chunk_numel, "chunks": len(model.chunks)},
+    )

@@ -1,0 +1,266 @@
+r"""
+---
+title: Measuring a training step
+summary: Step time, peak memory, and the share of a step spent waiting on collectives,
+  read from a profiler trace.
+---
+
+# Measuring a training step
+
+Every engine hands the benchmark one function, `step(batch) -> loss`, that runs
+forward, backward and the optimizer step. This page times it and reads what the
+step waited for.
+
+## Step time
+
+The device is synchronised before and after each step, so a step's time is from
+the host's launch of its first kernel to the end of its last. Warm-up steps are
+run first and not counted: they allocate the caching allocator's blocks, create
+NCCL communicators and pick cuDNN/cuBLAS algorithms. The mean and standard
+deviation are over the timed steps; tokens per second are those of all ranks over
+the mean step time.
+
+## Waiting on communication
+
+One more step runs under `torch.profiler` (after the timed steps, so the profiler
+does not slow the timed ones). From its trace, on a GPU,
+
+* *communication* $C$: the union of the time intervals in which an NCCL kernel
+  runs, on any stream;
+* *computation* $K$: the union of the intervals of every other kernel, copy and
+  memset;
+* *exposed communication* $C \setminus K$: time in which the GPU moves data but
+  computes nothing, that is, time the computation waits for a collective.
+
+We report $|C \setminus K|$ over the profiled step's wall time as `comm_exposed`,
+$|C|$ over it as `comm_total`, and the time with no kernel at all as `gpu_idle`
+(launch gaps, host syncs, the CPU falling behind). A perfectly overlapped engine
+has `comm_exposed` near 0 however large `comm_total` is.
+
+On CPU with gloo every collective is synchronous: the calling thread blocks while
+gloo's worker thread runs it (the `gloo:*` ranges of the trace), so all of it is
+exposed.
+
+## Limitations
+
+* An NCCL kernel also spins while it waits for the other rank to arrive, so load
+  imbalance between ranks shows up as communication.
+* The profiled step is one sample, and the profiler adds a little launch overhead
+  (the share is of that step's own wall time, so it stays consistent).
+* `max_memory_allocated` counts the caching allocator's live tensors, not its
+  reserved blocks nor NCCL's own buffers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+Interval = tuple[float, float]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        # host sync: the step's kernels must be done before the clock is read
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """
+    ## Timed steps
+
+    * `times_s`: seconds of each timed step.
+    * `loss`: the loss of the last step, as a float (one host sync at the end).
+    """
+
+    times_s: tuple[float, ...]
+    loss: float
+
+    @property
+    def mean_s(self) -> float:
+        return statistics.fmean(self.times_s)
+
+    @property
+    def std_s(self) -> float:
+        return statistics.stdev(self.times_s) if len(self.times_s) > 1 else 0.0
+
+
+def time_steps(
+    step: Callable[[torch.Tensor], torch.Tensor],
+    batches: Sequence[torch.Tensor],
+    *,
+    warmup: int,
+    steps: int,
+    device: torch.device,
+) -> StepTimes:
+    """
+    ### Run `warmup` untimed and `steps` timed steps
+
+    `batches` are cycled; the loss is read only after the last step, so no step
+    but the last waits for a `.item()`.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    loss = None
+    for i in range(warmup):
+        loss = step(batches[i % len(batches)])
+    times = []
+    for i in range(steps):
+        synchronize(device)
+        start = time.perf_counter()
+        loss = step(batches[(warmup + i) % len(batches)])
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    # host sync: .item()
+    return StepTimes(tuple(times), float(loss.detach().float().item()))
+
+
+# ## Communication share
+
+
+@dataclass(frozen=True)
+class CommShare:
+    """
+    ## Where one profiled step spent its time
+
+    Shares of `step_s`, the profiled step's wall time.
+    """
+
+    step_s: float
+    comm_total: float
+    """$|C|$ / step: any collective running."""
+    comm_exposed: float
+    """$|C \\setminus K|$ / step: a collective running and nothing else."""
+    gpu_idle: float | None
+    """No kernel at all / step; `None` on CPU."""
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """Merge intervals into disjoint, sorted ones."""
+    merged: list[Interval] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def length(intervals: Iterable[Interval]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """`a \\ b` for disjoint sorted interval lists (two-pointer sweep)."""
+    out: list[Interval] = []
+    j = 0
+    for start, end in a:
+        cursor = start
+        while j < len(b) and b[j][1] <= cursor:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > cursor:
+                out.append((cursor, b[k][0]))
+            cursor = max(cursor, b[k][1])
+            k += 1
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def classify(events: Iterable[dict], *, on_gpu: bool) -> tuple[list, list]:
+    """
+    #### Split trace events into communication and computation intervals (µs)
+
+    On a GPU: device events, NCCL kernels being communication. On CPU: gloo's
+    `gloo:*` ranges are communication and the other operators computation, except
+    the `c10d::` operators that only hand work to gloo.
+    """
+    comm, compute = [], []
+    for event in events:
+        if event.get("ph") != "X" or "dur" not in event:
+            continue
+        interval = (float(event["ts"]), float(event["ts"]) + float(event["dur"]))
+        name, category = event.get("name", ""), event.get("cat", "")
+        if on_gpu:
+            if category not in DEVICE_CATEGORIES:
+                continue
+            (comm if "nccl" in name.lower() else compute).append(interval)
+        elif name.startswith("gloo:"):
+            comm.append(interval)
+        elif category == "cpu_op" and not name.startswith("c10d::"):
+            compute.append(interval)
+    return comm, compute
+
+
+def profile_comm(
+    step: Callable[[torch.Tensor], torch.Tensor],
+    batch: torch.Tensor,
+    *,
+    device: torch.device,
+    keep_trace: str | None = None,
+) -> CommShare:
+    """
+    ### Profile one step and measure its exposed communication
+
+    `keep_trace` is a path to keep the Chrome trace at (for `bench.timeline`).
+    """
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        step(batch)
+        synchronize(device)
+        step_s = time.perf_counter() - start
+    # The chrome trace is the profiler's stable, documented output format.
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    finally:
+        if keep_trace:
+            shutil.move(path, keep_trace)
+        else:
+            os.remove(path)
+    comm, compute = classify(events, on_gpu=on_gpu)
+    comm, compute = union(comm), union(compute)
+    step_us = step_s * 1e6
+    idle = None
+    if on_gpu:
+        idle = max(0.0, 1.0 - length(union(comm + compute)) / step_us)
+    return CommShare(
+        step_s=step_s,
+        comm_total=length(comm) / step_us,
+        comm_exposed=length(subtract(comm, compute)) / step_us,
+        gpu_idle=idle,
+    )
+
+
+def peak_memory(device: torch.device) -> int | None:
+    """`max_memory_allocated` in bytes since the last reset; `None` on CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device)
+
+
+def finite_or_none(value: float) -> float | None:
+    """JSON has no NaN: a non-finite loss is written as `null` plus a flag."""
+    return value if math.isfinite(value) else None

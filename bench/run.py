@@ -1,0 +1,407 @@
+r"""
+---
+title: Running the benchmark
+summary: Every (engine, workload) pair in its own group of processes; one JSON
+  line each.
+---
+
+# Running the benchmark
+
+```
+python -m bench.run --workloads W1,W2,W3,W4 \
+    --engines labml_zero,fsdp2,ddp,deepspeed --steps 10 --warmup 3 \
+    --out results.jsonl
+```
+
+For each workload, for each engine, the parent process spawns one process per
+GPU ([`launch.spawn`](../labml_zero/launch.html)), and each of them
+
+1. builds the engine (timed as `init_s`),
+2. runs `warmup` untimed and `steps` timed training steps
+   ([measure](measure.html)),
+3. runs one more step under the profiler to measure communication,
+4. writes its own record to a file.
+
+The parent merges the ranks' records into one JSON line: step time is the
+slowest rank's mean, memory the largest rank's peak, the loss the mean over
+ranks. Then the processes are gone, with their memory, NCCL communicators and
+CUDA contexts, before the next pair starts: one engine's out-of-memory error
+cannot disturb the next.
+
+## Failures
+
+* **Out of memory** (`torch.OutOfMemoryError`, in the build or in a step): the
+  rank writes `"status": "oom"` and ends its process at once with `os._exit(1)`,
+  skipping the process group's teardown, which could block on the other rank;
+  `torch.multiprocessing` then ends the other rank. The line says where.
+* **Engine unavailable** (DeepSpeed not installed): `"status": "skipped"` with
+  the reason; no process is spawned if the module cannot even be found.
+* **Anything else**: `"status": "error"` with the last line of the traceback; the
+  remaining pairs still run.
+
+`--tiny` shrinks every workload to two layers of width 64 so that the whole
+matrix runs in seconds: on CPU (gloo, two processes, `--cpu` where GPUs exist)
+it is the smoke test; on the GPUs it is a dry run of every code path, NCCL
+included, before the real one.
+
+## Limitations
+
+* One process per GPU of one host; no multi-node runs.
+* A rank that hangs (rather than fails) blocks the run until the process
+  group's timeout (`--timeout`, seconds) ends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from labml_zero import launch
+
+from .workloads import Workload, mfu, shrink, workloads
+
+ENGINES = ("labml_zero", "fsdp2", "ddp", "deepspeed")
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """
+    ## Settings shared by every pair
+    """
+
+    steps: int = 10
+    """Timed steps; the mean and standard deviation are over these."""
+    warmup: int = 3
+    """Untimed steps before them."""
+    profile: bool = True
+    """Profile one extra step for the communication share."""
+    seed: int = 0
+    """Initialisation seed (the same on every rank) and data seed (plus rank)."""
+    trace_dir: str | None = None
+    """Keep rank 0's profiler trace here, as `trace_<workload>_<engine>.json`."""
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+
+
+def builder(engine: str):
+    """The builder function of `engine` (imported late: each pulls its own deps)."""
+    from . import baselines, engine as ours
+
+    return {
+        "labml_zero": ours.build_labml_zero,
+        "fsdp2": baselines.build_fsdp2,
+        "ddp": baselines.build_ddp,
+        "deepspeed": baselines.build_deepspeed,
+    }[engine]
+
+
+# ## One rank
+
+
+def measure_rank(ctx: launch.DistContext, engine: str, workload: Workload,
+                 run: RunConfig, progress: dict) -> dict:
+    """
+    ### Build, time and profile one engine on this rank
+
+    Returns this rank's record; `progress["phase"]` says how far it got, for the
+    report of a failure.
+    """
+    from .engine import random_batches
+    from .measure import peak_memory, profile_comm, time_steps
+
+    progress["phase"] = "build"
+    torch.manual_seed(run.seed)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    start = time.perf_counter()
+    built = builder(engine)(ctx, workload)
+    init_s = time.perf_counter() - start
+    build_peak = peak_memory(ctx.device)
+    batches = random_batches(workload, ctx, count=2, seed=run.seed)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    if built.counter is not None:
+        built.counter.reset()
+    progress["phase"] = "train"
+    timed = time_steps(built.step, batches, warmup=run.warmup, steps=run.steps,
+                       device=ctx.device)
+    train_peak = peak_memory(ctx.device)
+    steps_run = run.warmup + run.steps
+    record = {
+        "init_s": init_s,
+        "step_mean_s": timed.mean_s,
+        "step_std_s": timed.std_s,
+        "loss": timed.loss,
+        "peak_build": build_peak,
+        "peak_train": train_peak,
+        "memory_model": built.memory_model,
+        "memory_formula": built.memory_formula,
+        "psi_trainable": built.psi_trainable,
+        "psi_frozen": built.psi_frozen,
+        "info": built.info,
+    }
+    if built.counter is not None:
+        record["comm_bytes_per_step"] = {
+            kind: nbytes // steps_run for kind, nbytes in built.counter.bytes.items()
+        }
+    if run.profile:
+        progress["phase"] = "profile"
+        keep = None
+        if run.trace_dir and ctx.rank == 0:
+            keep = os.path.join(run.trace_dir, f"trace_{workload.name}_{engine}.json")
+        share = profile_comm(built.step, batches[0], device=ctx.device,
+                             keep_trace=keep)
+        record.update(comm_total=share.comm_total, comm_exposed=share.comm_exposed,
+                      gpu_idle=share.gpu_idle, profiled_step_s=share.step_s)
+    return record
+
+
+def worker(ctx: launch.DistContext, engine: str, workload: Workload, run: RunConfig,
+           out_dir: str) -> None:
+    """
+    ### The body of each spawned process
+
+    Writes `rank<r>.json` into `out_dir`; see Failures above.
+    """
+    from .baselines import EngineUnavailable
+
+    path = os.path.join(out_dir, f"rank{ctx.rank}.json")
+    progress = {"phase": "start"}
+    try:
+        record = {"status": "ok", **measure_rank(ctx, engine, workload, run, progress)}
+    except torch.OutOfMemoryError as error:
+        write_json(path, {"status": "oom", "phase": progress["phase"],
+                          "rank": ctx.rank, "error": first_line(error)})
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Not a return: the teardown of the process group may wait on the peer.
+        os._exit(1)
+    except EngineUnavailable as error:
+        record = {"status": "skipped", "reason": str(error)}
+    write_json(path, record)
+
+
+def write_json(path: str, record: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(record, f)
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+# ## The parent: one pair
+
+
+def describe(engine: str, workload: Workload, world_size: int, backend: str) -> dict:
+    model = workload.model
+    return {
+        "engine": engine,
+        "workload": workload.name,
+        "world_size": world_size,
+        "backend": backend,
+        "device": torch.cuda.get_device_name(0) if backend == "nccl" else "cpu",
+        "torch": torch.__version__,
+        "batch_per_gpu": workload.batch,
+        "seq": workload.seq,
+        "finetune": workload.finetune,
+        "model": {"n_layers": model.n_layers, "d_model": model.d_model,
+                  "n_heads": model.n_heads, "n_vocab": model.n_vocab},
+    }
+
+
+def merge(line: dict, records: list[dict], workload: Workload, world_size: int,
+          run: RunConfig) -> dict:
+    """One line from the ranks' records (see the introduction)."""
+    statuses = [r["status"] for r in records]
+    for status in ("oom", "skipped"):
+        if status in statuses:
+            bad = next(r for r in records if r["status"] == status)
+            return {**line, **bad}
+    if len(records) < world_size:
+        return {**line, "status": "error",
+                "error": f"{len(records)} of {world_size} ranks wrote a result"}
+
+    step_s = max(r["step_mean_s"] for r in records)
+    tokens_per_s = world_size * workload.tokens_per_gpu / step_s
+    losses = [r["loss"] for r in records]
+    finite = all(math.isfinite(x) for x in losses)
+    first = records[0]
+    peaks = [r["peak_train"] for r in records]
+    build_peaks = [r["peak_build"] for r in records]
+    merged = {
+        **line,
+        "status": "ok",
+        "steps": run.steps,
+        "warmup": run.warmup,
+        "tokens_per_s": tokens_per_s,
+        "step_time_mean_s": step_s,
+        "step_time_std_s": max(r["step_std_s"] for r in records),
+        "mfu": mfu(workload, tokens_per_s, world_size),
+        "init_s": max(r["init_s"] for r in records),
+        "psi_trainable": first["psi_trainable"],
+        "psi_frozen": first["psi_frozen"],
+        # JSON has no NaN: a non-finite loss is null, with loss_finite false.
+        "loss": sum(losses) / len(losses) if finite else None,
+        "loss_finite": finite,
+        "peak_mem_gib": None if None in peaks else max(peaks + build_peaks) / GIB,
+        "peak_mem_train_gib": None if None in peaks else max(peaks) / GIB,
+        "peak_mem_build_gib": None if None in build_peaks else max(build_peaks) / GIB,
+        "memory_model_gib": {k: v / GIB for k, v in first["memory_model"].items()},
+        "memory_formula": first["memory_formula"],
+        **({"info": first["info"]} if first["info"] else {}),
+    }
+    if "comm_bytes_per_step" in first:
+        merged["comm_bytes_per_step"] = first["comm_bytes_per_step"]
+    if run.profile:
+        merged["comm_exposed"] = max(r["comm_exposed"] for r in records)
+        merged["comm_total"] = max(r["comm_total"] for r in records)
+        idle = [r["gpu_idle"] for r in records]
+        merged["gpu_idle"] = None if None in idle else max(idle)
+    return merged
+
+
+def run_pair(engine: str, workload: Workload, run: RunConfig, *, world_size: int,
+             backend: str, timeout_s: float) -> dict:
+    """Spawn `world_size` processes for one (engine, workload); return its line."""
+    line = describe(engine, workload, world_size, backend)
+    if engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        return {**line, "status": "skipped",
+                "reason": "deepspeed is not installed (no module named deepspeed)"}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out_dir:
+        error = None
+        try:
+            launch.spawn(worker, world_size, engine, workload, run, out_dir,
+                         backend=backend, timeout_s=timeout_s)
+        except Exception as caught:  # a rank failed; its record may say why
+            error = caught
+        records = []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    records.append(json.load(f))
+    if error is not None and not any(r["status"] == "oom" for r in records):
+        tail = traceback.format_exception_only(type(error), error)[-1].strip()
+        result = {**line, "status": "error", "error": tail.splitlines()[-1]}
+    else:
+        result = merge(line, records, workload, world_size, run)
+    result["wall_s"] = time.perf_counter() - start
+    return result
+
+
+# ## Command line
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.run",
+        description="Tokens/s, MFU, memory and communication share of labml_zero "
+        "and its baselines on GPT-NeoX workloads.",
+    )
+    parser.add_argument("--workloads", default="W1,W2,W3,W4",
+                        help="comma-separated subset of W1,W2,W3,W4")
+    parser.add_argument("--engines", default=",".join(ENGINES),
+                        help=f"comma-separated subset of {','.join(ENGINES)}")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="processes; default: every GPU, or 2 on CPU")
+    parser.add_argument("--tiny", action="store_true",
+                        help="shrink every workload to a tiny model (CPU smoke test)")
+    parser.add_argument("--cpu", action="store_true",
+                        help="run on CPU with gloo even where GPUs exist")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="skip the profiled step (no communication share)")
+    parser.add_argument("--trace-dir", default=None,
+                        help="keep rank 0's profiled-step Chrome trace of each "
+                        "pair here (input of bench.timeline)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="process-group timeout in seconds")
+    parser.add_argument("--out", default=None, help="append the JSON lines here")
+    args = parser.parse_args(argv)
+
+    known = workloads()
+    args.workload_list = split_names(args.workloads, known, "--workloads")
+    args.engine_list = split_names(args.engines, ENGINES, "--engines")
+    return args
+
+
+def split_names(value: str, known, flag: str) -> list[str]:
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise SystemExit(f"{flag}: unknown or empty {unknown or value!r}; "
+                         f"choose from {','.join(known)}")
+    return names
+
+
+def table(lines: list[dict]) -> str:
+    """A markdown summary of the lines, for the README."""
+    rows = ["| workload | engine | tok/s | step s | MFU | peak GiB | model GiB "
+            "| comm exposed | loss |", "|" + " --- |" * 9]
+    for r in lines:
+        if r["status"] != "ok":
+            reason = r.get("error") or r.get("reason") or ""
+            rows.append(f"| {r['workload']} | {r['engine']} | {r['status']}: "
+                        f"{reason[:60]} | | | | | | |")
+            continue
+        peak = "—" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
+        model = max(r["memory_model_gib"].values())
+        exposed = r.get("comm_exposed")
+        rows.append(
+            f"| {r['workload']} | {r['engine']} | {r['tokens_per_s']:,.0f} "
+            f"| {r['step_time_mean_s']:.3f} | {100 * r['mfu']:.1f}% | {peak} "
+            f"| {model:.1f} | "
+            + ("—" if exposed is None else f"{100 * exposed:.1f}%")
+            + f" | {r['loss'] if r['loss'] is None else round(r['loss'], 3)} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+    run = RunConfig(steps=args.steps, warmup=args.warmup,
+                    profile=not args.no_profile, trace_dir=args.trace_dir)
+    cuda = torch.cuda.is_available() and not args.cpu
+    backend = "nccl" if cuda else "gloo"
+    world_size = args.world_size or (torch.cuda.device_count() if cuda else 2)
+    known = workloads()
+    lines = []
+    for name in args.workload_list:
+        workload = shrink(known[name]) if args.tiny else known[name]
+        for engine in args.engine_list:
+            result = run_pair(engine, workload, run, world_size=world_size,
+                              backend=backend, timeout_s=args.timeout)
+            result["tiny"] = args.tiny
+            lines.append(result)
+            text = json.dumps(result)
+            print(text, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(text + "\n")
+    print(table(lines), flush=True)
+    return lines
+
+
+if __name__ == "__main__":
+    main()

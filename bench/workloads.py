@@ -1,0 +1,150 @@
+r"""
+---
+title: Benchmark workloads
+summary: The four GPT-NeoX training jobs every engine runs, and the FLOPs a token costs.
+---
+
+# Benchmark workloads
+
+Each workload is a model shape, a per-GPU micro-batch and a fine-tuner, the same
+for every engine (see `ANCHORS.md`): GPT-NeoX layers, random initialisation,
+random tokens, bf16 computation, AdamW with fp32 master weights.
+
+| name | model | per-GPU batch × sequence | trains |
+| --- | --- | --- | --- |
+| W1 | Pythia-1.4B | 8 × 2048 | everything |
+| W2 | Pythia-6.9B | 2 × 2048 | everything |
+| W3 | GPT-NeoX-20B | 16 × 128 | biases only |
+| W4 | Pythia-160M | 16 × 1024 | everything |
+
+## FLOPs per token
+
+For model FLOPs utilisation (MFU) we count, as the peers do, the matrix products
+only. With $N$ the parameters of the matrix products (the four weight matrices
+of every layer and the readout; the embedding is a lookup), $L$ layers, sequence
+length $T$ and width $d$, a token costs
+
+$$F = 6N + 12 L T d$$
+
+in a full training step: $2N$ forward, $2N$ for the gradients of the activations
+and $2N$ for those of the weights, and $4LTd$ for the two attention products
+($QK^\top$ and the weighted sum of $V$) forward, three times over. Training the
+biases only skips the weight gradients of the matrices, so $F = 4N + 12LTd$. MFU
+is $F$ times the tokens per second of one GPU, over its peak: 790 TFLOP/s for
+dense bf16 on an H200 (measured, `ANCHORS.md`).
+
+## Limitations
+
+* The attention term counts the whole $T \times T$ score matrix although the
+  causal mask makes half of it unnecessary, as the usual formula does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from labml_zero.neox.model import (
+    NeoXConfig,
+    gpt_neox_20b,
+    pythia_160m,
+    pythia_1_4b,
+    pythia_6_9b,
+)
+
+# Dense bf16 matrix product on one H200, measured (ANCHORS.md).
+PEAK_FLOPS_BF16 = 790e12
+
+FINETUNES = ("all", "biases")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """
+    ## One training job
+    """
+
+    name: str
+    """Short name, `W1`..`W4`; `tiny` workloads keep it."""
+    model: NeoXConfig
+    """The model shape; initialised at random."""
+    batch: int
+    """Sequences per GPU per step (the micro-batch; no gradient accumulation)."""
+    seq: int
+    """Tokens per sequence, $T$."""
+    finetune: str = "all"
+    """`'all'` (full fine-tune) or `'biases'` (the bias-only fine-tuner)."""
+    chunk_numel: int | None = None
+    """labml_zero's chunk size; `None` lets the engine search for it."""
+
+    def __post_init__(self):
+        if self.batch < 1 or self.seq < 1:
+            raise ValueError(
+                f"Workload {self.name}: batch and seq must be >= 1, "
+                f"got {self.batch} x {self.seq}"
+            )
+        if self.seq > self.model.max_position:
+            raise ValueError(
+                f"Workload {self.name}: seq {self.seq} exceeds the model's "
+                f"max_position {self.model.max_position}"
+            )
+        if self.finetune not in FINETUNES:
+            raise ValueError(
+                f"Workload {self.name}: finetune must be one of {FINETUNES}, "
+                f"got {self.finetune!r}"
+            )
+
+    @property
+    def tokens_per_gpu(self) -> int:
+        return self.batch * self.seq
+
+
+def matmul_params(config: NeoXConfig) -> int:
+    r"""
+    ### $N$: parameters of the matrix products
+
+    Per layer the fused QKV ($3d^2$), the attention output ($d^2$) and the two
+    MLP matrices ($2 d\, d_{ff}$); then the readout ($d\, n_{vocab}$).
+    """
+    d = config.d_model
+    per_layer = 3 * d * d + d * d + 2 * d * config.ff_dim
+    return config.n_layers * per_layer + d * config.n_vocab
+
+
+def flops_per_token(workload: Workload) -> float:
+    """$F = 6N + 12LTd$, or $4N + 12LTd$ when only biases train."""
+    config = workload.model
+    n = matmul_params(config)
+    weight_passes = 6 if workload.finetune == "all" else 4
+    attention = 12 * config.n_layers * workload.seq * config.d_model
+    return float(weight_passes * n + attention)
+
+
+def mfu(workload: Workload, tokens_per_s: float, world_size: int) -> float:
+    """Model FLOPs utilisation of one GPU against `PEAK_FLOPS_BF16`."""
+    return flops_per_token(workload) * tokens_per_s / world_size / PEAK_FLOPS_BF16
+
+
+# ## The four workloads
+
+
+def workloads() -> dict[str, Workload]:
+    """W1..W4 of `ANCHORS.md`."""
+    return {
+        "W1": Workload("W1", pythia_1_4b(), batch=8, seq=2048),
+        "W2": Workload("W2", pythia_6_9b(), batch=2, seq=2048),
+        "W3": Workload("W3", gpt_neox_20b(), batch=16, seq=128, finetune="biases"),
+        "W4": Workload("W4", pythia_160m(), batch=16, seq=1024),
+    }
+
+
+def shrink(workload: Workload) -> Workload:
+    """
+    ### A tiny copy of a workload, for CPU smoke tests
+
+    Two layers of width 64, a 512-token vocabulary, 2 sequences of 32 tokens;
+    the fine-tuner and the GELU flavour are kept, so every code path of the
+    full workload still runs. The chunk size is fixed (8192 elements, several
+    chunks per model): the search's candidate grid is made for real widths.
+    """
+    model = replace(workload.model, n_vocab=512, d_model=64, n_heads=4, n_layers=2)
+    return replace(workload, model=model, batch=2, seq=32, chunk_numel=8192)

@@ -1,0 +1,168 @@
+"""The benchmark: a tiny run of every engine on CPU, and the arithmetic it reports."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from bench import run as bench_run
+from bench.baselines import EngineUnavailable
+from bench.measure import classify, length, subtract, union
+from bench.workloads import Workload, flops_per_token, matmul_params, mfu, shrink
+from bench.workloads import workloads as all_workloads
+from labml_zero.launch import DistContext
+from labml_zero.zero3.memory_model import zero_model_states
+
+
+@pytest.mark.distributed
+def test_tiny_run_of_each_engine(tmp_path):
+    """
+    `python -m bench.run --tiny` on two gloo processes: one JSON line per engine,
+    a finite loss near ln(512), tokens per second, a communication share, and
+    ours beside its memory model. W3 (bias-only) exercises frozen and trainable
+    parameters together in every engine.
+    """
+    out, traces = tmp_path / "results.jsonl", tmp_path / "traces"
+    lines = bench_run.main([
+        "--tiny", "--cpu", "--workloads", "W3", "--engines", "labml_zero,fsdp2,ddp",
+        "--steps", "2", "--warmup", "1", "--out", str(out),
+        "--trace-dir", str(traces),
+    ])
+    written = [json.loads(text) for text in out.read_text().splitlines()]
+    assert written == lines
+    assert [line["engine"] for line in lines] == ["labml_zero", "fsdp2", "ddp"]
+    for line in lines:
+        assert line["status"] == "ok", line
+        assert line["world_size"] == 2 and line["backend"] == "gloo"
+        assert line["loss_finite"] and abs(line["loss"] - math.log(512)) < 1.0
+        assert line["tokens_per_s"] > 0 and line["step_time_mean_s"] > 0
+        assert 0 < line["mfu"] < 1
+        assert 0 <= line["comm_exposed"] <= line["comm_total"] <= 1
+        # bias-only: 2 layers x (3d + d + 4d) biases of width 64
+        assert line["psi_trainable"] == 2 * 8 * 64
+        assert line["peak_mem_gib"] is None  # no CUDA allocator on CPU
+
+    for engine in ("labml_zero", "fsdp2", "ddp"):
+        trace = json.loads((traces / f"trace_W3_{engine}.json").read_text())
+        assert any(e["name"].startswith("gloo:") for e in trace["traceEvents"])
+
+    ours = lines[0]
+    psi_t, psi_f = ours["psi_trainable"], ours["psi_frozen"]
+    expected = zero_model_states(psi_t, psi_f, 2, param_bytes=2, grad_bytes=4,
+                                 optimizer_bytes=12)
+    assert ours["memory_model_gib"]["zero_states"] == expected / 2**30
+    # Padding only adds to the formula.
+    assert ours["memory_model_gib"]["layout_states"] >= expected / 2**30
+    # Forward gathers every chunk in bf16, backward gathers again all but the
+    # frozen embedding (nothing below it needs a gradient); the trainable chunks
+    # are reduced in fp32.
+    comm = ours["comm_bytes_per_step"]
+    assert comm["all_gather"] > 2 * (psi_t + psi_f)
+    assert comm["reduce_scatter"] >= 4 * psi_t
+
+
+def test_deepspeed_is_skipped_when_missing(monkeypatch):
+    """No process is started for an engine whose module cannot be found."""
+    monkeypatch.setattr(bench_run.importlib.util, "find_spec", lambda name: None)
+    line = bench_run.run_pair(
+        "deepspeed", shrink(all_workloads()["W4"]), bench_run.RunConfig(),
+        world_size=2, backend="gloo", timeout_s=10,
+    )
+    assert line["status"] == "skipped" and "deepspeed" in line["reason"]
+
+
+def cpu_context() -> DistContext:
+    return DistContext(0, 1, 0, torch.device("cpu"), "gloo")
+
+
+def test_out_of_memory_is_reported_and_ends_the_process(monkeypatch, tmp_path):
+    """The rank writes an `oom` record and leaves at once (os._exit), mid-build."""
+
+    def build_too_big(ctx, workload):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80 GiB")
+
+    def fake_exit(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(bench_run, "builder", lambda engine: build_too_big)
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    workload = shrink(all_workloads()["W4"])
+    with pytest.raises(SystemExit) as exited:
+        bench_run.worker(cpu_context(), "ddp", workload, bench_run.RunConfig(),
+                         str(tmp_path))
+    assert exited.value.code == 1
+    record = json.loads((tmp_path / "rank0.json").read_text())
+    assert record["status"] == "oom" and record["phase"] == "build"
+    assert "OutOfMemoryError" in record["error"]
+
+    line = bench_run.merge({"engine": "ddp"}, [record], workload, 2,
+                           bench_run.RunConfig())
+    assert line["status"] == "oom" and line["engine"] == "ddp"
+
+
+def test_unavailable_engine_is_skipped_by_the_worker(monkeypatch, tmp_path):
+    def unavailable(ctx, workload):
+        raise EngineUnavailable("import deepspeed failed: ImportError('x')")
+
+    monkeypatch.setattr(bench_run, "builder", lambda engine: unavailable)
+    bench_run.worker(cpu_context(), "deepspeed", shrink(all_workloads()["W4"]),
+                     bench_run.RunConfig(), str(tmp_path))
+    record = json.loads((tmp_path / "rank0.json").read_text())
+    assert record == {"status": "skipped",
+                      "reason": "import deepspeed failed: ImportError('x')"}
+
+
+def test_mfu_reproduces_the_anchor():
+    """ANCHORS.md: FSDP2 on W2 at 19.2k tok/s over 2 GPUs is about 52% MFU."""
+    w2 = all_workloads()["W2"]
+    assert mfu(w2, 19.2e3, 2) == pytest.approx(0.52, abs=0.005)
+    # Pythia-6.9B: 32 layers of 12 d^2 plus the 4096 x 50432 readout.
+    assert matmul_params(w2.model) == 32 * 12 * 4096**2 + 4096 * 50432
+
+
+def test_bias_only_skips_the_weight_gradients():
+    w3 = all_workloads()["W3"]
+    n = matmul_params(w3.model)
+    attention = 12 * 44 * 128 * 6144
+    assert flops_per_token(w3) == 4 * n + attention
+
+
+def test_workload_checks_its_fields():
+    w4 = all_workloads()["W4"]
+    with pytest.raises(ValueError, match="finetune must be one of"):
+        Workload("W9", w4.model, batch=1, seq=8, finetune="lora")
+    with pytest.raises(ValueError, match="exceeds the model's max_position"):
+        Workload("W9", w4.model, batch=1, seq=4096)
+    tiny = shrink(all_workloads()["W3"])
+    assert tiny.finetune == "biases" and tiny.model.gelu_approximate == "tanh"
+
+
+def test_interval_arithmetic():
+    comm = union([(0, 10), (5, 12), (20, 30)])
+    assert comm == [(0, 12), (20, 30)]
+    compute = union([(2, 4), (11, 22), (25, 26)])
+    # comm \ compute: [0,2) [4,11) [22,25) [26,30)
+    assert subtract(comm, compute) == [(0, 2), (4, 11), (22, 25), (26, 30)]
+    assert length(subtract(comm, compute)) == 2 + 7 + 3 + 4
+    assert subtract(comm, []) == comm and subtract([], compute) == []
+
+
+def test_gpu_trace_classification():
+    """NCCL kernels are communication; other kernels, copies and memsets compute."""
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL",
+         "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 5, "dur": 10},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 20, "dur": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0,
+         "dur": 40},
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 3},
+    ]
+    comm, compute = classify(events, on_gpu=True)
+    assert comm == [(0.0, 10.0)]
+    assert sorted(compute) == [(5.0, 15.0), (20.0, 21.0)]
+    assert length(subtract(union(comm), union(compute))) == 5.0
