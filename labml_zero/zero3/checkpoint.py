@@ -1,47 +1,41 @@
 r"""
 ---
 title: Sharded checkpoints
-summary: Each rank saves its own shards; a manifest describes the layout, so a
-  checkpoint resumes bit-exactly, loads at another world size, or exports whole.
+summary: Each rank saves its own shards in parallel; resume is bit-exact, and a
+  checkpoint loads at any world size.
 ---
 
 # Sharded checkpoints
 
 A ZeRO-3 rank holds $\frac{1}{N_d}$ of every chunk: its 16-bit parameter shard
 and, for trainable chunks, the fp32 master and the two Adam moments. A checkpoint
-is just those shards, one file per rank, written in parallel and never gathered:
-saving costs each rank its own $\frac{(p + K)\Psi_t + p\Psi_f}{N_d}$ bytes of
-disk and no communication beyond a few barriers.
+is those shards, one file per rank, written in parallel and never gathered.
+With $\Psi_t$ trainable and $\Psi_f$ frozen elements, $p$ bytes per parameter
+and $K = 12$ bytes of optimizer state, each rank writes
 
-## The format
+$$\frac{(p + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 
-A checkpoint is a directory:
+bytes (for fp32, $K = 8$: the master is the parameter) and the ranks exchange
+nothing but a few flags. The [format and the resharding
+arithmetic](checkpoint_reader.html) have their own page; the
+[export](checkpoint_export.html) of a whole model too.
 
-```
-manifest.json             rank 0: world size, chunks, parameters, optimizer groups
-rank-00000.safetensors    rank r's shards: "<chunk>.param" [S] in the chunk dtype,
-rank-00001.safetensors      "<chunk>.master", "<chunk>.exp_avg", "<chunk>.exp_avg_sq"
-rank-00000.pt             rank r's RNG states and its `rank_extra`
-extra.pt                  rank 0: the global `extra` (a loss scaler's state, say)
-```
+## What makes a resume bit-exact
 
-The tensors are in [safetensors](https://huggingface.co/docs/safetensors): a JSON
-header then raw bytes, so a reader can map the file and copy out a slice of one
-tensor without reading the rest, and loading runs no pickled code. The `.pt` files
-hold small Python values (the RNG states, `extra`); they are loaded with
-`weights_only=True`, which also runs no code, and `save_checkpoint` checks that
-they will load before it writes them.
+The next step after a load must compute exactly what the next step after the
+save would have computed. That needs every input of a step:
 
-The manifest lists every chunk: its size $C$, dtype, whether it is trainable, its
-optimizer step, and its parameters with qualified name, shape and offset. That is
-the whole layout: with it, any element of any parameter can be found in the
-files. It also carries a *fingerprint*, a hash of the sorted `(name, shape)`
-pairs, so a checkpoint of another model is refused before anything is read.
+* the 16-bit parameters (the forward pass reads them), the fp32 masters (the
+  update writes them), both moments, and each shard's step count (Adam's bias
+  correction);
+* the optimizer's hyperparameters, which a schedule may have changed;
+* the RNG states a step draws from: torch's CPU generator and this rank's CUDA
+  one, Python's `random` and NumPy's global generator (dropout, sampling);
+* whatever else the loop keeps: a loss scaler's state and the data position go
+  into `extra` (global) or `rank_extra` (per rank).
 
-`master` is written only when it is not the parameter itself: for a 16-bit chunk
-that has an optimizer state, or whose exact fp32 initial weights the engine kept
-(`master_init`, before the first step). For fp32 chunks the parameter *is* the
-master. Frozen chunks have only `param`.
+Saving draws from no RNG (its temporary name comes from `secrets`), so the
+states it saves are those the next step would have used.
 
 ## Note: atomic save
 
@@ -60,76 +54,42 @@ it would resume from half new, half old (or missing) shards. So:
 
 Between the two renames there is briefly *no* checkpoint at `path`, never a
 partial one; a crash just there leaves the old one complete at `.old-<id>`, and
-`load_checkpoint` names it. Each shard file carries the save id in its header,
-so a stray file from another save is refused.
+`load_checkpoint` names it. A crash that kills the process leaves a
+`.<name>.tmp-<id>` directory, which nothing loads and which may be deleted.
 
-## Resharding
+## Note: agreement between ranks
 
-Loading at a different world size $N'$, or with another chunk size, is the same
-arithmetic as loading at the same one. A chunk of $C$ elements split over $N$
-ranks gives rank $k$ the elements $[kS, (k+1)S)$, $S = C / N$. A parameter at
-offset $o$ with $n$ elements is elements $[o, o + n)$ of its chunk.
-
-In the new model, rank $r'$ keeps elements $[r'S', (r'+1)S')$ of a chunk where
-the same parameter sits at offset $o'$. It needs the parameter's elements
-
-$$[a, b) = [\max(o', r'S') - o',\ \min(o' + n, (r'+1)S') - o'),$$
-
-which in the saved chunk are elements $[o + a, o + b)$, held by the old ranks
-$k = \lfloor (o + a) / S \rfloor, \ldots, \lfloor (o + b - 1) / S \rfloor$, rank
-$k$ at local positions $[\max(o + a, kS) - kS,\ \min(o + b, (k+1)S) - kS)$. A
-rank reads exactly those slices (`safe_open(...).get_slice`), parameter by
-parameter, for the parameter, the master and both moments. Padding is zero in
-every one of them (its gradient is zero, so Adam never moves it) and stays zero.
-
-`CheckpointReader.read` does this for any element range, so the same code serves
-loading at any world size and reading a whole tensor offline.
-
-## Exporting the whole model
-
-`consolidated_tensors` all-gathers one chunk at a time (the fp32 masters where
-they exist, more exact than the 16-bit copy), copies it to rank 0's host memory
-and frees it, then yields each of its parameters. The consumer can stream them
-into files: `export_full_state_dict` writes one safetensors file, or hands the
-stream to a callback such as the GPT-NeoX exporter:
-
-```python
-rename = prefix_rename([hf_prefix(layer) for layer in layers])
-export_full_state_dict(
-    lambda tensors: save_hf_checkpoint(out_dir, config, tensors),
-    model, optimizer, rename=rename,
-)
-```
+A rank that fails alone must neither leave the others waiting in a collective
+nor let them go on with a half-loaded model. So each phase of a save or load
+ends with an all-reduce of one failure flag per rank; if any is set, every rank
+raises (the failing one its own error, the others "failed on rank $k$"). A load
+reads everything into host memory *before* that agreement and changes the model
+only after it, so a refused checkpoint changes nothing.
 
 ## Memory
 
-| operation | device, per rank | host, per rank |
-|---|---|---|
-| save | nothing new | its shards, about twice (safetensors builds the bytes) |
-| load | the new masters and moments replace the old | its new shards, plus one slice |
-| export | one gathered chunk, $4C$ bytes | rank 0: one chunk; all of $\Psi$ for a file |
+* **save**: nothing on the device; on the host, the rank's shards (copied from
+  the device), and about as much again while safetensors builds the file.
+* **load**: on the host, the new shards, masters and moments, read slice by
+  slice; on the device the new masters and moments replace the old ones.
 
 ## Limitations
 
 * All ranks must see one filesystem: rank 0 sizes and renames every rank's file.
-* Tensor data has no checksum: truncation, a damaged header or a wrong size is
-  caught, a flipped bit inside the data is not.
 * RNG states and `rank_extra` are restored only at the saved world size: at
   another one there is no rank they belong to.
 * Module buffers are not saved (the engine does not shard them); a model whose
   buffers are state (batch-norm statistics) must put them into `extra`.
 * The optimizer must be built the same way (same param groups, in order); its
   hyperparameters (learning rate, betas, ...) are restored from the manifest.
-* A slow export consumer keeps the other ranks waiting in the next all-gather,
-  bounded by the process group's timeout.
+* Each phase's agreement is an all-reduce, counted by the communicator's
+  `CommCounter` like the training collectives.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
-import math
 import os
 import random
 import secrets
@@ -140,49 +100,21 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from .checkpoint_reader import (EXTRA, FORMAT, MANIFEST, MOMENTS, CheckpointError,
+                                CheckpointReader, dtype_name, fingerprint,
+                                rank_state_file, tensors_file)
 from .chunk import Chunk, ChunkState
 from .communication import Communicator
 
 __all__ = [
     "CheckpointError",
-    "CheckpointReader",
     "LoadedCheckpoint",
-    "consolidated_tensors",
-    "export_full_state_dict",
     "load_checkpoint",
-    "prefix_rename",
     "save_checkpoint",
 ]
-
-FORMAT = "labml_zero.zero3.checkpoint/1"
-MANIFEST = "manifest.json"
-EXTRA = "extra.pt"
-MOMENTS = ("exp_avg", "exp_avg_sq")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16}
-# safetensors' dtype names, as `get_slice(...).get_dtype()` reports them
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16",
-                       torch.float16: "F16"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be saved or loaded; the message names the cause."""
-
-
-def tensors_file(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
-
-
-def rank_state_file(rank: int) -> str:
-    return f"rank-{rank:05d}.pt"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 # ## Describing the model
@@ -198,25 +130,6 @@ def model_shapes(chunks: Sequence[Chunk]) -> dict[str, tuple[int, ...]]:
                                       "the model")
             shapes[name] = tuple(param.shape)
     return shapes
-
-
-def fingerprint(shapes: dict[str, tuple[int, ...]]) -> str:
-    """A hash of the sorted `(name, shape)` pairs: independent of the layout."""
-    items = sorted((name, list(shape)) for name, shape in shapes.items())
-    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
-
-
-def first_difference(saved: dict[str, tuple[int, ...]],
-                     model: dict[str, tuple[int, ...]]) -> str:
-    """#### The first parameter that differs, as a sentence"""
-    for name, shape in model.items():
-        if name not in saved:
-            return f"the model's parameter {name!r} is not in the checkpoint"
-        if saved[name] != shape:
-            return (f"parameter {name!r} has shape {saved[name]} in the checkpoint, "
-                    f"{shape} in the model")
-    extra = next(name for name in saved if name not in model)
-    return f"the checkpoint's parameter {extra!r} is not in the model"
 
 
 def optimizer_state(optimizer, chunk: Chunk) -> dict | None:
@@ -268,13 +181,10 @@ def group_hyperparameters(optimizer) -> list[dict] | None:
 
 
 # ## Agreement between ranks
-#
-# A rank that fails alone must not leave the others waiting in a collective, nor
-# let them go on with a half-loaded model: every phase ends with an all-reduce of
-# one failure flag per rank, and if any is set, every rank raises.
 
 
 def agree(comm: Communicator, error: BaseException | None, what: str) -> None:
+    """See Note: agreement between ranks."""
     flags = torch.zeros(comm.world_size, dtype=torch.int32, device=comm.device)
     flags[comm.rank] = int(error is not None)
     comm.all_reduce(flags)
@@ -323,8 +233,8 @@ def write_checked_pickle(value: Any, file: Path, *, what: str) -> None:
     training state that produced it still exists.
     """
     buffer = io.BytesIO()
-    torch.save(value, buffer)
     try:
+        torch.save(value, buffer)
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception as error:
         raise CheckpointError(
@@ -510,185 +420,6 @@ def run_agreed(comm: Communicator, fn: Callable[[], None], what: str) -> None:
     except Exception as caught:
         error = caught
     agree(comm, error, what)
-
-
-# ## Reading
-
-
-@dataclass(frozen=True)
-class SavedParam:
-    """Where a saved parameter lives: its chunk, offset and shape."""
-
-    name: str
-    chunk: int
-    offset: int
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-class CheckpointReader:
-    """
-    ## A checkpoint directory, read lazily
-
-    Construction reads the manifest and checks that every file is there with
-    its recorded size; tensor files are opened (header only) when first read.
-    Needs no process group: it also serves offline inspection and conversion.
-    """
-
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        self.manifest = self._read_manifest()
-        self.world_size: int = self.manifest["world_size"]
-        self.chunks: list[dict] = self.manifest["chunks"]
-        self.params: dict[str, SavedParam] = {
-            p["name"]: SavedParam(p["name"], index, p["offset"], tuple(p["shape"]))
-            for index, chunk in enumerate(self.chunks) for p in chunk["params"]
-        }
-        for name, size in self.manifest["files"].items():
-            file = self.path / name
-            if not file.is_file():
-                raise CheckpointError(f"missing shard file {file}")
-            if file.stat().st_size != size:
-                raise CheckpointError(
-                    f"corrupted shard file {file}: {file.stat().st_size} bytes, "
-                    f"the manifest says {size}"
-                )
-        # rank -> (open safetensors file, its tensor names)
-        self._open: dict[int, tuple[Any, set[str]]] = {}
-
-    def _read_manifest(self) -> dict:
-        file = self.path / MANIFEST
-        if not file.is_file():
-            if not self.path.exists():
-                left = sorted(self.path.parent.glob(f".{self.path.name}.old-*"))
-                hint = (f"; an interrupted save left the previous one at {left[0]}"
-                        if left else "")
-                raise CheckpointError(f"no checkpoint at {self.path}{hint}")
-            raise CheckpointError(f"no {MANIFEST} in {self.path}: not a checkpoint, "
-                                  "or a save that did not finish")
-        try:
-            manifest = json.loads(file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise CheckpointError(f"corrupted manifest {file}: {error}") from None
-        if manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{file} has format {manifest.get('format')!r}, "
-                                  f"expected {FORMAT!r}")
-        return manifest
-
-    ### Checks
-
-    @property
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: p.shape for name, p in self.params.items()}
-
-    def check_model(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        """Refuse a model whose parameter names or shapes differ from the saved."""
-        if fingerprint(shapes) != self.manifest["fingerprint"]:
-            raise CheckpointError(f"checkpoint {self.path} is of a different model: "
-                                  f"{first_difference(self.shapes, shapes)}")
-
-    def chunk_of(self, name: str) -> dict:
-        return self.chunks[self.params[name].chunk]
-
-    def step(self, name: str) -> int | None:
-        """The optimizer step of a parameter's chunk; `None` without state."""
-        return self.chunk_of(name)["step"]
-
-    def dtype(self, name: str) -> torch.dtype:
-        return _DTYPES[self.chunk_of(name)["dtype"]]
-
-    ### Reading elements
-
-    def read(self, name: str, kind: str = "master", start: int = 0,
-             end: int | None = None) -> torch.Tensor:
-        """
-        ### Elements `[start, end)` of a saved parameter, flat, on the host
-
-        `kind` is `param` (in the saved dtype), `master` (fp32: the saved master,
-        else the parameter), `exp_avg` or `exp_avg_sq`. See "Resharding" for the
-        arithmetic.
-        """
-        if kind not in ("param", "master", *MOMENTS):
-            raise ValueError(f"kind must be param, master, exp_avg or exp_avg_sq, "
-                             f"got {kind!r}")
-        saved = self.params[name]
-        chunk = self.chunks[saved.chunk]
-        end = saved.numel if end is None else end
-        if not 0 <= start <= end <= saved.numel:
-            raise ValueError(f"elements [{start}, {end}) are outside parameter "
-                             f"{name!r} of {saved.numel} elements")
-        stored = kind
-        if kind == "master" and not chunk["has_master"]:
-            stored = "param"
-        if kind in MOMENTS and chunk["step"] is None:
-            raise CheckpointError(f"parameter {name!r} has no optimizer state in "
-                                  f"{self.path}")
-        dtype = _DTYPES[chunk["dtype"]] if stored == "param" else torch.float32
-        shard_numel = chunk["numel"] // self.world_size
-        lo, hi = saved.offset + start, saved.offset + end
-        pieces = []
-        # old ranks ⌊lo / S⌋ … ⌊(hi − 1) / S⌋ hold chunk elements [lo, hi)
-        for rank in range(lo // shard_numel, (hi - 1) // shard_numel + 1):
-            base = rank * shard_numel
-            key = f"{saved.chunk}.{stored}"
-            pieces.append(self._slice(rank, key, shard_numel, dtype,
-                                      max(lo, base) - base, min(hi, base + shard_numel)
-                                      - base))
-        # [end − start] saved dtype (fp32 for masters and moments)
-        out = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
-        return out.float() if kind == "master" else out
-
-    def _slice(self, rank: int, key: str, shard_numel: int, dtype: torch.dtype,
-               start: int, end: int) -> torch.Tensor:
-        handle, keys = self._file(rank)
-        file = self.path / tensors_file(rank)
-        if key not in keys:
-            raise CheckpointError(f"corrupted shard file {file}: no tensor {key!r}")
-        sliced = handle.get_slice(key)
-        if sliced.get_shape() != [shard_numel]:
-            raise CheckpointError(f"corrupted shard file {file}: tensor {key!r} has "
-                                  f"shape {sliced.get_shape()}, expected "
-                                  f"[{shard_numel}]")
-        if sliced.get_dtype() != _SAFETENSORS_DTYPES[dtype]:
-            raise CheckpointError(f"corrupted shard file {file}: tensor {key!r} is "
-                                  f"{sliced.get_dtype()}, expected {dtype}")
-        return sliced[start:end]
-
-    def _file(self, rank: int):
-        if rank not in self._open:
-            file = self.path / tensors_file(rank)
-            try:
-                handle = safe_open(file, framework="pt", device="cpu")
-            except Exception as error:
-                raise CheckpointError(f"corrupted shard file {file}: "
-                                      f"{str(error).splitlines()[0]}") from None
-            if handle.metadata().get("save_id") != self.manifest["save_id"]:
-                raise CheckpointError(f"shard file {file} belongs to another save "
-                                      "than its manifest")
-            self._open[rank] = handle, set(handle.keys())
-        return self._open[rank]
-
-    ### Small Python state
-
-    def extra(self) -> dict | None:
-        if EXTRA not in self.manifest["files"]:
-            return None
-        return self._load_pickle(self.path / EXTRA)
-
-    def rank_state(self, rank: int) -> dict:
-        return self._load_pickle(self.path / rank_state_file(rank))
-
-    def _load_pickle(self, file: Path) -> Any:
-        if not file.is_file():
-            raise CheckpointError(f"missing checkpoint file {file}")
-        try:
-            return torch.load(file, weights_only=True)
-        except Exception as error:
-            raise CheckpointError(f"corrupted checkpoint file {file}: "
-                                  f"{str(error).splitlines()[0]}") from None
 
 
 # ## Loading
@@ -885,110 +616,3 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
         world_size=reader.world_size,
         resharded=not same_layout(reader, chunks, comm.world_size),
     )
-
-
-# ## Exporting the whole model
-
-
-def consolidated_tensors(model: nn.Module, optimizer=None, *,
-                         rename: Callable[[str], str] | None = None,
-                         dtype: torch.dtype | None = None
-                         ) -> Iterator[tuple[str, torch.Tensor]]:
-    """
-    ## Every parameter, whole, one chunk at a time
-
-    Every rank must run the iterator to its end (each chunk is an all-gather);
-    only rank 0 gets the `(name, tensor)` pairs, on the host, in chunk order.
-
-    * `optimizer`: where the fp32 masters are; without it, 16-bit chunks export
-      their 16-bit values (or `master_init`, before the first step).
-    * `rename` maps a qualified name to the exported one (see `prefix_rename`).
-    * `dtype` casts every tensor, e.g. to bf16 for a release.
-    """
-    comm: Communicator = model.runtime.comm
-    for chunk in model.chunks:
-        master = master_of(optimizer, chunk)
-        # [S] fp32 master or chunk dtype
-        source = (master if master is not None else chunk.shard).detach()
-        # [C] one chunk on the device at a time
-        full = torch.empty(chunk.numel, dtype=source.dtype, device=comm.device)
-        comm.all_gather(full, source)
-        if comm.rank != 0:
-            continue
-        # [C] host sync: device-to-host copy
-        host = full.cpu()
-        del full
-        for name, param, slot in zip(chunk.names, chunk.params, chunk.spec.slots):
-            # a copy, not a view: safetensors refuses tensors that share memory
-            tensor = host[slot.offset : slot.end].view(param.shape).clone()
-            if dtype is not None:
-                tensor = tensor.to(dtype)
-            yield (rename(name) if rename else name), tensor
-
-
-def prefix_rename(prefixes: Sequence[str]) -> Callable[[str], str]:
-    """
-    ### Names of a `Zero3Sequential` to names of the original model
-
-    A `Zero3Sequential` names parameters `"<layer index>.<name in layer>"`;
-    this maps them to `prefixes[layer index] + name in layer`, e.g. with
-    `prefixes = [hf_prefix(layer) for layer in layers]` for GPT-NeoX.
-    """
-
-    def rename(name: str) -> str:
-        index, _, rest = name.partition(".")
-        if not index.isdigit() or int(index) >= len(prefixes):
-            raise ValueError(f"{name!r} does not start with a layer index below "
-                             f"{len(prefixes)}")
-        return prefixes[int(index)] + rest
-
-    return rename
-
-
-def export_full_state_dict(target: str | os.PathLike | Callable, model: nn.Module,
-                           optimizer=None, *,
-                           rename: Callable[[str], str] | None = None,
-                           dtype: torch.dtype | None = None) -> Any:
-    """
-    ## Export the whole model
-
-    Called by every rank. `target` is either
-
-    * a file path: rank 0 writes one safetensors file atomically (temporary file,
-      `fsync`, rename); it holds the whole model in host memory to do so;
-    * or a callable: rank 0 calls it with the `(name, tensor)` iterator and may
-      stream it (`save_hf_checkpoint` holds one output shard at a time); its
-      result is returned on rank 0.
-
-    Other ranks return `None` once the export is complete.
-    """
-    comm: Communicator = model.runtime.comm
-    tensors = consolidated_tensors(model, optimizer, rename=rename, dtype=dtype)
-    result = None
-    error = None
-    try:
-        if comm.rank == 0:
-            if callable(target):
-                result = target(tensors)
-            else:
-                write_one_file(Path(target), dict(tensors))
-    except Exception as caught:
-        error = caught
-    # A consumer that stopped early (or failed) must not strand the other
-    # ranks in the remaining all-gathers.
-    for _ in tensors:
-        pass
-    agree(comm, error, "export")
-    return result
-
-
-def write_one_file(file: Path, tensors: dict[str, torch.Tensor]) -> None:
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.parent / f".{file.name}.tmp-{secrets.token_hex(6)}"
-    try:
-        write_tensors(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, file)
-        fsync_path(file.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

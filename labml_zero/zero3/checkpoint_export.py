@@ -1,0 +1,169 @@
+r"""
+---
+title: Exporting a sharded model
+summary: Every parameter, whole, gathered one chunk at a time and streamed to a
+  file or an exporter, without any rank holding the model on its device.
+---
+
+# Exporting a sharded model
+
+A [sharded checkpoint](checkpoint.html) is for resuming; other tools want one
+tensor per parameter under the original model's names (a Hugging Face
+directory, say). Gathering the whole model would cost the device memory that
+ZeRO-3 exists to avoid, so the export goes **one chunk at a time**:
+
+1. every rank contributes its shard of the chunk: the fp32 master where one
+   exists (more exact than the 16-bit copy: that is what training would
+   continue from), else the parameter shard;
+2. one all-gather builds the chunk's $C$ elements on every rank's device;
+3. rank 0 copies it to host memory and the device buffer is freed;
+4. rank 0 yields each of the chunk's parameters, `(name, tensor)`, in chunk
+   order.
+
+The consumer sees a stream: it can write each tensor as it comes, as the
+[GPT-NeoX exporter](../neox/checkpoint.html) does, holding one output shard at a
+time:
+
+```python
+rename = prefix_rename([hf_prefix(layer) for layer in layers])
+export_full_state_dict(
+    lambda tensors: save_hf_checkpoint(out_dir, config, tensors),
+    model, optimizer, rename=rename,
+)
+```
+
+## Memory
+
+Per rank, one gathered chunk on the device, $C$ elements in the master's or the
+parameter's dtype, for the duration of one all-gather. On rank 0's host, one
+chunk plus whatever the consumer keeps: everything, $\Psi$ elements, when the
+target is a single file.
+
+## Limitations
+
+* Every rank must run the stream to its end (each chunk is a collective);
+  `export_full_state_dict` does so even when the consumer stops early or fails.
+* A slow consumer keeps the other ranks waiting in the next all-gather, bounded
+  by the process group's timeout.
+* Module buffers are not exported (the engine does not shard them).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .checkpoint import agree, fsync_path, master_of, write_tensors
+from .communication import Communicator
+
+__all__ = ["consolidated_tensors", "export_full_state_dict", "prefix_rename"]
+
+
+def consolidated_tensors(model: nn.Module, optimizer=None, *,
+                         rename: Callable[[str], str] | None = None,
+                         dtype: torch.dtype | None = None
+                         ) -> Iterator[tuple[str, torch.Tensor]]:
+    """
+    ## Every parameter, whole, one chunk at a time
+
+    Every rank must run the iterator to its end (each chunk is an all-gather);
+    only rank 0 gets the `(name, tensor)` pairs, on the host, in chunk order.
+
+    * `optimizer`: where the fp32 masters are; without it, 16-bit chunks export
+      their 16-bit values (or `master_init`, before the first step).
+    * `rename` maps a qualified name to the exported one (see `prefix_rename`).
+    * `dtype` casts every tensor, e.g. to bf16 for a release.
+    """
+    comm: Communicator = model.runtime.comm
+    for chunk in model.chunks:
+        master = master_of(optimizer, chunk)
+        # [S] fp32 master or chunk dtype
+        source = (master if master is not None else chunk.shard).detach()
+        # [C] one chunk on the device at a time
+        full = torch.empty(chunk.numel, dtype=source.dtype, device=comm.device)
+        comm.all_gather(full, source)
+        if comm.rank != 0:
+            continue
+        # [C] host sync: device-to-host copy
+        host = full.cpu()
+        del full
+        for name, param, slot in zip(chunk.names, chunk.params, chunk.spec.slots):
+            # a copy, not a view: safetensors refuses tensors that share memory
+            tensor = host[slot.offset : slot.end].view(param.shape).clone()
+            if dtype is not None:
+                tensor = tensor.to(dtype)
+            yield (rename(name) if rename else name), tensor
+
+
+def prefix_rename(prefixes: Sequence[str]) -> Callable[[str], str]:
+    """
+    ### Names of a `Zero3Sequential` to names of the original model
+
+    A `Zero3Sequential` names parameters `"<layer index>.<name in layer>"`;
+    this maps them to `prefixes[layer index] + name in layer`, e.g. with
+    `prefixes = [hf_prefix(layer) for layer in layers]` for GPT-NeoX.
+    """
+
+    def rename(name: str) -> str:
+        index, _, rest = name.partition(".")
+        if not index.isdigit() or int(index) >= len(prefixes):
+            raise ValueError(f"{name!r} does not start with a layer index below "
+                             f"{len(prefixes)}")
+        return prefixes[int(index)] + rest
+
+    return rename
+
+
+def export_full_state_dict(target: str | os.PathLike | Callable, model: nn.Module,
+                           optimizer=None, *,
+                           rename: Callable[[str], str] | None = None,
+                           dtype: torch.dtype | None = None) -> Any:
+    """
+    ## Export the whole model
+
+    Called by every rank. `target` is either
+
+    * a file path: rank 0 writes one safetensors file atomically (temporary file,
+      `fsync`, rename); it holds the whole model in host memory to do so;
+    * or a callable: rank 0 calls it with the `(name, tensor)` iterator and may
+      stream it (`save_hf_checkpoint` holds one output shard at a time); its
+      result is returned on rank 0.
+
+    Other ranks return `None` once the export is complete.
+    """
+    comm: Communicator = model.runtime.comm
+    tensors = consolidated_tensors(model, optimizer, rename=rename, dtype=dtype)
+    result = None
+    error = None
+    try:
+        if comm.rank == 0:
+            if callable(target):
+                result = target(tensors)
+            else:
+                write_one_file(Path(target), dict(tensors))
+    except Exception as caught:
+        error = caught
+    # A consumer that stopped early (or failed) must not strand the other
+    # ranks in the remaining all-gathers.
+    for _ in tensors:
+        pass
+    agree(comm, error, "export")
+    return result
+
+
+def write_one_file(file: Path, tensors: dict[str, torch.Tensor]) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.parent / f".{file.name}.tmp-{secrets.token_hex(6)}"
+    try:
+        write_tensors(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, file)
+        fsync_path(file.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+

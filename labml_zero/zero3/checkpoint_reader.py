@@ -1,0 +1,316 @@
+r"""
+---
+title: Reading a sharded checkpoint
+summary: The checkpoint format, and how any element of any parameter is found in
+  the ranks' files, which is all that resharding needs.
+---
+
+# Reading a sharded checkpoint
+
+A [sharded checkpoint](checkpoint.html) is one file per rank holding that rank's
+shards, plus a manifest that describes the layout. This page is the format and
+the one operation every reader needs: *find elements $[a, b)$ of parameter $p$*.
+Loading at the saved world size, loading at another one, and reading a whole
+tensor offline are all that operation with different ranges. It is pure file
+arithmetic, with no process group, so it also serves inspection and conversion
+on a machine without GPUs.
+
+## The format
+
+A checkpoint is a directory:
+
+```
+manifest.json             rank 0: world size, chunks, parameters, optimizer groups
+rank-00000.safetensors    rank r's shards: "<chunk>.param" [S] in the chunk dtype,
+rank-00001.safetensors      "<chunk>.master", "<chunk>.exp_avg", "<chunk>.exp_avg_sq"
+rank-00000.pt             rank r's RNG states and its `rank_extra`
+extra.pt                  rank 0: the global `extra` (a loss scaler's state, say)
+```
+
+`<chunk>` is the chunk's position in `model.chunks`. The tensors are in
+[safetensors](https://huggingface.co/docs/safetensors): a JSON header, then raw
+bytes, so a reader maps the file and copies out a slice of one tensor without
+reading the rest, and loading runs no pickled code. The `.pt` files hold small
+Python values; they are loaded with `weights_only=True`, which runs no code
+either.
+
+The manifest lists every chunk: its size $C$, dtype, whether it is trainable, its
+optimizer step, and its parameters with qualified name, shape and offset; and
+every file with its size in bytes. It carries a *fingerprint*, a hash of the
+sorted `(name, shape)` pairs, so a checkpoint of another model is refused before
+anything is read, and a *save id* that every shard file repeats in its header, so
+a stray file from another save is refused too.
+
+`master` is written only when it is not the parameter itself: for a 16-bit chunk
+with an optimizer state, or whose exact fp32 initial weights the engine kept
+(`master_init`, before the first step). For fp32 chunks the parameter *is* the
+master. Frozen chunks have only `param`.
+
+## Finding elements: the resharding arithmetic
+
+A chunk of $C$ elements saved over $N$ ranks gave rank $k$ the elements
+$[kS, (k+1)S)$, $S = C / N$. A parameter at offset $o$ with $n$ elements is
+elements $[o, o + n)$ of its chunk, so its elements $[a, b)$ are chunk elements
+$[o + a, o + b)$, held by the saved ranks
+
+$$k = \left\lfloor \frac{o + a}{S} \right\rfloor, \ldots,
+\left\lfloor \frac{o + b - 1}{S} \right\rfloor,$$
+
+rank $k$ at local positions $[\max(o + a, kS) - kS,\ \min(o + b, (k+1)S) - kS)$.
+`read` copies exactly those slices (`safe_open(...).get_slice`) and concatenates
+them.
+
+A new model, at world size $N'$ and with its own chunk size, puts the same
+parameter at offset $o'$ of a chunk of $C'$ elements, and its rank $r'$ keeps
+$[r'S', (r'+1)S')$ of that chunk. So rank $r'$ asks for
+
+$$[a, b) = [\max(o', r'S') - o',\ \min(o' + n, (r'+1)S') - o')$$
+
+of each parameter that overlaps its shard, for the parameter, the master and
+both moments. Padding needs nothing: it is zero in all four (its gradient is
+zero, so Adam never moves it) and a new shard starts as zeros.
+
+## Limitations
+
+* Tensor data has no checksum: a truncated file, a damaged header or a wrong size
+  is caught, a flipped bit inside the data is not.
+* Every file is checked for existence and size when the reader is built, so a
+  rank that needs only its own file still refuses a checkpoint with another
+  rank's file missing (which is the point: it would not resume anyway).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+__all__ = ["CheckpointError", "CheckpointReader"]
+
+FORMAT = "labml_zero.zero3.checkpoint/1"
+MANIFEST = "manifest.json"
+EXTRA = "extra.pt"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
+# safetensors' dtype names, as `get_slice(...).get_dtype()` reports them
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16",
+                       torch.float16: "F16"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be saved or loaded; the message names the cause."""
+
+
+def tensors_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def rank_state_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def fingerprint(shapes: dict[str, tuple[int, ...]]) -> str:
+    """A hash of the sorted `(name, shape)` pairs: independent of the layout."""
+    items = sorted((name, list(shape)) for name, shape in shapes.items())
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+
+
+def first_difference(saved: dict[str, tuple[int, ...]],
+                     model: dict[str, tuple[int, ...]]) -> str:
+    """#### The first parameter that differs, as a sentence"""
+    for name, shape in model.items():
+        if name not in saved:
+            return f"the model's parameter {name!r} is not in the checkpoint"
+        if saved[name] != shape:
+            return (f"parameter {name!r} has shape {saved[name]} in the checkpoint, "
+                    f"{shape} in the model")
+    extra = next(name for name in saved if name not in model)
+    return f"the checkpoint's parameter {extra!r} is not in the model"
+
+
+@dataclass(frozen=True)
+class SavedParam:
+    """Where a saved parameter lives: its chunk, offset and shape."""
+
+    name: str
+    chunk: int
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class CheckpointReader:
+    """
+    ## A checkpoint directory, read lazily
+
+    Construction reads the manifest and checks that every file is there with
+    its recorded size; tensor files are opened (header only) when first read.
+    Needs no process group: it also serves offline inspection and conversion.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.manifest = self._read_manifest()
+        self.world_size: int = self.manifest["world_size"]
+        self.chunks: list[dict] = self.manifest["chunks"]
+        self.params: dict[str, SavedParam] = {
+            p["name"]: SavedParam(p["name"], index, p["offset"], tuple(p["shape"]))
+            for index, chunk in enumerate(self.chunks) for p in chunk["params"]
+        }
+        for name, size in self.manifest["files"].items():
+            file = self.path / name
+            if not file.is_file():
+                raise CheckpointError(f"missing shard file {file}")
+            if file.stat().st_size != size:
+                raise CheckpointError(
+                    f"corrupted shard file {file}: {file.stat().st_size} bytes, "
+                    f"the manifest says {size}"
+                )
+        # rank -> (open safetensors file, its tensor names)
+        self._open: dict[int, tuple[Any, set[str]]] = {}
+
+    def _read_manifest(self) -> dict:
+        file = self.path / MANIFEST
+        if not file.is_file():
+            if not self.path.exists():
+                left = sorted(self.path.parent.glob(f".{self.path.name}.old-*"))
+                hint = (f"; an interrupted save left the previous one at {left[0]}"
+                        if left else "")
+                raise CheckpointError(f"no checkpoint at {self.path}{hint}")
+            raise CheckpointError(f"no {MANIFEST} in {self.path}: not a checkpoint, "
+                                  "or a save that did not finish")
+        try:
+            manifest = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise CheckpointError(f"corrupted manifest {file}: {error}") from None
+        if manifest.get("format") != FORMAT:
+            raise CheckpointError(f"{file} has format {manifest.get('format')!r}, "
+                                  f"expected {FORMAT!r}")
+        return manifest
+
+    ### Checks
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: p.shape for name, p in self.params.items()}
+
+    def check_model(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Refuse a model whose parameter names or shapes differ from the saved."""
+        if fingerprint(shapes) != self.manifest["fingerprint"]:
+            raise CheckpointError(f"checkpoint {self.path} is of a different model: "
+                                  f"{first_difference(self.shapes, shapes)}")
+
+    def chunk_of(self, name: str) -> dict:
+        return self.chunks[self.params[name].chunk]
+
+    def step(self, name: str) -> int | None:
+        """The optimizer step of a parameter's chunk; `None` without state."""
+        return self.chunk_of(name)["step"]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return DTYPES[self.chunk_of(name)["dtype"]]
+
+    ### Reading elements
+
+    def read(self, name: str, kind: str = "master", start: int = 0,
+             end: int | None = None) -> torch.Tensor:
+        """
+        ### Elements `[start, end)` of a saved parameter, flat, on the host
+
+        `kind` is `param` (in the saved dtype), `master` (fp32: the saved master,
+        else the parameter), `exp_avg` or `exp_avg_sq`. See "Finding elements"
+        for the arithmetic.
+        """
+        if kind not in ("param", "master", *MOMENTS):
+            raise ValueError(f"kind must be param, master, exp_avg or exp_avg_sq, "
+                             f"got {kind!r}")
+        saved = self.params[name]
+        chunk = self.chunks[saved.chunk]
+        end = saved.numel if end is None else end
+        if not 0 <= start <= end <= saved.numel:
+            raise ValueError(f"elements [{start}, {end}) are outside parameter "
+                             f"{name!r} of {saved.numel} elements")
+        stored = kind
+        if kind == "master" and not chunk["has_master"]:
+            stored = "param"
+        if kind in MOMENTS and chunk["step"] is None:
+            raise CheckpointError(f"parameter {name!r} has no optimizer state in "
+                                  f"{self.path}")
+        dtype = DTYPES[chunk["dtype"]] if stored == "param" else torch.float32
+        shard_numel = chunk["numel"] // self.world_size
+        lo, hi = saved.offset + start, saved.offset + end
+        pieces = []
+        # old ranks ⌊lo / S⌋ … ⌊(hi − 1) / S⌋ hold chunk elements [lo, hi)
+        for rank in range(lo // shard_numel, (hi - 1) // shard_numel + 1):
+            base = rank * shard_numel
+            key = f"{saved.chunk}.{stored}"
+            pieces.append(self._slice(rank, key, shard_numel, dtype,
+                                      max(lo, base) - base, min(hi, base + shard_numel)
+                                      - base))
+        # [end − start] saved dtype (fp32 for masters and moments)
+        out = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
+        return out.float() if kind == "master" else out
+
+    def _slice(self, rank: int, key: str, shard_numel: int, dtype: torch.dtype,
+               start: int, end: int) -> torch.Tensor:
+        handle, keys = self._file(rank)
+        file = self.path / tensors_file(rank)
+        if key not in keys:
+            raise CheckpointError(f"corrupted shard file {file}: no tensor {key!r}")
+        sliced = handle.get_slice(key)
+        if sliced.get_shape() != [shard_numel]:
+            raise CheckpointError(f"corrupted shard file {file}: tensor {key!r} has "
+                                  f"shape {sliced.get_shape()}, expected "
+                                  f"[{shard_numel}]")
+        if sliced.get_dtype() != SAFETENSORS_DTYPES[dtype]:
+            raise CheckpointError(f"corrupted shard file {file}: tensor {key!r} is "
+                                  f"{sliced.get_dtype()}, expected {dtype}")
+        return sliced[start:end]
+
+    def _file(self, rank: int):
+        if rank not in self._open:
+            file = self.path / tensors_file(rank)
+            try:
+                handle = safe_open(file, framework="pt", device="cpu")
+            except Exception as error:
+                raise CheckpointError(f"corrupted shard file {file}: "
+                                      f"{str(error).splitlines()[0]}") from None
+            if handle.metadata().get("save_id") != self.manifest["save_id"]:
+                raise CheckpointError(f"shard file {file} belongs to another save "
+                                      "than its manifest")
+            self._open[rank] = handle, set(handle.keys())
+        return self._open[rank]
+
+    ### Small Python state
+
+    def extra(self) -> dict | None:
+        if EXTRA not in self.manifest["files"]:
+            return None
+        return self._load_pickle(self.path / EXTRA)
+
+    def rank_state(self, rank: int) -> dict:
+        return self._load_pickle(self.path / rank_state_file(rank))
+
+    def _load_pickle(self, file: Path) -> Any:
+        if not file.is_file():
+            raise CheckpointError(f"missing checkpoint file {file}")
+        try:
+            return torch.load(file, weights_only=True)
+        except Exception as error:
+            raise CheckpointError(f"corrupted checkpoint file {file}: "
+                                  f"{str(error).splitlines()[0]}") from None
