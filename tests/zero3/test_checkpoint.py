@@ -445,7 +445,11 @@ def test_errors_name_the_problem_and_change_nothing(tmp_path):
     shard.write_bytes(good)
     (path / "manifest.json").rename(path / "manifest.bak")
     refused(r"no manifest\.json in .*ck: not a checkpoint")
-    refused(r"no checkpoint at .*nowhere", target=tmp_path / "nowhere")
+    refused(r"no checkpoint at .*nowhere$", target=tmp_path / "nowhere")
+    # a save interrupted between its two renames left the old one aside
+    (tmp_path / ".gone.old-0123").mkdir()
+    refused(r"no checkpoint at .*gone; an interrupted save left the previous one "
+            r"at .*\.gone\.old-0123", target=tmp_path / "gone")
     (path / "manifest.bak").rename(path / "manifest.json")
 
     after = weights(model)
