@@ -47,8 +47,13 @@ gather runs on a side stream while the current one computes.
 * [Hooks and schedule](hooks.html): when chunks are gathered, released and reduced.
 * [Configuration](config.html): the knobs.
 * [Sharding a model](sharded_model.html): `Zero3Layer`, `Zero3Sequential`, `shard_model`.
+* [Checkpoints](checkpoint.html): saving, resuming and resharding;
+  [the format and the resharding reader](checkpoint_reader.html);
+  [exporting the whole model](checkpoint_export.html).
 """
 
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoint_export import export_full_state_dict
 from .config import ZeroConfig
 from .sharded_model import (
     ShardedModel,
@@ -60,6 +65,10 @@ from .sharded_model import (
 
 __all__ = [
     "ZeroConfig",
+    "save_checkpoint",
+    "load_checkpoint",
+    "export_full_state_dict",
+    "CheckpointError",
     "Zero3Layer",
     "Zero3Sequential",
     "ShardedModel",
