@@ -143,6 +143,10 @@ def measure_rank(ctx: launch.DistContext, engine: str, workload: Workload,
     train_peak = peak_memory(ctx.device)
     steps_run = run.warmup + run.steps
     record = {
+        # Asked here, not in the parent: a CUDA context in the parent would hold
+        # memory on GPU 0 for the whole run.
+        "device": (torch.cuda.get_device_name(ctx.device)
+                   if ctx.device.type == "cuda" else "cpu"),
         "init_s": init_s,
         "step_mean_s": timed.mean_s,
         "step_std_s": timed.std_s,
@@ -216,7 +220,6 @@ def describe(engine: str, workload: Workload, world_size: int, backend: str) -> 
         "workload": workload.name,
         "world_size": world_size,
         "backend": backend,
-        "device": torch.cuda.get_device_name(0) if backend == "nccl" else "cpu",
         "torch": torch.__version__,
         "batch_per_gpu": workload.batch,
         "seq": workload.seq,
@@ -248,6 +251,7 @@ def merge(line: dict, records: list[dict], workload: Workload, world_size: int,
     merged = {
         **line,
         "status": "ok",
+        "device": first["device"],
         "steps": run.steps,
         "warmup": run.warmup,
         "tokens_per_s": tokens_per_s,
@@ -364,7 +368,8 @@ def table(lines: list[dict]) -> str:
                         f"{reason[:60]} | | | | | | |")
             continue
         peak = "—" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
-        model = max(r["memory_model_gib"].values())
+        analytic = r["memory_model_gib"]
+        model = analytic.get("layout_states", analytic["zero_states"])
         exposed = r.get("comm_exposed")
         rows.append(
             f"| {r['workload']} | {r['engine']} | {r['tokens_per_s']:,.0f} "
