@@ -116,8 +116,15 @@ def choose_chunk_numel(
         return config.chunk_numel
     from .chunk_search import ChunkSearchConfig, search_chunk_size
 
+    hidden_dim = hidden_size(specs)
+    # ColossalAI's default range is 32·2^20 elements; in steps of a small model's
+    # hidden size that is hundreds of thousands of candidates, most of them far
+    # beyond any layer. 4096 steps reach past a layer of any transformer (about
+    # 12·d² elements for d ≤ 340 and beyond it for larger d, where 32·2^20 binds).
+    search_range_m = min(32.0, hidden_dim * 4096 / 2**20)
     search = ChunkSearchConfig(
-        hidden_dim=hidden_size(specs),
+        hidden_dim=hidden_dim,
+        search_range_m=search_range_m,
         prefetch_depth=config.prefetch_depth,
         align=config.align,
         param_bytes=torch.tensor([], dtype=config.dtype).element_size(),

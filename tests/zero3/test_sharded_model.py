@@ -105,3 +105,33 @@ def test_parity_with_unsharded_adamw(world_size, api, chunk_numel):
         # gradients are the average over ranks, equal to the full-batch gradient
         assert report["grad_mismatch"] <= 1e-6, (rank, report["grad_mismatch"])
         assert report["missing_grads"] == 0
+
+
+def test_defaults_run_in_one_process_without_a_process_group():
+    # The searched chunk size, bf16, no torch.distributed at all: a laptop script.
+    model = Zero3Sequential(zero3_layers(tiny_layers(), device="cpu"))
+    optimizer = AdamFP16(model.get_trainable_chunk(), lr=1e-2)
+    x, y = batch(0, 8)
+    losses = []
+    for _ in range(5):
+        loss = nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_labml_nn_style_zero3_layer():
+    # labml-nn's constructor, one chunk per kind per layer, used alone and chained.
+    from labml_zero.zero3 import Zero3Layer
+
+    layers = [Zero3Layer(m, 0, 1, "cpu", torch.float32) for m in tiny_layers()]
+    assert all(len(layer.chunks) <= 2 for layer in layers)
+    x, _ = batch(0, 4)
+    alone = layers[0](x)
+    assert alone.shape == (4, 13)
+    chained = Zero3Sequential(layers[1:])(alone.detach())
+    assert chained.shape == (4, 5)
+    with pytest.raises(ValueError, match="rank 1 of world size 2"):
+        Zero3Layer(tiny_layers()[0], 1, 2, "cpu", torch.float32)
