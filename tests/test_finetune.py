@@ -1,0 +1,178 @@
+"""The fine-tune job end to end: `python -m labml_zero.finetune_neox` at world size 2
+on CPU (gloo), as a user runs it.
+
+One reference run (6 steps, a checkpoint every 3) serves several tests: the loss
+goes down and labml wrote its run files; gradient accumulation over two half
+batches gives the same losses; a run whose rank 1 raises after step 5 ends the
+whole job quickly with a clear error, and resuming it from its step-3 checkpoint
+reproduces the reference losses of steps 4 to 6 exactly. Bad flags are checked in
+process (they never start a process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from labml_zero.finetune_neox import main
+from labml_zero.neox.finetune import FinetuneConfig
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Small enough for seconds per run: 2 ranks × 2 sequences of 32 tokens.
+SMALL = ["--world-size", "2", "--batch-size", "2", "--seq-len", "32",
+         "--valid-every", "3", "--sample-tokens", "4"]
+
+
+def closed_port_url() -> str:
+    """An http URL on a port nobody listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/api/v1/"
+
+
+def finetune(tmp: Path, *args: str, env: dict | None = None,
+             timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the job in `tmp` with its outputs and labml logs there."""
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    tmp.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(
+        [sys.executable, "-m", "labml_zero.finetune_neox", *SMALL,
+         "--out", str(tmp / "out"), "--log-dir", str(tmp / "logs"), *args],
+        cwd=tmp, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def run_dirs(tmp: Path) -> dict[int, Path]:
+    """labml's per-rank run directories, `<uuid>.<rank>`, by rank."""
+    dirs = list((tmp / "logs" / "zero3_neox").iterdir())
+    assert len({d.name.split(".")[0] for d in dirs}) == 1, dirs  # one uuid
+    return {int(d.name.split(".")[1]): d for d in dirs}
+
+
+def tracked(run_dir: Path) -> dict[str, dict[int, float]]:
+    """`{indicator: {step: value}}` from labml's `log.jsonl`."""
+    out: dict[str, dict[int, float]] = {}
+    for line in (run_dir / "log.jsonl").read_text().splitlines():
+        for name, points in json.loads(line).get("track", {}).items():
+            for step, values in points:
+                out.setdefault(name, {})[step] = values[-1]
+    return out
+
+
+def check_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("reference")
+    result = finetune(tmp, "--steps", "6", "--checkpoint-every", "3",
+                      "--app-url", closed_port_url())
+    check_ok(result)
+    (tmp / "stdout.txt").write_text(result.stdout)
+    return tmp
+
+
+def test_end_to_end(reference: Path):
+    stdout = (reference / "stdout.txt").read_text()
+    dirs = run_dirs(reference)
+    assert sorted(dirs) == [0, 1]
+    for rank, d in dirs.items():
+        for name in ("run.yaml", "log.jsonl", "run_log.jsonl"):
+            assert (d / name).is_file(), (rank, name)
+    configs = (dirs[0] / "configs.yaml").read_text()
+    assert "AdamFP16" in configs and "zero3_chunks" in configs
+
+    logs = [tracked(dirs[rank]) for rank in (0, 1)]
+    # The tracked numbers are means over both ranks: the logs agree.
+    assert logs[0]["loss.train"] == logs[1]["loss.train"]
+    train, valid = logs[0]["loss.train"], logs[0]["loss.valid"]
+    assert sorted(train) == [1, 2, 3, 4, 5, 6]
+    assert sorted(valid) == [0, 3, 6]
+    assert valid[6] < valid[3] < valid[0]
+    assert train[6] < train[1]
+
+    # The dead app URL was probed, reported in one line, and skipped.
+    assert "no labml app answered" in stdout
+    assert "randomly initialised" in stdout
+    assert "Sample after 6 steps:" in stdout
+    assert sorted(p.name for p in (reference / "out" / "checkpoints").iterdir()) \
+        == ["step-000003", "step-000006"]
+
+
+def test_grad_accum_matches_full_batch(reference: Path, tmp_path: Path):
+    # 2 micro-batches of 1 per rank take the same 4 samples per step as 1 batch
+    # of 2 (the sampler's global order is the same), so the mean gradient is the
+    # same up to the order of the sums.
+    check_ok(finetune(tmp_path, "--steps", "3", "--batch-size", "1",
+                      "--grad-accum", "2", "--sample-tokens", "0"))
+    accum = tracked(run_dirs(tmp_path)[0])["loss.train"]
+    full = tracked(run_dirs(reference)[0])["loss.train"]
+    for step in (1, 2, 3):
+        assert accum[step] == pytest.approx(full[step], rel=1e-5, abs=1e-5)
+
+
+def test_failing_rank_ends_job_and_resume_reproduces(reference: Path,
+                                                     tmp_path: Path):
+    start = time.monotonic()
+    failed = finetune(tmp_path / "killed", "--steps", "6", "--checkpoint-every",
+                      "3", env={"LABML_ZERO_FAIL_AT_STEP": "1:5"})
+    assert failed.returncode == 1
+    assert time.monotonic() - start < 90
+    last = failed.stderr.strip().splitlines()[-1]
+    assert "rank 1 failed" in last and "injected failure" in last, last
+    assert "Traceback" in failed.stderr
+    checkpoints = tmp_path / "killed" / "out" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000003"]
+
+    check_ok(finetune(tmp_path / "resumed", "--steps", "6", "--resume",
+                      str(checkpoints / "step-000003"), "--sample-tokens", "0"))
+    resumed = tracked(run_dirs(tmp_path / "resumed")[0])
+    full = tracked(run_dirs(reference)[0])
+    assert sorted(resumed["loss.train"]) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed["loss.train"][step] == full["loss.train"][step]
+    assert resumed["loss.valid"][6] == full["loss.valid"][6]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--finetune", "everything"], "--finetune"),
+    (["--steps", "0"], "--steps"),
+    (["--steps", "3", "--epochs", "1"], "not allowed with"),
+    (["--dtype", "fp8"], "--dtype"),
+    (["--model", "gpt-5"], "--model"),
+    (["--filter-layers", "0,7"], "filter_layers [7] out of range"),
+    (["--filter-layers", "a"], "--filter-layers"),
+    (["--lr", "-1"], "lr must be > 0"),
+    (["--seq-len", "4096"], "exceeds the model's max_position"),
+    (["--checkpoint", "/nonexistent/pythia"], "not found: /nonexistent/pythia"),
+    (["--resume", "/nonexistent/step-1"], "not found: /nonexistent/step-1"),
+    (["--checkpoint", ".", "--model", "tiny"], "not both"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--app-url", "localhost:5005"], "app url must start with http://"),
+])
+def test_bad_flags_exit_2_with_one_line(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="grad_accum must be >= 1"):
+        FinetuneConfig(grad_accum=0)
+    with pytest.raises(ValueError, match="unknown fine-tuner 'x'"):
+        FinetuneConfig(finetune="x")
+    with pytest.raises(ValueError, match="clip_grad must be > 0"):
+        FinetuneConfig(clip_grad=0.0)
