@@ -32,12 +32,10 @@ page looks and behaves as on app.labml.ai.
 
 ## Projects and the URL a run sends to
 
-labml-app files runs under a project token: the client sends to
-`/api/v1/{token}/track`. Its local user (no login in a local setup) owns one project
-with a random token, and only that project's runs are listed on `/runs`. We index
-that project under a second, fixed token, `default`, so every run sent to
-`http://127.0.0.1:{port}/api/v1/default/` is listed. A token the app does not know
-is refused with `invalid_token`, which stops labml's sender for that run.
+labml-app files runs under a project token. Its local user (no login in a local
+setup) owns one project with a random token, and only that project's runs are
+listed on `/runs`. We index that project under a second, fixed token, `default`, so
+runs sent to `http://127.0.0.1:{port}/api/v1/default/` are listed.
 
 ## Note: the token is in the path
 
@@ -46,7 +44,10 @@ labml's client puts the token where the route has it, in the path
 labml-app's `track` handler reads it from the query string (`labml_token=`) and
 ignores the path, so every run would land in its "float" project, which `/runs`
 never lists. A middleware copies the path's token into the query string of `track`
-and `computer` requests that have none, before labml-app's handler reads it.
+and `computer` requests that have none, before labml-app's handler reads it. A
+token the app does not know becomes `default`: labml-app would answer it with an
+`invalid_token` error, and labml's sender retries an error forever, so the run
+would never exit.
 
 ## Limitations
 
@@ -252,6 +253,7 @@ def create_app(config: AppConfig):
     from fastapi import FastAPI, HTTPException, Request
     from fastapi.responses import FileResponse, HTMLResponse, Response
     from labml_app import handlers
+    from labml_app.db import project
     from labml_app.logger import logger
 
     # labml-app logs every request at INFO; keep the console for errors.
@@ -270,10 +272,12 @@ def create_app(config: AppConfig):
         # see Note: the token is in the path
         match = re.fullmatch(r"/api/v1/([^/]+)/(?:track|computer)", request.url.path)
         if match and "labml_token" not in request.query_params:
+            token = match.group(1)
+            if project.get_project(token) is None:
+                token = config.token
             query = request.scope["query_string"].decode()
-            token = f"labml_token={match.group(1)}"
-            request.scope["query_string"] = (f"{query}&{token}" if query
-                                             else token).encode()
+            request.scope["query_string"] = "&".join(
+                filter(None, [query, f"labml_token={token}"])).encode()
         return await call_next(request)
 
     @app.get("/vendor/{path:path}")
