@@ -2,11 +2,17 @@
 to it (`labml_zero/app_client.py`).
 
 One app server runs for the module on a free port with its data in a temporary
-directory. A two-rank labml run (two processes, one uuid) sends a known loss curve
-to it; the app's HTTP API must list one run of world size 2 whose merged series is
-the ranks' mean, and headless Chromium must draw that series on the run's page with
-no file from the network. `LABML_ZERO_UPDATE_FIGURES=1` also writes the screenshot
-to `docs_src/figures/labml_app_run.png`, the README's picture of it.
+directory. Two runs send to it at once, as they would in use:
+
+* a tiny fine-tune, `python -m labml_zero.finetune_neox --app-url ...` on two gloo
+  ranks: the app must list it as one run and hold exactly the loss series labml
+  wrote to the run's own log, and headless Chromium must draw them on the run's
+  page with no file from the network;
+* a two-rank labml run with a known, different curve per rank: the app's merged
+  series must be the ranks' mean.
+
+`LABML_ZERO_UPDATE_FIGURES=1` also writes the fine-tune's page, as Chromium drew
+it, to `docs_src/figures/labml_app_run.png`, the README's picture of the app.
 """
 
 import base64
@@ -25,6 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -32,12 +39,15 @@ import pytest
 from labml_zero.app import AppConfig, main
 from labml_zero.app_client import (app_url_if_running, check_app_url,
                                    labml_app_settings)
+from labml_zero.neox.finetune import EXPERIMENT_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURE = REPO / "docs_src" / "figures" / "labml_app_run.png"
 RUN_UUID = "0123456789abcdef0123456789abcdef"
 STEPS = 20
 WORLD = 2
+FINETUNE = ["--world-size", "2", "--batch-size", "2", "--seq-len", "32",
+            "--steps", "12", "--valid-every", "4", "--sample-tokens", "0"]
 
 
 # The curve rank `rank` tracks; the app shows the mean over ranks. Shared, as
@@ -121,20 +131,59 @@ def app(tmp_path_factory) -> AppConfig:
         log.close()
 
 
+class Runs(NamedTuple):
+    finetune_uuid: str
+    finetune_log: dict[str, dict[int, float]]
+    """`{indicator: {step: value}}` from rank 0's labml log."""
+    two_rank_uuid: str
+
+
+def labml_log(run_dir: Path) -> dict[str, dict[int, float]]:
+    out: dict[str, dict[int, float]] = {}
+    for line in (run_dir / "log.jsonl").read_text().splitlines():
+        for name, points in json.loads(line).get("track", {}).items():
+            for step, values in points:
+                out.setdefault(name, {})[step] = values[-1]
+    return out
+
+
 @pytest.fixture(scope="module")
-def two_rank_run(app: AppConfig, tmp_path_factory) -> str:
-    """Both ranks run at once, as under torchrun; each exits once labml has sent."""
-    tmp = tmp_path_factory.mktemp("run")
+def runs(app: AppConfig, tmp_path_factory) -> Runs:
+    """All processes at once, as under torchrun; each exits once labml has sent."""
+    tmp = tmp_path_factory.mktemp("runs")
     script = tmp / "tiny_run.py"
     script.write_text(TINY_RUN)
-    ranks = [subprocess.Popen(
-        [sys.executable, str(script), app.api_url, RUN_UUID, str(rank), str(WORLD)],
-        cwd=tmp, env=subprocess_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True) for rank in range(WORLD)]
-    for rank, proc in enumerate(ranks):
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, f"rank {rank}:\n{out[-3000:]}"
-    return RUN_UUID
+    commands = {
+        "finetune": [sys.executable, "-m", "labml_zero.finetune_neox", *FINETUNE,
+                     "--out", str(tmp / "out"), "--log-dir", str(tmp / "logs"),
+                     "--app-url", app.api_url],
+        **{f"rank {rank}": [sys.executable, str(script), app.api_url, RUN_UUID,
+                            str(rank), str(WORLD)] for rank in range(WORLD)},
+    }
+    procs = {name: subprocess.Popen(cmd, cwd=tmp, env=subprocess_env(),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True)
+             for name, cmd in commands.items()}
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{name}:\n{out[-3000:]}"
+    run_dirs = sorted((tmp / "logs" / EXPERIMENT_NAME).iterdir())
+    # labml's directories are `<uuid>.<rank>`.
+    assert [d.suffix for d in run_dirs] == [".0", ".1"], run_dirs
+    return Runs(finetune_uuid=run_dirs[0].stem, finetune_log=labml_log(run_dirs[0]),
+                two_rank_uuid=RUN_UUID)
+
+
+def series(app: AppConfig, run_uuid: str) -> dict[str, dict[int, float]]:
+    """`{indicator: {step: value}}` as the app serves it to its page."""
+    reply = get_json(app.web_url + f"api/v1/metrics/{run_uuid}", {"get_all": True})
+    out = {}
+    for s in reply["series"]:
+        # base64 float32 arrays.
+        steps = np.frombuffer(base64.b64decode(s["step"]), dtype=np.float32)
+        values = np.frombuffer(base64.b64decode(s["value"]), dtype=np.float32)
+        out[s["name"]] = dict(zip(steps.astype(int).tolist(), values.tolist()))
+    return out
 
 
 def test_app_prints_its_urls_and_serves_the_page_without_the_network(app):
@@ -154,30 +203,43 @@ def test_app_prints_its_urls_and_serves_the_page_without_the_network(app):
     assert e.value.code == 404
 
 
-def test_two_ranks_are_one_run_with_the_mean_loss(app, two_rank_run):
-    api = app.web_url + "api/v1/"
-    runs = [r for r in get_json(api + "runs/null")["runs"]
-            if r["run_uuid"].startswith(RUN_UUID)]
-    assert [(r["run_uuid"], r["world_size"]) for r in runs] == [(RUN_UUID, WORLD)]
-    assert runs[0]["run_status"]["status"] == "completed"
+def test_the_finetune_is_one_run_with_its_logged_losses(app, runs):
+    listed = [r for r in get_json(app.web_url + "api/v1/runs/null")["runs"]
+              if r["run_uuid"].startswith(runs.finetune_uuid)]
+    assert [(r["run_uuid"], r["name"], r["world_size"]) for r in listed] == \
+        [(runs.finetune_uuid, EXPERIMENT_NAME, WORLD)]
+    assert listed[0]["run_status"]["status"] == "completed"
+    run = get_json(app.web_url + f"api/v1/run/{runs.finetune_uuid}")
+    assert any(c["key"] == "finetune" for c in run["configs"]), run["configs"]
 
-    run = get_json(api + f"run/{two_rank_run}")
+    sent = series(app, runs.finetune_uuid)
+    for name in ("loss.train", "loss.valid"):
+        logged = runs.finetune_log[name]
+        assert sorted(sent[name]) == sorted(logged), name
+        for step, value in logged.items():
+            assert sent[name][step] == pytest.approx(value, rel=1e-6), (name, step)
+    assert sorted(sent["loss.train"]) == list(range(1, 13))
+    assert sorted(sent["loss.valid"]) == [0, 4, 8, 12]
+
+
+def test_two_ranks_are_one_run_with_the_mean_loss(app, runs):
+    api = app.web_url + "api/v1/"
+    listed = [r for r in get_json(api + "runs/null")["runs"]
+              if r["run_uuid"].startswith(RUN_UUID)]
+    assert [(r["run_uuid"], r["world_size"]) for r in listed] == [(RUN_UUID, WORLD)]
+    run = get_json(api + f"run/{RUN_UUID}")
     assert run["name"] == "labml_zero app test"
     assert run["other_rank_run_uuids"] == {"0": RUN_UUID, "1": f"{RUN_UUID}_1"}
 
-    series = get_json(api + f"metrics/{two_rank_run}", {"get_all": True})["series"]
-    assert [s["name"] for s in series] == ["loss.train"]
-    # The app sends series as base64 float32 arrays.
-    steps = np.frombuffer(base64.b64decode(series[0]["step"]), dtype=np.float32)
-    values = np.frombuffer(base64.b64decode(series[0]["value"]), dtype=np.float32)
-    assert steps.tolist() == list(range(STEPS))
-    mean = [sum(loss(s, r) for r in range(WORLD)) / WORLD for s in range(STEPS)]
-    np.testing.assert_allclose(values, mean, rtol=1e-5)
+    merged = series(app, RUN_UUID)
+    assert list(merged) == ["loss.train"]
+    assert sorted(merged["loss.train"]) == list(range(STEPS))
+    for step, value in merged["loss.train"].items():
+        mean = sum(loss(step, r) for r in range(WORLD)) / WORLD
+        assert value == pytest.approx(mean, rel=1e-5)
     # Each rank's own series is there too.
-    rank1 = get_json(api + f"metrics/{RUN_UUID}_1", {"get_all": True})["series"][0]
-    np.testing.assert_allclose(
-        np.frombuffer(base64.b64decode(rank1["value"]), dtype=np.float32),
-        [loss(s, 1) for s in range(STEPS)], rtol=1e-5)
+    rank1 = series(app, f"{RUN_UUID}_1")["loss.train"]
+    assert rank1 == pytest.approx({s: loss(s, 1) for s in range(STEPS)}, rel=1e-5)
 
 
 def test_a_token_the_app_does_not_know_is_filed_under_default(app):
@@ -202,20 +264,22 @@ def chromium(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
-def test_the_run_page_draws_the_loss_chart(app, two_rank_run, tmp_path):
-    page = app.web_url + f"run/{two_rank_run}"
+def test_the_run_page_draws_the_loss_chart(app, runs, tmp_path):
+    page = app.web_url + f"run/{runs.finetune_uuid}"
     # The page loads its data after the first paint; a cold start can miss the
     # budget once, so it gets three tries.
     for attempt in range(3):
         dom = chromium(page, tmp_path / f"dom{attempt}", "--dump-dom").stdout
         if 'class="smoothed-line' in dom:
             break
+    assert '<svg id="chart"' in dom, dom[-3000:]
     chart = dom[dom.index('<svg id="chart"'):]
-    line = re.search(r'<path class="unsmoothed-line[^"]*"[^>]*\sd="([^"]+)"', chart)
-    assert line, chart[:3000]
-    # d3's curve: one move, then one cubic segment per further point.
-    assert line.group(1).count("C") == STEPS - 1
-    assert "loss.train" in dom
+    chart = chart[:chart.index("</svg>")]
+    lines = re.findall(r'<path class="unsmoothed-line[^"]*"[^>]*\sd="([^"]+)"', chart)
+    # d3's curve: one move, then one cubic segment per further point: 12 training
+    # and 4 validation losses.
+    assert sorted(d.count("C") for d in lines) == [3, 11], lines
+    assert "loss.train" in dom and "loss.valid" in dom
 
     png = tmp_path / "run.png"
     proc = chromium(page, tmp_path / "shot", f"--screenshot={png}")
