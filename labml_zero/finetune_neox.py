@@ -128,6 +128,8 @@ def make_parser() -> Parser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--sample-tokens", type=int, default=d.sample_tokens,
                    metavar="N", help="tokens to generate at the end (0: none)")
+    p.add_argument("--prompt", default=d.prompt,
+                   help=f"prompt of that sample (default {d.prompt!r})")
     return p
 
 
@@ -152,7 +154,7 @@ def parse_config(argv: Sequence[str] | None, parser: Parser
             valid_every=args.valid_every, checkpoint_every=args.checkpoint_every,
             resume=args.resume, out=args.out, log_dir=args.log_dir,
             app_url=args.app_url, seed=args.seed,
-            sample_tokens=args.sample_tokens)
+            sample_tokens=args.sample_tokens, prompt=args.prompt)
         config.model_config()
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))

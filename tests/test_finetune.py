@@ -145,6 +145,39 @@ def test_failing_rank_ends_job_and_resume_reproduces(reference: Path,
     assert resumed["loss.valid"][6] == full["loss.valid"][6]
 
 
+def test_hugging_face_weights_are_loaded(tmp_path: Path):
+    # A random tiny GPT-NeoX written as a Hugging Face checkpoint; the job's first
+    # validation loss must be that of these weights, computed here unsharded on
+    # the same 4 global batches (samples 0..15: batch 2 × 2 ranks × 4).
+    import torch
+    import torch.nn.functional as F
+
+    from labml_zero.neox import model as neox_model
+    from labml_zero.neox.checkpoint import hf_named_tensors, save_hf_checkpoint
+    from labml_zero.neox.dataset import load_datasets
+
+    config = neox_model.tiny()
+    torch.manual_seed(7)
+    layers = neox_model.build_layers(config)
+    with torch.no_grad():
+        # Far from a fresh random init's loss (ln 50432 ≈ 10.8), so a run that
+        # ignored the checkpoint could not match it by chance.
+        layers[-1].embed_out.weight.mul_(30.0)
+    save_hf_checkpoint(tmp_path / "hf", config, hf_named_tensors(layers))
+    valid = load_datasets(seq_len=32).valid.batch(list(range(16)))
+    with torch.no_grad():
+        logits = torch.nn.Sequential(*layers)(valid.inputs)
+        expected = F.cross_entropy(logits.flatten(0, 1), valid.targets.flatten())
+
+    result = finetune(tmp_path / "run", "--checkpoint", str(tmp_path / "hf"),
+                      "--finetune", "biases", "--steps", "1", "--sample-tokens", "0")
+    check_ok(result)
+    assert f"weights from {tmp_path / 'hf'}" in result.stdout
+    loss0 = tracked(run_dirs(tmp_path / "run")[0])["loss.valid"][0]
+    assert expected.item() > 20
+    assert loss0 == pytest.approx(expected.item(), rel=1e-5)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--finetune", "everything"], "--finetune"),
     (["--steps", "0"], "--steps"),

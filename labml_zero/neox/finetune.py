@@ -27,19 +27,28 @@ $$\mathcal{L} = \frac{1}{A N_d} \sum_{a, r} \frac{1}{BT} \sum_{b, t}
   -\log p_\theta\left(x^{(a,r)}_{b,t+1} \mid x^{(a,r)}_{b, \le t}\right)$$
 
 the mean over the whole global batch, as if one unsharded model had seen it. The
-first $A - 1$ backward passes run with `model.runtime.sync_gradients = False`, so
-gradients stay in the chunks' full-size buffers and one reduce-scatter per chunk
-serves the whole step.
+first $A - 1$ backward passes run inside `model.no_sync()`, so gradients stay in
+the chunks' full-size buffers and one reduce-scatter per chunk serves the whole
+step.
+
+Then, in order: with fp16, the [loss scaler](../optimizers/grad_scaler.html)
+unscales the shard gradients and checks them for overflow (one all-reduce of the
+squared norm, which every rank sees alike, so all skip a bad step together); with
+`clip_grad`, the [global norm](../optimizers/clip_grad.html) is clipped, reusing
+that norm; then AdamFP16 steps. Tracking costs one more all-reduce, of three
+numbers (loss sum, correct tokens, tokens), and one host sync per step.
 
 ## Building the model one layer at a time
 
 A 20B model must never exist whole on one rank. So the layers are first built on
 the meta device (no memory), the fine-tuner marks them, and the chunk size is
-chosen from their shapes alone. Then, layer by layer: allocate it on the CPU, fill
-it (from the Hugging Face checkpoint, or a seeded random init that is the same on
-every rank), and shard it with `Zero3Layer`, which copies only this rank's slice
-of each chunk and turns the parameters into storage-less views. The full layer is
-garbage once the next one starts, so the peak host memory is one layer.
+chosen from their shapes alone. Then `zero3_layers` takes them one at a time:
+it allocates the layer on the rank's device, our `fill` loads it (the layer's
+tensors only, from the Hugging Face checkpoint, or a seeded random init that is
+the same on every rank), and the layer is sharded: each rank copies its slice of
+each chunk and the parameters become storage-less views. The full layer is
+garbage once the next one starts, so a rank never holds more than one whole
+layer beyond its shards.
 
 ## Tracking
 
@@ -61,8 +70,9 @@ losses bit for bit.
 
 ## Limitations
 
-* fp16 training has no loss scaling here: small gradients may flush to zero
-  (bf16 does not need it).
+* The learning rate is constant: no warm-up or decay.
+* Resuming needs the same world size and batch size (the data order depends on
+  them), although the checkpoint itself could be loaded at another world size.
 * Validation uses the first `valid_batches` global batches of the validation split,
   the same ones each time, not the whole split.
 * The sample at the end re-runs the whole prefix per token (no KV cache), through
@@ -233,6 +243,8 @@ class FinetuneConfig:
             check_app_url(self.app_url)
         if self.sample_tokens < 0:
             raise ValueError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
+        if self.sample_tokens and not self.prompt:
+            raise ValueError("prompt must be non-empty to sample")
 
     def model_config(self) -> neox_model.NeoXConfig:
         """
