@@ -209,7 +209,7 @@ def index_html(static: Path) -> str:
         raise RuntimeError(f"labml-app's index.html loads {url} from the network; "
                            f"labml_zero/app_assets has no copy of it")
 
-    # <script ... src="https://..."></script> or <link ... href="https://..." ...>
+    # A script tag with an http(s) `src`, or a link tag with an http(s) `href`.
     tag = r'<(script|link)\b[^>]*?(?:src|href)="(https?://[^"]+)"[^>]*>(?:</script>)?'
     return re.sub(tag, local, html)
 
