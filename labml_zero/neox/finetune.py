@@ -381,6 +381,16 @@ def micro_batches(sampler: RankSampler) -> Iterator[list[int]]:
         yield from sampler
 
 
+def valid_sampler(dataset: TextDataset, config: FinetuneConfig,
+                  ctx: DistContext) -> RankSampler:
+    """The validation order: unshuffled, so each evaluation sees the same batches."""
+    try:
+        return RankSampler(len(dataset), batch_size=config.batch_size,
+                           rank=ctx.rank, world_size=ctx.world_size, shuffle=False)
+    except ValueError as e:
+        raise ValueError(f"validation split at seq_len {config.seq_len}: {e}") from e
+
+
 @torch.no_grad()
 def evaluate(model: Zero3Sequential, dataset: TextDataset, config: FinetuneConfig,
              ctx: DistContext) -> Totals:
@@ -390,8 +400,7 @@ def evaluate(model: Zero3Sequential, dataset: TextDataset, config: FinetuneConfi
     Every rank runs the same number of forwards (the engine's all-gathers must
     match), each on its own block of each batch.
     """
-    sampler = RankSampler(len(dataset), batch_size=config.batch_size, rank=ctx.rank,
-                          world_size=ctx.world_size, shuffle=False)
+    sampler = valid_sampler(dataset, config, ctx)
     stats = torch.zeros(3, dtype=torch.float64, device=ctx.device)
     for indices in islice(sampler, min(config.valid_batches, len(sampler))):
         stats += forward_loss(model, dataset, indices, ctx.device)[1]
@@ -573,6 +582,9 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
     data = load_datasets(seq_len=config.seq_len, tokenizer=tokenizer)
     sampler = RankSampler(len(data.train), batch_size=config.batch_size,
                           rank=ctx.rank, world_size=ctx.world_size, seed=config.seed)
+    # Fails now, not after the model is built, if the validation split is
+    # smaller than one global batch.
+    valid_sampler(data.valid, config, ctx)
     steps_per_epoch = len(sampler) // config.grad_accum
     if config.steps is None and steps_per_epoch < 1:
         raise ValueError(f"an epoch has {len(sampler)} micro-batches, fewer than "
