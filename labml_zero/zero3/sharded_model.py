@@ -117,11 +117,17 @@ def choose_chunk_numel(
     from .chunk_search import ChunkSearchConfig, search_chunk_size
 
     hidden_dim = hidden_size(specs)
-    # ColossalAI's default range is 32·2^20 elements; in steps of a small model's
+    # ColossalAI's default range is 32·2^20 elements. In steps of a small model's
     # hidden size that is hundreds of thousands of candidates, most of them far
-    # beyond any layer. 4096 steps reach past a layer of any transformer (about
-    # 12·d² elements for d ≤ 340 and beyond it for larger d, where 32·2^20 binds).
-    search_range_m = min(32.0, hidden_dim * 4096 / 2**20)
+    # beyond any layer, so it is capped at 4096 steps; and it is stretched to the
+    # largest layer, so that one chunk per layer is always a candidate (for
+    # Pythia-1.4B a layer is 50·2^20 elements).
+    largest_group: dict[int, int] = {}
+    for spec in specs:
+        largest_group[spec.group] = largest_group.get(spec.group, 0) + spec.numel
+    search_range_m = max(
+        min(32.0, hidden_dim * 4096 / 2**20), max(largest_group.values()) / 2**20
+    )
     search = ChunkSearchConfig(
         hidden_dim=hidden_dim,
         search_range_m=search_range_m,

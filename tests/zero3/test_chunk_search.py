@@ -38,6 +38,9 @@ def config(*, search_range: int, **kwargs) -> ChunkSearchConfig:
         filter_exlarge_params=False,
         prefetch_depth=0,
         param_bytes=1,
+        # the hand-computed cases score bytes only; the collective term has its
+        # own test
+        collective_bytes=0,
         grad_bytes=1,
     )
     return ChunkSearchConfig(**{**base, **kwargs})
@@ -395,3 +398,20 @@ def test_bad_parameter_lists():
         search_chunk_size(out_of_order, 1, config=ChunkSearchConfig())
     with pytest.raises(ValueError, match="world_size"):
         search_chunk_size(two_groups(), 0, config=ChunkSearchConfig())
+
+
+def test_collective_cost_favours_fewer_chunks():
+    # The notes' example (p = 2, g = 4, lambda = 1) scores 26, 34, 30 and picks
+    # c = 3 (three chunks: 9 collectives a step) over c = 5 (two: 6). A fixed
+    # cost of mu = 2 bytes per collective adds 18, 18, 12: 44, 52, 42, so c = 5.
+    base = dict(param_bytes=2, grad_bytes=4, memory_weight=1.0)
+    free = search_chunk_size(two_groups(), 1, config=config(search_range=2, **base))
+    assert [r.collectives for r in free.candidates] == [9, 9, 6]
+    assert free.chunk_numel == 3
+    priced = search_chunk_size(
+        two_groups(), 1, config=config(search_range=2, collective_bytes=2, **base)
+    )
+    assert [r.score for r in priced.candidates] == [44, 52, 42]
+    assert priced.chunk_numel == 5
+    with pytest.raises(ValueError, match="collective_bytes"):
+        ChunkSearchConfig(collective_bytes=-1)
