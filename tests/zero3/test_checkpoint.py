@@ -73,7 +73,8 @@ def train(ctx, model, optimizer, steps, *, noisy=False):
         if noisy:
             # torch, python and numpy RNGs, as dropout or data sampling would
             x = x + 0.1 * torch.randn_like(x) * random.random() * np.random.rand()
-        loss = nn.functional.mse_loss(model(x[mine].to(dtype)).float(), y[mine])
+        x, y = x[mine].to(ctx.device, dtype), y[mine].to(ctx.device)
+        loss = nn.functional.mse_loss(model(x).float(), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
