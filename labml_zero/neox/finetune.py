@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import os
 from dataclasses import dataclass
 from itertools import islice
@@ -577,7 +578,10 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
     """
     from labml import experiment, logger, monit, tracker
 
-    start_labml(config, ctx)
+    # labml's set-up notices (no .labml.yaml, no git repository) once, not per rank.
+    with (contextlib.nullcontext() if ctx.rank == 0
+          else contextlib.redirect_stdout(io.StringIO())):
+        start_labml(config, ctx)
     tokenizer = load_tokenizer()
     data = load_datasets(seq_len=config.seq_len, tokenizer=tokenizer)
     sampler = RankSampler(len(data.train), batch_size=config.batch_size,
@@ -615,6 +619,7 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
         if step == 0:
             valid = evaluate(model, data.valid, config, ctx)
             tracker.save(0, {"loss.valid": valid.loss, "acc.valid": valid.accuracy})
+            tracker.new_line()
         batches = micro_batches(sampler)
         for step in monit.loop(range(step + 1, total_steps + 1)):
             totals = train_step(training, batches, data.train, config)
