@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv for labml_zero on a fresh machine.
 #   bash setup.sh          the package and what the fine-tune needs
-#   bash setup.sh test     also the test and docs extras, and Chromium for the
-#                          test that renders a page of the notes
+#   bash setup.sh test     also the test, docs and app extras, and Chromium for
+#                          the tests that render the notes and the labml app
 # torch goes in first, by exact version, so that pip takes the CPU build this
 # machine keeps on disk instead of downloading a multi-GB CUDA build. Where torch
 # is already importable (a GPU image), it is left alone.
@@ -16,7 +16,7 @@ if ! $py -c "import torch" 2>/dev/null; then
 fi
 extras=""
 if [ "${1:-}" = "test" ]; then
-    extras="[test,docs]"
+    extras="[test,docs,app]"
     if ! command -v chromium >/dev/null 2>&1; then
         if [ "$(id -u)" = "0" ]; then
             apt-get update -qq >/dev/null && \
