@@ -273,7 +273,34 @@ class Zero3Layer(nn.Module):
                 chunk.load_param(position, state[name])
 
 
-class Zero3Sequential(nn.Module):
+class ShardedRoot(nn.Module):
+    """
+    ## What a whole sharded model offers
+
+    `Zero3Sequential` and `ShardedModel` share these; `runtime` is their
+    [runtime](hooks.html).
+    """
+
+    runtime: Zero3Runtime
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.runtime.all_chunks()
+
+    def get_trainable_chunk(self) -> list[nn.Parameter]:
+        """The shards the optimizer updates (labml-nn's name)."""
+        return [c.shard for c in self.chunks if c.trainable]
+
+    def no_sync(self):
+        """Accumulate gradients locally (see `Zero3Runtime.no_sync`)."""
+        return self.runtime.no_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad()
+
+
+class Zero3Sequential(ShardedRoot):
     """
     ## A chain of sharded layers
 
@@ -306,20 +333,6 @@ class Zero3Sequential(nn.Module):
         self.runtime.end_forward(x)
         return x
 
-    def no_sync(self):
-        """Accumulate gradients locally (see `Zero3Runtime.no_sync`)."""
-        return self.runtime.no_sync()
-
-    def get_trainable_chunk(self) -> list[nn.Parameter]:
-        return [p for layer in self.layers for p in layer.get_trainable_chunk()]
-
-    @property
-    def chunks(self) -> list[Chunk]:
-        return self.runtime.all_chunks()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for chunk in self.chunks:
-            chunk.zero_grad()
 
 
 def materialize_on(module: nn.Module, device: torch.device) -> None:
@@ -390,7 +403,7 @@ def zero3_layers(
     return layers
 
 
-class ShardedModel(nn.Module):
+class ShardedModel(ShardedRoot):
     """
     ## Any model, with chosen submodules as units
 
@@ -410,20 +423,6 @@ class ShardedModel(nn.Module):
         self.runtime.end_forward(output)
         return output
 
-    def no_sync(self):
-        """Accumulate gradients locally (see `Zero3Runtime.no_sync`)."""
-        return self.runtime.no_sync()
-
-    def get_trainable_chunk(self) -> list[nn.Parameter]:
-        return [c.shard for c in self.runtime.all_chunks() if c.trainable]
-
-    @property
-    def chunks(self) -> list[Chunk]:
-        return self.runtime.all_chunks()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for chunk in self.chunks:
-            chunk.zero_grad()
 
 
 def shard_model(
