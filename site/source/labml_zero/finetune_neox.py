@@ -38,6 +38,7 @@ same per process.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -127,6 +128,8 @@ def make_parser() -> Parser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--sample-tokens", type=int, default=d.sample_tokens,
                    metavar="N", help="tokens to generate at the end (0: none)")
+    p.add_argument("--prompt", default=d.prompt,
+                   help=f"prompt of that sample (default {d.prompt!r})")
     return p
 
 
@@ -151,16 +154,10 @@ def parse_config(argv: Sequence[str] | None, parser: Parser
             valid_every=args.valid_every, checkpoint_every=args.checkpoint_every,
             resume=args.resume, out=args.out, log_dir=args.log_dir,
             app_url=args.app_url, seed=args.seed,
-            sample_tokens=args.sample_tokens)
+            sample_tokens=args.sample_tokens, prompt=args.prompt)
         config.model_config()
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
-    if config.checkpoint_every is not None or config.resume is not None:
-        try:
-            import labml_zero.zero3.checkpoint  # noqa: F401
-        except ImportError:
-            parser.error("--checkpoint-every/--resume: sharded checkpoints "
-                         "(labml_zero.zero3.checkpoint) are not available yet")
     return config, args.world_size
 
 
@@ -196,6 +193,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     backend = launch.default_backend()
 
     if launch.under_torchrun():
+        # torchrun started the processes and reports their failures itself.
+        ranks = int(os.environ["WORLD_SIZE"])
+        if world_size is not None and world_size != ranks:
+            parser.error(f"--world-size {world_size} disagrees with torchrun's "
+                         f"WORLD_SIZE={ranks}")
+        if os.environ["RANK"] == "0":
+            machine_facts(backend, ranks)
         launch.run_torchrun(train, config, backend=backend)
         return 0
 

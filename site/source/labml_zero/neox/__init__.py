@@ -37,4 +37,6 @@ Pages, in reading order:
    a deterministic and resumable per-rank order.
 5. [Fine-tuners](finetuners.html): which parameters train.
 6. [Sampling](generate.html): greedy and top-k generation.
+7. [The fine-tune](finetune.html): configuration, the sharded model, the training
+   loop, checkpoints; started by [`finetune_neox`](../finetune_neox.html).
 """

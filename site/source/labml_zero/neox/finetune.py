@@ -27,19 +27,28 @@ $$\mathcal{L} = \frac{1}{A N_d} \sum_{a, r} \frac{1}{BT} \sum_{b, t}
   -\log p_\theta\left(x^{(a,r)}_{b,t+1} \mid x^{(a,r)}_{b, \le t}\right)$$
 
 the mean over the whole global batch, as if one unsharded model had seen it. The
-first $A - 1$ backward passes run with `model.runtime.sync_gradients = False`, so
-gradients stay in the chunks' full-size buffers and one reduce-scatter per chunk
-serves the whole step.
+first $A - 1$ backward passes run inside `model.no_sync()`, so gradients stay in
+the chunks' full-size buffers and one reduce-scatter per chunk serves the whole
+step.
+
+Then, in order: with fp16, the [loss scaler](../optimizers/grad_scaler.html)
+unscales the shard gradients and checks them for overflow (one all-reduce of the
+squared norm, which every rank sees alike, so all skip a bad step together); with
+`clip_grad`, the [global norm](../optimizers/clip_grad.html) is clipped, reusing
+that norm; then AdamFP16 steps. Tracking costs one more all-reduce, of three
+numbers (loss sum, correct tokens, tokens), and one host sync per step.
 
 ## Building the model one layer at a time
 
 A 20B model must never exist whole on one rank. So the layers are first built on
 the meta device (no memory), the fine-tuner marks them, and the chunk size is
-chosen from their shapes alone. Then, layer by layer: allocate it on the CPU, fill
-it (from the Hugging Face checkpoint, or a seeded random init that is the same on
-every rank), and shard it with `Zero3Layer`, which copies only this rank's slice
-of each chunk and turns the parameters into storage-less views. The full layer is
-garbage once the next one starts, so the peak host memory is one layer.
+chosen from their shapes alone. Then `zero3_layers` takes them one at a time:
+it allocates the layer on the rank's device, our `fill` loads it (the layer's
+tensors only, from the Hugging Face checkpoint, or a seeded random init that is
+the same on every rank), and the layer is sharded: each rank copies its slice of
+each chunk and the parameters become storage-less views. The full layer is
+garbage once the next one starts, so a rank never holds more than one whole
+layer beyond its shards.
 
 ## Tracking
 
@@ -61,8 +70,9 @@ losses bit for bit.
 
 ## Limitations
 
-* fp16 training has no loss scaling here: small gradients may flush to zero
-  (bf16 does not need it).
+* The learning rate is constant: no warm-up or decay.
+* Resuming needs the same world size and batch size (the data order depends on
+  them), although the checkpoint itself could be loaded at another world size.
 * Validation uses the first `valid_batches` global batches of the validation split,
   the same ones each time, not the whole split.
 * The sample at the end re-runs the whole prefix per token (no KV cache), through
@@ -71,10 +81,10 @@ losses bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -84,6 +94,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from labml_zero.app_client import (app_url_if_running, check_app_url,
+                                   labml_app_settings)
 from labml_zero.launch import DistContext
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.checkpoint import HFCheckpoint
@@ -92,13 +104,14 @@ from labml_zero.neox.finetuners import TrainableCount, finetuner
 from labml_zero.neox.generate import Sampling, generate
 from labml_zero.neox.tokenizer import load_tokenizer
 from labml_zero.optimizers.adam_fp16 import AdamFP16
-from labml_zero.zero3.communication import Communicator
+from labml_zero.optimizers.clip_grad import clip_grad_norm_
+from labml_zero.optimizers.grad_scaler import LossScaler
+from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
 from labml_zero.zero3.config import ZeroConfig
-from labml_zero.zero3.sharded_model import (Zero3Layer, Zero3Sequential,
-                                            choose_chunk_numel, param_specs)
+from labml_zero.zero3.sharded_model import Zero3Sequential, zero3_layers
 
 __all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "MODEL_PRESETS",
-           "DTYPES", "train", "build_model", "probe_app_url"]
+           "DTYPES", "train", "build_model"]
 
 # `--model` names → preset functions of [the model page](model.html).
 MODEL_PRESETS = {
@@ -185,7 +198,8 @@ class FinetuneConfig:
     log_dir: str = "logs"
     """labml's experiments directory: runs go to `<log_dir>/zero3_neox/`."""
     app_url: str | None = None
-    """A labml app's API URL; used only if it answers (see `probe_app_url`)."""
+    """A labml app's API URL (`http://127.0.0.1:5005/api/v1/default/` for
+    `python -m labml_zero.app`); used only if an app answers there."""
     seed: int = 0
     """Seeds the random init and the data order."""
     prompt: str = "It is"
@@ -226,8 +240,12 @@ class FinetuneConfig:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.clip_grad is not None and self.clip_grad <= 0:
             raise ValueError(f"clip_grad must be > 0, got {self.clip_grad}")
+        if self.app_url is not None:
+            check_app_url(self.app_url)
         if self.sample_tokens < 0:
             raise ValueError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
+        if self.sample_tokens and not self.prompt:
+            raise ValueError("prompt must be non-empty to sample")
 
     def model_config(self) -> neox_model.NeoXConfig:
         """
@@ -273,71 +291,44 @@ def neox_20b_biases(checkpoint: str) -> FinetuneConfig:
                           dtype="fp16", steps=None, valid_every=100)
 
 
-# ## The labml app
-
-
-def probe_app_url(url: str, *, timeout_s: float = 2.0) -> str | None:
-    """
-    ### Is a labml app listening at `url`?
-
-    Any HTTP answer (even an error status) means a server is there. `None` and
-    the reason otherwise, so the caller can say why it stays offline: labml's own
-    writer would otherwise retry a dead URL for minutes.
-    """
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s):
-            return None
-    except urllib.error.HTTPError:
-        return None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        return str(getattr(e, "reason", e))
-
-
 # ## The model
 
 
 class BuiltModel(NamedTuple):
     model: Zero3Sequential
     counts: TrainableCount
-    chunk_numel: int
     neox: neox_model.NeoXConfig
 
 
 def build_model(config: FinetuneConfig, ctx: DistContext) -> BuiltModel:
     """
-    ### Build, fill and shard the layers one at a time
+    ### Build on meta, mark, then fill and shard one layer at a time
 
-    See "Building the model one layer at a time" above.
+    See "Building the model one layer at a time" above; `zero3_layers` does the
+    per-layer loop and calls `fill` on each layer just before sharding it.
     """
     neox = config.model_config()
-    dtype = config.torch_dtype(ctx.device)
     layers = neox_model.build_layers(neox, filter_layers=config.filter_layers,
                                      device="meta")
     # requires_grad decides trainable vs frozen chunks: set it before sharding.
     counts = finetuner(config.finetune)(layers)
-    zero = ZeroConfig(dtype=dtype)
-    specs, _ = param_specs([layer.named_parameters() for layer in layers])
-    chunk_numel = choose_chunk_numel(specs, ctx.world_size, zero)
-    comm = Communicator(ctx.device)
     hf = HFCheckpoint(config.checkpoint) if config.checkpoint is not None else None
 
-    sharded = []
-    for index, layer in enumerate(layers):
-        # [full layer] fp32 on the host, this layer only; to_empty keeps the
-        # fine-tuner's requires_grad.
-        layer.to_empty(device="cpu")
+    def fill(layer: torch.nn.Module) -> None:
         if hf is not None:
+            # [one layer] on the host; shapes checked before reading
             layer.load_state_dict(hf.layer_state_dict(layer))
         else:
-            # Every rank draws the same weights: each copies only its own slice.
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(config.seed * 1000 + index)
-                layer.reset_parameters()
-        sharded.append(Zero3Layer(
-            layer, ctx.rank, ctx.world_size, ctx.device, dtype,
-            chunk_numel=chunk_numel, config=zero, comm=comm,
-            name_prefix=f"{index}."))
-    return BuiltModel(Zero3Sequential(sharded), counts, chunk_numel, neox)
+            layer.reset_parameters()
+
+    zero = ZeroConfig(dtype=config.torch_dtype(ctx.device))
+    # Random init: every rank seeds alike and fills the layers in the same order,
+    # so all draw the same weights (each keeps only its own slice of them).
+    with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda"
+                               else []):
+        torch.manual_seed(config.seed)
+        sharded = zero3_layers(layers, device=ctx.device, config=zero, init=fill)
+    return BuiltModel(Zero3Sequential(sharded), counts, neox)
 
 
 # ## Steps
@@ -391,6 +382,16 @@ def micro_batches(sampler: RankSampler) -> Iterator[list[int]]:
         yield from sampler
 
 
+def valid_sampler(dataset: TextDataset, config: FinetuneConfig,
+                  ctx: DistContext) -> RankSampler:
+    """The validation order: unshuffled, so each evaluation sees the same batches."""
+    try:
+        return RankSampler(len(dataset), batch_size=config.batch_size,
+                           rank=ctx.rank, world_size=ctx.world_size, shuffle=False)
+    except ValueError as e:
+        raise ValueError(f"validation split at seq_len {config.seq_len}: {e}") from e
+
+
 @torch.no_grad()
 def evaluate(model: Zero3Sequential, dataset: TextDataset, config: FinetuneConfig,
              ctx: DistContext) -> Totals:
@@ -400,32 +401,49 @@ def evaluate(model: Zero3Sequential, dataset: TextDataset, config: FinetuneConfi
     Every rank runs the same number of forwards (the engine's all-gathers must
     match), each on its own block of each batch.
     """
-    sampler = RankSampler(len(dataset), batch_size=config.batch_size, rank=ctx.rank,
-                          world_size=ctx.world_size, shuffle=False)
+    sampler = valid_sampler(dataset, config, ctx)
     stats = torch.zeros(3, dtype=torch.float64, device=ctx.device)
     for indices in islice(sampler, min(config.valid_batches, len(sampler))):
         stats += forward_loss(model, dataset, indices, ctx.device)[1]
     return all_reduce_totals(stats)
 
 
-def train_step(model: Zero3Sequential, optimizer: AdamFP16, batches: Iterator,
-               dataset: TextDataset, config: FinetuneConfig, comm: Communicator
-               ) -> Totals:
+class Training(NamedTuple):
+    """What a step updates."""
+
+    model: Zero3Sequential
+    optimizer: AdamFP16
+    scaler: LossScaler | None
+    """fp16 only: the dynamic loss scale, agreed by all ranks."""
+
+
+def train_step(training: Training, batches: Iterator[list[int]],
+               dataset: TextDataset, config: FinetuneConfig) -> Totals:
     """
     ### One optimizer step over `grad_accum` micro-batches
     """
+    model, optimizer, scaler = training
+    comm = model.runtime.comm
     stats = torch.zeros(3, dtype=torch.float64, device=comm.device)
     for micro in range(config.grad_accum):
-        # Reduce-scatter only on the last micro-batch; see "One step" above.
-        model.runtime.sync_gradients = micro == config.grad_accum - 1
-        loss, micro_stats = forward_loss(model, dataset, next(batches), comm.device)
-        (loss / config.grad_accum).backward()
+        # Reduce-scatter only after the last micro-batch; see "One step" above.
+        last = micro == config.grad_accum - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss, micro_stats = forward_loss(model, dataset, next(batches),
+                                             comm.device)
+            loss = loss / config.grad_accum
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         stats += micro_stats
+    shards = model.get_trainable_chunk()
+    # The scaler's overflow check is the gradient norm's all-reduce; clipping
+    # reuses that norm instead of a second collective.
+    norm = scaler.unscale_(shards) if scaler is not None else None
     if config.clip_grad is not None:
-        from labml_zero.optimizers.clip_grad import clip_grad_norm_
-
-        clip_grad_norm_(model.get_trainable_chunk(), config.clip_grad, comm)
-    optimizer.step()
+        clip_grad_norm_(shards, config.clip_grad, comm, norm=norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+    else:
+        optimizer.step()
     optimizer.zero_grad()
     return all_reduce_totals(stats)
 
@@ -460,7 +478,8 @@ def labml_configs(config: FinetuneConfig, built: BuiltModel, ctx: DistContext,
         "world_size": ctx.world_size,
         "backend": ctx.backend,
         "total_steps": total_steps,
-        "chunk_numel": built.chunk_numel,
+        "chunk_numel": max(c.numel for c in built.model.chunks),
+        "n_chunks": len(built.model.chunks),
         "params_total": built.counts.total,
         "params_trainable": built.counts.trainable,
         "n_layers": built.neox.n_layers,
@@ -469,13 +488,20 @@ def labml_configs(config: FinetuneConfig, built: BuiltModel, ctx: DistContext,
     }
 
 
+def git_root(path: Path) -> Path | None:
+    for directory in (path, *path.parents):
+        if (directory / ".git").exists():
+            return directory
+    return None
+
+
 def start_labml(config: FinetuneConfig, ctx: DistContext):
     """
     ### One labml run over all ranks
 
-    Rank 0 picks the uuid and probes the app; a broadcast tells the others, so
-    every rank agrees without each probing (and under torchrun, where no parent
-    process could pick for them).
+    Rank 0 picks the uuid and probes the app (see [the app client](../app_client.html));
+    a broadcast tells the others, so every rank agrees without each probing (and
+    under torchrun, where no parent process could pick for them).
     """
     from labml import experiment, lab, logger
 
@@ -483,22 +509,24 @@ def start_labml(config: FinetuneConfig, ctx: DistContext):
     if ctx.rank == 0:
         from uuid import uuid1
 
-        problem = (probe_app_url(config.app_url) if config.app_url is not None
-                   else "no --app-url")
-        decision = [uuid1().hex, problem]
+        answered = (app_url_if_running(config.app_url)
+                    if config.app_url is not None else None)
+        decision = [uuid1().hex, answered]
     dist.broadcast_object_list(decision, src=0)
-    run_uuid, problem = decision
+    run_uuid, app_url = decision
 
     log_dir = Path(config.log_dir).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
-    # labml's "project path" (for git info) and where runs go.
-    settings = {"path": str(log_dir), "experiments_path": "."}
+    # labml's project path is where it reads the git commit it records with the
+    # run: the repository we run in, if any. Runs go to `log_dir` either way.
+    settings = {"path": str(git_root(Path.cwd()) or log_dir),
+                "experiments_path": str(log_dir)}
     writers = {"file"} | ({"screen"} if ctx.rank == 0 else set())
-    if problem is None:
-        settings["app_url"] = config.app_url
+    if app_url is not None:
+        settings.update(labml_app_settings(app_url))
         writers.add("app")
     elif config.app_url is not None and ctx.rank == 0:
-        logger.log(f"labml app at {config.app_url} did not answer ({problem}); "
+        logger.log(f"no labml app answered at {config.app_url} within 2 s; "
                    f"tracking offline to {log_dir}")
     lab.configure(settings)
     experiment.create(name=EXPERIMENT_NAME, uuid=run_uuid, writers=writers,
@@ -507,45 +535,74 @@ def start_labml(config: FinetuneConfig, ctx: DistContext):
     return run_uuid
 
 
+def save(config: FinetuneConfig, step: int, training: Training,
+         sampler: RankSampler) -> None:
+    """
+    ### A sharded checkpoint after `step`
+
+    `extra` is global state (rank 0 writes it): the sampler's position is the
+    same on every rank, and so is the loss scale, agreed by an all-reduce.
+    """
+    extra = {"step": step, "sampler": sampler.state_dict()}
+    if training.scaler is not None:
+        extra["scaler"] = training.scaler.state_dict()
+    save_checkpoint(checkpoint_path(config, step), training.model,
+                    training.optimizer, extra=extra)
+
+
+def resume(config: FinetuneConfig, training: Training, sampler: RankSampler) -> int:
+    """
+    ### Continue from `config.resume`; returns the step it was saved after
+    """
+    extra = load_checkpoint(config.resume, training.model,
+                            training.optimizer).extra or {}
+    if "step" not in extra or "sampler" not in extra:
+        raise ValueError(f"{config.resume} is not a checkpoint of this job (its "
+                         f"extra state has no step and sampler position)")
+    # Refuses another batch size, world size or seed: the order would differ.
+    sampler.load_state_dict(extra["sampler"])
+    if training.scaler is not None and "scaler" in extra:
+        training.scaler.load_state_dict(extra["scaler"])
+    return int(extra["step"])
+
+
 def train(ctx: DistContext, config: FinetuneConfig) -> None:
     """
     ## The job, on one rank
 
-    1. labml run; data; the sharded model; the optimizer on the shards;
-    2. with `resume`, the shards, the optimizer and the sampler from the
-       checkpoint;
+    1. the labml run, the data, the sharded model, the optimizer on its shards;
+    2. with `resume`, the shards, the optimizer, the sampler and the step from
+       the checkpoint;
     3. the loop: step, track, evaluate, checkpoint;
     4. a sample from the fine-tuned model.
     """
     from labml import experiment, logger, monit, tracker
 
-    start_labml(config, ctx)
+    # labml's set-up notices (no .labml.yaml, no git repository) once, not per rank.
+    with (contextlib.nullcontext() if ctx.rank == 0
+          else contextlib.redirect_stdout(io.StringIO())):
+        start_labml(config, ctx)
     tokenizer = load_tokenizer()
     data = load_datasets(seq_len=config.seq_len, tokenizer=tokenizer)
     sampler = RankSampler(len(data.train), batch_size=config.batch_size,
                           rank=ctx.rank, world_size=ctx.world_size, seed=config.seed)
-    built = build_model(config, ctx)
-    model = built.model
-    optimizer = AdamFP16(model.get_trainable_chunk(), lr=config.lr,
-                         weight_decay=config.weight_decay)
-    comm = model.runtime.comm
+    # Fails now, not after the model is built, if the validation split is
+    # smaller than one global batch.
+    valid_sampler(data.valid, config, ctx)
     steps_per_epoch = len(sampler) // config.grad_accum
     if config.steps is None and steps_per_epoch < 1:
         raise ValueError(f"an epoch has {len(sampler)} micro-batches, fewer than "
                          f"grad_accum={config.grad_accum}")
     total_steps = config.steps or config.epochs * steps_per_epoch
 
-    step = 0
-    if config.resume is not None:
-        from labml_zero.zero3.checkpoint import load_checkpoint
-
-        extra = load_checkpoint(config.resume, model, optimizer).extra or {}
-        if "step" not in extra or "sampler" not in extra:
-            raise ValueError(f"{config.resume} is not a checkpoint of this job (its "
-                             f"extra state has no step and sampler position)")
-        step = int(extra["step"])
-        # Refuses another batch size, world size or seed: the order would differ.
-        sampler.load_state_dict(extra["sampler"])
+    built = build_model(config, ctx)
+    model = built.model
+    optimizer = AdamFP16(model.get_trainable_chunk(), lr=config.lr,
+                         weight_decay=config.weight_decay)
+    scaler = (LossScaler(model.runtime.comm)
+              if config.torch_dtype(ctx.device) == torch.float16 else None)
+    training = Training(model, optimizer, scaler)
+    step = resume(config, training, sampler) if config.resume is not None else 0
     experiment.configs(labml_configs(config, built, ctx, total_steps))
     fail_at = failure_step(ctx.rank)
 
@@ -553,17 +610,19 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
         if ctx.rank == 0:
             origin = (f"weights from {config.checkpoint}" if config.checkpoint
                       else "randomly initialised (no --checkpoint given)")
-            logger.log(f"GPT-NeoX: {built.neox.n_layers} layers, d={built.neox.d_model}"
-                       f", {built.counts.total:,} parameters, {origin}; "
-                       f"training {built.counts.trainable:,} ({config.finetune})")
+            logger.log(f"GPT-NeoX: {built.neox.n_layers} layers of width "
+                       f"{built.neox.d_model}, {built.counts.total:,} parameters, "
+                       f"{origin}; training {built.counts.trainable:,} "
+                       f"({config.finetune}) on {ctx.world_size} ranks")
             if step:
-                logger.log(f"resumed from {config.resume} at step {step}")
+                logger.log(f"resumed from {config.resume} after step {step}")
         if step == 0:
             valid = evaluate(model, data.valid, config, ctx)
             tracker.save(0, {"loss.valid": valid.loss, "acc.valid": valid.accuracy})
+            tracker.new_line()
         batches = micro_batches(sampler)
         for step in monit.loop(range(step + 1, total_steps + 1)):
-            totals = train_step(model, optimizer, batches, data.train, config, comm)
+            totals = train_step(training, batches, data.train, config)
             tracker.save(step, {"loss.train": totals.loss,
                                 "acc.train": totals.accuracy})
             if step % config.valid_every == 0 or step == total_steps:
@@ -572,10 +631,7 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
                                     "acc.valid": valid.accuracy})
             if config.checkpoint_every is not None and (
                     step % config.checkpoint_every == 0 or step == total_steps):
-                from labml_zero.zero3.checkpoint import save_checkpoint
-
-                save_checkpoint(checkpoint_path(config, step), model, optimizer,
-                                extra={"step": step, "sampler": sampler.state_dict()})
+                save(config, step, training, sampler)
             if fail_at is not None and step >= fail_at:
                 raise RuntimeError(f"injected failure on rank {ctx.rank} after step "
                                    f"{step} ({FAIL_AT_STEP_ENV})")

@@ -23,6 +23,14 @@ This engine shards in *chunks* (ColossalAI's Gemini): parameters are packed, in
 execution order, into flat buffers of one size, and a chunk is the unit of
 gathering, releasing and gradient reduction.
 
+Two departures from the paper's accounting, both deliberate: the shard gradient is
+fp32 (4 bytes, not 2: it is averaged in fp32 and accumulates across micro-batches
+without rounding), so a trainable parameter costs $\frac{2 + 4 + 12}{N_d}$ bytes
+from the reduce-scatter until `zero_grad`; and frozen parameters (fine-tuning a
+subset) cost only their 16-bit shard, $\frac{2}{N_d}$ bytes: no gradient, no
+master, no moments. `tests/zero3/test_memory_and_comm.py` counts the real tensors
+against these formulas.
+
 ## A step, in one picture
 
 Forward, layer by layer: gather → compute → release. Backward, in reverse:
@@ -39,8 +47,13 @@ gather runs on a side stream while the current one computes.
 * [Hooks and schedule](hooks.html): when chunks are gathered, released and reduced.
 * [Configuration](config.html): the knobs.
 * [Sharding a model](sharded_model.html): `Zero3Layer`, `Zero3Sequential`, `shard_model`.
+* [Checkpoints](checkpoint.html): saving, resuming and resharding;
+  [the format and the resharding reader](checkpoint_reader.html);
+  [exporting the whole model](checkpoint_export.html).
 """
 
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoint_export import export_full_state_dict
 from .config import ZeroConfig
 from .sharded_model import (
     ShardedModel,
@@ -52,6 +65,10 @@ from .sharded_model import (
 
 __all__ = [
     "ZeroConfig",
+    "save_checkpoint",
+    "load_checkpoint",
+    "export_full_state_dict",
+    "CheckpointError",
     "Zero3Layer",
     "Zero3Sequential",
     "ShardedModel",

@@ -202,6 +202,7 @@ def agree_save_id(comm: Communicator) -> str:
     token = torch.tensor([secrets.randbits(48) if comm.rank == 0 else 0],
                          dtype=torch.int64, device=comm.device)
     comm.all_reduce(token)
+    # host sync: .item()
     return f"{token.item():012x}"
 
 
@@ -486,8 +487,8 @@ def read_shard(reader: CheckpointReader, chunk: Chunk, with_state: bool) -> Shar
             # a layout change merged chunks that were saved at different steps
             # (or a parameter that was frozen): AdamFP16 has one step per shard
             raise CheckpointError(
-                f"chunk {chunk.names[0]!r}... mixes parameters saved with optimizer "
-                f"steps {sorted(steps, key=str)}; load without the optimizer"
+                f"the chunk holding {chunk.names[0]!r} mixes parameters saved at "
+                f"optimizer steps {sorted(steps, key=str)}; load without the optimizer"
             )
         step = steps.pop()
     has_state = step is not None
@@ -506,13 +507,15 @@ def read_shard(reader: CheckpointReader, chunk: Chunk, with_state: bool) -> Shar
     return ShardState(param, master, moments, step)
 
 
-def install_shard(chunk: Chunk, state: ShardState, optimizer) -> None:
+def install_shard(chunk: Chunk, state: ShardState, optimizer,
+                  optimized: set[int]) -> None:
     """
     ### Put a read shard into the model and the optimizer
 
     An fp32 chunk's master is the shard itself, as AdamFP16 keeps it. A chunk
     without a saved state gets its master as `master_init`, which AdamFP16 takes
-    at its first step, and loses any state it had.
+    at its first step, and loses any state it had. `optimized` holds the ids of
+    the tensors the optimizer updates.
     """
     device = chunk.comm.device
     with torch.no_grad():
@@ -524,9 +527,7 @@ def install_shard(chunk: Chunk, state: ShardState, optimizer) -> None:
         del chunk.shard.master_init
     master = (chunk.shard.data if chunk.dtype == torch.float32
               else state.master.to(device))
-    in_optimizer = optimizer is not None and any(
-        p is chunk.shard for group in optimizer.param_groups for p in group["params"]
-    )
+    in_optimizer = id(chunk.shard) in optimized
     if state.moments is not None and in_optimizer:
         optimizer.state[chunk.shard] = {
             "step": state.step,
@@ -602,8 +603,11 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
             small["rank"] = reader.rank_state(comm.rank)
 
     run_agreed(comm, read_all, "load")
+    optimized = set() if optimizer is None else {
+        id(p) for group in optimizer.param_groups for p in group["params"]
+    }
     for chunk, state in zip(chunks, read):
-        install_shard(chunk, state, optimizer)
+        install_shard(chunk, state, optimizer, optimized)
     groups = reader.manifest["param_groups"]
     if optimizer is not None and groups is not None:
         restore_groups(optimizer, groups)

@@ -98,6 +98,8 @@ FORMAT = "labml_zero.zero3.checkpoint/1"
 MANIFEST = "manifest.json"
 EXTRA = "extra.pt"
 MOMENTS = ("exp_avg", "exp_avg_sq")
+MANIFEST_KEYS = ("save_id", "world_size", "fingerprint", "chunks", "param_groups",
+                 "files")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16}
 # safetensors' dtype names, as `get_slice(...).get_dtype()` reports them
@@ -198,9 +200,12 @@ class CheckpointReader:
             manifest = json.loads(file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise CheckpointError(f"corrupted manifest {file}: {error}") from None
-        if manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{file} has format {manifest.get('format')!r}, "
-                                  f"expected {FORMAT!r}")
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            found = manifest.get("format") if isinstance(manifest, dict) else None
+            raise CheckpointError(f"{file} has format {found!r}, expected {FORMAT!r}")
+        missing = [key for key in MANIFEST_KEYS if key not in manifest]
+        if missing:
+            raise CheckpointError(f"corrupted manifest {file}: no {missing[0]!r}")
         return manifest
 
     ### Checks
@@ -239,6 +244,8 @@ class CheckpointReader:
         if kind not in ("param", "master", *MOMENTS):
             raise ValueError(f"kind must be param, master, exp_avg or exp_avg_sq, "
                              f"got {kind!r}")
+        if name not in self.params:
+            raise CheckpointError(f"no parameter {name!r} in checkpoint {self.path}")
         saved = self.params[name]
         chunk = self.chunks[saved.chunk]
         end = saved.numel if end is None else end
@@ -256,12 +263,12 @@ class CheckpointReader:
         lo, hi = saved.offset + start, saved.offset + end
         pieces = []
         # old ranks ⌊lo / S⌋ … ⌊(hi − 1) / S⌋ hold chunk elements [lo, hi)
+        key = f"{saved.chunk}.{stored}"
         for rank in range(lo // shard_numel, (hi - 1) // shard_numel + 1):
             base = rank * shard_numel
-            key = f"{saved.chunk}.{stored}"
+            first, last = max(lo, base), min(hi, base + shard_numel)
             pieces.append(self._slice(rank, key, shard_numel, dtype,
-                                      max(lo, base) - base, min(hi, base + shard_numel)
-                                      - base))
+                                      first - base, last - base))
         # [end − start] saved dtype (fp32 for masters and moments)
         out = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
         return out.float() if kind == "master" else out
@@ -290,7 +297,7 @@ class CheckpointReader:
             except Exception as error:
                 raise CheckpointError(f"corrupted shard file {file}: "
                                       f"{str(error).splitlines()[0]}") from None
-            if handle.metadata().get("save_id") != self.manifest["save_id"]:
+            if (handle.metadata() or {}).get("save_id") != self.manifest["save_id"]:
                 raise CheckpointError(f"shard file {file} belongs to another save "
                                       "than its manifest")
             self._open[rank] = handle, set(handle.keys())

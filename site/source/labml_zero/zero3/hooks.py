@@ -36,7 +36,10 @@ Backward, for each unit in reverse:
    stream wait for the reductions, release whatever is still gathered.
 
 A measured step (the kernels of one GPU, from `torch.profiler`, converted by
-`bench/timeline.py`):
+`bench/timeline.py`; W4, a Pythia-160M-shaped model on 2×H200). The long first
+all-gather is the wait for the other rank to reach the step: NCCL kernels spin
+until their peer arrives. After it, gathers run ahead of the compute that needs
+them and reduce-scatters overlap the backward:
 
 ![training step timeline](figures/step_timeline.svg)
 

@@ -116,8 +116,21 @@ def choose_chunk_numel(
         return config.chunk_numel
     from .chunk_search import ChunkSearchConfig, search_chunk_size
 
+    hidden_dim = hidden_size(specs)
+    # ColossalAI's default range is 32·2^20 elements. In steps of a small model's
+    # hidden size that is hundreds of thousands of candidates, most of them far
+    # beyond any layer, so it is capped at 4096 steps; and it is stretched to the
+    # largest layer, so that one chunk per layer is always a candidate (for
+    # Pythia-1.4B a layer is 50·2^20 elements).
+    largest_group: dict[int, int] = {}
+    for spec in specs:
+        largest_group[spec.group] = largest_group.get(spec.group, 0) + spec.numel
+    search_range_m = max(
+        min(32.0, hidden_dim * 4096 / 2**20), max(largest_group.values()) / 2**20
+    )
     search = ChunkSearchConfig(
-        hidden_dim=hidden_size(specs),
+        hidden_dim=hidden_dim,
+        search_range_m=search_range_m,
         prefetch_depth=config.prefetch_depth,
         align=config.align,
         param_bytes=torch.tensor([], dtype=config.dtype).element_size(),
@@ -260,7 +273,34 @@ class Zero3Layer(nn.Module):
                 chunk.load_param(position, state[name])
 
 
-class Zero3Sequential(nn.Module):
+class ShardedRoot(nn.Module):
+    """
+    ## What a whole sharded model offers
+
+    `Zero3Sequential` and `ShardedModel` share these; `runtime` is their
+    [runtime](hooks.html).
+    """
+
+    runtime: Zero3Runtime
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.runtime.all_chunks()
+
+    def get_trainable_chunk(self) -> list[nn.Parameter]:
+        """The shards the optimizer updates (labml-nn's name)."""
+        return [c.shard for c in self.chunks if c.trainable]
+
+    def no_sync(self):
+        """Accumulate gradients locally (see `Zero3Runtime.no_sync`)."""
+        return self.runtime.no_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad()
+
+
+class Zero3Sequential(ShardedRoot):
     """
     ## A chain of sharded layers
 
@@ -293,20 +333,6 @@ class Zero3Sequential(nn.Module):
         self.runtime.end_forward(x)
         return x
 
-    def no_sync(self):
-        """Accumulate gradients locally (see `Zero3Runtime.no_sync`)."""
-        return self.runtime.no_sync()
-
-    def get_trainable_chunk(self) -> list[nn.Parameter]:
-        return [p for layer in self.layers for p in layer.get_trainable_chunk()]
-
-    @property
-    def chunks(self) -> list[Chunk]:
-        return self.runtime.all_chunks()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for chunk in self.chunks:
-            chunk.zero_grad()
 
 
 def materialize_on(module: nn.Module, device: torch.device) -> None:
@@ -377,7 +403,7 @@ def zero3_layers(
     return layers
 
 
-class ShardedModel(nn.Module):
+class ShardedModel(ShardedRoot):
     """
     ## Any model, with chosen submodules as units
 
@@ -397,20 +423,6 @@ class ShardedModel(nn.Module):
         self.runtime.end_forward(output)
         return output
 
-    def no_sync(self):
-        """Accumulate gradients locally (see `Zero3Runtime.no_sync`)."""
-        return self.runtime.no_sync()
-
-    def get_trainable_chunk(self) -> list[nn.Parameter]:
-        return [c.shard for c in self.runtime.all_chunks() if c.trainable]
-
-    @property
-    def chunks(self) -> list[Chunk]:
-        return self.runtime.all_chunks()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for chunk in self.chunks:
-            chunk.zero_grad()
 
 
 def shard_model(
