@@ -17,5 +17,8 @@ Reading order:
    [the chunk-size search](zero3/chunk_search.html)
 3. [AdamFP16](optimizers/adam_fp16.html)
 4. [GPT-NeoX](neox/index.html)
-5. [The fine-tuning experiment](finetune_neox.html)
+5. [The fine-tuning experiment](finetune_neox.html), on
+   [one process per GPU or several CPU processes](launch.html)
+6. [Sharded checkpoints](zero3/checkpoint.html)
+7. [The labml app, offline](app.html), and [finding it](app_client.html)
 """

@@ -19,4 +19,7 @@ Under ZeRO-3 each rank holds these for its own shards only: the optimizer sees o
 flat 16-bit tensor per trainable chunk, with its fp32 gradient in `main_grad`.
 
 * [AdamFP16](adam_fp16.html): the optimizer.
+* [Clipping](clip_grad.html): the global gradient norm over shards, one all-reduce.
+* [Loss scaling](grad_scaler.html): fp16's dynamic scale, overflow agreed by all
+  ranks (and non-finite bf16 steps skipped and counted).
 """
