@@ -181,7 +181,15 @@ class Chunk:
         for position, (slot, param) in enumerate(zip(spec.slots, self.params)):
             view = self.full[slot.offset : slot.end].view(param.shape)
             if param.device.type == "meta":
-                new = nn.Parameter(view, requires_grad=param.requires_grad)
+                # Not `nn.Parameter(view)`: a view shares the version counter of
+                # `full`, which every all-gather bumps, and autograd would reject
+                # the saved weight as modified in place. `.data =` keeps the new
+                # parameter's own counter, as for parameters built for real.
+                new = nn.Parameter(
+                    torch.empty(0, dtype=dtype, device=device),
+                    requires_grad=param.requires_grad,
+                )
+                new.data = view
                 self.params[position] = new
                 self.replaced.append((position, new))
             else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -278,11 +279,24 @@ def chunk_by_chunk_init(ctx):
     # fp32 masters start from the initialiser's values in full precision... of the
     # bf16 chunk they were written into (there are no fp32 originals to keep).
     masters = [getattr(s, "master_init", None) for s in model2.get_trainable_chunk()]
+    masters_ok = all(m is not None and torch.isfinite(m).all().item() for m in masters)
+    # Two training steps: the swapped-in parameters must survive the re-gathers of
+    # the backward pass (autograd checks the saved weights' version counters).
+    optimizer = AdamFP16(model2.get_trainable_chunk(), lr=1e-3)
+    losses = []
+    for step in range(2):
+        xs, ys = my_rows(ctx, step)
+        loss = loss_of(model2, xs.bfloat16(), ys.bfloat16()).float()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
     return {
         "max_live": max(live),
         "diff": (ours - expected).abs().max().item(),
         "diff2": (ours2 - expected).abs().max().item(),
-        "masters": all(m is not None and torch.isfinite(m).all().item() for m in masters),
+        "masters": masters_ok,
+        "losses": losses,
         "params_on_device": all(
             p.device.type == ctx.device.type for m in lazy2 for p in m.parameters()
         ),
@@ -295,3 +309,4 @@ def test_meta_layers_initialised_one_chunk_at_a_time():
         assert r["max_live"] == 1
         assert r["diff"] == 0.0 and r["diff2"] == 0.0
         assert r["masters"] and r["params_on_device"]
+        assert all(math.isfinite(v) for v in r["losses"])
