@@ -310,3 +310,32 @@ def test_meta_layers_initialised_one_chunk_at_a_time():
         assert r["diff"] == 0.0 and r["diff2"] == 0.0
         assert r["masters"] and r["params_on_device"]
         assert all(math.isfinite(v) for v in r["losses"])
+
+
+def resident_chunks(ctx):
+    out = {}
+    x, y = my_rows(ctx, 3)
+    for keep in (False, True):
+        model = sharded(ctx, reshard_after_forward=not keep)
+        counter = model.runtime.comm.counter
+        counter.reset()
+        loss_of(model, x, y).backward()
+        out[keep] = (counter.calls["all_gather"], len(model.chunks), grads(model))
+        # after the step every chunk is back to its shard either way
+        out[f"released_{keep}"] = not model.runtime.gathered_chunks()
+    return out
+
+
+@pytest.mark.distributed
+def test_resident_chunks_skip_the_backward_gather():
+    for r in run_distributed(resident_chunks, 2):
+        gathers, chunks, reshard_grads = r[False]
+        kept_gathers, _, kept_grads = r[True]
+        # ZeRO-3: every chunk gathered for the forward and again for the
+        # backward (every layer here runs a backward: the first one's weight
+        # is trainable)
+        assert gathers == 2 * chunks
+        # kept resident from forward to backward: one gather per chunk per step
+        assert kept_gathers == chunks
+        assert all(torch.equal(a, b) for a, b in zip(reshard_grads, kept_grads))
+        assert r["released_False"] and r["released_True"]
