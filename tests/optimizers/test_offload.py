@@ -1,0 +1,130 @@
+"""Offloaded optimizer state: the same update as on the device, bit for bit, on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labml_zero.optimizers.adam_fp16 import AdamFP16
+
+SIZES = (37, 5, 130, 64)
+HYPER = dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+
+
+def gradients(step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return [torch.randn(n, generator=g) for n in SIZES]
+
+
+def shards(dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    """Flat shards as the engine leaves them: 16-bit ones carry `master_init`."""
+    torch.manual_seed(0)
+    out = []
+    for n in SIZES:
+        exact = torch.randn(n)
+        shard = torch.nn.Parameter(exact.to(dtype))
+        if dtype != torch.float32:
+            shard.master_init = exact.clone()
+        out.append(shard)
+    return out
+
+
+def train(opt: AdamFP16, params, steps: int, *, prefetch: bool = False) -> None:
+    for step in range(steps):
+        for p, g in zip(params, gradients(step)):
+            p.main_grad = g
+            if prefetch:
+                # what the engine does right after the shard's reduce-scatter
+                opt.prefetch_grad(p)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offloaded_equals_device_bitwise(fused, dtype):
+    on_device, on_host = shards(dtype), shards(dtype)
+    device_opt = AdamFP16(on_device, **HYPER, fused=fused)
+    # three of four shards on the host, one left on the "device": both paths
+    # run in the same step
+    host_opt = AdamFP16(on_host, **HYPER, fused=fused, offload={0, 2, 3})
+    assert [p in host_opt.host for p in on_host] == [True, False, True, True]
+    train(device_opt, on_device, 7)
+    train(host_opt, on_host, 7, prefetch=True)
+    for a, b in zip(on_device, on_host):
+        assert torch.equal(a.detach(), b.detach())
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(device_opt.state[a][key], host_opt.state[b][key])
+        assert device_opt.state[a]["step"] == host_opt.state[b]["step"] == 7
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_offloaded_fp32_follows_adamw(fused):
+    ours = shards(torch.float32)
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = AdamFP16(ours, **HYPER, fused=fused, offload=lambda i, p: True)
+    ref = torch.optim.AdamW(theirs, **HYPER)
+    for step in range(12):
+        for p, q, g in zip(ours, theirs, gradients(step)):
+            p.main_grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    for p, q in zip(ours, theirs):
+        assert (p - q).abs().max().item() <= 1e-6
+        # an offloaded fp32 shard gets a master of its own, equal to it
+        master = opt.state[p]["master"]
+        assert master.data_ptr() != p.data_ptr()
+        assert torch.equal(master, p.detach())
+
+
+def test_gradient_changed_after_prefetch_is_copied_again():
+    on_device, on_host = shards(torch.bfloat16), shards(torch.bfloat16)
+    device_opt = AdamFP16(on_device, **HYPER)
+    host_opt = AdamFP16(on_host, **HYPER, offload=range(len(SIZES)))
+    for step in range(3):
+        for a, b, g in zip(on_device, on_host, gradients(step)):
+            a.main_grad, b.main_grad = g.clone(), g.clone()
+            host_opt.prefetch_grad(b)
+            assert host_opt.host[b].holds(b.main_grad)
+        # unscaling or clipping after the reduce-scatter works in place
+        torch._foreach_mul_([p.main_grad for p in on_device], 0.25)
+        torch._foreach_mul_([p.main_grad for p in on_host], 0.25)
+        assert not any(host_opt.host[b].holds(b.main_grad) for b in on_host)
+        device_opt.step()
+        host_opt.step()
+    for a, b in zip(on_device, on_host):
+        assert torch.equal(a.detach(), b.detach())
+        assert torch.equal(device_opt.state[a]["master"], host_opt.state[b]["master"])
+
+
+def test_plain_grad_and_state_for_checkpoints():
+    p = torch.nn.Parameter(torch.ones(6))
+    p.grad = torch.ones(6)
+    opt = AdamFP16([p], lr=0.1, offload={0})
+    opt.step()
+    assert (p < 1).all()
+    # the keys and types checkpoint.py reads, as host tensors
+    state = opt.state[p]
+    assert isinstance(state["step"], int)
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert state[key].device.type == "cpu" and state[key].dtype == torch.float32
+    assert opt.state_device(p) == torch.device("cpu")
+
+
+def test_loaded_state_is_moved_back_and_unaliased():
+    # load_checkpoint installs an fp32 shard's master as the shard itself
+    p = torch.nn.Parameter(torch.randn(8))
+    opt = AdamFP16([p], lr=0.1, offload={0})
+    opt.state[p] = {"step": 3, "master": p.data, "exp_avg": torch.zeros(8),
+                    "exp_avg_sq": torch.ones(8)}
+    p.main_grad = torch.ones(8)
+    opt.step()
+    assert opt.state[p]["step"] == 4
+    assert opt.state[p]["master"].data_ptr() != p.data_ptr()
+    assert torch.equal(opt.state[p]["master"], p.detach())
+
+
+def test_bad_offload_position():
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
+    with pytest.raises(ValueError, match="offload names parameter 3"):
+        AdamFP16(params, offload={1, 3})
