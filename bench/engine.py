@@ -51,6 +51,7 @@ weights and moments, gradients reduce-scattered in fp32.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -159,9 +160,12 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     config = ZeroConfig(
         dtype=torch.bfloat16, reduce_dtype=torch.float32,
         chunk_numel=workload.chunk_numel,
+        # LABML_ZERO_SIDE_STREAMS=0: collectives on the compute stream, the
+        # oracle for the overlapped schedule (same losses expected, slower)
+        side_streams=os.environ.get("LABML_ZERO_SIDE_STREAMS", "1") != "0",
     )
     layers, psi_t, psi_f = meta_layers(workload)
-    comm = Communicator(ctx.device)
+    comm = Communicator(ctx.device, side_streams=config.side_streams)
     specs, _ = param_specs([layer.named_parameters() for layer in layers])
     chunk_numel = choose_chunk_numel(specs, ctx.world_size, config)
     sharded = []

@@ -218,7 +218,9 @@ class Zero3Layer(nn.Module):
         super().__init__()
         device = torch.device(device)
         config = ZeroConfig(**{**vars(config or ZeroConfig()), "dtype": dtype})
-        comm = comm or Communicator(device, group=group)
+        comm = comm or Communicator(
+            device, group=group, side_streams=config.side_streams
+        )
         check_rank(rank, world_size, comm)
         self.module = module
         self.comm = comm
@@ -415,7 +417,7 @@ def zero3_layers(
     """
     config = config or ZeroConfig()
     device = torch.device(device)
-    comm = Communicator(device, group=group)
+    comm = Communicator(device, group=group, side_streams=config.side_streams)
     specs, _ = param_specs([m.named_parameters() for m in modules])
     chunk_numel = choose_chunk_numel(specs, comm.world_size, config)
     layers = []
@@ -482,7 +484,7 @@ def shard_model(
     """
     config = config or ZeroConfig()
     device = torch.device(device)
-    comm = Communicator(device, group=group)
+    comm = Communicator(device, group=group, side_streams=config.side_streams)
     layer_ids = {id(p) for layer in layers for p in layer.parameters()}
     root = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_ids]
 
