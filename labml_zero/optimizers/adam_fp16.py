@@ -1,7 +1,8 @@
 r"""
 ---
 title: Adam with fp32 master weights (AdamFP16)
-summary: AdamW on flat shards, with fp32 master weights and moments, written back in 16 bits.
+summary: AdamW on flat shards, fp32 masters and moments (on the device or the
+  host), written back in 16 bits.
 ---
 
 # Adam with fp32 master weights
@@ -45,7 +46,8 @@ Of the $2 + 4 + K = 18$ bytes a trainable element costs a ZeRO-3 rank (16-bit
 shard, fp32 `main_grad`, $K = 12$ of master and moments), the optimizer's $K$ are
 touched once per step and by the update alone. `offload=` moves them, shard by
 shard, to host memory and runs the update there, as ColossalAI's Gemini and
-ZeRO-Offload do. Per offloaded element and step:
+ZeRO-Offload do ([which shards](../zero3/placement.html)). Per offloaded element
+and step:
 
 * **down** (device to host): the fp32 gradient, 4 bytes;
 * **the update** on the host: the same kernel as on the device
@@ -394,7 +396,8 @@ class AdamFP16(torch.optim.Optimizer):
                 self._upload(param, master)
             return
         # Write back the rounded master; the next all-gather spreads it.
-        pairs = [(p, m) for p, m in zip(params, masters) if m.data_ptr() != p.data_ptr()]
+        pairs = [(p, m) for p, m in zip(params, masters)
+                 if m.data_ptr() != p.data_ptr()]
         if pairs:
             torch._foreach_copy_([p.data for p, _ in pairs], [m for _, m in pairs])
 

@@ -1,0 +1,117 @@
+"""Placement policies: hand-computed decisions, bytes moved and bytes resident."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labml_zero.optimizers.adam_fp16 import AdamFP16
+from labml_zero.zero3.memory_model import zero_model_states
+from labml_zero.zero3.placement import (GIB, OffloadTraffic, Placement, ShardSpec,
+                                        StaticPlacement, auto_placement,
+                                        offload_traffic, resident_bytes)
+
+# model.chunks of a small model: embedding, a frozen chunk, two blocks, the head
+SHARDS = [ShardSpec(100, True), ShardSpec(50, False), ShardSpec(100, True),
+          ShardSpec(100, True), ShardSpec(60, True)]
+
+
+@pytest.mark.parametrize("fraction, expected", [
+    (0.0, set()),
+    # 36 of 360 trainable elements: the head alone (60)
+    (0.1, {4}),
+    # 180 of 360: 60 + 100 is short, 60 + 100 + 100 is enough
+    (0.5, {2, 3, 4}),
+    (1.0, {0, 2, 3, 4}),
+])
+def test_static_optimizer_fraction_from_the_output_end(fraction, expected):
+    placement = StaticPlacement(optimizer_cpu_fraction=fraction).place(SHARDS)
+    assert placement.optimizer_on_host == expected
+    assert placement.param_on_host == set()
+
+
+def test_static_param_fraction_and_validation():
+    placement = StaticPlacement(1.0, 0.5).place(SHARDS)
+    # 205 of 410 elements over all chunks
+    assert placement.param_on_host == {2, 3, 4}
+    with pytest.raises(ValueError, match="needs optimizer_cpu_fraction"):
+        StaticPlacement(0.5, 0.5)
+    with pytest.raises(ValueError, match="optimizer_cpu_fraction must be in"):
+        StaticPlacement(1.5)
+
+
+def test_traffic_and_resident_bytes():
+    placement = Placement(optimizer_on_host=frozenset({2, 3, 4}))
+    # 260 offloaded elements: 4 bytes down, 2 up each
+    traffic = offload_traffic(placement, SHARDS)
+    assert traffic == OffloadTraffic(down=1040, up=520)
+    assert traffic.seconds(520.0) == 2.0
+    # device: 2·410 parameters + 4·360 gradients + 12·100 state; host: 16·260
+    assert resident_bytes(placement, SHARDS) == (3460, 4160)
+    # nothing offloaded: the memory model's (p + g + K)Ψ_t + pΨ_f with g = 4
+    none = resident_bytes(Placement(), SHARDS)
+    assert none == (zero_model_states(360, 50, 1, grad_bytes=4), 0)
+    # parameters on the host too: their upload happens twice a step instead
+    both = Placement(frozenset({0, 2, 3, 4}), frozenset({2, 3, 4}))
+    assert offload_traffic(both, SHARDS) == OffloadTraffic(1440, 200 + 2 * 2 * 260)
+    assert resident_bytes(both, SHARDS) == (2 * 150 + 4 * 360, 16 * 360 + 2 * 260)
+
+
+def test_placement_checks_and_optimizer_positions():
+    with pytest.raises(ValueError, match="chunk 1, which is frozen"):
+        Placement(optimizer_on_host=frozenset({1})).check(SHARDS)
+    with pytest.raises(ValueError, match="names chunk 5, but there are 5"):
+        Placement(param_on_host=frozenset({5})).check(SHARDS)
+    with pytest.raises(ValueError, match="trainable chunk 2"):
+        Placement(param_on_host=frozenset({2})).check(SHARDS)
+    placement = Placement(optimizer_on_host=frozenset({2, 3, 4}))
+    # the optimizer numbers the trainable chunks 0..3: chunks 0, 2, 3, 4
+    positions = placement.optimizer_offload(SHARDS)
+    assert positions == {1, 2, 3}
+    params = [torch.nn.Parameter(torch.zeros(s.numel)) for s in SHARDS if s.trainable]
+    opt = AdamFP16(params, offload=positions)
+    assert [p in opt.host for p in params] == [False, True, True, True]
+
+
+def test_auto_everything_fits():
+    # 5000 + 12·360 = 9320 <= 10000
+    decided = auto_placement(SHARDS, device_capacity=10_000, measured_peak_other=5000)
+    assert decided.placement == Placement()
+    assert decided.predicted_peak == 9320
+    assert decided.traffic == (0, 0)
+
+
+@pytest.mark.parametrize("capacity, expected, peak", [
+    # budget 7500: 9320 - 1200 (chunk 3) = 8120 is over, - 1200 (chunk 2) fits
+    (8000, {2, 3}, 6920),
+    # budget exactly 8120: one chunk, the later of the equal ones
+    (8620, {3}, 8120),
+    # budget 5100: every chunk, the head last (the smallest saving)
+    (5600, {0, 2, 3, 4}, 5000),
+])
+def test_auto_offloads_fewest_chunks(capacity, expected, peak):
+    decided = auto_placement(SHARDS, device_capacity=capacity,
+                             measured_peak_other=5000, margin=500)
+    assert decided.placement.optimizer_on_host == expected
+    assert decided.predicted_peak == peak
+    moved = sum(SHARDS[i].numel for i in expected)
+    assert decided.traffic == (4 * moved, 2 * moved)
+
+
+def test_auto_fp32_saves_eight_bytes():
+    # fp32 shards are their own masters: 8 bytes of state per element on device
+    decided = auto_placement(SHARDS, device_capacity=5000 + 8 * 360 - 800,
+                             measured_peak_other=5000, param_bytes=4)
+    # 800 bytes of state each for chunks 0, 2, 3: the latest of them goes
+    assert decided.placement.optimizer_on_host == {3}
+    # and its update comes up in fp32
+    assert decided.traffic == (400, 400)
+
+
+def test_auto_nothing_fits():
+    with pytest.raises(ValueError, match=r"short by 3\.00 GiB") as error:
+        auto_placement(SHARDS, device_capacity=8 * GIB,
+                       measured_peak_other=10 * GIB, margin=GIB)
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="device_capacity must be >= 0"):
+        auto_placement(SHARDS, device_capacity=-1, measured_peak_other=0)
