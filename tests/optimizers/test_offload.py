@@ -128,3 +128,58 @@ def test_bad_offload_position():
     params = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
     with pytest.raises(ValueError, match="offload names parameter 3"):
         AdamFP16(params, offload={1, 3})
+
+
+# ## With the engine and its checkpoints, on one local rank
+
+
+def sharded(dtype, *, offload):
+    from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+    from tests.zero3.models import tiny_layers
+
+    config = ZeroConfig(dtype=dtype, chunk_numel=200, align=4)
+    # no process group: the engine runs on one local rank
+    model = Zero3Sequential(zero3_layers(tiny_layers(0), device=torch.device("cpu"),
+                                         config=config))
+    shards = model.get_trainable_chunk()
+    # the output half of the trainable chunks, as StaticPlacement(0.5) picks
+    chosen = range(len(shards) // 2, len(shards)) if offload else None
+    return model, AdamFP16(shards, lr=3e-3, weight_decay=0.01, offload=chosen)
+
+
+def run_steps(model, optimizer, steps) -> None:
+    from tests.zero3.models import batch
+
+    for step in steps:
+        x, y = batch(step, 4)
+        loss = torch.nn.functional.mse_loss(
+            model(x.to(model.chunks[0].dtype)).float(), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_training_and_checkpoint_resume(tmp_path, dtype):
+    from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
+
+    plain, plain_opt = sharded(dtype, offload=False)
+    model, opt = sharded(dtype, offload=True)
+    assert 0 < len(opt.host) < len(opt.param_groups[0]["params"])
+    initial = [c.shard.detach().clone() for c in model.chunks]
+    for m, o in ((plain, plain_opt), (model, opt)):
+        run_steps(m, o, range(3))
+    save_checkpoint(tmp_path / "ckpt", model, opt)
+    for m, o in ((plain, plain_opt), (model, opt)):
+        run_steps(m, o, range(3, 6))
+    fresh, fresh_opt = sharded(dtype, offload=True)
+    load_checkpoint(tmp_path / "ckpt", fresh, fresh_opt)
+    run_steps(fresh, fresh_opt, range(3, 6))
+    for a, b, c in zip(plain.chunks, model.chunks, fresh.chunks):
+        # offloaded or not, resumed or not: the same shards, bit for bit
+        assert torch.equal(a.shard, b.shard) and torch.equal(b.shard, c.shard)
+    assert all(not torch.equal(c.shard, i) for c, i in zip(model.chunks, initial)
+               if c.trainable)
+    for shard in fresh_opt.host:
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert fresh_opt.state[shard][key].data_ptr() != shard.data_ptr()
