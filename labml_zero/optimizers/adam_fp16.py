@@ -83,6 +83,18 @@ A gradient changed after its prefetch (loss-scale unscaling, clipping,
 accumulation all work in place on `main_grad`) is copied again: the prefetch
 remembers the tensor and its version counter, which every in-place op bumps.
 
+Threads: the CPU kernels split each shard over torch's intra-op threads. Every
+rank is its own process and by default takes one thread per core, so $N$ ranks
+on one host oversubscribe the cores $N$ times over; give each
+`torch.set_num_threads(cores // ranks_per_host)`. The update is memory-bound
+(about 28 bytes read and written per element), so more threads than the memory
+channels can feed buy little.
+
+Checkpoints read and write `state[shard]` with the usual keys (`master`,
+`exp_avg`, `exp_avg_sq`: host tensors here; `step`: an int). A state loaded onto
+the device is copied back to the host at the next step, and `state_device(shard)`
+says where a loader should put it to avoid that detour.
+
 On CPU (tests) "host" and "device" are the same memory, yet the offloaded path
 is taken all the same, with plain synchronous copies into separate tensors;
 the tests check that it gives bitwise the same masters and shards as the
@@ -98,8 +110,10 @@ device path.
   so with a loss scaler or clipping the prefetch saves nothing yet; passing the
   scale to the kernel (`grad_scale=`) instead would keep it.
 * Device and host kernels need not round alike (FMA contraction, vector
-  widths): on a GPU, an offloaded shard follows AdamW to about $10^{-7}$
-  relative, not bitwise like its device twin.
+  widths): on a GPU an offloaded shard follows AdamW within fp32 rounding, but
+  not necessarily bitwise like its device twin.
+* The CUDA path (side streams, pinned staging, events) has not run on a GPU
+  yet; the tests run the CPU path, which shares everything but the copies.
 """
 
 from __future__ import annotations
@@ -182,11 +196,15 @@ class AdamFP16(torch.optim.Optimizer):
         if self.fused and not hasattr(torch, "_fused_adamw_"):
             raise ValueError("fused=True needs torch._fused_adamw_ (PyTorch >= 2.4)")
         self.host: dict[torch.Tensor, HostShard] = self._place(offload)
-        cuda = any(p.is_cuda for p in self.host)
+        devices = {p.device for p in self.host if p.is_cuda}
+        if len(devices) > 1:
+            raise ValueError(f"offloaded shards must be on one GPU, got {devices}")
         # One side stream per direction, so both copy engines can run at once;
         # none when no offloaded shard is on a GPU (CPU: plain copies).
-        self.down_stream = torch.cuda.Stream(priority=-1) if cuda else None
-        self.up_stream = torch.cuda.Stream(priority=-1) if cuda else None
+        self.down_stream = self.up_stream = None
+        for device in devices:
+            self.down_stream = torch.cuda.Stream(device, priority=-1)
+            self.up_stream = torch.cuda.Stream(device, priority=-1)
 
     def _place(self, offload) -> dict[torch.Tensor, HostShard]:
         """#### Resolve `offload` into the offloaded parameters, in list order"""
@@ -277,30 +295,35 @@ class AdamFP16(torch.optim.Optimizer):
         grad = getattr(param, "main_grad", None)
         if host is None or grad is None or host.holds(grad):
             return
+        self._copy_down(host, grad, after=after)
+        host.source, host.version = weakref.ref(grad), grad._version
+
+    def _copy_down(self, host: HostShard, grad: torch.Tensor, *, after=None) -> None:
+        """#### Queue the copy of `grad` into the staging buffer"""
+        host.source = None
         if self.down_stream is None:
             host.staging.copy_(grad)
-        else:
-            stream = self.down_stream
-            # copy stream waits: `after` wrote the gradient
-            stream.wait_stream(after or torch.cuda.current_stream())
-            if host.uploaded is not None:
-                # copy stream waits: last step's upload still reads `staging`
-                stream.wait_event(host.uploaded)
-            with torch.cuda.stream(stream):
-                host.staging.copy_(grad, non_blocking=True)
-            # the compute stream may free `main_grad` (zero_grad) while copying
-            grad.record_stream(stream)
-            host.grad_ready = torch.cuda.Event()
-            host.grad_ready.record(stream)
-        host.source, host.version = weakref.ref(grad), grad._version
+            return
+        stream = self.down_stream
+        # copy stream waits: `after` wrote the gradient
+        stream.wait_stream(after or torch.cuda.current_stream(grad.device))
+        if host.uploaded is not None:
+            # copy stream waits: last step's upload still reads `staging`
+            stream.wait_event(host.uploaded)
+        with torch.cuda.stream(stream):
+            host.staging.copy_(grad, non_blocking=True)
+        # the compute stream may free the gradient (zero_grad) while it is copied
+        grad.record_stream(stream)
+        host.grad_ready = torch.cuda.Event()
+        host.grad_ready.record(stream)
 
     def _host_gradient(self, param: torch.Tensor) -> torch.Tensor:
         """#### The gradient on the host, once its copy down has landed"""
         host = self.host[param]
         main_grad = getattr(param, "main_grad", None)
         if main_grad is None:
-            # an ordinary parameter's `.grad`: a blocking copy
-            host.staging.copy_(self.gradient(param))
+            # an ordinary parameter's `.grad`, a new fp32 tensor each time
+            self._copy_down(host, self.gradient(param))
         elif not host.holds(main_grad):
             # not prefetched, or changed in place since (unscale, clip)
             self.prefetch_grad(param)
@@ -325,6 +348,8 @@ class AdamFP16(torch.optim.Optimizer):
         if self.up_stream is None:
             param.data.copy_(rounded)
             return
+        # copy stream waits: the compute stream may still read the old shard
+        self.up_stream.wait_stream(torch.cuda.current_stream(param.device))
         with torch.cuda.stream(self.up_stream):
             param.data.copy_(rounded, non_blocking=True)
         host.uploaded = torch.cuda.Event()
@@ -360,7 +385,8 @@ class AdamFP16(torch.optim.Optimizer):
                          grads=[self._host_gradient(param)])
         if self.up_stream is not None and offloaded:
             # compute stream waits: the next all-gather reads the new shards
-            torch.cuda.current_stream().wait_stream(self.up_stream)
+            torch.cuda.current_stream(self.up_stream.device).wait_stream(
+                self.up_stream)
         return loss
 
     def _update(self, params: list[torch.Tensor], step: int, group: dict, *,
