@@ -42,6 +42,8 @@ gather runs on a side stream while the current one computes.
 * [Chunk layout](chunk_layout.html): which parameter goes where; pure arithmetic.
 * [Chunk-size search](chunk_search.html): choosing the chunk size.
 * [Memory model](memory_model.html): the bytes, analytically.
+* [Placement](placement.html): which chunks keep optimizer states (or parameter
+  shards) in host memory, and the bytes that moves.
 * [Communication](communication.html): the collectives and streams.
 * [Chunk](chunk.html): a chunk's tensors and lifecycle.
 * [Hooks and schedule](hooks.html): when chunks are gathered, released and reduced.

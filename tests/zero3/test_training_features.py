@@ -339,3 +339,32 @@ def test_resident_chunks_skip_the_backward_gather():
         assert kept_gathers == chunks
         assert all(torch.equal(a, b) for a, b in zip(reshard_grads, kept_grads))
         assert r["released_False"] and r["released_True"]
+
+
+def offloaded_optimizer(ctx):
+    """Half the optimizer states in host memory, gradients copied down as soon as
+    each chunk is reduced (the runtime's `grad_ready` hook): same shards as on the
+    device."""
+    out = []
+    for offload in (False, True):
+        model = sharded(ctx, dtype=torch.bfloat16)
+        shards = model.get_trainable_chunk()
+        host = set(range(0, len(shards), 2)) if offload else None
+        optimizer = AdamFP16(shards, lr=1e-2, offload=host)
+        if offload:
+            model.runtime.grad_ready = (
+                lambda shard, stream: optimizer.prefetch_grad(shard, after=stream)
+            )
+        for step in range(3):
+            x, y = my_rows(ctx, step)
+            loss_of(model, x.bfloat16(), y.bfloat16()).float().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        out.append([s.detach().clone() for s in shards])
+    return {"equal": all(torch.equal(a, b) for a, b in zip(*out))}
+
+
+@pytest.mark.distributed
+def test_offloaded_optimizer_states_train_identically():
+    for r in run_distributed(offloaded_optimizer, 2):
+        assert r["equal"]

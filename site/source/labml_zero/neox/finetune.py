@@ -38,17 +38,18 @@ squared norm, which every rank sees alike, so all skip a bad step together); wit
 that norm; then AdamFP16 steps. Tracking costs one more all-reduce, of three
 numbers (loss sum, correct tokens, tokens), and one host sync per step.
 
-## Building the model one layer at a time
+## Building the model one chunk at a time
 
 A 20B model must never exist whole on one rank. So the layers are first built on
 the meta device (no memory), the fine-tuner marks them, and the chunk size is
-chosen from their shapes alone. Then `zero3_layers` takes them one at a time:
-it allocates the layer on the rank's device, our `fill` loads it (the layer's
-tensors only, from the Hugging Face checkpoint, or a seeded random init that is
-the same on every rank), and the layer is sharded: each rank copies its slice of
-each chunk and the parameters become storage-less views. The full layer is
-garbage once the next one starts, so a rank never holds more than one whole
-layer beyond its shards.
+chosen from their shapes alone. `zero3_layers` then shards each layer while it is
+still on meta, and initialises it chunk by chunk: a chunk's full buffer gets
+memory, the seeded initialiser (the same on every rank) writes its parameters,
+the rank keeps its slice, and the buffer is freed before the next chunk. With a
+Hugging Face checkpoint the chunks start at zero and each layer's tensors are read
+on the host (that layer's only) and copied slice by slice into the shards. A rank
+never holds more than one chunk on its device beyond its shards, and one layer
+on the host.
 
 ## Tracking
 
@@ -302,10 +303,9 @@ class BuiltModel(NamedTuple):
 
 def build_model(config: FinetuneConfig, ctx: DistContext) -> BuiltModel:
     """
-    ### Build on meta, mark, then fill and shard one layer at a time
+    ### Build on meta, mark, shard, then initialise or load
 
-    See "Building the model one layer at a time" above; `zero3_layers` does the
-    per-layer loop and calls `fill` on each layer just before sharding it.
+    See "Building the model one chunk at a time" above.
     """
     neox = config.model_config()
     layers = neox_model.build_layers(neox, filter_layers=config.filter_layers,
@@ -314,20 +314,26 @@ def build_model(config: FinetuneConfig, ctx: DistContext) -> BuiltModel:
     counts = finetuner(config.finetune)(layers)
     hf = HFCheckpoint(config.checkpoint) if config.checkpoint is not None else None
 
-    def fill(layer: torch.nn.Module) -> None:
-        if hf is not None:
-            # [one layer] on the host; shapes checked before reading
-            layer.load_state_dict(hf.layer_state_dict(layer))
-        else:
-            layer.reset_parameters()
-
     zero = ZeroConfig(dtype=config.torch_dtype(ctx.device))
-    # Random init: every rank seeds alike and fills the layers in the same order,
-    # so all draw the same weights (each keeps only its own slice of them).
+    if hf is None:
+        # Random weights, drawn one chunk at a time into the chunk's buffer: every
+        # rank seeds alike and visits the chunks in the same order, so all draw the
+        # same weights and each keeps only its own slice of them.
+        init = neox_model.init_parameter(neox)
+    else:
+        # Pretrained weights are loaded after sharding, below; the chunks start at 0.
+        def init(name: str, param: torch.Tensor) -> None:
+            pass
+
     with torch.random.fork_rng(devices=[ctx.device] if ctx.device.type == "cuda"
                                else []):
         torch.manual_seed(config.seed)
-        sharded = zero3_layers(layers, device=ctx.device, config=zero, init=fill)
+        sharded = zero3_layers(layers, device=ctx.device, config=zero, init_param=init)
+    if hf is not None:
+        for layer in sharded:
+            # [one layer] on the host, shapes checked before reading; each rank
+            # copies only its slices into its shards (and fp32 masters)
+            layer.load_sharded(hf.layer_state_dict(layer.module))
     return BuiltModel(Zero3Sequential(sharded), counts, neox)
 
 

@@ -70,7 +70,7 @@ sets the one its checkpoint was trained with.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -128,12 +128,12 @@ class NeoXConfig:
     Kept as `None` rather than resolved, so `dataclasses.replace(c, d_model=...)`
     still gets $4d$ of the new width; read `ff_dim`."""
     rotary_pct: float = 0.25
-    """Fraction of each head's dimensions that are rotated;
-    $d_r = \\lfloor d_h \\cdot \\text{rotary\\_pct} \\rfloor$ must be even."""
+    r"""Fraction of each head's dimensions that are rotated;
+    $d_r = \lfloor d_h \cdot \text{rotary\_pct} \rfloor$ must be even."""
     rotary_base: float = 10000.0
-    """$b$ in $\\theta_i = b^{-2i/d_r}$."""
+    r"""$b$ in $\theta_i = b^{-2i/d_r}$."""
     layer_norm_eps: float = 1e-5
-    """$\\epsilon$ of every layer norm."""
+    r"""$\epsilon$ of every layer norm."""
     gelu_approximate: str = "tanh"
     """`'tanh'` (GPT-NeoX-20B's `gelu_fast`) or `'none'` (Pythia's exact `gelu`);
     passed to `torch.nn.functional.gelu`."""
@@ -328,10 +328,10 @@ def to_hf_config(config: NeoXConfig, *, dtype: torch.dtype = torch.float32
 
 
 def _init_like_hf(module: nn.Module, std: float):
-    """
+    r"""
     #### HF GPT-NeoX init
 
-    $\\mathcal{N}(0, 0.02^2)$ for linear and embedding weights, zero biases,
+    $\mathcal{N}(0, 0.02^2)$ for linear and embedding weights, zero biases,
     unit/zero layer norms. Under `torch.no_grad` so it may run on leaf parameters
     that require grad.
     """
@@ -344,6 +344,27 @@ def _init_like_hf(module: nn.Module, std: float):
             elif isinstance(m, nn.LayerNorm):
                 m.weight.fill_(1.0)
                 m.bias.zero_()
+
+
+def init_parameter(config: NeoXConfig) -> Callable[[str, torch.Tensor], None]:
+    r"""
+    #### The same initialisation, one parameter at a time
+
+    For `zero3_layers(..., init_param=...)`, which initialises meta-built layers
+    chunk by chunk: layer-norm weights 1, biases 0, every other weight
+    $\mathcal{N}(0, 0.02^2)$. The distributions of `_init_like_hf`; the draws
+    differ, since parameters are visited in chunk order.
+    """
+
+    def init(name: str, param: torch.Tensor) -> None:
+        if name.endswith(".bias"):
+            param.zero_()
+        elif "layernorm" in name or "layer_norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, config.init_std)
+
+    return init
 
 
 # ## Embedding
@@ -380,11 +401,11 @@ class Embedding(nn.Module):
 def rotary_cos_sin(n_positions: int, config: NeoXConfig, *,
                    device: torch.device, dtype: torch.dtype
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """
-    ### Rotary angles $m\\theta_i$
+    r"""
+    ### Rotary angles $m\theta_i$
 
     Computed in fp32 and cast to the activation dtype only at the end: in bf16 the
-    position $m$ itself is exact only up to 256, so $m\\theta_i$ computed in bf16
+    position $m$ itself is exact only up to 256, so $m\theta_i$ computed in bf16
     would put late tokens at the wrong angle.
     """
     d_r = config.rotary_dim
@@ -400,7 +421,7 @@ def rotary_cos_sin(n_positions: int, config: NeoXConfig, *,
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """$(x_1, x_2) \\mapsto (-x_2, x_1)$ over the two halves of the last dim."""
+    r"""$(x_1, x_2) \mapsto (-x_2, x_1)$ over the two halves of the last dim."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
@@ -455,8 +476,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """
-    ## Feed-forward: $W_2 \\operatorname{GELU}(W_1 x + b_1) + b_2$
+    r"""
+    ## Feed-forward: $W_2 \operatorname{GELU}(W_1 x + b_1) + b_2$
     """
 
     def __init__(self, config: NeoXConfig, *, device=None, dtype=None):
@@ -475,11 +496,11 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """
+    r"""
     ## Transformer layer with a parallel residual
 
-    $x + \\operatorname{Attn}(\\operatorname{LN}_1(x))
-       + \\operatorname{MLP}(\\operatorname{LN}_2(x))$.
+    $x + \operatorname{Attn}(\operatorname{LN}_1(x))
+       + \operatorname{MLP}(\operatorname{LN}_2(x))$.
 
     `layer_idx` is the index in the *full* model, also when `build_layers` keeps
     only some layers, so the checkpoint name of every parameter is known.
@@ -602,5 +623,5 @@ def hf_prefix(layer: nn.Module) -> str:
 
 
 def count_parameters(layers: Iterable[nn.Module]) -> int:
-    """Parameter count $\\Psi$ (works on the meta device)."""
+    r"""Parameter count $\Psi$ (works on the meta device)."""
     return sum(p.numel() for layer in layers for p in layer.parameters())

@@ -1,7 +1,8 @@
 r"""
 ---
 title: Adam with fp32 master weights (AdamFP16)
-summary: AdamW on flat shards, with fp32 master weights and moments, written back in 16 bits.
+summary: AdamW on flat shards, fp32 masters and moments (on the device or the
+  host), written back in 16 bits.
 ---
 
 # Adam with fp32 master weights
@@ -39,17 +40,119 @@ else the same update as a sequence of `foreach` multi-tensor kernels (each a ful
 pass over the state: about three times the memory traffic). Both are tested
 against `torch.optim.AdamW`.
 
+## Note: optimizer state in host memory
+
+Of the $2 + 4 + K = 18$ bytes a trainable element costs a ZeRO-3 rank (16-bit
+shard, fp32 `main_grad`, $K = 12$ of master and moments), the optimizer's $K$ are
+touched once per step and by the update alone. `offload=` moves them, shard by
+shard, to host memory and runs the update there, as ColossalAI's Gemini and
+ZeRO-Offload do ([which shards](../zero3/placement.html)). Per offloaded element
+and step:
+
+* **down** (device to host): the fp32 gradient, 4 bytes;
+* **the update** on the host: the same kernel as on the device
+  (`torch._fused_adamw_` has a CPU implementation; the `foreach` fallback runs
+  on CPU tensors too), multi-threaded by torch's intra-op thread pool
+  (`torch.get_num_threads()`, one thread per core by default);
+* **up** (host to device): the new master rounded on the host to the shard
+  dtype, $p$ bytes (2 for bf16: half the bytes of sending fp32 and casting on
+  the device).
+
+The device saves $K = 12$ bytes per element (8 for an fp32 shard: its master
+was the shard itself and now becomes a host copy); the host holds $12 + 4$ (the
+gradient's staging buffer, which the upload reuses: after the update the
+gradient is dead, and its $4S$ bytes hold the $pS$ of the rounded master).
+
+Only the staging buffer is page-locked ("pinned", when CUDA is available):
+DMA needs it, while the master and moments are read by the CPU only, and pinned
+memory is scarce (it cannot be swapped, and PyTorch's host caching allocator
+rounds each block up). Copies run on two side streams owned by the optimizer,
+one per direction, so the copy engines can move both ways at once:
+
+1. `prefetch_grad(shard, after=stream)` queues the gradient's copy down as
+   soon as `stream` (the reduce stream) has written it, and records an event;
+   `step()` does it for any shard not prefetched;
+2. `step()` first launches the device shards' update (asynchronous), then for
+   each offloaded shard, last first, waits for its event (a host sync), updates
+   on the host, rounds into the staging buffer and queues the copy up;
+3. the copy down of the *next* step waits (on the device) for that copy up,
+   which still reads the staging buffer; the compute stream waits for every
+   copy up before `step()` returns, so the next all-gather reads new shards.
+
+A gradient changed after its prefetch (loss-scale unscaling, clipping,
+accumulation all work in place on `main_grad`) is copied again: the prefetch
+remembers the tensor and its version counter, which every in-place op bumps.
+
+Threads: the CPU kernels split each shard over torch's intra-op threads. Every
+rank is its own process and by default takes one thread per core, so $N$ ranks
+on one host oversubscribe the cores $N$ times over; give each
+`torch.set_num_threads(cores // ranks_per_host)`. The update is memory-bound
+(about 28 bytes read and written per element), so more threads than the memory
+channels can feed buy little.
+
+Checkpoints read and write `state[shard]` with the usual keys (`master`,
+`exp_avg`, `exp_avg_sq`: host tensors here; `step`: an int). A state loaded onto
+the device is copied back to the host at the next step, and `state_device(shard)`
+says where a loader should put it to avoid that detour.
+
+On CPU (tests) "host" and "device" are the same memory, yet the offloaded path
+is taken all the same, with plain synchronous copies into separate tensors;
+the tests check that it gives bitwise the same masters and shards as the
+device path.
+
 ## Limitations
 
 * No AMSGrad, no `maximize`, no capturable (CUDA graph) mode.
+* Offloaded updates run one shard at a time on the host, after the backward
+  pass: the host's Adam is not overlapped with the backward (clipping needs the
+  global norm first), only the gradient's copy down is.
+* A prefetched gradient that is unscaled or clipped afterwards is copied again,
+  so with a loss scaler or clipping the prefetch saves nothing yet; passing the
+  scale to the kernel (`grad_scale=`) instead would keep it.
+* Device and host kernels need not round alike (FMA contraction, vector
+  widths): on a GPU an offloaded shard follows AdamW within fp32 rounding, but
+  not necessarily bitwise like its device twin.
+* The CUDA path (side streams, pinned staging, events) has not run on a GPU
+  yet; the tests run the CPU path, which shares everything but the copies.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable
+import weakref
+from typing import Callable, Collection, Iterable
 
 import torch
+
+
+OffloadRule = Callable[[int, torch.Tensor], bool]
+
+
+class HostShard:
+    """
+    ## What an offloaded shard keeps besides its optimizer state
+
+    * `staging` [S] fp32, pinned when CUDA is available: the gradient after the
+      copy down, then (viewed in the shard dtype) the rounded master going up.
+    * `grad_ready`: event after the copy down (`None` on CPU, or none queued).
+    * `uploaded`: event after the copy up; the next copy down waits for it.
+    * `source`, `version`: which `main_grad`, at which version, `staging`
+      holds; a weak reference, so a prefetch never keeps a gradient alive.
+    """
+
+    def __init__(self, param: torch.Tensor, *, pin: bool):
+        # [S] fp32 on the host
+        self.staging = torch.empty(param.numel(), dtype=torch.float32,
+                                   pin_memory=pin)
+        self.grad_ready: torch.cuda.Event | None = None
+        self.uploaded: torch.cuda.Event | None = None
+        self.source: weakref.ref | None = None
+        self.version = -1
+
+    def holds(self, grad: torch.Tensor) -> bool:
+        """Whether `staging` is a copy of `grad` as it is now."""
+        return (self.source is not None and self.source() is grad
+                and self.version == grad._version)
 
 
 class AdamFP16(torch.optim.Optimizer):
@@ -60,6 +163,11 @@ class AdamFP16(torch.optim.Optimizer):
     * `lr`, `betas`, `eps`, `weight_decay`: as in `torch.optim.AdamW`; the default
       `weight_decay=0.0` keeps labml-nn's `AdamFP16(params, lr=...)` an Adam.
     * `fused`: use the fused kernel (default: where available) or `foreach` ops.
+    * `offload`: which shards keep master and moments in host memory (see Note:
+      optimizer state in host memory): positions in the list of all parameters,
+      group after group (for `model.get_trainable_chunk()`, the trainable
+      chunks in order; `Placement.optimizer_on_host` gives them), or a function
+      `(position, param) -> bool`; `None` keeps everything on the device.
     """
 
     def __init__(
@@ -71,6 +179,7 @@ class AdamFP16(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         *,
         fused: bool | None = None,
+        offload: Collection[int] | OffloadRule | None = None,
     ):
         if lr < 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -86,6 +195,38 @@ class AdamFP16(torch.optim.Optimizer):
         self.fused = hasattr(torch, "_fused_adamw_") if fused is None else fused
         if self.fused and not hasattr(torch, "_fused_adamw_"):
             raise ValueError("fused=True needs torch._fused_adamw_ (PyTorch >= 2.4)")
+        self.host: dict[torch.Tensor, HostShard] = self._place(offload)
+        devices = {p.device for p in self.host if p.is_cuda}
+        if len(devices) > 1:
+            raise ValueError(f"offloaded shards must be on one GPU, got {devices}")
+        # One side stream per direction, so both copy engines can run at once;
+        # none when no offloaded shard is on a GPU (CPU: plain copies).
+        self.down_stream = self.up_stream = None
+        for device in devices:
+            self.down_stream = torch.cuda.Stream(device, priority=-1)
+            self.up_stream = torch.cuda.Stream(device, priority=-1)
+
+    def _place(self, offload) -> dict[torch.Tensor, HostShard]:
+        """#### Resolve `offload` into the offloaded parameters, in list order"""
+        params = [p for group in self.param_groups for p in group["params"]]
+        if offload is None:
+            return {}
+        if callable(offload):
+            chosen = [i for i, p in enumerate(params) if offload(i, p)]
+        else:
+            chosen = sorted(set(offload))
+            bad = [i for i in chosen if not 0 <= i < len(params)]
+            if bad:
+                raise ValueError(f"offload names parameter {bad[0]}, but the "
+                                 f"optimizer has {len(params)} (0 to "
+                                 f"{len(params) - 1})")
+        # pinned staging only where a DMA engine will read or write it
+        return {params[i]: HostShard(params[i], pin=params[i].is_cuda)
+                for i in chosen}
+
+    def state_device(self, param: torch.Tensor) -> torch.device:
+        """Where `param`'s master and moments belong (for checkpoint loading)."""
+        return torch.device("cpu") if param in self.host else param.device
 
     @staticmethod
     def gradient(param: torch.Tensor) -> torch.Tensor | None:
@@ -99,24 +240,122 @@ class AdamFP16(torch.optim.Optimizer):
         """
         ### The state of one shard
 
-        `master` [S] fp32, `exp_avg` [S] fp32, `exp_avg_sq` [S] fp32, `step`.
+        `master` [S] fp32, `exp_avg` [S] fp32, `exp_avg_sq` [S] fp32, `step`;
+        host tensors for an offloaded shard, whose master never aliases it.
         """
         state = self.state[param]
         if state:
+            if param in self.host:
+                self._move_to_host(param, state)
             return state
         master = getattr(param, "master_init", None)
         if master is not None:
             # The exact fp32 weights; the 16-bit shard is a rounding of them.
             del param.master_init
-        elif param.dtype == torch.float32:
+        elif param.dtype == torch.float32 and param not in self.host:
             master = param.data
         else:
             master = param.detach().float()
+        if param in self.host:
+            # [S] fp32 on the host; copy=True: on CPU an fp32 shard is already
+            # there, and its master must still be a tensor of its own
+            master = master.to("cpu", torch.float32, copy=True)
         state["step"] = 0
         state["master"] = master
         state["exp_avg"] = torch.zeros_like(master)
         state["exp_avg_sq"] = torch.zeros_like(master)
         return state
+
+    @staticmethod
+    def _move_to_host(param: torch.Tensor, state: dict) -> None:
+        """
+        #### Bring a state loaded onto the device back to the host
+
+        `load_checkpoint` installs master and moments on the shard's device (an
+        fp32 shard's master as the shard itself); copies, then, so that the
+        device memory is freed and the master does not alias the shard.
+        """
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            t = state[key]
+            if t.device.type != "cpu" or t.data_ptr() == param.data_ptr():
+                state[key] = t.to("cpu", torch.float32, copy=True)
+
+    ### Copies of offloaded shards
+
+    def prefetch_grad(self, param: torch.Tensor, *, after=None) -> None:
+        """
+        ### Start copying an offloaded shard's gradient to the host
+
+        Call as soon as `main_grad` is final, with `after` the CUDA stream that
+        wrote it (the engine's reduce stream; default: the current stream). Does
+        nothing for a shard on the device or without a gradient; `step()` copies
+        again any gradient changed since.
+        """
+        host = self.host.get(param)
+        grad = getattr(param, "main_grad", None)
+        if host is None or grad is None or host.holds(grad):
+            return
+        self._copy_down(host, grad, after=after)
+        host.source, host.version = weakref.ref(grad), grad._version
+
+    def _copy_down(self, host: HostShard, grad: torch.Tensor, *, after=None) -> None:
+        """#### Queue the copy of `grad` into the staging buffer"""
+        host.source = None
+        if self.down_stream is None:
+            host.staging.copy_(grad)
+            return
+        stream = self.down_stream
+        # copy stream waits: `after` wrote the gradient
+        stream.wait_stream(after or torch.cuda.current_stream(grad.device))
+        if host.uploaded is not None:
+            # copy stream waits: last step's upload still reads `staging`
+            stream.wait_event(host.uploaded)
+        with torch.cuda.stream(stream):
+            host.staging.copy_(grad, non_blocking=True)
+        # the compute stream may free the gradient (zero_grad) while it is copied
+        grad.record_stream(stream)
+        host.grad_ready = torch.cuda.Event()
+        host.grad_ready.record(stream)
+
+    def _host_gradient(self, param: torch.Tensor) -> torch.Tensor:
+        """#### The gradient on the host, once its copy down has landed"""
+        host = self.host[param]
+        main_grad = getattr(param, "main_grad", None)
+        if main_grad is None:
+            # an ordinary parameter's `.grad`, a new fp32 tensor each time
+            self._copy_down(host, self.gradient(param))
+        elif not host.holds(main_grad):
+            # not prefetched, or changed in place since (unscale, clip)
+            self.prefetch_grad(param)
+        if host.grad_ready is not None:
+            # host sync: the update reads what the copy engine wrote
+            host.grad_ready.synchronize()
+            host.grad_ready = None
+        # [S] fp32 on the host
+        return host.staging
+
+    def _upload(self, param: torch.Tensor, master: torch.Tensor) -> None:
+        """
+        #### Round the master on the host and copy it up into the shard
+
+        The rounded copy goes into the staging buffer, whose gradient the
+        update has consumed: $p S$ bytes of its $4 S$.
+        """
+        host = self.host[param]
+        # [S] shard dtype, a view of the staging buffer's first p·S bytes
+        rounded = host.staging.view(param.dtype)[: param.numel()]
+        rounded.copy_(master)
+        if self.up_stream is None:
+            param.data.copy_(rounded)
+            return
+        # copy stream waits: the compute stream may still read the old shard
+        self.up_stream.wait_stream(torch.cuda.current_stream(param.device))
+        with torch.cuda.stream(self.up_stream):
+            param.data.copy_(rounded, non_blocking=True)
+        host.uploaded = torch.cuda.Event()
+        host.uploaded.record(self.up_stream)
+
+    ### The step
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -124,6 +363,7 @@ class AdamFP16(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        offloaded: list[tuple[torch.Tensor, dict]] = []
         for group in self.param_groups:
             params = [p for p in group["params"] if self.gradient(p) is not None]
             # Shards that have taken the same number of steps share one bias
@@ -132,24 +372,39 @@ class AdamFP16(torch.optim.Optimizer):
             for param in params:
                 state = self.init_state(param)
                 state["step"] += 1
-                by_step.setdefault(state["step"], []).append(param)
+                if param in self.host:
+                    offloaded.append((param, group))
+                else:
+                    by_step.setdefault(state["step"], []).append(param)
+            # Device updates first: they are queued and run while the host works.
             for step, same_step in by_step.items():
                 self._update(same_step, step, group)
+        # Last first: in backward their gradients were final first.
+        for param, group in reversed(offloaded):
+            self._update([param], self.state[param]["step"], group,
+                         grads=[self._host_gradient(param)])
+        if self.up_stream is not None and offloaded:
+            # compute stream waits: the next all-gather reads the new shards
+            torch.cuda.current_stream(self.up_stream.device).wait_stream(
+                self.up_stream)
         return loss
 
-    def _update(self, params: list[torch.Tensor], step: int, group: dict) -> None:
+    def _update(self, params: list[torch.Tensor], step: int, group: dict, *,
+                grads: list[torch.Tensor] | None = None) -> None:
         """
         ### One AdamW step over shards with the same step count
 
         Shards with the same step share the bias corrections, so one kernel
-        launch (or one foreach sequence) covers them all.
+        launch (or one foreach sequence) covers them all. `grads` replaces the
+        shards' own gradients (the host copies of an offloaded shard's).
         """
         lr, (beta1, beta2) = group["lr"], group["betas"]
         states = [self.state[p] for p in params]
         masters = [s["master"] for s in states]
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        grads = [self.gradient(p) for p in params]
+        if grads is None:
+            grads = [self.gradient(p) for p in params]
 
         if self.fused:
             # The kernel reads the (already incremented) step from a tensor.
@@ -162,8 +417,13 @@ class AdamFP16(torch.optim.Optimizer):
         else:
             self._update_foreach(masters, grads, exp_avgs, exp_avg_sqs, step, group)
 
+        if params[0] in self.host:
+            for param, master in zip(params, masters):
+                self._upload(param, master)
+            return
         # Write back the rounded master; the next all-gather spreads it.
-        pairs = [(p, m) for p, m in zip(params, masters) if m.data_ptr() != p.data_ptr()]
+        pairs = [(p, m) for p, m in zip(params, masters)
+                 if m.data_ptr() != p.data_ptr()]
         if pairs:
             torch._foreach_copy_([p.data for p, _ in pairs], [m for _, m in pairs])
 

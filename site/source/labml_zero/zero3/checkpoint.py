@@ -517,7 +517,9 @@ def install_shard(chunk: Chunk, state: ShardState, optimizer,
     at its first step, and loses any state it had. `optimized` holds the ids of
     the tensors the optimizer updates.
     """
-    device = chunk.comm.device
+    # where the optimizer keeps this shard's state: host memory when offloaded
+    device = (optimizer.state_device(chunk.shard)
+              if hasattr(optimizer, "state_device") else chunk.comm.device)
     with torch.no_grad():
         chunk.shard.detach().copy_(state.param)
     chunk.zero_grad()

@@ -62,7 +62,7 @@ same gradient an unsharded model gets from the whole batch.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -175,8 +175,25 @@ class Chunk:
 
         # [C] param dtype; views into it replace the parameters' data.
         self.full = torch.empty(self.numel, dtype=dtype, device=device)
-        for slot, param in zip(spec.slots, self.params):
-            param.data = self.full[slot.offset : slot.end].view(param.shape)
+        # (position, new parameter) for meta parameters, which cannot take a real
+        # tensor as `.data`: the owner module must swap in the new `nn.Parameter`
+        self.replaced: list[tuple[int, nn.Parameter]] = []
+        for position, (slot, param) in enumerate(zip(spec.slots, self.params)):
+            view = self.full[slot.offset : slot.end].view(param.shape)
+            if param.device.type == "meta":
+                # Not `nn.Parameter(view)`: a view shares the version counter of
+                # `full`, which every all-gather bumps, and autograd would reject
+                # the saved weight as modified in place. `.data =` keeps the new
+                # parameter's own counter, as for parameters built for real.
+                new = nn.Parameter(
+                    torch.empty(0, dtype=dtype, device=device),
+                    requires_grad=param.requires_grad,
+                )
+                new.data = view
+                self.params[position] = new
+                self.replaced.append((position, new))
+            else:
+                param.data = view
         # see Note: why storage resize
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
@@ -211,6 +228,38 @@ class Chunk:
         shard[lo:hi].copy_(part)
         if master_init is not None:
             master_init[lo:hi].copy_(part)
+
+    def materialize(
+        self, init: Callable[[str, torch.Tensor], None], *, names: Sequence[str] = ()
+    ) -> None:
+        """
+        ### Initialise a chunk built from meta parameters
+
+        Gathers nothing: the full buffer gets storage, `init(name, param)` writes
+        each parameter's initial values in place (every rank draws the same ones;
+        `names` replace the qualified names given to `init`),
+        this rank's slice goes into the shard (and the fp32 master's first value),
+        and the buffer loses its storage again. One chunk at a time, so lazy
+        initialisation never holds more than one chunk beyond the shards.
+        """
+        if self.materialized:
+            return
+        assert self.state is ChunkState.SHARDED, "materialize before training"
+        self.full.untyped_storage().resize_(self._full_nbytes)
+        try:
+            with torch.no_grad():
+                # padding stays zero, as in chunks built from real parameters
+                self.full.zero_()
+                for name, param in zip(names or self.names, self.params):
+                    init(name, param)
+                lo = self.shard_offset
+                self.shard.data.copy_(self.full[lo : lo + self.shard_numel])
+                master_init = getattr(self.shard, "master_init", None)
+                if master_init is not None:
+                    master_init.copy_(self.full[lo : lo + self.shard_numel])
+        finally:
+            self.full.untyped_storage().resize_(0)
+        self.materialized = True
 
     def load_param(self, position: int, value: torch.Tensor) -> None:
         """

@@ -95,9 +95,12 @@ class Communicator:
     * `group` is the process group over which chunks are sharded (`None` for the
       default group); with one rank and no initialised group, collectives are copies.
     * `device` is where the chunks live; side streams exist only for CUDA.
+    * `side_streams=False` runs every collective on the compute stream, as on
+      CPU: no overlap, and no stream ordering to get wrong. A correctness oracle
+      for the overlapped schedule (`ZeroConfig.side_streams`).
     """
 
-    def __init__(self, device: torch.device, *, group=None):
+    def __init__(self, device: torch.device, *, group=None, side_streams: bool = True):
         self.device = torch.device(device)
         self.group = group
         if dist.is_available() and dist.is_initialized():
@@ -107,7 +110,7 @@ class Communicator:
             self.rank, self.world_size = 0, 1
         self.distributed = dist.is_available() and dist.is_initialized()
         self.counter = CommCounter()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and side_streams:
             # High priority, so that a gather issued while compute kernels are queued
             # starts as soon as possible: the compute stream will be waiting on it.
             self.gather_stream = torch.cuda.Stream(self.device, priority=-1)

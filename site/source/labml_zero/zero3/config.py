@@ -68,6 +68,13 @@ class ZeroConfig:
     Applies to `Zero3Sequential`; with `shard_model`, checkpoint in the model.
     """
 
+    side_streams: bool = True
+    """
+    Run gathers and reductions on their own CUDA streams, overlapped with the
+    computation. `False` puts them on the compute stream: slower, but a run that
+    changes when this is switched off has a stream-ordering bug.
+    """
+
     align: int = 64
     """
     Each parameter starts at a multiple of this many elements inside its chunk

@@ -191,6 +191,11 @@ class Zero3Runtime:
         # buffers and are reduced once, by the backward that runs with it True.
         self.sync_gradients = True
         self._reduced: set[int] = set()
+        # Called as `grad_ready(shard, reduce_stream)` once a trainable chunk's
+        # shard gradient is final (its reduce-scatter queued): an optimizer that
+        # keeps states in host memory starts the gradient's copy down then
+        # (`AdamFP16.prefetch_grad`), overlapping it with the rest of the backward.
+        self.grad_ready: Callable[[torch.Tensor, Any], None] | None = None
 
     ### Registration
 
@@ -335,10 +340,15 @@ class Zero3Runtime:
             # The gradient now lives in the chunk's buffer; drop the full-size copy.
             param.grad = None
             if self.sync_gradients and chunk.all_grads_seen:
-                chunk.reduce()
-                self._reduced.add(id(chunk))
+                self._reduce(chunk)
 
         return hook
+
+    def _reduce(self, chunk: Chunk) -> None:
+        chunk.reduce()
+        self._reduced.add(id(chunk))
+        if self.grad_ready is not None:
+            self.grad_ready(chunk.shard, self.comm.reduce_stream)
 
     def _end_backward(self) -> None:
         for chunk in self.all_chunks():
@@ -346,7 +356,7 @@ class Zero3Runtime:
                 continue
             if self.sync_gradients:
                 if id(chunk) not in self._reduced:
-                    chunk.reduce()
+                    self._reduce(chunk)
             else:
                 # Accumulating: keep the buffer, forget which gradients arrived.
                 chunk.grads_seen.clear()

@@ -218,7 +218,9 @@ class Zero3Layer(nn.Module):
         super().__init__()
         device = torch.device(device)
         config = ZeroConfig(**{**vars(config or ZeroConfig()), "dtype": dtype})
-        comm = comm or Communicator(device, group=group)
+        comm = comm or Communicator(
+            device, group=group, side_streams=config.side_streams
+        )
         check_rank(rank, world_size, comm)
         self.module = module
         self.comm = comm
@@ -230,11 +232,37 @@ class Zero3Layer(nn.Module):
         self.chunks: list[Chunk] = build_chunks(
             self.layout, params, comm, config, prefixes={0: name_prefix}
         ).get(0, [])
+        self._swap_in_replaced_parameters()
         move_buffers(module, device)
         # Set when the layer joins a `Zero3Sequential`; a layer used alone makes
         # its own runtime at its first forward.
         self.runtime: Zero3Runtime | None = None
         self._owns_runtime = False
+
+    def _swap_in_replaced_parameters(self) -> None:
+        """Meta parameters were replaced by chunk views; register those on the module."""
+        for chunk in self.chunks:
+            for position, new in chunk.replaced:
+                name = self.layout.params[chunk.spec.slots[position].param_index].name
+                owner_name, _, leaf = name.rpartition(".")
+                owner = self.module.get_submodule(owner_name) if owner_name else self.module
+                setattr(owner, leaf, new)
+        if on_meta(self.module):
+            raise ValueError(
+                "a meta parameter is registered twice (tied weights), which lazy "
+                "initialisation does not support"
+            )
+
+    def materialize(self, init: Callable[[str, torch.Tensor], None]) -> None:
+        """
+        ### Initialise a layer built on the meta device, chunk by chunk
+
+        `init(name, param)` writes a parameter's initial values in place; `name`
+        is its name in the layer. See `Chunk.materialize`.
+        """
+        for chunk in self.chunks:
+            names = [self.layout.params[slot.param_index].name for slot in chunk.spec.slots]
+            chunk.materialize(init, names=names)
 
     def join(self, runtime: Zero3Runtime) -> None:
         if self.runtime is not None:
@@ -364,6 +392,7 @@ def zero3_layers(
     config: ZeroConfig | None = None,
     group: dist.ProcessGroup | None = None,
     init: Callable[[nn.Module], None] | None = None,
+    init_param: Callable[[str, torch.Tensor], None] | None = None,
 ) -> list[Zero3Layer]:
     """
     ## Shard a list of layers with one chunk size
@@ -374,19 +403,33 @@ def zero3_layers(
 
     ### Lazy initialisation
 
-    Layers built on the meta device hold no memory. They are materialised *one at a
-    time*, just before being sharded: allocated on `device`, initialised (by
-    `init(module)` if given, which may load pretrained weights, else by the layer's
-    `reset_parameters()`), sharded, and the full layer is freed before the next
-    one. A rank never holds more than one whole layer beyond its shards.
+    Layers built on the meta device hold no memory. Two ways to give them weights:
+
+    * `init_param(name, param)`, a per-parameter initialiser: the layer is sharded
+      while still on meta, then initialised **one chunk at a time** (see
+      `Chunk.materialize`): a rank never holds more than one chunk beyond its
+      shards. For random initialisation of large models.
+    * otherwise each layer is materialised *one at a time*, just before being
+      sharded: allocated on `device`, initialised (by `init(module)` if given,
+      which may load pretrained weights, else by the layer's
+      `reset_parameters()`), sharded, and freed before the next one: at most one
+      whole layer beyond the shards.
     """
     config = config or ZeroConfig()
     device = torch.device(device)
-    comm = Communicator(device, group=group)
+    comm = Communicator(device, group=group, side_streams=config.side_streams)
     specs, _ = param_specs([m.named_parameters() for m in modules])
     chunk_numel = choose_chunk_numel(specs, comm.world_size, config)
     layers = []
     for i, module in enumerate(modules):
+        if on_meta(module) and init_param is not None:
+            layer = Zero3Layer(
+                module, comm.rank, comm.world_size, device, config.dtype,
+                chunk_numel=chunk_numel, config=config, comm=comm, name_prefix=f"{i}.",
+            )
+            layer.materialize(init_param)
+            layers.append(layer)
+            continue
         if on_meta(module):
             if init is None:
                 materialize_on(module, device)
@@ -441,7 +484,7 @@ def shard_model(
     """
     config = config or ZeroConfig()
     device = torch.device(device)
-    comm = Communicator(device, group=group)
+    comm = Communicator(device, group=group, side_streams=config.side_streams)
     layer_ids = {id(p) for layer in layers for p in layer.parameters()}
     root = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_ids]
 

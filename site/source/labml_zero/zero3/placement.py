@@ -1,0 +1,387 @@
+r"""
+---
+title: Placement of model states in device and host memory
+summary: Which chunks keep their optimizer state (and parameter shard) in host
+  memory, chosen by fixed fractions or to fit a measured step; bytes moved per step.
+---
+
+# Placement of model states in device and host memory
+
+A ZeRO-3 rank holds, per element of a trainable shard, $p$ bytes of 16-bit
+parameter, $4$ of fp32 gradient (`main_grad`) and $K = 12$ of optimizer state
+(fp32 master and two moments). For GPT-NeoX-20B on $N_d = 2$ ranks
+($\Psi = 20.6 \cdot 10^9$, $S = \Psi / 2 = 10.3 \cdot 10^9$ elements per rank)
+that is
+
+$$(2 + 4 + 12)\,S = 185 \text{ GB per rank}$$
+
+against an H200's $139$ GiB ($149$ GB), before any gathered chunk or activation.
+The optimizer state is the largest part, and the step touches it once, in the
+update alone; ColossalAI's Gemini and ZeRO-Offload keep part of it in host memory
+and run the update there. This page is the *policy*: which chunks go to the host.
+The mechanism is [AdamFP16](../optimizers/adam_fp16.html)'s `offload=`.
+
+## Bytes moved, bytes saved
+
+Offloading a trainable shard's optimizer state moves, per element and step,
+
+* **down** the fp32 gradient, $4$ bytes (device to host), and
+* **up** the updated master, rounded on the host to the shard dtype, $p$ bytes,
+
+so $F$ offloaded elements cost $4F$ bytes down and $pF$ up per step, and save
+$K_d F$ bytes of device memory: $K_d = 12$, or $8$ for an fp32 shard (its master
+was the shard itself). The host then holds $16F$ bytes: $12F$ of state and $4F$
+of pinned staging buffer, which carries the gradient down and the rounded master
+up.
+
+A parameter shard on the host (not wired into the engine yet, see Limitations)
+saves $p$ more bytes per element and costs two uploads of $p$ bytes per step, one
+before each all-gather (forward and backward); its updated master needs no upload
+of its own. As in ColossalAI, it needs the whole optimizer state on the host.
+
+## When the link becomes the bottleneck
+
+An H200's host link (PCIe Gen5 x16) moves about $50$ GB/s each way, both ways at
+once. For the 20B model with half its optimizer state offloaded,
+$F = 5.1 \cdot 10^9$ elements per rank:
+
+* down: $4F = 20.6$ GB, $0.41$ s; up: $2F = 10.3$ GB, $0.21$ s;
+* the host update reads $\theta, g, m, v$ and writes $\theta, m, v$ and the
+  rounded copy, about $34$ bytes per element: $175$ GB of host-memory traffic
+  per rank, and both ranks share the host's memory bandwidth. It is
+  memory-bound: on a 2-core test machine `torch._fused_adamw_` ran about
+  $1.4 \cdot 10^9$ elements/s on one thread and $1.8 \cdot 10^9$ on two.
+
+A step of $T$ tokens costs $6\Psi T$ FLOP over all ranks; with $T = 32$ k tokens
+($16$ k per rank) at $400$ TFLOP/s per GPU that is about $5$ s, of which
+backward is two thirds. The copy down can hide behind the backward (see
+`prefetch_grad`), so the link is not the bottleneck until
+$4F / 50\,\text{GB/s}$ approaches the backward time: at $T = 2$ k tokens per rank
+(a $0.6$ s step) it is. The host update is not overlapped at all yet: it adds
+$F$ divided by the host's update rate to every step, and with many offloaded
+elements per rank it, not PCIe, is the first bottleneck.
+
+## Which chunks first
+
+Both policies offload from the **output end** of the model (the last chunks in
+execution order) first:
+
+* in backward the last chunks' gradients are final first, so their copy down has
+  the rest of the backward pass to hide behind;
+* in the next forward their parameters are needed last, so the upload of the
+  updated masters has the most time to land before their all-gather.
+
+## Memory for the 20B example
+
+On two H200s with $256$ GiB of host memory (both ranks together), offloading a
+fraction $x$ of the optimizer state gives per rank
+$62 + (1 - x)\,123$ GB on the device (plus gathered chunks and activations) and
+$16 x S = 165x$ GB on the host. $x \ge 0.45$ leaves about $20$ GB for gathered
+chunks and activations; $x \le 0.7$ keeps both ranks' host states within
+about $230$ GB. `resident_bytes` computes these splits.
+
+## Limitations
+
+* Parameter-shard offload (`param_on_host`) is decided and counted here but not
+  wired into the engine's gather path: `Chunk.gather` reads a device shard.
+* The 20B capability run on 2×H200 has not been done; the figures above are
+  arithmetic, not measurements (except the CPU kernel rate).
+* `auto_placement` predicts a peak from one measured step; a step whose memory
+  use varies (longer sequences later) needs a larger `margin`.
+* PyTorch's host caching allocator may round pinned blocks up (to powers of two
+  in many versions): the pinned staging buffers can take up to twice $4F$.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+__all__ = [
+    "ShardSpec",
+    "Placement",
+    "StaticPlacement",
+    "OffloadTraffic",
+    "MemorySplit",
+    "AutoPlacement",
+    "offload_traffic",
+    "resident_bytes",
+    "auto_placement",
+]
+
+GIB = 1024**3
+
+# fp32 master + two fp32 moments, per element
+OPTIMIZER_BYTES = 12
+# the fp32 gradient (`main_grad`) each trainable element has on the device
+GRAD_BYTES = 4
+# the pinned fp32 staging buffer of an offloaded shard
+STAGING_BYTES = 4
+
+
+def device_optimizer_bytes(param_bytes: int) -> int:
+    r"""$K_d$, optimizer bytes per element on the device (fp32: shard = master)."""
+    return OPTIMIZER_BYTES - 4 if param_bytes == 4 else OPTIMIZER_BYTES
+
+
+class ShardSpec(NamedTuple):
+    """
+    ## One chunk, as this rank sees it
+
+    * `numel`: $S$, the elements of this rank's shard, padding included.
+    * `trainable`: whether it has a gradient and optimizer state.
+
+    A list of them, one per entry of `model.chunks`, in that (execution) order.
+    """
+
+    numel: int
+    trainable: bool
+
+
+def check_shards(shards: Sequence[ShardSpec]) -> None:
+    for i, shard in enumerate(shards):
+        if shard.numel < 0:
+            raise ValueError(f"shard {i} has numel {shard.numel}, must be >= 0")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """
+    ## Where each chunk's states live
+
+    * `optimizer_on_host`: positions in `model.chunks` of the trainable chunks
+      whose master and moments are in host memory.
+    * `param_on_host`: positions of the chunks whose parameter shard is in host
+      memory (not wired into the engine yet).
+    """
+
+    optimizer_on_host: frozenset[int] = frozenset()
+    param_on_host: frozenset[int] = frozenset()
+
+    def check(self, shards: Sequence[ShardSpec]) -> None:
+        """Every position names a chunk; only trainable ones have optimizer state."""
+        for kind, positions in (("optimizer_on_host", self.optimizer_on_host),
+                                ("param_on_host", self.param_on_host)):
+            for i in sorted(positions):
+                if not 0 <= i < len(shards):
+                    raise ValueError(f"{kind} names chunk {i}, but there are "
+                                     f"{len(shards)}")
+        for i in sorted(self.optimizer_on_host):
+            if not shards[i].trainable:
+                raise ValueError(f"optimizer_on_host names chunk {i}, which is "
+                                 "frozen and has no optimizer state")
+        for i in sorted(self.param_on_host):
+            if shards[i].trainable and i not in self.optimizer_on_host:
+                raise ValueError(f"param_on_host names trainable chunk {i}, whose "
+                                 "optimizer state is not on the host")
+
+    def optimizer_offload(self, shards: Sequence[ShardSpec]) -> frozenset[int]:
+        """
+        ### The `offload=` of `AdamFP16(model.get_trainable_chunk(), ...)`
+
+        Positions among the *trainable* chunks, which is how the optimizer
+        numbers its shards.
+        """
+        self.check(shards)
+        trainable = [i for i, s in enumerate(shards) if s.trainable]
+        return frozenset(k for k, i in enumerate(trainable)
+                         if i in self.optimizer_on_host)
+
+
+def from_output_end(numels: Sequence[int], positions: Sequence[int],
+                    fraction: float) -> frozenset[int]:
+    """
+    #### The fewest chunks, last first, holding at least `fraction` of the elements
+
+    Rounding up: a fraction set to make a model fit must not be undershot.
+    """
+    target = fraction * sum(numels[i] for i in positions)
+    chosen, moved = [], 0
+    for i in reversed(positions):
+        if moved >= target:
+            break
+        chosen.append(i)
+        moved += numels[i]
+    return frozenset(chosen)
+
+
+@dataclass(frozen=True)
+class StaticPlacement:
+    """
+    ## Fixed fractions, like ColossalAI's `offload_optim_frac`/`offload_param_frac`
+
+    * `optimizer_cpu_fraction`: the least fraction of the trainable elements
+      whose optimizer state goes to the host, whole chunks from the output end.
+    * `param_cpu_fraction`: the same for parameter shards over all chunks; as in
+      ColossalAI it needs `optimizer_cpu_fraction == 1` (a parameter on the host
+      is updated there).
+    """
+
+    optimizer_cpu_fraction: float = 0.0
+    param_cpu_fraction: float = 0.0
+
+    def __post_init__(self):
+        for name in ("optimizer_cpu_fraction", "param_cpu_fraction"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if self.param_cpu_fraction > 0 and self.optimizer_cpu_fraction < 1:
+            raise ValueError("param_cpu_fraction > 0 needs optimizer_cpu_fraction "
+                             f"= 1, got {self.optimizer_cpu_fraction}")
+
+    def place(self, shards: Sequence[ShardSpec]) -> Placement:
+        """### Choose the chunks for `model.chunks` described by `shards`"""
+        check_shards(shards)
+        numels = [s.numel for s in shards]
+        trainable = [i for i, s in enumerate(shards) if s.trainable]
+        return Placement(
+            from_output_end(numels, trainable, self.optimizer_cpu_fraction),
+            from_output_end(numels, range(len(shards)), self.param_cpu_fraction),
+        )
+
+
+class OffloadTraffic(NamedTuple):
+    """
+    ## Host-link bytes per step and rank
+
+    * `down`: device to host, the fp32 gradients ($4$ bytes per offloaded element).
+    * `up`: host to device, rounded masters ($p$) or parameter shards ($2p$).
+    """
+
+    down: int
+    up: int
+
+    def seconds(self, bandwidth: float) -> float:
+        """Time on a link of `bandwidth` bytes/s per direction; both run at once."""
+        if bandwidth <= 0:
+            raise ValueError(f"bandwidth must be > 0 bytes/s, got {bandwidth}")
+        return max(self.down, self.up) / bandwidth
+
+
+def offload_traffic(placement: Placement, shards: Sequence[ShardSpec], *,
+                    param_bytes: int = 2) -> OffloadTraffic:
+    """
+    ### Bytes a step moves over the host link under `placement`
+
+    Per offloaded element: $4$ down and $p$ up for optimizer state; a parameter
+    shard on the host instead goes up twice (forward and backward gathers).
+    """
+    placement.check(shards)
+    down = up = 0
+    for i, shard in enumerate(shards):
+        if i in placement.optimizer_on_host:
+            down += 4 * shard.numel
+        if i in placement.param_on_host:
+            up += 2 * param_bytes * shard.numel
+        elif i in placement.optimizer_on_host:
+            up += param_bytes * shard.numel
+    return OffloadTraffic(down, up)
+
+
+class MemorySplit(NamedTuple):
+    """Model-state bytes of one rank: `device` and `host`."""
+
+    device: int
+    host: int
+
+
+def resident_bytes(placement: Placement, shards: Sequence[ShardSpec], *,
+                   param_bytes: int = 2) -> MemorySplit:
+    r"""
+    ### Model-state bytes per rank on the device and on the host
+
+    Per element of a trainable chunk: $p + 4 + K_d$ on the device; an offloaded
+    optimizer state moves $K_d$ off it and puts $12 + 4$ (state and staging) on
+    the host; a parameter shard on the host moves $p$. Frozen chunks hold $p$.
+    Gathered chunks and activations are not model states (see the
+    [memory model](memory_model.html)).
+    """
+    placement.check(shards)
+    k_device = device_optimizer_bytes(param_bytes)
+    device = host = 0
+    for i, shard in enumerate(shards):
+        n = shard.numel
+        if i in placement.param_on_host:
+            host += param_bytes * n
+        else:
+            device += param_bytes * n
+        if not shard.trainable:
+            continue
+        device += GRAD_BYTES * n
+        if i in placement.optimizer_on_host:
+            host += (OPTIMIZER_BYTES + STAGING_BYTES) * n
+        else:
+            device += k_device * n
+    return MemorySplit(device, host)
+
+
+class AutoPlacement(NamedTuple):
+    """
+    ## What `auto_placement` decided
+
+    * `placement`: the chunks whose optimizer state goes to the host.
+    * `predicted_peak`: device bytes at the step's peak under it.
+    * `traffic`: host-link bytes per step.
+    """
+
+    placement: Placement
+    predicted_peak: int
+    traffic: OffloadTraffic
+
+
+def auto_placement(
+    shards: Sequence[ShardSpec],
+    *,
+    device_capacity: int,
+    measured_peak_other: int,
+    margin: int = 0,
+    param_bytes: int = 2,
+) -> AutoPlacement:
+    r"""
+    ## Offload the fewest optimizer states that make the step fit
+
+    The optimizer creates its state at its first step, so the first forward and
+    backward run without it. Their peak, measured (`reset_peak_memory_stats()`
+    before the forward, `max_memory_allocated()` before `optimizer.step()`) and
+    less the `master_init` bytes still held (they become masters, counted
+    below), is `measured_peak_other`: shards, gradients, gathered chunks,
+    activations. From then on the state is resident, so
+
+    $$\text{peak} = \text{measured\_peak\_other} + K_d \sum_{c \text{ on device}} S_c
+    \le \text{device\_capacity} - \text{margin}.$$
+
+    * `shards`: `model.chunks` as `ShardSpec`s.
+    * `device_capacity`: the device's usable bytes.
+    * `margin`: bytes kept free (fragmentation, variation between steps).
+
+    Chunks are offloaded largest first (fewest chunks), equal sizes from the
+    output end (see Which chunks first). Raises `ValueError` when even
+    everything offloaded does not fit.
+    """
+    check_shards(shards)
+    for name, value in (("device_capacity", device_capacity),
+                        ("measured_peak_other", measured_peak_other),
+                        ("margin", margin)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0 bytes, got {value}")
+    k_device = device_optimizer_bytes(param_bytes)
+    saving = {i: k_device * s.numel for i, s in enumerate(shards) if s.trainable}
+    budget = device_capacity - margin
+    peak = measured_peak_other + sum(saving.values())
+    if measured_peak_other > budget:
+        raise ValueError(
+            f"does not fit even with every optimizer state on the host: "
+            f"{measured_peak_other / GIB:.2f} GiB without them, "
+            f"{budget / GIB:.2f} GiB usable, short by "
+            f"{(measured_peak_other - budget) / GIB:.2f} GiB"
+        )
+    chosen = []
+    # largest first; equal sizes, the later chunk first
+    for i in sorted(saving, key=lambda i: (-saving[i], -i)):
+        if peak <= budget:
+            break
+        chosen.append(i)
+        peak -= saving[i]
+    placement = Placement(optimizer_on_host=frozenset(chosen))
+    return AutoPlacement(placement, peak,
+                         offload_traffic(placement, shards, param_bytes=param_bytes))
