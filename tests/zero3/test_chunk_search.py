@@ -415,3 +415,21 @@ def test_collective_cost_favours_fewer_chunks():
     assert priced.chunk_numel == 5
     with pytest.raises(ValueError, match="collective_bytes"):
         ChunkSearchConfig(collective_bytes=-1)
+
+
+def test_engine_defaults_give_gpt_neox_20b_one_chunk_per_layer():
+    # The notes' claim: with the range stretched to a layer and 32 MiB per
+    # collective, a 20B layer (12h² + 13h elements) is one chunk, unpadded.
+    from labml_zero.neox.model import build_layers, gpt_neox_20b
+    from labml_zero.zero3 import ZeroConfig
+    from labml_zero.zero3.sharded_model import choose_chunk_numel, param_specs
+
+    config = gpt_neox_20b()
+    h = config.d_model
+    layers = build_layers(config, device="meta")
+    specs, _ = param_specs([layer.named_parameters() for layer in layers])
+    chunk = choose_chunk_numel(specs, 2, ZeroConfig())
+    assert chunk == 12 * h * h + 13 * h
+    layout = plan_chunks(specs, chunk, 2, align=64)
+    assert len(layout.chunks_of_group(1)) == 1
+    assert layout.chunks_of_group(1)[0].padding == 0

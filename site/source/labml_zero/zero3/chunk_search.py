@@ -155,32 +155,36 @@ $32 \cdot 2^{20}$ at $h = 6144$) to about a second of pure Python:
 A layer holds four layer-norm vectors of $h$, QKV ($3h \times h$ and $3h$), the
 attention output ($h \times h$, $h$) and the MLP ($4h \times h$, $4h$,
 $h \times 4h$, $h$): $12h^2 + 13h$ elements. The embeddings are excluded, so the
-range starts at $c_0 = 4h^2$, the MLP weights, and with $R = 32 \cdot 2^{20}
-< h^2$ it never reaches a layer: the giant chunk is out of reach, and so is any
-packing into two chunks ($8h^2 + 12h$ would hold all but the last MLP weight).
-At $c_0$ the attention output does not fit next to QKV, nor a bias next to an MLP
-weight: six chunks per layer, $40\%$ of their elements padding. At $c_0 + 7h$
-the layer norms, QKV and the attention output weight fill the first chunk
-exactly, the attention output bias and the first MLP half fill the second within
-$2h$, and the second MLP half is the trimmed third chunk. The search picks that
-size: three all-gathers per layer and $2h$ of padding per layer, $0.003\%$ of the
-model in full fine-tuning. The gradient buffer does not move it: the embedding,
-trainable and in a chunk of its own, has the largest gradient buffer of all.
+range starts at $c_0 = 4h^2$, the MLP weights.
 
-Bias-only ($3h$, $h$ and $4h$ of biases trainable per layer) picks $c_0 + 4h$
-(layer norms, QKV and attention output weights in one frozen chunk) and each
-layer's $8h$ trainable elements share one trimmed chunk with no padding: the
-trainable model states are exactly ZeRO's $(p + g + K)\Psi_t / N_d$.
+*Without the collective term* ($\mu = 0$) and with ColossalAI's range of
+$R = 32 \cdot 2^{20} < h^2$, the giant chunk is out of reach. At $c_0$ the attention
+output does not fit next to QKV, nor a bias next to an MLP weight: six chunks per
+layer, $40\%$ of their elements padding. At $c_0 + 7h$ the layer norms, QKV and
+the attention output weight fill the first chunk exactly, the attention output
+bias and the first MLP half fill the second within $2h$, and the second MLP half
+is the trimmed third chunk: three all-gathers per layer and $2h$ of padding per
+layer. The gradient buffer does not move it: the embedding, trainable and in a
+chunk of its own, has the largest gradient buffer of all. Bias-only ($8h$
+trainable elements per layer) picks $c_0 + 4h$, and each layer's biases share one
+trimmed chunk with no padding.
+
+*With the engine's defaults* (`sharded_model.choose_chunk_numel`): the range is
+stretched to the largest layer and each collective costs $\mu = 32$ MiB. Three
+chunks instead of one cost $2 \cdot 3 = 6$ more collectives per layer per step,
+192 MiB, against a gradient buffer $8h^2 \cdot 4$ bytes smaller (1.2 GB at
+$h = 6144$, but the embedding's buffer is larger still and sets the term): one
+chunk per layer, $12h^2 + 13h$ elements, no padding, wins. That is the layout the
+benchmarks ran.
 
 ## Limitations
 
 * The score weighs trainable and frozen padding alike, though a trainable
   element also costs a gradient and optimizer state ($g + K$ bytes per element,
   sharded); `layout_model_states` on the result gives the exact bytes.
-* Bandwidth enters only as the tie rule, and overlap only through the size of
-  the gradient buffer. A latency term (a cost per collective) would let the
-  search trade a little padding for fewer calls; it needs measured constants per
-  machine.
+* Bandwidth enters as the tie rule and the per-collective cost $\mu$, one
+  constant measured on one machine (2×H200, NVLink); overlap enters only
+  through the size of the gradient buffer.
 * The peak terms count the gathered parameters and *one* gradient buffer, not
   the other buffers live at the same time or the activations, and they assume
   the engine's whole-group gather. A trainable parameter larger than every
