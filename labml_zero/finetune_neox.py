@@ -109,6 +109,11 @@ def make_parser() -> Parser:
                    help="default fp32 on CPU, bf16 on CUDA")
     p.add_argument("--grad-accum", type=positive_int, default=d.grad_accum,
                    metavar="N", help="micro-batches per optimizer step")
+    p.add_argument("--offload-optimizer", type=float, metavar="FRACTION",
+                   default=d.offload_optimizer,
+                   help="fraction of the optimizer states kept in host memory")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute activations in the backward pass")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
                    help="clip the global gradient norm")
     p.add_argument("--world-size", type=positive_int, metavar="N",
@@ -151,6 +156,8 @@ def parse_config(argv: Sequence[str] | None, parser: Parser
             steps=None if args.epochs else (args.steps or FinetuneConfig.steps),
             epochs=args.epochs or FinetuneConfig.epochs, lr=args.lr,
             clip_grad=args.clip_grad, dtype=args.dtype,
+            offload_optimizer=args.offload_optimizer,
+            activation_checkpointing=args.activation_checkpointing,
             valid_every=args.valid_every, checkpoint_every=args.checkpoint_every,
             resume=args.resume, out=args.out, log_dir=args.log_dir,
             app_url=args.app_url, seed=args.seed,

@@ -106,6 +106,7 @@ from labml_zero.neox.generate import Sampling, generate
 from labml_zero.neox.tokenizer import load_tokenizer
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.optimizers.clip_grad import clip_grad_norm_
+from labml_zero.zero3.placement import ShardSpec, StaticPlacement
 from labml_zero.optimizers.grad_scaler import LossScaler
 from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
 from labml_zero.zero3.config import ZeroConfig
@@ -182,6 +183,12 @@ class FinetuneConfig:
     """AdamW's decoupled weight decay."""
     clip_grad: float | None = None
     """Clip the global gradient norm (over all ranks' shards) to this; `None`: off."""
+    offload_optimizer: float = 0.0
+    """Fraction of the trainable elements whose fp32 master and Adam moments
+    live in host memory (whole chunks, from the output end; see
+    [placement](../zero3/placement.html)): 0 keeps all on the device."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass."""
     dtype: str | None = None
     """`'fp32'`, `'bf16'` or `'fp16'`: the chunks' and the computation's dtype.
     `None`: fp32 on CPU (16-bit matmuls are slow on most CPUs), bf16 on CUDA."""
@@ -241,6 +248,9 @@ class FinetuneConfig:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.clip_grad is not None and self.clip_grad <= 0:
             raise ValueError(f"clip_grad must be > 0, got {self.clip_grad}")
+        if not 0.0 <= self.offload_optimizer <= 1.0:
+            raise ValueError(f"offload_optimizer must be in [0, 1], got "
+                             f"{self.offload_optimizer}")
         if self.app_url is not None:
             check_app_url(self.app_url)
         if self.sample_tokens < 0:
@@ -314,7 +324,8 @@ def build_model(config: FinetuneConfig, ctx: DistContext) -> BuiltModel:
     counts = finetuner(config.finetune)(layers)
     hf = HFCheckpoint(config.checkpoint) if config.checkpoint is not None else None
 
-    zero = ZeroConfig(dtype=config.torch_dtype(ctx.device))
+    zero = ZeroConfig(dtype=config.torch_dtype(ctx.device),
+                      activation_checkpointing=config.activation_checkpointing)
     if hf is None:
         # Random weights, drawn one chunk at a time into the chunk's buffer: every
         # rank seeds alike and visits the chunks in the same order, so all draw the
@@ -335,6 +346,16 @@ def build_model(config: FinetuneConfig, ctx: DistContext) -> BuiltModel:
             # copies only its slices into its shards (and fp32 masters)
             layer.load_sharded(hf.layer_state_dict(layer.module))
     return BuiltModel(Zero3Sequential(sharded), counts, neox)
+
+
+def optimizer_offload(model: Zero3Sequential, config: FinetuneConfig) -> frozenset[int]:
+    """The trainable shards whose optimizer state goes to host memory."""
+    if config.offload_optimizer == 0:
+        return frozenset()
+    shards = [ShardSpec(c.shard_numel, c.trainable) for c in model.chunks]
+    placement = StaticPlacement(optimizer_cpu_fraction=config.offload_optimizer,
+                                param_cpu_fraction=0.0).place(shards)
+    return placement.optimizer_offload(shards)
 
 
 # ## Steps
@@ -604,7 +625,13 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
     built = build_model(config, ctx)
     model = built.model
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=config.lr,
-                         weight_decay=config.weight_decay)
+                         weight_decay=config.weight_decay,
+                         offload=optimizer_offload(model, config))
+    if optimizer.host:
+        # start each offloaded gradient's copy to the host as its chunk is reduced
+        model.runtime.grad_ready = (
+            lambda shard, stream: optimizer.prefetch_grad(shard, after=stream)
+        )
     scaler = (LossScaler(model.runtime.comm)
               if config.torch_dtype(ctx.device) == torch.float16 else None)
     training = Training(model, optimizer, scaler)

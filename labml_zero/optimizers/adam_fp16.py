@@ -205,6 +205,12 @@ class AdamFP16(torch.optim.Optimizer):
         for device in devices:
             self.down_stream = torch.cuda.Stream(device, priority=-1)
             self.up_stream = torch.cuda.Stream(device, priority=-1)
+        # Offloaded shards get their host state now: the engine's fp32
+        # `master_init` (4 bytes per element on the device) moves to the host at
+        # once instead of waiting on the device through the first step, when the
+        # gradients and activations are also there.
+        for param in self.host:
+            self.init_state(param)
 
     def _place(self, offload) -> dict[torch.Tensor, HostShard]:
         """#### Resolve `offload` into the offloaded parameters, in list order"""
