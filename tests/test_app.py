@@ -40,6 +40,7 @@ from labml_zero.app import AppConfig, main
 from labml_zero.app_client import (app_url_if_running, check_app_url,
                                    labml_app_settings)
 from labml_zero.neox.finetune import EXPERIMENT_NAME
+from tests.test_finetune import tracked
 
 REPO = Path(__file__).resolve().parents[1]
 FIGURE = REPO / "docs_src" / "figures" / "labml_app_run.png"
@@ -138,13 +139,8 @@ class Runs(NamedTuple):
     two_rank_uuid: str
 
 
-def labml_log(run_dir: Path) -> dict[str, dict[int, float]]:
-    out: dict[str, dict[int, float]] = {}
-    for line in (run_dir / "log.jsonl").read_text().splitlines():
-        for name, points in json.loads(line).get("track", {}).items():
-            for step, values in points:
-                out.setdefault(name, {})[step] = values[-1]
-    return out
+# labml's `log.jsonl` as `{indicator: {step: value}}`
+labml_log = tracked
 
 
 @pytest.fixture(scope="module")
