@@ -599,7 +599,7 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
     by_py = {p.rel_py: p for p in pages if p.rel_py}
 
     files = set(out) | {p.out for p in pages}
-    files |= {source_page(m) for m in modules} | {f"source/{m}" for m in modules}
+    files |= {source_page(m) for m in modules}
 
     notes: dict[str, list[str]] = {}
     page_notes: dict[str, set[str]] = {}
@@ -678,10 +678,8 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
             "prev": None,
             "next": None,
             "lines": source_html(source),
-            "raw_href": posixpath.basename(rel),
         }
         out[page_out] = template.render(kind="source", **context).encode()
-        out[f"source/{rel}"] = source.encode()
 
     for warning in sorted(set(renderer.warnings)):
         print(f"warning: {warning}", file=sys.stderr)
@@ -727,7 +725,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", type=Path, default=DEFAULT_SITE,
                         help="output folder (default: site/)")
     args = parser.parse_args(argv)
-    files = build_site(REPO)
+    try:
+        files = build_site(REPO)
+    except ModuleNotFoundError as e:
+        # The renderers are the `docs` extra, not runtime dependencies.
+        print(f"build_docs.py: missing {e.name!r}; install the docs extra "
+              "(`pip install -e '.[docs]'`, or `bash setup.sh test`)", file=sys.stderr)
+        return 2
     if args.check:
         stale = stale_files(args.site, files)
         if stale:

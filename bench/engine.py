@@ -63,14 +63,13 @@ from labml_zero.launch import DistContext
 from labml_zero.neox.finetuners import finetuner
 from labml_zero.neox.model import build_layers
 from labml_zero.optimizers.adam_fp16 import AdamFP16
-from labml_zero.zero3 import ZeroConfig, Zero3Layer, Zero3Sequential
-from labml_zero.zero3.communication import CommCounter, Communicator
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+from labml_zero.zero3.communication import CommCounter
 from labml_zero.zero3.memory_model import (
     layout_model_states,
     peak_window_numel,
     zero_model_states,
 )
-from labml_zero.zero3.sharded_model import choose_chunk_numel, param_specs
 
 from .workloads import Workload
 
@@ -130,14 +129,6 @@ def meta_layers(workload: Workload) -> tuple[list[nn.Module], int, int]:
     return layers, count.trainable, count.total - count.trainable
 
 
-def materialize(layer: nn.Module, device: torch.device) -> None:
-    """Give a meta layer fp32 storage on `device` and initialise it."""
-    # to_empty keeps each parameter's requires_grad (set by the fine-tuner).
-    layer.to_empty(device=device)
-    with torch.no_grad():
-        layer.reset_parameters()
-
-
 def zero_step(model: nn.Module, optimizer: torch.optim.Optimizer):
     def step(batch: torch.Tensor) -> torch.Tensor:
         logits = model(batch[:, :-1])  # [B, T, V] bf16
@@ -165,20 +156,9 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         side_streams=os.environ.get("LABML_ZERO_SIDE_STREAMS", "1") != "0",
     )
     layers, psi_t, psi_f = meta_layers(workload)
-    comm = Communicator(ctx.device, side_streams=config.side_streams)
-    specs, _ = param_specs([layer.named_parameters() for layer in layers])
-    chunk_numel = choose_chunk_numel(specs, ctx.world_size, config)
-    sharded = []
-    for index, layer in enumerate(layers):
-        materialize(layer, ctx.device)
-        sharded.append(
-            Zero3Layer(
-                layer, ctx.rank, ctx.world_size, ctx.device, config.dtype,
-                chunk_numel=chunk_numel, config=config, comm=comm,
-                name_prefix=f"{index}.",
-            )
-        )
-        # The fp32 storage is unreferenced now; step 3 above.
+    # zero3_layers materialises, initialises and shards one layer at a time
+    # (steps 1 to 3 above), with one chunk size searched over all of them.
+    sharded = zero3_layers(layers, device=ctx.device, config=config)
     model = Zero3Sequential(sharded)
     optimizer = AdamFP16(
         model.get_trainable_chunk(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY
@@ -202,6 +182,9 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         "gathered_peak = bf16 chunks of 1 + prefetch_depth units",
         psi_trainable=psi_t,
         psi_frozen=psi_f,
-        counter=comm.counter,
-        info={"chunk_numel": chunk_numel, "chunks": len(model.chunks)},
+        counter=model.runtime.comm.counter,
+        info={
+            "chunk_numel": sharded[0].layout.chunk_numel,
+            "chunks": len(model.chunks),
+        },
     )

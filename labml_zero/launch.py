@@ -1,7 +1,7 @@
 """
 ---
 title: Launching processes
-summary: One process per GPU (NCCL) or several CPU processes (gloo), on one host or under torchrun.
+summary: One process per GPU (NCCL) or several CPU processes (gloo); torchrun.
 ---
 
 # Launching processes
@@ -145,11 +145,18 @@ def spawn(
 
 
 def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+    return (
+        "RANK" in os.environ
+        and "WORLD_SIZE" in os.environ
+        and "LOCAL_RANK" in os.environ
+    )
 
 
 def run_torchrun(
-    fn: Callable[..., Any], *args: Any, backend: str | None = None, timeout_s: float = 300.0
+    fn: Callable[..., Any],
+    *args: Any,
+    backend: str | None = None,
+    timeout_s: float = 300.0,
 ) -> None:
     """
     ## Run `fn(ctx, *args)` in a process started by torchrun

@@ -39,11 +39,16 @@ from labml_zero.zero3.communication import Communicator
 def shard_grads(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The fp32 gradients of the shards that have one."""
     grads = [getattr(s, "main_grad", None) for s in shards]
-    return [g if g is not None else s.grad for g, s in zip(grads, shards)
-            if g is not None or s.grad is not None]
+    return [
+        g if g is not None else s.grad
+        for g, s in zip(grads, shards)
+        if g is not None or s.grad is not None
+    ]
 
 
-def global_grad_norm(shards: Sequence[torch.Tensor], comm: Communicator) -> torch.Tensor:
+def global_grad_norm(
+    shards: Sequence[torch.Tensor], comm: Communicator
+) -> torch.Tensor:
     r"""
     ### $\lVert g \rVert_2$ over every rank's shards
 

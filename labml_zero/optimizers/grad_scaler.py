@@ -1,7 +1,7 @@
 r"""
 ---
 title: Dynamic loss scaling for fp16, agreed by all ranks
-summary: Scale the loss, detect overflow on the reduced shard gradients, skip the step everywhere.
+summary: Scale the loss, detect overflow on the shard gradients, skip everywhere.
 ---
 
 # Dynamic loss scaling
@@ -105,7 +105,7 @@ class LossScaler:
         return self.grad_norm
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step unless `unscale_` found a non-finite gradient; returns whether it stepped."""
+        """Step unless `unscale_` found a non-finite gradient; say whether it did."""
         stepped = not self.found_inf
         if stepped:
             optimizer.step()

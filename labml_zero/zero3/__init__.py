@@ -48,7 +48,8 @@ gather runs on a side stream while the current one computes.
 * [Chunk](chunk.html): a chunk's tensors and lifecycle.
 * [Hooks and schedule](hooks.html): when chunks are gathered, released and reduced.
 * [Configuration](config.html): the knobs.
-* [Sharding a model](sharded_model.html): `Zero3Layer`, `Zero3Sequential`, `shard_model`.
+* [Sharding a model](sharded_model.html): `Zero3Layer`, `Zero3Sequential`,
+  `shard_model`.
 * [Checkpoints](checkpoint.html): saving, resuming and resharding;
   [the format and the resharding reader](checkpoint_reader.html);
   [exporting the whole model](checkpoint_export.html).

@@ -1,7 +1,7 @@
 """
 ---
 title: Chunk
-summary: One flat buffer of parameters, sharded over ranks; gather, release, gradient reduction.
+summary: One flat buffer of parameters, sharded over ranks; gather, release, reduce.
 ---
 
 # Chunk
@@ -51,7 +51,7 @@ same gradient an unsharded model gets from the whole batch.
 | `shard` | $S$ | $p$ (2 for bf16) | always |
 | `main_grad` | $S$ | 4 | from the reduce-scatter to `zero_grad` |
 | `full` | $C$ | $p$ | while gathered |
-| full gradient | $C$ | $g$ (reduce dtype) | from the first gradient to the reduce-scatter |
+| full gradient | $C$ | $g$ (reduce dtype) | first gradient to reduce-scatter |
 
 ## Limitations
 
@@ -143,7 +143,9 @@ class Chunk:
         self.shard_offset = comm.rank * self.shard_numel
         self.params = list(params)
         # qualified names of the parameters, for checkpoints and error messages
-        self.names = list(names) or [f"chunk{spec.index}.{i}" for i in range(len(self.params))]
+        self.names = list(names) or [
+            f"chunk{spec.index}.{i}" for i in range(len(self.params))
+        ]
         device = comm.device
 
         # [S] param dtype; the only copy of these parameters this rank keeps.
@@ -152,10 +154,14 @@ class Chunk:
         # chunk is 16-bit, so the optimizer's master copy starts exact (AdamFP16
         # takes it and drops it).
         master_init = None
-        if self.trainable and dtype != torch.float32 and any(
-            p.dtype == torch.float32 for p in self.params
+        if (
+            self.trainable
+            and dtype != torch.float32
+            and any(p.dtype == torch.float32 for p in self.params)
         ):
-            master_init = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+            master_init = torch.zeros(
+                self.shard_numel, dtype=torch.float32, device=device
+            )
         self.materialized = True
         for slot, param in zip(spec.slots, self.params):
             if param.device.type == "meta":
@@ -272,8 +278,8 @@ class Chunk:
         param = self.params[position]
         if tuple(value.shape) != tuple(param.shape):
             raise ValueError(
-                f"{self.names[position]}: checkpoint shape {tuple(value.shape)} does not "
-                f"match the model's {tuple(param.shape)}"
+                f"{self.names[position]}: checkpoint shape {tuple(value.shape)} "
+                f"does not match the model's {tuple(param.shape)}"
             )
         master_init = getattr(self.shard, "master_init", None)
         with torch.no_grad():
@@ -302,7 +308,7 @@ class Chunk:
         self.state = ChunkState.GATHERING
 
     def wait(self) -> None:
-        """Make the compute stream wait for the gather; after this the views hold data."""
+        """The compute stream waits for the gather; then the views hold the data."""
         if self.state is ChunkState.GATHERING:
             # compute stream waits: the all-gather writes `full` on the gather stream
             self.comm.wait_event(self._gathered_event)
@@ -372,7 +378,9 @@ class Chunk:
         if self.grad_full is None:
             # No parameter of the chunk got a gradient; every rank must still take
             # part in the collective, so it reduces zeros.
-            self.grad_full = torch.zeros(self.numel, dtype=self.reduce_dtype, device=device)
+            self.grad_full = torch.zeros(
+                self.numel, dtype=self.reduce_dtype, device=device
+            )
         else:
             self._zero_unwritten()
         compute = comm.current_stream()
@@ -383,9 +391,13 @@ class Chunk:
             # [S] fp32, allocated on the compute stream, which the optimizer reads
             # on; uninitialised when the reduce-scatter writes all of it
             allocate = torch.empty if reduce_into_main else torch.zeros
-            shard.main_grad = allocate(self.shard_numel, dtype=torch.float32, device=device)
-        reduced = shard.main_grad if reduce_into_main else torch.empty(
-            self.shard_numel, dtype=self.reduce_dtype, device=device
+            shard.main_grad = allocate(
+                self.shard_numel, dtype=torch.float32, device=device
+            )
+        reduced = (
+            shard.main_grad
+            if reduce_into_main
+            else torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=device)
         )
         # reduce stream waits: the gradients were written on the compute stream
         comm.wait(comm.reduce_stream, compute)

@@ -73,7 +73,9 @@ class CommCounter:
     def add(self, kind: str, tensor: torch.Tensor) -> None:
         self.calls[kind] = self.calls.get(kind, 0) + 1
         self.elements[kind] = self.elements.get(kind, 0) + tensor.numel()
-        self.bytes[kind] = self.bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+        self.bytes[kind] = (
+            self.bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+        )
 
     def reset(self) -> None:
         self.calls.clear()
@@ -85,7 +87,9 @@ class CommCounter:
 # `all_gather_single` and `reduce_scatter_single` (the old names warn); older
 # releases, such as 2.11 on the GPU machines, have only the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_reduce_scatter = (
+    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+)
 
 
 class Communicator:
@@ -162,7 +166,7 @@ class Communicator:
         _all_gather(full, shard, group=self.group)
 
     def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
-        """`shard` [S] ← this rank's slice of the mean over ranks of `full` [N_d·S]."""
+        """`shard` [S] ← this rank's slice of the mean over ranks of `full`."""
         self.counter.add("reduce_scatter", full)
         if not self.distributed:
             shard.copy_(full)

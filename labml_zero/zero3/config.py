@@ -85,9 +85,13 @@ class ZeroConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype}")
         if self.reduce_dtype not in _DTYPES:
-            raise ValueError(f"reduce_dtype must be one of {_DTYPES}, got {self.reduce_dtype}")
+            raise ValueError(
+                f"reduce_dtype must be one of {_DTYPES}, got {self.reduce_dtype}"
+            )
         if self.chunk_numel is not None and self.chunk_numel < 1:
-            raise ValueError(f"chunk_numel must be positive or None, got {self.chunk_numel}")
+            raise ValueError(
+                f"chunk_numel must be positive or None, got {self.chunk_numel}"
+            )
         if self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
         if self.align < 1:

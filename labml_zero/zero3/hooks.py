@@ -1,7 +1,7 @@
 r"""
 ---
 title: Hooks and schedule
-summary: When chunks are gathered, prefetched, released and reduced during a training step.
+summary: When chunks are gathered, prefetched, released and reduced in a step.
 ---
 
 # Hooks and schedule
@@ -131,7 +131,7 @@ class Unit:
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors inside nested tuples, lists and dicts (a layer's inputs or outputs)."""
+    """The tensors in nested tuples, lists and dicts (a layer's inputs, outputs)."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
@@ -206,10 +206,14 @@ class Zero3Runtime:
         else:
             self.units.append(unit)
             unit.handles.append(
-                module.register_forward_pre_hook(self._hook_pre_forward(unit), with_kwargs=True)
+                module.register_forward_pre_hook(
+                    self._hook_pre_forward(unit), with_kwargs=True
+                )
             )
             unit.handles.append(
-                module.register_forward_hook(self._hook_post_forward(unit), with_kwargs=True)
+                module.register_forward_hook(
+                    self._hook_post_forward(unit), with_kwargs=True
+                )
             )
         for chunk in chunks:
             if not chunk.trainable:
@@ -325,7 +329,9 @@ class Zero3Runtime:
         if unit in self.forward_order:
             position = self.forward_order.index(unit)
             earlier = [u for u in self.forward_order[:position] if u.expects_backward]
-            for behind in reversed(earlier[-self.prefetch_depth :] if self.prefetch_depth else []):
+            for behind in reversed(
+                earlier[-self.prefetch_depth :] if self.prefetch_depth else []
+            ):
                 behind.gather()
         unit.wait()
 

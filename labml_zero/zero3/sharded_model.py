@@ -80,13 +80,15 @@ def param_specs(
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            specs.append(ParamSpec(name, tuple(param.shape), param.requires_grad, group))
+            specs.append(
+                ParamSpec(name, tuple(param.shape), param.requires_grad, group)
+            )
             params.append(param)
     return specs, params
 
 
 def one_chunk_per_kind(specs: Sequence[ParamSpec], align: int) -> int:
-    """labml-nn's layout: one chunk for the trainable and one for the frozen parameters."""
+    """labml-nn's layout: one chunk for the trainable, one for the frozen parameters."""
     totals = {True: 0, False: 0}
     for spec in specs:
         totals[spec.trainable] = round_up(totals[spec.trainable], align) + spec.numel
@@ -240,12 +242,14 @@ class Zero3Layer(nn.Module):
         self._owns_runtime = False
 
     def _swap_in_replaced_parameters(self) -> None:
-        """Meta parameters were replaced by chunk views; register those on the module."""
+        """Register on the module the chunk views that replaced its meta parameters."""
         for chunk in self.chunks:
             for position, new in chunk.replaced:
                 name = self.layout.params[chunk.spec.slots[position].param_index].name
                 owner_name, _, leaf = name.rpartition(".")
-                owner = self.module.get_submodule(owner_name) if owner_name else self.module
+                owner = (
+                    self.module.get_submodule(owner_name) if owner_name else self.module
+                )
                 setattr(owner, leaf, new)
         if on_meta(self.module):
             raise ValueError(
@@ -261,7 +265,9 @@ class Zero3Layer(nn.Module):
         is its name in the layer. See `Chunk.materialize`.
         """
         for chunk in self.chunks:
-            names = [self.layout.params[slot.param_index].name for slot in chunk.spec.slots]
+            names = [
+                self.layout.params[slot.param_index].name for slot in chunk.spec.slots
+            ]
             chunk.materialize(init, names=names)
 
     def join(self, runtime: Zero3Runtime) -> None:
@@ -297,7 +303,9 @@ class Zero3Layer(nn.Module):
             for position, slot in enumerate(chunk.spec.slots):
                 name = self.layout.params[slot.param_index].name
                 if name not in state:
-                    raise KeyError(f"no tensor for parameter {name!r} in the state given")
+                    raise KeyError(
+                        f"no tensor for parameter {name!r} in the state given"
+                    )
                 chunk.load_param(position, state[name])
 
 
@@ -344,7 +352,9 @@ class Zero3Sequential(ShardedRoot):
         config = modules[0].config
         self.runtime = Zero3Runtime(
             modules[0].comm,
-            prefetch_depth=config.prefetch_depth if prefetch_depth is None else prefetch_depth,
+            prefetch_depth=config.prefetch_depth
+            if prefetch_depth is None
+            else prefetch_depth,
             reshard_after_forward=config.reshard_after_forward,
         )
         for layer in modules:
@@ -352,7 +362,9 @@ class Zero3Sequential(ShardedRoot):
 
     def forward(self, x: Any) -> Any:
         self.runtime.begin_forward()
-        recompute = self.layers[0].config.activation_checkpointing and torch.is_grad_enabled()
+        recompute = (
+            self.layers[0].config.activation_checkpointing and torch.is_grad_enabled()
+        )
         for layer in self.layers:
             if recompute:
                 x = checkpoint(layer, x, use_reentrant=False)
@@ -360,7 +372,6 @@ class Zero3Sequential(ShardedRoot):
                 x = layer(x)
         self.runtime.end_forward(x)
         return x
-
 
 
 def materialize_on(module: nn.Module, device: torch.device) -> None:
@@ -424,8 +435,15 @@ def zero3_layers(
     for i, module in enumerate(modules):
         if on_meta(module) and init_param is not None:
             layer = Zero3Layer(
-                module, comm.rank, comm.world_size, device, config.dtype,
-                chunk_numel=chunk_numel, config=config, comm=comm, name_prefix=f"{i}.",
+                module,
+                comm.rank,
+                comm.world_size,
+                device,
+                config.dtype,
+                chunk_numel=chunk_numel,
+                config=config,
+                comm=comm,
+                name_prefix=f"{i}.",
             )
             layer.materialize(init_param)
             layers.append(layer)
@@ -439,8 +457,15 @@ def zero3_layers(
                     init(module)
         layers.append(
             Zero3Layer(
-                module, comm.rank, comm.world_size, device, config.dtype,
-                chunk_numel=chunk_numel, config=config, comm=comm, name_prefix=f"{i}.",
+                module,
+                comm.rank,
+                comm.world_size,
+                device,
+                config.dtype,
+                chunk_numel=chunk_numel,
+                config=config,
+                comm=comm,
+                name_prefix=f"{i}.",
             )
         )
     return layers
@@ -465,7 +490,6 @@ class ShardedModel(ShardedRoot):
         output = self.model(*args, **kwargs)
         self.runtime.end_forward(output)
         return output
-
 
 
 def shard_model(

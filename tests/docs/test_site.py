@@ -51,8 +51,14 @@ def test_every_module_has_a_page_and_a_source_page(site):
     assert "labml_zero/__init__.py" in modules
     for rel in modules:
         assert (site / build_docs.module_page(rel)).is_file(), rel
-        assert (site / "source" / f"{rel}.html").is_file(), rel
-        assert (site / "source" / rel).is_file(), rel
+        source_page = site / "source" / f"{rel}.html"
+        assert source_page.is_file(), rel
+        # the whole file is on its source page, one anchor per line (no raw
+        # copy of the package is kept in site/: the highlighted page is it)
+        n_lines = len((REPO / rel).read_text().splitlines())
+        html = source_page.read_text()
+        assert f'id="L{n_lines}"' in html and f'id="L{n_lines + 1}"' not in html, rel
+        assert not (site / "source" / rel).exists(), rel
     assert (site / "labml_zero" / "zero3" / "chunk_layout.html").is_file()
 
 
