@@ -131,7 +131,9 @@ host-memory watchdog reports it.
   still refers to them; deepspeedai/DeepSpeed#8130). W5 trains everything, so
   it is not affected; a bias-only workload with checkpointing would be.
 * The memory models count model states only: activations, gathered layers,
-  communication buckets and pinned staging buffers come on top.
+  communication buckets and pinned staging buffers come on top. Pinned host
+  memory comes from torch's caching host allocator, which rounds each block up
+  to a power of two, so the pinned states may take up to twice their size.
 """
 
 from __future__ import annotations
