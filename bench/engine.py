@@ -43,6 +43,23 @@ The peak during the build is one fp32 layer plus the shards built so far.
 The optimizer is `AdamFP16` on the trainable shards: AdamW with fp32 master
 weights and moments, gradients reduce-scattered in fp32.
 
+## Offload (W5)
+
+With `workload.offload == "auto"` the optimizer is built only after a probe:
+one forward and backward on a batch of its own, measured, then
+[`first_step_placement`](../labml_zero/zero3/placement.html) puts the
+optimizer states of as few chunks as needed in host memory, from the output
+end. Offloaded gradients start their copy to the host as their chunk is
+reduced (the runtime's `grad_ready` hook), and each rank's host Adam gets
+$\lfloor \text{cores} / N \rfloor$ threads, so the ranks of one host do not
+fight over the cores. The probe is part of the build time (`init_s`).
+
+On CPU (the smoke test) there are no allocator statistics: the probe's "peak"
+is the model states without optimizer state (the layout's shards, fp32
+gradients and `master_init` copies) and the "device" holds half of the
+optimizer state more, so at least half of it is offloaded and the offloaded
+path runs.
+
 ## Limitations
 
 * Every rank initialises each whole layer with the same seed and keeps its
@@ -65,6 +82,12 @@ from labml_zero.neox.model import build_layers
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
 from labml_zero.zero3.communication import CommCounter
+from labml_zero.zero3.placement import (
+    Placement,
+    first_step_placement,
+    resident_bytes,
+    shard_specs,
+)
 from labml_zero.zero3.memory_model import (
     layout_model_states,
     peak_window_numel,
@@ -151,6 +174,7 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     config = ZeroConfig(
         dtype=torch.bfloat16, reduce_dtype=torch.float32,
         chunk_numel=workload.chunk_numel,
+        activation_checkpointing=workload.activation_checkpointing,
         # LABML_ZERO_SIDE_STREAMS=0: collectives on the compute stream, the
         # oracle for the overlapped schedule (same losses expected, slower)
         side_streams=os.environ.get("LABML_ZERO_SIDE_STREAMS", "1") != "0",
@@ -160,10 +184,6 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     # (steps 1 to 3 above), with one chunk size searched over all of them.
     sharded = zero3_layers(layers, device=ctx.device, config=config)
     model = Zero3Sequential(sharded)
-    optimizer = AdamFP16(
-        model.get_trainable_chunk(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY
-    )
-
     # p = 2 (bf16 shards), g = 4 (fp32 `main_grad`), K = 12 (AdamFP16).
     sizes = dict(param_bytes=2, grad_bytes=4, optimizer_bytes=12)
     layouts = [layer.layout for layer in sharded]
@@ -175,6 +195,18 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
             [lay.group_numel(0) for lay in layouts], config.prefetch_depth
         ),
     }
+    info = {"chunk_numel": sharded[0].layout.chunk_numel, "chunks": len(model.chunks)}
+    offload = frozenset()
+    if workload.offload == "auto":
+        offload = probe_and_place(ctx, workload, model, memory, info)
+    optimizer = AdamFP16(model.get_trainable_chunk(), lr=LEARNING_RATE,
+                         weight_decay=WEIGHT_DECAY, offload=offload)
+    if optimizer.host:
+        # start each offloaded gradient's copy to the host as its chunk is reduced
+        model.runtime.grad_ready = (
+            lambda shard, stream: optimizer.prefetch_grad(shard, after=stream)
+        )
+
     return Engine(
         step=zero_step(model, optimizer),
         memory_model=memory,
@@ -183,8 +215,52 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         psi_trainable=psi_t,
         psi_frozen=psi_f,
         counter=model.runtime.comm.counter,
-        info={
-            "chunk_numel": sharded[0].layout.chunk_numel,
-            "chunks": len(model.chunks),
-        },
+        info=info,
     )
+
+
+def probe_and_place(ctx: DistContext, workload: Workload, model: Zero3Sequential,
+                    memory: dict, info: dict) -> frozenset[int]:
+    """
+    ### The automatic offload: probe, decide, report
+
+    Returns `AdamFP16`'s `offload=`; adds the device/host split of the model
+    states to `memory` and the decision to `info`.
+    """
+    # a batch of its own (seed -1), so the timed steps see the usual data
+    probe = random_batches(workload, ctx, count=1, seed=-1)[0]
+
+    def forward_backward() -> None:
+        lm_loss(model(probe[:, :-1]), probe[:, 1:]).backward()
+
+    shards = shard_specs(model)
+    kwargs = {}
+    if ctx.device.type != "cuda":
+        # simulated device (see Offload): the states without optimizer, then
+        # room for half of the optimizer state
+        states = resident_bytes(Placement(), shards)
+        trainable = sum(s.numel for s in shards if s.trainable)
+        optimizer_bytes = 12 * trainable
+
+        def measure_peak(run) -> int:
+            run()
+            # the fp32 `master_init` copies are on the device during the probe
+            return states.device - optimizer_bytes + 4 * trainable
+
+        kwargs = dict(measure_peak=measure_peak, margin=0,
+                      device_capacity=states.device - optimizer_bytes // 2)
+    decided = first_step_placement(model, forward_backward, **kwargs)
+    split = resident_bytes(decided.placement, shards)
+    memory["device_states"], memory["host_states"] = split.device, split.host
+    trainable = sum(s.numel for s in shards if s.trainable)
+    offloaded = sum(shards[i].numel for i in decided.placement.optimizer_on_host)
+    info.update(
+        offloaded_chunks=len(decided.placement.optimizer_on_host),
+        offloaded_fraction=offloaded / max(trainable, 1),
+        predicted_peak=decided.predicted_peak,
+        host_link_bytes={"down": decided.traffic.down, "up": decided.traffic.up},
+    )
+    # each rank's host Adam on its share of the cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
+    info["host_threads"] = torch.get_num_threads()
+    return decided.placement.optimizer_offload(shards)

@@ -68,6 +68,7 @@ import torch
 
 from labml_zero import launch
 
+from .host_memory import HostMemoryWatch, exit_on_exhausted, rss_peak
 from .workloads import Workload, mfu, shrink, workloads
 
 ENGINES = ("labml_zero", "fsdp2", "ddp", "deepspeed")
@@ -90,12 +91,18 @@ class RunConfig:
     """Initialisation seed (the same on every rank) and data seed (plus rank)."""
     trace_dir: str | None = None
     """Keep rank 0's profiler trace here, as `trace_<workload>_<engine>.json`."""
+    host_reserve_gib: float = 8.0
+    """End the run as out of memory when the host has less than this available
+    ([host memory](host_memory.html))."""
 
     def __post_init__(self):
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.host_reserve_gib < 0:
+            raise ValueError(f"host_reserve_gib must be >= 0, got "
+                             f"{self.host_reserve_gib}")
 
 
 def builder(engine: str):
@@ -153,6 +160,7 @@ def measure_rank(ctx: launch.DistContext, engine: str, workload: Workload,
         "loss": timed.loss,
         "peak_build": build_peak,
         "peak_train": train_peak,
+        "host_rss_peak": rss_peak(),
         "memory_model": built.memory_model,
         "memory_formula": built.memory_formula,
         "psi_trainable": built.psi_trainable,
@@ -186,8 +194,15 @@ def worker(ctx: launch.DistContext, engine: str, workload: Workload, run: RunCon
 
     path = os.path.join(out_dir, f"rank{ctx.rank}.json")
     progress = {"phase": "start"}
+    exhausted = exit_on_exhausted(lambda record: write_json(
+        path, {**record, "phase": progress["phase"], "rank": ctx.rank}))
+    watch = HostMemoryWatch(reserve=int(run.host_reserve_gib * GIB),
+                            on_exhausted=exhausted)
     try:
-        record = {"status": "ok", **measure_rank(ctx, engine, workload, run, progress)}
+        with watch:
+            record = {"status": "ok",
+                      **measure_rank(ctx, engine, workload, run, progress)}
+        record["host_used_peak"] = watch.used_peak
     except torch.OutOfMemoryError as error:
         write_json(path, {"status": "oom", "phase": progress["phase"],
                           "rank": ctx.rank, "error": first_line(error)})
@@ -248,6 +263,7 @@ def merge(line: dict, records: list[dict], workload: Workload, world_size: int,
     first = records[0]
     peaks = [r["peak_train"] for r in records]
     build_peaks = [r["peak_build"] for r in records]
+    host_used = [r.get("host_used_peak") for r in records]
     merged = {
         **line,
         "status": "ok",
@@ -267,6 +283,8 @@ def merge(line: dict, records: list[dict], workload: Workload, world_size: int,
         "peak_mem_gib": None if None in peaks else max(peaks + build_peaks) / GIB,
         "peak_mem_train_gib": None if None in peaks else max(peaks) / GIB,
         "peak_mem_build_gib": None if None in build_peaks else max(build_peaks) / GIB,
+        "host_rss_peak_gib": max(r["host_rss_peak"] for r in records) / GIB,
+        "host_used_peak_gib": None if None in host_used else max(host_used) / GIB,
         "memory_model_gib": {k: v / GIB for k, v in first["memory_model"].items()},
         "memory_formula": first["memory_formula"],
         **({"info": first["info"]} if first["info"] else {}),
@@ -321,7 +339,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "and its baselines on GPT-NeoX workloads.",
     )
     parser.add_argument("--workloads", default="W1,W2,W3,W4",
-                        help="comma-separated subset of W1,W2,W3,W4")
+                        help="comma-separated subset of W1,W2,W3,W4,W5")
     parser.add_argument("--engines", default=",".join(ENGINES),
                         help=f"comma-separated subset of {','.join(ENGINES)}")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
@@ -339,6 +357,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "pair here (input of bench.timeline)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="process-group timeout in seconds")
+    parser.add_argument("--host-reserve-gib", type=float, default=8.0,
+                        help="end a pair as host OOM below this much available "
+                        "host memory")
     parser.add_argument("--out", default=None, help="append the JSON lines here")
     args = parser.parse_args(argv)
 
@@ -360,12 +381,12 @@ def split_names(value: str, known, flag: str) -> list[str]:
 def table(lines: list[dict]) -> str:
     """A markdown summary of the lines, for the README."""
     rows = ["| workload | engine | tok/s | step s | MFU | peak GiB | model GiB "
-            "| comm exposed | loss |", "|" + " --- |" * 9]
+            "| host GiB | comm exposed | loss |", "|" + " --- |" * 10]
     for r in lines:
         if r["status"] != "ok":
             reason = r.get("error") or r.get("reason") or ""
             rows.append(f"| {r['workload']} | {r['engine']} | {r['status']}: "
-                        f"{reason[:60]} | | | | | | |")
+                        f"{reason[:60]} | | | | | | | |")
             continue
         peak = "—" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
         analytic = r["memory_model_gib"]
@@ -374,7 +395,7 @@ def table(lines: list[dict]) -> str:
         rows.append(
             f"| {r['workload']} | {r['engine']} | {r['tokens_per_s']:,.0f} "
             f"| {r['step_time_mean_s']:.3f} | {100 * r['mfu']:.1f}% | {peak} "
-            f"| {model:.1f} | "
+            f"| {model:.1f} | {r['host_rss_peak_gib']:.1f} | "
             + ("—" if exposed is None else f"{100 * exposed:.1f}%")
             + f" | {r['loss'] if r['loss'] is None else round(r['loss'], 3)} |"
         )
@@ -386,7 +407,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
     run = RunConfig(steps=args.steps, warmup=args.warmup,
-                    profile=not args.no_profile, trace_dir=args.trace_dir)
+                    profile=not args.no_profile, trace_dir=args.trace_dir,
+                    host_reserve_gib=args.host_reserve_gib)
     cuda = torch.cuda.is_available() and not args.cpu
     backend = "nccl" if cuda else "gloo"
     world_size = args.world_size or (torch.cuda.device_count() if cuda else 2)

@@ -16,6 +16,16 @@ random tokens, bf16 computation, AdamW with fp32 master weights.
 | W2 | Pythia-6.9B | 2 × 2048 | everything |
 | W3 | GPT-NeoX-20B | 16 × 128 | biases only |
 | W4 | Pythia-160M | 16 × 1024 | everything |
+| W5 | GPT-NeoX-20B | 4 × 2048 | everything, activation checkpointing, optimizer states partly in host memory |
+
+W5 is the capability job of heterogeneous memory: its model states alone,
+$(2 + 4 + 12) \cdot 20.6 \cdot 10^9 / 2 = 185$ GB per rank, do not fit an H200
+(149 GB), so each engine runs it with its own offload: labml_zero places the
+optimizer states of whole chunks in host memory by the
+[automatic placement](../labml_zero/zero3/placement.html) (the first step
+measured, then as few chunks offloaded as make it fit), PyTorch FSDP2 with
+`CPUOffloadPolicy` (parameters, gradients and optimizer all on the host),
+DeepSpeed ZeRO-3 with `offload_optimizer` to the CPU. DDP is not run on it.
 
 ## FLOPs per token
 
@@ -75,6 +85,11 @@ class Workload:
     """`'all'` (full fine-tune) or `'biases'` (the bias-only fine-tuner)."""
     chunk_numel: int | None = None
     """labml_zero's chunk size; `None` lets the engine search for it."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer layer's activations in backward."""
+    offload: str | None = None
+    """`None`: everything on the GPUs. `'auto'`: each engine's host offload of
+    the optimizer (see W5); labml_zero decides how much from the first step."""
 
     def __post_init__(self):
         if self.batch < 1 or self.seq < 1:
@@ -86,6 +101,11 @@ class Workload:
             raise ValueError(
                 f"Workload {self.name}: seq {self.seq} exceeds the model's "
                 f"max_position {self.model.max_position}"
+            )
+        if self.offload not in (None, "auto"):
+            raise ValueError(
+                f"Workload {self.name}: offload must be None or 'auto', "
+                f"got {self.offload!r}"
             )
         if self.finetune not in FINETUNES:
             raise ValueError(
@@ -128,12 +148,14 @@ def mfu(workload: Workload, tokens_per_s: float, world_size: int) -> float:
 
 
 def workloads() -> dict[str, Workload]:
-    """W1..W4 of `ANCHORS.md`."""
+    """W1..W4 of `ANCHORS.md`, and the capability job W5."""
     return {
         "W1": Workload("W1", pythia_1_4b(), batch=8, seq=2048),
         "W2": Workload("W2", pythia_6_9b(), batch=2, seq=2048),
         "W3": Workload("W3", gpt_neox_20b(), batch=16, seq=128, finetune="biases"),
         "W4": Workload("W4", pythia_160m(), batch=16, seq=1024),
+        "W5": Workload("W5", gpt_neox_20b(), batch=4, seq=2048,
+                       activation_checkpointing=True, offload="auto"),
     }
 
 

@@ -72,6 +72,14 @@ def positive_int(text: str) -> int:
 positive_int.__name__ = "positive integer"
 
 
+def fraction_or_auto(text: str) -> float | str:
+    """`auto`, or a number (its range is checked by `FinetuneConfig`)."""
+    return "auto" if text == "auto" else float(text)
+
+
+fraction_or_auto.__name__ = "fraction or 'auto'"
+
+
 def layer_list(text: str) -> tuple[int, ...]:
     layers = tuple(int(x) for x in text.split(",") if x.strip())
     if not layers or min(layers) < 0:
@@ -109,9 +117,10 @@ def make_parser() -> Parser:
                    help="default fp32 on CPU, bf16 on CUDA")
     p.add_argument("--grad-accum", type=positive_int, default=d.grad_accum,
                    metavar="N", help="micro-batches per optimizer step")
-    p.add_argument("--offload-optimizer", type=float, metavar="FRACTION",
-                   default=d.offload_optimizer,
-                   help="fraction of the optimizer states kept in host memory")
+    p.add_argument("--offload-optimizer", type=fraction_or_auto,
+                   metavar="FRACTION|auto", default=d.offload_optimizer,
+                   help="fraction of the optimizer states kept in host memory, "
+                   "or auto: as little as makes the step fit (GPUs)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute activations in the backward pass")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
@@ -198,6 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = make_parser()
     config, world_size = parse_config(argv, parser)
     backend = launch.default_backend()
+    if config.offload_optimizer == "auto" and backend != "nccl":
+        parser.error("--offload-optimizer auto needs GPUs (it reads the CUDA "
+                     "allocator's peak); give a fraction on CPU")
 
     if launch.under_torchrun():
         # torchrun started the processes and reports their failures itself.

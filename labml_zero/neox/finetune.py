@@ -89,7 +89,7 @@ import os
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -106,7 +106,11 @@ from labml_zero.neox.generate import Sampling, generate
 from labml_zero.neox.tokenizer import load_tokenizer
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.optimizers.clip_grad import clip_grad_norm_
-from labml_zero.zero3.placement import ShardSpec, StaticPlacement
+from labml_zero.zero3.placement import (
+    StaticPlacement,
+    first_step_placement,
+    shard_specs,
+)
 from labml_zero.optimizers.grad_scaler import LossScaler
 from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
 from labml_zero.zero3.config import ZeroConfig
@@ -183,10 +187,12 @@ class FinetuneConfig:
     """AdamW's decoupled weight decay."""
     clip_grad: float | None = None
     """Clip the global gradient norm (over all ranks' shards) to this; `None`: off."""
-    offload_optimizer: float = 0.0
+    offload_optimizer: float | str = 0.0
     """Fraction of the trainable elements whose fp32 master and Adam moments
     live in host memory (whole chunks, from the output end; see
-    [placement](../zero3/placement.html)): 0 keeps all on the device."""
+    [placement](../zero3/placement.html)): 0 keeps all on the device.
+    `'auto'` (GPUs only): as few chunks as make the step fit, decided from a
+    measured forward and backward before the first step."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass."""
     dtype: str | None = None
@@ -248,9 +254,11 @@ class FinetuneConfig:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.clip_grad is not None and self.clip_grad <= 0:
             raise ValueError(f"clip_grad must be > 0, got {self.clip_grad}")
-        if not 0.0 <= self.offload_optimizer <= 1.0:
-            raise ValueError(f"offload_optimizer must be in [0, 1], got "
-                             f"{self.offload_optimizer}")
+        if self.offload_optimizer != "auto" and not (
+                isinstance(self.offload_optimizer, (int, float))
+                and 0.0 <= self.offload_optimizer <= 1.0):
+            raise ValueError(f"offload_optimizer must be in [0, 1] or 'auto', got "
+                             f"{self.offload_optimizer!r}")
         if self.app_url is not None:
             check_app_url(self.app_url)
         if self.sample_tokens < 0:
@@ -348,11 +356,21 @@ def build_model(config: FinetuneConfig, ctx: DistContext) -> BuiltModel:
     return BuiltModel(Zero3Sequential(sharded), counts, neox)
 
 
-def optimizer_offload(model: Zero3Sequential, config: FinetuneConfig) -> frozenset[int]:
-    """The trainable shards whose optimizer state goes to host memory."""
+def optimizer_offload(model: Zero3Sequential, config: FinetuneConfig,
+                      probe: Callable[[], None]) -> frozenset[int]:
+    """
+    The trainable shards whose optimizer state goes to host memory; `'auto'`
+    runs `probe` (a forward and backward) to measure the step first.
+    """
     if config.offload_optimizer == 0:
         return frozenset()
-    shards = [ShardSpec(c.shard_numel, c.trainable) for c in model.chunks]
+    shards = shard_specs(model)
+    if config.offload_optimizer == "auto":
+        if model.runtime.comm.device.type != "cuda":
+            raise ValueError("offload_optimizer 'auto' needs GPUs (it reads the "
+                             "CUDA allocator's peak); give a fraction on CPU")
+        decided = first_step_placement(model, probe)
+        return decided.placement.optimizer_offload(shards)
     placement = StaticPlacement(optimizer_cpu_fraction=config.offload_optimizer,
                                 param_cpu_fraction=0.0).place(shards)
     return placement.optimizer_offload(shards)
@@ -624,9 +642,15 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
 
     built = build_model(config, ctx)
     model = built.model
+
+    def probe() -> None:
+        # one micro-batch of the training split, without moving the sampler
+        indices = list(range(config.batch_size))
+        forward_loss(model, data.train, indices, ctx.device)[0].backward()
+
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=config.lr,
                          weight_decay=config.weight_decay,
-                         offload=optimizer_offload(model, config))
+                         offload=optimizer_offload(model, config, probe))
     if optimizer.host:
         # start each offloaded gradient's copy to the host as its chunk is reduced
         model.runtime.grad_ready = (

@@ -95,7 +95,9 @@ about $230$ GB. `resident_bytes` computes these splits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
+
+import torch
 
 __all__ = [
     "ShardSpec",
@@ -107,6 +109,8 @@ __all__ = [
     "offload_traffic",
     "resident_bytes",
     "auto_placement",
+    "shard_specs",
+    "first_step_placement",
 ]
 
 GIB = 1024**3
@@ -385,3 +389,88 @@ def auto_placement(
     placement = Placement(optimizer_on_host=frozenset(chosen))
     return AutoPlacement(placement, peak,
                          offload_traffic(placement, shards, param_bytes=param_bytes))
+
+
+# ## Deciding from a measured first step
+
+
+def shard_specs(model) -> list[ShardSpec]:
+    """`model.chunks` of a `Zero3Sequential` (or any `ShardedRoot`) as `ShardSpec`s."""
+    return [ShardSpec(c.shard_numel, c.trainable) for c in model.chunks]
+
+
+def cuda_peak(device: torch.device) -> Callable[[Callable[[], None]], int]:
+    """Run a function and return the peak of allocated device bytes during it."""
+
+    def measure(run: Callable[[], None]) -> int:
+        # host sync: the peak must cover every kernel of `run`, and none before
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+
+    return measure
+
+
+def cuda_capacity(device: torch.device) -> int:
+    """
+    Bytes PyTorch can allocate on `device`: what its caching allocator holds
+    plus what is free. The CUDA context and NCCL's buffers are not in it.
+    """
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
+
+
+def first_step_placement(
+    model,
+    forward_backward: Callable[[], None],
+    *,
+    margin: int | None = None,
+    device_capacity: int | None = None,
+    measure_peak: Callable[[Callable[[], None]], int] | None = None,
+) -> AutoPlacement:
+    r"""
+    ## The automatic placement, from one measured forward and backward
+
+    Call it after building the model and before building the optimizer:
+
+    1. `forward_backward()` runs one step's forward and backward passes (all
+       its micro-batches); its peak of allocated bytes is measured;
+    2. the gradients it left are cleared: the probe trains nothing, the step
+       then runs again with the optimizer;
+    3. the fp32 `master_init` copies still on the shards are taken off the
+       peak (they become the masters, which `auto_placement` counts in $K_d$),
+       and `auto_placement` picks the chunks to offload.
+
+    * `margin`: bytes kept free; default 5% of the capacity, for the
+      allocator's fragmentation and steps that use a little more.
+    * `device_capacity`: default, on a GPU, what PyTorch can allocate there
+      (free plus reserved).
+    * `measure_peak(run)`: runs `run` and returns its peak; default, on a GPU,
+      the CUDA allocator's statistics. CPU memory has no such statistics, so on
+      CPU (the tests) both must be given.
+
+    Then `AdamFP16(model.get_trainable_chunk(), ...,
+    offload=result.placement.optimizer_offload(shard_specs(model)))`.
+    """
+    device = model.runtime.comm.device
+    if device.type == "cuda":
+        measure_peak = measure_peak or cuda_peak(device)
+    if measure_peak is None or (device.type != "cuda" and device_capacity is None):
+        raise ValueError(f"first_step_placement on {device.type} needs "
+                         "measure_peak and device_capacity (no allocator "
+                         "statistics there)")
+    peak = measure_peak(forward_backward)
+    shards = model.get_trainable_chunk()
+    master_bytes = sum(s.master_init.numel() * s.master_init.element_size()
+                       for s in shards if getattr(s, "master_init", None) is not None)
+    model.zero_grad()
+    if device_capacity is None:
+        device_capacity = cuda_capacity(device)
+    if margin is None:
+        margin = device_capacity // 20
+    param_bytes = shards[0].element_size() if shards else 2
+    return auto_placement(shard_specs(model), device_capacity=device_capacity,
+                          measured_peak_other=max(peak - master_bytes, 0),
+                          margin=margin, param_bytes=param_bytes)

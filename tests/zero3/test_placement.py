@@ -115,3 +115,59 @@ def test_auto_nothing_fits():
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match="device_capacity must be >= 0"):
         auto_placement(SHARDS, device_capacity=-1, measured_peak_other=0)
+
+
+# ## From a measured first step, with the engine (one local rank, CPU)
+
+
+def test_first_step_placement_probes_then_decides():
+    from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+    from labml_zero.zero3.placement import first_step_placement, shard_specs
+    from tests.zero3.models import batch, tiny_layers
+
+    config = ZeroConfig(dtype=torch.bfloat16, chunk_numel=200, align=4)
+    model = Zero3Sequential(zero3_layers(tiny_layers(0), device=torch.device("cpu"),
+                                         config=config))
+    shards = shard_specs(model)
+    trainable = [s.numel for s in shards if s.trainable]
+    runs = []
+
+    def forward_backward():
+        x, y = batch(0, 4)
+        torch.nn.functional.mse_loss(model(x.to(torch.bfloat16)).float(), y).backward()
+        runs.append(1)
+
+    # a "device" whose probe peaked at 10 kB, with 4·Σ trainable of it the
+    # master_init copies; room for 12 bytes of state on all but one element in 3
+    master_bytes = 4 * sum(trainable)
+    other = 10_000
+    capacity = other + 12 * sum(trainable) * 2 // 3
+    decided = first_step_placement(
+        model, forward_backward, margin=0, device_capacity=capacity,
+        measure_peak=lambda run: (run(), other + master_bytes)[1])
+    assert runs == [1]
+    # the probe's gradients are gone: it trained nothing
+    assert all(getattr(s, "main_grad", None) is None
+               for s in model.get_trainable_chunk())
+    # the same decision as auto_placement on the measured numbers
+    expected = auto_placement(shards, device_capacity=capacity,
+                              measured_peak_other=other, margin=0)
+    assert decided == expected
+    offloaded = sum(shards[i].numel for i in decided.placement.optimizer_on_host)
+    assert offloaded >= sum(trainable) / 3
+    assert decided.predicted_peak <= capacity
+    # and it feeds the optimizer
+    offload = decided.placement.optimizer_offload(shards)
+    optimizer = AdamFP16(model.get_trainable_chunk(), lr=1e-3, offload=offload)
+    assert len(optimizer.host) == len(decided.placement.optimizer_on_host) > 0
+
+
+def test_first_step_placement_on_cpu_needs_measurements():
+    from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+    from labml_zero.zero3.placement import first_step_placement
+    from tests.zero3.models import tiny_layers
+
+    model = Zero3Sequential(zero3_layers(tiny_layers(0), device=torch.device("cpu"),
+                                         config=ZeroConfig(chunk_numel=200)))
+    with pytest.raises(ValueError, match="needs measure_peak and device_capacity"):
+        first_step_placement(model, lambda: None)
