@@ -50,9 +50,11 @@ one forward and backward on a batch of its own, measured, then
 [`first_step_placement`](../labml_zero/zero3/placement.html) puts the
 optimizer states of as few chunks as needed in host memory, from the output
 end. Offloaded gradients start their copy to the host as their chunk is
-reduced (the runtime's `grad_ready` hook), and each rank's host Adam gets
-$\lfloor \text{cores} / N \rfloor$ threads, so the ranks of one host do not
-fight over the cores. The probe is part of the build time (`init_s`).
+reduced (the runtime's `grad_ready` hook), their host update starts then too
+(`update_during_backward`: the benchmark neither clips nor scales the loss),
+and each rank's host Adam runs on
+$\lfloor \text{cores} / N \rfloor$ threads ([launch](../labml_zero/launch.html)
+sets them), so the ranks of one host do not fight over the cores. The probe is part of the build time (`init_s`).
 
 On CPU (the smoke test) there are no allocator statistics: the probe's "peak"
 is the model states without optimizer state (the layout's shards, fp32
@@ -199,8 +201,11 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     offload = frozenset()
     if workload.offload == "auto":
         offload = probe_and_place(ctx, workload, model, memory, info)
+    # no clipping or loss scaling here: offloaded shards can be updated on the
+    # host while the backward pass goes on
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=LEARNING_RATE,
-                         weight_decay=WEIGHT_DECAY, offload=offload)
+                         weight_decay=WEIGHT_DECAY, offload=offload,
+                         update_during_backward=True)
     if optimizer.host:
         # start each offloaded gradient's copy to the host as its chunk is reduced
         model.runtime.grad_ready = (
@@ -260,7 +265,6 @@ def probe_and_place(ctx: DistContext, workload: Workload, model: Zero3Sequential
         predicted_peak=decided.predicted_peak,
         host_link_bytes={"down": decided.traffic.down, "up": decided.traffic.up},
     )
-    # each rank's host Adam on its share of the cores
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world_size))
+    # launch gave each rank its share of the host's cores
     info["host_threads"] = torch.get_num_threads()
     return decided.placement.optimizer_offload(shards)

@@ -648,16 +648,20 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
         indices = list(range(config.batch_size))
         forward_loss(model, data.train, indices, ctx.device)[0].backward()
 
+    scaled = config.torch_dtype(ctx.device) == torch.float16
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=config.lr,
                          weight_decay=config.weight_decay,
-                         offload=optimizer_offload(model, config, probe))
+                         offload=optimizer_offload(model, config, probe),
+                         # the host's updates overlap the backward pass unless
+                         # clipping or unscaling changes the gradients after it
+                         update_during_backward=(config.clip_grad is None
+                                                 and not scaled))
     if optimizer.host:
         # start each offloaded gradient's copy to the host as its chunk is reduced
         model.runtime.grad_ready = (
             lambda shard, stream: optimizer.prefetch_grad(shard, after=stream)
         )
-    scaler = (LossScaler(model.runtime.comm)
-              if config.torch_dtype(ctx.device) == torch.float16 else None)
+    scaler = LossScaler(model.runtime.comm) if scaled else None
     training = Training(model, optimizer, scaler)
     step = resume(config, training, sampler) if config.resume is not None else 0
     experiment.configs(labml_configs(config, built, ctx, total_steps))

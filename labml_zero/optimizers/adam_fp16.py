@@ -83,6 +83,25 @@ A gradient changed after its prefetch (loss-scale unscaling, clipping,
 accumulation all work in place on `main_grad`) is copied again: the prefetch
 remembers the tensor and its version counter, which every in-place op bumps.
 
+### Updating during the backward pass
+
+Run after the backward pass, the host's update adds its whole time to the step
+(for GPT-NeoX-20B with 40% of the state offloaded, about 4 billion elements
+per rank: seconds). Yet an offloaded shard's gradient is final as soon as its
+chunk is reduced, and the output-end chunks, the ones offloaded, are reduced
+first. With `update_during_backward=True`, `prefetch_grad` also hands the
+shard to a worker thread, which waits for the copy down, updates on the host
+and queues the copy up, while the main thread goes on launching the rest of
+the backward pass (PyTorch's CPU kernels release the GIL). `step()` then only
+waits for the worker. The update is the same, with the same operands:
+
+* it needs the final gradient at `prefetch_grad` time, so it is for steps
+  without clipping or loss-scale unscaling (they change the gradient in place
+  afterwards): `step()` raises if a gradient changed after its early update,
+  instead of silently having used the old one;
+* it reads `lr` and the other hyperparameters when the worker runs: change them
+  between `step()` and the next backward, as schedulers do.
+
 Threads: the CPU kernels split each shard over torch's intra-op threads. Every
 rank is its own process and by default takes one thread per core, so $N$ ranks
 on one host oversubscribe the cores $N$ times over; give each
@@ -103,23 +122,25 @@ device path.
 ## Limitations
 
 * No AMSGrad, no `maximize`, no capturable (CUDA graph) mode.
-* Offloaded updates run one shard at a time on the host, after the backward
-  pass: the host's Adam is not overlapped with the backward (clipping needs the
-  global norm first), only the gradient's copy down is.
+* Offloaded updates run one shard at a time on the host; they overlap the
+  backward pass only with `update_during_backward` (not with clipping, which
+  needs the global norm first).
 * A prefetched gradient that is unscaled or clipped afterwards is copied again,
   so with a loss scaler or clipping the prefetch saves nothing yet; passing the
   scale to the kernel (`grad_scale=`) instead would keep it.
 * Device and host kernels need not round alike (FMA contraction, vector
   widths): on a GPU an offloaded shard follows AdamW within fp32 rounding, but
   not necessarily bitwise like its device twin.
-* The CUDA path (side streams, pinned staging, events) has not run on a GPU
-  yet; the tests run the CPU path, which shares everything but the copies.
+* CI runs the CPU path, which shares everything but the copies; the CUDA path
+  (side streams, pinned staging, events) is tested on a GPU with
+  `LABML_ZERO_TEST_DEVICE=cuda`.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Collection, Iterable
 
 import torch
@@ -168,6 +189,8 @@ class AdamFP16(torch.optim.Optimizer):
       group after group (for `model.get_trainable_chunk()`, the trainable
       chunks in order; `Placement.optimizer_on_host` gives them), or a function
       `(position, param) -> bool`; `None` keeps everything on the device.
+    * `update_during_backward`: update offloaded shards as soon as
+      `prefetch_grad` is called for them (see Updating during the backward pass).
     """
 
     def __init__(
@@ -180,6 +203,7 @@ class AdamFP16(torch.optim.Optimizer):
         *,
         fused: bool | None = None,
         offload: Collection[int] | OffloadRule | None = None,
+        update_during_backward: bool = False,
     ):
         if lr < 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -211,6 +235,11 @@ class AdamFP16(torch.optim.Optimizer):
         # gradients and activations are also there.
         for param in self.host:
             self.init_state(param)
+        # One worker: the shards' updates run in the order their gradients came,
+        # each spread over torch's intra-op threads.
+        self.worker = (ThreadPoolExecutor(1, thread_name_prefix="adam-host")
+                       if update_during_backward and self.host else None)
+        self.early: dict[torch.Tensor, Future] = {}
 
     def _place(self, offload) -> dict[torch.Tensor, HostShard]:
         """#### Resolve `offload` into the offloaded parameters, in list order"""
@@ -303,6 +332,17 @@ class AdamFP16(torch.optim.Optimizer):
             return
         self._copy_down(host, grad, after=after)
         host.source, host.version = weakref.ref(grad), grad._version
+        if self.worker is not None and param not in self.early:
+            self.early[param] = self.worker.submit(self._host_step, param)
+
+    def _host_step(self, param: torch.Tensor) -> None:
+        """#### One offloaded shard's whole step (on the worker, or in `step()`)"""
+        group = next(g for g in self.param_groups
+                     if any(p is param for p in g["params"]))
+        state = self.init_state(param)
+        state["step"] += 1
+        self._update([param], state["step"], group,
+                     grads=[self._host_gradient(param)])
 
     def _copy_down(self, host: HostShard, grad: torch.Tensor, *, after=None) -> None:
         """#### Queue the copy of `grad` into the staging buffer"""
@@ -369,31 +409,51 @@ class AdamFP16(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        offloaded: list[tuple[torch.Tensor, dict]] = []
+        offloaded: list[torch.Tensor] = []
         for group in self.param_groups:
             params = [p for p in group["params"] if self.gradient(p) is not None]
             # Shards that have taken the same number of steps share one bias
             # correction, so they can share one foreach pass.
             by_step: dict[int, list[torch.Tensor]] = {}
             for param in params:
+                if param in self.host:
+                    offloaded.append(param)
+                    continue
                 state = self.init_state(param)
                 state["step"] += 1
-                if param in self.host:
-                    offloaded.append((param, group))
-                else:
-                    by_step.setdefault(state["step"], []).append(param)
+                by_step.setdefault(state["step"], []).append(param)
             # Device updates first: they are queued and run while the host works.
             for step, same_step in by_step.items():
                 self._update(same_step, step, group)
+        self._finish_early()
         # Last first: in backward their gradients were final first.
-        for param, group in reversed(offloaded):
-            self._update([param], self.state[param]["step"], group,
-                         grads=[self._host_gradient(param)])
+        late = [p for p in reversed(offloaded) if p not in self.early]
+        for param in late:
+            self._host_step(param)
+        self.early = {}
         if self.up_stream is not None and offloaded:
             # compute stream waits: the next all-gather reads the new shards
             torch.cuda.current_stream(self.up_stream.device).wait_stream(
                 self.up_stream)
         return loss
+
+    def _finish_early(self) -> None:
+        """
+        #### Wait for the updates started during the backward pass
+
+        Raises when a gradient changed in place after its update began (clipping
+        or unscaling with `update_during_backward`): that update used the old
+        gradient.
+        """
+        for param, done in self.early.items():
+            # host sync: the worker's update and its upload are queued
+            done.result()
+            grad = getattr(param, "main_grad", None)
+            if grad is not None and not self.host[param].holds(grad):
+                raise RuntimeError(
+                    "an offloaded shard's gradient changed after its update "
+                    "began (clipping or unscaling?): use "
+                    "update_during_backward=False with them")
 
     def _update(self, params: list[torch.Tensor], step: int, group: dict, *,
                 grads: list[torch.Tensor] | None = None) -> None:

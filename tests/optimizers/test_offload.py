@@ -118,6 +118,41 @@ def test_gradient_changed_after_prefetch_is_copied_again():
         assert_same(device_opt.state[a]["master"], host_opt.state[b]["master"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_update_during_backward_is_the_same_update(dtype):
+    after, during = shards(dtype), shards(dtype)
+    after_opt = AdamFP16(after, **HYPER, offload={0, 2, 3})
+    during_opt = AdamFP16(during, **HYPER, offload={0, 2, 3},
+                          update_during_backward=True)
+    train(after_opt, after, 5, prefetch=True)
+    for step in range(5):
+        for p, g in zip(during, gradients(step)):
+            p.main_grad = g
+            during_opt.prefetch_grad(p)
+        # the offloaded shards' updates were handed to the worker at prefetch
+        assert set(during_opt.early) == set(during_opt.host)
+        during_opt.step()
+        assert during_opt.early == {}
+        during_opt.zero_grad()
+    for a, b in zip(after, during):
+        assert_same(a, b)
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert_same(after_opt.state[a][key], during_opt.state[b][key])
+        assert after_opt.state[a]["step"] == during_opt.state[b]["step"] == 5
+
+
+def test_update_during_backward_refuses_a_gradient_changed_after():
+    params = shards(torch.bfloat16)
+    opt = AdamFP16(params, **HYPER, offload={1}, update_during_backward=True)
+    for p, g in zip(params, gradients(0)):
+        p.main_grad = g
+        opt.prefetch_grad(p)
+    # clipping after the reduce-scatter: too late for the early update
+    params[1].main_grad.mul_(0.5)
+    with pytest.raises(RuntimeError, match="changed after its update began"):
+        opt.step()
+
+
 def test_plain_grad_and_state_for_checkpoints():
     p = torch.nn.Parameter(torch.ones(6))
     p.grad = torch.ones(6)
@@ -154,7 +189,7 @@ def test_bad_offload_position():
 # ## With the engine and its checkpoints, on one local rank
 
 
-def sharded(dtype, *, offload):
+def sharded(dtype, *, offload, during=False):
     from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
     from tests.zero3.models import tiny_layers
 
@@ -165,7 +200,13 @@ def sharded(dtype, *, offload):
     shards = model.get_trainable_chunk()
     # the output half of the trainable chunks, as StaticPlacement(0.5) picks
     chosen = range(len(shards) // 2, len(shards)) if offload else None
-    return model, AdamFP16(shards, lr=3e-3, weight_decay=0.01, offload=chosen)
+    optimizer = AdamFP16(shards, lr=3e-3, weight_decay=0.01, offload=chosen,
+                         update_during_backward=during)
+    if during:
+        # what the fine-tune does: each gradient starts down as its chunk is reduced
+        model.runtime.grad_ready = (
+            lambda shard, stream: optimizer.prefetch_grad(shard, after=stream))
+    return model, optimizer
 
 
 def run_steps(model, optimizer, steps) -> None:
@@ -205,3 +246,19 @@ def test_engine_training_and_checkpoint_resume(tmp_path, dtype):
     for shard in fresh_opt.host:
         for key in ("master", "exp_avg", "exp_avg_sq"):
             assert fresh_opt.state[shard][key].data_ptr() != shard.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_updates_during_backward(dtype):
+    plain, plain_opt = sharded(dtype, offload=False)
+    model, opt = sharded(dtype, offload=True, during=True)
+    started = []
+    prefetch = opt.prefetch_grad
+    opt.prefetch_grad = lambda p, **kw: (prefetch(p, **kw), started.append(
+        p in opt.early))[0]
+    for m, o in ((plain, plain_opt), (model, opt)):
+        run_steps(m, o, range(4))
+    # every offloaded shard's update began in the backward pass, every step
+    assert started.count(True) == 4 * len(opt.host)
+    for a, b in zip(plain.chunks, model.chunks):
+        assert_same(a.shard, b.shard)
