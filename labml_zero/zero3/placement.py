@@ -34,7 +34,7 @@ was the shard itself). The host then holds $16F$ bytes: $12F$ of state and $4F$
 of pinned staging buffer, which carries the gradient down and the rounded master
 up.
 
-A parameter shard on the host (not wired into the engine yet, see Limitations)
+A parameter shard on the host (not wired into the engine, see Limitations)
 saves $p$ more bytes per element and costs two uploads of $p$ bytes per step, one
 before each all-gather (forward and backward); its updated master needs no upload
 of its own. As in ColossalAI, it needs the whole optimizer state on the host.
@@ -57,9 +57,10 @@ A step of $T$ tokens costs $6\Psi T$ FLOP over all ranks; with $T = 32$ k tokens
 backward is two thirds. The copy down can hide behind the backward (see
 `prefetch_grad`), so the link is not the bottleneck until
 $4F / 50\,\text{GB/s}$ approaches the backward time: at $T = 2$ k tokens per rank
-(a $0.6$ s step) it is. The host update is not overlapped at all yet: it adds
-$F$ divided by the host's update rate to every step, and with many offloaded
-elements per rank it, not PCIe, is the first bottleneck.
+(a $0.6$ s step) it is. The host update runs during the backward pass
+([`update_during_backward`](../optimizers/adam_fp16.html)); what of it does not
+fit in the backward pass adds to the step, and with many offloaded elements per
+rank it, not PCIe, is the first bottleneck.
 
 ## Which chunks first
 
@@ -80,13 +81,62 @@ $16 x S = 165x$ GB on the host. $x \ge 0.45$ leaves about $20$ GB for gathered
 chunks and activations; $x \le 0.7$ keeps both ranks' host states within
 about $230$ GB. `resident_bytes` computes these splits.
 
+## The automatic placement, measured
+
+`first_step_placement` decides from the job itself: before the optimizer
+exists it runs one forward and backward, reads the device's peak, and offloads
+the fewest chunks whose optimizer state, added back, stays under the capacity
+less a 5% margin. On the benchmark's capability job W5 (GPT-NeoX-20B, every
+parameter trained, 4 × 2048 tokens per GPU, activation checkpointing;
+2×H200, 2026-11-29) it chose:
+
+* 18 of 47 chunks, $x = 0.40$ of the trainable elements: the last 18
+  transformer layers (one chunk each, the largest chunks, so they go first);
+* per rank and step $16.3$ GB down and $8.2$ GB up the host link;
+* a predicted device peak of $130.6$ GiB; measured: $131.4$ GiB;
+* $60.8$ GiB of host state per rank (model), $65$ GiB resident (measured,
+  with the pinned buffers' rounding and the process itself).
+
+Step time $3.07$ s, $5.3$ k tokens/s for both GPUs. PyTorch FSDP2 with
+`CPUOffloadPolicy` and DeepSpeed ZeRO-3 with `offload_optimizer` put *all* of
+the optimizer state (and FSDP2 the parameters and gradients too) in host
+memory, about $16$ bytes per parameter and rank; both ran out of the host's
+memory on the same job ([bench](../../bench/README.html)).
+
+## Where each chunk lives during a step
+
+W5's placement, per rank; chunks in execution order, "L$i$" a transformer
+layer (one chunk each), the arrows the copies of one step:
+
+```
+chunk            embed  L0 ... L25 | L26 ... L43 | norm  readout
+16-bit shard     GPU    GPU        | GPU         | GPU   GPU
+fp32 gradient    GPU    GPU        | GPU         | GPU   GPU
+master, m, v     GPU    GPU        | host        | GPU   GPU
+                                   | (host Adam, |
+                                   |  a worker)  |
+
+forward    embed, L0, ..., L43, norm, readout: all-gather each chunk
+           (GPU <-> GPU), compute, free the gathered copy
+backward   readout, norm | L43, ..., L26 | L25, ..., L0, embed
+           each chunk: all-gather, recompute, backward, reduce-scatter into
+           its fp32 gradient; a host chunk's gradient then goes down
+           (GPU -> host, 4 bytes/element) and its Adam starts on the host at
+           once, while the backward pass goes on to the earlier layers
+step       device Adam for the GPU chunks; wait for the host's updates, whose
+           rounded 16-bit masters go up (host -> GPU, 2 bytes/element) in
+           time for the next forward's all-gathers
+```
+
+The readout and the embedding (each $310$ M elements) are smaller than a layer
+($453$ M): the fewest-chunks rule takes the layers first, from the output end.
+
 ## Limitations
 
 * Parameter-shard offload (`param_on_host`) is decided and counted here but not
-  wired into the engine's gather path: `Chunk.gather` reads a device shard.
-* The 20B capability run on 2×H200 has not been done; the figures above are
-  arithmetic, not measurements (except the CPU kernel rate).
-* `auto_placement` predicts a peak from one measured step; a step whose memory
+  wired into the engine's gather path: `Chunk.gather` reads a device shard. The
+  2×H200 job above does not need it.
+* `first_step_placement` predicts the peak from one step; a job whose memory
   use varies (longer sequences later) needs a larger `margin`.
 * PyTorch's host caching allocator may round pinned blocks up (to powers of two
   in many versions): the pinned staging buffers can take up to twice $4F$.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -171,3 +173,58 @@ def test_first_step_placement_on_cpu_needs_measurements():
                                          config=ZeroConfig(chunk_numel=200)))
     with pytest.raises(ValueError, match="needs measure_peak and device_capacity"):
         first_step_placement(model, lambda: None)
+
+
+# ## The page's GPT-NeoX-20B figures
+
+
+@functools.cache
+def neox_20b_shards(world_size: int = 2) -> list[ShardSpec]:
+    """`model.chunks` of the fully trained 20B model as the bench builds it."""
+    from labml_zero.neox.model import build_layers, gpt_neox_20b
+    from labml_zero.zero3 import ZeroConfig
+    from labml_zero.zero3.chunk_layout import plan_chunks
+    from labml_zero.zero3.sharded_model import choose_chunk_numel, param_specs
+
+    layers = build_layers(gpt_neox_20b(), device="meta")
+    specs, _ = param_specs([layer.named_parameters() for layer in layers])
+    chunk = choose_chunk_numel(specs, world_size, ZeroConfig())
+    shards = []
+    for layer in layers:
+        # one Zero3Layer (one layout) per layer, as zero3_layers builds them
+        own, _ = param_specs([layer.named_parameters()])
+        for spec in plan_chunks(own, chunk, world_size, align=64).chunks:
+            shards.append(ShardSpec(spec.chunk_numel // world_size, spec.trainable))
+    return shards
+
+
+def test_gpt_neox_20b_memory_figures_of_the_page():
+    shards = neox_20b_shards()
+    assert len(shards) == 47  # embedding, 44 layers, final norm, readout
+    s = sum(x.numel for x in shards)
+    assert s / 1e9 == pytest.approx(10.28, abs=0.01)
+    everything = resident_bytes(Placement(), shards)
+    assert everything.device / 1e9 == pytest.approx(185, rel=0.01)
+    # "62 + (1 - x) 123 GB on the device and 165 x GB on the host"
+    half = StaticPlacement(optimizer_cpu_fraction=0.5).place(shards)
+    split = resident_bytes(half, shards)
+    x = sum(shards[i].numel for i in half.optimizer_on_host) / s
+    assert split.device / 1e9 == pytest.approx(62 + (1 - x) * 123, rel=0.01)
+    assert split.host / 1e9 == pytest.approx(165 * x, rel=0.01)
+
+
+def test_gpt_neox_20b_automatic_choice_of_the_page():
+    # W5 measured: 18 chunks chosen; the largest chunks are the 44 layers, so
+    # they are the last 18 layers (L26..L43, positions 27..44), not the readout
+    shards = neox_20b_shards()
+    layer_bytes = 12 * shards[1].numel
+    other = 60 * GIB
+    needed = 12 * sum(x.numel for x in shards) - 17.5 * layer_bytes
+    decided = auto_placement(shards, device_capacity=int(other + needed),
+                             measured_peak_other=other)
+    assert decided.placement.optimizer_on_host == frozenset(range(27, 45))
+    # the bytes per step and rank of the page (and of the W5 line)
+    assert decided.traffic == OffloadTraffic(down=16_310_329_344, up=8_155_164_672)
+    trainable = sum(x.numel for x in shards)
+    offloaded = sum(shards[i].numel for i in decided.placement.optimizer_on_host)
+    assert offloaded / trainable == pytest.approx(0.397, abs=0.001)
