@@ -121,6 +121,10 @@ def make_parser() -> Parser:
                    metavar="FRACTION|auto", default=d.offload_optimizer,
                    help="fraction of the optimizer states kept in host memory, "
                    "or auto: as little as makes the step fit (GPUs)")
+    p.add_argument("--offload-params", type=float, metavar="FRACTION",
+                   default=d.offload_params,
+                   help="fraction of the parameter shards kept in host memory "
+                   "(needs --offload-optimizer 1)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute activations in the backward pass")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
@@ -166,6 +170,7 @@ def parse_config(argv: Sequence[str] | None, parser: Parser
             epochs=args.epochs or FinetuneConfig.epochs, lr=args.lr,
             clip_grad=args.clip_grad, dtype=args.dtype,
             offload_optimizer=args.offload_optimizer,
+            offload_params=args.offload_params,
             activation_checkpointing=args.activation_checkpointing,
             valid_every=args.valid_every, checkpoint_every=args.checkpoint_every,
             resume=args.resume, out=args.out, log_dir=args.log_dir,

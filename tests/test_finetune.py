@@ -122,10 +122,16 @@ def test_grad_accum_matches_full_batch(reference: Path, tmp_path: Path):
         assert accum[step] == pytest.approx(full[step], rel=1e-5, abs=1e-5)
 
 
-def test_offloaded_optimizer_and_recompute_match(reference: Path, tmp_path: Path):
-    # Half the optimizer states in host memory and activations recomputed in the
-    # backward: the same update rule and the same arithmetic, so the same losses.
-    check_ok(finetune(tmp_path, "--steps", "3", "--offload-optimizer", "0.5",
+@pytest.mark.parametrize("offload", [
+    ["--offload-optimizer", "0.5"],
+    ["--offload-optimizer", "1", "--offload-params", "0.5"],
+])
+def test_offloaded_optimizer_and_recompute_match(reference: Path, tmp_path: Path,
+                                                 offload: list[str]):
+    # Half the optimizer states (or all, and half the parameter shards) in host
+    # memory, updated during the backward pass, and activations recomputed in
+    # the backward: the same update rule and arithmetic, so the same losses.
+    check_ok(finetune(tmp_path, "--steps", "3", *offload,
                       "--activation-checkpointing", "--sample-tokens", "0"))
     ours = tracked(run_dirs(tmp_path)[0])["loss.train"]
     full = tracked(run_dirs(reference)[0])["loss.train"]
@@ -199,6 +205,8 @@ def test_hugging_face_weights_are_loaded(tmp_path: Path):
     (["--filter-layers", "a"], "--filter-layers"),
     (["--lr", "-1"], "lr must be > 0"),
     (["--offload-optimizer", "1.5"], "offload_optimizer must be in [0, 1]"),
+    (["--offload-params", "0.5"], "offload_params needs offload_optimizer=1"),
+    (["--offload-optimizer", "auto"], "--offload-optimizer auto needs GPUs"),
     (["--seq-len", "4096"], "exceeds the model's max_position"),
     (["--checkpoint", "/nonexistent/pythia"], "not found: /nonexistent/pythia"),
     (["--resume", "/nonexistent/step-1"], "not found: /nonexistent/step-1"),

@@ -109,6 +109,7 @@ from labml_zero.optimizers.clip_grad import clip_grad_norm_
 from labml_zero.zero3.placement import (
     StaticPlacement,
     first_step_placement,
+    offload_parameters,
     shard_specs,
 )
 from labml_zero.optimizers.grad_scaler import LossScaler
@@ -193,6 +194,9 @@ class FinetuneConfig:
     [placement](../zero3/placement.html)): 0 keeps all on the device.
     `'auto'` (GPUs only): as few chunks as make the step fit, decided from a
     measured forward and backward before the first step."""
+    offload_params: float = 0.0
+    """Fraction of the parameter shards (all chunks, from the output end) kept in
+    host memory and copied up at each gather; needs `offload_optimizer=1`."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass."""
     dtype: str | None = None
@@ -259,6 +263,12 @@ class FinetuneConfig:
                 and 0.0 <= self.offload_optimizer <= 1.0):
             raise ValueError(f"offload_optimizer must be in [0, 1] or 'auto', got "
                              f"{self.offload_optimizer!r}")
+        if not 0.0 <= self.offload_params <= 1.0:
+            raise ValueError(f"offload_params must be in [0, 1], got "
+                             f"{self.offload_params}")
+        if self.offload_params > 0 and self.offload_optimizer != 1:
+            raise ValueError("offload_params needs offload_optimizer=1 (a shard in "
+                             "host memory is updated there)")
         if self.app_url is not None:
             check_app_url(self.app_url)
         if self.sample_tokens < 0:
@@ -360,7 +370,8 @@ def optimizer_offload(model: Zero3Sequential, config: FinetuneConfig,
                       probe: Callable[[], None]) -> frozenset[int]:
     """
     The trainable shards whose optimizer state goes to host memory; `'auto'`
-    runs `probe` (a forward and backward) to measure the step first.
+    runs `probe` (a forward and backward) to measure the step first. Moves the
+    parameter shards of `offload_params` to the host on the way.
     """
     if config.offload_optimizer == 0:
         return frozenset()
@@ -372,7 +383,9 @@ def optimizer_offload(model: Zero3Sequential, config: FinetuneConfig,
         decided = first_step_placement(model, probe)
         return decided.placement.optimizer_offload(shards)
     placement = StaticPlacement(optimizer_cpu_fraction=config.offload_optimizer,
-                                param_cpu_fraction=0.0).place(shards)
+                                param_cpu_fraction=config.offload_params
+                                ).place(shards)
+    offload_parameters(model, placement)
     return placement.optimizer_offload(shards)
 
 

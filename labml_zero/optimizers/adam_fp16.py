@@ -63,6 +63,11 @@ was the shard itself and now becomes a host copy); the host holds $12 + 4$ (the
 gradient's staging buffer, which the upload reuses: after the update the
 gradient is dead, and its $4S$ bytes hold the $pS$ of the rounded master).
 
+When the engine keeps the parameter shard itself in host memory
+(`Chunk.offload_shard`, its `grad_device` naming where `main_grad` is), the
+update rounds the master straight into it, and nothing goes up: the next gather
+copies the shard up itself.
+
 Only the staging buffer is page-locked ("pinned", when CUDA is available):
 DMA needs it, while the master and moments are read by the CPU only, and pinned
 memory is scarce (it cannot be swapped, and PyTorch's host caching allocator
@@ -153,6 +158,12 @@ import torch
 OffloadRule = Callable[[int, torch.Tensor], bool]
 
 
+def grad_device(param: torch.Tensor) -> torch.device:
+    """Where `param`'s gradient lives: its own device, unless the engine keeps the
+    shard in host memory and says otherwise (`grad_device`)."""
+    return getattr(param, "grad_device", param.device)
+
+
 class HostShard:
     """
     ## What an offloaded shard keeps besides its optimizer state
@@ -224,7 +235,7 @@ class AdamFP16(torch.optim.Optimizer):
         if self.fused and not hasattr(torch, "_fused_adamw_"):
             raise ValueError("fused=True needs torch._fused_adamw_ (PyTorch >= 2.4)")
         self.host: dict[torch.Tensor, HostShard] = self._place(offload)
-        devices = {p.device for p in self.host if p.is_cuda}
+        devices = {grad_device(p) for p in self.host if grad_device(p).type == "cuda"}
         if len(devices) > 1:
             raise ValueError(f"offloaded shards must be on one GPU, got {devices}")
         # One side stream per direction, so both copy engines can run at once;
@@ -260,7 +271,8 @@ class AdamFP16(torch.optim.Optimizer):
                                  f"optimizer has {len(params)} (0 to "
                                  f"{len(params) - 1})")
         # pinned staging only where a DMA engine will read or write it
-        return {params[i]: HostShard(params[i], pin=params[i].is_cuda)
+        return {params[i]: HostShard(params[i],
+                                     pin=grad_device(params[i]).type == "cuda")
                 for i in chosen}
 
     def state_device(self, param: torch.Tensor) -> torch.device:
@@ -393,6 +405,10 @@ class AdamFP16(torch.optim.Optimizer):
         """
         host = self.host[param]
         # [S] shard dtype, a view of the staging buffer's first p·S bytes
+        if not param.is_cuda:
+            # a shard kept in host memory (`Chunk.offload_shard`): round into it
+            param.data.copy_(master)
+            return
         rounded = host.staging.view(param.dtype)[: param.numel()]
         rounded.copy_(master)
         if self.up_stream is None:

@@ -205,6 +205,8 @@ class Chunk:
         self.full.untyped_storage().resize_(0)
         self.state = ChunkState.SHARDED
         self._gathered_event = None
+        # see `offload_shard`
+        self.shard_on_host = False
 
         # [C] reduce dtype, allocated at the first gradient of a backward pass
         self.grad_full: torch.Tensor | None = None
@@ -287,6 +289,36 @@ class Chunk:
                 self.spec.slots[position], value.detach(), self.shard.data, master_init
             )
 
+    def offload_shard(self) -> None:
+        r"""
+        ### Keep this rank's shard in host memory
+
+        The shard moves to host memory (page-locked on a GPU, so that the copy up
+        is a DMA that runs beside the computation), saving $p S$ device bytes; each
+        gather then first copies it up into its own slice of the full buffer and
+        all-gathers in place. A trainable shard stays the same `nn.Parameter` (its
+        `.data` moves), so its optimizer must keep the master on the host too
+        (`AdamFP16(offload=...)`): the update then writes the rounded master
+        straight into it. `grad_device` says where its `main_grad` will be.
+        """
+        if self.shard_on_host:
+            return
+        assert self.state is ChunkState.SHARDED, "offload a shard between steps"
+        pin = self.comm.device.type == "cuda"
+        # [S] param dtype, on the host
+        host = torch.empty(self.shard_numel, dtype=self.dtype, pin_memory=pin)
+        host.copy_(self.shard.detach())
+        if self.trainable:
+            self.shard.data = host
+            self.shard.grad_device = self.comm.device
+            master_init = getattr(self.shard, "master_init", None)
+            if master_init is not None:
+                # [S] fp32; the optimizer takes it to the host anyway
+                self.shard.master_init = master_init.cpu()
+        else:
+            self.shard = host
+        self.shard_on_host = True
+
     ### Gather and release
 
     def gather(self) -> None:
@@ -303,7 +335,17 @@ class Chunk:
         comm.wait(comm.gather_stream, compute)
         # stable profiler name, which the benchmark and the timeline refer to
         with record_function("zero::gather"), comm.on(comm.gather_stream):
-            comm.all_gather(self.full, self.shard.detach())
+            if self.shard_on_host:
+                # [S] this rank's slice of `full`: the copy up lands in place and
+                # the all-gather reads it there (NCCL's in-place form). The host
+                # shard is rewritten only by the optimizer, after waiting for an
+                # event that follows this chunk's last gather of the step.
+                local = self.full[self.shard_offset : self.shard_offset
+                                  + self.shard_numel]
+                local.copy_(self.shard.detach(), non_blocking=True)
+                comm.all_gather(self.full, local)
+            else:
+                comm.all_gather(self.full, self.shard.detach())
         self._gathered_event = comm.record_event(comm.gather_stream)
         self.state = ChunkState.GATHERING
 

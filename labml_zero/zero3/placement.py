@@ -34,8 +34,8 @@ was the shard itself). The host then holds $16F$ bytes: $12F$ of state and $4F$
 of pinned staging buffer, which carries the gradient down and the rounded master
 up.
 
-A parameter shard on the host (not wired into the engine, see Limitations)
-saves $p$ more bytes per element and costs two uploads of $p$ bytes per step, one
+A parameter shard on the host (`Chunk.offload_shard`, applied by
+`offload_parameters`) saves $p$ more bytes per element and costs two uploads of $p$ bytes per step, one
 before each all-gather (forward and backward); its updated master needs no upload
 of its own. As in ColossalAI, it needs the whole optimizer state on the host.
 
@@ -133,9 +133,12 @@ The readout and the embedding (each $310$ M elements) are smaller than a layer
 
 ## Limitations
 
-* Parameter-shard offload (`param_on_host`) is decided and counted here but not
-  wired into the engine's gather path: `Chunk.gather` reads a device shard. The
-  2×H200 job above does not need it.
+* Parameter shards on the host are copied up synchronously with their gather
+  (on the gather stream, so the prefetch hides it behind the previous unit's
+  computation, but a chunk's copy and all-gather do not overlap each other),
+  and every gather copies again; keeping a device copy between the forward and
+  the backward pass would halve the traffic. The 2×H200 job above does not need
+  parameter offload, and it has not been measured on GPUs.
 * `first_step_placement` predicts the peak from one step; a job whose memory
   use varies (longer sequences later) needs a larger `margin`.
 * PyTorch's host caching allocator may round pinned blocks up (to powers of two
@@ -161,6 +164,7 @@ __all__ = [
     "auto_placement",
     "shard_specs",
     "first_step_placement",
+    "offload_parameters",
 ]
 
 GIB = 1024**3
@@ -206,7 +210,7 @@ class Placement:
     * `optimizer_on_host`: positions in `model.chunks` of the trainable chunks
       whose master and moments are in host memory.
     * `param_on_host`: positions of the chunks whose parameter shard is in host
-      memory (not wired into the engine yet).
+      memory (`offload_parameters` moves them).
     """
 
     optimizer_on_host: frozenset[int] = frozenset()
@@ -439,6 +443,19 @@ def auto_placement(
     placement = Placement(optimizer_on_host=frozenset(chosen))
     return AutoPlacement(placement, peak,
                          offload_traffic(placement, shards, param_bytes=param_bytes))
+
+
+def offload_parameters(model, placement: Placement) -> None:
+    """
+    ## Move the parameter shards of `placement.param_on_host` to the host
+
+    Before building the optimizer, which must then keep those chunks' optimizer
+    state on the host too (`placement.optimizer_offload(...)`; `Placement.check`
+    refuses a trainable chunk whose state would stay on the device).
+    """
+    placement.check(shard_specs(model))
+    for i in sorted(placement.param_on_host):
+        model.chunks[i].offload_shard()
 
 
 # ## Deciding from a measured first step
