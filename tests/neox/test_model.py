@@ -138,3 +138,24 @@ def test_rotary_angles_are_fp32_even_for_bf16():
     # θ_0 = 1: the angle is the position itself; bf16 positions past 256 would
     # be rounded before the cosine.
     torch.testing.assert_close(cos[:, 0].double(), pos.cos(), atol=1e-2, rtol=0)
+
+
+def test_attention_keeps_no_view_of_the_fused_qkv_for_backward():
+    # The model's note: v is copied so that the saved tensors do not pin the whole
+    # [B, T, 3d] output of query_key_value until the backward pass.
+    config = NeoXConfig(n_vocab=64, d_model=64, n_heads=4, n_layers=1)
+    attention = M.Attention(config).requires_grad_(False)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    sizes = []
+
+    weights = {p.untyped_storage().data_ptr() for p in attention.parameters()}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            sizes.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attention(x).sum().backward()
+    head_split = 2 * 16 * 64 * 4  # one of q, k, v: [B, n_h, T, d_h] fp32
+    assert sizes and max(sizes) <= head_split
