@@ -45,6 +45,13 @@ activation checkpointing the layer is wrapped first and the *wrapper* is
 sharded (torchtitan's order), so FSDP2's hooks gather the parameters before the
 recomputation in backward exactly as before the forward.
 
+With `compile`, each transformer layer is compiled first, `module.compile()`
+before `fully_shard` (torchtitan's order again, and that of the compiled figures
+in `ANCHORS.md`): its whole call is compiled, and FSDP2's hooks on it run
+eagerly (FSDP2 marks them `torch._dynamo.disable`). With recomputation the
+layer inside `Recomputed` is compiled, as ours is; the backend is the same as
+ours ([compiled layers](engine.html)).
+
 With offload, every group gets `CPUOffloadPolicy`: the fp32 shards live in
 pinned host memory and are copied to the GPU only to be all-gathered; the
 reduce-scattered fp32 gradients are copied back to the host, and `AdamW`
@@ -124,8 +131,8 @@ host-memory watchdog reports it.
 
 * DeepSpeed is optional: when `import deepspeed` fails, the run reports the
   reason and skips it.
-* No `torch.compile` anywhere (ours is eager too); `ANCHORS.md` gives compiled
-  FSDP2 figures for reference.
+* `compile` is implemented for FSDP2 (and ours) only; the run skips DDP and
+  DeepSpeed when it is asked for.
 * DeepSpeed ZeRO-3 with non-reentrant checkpointing fails in 0.19 when a layer
   has *frozen* parameters (its forward hooks free them while the recomputation
   still refers to them; deepspeedai/DeepSpeed#8130). W5 trains everything, so
@@ -153,6 +160,7 @@ from .engine import (
     LEARNING_RATE,
     WEIGHT_DECAY,
     Engine,
+    compile_backend,
     lm_loss,
     meta_layers,
 )
@@ -289,6 +297,12 @@ def build_fsdp2(ctx: DistContext, workload: Workload) -> Engine:
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32
     )
     shard = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload_policy}
+    # 0. with compile, each transformer layer's call is compiled before its hooks
+    #    are installed
+    if workload.compile:
+        for layer in layers:
+            if isinstance(layer, TransformerLayer):
+                layer.compile(backend=compile_backend(ctx.device))
     # 1. one FSDP group per transformer layer (or its Recomputed wrapper), in
     #    execution order
     for module in modules:

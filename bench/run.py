@@ -39,6 +39,12 @@ cannot disturb the next.
 * **Anything else**: `"status": "error"` with the last line of the traceback; the
   remaining pairs still run.
 
+`--compile` compiles each transformer layer with `torch.compile` (Inductor on
+the GPUs), in ours ([compiled layers](engine.html)) and in FSDP2
+([baselines](baselines.html)); every line says `"compiled"`, and DDP and
+DeepSpeed are skipped. The compilation happens in the first step, so it needs
+`--warmup` of at least 1 to stay out of the timing.
+
 `--tiny` shrinks every workload to two layers of width 64 so that the whole
 matrix runs in seconds: on CPU (gloo, two processes, `--cpu` where GPUs exist)
 it is the smoke test; on the GPUs it is a dry run of every code path, NCCL
@@ -62,7 +68,7 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -72,6 +78,8 @@ from .host_memory import HostMemoryWatch, exit_on_exhausted, rss_peak
 from .workloads import Workload, mfu, shrink, workloads
 
 ENGINES = ("labml_zero", "fsdp2", "ddp", "deepspeed")
+# the engines whose builders honour `workload.compile`
+COMPILED_ENGINES = ("labml_zero", "fsdp2")
 GIB = 2**30
 
 
@@ -239,6 +247,7 @@ def describe(engine: str, workload: Workload, world_size: int, backend: str) -> 
         "batch_per_gpu": workload.batch,
         "seq": workload.seq,
         "finetune": workload.finetune,
+        "compiled": workload.compile,
         "model": {"n_layers": model.n_layers, "d_model": model.d_model,
                   "n_heads": model.n_heads, "n_vocab": model.n_vocab},
     }
@@ -303,6 +312,10 @@ def run_pair(engine: str, workload: Workload, run: RunConfig, *, world_size: int
              backend: str, timeout_s: float) -> dict:
     """Spawn `world_size` processes for one (engine, workload); return its line."""
     line = describe(engine, workload, world_size, backend)
+    if workload.compile and engine not in COMPILED_ENGINES:
+        return {**line, "status": "skipped",
+                "reason": f"--compile is implemented for "
+                f"{', '.join(COMPILED_ENGINES)} only"}
     if engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         return {**line, "status": "skipped",
                 "reason": "deepspeed is not installed (no module named deepspeed)"}
@@ -350,6 +363,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="shrink every workload to a tiny model (CPU smoke test)")
     parser.add_argument("--cpu", action="store_true",
                         help="run on CPU with gloo even where GPUs exist")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each transformer layer "
+                        f"({', '.join(COMPILED_ENGINES)}; others are skipped)")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the profiled step (no communication share)")
     parser.add_argument("--trace-dir", default=None,
@@ -366,6 +382,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     known = workloads()
     args.workload_list = split_names(args.workloads, known, "--workloads")
     args.engine_list = split_names(args.engines, ENGINES, "--engines")
+    if args.compile and args.warmup < 1:
+        raise SystemExit("--compile needs --warmup >= 1: the first step compiles")
     return args
 
 
@@ -416,6 +434,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     lines = []
     for name in args.workload_list:
         workload = shrink(known[name]) if args.tiny else known[name]
+        workload = replace(workload, compile=args.compile)
         for engine in args.engine_list:
             result = run_pair(engine, workload, run, world_size=world_size,
                               backend=backend, timeout_s=args.timeout)

@@ -90,6 +90,10 @@ class Workload:
     offload: str | None = None
     """`None`: everything on the GPUs. `'auto'`: each engine's host offload of
     the optimizer (see W5); labml_zero decides how much from the first step."""
+    compile: bool = False
+    """Compile each transformer layer with `torch.compile` (`--compile`); the
+    embedding, final norm and readout stay eager. Each engine says how in its
+    builder ([ours](engine.html), [FSDP2](baselines.html))."""
 
     def __post_init__(self):
         if self.batch < 1 or self.seq < 1:
