@@ -109,7 +109,7 @@ from labml_zero.optimizers.clip_grad import clip_grad_norm_
 from labml_zero.zero3.placement import (
     StaticPlacement,
     first_step_placement,
-    offload_parameters,
+    apply_placement,
     shard_specs,
 )
 from labml_zero.optimizers.grad_scaler import LossScaler
@@ -381,11 +381,13 @@ def optimizer_offload(model: Zero3Sequential, config: FinetuneConfig,
             raise ValueError("offload_optimizer 'auto' needs GPUs (it reads the "
                              "CUDA allocator's peak); give a fraction on CPU")
         decided = first_step_placement(model, probe)
+        # frozen chunks stay gathered in the memory left over
+        apply_placement(model, decided.placement)
         return decided.placement.optimizer_offload(shards)
     placement = StaticPlacement(optimizer_cpu_fraction=config.offload_optimizer,
                                 param_cpu_fraction=config.offload_params
                                 ).place(shards)
-    offload_parameters(model, placement)
+    apply_placement(model, placement)
     return placement.optimizer_offload(shards)
 
 

@@ -520,6 +520,8 @@ def install_shard(chunk: Chunk, state: ShardState, optimizer,
     # where the optimizer keeps this shard's state: host memory when offloaded
     device = (optimizer.state_device(chunk.shard)
               if hasattr(optimizer, "state_device") else chunk.comm.device)
+    # a resident chunk's gathered copy would no longer match the loaded shard
+    chunk.release(force=True)
     with torch.no_grad():
         chunk.shard.detach().copy_(state.param)
     chunk.zero_grad()

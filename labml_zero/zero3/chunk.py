@@ -205,8 +205,9 @@ class Chunk:
         self.full.untyped_storage().resize_(0)
         self.state = ChunkState.SHARDED
         self._gathered_event = None
-        # see `offload_shard`
+        # see `offload_shard` and `keep_resident`
         self.shard_on_host = False
+        self.resident = False
 
         # [C] reduce dtype, allocated at the first gradient of a backward pass
         self.grad_full: torch.Tensor | None = None
@@ -284,6 +285,8 @@ class Chunk:
                 f"does not match the model's {tuple(param.shape)}"
             )
         master_init = getattr(self.shard, "master_init", None)
+        # a resident gathered copy would no longer match the shard
+        self.release(force=True)
         with torch.no_grad():
             self._copy_into_shard(
                 self.spec.slots[position], value.detach(), self.shard.data, master_init
@@ -318,6 +321,22 @@ class Chunk:
         else:
             self.shard = host
         self.shard_on_host = True
+
+    def keep_resident(self) -> None:
+        r"""
+        ### Keep a frozen chunk gathered from its first gather on
+
+        The opposite of offloading, for when device memory allows: the full
+        buffer, $N_d S p$ bytes instead of $S p$, stays, and the chunk is never
+        gathered again, neither in the backward pass nor in later steps. Only
+        frozen chunks: a trainable chunk's buffer would be stale after each
+        optimizer step.
+        """
+        if self.trainable:
+            raise ValueError(f"chunk {self.spec.index} is trainable: its gathered "
+                             "copy would be stale after each optimizer step; only "
+                             "frozen chunks can stay resident")
+        self.resident = True
 
     ### Gather and release
 
@@ -357,9 +376,12 @@ class Chunk:
             self._gathered_event = None
             self.state = ChunkState.GATHERED
 
-    def release(self) -> None:
-        """Free the full buffer; the shard stays."""
+    def release(self, *, force: bool = False) -> None:
+        """Free the full buffer; the shard stays. A resident chunk keeps it,
+        unless `force`."""
         if self.state is ChunkState.SHARDED:
+            return
+        if self.resident and not force:
             return
         # A prefetched chunk may never have been waited for: wait before freeing,
         # or the allocator could hand the memory out while the gather still writes.

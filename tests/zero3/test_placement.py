@@ -153,7 +153,8 @@ def test_first_step_placement_probes_then_decides():
                for s in model.get_trainable_chunk())
     # the same decision as auto_placement on the measured numbers
     expected = auto_placement(shards, device_capacity=capacity,
-                              measured_peak_other=other, margin=0)
+                              measured_peak_other=other, margin=0,
+                              resident_world_size=1)
     assert decided == expected
     offloaded = sum(shards[i].numel for i in decided.placement.optimizer_on_host)
     assert offloaded >= sum(trainable) / 3
@@ -228,3 +229,30 @@ def test_gpt_neox_20b_automatic_choice_of_the_page():
     trainable = sum(x.numel for x in shards)
     offloaded = sum(shards[i].numel for i in decided.placement.optimizer_on_host)
     assert offloaded / trainable == pytest.approx(0.397, abs=0.001)
+
+
+def test_auto_keeps_frozen_chunks_resident_in_the_room_left():
+    # frozen chunk 1 (50 elements) gathered on 2 ranks: 2 * 50 * 2 = 200 bytes
+    states = resident_bytes(Placement(), SHARDS).device
+    decided = auto_placement(SHARDS, device_capacity=states + 200,
+                             measured_peak_other=states - 12 * 360,
+                             resident_world_size=2)
+    assert decided.placement == Placement(resident=frozenset({1}))
+    assert decided.predicted_peak == states + 200
+    # one byte short: not resident
+    decided = auto_placement(SHARDS, device_capacity=states + 199,
+                             measured_peak_other=states - 12 * 360,
+                             resident_world_size=2)
+    assert decided.placement.resident == frozenset()
+    # without the world size, nothing is made resident
+    decided = auto_placement(SHARDS, device_capacity=10 * states,
+                             measured_peak_other=states - 12 * 360)
+    assert decided.placement.resident == frozenset()
+
+
+def test_resident_only_for_frozen_chunks():
+    with pytest.raises(ValueError, match="resident names trainable chunk 0"):
+        Placement(resident=frozenset({0})).check(SHARDS)
+    with pytest.raises(ValueError, match="both resident and on the host"):
+        Placement(optimizer_on_host=frozenset({0, 2, 3, 4}), resident=frozenset({1}),
+                  param_on_host=frozenset({1})).check(SHARDS)

@@ -1,19 +1,22 @@
 """
-Parameter shards in host memory: the same training as with device shards.
+Where chunks live: the same training with parameter shards in host memory, and
+with frozen chunks resident (gathered once), as with neither.
 
-Two ranks (gloo, or NCCL with `LABML_ZERO_TEST_BACKEND=nccl`): the gather copies
-the host shard into its slice of the full buffer and all-gathers in place.
+Two ranks (gloo, or NCCL with `LABML_ZERO_TEST_BACKEND=nccl`): a host shard's
+gather copies it into its slice of the full buffer and all-gathers in place.
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
 from labml_zero.zero3.placement import (
+    Placement,
     StaticPlacement,
-    offload_parameters,
+    apply_placement,
     resident_bytes,
     shard_specs,
 )
@@ -21,7 +24,7 @@ from tests.distributed import run_distributed
 from tests.zero3.models import batch, tiny_layers
 
 
-def train(ctx, dtype, param_fraction: float, steps: int = 4):
+def train(ctx, dtype, param_fraction: float, steps: int = 4, resident=False):
     config = ZeroConfig(dtype=dtype, chunk_numel=96, align=4)
     model = Zero3Sequential(zero3_layers(tiny_layers(0), device=ctx.device,
                                          config=config))
@@ -29,7 +32,11 @@ def train(ctx, dtype, param_fraction: float, steps: int = 4):
     # every optimizer state on the host, as parameter offload requires
     placement = StaticPlacement(optimizer_cpu_fraction=1.0,
                                 param_cpu_fraction=param_fraction).place(shards)
-    offload_parameters(model, placement)
+    if resident:
+        frozen = frozenset(i for i, s in enumerate(shards) if not s.trainable)
+        placement = Placement(resident=frozen)
+    apply_placement(model, placement)
+    counter = model.runtime.comm.counter
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=3e-3, weight_decay=0.01,
                          offload=placement.optimizer_offload(shards))
     on_host = [c.shard.device.type == "cpu" and c.shard_on_host for c in model.chunks]
@@ -43,15 +50,20 @@ def train(ctx, dtype, param_fraction: float, steps: int = 4):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        if step == 0:
+            counter.reset()
     split = resident_bytes(placement, shards, param_bytes=2 if dtype != torch.float32
                            else 4)
     return {"losses": losses, "shards": [c.shard.detach().clone() for c in model.chunks],
             "on_host": on_host, "host_positions": sorted(placement.param_on_host),
-            "split": tuple(split)}
+            "split": tuple(split),
+            "gathered_per_step": counter.bytes.get("all_gather", 0) // (steps - 1),
+            "frozen_bytes": sum(c.numel * c.full.element_size()
+                                for c in model.chunks if not c.trainable)}
 
 
-def run(param_fraction: float):
-    return run_distributed(train, 2, torch.bfloat16, param_fraction)
+def run(param_fraction: float, resident: bool = False):
+    return run_distributed(train, 2, torch.bfloat16, param_fraction, 4, resident)
 
 
 def test_parameter_shards_on_the_host_train_alike():
@@ -67,3 +79,25 @@ def test_parameter_shards_on_the_host_train_alike():
         # and the model's device/host split says so: p bytes per element moved
         moved = a["split"][0] - b["split"][0]
         assert moved > 0 and b["split"][1] - a["split"][1] == moved
+
+
+def test_resident_frozen_chunks_are_gathered_once():
+    plain, resident = run(0.0), run(0.0, resident=True)
+    for a, b in zip(plain, resident):
+        assert a["losses"] == b["losses"]
+        for x, y in zip(a["shards"], b["shards"]):
+            assert torch.equal(x, y)
+        # after the first step, frozen chunks are no longer all-gathered: the
+        # notes' 2 (N - 1) S p bytes a step (forward and backward) are saved
+        assert b["frozen_bytes"] > 0
+        assert a["gathered_per_step"] - b["gathered_per_step"] == 2 * b["frozen_bytes"]
+
+
+def test_only_frozen_chunks_stay_resident():
+    from labml_zero.zero3.placement import shard_specs as specs
+
+    model = Zero3Sequential(zero3_layers(tiny_layers(0), device=torch.device("cpu"),
+                                         config=ZeroConfig(chunk_numel=96, align=4)))
+    trainable = next(i for i, s in enumerate(specs(model)) if s.trainable)
+    with pytest.raises(ValueError, match="is trainable"):
+        model.chunks[trainable].keep_resident()
