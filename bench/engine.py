@@ -45,7 +45,8 @@ weights and moments, gradients reduce-scattered in fp32.
 
 ## Offload (W5)
 
-With `workload.offload == "auto"` the optimizer is built only after a probe:
+With `workload.offload == "auto"` (or `workload.resident`, W3R) the
+optimizer is built only after a probe:
 one forward and backward on a batch of its own, measured, then
 [`first_step_placement`](../labml_zero/zero3/placement.html) puts the
 optimizer states of as few chunks as needed in host memory, from the output
@@ -54,13 +55,20 @@ reduced (the runtime's `grad_ready` hook), their host update starts then too
 (`update_during_backward`: the benchmark neither clips nor scales the loss),
 and each rank's host Adam runs on
 $\lfloor \text{cores} / N \rfloor$ threads ([launch](../labml_zero/launch.html)
-sets them), so the ranks of one host do not fight over the cores. The probe is part of the build time (`init_s`).
+sets them), so the ranks of one host do not fight over the cores. The probe is
+part of the build time (`init_s`).
+
+With `workload.resident` the same decision also keeps frozen chunks gathered
+in the device memory left over ([keeping chunks
+resident](../labml_zero/zero3/placement.html)): on W3R, GPT-NeoX-20B's frozen
+weights, whole on each GPU, are gathered once, in the first step.
 
 On CPU (the smoke test) there are no allocator statistics: the probe's "peak"
 is the model states without optimizer state (the layout's shards, fp32
 gradients and `master_init` copies) and the "device" holds half of the
 optimizer state more, so at least half of it is offloaded and the offloaded
-path runs.
+path runs (plus, for a resident workload, room for every frozen chunk
+gathered).
 
 ## Compiled layers (`--compile`)
 
@@ -127,6 +135,7 @@ from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
 from labml_zero.zero3.communication import CommCounter
 from labml_zero.zero3.placement import (
     Placement,
+    apply_placement,
     first_step_placement,
     resident_bytes,
     shard_specs,
@@ -261,7 +270,7 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     }
     info = {"chunk_numel": sharded[0].layout.chunk_numel, "chunks": len(model.chunks)}
     offload = frozenset()
-    if workload.offload == "auto":
+    if workload.offload == "auto" or workload.resident:
         offload = probe_and_place(ctx, workload, model, memory, info)
     # no clipping or loss scaling here: offloaded shards can be updated on the
     # host while the backward pass goes on
@@ -314,9 +323,14 @@ def probe_and_place(ctx: DistContext, workload: Workload, model: Zero3Sequential
             # the fp32 `master_init` copies are on the device during the probe
             return states.device - optimizer_bytes + 4 * trainable
 
+        # and, for a resident workload, room for the frozen chunks gathered
+        frozen_bytes = 2 * sum(s.numel for s in shards if not s.trainable)
+        room = ctx.world_size * frozen_bytes if workload.resident else 0
         kwargs = dict(measure_peak=measure_peak, margin=0,
-                      device_capacity=states.device - optimizer_bytes // 2)
-    decided = first_step_placement(model, forward_backward, **kwargs)
+                      device_capacity=states.device - optimizer_bytes // 2 + room)
+    decided = first_step_placement(model, forward_backward,
+                                   resident=workload.resident, **kwargs)
+    apply_placement(model, decided.placement)
     split = resident_bytes(decided.placement, shards)
     memory["device_states"], memory["host_states"] = split.device, split.host
     trainable = sum(s.numel for s in shards if s.trainable)
@@ -326,6 +340,7 @@ def probe_and_place(ctx: DistContext, workload: Workload, model: Zero3Sequential
         offloaded_fraction=offloaded / max(trainable, 1),
         predicted_peak=decided.predicted_peak,
         host_link_bytes={"down": decided.traffic.down, "up": decided.traffic.up},
+        resident_chunks=len(decided.placement.resident),
     )
     # launch gave each rank its share of the host's cores
     info["host_threads"] = torch.get_num_threads()

@@ -89,6 +89,7 @@ class HostMemoryWatch:
         self.interval_s = interval_s
         self.used_peak: int | None = None
         self._stop = threading.Event()
+        self._fired = False
         # daemon: a rank that ends must not wait for its watchdog
         self._thread = threading.Thread(target=self._watch, daemon=True,
                                         name="host-memory-watch")
@@ -100,7 +101,8 @@ class HostMemoryWatch:
             return
         used = info["MemTotal"] - info["MemAvailable"]
         self.used_peak = max(used, self.used_peak or 0)
-        if info["MemAvailable"] < self.reserve:
+        if info["MemAvailable"] < self.reserve and not self._fired:
+            self._fired = True
             self._stop.set()
             self.on_exhausted(used)
 

@@ -352,7 +352,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "and its baselines on GPT-NeoX workloads.",
     )
     parser.add_argument("--workloads", default="W1,W2,W3,W4",
-                        help="comma-separated subset of W1,W2,W3,W4,W5")
+                        help="comma-separated subset of W1,W2,W3,W4,W5,W3R")
     parser.add_argument("--engines", default=",".join(ENGINES),
                         help=f"comma-separated subset of {','.join(ENGINES)}")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")

@@ -17,6 +17,7 @@ random tokens, bf16 computation, AdamW with fp32 master weights.
 | W3 | GPT-NeoX-20B | 16 × 128 | biases only |
 | W4 | Pythia-160M | 16 × 1024 | everything |
 | W5 | GPT-NeoX-20B | 4 × 2048 | everything, activation checkpointing, optimizer states partly in host memory |
+| W3R | GPT-NeoX-20B | 16 × 128 | biases only, frozen chunks resident (labml_zero) |
 
 W5 is the capability job of heterogeneous memory: its model states alone,
 $(2 + 4 + 12) \cdot 20.6 \cdot 10^9 / 2 = 185$ GB per rank, do not fit an H200
@@ -90,6 +91,9 @@ class Workload:
     offload: str | None = None
     """`None`: everything on the GPUs. `'auto'`: each engine's host offload of
     the optimizer (see W5); labml_zero decides how much from the first step."""
+    resident: bool = False
+    """labml_zero keeps frozen chunks gathered where memory allows, decided from
+    a probe step (W3R); the other engines run as without it."""
     compile: bool = False
     """Compile each transformer layer with `torch.compile` (`--compile`); the
     embedding, final norm and readout stay eager. Each engine says how in its
@@ -152,12 +156,15 @@ def mfu(workload: Workload, tokens_per_s: float, world_size: int) -> float:
 
 
 def workloads() -> dict[str, Workload]:
-    """W1..W4 of `ANCHORS.md`, and the capability job W5."""
+    """W1..W4 of `ANCHORS.md`, the capability job W5, and W3 with resident
+    frozen chunks (W3R)."""
     return {
         "W1": Workload("W1", pythia_1_4b(), batch=8, seq=2048),
         "W2": Workload("W2", pythia_6_9b(), batch=2, seq=2048),
         "W3": Workload("W3", gpt_neox_20b(), batch=16, seq=128, finetune="biases"),
         "W4": Workload("W4", pythia_160m(), batch=16, seq=1024),
+        "W3R": Workload("W3R", gpt_neox_20b(), batch=16, seq=128,
+                        finetune="biases", resident=True),
         "W5": Workload("W5", gpt_neox_20b(), batch=4, seq=2048,
                        activation_checkpointing=True, offload="auto"),
     }

@@ -1,0 +1,65 @@
+"""The benchmark's placement workloads (W5, W3R) and its host-memory watchdog, on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import run as bench_run
+from bench.host_memory import HostMemoryWatch, exit_on_exhausted, meminfo, rss_peak
+
+
+def test_offloaded_and_resident_workloads_run_tiny():
+    # W5: half the optimizer states on the simulated device's host; W3R: frozen
+    # chunks resident. Both train as their plain twins (W3 for W3R) do.
+    lines = {line["workload"]: line for line in bench_run.main([
+        "--tiny", "--cpu", "--workloads", "W3,W3R,W5", "--engines", "labml_zero",
+        "--steps", "2", "--warmup", "1", "--no-profile"])}
+    assert all(line["status"] == "ok" for line in lines.values())
+    w5, w3r, w3 = lines["W5"], lines["W3R"], lines["W3"]
+    assert w5["info"]["offloaded_fraction"] >= 0.5
+    assert w5["memory_model_gib"]["host_states"] > 0
+    assert w3r["info"]["resident_chunks"] > 0
+    assert w3r["loss"] == pytest.approx(w3["loss"], abs=1e-6)
+    # after the first step the frozen chunks are not gathered again
+    gathered = w3r["comm_bytes_per_step"]["all_gather"]
+    assert gathered < w3["comm_bytes_per_step"]["all_gather"]
+    assert w3r["host_rss_peak_gib"] > 0
+
+
+def test_watchdog_reports_a_host_out_of_memory():
+    info = meminfo()
+    assert info is not None and 0 < info["MemAvailable"] <= info["MemTotal"]
+    assert rss_peak() > 0
+    exits = []
+    # a reserve above the host's memory: the first sample is "exhausted"
+    watch = HostMemoryWatch(reserve=info["MemTotal"] + 1, on_exhausted=exits.append)
+    with watch:
+        pass
+    # called once (the watch stops itself), with the bytes in use
+    assert len(exits) == 1 and watch.used_peak >= exits[0] > 0
+
+
+def test_exhausted_rank_writes_its_record_and_exits(monkeypatch, tmp_path):
+    path = tmp_path / "rank0.json"
+
+    def fake_exit(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(bench_run.os, "_exit", fake_exit)
+    monkeypatch.setattr("bench.host_memory.os._exit", fake_exit)
+    exhausted = exit_on_exhausted(lambda record: path.write_text(json.dumps(record)))
+    with pytest.raises(SystemExit) as ended:
+        exhausted(250 * 2**30)
+    assert ended.value.code == 1
+    record = json.loads(path.read_text())
+    assert record["status"] == "oom" and record["where"] == "host"
+    assert "250.0 GiB in use" in record["error"]
+
+
+def test_watchdog_checks_its_settings():
+    with pytest.raises(ValueError, match="reserve must be >= 0"):
+        HostMemoryWatch(reserve=-1, on_exhausted=print)
+    with pytest.raises(ValueError, match="interval_s must be > 0"):
+        HostMemoryWatch(reserve=0, on_exhausted=print, interval_s=0)
