@@ -34,6 +34,10 @@ cannot disturb the next.
   rank writes `"status": "oom"` and ends its process at once with `os._exit(1)`,
   skipping the process group's teardown, which could block on the other rank;
   `torch.multiprocessing` then ends the other rank. The line says where.
+* **Out of host memory**: every rank runs a [watchdog](host_memory.html) that
+  does the same, with `"where": "host"`, when the host has less than
+  `--host-reserve-gib` available (offloading engines on W5), before the
+  kernel's out-of-memory killer would pick a process.
 * **Engine unavailable** (DeepSpeed not installed): `"status": "skipped"` with
   the reason; no process is spawned if the module cannot even be found.
 * **Anything else**: `"status": "error"` with the last line of the traceback; the
