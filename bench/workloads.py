@@ -16,7 +16,7 @@ random tokens, bf16 computation, AdamW with fp32 master weights.
 | W2 | Pythia-6.9B | 2 × 2048 | everything |
 | W3 | GPT-NeoX-20B | 16 × 128 | biases only |
 | W4 | Pythia-160M | 16 × 1024 | everything |
-| W5 | GPT-NeoX-20B | 4 × 2048 | everything, activation checkpointing, optimizer states partly in host memory |
+| W5 | GPT-NeoX-20B | 4 × 2048 | everything; recomputation, offload |
 | W3R | GPT-NeoX-20B | 16 × 128 | biases only, frozen chunks resident (labml_zero) |
 
 W5 is the capability job of heterogeneous memory: its model states alone,

@@ -1,4 +1,4 @@
-"""The benchmark's placement workloads (W5, W3R) and its host-memory watchdog, on CPU."""
+"""The benchmark's placement workloads (W5, W3R) and host-memory watchdog, on CPU."""
 
 from __future__ import annotations
 

@@ -35,9 +35,10 @@ of pinned staging buffer, which carries the gradient down and the rounded master
 up.
 
 A parameter shard on the host (`Chunk.offload_shard`, applied by
-`apply_placement`) saves $p$ more bytes per element and costs two uploads of $p$ bytes per step, one
-before each all-gather (forward and backward); its updated master needs no upload
-of its own. As in ColossalAI, it needs the whole optimizer state on the host.
+`apply_placement`) saves $p$ more bytes per element and costs two uploads of $p$
+bytes per step, one before each all-gather (forward and backward); its updated
+master needs no upload of its own. As in ColossalAI, it needs the whole
+optimizer state on the host.
 
 ## When the link becomes the bottleneck
 
@@ -116,7 +117,7 @@ Step time $3.07$ s, $5.3$ k tokens/s for both GPUs. PyTorch FSDP2 with
 `CPUOffloadPolicy` and DeepSpeed ZeRO-3 with `offload_optimizer` put *all* of
 the optimizer state (and FSDP2 the parameters and gradients too) in host
 memory, about $16$ bytes per parameter and rank; both ran out of the host's
-memory on the same job ([bench](../../bench/README.html)).
+memory on the same job (`bench/README.md`, W5).
 
 ## Where each chunk lives during a step
 

@@ -14,6 +14,8 @@ import os
 import pytest
 import torch
 
+from labml_zero.optimizers.adam_fp16 import AdamFP16
+
 DEVICE = torch.device(os.environ.get("LABML_ZERO_TEST_DEVICE", "cpu"))
 
 
@@ -24,9 +26,8 @@ def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
         return
     a, b = a.detach(), b.detach()
     rtol = 1e-5 if a.dtype == torch.float32 else torch.finfo(a.dtype).eps
-    torch.testing.assert_close(a.float().cpu(), b.float().cpu(), rtol=rtol, atol=1e-7)
-
-from labml_zero.optimizers.adam_fp16 import AdamFP16
+    torch.testing.assert_close(a.float().cpu(), b.float().cpu(), rtol=rtol,
+                               atol=1e-7)
 
 SIZES = (37, 5, 130, 64)
 HYPER = dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)

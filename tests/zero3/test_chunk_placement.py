@@ -54,7 +54,8 @@ def train(ctx, dtype, param_fraction: float, steps: int = 4, resident=False):
             counter.reset()
     split = resident_bytes(placement, shards, param_bytes=2 if dtype != torch.float32
                            else 4)
-    return {"losses": losses, "shards": [c.shard.detach().clone() for c in model.chunks],
+    return {"losses": losses,
+            "shards": [c.shard.detach().clone() for c in model.chunks],
             "on_host": on_host, "host_positions": sorted(placement.param_on_host),
             "split": tuple(split),
             "gathered_per_step": counter.bytes.get("all_gather", 0) // (steps - 1),
