@@ -50,7 +50,7 @@ before `fully_shard` (torchtitan's order again, and that of the compiled figures
 in `ANCHORS.md`): its whole call is compiled, and FSDP2's hooks on it run
 eagerly (FSDP2 marks them `torch._dynamo.disable`). With recomputation the
 layer inside `Recomputed` is compiled, as ours is; the backend is the same as
-ours ([compiled layers](engine.html)).
+ours ([compiled layers](../labml_zero/zero3/compiled.html)).
 
 With offload, every group gets `CPUOffloadPolicy`: the fp32 shards live in
 pinned host memory and are copied to the GPU only to be all-gathered; the
@@ -154,13 +154,13 @@ from torch.utils.checkpoint import checkpoint
 from labml_zero.launch import DistContext
 from labml_zero.neox.finetuners import finetuner
 from labml_zero.neox.model import TransformerLayer, build_layers
+from labml_zero.zero3.compiled import default_compile_backend
 from labml_zero.zero3.memory_model import zero_model_states
 
 from .engine import (
     LEARNING_RATE,
     WEIGHT_DECAY,
     Engine,
-    compile_backend,
     lm_loss,
     meta_layers,
 )
@@ -302,7 +302,7 @@ def build_fsdp2(ctx: DistContext, workload: Workload) -> Engine:
     if workload.compile:
         for layer in layers:
             if isinstance(layer, TransformerLayer):
-                layer.compile(backend=compile_backend(ctx.device))
+                layer.compile(backend=default_compile_backend(ctx.device))
     # 1. one FSDP group per transformer layer (or its Recomputed wrapper), in
     #    execution order
     for module in modules:

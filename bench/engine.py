@@ -72,43 +72,11 @@ gathered).
 
 ## Compiled layers (`--compile`)
 
-With `workload.compile`, each transformer layer's `forward` is replaced by
-`torch.compile(forward)`, after sharding. The module's call itself stays eager,
-and that is where the runtime's [hooks](../labml_zero/zero3/hooks.html) are
-registered (gather and prefetch before, release after, the multi-grad hooks
-that start the backward's gathers): they run around the compiled code, never
-inside it, with their collectives, side streams and events. Compiling the whole
-call instead (`module.compile()`, as for FSDP2, whose hooks are marked
-`torch._dynamo.disable`) would trace ours: on CPU dynamo breaks the graph at
-`register_multi_grad_hook` and guards on `len(forward_order)`, so it compiles
-again for every layer until it hits its cache limit.
-
-Inside the compiled code the parameters are views into the gathered chunk
-buffer. Dynamo guards on their shape, stride, dtype and device, not on their
-storage, and it treats the parameters of every module as inputs of the graph,
-so
-
-* resizing the storage to 0 after the forward and back before the backward
-  (see [Note: why storage resize](../labml_zero/zero3/chunk.html)) changes
-  nothing it checks: the views always have memory when the code runs;
-* every layer has the same shapes, so one graph serves them all: a 3-layer
-  model trained for 3 steps compiles once (one graph, one AOT forward/backward
-  pair, no graph break, in `torch._dynamo.utils.counters`; tested), and so does
-  a 10-layer one (checked by hand), more layers than dynamo's default
-  `cache_size_limit` of 8: the 24 layers of W1 need no larger limit.
-
-AOT autograd makes the layer's backward one autograd node; the gradients still
-reach each parameter's `AccumulateGrad` and its post-accumulate-grad hook,
-which moves them into the chunk, eagerly. The losses match eager training
-(tested on two gloo ranks).
-
-The backend is Inductor on the GPUs. On CPU (the smoke test) it is
-`aot_eager`: dynamo, guards and AOT autograd without code generation, because
-torch 2.13's CPU Inductor emits C++ for a bf16 `TransformerLayer` (a plain one
-too, without labml_zero) that gcc 12 rejects (a variable declared twice), and
-code generation would take tens of seconds on two cores anyway. In fp32,
-Inductor compiles our sharded layers on CPU and gives the eager losses
-(checked by hand).
+With `workload.compile`, each transformer layer's `forward` is compiled after
+sharding, by [`compile_layers`](../labml_zero/zero3/compiled.html), which
+explains why the forward and not the call (the runtime's hooks stay eager), why
+one compilation serves all layers and steps, and the backends (Inductor on the
+GPUs, `aot_eager` on CPU).
 
 ## Limitations
 
@@ -133,6 +101,7 @@ from labml_zero.neox.model import TransformerLayer, build_layers
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
 from labml_zero.zero3.communication import CommCounter
+from labml_zero.zero3.compiled import compile_layers
 from labml_zero.zero3.placement import (
     Placement,
     apply_placement,
@@ -204,24 +173,6 @@ def meta_layers(workload: Workload) -> tuple[list[nn.Module], int, int]:
     return layers, count.trainable, count.total - count.trainable
 
 
-def compile_backend(device: torch.device) -> str:
-    """Inductor on the GPUs, `aot_eager` on CPU (see Compiled layers)."""
-    return "inductor" if device.type == "cuda" else "aot_eager"
-
-
-def compile_forward(module: nn.Module, device: torch.device) -> None:
-    """
-    ### Compile a transformer layer's forward, not its call
-
-    The runtime's hooks on `module` stay outside the compiled code (see
-    Compiled layers); other layers are left eager.
-    """
-    if isinstance(module, TransformerLayer):
-        # an instance attribute: `nn.Module.__call__` looks `forward` up on self
-        module.forward = torch.compile(module.forward,
-                                       backend=compile_backend(device))
-
-
 def zero_step(model: nn.Module, optimizer: torch.optim.Optimizer):
     def step(batch: torch.Tensor) -> torch.Tensor:
         logits = model(batch[:, :-1])  # [B, T, V] bf16
@@ -254,8 +205,7 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     # (steps 1 to 3 above), with one chunk size searched over all of them.
     sharded = zero3_layers(layers, device=ctx.device, config=config)
     if workload.compile:
-        for layer in sharded:
-            compile_forward(layer.module, ctx.device)
+        compile_layers(sharded, device=ctx.device, types=(TransformerLayer,))
     model = Zero3Sequential(sharded)
     # p = 2 (bf16 shards), g = 4 (fp32 `main_grad`), K = 12 (AdamFP16).
     sizes = dict(param_bytes=2, grad_bytes=4, optimizer_bytes=12)

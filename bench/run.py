@@ -44,8 +44,8 @@ cannot disturb the next.
   remaining pairs still run.
 
 `--compile` compiles each transformer layer with `torch.compile` (Inductor on
-the GPUs), in ours ([compiled layers](engine.html)) and in FSDP2
-([baselines](baselines.html)); every line says `"compiled"`, and DDP and
+the GPUs), in ours ([compiled layers](../labml_zero/zero3/compiled.html)) and
+in FSDP2 ([baselines](baselines.html)); every line says `"compiled"`, and DDP and
 DeepSpeed are skipped. The compilation happens in the first step, so it needs
 `--warmup` of at least 1 to stay out of the timing.
 

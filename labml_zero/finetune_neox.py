@@ -125,6 +125,8 @@ def make_parser() -> Parser:
                    default=d.offload_params,
                    help="fraction of the parameter shards kept in host memory "
                    "(needs --offload-optimizer 1)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer layer (Inductor on GPUs)")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute activations in the backward pass")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
@@ -172,6 +174,7 @@ def parse_config(argv: Sequence[str] | None, parser: Parser
             offload_optimizer=args.offload_optimizer,
             offload_params=args.offload_params,
             activation_checkpointing=args.activation_checkpointing,
+            compile=args.compile,
             valid_every=args.valid_every, checkpoint_every=args.checkpoint_every,
             resume=args.resume, out=args.out, log_dir=args.log_dir,
             app_url=args.app_url, seed=args.seed,

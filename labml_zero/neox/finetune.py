@@ -51,6 +51,10 @@ on the host (that layer's only) and copied slice by slice into the shards. A ran
 never holds more than one chunk on its device beyond its shards, and one layer
 on the host.
 
+With `compile`, each transformer layer's forward is then compiled (the
+engine's hooks stay eager around it, see [compiled
+layers](../zero3/compiled.html)); the first step pays for the compilation.
+
 ## Tracking
 
 Each rank creates the same labml run (one uuid, agreed by a broadcast) with its own
@@ -106,6 +110,7 @@ from labml_zero.neox.generate import Sampling, generate
 from labml_zero.neox.tokenizer import load_tokenizer
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.optimizers.clip_grad import clip_grad_norm_
+from labml_zero.zero3.compiled import compile_layers
 from labml_zero.zero3.placement import (
     StaticPlacement,
     first_step_placement,
@@ -199,6 +204,9 @@ class FinetuneConfig:
     host memory and copied up at each gather; needs `offload_optimizer=1`."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass."""
+    compile: bool = False
+    """`torch.compile` each transformer layer's forward ([compiled
+    layers](../zero3/compiled.html)): Inductor on GPUs, `aot_eager` on CPU."""
     dtype: str | None = None
     """`'fp32'`, `'bf16'` or `'fp16'`: the chunks' and the computation's dtype.
     `None`: fp32 on CPU (16-bit matmuls are slow on most CPUs), bf16 on CUDA."""
@@ -358,6 +366,10 @@ def build_model(config: FinetuneConfig, ctx: DistContext) -> BuiltModel:
                                else []):
         torch.manual_seed(config.seed)
         sharded = zero3_layers(layers, device=ctx.device, config=zero, init_param=init)
+    if config.compile:
+        # the transformer layers' forwards; the engine's hooks stay eager
+        compile_layers(sharded, device=ctx.device,
+                       types=(neox_model.TransformerLayer,))
     if hf is not None:
         for layer in sharded:
             # [one layer] on the host, shapes checked before reading; each rank

@@ -43,13 +43,14 @@ gather runs on a side stream while the current one computes.
 * [Chunk-size search](chunk_search.html): choosing the chunk size.
 * [Memory model](memory_model.html): the bytes, analytically.
 * [Placement](placement.html): which chunks keep optimizer states (or parameter
-  shards) in host memory, and the bytes that moves.
+  shards) in host memory, or stay gathered, and the bytes that moves.
 * [Communication](communication.html): the collectives and streams.
 * [Chunk](chunk.html): a chunk's tensors and lifecycle.
 * [Hooks and schedule](hooks.html): when chunks are gathered, released and reduced.
 * [Configuration](config.html): the knobs.
 * [Sharding a model](sharded_model.html): `Zero3Layer`, `Zero3Sequential`,
   `shard_model`.
+* [Compiling sharded layers](compiled.html): `torch.compile` inside the hooks.
 * [Checkpoints](checkpoint.html): saving, resuming and resharding;
   [the format and the resharding reader](checkpoint_reader.html);
   [exporting the whole model](checkpoint_export.html).
