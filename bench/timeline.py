@@ -39,7 +39,9 @@ def timeline(trace: dict, *, merge_gap_us: float = 50.0) -> list[dict]:
         if e.get("cat") == "kernel" and "ts" in e and "dur" in e
     ]
     if not kernels:
-        raise ValueError("the trace has no GPU kernels: profile with ProfilerActivity.CUDA")
+        raise ValueError(
+            "the trace has no GPU kernels: profile with ProfilerActivity.CUDA"
+        )
     kernels.sort(key=lambda e: e["ts"])
     origin = kernels[0]["ts"]
     events: list[dict] = []
@@ -49,7 +51,11 @@ def timeline(trace: dict, *, merge_gap_us: float = 50.0) -> list[dict]:
         start = (kernel["ts"] - origin) * 1e-6
         end = start + kernel["dur"] * 1e-6
         last = open_block.get(stream)
-        if last is not None and last["name"] == label and start - last["end"] <= merge_gap_us * 1e-6:
+        if (
+            last is not None
+            and last["name"] == label
+            and start - last["end"] <= merge_gap_us * 1e-6
+        ):
             last["end"] = max(last["end"], end)
             continue
         block = {"name": label, "stream": stream, "start": start, "end": end}
@@ -68,7 +74,8 @@ def main() -> None:
     parser.add_argument("--source", required=True, help="what run produced the trace")
     args = parser.parse_args()
     events = timeline(json.loads(args.trace.read_text()))
-    args.out.write_text(json.dumps({"source": args.source, "events": events}, indent=1) + "\n")
+    payload = {"source": args.source, "events": events}
+    args.out.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"{len(events)} events written to {args.out}")
 
 

@@ -49,7 +49,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list
     `fn` must be a module-level function of an importable module (processes spawn).
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        launch.spawn(_collect, world_size, fn, out_dir, args, backend=BACKEND, timeout_s=120)
+        launch.spawn(
+            _collect, world_size, fn, out_dir, args, backend=BACKEND, timeout_s=120
+        )
         return [
             torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
             for r in range(world_size)

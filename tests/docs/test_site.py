@@ -113,7 +113,10 @@ def test_check_detects_stale_missing_and_extra_files(tmp_path, capsys):
     # The command line reports the same through its exit status.
     (tmp_path / "index.html").write_text("stale")
     proc = subprocess.run(
-        [sys.executable, str(REPO / "build_docs.py"), "--check", "--site", str(tmp_path)],
+        [
+            sys.executable, str(REPO / "build_docs.py"),
+            "--check", "--site", str(tmp_path),
+        ],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 1 and "  index.html\n" in proc.stdout
@@ -129,8 +132,11 @@ def test_chunk_layout_figure_is_plan_chunks_on_pythia_160m(site):
     shapes = diagrams.pythia_160m_shapes()
     # Pythia-160M's parameter count at vocabulary 50432 (untied readout, no bias).
     d, v = 768, 50432
-    per_layer = 3 * d * d + 3 * d + d * d + d + 4 * d + 4 * d * d + 4 * d + 4 * d * d + d
-    assert sum(diagrams._numel(s) for _, s, _ in shapes) == 2 * v * d + 12 * per_layer + 2 * d
+    per_layer = (
+        3 * d * d + 3 * d + d * d + d + 4 * d + 4 * d * d + 4 * d + 4 * d * d + d
+    )
+    total = sum(diagrams._numel(s) for _, s, _ in shapes)
+    assert total == 2 * v * d + 12 * per_layer + 2 * d
     svg = (site / "figures" / "chunk_layout.svg").read_text()
     for size in (2**22, 2**23):
         specs = [layout_mod.ParamSpec(n, s, True, g) for n, s, g in shapes]
@@ -142,17 +148,26 @@ def test_chunk_layout_figure_is_plan_chunks_on_pythia_160m(site):
 
 def test_timeline_figure_comes_from_the_trace_file(site):
     diagrams = _load_diagrams()
-    trace = json.loads((REPO / "docs_src" / "figures" / "step_timeline.json").read_text())
+    trace_path = REPO / "docs_src" / "figures" / "step_timeline.json"
+    trace = json.loads(trace_path.read_text())
     svg = (site / "figures" / "step_timeline.svg").read_text()
     assert svg.count("<g><title>") == len(trace["events"])
     assert trace["source"][:40] in svg
     with pytest.raises(ValueError, match="stream 'copy'"):
         diagrams.validate_trace(
-            {"source": "x", "events": [{"name": "a", "stream": "copy", "start": 0, "end": 1}]}
+            {
+                "source": "x",
+                "events": [{"name": "a", "stream": "copy", "start": 0, "end": 1}],
+            }
         )
     with pytest.raises(ValueError, match="start <= end"):
         diagrams.validate_trace(
-            {"source": "x", "events": [{"name": "a", "stream": "gather", "start": 2, "end": 1}]}
+            {
+                "source": "x",
+                "events": [
+                    {"name": "a", "stream": "gather", "start": 2, "end": 1}
+                ],
+            }
         )
 
 
@@ -169,11 +184,14 @@ def _fake_tree(root: Path) -> None:
     )
     (pkg / "chunk.py").write_text(
         'r"""\n---\ntitle: Chunk\nsummary: A chunk.\n---\n\n# Chunk\n\n'
-        "Each rank holds $\\frac{(2+2+K)\\Psi}{N_d}$ bytes, and a price of $5 is text.\n\n"
+        "Each rank holds $\\frac{(2+2+K)\\Psi}{N_d}$ bytes, "
+        "and a price of $5 is text.\n\n"
         "![chunk layout](figures/chunk_layout.svg)\n\n"
         "## Note: why storage resize\n\nViews must survive.\n\n"
         '## Limitations\n\nNone.\n"""\n\nHOME = "$HOME"  # not math\n\n\n'
-        "def gather(x):\n    # Regrow it (see Note: why storage resize).\n    return x\n"
+        "def gather(x):\n"
+        "    # Regrow it (see Note: why storage resize).\n"
+        "    return x\n"
     )
     (pkg / "hooks.py").write_text(
         '"""\n# Hooks\n\nSee [the chunk](chunk.py).\n"""\n\n\n'
@@ -198,7 +216,8 @@ def test_notes_link_across_pages_and_broken_files_still_get_a_page(tmp_path):
     assert '<span class="missing" title="page not written yet">later</span>' in root
     assert "does not parse yet" in files["labml_zero/zero3/broken.html"].decode()
     # Reading order: home, then the home page's order (chunk), then the rest.
-    assert 'class="next" href="labml_zero/zero3/chunk.html"' in files["index.html"].decode()
+    index = files["index.html"].decode()
+    assert 'class="next" href="labml_zero/zero3/chunk.html"' in index
     assert 'class="prev" href="../../index.html"' in chunk
 
 

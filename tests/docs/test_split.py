@@ -78,8 +78,13 @@ class Spec:
     result = sections(src)
     assert result[0] == ("", "import dataclasses", 1)
     doc, code, lineno = result[1]
-    assert doc == "A comment right above the decorator\njoins the docstring.\n\n## Spec\n\nWhat a parameter needs."
-    assert code == "@dataclasses.dataclass(\n    frozen=True,\n)\nclass Spec:\n\n    name: str"
+    assert doc == (
+        "A comment right above the decorator\njoins the docstring.\n\n"
+        "## Spec\n\nWhat a parameter needs."
+    )
+    assert code == (
+        "@dataclasses.dataclass(\n    frozen=True,\n)\nclass Spec:\n\n    name: str"
+    )
     assert lineno == 6
     assert '"""' not in code
 

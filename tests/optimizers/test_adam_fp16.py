@@ -19,8 +19,12 @@ def test_fp32_update_equals_adamw(fused):
     torch.manual_seed(0)
     ours = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    opt = AdamFP16(ours, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, fused=fused)
-    ref = torch.optim.AdamW(theirs, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+    opt = AdamFP16(
+        ours, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, fused=fused
+    )
+    ref = torch.optim.AdamW(
+        theirs, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1
+    )
     for step in range(20):
         for p, q, g in zip(ours, theirs, gradients(step, sizes)):
             # the engine's fp32 shard gradient lives in main_grad

@@ -1,4 +1,7 @@
-"""Tiny models with odd sizes, so every chunk has padding, shared by the engine tests."""
+"""Tiny models with odd sizes, so every chunk has padding.
+
+Shared by the engine tests.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ def tiny_layers(seed: int = 0, *, freeze: bool = True) -> list[nn.Module]:
     `up.bias` is not), as bias-only fine-tuning does.
     """
     torch.manual_seed(seed)
-    layers = [nn.Linear(7, 13), Block(13, 29), Block(13, 31), Block(13, 17), nn.Linear(13, 5)]
+    layers = [
+        nn.Linear(7, 13), Block(13, 29), Block(13, 31), Block(13, 17), nn.Linear(13, 5)
+    ]
     if freeze:
         layers[2].up.weight.requires_grad_(False)
         layers[2].norm.requires_grad_(False)

@@ -18,7 +18,9 @@ ROWS_PER_RANK = 3
 
 
 def reference_flat_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def train_both(ctx, api: str, chunk_numel: int):
@@ -37,7 +39,9 @@ def train_both(ctx, api: str, chunk_numel: int):
     names = [n for n, _ in reference.named_parameters()]
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=3e-3, weight_decay=0.01)
     ref_optimizer = torch.optim.AdamW(
-        [p for p in reference.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.01
+        [p for p in reference.parameters() if p.requires_grad],
+        lr=3e-3,
+        weight_decay=0.01,
     )
     rows = ROWS_PER_RANK * ctx.world_size
     report = {"grad_mismatch": 0.0, "missing_grads": 0}
@@ -69,7 +73,7 @@ def train_both(ctx, api: str, chunk_numel: int):
 
 
 def gradient_mismatch(model, reference, ctx) -> float:
-    """Largest difference between each shard gradient and the reference's slice of it."""
+    """Largest difference between each shard gradient and the reference's slice."""
     worst = 0.0
     ref_grads = {id(p): p.grad for p in reference.parameters()}
     ref_params = list(reference.parameters())
@@ -96,7 +100,12 @@ def model_params(model) -> list[nn.Parameter]:
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "world_size,api,chunk_numel",
-    [(1, "sequential", 64), (2, "sequential", 200), (3, "generic", 96), (4, "generic", 128)],
+    [
+        (1, "sequential", 64),
+        (2, "sequential", 200),
+        (3, "generic", 96),
+        (4, "generic", 128),
+    ],
 )
 def test_parity_with_unsharded_adamw(world_size, api, chunk_numel):
     reports = run_distributed(train_both, world_size, api, chunk_numel)

@@ -1,4 +1,7 @@
-"""Accumulation, activation checkpointing, clipping, loss scaling and lazy init, sharded."""
+"""Accumulation, activation checkpointing, clipping, loss scaling and lazy init.
+
+All run sharded.
+"""
 
 from __future__ import annotations
 
@@ -83,7 +86,9 @@ def accumulation_and_checkpointing(ctx):
 def test_accumulation_and_activation_checkpointing():
     for r in run_distributed(accumulation_and_checkpointing, 2):
         # k micro-batches with accumulation equal one batch k times larger
-        diff = max((a - b).abs().max().item() for a, b in zip(r["big"], r["accumulated"]))
+        diff = max(
+            (a - b).abs().max().item() for a, b in zip(r["big"], r["accumulated"])
+        )
         assert diff <= 1e-6, diff
         # ... with a single reduce-scatter per trainable chunk per step
         assert r["reduce_calls"] == r["trainable_chunks"]
@@ -105,7 +110,9 @@ def clipping_and_overflow(ctx):
     norm = clip_grad_norm_(model.get_trainable_chunk(), 0.05, model.runtime.comm)
     out["norms"] = (norm.item(), expected_norm.item())
     # The clipped shard gradients are the reference's clipped gradients, sliced.
-    ref_params = dict(zip(map(id, nn.Sequential(*layers).parameters()), reference.parameters()))
+    ref_params = dict(
+        zip(map(id, nn.Sequential(*layers).parameters()), reference.parameters())
+    )
     worst = 0.0
     for chunk in model.chunks:
         if not chunk.trainable:
@@ -201,12 +208,17 @@ def lazy_init(ctx):
     states = [layer.state_dict() for layer in eager]
     loads = iter(states)
     layers = zero3_layers(
-        lazy, device=ctx.device, config=config, init=lambda m: m.load_state_dict(next(loads))
+        lazy,
+        device=ctx.device,
+        config=config,
+        init=lambda m: m.load_state_dict(next(loads)),
     )
     out["lazy_diff"] = (Zero3Sequential(layers)(x) - expected).abs().max().item()
 
     # Sharded first (random weights), then pretrained weights loaded shard by shard.
-    fresh = zero3_layers(tiny_layers(seed=9, freeze=False), device=ctx.device, config=config)
+    fresh = zero3_layers(
+        tiny_layers(seed=9, freeze=False), device=ctx.device, config=config
+    )
     for layer, state in zip(fresh, states):
         layer.load_sharded(state)
     out["loaded_diff"] = (Zero3Sequential(fresh)(x) - expected).abs().max().item()
@@ -253,7 +265,9 @@ def chunk_by_chunk_init(ctx):
 
     def watching(name, param):
         live.append(sum(
-            c.full.untyped_storage().nbytes() > 0 for layer in layers for c in layer.chunks
+            c.full.untyped_storage().nbytes() > 0
+            for layer in layers
+            for c in layer.chunks
         ))
         named_init(name, param)
 
