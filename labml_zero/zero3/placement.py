@@ -2,7 +2,8 @@ r"""
 ---
 title: Placement of model states in device and host memory
 summary: Which chunks keep their optimizer state (and parameter shard) in host
-  memory, chosen by fixed fractions or to fit a measured step; bytes moved per step.
+  memory, and which stay gathered, chosen by fixed fractions or to fit a measured
+  step; bytes moved per step.
 ---
 
 # Placement of model states in device and host memory
@@ -18,8 +19,10 @@ $$(2 + 4 + 12)\,S = 185 \text{ GB per rank}$$
 against an H200's $139$ GiB ($149$ GB), before any gathered chunk or activation.
 The optimizer state is the largest part, and the step touches it once, in the
 update alone; ColossalAI's Gemini and ZeRO-Offload keep part of it in host memory
-and run the update there. This page is the *policy*: which chunks go to the host.
-The mechanism is [AdamFP16](../optimizers/adam_fp16.html)'s `offload=`.
+and run the update there. This page is the *policy*: which chunks go to the
+host, and, when memory is plentiful, which frozen chunks stay gathered instead.
+The mechanisms are [AdamFP16](../optimizers/adam_fp16.html)'s `offload=` and the
+[chunk](chunk.html)'s `offload_shard` and `keep_resident`.
 
 ## Bytes moved, bytes saved
 
