@@ -378,12 +378,16 @@ def build_model(config: FinetuneConfig, ctx: DistContext) -> BuiltModel:
     return BuiltModel(Zero3Sequential(sharded), counts, neox)
 
 
-def optimizer_offload(model: Zero3Sequential, config: FinetuneConfig,
-                      probe: Callable[[], None]) -> frozenset[int]:
+def place_chunks(model: Zero3Sequential, config: FinetuneConfig,
+                 probe: Callable[[], None]) -> frozenset[int]:
     """
-    The trainable shards whose optimizer state goes to host memory; `'auto'`
-    runs `probe` (a forward and backward) to measure the step first. Moves the
-    parameter shards of `offload_params` to the host on the way.
+    ### Put the chunks where the config says, before the optimizer exists
+
+    Moves the parameter shards of `offload_params` to the host (or, with
+    `'auto'`, which runs `probe`, a forward and backward, to measure the step
+    first, keeps frozen chunks resident in the memory left over). Returns the
+    trainable shards whose optimizer state goes to host memory: `AdamFP16`'s
+    `offload=`.
     """
     if config.offload_optimizer == 0:
         return frozenset()
@@ -678,7 +682,7 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
     scaled = config.torch_dtype(ctx.device) == torch.float16
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=config.lr,
                          weight_decay=config.weight_decay,
-                         offload=optimizer_offload(model, config, probe),
+                         offload=place_chunks(model, config, probe),
                          # the host's updates overlap the backward pass unless
                          # clipping or unscaling changes the gradients after it
                          update_during_backward=(config.clip_grad is None

@@ -235,6 +235,9 @@ class AdamFP16(torch.optim.Optimizer):
         if self.fused and not hasattr(torch, "_fused_adamw_"):
             raise ValueError("fused=True needs torch._fused_adamw_ (PyTorch >= 2.4)")
         self.host: dict[torch.Tensor, HostShard] = self._place(offload)
+        # the param group of each offloaded shard, for its update on its own
+        self.host_group = {p: group for group in self.param_groups
+                           for p in group["params"] if p in self.host}
         devices = {grad_device(p) for p in self.host if grad_device(p).type == "cuda"}
         if len(devices) > 1:
             raise ValueError(f"offloaded shards must be on one GPU, got {devices}")
@@ -353,11 +356,9 @@ class AdamFP16(torch.optim.Optimizer):
 
     def _host_step(self, param: torch.Tensor) -> None:
         """#### One offloaded shard's whole step (on the worker, or in `step()`)"""
-        group = next(g for g in self.param_groups
-                     if any(p is param for p in g["params"]))
         state = self.init_state(param)
         state["step"] += 1
-        self._update([param], state["step"], group,
+        self._update([param], state["step"], self.host_group[param],
                      grads=[self._host_gradient(param)])
 
     def _copy_down(self, host: HostShard, grad: torch.Tensor, *, after=None) -> None:
@@ -405,8 +406,9 @@ class AdamFP16(torch.optim.Optimizer):
         """
         host = self.host[param]
         # [S] shard dtype, a view of the staging buffer's first p·S bytes
-        if not param.is_cuda:
-            # a shard kept in host memory (`Chunk.offload_shard`): round into it
+        if hasattr(param, "grad_device"):
+            # a shard the engine keeps in host memory (`Chunk.offload_shard`):
+            # round into it; its next gather copies it up
             param.data.copy_(master)
             return
         rounded = host.staging.view(param.dtype)[: param.numel()]
