@@ -222,16 +222,16 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     offload = frozenset()
     if workload.offload == "auto" or workload.resident:
         offload = probe_and_place(ctx, workload, model, memory, info)
-    # no clipping or loss scaling here: offloaded shards can be updated on the
-    # host while the backward pass goes on
+    # no clipping or loss scaling here, so every shard can be updated during
+    # the backward pass, as soon as its chunk is reduced
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=LEARNING_RATE,
                          weight_decay=WEIGHT_DECAY, offload=offload,
                          update_during_backward=True)
-    if optimizer.host:
-        # start each offloaded gradient's copy to the host as its chunk is reduced
-        model.runtime.grad_ready = (
-            lambda shard, stream: optimizer.prefetch_grad(shard, after=stream)
-        )
+    # as each chunk is reduced, its shard's update is queued (an offloaded
+    # one's gradient starts down to the host first)
+    model.runtime.grad_ready = (
+        lambda shard, stream: optimizer.grad_ready(shard, after=stream)
+    )
 
     return Engine(
         step=zero_step(model, optimizer),

@@ -683,15 +683,15 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=config.lr,
                          weight_decay=config.weight_decay,
                          offload=place_chunks(model, config, probe),
-                         # the host's updates overlap the backward pass unless
-                         # clipping or unscaling changes the gradients after it
+                         # updates overlap the backward pass unless clipping
+                         # or unscaling changes the gradients after it
                          update_during_backward=(config.clip_grad is None
                                                  and not scaled))
-    if optimizer.host:
-        # start each offloaded gradient's copy to the host as its chunk is reduced
-        model.runtime.grad_ready = (
-            lambda shard, stream: optimizer.prefetch_grad(shard, after=stream)
-        )
+    # as each chunk is reduced: an offloaded gradient starts its copy to the
+    # host, and (without clipping) a shard its update
+    model.runtime.grad_ready = (
+        lambda shard, stream: optimizer.grad_ready(shard, after=stream)
+    )
     scaler = LossScaler(model.runtime.comm) if scaled else None
     training = Training(model, optimizer, scaler)
     step = resume(config, training, sampler) if config.resume is not None else 0

@@ -203,10 +203,9 @@ def sharded(dtype, *, offload, during=False):
     chosen = range(len(shards) // 2, len(shards)) if offload else None
     optimizer = AdamFP16(shards, lr=3e-3, weight_decay=0.01, offload=chosen,
                          update_during_backward=during)
-    if during:
-        # what the fine-tune does: each gradient starts down as its chunk is reduced
-        model.runtime.grad_ready = (
-            lambda shard, stream: optimizer.prefetch_grad(shard, after=stream))
+    # what the fine-tune does: each chunk's reduction announces its gradient
+    model.runtime.grad_ready = (
+        lambda shard, stream: optimizer.grad_ready(shard, after=stream))
     return model, optimizer
 
 
@@ -263,3 +262,38 @@ def test_engine_updates_during_backward(dtype):
     assert started.count(True) == 4 * len(opt.host)
     for a, b in zip(plain.chunks, model.chunks):
         assert_same(a.shard, b.shard)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_device_shards_update_during_backward(dtype):
+    """Without offload, `update_during_backward` updates each device shard as its
+    chunk is reduced (on a side stream on a GPU): the same shards as updating
+    after the backward pass, bit for bit, and every update began in backward."""
+    plain, plain_opt = sharded(dtype, offload=False)
+    model, opt = sharded(dtype, offload=False, during=True)
+    early = []
+    ready = opt.grad_ready
+    opt.grad_ready = lambda p, **kw: (ready(p, **kw), early.append(
+        p in opt.early_on_device))[0]
+    for m, o in ((plain, plain_opt), (model, opt)):
+        run_steps(m, o, range(4))
+    shards = opt.param_groups[0]["params"]
+    assert early == [True] * (4 * len(shards))
+    for a, b in zip(plain.chunks, model.chunks):
+        assert_same(a.shard, b.shard)
+    for p, q in zip(plain_opt.param_groups[0]["params"], shards):
+        assert plain_opt.state[p]["step"] == opt.state[q]["step"] == 4
+        assert_same(plain_opt.state[p]["master"], opt.state[q]["master"])
+
+
+def test_device_update_during_backward_refuses_a_changed_gradient():
+    """Clipping after the backward pass would change a gradient whose update
+    already ran: `step()` says so instead of silently using the old one."""
+    from tests.zero3.models import batch
+
+    model, opt = sharded(torch.float32, offload=False, during=True)
+    x, y = batch(0, 4)
+    torch.nn.functional.mse_loss(model(x.to(DEVICE)), y.to(DEVICE)).backward()
+    model.get_trainable_chunk()[0].main_grad.mul_(0.5)
+    with pytest.raises(RuntimeError, match="changed after its update"):
+        opt.step()

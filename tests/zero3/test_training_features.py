@@ -357,25 +357,27 @@ def test_resident_chunks_skip_the_backward_gather():
 
 def offloaded_optimizer(ctx):
     """Half the optimizer states in host memory, gradients copied down as soon as
-    each chunk is reduced (the runtime's `grad_ready` hook): same shards as on the
-    device."""
+    each chunk is reduced (the runtime's `grad_ready` hook); and every shard
+    updated as its chunk is reduced (`update_during_backward`): same shards as
+    on the device after the backward pass."""
     out = []
-    for offload in (False, True):
+    for offload, during in ((False, False), (True, False), (False, True)):
         model = sharded(ctx, dtype=torch.bfloat16)
         shards = model.get_trainable_chunk()
         host = set(range(0, len(shards), 2)) if offload else None
-        optimizer = AdamFP16(shards, lr=1e-2, offload=host)
-        if offload:
-            model.runtime.grad_ready = (
-                lambda shard, stream: optimizer.prefetch_grad(shard, after=stream)
-            )
+        optimizer = AdamFP16(shards, lr=1e-2, offload=host,
+                             update_during_backward=during)
+        model.runtime.grad_ready = (
+            lambda shard, stream: optimizer.grad_ready(shard, after=stream)
+        )
         for step in range(3):
             x, y = my_rows(ctx, step)
             loss_of(model, x.bfloat16(), y.bfloat16()).float().backward()
             optimizer.step()
             optimizer.zero_grad()
         out.append([s.detach().clone() for s in shards])
-    return {"equal": all(torch.equal(a, b) for a, b in zip(*out))}
+    return {"equal": all(torch.equal(a, b) for a, b in zip(out[0], out[1]))
+            and all(torch.equal(a, b) for a, b in zip(out[0], out[2]))}
 
 
 @pytest.mark.distributed
