@@ -30,13 +30,15 @@ Pages, in reading order:
 
 1. [The model](model.html): config and presets, partial rotary embeddings,
    attention, the parallel-residual layer, `build_layers`.
-2. [Hugging Face checkpoints](checkpoint.html): streaming per-layer loading
+2. [Activation memory](activation_memory.html): what autograd keeps per layer,
+   per fine-tuner and with recomputation, and the loss's fp32 peak.
+3. [Hugging Face checkpoints](checkpoint.html): streaming per-layer loading
    with checked shapes, atomic sharded export.
-3. [The tokenizer](tokenizer.html).
-4. [The dataset](dataset.html): tokenise once, split, fixed-length samples,
+4. [The tokenizer](tokenizer.html).
+5. [The dataset](dataset.html): tokenise once, split, fixed-length samples,
    a deterministic and resumable per-rank order.
-5. [Fine-tuners](finetuners.html): which parameters train.
-6. [Sampling](generate.html): greedy and top-k generation.
-7. [The fine-tune](finetune.html): configuration, the sharded model, the training
+6. [Fine-tuners](finetuners.html): which parameters train.
+7. [Sampling](generate.html): greedy and top-k generation.
+8. [The fine-tune](finetune.html): configuration, the sharded model, the training
    loop, checkpoints; started by [`finetune_neox`](../finetune_neox.html).
 """

@@ -1,0 +1,386 @@
+r"""
+---
+title: Activation memory
+summary: Bytes that autograd keeps for backward in each GPT-NeoX layer, in the
+  readout and the loss, per fine-tuner and with recomputation; checked tensor by
+  tensor against what PyTorch saves.
+---
+
+# Activation memory
+
+The [memory model](../zero3/memory_model.html) counts model states and gathered
+chunks; at long sequences most of a rank's peak is neither, but the tensors that
+autograd keeps from the forward pass for the backward pass. This page counts
+them without allocating any, for eager PyTorch and bf16 activations.
+
+With $n = BT$ tokens per rank, width $d$, MLP width $d_{ff}$ ($= 4d$), $n_h$
+heads and $d_r$ rotary dimensions, a [layer](model.html) computes
+$y = \operatorname{MLP}(\operatorname{LN}_2(x)) + \operatorname{Attn}
+(\operatorname{LN}_1(x)) + x$, and an operation saves a tensor only if a
+gradient that is needed reads it. A linear $z = a W^\top + b$ saves its input
+$a$ only if $W$ trains: $\partial L / \partial a$ needs $W$ (a parameter, no
+activation) and $\partial L / \partial W$ needs $a$. So what a layer keeps
+depends on the [fine-tuner](finetuners.html):
+
+| saved tensor | elements | dtype | all | ffn | biases |
+| --- | --- | --- | --- | --- | --- |
+| $x$, the layer input (both layer norms' input) | $nd$ | bf16 | ✓ | ✓ | ✓ |
+| mean and $1/\sigma$ of each layer norm | $4n$ | fp32 | ✓ | ✓ | ✓ |
+| $\operatorname{LN}_1(x)$, input of the QKV linear | $nd$ | bf16 | ✓ | | |
+| $q$, $k$ (rotated, new tensors), $v$ (a copy) | $3nd$ | bf16 | ✓ | ✓ | ✓ |
+| rotary $\cos$, $\sin$ `[T, d_r]` | $2Td_r$ | bf16 | ✓ | ✓ | ✓ |
+| attention output, and its log-sum-exp | $nd$, $n_h n$ | bf16, fp32 | ✓ | ✓ | ✓ |
+| heads concatenated, input of the dense linear | $nd$ | bf16 | ✓ | | |
+| $\operatorname{LN}_2(x)$, input of `dense_h_to_4h` | $nd$ | bf16 | ✓ | ✓ | |
+| $h$, input of the GELU | $n d_{ff}$ | bf16 | ✓ | ✓ | ✓ |
+| $\operatorname{GELU}(h)$, input of `dense_4h_to_h` | $n d_{ff}$ | bf16 | ✓ | ✓ | |
+
+With $d_{ff} = 4d$ that is $16nd$ elements of bf16 for the full fine-tune,
+$14nd$ for the MLPs and $9nd$ for the biases, so a layer keeps
+
+$$M_{\text{layer}} = 2 c\, nd + 4 \cdot 4n + 4 n_h n + 2 \cdot 2 T d_r
+\text{ bytes}, \qquad c \in \{16, 14, 9\}.$$
+
+Two details are easy to miss. The attention kernel lays its output out in
+memory as $q$ is laid out, and $q$, made by the rotation's `cat`, is
+`[B, n_h, T, d_h]` (measured on CPU and on an H200 with PyTorch 2.11, whose
+default backend there is cuDNN's). So `transpose(1, 2).reshape(B, T, d)` is a
+*copy*, and the dense linear saves that copy besides the output the attention
+saved: one $nd$ more than counting tensors by name suggests, 64 MiB per layer
+for Pythia-1.4B at $8 \times 2048$ tokens. And the first layer reads the
+embedding's output, which does not require grad when the embedding is frozen:
+its layer norms then save nothing, and under the `ffn` tuner its whole
+attention branch saves nothing either ($8nd$ for biases, $9nd$ for ffn).
+
+For GPT-NeoX-20B at $16 \times 128$ tokens, bias-only, a layer keeps
+$9 \cdot 2048 \cdot 6144 \cdot 2$ bytes $= 216$ MiB of bf16 and 556 KiB of the
+rest: the layer norms' statistics (32 KiB), the log-sum-exp (512 KiB) and the
+rotary tables (12 KiB).
+
+## Recomputation
+
+With activation checkpointing (the layer under
+`torch.utils.checkpoint(..., use_reentrant=False)`) a layer keeps only its input,
+$2nd$ bytes, and its backward first recomputes its forward, which saves the
+full set of the table again for this one layer (its input is the one already
+kept). labml_zero's engine checkpoints every unit, the final norm and the
+readout too, which then keep their inputs ($2nd$ bytes each) instead of what
+they would save.
+
+## Readout and loss
+
+The loss of the [benchmark](../../bench/engine.html) and of the
+[fine-tune](finetune.html) is
+`F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())` with the
+readout's bf16 logits `[n, V]` held in a variable until backward is done. With
+$nV$ elements per vocabulary-sized tensor:
+
+* forward: the bf16 logits ($2nV$), their fp32 copy ($4nV$) and the fp32
+  log-probabilities that `log_softmax` returns and saves ($4nV$); the copy
+  dies when the loss returns, so $10nV$ at the peak and $6nV$ after it;
+* backward, at `log_softmax`'s backward: the logits ($2nV$), the saved
+  log-probabilities ($4nV$), the fp32 gradient of the log-probabilities that
+  `nll_loss` wrote ($4nV$) and the fp32 gradient of the logits being written
+  ($4nV$): $14nV$. After it the two fp32 gradients of 4 become one of 4 and one
+  bf16 of 2, never more.
+
+Besides, the final norm keeps its input $x_L$ and statistics, and the readout
+keeps its input when its weight trains. For Pythia-1.4B at $8 \times 2048$
+tokens, $14nV$ is 10.8 GiB, as much as 11 layers.
+
+## The benchmark workloads
+
+Per rank, from `activation_bytes` (the test checks these figures against it):
+
+| job | model | B × T | trains | layer MiB | layers GiB | loss GiB | total GiB |
+| --- | --- | --- | --- | --- | --- | --- | --- |
+| W1 | pythia_1_4b | 8 × 2048 | all | 1025.50 | 24.04 | 10.87 | 34.91 |
+| W2 | pythia_6_9b | 2 × 2048 | all | 512.81 | 16.03 | 2.76 | 18.78 |
+| W3 | gpt_neox_20b | 16 × 128 | biases | 216.54 | 9.28 | 1.37 | 10.65 |
+| W4 | pythia_160m | 16 × 1024 | all | 385.06 | 4.51 | 10.79 | 15.31 |
+| W5 | gpt_neox_20b | 4 × 2048 | all, recomputed | 96.00 | 5.53 | 5.57 | 9.70 |
+
+"layer" is what one layer keeps from forward to backward (its input, for
+W5), "layers" all of them at the start of backward (for W5 also the one layer
+being recomputed), "loss" the peak of final norm, readout and loss, "total"
+the largest sum of the two parts alive at one time.
+
+## Limitations
+
+* Eager PyTorch only. `torch.compile` (the bench's `--compile`) lets the
+  partitioner choose what to save and what to recompute, e.g. the GELU output
+  from $h$, which this count does not know.
+* Gradients in flight during backward (the residual stream's, a layer's
+  intermediate ones, at most a few $nd$), the attention kernels' workspaces and
+  the allocator's rounding and fragmentation are not counted.
+* The attention output counted as copied holds for the cuDNN backend and for
+  CPU; a backend that writes it as `[B, T, n_h, d_h]` (FlashAttention does) saves
+  $nd$ less under the full fine-tune. Two 8-byte RNG scalars that the CUDA
+  kernels save are not counted; the CPU kernel keeps the layer norms'
+  statistics in bf16, not fp32 (the test accounts for both).
+* A model without rotary dimensions (`rotary_pct=0`, none released) differs
+  and is counted so: $q$ and $k$ are then views of the fused QKV output and keep
+  all of it ($nd$ more), and the attention output comes out `[B, T, n_h, d_h]`,
+  so the dense linear's input is a view of it (under the full fine-tune $nd$
+  less).
+* The int64 targets (`targets.flatten()` copies a strided slice: $8n$ bytes)
+  and the loss's scalars are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+from labml_zero.neox.finetuners import finetuner
+from labml_zero.neox.model import NeoXConfig, build_layers
+
+__all__ = [
+    "ActivationMemory",
+    "ReadoutLoss",
+    "activation_bytes",
+    "layer_activation_bytes",
+    "readout_loss_bytes",
+]
+
+# Layer norm statistics, attention's log-sum-exp and the loss's softmax are fp32
+# whatever the activation dtype (CUDA's accumulate type for bf16 and fp16).
+FP32 = 4
+
+
+class ReadoutLoss(NamedTuple):
+    """
+    ## Final norm, readout and loss
+
+    Bytes, all of them including `saved`.
+    """
+
+    saved: int
+    """Kept by the final norm and the readout from forward to backward."""
+    logits: int
+    """The bf16 logits `[n, V]`, held by the caller until backward is done
+    (0 when it lets them go after the loss)."""
+    forward_peak: int
+    """During the loss's forward: `saved`, the logits, their fp32 copy and the
+    fp32 log-probabilities."""
+    backward_peak: int
+    """During `log_softmax`'s backward: `saved`, the held logits, the saved
+    log-probabilities and two fp32 gradients `[n, V]`."""
+
+    @property
+    def peak(self) -> int:
+        return max(self.forward_peak, self.backward_peak)
+
+
+class ActivationMemory(NamedTuple):
+    """
+    ## Activations of the whole model, per rank
+    """
+
+    per_layer: int
+    """What one transformer layer keeps from forward to backward: the full set,
+    or with recomputation its input."""
+    layers: int
+    """All transformer layers at the start of backward; with recomputation the
+    layers' inputs plus one layer's recomputed set."""
+    readout_loss: ReadoutLoss
+    """Final norm, readout and loss."""
+    total: int
+    r"""The largest activation bytes alive at one time: `layers` plus
+    `readout_loss.peak`; with recomputation the layers' inputs plus the larger
+    of the loss's peak and a recomputed layer (beside the held logits), since
+    the two never coexist."""
+
+
+# ## Which parameters train
+
+
+def _trainable(config: NeoXConfig, finetune: str) -> tuple[set[str], set[str]]:
+    """
+    #### The fine-tuner's choice, read off a model on the meta device
+
+    Returns the trainable parameter names of a transformer layer (relative to
+    it, e.g. `attention.dense.weight`) and of the other units (`embed_in`,
+    `final_layer_norm`, `embed_out`, with their parameter names). Asking the
+    fine-tuner itself keeps this page in step with it; on meta it allocates
+    nothing, whatever the width.
+    """
+    layers = build_layers(replace(config, n_layers=1), device="meta")
+    finetuner(finetune)(layers)
+    block = {name for name, p in layers[1].named_parameters() if p.requires_grad}
+    others = {name for layer in (layers[0], layers[2], layers[3])
+              for name, p in layer.named_parameters() if p.requires_grad}
+    return block, others
+
+
+def _check(config: NeoXConfig, batch: int, seq: int, dtype_bytes: int) -> None:
+    if batch < 1 or seq < 1:
+        raise ValueError(f"batch and seq must be >= 1, got {batch} x {seq}")
+    if seq > config.max_position:
+        raise ValueError(f"seq {seq} exceeds the model's max_position "
+                         f"{config.max_position}")
+    if dtype_bytes < 1:
+        raise ValueError(f"dtype_bytes must be >= 1, got {dtype_bytes}")
+
+
+# ## One transformer layer
+
+
+def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
+                 input_requires_grad: bool, dtype_bytes: int) -> int:
+    r"""
+    #### Bytes a layer saves without recomputation
+
+    Each term is one row of the table, under the condition that makes autograd
+    save it; `trains` are the layer's trainable parameter names.
+    """
+    n, d, d_ff = batch * seq, config.d_model, config.ff_dim
+    nd = n * d * dtype_bytes
+
+    def any_trains(prefix: str) -> bool:
+        return any(name.startswith(prefix) for name in trains)
+
+    # A layer norm saves its input and statistics when any of its inputs (x,
+    # weight, bias) needs a gradient; both norms read the same x.
+    ln1 = input_requires_grad or any_trains("input_layernorm.")
+    ln2 = input_requires_grad or any_trains("post_attention_layernorm.")
+    # Does the activation after the norm and the first linear require grad?
+    attn = ln1 or any_trains("attention.query_key_value.")
+    mlp = ln2 or any_trains("mlp.dense_h_to_4h.")
+
+    total = 0
+    if ln1 or ln2:
+        total += nd  # x, one storage for both norms
+    total += (int(ln1) + int(ln2)) * 2 * n * FP32  # mean, 1/σ: [B, T, 1] fp32
+    if "attention.query_key_value.weight" in trains:
+        total += nd  # LN1(x)
+    if attn:
+        # v (a copy) and the attention output, each [B, n_h, T, d_h]
+        total += 2 * nd
+        total += config.n_heads * n * FP32  # log-sum-exp [B, n_h, T] fp32
+        if config.rotary_dim > 0:
+            total += 2 * nd  # q, k: new tensors made by the rotation
+            # cos, sin [T, d_r], saved by the products that rotate q and k (the
+            # same two storages for both)
+            total += 2 * seq * config.rotary_dim * dtype_bytes
+        else:
+            # Unrotated, q and k stay views of the fused QKV output, and saving
+            # them keeps all of it, [B, T, 3d].
+            total += 3 * nd
+    if "attention.dense.weight" in trains and config.rotary_dim > 0:
+        # The heads concatenated: a copy, see the intro. Without rotation q, and
+        # so the attention output, is laid out [B, T, n_h, d_h] and this is a
+        # view of the output already saved.
+        total += nd
+    if "mlp.dense_h_to_4h.weight" in trains:
+        total += nd  # LN2(x)
+    if mlp:
+        total += n * d_ff * dtype_bytes  # h, read by the GELU's backward
+    if "mlp.dense_4h_to_h.weight" in trains:
+        total += n * d_ff * dtype_bytes  # GELU(h)
+    return total
+
+
+def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
+                           finetune: str, checkpointing: bool = False,
+                           input_requires_grad: bool = True,
+                           dtype_bytes: int = 2) -> int:
+    r"""
+    ### Bytes one transformer layer keeps from forward to backward
+
+    * `batch`, `seq` are $B$ and $T$ per rank; everything scales with $n = BT$
+      except the rotary tables, `[T, d_r]`.
+    * `finetune` is a [fine-tuner](finetuners.html) name: `'all'`, `'ffn'` or
+      `'biases'`.
+    * `checkpointing`: the layer is recomputed in backward and keeps its input
+      only.
+    * `input_requires_grad`: `False` for the first layer behind a frozen
+      embedding (see the intro).
+    * `dtype_bytes`: bytes per activation element, 2 for bf16.
+    """
+    _check(config, batch, seq, dtype_bytes)
+    trains, _ = _trainable(config, finetune)
+    if checkpointing:
+        return batch * seq * config.d_model * dtype_bytes
+    return _layer_bytes(config, trains, batch=batch, seq=seq,
+                        input_requires_grad=input_requires_grad,
+                        dtype_bytes=dtype_bytes)
+
+
+# ## Readout and loss
+
+
+def readout_loss_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
+                       checkpointing: bool = False, logits_held: bool = True,
+                       dtype_bytes: int = 2) -> ReadoutLoss:
+    r"""
+    ### Bytes of the final norm, the readout and the fp32 cross-entropy
+
+    * `checkpointing`: the final norm and the readout are recomputed too (as
+      labml_zero's engine does), so each keeps its input, $2nd$ bytes.
+    * `logits_held`: the caller keeps the bf16 logits until backward is done,
+      as the benchmark and the fine-tune do.
+
+    The final norm's input $x_L$ is taken to require grad: every fine-tuner
+    trains something in every layer.
+    """
+    _check(config, batch, seq, dtype_bytes)
+    _, trains = _trainable(config, finetune)
+    n = batch * seq
+    nd = n * config.d_model * dtype_bytes
+    if checkpointing:
+        saved = 2 * nd
+    else:
+        # x_L and the norm's mean, 1/σ; the readout's input if its weight trains
+        saved = nd + 2 * n * FP32
+        if "embed_out.weight" in trains:
+            saved += nd
+    logits = n * config.n_vocab * dtype_bytes  # [n, V] bf16
+    fp32 = n * config.n_vocab * FP32  # one [n, V] fp32 tensor
+    # forward: logits, their fp32 copy, the log-probabilities
+    forward_peak = saved + logits + 2 * fp32
+    # backward: log-probabilities, their gradient, the logits' fp32 gradient
+    held = logits if logits_held else 0
+    backward_peak = saved + held + 3 * fp32
+    return ReadoutLoss(saved=saved, logits=held, forward_peak=forward_peak,
+                       backward_peak=backward_peak)
+
+
+# ## The whole model
+
+
+def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
+                     checkpointing: bool = False) -> ActivationMemory:
+    r"""
+    ### Activation bytes of the whole model per rank
+
+    `[Embedding, TransformerLayer × L, FinalNorm, Readout]` in bf16 with the
+    benchmark's loss, the logits held through backward. The embedding keeps no
+    activation (its backward needs only the ids); its output is the first
+    layer's input, counted there when that layer keeps it, which it does not
+    behind a frozen embedding.
+    """
+    _check(config, batch, seq, 2)
+    block, others = _trainable(config, finetune)
+    size = {"batch": batch, "seq": seq, "dtype_bytes": 2}
+    full = _layer_bytes(config, block, input_requires_grad=True, **size)
+    readout_loss = readout_loss_bytes(config, batch=batch, seq=seq,
+                                      finetune=finetune,
+                                      checkpointing=checkpointing)
+    L = config.n_layers
+    if checkpointing:
+        per_layer = batch * seq * config.d_model * 2  # the input, [B, T, d] bf16
+        # The layer being recomputed saves its full set; its input is kept.
+        recomputed = full - per_layer
+        layers = L * per_layer + recomputed
+        total = L * per_layer + max(readout_loss.peak,
+                                    readout_loss.logits + recomputed)
+    else:
+        embedding_trains = any(name.startswith("embed_in.") for name in others)
+        first = _layer_bytes(config, block, input_requires_grad=embedding_trains,
+                             **size)
+        per_layer = full
+        layers = first + (L - 1) * full
+        total = layers + readout_loss.peak
+    return ActivationMemory(per_layer=per_layer, layers=layers,
+                            readout_loss=readout_loss, total=total)
