@@ -375,12 +375,23 @@ def offloaded_optimizer(ctx):
             loss_of(model, x.bfloat16(), y.bfloat16()).float().backward()
             optimizer.step()
             optimizer.zero_grad()
-        out.append([s.detach().clone() for s in shards])
-    return {"equal": all(torch.equal(a, b) for a, b in zip(out[0], out[1]))
-            and all(torch.equal(a, b) for a, b in zip(out[0], out[2]))}
+        out.append([s.detach().float().cpu() for s in shards])
+    device, host, during = out
+    return {
+        "host_equal": all(torch.equal(a, b) for a, b in zip(device, host)),
+        # bf16 shards: at most one unit in the last place apart
+        "host_close": all(torch.allclose(a, b, rtol=2 ** -7, atol=0)
+                          for a, b in zip(device, host)),
+        "during_equal": all(torch.equal(a, b) for a, b in zip(device, during)),
+        "on_gpu": ctx.device.type == "cuda",
+    }
 
 
 @pytest.mark.distributed
 def test_offloaded_optimizer_states_train_identically():
     for r in run_distributed(offloaded_optimizer, 2):
-        assert r["equal"]
+        # the same kernel on the same operands, queued earlier on a side stream
+        assert r["during_equal"]
+        # the host's kernel: the device's bits on CPU; on a GPU, its rounding
+        # may differ (see AdamFP16's Limitations)
+        assert r["host_equal"] or (r["on_gpu"] and r["host_close"])
