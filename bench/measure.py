@@ -37,6 +37,18 @@ $|C|$ over it as `comm_total`, and the time with no kernel at all as `gpu_idle`
 (launch gaps, host syncs, the CPU falling behind). A perfectly overlapped engine
 has `comm_exposed` near 0 however large `comm_total` is.
 
+An NCCL kernel starts spinning as soon as its stream reaches it and moves
+data only once every rank's kernel has started, so a rank that is ahead waits
+inside the collective for the others: `comm_exposed` also counts a peer that
+is *late*, which is imbalance between the ranks (a host that launches slower,
+a profiler that slows one rank more than the other), not the cost of moving
+bytes. To tell the two apart, the ranks exchange the start times of their
+NCCL kernels (the $k$-th all-gather of one rank is the $k$-th of every other:
+one communicator runs its collectives in order), and each kernel's interval is
+cut to start when the last rank's started, $[\max_r s^{(r)}_k, e_k)$; the
+exposed share of these intervals is `comm_exposed_transfer`, and the rest of
+`comm_exposed` is time spent waiting for a late peer.
+
 On CPU with gloo every collective is synchronous: the calling thread blocks while
 gloo's worker thread runs it (the `gloo:*` ranges of the trace), so all of it is
 exposed.
@@ -45,6 +57,9 @@ exposed.
 
 * An NCCL kernel also spins while it waits for the other rank to arrive, so load
   imbalance between ranks shows up as communication.
+* Kernel start times of different GPUs are compared on the host's clock,
+  to which the profiler converts each GPU's timestamps: a few microseconds of
+  error, against collectives of tens of microseconds or more.
 * The profiled step is one sample, and the profiler adds a little launch overhead
   (the share is of that step's own wall time, so it stays consistent).
 * `max_memory_allocated` counts the caching allocator's live tensors, not its
@@ -144,6 +159,9 @@ class CommShare:
     """$|C \\setminus K|$ / step: a collective running and nothing else."""
     gpu_idle: float | None
     """No kernel at all / step; `None` on CPU."""
+    comm_exposed_transfer: float | None = None
+    """Exposed, counting each collective only from when every rank had started
+    it / step; `None` on CPU or with one rank."""
 
 
 def union(intervals: Iterable[Interval]) -> list[Interval]:
@@ -208,17 +226,53 @@ def classify(events: Iterable[dict], *, on_gpu: bool) -> tuple[list, list]:
     return comm, compute
 
 
+def nccl_kernels(events: Iterable[dict]) -> dict[str, list[Interval]]:
+    """NCCL kernel intervals (µs) by kernel name, each list in start order."""
+    kernels: dict[str, list[Interval]] = {}
+    for event in events:
+        if (event.get("ph") == "X" and "dur" in event
+                and event.get("cat") in DEVICE_CATEGORIES
+                and "nccl" in event.get("name", "").lower()):
+            start = float(event["ts"])
+            kernels.setdefault(event["name"], []).append(
+                (start, start + float(event["dur"])))
+    return {name: sorted(found) for name, found in kernels.items()}
+
+
+def after_arrival(kernels: dict[str, list[Interval]],
+                  starts: Sequence[dict[str, list[float]]]) -> list[Interval] | None:
+    """
+    #### Each collective from the moment every rank had started it
+
+    `starts` are the kernel start times of every rank, by name, from
+    `nccl_kernels`. `None` when the ranks ran different collectives.
+    """
+    clipped = []
+    for name, intervals in kernels.items():
+        others = [rank.get(name, []) for rank in starts]
+        if any(len(o) != len(intervals) for o in others):
+            return None
+        for k, (start, end) in enumerate(intervals):
+            arrived = max([start] + [o[k] for o in others])
+            if arrived < end:
+                clipped.append((arrived, end))
+    return clipped
+
+
 def profile_comm(
     step: Callable[[torch.Tensor], torch.Tensor],
     batch: torch.Tensor,
     *,
     device: torch.device,
     keep_trace: str | None = None,
+    exchange: Callable[[dict], list[dict]] | None = None,
 ) -> CommShare:
     """
     ### Profile one step and measure its exposed communication
 
     `keep_trace` is a path to keep the Chrome trace at (for `bench.timeline`).
+    `exchange(mine)` returns every rank's value of `mine` (an all-gather of
+    objects); with it, on a GPU, `comm_exposed_transfer` is measured too.
     """
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CUDA] if on_gpu else [ProfilerActivity.CPU]
@@ -243,14 +297,23 @@ def profile_comm(
     comm, compute = classify(events, on_gpu=on_gpu)
     comm, compute = union(comm), union(compute)
     step_us = step_s * 1e6
-    idle = None
+    idle = transfer = None
     if on_gpu:
         idle = max(0.0, 1.0 - length(union(comm + compute)) / step_us)
+        if exchange is not None:
+            kernels = nccl_kernels(events)
+            # every rank takes part, whatever it found
+            starts = exchange({name: [start for start, _ in intervals]
+                               for name, intervals in kernels.items()})
+            arrived = after_arrival(kernels, starts)
+            if arrived is not None:
+                transfer = length(subtract(union(arrived), compute)) / step_us
     return CommShare(
         step_s=step_s,
         comm_total=length(comm) / step_us,
         comm_exposed=length(subtract(comm, compute)) / step_us,
         gpu_idle=idle,
+        comm_exposed_transfer=transfer,
     )
 
 

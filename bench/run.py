@@ -75,6 +75,7 @@ import traceback
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from labml_zero import launch
 
@@ -189,10 +190,18 @@ def measure_rank(ctx: launch.DistContext, engine: str, workload: Workload,
         if run.trace_dir and ctx.rank == 0:
             keep = os.path.join(run.trace_dir, f"trace_{workload.name}_{engine}.json")
         share = profile_comm(built.step, batches[0], device=ctx.device,
-                             keep_trace=keep)
+                             keep_trace=keep, exchange=exchange_objects)
         record.update(comm_total=share.comm_total, comm_exposed=share.comm_exposed,
+                      comm_exposed_transfer=share.comm_exposed_transfer,
                       gpu_idle=share.gpu_idle, profiled_step_s=share.step_s)
     return record
+
+
+def exchange_objects(mine: dict) -> list[dict]:
+    """Every rank's `mine`, in rank order (an all-gather of Python objects)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
 
 
 def worker(ctx: launch.DistContext, engine: str, workload: Workload, run: RunConfig,
@@ -309,6 +318,8 @@ def merge(line: dict, records: list[dict], workload: Workload, world_size: int,
         merged["comm_total"] = max(r["comm_total"] for r in records)
         idle = [r["gpu_idle"] for r in records]
         merged["gpu_idle"] = None if None in idle else max(idle)
+        transfer = [r["comm_exposed_transfer"] for r in records]
+        merged["comm_exposed_transfer"] = None if None in transfer else max(transfer)
     return merged
 
 
@@ -419,6 +430,8 @@ def table(lines: list[dict]) -> str:
             f"| {r['step_time_mean_s']:.3f} | {100 * r['mfu']:.1f}% | {peak} "
             f"| {model:.1f} | {r['host_rss_peak_gib']:.1f} | "
             + ("—" if exposed is None else f"{100 * exposed:.1f}%")
+            + ("" if r.get("comm_exposed_transfer") is None
+               else f" ({100 * r['comm_exposed_transfer']:.1f}% transfer)")
             + f" | {r['loss'] if r['loss'] is None else round(r['loss'], 3)} |"
         )
     return "\n".join(rows)

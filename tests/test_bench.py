@@ -11,7 +11,9 @@ import torch
 
 from bench import run as bench_run
 from bench.baselines import EngineUnavailable
-from bench.measure import classify, length, subtract, union
+from bench.measure import (
+    after_arrival, classify, length, nccl_kernels, subtract, union,
+)
 from bench.workloads import Workload, flops_per_token, matmul_params, mfu, shrink
 from bench.workloads import workloads as all_workloads
 from labml_zero.launch import DistContext
@@ -166,3 +168,21 @@ def test_gpu_trace_classification():
     assert comm == [(0.0, 10.0)]
     assert sorted(compute) == [(5.0, 15.0), (20.0, 21.0)]
     assert length(subtract(union(comm), union(compute))) == 5.0
+
+
+def test_waiting_for_a_late_peer_is_told_apart_from_transfer():
+    """Rank 0 starts its all-gather at 0, rank 1 only at 6: rank 0's kernel spins
+    for 6 µs, then both move data until 10. Cut at the later start, rank 0's
+    exposed transfer is [6, 10) minus its compute."""
+    def gather(ts, dur):
+        return {"ph": "X", "cat": "kernel", "ts": ts, "dur": dur,
+                "name": "ncclDevKernel_AllGather_RING_LL"}
+    rank0 = [gather(0, 10), gather(30, 2)]
+    rank1 = [gather(6, 4), gather(29, 3)]
+    mine, theirs = nccl_kernels(rank0), nccl_kernels(rank1)
+    starts = [{n: [a for a, _ in v] for n, v in k.items()} for k in (mine, theirs)]
+    assert after_arrival(mine, starts) == [(6.0, 10.0), (30.0, 32.0)]
+    compute = [(8.0, 9.0)]
+    assert length(subtract(union(after_arrival(mine, starts)), compute)) == 5.0
+    # ranks that ran different collectives: no answer rather than a wrong one
+    assert after_arrival(mine, [starts[0], {}]) is None

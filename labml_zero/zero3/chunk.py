@@ -34,11 +34,12 @@ gathered, which the [hooks](hooks.html) guarantee.
 
 Autograd accumulates each parameter's gradient into `param.grad`, a full-size
 tensor in the parameter dtype. As soon as it is complete (the post-accumulate-grad
-hook), it is added into the chunk's full-size gradient buffer in the *reduce
-dtype* (fp32 by default) and `param.grad` is dropped. When every trainable
-parameter of the chunk has reported, one reduce-scatter averages the buffer over
-ranks into this rank's shard gradient `main_grad` (fp32, $S$ elements), and the
-buffer is freed. Padding is zero in the buffer, so it is zero in the gradient.
+hook), the chunk takes it and `param.grad` is dropped. When every trainable
+parameter of the chunk has reported, the gradients are copied, in one
+multi-tensor copy, into the chunk's full-size gradient buffer in the *reduce
+dtype* (fp32 by default), one reduce-scatter averages the buffer over ranks into
+this rank's shard gradient `main_grad` (fp32, $S$ elements), and the buffer is
+freed. Padding is zero in the buffer, so it is zero in the gradient.
 
 The average, not the sum: each rank's loss is a mean over its own micro-batch, so
 the mean over ranks is the gradient of the mean loss over the global batch, the
@@ -51,7 +52,8 @@ same gradient an unsharded model gets from the whole batch.
 | `shard` | $S$ | $p$ (2 for bf16) | always |
 | `main_grad` | $S$ | 4 | from the reduce-scatter to `zero_grad` |
 | `full` | $C$ | $p$ | while gathered |
-| full gradient | $C$ | $g$ (reduce dtype) | first gradient to reduce-scatter |
+| held gradients | up to $C$ | $p$ | first gradient to the chunk's last |
+| full gradient | $C$ | $g$ (reduce dtype) | the chunk's last gradient to reduce-scatter |
 
 ## Limitations
 

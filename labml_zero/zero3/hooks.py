@@ -25,9 +25,11 @@ Backward, for each unit in reverse:
 4. **pre-backward** (the output's gradient is ready): gather the chunks again and
    prefetch the units before it;
 5. the layer's backward runs; as each parameter's gradient is accumulated, a
-   **post-accumulate-grad hook** moves it into its chunk's gradient buffer, and a
-   chunk whose parameters have all reported is reduce-scattered at once, overlapping
-   with the backward of the layers below;
+   **post-accumulate-grad hook** hands it to its chunk, and a chunk whose
+   parameters have all reported copies them into its gradient buffer (one
+   multi-tensor copy) and is reduce-scattered at once, overlapping with the
+   backward of the layers below; `grad_ready` then tells the optimizer, which
+   may update the shard right away (`AdamFP16(update_during_backward=True)`);
 6. **post-backward** (the gradients of the unit's inputs are ready): release.
 
 7. **end of backward**, a callback queued on the autograd engine: reduce every
@@ -36,10 +38,11 @@ Backward, for each unit in reverse:
    stream wait for the reductions, release whatever is still gathered.
 
 A measured step (the kernels of one GPU, from `torch.profiler`, converted by
-`bench/timeline.py`; W4, a Pythia-160M-shaped model on 2×H200). The long first
-all-gather is the wait for the other rank to reach the step: NCCL kernels spin
-until their peer arrives. After it, gathers run ahead of the compute that needs
-them and reduce-scatters overlap the backward:
+`bench/timeline.py`; W4, a Pythia-160M-shaped model on 2×H200). Each gather runs
+ahead of the compute that needs it, the long stretch without collectives in the
+middle is the readout and the loss over a 50k vocabulary, and the
+reduce-scatters of the backward pass overlap the layers below (the optimizer's
+updates, queued as each chunk is reduced, are among the compute kernels there):
 
 ![training step timeline](figures/step_timeline.svg)
 

@@ -60,14 +60,15 @@ serves both passes.
 
 ## Gradient buffers
 
-During backward a trainable chunk adds each parameter's gradient into a full-size
-buffer of $C_k$ elements in the reduce dtype ($g$ bytes, fp32 by default), from
-the first gradient that arrives until the last one, when it is reduce-scattered
-and freed. The largest of these buffers,
+During backward a trainable chunk holds each parameter's gradient ($p$ bytes
+per element) until the last one arrives, copies them all into a full-size
+buffer of $C_k$ elements in the reduce dtype ($g$ bytes, fp32 by default),
+reduce-scatters it and frees it. The largest of these buffers,
 
 $$B = g \cdot \max_{k \text{ trainable}} C_k,$$
 
-is live at some moment of every backward pass; unlike the gathered peak it grows
+is live at some moment of every backward pass, beside up to $p \cdot C_k$ of
+held gradients while it is filled; unlike the gathered peak it grows
 with the chunk size even when a group is gathered whole, because one chunk per
 layer holds the whole layer's gradient at once.
 
