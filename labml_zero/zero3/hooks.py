@@ -365,9 +365,10 @@ class Zero3Runtime:
             # micro-batch's into it.
             param.grad = None
             if chunk.all_grads_seen:
-                chunk.flush_grads()
                 if self.sync_gradients:
                     self._reduce(chunk)
+                else:
+                    chunk.flush_grads()
 
         return hook
 
