@@ -97,6 +97,7 @@ from torch import nn
 
 from labml_zero.launch import DistContext
 from labml_zero.neox.finetuners import finetuner
+from labml_zero.neox.activation_memory import activation_bytes
 from labml_zero.neox.model import TransformerLayer, build_layers
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
@@ -213,6 +214,10 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     memory = {
         "zero_states": zero_model_states(psi_t, psi_f, ctx.world_size, **sizes),
         "layout_states": sum(layout_model_states(lay, **sizes) for lay in layouts),
+        # the fp32 shard gradients exist from their reduce-scatter to zero_grad
+        "shard_grads": sum(layout_model_states(lay, **sizes) for lay in layouts)
+        - sum(layout_model_states(lay, **{**sizes, "grad_bytes": 0})
+              for lay in layouts),
         # Each Zero3Layer's layout is one group (group 0): one unit.
         "gathered_peak": 2 * peak_window_numel(
             [lay.group_numel(0) for lay in layouts], config.prefetch_depth
@@ -222,6 +227,7 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     offload = frozenset()
     if workload.offload == "auto" or workload.resident:
         offload = probe_and_place(ctx, workload, model, memory, info)
+    memory.update(predicted_peak(workload, memory))
     # no clipping or loss scaling here, so every shard can be updated during
     # the backward pass, as soon as its chunk is reduced
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=LEARNING_RATE,
@@ -237,12 +243,37 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         step=zero_step(model, optimizer),
         memory_model=memory,
         memory_formula="(2+4+12)·Ψt/N + 2·Ψf/N; layout = same with padding; "
-        "gathered_peak = bf16 chunks of 1 + prefetch_depth units",
+        "gathered_peak = bf16 chunks of 1 + prefetch_depth units; "
+        "predicted_peak = device states - shard grads + gathered_peak "
+        "+ activations",
         psi_trainable=psi_t,
         psi_frozen=psi_f,
         counter=model.runtime.comm.counter,
         info=info,
     )
+
+
+def predicted_peak(workload: Workload, memory: dict) -> dict[str, int]:
+    r"""
+    ### The peak the notes predict: states, gathered chunks, activations
+
+    $M_\text{states} - 4\Psi_t/N + G + A$, at the start of the backward pass:
+    the model states on the device (from the layout, or from the placement
+    when some are on the host) but the fp32 shard gradients, which exist only
+    from their chunk's reduce-scatter on, the gathered chunks of $1 +$
+    prefetch units, and the activations alive then ([activation
+    memory](../labml_zero/neox/activation_memory.html): every layer's saved
+    tensors plus the readout's and the loss's peak). Eager PyTorch: compiled
+    layers choose what they save themselves.
+    """
+    activations = activation_bytes(
+        workload.model, batch=workload.batch, seq=workload.seq,
+        finetune=workload.finetune,
+        checkpointing=workload.activation_checkpointing).total
+    states = memory.get("device_states", memory["layout_states"])
+    return {"activations": activations,
+            "predicted_peak": states - memory["shard_grads"]
+            + memory["gathered_peak"] + activations}
 
 
 def probe_and_place(ctx: DistContext, workload: Workload, model: Zero3Sequential,

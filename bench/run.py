@@ -414,12 +414,12 @@ def split_names(value: str, known, flag: str) -> list[str]:
 def table(lines: list[dict]) -> str:
     """A markdown summary of the lines, for the README."""
     rows = ["| workload | engine | tok/s | step s | MFU | peak GiB | model GiB "
-            "| host GiB | comm exposed | loss |", "|" + " --- |" * 10]
+            "| predicted GiB | host GiB | comm exposed | loss |", "|" + " --- |" * 11]
     for r in lines:
         if r["status"] != "ok":
             reason = r.get("error") or r.get("reason") or ""
             rows.append(f"| {r['workload']} | {r['engine']} | {r['status']}: "
-                        f"{reason[:60]} | | | | | | | |")
+                        f"{reason[:60]} | | | | | | | | |")
             continue
         peak = "—" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
         analytic = r["memory_model_gib"]
@@ -428,7 +428,10 @@ def table(lines: list[dict]) -> str:
         rows.append(
             f"| {r['workload']} | {r['engine']} | {r['tokens_per_s']:,.0f} "
             f"| {r['step_time_mean_s']:.3f} | {100 * r['mfu']:.1f}% | {peak} "
-            f"| {model:.1f} | {r['host_rss_peak_gib']:.1f} | "
+            f"| {model:.1f} | "
+            + ("—" if "predicted_peak" not in analytic
+               else f"{analytic['predicted_peak']:.1f}")
+            + f" | {r['host_rss_peak_gib']:.1f} | "
             + ("—" if exposed is None else f"{100 * exposed:.1f}%")
             + ("" if r.get("comm_exposed_transfer") is None
                else f" ({100 * r['comm_exposed_transfer']:.1f}% transfer)")

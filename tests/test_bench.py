@@ -14,6 +14,7 @@ from bench.baselines import EngineUnavailable
 from bench.measure import (
     after_arrival, classify, length, nccl_kernels, subtract, union,
 )
+from labml_zero.neox.activation_memory import activation_bytes
 from bench.workloads import Workload, flops_per_token, matmul_params, mfu, shrink
 from bench.workloads import workloads as all_workloads
 from labml_zero.launch import DistContext
@@ -59,6 +60,17 @@ def test_tiny_run_of_each_engine(tmp_path):
     assert ours["memory_model_gib"]["zero_states"] == expected / 2**30
     # Padding only adds to the formula.
     assert ours["memory_model_gib"]["layout_states"] >= expected / 2**30
+    # the predicted peak: states, gathered chunks and the activation page's count
+    tiny = shrink(all_workloads()["W3"])
+    model = ours["memory_model_gib"]
+    activations = activation_bytes(tiny.model, batch=tiny.batch, seq=tiny.seq,
+                                   finetune="biases").total
+    assert model["activations"] == activations / 2**30
+    assert model["predicted_peak"] == pytest.approx(
+        model["layout_states"] - model["shard_grads"] + model["gathered_peak"]
+        + model["activations"])
+    # 4 bytes per trainable element of this rank's shards, padding included
+    assert model["shard_grads"] >= 4 * psi_t / 2 / 2**30
     # Forward gathers every chunk in bf16, backward gathers again all but the
     # frozen embedding (nothing below it needs a gradient); the trainable chunks
     # are reduced in fp32.
