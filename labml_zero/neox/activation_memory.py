@@ -69,7 +69,7 @@ they would save.
 
 ## Readout and loss
 
-The loss of the [benchmark](../../bench/engine.html) and of the
+The loss of the benchmark (`bench/engine.py`) and of the
 [fine-tune](finetune.html) is
 `F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())` with the
 readout's bf16 logits `[n, V]` held in a variable until backward is done. With
