@@ -53,7 +53,7 @@ same gradient an unsharded model gets from the whole batch.
 | `main_grad` | $S$ | 4 | from the reduce-scatter to `zero_grad` |
 | `full` | $C$ | $p$ | while gathered |
 | held gradients | up to $C$ | $p$ | first gradient to the chunk's last |
-| full gradient | $C$ | $g$ (reduce dtype) | the chunk's last gradient to its reduction |
+| full gradient | $C$ | $g$ (reduce dtype) | the chunk's last gradient to reduction |
 
 ## Limitations
 
