@@ -113,9 +113,9 @@ update after the backward pass, 3.07 s with it during the backward pass.
 
 The same reasoning holds for the shards on the device. Their update reads and
 writes about 30 bytes per element ($\theta$, $m$, $v$ in fp32 both ways, the
-fp32 gradient, the 16-bit shard), a memory-bound pass that takes about
+fp32 gradient, the 16-bit shard), a memory-bound pass; from the bytes alone,
 $30 \cdot 3.45 \cdot 10^9 / 4\,\text{TB/s} \approx 26$ ms per step for
-Pythia-6.9B on 2 ranks, with nothing else running: 6% of its step. The engine
+Pythia-6.9B on 2 ranks, about 6% of its step, were it to run alone. The engine
 announces each final gradient (`grad_ready`, called as its chunk is reduced), and
 with `update_during_backward=True` the shard's update is queued then on a side
 stream of the optimizer that waits for the reduce-scatter, so it runs beside
