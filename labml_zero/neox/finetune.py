@@ -35,8 +35,12 @@ Then, in order: with fp16, the [loss scaler](../optimizers/grad_scaler.html)
 unscales the shard gradients and checks them for overflow (one all-reduce of the
 squared norm, which every rank sees alike, so all skip a bad step together); with
 `clip_grad`, the [global norm](../optimizers/clip_grad.html) is clipped, reusing
-that norm; then AdamFP16 steps. Tracking costs one more all-reduce, of three
-numbers (loss sum, correct tokens, tokens), and one host sync per step.
+that norm; then AdamFP16 steps. Without either (bf16 or fp32, no
+`clip_grad`), no gradient changes after its chunk is reduced, so each shard is
+updated right then, during the rest of the backward pass
+([`update_during_backward`](../optimizers/adam_fp16.html)). Tracking costs one
+more all-reduce, of three numbers (loss sum, correct tokens, tokens), and one
+host sync per step.
 
 ## Building the model one chunk at a time
 

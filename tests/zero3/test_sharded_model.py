@@ -144,3 +144,42 @@ def test_labml_nn_style_zero3_layer():
     assert chained.shape == (4, 5)
     with pytest.raises(ValueError, match="rank 1 of world size 2"):
         Zero3Layer(tiny_layers()[0], 1, 2, "cpu", torch.float32)
+
+
+class Fork(nn.Module):
+    """One input, two outputs: the pre-backward hook waits for either gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.left, self.right = nn.Linear(7, 11), nn.Linear(7, 9)
+
+    def forward(self, x):
+        return self.left(x), self.right(x)
+
+
+class Join(nn.Module):
+    """Two inputs (a tuple): the post-backward hook waits for both gradients."""
+
+    def __init__(self):
+        super().__init__()
+        self.left, self.right = nn.Linear(11, 5), nn.Linear(9, 5)
+
+    def forward(self, pair):
+        return self.left(pair[0]) * self.right(pair[1])
+
+
+def test_layers_with_several_inputs_and_outputs():
+    # A unit's tensors are hooked together (multi-grad hooks) when there are
+    # several, one by one when there is one: the same gradients as unsharded.
+    torch.manual_seed(0)
+    layers = [Fork(), Join(), nn.Linear(5, 5)]
+    reference = nn.Sequential(*copy.deepcopy(layers))
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=64, align=4)
+    model = Zero3Sequential(zero3_layers(layers, device="cpu", config=config))
+    x, y = batch(0, 6)
+    for net in (model, reference):
+        nn.functional.mse_loss(net(x), y).backward()
+    assert all(s.main_grad is not None for s in model.get_trainable_chunk())
+    assert gradient_mismatch(model, reference, None) <= 1e-6
+    # every chunk released after the backward pass
+    assert model.runtime.gathered_chunks() == []
