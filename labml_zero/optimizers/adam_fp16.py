@@ -248,9 +248,10 @@ class AdamFP16(torch.optim.Optimizer):
         if self.fused and not hasattr(torch, "_fused_adamw_"):
             raise ValueError("fused=True needs torch._fused_adamw_ (PyTorch >= 2.4)")
         self.host: dict[torch.Tensor, HostShard] = self._place(offload)
-        # the param group of each offloaded shard, for its update on its own
-        self.host_group = {p: group for group in self.param_groups
-                           for p in group["params"] if p in self.host}
+        # the param group of each shard, for an update on its own (offloaded, or
+        # during the backward pass)
+        self.group_of = {p: group for group in self.param_groups
+                         for p in group["params"]}
         devices = {grad_device(p) for p in self.host if grad_device(p).type == "cuda"}
         if len(devices) > 1:
             raise ValueError(f"offloaded shards must be on one GPU, got {devices}")
@@ -382,7 +383,7 @@ class AdamFP16(torch.optim.Optimizer):
             # a second backward before `step()`: `step()` will see the gradient
             # changed after the update and refuse it
             return
-        group = self.host_group.get(param) or self._group_of(param)
+        group = self._group_of(param)
         self.early_on_device[param] = (weakref.ref(grad), grad._version)
         if param.device.type != "cuda":
             self._device_step(param, group)
@@ -403,12 +404,16 @@ class AdamFP16(torch.optim.Optimizer):
         self._update([param], state["step"], group)
 
     def _group_of(self, param: torch.Tensor) -> dict:
-        for group in self.param_groups:
-            if any(p is param for p in group["params"]):
-                self.host_group[param] = group
-                return group
-        raise ValueError("grad_ready: the parameter is not one of this "
-                         "optimizer's")
+        group = self.group_of.get(param)
+        if group is None:
+            # a group added after construction (`add_param_group`)
+            for candidate in self.param_groups:
+                if any(p is param for p in candidate["params"]):
+                    group = self.group_of[param] = candidate
+                    break
+            else:
+                raise ValueError("the parameter is not one of this optimizer's")
+        return group
 
     ### Copies of offloaded shards
 
@@ -434,7 +439,7 @@ class AdamFP16(torch.optim.Optimizer):
         """#### One offloaded shard's whole step (on the worker, or in `step()`)"""
         state = self.init_state(param)
         state["step"] += 1
-        self._update([param], state["step"], self.host_group[param],
+        self._update([param], state["step"], self._group_of(param),
                      grads=[self._host_gradient(param)])
 
     def _copy_down(self, host: HostShard, grad: torch.Tensor, *, after=None) -> None:
@@ -507,6 +512,8 @@ class AdamFP16(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # before any update: a step must not stop half done
+        self._check_early_on_device()
         offloaded: list[torch.Tensor] = []
         for group in self.param_groups:
             params = [p for p in group["params"] if self.gradient(p) is not None]
@@ -556,21 +563,26 @@ class AdamFP16(torch.optim.Optimizer):
                     "began (clipping or unscaling?): use "
                     "update_during_backward=False with them")
 
-    def _finish_early_on_device(self) -> None:
+    def _check_early_on_device(self) -> None:
         """
-        #### Order the device updates of the backward pass before what follows
+        #### Refuse a device update that used a gradient changed since
 
-        Raises, as `_finish_early` does, for a gradient changed after its update.
+        As `_finish_early` does for offloaded shards: clipping, unscaling or a
+        second backward pass changed the gradient after its update began.
         """
-        early, self.early_on_device = self.early_on_device, {}
-        for param, (source, version) in early.items():
+        for param, (source, version) in self.early_on_device.items():
             grad = getattr(param, "main_grad", None)
             if grad is not None and (source() is not grad
                                      or grad._version != version):
+                self._finish_early_on_device()
                 raise RuntimeError(
                     "a shard's gradient changed after its update during the "
                     "backward pass (clipping, unscaling or a second backward "
                     "before step()?): use update_during_backward=False with them")
+
+    def _finish_early_on_device(self) -> None:
+        """#### Order the device updates of the backward pass before what follows"""
+        early, self.early_on_device = self.early_on_device, {}
         if early and self.update_stream is not None:
             # compute stream waits: the next all-gather reads the new shards
             torch.cuda.current_stream(self.update_stream.device).wait_stream(
