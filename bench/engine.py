@@ -196,6 +196,7 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     config = ZeroConfig(
         dtype=torch.bfloat16, reduce_dtype=torch.float32,
         chunk_numel=workload.chunk_numel,
+        prefetch_depth=workload.prefetch_depth,
         activation_checkpointing=workload.activation_checkpointing,
         # LABML_ZERO_SIDE_STREAMS=0: collectives on the compute stream, the
         # oracle for the overlapped schedule (same losses expected, slower)

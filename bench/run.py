@@ -261,6 +261,7 @@ def describe(engine: str, workload: Workload, world_size: int, backend: str) -> 
         "seq": workload.seq,
         "finetune": workload.finetune,
         "compiled": workload.compile,
+        "prefetch_depth": workload.prefetch_depth,
         "model": {"n_layers": model.n_layers, "d_model": model.d_model,
                   "n_heads": model.n_heads, "n_vocab": model.n_vocab},
     }
@@ -381,6 +382,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile each transformer layer "
                         f"({', '.join(COMPILED_ENGINES)}; others are skipped)")
+    parser.add_argument("--prefetch-depth", type=int, default=1,
+                        help="labml_zero's units gathered ahead (default 1)")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the profiled step (no communication share)")
     parser.add_argument("--trace-dir", default=None,
@@ -454,7 +457,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     lines = []
     for name in args.workload_list:
         workload = shrink(known[name]) if args.tiny else known[name]
-        workload = replace(workload, compile=args.compile)
+        workload = replace(workload, compile=args.compile,
+                           prefetch_depth=args.prefetch_depth)
         for engine in args.engine_list:
             result = run_pair(engine, workload, run, world_size=world_size,
                               backend=backend, timeout_s=args.timeout)

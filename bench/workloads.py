@@ -98,6 +98,9 @@ class Workload:
     """Compile each transformer layer with `torch.compile` (`--compile`); the
     embedding, final norm and readout stay eager. Each engine says how in its
     builder ([ours](engine.html), [FSDP2](baselines.html))."""
+    prefetch_depth: int = 1
+    """labml_zero's prefetch depth, the units gathered ahead of the one that
+    computes (`--prefetch-depth`); the other engines keep their own."""
 
     def __post_init__(self):
         if self.batch < 1 or self.seq < 1:
@@ -109,6 +112,11 @@ class Workload:
             raise ValueError(
                 f"Workload {self.name}: seq {self.seq} exceeds the model's "
                 f"max_position {self.model.max_position}"
+            )
+        if self.prefetch_depth < 0:
+            raise ValueError(
+                f"Workload {self.name}: prefetch_depth must be >= 0, "
+                f"got {self.prefetch_depth}"
             )
         if self.offload not in (None, "auto"):
             raise ValueError(

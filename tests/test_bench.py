@@ -151,6 +151,8 @@ def test_workload_checks_its_fields():
         Workload("W9", w4.model, batch=1, seq=8, finetune="lora")
     with pytest.raises(ValueError, match="exceeds the model's max_position"):
         Workload("W9", w4.model, batch=1, seq=4096)
+    with pytest.raises(ValueError, match="prefetch_depth must be >= 0"):
+        Workload("W9", w4.model, batch=1, seq=8, prefetch_depth=-1)
     tiny = shrink(all_workloads()["W3"])
     assert tiny.finetune == "biases" and tiny.model.gelu_approximate == "tanh"
 
@@ -198,3 +200,21 @@ def test_waiting_for_a_late_peer_is_told_apart_from_transfer():
     assert length(subtract(union(after_arrival(mine, starts)), compute)) == 5.0
     # ranks that ran different collectives: no answer rather than a wrong one
     assert after_arrival(mine, [starts[0], {}]) is None
+
+
+@pytest.mark.distributed
+def test_prefetch_depth_reaches_the_engine(tmp_path):
+    """`--prefetch-depth 2`: the line says so, and the gathered peak of the memory
+    model covers three units instead of two."""
+    lines = {
+        depth: bench_run.main([
+            "--tiny", "--cpu", "--workloads", "W4", "--engines", "labml_zero",
+            "--steps", "1", "--warmup", "0", "--no-profile",
+            "--prefetch-depth", str(depth)])[0]
+        for depth in (1, 2)
+    }
+    for depth, line in lines.items():
+        assert line["status"] == "ok" and line["prefetch_depth"] == depth
+    gathered = {d: line["memory_model_gib"]["gathered_peak"]
+                for d, line in lines.items()}
+    assert gathered[2] > gathered[1]
