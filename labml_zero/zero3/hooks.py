@@ -156,8 +156,9 @@ def when_grads_computed(tensors: list[torch.Tensor], callback: Callable[[], None
 
     `mode="any"`: at the first of them; `"all"`: when all are. A layer's input
     and output are mostly one tensor, and then a plain tensor hook does the
-    same for a fraction of the host time of `register_multi_grad_hook` (about
-    25 µs of Python per call, twice per layer and step).
+    same for a fraction of the host time of `register_multi_grad_hook` (a
+    Python function that builds its own bookkeeping per call, twice per layer
+    and step).
     """
     if len(tensors) == 1:
         tensors[0].register_hook(lambda grad: callback())

@@ -127,3 +127,17 @@ def test_memory_per_rank_and_bytes_per_step(world_size, dtype, reduce_dtype):
         root = sum(c.chunk_numel for c in layout.chunks_of_group(0))
         assert elements["all_gather"] == 2 * total - root
         assert elements["reduce_scatter"] == layout.total_numel(trainable=True)
+
+
+def test_figures_in_the_chunk_notes():
+    """The chunk page's figures: Pythia-160M's 148 parameter tensors (one
+    gradient copy each before the chunk held them), and the (p + g) bytes per
+    parameter that the gradient copy moves for Pythia-6.9B, 41 GB a step."""
+    from labml_zero.neox.model import build_layers, pythia_160m, pythia_6_9b
+
+    tensors = [p for layer in build_layers(pythia_160m(), device="meta")
+               for p in layer.parameters()]
+    assert len(tensors) == 148
+    params = sum(p.numel() for layer in build_layers(pythia_6_9b(), device="meta")
+                 for p in layer.parameters())
+    assert round((2 + 4) * params / 1e9) == 41
