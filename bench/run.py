@@ -402,6 +402,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.engine_list = split_names(args.engines, ENGINES, "--engines")
     if args.compile and args.warmup < 1:
         raise SystemExit("--compile needs --warmup >= 1: the first step compiles")
+    if args.prefetch_depth < 0:
+        raise SystemExit(f"--prefetch-depth must be >= 0, got {args.prefetch_depth}")
     return args
 
 

@@ -215,6 +215,8 @@ def test_prefetch_depth_reaches_the_engine(tmp_path):
     }
     for depth, line in lines.items():
         assert line["status"] == "ok" and line["prefetch_depth"] == depth
+    with pytest.raises(SystemExit, match="--prefetch-depth must be >= 0"):
+        bench_run.main(["--tiny", "--cpu", "--prefetch-depth", "-1"])
     gathered = {d: line["memory_model_gib"]["gathered_peak"]
                 for d, line in lines.items()}
     assert gathered[2] > gathered[1]
