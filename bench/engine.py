@@ -212,13 +212,13 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     # p = 2 (bf16 shards), g = 4 (fp32 `main_grad`), K = 12 (AdamFP16).
     sizes = dict(param_bytes=2, grad_bytes=4, optimizer_bytes=12)
     layouts = [layer.layout for layer in sharded]
+    states = sum(layout_model_states(lay, **sizes) for lay in layouts)
     memory = {
         "zero_states": zero_model_states(psi_t, psi_f, ctx.world_size, **sizes),
-        "layout_states": sum(layout_model_states(lay, **sizes) for lay in layouts),
+        "layout_states": states,
         # the fp32 shard gradients exist from their reduce-scatter to zero_grad
-        "shard_grads": sum(layout_model_states(lay, **sizes) for lay in layouts)
-        - sum(layout_model_states(lay, **{**sizes, "grad_bytes": 0})
-              for lay in layouts),
+        "shard_grads": states - sum(
+            layout_model_states(lay, **{**sizes, "grad_bytes": 0}) for lay in layouts),
         # Each Zero3Layer's layout is one group (group 0): one unit.
         "gathered_peak": 2 * peak_window_numel(
             [lay.group_numel(0) for lay in layouts], config.prefetch_depth
@@ -236,9 +236,7 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
                          update_during_backward=True)
     # as each chunk is reduced, its shard's update is queued (an offloaded
     # one's gradient starts down to the host first)
-    model.runtime.grad_ready = (
-        lambda shard, stream: optimizer.grad_ready(shard, after=stream)
-    )
+    model.runtime.grad_ready = optimizer.grad_ready
 
     return Engine(
         step=zero_step(model, optimizer),

@@ -693,9 +693,7 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
                                                  and not scaled))
     # as each chunk is reduced: an offloaded gradient starts its copy to the
     # host, and (without clipping) a shard its update
-    model.runtime.grad_ready = (
-        lambda shard, stream: optimizer.grad_ready(shard, after=stream)
-    )
+    model.runtime.grad_ready = optimizer.grad_ready
     scaler = LossScaler(model.runtime.comm) if scaled else None
     training = Training(model, optimizer, scaler)
     step = resume(config, training, sampler) if config.resume is not None else 0

@@ -212,11 +212,11 @@ class Zero3Runtime:
         # buffers and are reduced once, by the backward that runs with it True.
         self.sync_gradients = True
         self._reduced: set[int] = set()
-        # Called as `grad_ready(shard, reduce_stream)` once a trainable chunk's
-        # shard gradient is final (its reduce-scatter queued): an optimizer that
-        # keeps states in host memory starts the gradient's copy down then
-        # (`AdamFP16.prefetch_grad`), overlapping it with the rest of the backward.
-        self.grad_ready: Callable[[torch.Tensor, Any], None] | None = None
+        # Called as `grad_ready(shard, after=reduce_stream)` once a trainable
+        # chunk's shard gradient is final (its reduce-scatter queued): the
+        # optimizer (`AdamFP16.grad_ready`) may start the gradient's copy to the
+        # host, or the shard's update, overlapping the rest of the backward.
+        self.grad_ready: Callable[..., None] | None = None
 
     ### Registration
 
@@ -377,7 +377,7 @@ class Zero3Runtime:
         chunk.reduce()
         self._reduced.add(id(chunk))
         if self.grad_ready is not None:
-            self.grad_ready(chunk.shard, self.comm.reduce_stream)
+            self.grad_ready(chunk.shard, after=self.comm.reduce_stream)
 
     def _end_backward(self) -> None:
         for chunk in self.all_chunks():

@@ -204,8 +204,7 @@ def sharded(dtype, *, offload, during=False):
     optimizer = AdamFP16(shards, lr=3e-3, weight_decay=0.01, offload=chosen,
                          update_during_backward=during)
     # what the fine-tune does: each chunk's reduction announces its gradient
-    model.runtime.grad_ready = (
-        lambda shard, stream: optimizer.grad_ready(shard, after=stream))
+    model.runtime.grad_ready = optimizer.grad_ready
     return model, optimizer
 
 
@@ -248,14 +247,24 @@ def test_engine_training_and_checkpoint_resume(tmp_path, dtype):
             assert fresh_opt.state[shard][key].data_ptr() != shard.data_ptr()
 
 
+def watch_grad_ready(model, began) -> list[bool]:
+    """`began(shard)` right after each `grad_ready` the engine calls: whether the
+    shard's update had started by then."""
+    ready, seen = model.runtime.grad_ready, []
+
+    def watched(shard, *, after):
+        ready(shard, after=after)
+        seen.append(began(shard))
+
+    model.runtime.grad_ready = watched
+    return seen
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_engine_updates_during_backward(dtype):
     plain, plain_opt = sharded(dtype, offload=False)
     model, opt = sharded(dtype, offload=True, during=True)
-    started = []
-    prefetch = opt.prefetch_grad
-    opt.prefetch_grad = lambda p, **kw: (prefetch(p, **kw), started.append(
-        p in opt.early))[0]
+    started = watch_grad_ready(model, lambda p: p in opt.early)
     for m, o in ((plain, plain_opt), (model, opt)):
         run_steps(m, o, range(4))
     # every offloaded shard's update began in the backward pass, every step
@@ -271,10 +280,7 @@ def test_device_shards_update_during_backward(dtype):
     after the backward pass, bit for bit, and every update began in backward."""
     plain, plain_opt = sharded(dtype, offload=False)
     model, opt = sharded(dtype, offload=False, during=True)
-    early = []
-    ready = opt.grad_ready
-    opt.grad_ready = lambda p, **kw: (ready(p, **kw), early.append(
-        p in opt.early_on_device))[0]
+    early = watch_grad_ready(model, lambda p: p in opt.early_on_device)
     for m, o in ((plain, plain_opt), (model, opt)):
         run_steps(m, o, range(4))
     shards = opt.param_groups[0]["params"]

@@ -367,9 +367,7 @@ def offloaded_optimizer(ctx):
         host = set(range(0, len(shards), 2)) if offload else None
         optimizer = AdamFP16(shards, lr=1e-2, offload=host,
                              update_during_backward=during)
-        model.runtime.grad_ready = (
-            lambda shard, stream: optimizer.grad_ready(shard, after=stream)
-        )
+        model.runtime.grad_ready = optimizer.grad_ready
         for step in range(3):
             x, y = my_rows(ctx, step)
             loss_of(model, x.bfloat16(), y.bfloat16()).float().backward()
