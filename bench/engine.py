@@ -133,6 +133,8 @@ class Engine:
       measured peak; `memory_formula` says which formula.
     * `psi_trainable`, `psi_frozen`: parameter counts $\Psi_t$, $\Psi_f$.
     * `counter`: the engine's collective counter, if it has one (ours).
+    * `uncounted_device_bytes`: device memory the engine holds outside the
+      caching allocator, added to the measured peaks (our peer memory).
     """
 
     step: Callable[[torch.Tensor], torch.Tensor]
@@ -142,6 +144,7 @@ class Engine:
     psi_frozen: int
     counter: CommCounter | None = None
     info: dict = field(default_factory=dict)
+    uncounted_device_bytes: int = 0
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -201,6 +204,7 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         # LABML_ZERO_SIDE_STREAMS=0: collectives on the compute stream, the
         # oracle for the overlapped schedule (same losses expected, slower)
         side_streams=os.environ.get("LABML_ZERO_SIDE_STREAMS", "1") != "0",
+        peer_gather=workload.peer_gather,
     )
     layers, psi_t, psi_f = meta_layers(workload)
     # zero3_layers materialises, initialises and shards one layer at a time
@@ -249,6 +253,7 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         psi_frozen=psi_f,
         counter=model.runtime.comm.counter,
         info=info,
+        uncounted_device_bytes=model.runtime.comm.peer_bytes_uncounted,
     )
 
 

@@ -26,7 +26,8 @@ One more step runs under `torch.profiler` (after the timed steps, so the profile
 does not slow the timed ones). From its trace, on a GPU,
 
 * *communication* $C$: the union of the time intervals in which an NCCL kernel
-  runs, on any stream;
+  runs, on any stream (with `--peer-gather`, also the copies from the other
+  GPU and the barrier kernels around them);
 * *computation* $K$: the union of the intervals of every other kernel, copy and
   memset;
 * *exposed communication* $C \setminus K$: time in which the GPU moves data but
@@ -201,6 +202,16 @@ def subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
+def is_communication(name: str, category: str) -> bool:
+    """
+    An NCCL kernel; or, for gathers from peer memory, a copy from another GPU
+    (`Memcpy PtoP`) or the barrier kernel of PyTorch's symmetric memory.
+    """
+    lowered = name.lower()
+    return ("nccl" in lowered or "barrier_kernel" in lowered
+            or (category == "gpu_memcpy" and "ptop" in lowered))
+
+
 def classify(events: Iterable[dict], *, on_gpu: bool) -> tuple[list, list]:
     """
     #### Split trace events into communication and computation intervals (µs)
@@ -218,7 +229,7 @@ def classify(events: Iterable[dict], *, on_gpu: bool) -> tuple[list, list]:
         if on_gpu:
             if category not in DEVICE_CATEGORIES:
                 continue
-            (comm if "nccl" in name.lower() else compute).append(interval)
+            (comm if is_communication(name, category) else compute).append(interval)
         elif name.startswith("gloo:"):
             comm.append(interval)
         elif category == "cpu_op" and not name.startswith("c10d::"):
@@ -237,6 +248,13 @@ def nccl_kernels(events: Iterable[dict]) -> dict[str, list[Interval]]:
             kernels.setdefault(event["name"], []).append(
                 (start, start + float(event["dur"])))
     return {name: sorted(found) for name, found in kernels.items()}
+
+
+def peer_copies(events: Iterable[dict]) -> list[Interval]:
+    """Intervals (µs) of copies from another GPU's memory."""
+    return [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+            if e.get("ph") == "X" and "dur" in e and e.get("cat") == "gpu_memcpy"
+            and "ptop" in e.get("name", "").lower()]
 
 
 def after_arrival(kernels: dict[str, list[Interval]],
@@ -307,6 +325,9 @@ def profile_comm(
                                for name, intervals in kernels.items()})
             arrived = after_arrival(kernels, starts)
             if arrived is not None:
+                # a copy from a peer starts only after its barrier, when every
+                # rank has arrived: all of it is transfer
+                arrived += peer_copies(events)
                 transfer = length(subtract(union(arrived), compute)) / step_us
     return CommShare(
         step_s=step_s,
@@ -317,11 +338,14 @@ def profile_comm(
     )
 
 
-def peak_memory(device: torch.device) -> int | None:
-    """`max_memory_allocated` in bytes since the last reset; `None` on CPU."""
+def peak_memory(device: torch.device, *, uncounted: int = 0) -> int | None:
+    """
+    `max_memory_allocated` in bytes since the last reset, plus `uncounted`
+    bytes the caching allocator does not see (peer memory); `None` on CPU.
+    """
     if device.type != "cuda":
         return None
-    return torch.cuda.max_memory_allocated(device)
+    return torch.cuda.max_memory_allocated(device) + uncounted
 
 
 def finite_or_none(value: float) -> float | None:

@@ -151,7 +151,9 @@ def measure_rank(ctx: launch.DistContext, engine: str, workload: Workload,
     start = time.perf_counter()
     built = builder(engine)(ctx, workload)
     init_s = time.perf_counter() - start
-    build_peak = peak_memory(ctx.device)
+    # device memory the caching allocator does not count (peer memory)
+    uncounted = built.uncounted_device_bytes
+    build_peak = peak_memory(ctx.device, uncounted=uncounted)
     batches = random_batches(workload, ctx, count=2, seed=run.seed)
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -160,7 +162,7 @@ def measure_rank(ctx: launch.DistContext, engine: str, workload: Workload,
     progress["phase"] = "train"
     timed = time_steps(built.step, batches, warmup=run.warmup, steps=run.steps,
                        device=ctx.device)
-    train_peak = peak_memory(ctx.device)
+    train_peak = peak_memory(ctx.device, uncounted=uncounted)
     steps_run = run.warmup + run.steps
     record = {
         # Asked here, not in the parent: a CUDA context in the parent would hold
@@ -262,6 +264,7 @@ def describe(engine: str, workload: Workload, world_size: int, backend: str) -> 
         "finetune": workload.finetune,
         "compiled": workload.compile,
         "prefetch_depth": workload.prefetch_depth,
+        "peer_gather": workload.peer_gather,
         "model": {"n_layers": model.n_layers, "d_model": model.d_model,
                   "n_heads": model.n_heads, "n_vocab": model.n_vocab},
     }
@@ -384,6 +387,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"({', '.join(COMPILED_ENGINES)}; others are skipped)")
     parser.add_argument("--prefetch-depth", type=int, default=1,
                         help="labml_zero's units gathered ahead (default 1)")
+    parser.add_argument("--peer-gather", action="store_true",
+                        help="labml_zero gathers by copying from the peers' "
+                        "memory (copy engines) instead of NCCL's all-gather")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the profiled step (no communication share)")
     parser.add_argument("--trace-dir", default=None,
@@ -460,7 +466,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in args.workload_list:
         workload = shrink(known[name]) if args.tiny else known[name]
         workload = replace(workload, compile=args.compile,
-                           prefetch_depth=args.prefetch_depth)
+                           prefetch_depth=args.prefetch_depth,
+                           peer_gather=args.peer_gather)
         for engine in args.engine_list:
             result = run_pair(engine, workload, run, world_size=world_size,
                               backend=backend, timeout_s=args.timeout)

@@ -101,6 +101,10 @@ class Workload:
     prefetch_depth: int = 1
     """labml_zero's prefetch depth, the units gathered ahead of the one that
     computes (`--prefetch-depth`); the other engines keep their own."""
+    peer_gather: bool = False
+    """labml_zero gathers chunks by copying the shards out of the other GPUs'
+    memory on the copy engines (`--peer-gather`, [peer
+    memory](../labml_zero/zero3/peer_memory.html)); the other engines keep NCCL."""
 
     def __post_init__(self):
         if self.batch < 1 or self.seq < 1:

@@ -12,7 +12,7 @@ import torch
 from bench import run as bench_run
 from bench.baselines import EngineUnavailable
 from bench.measure import (
-    after_arrival, classify, length, nccl_kernels, subtract, union,
+    after_arrival, classify, length, nccl_kernels, peer_copies, subtract, union,
 )
 from labml_zero.neox.activation_memory import activation_bytes
 from bench.workloads import Workload, flops_per_token, matmul_params, mfu, shrink
@@ -220,3 +220,41 @@ def test_prefetch_depth_reaches_the_engine(tmp_path):
     gathered = {d: line["memory_model_gib"]["gathered_peak"]
                 for d, line in lines.items()}
     assert gathered[2] > gathered[1]
+
+
+def test_peer_gather_trace_classification():
+    """With `--peer-gather`, copies from the other GPU and the symmetric-memory
+    barriers are communication; a copy inside one GPU stays computation. Copies
+    from a peer count as transfer whole: they start after their barrier."""
+    events = [
+        {"ph": "X", "cat": "kernel", "ts": 0, "dur": 4,
+         "name": "void c10d::symmetric_memory::barrier_kernel<...>"},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy PtoP (Device -> Device)",
+         "ts": 4, "dur": 10},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)",
+         "ts": 14, "dur": 1},
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 8, "dur": 10},
+    ]
+    comm, compute = classify(events, on_gpu=True)
+    assert sorted(comm) == [(0.0, 4.0), (4.0, 14.0)]
+    assert sorted(compute) == [(8.0, 18.0), (14.0, 15.0)]
+    assert peer_copies(events) == [(4.0, 14.0)]
+    # exposed: [0, 8); of it transfer (the copy only): [4, 8)
+    assert length(subtract(union(comm), union(compute))) == 8.0
+    assert length(subtract(union(peer_copies(events)), union(compute))) == 4.0
+
+
+@pytest.mark.distributed
+def test_peer_gather_reaches_the_engine_and_trains_the_same():
+    """`--peer-gather`: the line says so, and the tiny step's loss is the same as
+    with gloo's all-gather (the gather copies bytes; the sums are unchanged)."""
+    lines = {
+        flag: bench_run.main([
+            "--tiny", "--cpu", "--workloads", "W4", "--engines", "labml_zero",
+            "--steps", "2", "--warmup", "0", "--no-profile", *flag])[0]
+        for flag in ((), ("--peer-gather",))
+    }
+    plain, peer = lines[()], lines[("--peer-gather",)]
+    assert plain["status"] == peer["status"] == "ok"
+    assert (plain["peer_gather"], peer["peer_gather"]) == (False, True)
+    assert peer["loss"] == plain["loss"]

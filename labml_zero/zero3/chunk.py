@@ -150,7 +150,8 @@ class Chunk:
         device = comm.device
 
         # [S] param dtype; the only copy of these parameters this rank keeps.
-        shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        # With `peer_gather` it lies in memory the other ranks read (`peers`).
+        shard, self.peers = comm.new_shard(self.shard_numel, dtype)
         # [S] fp32; the original fp32 values, when the parameters were fp32 and the
         # chunk is 16-bit, so the optimizer's master copy starts exact (AdamFP16
         # takes it and drops it).
@@ -314,6 +315,10 @@ class Chunk:
         # [S] param dtype, on the host
         host = torch.empty(self.shard_numel, dtype=self.dtype, pin_memory=pin)
         host.copy_(self.shard.detach())
+        # NCCL gathers a host shard (see `gather`); the peer memory is let go
+        if self.peers is not None:
+            self.comm.forget_shard(self.peers)
+            self.peers = None
         if self.trainable:
             self.shard.data = host
             self.shard.grad_device = self.comm.device
@@ -357,7 +362,9 @@ class Chunk:
         comm.wait(comm.gather_stream, compute)
         # stable profiler name, which the benchmark and the timeline refer to
         with profiled("zero::gather"), comm.on(comm.gather_stream):
-            if self.shard_on_host:
+            if self.peers is not None:
+                comm.pull_all_gather(self.full, self.peers)
+            elif self.shard_on_host:
                 # [S] this rank's slice of `full`: the copy up lands in place and
                 # the all-gather reads it there (NCCL's in-place form). The host
                 # shard is rewritten only by the optimizer, after waiting for an

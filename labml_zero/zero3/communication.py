@@ -54,6 +54,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from .peer_memory import PeerShards, check_one_host, new_run_name, pull_all_gather
+
 
 @dataclass
 class CommCounter:
@@ -116,9 +118,13 @@ class Communicator:
     * `side_streams=False` runs every collective on the compute stream, as on
       CPU: no overlap, and no stream ordering to get wrong. A correctness oracle
       for the overlapped schedule (`ZeroConfig.side_streams`).
+    * `peer_gather=True` puts the shards in memory that every rank can read and
+      gathers them with copies instead of NCCL's kernel
+      ([peer memory](peer_memory.html), `ZeroConfig.peer_gather`).
     """
 
-    def __init__(self, device: torch.device, *, group=None, side_streams: bool = True):
+    def __init__(self, device: torch.device, *, group=None, side_streams: bool = True,
+                 peer_gather: bool = False):
         self.device = torch.device(device)
         self.group = group
         if dist.is_available() and dist.is_initialized():
@@ -135,6 +141,15 @@ class Communicator:
             self.reduce_stream = torch.cuda.Stream(self.device, priority=-1)
         else:
             self.gather_stream = self.reduce_stream = None
+        # With one rank a gather is a copy: nothing to read from a peer.
+        self.peer_gather = peer_gather and self.world_size > 1
+        # bytes of shards in peer memory; those the caching allocator does not
+        # count (see `PeerShards.counted`)
+        self.peer_bytes = self.peer_bytes_uncounted = 0
+        if self.peer_gather:
+            check_one_host(group)
+            self._peer_run = new_run_name(group)
+            self._peer_count = 0
 
     ### Stream helpers
 
@@ -169,6 +184,32 @@ class Communicator:
         if event is not None:
             self.current_stream().wait_event(event)
 
+    ### Shards
+
+    def new_shard(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor,
+                                                                  PeerShards | None]:
+        """
+        A zero-filled shard of `numel` elements, and with `peer_gather` its
+        `PeerShards` (a collective then: every rank allocates in the same order).
+        """
+        if not self.peer_gather:
+            return torch.zeros(numel, dtype=dtype, device=self.device), None
+        shards = PeerShards(numel, dtype, device=self.device, group=self.group,
+                            rank=self.rank, world_size=self.world_size,
+                            name=f"{self._peer_run}-{self._peer_count}")
+        self._peer_count += 1
+        self._count_peer_bytes(shards, +1)
+        return shards.local, shards
+
+    def forget_shard(self, shards: PeerShards) -> None:
+        """The chunk no longer uses `shards` (its shard moved to the host)."""
+        self._count_peer_bytes(shards, -1)
+
+    def _count_peer_bytes(self, shards: PeerShards, sign: int) -> None:
+        self.peer_bytes += sign * shards.local.nbytes
+        if not shards.counted:
+            self.peer_bytes_uncounted += sign * shards.local.nbytes
+
     ### Collectives
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
@@ -178,6 +219,11 @@ class Communicator:
             full.copy_(shard)
             return
         _all_gather(full, shard, group=self.group)
+
+    def pull_all_gather(self, full: torch.Tensor, shards: PeerShards) -> None:
+        """`all_gather` for a shard in peer memory: copies, no collective kernel."""
+        self.counter.add("all_gather", full)
+        pull_all_gather(full, shards)
 
     def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         """`shard` [S] ← this rank's slice of the mean over ranks of `full`."""

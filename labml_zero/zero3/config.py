@@ -75,6 +75,14 @@ class ZeroConfig:
     changes when this is switched off has a stream-ordering bug.
     """
 
+    peer_gather: bool = False
+    """
+    Gather chunks by copying the shards out of the other ranks' memory instead
+    of with NCCL's all-gather kernel: on GPUs the copy engines move the bytes and
+    no SM is taken from the computation ([peer memory](peer_memory.html)). Needs
+    every rank on one host; the same code runs on CPU through shared memory.
+    """
+
     align: int = 64
     """
     Each parameter starts at a multiple of this many elements inside its chunk
