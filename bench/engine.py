@@ -205,6 +205,7 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         # oracle for the overlapped schedule (same losses expected, slower)
         side_streams=os.environ.get("LABML_ZERO_SIDE_STREAMS", "1") != "0",
         peer_gather=workload.peer_gather,
+        peer_reduce=workload.peer_reduce,
     )
     layers, psi_t, psi_f = meta_layers(workload)
     # zero3_layers materialises, initialises and shards one layer at a time

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from bench.measure import DEVICE_CATEGORIES, is_communication
-from labml_zero.zero3.peer_memory import PeerShards, pull_all_gather
+from labml_zero.zero3.peer_memory import PeerBuffer, pull_all_gather
 
 GATHERS = 10
 
@@ -63,7 +63,7 @@ def timed(fn, *, reps: int) -> float:
 def probe(mib: int, *, device, side, reps: int) -> dict:
     world = dist.get_world_size()
     numel = mib * 2**20 // 2 // world  # bf16 elements of one rank's shard
-    shards = PeerShards(numel, torch.bfloat16, device=device, group=None,
+    shards = PeerBuffer(numel, torch.bfloat16, device=device, group=None,
                         rank=dist.get_rank(), world_size=world, name="probe")
     shards.local.fill_(dist.get_rank() + 1)
     full = torch.empty(world * numel, dtype=torch.bfloat16, device=device)
@@ -111,7 +111,7 @@ def trace_names(device) -> list[list]:
     """(category, name, counted as communication) of the device events of one
     small peer gather, as `bench.measure` reads them from a Chrome trace."""
     world = dist.get_world_size()
-    shards = PeerShards(1 << 20, torch.bfloat16, device=device, group=None,
+    shards = PeerBuffer(1 << 20, torch.bfloat16, device=device, group=None,
                         rank=dist.get_rank(), world_size=world, name="names")
     full = torch.empty(world << 20, dtype=torch.bfloat16, device=device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

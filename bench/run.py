@@ -265,6 +265,7 @@ def describe(engine: str, workload: Workload, world_size: int, backend: str) -> 
         "compiled": workload.compile,
         "prefetch_depth": workload.prefetch_depth,
         "peer_gather": workload.peer_gather,
+        "peer_reduce": workload.peer_reduce,
         "model": {"n_layers": model.n_layers, "d_model": model.d_model,
                   "n_heads": model.n_heads, "n_vocab": model.n_vocab},
     }
@@ -390,6 +391,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peer-gather", action="store_true",
                         help="labml_zero gathers by copying from the peers' "
                         "memory (copy engines) instead of NCCL's all-gather")
+    parser.add_argument("--peer-reduce", action="store_true",
+                        help="labml_zero reduce-scatters through the peers' memory "
+                        "(bf16 sent, fp32 sums) instead of NCCL's reduce-scatter")
     parser.add_argument("--no-profile", action="store_true",
                         help="skip the profiled step (no communication share)")
     parser.add_argument("--trace-dir", default=None,
@@ -467,7 +471,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         workload = shrink(known[name]) if args.tiny else known[name]
         workload = replace(workload, compile=args.compile,
                            prefetch_depth=args.prefetch_depth,
-                           peer_gather=args.peer_gather)
+                           peer_gather=args.peer_gather,
+                           peer_reduce=args.peer_reduce)
         for engine in args.engine_list:
             result = run_pair(engine, workload, run, world_size=world_size,
                               backend=backend, timeout_s=args.timeout)

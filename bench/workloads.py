@@ -105,6 +105,9 @@ class Workload:
     """labml_zero gathers chunks by copying the shards out of the other GPUs'
     memory on the copy engines (`--peer-gather`, [peer
     memory](../labml_zero/zero3/peer_memory.html)); the other engines keep NCCL."""
+    peer_reduce: bool = False
+    """labml_zero reduce-scatters through a workspace in the other GPUs' memory,
+    bf16 gradients sent in bf16 and averaged in fp32 (`--peer-reduce`)."""
 
     def __post_init__(self):
         if self.batch < 1 or self.seq < 1:

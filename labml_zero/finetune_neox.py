@@ -127,6 +127,9 @@ def make_parser() -> Parser:
                    "(needs --offload-optimizer 1)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer layer (Inductor on GPUs)")
+    p.add_argument("--peer-memory", action="store_true",
+                   help="gather and reduce through the other ranks' memory "
+                   "(copy engines) instead of NCCL's kernels; one host")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute activations in the backward pass")
     p.add_argument("--clip-grad", type=float, metavar="NORM",
@@ -174,7 +177,7 @@ def parse_config(argv: Sequence[str] | None, parser: Parser
             offload_optimizer=args.offload_optimizer,
             offload_params=args.offload_params,
             activation_checkpointing=args.activation_checkpointing,
-            compile=args.compile,
+            compile=args.compile, peer_memory=args.peer_memory,
             valid_every=args.valid_every, checkpoint_every=args.checkpoint_every,
             resume=args.resume, out=args.out, log_dir=args.log_dir,
             app_url=args.app_url, seed=args.seed,

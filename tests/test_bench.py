@@ -246,15 +246,16 @@ def test_peer_gather_trace_classification():
 
 @pytest.mark.distributed
 def test_peer_gather_reaches_the_engine_and_trains_the_same():
-    """`--peer-gather`: the line says so, and the tiny step's loss is the same as
+    """`--peer-gather --peer-reduce`: the line says so, and the loss is the same as
     with gloo's all-gather (the gather copies bytes; the sums are unchanged)."""
     lines = {
         flag: bench_run.main([
             "--tiny", "--cpu", "--workloads", "W4", "--engines", "labml_zero",
             "--steps", "2", "--warmup", "0", "--no-profile", *flag])[0]
-        for flag in ((), ("--peer-gather",))
+        for flag in ((), ("--peer-gather", "--peer-reduce"))
     }
-    plain, peer = lines[()], lines[("--peer-gather",)]
+    plain, peer = lines[()], lines[("--peer-gather", "--peer-reduce")]
     assert plain["status"] == peer["status"] == "ok"
     assert (plain["peer_gather"], peer["peer_gather"]) == (False, True)
+    assert (plain["peer_reduce"], peer["peer_reduce"]) == (False, True)
     assert peer["loss"] == plain["loss"]

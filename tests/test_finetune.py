@@ -139,6 +139,17 @@ def test_offloaded_optimizer_and_recompute_match(reference: Path, tmp_path: Path
         assert ours[step] == pytest.approx(full[step], rel=1e-6, abs=1e-6)
 
 
+def test_peer_memory_trains_identically(reference: Path, tmp_path: Path):
+    # shards gathered and gradients reduced through shared memory: copies, and
+    # on two ranks the same fp32 sums, so the losses are the same bits
+    check_ok(finetune(tmp_path, "--steps", "3", "--peer-memory",
+                      "--sample-tokens", "0"))
+    ours = tracked(run_dirs(tmp_path)[0])["loss.train"]
+    full = tracked(run_dirs(reference)[0])["loss.train"]
+    for step in (1, 2, 3):
+        assert ours[step] == full[step]
+
+
 def test_compiled_layers_match(reference: Path, tmp_path: Path):
     # aot_eager on CPU: the same aten ops as eager, summed maybe in another order
     check_ok(finetune(tmp_path, "--steps", "3", "--compile", "--sample-tokens", "0"))

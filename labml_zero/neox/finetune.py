@@ -211,6 +211,12 @@ class FinetuneConfig:
     compile: bool = False
     """`torch.compile` each transformer layer's forward ([compiled
     layers](../zero3/compiled.html)): Inductor on GPUs, `aot_eager` on CPU."""
+    peer_memory: bool = False
+    """Gather and reduce-scatter the chunks through the other ranks' memory
+    instead of with NCCL's kernels (`ZeroConfig.peer_gather` and `peer_reduce`,
+    see [peer memory](../zero3/peer_memory.html)). On 2×H200 it made steps with
+    100 MB chunks and more 1–10% faster, and Pythia-160M's 5% slower. All ranks
+    on one host."""
     dtype: str | None = None
     """`'fp32'`, `'bf16'` or `'fp16'`: the chunks' and the computation's dtype.
     `None`: fp32 on CPU (16-bit matmuls are slow on most CPUs), bf16 on CUDA."""
@@ -355,7 +361,8 @@ def build_model(config: FinetuneConfig, ctx: DistContext) -> BuiltModel:
     hf = HFCheckpoint(config.checkpoint) if config.checkpoint is not None else None
 
     zero = ZeroConfig(dtype=config.torch_dtype(ctx.device),
-                      activation_checkpointing=config.activation_checkpointing)
+                      activation_checkpointing=config.activation_checkpointing,
+                      peer_gather=config.peer_memory, peer_reduce=config.peer_memory)
     if hf is None:
         # Random weights, drawn one chunk at a time into the chunk's buffer: every
         # rank seeds alike and visits the chunks in the same order, so all draw the

@@ -414,7 +414,7 @@ class Chunk:
         self.held.append((position, grad))
         self.grads_seen.add(position)
 
-    def flush_grads(self, *, stream=None) -> None:
+    def flush_grads(self, *, stream=None, dtype: torch.dtype | None = None) -> None:
         r"""
         ### Copy the held gradients into the full-size gradient buffer
 
@@ -426,7 +426,8 @@ class Chunk:
         and parameters that got no gradient are zeroed, at the reduction.
 
         `stream` is the side stream the copy runs on, when not the current one
-        (`reduce` runs it on the reduce stream).
+        (`reduce` runs it on the reduce stream). `dtype` is the buffer's dtype
+        if it is allocated now (default: the reduce dtype).
         """
         if not self.held:
             return
@@ -438,7 +439,7 @@ class Chunk:
         if self.grad_full is None:
             # [C] reduce dtype, uninitialised; see above
             self.grad_full = torch.empty(
-                self.numel, dtype=self.reduce_dtype, device=self.comm.device
+                self.numel, dtype=dtype or self.reduce_dtype, device=self.comm.device
             )
         copies: tuple[list, list] = ([], [])
         adds: tuple[list, list] = ([], [])
@@ -501,7 +502,7 @@ class Chunk:
             # The copy into the buffer, a memory-bound pass over (p + g)·C bytes
             # (41 GB a step for Pythia-6.9B), runs here, beside the backward of
             # the layers below, instead of on the compute stream before it.
-            self.flush_grads(stream=comm.reduce_stream)
+            self.flush_grads(stream=comm.reduce_stream, dtype=self._exact_dtype())
             if self.grad_full is None:
                 # No parameter of the chunk got a gradient; every rank must still
                 # take part in the collective, so it reduces zeros.
@@ -526,6 +527,20 @@ class Chunk:
         if self.dtype == torch.float32:
             # In fp32 the gradient also fits `.grad`, so plain torch optimizers work.
             shard.grad = shard.main_grad
+
+    def _exact_dtype(self) -> torch.dtype | None:
+        """
+        The parameter dtype, when the reduction can take the gradients in it
+        without rounding anything: it reduces through peer memory (the mean is
+        then computed in the reduce dtype, see [peer memory](peer_memory.html)),
+        and each parameter's gradient arrived once, with no earlier micro-batch
+        accumulated into the buffer. `None` otherwise (the reduce dtype).
+        """
+        positions = [position for position, _ in self.held]
+        if (self.comm.peer_reduce and self.grad_full is None
+                and len(set(positions)) == len(positions)):
+            return self.dtype
+        return None
 
     def zero_grad(self) -> None:
         if self.trainable:

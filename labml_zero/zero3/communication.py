@@ -54,7 +54,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from .peer_memory import PeerShards, check_one_host, new_run_name, pull_all_gather
+from .peer_memory import (
+    PeerBuffer, check_one_host, new_run_name, pull_all_gather, push_reduce_scatter_mean,
+)
 
 
 @dataclass
@@ -119,12 +121,13 @@ class Communicator:
       CPU: no overlap, and no stream ordering to get wrong. A correctness oracle
       for the overlapped schedule (`ZeroConfig.side_streams`).
     * `peer_gather=True` puts the shards in memory that every rank can read and
-      gathers them with copies instead of NCCL's kernel
+      gathers them with copies instead of NCCL's kernel; `peer_reduce=True`
+      reduce-scatters through a workspace in that memory
       ([peer memory](peer_memory.html), `ZeroConfig.peer_gather`).
     """
 
     def __init__(self, device: torch.device, *, group=None, side_streams: bool = True,
-                 peer_gather: bool = False):
+                 peer_gather: bool = False, peer_reduce: bool = False):
         self.device = torch.device(device)
         self.group = group
         if dist.is_available() and dist.is_initialized():
@@ -143,13 +146,16 @@ class Communicator:
             self.gather_stream = self.reduce_stream = None
         # With one rank a gather is a copy: nothing to read from a peer.
         self.peer_gather = peer_gather and self.world_size > 1
+        self.peer_reduce = peer_reduce and self.world_size > 1
         # bytes of shards in peer memory; those the caching allocator does not
-        # count (see `PeerShards.counted`)
+        # count (see `PeerBuffer.counted`)
         self.peer_bytes = self.peer_bytes_uncounted = 0
-        if self.peer_gather:
+        if self.peer_gather or self.peer_reduce:
             check_one_host(group)
             self._peer_run = new_run_name(group)
             self._peer_count = 0
+        # reduction workspaces, the last one the largest; see `_workspace`
+        self._workspaces: list[PeerBuffer] = []
 
     ### Stream helpers
 
@@ -187,25 +193,29 @@ class Communicator:
     ### Shards
 
     def new_shard(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor,
-                                                                  PeerShards | None]:
+                                                                  PeerBuffer | None]:
         """
         A zero-filled shard of `numel` elements, and with `peer_gather` its
-        `PeerShards` (a collective then: every rank allocates in the same order).
+        `PeerBuffer` (a collective then: every rank allocates in the same order).
         """
         if not self.peer_gather:
             return torch.zeros(numel, dtype=dtype, device=self.device), None
-        shards = PeerShards(numel, dtype, device=self.device, group=self.group,
+        shards = self._new_peer_buffer(numel, dtype)
+        return shards.local, shards
+
+    def _new_peer_buffer(self, numel: int, dtype: torch.dtype) -> PeerBuffer:
+        buffer = PeerBuffer(numel, dtype, device=self.device, group=self.group,
                             rank=self.rank, world_size=self.world_size,
                             name=f"{self._peer_run}-{self._peer_count}")
         self._peer_count += 1
-        self._count_peer_bytes(shards, +1)
-        return shards.local, shards
+        self._count_peer_bytes(buffer, +1)
+        return buffer
 
-    def forget_shard(self, shards: PeerShards) -> None:
+    def forget_shard(self, shards: PeerBuffer) -> None:
         """The chunk no longer uses `shards` (its shard moved to the host)."""
         self._count_peer_bytes(shards, -1)
 
-    def _count_peer_bytes(self, shards: PeerShards, sign: int) -> None:
+    def _count_peer_bytes(self, shards: PeerBuffer, sign: int) -> None:
         self.peer_bytes += sign * shards.local.nbytes
         if not shards.counted:
             self.peer_bytes_uncounted += sign * shards.local.nbytes
@@ -220,18 +230,36 @@ class Communicator:
             return
         _all_gather(full, shard, group=self.group)
 
-    def pull_all_gather(self, full: torch.Tensor, shards: PeerShards) -> None:
+    def pull_all_gather(self, full: torch.Tensor, shards: PeerBuffer) -> None:
         """`all_gather` for a shard in peer memory: copies, no collective kernel."""
         self.counter.add("all_gather", full)
         pull_all_gather(full, shards)
 
     def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
-        """`shard` [S] ← this rank's slice of the mean over ranks of `full`."""
+        """
+        `shard` [S] ← this rank's slice of the mean over ranks of `full`.
+
+        With `peer_reduce` through a workspace in peer memory, the mean in
+        `shard`'s dtype whatever `full`'s; otherwise a collective, which needs
+        both in one dtype.
+        """
         self.counter.add("reduce_scatter", full)
         if not self.distributed:
             shard.copy_(full)
             return
+        if self.peer_reduce:
+            push_reduce_scatter_mean(shard, full, self._workspace(full))
+            return
         _reduce_scatter(shard, full, op=dist.ReduceOp.AVG, group=self.group)
+
+    def _workspace(self, full: torch.Tensor) -> PeerBuffer:
+        """A reduction workspace with room for `full`; grown, never shrunk."""
+        nbytes = full.numel() * full.element_size()
+        if not self._workspaces or self._workspaces[-1].local.nbytes < nbytes:
+            # fp32 elements: the workspace is viewed in the dtype of each `full`
+            self._workspaces.append(self._new_peer_buffer(-(-nbytes // 4),
+                                                          torch.float32))
+        return self._workspaces[-1]
 
     def all_reduce(self, tensor: torch.Tensor, *, op=None) -> None:
         """Sum (or `op`) `tensor` over ranks, in place."""

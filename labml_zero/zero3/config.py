@@ -83,6 +83,15 @@ class ZeroConfig:
     every rank on one host; the same code runs on CPU through shared memory.
     """
 
+    peer_reduce: bool = False
+    """
+    Reduce-scatter gradients by copying them into a workspace in the other
+    ranks' memory and averaging there, in fp32, instead of with NCCL's kernel.
+    A gradient computed in bf16 then travels in bf16 (half the bytes of an fp32
+    reduction) and is still summed in fp32 ([peer memory](peer_memory.html)).
+    Needs every rank on one host.
+    """
+
     align: int = 64
     """
     Each parameter starts at a multiple of this many elements inside its chunk

@@ -55,6 +55,28 @@ The copy engines move the bytes slightly faster alone. Beside the products they
 cost 6.8 ms of the products' time, against NCCL's 12.2 ms. The script is
 `bench/peer_gather_probe.py`.
 
+## Reducing through the peers' memory
+
+A reduce-scatter can be done the same way, with a *workspace*: a buffer of
+$N_d S$ elements on every rank, one slot per rank. Rank $r$ writes slice $q$
+of its full gradient into slot $r$ of rank $q$'s workspace (a copy engine
+writing over NVLink); after a barrier, each rank averages its $N_d$ slots:
+
+$$g_{\text{shard}}^{(q)} = \frac{1}{N_d} \sum_r \text{workspace}^{(q)}[r].$$
+
+The average is one kernel (`torch.mean` over the slots), and it runs in fp32
+whatever the dtype of the slots. That allows something a collective cannot
+do. NCCL reduces in the dtype it sends, so an fp32 reduction must send fp32
+values, and every bf16 gradient is first cast into an fp32 buffer. Yet a
+gradient that autograd computed in bf16, with no micro-batches accumulated
+into it, holds nothing that bf16 cannot hold. So `Chunk.reduce` keeps it in
+bf16, and the copies move half the bytes. The sum is still fp32, and on two
+ranks it is the same number an fp32 all-reduce gives.
+
+One barrier per reduction is enough, at its start. A rank reaches it only after
+its previous average on the same stream, so once all have passed it, no rank
+still reads its workspace, and the copies may overwrite it.
+
 ## On CPU
 
 Processes of one host share memory through a file that all of them map
@@ -67,10 +89,13 @@ barriers, so the tests exercise it without a GPU.
 
 * All ranks must be on one host; it is checked when the communicator is built.
 * CUDA's symmetric memory may come from its own allocator, which
-  `torch.cuda.max_memory_allocated` does not count. `PeerShards.counted` says
+  `torch.cuda.max_memory_allocated` does not count. `PeerBuffer.counted` says
   whether it does; `Communicator.peer_bytes_uncounted` sums the rest, and the
   benchmark adds it to the peaks it reports.
 * Shards kept in host memory (`offload_shard`) are gathered by NCCL as before.
+* The reduction workspace is sized for the largest chunk reduced so far;
+  a larger chunk allocates a new one, and the old one is kept, because
+  reductions already queued may still use it.
 * A barrier waits without a time limit, as NCCL's kernels do.
 """
 
@@ -85,7 +110,7 @@ import torch
 import torch.distributed as dist
 
 
-class PeerShards:
+class PeerBuffer:
     """
     ## A shard of $S$ elements on every rank that every rank can read
 
@@ -173,7 +198,7 @@ class PeerShards:
             dist.barrier(group=self.group)
 
 
-def pull_all_gather(full: torch.Tensor, shards: PeerShards) -> None:
+def pull_all_gather(full: torch.Tensor, shards: PeerBuffer) -> None:
     """
     ### `full` [N_d·S] ← every rank's shard, copied out of its memory
 
@@ -186,6 +211,28 @@ def pull_all_gather(full: torch.Tensor, shards: PeerShards) -> None:
         # a contiguous copy of the same dtype: `cudaMemcpyAsync`, on a copy engine
         full[q * size:(q + 1) * size].copy_(shards.of(q))
     shards.barrier()  # no rank reads this chunk any more
+
+
+def push_reduce_scatter_mean(shard: torch.Tensor, full: torch.Tensor,
+                             workspace: PeerBuffer) -> None:
+    """
+    ### `shard` [S] ← the mean over ranks of this rank's slice of `full` [N_d·S]
+
+    `workspace` has room for $N_d S$ elements of `full`'s dtype; the mean is in
+    `shard`'s dtype.
+    """
+    size, world, rank = shard.numel(), workspace.world_size, workspace.rank
+
+    def slots(q: int) -> torch.Tensor:
+        # [N_d·S] rank q's workspace, seen in the dtype of `full`
+        return workspace.of(q).view(full.dtype)[:world * size]
+
+    workspace.barrier()  # no rank still averages the previous reduction
+    for q in range(world):
+        # slot `rank` of rank q ← what rank q reduces from this rank
+        slots(q)[rank * size:(rank + 1) * size].copy_(full[q * size:(q + 1) * size])
+    workspace.barrier()  # every rank's slice has arrived
+    torch.mean(slots(rank).view(world, size), dim=0, dtype=shard.dtype, out=shard)
 
 
 def new_run_name(group) -> str:

@@ -222,7 +222,7 @@ class Zero3Layer(nn.Module):
         config = ZeroConfig(**{**vars(config or ZeroConfig()), "dtype": dtype})
         comm = comm or Communicator(
             device, group=group, side_streams=config.side_streams,
-            peer_gather=config.peer_gather,
+            peer_gather=config.peer_gather, peer_reduce=config.peer_reduce,
         )
         check_rank(rank, world_size, comm)
         self.module = module
@@ -430,7 +430,8 @@ def zero3_layers(
     config = config or ZeroConfig()
     device = torch.device(device)
     comm = Communicator(device, group=group, side_streams=config.side_streams,
-                        peer_gather=config.peer_gather)
+                        peer_gather=config.peer_gather,
+                        peer_reduce=config.peer_reduce)
     specs, _ = param_specs([m.named_parameters() for m in modules])
     chunk_numel = choose_chunk_numel(specs, comm.world_size, config)
     layers = []
@@ -511,7 +512,8 @@ def shard_model(
     config = config or ZeroConfig()
     device = torch.device(device)
     comm = Communicator(device, group=group, side_streams=config.side_streams,
-                        peer_gather=config.peer_gather)
+                        peer_gather=config.peer_gather,
+                        peer_reduce=config.peer_reduce)
     layer_ids = {id(p) for layer in layers for p in layer.parameters()}
     root = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_ids]
 
