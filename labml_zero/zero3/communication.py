@@ -33,6 +33,10 @@ orderings make this safe; each is marked where it is enforced:
 3. a reduction waits for the compute stream, which wrote the gradients, and the
    compute stream waits for the reduce stream before the optimizer reads them.
 
+On GPUs of one host, gathers and reductions can also go through the other
+ranks' memory, with copies instead of NCCL's kernels
+([peer memory](peer_memory.html)); the streams and orderings are the same.
+
 On CPU (gloo) the collectives are synchronous and every stream is `None`: the same
 code runs with the waits turned into no-ops, which is how the tests exercise it.
 

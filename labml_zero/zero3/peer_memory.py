@@ -42,18 +42,26 @@ queues on its gather stream, and that ends when every rank has reached it.
 
 ## Measured on 2×H200 (NVLink)
 
-Ten gathers of a 906 MiB chunk (one GPT-NeoX-20B layer), alone and beside 120
-bf16 matrix products of $2048 \times 6144 \times 24576$:
+Ten gathers of one chunk, alone and beside bf16 matrix products of
+$2048 \times 6144 \times 24576$ (`bench/peer_gather_probe.py`, medians of five;
+`bench/results/2026-11-29-run16-peer-gather-probe.json`). The cost to the
+products is the time of both together minus the products alone:
 
-| | NCCL all-gather | copy engines |
+| chunk | ten gathers alone: NCCL / copies | cost to the products: NCCL / copies |
 | --- | --- | --- |
-| ten gathers alone | 18.3 ms | 15.7 ms |
-| the products alone | 107.9 ms | 107.9 ms |
-| both together | 120.1 ms | 114.7 ms |
+| 100 MiB (a Pythia-1.4B layer) | 2.6 / 2.1 ms | 1.2 / 1.3 ms (of 10.3) |
+| 400 MiB (a Pythia-6.9B layer) | 9.0 / 7.2 ms | 3.9 / 2.8 ms (of 48.2) |
+| 906 MiB (a GPT-NeoX-20B layer) | 18.6 / 15.8 ms | 4.0 / 1.5 ms (of 111.3) |
 
-The copy engines move the bytes slightly faster alone. Beside the products they
-cost 6.8 ms of the products' time, against NCCL's 12.2 ms. The script is
-`bench/peer_gather_probe.py`.
+The copies move bytes faster (600 against 512 GB/s for the largest chunk),
+and beside large products they cost them a third as much. For small chunks
+there is no gain: each gather is four operations (two barriers and two
+copies) instead of one kernel, which costs host time.
+
+In training on 2×H200 (the benchmark, `bench/README.md`), with the reductions
+through peer memory too, the GPT-NeoX-20B bias-only step went from 10.8k to
+12.0k tokens/s and the Pythia-6.9B step from 20.7k to 21.7k. The step of
+Pythia-160M, which is bound by the host's time, went 2–5% slower.
 
 ## Reducing through the peers' memory
 
@@ -73,9 +81,11 @@ into it, holds nothing that bf16 cannot hold. So `Chunk.reduce` keeps it in
 bf16, and the copies move half the bytes. The sum is still fp32, and on two
 ranks it is the same number an fp32 all-reduce gives.
 
-One barrier per reduction is enough, at its start. A rank reaches it only after
-its previous average on the same stream, so once all have passed it, no rank
-still reads its workspace, and the copies may overwrite it.
+The barrier after the copies says that every slice has arrived. The one
+before them says that the workspace is free: a rank reaches it only after its
+previous average on the same stream, so once all ranks have passed it, none
+still reads its workspace, and the copies may overwrite it. No barrier is
+needed after the average; the next reduction's first one covers it.
 
 ## On CPU
 
