@@ -215,7 +215,7 @@ class FinetuneConfig:
     """Gather and reduce-scatter the chunks through the other ranks' memory
     instead of with NCCL's kernels (`ZeroConfig.peer_gather` and `peer_reduce`,
     see [peer memory](../zero3/peer_memory.html)). On 2×H200 it made steps with
-    100 MB chunks and more 1–10% faster, and Pythia-160M's 5% slower. All ranks
+    100 MB chunks and more 2–11% faster, and Pythia-160M's 2–5% slower. All ranks
     on one host."""
     dtype: str | None = None
     """`'fp32'`, `'bf16'` or `'fp16'`: the chunks' and the computation's dtype.

@@ -181,6 +181,14 @@ class PeerBuffer:
             return os.path.join(folder, f"labml_zero-{name}-{q}")
 
         self.counted = False  # no allocator statistics on CPU
+        # A mapped file larger than the free space of a tmpfs (Docker's /dev/shm
+        # is 64 MiB) fails with SIGBUS when its pages are first touched: refuse
+        # it here, in one line, instead.
+        needed = numel * torch.empty(0, dtype=dtype).element_size()
+        stat = os.statvfs(folder)
+        if needed > stat.f_bavail * stat.f_frsize:
+            raise ValueError(f"peer memory needs {needed} bytes in {folder}, which "
+                             f"has {stat.f_bavail * stat.f_frsize} free")
         # creates the file, of exactly `numel` elements
         self.local = torch.from_file(path(self.rank), shared=True, size=numel,
                                      dtype=dtype)

@@ -220,3 +220,18 @@ def test_one_rank_needs_no_peer_memory():
     assert not comm.peer_gather
     shard, peers = comm.new_shard(5, torch.float32)
     assert peers is None and shard.tolist() == [0.0] * 5
+
+
+def too_big_for_shared_memory(ctx):
+    try:
+        Communicator(ctx.device, peer_gather=True).new_shard(1 << 60, torch.float32)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.distributed
+def test_shared_memory_too_small_is_refused_in_one_line():
+    for message in run_distributed(too_big_for_shared_memory, 2):
+        assert message.startswith(f"peer memory needs {4 << 60} bytes in ")
+        assert " free" in message and "\n" not in message
