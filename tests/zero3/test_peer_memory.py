@@ -22,16 +22,23 @@ from tests.zero3.models import batch, tiny_layers
 ROWS = 3  # rows per rank per micro-batch
 
 
-def build(ctx, *, peer: str, dtype, early: bool, api: str):
-    """`peer`: '' (collectives), 'gather', 'reduce' or 'gather+reduce'."""
+def tiny_model(ctx, *, dtype, api: str = "sequential", **peer_flags):
+    """The tiny test model, sharded; `peer_flags` go to `ZeroConfig`."""
     layers = tiny_layers()
-    config = ZeroConfig(dtype=dtype, chunk_numel=96, align=4,
-                        peer_gather="gather" in peer, peer_reduce="reduce" in peer)
+    config = ZeroConfig(dtype=dtype, chunk_numel=96, align=4, **peer_flags)
     if api == "sequential":
         model = Zero3Sequential(zero3_layers(layers, device=ctx.device, config=config))
     else:
         model = shard_model(nn.Sequential(*layers), layers[1:4], device=ctx.device,
                             config=config)
+    return model, layers
+
+
+def build(ctx, *, peer: str, dtype, early: bool, api: str):
+    """`peer`: '' (collectives), 'gather', 'reduce' or 'gather+reduce'."""
+    model, layers = tiny_model(ctx, dtype=dtype, api=api,
+                               peer_gather="gather" in peer,
+                               peer_reduce="reduce" in peer)
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=3e-3, weight_decay=0.01,
                          update_during_backward=early)
     model.runtime.grad_ready = optimizer.grad_ready
@@ -132,11 +139,7 @@ def exact_dtype_halves_the_bytes(ctx):
     micro-batches accumulated it moves fp32. The averages are the same."""
     out = {}
     for peer in (False, True):
-        layers = tiny_layers()
-        config = ZeroConfig(dtype=torch.bfloat16, chunk_numel=96, align=4,
-                            peer_reduce=peer)
-        model = Zero3Sequential(zero3_layers(layers, device=ctx.device,
-                                             config=config))
+        model, _ = tiny_model(ctx, dtype=torch.bfloat16, peer_reduce=peer)
         counter = model.runtime.comm.counter
         x, y = batch(ctx.rank, 2 * ROWS)
         x, y = x.to(ctx.device, torch.bfloat16), y.to(ctx.device, torch.bfloat16)
@@ -167,11 +170,7 @@ def offloaded_shards_fall_back(ctx):
     the usual way; the model computes the same output."""
     outputs, report = [], {}
     for offload in (False, True):
-        layers = tiny_layers()
-        config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4,
-                            peer_gather=True)
-        model = Zero3Sequential(zero3_layers(layers, device=ctx.device,
-                                             config=config))
+        model, _ = tiny_model(ctx, dtype=torch.float32, peer_gather=True)
         frozen = next(c for c in model.runtime.all_chunks() if not c.trainable)
         before = model.runtime.comm.peer_bytes
         if offload:
