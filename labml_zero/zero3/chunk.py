@@ -534,10 +534,13 @@ class Chunk:
         without rounding anything: it reduces through peer memory (the mean is
         then computed in the reduce dtype, see [peer memory](peer_memory.html)),
         and each parameter's gradient arrived once, with no earlier micro-batch
-        accumulated into the buffer. `None` otherwise (the reduce dtype).
+        accumulated into the buffer; and it is no wider than the reduce dtype
+        (fp32 parameters with a bf16 reduction keep sending bf16). `None`
+        otherwise (the reduce dtype).
         """
         positions = [position for position, _ in self.held]
-        if (self.comm.peer_reduce and self.grad_full is None
+        narrower = self.dtype.itemsize <= self.reduce_dtype.itemsize
+        if (self.comm.peer_reduce and narrower and self.grad_full is None
                 and len(set(positions)) == len(positions)):
             return self.dtype
         return None

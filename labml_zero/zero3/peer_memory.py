@@ -103,6 +103,9 @@ barriers, so the tests exercise it without a GPU.
   whether it does; `Communicator.peer_bytes_uncounted` sums the rest, and the
   benchmark adds it to the peaks it reports.
 * Shards kept in host memory (`offload_shard`) are gathered by NCCL as before.
+* The reduction workspace holds one chunk's full gradient on every rank, which
+  the [memory model](memory_model.html) does not count; a chunk whose gradients
+  stay bf16 saves as much in its gradient buffer while it is reduced.
 * The reduction workspace is sized for the largest chunk reduced so far;
   a larger chunk allocates a new one, and the old one is kept, because
   reductions already queued may still use it.
