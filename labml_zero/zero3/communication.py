@@ -161,6 +161,12 @@ class Communicator:
         # reduction workspaces, the last one the largest; see `_workspace`
         self._workspaces: list[PeerBuffer] = []
 
+    @classmethod
+    def for_config(cls, device, config, *, group=None) -> "Communicator":
+        """The communicator a [`ZeroConfig`](config.html) asks for."""
+        return cls(device, group=group, side_streams=config.side_streams,
+                   peer_gather=config.peer_gather, peer_reduce=config.peer_reduce)
+
     ### Stream helpers
 
     def current_stream(self):

@@ -115,6 +115,7 @@ barriers, so the tests exercise it without a GPU.
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 import uuid
 import warnings
@@ -267,8 +268,6 @@ def new_run_name(group) -> str:
 
 def check_one_host(group) -> None:
     """Peer memory needs every rank on one host: a one-line error otherwise."""
-    import socket
-
     hosts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
     if len(set(hosts)) > 1:

@@ -220,10 +220,7 @@ class Zero3Layer(nn.Module):
         super().__init__()
         device = torch.device(device)
         config = ZeroConfig(**{**vars(config or ZeroConfig()), "dtype": dtype})
-        comm = comm or Communicator(
-            device, group=group, side_streams=config.side_streams,
-            peer_gather=config.peer_gather, peer_reduce=config.peer_reduce,
-        )
+        comm = comm or Communicator.for_config(device, config, group=group)
         check_rank(rank, world_size, comm)
         self.module = module
         self.comm = comm
@@ -429,25 +426,18 @@ def zero3_layers(
     """
     config = config or ZeroConfig()
     device = torch.device(device)
-    comm = Communicator(device, group=group, side_streams=config.side_streams,
-                        peer_gather=config.peer_gather,
-                        peer_reduce=config.peer_reduce)
+    comm = Communicator.for_config(device, config, group=group)
     specs, _ = param_specs([m.named_parameters() for m in modules])
     chunk_numel = choose_chunk_numel(specs, comm.world_size, config)
     layers = []
     for i, module in enumerate(modules):
+        def shard(module=module, i=i) -> Zero3Layer:
+            return Zero3Layer(module, comm.rank, comm.world_size, device,
+                              config.dtype, chunk_numel=chunk_numel, config=config,
+                              comm=comm, name_prefix=f"{i}.")
+
         if on_meta(module) and init_param is not None:
-            layer = Zero3Layer(
-                module,
-                comm.rank,
-                comm.world_size,
-                device,
-                config.dtype,
-                chunk_numel=chunk_numel,
-                config=config,
-                comm=comm,
-                name_prefix=f"{i}.",
-            )
+            layer = shard()
             layer.materialize(init_param)
             layers.append(layer)
             continue
@@ -458,19 +448,7 @@ def zero3_layers(
                 module.to_empty(device=device)
                 with torch.no_grad():
                     init(module)
-        layers.append(
-            Zero3Layer(
-                module,
-                comm.rank,
-                comm.world_size,
-                device,
-                config.dtype,
-                chunk_numel=chunk_numel,
-                config=config,
-                comm=comm,
-                name_prefix=f"{i}.",
-            )
-        )
+        layers.append(shard())
     return layers
 
 
@@ -511,9 +489,7 @@ def shard_model(
     """
     config = config or ZeroConfig()
     device = torch.device(device)
-    comm = Communicator(device, group=group, side_streams=config.side_streams,
-                        peer_gather=config.peer_gather,
-                        peer_reduce=config.peer_reduce)
+    comm = Communicator.for_config(device, config, group=group)
     layer_ids = {id(p) for layer in layers for p in layer.parameters()}
     root = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_ids]
 
