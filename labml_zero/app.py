@@ -19,9 +19,9 @@ single-page web app that charts it. Two things keep its own `labml app-server` f
 working on an offline machine:
 
 * `labml_app.flask_app` connects to **MongoDB** when it is imported. labml-app's
-  storage layer, `labml_db`, also ships a **file-based** driver pair (one pickle
-  file per record, one JSON file per index); we register those instead and never
-  import `flask_app`.
+  storage layer, `labml_db`, also ships a **file-based** driver (one file per
+  record, one JSON file per index); we register it instead and never import
+  `flask_app`.
 * its `index.html` loads **d3 v6, Bootstrap 5.0.0-beta2 and Font Awesome 5.9.0 from
   CDNs**; without them the page stays blank. The same files, from their npm
   packages, ship in `labml_zero/app_assets/` (about 300 KB, licenses in its
@@ -49,27 +49,84 @@ token the app does not know becomes `default`: labml-app would answer it with an
 `invalid_token` error, and labml's sender retries an error forever, so the run
 would never exit.
 
+## Note: records are JSON, never pickles
+
+labml-app stores each record as a pickle (its Mongo driver pickles, and
+`labml_db`'s file driver pairs with a pickle serializer). Unpickling runs whatever
+the file names: a record that someone else placed in the data directory would run
+their code in this process as soon as a page listed runs. We store records as
+JSON instead, which can only ever decode to data.
+
+`labml_db`'s own JSON serializer cannot hold labml-app's records, which contain
+numpy arrays (a series' steps and values) and sets (a folder's run uuids), so
+`RecordSerializer` encodes those as tagged JSON objects, each a one-key object:
+
+* `{"__ndarray__": [dtype, shape, base64]}`: only bool, integer, float and
+  complex dtypes, whose bytes are plain numbers (never the object dtype);
+* `{"__set__": [...]}`, `{"__tuple__": [...]}`, `{"__bytes__": base64}`;
+* `{"__key__": "Run:..."}`, a `labml_db` key, in `labml_db`'s own form;
+* `{"__dict__": [[key, value], ...]}` for a dict whose keys are not all strings
+  (JSON would turn `0` into `"0"`) or that looks like a tag itself.
+
+Anything else raises `TypeError` naming the type when the record is saved, so a
+record is never written partly. Pickle files (`*.pkl`) left by an older version
+of this app are never opened; the app prints how many it ignores.
+
+## Note: every request passes one guard
+
+labml-app's handlers trust their input: a body that is not JSON or not the shape
+they expect raises inside the handler, which the server answers with a bare 500
+and a traceback in the log, and a body is read into memory whole, however large.
+`RequestGuard` sits in front of every route and turns bad input into a short
+4xx answer and one log line:
+
+1. A path with a NUL or another control character is a `400`.
+2. A body over the limit $L$ (`max_request_bytes`, 16 MiB by default) is a `413`:
+   declared by `Content-Length`, before one byte of it is read; sent in chunks,
+   as soon as the bytes read pass $L$. A handler never holds more than $L$ bytes
+   of body.
+3. A body sent to the API that is not JSON is a `400`; one sent by a run
+   (`track`, `computer`) must be an object or a list of objects, checked before
+   labml-app's handler creates the run it names.
+4. An exception in a handler is a `400` (a `ValueError`, `TypeError`,
+   `KeyError`, `AttributeError` or `IndexError`: the handler met input of a shape
+   it does not handle) or a `500` (anything else, and a stored record that is
+   not valid), logged as one line with the exception and where it was raised.
+
+## Note: no authentication
+
+The app has no login: whoever reaches its port can read, change and delete runs.
+It binds the loopback address by default. Any other `--host` is refused unless
+`--allow-remote` is given, and then the app prints a warning before it listens.
+
 ## Limitations
 
 * One worker process: the file drivers keep each index in memory and rewrite its
   file on every change, which is only safe with a single writer.
-* Records are pickles of labml-app's classes: a data directory written by one
-  labml-app version may not load with another.
+* A data directory written by the earlier pickle storage is not read: unpickling
+  it is what the JSON storage exists to avoid.
 * labml-app answers each `track` request after a fixed 3 s pause (its way to batch
   a client's sends), so a run shows up a few seconds after it starts.
-* No authentication: the server listens on 127.0.0.1 by default; a `--host` that
-  others can reach lets them read and delete runs.
+* The guard checks a body's syntax and outer shape; a field of the wrong type deep
+  inside a `track` body still reaches labml-app's handler, which may have
+  created the run before it fails (answered `400`).
 """
 
 import argparse
+import base64
 import gzip
+import ipaddress
+import json
 import os
 import re
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["AppConfig", "create_app", "serve", "main"]
+import numpy as np
+
+__all__ = ["AppConfig", "RequestGuard", "create_app", "serve", "main"]
 
 ASSETS = Path(__file__).parent / "app_assets"
 
@@ -98,10 +155,23 @@ class AppConfig:
     """Runs, series and indexes, as files; created if missing."""
     token: str = "default"
     """Project token in the API URL runs send to (see "Projects and the URL")."""
+    allow_remote: bool = False
+    """Serve a `host` other than loopback (see Note: no authentication)."""
+    max_request_bytes: int = 16 * 2**20
+    """$L$, the largest request body accepted, $16 \\cdot 2^{20}$ bytes (16 MiB)
+    by default: far above a `track` request, which carries a few seconds of a
+    run's series."""
 
     def __post_init__(self):
         if not self.host:
             raise ValueError("host must be a non-empty address, e.g. '127.0.0.1'")
+        if not self.allow_remote and not is_loopback(self.host):
+            raise ValueError(f"host {self.host} can be reached from other machines "
+                             f"and the app has no authentication; pass "
+                             f"--allow-remote to serve it anyway")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, "
+                             f"got {self.max_request_bytes}")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if not re.fullmatch(r"[A-Za-z0-9_-]+", self.token):
@@ -122,6 +192,16 @@ class AppConfig:
         return f"http://{self.host}:{self.port}/api/v1/{self.token}/"
 
 
+def is_loopback(host: str) -> bool:
+    """`localhost` or a loopback address; a host name is taken as remote."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def import_labml_app(config: AppConfig) -> None:
     """
     #### Import labml-app, which reads its settings from the environment
@@ -140,27 +220,147 @@ def import_labml_app(config: AppConfig) -> None:
                           "pip install -e '.[app]'") from e
 
 
+# The one-key objects that stand for what JSON has no type for.
+TAGS = ("__ndarray__", "__set__", "__tuple__", "__bytes__", "__key__", "__dict__")
+# bool, signed and unsigned integers, floats, complex: bytes that are only numbers.
+ARRAY_KINDS = "biufc"
+
+
+def encode(value):
+    """
+    #### A record's value as JSON-ready data (see Note: records are JSON)
+    """
+    from labml_db import Key
+
+    if value is None or isinstance(value, (bool, int, float, str)) \
+            and not isinstance(value, np.generic):
+        return value
+    if isinstance(value, (np.ndarray, np.generic)):
+        array = np.asarray(value)
+        if array.dtype.kind not in ARRAY_KINDS:
+            raise TypeError(f"cannot store a numpy array of dtype {array.dtype}")
+        data = base64.b64encode(np.ascontiguousarray(array).tobytes()).decode()
+        return {"__ndarray__": [array.dtype.str, list(array.shape), data]}
+    if isinstance(value, Key):
+        return {"__key__": str(value)}
+    if isinstance(value, list):
+        return [encode(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return {"__set__": [encode(v) for v in value]}
+    if isinstance(value, tuple):
+        return {"__tuple__": [encode(v) for v in value]}
+    if isinstance(value, bytes):
+        return {"__bytes__": base64.b64encode(value).decode()}
+    if isinstance(value, dict):
+        plain = all(isinstance(k, str) for k in value) \
+            and not (len(value) == 1 and next(iter(value)) in TAGS)
+        if plain:
+            return {k: encode(v) for k, v in value.items()}
+        return {"__dict__": [[encode(k), encode(v)] for k, v in value.items()]}
+    raise TypeError(f"cannot store a {type(value).__name__} as JSON")
+
+
+def decode(value):
+    """
+    #### The inverse of `encode`; a malformed tag is a `ValueError`
+    """
+    from labml_db import Key
+
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) != 1 or next(iter(value)) not in TAGS:
+        return {k: decode(v) for k, v in value.items()}
+    (tag, body), = value.items()
+    if tag == "__ndarray__":
+        dtype, shape, data = body
+        dtype = np.dtype(dtype)
+        if dtype.kind not in ARRAY_KINDS:
+            raise ValueError(f"refusing a stored array of dtype {dtype}")
+        array = np.frombuffer(base64.b64decode(data), dtype=dtype).reshape(shape)
+        # 0-d arrays were numpy scalars; `.copy()` makes the array writable.
+        return array[()] if array.ndim == 0 else array.copy()
+    if tag == "__key__":
+        return Key(body)
+    if tag == "__bytes__":
+        return base64.b64decode(body)
+    items = [decode(v) for v in body]
+    if tag == "__set__":
+        return set(items)
+    if tag == "__tuple__":
+        return tuple(items)
+    return {k: v for k, v in items}
+
+
+class RecordError(RuntimeError):
+    """A stored record that this app could not have written."""
+
+
+def record_classes():
+    """
+    #### `labml_db`'s serializer and file driver, with our JSON in them
+
+    Defined inside a function because `labml_db` belongs to the `app` extra,
+    which the core install does not have.
+    """
+    from labml_db.driver.file import FileDbDriver
+    from labml_db.serializer import Serializer
+
+    class RecordSerializer(Serializer):
+        """
+        ## One record as one JSON file (see Note: records are JSON)
+        """
+        file_extension = "json"
+        is_bytes = False
+
+        def to_string(self, data: dict) -> str:
+            return json.dumps(encode(data))
+
+        def from_string(self, data: str | None) -> dict | None:
+            return None if data is None else decode(json.loads(data))
+
+    class RecordDriver(FileDbDriver):
+        """`labml_db`'s file driver; a bad file is a `RecordError` naming it."""
+
+        def __init__(self, serializer, model_cls, db_path: Path):
+            super().__init__(serializer, model_cls, db_path)
+            self.directory = db_path
+
+        def load_dict(self, key: str) -> dict | None:
+            try:
+                return super().load_dict(key)
+            except (ValueError, TypeError) as e:
+                raise RecordError(f"{self.directory / key}.json is not a record "
+                                  f"this app wrote: {e}") from None
+
+    return RecordSerializer, RecordDriver
+
+
 def init_file_db(data_dir: Path) -> None:
     """
-    ### Register labml_db's file drivers for every labml-app model and index
+    ### Register the file drivers for every labml-app model and index
 
-    The same model and index lists as labml-app's `init_mongo_db`, and the same
-    pickle serialization its Mongo driver uses; only the storage differs.
+    The same model and index lists as labml-app's `init_mongo_db`; records are
+    JSON (see Note: records are JSON), and so are the indexes, as in `labml_db`.
     """
     from labml_app import db
     from labml_db import Index, Model
-    from labml_db.driver.file import FileDbDriver
     from labml_db.index_driver.file import FileIndexDbDriver
     from labml_db.serializer.json import JsonSerializer
-    from labml_db.serializer.pickle import PickleSerializer
 
+    serializer, driver = record_classes()
     # `db.models` and `db.indexes` include the analyses' (series, logs, ...).
-    Model.set_db_drivers([FileDbDriver(PickleSerializer(), m,
-                                       data_dir / "models" / m.__name__)
+    Model.set_db_drivers([driver(serializer(), m, data_dir / "models" / m.__name__)
                           for m in db.models])
     Index.set_db_drivers([FileIndexDbDriver(JsonSerializer(), i,
                                             data_dir / "indexes" / f"{i.__name__}.json")
                           for i in db.indexes])
+
+
+def ignored_pickles(data_dir: Path) -> int:
+    """How many `*.pkl` records an older version of this app left; never opened."""
+    return sum(1 for _ in (data_dir / "models").glob("*/*.pkl"))
 
 
 def init_projects(token: str) -> None:
@@ -237,6 +437,105 @@ def asset_bytes(path: str) -> tuple[bytes, str]:
     raise FileNotFoundError(path)
 
 
+class RequestGuard:
+    """
+    ## The guard in front of every route (see Note: every request passes one guard)
+
+    A plain ASGI middleware, so it sees the body as it arrives, before any
+    handler has read it, and can refuse it without reading it.
+    """
+
+    # labml-app's handlers that a bad shape would leave half done.
+    RUN_WRITES = re.compile(r"/api/v1/[^/]+/(?:track|computer)")
+
+    def __init__(self, app, *, max_body: int):
+        self.app = app
+        self.max_body = max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if re.search(r"[\x00-\x1f\x7f]", path):
+            return await reply(send, 400, "the path has a NUL or control character")
+        headers = dict(scope["headers"])
+        declared = headers.get(b"content-length", b"0").decode("latin-1")
+        if not declared.isdigit():
+            return await reply(send, 400, f"bad Content-Length {declared!r}")
+        # Refused before one byte is read; the server then closes the connection.
+        if int(declared) > self.max_body:
+            return await reply(send, 413, f"the body is over {self.max_body} bytes")
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if len(body) > self.max_body:
+                return await reply(send, 413, f"the body is over {self.max_body} "
+                                              f"bytes")
+            if not message.get("more_body", False):
+                break
+        body = bytes(body)
+        if body and path.startswith("/api/"):
+            problem = json_problem(body, run_write=self.RUN_WRITES.fullmatch(path))
+            if problem:
+                return await reply(send, 400, problem)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, replay, tracked_send)
+        except Exception as e:
+            bad_input = isinstance(e, (ValueError, TypeError, KeyError,
+                                       AttributeError, IndexError))
+            bad_input = bad_input and not isinstance(e, RecordError)
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            where = f"{Path(frame.filename).name}:{frame.lineno}"
+            message = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            # One line, instead of the server's traceback.
+            print(f"labml app: {scope['method']} {path}: {message} ({where})",
+                  file=sys.stderr, flush=True)
+            if not started:
+                status = 400 if bad_input else 500
+                what = "the request" if bad_input else "the app"
+                await reply(send, status, f"{what} failed: {message}")
+
+
+def json_problem(body: bytes, *, run_write: bool) -> str | None:
+    """What is wrong with an API request's body, or `None`."""
+    try:
+        data = json.loads(body)
+    except ValueError as e:
+        return f"the body is not JSON: {e}"
+    items = data if isinstance(data, list) else [data]
+    if run_write and not all(isinstance(d, dict) for d in items):
+        return "a run's body must be a JSON object or a list of objects"
+    return None
+
+
+async def reply(send, status: int, message: str) -> None:
+    """A short JSON answer, `{"error": message}`."""
+    body = json.dumps({"error": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
 def create_app(config: AppConfig):
     """
     ## Build the FastAPI app
@@ -248,6 +547,8 @@ def create_app(config: AppConfig):
     3. `/vendor/...`: the CDN files from `app_assets`.
     4. Every other path: a file of labml-app's page if there is one, else our
        `index.html`, because the page routes on the client (`/runs`, `/run/<uuid>`).
+    5. `RequestGuard` around all of it, outermost, so it also sees what the
+       token middleware raises.
     """
     import_labml_app(config)
     from fastapi import FastAPI, HTTPException, Request
@@ -297,6 +598,8 @@ def create_app(config: AppConfig):
             return FileResponse(file)
         return HTMLResponse(page)
 
+    # Added last, so it is outermost.
+    app.add_middleware(RequestGuard, max_body=config.max_request_bytes)
     return app
 
 
@@ -313,23 +616,48 @@ def serve(config: AppConfig) -> None:
     print(f"labml app: open {config.web_url}", flush=True)
     print(f"labml app: runs send to --app-url {config.api_url}", flush=True)
     print(f"labml app: data in {config.data_dir}", flush=True)
+    pickles = ignored_pickles(config.data_dir)
+    if pickles:
+        print(f"labml app: ignoring {pickles} pickle records (*.pkl) in "
+              f"{config.data_dir / 'models'}; records are JSON", flush=True)
+    if not is_loopback(config.host):
+        # see Note: no authentication
+        print(f"labml app: WARNING: {config.host}:{config.port} can be reached from "
+              f"other machines and the app has no authentication: anyone who "
+              f"reaches it can read, change and delete runs", file=sys.stderr,
+              flush=True)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m labml_zero.app [--port N] [--host H] [--data-dir D]`"""
+    """`python -m labml_zero.app [--port N] [--host H [--allow-remote]]
+    [--data-dir D] [--max-request-mib M]`"""
     defaults = AppConfig()
-    p = argparse.ArgumentParser(prog="python -m labml_zero.app",
-                                description="The labml app, offline, with file "
-                                            "storage.")
-    p.add_argument("--port", type=int, default=defaults.port)
-    p.add_argument("--host", default=defaults.host)
-    p.add_argument("--data-dir", type=Path, default=defaults.data_dir)
+    prog = "python -m labml_zero.app"
+    p = argparse.ArgumentParser(prog=prog, description="The labml app, offline, "
+                                "with file storage.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--port", type=int, default=defaults.port, help="TCP port")
+    p.add_argument("--host", default=defaults.host, help="address to bind")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a --host other machines can reach (no authentication)")
+    p.add_argument("--data-dir", type=Path, default=defaults.data_dir,
+                   help="where runs are stored, as JSON files")
+    p.add_argument("--max-request-mib", type=float,
+                   default=defaults.max_request_bytes / 2**20,
+                   help="largest request body accepted, in MiB")
     args = p.parse_args(argv)
     try:
-        config = AppConfig(host=args.host, port=args.port, data_dir=args.data_dir)
+        if not 0 < args.max_request_mib < 2**20:
+            raise ValueError(f"--max-request-mib must be in (0, 1048576), "
+                             f"got {args.max_request_mib}")
+        config = AppConfig(host=args.host, port=args.port, data_dir=args.data_dir,
+                           allow_remote=args.allow_remote,
+                           max_request_bytes=int(args.max_request_mib * 2**20))
     except ValueError as e:
-        p.error(str(e))
+        # One line, without argparse's usage text.
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
     try:
         serve(config)
     except ImportError as e:
