@@ -51,53 +51,42 @@ would never exit.
 
 ## Note: records are JSON, never pickles
 
-labml-app stores each record as a pickle (its Mongo driver pickles, and
-`labml_db`'s file driver pairs with a pickle serializer). Unpickling runs whatever
-the file names: a record that someone else placed in the data directory would run
-their code in this process as soon as a page listed runs. We store records as
-JSON instead, which can only ever decode to data.
-
-`labml_db`'s own JSON serializer cannot hold labml-app's records, which contain
-numpy arrays (a series' steps and values) and sets (a folder's run uuids), so
-`RecordSerializer` encodes those as tagged JSON objects, each a one-key object:
-
-* `{"__ndarray__": [dtype, shape, base64]}`: only bool, integer, float and
-  complex dtypes, whose bytes are plain numbers (never the object dtype);
-* `{"__set__": [...]}`, `{"__tuple__": [...]}`, `{"__bytes__": base64}`;
-* `{"__key__": "Run:..."}`, a `labml_db` key, in `labml_db`'s own form;
-* `{"__dict__": [[key, value], ...]}` for a dict whose keys are not all strings
-  (JSON would turn `0` into `"0"`) or that looks like a tag itself.
-
-Anything else raises `TypeError` naming the type when the record is saved, so a
-record is never written partly. Pickle files (`*.pkl`) left by an older version
-of this app are never opened; the app prints how many it ignores.
+labml-app pickles its records, and unpickling runs whatever the file names: a
+record someone else placed in the data directory would run their code here as
+soon as a page listed runs. We store records as JSON, which decodes only to data.
+`labml_db`'s own JSON serializer cannot hold the numpy arrays (a series' steps and
+values) and sets (a folder's runs) in them, so `encode` writes those, and the few
+other types labml-app keeps, as one-key objects:
+`{"__ndarray__": [dtype, shape, base64]}` (numeric dtypes only, never `object`),
+`{"__set__": [...]}`, `{"__tuple__": [...]}`, `{"__bytes__": ...}`,
+`{"__key__": "Run:..."}` (`labml_db`'s own form) and `{"__dict__": [[k, v], ...]}`
+for a dict with keys that are not all strings or that looks like a tag. Any other
+type is a `TypeError` before the file is written. `*.pkl` files left by the
+earlier pickle storage are never opened; the app prints how many it ignores.
 
 ## Note: every request passes one guard
 
-labml-app's handlers trust their input: a body that is not JSON or not the shape
-they expect raises inside the handler, which the server answers with a bare 500
-and a traceback in the log, and a body is read into memory whole, however large.
-`RequestGuard` sits in front of every route and turns bad input into a short
-4xx answer and one log line:
+labml-app's handlers trust their input: a body that is not JSON, or not the shape
+they expect, raises inside them (a bare 500 and a traceback in the log), and a
+body is read whole, however large. `RequestGuard`, in front of every route, turns
+bad input into a short 4xx answer and one log line:
 
 1. A path with a NUL or another control character is a `400`.
-2. A body over the limit $L$ (`max_request_bytes`, 16 MiB by default) is a `413`:
-   declared by `Content-Length`, before one byte of it is read; sent in chunks,
-   as soon as the bytes read pass $L$. A handler never holds more than $L$ bytes
-   of body.
-3. A body sent to the API that is not JSON is a `400`; one sent by a run
-   (`track`, `computer`) must be an object or a list of objects, checked before
-   labml-app's handler creates the run it names.
-4. An exception in a handler is a `400` (a `ValueError`, `TypeError`,
-   `KeyError`, `AttributeError` or `IndexError`: the handler met input of a shape
-   it does not handle) or a `500` (anything else, and a stored record that is
-   not valid), logged as one line with the exception and where it was raised.
+2. A body over the limit $L$ (`max_request_bytes`) is a `413`: before one byte is
+   read when `Content-Length` declares it, else as soon as the bytes read pass
+   $L$. No handler sees more than $L$ bytes of body.
+3. An API body that is not JSON is a `400`; a run's (`track`, `computer`) must be
+   an object or a list of objects, checked before the handler creates the run.
+4. A handler's `ValueError`, `TypeError`, `KeyError`, `AttributeError` or
+   `IndexError` (input of a shape it does not handle) is a `400`; anything else,
+   and a stored record that is not valid, a `500`. Either is logged as one line
+   with the exception and where it was raised.
 
 ## Note: no authentication
 
-The app has no login: whoever reaches its port can read, change and delete runs.
-It binds the loopback address by default. Any other `--host` is refused unless
-`--allow-remote` is given, and then the app prints a warning before it listens.
+Whoever reaches the app's port can read, change and delete runs: it has no login.
+It binds the loopback address by default; any other `--host` is refused unless
+`--allow-remote` is given, and then the app warns before it listens.
 
 ## Limitations
 
@@ -107,9 +96,9 @@ It binds the loopback address by default. Any other `--host` is refused unless
   it is what the JSON storage exists to avoid.
 * labml-app answers each `track` request after a fixed 3 s pause (its way to batch
   a client's sends), so a run shows up a few seconds after it starts.
-* The guard checks a body's syntax and outer shape; a field of the wrong type deep
-  inside a `track` body still reaches labml-app's handler, which may have
-  created the run before it fails (answered `400`).
+* The guard checks a body's syntax and outer shape; a field of the wrong type
+  inside a `track` body reaches the handler, which may have created the run
+  before it fails.
 """
 
 import argparse
@@ -158,9 +147,8 @@ class AppConfig:
     allow_remote: bool = False
     """Serve a `host` other than loopback (see Note: no authentication)."""
     max_request_bytes: int = 16 * 2**20
-    """$L$, the largest request body accepted, $16 \\cdot 2^{20}$ bytes (16 MiB)
-    by default: far above a `track` request, which carries a few seconds of a
-    run's series."""
+    """$L$, the largest request body accepted (see Note: every request passes one
+    guard); 16 MiB is far above a `track` request, a few seconds of a run."""
 
     def __post_init__(self):
         if not self.host:
@@ -227,9 +215,7 @@ ARRAY_KINDS = "biufc"
 
 
 def encode(value):
-    """
-    #### A record's value as JSON-ready data (see Note: records are JSON)
-    """
+    """#### A record's value as JSON-ready data (see Note: records are JSON)"""
     from labml_db import Key
 
     if value is None or isinstance(value, (bool, int, float, str)) \
@@ -245,10 +231,9 @@ def encode(value):
         return {"__key__": str(value)}
     if isinstance(value, list):
         return [encode(v) for v in value]
-    if isinstance(value, (set, frozenset)):
-        return {"__set__": [encode(v) for v in value]}
-    if isinstance(value, tuple):
-        return {"__tuple__": [encode(v) for v in value]}
+    if isinstance(value, (set, frozenset, tuple)):
+        tag = "__tuple__" if isinstance(value, tuple) else "__set__"
+        return {tag: [encode(v) for v in value]}
     if isinstance(value, bytes):
         return {"__bytes__": base64.b64encode(value).decode()}
     if isinstance(value, dict):
@@ -261,9 +246,7 @@ def encode(value):
 
 
 def decode(value):
-    """
-    #### The inverse of `encode`; a malformed tag is a `ValueError`
-    """
+    """#### The inverse of `encode`; a malformed tag is a `ValueError`"""
     from labml_db import Key
 
     if isinstance(value, list):
@@ -286,11 +269,7 @@ def decode(value):
     if tag == "__bytes__":
         return base64.b64decode(body)
     items = [decode(v) for v in body]
-    if tag == "__set__":
-        return set(items)
-    if tag == "__tuple__":
-        return tuple(items)
-    return {k: v for k, v in items}
+    return {"__set__": set, "__tuple__": tuple, "__dict__": dict}[tag](items)
 
 
 class RecordError(RuntimeError):
@@ -308,9 +287,7 @@ def record_classes():
     from labml_db.serializer import Serializer
 
     class RecordSerializer(Serializer):
-        """
-        ## One record as one JSON file (see Note: records are JSON)
-        """
+        """One record as one JSON file (see Note: records are JSON)."""
         file_extension = "json"
         is_bytes = False
 
@@ -445,9 +422,6 @@ class RequestGuard:
     handler has read it, and can refuse it without reading it.
     """
 
-    # labml-app's handlers that a bad shape would leave half done.
-    RUN_WRITES = re.compile(r"/api/v1/[^/]+/(?:track|computer)")
-
     def __init__(self, app, *, max_body: int):
         self.app = app
         self.max_body = max_body
@@ -465,22 +439,15 @@ class RequestGuard:
         # Refused before one byte is read; the server then closes the connection.
         if int(declared) > self.max_body:
             return await reply(send, 413, f"the body is over {self.max_body} bytes")
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if len(body) > self.max_body:
-                return await reply(send, 413, f"the body is over {self.max_body} "
-                                              f"bytes")
-            if not message.get("more_body", False):
-                break
-        body = bytes(body)
-        if body and path.startswith("/api/"):
-            problem = json_problem(body, run_write=self.RUN_WRITES.fullmatch(path))
-            if problem:
-                return await reply(send, 400, problem)
+        body = await read_body(receive, self.max_body)
+        if body is None:
+            return await reply(send, 413, f"the body is over {self.max_body} bytes")
+        # The handlers that a bad shape would leave half done.
+        run_write = re.fullmatch(r"/api/v1/[^/]+/(?:track|computer)", path)
+        problem = body and path.startswith("/api/") and \
+            json_problem(body, run_write=bool(run_write))
+        if problem:
+            return await reply(send, 400, problem)
         replayed = False
 
         async def replay():
@@ -502,7 +469,6 @@ class RequestGuard:
         except Exception as e:
             bad_input = isinstance(e, (ValueError, TypeError, KeyError,
                                        AttributeError, IndexError))
-            bad_input = bad_input and not isinstance(e, RecordError)
             frame = traceback.extract_tb(e.__traceback__)[-1]
             where = f"{Path(frame.filename).name}:{frame.lineno}"
             message = f"{type(e).__name__}: {e}".splitlines()[0][:200]
@@ -513,6 +479,18 @@ class RequestGuard:
                 status = 400 if bad_input else 500
                 what = "the request" if bad_input else "the app"
                 await reply(send, status, f"{what} failed: {message}")
+
+
+async def read_body(receive, limit: int) -> bytes | None:
+    """The whole body, or `None` once more than `limit` bytes have come."""
+    body = bytearray()
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if len(body) > limit:
+            return None
+        if not message.get("more_body", False):
+            return bytes(body)
 
 
 def json_problem(body: bytes, *, run_write: bool) -> str | None:
@@ -630,12 +608,10 @@ def serve(config: AppConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m labml_zero.app [--port N] [--host H [--allow-remote]]
-    [--data-dir D] [--max-request-mib M]`"""
+    """`python -m labml_zero.app [--port N] [--host H] [--data-dir D] ...`"""
     defaults = AppConfig()
     prog = "python -m labml_zero.app"
-    p = argparse.ArgumentParser(prog=prog, description="The labml app, offline, "
-                                "with file storage.",
+    p = argparse.ArgumentParser(prog=prog, description="The labml app, offline.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--port", type=int, default=defaults.port, help="TCP port")
     p.add_argument("--host", default=defaults.host, help="address to bind")
