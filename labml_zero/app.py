@@ -1,8 +1,9 @@
 """
 ---
 title: python -m labml_zero.app
-summary: The labml app on this machine, offline - labml-app's API and page, with its
-  file-based storage instead of MongoDB and its CDN scripts served from the package.
+summary: The labml app on this machine, offline - labml-app's API and page, with JSON
+  files instead of MongoDB, its CDN scripts served from the package, and a guard that
+  refuses malformed or oversized requests.
 ---
 
 # `python -m labml_zero.app`: watch runs in the labml app, offline
@@ -20,15 +21,17 @@ working on an offline machine:
 
 * `labml_app.flask_app` connects to **MongoDB** when it is imported. labml-app's
   storage layer, `labml_db`, also ships a **file-based** driver (one file per
-  record, one JSON file per index); we register it instead and never import
-  `flask_app`.
+  record, one JSON file per index); we register it instead, with records as JSON
+  rather than pickles (see Note: records are JSON), and never import `flask_app`.
 * its `index.html` loads **d3 v6, Bootstrap 5.0.0-beta2 and Font Awesome 5.9.0 from
   CDNs**; without them the page stays blank. The same files, from their npm
   packages, ship in `labml_zero/app_assets/` (about 300 KB, licenses in its
   `NOTICE`), and we serve an `index.html` whose three tags point at them.
 
 Everything else, the API handlers and the bundled page, is labml-app's own, so its
-page looks and behaves as on app.labml.ai.
+page looks and behaves as on app.labml.ai. Around them, a guard answers bad input
+with a short 4xx (see Note: every request passes one guard), and the app stays on
+the loopback address unless told otherwise (see Note: no authentication).
 
 ## Projects and the URL a run sends to
 
@@ -49,7 +52,7 @@ token the app does not know becomes `default`: labml-app would answer it with an
 `invalid_token` error, and labml's sender retries an error forever, so the run
 would never exit.
 
-## Note: records are JSON, never pickles
+## Note: records are JSON
 
 labml-app pickles its records, and unpickling runs whatever the file names: a
 record someone else placed in the data directory would run their code here as
