@@ -21,8 +21,9 @@ working on an offline machine:
 
 * `labml_app.flask_app` connects to **MongoDB** when it is imported. labml-app's
   storage layer, `labml_db`, also ships a **file-based** driver (one file per
-  record, one JSON file per index); we register it instead, with records as JSON
-  rather than pickles (see Note: records are JSON), and never import `flask_app`.
+  record, one JSON file per index); we register it instead, with
+  [records as JSON](app_records.html) rather than pickles (see Note: records are
+  JSON), and never import `flask_app`.
 * its `index.html` loads **d3 v6, Bootstrap 5.0.0-beta2 and Font Awesome 5.9.0 from
   CDNs**; without them the page stays blank. The same files, from their npm
   packages, ship in `labml_zero/app_assets/` (about 300 KB, licenses in its
@@ -52,21 +53,6 @@ token the app does not know becomes `default`: labml-app would answer it with an
 `invalid_token` error, and labml's sender retries an error forever, so the run
 would never exit.
 
-## Note: records are JSON
-
-labml-app pickles its records, and unpickling runs whatever the file names: a
-record someone else placed in the data directory would run their code here as
-soon as a page listed runs. We store records as JSON, which decodes only to data.
-`labml_db`'s own JSON serializer cannot hold the numpy arrays (a series' steps and
-values) and sets (a folder's runs) in them, so `encode` writes those, and the few
-other types labml-app keeps, as one-key objects:
-`{"__ndarray__": [dtype, shape, base64]}` (numeric dtypes only, never `object`),
-`{"__set__": [...]}`, `{"__tuple__": [...]}`, `{"__bytes__": ...}`,
-`{"__key__": "Run:..."}` (`labml_db`'s own form) and `{"__dict__": [[k, v], ...]}`
-for a dict with keys that are not all strings or that looks like a tag. Any other
-type is a `TypeError` before the file is written. `*.pkl` files left by the
-earlier pickle storage are never opened; the app prints how many it ignores.
-
 ## Note: every request passes one guard
 
 labml-app's handlers trust their input: a body that is not JSON, or not the shape
@@ -95,8 +81,8 @@ It binds the loopback address by default; any other `--host` is refused unless
 
 * One worker process: the file drivers keep each index in memory and rewrite its
   file on every change, which is only safe with a single writer.
-* A data directory written by the earlier pickle storage is not read: unpickling
-  it is what the JSON storage exists to avoid.
+* A data directory written by the earlier pickle storage is never read, by
+  design (see Note: records are JSON).
 * labml-app answers each `track` request after a fixed 3 s pause (its way to batch
   a client's sends), so a run shows up a few seconds after it starts.
 * The guard checks a body's syntax and outer shape; a field of the wrong type
@@ -105,7 +91,6 @@ It binds the loopback address by default; any other `--host` is refused unless
 """
 
 import argparse
-import base64
 import gzip
 import ipaddress
 import json
@@ -116,7 +101,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
+from labml_zero.app_records import ignored_pickles, init_file_db
 
 __all__ = ["AppConfig", "RequestGuard", "create_app", "serve", "main"]
 
@@ -209,138 +194,6 @@ def import_labml_app(config: AppConfig) -> None:
     except ImportError as e:
         raise ImportError("labml-app is not installed; install the app extra: "
                           "pip install -e '.[app]'") from e
-
-
-# The one-key objects that stand for what JSON has no type for.
-TAGS = ("__ndarray__", "__set__", "__tuple__", "__bytes__", "__key__", "__dict__")
-# bool, signed and unsigned integers, floats, complex: bytes that are only numbers.
-ARRAY_KINDS = "biufc"
-
-
-def encode(value):
-    """#### A record's value as JSON-ready data (see Note: records are JSON)"""
-    from labml_db import Key
-
-    if value is None or isinstance(value, (bool, int, float, str)) \
-            and not isinstance(value, np.generic):
-        return value
-    if isinstance(value, (np.ndarray, np.generic)):
-        array = np.asarray(value)
-        if array.dtype.kind not in ARRAY_KINDS:
-            raise TypeError(f"cannot store a numpy array of dtype {array.dtype}")
-        data = base64.b64encode(np.ascontiguousarray(array).tobytes()).decode()
-        return {"__ndarray__": [array.dtype.str, list(array.shape), data]}
-    if isinstance(value, Key):
-        return {"__key__": str(value)}
-    if isinstance(value, list):
-        return [encode(v) for v in value]
-    if isinstance(value, (set, frozenset, tuple)):
-        tag = "__tuple__" if isinstance(value, tuple) else "__set__"
-        return {tag: [encode(v) for v in value]}
-    if isinstance(value, bytes):
-        return {"__bytes__": base64.b64encode(value).decode()}
-    if isinstance(value, dict):
-        plain = all(isinstance(k, str) for k in value) \
-            and not (len(value) == 1 and next(iter(value)) in TAGS)
-        if plain:
-            return {k: encode(v) for k, v in value.items()}
-        return {"__dict__": [[encode(k), encode(v)] for k, v in value.items()]}
-    raise TypeError(f"cannot store a {type(value).__name__} as JSON")
-
-
-def decode(value):
-    """#### The inverse of `encode`; a malformed tag is a `ValueError`"""
-    from labml_db import Key
-
-    if isinstance(value, list):
-        return [decode(v) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if len(value) != 1 or next(iter(value)) not in TAGS:
-        return {k: decode(v) for k, v in value.items()}
-    (tag, body), = value.items()
-    if tag == "__ndarray__":
-        dtype, shape, data = body
-        dtype = np.dtype(dtype)
-        if dtype.kind not in ARRAY_KINDS:
-            raise ValueError(f"refusing a stored array of dtype {dtype}")
-        array = np.frombuffer(base64.b64decode(data), dtype=dtype).reshape(shape)
-        # 0-d arrays were numpy scalars; `.copy()` makes the array writable.
-        return array[()] if array.ndim == 0 else array.copy()
-    if tag == "__key__":
-        return Key(body)
-    if tag == "__bytes__":
-        return base64.b64decode(body)
-    items = [decode(v) for v in body]
-    return {"__set__": set, "__tuple__": tuple, "__dict__": dict}[tag](items)
-
-
-class RecordError(RuntimeError):
-    """A stored record that this app could not have written."""
-
-
-def record_classes():
-    """
-    #### `labml_db`'s serializer and file driver, with our JSON in them
-
-    Defined inside a function because `labml_db` belongs to the `app` extra,
-    which the core install does not have.
-    """
-    from labml_db.driver.file import FileDbDriver
-    from labml_db.serializer import Serializer
-
-    class RecordSerializer(Serializer):
-        """One record as one JSON file (see Note: records are JSON)."""
-        file_extension = "json"
-        is_bytes = False
-
-        def to_string(self, data: dict) -> str:
-            return json.dumps(encode(data))
-
-        def from_string(self, data: str | None) -> dict | None:
-            return None if data is None else decode(json.loads(data))
-
-    class RecordDriver(FileDbDriver):
-        """`labml_db`'s file driver; a bad file is a `RecordError` naming it."""
-
-        def __init__(self, serializer, model_cls, db_path: Path):
-            super().__init__(serializer, model_cls, db_path)
-            self.directory = db_path
-
-        def load_dict(self, key: str) -> dict | None:
-            try:
-                return super().load_dict(key)
-            except (ValueError, TypeError) as e:
-                raise RecordError(f"{self.directory / key}.json is not a record "
-                                  f"this app wrote: {e}") from None
-
-    return RecordSerializer, RecordDriver
-
-
-def init_file_db(data_dir: Path) -> None:
-    """
-    ### Register the file drivers for every labml-app model and index
-
-    The same model and index lists as labml-app's `init_mongo_db`; records are
-    JSON (see Note: records are JSON), and so are the indexes, as in `labml_db`.
-    """
-    from labml_app import db
-    from labml_db import Index, Model
-    from labml_db.index_driver.file import FileIndexDbDriver
-    from labml_db.serializer.json import JsonSerializer
-
-    serializer, driver = record_classes()
-    # `db.models` and `db.indexes` include the analyses' (series, logs, ...).
-    Model.set_db_drivers([driver(serializer(), m, data_dir / "models" / m.__name__)
-                          for m in db.models])
-    Index.set_db_drivers([FileIndexDbDriver(JsonSerializer(), i,
-                                            data_dir / "indexes" / f"{i.__name__}.json")
-                          for i in db.indexes])
-
-
-def ignored_pickles(data_dir: Path) -> int:
-    """How many `*.pkl` records an older version of this app left; never opened."""
-    return sum(1 for _ in (data_dir / "models").glob("*/*.pkl"))
 
 
 def init_projects(token: str) -> None:

@@ -1,11 +1,12 @@
-"""The labml app under bad input (`labml_zero/app.py`): its JSON record storage,
-the request guard, the request-size limit and the loopback-only default.
+"""The labml app under bad input (`labml_zero/app.py`): the request guard, the
+request-size limit and the loopback-only default; its JSON record storage is in
+`test_app_records.py`.
 
-Most cases run in process: the storage's encoding, and `RequestGuard` around a
-small ASGI app. One app server on a free port checks the same things end to end:
-a crafted pickle in its data directory never runs, malformed requests get a 4xx
-and one log line without a traceback, and a 100 MB body is refused with 413 while
-the server's memory stays flat.
+Most cases run in process: `RequestGuard` around a small ASGI app. One app server
+on a free port checks the same things end to end: a crafted pickle in its data
+directory never runs, malformed requests get a 4xx and one log line without a
+traceback, and a 100 MB body is refused with 413 while the server's memory stays
+flat.
 """
 
 import asyncio
@@ -22,88 +23,17 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from labml_zero import app as app_module
-from labml_zero.app import (AppConfig, RecordError, RequestGuard, decode, encode,
-                            main, record_classes, serve)
+from labml_zero.app import AppConfig, RequestGuard, main, serve
 from labml_zero.app_client import app_url_if_running
+from labml_zero.app_records import RecordError
 from tests.test_app import free_port, subprocess_env
+from tests.test_app_records import CreatesAFile
 
 MiB = 2**20
 RUN_UUID = "00112233445566778899aabbccddeeff"
-
-
-class CreatesAFile:
-    """Unpickling this opens `path` for writing: a stand-in for any code."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __reduce__(self):
-        return open, (str(self.path), "w")
-
-
-# ---------------------------------------------------------------- storage
-
-
-def test_records_round_trip_through_json():
-    from labml_db import Key
-
-    record = {
-        "step": np.arange(5, dtype=np.float64),
-        "value": np.array([[1.5, np.nan], [np.inf, -2.0]], dtype=np.float32),
-        "mean": np.float32(0.25),
-        "count": np.int64(7),
-        "run_uuids": {"a", "b"},
-        "pair": (1, "x"),
-        "by_rank": {0: "uuid", 1: "uuid_1"},
-        "looks_like_a_tag": {"__set__": [1]},
-        "key": Key("Run:abc"),
-        "raw": b"\x00\xff",
-        "nested": [{"k": None, "b": True}],
-    }
-    serializer, _ = record_classes()
-    text = serializer().to_string(record)
-    back = serializer().from_string(text)
-    json.loads(text)  # the file is plain JSON
-    assert set(back) == set(record)
-    for name in ("step", "value"):
-        assert back[name].dtype == record[name].dtype
-        assert back[name].shape == record[name].shape
-        np.testing.assert_array_equal(back[name], record[name])
-        assert back[name].flags.writeable
-    assert type(back["mean"]) is np.float32 and back["mean"] == np.float32(0.25)
-    assert type(back["count"]) is np.int64 and back["count"] == 7
-    assert back["run_uuids"] == {"a", "b"} and back["pair"] == (1, "x")
-    assert back["by_rank"] == {0: "uuid", 1: "uuid_1"}
-    assert back["looks_like_a_tag"] == {"__set__": [1]}
-    assert isinstance(back["key"], Key) and str(back["key"]) == "Run:abc"
-    assert back["raw"] == b"\x00\xff" and back["nested"] == record["nested"]
-
-
-def test_storage_refuses_what_json_cannot_hold():
-    with pytest.raises(TypeError, match="cannot store a numpy array of dtype object"):
-        encode({"x": np.array([object()])})
-    with pytest.raises(TypeError, match="cannot store a CreatesAFile as JSON"):
-        encode({"x": CreatesAFile(Path("never"))})
-    with pytest.raises(ValueError, match="refusing a stored array of dtype object"):
-        decode({"__ndarray__": ["|O", [1], "AAAAAAAAAAA="]})
-
-
-def test_a_record_that_is_not_json_is_an_error_naming_its_file(tmp_path):
-    serializer, driver = record_classes()
-
-    class Run:
-        """The driver needs only the model's name."""
-
-    records = driver(serializer(), Run, tmp_path / "Run")
-    (tmp_path / "Run" / "Run:bad.json").write_bytes(
-        pickle.dumps(CreatesAFile(tmp_path / "ran")))
-    with pytest.raises(RecordError, match=r"Run:bad\.json is not a record"):
-        records.load_dict("Run:bad")
-    assert not (tmp_path / "ran").exists()
 
 
 # ---------------------------------------------------------------- the guard
