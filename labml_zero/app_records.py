@@ -37,10 +37,12 @@ to dicts, lists, strings, numbers, booleans and `None`.
 * A data directory written by the earlier pickle storage is not read: unpickling
   it is what this storage exists to avoid.
 * A labml-app version that keeps another type in a record (a `datetime`, say)
-  fails on that record's first write with a `TypeError` naming the type.
+  fails on that record's first write with a `TypeError` naming the type; the
+  file keeps what it held before.
 """
 
 import base64
+import fcntl
 import json
 from pathlib import Path
 
@@ -71,7 +73,8 @@ def encode(value):
       run's ranks, `{0: uuid, 1: uuid_1}`), or whose one key is a tag, so that
       it does not decode as the tag.
 
-    Any other type is a `TypeError` naming it.
+    Any other type is a `TypeError` naming it, before the record's file is
+    opened.
     """
     from labml_db import Key
 
@@ -171,7 +174,10 @@ def record_classes():
             return None if data is None else decode(json.loads(data))
 
     class RecordDriver(FileDbDriver):
-        """`labml_db`'s file driver; a bad file is a `RecordError` naming it."""
+        """
+        `labml_db`'s file driver: a bad file is a `RecordError` naming it, and a
+        record that cannot be encoded leaves its file as it was.
+        """
 
         def __init__(self, serializer, model_cls, db_path: Path):
             super().__init__(serializer, model_cls, db_path)
@@ -183,6 +189,16 @@ def record_classes():
             except (ValueError, TypeError) as e:
                 raise RecordError(f"{self.directory / key}.json is not a record "
                                   f"this app wrote: {e}") from None
+
+        def save_dict(self, key: str, data: dict) -> int:
+            # `FileDbDriver.save_dict` opens the file, which empties it, before it
+            # encodes: a record that `encode` refuses would leave an empty file,
+            # which no longer loads. Encoding first keeps the old record whole.
+            text = self._serializer.to_string(data)
+            with open(self.directory / f"{key}.json", "w") as f:
+                # The same exclusive lock as `labml_db`'s own driver takes.
+                fcntl.lockf(f, fcntl.LOCK_EX)
+                return f.write(text)
 
     return RecordSerializer, RecordDriver
 

@@ -80,3 +80,20 @@ def test_a_record_that_is_not_json_is_an_error_naming_its_file(tmp_path):
     with pytest.raises(RecordError, match=r"Run:bad\.json is not a record"):
         records.load_dict("Run:bad")
     assert not (tmp_path / "ran").exists()
+
+
+def test_a_record_that_cannot_be_encoded_leaves_its_file_as_it_was(tmp_path):
+    serializer, driver = record_classes()
+
+    class Run:
+        """The driver needs only the model's name."""
+
+    records = driver(serializer(), Run, tmp_path / "Run")
+    records.save_dict("Run:a", {"step": np.arange(3), "name": "first"})
+    before = (tmp_path / "Run" / "Run:a.json").read_text()
+    with pytest.raises(TypeError, match="cannot store a CreatesAFile as JSON"):
+        records.save_dict("Run:a", {"name": CreatesAFile(tmp_path / "never")})
+    assert (tmp_path / "Run" / "Run:a.json").read_text() == before
+    back = records.load_dict("Run:a")
+    assert back["name"] == "first"
+    np.testing.assert_array_equal(back["step"], np.arange(3))
