@@ -12,8 +12,9 @@ own bookkeeping (projects, users, folders) as `labml_db` *models*: dicts of plai
 values with a key such as `Run:<uuid>`. `labml_db` turns a model into text with a
 *serializer* and stores the text with a *driver*. [The offline app](app.html) uses
 `labml_db`'s file driver, one file per record under `models/<Model>/` and one JSON
-file per index under `indexes/`; this page is the serializer it plugs into that
-driver.
+file per index under `indexes/`. This page is what it plugs in: a serializer
+that writes JSON, that driver with clearer errors, and their registration for
+every model labml-app has.
 
 ## Note: records are JSON
 
