@@ -175,6 +175,7 @@ def _fake_tree(root: Path) -> None:
     """A tiny package whose pages cite each other's notes."""
     shutil.copytree(REPO / "docs_src", root / "docs_src",
                     ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "bench" / "results", root / "bench" / "results")
     pkg = root / "labml_zero" / "zero3"
     pkg.mkdir(parents=True)
     shutil.copy(REPO / "labml_zero" / "zero3" / "chunk_layout.py", pkg)
@@ -198,6 +199,11 @@ def _fake_tree(root: Path) -> None:
         "def release(x):\n    # Shrink, see Note: why storage resize.\n    return x\n"
     )
     (pkg / "broken.py").write_text("def half_written(:\n")
+    (root / "docs_src" / "reading_order.txt").write_text(
+        "## First\nlabml_zero/zero3/chunk.py\nlabml_zero/__init__.py\n"
+        "## Then\nlabml_zero/zero3/chunk_layout.py\nlabml_zero/zero3/hooks.py\n"
+        "labml_zero/zero3/broken.py\n@results\n@glossary\n"
+    )
 
 
 def test_notes_link_across_pages_and_broken_files_still_get_a_page(tmp_path):
@@ -215,7 +221,7 @@ def test_notes_link_across_pages_and_broken_files_still_get_a_page(tmp_path):
     assert '<a href="zero3/chunk.html">chunks</a>' in root
     assert '<span class="missing" title="page not written yet">later</span>' in root
     assert "does not parse yet" in files["labml_zero/zero3/broken.html"].decode()
-    # Reading order: home, then the home page's order (chunk), then the rest.
+    # Reading order: home, then docs_src/reading_order.txt's order (chunk first).
     index = files["index.html"].decode()
     assert 'class="next" href="labml_zero/zero3/chunk.html"' in index
     assert 'class="prev" href="../../index.html"' in chunk
