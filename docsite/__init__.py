@@ -1,7 +1,7 @@
 """
 ---
 title: The notes site builder
-summary: How the notes site is made from the modules of labml_zero, one concept per file.
+summary: How the notes site is made from labml_zero's modules.
 ---
 
 # The notes site builder

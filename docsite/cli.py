@@ -1,7 +1,7 @@
 """
 ---
 title: Writing and checking the site
-summary: python build_docs.py writes site/; --check lists the files that a fresh build would change.
+summary: python build_docs.py writes site/; --check lists stale files.
 ---
 
 # Writing and checking the site

@@ -1,7 +1,7 @@
 """
 ---
 title: Directives in the notes
-summary: Numbers computed from the code at build time, measured figures from the Results page, terms, and numbers a named test asserts.
+summary: Numbers from the code, measured figures, terms, tested numbers.
 ---
 
 # Directives in the notes

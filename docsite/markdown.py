@@ -1,7 +1,7 @@
 """
 ---
 title: Markdown, links, notes and figures
-summary: The renderer that turns one page's notes into HTML, checking every link against the site.
+summary: Notes to HTML, every link checked against the site.
 ---
 
 # Markdown, links, notes and figures

@@ -1,7 +1,7 @@
 r"""
 ---
 title: Math as MathML
-summary: TeX in the notes becomes MathML when the site is built; what cannot be converted stops the build.
+summary: TeX becomes MathML at build time; what cannot stops the build.
 ---
 
 # Math as MathML

@@ -1,7 +1,7 @@
 """
 ---
 title: The reading order
-summary: One list, in docs_src/reading_order.txt, from which the previous/next chain, the home page's list and the folder indexes are rendered.
+summary: One list from which every page's place is rendered.
 ---
 
 # The reading order

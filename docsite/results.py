@@ -1,7 +1,7 @@
 """
 ---
 title: The Results page
-summary: Measured figures, read from bench/results/*.jsonl, rendered once; notes insert them with {{bench: ...}}.
+summary: Measured figures from bench/results, rendered once.
 ---
 
 # The Results page

@@ -1,7 +1,7 @@
 """
 ---
 title: Building the site
-summary: Every page, in reading order, filled into one template; the same sources always give the same bytes.
+summary: Every page in reading order into one template, deterministically.
 ---
 
 # Building the site
