@@ -20,10 +20,8 @@ import build_docs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("site")
-    build_docs.write_site(out, build_docs.build_site(REPO))
-    return out
+def site(built_site) -> Path:
+    return built_site
 
 
 class _Refs(HTMLParser):
@@ -90,12 +88,12 @@ def test_no_page_loads_anything_remote(site):
         assert "<script" not in page.read_text(encoding="utf-8"), page
 
 
-def test_build_is_deterministic():
-    assert build_docs.build_site(REPO) == build_docs.build_site(REPO)
+def test_build_is_deterministic(site_files):
+    assert build_docs.build_site(REPO) == site_files
 
 
-def test_check_detects_stale_missing_and_extra_files(tmp_path, capsys):
-    files = build_docs.build_site(REPO)
+def test_check_detects_stale_missing_and_extra_files(tmp_path, capsys, site_files):
+    files = site_files
     build_docs.write_site(tmp_path, files)
     assert build_docs.main(["--check", "--site", str(tmp_path)]) == 0
     (tmp_path / "labml_zero" / "index.html").write_text("stale")
