@@ -45,7 +45,7 @@ def to_mathml(latex: str, *, display: bool, where: str) -> str:
 
     if REFUSED_ENV.search(latex):
         raise BuildError(
-            f"{where}: numbered environment in {latex!r}; write "
+            f"{where}: numbered environment in {latex} ; write "
             r"$$\begin{aligned} ... \end{aligned}$$")
     # latex2mathml knows `align*` (an unnumbered table of rows), not `aligned`,
     # and passes `\arg` through untranslated: it is an operator name.
@@ -54,13 +54,13 @@ def to_mathml(latex: str, *, display: bool, where: str) -> str:
     try:
         mathml = convert(converted, display="block" if display else "inline")
     except Exception as exc:  # noqa: BLE001 -- any failure is the formula's
-        raise BuildError(f"{where}: formula does not convert ({exc}): {latex!r}")
+        raise BuildError(f"{where}: formula does not convert ({exc}): {latex}")
     bad = UNTRANSLATED.search(mathml)
     if bad:
         raise BuildError(
-            f"{where}: unsupported TeX {bad.group(0).split('>')[1]!r} in {latex!r}")
+            f"{where}: unsupported TeX '{bad.group(0).split('>')[1]}' in {latex}")
     if STRAY_AMP.search(mathml):
-        raise BuildError(f"{where}: '&' outside aligned rows in {latex!r}")
+        raise BuildError(f"{where}: '&' outside aligned rows in {latex}")
     # latex2mathml keeps the escapes of `\text{prefetch\_depth}` in its <mtext>.
     return re.sub(
         r"<mtext>(.*?)</mtext>",

@@ -108,11 +108,11 @@ def command(m: Measurement) -> str:
         parts.append(f"--world-size {m.key.gpus}")
     if m.key.compiled:
         parts.append("--compile")
-    if line.get("prefetch_depth", 1) != 1:
+    if m.key.engine == "labml_zero" and line.get("prefetch_depth", 1) != 1:
         parts.append(f"--prefetch-depth {line['prefetch_depth']}")
-    if line.get("peer_gather"):
+    if m.key.engine == "labml_zero" and line.get("peer_gather"):
         parts.append("--peer-gather")
-    if line.get("peer_reduce"):
+    if m.key.engine == "labml_zero" and line.get("peer_reduce"):
         parts.append("--peer-reduce")
     return " ".join(parts)
 
@@ -178,6 +178,10 @@ def results_markdown(results: dict[Key, Measurement]) -> str:
     for key, m in results.items():
         line = m.line
         settings = []
+        # bench.run writes its flags on every line; they change only labml_zero.
+        if key.engine != "labml_zero":
+            line = {k: v for k, v in line.items()
+                    if k not in ("peer_gather", "peer_reduce", "prefetch_depth")}
         if line.get("peer_gather"):
             settings.append("peer gather")
         if line.get("peer_reduce"):
