@@ -20,10 +20,8 @@ import build_docs  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("site")
-    build_docs.write_site(out, build_docs.build_site(REPO))
-    return out
+def site(built_site) -> Path:
+    return built_site
 
 
 class _Refs(HTMLParser):
@@ -90,12 +88,12 @@ def test_no_page_loads_anything_remote(site):
         assert "<script" not in page.read_text(encoding="utf-8"), page
 
 
-def test_build_is_deterministic():
-    assert build_docs.build_site(REPO) == build_docs.build_site(REPO)
+def test_build_is_deterministic(site_files):
+    assert build_docs.build_site(REPO) == site_files
 
 
-def test_check_detects_stale_missing_and_extra_files(tmp_path, capsys):
-    files = build_docs.build_site(REPO)
+def test_check_detects_stale_missing_and_extra_files(tmp_path, capsys, site_files):
+    files = site_files
     build_docs.write_site(tmp_path, files)
     assert build_docs.main(["--check", "--site", str(tmp_path)]) == 0
     (tmp_path / "labml_zero" / "index.html").write_text("stale")
@@ -175,6 +173,7 @@ def _fake_tree(root: Path) -> None:
     """A tiny package whose pages cite each other's notes."""
     shutil.copytree(REPO / "docs_src", root / "docs_src",
                     ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "bench" / "results", root / "bench" / "results")
     pkg = root / "labml_zero" / "zero3"
     pkg.mkdir(parents=True)
     shutil.copy(REPO / "labml_zero" / "zero3" / "chunk_layout.py", pkg)
@@ -198,6 +197,11 @@ def _fake_tree(root: Path) -> None:
         "def release(x):\n    # Shrink, see Note: why storage resize.\n    return x\n"
     )
     (pkg / "broken.py").write_text("def half_written(:\n")
+    (root / "docs_src" / "reading_order.txt").write_text(
+        "## First\nlabml_zero/zero3/chunk.py\nlabml_zero/__init__.py\n"
+        "## Then\nlabml_zero/zero3/chunk_layout.py\nlabml_zero/zero3/hooks.py\n"
+        "labml_zero/zero3/broken.py\n@results\n@glossary\n"
+    )
 
 
 def test_notes_link_across_pages_and_broken_files_still_get_a_page(tmp_path):
@@ -215,7 +219,7 @@ def test_notes_link_across_pages_and_broken_files_still_get_a_page(tmp_path):
     assert '<a href="zero3/chunk.html">chunks</a>' in root
     assert '<span class="missing" title="page not written yet">later</span>' in root
     assert "does not parse yet" in files["labml_zero/zero3/broken.html"].decode()
-    # Reading order: home, then the home page's order (chunk), then the rest.
+    # Reading order: home, then docs_src/reading_order.txt's order (chunk first).
     index = files["index.html"].decode()
     assert 'class="next" href="labml_zero/zero3/chunk.html"' in index
     assert 'class="prev" href="../../index.html"' in chunk

@@ -1,0 +1,164 @@
+"""
+---
+title: Directives in the notes
+summary: Numbers from the code, measured figures, terms, tested numbers.
+---
+
+# Directives in the notes
+
+A number stated in a note should come from somewhere a reader can check. The
+builder expands four directives, anywhere in notes outside code (not inside
+`$...$`: write the directive next to the formula):
+
+* `{{py: memory_model.bytes_per_param(...) | ,}}` evaluates a Python expression
+  against the modules of `PY_NAMESPACE` when the site is built. The expression may
+  only name those modules, call functions, read public attributes and do
+  arithmetic; after `|` comes a format spec (`,`, `.1f`, `.3g`). Integers default
+  to `,` (thousands separators); floats must give a format, so that the page's
+  digits are chosen, not whatever `repr` gives.
+* `{{bench: W2 labml_zero tokens_per_s}}` inserts a measured figure from the
+  Results page and links to its row (see `docsite/results.py`).
+* `{{term: gather stream}}` marks the place that defines a term: the words
+  show in bold and the glossary links to them. `{{term: shards | shard}}` shows
+  "shards" and defines "shard".
+* `(tested: tests/zero3/test_chunk.py::test_gather)` says that the number just
+  before it is asserted by that test; the build stops when the file or the test
+  function does not exist.
+
+Any other number in a note is listed by `tests/docs/test_notes_lint.py` (with the
+allowlist `docs_src/unchecked/numbers.txt` for the notes not rewritten yet).
+"""
+
+from __future__ import annotations
+
+import ast
+import html
+import importlib
+import re
+from pathlib import Path
+
+from .paths import BuildError, rel_href, slugify
+from .results import lookup
+
+PY_NAMESPACE = {
+    "memory_model": "labml_zero.zero3.memory_model",
+    "chunk_layout": "labml_zero.zero3.chunk_layout",
+    "chunk_search": "labml_zero.zero3.chunk_search",
+    "zero_config": "labml_zero.zero3.config",
+    "neox_model": "labml_zero.neox.model",
+    "activation_memory": "labml_zero.neox.activation_memory",
+    "math": "math",
+}
+"""Names a `{{py: …}}` expression may use, and the module each one is."""
+
+PY = re.compile(r"\{\{py:\s*(.+?)\s*\}\}", re.S)
+BENCH = re.compile(r"\{\{bench:\s*(.+?)\s*\}\}")
+TERM = re.compile(r"\{\{term:\s*([^{}|]+?)\s*(?:\|\s*([^{}]+?)\s*)?\}\}")
+TESTED = re.compile(r"\(tested:\s*(tests/[\w/.-]+\.py)::(\w+)\)")
+ANY = re.compile(r"\{\{(py|bench|term):.*?\}\}|\(tested:[^)]*\)", re.S)
+
+_ALLOWED = (
+    ast.Expression, ast.Call, ast.Attribute, ast.Name, ast.Load, ast.Constant,
+    ast.keyword, ast.BinOp, ast.UnaryOp, ast.Add, ast.Sub, ast.Mult, ast.Div,
+    ast.FloorDiv, ast.Mod, ast.Pow, ast.USub, ast.UAdd, ast.Tuple, ast.List,
+    ast.Subscript, ast.Slice,
+)
+
+
+def evaluate(expr: str, where: str):
+    """Evaluate a `{{py: …}}` expression in the whitelisted namespace."""
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as exc:
+        raise BuildError(f"{where}: {{{{py: {expr}}}}} does not parse ({exc.msg})")
+    names = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, _ALLOWED):
+            raise BuildError(f"{where}: {{{{py: {expr}}}}} uses "
+                             f"{type(node).__name__}, which is not allowed")
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+            raise BuildError(f"{where}: {{{{py: {expr}}}}} reads private {node.attr}")
+        if isinstance(node, ast.Name):
+            if node.id not in PY_NAMESPACE:
+                raise BuildError(f"{where}: {{{{py: {expr}}}}}: {node.id!r} is not "
+                                 f"one of {', '.join(sorted(PY_NAMESPACE))}")
+            names.add(node.id)
+    namespace = {n: importlib.import_module(PY_NAMESPACE[n]) for n in sorted(names)}
+    try:
+        return eval(compile(tree, "<py directive>", "eval"),  # noqa: S307
+                    {"__builtins__": {}}, namespace)
+    except Exception as exc:  # noqa: BLE001 -- name the page and the expression
+        raise BuildError(f"{where}: {{{{py: {expr}}}}} failed: "
+                         f"{type(exc).__name__}: {exc}")
+
+
+def format_value(value, spec: str | None, where: str, expr: str) -> str:
+    if spec is None:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise BuildError(f"{where}: {{{{py: {expr}}}}} gives "
+                             f"{type(value).__name__}; give a number or a string")
+        if isinstance(value, float):
+            raise BuildError(f"{where}: {{{{py: {expr}}}}} is a float; give a "
+                             "format after '|', such as '| .2f'")
+        spec = "," if isinstance(value, int) else ""
+    try:
+        return format(value, spec)
+    except (ValueError, TypeError) as exc:
+        raise BuildError(f"{where}: {{{{py: {expr}}}}}: bad format {spec!r} ({exc})")
+
+
+class Directives:
+    """Expands the directives of one site; `results` is `load_results(root)`."""
+
+    def __init__(self, root: Path, results: dict, results_page: str = "results.html"):
+        self.root = root
+        self.results = results
+        self.results_page = results_page
+
+    def expand(self, text: str, page: str) -> str:
+        def py(match: re.Match) -> str:
+            expr, _, spec = match.group(1).partition("|")
+            expr = expr.strip()
+            value = evaluate(expr, page)
+            spec = spec.strip() if _ else None
+            return html.escape(format_value(value, spec, page, expr))
+
+        def bench(match: re.Match) -> str:
+            try:
+                value, key = lookup(self.results, match.group(1))
+            except BuildError as exc:
+                raise BuildError(f"{page}: {exc}")
+            href = rel_href(self.results_page, page) + f"#{key.anchor}"
+            return f'<a class="measured" href="{href}">{html.escape(value)}</a>'
+
+        def term(match: re.Match) -> str:
+            shown = match.group(1)
+            slug = slugify(match.group(2) or shown)
+            return f'<dfn id="term-{slug}">{html.escape(shown)}</dfn>'
+
+        def tested(match: re.Match) -> str:
+            path, name = match.group(1), match.group(2)
+            test_file = self.root / path
+            if not test_file.is_file():
+                raise BuildError(f"{page}: (tested: {path}::{name}): no such file")
+            source = test_file.read_text(encoding="utf-8")
+            if not re.search(rf"^\s*def {re.escape(name)}\(", source, re.M):
+                raise BuildError(f"{page}: (tested: {path}::{name}): no such test")
+            return (f'<span class="tested" title="asserted by {path}::{name}">'
+                    f"(tested by <code>{name}</code>)</span>")
+
+        text = PY.sub(py, text)
+        text = BENCH.sub(bench, text)
+        text = TERM.sub(term, text)
+        return TESTED.sub(tested, text)
+
+
+def term_definitions(text: str) -> list[tuple[str, str]]:
+    """`(shown words, slug)` of every `{{term: …}}` in a note's Markdown."""
+    return [(m.group(1), slugify(m.group(2) or m.group(1)))
+            for m in TERM.finditer(text)]
+
+
+def strip_directives(text: str) -> str:
+    """A note's Markdown without its directives (what the number lint reads)."""
+    return ANY.sub(" ", text)

@@ -1,0 +1,183 @@
+"""
+---
+title: Checks of the notes' text
+summary: Raw TeX, long introductions, lab traces and unchecked numbers, with allowlists.
+---
+
+# Checks of the notes' text
+
+The notes are a textbook. Four checks read every page's notes (the Markdown, and
+for raw TeX the built HTML) and list what a textbook should not have:
+
+* **raw TeX**: a TeX command left as text outside a formula (`\\begin{align}`
+  outside `$$`), or a command spelled as letters inside one ("2times8":
+  `\\times` written with two backslashes in a non-raw docstring);
+* **introduction budget**: more than `INTRO_WORDS` words of prose (formulas and
+  code not counted) in a module's introduction, its module docstring;
+* **lab traces**: run IDs (`run18`), result file names, dates, "went from X to
+  Y", and references to files outside the repository;
+* **unchecked numbers**: a number of two or more digits, or with a decimal point,
+  that neither a directive computes (`{{py: …}}`, `{{bench: …}}`) nor a named test
+  asserts (`(tested: …)` right after it). Single digits are counts in examples.
+
+Each check has an allowlist in `docs_src/unchecked/` (one `page | finding` a
+line) holding what the notes had when the check was written, so that CI stays
+green while the notes are rewritten; the tests in `tests/docs/test_notes_lint.py`
+fail on any finding not in its list. `python -m docsite.lint` prints each list's
+size and its stale entries; `--write` rewrites the lists from the notes.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import sys
+from pathlib import Path
+
+from . import order
+from .directives import TESTED, strip_directives
+from .markdown import outside_code
+from .mathml import spelled_commands
+from .paths import REPO, discover_modules
+from .results import load_results, results_markdown
+from .site import load_pages
+
+INTRO_WORDS = 600
+UNCHECKED = "docs_src/unchecked"
+CHECKS = ("raw_tex", "intro_budget", "lab_traces", "numbers")
+
+TEX_WORDS = (r"begin|end|frac|sqrt|times|cdot|approx|sum|prod|text|mathrm|Psi|"
+             r"alpha|beta|lambda|epsilon|leftarrow|rightarrow|lceil|rceil|leq|geq")
+RAW_TEX = re.compile(rf"\\({TEX_WORDS})(?![A-Za-z])|\$\$")
+DISPLAY = re.compile(r"\$\$(.+?)\$\$", re.S)
+INLINE = re.compile(r"(?<![\\$\w])\$([^\s$](?:[^$\n]*?[^\s$\\])?)\$(?![\w$])")
+LAB_TRACES = [
+    re.compile(r"\brun\d+\b"),
+    re.compile(r"\b20\d\d-\d\d-\d\d\b"),
+    re.compile(r"\bbench/results/\S+"),
+    re.compile(r"\b[\w-]+\.(?:jsonl|log)\b"),
+    re.compile(r"\b(?:went|gone|rose|fell|dropped|grew|improved|moved) from\b"
+               r"[^.\n]{0,60}?\bto\b", re.I),
+    re.compile(r"\bfrom \$?[\d.,]+\S* to \$?[\d.,]+", re.I),
+    re.compile(r"ANCHORS\.md|\.\./shared"),
+]
+NUMBER = re.compile(r"(?<![\w.\-/\\^_])(\d+(?:[.,]\d+)*)(?![\w.]?\d)")
+
+
+def _prose(markdown: str) -> str:
+    """Markdown without code, link targets and HTML tags."""
+    text = outside_code(markdown, lambda p: p)
+    text = re.sub(r"^```.*?^```[ \t]*$", " ", text, flags=re.S | re.M)
+    text = re.sub(r"`+[^`]*`+", " ", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    return re.sub(r"<[^>]+>", " ", text)
+
+
+def formulas(markdown: str) -> list[str]:
+    text = _prose(markdown)
+    found = DISPLAY.findall(text)
+    return found + INLINE.findall(DISPLAY.sub(" ", text))
+
+
+def intro_words(markdown: str) -> int:
+    text = DISPLAY.sub(" ", _prose(markdown))
+    text = INLINE.sub(" x ", text)
+    return len(re.findall(r"[A-Za-z0-9][\w'’-]*", text))
+
+
+def numbers(markdown: str) -> list[str]:
+    """The numbers of a note that no directive computes and no test is named for."""
+    # A `(tested: …)` vouches for the last number before it.
+    def drop_tested(part: str) -> str:
+        out, last = [], 0
+        for m in TESTED.finditer(part):
+            head = part[last:m.start()]
+            nums = list(NUMBER.finditer(head))
+            if nums:
+                head = head[:nums[-1].start()] + head[nums[-1].end():]
+            out.append(head)
+            last = m.end()
+        return "".join(out) + part[last:]
+
+    text = _prose(strip_directives(outside_code(markdown, drop_tested)))
+    text = re.sub(r"^\s*\d+\.\s", " ", text, flags=re.M)  # list item numbers
+    found = []
+    for m in NUMBER.finditer(text):
+        value = m.group(1)
+        if len(value.replace(",", "").replace(".", "")) >= 2 or "." in value:
+            found.append(value)
+    return found
+
+
+def findings(root: Path = REPO, site: dict[str, bytes] | None = None):
+    """check -> sorted `page | finding` strings, over every module page."""
+    modules = discover_modules(root)
+    parts = order.load_order(root, modules)
+    pages = load_pages(root, modules, parts, results_markdown(load_results(root)))
+    out = {check: set() for check in CHECKS}
+    for page in pages:
+        if page.out in ("results.html", "glossary.html"):
+            continue
+        name = page.rel_py or "docs_src/index.md"
+        docs = "\n\n".join(s.doc for s in page.sections)
+        for latex in formulas(docs):
+            for word in spelled_commands(latex):
+                out["raw_tex"].add(f"{name} | spelled {word} in ${latex.strip()[:60]}$")
+        if page.rel_py and page.sections and not page.sections[0].code:
+            n = intro_words(page.sections[0].doc)
+            if n > INTRO_WORDS:
+                out["intro_budget"].add(f"{name} | {n} words")
+        for pattern in LAB_TRACES:
+            for m in pattern.finditer(strip_directives(docs)):
+                out["lab_traces"].add(f"{name} | {' '.join(m.group(0).split())}")
+        if page.rel_py:
+            for value in numbers(docs):
+                out["numbers"].add(f"{name} | {value}")
+        if site is not None and page.out in site:
+            dom = site[page.out].decode("utf-8")
+            for tag in ("math", "pre", "code", "svg", "style", "title"):
+                dom = re.sub(rf"<{tag}\b.*?</{tag}>", " ", dom, flags=re.S)
+            text = html.unescape(re.sub(r"<[^>]+>", " ", dom))
+            for m in RAW_TEX.finditer(text):
+                out["raw_tex"].add(f"{name} | raw {m.group(0)}")
+    return {check: sorted(items) for check, items in out.items()}
+
+
+def read_allowlist(root: Path, check: str) -> set[str]:
+    path = root / UNCHECKED / f"{check}.txt"
+    if not path.is_file():
+        return set()
+    return {line.strip() for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and not line.startswith("#")}
+
+
+HEADER = ("# Findings of the `{check}` check that the notes had when it was written "
+          "(docsite/lint.py).\n# Remove a line when its page is rewritten; never "
+          "add one.\n")
+
+
+def main(argv: list[str]) -> int:
+    from .site import build_site
+
+    found = findings(REPO, build_site(REPO))
+    for check in CHECKS:
+        allowed = read_allowlist(REPO, check)
+        new = [f for f in found[check] if f not in allowed]
+        stale = sorted(allowed - set(found[check]))
+        print(f"{check}: {len(found[check])} findings, {len(allowed)} allowed, "
+              f"{len(new)} new, {len(stale)} stale")
+        for item in new:
+            print(f"  new: {item}")
+        for item in stale:
+            print(f"  stale: {item}")
+        if "--write" in argv:
+            path = REPO / UNCHECKED / f"{check}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(HEADER.format(check=check)
+                            + "".join(f"{f}\n" for f in found[check]),
+                            encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

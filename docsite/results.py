@@ -1,0 +1,214 @@
+"""
+---
+title: The Results page
+summary: Measured figures from bench/results, rendered once.
+---
+
+# The Results page
+
+Every measured figure of the site comes from the benchmark's JSON lines in
+`bench/results/` (one line per engine and workload, written by
+`python -m bench.run --out FILE`; `bench/README.md` describes the fields). This
+module reads them all and keeps, for each *configuration* (workload, engine,
+compiled or not, number of GPUs), the **latest** line: files are ordered by the
+date in their name, then by their run number, and lines within a file by their
+position, so a later measurement of the same configuration replaces an earlier
+one. Lines without a `status` (loss curves, probes) are not measurements of a
+step and are skipped.
+
+A note inserts a figure with `{{bench: W2 labml_zero tokens_per_s}}`, adding
+`compiled` and/or `gpus=1` to pick another configuration; the figure links to its
+row here, so each number exists once and says where it comes from.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .paths import BuildError
+
+RESULTS_DIR = "bench/results"
+FILE_NAME = re.compile(r"^(\d{4}-\d{2}-\d{2})-(?:run(\d+)-)?")
+
+FIELDS = {
+    "tokens_per_s": lambda line: f"{line['tokens_per_s']:,.0f} tokens/s",
+    "mfu": lambda line: f"{100 * line['mfu']:.1f}%",
+    "peak_mem_gib": lambda line: f"{line['peak_mem_gib']:.1f} GiB",
+    "step_time_mean_s": lambda line: f"{line['step_time_mean_s']:.3f} s",
+    "loss": lambda line: f"{line['loss']:.2f}",
+}
+"""The fields a note may insert, each with its one formatting."""
+
+
+@dataclass(frozen=True)
+class Key:
+    workload: str
+    engine: str
+    compiled: bool
+    gpus: int
+
+    @property
+    def anchor(self) -> str:
+        tail = ("-compiled" if self.compiled else "") + f"-{self.gpus}gpu"
+        return f"result-{self.workload}-{self.engine}{tail}".lower()
+
+
+@dataclass(frozen=True)
+class Measurement:
+    key: Key
+    line: dict
+    file: str
+    date: str
+
+
+def _file_order(path: Path) -> tuple[str, int, str]:
+    match = FILE_NAME.match(path.name)
+    if not match:
+        return ("", 0, path.name)
+    return (match.group(1), int(match.group(2) or 0), path.name)
+
+
+def load_results(root: Path) -> dict[Key, Measurement]:
+    """The latest measurement of each configuration, ordered by key."""
+    folder = root / RESULTS_DIR
+    latest: dict[Key, Measurement] = {}
+    if not folder.is_dir():
+        return {}
+    for path in sorted(folder.glob("*.jsonl"), key=_file_order):
+        date = _file_order(path)[0]
+        for n, text in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not text.strip():
+                continue
+            try:
+                line = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise BuildError(f"{RESULTS_DIR}/{path.name}:{n}: not JSON ({exc})")
+            if "status" not in line or "workload" not in line:
+                continue
+            key = Key(line["workload"], line["engine"], bool(line.get("compiled")),
+                      int(line.get("world_size") or 1))
+            latest[key] = Measurement(key, line, path.name, date)
+    order = {w: i for i, w in enumerate(("labml_zero", "fsdp2", "ddp", "deepspeed"))}
+    return dict(sorted(latest.items(), key=lambda kv: (
+        kv[0].workload, kv[0].gpus, kv[0].compiled, order.get(kv[0].engine, 9),
+        kv[0].engine)))
+
+
+def command(m: Measurement) -> str:
+    """The `bench.run` command line that measures this configuration."""
+    line = m.line
+    parts = ["python -m bench.run", f"--workloads {m.key.workload}",
+             f"--engines {m.key.engine}"]
+    if "steps" in line:
+        parts.append(f"--steps {line['steps']} --warmup {line['warmup']}")
+    if m.key.gpus != 2:
+        parts.append(f"--world-size {m.key.gpus}")
+    if m.key.compiled:
+        parts.append("--compile")
+    if m.key.engine == "labml_zero" and line.get("prefetch_depth", 1) != 1:
+        parts.append(f"--prefetch-depth {line['prefetch_depth']}")
+    if m.key.engine == "labml_zero" and line.get("peer_gather"):
+        parts.append("--peer-gather")
+    if m.key.engine == "labml_zero" and line.get("peer_reduce"):
+        parts.append("--peer-reduce")
+    return " ".join(parts)
+
+
+def lookup(results: dict[Key, Measurement], spec: str) -> tuple[str, Key]:
+    """
+    `W2 labml_zero [compiled] [gpus=N] FIELD` -> (formatted value, its key).
+
+    Raises `BuildError` for an unknown field or a configuration never measured.
+    """
+    words = spec.split()
+    if len(words) < 3:
+        raise BuildError(f"bench directive {spec!r}: write WORKLOAD ENGINE FIELD")
+    workload, engine, *mods, name = words
+    compiled = "compiled" in mods
+    gpus = 2
+    for mod in mods:
+        if mod.startswith("gpus="):
+            gpus = int(mod[5:])
+        elif mod != "compiled":
+            raise BuildError(f"bench directive {spec!r}: unknown word {mod!r}")
+    if name not in FIELDS:
+        raise BuildError(f"bench directive {spec!r}: field {name!r} is not one of "
+                         f"{', '.join(FIELDS)}")
+    key = Key(workload, engine, compiled, gpus)
+    m = results.get(key)
+    if m is None or m.line.get("status") != "ok":
+        raise BuildError(f"bench directive {spec!r}: no successful measurement of "
+                         f"that configuration in {RESULTS_DIR}")
+    return FIELDS[name](m.line), key
+
+
+def _cell(value, fmt: str) -> str:
+    return "" if value is None else format(value, fmt)
+
+
+def _workload(line: dict) -> str:
+    model = line.get("model") or {}
+    shape = (f"{model.get('n_layers')} layers, $d = {model.get('d_model')}$"
+             if model else "")
+    return (f"{line.get('batch_per_gpu')} × {line.get('seq')} tokens per GPU, "
+            f"fine-tunes {line.get('finetune')}, {shape}")
+
+
+def results_markdown(results: dict[Key, Measurement]) -> str:
+    """The Results page's body, in Markdown."""
+    out = [__doc__.split("# The Results page", 1)[1].strip(), ""]
+    if not results:
+        return "\n".join(out + ["No measurements in `bench/results/` yet.", ""])
+    out += ["## Workloads", ""]
+    seen = set()
+    for key, m in results.items():
+        if key.workload in seen:
+            continue
+        seen.add(key.workload)
+        out.append(f"* {{{{term: {key.workload}}}}}: {_workload(m.line)}.")
+    out += ["", "## Measurements", "",
+            "Tokens per second of all GPUs together; peak memory per GPU; MFU the "
+            "share of the GPUs' bf16 peak that the model's matrix products reach.",
+            "", "| workload | engine | compiled | GPUs | tokens/s | step s (± std) "
+            "| MFU | peak GiB | loss | settings |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key, m in results.items():
+        line = m.line
+        settings = []
+        # bench.run writes its flags on every line; they change only labml_zero.
+        if key.engine != "labml_zero":
+            line = {k: v for k, v in line.items()
+                    if k not in ("peer_gather", "peer_reduce", "prefetch_depth")}
+        if line.get("peer_gather"):
+            settings.append("peer gather")
+        if line.get("peer_reduce"):
+            settings.append("peer reduce")
+        if line.get("prefetch_depth", 1) != 1:
+            settings.append(f"prefetch depth {line['prefetch_depth']}")
+        gpus = f"{key.gpus} × {line.get('device') or 'GPU'}"
+        anchor = f'<span id="{key.anchor}"></span>'
+        if line.get("status") != "ok":
+            row = [f"{anchor}{key.workload}", key.engine,
+                   "yes" if key.compiled else "no", gpus,
+                   f"{line['status']}", "", "", "", "", ""]
+        else:
+            step = (f"{line['step_time_mean_s']:.3f} ± "
+                    f"{line['step_time_std_s']:.3f}")
+            row = [f"{anchor}{key.workload}", key.engine,
+                   "yes" if key.compiled else "no", gpus,
+                   _cell(line.get("tokens_per_s"), ",.0f"), step,
+                   f"{100 * line['mfu']:.1f}%", _cell(line.get("peak_mem_gib"), ".1f"),
+                   _cell(line.get("loss"), ".2f"), ", ".join(settings)]
+        out.append("| " + " | ".join(row) + " |")
+    out += ["", "## Where each row comes from", "",
+            "| workload | engine | compiled | GPUs | date | PyTorch | file | command |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for key, m in results.items():
+        out.append(
+            f"| {key.workload} | {key.engine} | {'yes' if key.compiled else 'no'} "
+            f"| {key.gpus} | {m.date} | {m.line.get('torch', '')} | `{m.file}` "
+            f"| `{command(m)}` |")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,281 @@
+"""
+---
+title: Building the site
+summary: Every page in reading order into one template, deterministically.
+---
+
+# Building the site
+
+`build_site(root)` returns every file of the site by its site-relative path:
+the static files (CSS, the math font), the figures, one page per module in the
+reading order, the Results page and the glossary, and one highlighted source page
+per module. Nothing depends on the clock, the machine or the order files are
+found in, so the same sources give byte-identical output and `--check` can
+compare a committed `site/` with a fresh build.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import glossary, order
+from .directives import Directives, term_definitions
+from .markdown import NOTE_HEADING, Renderer, highlight, link_code_notes, source_html
+from .paths import (PACKAGE, REPO, BuildError, discover_modules, module_page,
+                    rel_href, slugify, source_page)
+from .results import load_results, results_markdown
+from .split import Section, SplitModule, parse_front_matter, split_source
+
+
+@dataclass
+class Page:
+    rel_py: str | None  # None for the home page and the generated pages
+    out: str
+    title: str
+    summary: str
+    sections: list[Section]
+    error: str = ""
+
+
+def load_module_page(root: Path, rel_py: str) -> Page:
+    source = (root / rel_py).read_text(encoding="utf-8")
+    try:
+        split = split_source(source)
+        error = ""
+    except SyntaxError as exc:
+        # A file someone is half-way through writing still gets a page.
+        split = SplitModule({}, [Section("", source.rstrip("\n"), 1)])
+        error = f"This file does not parse yet ({exc.msg}, line {exc.lineno})."
+    title = split.front.get("title", "")
+    if not title:
+        for section in split.sections:
+            match = re.search(r"^#[ \t]+(.+)$", section.doc, re.M)
+            if match:
+                title = match.group(1).strip()
+                break
+    return Page(rel_py, module_page(rel_py), title or rel_py,
+                split.front.get("summary", ""), split.sections, error)
+
+
+def _load_path(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses look their module up in sys.modules while the class is built.
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def build_figures(root: Path) -> dict[str, bytes]:
+    diagrams = _load_path("_labml_zero_diagrams", root / "docs_src" / "diagrams.py")
+    figures_src = root / "docs_src" / "figures"
+    out: dict[str, bytes] = {}
+    out["figures/chunk_layout.svg"] = diagrams.chunk_layout_svg(root).encode()
+    trace_path = figures_src / "step_timeline.json"
+    trace = json.loads(trace_path.read_text(encoding="utf-8"))
+    out["figures/step_timeline.svg"] = diagrams.timeline_svg(
+        trace, where=str(trace_path.relative_to(root))
+    ).encode()
+    # Hand-drawn figures dropped into docs_src/figures/ are copied as they are.
+    for path in sorted(figures_src.iterdir()):
+        if path.suffix in {".svg", ".png"} and f"figures/{path.name}" not in out:
+            out[f"figures/{path.name}"] = path.read_bytes()
+    return out
+
+
+def static_files(docs_src: Path) -> dict[str, bytes]:
+    from pygments.formatters import HtmlFormatter
+
+    out = {}
+    static = docs_src / "static"
+    for path in sorted(static.rglob("*")):
+        if path.is_file():
+            out[f"static/{path.relative_to(static).as_posix()}"] = path.read_bytes()
+    out["static/pygments.css"] = (
+        HtmlFormatter(style="default").get_style_defs(".highlight") + "\n"
+    ).encode()
+    return out
+
+
+def _crumbs(page: Page, by_py: dict[str, Page]) -> list[dict]:
+    crumbs = [{"href": rel_href("index.html", page.out), "title": "Home"}]
+    if not page.rel_py:
+        if page.out != "index.html":
+            crumbs.append({"href": "", "title": page.title})
+        return crumbs
+    parts = page.rel_py.split("/")
+    for d in range(1, len(parts)):
+        pkg_page = by_py.get("/".join(parts[:d]) + "/__init__.py")
+        href = ""
+        if pkg_page is not None and pkg_page is not page:
+            href = rel_href(pkg_page.out, page.out)
+        crumbs.append({"href": href, "title": parts[d - 1]})
+    if not page.rel_py.endswith("__init__.py"):
+        crumbs.append({"href": "", "title": parts[-1]})
+    return crumbs
+
+
+def _with_contents(page: Page, listing: str) -> list[Section]:
+    """A folder index with its list of pages, where `{{contents}}` says or after
+    the introduction."""
+    block = "## Pages in this folder\n\n" + listing
+    sections = list(page.sections)
+    for i, s in enumerate(sections):
+        if "{{contents}}" in s.doc:
+            sections[i] = Section(s.doc.replace("{{contents}}", listing),
+                                  s.code, s.lineno)
+            return sections
+    at = 1 if sections and not sections[0].code else 0
+    return sections[:at] + [Section(block, "", 0)] + sections[at:]
+
+
+def load_pages(root: Path, modules: list[str], parts: list[order.Part],
+               results_md: str) -> list[Page]:
+    """The home page, then every entry of the reading order, contents filled in."""
+    docs_src = root / "docs_src"
+    index_text = (docs_src / "index.md").read_text(encoding="utf-8")
+    front, body = parse_front_matter(index_text)
+    home = Page(None, "index.html", front.get("title", PACKAGE),
+                front.get("summary", ""), [Section(body, "", 0)])
+    pages = [home]
+    for entry in order.flat(parts):
+        if entry == "@results":
+            pages.append(Page(None, "results.html", "Results",
+                              "Measured throughput and memory of every engine and "
+                              "workload, from bench/results.",
+                              [Section("# Results\n\n" + results_md, "", 0)]))
+        elif entry == "@glossary":
+            pages.append(Page(None, "glossary.html", "Glossary",
+                              "Each term and the note that defines it.", []))
+        else:
+            pages.append(load_module_page(root, entry))
+    titles = {}
+    for entry, page in zip(order.flat(parts), pages[1:]):
+        titles[entry] = (page.title, page.summary)
+    for entry, page in zip(order.flat(parts), pages[1:]):
+        if entry.endswith("/__init__.py"):
+            page.sections = _with_contents(page,
+                                           order.folder_list(parts, entry, titles))
+    listing = order.home_list(parts, titles)
+    home.sections = [Section(body.replace("{{reading_order}}", listing), "", 0)]
+    return pages
+
+
+def build_site(root: Path = REPO) -> dict[str, bytes]:
+    """Every file of the site, by site-relative path."""
+    import jinja2
+
+    docs_src = root / "docs_src"
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(docs_src / "templates")),
+        autoescape=jinja2.select_autoescape(["html"]),
+        keep_trailing_newline=True,
+    )
+    template = env.get_template("page.html")
+
+    out = static_files(docs_src)
+    figures = build_figures(root)
+    out.update(figures)
+
+    modules = discover_modules(root)
+    parts = order.load_order(root, modules)
+    results = load_results(root)
+    pages = load_pages(root, modules, parts, results_markdown(results))
+    by_py = {p.rel_py: p for p in pages if p.rel_py}
+
+    files = set(out) | {p.out for p in pages}
+    files |= {source_page(m) for m in modules}
+
+    notes: dict[str, list[str]] = {}
+    page_notes: dict[str, set[str]] = {}
+    defs: dict[str, glossary.Definition] = {}
+    for page in pages:
+        slugs = set()
+        for section in page.sections:
+            for name in NOTE_HEADING.findall(section.doc):
+                slugs.add(slugify(name))
+            for shown, slug in term_definitions(section.doc):
+                glossary.add_definition(
+                    defs, slug, glossary.Definition(shown, page.out, page.title))
+        page_notes[page.out] = slugs
+        for slug in sorted(slugs):
+            notes.setdefault(slug, []).append(page.out)
+    for page in pages:
+        if page.out == "glossary.html":
+            page.sections = [Section("# Glossary\n\n" + glossary.glossary_markdown(
+                glossary.read_meanings(root), defs, page.out), "", 0)]
+
+    renderer = Renderer(files, notes, figures=figures,
+                        directives=Directives(root, results))
+    for i, page in enumerate(pages):
+        prev_page = pages[i - 1] if i > 0 else None
+        next_page = pages[i + 1] if i + 1 < len(pages) else None
+
+        def link(target: Page | None, page=page) -> dict | None:
+            if target is None:
+                return None
+            return {"href": rel_href(target.out, page.out), "title": target.title}
+
+        rows = []
+        for k, section in enumerate(page.sections):
+            doc_html = renderer.render(section.doc, page.out, page_notes[page.out])
+            code_html = src = ""
+            if section.code:
+                code_html = link_code_notes(highlight(section.code), renderer)
+            if section.code and page.rel_py:
+                src_page = rel_href(source_page(page.rel_py), page.out)
+                src = f"{src_page}#L{section.lineno}"
+            rows.append({"id": f"section-{k}", "doc": doc_html, "code": code_html,
+                         "lineno": section.lineno, "src": src,
+                         "figures": list(renderer.figures)})
+
+        context = {
+            "title": page.title,
+            "summary": page.summary,
+            "home": page.out == "index.html",
+            "prose": page.rel_py is None,
+            "root": rel_href("index.html", page.out).rsplit("index.html", 1)[0],
+            "crumbs": _crumbs(page, by_py),
+            "prev": link(prev_page),
+            "next": link(next_page),
+            "rows": rows,
+            "error": page.error,
+            "rel_py": page.rel_py or "",
+            "source_href": (
+                rel_href(source_page(page.rel_py), page.out) if page.rel_py else ""
+            ),
+        }
+        out[page.out] = template.render(kind="page", **context).encode()
+
+    for rel in modules:
+        source = (root / rel).read_text(encoding="utf-8")
+        page_out = source_page(rel)
+        context = {
+            "title": rel,
+            "summary": f"Source of {rel}",
+            "home": False,
+            "prose": False,
+            "root": rel_href("index.html", page_out).rsplit("index.html", 1)[0],
+            "crumbs": [{"href": rel_href("index.html", page_out), "title": "Home"},
+                       {"href": rel_href(module_page(rel), page_out), "title": rel},
+                       {"href": "", "title": "source"}],
+            "prev": None,
+            "next": None,
+            "lines": source_html(source),
+        }
+        out[page_out] = template.render(kind="source", **context).encode()
+
+    for warning in sorted(set(renderer.warnings)):
+        print(f"warning: {warning}", file=sys.stderr)
+    return dict(sorted(out.items()))
+
+
+__all__ = ["BuildError", "Page", "build_site", "load_module_page", "load_pages"]

@@ -1,0 +1,210 @@
+"""The builder's pieces: field docstrings, math, the reading order, the Results
+page and the directives, on small inputs and on the repository's own site."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+import build_docs
+from docsite import order, results
+from docsite.directives import Directives, evaluate
+from docsite.mathml import spelled_commands, to_mathml
+from docsite.paths import BuildError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_field_docstrings_are_notes_beside_their_field():
+    src = ('class C:\n    """The class."""\n\n    x: int = 1\n'
+           '    """Bytes per element, $b$."""\n    y = 2\n    """Why $y$."""\n'
+           '    z = 3\n\n\nN = 4\n"""A module constant."""\n')
+    rows = [(s.doc, s.code) for s in build_docs.split_source(src).sections]
+    assert rows == [
+        ("The class.", "class C:"),
+        ("Bytes per element, $b$.", "    x: int = 1"),
+        ("Why $y$.", "    y = 2\n    z = 3"),
+        ("A module constant.", "N = 4"),
+    ]
+
+
+def test_aligned_rows_render_and_bad_tex_stops_the_build():
+    out = to_mathml(r"\begin{aligned} a &= b \\ c &= d \end{aligned}",
+                    display=True, where="p.html")
+    assert out.count("<mtr>") == 2 and "&amp;" not in out and "<mi>&" not in out
+    assert "operatorname" not in to_mathml(r"\arg\max_v x", display=False, where="p")
+    with pytest.raises(BuildError, match=r"p\.html: numbered environment"):
+        to_mathml(r"\begin{align} a &= b \end{align}", display=True, where="p.html")
+    with pytest.raises(BuildError, match=r"p\.html: unsupported TeX '\\foo'"):
+        to_mathml(r"\foo x", display=False, where="p.html")
+    with pytest.raises(BuildError, match="'&' outside aligned"):
+        to_mathml(r"a &= b", display=False, where="p.html")
+    assert spelled_commands(r"2 \\times 8") == [r"\\times"]
+    assert spelled_commands(r"2 times 8, \text{times}") == ["times"]
+    assert spelled_commands(r"2 \times 8 \\ x") == []
+
+
+def _order_tree(tmp: Path, lines: str) -> list[str]:
+    (tmp / "docs_src").mkdir()
+    (tmp / "docs_src" / "reading_order.txt").write_text(lines)
+    return ["labml_zero/__init__.py", "labml_zero/a.py", "labml_zero/b/__init__.py",
+            "labml_zero/b/c.py"]
+
+
+def test_reading_order_refuses_missing_twice_and_gone(tmp_path):
+    mods = _order_tree(tmp_path, "labml_zero/__init__.py\nlabml_zero/a.py\n")
+    with pytest.raises(BuildError, match=r"labml_zero/b/__init__.py has no place.*"
+                                         r"add it as one line.*\(1 more missing\)"):
+        order.load_order(tmp_path, mods)
+    (tmp_path / order.ORDER_FILE).write_text("labml_zero/a.py\nlabml_zero/a.py\n")
+    with pytest.raises(BuildError, match="listed twice"):
+        order.load_order(tmp_path, mods)
+    (tmp_path / order.ORDER_FILE).write_text("labml_zero/gone.py\n")
+    with pytest.raises(BuildError, match="gone.py does not exist"):
+        order.load_order(tmp_path, mods)
+    (tmp_path / order.ORDER_FILE).write_text(
+        "## One\nlabml_zero/__init__.py\nlabml_zero/b/__init__.py\n## Two\n"
+        "labml_zero/b/c.py\nlabml_zero/a.py\n@results\n")
+    parts = order.load_order(tmp_path, mods)
+    assert [p.title for p in parts] == ["One", "Two"]
+    titles = {e: (e, "") for e in order.flat(parts)}
+    assert order.folder_list(parts, "labml_zero/__init__.py", titles) == (
+        "1. [labml_zero/b/__init__.py](b/index.html)\n"
+        "1. [labml_zero/a.py](a.html)\n")
+
+
+def _chain(files: dict[str, bytes]) -> list[str]:
+    page, seen = "index.html", []
+    while page and page not in seen:
+        seen.append(page)
+        html = files[page].decode()
+        nxt = re.search(r'class="next" href="([^"]+)"', html)
+        if not nxt:
+            break
+        page = order.posixpath.normpath(
+            order.posixpath.join(order.posixpath.dirname(page), nxt.group(1)))
+    return seen
+
+
+def test_one_reading_order_for_the_chain_the_home_page_and_the_folders(site_files):
+    parts = order.load_order(REPO, build_docs.discover_modules(REPO))
+    expected = ["index.html"] + [order.page_of(e) for e in order.flat(parts)]
+    assert _chain(site_files) == expected  # every page once, in the file's order
+    home = site_files["index.html"].decode()
+    listed = re.findall(r'<li><a href="([^"]+)"', home.split('id="reading-order"')[1])
+    assert listed == expected[1:]
+    for entry in order.flat(parts):
+        if not entry.endswith("__init__.py"):
+            continue
+        page = order.page_of(entry)
+        html = site_files[page].decode()
+        section = html.split('id="pages-in-this-folder"', 1)
+        links = re.findall(r'<li><a href="([^"]+)"', section[1].split("</ol>")[0])
+        folder = order.posixpath.dirname(page)
+        pages = [order.posixpath.normpath(order.posixpath.join(folder, h))
+                 for h in links]
+        assert pages == [p for p in expected if p != page and (
+            order.posixpath.dirname(p) == folder or (
+                p.endswith("/index.html") and order.posixpath.dirname(
+                    order.posixpath.dirname(p)) == folder))
+            and p not in ("results.html", "glossary.html")], page
+    # Key chapters come in the order a learner needs them.
+    pos = {e: i for i, e in enumerate(order.flat(parts))}
+    chain = ["zero3/chunk_layout", "zero3/chunk", "zero3/communication",
+             "zero3/hooks", "zero3/sharded_model", "optimizers/adam_fp16",
+             "zero3/checkpoint", "neox/model", "neox/finetune", "zero3/chunk_search",
+             "zero3/placement", "zero3/peer_memory", "zero3/compiled", "launch", "app"]
+    idx = [pos[f"labml_zero/{c}.py"] for c in chain]
+    assert idx == sorted(idx)
+
+
+def test_results_keep_the_latest_line_of_each_configuration(tmp_path):
+    folder = tmp_path / "bench" / "results"
+    folder.mkdir(parents=True)
+    line = {"engine": "labml_zero", "workload": "W2", "world_size": 2,
+            "status": "ok", "tokens_per_s": 100.0, "mfu": 0.5, "peak_mem_gib": 1.0,
+            "step_time_mean_s": 1.0, "step_time_std_s": 0.1, "loss": 2.0,
+            "torch": "2.11", "device": "GPU", "steps": 10, "warmup": 3}
+    (folder / "2026-01-02-run2-x.jsonl").write_text(
+        json.dumps({**line, "tokens_per_s": 300.0}) + "\n")
+    (folder / "2026-01-02-run10-x.jsonl").write_text(
+        json.dumps(line) + "\n" + json.dumps({**line, "tokens_per_s": 200.0}) + "\n"
+        + json.dumps({"engine": "labml_zero", "workload": "W2"}) + "\n")
+    found = results.load_results(tmp_path)
+    assert [m.line["tokens_per_s"] for m in found.values()] == [200.0]
+    assert results.lookup(found, "W2 labml_zero tokens_per_s")[0] == "200 tokens/s"
+    with pytest.raises(BuildError, match="no successful measurement"):
+        results.lookup(found, "W2 labml_zero compiled tokens_per_s")
+    with pytest.raises(BuildError, match="field 'speed'"):
+        results.lookup(found, "W2 labml_zero speed")
+    page = results.results_markdown(found)
+    assert "| 2026-01-02 | 2.11 | `2026-01-02-run10-x.jsonl` |" in page
+    assert "`python -m bench.run --workloads W2 --engines labml_zero" in page
+
+
+def test_measured_figures_on_the_site_come_from_the_data(site_files):
+    found = results.load_results(REPO)
+    home = site_files["index.html"].decode()
+    m = found[results.Key("W2", "labml_zero", False, 2)]
+    assert f"{m.line['tokens_per_s']:,.0f} tokens/s</a>" in home
+    assert "| workload | labml_zero | FSDP2 |" not in home  # no benchmark table
+    page = site_files["results.html"].decode()
+    for key, m in found.items():
+        assert f'id="{key.anchor}"' in page
+        if m.line.get("status") == "ok":
+            assert f"{m.line['tokens_per_s']:,.0f}" in page
+
+
+def test_py_directive_evaluates_only_the_whitelist(tmp_path):
+    assert evaluate("math.floor(2.5) * 2", "p") == 4
+    for bad, msg in (("open('x')", "'open' is not one of"),
+                     ("math.__dict__", "private"),
+                     ("[x for x in ()]", "ListComp")):
+        with pytest.raises(BuildError, match=msg):
+            evaluate(bad, "p")
+    d = Directives(REPO, {})
+    assert d.expand("{{py: math.factorial(10)}} and {{py: math.pi | .3f}}",
+                    "p") == "3,628,800 and 3.142"
+    with pytest.raises(BuildError, match="is a float; give a format"):
+        d.expand("{{py: math.pi}}", "p")
+    ok = d.expand("4 (tested: tests/docs/test_builder.py::test_py_directive_"
+                  "evaluates_only_the_whitelist)", "p")
+    assert 'class="tested"' in ok
+    with pytest.raises(BuildError, match="no such test"):
+        d.expand("(tested: tests/docs/test_builder.py::test_nothing)", "p")
+    with pytest.raises(BuildError, match="no such file"):
+        d.expand("(tested: tests/none.py::test_x)", "p")
+
+
+def test_glossary_links_terms_to_their_definition(tmp_path, site_files):
+    glossary = site_files["glossary.html"].decode()
+    for term in ("chunk", "shard", "unit", "gather stream", "reduce dtype",
+                 "prefetch depth", "placement", "W1", "W5"):
+        assert f'id="glossary-{build_docs.slugify(term)}"' in glossary, term
+    # W1..W5 are defined on the Results page, from the data.
+    assert 'href="results.html#term-w1"' in glossary
+    tree = tmp_path / "tree"
+    shutil.copytree(REPO / "docs_src", tree / "docs_src")
+    shutil.copytree(REPO / "bench" / "results", tree / "bench" / "results")
+    (tree / "labml_zero" / "zero3").mkdir(parents=True)
+    shutil.copy(REPO / "labml_zero" / "zero3" / "chunk_layout.py",
+                tree / "labml_zero" / "zero3")
+    (tree / "labml_zero" / "__init__.py").write_text(
+        '"""\n# Root\n\nA {{term: chunks | chunk}} is a buffer.\n"""\n')
+    (tree / "docs_src" / "reading_order.txt").write_text(
+        "labml_zero/__init__.py\nlabml_zero/zero3/chunk_layout.py\n"
+        "@results\n@glossary\n")
+    files = build_docs.build_site(tree)
+    root_page = files["labml_zero/index.html"].decode()
+    assert '<dfn id="term-chunk">chunks</dfn>' in root_page
+    assert 'href="labml_zero/index.html#term-chunk"' in files["glossary.html"].decode()
+    (tree / "labml_zero" / "a.py").write_text('"""\n# A\n\n{{term: chunk}}\n"""\n')
+    (tree / "docs_src" / "reading_order.txt").write_text(
+        "labml_zero/__init__.py\nlabml_zero/a.py\n"
+        "labml_zero/zero3/chunk_layout.py\n@results\n@glossary\n")
+    with pytest.raises(BuildError, match="'chunk' is defined on"):
+        build_docs.build_site(tree)

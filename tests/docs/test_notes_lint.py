@@ -1,0 +1,36 @@
+"""The notes read as a textbook: no raw TeX, introductions within budget, no lab
+traces, and no number that nothing checks, beyond each check's allowlist in
+docs_src/unchecked/ (what the notes had when the check was written)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from docsite import lint
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def found(site_files):
+    return lint.findings(REPO, site_files)
+
+
+@pytest.mark.parametrize("check", lint.CHECKS)
+def test_no_new_findings(found, check):
+    allowed = lint.read_allowlist(REPO, check)
+    new = [f for f in found[check] if f not in allowed]
+    assert not new, (f"{check}: fix these, or see docsite/lint.py:\n"
+                     + "\n".join(new[:30]))
+
+
+def test_the_checks_find_what_they_are_for():
+    assert lint.numbers("costs 18 bytes, 3.5 GiB; W1 uses fp32 on 2 ranks") == [
+        "18", "3.5"]
+    assert lint.numbers("{{py: x}} and 12 (tested: tests/a.py::test_b)") == []
+    assert lint.numbers("`x = 42` and [link](a/run42.html)") == []
+    assert lint.intro_words("one two $$x y z$$ three `a b`") == 3
+    assert "run18" in str([p.findall("as in run18") for p in lint.LAB_TRACES])
+    assert any(p.search("went from 10.8k to 12.0k") for p in lint.LAB_TRACES)
