@@ -19,6 +19,6 @@ Reading order:
 4. [GPT-NeoX](neox/index.html)
 5. [The fine-tuning experiment](finetune_neox.html), on
    [one process per GPU or several CPU processes](launch.html)
-6. [Sharded checkpoints](zero3/checkpoint.html)
+6. [Sharded checkpoints](zero3/checkpoint/index.html)
 7. [The labml app, offline](app.html), and [finding it](app_client.html)
 """

@@ -51,13 +51,13 @@ gather runs on a side stream while the current one computes.
 * [Sharding a model](sharded_model.html): `Zero3Layer`, `Zero3Sequential`,
   `shard_model`.
 * [Compiling sharded layers](compiled.html): `torch.compile` inside the hooks.
-* [Checkpoints](checkpoint.html): saving, resuming and resharding;
-  [the format and the resharding reader](checkpoint_reader.html);
-  [exporting the whole model](checkpoint_export.html).
+* [Checkpoints](checkpoint/index.html): saving, resuming and resharding, the
+  format and its digests, checks before a job starts, pruning, and exporting
+  the whole model.
 """
 
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from .checkpoint_export import export_full_state_dict
+from .checkpoint import (CheckpointError, export_full_state_dict, load_checkpoint,
+                         save_checkpoint)
 from .config import ZeroConfig
 from .sharded_model import (
     ShardedModel,

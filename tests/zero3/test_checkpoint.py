@@ -16,18 +16,16 @@ from torch import nn
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, shard_model, zero3_layers
-from labml_zero.zero3 import checkpoint
 from labml_zero.zero3.checkpoint import (
     CheckpointError,
-    load_checkpoint,
-    save_checkpoint,
-)
-from labml_zero.zero3.checkpoint_export import (
+    CheckpointReader,
     consolidated_tensors,
     export_full_state_dict,
+    load_checkpoint,
     prefix_rename,
+    save_checkpoint,
 )
-from labml_zero.zero3.checkpoint_reader import CheckpointReader
+from labml_zero.zero3.checkpoint import save as save_module
 from tests.distributed import run_distributed
 from tests.zero3.models import batch, tiny_layers
 
@@ -273,7 +271,7 @@ def crash_run(ctx, root):
     saved = weights(model)
     train(ctx, model, optimizer, range(1, 2))
 
-    real_write = checkpoint.write_tensors
+    real_write = save_module.write_tensors
     seen_mid_save = {}
 
     def crashing_write(tensors, file, *, metadata):
@@ -290,14 +288,14 @@ def crash_run(ctx, root):
             seen_mid_save["listing"] = sorted(os.listdir(path))
             raise OSError("disk full (simulated)")
 
-    checkpoint.write_tensors = crashing_write
+    save_module.write_tensors = crashing_write
     try:
         save_checkpoint(path, model, optimizer)
         error = None
     except Exception as caught:
         error = f"{type(caught).__name__}: {caught}"
     finally:
-        checkpoint.write_tensors = real_write
+        save_module.write_tensors = real_write
 
     fresh, fresh_optimizer = build(ctx, torch.bfloat16, seed=1)
     load_checkpoint(path, fresh, fresh_optimizer)

@@ -7,7 +7,7 @@ summary: Every parameter, whole, gathered one chunk at a time and streamed to a
 
 # Exporting a sharded model
 
-A [sharded checkpoint](checkpoint.html) is for resuming; other tools want one
+A [sharded checkpoint](index.html) is for resuming; other tools want one
 tensor per parameter under the original model's names (a Hugging Face
 directory, say). Gathering the whole model would cost the device memory that
 ZeRO-3 exists to avoid, so the export goes **one chunk at a time**:
@@ -21,7 +21,7 @@ ZeRO-3 exists to avoid, so the export goes **one chunk at a time**:
    order.
 
 The consumer sees a stream: it can write each tensor as it comes, as the
-[GPT-NeoX exporter](../neox/checkpoint.html) does, holding one output shard at a
+[GPT-NeoX exporter](../../neox/checkpoint.html) does, holding one output shard at a
 time:
 
 ```python
@@ -51,15 +51,17 @@ target is a single file.
 from __future__ import annotations
 
 import os
-import secrets
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from .checkpoint import agree, fsync_path, master_of, write_tensors
-from .communication import Communicator
+from ...files import atomic_file
+from ..communication import Communicator
+from .agreement import agree
+from .save import write_tensors
+from .state import master_of
 
 __all__ = ["consolidated_tensors", "export_full_state_dict", "prefix_rename"]
 
@@ -157,13 +159,7 @@ def export_full_state_dict(target: str | os.PathLike | Callable, model: nn.Modul
 
 
 def write_one_file(file: Path, tensors: dict[str, torch.Tensor]) -> None:
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.parent / f".{file.name}.tmp-{secrets.token_hex(6)}"
-    try:
+    """One safetensors file, written as on [atomic files](../../files.html)."""
+    with atomic_file(file) as tmp:
+        # metadata {"format": "pt"} is what transformers checks for on load
         write_tensors(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, file)
-        fsync_path(file.parent)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-

@@ -1,50 +1,19 @@
 r"""
 ---
 title: Reading a sharded checkpoint
-summary: The checkpoint format, and how any element of any parameter is found in
-  the ranks' files, which is all that resharding needs.
+summary: How any element of any parameter is found in the ranks' files, which is
+  all that resharding needs, with every file checked before it is used.
 ---
 
 # Reading a sharded checkpoint
 
-A [sharded checkpoint](checkpoint.html) is one file per rank holding that rank's
-shards, plus a manifest that describes the layout. This page is the format and
-the one operation every reader needs: *find elements $[a, b)$ of parameter $p$*.
-Loading at the saved world size, loading at another one, and reading a whole
-tensor offline are all that operation with different ranges. It is pure file
-arithmetic, with no process group, so it also serves inspection and conversion
-on a machine without GPUs.
-
-## The format
-
-A checkpoint is a directory:
-
-```
-manifest.json             rank 0: world size, chunks, parameters, optimizer groups
-rank-00000.safetensors    rank r's shards: "<chunk>.param" [S] in the chunk dtype,
-rank-00001.safetensors      "<chunk>.master", "<chunk>.exp_avg", "<chunk>.exp_avg_sq"
-rank-00000.pt             rank r's RNG states and its `rank_extra`
-extra.pt                  rank 0: the global `extra` (a loss scaler's state, say)
-```
-
-`<chunk>` is the chunk's position in `model.chunks`. The tensors are in
-[safetensors](https://huggingface.co/docs/safetensors): a JSON header, then raw
-bytes, so a reader maps the file and copies out a slice of one tensor without
-reading the rest, and loading runs no pickled code. The `.pt` files hold small
-Python values; they are loaded with `weights_only=True`, which runs no code
-either.
-
-The manifest lists every chunk: its size $C$, dtype, whether it is trainable, its
-optimizer step, and its parameters with qualified name, shape and offset; and
-every file with its size in bytes. It carries a *fingerprint*, a hash of the
-sorted `(name, shape)` pairs, so a checkpoint of another model is refused before
-anything is read, and a *save id* that every shard file repeats in its header, so
-a stray file from another save is refused too.
-
-`master` is written only when it is not the parameter itself: for a 16-bit chunk
-with an optimizer state, or whose exact fp32 initial weights the engine kept
-(`master_init`, before the first step). For fp32 chunks the parameter *is* the
-master. Frozen chunks have only `param`.
+A [sharded checkpoint](index.html) is one file per rank holding that rank's
+shards, plus a manifest that describes the layout ([the format](format.html)).
+This page is the one operation every reader needs: *find elements $[a, b)$ of
+parameter $p$*. Loading at the saved world size, loading at another one, and
+reading a whole tensor offline are all that operation with different ranges. It
+is pure file arithmetic, with no process group, so it also serves inspection,
+conversion and the checks a launcher makes before any process starts.
 
 ## Finding elements: the resharding arithmetic
 
@@ -70,18 +39,30 @@ of each parameter that overlaps its shard, for the parameter, the master and
 both moments. Padding needs nothing: it is zero in all four (its gradient is
 zero, so Adam never moves it) and a new shard starts as zeros.
 
+## Note: what is checked, and when
+
+1. When the reader is built: the manifest (its format and keys), and every
+   listed file's existence and size. Cheap: no file is opened.
+2. When a file is first used: its [digest](digest.html), then its header. A
+   digest that differs is explained when the file says more: a header that does
+   not parse is "corrupted", a header with another save id "belongs to another
+   save", and anything else is a "checksum mismatch".
+3. When a tensor is read: its name, shape and dtype against the manifest.
+
+A rank thus hashes only the files it reads; `verify_files` hashes them all, for
+a check before the job starts.
+
 ## Limitations
 
-* Tensor data has no checksum: a truncated file, a damaged header or a wrong size
-  is caught, a flipped bit inside the data is not.
 * Every file is checked for existence and size when the reader is built, so a
   rank that needs only its own file still refuses a checkpoint with another
   rank's file missing (which is the point: it would not resume anyway).
+* A format-1 checkpoint has no digests (see Versions in [the
+  format](format.html)): a changed byte in its tensor data is not caught.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -92,54 +73,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-__all__ = ["CheckpointError", "CheckpointReader"]
+from .digest import file_digest
+from .format import (DTYPES, EXTRA, FORMAT, FORMAT_1, MANIFEST, MANIFEST_KEYS,
+                     MANIFEST_KEYS_2, MOMENTS, SAFETENSORS_DTYPES, CheckpointError,
+                     first_difference, fingerprint, rank_state_file, tensors_file)
 
-FORMAT = "labml_zero.zero3.checkpoint/1"
-MANIFEST = "manifest.json"
-EXTRA = "extra.pt"
-MOMENTS = ("exp_avg", "exp_avg_sq")
-MANIFEST_KEYS = ("save_id", "world_size", "fingerprint", "chunks", "param_groups",
-                 "files")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16}
-# safetensors' dtype names, as `get_slice(...).get_dtype()` reports them
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16",
-                       torch.float16: "F16"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be saved or loaded; the message names the cause."""
-
-
-def tensors_file(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
-
-
-def rank_state_file(rank: int) -> str:
-    return f"rank-{rank:05d}.pt"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def fingerprint(shapes: dict[str, tuple[int, ...]]) -> str:
-    """A hash of the sorted `(name, shape)` pairs: independent of the layout."""
-    items = sorted((name, list(shape)) for name, shape in shapes.items())
-    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
-
-
-def first_difference(saved: dict[str, tuple[int, ...]],
-                     model: dict[str, tuple[int, ...]]) -> str:
-    """#### The first parameter that differs, as a sentence"""
-    for name, shape in model.items():
-        if name not in saved:
-            return f"the model's parameter {name!r} is not in the checkpoint"
-        if saved[name] != shape:
-            return (f"parameter {name!r} has shape {saved[name]} in the checkpoint, "
-                    f"{shape} in the model")
-    extra = next(name for name in saved if name not in model)
-    return f"the checkpoint's parameter {extra!r} is not in the model"
+__all__ = ["CheckpointReader", "SavedParam"]
 
 
 @dataclass(frozen=True)
@@ -183,6 +122,9 @@ class CheckpointReader:
                     f"corrupted shard file {file}: {file.stat().st_size} bytes, "
                     f"the manifest says {size}"
                 )
+        # file name -> digest; empty for a format-1 checkpoint
+        self.digests: dict[str, str] = self.manifest.get("digests", {})
+        self._verified: set[str] = set()
         # rank -> (open safetensors file, its tensor names)
         self._open: dict[int, tuple[Any, set[str]]] = {}
 
@@ -200,12 +142,16 @@ class CheckpointReader:
             manifest = json.loads(file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise CheckpointError(f"corrupted manifest {file}: {error}") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            found = manifest.get("format") if isinstance(manifest, dict) else None
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        if found not in (FORMAT, FORMAT_1):
             raise CheckpointError(f"{file} has format {found!r}, expected {FORMAT!r}")
-        missing = [key for key in MANIFEST_KEYS if key not in manifest]
+        required = MANIFEST_KEYS + (MANIFEST_KEYS_2 if found == FORMAT else ())
+        missing = [key for key in required if key not in manifest]
         if missing:
             raise CheckpointError(f"corrupted manifest {file}: no {missing[0]!r}")
+        if found == FORMAT and set(manifest["digests"]) != set(manifest["files"]):
+            raise CheckpointError(f"corrupted manifest {file}: its digests and its "
+                                  "files name different files")
         return manifest
 
     ### Checks
@@ -214,11 +160,50 @@ class CheckpointReader:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: p.shape for name, p in self.params.items()}
 
+    @property
+    def meta(self) -> dict:
+        """The job's JSON values (`save_checkpoint(meta=...)`); `{}` in format 1."""
+        return self.manifest.get("meta") or {}
+
     def check_model(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """Refuse a model whose parameter names or shapes differ from the saved."""
         if fingerprint(shapes) != self.manifest["fingerprint"]:
             raise CheckpointError(f"checkpoint {self.path} is of a different model: "
                                   f"{first_difference(self.shapes, shapes)}")
+
+    def verify(self, name: str) -> None:
+        """
+        ### Check one file against its digest, once
+
+        See Note: what is checked, and when. Does nothing for a format-1
+        checkpoint.
+        """
+        if name in self._verified or name not in self.digests:
+            return
+        file = self.path / name
+        if file_digest(file) != self.digests[name]:
+            if name.endswith(".safetensors"):
+                self._explain_header(file)
+            raise CheckpointError(f"{file}: checksum mismatch, the file was changed "
+                                  "after it was saved")
+        self._verified.add(name)
+
+    def verify_files(self) -> None:
+        """Check every file's digest: one read of the whole checkpoint."""
+        for name in self.manifest["files"]:
+            self.verify(name)
+
+    def _explain_header(self, file: Path):
+        """Raise with what a shard file's header says is wrong with it, if anything."""
+        try:
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                save_id = (handle.metadata() or {}).get("save_id")
+        except Exception as error:
+            raise CheckpointError(f"corrupted shard file {file}: "
+                                  f"{str(error).splitlines()[0]}") from None
+        if save_id != self.manifest["save_id"]:
+            raise CheckpointError(f"shard file {file} belongs to another save "
+                                  "than its manifest")
 
     def chunk_of(self, name: str) -> dict:
         return self.chunks[self.params[name].chunk]
@@ -291,7 +276,9 @@ class CheckpointReader:
 
     def _file(self, rank: int):
         if rank not in self._open:
-            file = self.path / tensors_file(rank)
+            name = tensors_file(rank)
+            self.verify(name)
+            file = self.path / name
             try:
                 handle = safe_open(file, framework="pt", device="cpu")
             except Exception as error:
@@ -308,14 +295,16 @@ class CheckpointReader:
     def extra(self) -> dict | None:
         if EXTRA not in self.manifest["files"]:
             return None
-        return self._load_pickle(self.path / EXTRA)
+        return self._load_pickle(EXTRA)
 
     def rank_state(self, rank: int) -> dict:
-        return self._load_pickle(self.path / rank_state_file(rank))
+        return self._load_pickle(rank_state_file(rank))
 
-    def _load_pickle(self, file: Path) -> Any:
+    def _load_pickle(self, name: str) -> Any:
+        file = self.path / name
         if not file.is_file():
             raise CheckpointError(f"missing checkpoint file {file}")
+        self.verify(name)
         try:
             return torch.load(file, weights_only=True)
         except Exception as error:

@@ -1,0 +1,129 @@
+r"""
+---
+title: Atomic files
+summary: Write a file or a directory so that a crash leaves either the old one or
+  the new one, never a part of either.
+---
+
+# Atomic files
+
+A checkpoint or an export that a crash cut in half must not load. On a POSIX
+filesystem one operation is atomic, `rename(2)` within one filesystem, and one is
+durable, `fsync(2)`. Every writer of checkpoints and exports in this project
+goes through this page, in the same four steps:
+
+1. write everything under a *temporary sibling* name, `.<name>.tmp-<token>`,
+   next to the target (same directory, so same filesystem: the rename in step 3
+   is atomic, and a reader that lists the directory skips the dot-name);
+2. `fsync` every file written, then the temporary directory (its entries are
+   data too);
+3. `rename` the temporary name to the target;
+4. `fsync` the parent directory, so the rename itself survives a power cut.
+
+Replacing an existing *directory* needs two renames (a directory cannot be
+renamed over a non-empty one): the old one goes aside to
+`.<name>.old-<token>`, the new one to the target, then the old one is deleted.
+Between the two renames there is briefly no directory at the target, never a
+partial one; a crash there leaves the old one complete under its `.old-` name.
+
+A file can be renamed over an existing file (`os.replace`), so replacing a
+file needs one rename.
+
+## Limitations
+
+* A process killed between steps 1 and 3 leaves its `.tmp-` sibling behind; it
+  is never read and may be deleted.
+* Durability is what `fsync` gives: on a network filesystem that does not honour
+  it, a power cut may still lose a rename.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+__all__ = ["atomic_file", "fsync_path", "replace_directory", "temporary_sibling",
+           "write_bytes_atomic"]
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's data, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temporary_sibling(path: str | os.PathLike, token: str | None = None, *,
+                      kind: str = "tmp") -> Path:
+    """
+    ### `.<name>.<kind>-<token>` next to `path`
+
+    `token` defaults to 12 random hex digits from `secrets`, which draws from
+    no RNG that training uses (a checkpoint saves those RNGs' states).
+    """
+    path = Path(path)
+    token = secrets.token_hex(6) if token is None else token
+    return path.parent / f".{path.name}.{kind}-{token}"
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """
+    ### Write one file atomically
+
+    Yields a temporary path to write to; when the block ends normally the file
+    is flushed and renamed to `path` (replacing any file there), and the
+    directory flushed. If the block raises, the temporary file is deleted and
+    `path` is untouched.
+
+    ```python
+    with atomic_file(out / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp))
+    ```
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_sibling(path)
+    try:
+        yield tmp
+        fsync_path(tmp)
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """`path` holds `data`, or what it held before; never a part of `data`."""
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def replace_directory(tmp: Path, path: Path, token: str | None = None) -> None:
+    """
+    ### Move a finished directory `tmp` to `path`, replacing what is there
+
+    `tmp` must be complete and flushed (its files and its own entries): this is
+    steps 3 and 4 of the introduction, with the old directory moved aside first.
+    If the second rename fails, the old directory is put back.
+    """
+    old = None
+    if path.exists():
+        old = temporary_sibling(path, token, kind="old")
+        os.rename(path, old)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        if old is not None:
+            os.rename(old, path)
+        raise
+    fsync_path(path.parent)
+    if old is not None:
+        shutil.rmtree(old)

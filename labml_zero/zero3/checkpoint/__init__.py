@@ -1,0 +1,64 @@
+r"""
+---
+title: Sharded checkpoints
+summary: Each rank saves its own shards in parallel, with digests; resume is
+  bit-exact, a checkpoint loads at any world size, and a launcher checks one
+  before any process starts.
+---
+
+# Sharded checkpoints
+
+A ZeRO-3 rank holds $\frac{1}{N_d}$ of every chunk, so a checkpoint is those
+shards, one file per rank, written in parallel and never gathered: each rank
+writes about
+
+$$\frac{(p + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
+
+bytes, for $\Psi_t$ trainable and $\Psi_f$ frozen elements, $p$ bytes per
+parameter and $K = 12$ bytes of Adam state. A checkpoint must give a
+*bit-exact* resume, load at *any world size*, and never be half written or
+silently changed: what is on disk either loads exactly or is refused with one
+line naming the file.
+
+## Pages, in reading order
+
+Saving uses [atomic files](../../files.html); each page below is one concept.
+
+{{contents}}
+
+## In use
+
+```python
+save_checkpoint(out / "step-000100", model, optimizer, extra=extra,
+                meta={"step": 100, "batch_size": 16, "seed": 0})
+prune_checkpoints(out, keep=3)                       # on rank 0
+...
+info = check_resumable(out / "step-000100", world_size=2,
+                       shapes=sequential_shapes(meta_layers),
+                       expect={"batch_size": 16, "seed": 0})
+loaded = load_checkpoint(info.path, model, optimizer)
+```
+"""
+
+from .export import consolidated_tensors, export_full_state_dict, prefix_rename
+from .format import CheckpointError
+from .load import LoadedCheckpoint, load_checkpoint
+from .preflight import CheckpointInfo, check_resumable, sequential_shapes
+from .pruning import prune_checkpoints
+from .reader import CheckpointReader
+from .save import save_checkpoint
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointReader",
+    "LoadedCheckpoint",
+    "check_resumable",
+    "consolidated_tensors",
+    "export_full_state_dict",
+    "load_checkpoint",
+    "prefix_rename",
+    "prune_checkpoints",
+    "save_checkpoint",
+    "sequential_shapes",
+]

@@ -1,0 +1,115 @@
+r"""
+---
+title: The checkpoint format
+summary: What a sharded checkpoint directory holds, what its manifest records, and
+  the error every reader and writer raises.
+---
+
+# The checkpoint format
+
+A [sharded checkpoint](index.html) is a directory:
+
+```
+manifest.json             rank 0: world size, chunks, parameters, optimizer
+                            groups, every file's size and digest
+rank-00000.safetensors    rank r's shards: "<chunk>.param" [S] in the chunk dtype,
+rank-00001.safetensors      "<chunk>.master", "<chunk>.exp_avg", "<chunk>.exp_avg_sq"
+rank-00000.pt             rank r's RNG states and its `rank_extra`
+extra.pt                  rank 0: the global `extra` (a loss scaler's state, say)
+```
+
+`<chunk>` is the chunk's position in `model.chunks`. The tensors are in
+[safetensors](https://huggingface.co/docs/safetensors): a JSON header, then raw
+bytes, so a reader maps the file and copies out a slice of one tensor without
+reading the rest, and loading runs no pickled code. The `.pt` files hold small
+Python values; they are loaded with `weights_only=True`, which runs no code
+either.
+
+## The manifest
+
+The manifest lists every chunk: its size $C$, dtype, whether it is trainable, its
+optimizer step, and its parameters with qualified name, shape and offset. It
+records every file with its size in bytes (`files`) and its
+[digest](digest.html) (`digests`). It carries
+
+* a *fingerprint*, a hash of the sorted `(name, shape)` pairs, so a checkpoint
+  of another model is refused before anything is read;
+* a *save id* that every shard file repeats in its header, so a stray file from
+  another save is refused too;
+* `meta`: small JSON values the job chose to record (its step, batch size,
+  seed), which a launcher reads [before any process starts](preflight.html).
+
+`master` is written only when it is not the parameter itself: for a 16-bit chunk
+with an optimizer state, or whose exact fp32 initial weights the engine kept
+(`master_init`, before the first step). For fp32 chunks the parameter *is* the
+master. Frozen chunks have only `param`.
+
+## Versions
+
+Format 2 added `digests` and `meta`. A format-1 checkpoint (written before
+digests existed) still loads, with its sizes and headers checked but no digest:
+refusing it would strand every checkpoint written so far, and its files are no
+less trustworthy than they were when it was written. A format-2 manifest without
+`digests` is refused as corrupted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+__all__ = ["CheckpointError", "FORMAT", "MANIFEST"]
+
+FORMAT = "labml_zero.zero3.checkpoint/2"
+"""What `save_checkpoint` writes."""
+FORMAT_1 = "labml_zero.zero3.checkpoint/1"
+"""Before digests: still read, with no digest to check (see Versions)."""
+MANIFEST = "manifest.json"
+EXTRA = "extra.pt"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+# What every version's manifest must have, and what format 2 adds
+MANIFEST_KEYS = ("save_id", "world_size", "fingerprint", "chunks", "param_groups",
+                 "files")
+MANIFEST_KEYS_2 = ("digests", "meta")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+# safetensors' dtype names, as `get_slice(...).get_dtype()` reports them
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16",
+                      torch.float16: "F16"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be saved or loaded; the message names the cause."""
+
+
+def tensors_file(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def rank_state_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def fingerprint(shapes: dict[str, tuple[int, ...]]) -> str:
+    """A hash of the sorted `(name, shape)` pairs: independent of the layout."""
+    items = sorted((name, list(shape)) for name, shape in shapes.items())
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+
+
+def first_difference(saved: dict[str, tuple[int, ...]],
+                     model: dict[str, tuple[int, ...]]) -> str:
+    """#### The first parameter that differs, as a sentence"""
+    for name, shape in model.items():
+        if name not in saved:
+            return f"the model's parameter {name!r} is not in the checkpoint"
+        if saved[name] != shape:
+            return (f"parameter {name!r} has shape {saved[name]} in the checkpoint, "
+                    f"{shape} in the model")
+    extra = next(name for name in saved if name not in model)
+    return f"the checkpoint's parameter {extra!r} is not in the model"

@@ -1,0 +1,127 @@
+r"""
+---
+title: Checking a checkpoint before the job starts
+summary: What a launcher can learn from a checkpoint's manifest alone, so a
+  resume that cannot work fails in one line before any process starts.
+---
+
+# Checking a checkpoint before the job starts
+
+A resume that is refused only after the ranks started has cost the time to
+start them, build the model and, on a GPU job, place it: minutes, for an error
+that the manifest could have told. `check_resumable` is that check. It reads the
+manifest and the files' sizes (and, when asked, every file's
+[digest](digest.html)); it needs no process group, no device and no model, only
+the model's parameter shapes, which a model built on the meta device gives for
+free. It refuses, with one line naming the path:
+
+* a path that is not a checkpoint directory (a file, a directory without
+  `manifest.json`, a save that did not finish);
+* a checkpoint of another model: the first parameter whose name or shape
+  differs, both shapes;
+* a missing or resized file, and with `verify=True` a changed one;
+* a value the job recorded in the manifest's `meta` (`save_checkpoint(meta=...)`)
+  that differs from the job's own, e.g. its batch size or seed, when the data
+  order depends on them.
+
+It returns what is left for the job to decide: the saved world size (another
+one is fine, [the load](load.html) reshards), the optimizer step and the `meta`
+values.
+
+## Limitations
+
+* Without `verify=True` a changed byte in a file is found only when a rank
+  reads it; with it, the whole checkpoint is read once.
+* A key of `expect` that the checkpoint's `meta` does not have (a checkpoint
+  saved before the job recorded it, or a format-1 one) is not compared.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from torch import nn
+
+from .format import CheckpointError
+from .reader import CheckpointReader
+
+__all__ = ["CheckpointInfo", "check_resumable", "sequential_shapes"]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """
+    ## What `check_resumable` found
+
+    Everything here comes from the manifest.
+    """
+
+    path: Path
+    world_size: int
+    """$N_d$ at save time."""
+    resharded: bool
+    """Whether the job's world size differs from `world_size`, so the load will
+    reshard and not restore the RNG states (see [the load](load.html))."""
+    optimizer_step: int | None
+    """The largest optimizer step of any chunk; `None` for weights only."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """The JSON values the job saved with `save_checkpoint(meta=...)`."""
+    verified: bool = False
+    """Whether every file's digest was checked (`verify=True` on a checkpoint
+    that has digests)."""
+
+
+def sequential_shapes(layers: Iterable[nn.Module]) -> dict[str, tuple[int, ...]]:
+    """
+    ### The parameter shapes of `Zero3Sequential(zero3_layers(layers))`
+
+    Named `"<layer index>.<name in layer>"`, as `zero3_layers` names them; the
+    layers may be on the meta device.
+    """
+    return {f"{i}.{name}": tuple(p.shape)
+            for i, layer in enumerate(layers)
+            for name, p in layer.named_parameters()}
+
+
+def check_resumable(path: str | os.PathLike, *, world_size: int,
+                    shapes: Mapping[str, tuple[int, ...]] | None = None,
+                    expect: Mapping[str, Any] | None = None,
+                    verify: bool = False) -> CheckpointInfo:
+    """
+    ## Check that a job can resume from `path`
+
+    * `world_size` is the job's $N_d$.
+    * `shapes` maps every parameter name of the job's model to its shape (see
+      `sequential_shapes`); `None` skips the model check.
+    * `expect` maps `meta` keys to the job's values; a saved value that differs
+      is refused.
+    * `verify` checks every file's digest (reads the whole checkpoint).
+
+    Raises `CheckpointError` with one line; returns a `CheckpointInfo`.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a checkpoint directory")
+    reader = CheckpointReader(path)
+    if shapes is not None:
+        reader.check_model(dict(shapes))
+    for key, value in (expect or {}).items():
+        if key in reader.meta and reader.meta[key] != value:
+            raise CheckpointError(f"checkpoint {path} was saved with {key}="
+                                  f"{reader.meta[key]!r}, this job has {value!r}")
+    if verify:
+        reader.verify_files()
+    steps = [chunk["step"] for chunk in reader.chunks if chunk["step"] is not None]
+    return CheckpointInfo(
+        path=path,
+        world_size=reader.world_size,
+        resharded=reader.world_size != world_size,
+        optimizer_step=max(steps) if steps else None,
+        meta=dict(reader.meta),
+        verified=verify and bool(reader.digests),
+    )

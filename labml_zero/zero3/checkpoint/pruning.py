@@ -1,0 +1,109 @@
+r"""
+---
+title: Keeping the newest checkpoints
+summary: Old checkpoints are removed only once a newer one is complete, and only
+  directories that are checkpoints of this layout.
+---
+
+# Keeping the newest checkpoints
+
+A job that saves every $n$ steps fills its disk: each checkpoint holds every
+shard, master and moment. `prune_checkpoints(directory, keep)` keeps the `keep`
+newest and removes the others, under three rules that make it safe to call
+after every save:
+
+1. **Only after the newest is complete.** The newest checkpoint (the highest
+   step, or the one named `just_saved`) must have a valid manifest and every
+   file it lists, at its recorded size; otherwise nothing is removed, because
+   the older ones may be the only ones that load.
+2. **Only checkpoints of this layout.** A candidate is a directory named
+   `step-NNNNNN` (at least six digits, as the fine-tune names them) that is
+   itself a complete checkpoint. Anything else in the directory (a half-written
+   `step-…`, a `.tmp-` sibling, a file, a directory of notes) is left alone.
+3. **Never half removed.** A checkpoint is first renamed to a hidden
+   `.step-NNNNNN.pruned-<token>` name, which nothing loads, then deleted; a
+   crash during the deletion leaves a hidden directory, not a checkpoint with
+   files missing.
+
+With $k$ = `keep`, the disk holds at most $k + 1$ checkpoints: the $k$ kept ones
+and, during a save, the new one being written.
+
+## Limitations
+
+* "Complete" is checked from the manifest and the files' sizes, not their
+  digests: reading every byte of every old checkpoint at each save would cost
+  more than the save.
+* Call it on one rank (rank 0), after `save_checkpoint` returned on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from ...files import temporary_sibling
+from .format import CheckpointError
+from .reader import CheckpointReader
+
+__all__ = ["checkpoint_dirs", "is_complete", "prune_checkpoints"]
+
+STEP_NAME = re.compile(r"step-(\d{6,})")
+"""`step-NNNNNN`: the fine-tune's `checkpoints/step-{step:06d}`."""
+
+
+def checkpoint_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """`(step, path)` of every `step-NNNNNN` directory, by step."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        match = STEP_NAME.fullmatch(entry.name)
+        if match and entry.is_dir() and not entry.is_symlink():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """A valid manifest and every file it lists, at its size (no digests)."""
+    try:
+        CheckpointReader(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def prune_checkpoints(directory: str | os.PathLike, keep: int, *,
+                      just_saved: str | os.PathLike | None = None) -> list[Path]:
+    r"""
+    ## Remove all but the `keep` newest complete checkpoints
+
+    * `directory` holds the `step-NNNNNN` checkpoints.
+    * `keep` $\geq 1$ is how many to keep, counting the newest.
+    * `just_saved` is the checkpoint the job has just written: it is the newest
+      whatever its step (a job that resumed from an earlier step may find later
+      ones from a previous run) and is never removed.
+
+    Returns the removed paths, oldest first; `[]` when the newest is not
+    complete. See the three rules above.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
+    found = [path for _, path in checkpoint_dirs(directory)]
+    if just_saved is not None:
+        newest = Path(just_saved)
+        if newest.parent.resolve() != Path(directory).resolve():
+            raise ValueError(f"just_saved {newest} is not in {directory}")
+        found = [p for p in found if p.name != newest.name] + [newest]
+    if not found or not is_complete(found[-1]):
+        return []
+    complete = [path for path in found if is_complete(path)]
+    removed = complete[:-keep]
+    for path in removed:
+        # rule 3: hidden first, so a crash mid-delete leaves no broken checkpoint
+        aside = temporary_sibling(path, kind="pruned")
+        os.rename(path, aside)
+        shutil.rmtree(aside)
+    return removed

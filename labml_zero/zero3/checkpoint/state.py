@@ -1,0 +1,152 @@
+r"""
+---
+title: What a resume needs
+summary: The training state a checkpoint must hold for the next step after a load
+  to compute exactly what the next step after the save would have.
+---
+
+# What a resume needs
+
+The next step after a load must compute exactly what the next step after the
+save would have computed: a resume is *bit-exact* when, for every step $t$ after
+the save, the weights $\theta_t$ of the resumed run equal those of the run that
+was never interrupted, to the last bit. That needs every input of a step:
+
+* the 16-bit parameters (the forward pass reads them), the fp32 masters (the
+  update writes them), both moments, and each shard's step count $t$ (Adam's
+  bias correction $1 - \beta^t$);
+* the optimizer's hyperparameters, which a schedule may have changed;
+* the RNG states a step draws from: torch's CPU generator and this rank's CUDA
+  one, Python's `random` and NumPy's global generator (dropout, sampling);
+* whatever else the loop keeps: a loss scaler's state and the data position go
+  into `extra` (global) or `rank_extra` (per rank).
+
+This page reads those pieces out of a model and an optimizer, and puts the
+small ones back; the shards themselves are [saved](save.html) and
+[loaded](load.html) on their own pages.
+
+## Limitations
+
+* The optimizer must be built the same way (same param groups, in order); its
+  hyperparameters are restored from the manifest.
+* Module buffers are not saved (the engine does not shard them); a model whose
+  buffers are state (batch-norm statistics) must put them into `extra`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..chunk import Chunk
+from .format import CheckpointError
+
+__all__ = ["master_of", "model_shapes", "optimizer_state"]
+
+
+# ## Describing the model
+
+
+def model_shapes(chunks: Sequence[Chunk]) -> dict[str, tuple[int, ...]]:
+    """Every parameter's qualified name and shape, in chunk order."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for chunk in chunks:
+        for name, param in zip(chunk.names, chunk.params):
+            if name in shapes:
+                raise CheckpointError(f"parameter name {name!r} appears twice in "
+                                      "the model")
+            shapes[name] = tuple(param.shape)
+    return shapes
+
+
+# ## The optimizer's state of a shard
+
+
+def optimizer_state(optimizer, chunk: Chunk) -> dict | None:
+    """AdamFP16's state of a chunk's shard, or `None` before its first step."""
+    if optimizer is None or not chunk.trainable:
+        return None
+    # `.get`, not `[]`: `optimizer.state` is a defaultdict and must not grow
+    state = optimizer.state.get(chunk.shard)
+    return state or None
+
+
+def master_of(optimizer, chunk: Chunk) -> torch.Tensor | None:
+    """
+    #### The fp32 master of a shard, when it is not the shard itself
+
+    The optimizer's, or before the first step the exact fp32 weights the engine
+    kept for a 16-bit chunk (`master_init`).
+    """
+    if not chunk.trainable or chunk.dtype == torch.float32:
+        return None
+    state = optimizer_state(optimizer, chunk)
+    if state is not None:
+        return state["master"]
+    return getattr(chunk.shard, "master_init", None)
+
+
+# ## Hyperparameters
+
+
+def group_hyperparameters(optimizer) -> list[dict] | None:
+    """The param groups without their tensors, as JSON values."""
+    if optimizer is None:
+        return None
+    groups = []
+    for index, group in enumerate(optimizer.param_groups):
+        kept = {}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            if isinstance(value, tuple):
+                value = list(value)
+            try:
+                json.dumps(value)
+            except TypeError:
+                raise CheckpointError(
+                    f"optimizer group {index} hyperparameter {key!r} is a "
+                    f"{type(value).__name__}, which a JSON manifest cannot hold"
+                ) from None
+            kept[key] = value
+        groups.append(kept)
+    return groups
+
+
+def restore_groups(optimizer, groups: list[dict]) -> None:
+    """Put saved hyperparameters back; JSON lists become tuples where they were."""
+    for group, saved in zip(optimizer.param_groups, groups):
+        for key, value in saved.items():
+            if key in group:
+                group[key] = tuple(value) if isinstance(group[key], tuple) else value
+
+
+# ## Random number generators
+
+
+def rng_state(device: torch.device) -> dict:
+    """Every RNG a training step may draw from, as `weights_only`-loadable values."""
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, keys.tolist(), position, has_gauss, gauss),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    """The inverse of `rng_state`; the CUDA state only on a CUDA device."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    kind, keys, position, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), position,
+                         has_gauss, gauss))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
