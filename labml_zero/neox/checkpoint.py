@@ -29,6 +29,23 @@ Every tensor's shape is checked *before* it is read (the safetensors header has
 it), so a checkpoint for a different model fails on the first wrong tensor with
 its name and both shapes, not after a 41 GB read or inside `load_state_dict`.
 
+## Note: checking a snapshot before any rank starts
+
+A snapshot is an input someone hands the job, and a bad one should cost one
+line, not a traceback after the ranks started. `check_hf_snapshot(path)` reads
+`config.json` and every safetensors *header* (no tensor data) and compares each
+tensor the model needs with the shape `config.json` implies, so the launcher can
+call it first. Each problem is one `CheckpointError` naming the file:
+
+* `config.json` that is not a JSON object, lacks a size, or has a size that is
+  not an integer (`"hidden_size": "64"`), or that the model cannot be (an odd
+  rotary width, say: `NeoXConfig`'s own checks);
+* an index without a `weight_map`, or one that maps a tensor to a missing file;
+* a file that is not safetensors (a garbled header, an HTML error page);
+* a tensor that is missing, not floating point, or of another shape.
+
+`HFCheckpoint` runs the same `config.json` and index checks when it is built.
+
 ## Export
 
 `save_hf_checkpoint` writes the same layout from an iterable of
@@ -39,12 +56,12 @@ See Note: atomic checkpoint directory.
 ## Note: atomic checkpoint directory
 
 A crash halfway through writing must not leave a directory that loads: a reader
-would get half new and half missing (or old) tensors. So everything is written
-into a fresh temporary directory next to the target (same filesystem, so a
-rename is atomic), every file is `fsync`ed, then the directory itself, and only
-then is it renamed to the target name. If the target exists (and `overwrite` is
-set), it is first renamed aside and removed after the new one is in place; in
-between there is briefly *no* checkpoint at that path, never a partial one.
+would get half new and half missing (or old) tensors. So the snapshot is
+written as on [atomic files](../files.html): into a fresh temporary directory
+next to the target, every file `fsync`ed, then the directory itself, and only
+then renamed to the target name. If the target exists (and `overwrite` is set),
+it is first renamed aside and removed after the new one is in place; in between
+there is briefly *no* checkpoint at that path, never a partial one.
 
 ## The original GPT-NeoX-20B release
 
@@ -68,6 +85,8 @@ conversion:
   training, so they are averaged.
 
 
+## Limitations
+
 * The original GPT-NeoX-20B release (`NeoX20BCheckpoint`) is read with
   `torch.load(mmap=True)` per file; its shapes are checked after the merge, not
   before the read (`.pt` files have no separate header).
@@ -80,26 +99,136 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from labml_zero.files import fsync_path, replace_directory, temporary_sibling
 from labml_zero.neox.model import (Embedding, FinalNorm, NeoXConfig, Readout,
-                                   TransformerLayer, from_hf_config, gpt_neox_20b,
-                                   hf_prefix, to_hf_config)
+                                   TransformerLayer, build_layers, from_hf_config,
+                                   gpt_neox_20b, hf_prefix, to_hf_config)
+from labml_zero.zero3.checkpoint import CheckpointError
 
-__all__ = ["HFCheckpoint", "NeoX20BCheckpoint", "save_hf_checkpoint",
-           "hf_named_tensors", "load_layers"]
+__all__ = ["HFCheckpoint", "NeoX20BCheckpoint", "check_hf_snapshot",
+           "config_from_hf", "save_hf_checkpoint", "hf_named_tensors",
+           "load_layers"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+# `config.json` keys that must be integers, and those that must be numbers
+REQUIRED_INTS = ("vocab_size", "hidden_size", "num_attention_heads",
+                 "num_hidden_layers")
+OPTIONAL_INTS = ("intermediate_size", "max_position_embeddings")
+OPTIONAL_NUMBERS = ("rotary_pct", "rotary_emb_base", "layer_norm_eps",
+                    "initializer_range")
+
+
+# ## Reading `config.json`
+
+
+def read_json(file: Path) -> Any:
+    """A JSON file's value, or one line naming the file."""
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{file}: not valid JSON ({error})") from None
+
+
+def describe(value: Any) -> str:
+    """`the string '64'`, `a list`: what a wrong value is, for an error."""
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    return f"{type(value).__name__} {value!r}"
+
+
+def config_from_hf(path: str | os.PathLike) -> NeoXConfig:
+    """
+    ### A checked `NeoXConfig` from a snapshot's `config.json`
+
+    `path` is the snapshot directory or the file itself. Every key
+    `from_hf_config` reads is checked for its type first, so a bad file gives
+    one `CheckpointError` naming it, never a `KeyError` or a `TypeError`.
+    """
+    file = Path(path)
+    if file.is_dir():
+        file = file / CONFIG_FILE
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint config not found: {file}")
+    hf = read_json(file)
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got a "
+                              f"{type(hf).__name__}")
+
+    def integer(value: Any) -> bool:
+        # `True` is an `int` to Python, never a size to us
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    for key in REQUIRED_INTS:
+        if key not in hf:
+            raise CheckpointError(f"{file}: no {key!r}")
+    for key in REQUIRED_INTS + OPTIONAL_INTS:
+        if key in hf and hf[key] is not None and not integer(hf[key]):
+            raise CheckpointError(f"{file}: {key!r} must be an integer, got "
+                                  f"{describe(hf[key])}")
+    for key in OPTIONAL_NUMBERS:
+        value = hf.get(key)
+        if value is not None and not (integer(value) or isinstance(value, float)):
+            raise CheckpointError(f"{file}: {key!r} must be a number, got "
+                                  f"{describe(value)}")
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise CheckpointError(f"{file}: {key!r} must be an object, got "
+                                  f"{describe(hf[key])}")
+    try:
+        return from_hf_config(hf)
+    except (ValueError, TypeError) as error:
+        # `from_hf_config` and `NeoXConfig` name the key; we name the file
+        reason = str(error).removeprefix("config.json: ")
+        raise CheckpointError(f"{file}: {reason}") from None
+
+
+# ## Reading safetensors headers
+
+# safetensors' names of the floating-point dtypes a model can be loaded from
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+@contextmanager
+def open_safetensors(file: Path):
+    """`safe_open` (maps the file, parses the header), refusing a non-safetensors."""
+    try:
+        handle = safe_open(file, framework="pt", device="cpu")
+        f = handle.__enter__()
+    except Exception as error:
+        raise CheckpointError(f"{file}: not a safetensors file "
+                              f"({str(error).splitlines()[0]})") from None
+    try:
+        yield f
+    finally:
+        handle.__exit__(None, None, None)
+
+
+def check_tensor(f, file: Path, hf_name: str, shape: tuple[int, ...]) -> None:
+    """One tensor's header entry against the shape the model expects."""
+    try:
+        sliced = f.get_slice(hf_name)
+    except Exception:
+        raise CheckpointError(f"{file}: no tensor {hf_name!r}, which the index "
+                              "places there") from None
+    found = tuple(sliced.get_shape())
+    if found != shape:
+        raise CheckpointError(f"tensor '{hf_name}' in {file} has shape {found}, "
+                              f"the model expects {shape}")
+    if sliced.get_dtype() not in FLOAT_DTYPES:
+        raise CheckpointError(f"tensor '{hf_name}' in {file} is "
+                              f"{sliced.get_dtype()}, not floating point")
 
 
 class HFCheckpoint:
@@ -117,17 +246,25 @@ class HFCheckpoint:
         config_path = self.path / CONFIG_FILE
         if not config_path.is_file():
             raise FileNotFoundError(f"checkpoint config not found: {config_path}")
-        self.config: NeoXConfig = from_hf_config(json.loads(config_path.read_text()))
+        self.config: NeoXConfig = config_from_hf(config_path)
         # tensor name -> file name (relative to self.path)
         self.weight_map: dict[str, str] = self._read_weight_map()
 
     def _read_weight_map(self) -> dict[str, str]:
         index = self.path / INDEX_FILE
         if index.is_file():
-            return dict(json.loads(index.read_text())["weight_map"])
+            value = read_json(index)
+            weight_map = value.get("weight_map") if isinstance(value, dict) else None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no 'weight_map' object")
+            bad = [k for k, v in weight_map.items() if not isinstance(v, str)]
+            if bad:
+                raise CheckpointError(f"{index}: 'weight_map' maps {bad[0]!r} to "
+                                      f"{describe(weight_map[bad[0]])}, not a file")
+            return dict(weight_map)
         single = self.path / SINGLE_FILE
         if single.is_file():
-            with safe_open(single, framework="pt") as f:
+            with open_safetensors(single) as f:
                 return {name: SINGLE_FILE for name in f.keys()}
         raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}")
 
@@ -147,8 +284,8 @@ class HFCheckpoint:
         for name in wanted:
             hf_name = prefix + name
             if hf_name not in self.weight_map:
-                raise ValueError(f"checkpoint {self.path} has no tensor "
-                                 f"'{hf_name}'")
+                raise CheckpointError(f"checkpoint {self.path} has no tensor "
+                                      f"'{hf_name}'")
             by_file[self.weight_map[hf_name]].append(name)
 
         out: dict[str, torch.Tensor] = {}
@@ -156,15 +293,11 @@ class HFCheckpoint:
             file_path = self.path / file_name
             if not file_path.is_file():
                 raise FileNotFoundError(f"checkpoint shard not found: {file_path}")
-            with safe_open(file_path, framework="pt", device="cpu") as f:
+            with open_safetensors(file_path) as f:
                 for name in names:
                     hf_name = prefix + name
                     # The header has the shape: check before reading any data.
-                    shape = tuple(f.get_slice(hf_name).get_shape())
-                    if shape != wanted[name]:
-                        raise ValueError(f"tensor '{hf_name}' in {file_path} has "
-                                         f"shape {shape}, the model expects "
-                                         f"{wanted[name]}")
+                    check_tensor(f, file_path, hf_name, wanted[name])
                     t = f.get_tensor(hf_name)
                     out[name] = t if dtype is None else t.to(dtype)
         return out
@@ -262,6 +395,39 @@ class NeoX20BCheckpoint:
         return out
 
 
+def check_hf_snapshot(path: str | os.PathLike) -> NeoXConfig:
+    """
+    ### Check a whole snapshot without reading any tensor data
+
+    Returns the snapshot's `NeoXConfig`; raises a one-line `CheckpointError`
+    otherwise (see Note: checking a snapshot before any rank starts). Needs no
+    process group and no device: the model is built on the meta device for its
+    shapes only.
+    """
+    try:
+        checkpoint = HFCheckpoint(path)
+    except FileNotFoundError as error:
+        raise CheckpointError(str(error)) from None
+    # hf_name -> shape, for every tensor of every layer of the full model
+    wanted = {hf_prefix(layer) + name: tuple(t.shape)
+              for layer in build_layers(checkpoint.config, device="meta")
+              for name, t in layer.state_dict().items()}
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for hf_name in wanted:
+        if hf_name not in checkpoint.weight_map:
+            raise CheckpointError(f"checkpoint {checkpoint.path} has no tensor "
+                                  f"'{hf_name}', which its config.json implies")
+        by_file[checkpoint.weight_map[hf_name]].append(hf_name)
+    for file_name, names in by_file.items():
+        file = checkpoint.path / file_name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint shard not found: {file}")
+        with open_safetensors(file) as f:
+            for hf_name in names:
+                check_tensor(f, file, hf_name, wanted[hf_name])
+    return checkpoint.config
+
+
 def load_layers(checkpoint: HFCheckpoint | NeoX20BCheckpoint,
                 layers: Iterable[nn.Module]):
     """
@@ -286,23 +452,10 @@ def hf_named_tensors(layers: Iterable[nn.Module]
 # ## Export
 
 
-def _fsync_file(path: Path):
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_shard(tensors: dict[str, torch.Tensor], path: Path):
     # metadata {"format": "pt"} is what transformers checks for on load.
     save_file(tensors, str(path), metadata={"format": "pt"})
-    _fsync_file(path)
+    fsync_path(path)
 
 
 def save_hf_checkpoint(out_dir: str | os.PathLike, config: NeoXConfig,
@@ -329,7 +482,7 @@ def save_hf_checkpoint(out_dir: str | os.PathLike, config: NeoXConfig,
         raise FileExistsError(f"checkpoint directory exists: {out_dir} "
                               f"(pass overwrite=True)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = temporary_sibling(out_dir)
     tmp.mkdir()
     try:
         written = _write_shards(tmp, named_tensors,
@@ -348,21 +501,13 @@ def save_hf_checkpoint(out_dir: str | os.PathLike, config: NeoXConfig,
                      "weight_map": {k: final[v]
                                     for k, v in written.weight_map.items()}}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2))
-            _fsync_file(tmp / INDEX_FILE)
+            fsync_path(tmp / INDEX_FILE)
         hf_config = to_hf_config(config, dtype=written.dtype)
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
-        _fsync_file(tmp / CONFIG_FILE)
-        _fsync_dir(tmp)
-
+        fsync_path(tmp / CONFIG_FILE)
+        fsync_path(tmp)
         # The only moment the target changes; see Note: atomic checkpoint directory.
-        old = None
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        _fsync_dir(out_dir.parent)
-        if old is not None:
-            shutil.rmtree(old)
+        replace_directory(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
