@@ -255,3 +255,174 @@ def test_neox20b_partitions_merge(tmp_path):
     with pytest.raises(ValueError, match=r"'mlp\.dense_h_to_4h\.weight'.*"
                                          r"\(256, 64\).*\(128, 64\)"):
         NeoX20BCheckpoint(tmp_path, config=wrong).layer_state_dict(block)
+
+
+# ## Checking a snapshot before any rank starts
+
+
+def snapshot_copy(hf_checkpoint_dir, tmp_path):
+    """A copy of the tiny snapshot that a test may damage."""
+    import shutil
+
+    return shutil.copytree(hf_checkpoint_dir, tmp_path / "snapshot")
+
+
+def refused(path, match_exactly: str):
+    from labml_zero.neox.checkpoint import check_hf_snapshot
+    from labml_zero.zero3.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError) as raised:
+        check_hf_snapshot(path)
+    assert "\n" not in str(raised.value)
+    assert str(raised.value) == match_exactly
+
+
+def test_check_hf_snapshot_returns_the_config(hf_checkpoint_dir):
+    from labml_zero.neox.checkpoint import check_hf_snapshot
+
+    config = check_hf_snapshot(hf_checkpoint_dir)
+    assert config == HFCheckpoint(hf_checkpoint_dir).config
+    assert (config.d_model, config.n_layers, config.ff_dim) == (72, 3, 100)
+
+
+def test_check_hf_snapshot_reads_no_tensor_data(hf_checkpoint_dir, monkeypatch):
+    from labml_zero.neox import checkpoint as C
+
+    real_safe_open = C.safe_open
+    read = []
+
+    class HeadersOnly:
+        def __init__(self, path, **kwargs):
+            self.f = real_safe_open(path, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, name):
+            return self.inner.get_slice(name)
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self.inner.get_tensor(name)
+
+    monkeypatch.setattr(C, "safe_open", HeadersOnly)
+    C.check_hf_snapshot(hf_checkpoint_dir)
+    assert read == []
+
+
+@pytest.mark.parametrize("content, reason", [
+    ("[1, 2]", "expected a JSON object, got a list"),
+    ('{"hidden_size": 64', "not valid JSON (Expecting ',' delimiter: line 1 "
+                           "column 19 (char 18))"),
+])
+def test_config_json_that_is_not_an_object(hf_checkpoint_dir, tmp_path, content,
+                                           reason):
+    path = snapshot_copy(hf_checkpoint_dir, tmp_path)
+    (path / "config.json").write_text(content)
+    refused(path, f"{path / 'config.json'}: {reason}")
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"hidden_size": None}, "no 'hidden_size'"),
+    ({"hidden_size": "72"}, "'hidden_size' must be an integer, got the string "
+                            "'72'"),
+    ({"num_hidden_layers": 2.0}, "'num_hidden_layers' must be an integer, got "
+                                 "float 2.0"),
+    ({"num_attention_heads": True}, "'num_attention_heads' must be an integer, "
+                                    "got bool True"),
+    ({"layer_norm_eps": "1e-5"}, "'layer_norm_eps' must be a number, got the "
+                                 "string '1e-5'"),
+    ({"rope_scaling": [1]}, "'rope_scaling' must be an object, got list [1]"),
+    ({"hidden_act": "relu"}, "hidden_act 'relu' is not one of ['gelu', "
+                             "'gelu_fast', 'gelu_new', 'gelu_pytorch_tanh']"),
+    ({"num_attention_heads": 5}, "NeoXConfig.d_model=72 is not divisible by "
+                                 "n_heads=5"),
+])
+def test_config_json_with_a_bad_value(hf_checkpoint_dir, tmp_path, change, reason):
+    path = snapshot_copy(hf_checkpoint_dir, tmp_path)
+    hf = json.loads((path / "config.json").read_text())
+    for key, value in change.items():
+        if value is None:
+            del hf[key]
+        else:
+            hf[key] = value
+    (path / "config.json").write_text(json.dumps(hf))
+    refused(path, f"{path / 'config.json'}: {reason}")
+    # HFCheckpoint, which the fine-tune builds, says the same
+    with pytest.raises(ValueError, match="config.json: "):
+        HFCheckpoint(path)
+
+
+def test_index_without_weight_map(hf_checkpoint_dir, tmp_path):
+    path = snapshot_copy(hf_checkpoint_dir, tmp_path)
+    index = path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": 1}}))
+    refused(path, f"{index}: no 'weight_map' object")
+    index.write_text(json.dumps({"weight_map": {"embed_out.weight": 3}}))
+    refused(path, f"{index}: 'weight_map' maps 'embed_out.weight' to int 3, "
+                  "not a file")
+
+
+def test_index_pointing_at_a_missing_file(hf_checkpoint_dir, tmp_path):
+    path = snapshot_copy(hf_checkpoint_dir, tmp_path)
+    weight_map = json.loads((path / "model.safetensors.index.json").read_text())
+    victim = path / weight_map["weight_map"]["embed_out.weight"]
+    victim.unlink()
+    refused(path, f"checkpoint shard not found: {victim}")
+
+
+def test_garbage_model_safetensors(tmp_path):
+    config = M.NeoXConfig(n_vocab=50, d_model=16, n_heads=2, n_layers=1)
+    (tmp_path / "config.json").write_text(json.dumps(M.to_hf_config(config)))
+    single = tmp_path / "model.safetensors"
+    single.write_bytes(b"<html>404 Not Found</html>" * 10)
+    from labml_zero.zero3.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError) as raised:
+        from labml_zero.neox.checkpoint import check_hf_snapshot
+
+        check_hf_snapshot(tmp_path)
+    assert str(raised.value).startswith(f"{single}: not a safetensors file (")
+    assert "\n" not in str(raised.value)
+
+
+def test_tensors_that_do_not_match_the_config(tmp_path):
+    config = M.NeoXConfig(n_vocab=50, d_model=16, n_heads=2, n_layers=1)
+    layers = M.build_layers(config)
+    (tmp_path / "config.json").write_text(json.dumps(M.to_hf_config(config)))
+    single = tmp_path / "model.safetensors"
+    tensors = dict(hf_named_tensors(layers))
+
+    # a readout of the wrong width
+    save_file({**tensors, "embed_out.weight": torch.zeros(50, 8)}, str(single))
+    refused(tmp_path, f"tensor 'embed_out.weight' in {single} has shape (50, 8), "
+                      "the model expects (50, 16)")
+    # a tensor missing
+    save_file({k: v for k, v in tensors.items() if k != "embed_out.weight"},
+              str(single))
+    refused(tmp_path, f"checkpoint {tmp_path} has no tensor 'embed_out.weight', "
+                      "which its config.json implies")
+    # integer weights
+    save_file({**tensors, "embed_out.weight": torch.zeros(50, 16, dtype=torch.int64)},
+              str(single))
+    refused(tmp_path, f"tensor 'embed_out.weight' in {single} is I64, not "
+                      "floating point")
+    # a config for two layers, weights for one
+    (tmp_path / "config.json").write_text(json.dumps(M.to_hf_config(
+        M.NeoXConfig(n_vocab=50, d_model=16, n_heads=2, n_layers=2))))
+    save_file(tensors, str(single))
+    refused(tmp_path, f"checkpoint {tmp_path} has no tensor "
+                      "'gpt_neox.layers.1.input_layernorm.weight', which its "
+                      "config.json implies")
+
+
+def test_missing_snapshot_directory_and_config(tmp_path):
+    refused(tmp_path / "nope", f"checkpoint directory not found: {tmp_path / 'nope'}")
+    refused(tmp_path, f"checkpoint config not found: {tmp_path / 'config.json'}")

@@ -184,6 +184,21 @@ def test_manifest_describes_the_layout(at_2):
     assert manifest["param_groups"][0]["betas"] == [0.9, 0.999]
 
 
+@pytest.mark.distributed
+def test_manifest_holds_every_ranks_digests(at_2):
+    """Each rank hashed its own files; rank 0 wrote all of them, and they hold."""
+    import hashlib
+
+    root, _ = at_2
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        reader = CheckpointReader(root / dtype)
+        assert sorted(reader.digests) == sorted(reader.manifest["files"])
+        for name, digest in reader.digests.items():
+            data = (root / dtype / name).read_bytes()
+            assert digest == "sha256:" + hashlib.sha256(data).hexdigest(), name
+        reader.verify_files()
+
+
 # ## Resharding
 
 
