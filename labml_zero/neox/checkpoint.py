@@ -84,7 +84,6 @@ conversion:
 * layer norms are replicated; the two copies drift apart by rounding during
   training, so they are averaged.
 
-
 ## Limitations
 
 * The original GPT-NeoX-20B release (`NeoX20BCheckpoint`) is read with

@@ -39,7 +39,7 @@ of each parameter that overlaps its shard, for the parameter, the master and
 both moments. Padding needs nothing: it is zero in all four (its gradient is
 zero, so Adam never moves it) and a new shard starts as zeros.
 
-## Note: what is checked, and when
+## Note: checks on reading
 
 1. When the reader is built: the manifest (its format and keys), and every
    listed file's existence and size. Cheap: no file is opened.
@@ -175,7 +175,7 @@ class CheckpointReader:
         """
         ### Check one file against its digest, once
 
-        See Note: what is checked, and when. Does nothing for a format-1
+        See Note: checks on reading. Does nothing for a format-1
         checkpoint.
         """
         if name in self._verified or name not in self.digests:
