@@ -134,6 +134,7 @@ def world_2_runs(ctx, root):
         "resume": resume_run(ctx, root),
         "crash": crash_run(ctx, str(Path(root) / "crash")),
         "export": export_run(ctx, str(Path(root) / "hf")),
+        "changed": changed_shard_run(ctx, str(Path(root) / "changed")),
     }
 
 
@@ -340,6 +341,47 @@ def test_crash_mid_save_keeps_previous_checkpoint(at_2):
         assert result["previous_loads"]
         # the half-written temporary directory is gone
         assert result["siblings"] == ["checkpoint"]
+
+
+# ## A changed file on one rank
+
+
+def changed_shard_run(ctx, root):
+    """Rank 1's shard file changes after the save; both ranks then load."""
+    path = Path(root)
+    model, optimizer = build(ctx, torch.bfloat16)
+    train(ctx, model, optimizer, range(1))
+    save_checkpoint(path, model, optimizer)
+    if ctx.rank == 1:
+        shard = path / "rank-00001.safetensors"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+    # barrier: nobody loads before the file has changed
+    dist.barrier()
+    fresh, fresh_optimizer = build(ctx, torch.bfloat16, seed=1)
+    before = weights(fresh)
+    try:
+        load_checkpoint(path, fresh, fresh_optimizer)
+        error = None
+    except CheckpointError as caught:
+        error = str(caught)
+    after = weights(fresh)
+    return {"error": error, "unchanged": all(torch.equal(before[n], after[n])
+                                             for n in before),
+            "no_state": not fresh_optimizer.state, "path": str(path)}
+
+
+@pytest.mark.distributed
+def test_a_changed_shard_on_one_rank_is_refused_on_every_rank(at_2):
+    _, results = at_2
+    results = [result["changed"] for result in results]
+    shard = Path(results[1]["path"]) / "rank-00001.safetensors"
+    assert results[1]["error"] == (f"{shard}: checksum mismatch, the file was "
+                                   "changed after it was saved")
+    assert results[0]["error"] == "load failed on rank 1; see its error"
+    for result in results:
+        assert result["unchanged"] and result["no_state"]
 
 
 # ## Export
