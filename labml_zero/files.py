@@ -64,8 +64,8 @@ def temporary_sibling(path: str | os.PathLike, token: str | None = None, *,
     """
     ### `.<name>.<kind>-<token>` next to `path`
 
-    `token` defaults to 12 random hex digits from `secrets`, which draws from
-    no RNG that training uses (a checkpoint saves those RNGs' states).
+    `token` defaults to random hex digits from `secrets`, which draws from no
+    RNG that training uses (a checkpoint saves those RNGs' states).
     """
     path = Path(path)
     token = secrets.token_hex(6) if token is None else token

@@ -35,16 +35,8 @@ A snapshot is an input someone hands the job, and a bad one should cost one
 line, not a traceback after the ranks started. `check_hf_snapshot(path)` reads
 `config.json` and every safetensors *header* (no tensor data) and compares each
 tensor the model needs with the shape `config.json` implies, so the launcher can
-call it first. Each problem is one `CheckpointError` naming the file:
-
-* `config.json` that is not a JSON object, lacks a size, or has a size that is
-  not an integer (`"hidden_size": "64"`), or that the model cannot be (an odd
-  rotary width, say: `NeoXConfig`'s own checks);
-* an index without a `weight_map`, or one that maps a tensor to a missing file;
-* a file that is not safetensors (a garbled header, an HTML error page);
-* a tensor that is missing, not floating point, or of another shape.
-
-`HFCheckpoint` runs the same `config.json` and index checks when it is built.
+call it first; its docstring lists what it refuses. `HFCheckpoint` runs the same
+`config.json` and index checks when it is built.
 
 ## Export
 
@@ -399,9 +391,19 @@ def check_hf_snapshot(path: str | os.PathLike) -> NeoXConfig:
     ### Check a whole snapshot without reading any tensor data
 
     Returns the snapshot's `NeoXConfig`; raises a one-line `CheckpointError`
-    otherwise (see Note: checking a snapshot before any rank starts). Needs no
-    process group and no device: the model is built on the meta device for its
-    shapes only.
+    naming the file otherwise (see Note: checking a snapshot before any rank
+    starts), for
+
+    * a `config.json` that is not a JSON object, lacks a size, or has a size
+      that is not an integer (`"hidden_size": "64"`), or that the model cannot
+      be (an odd rotary width, say: `NeoXConfig`'s own checks);
+    * an index without a `weight_map`, or one that maps a tensor to a missing
+      file;
+    * a file that is not safetensors (a garbled header, an HTML error page);
+    * a tensor that is missing, not floating point, or of another shape.
+
+    Needs no process group and no device: the model is built on the meta
+    device for its shapes only.
     """
     try:
         checkpoint = HFCheckpoint(path)

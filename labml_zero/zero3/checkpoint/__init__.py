@@ -15,16 +15,13 @@ writes about
 $$\frac{(p + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 
 bytes, for $\Psi_t$ trainable and $\Psi_f$ frozen elements, $p$ bytes per
-parameter and $K = 12$ bytes of Adam state. A checkpoint must give a
-*bit-exact* resume, load at *any world size*, and never be half written or
-silently changed: what is on disk either loads exactly or is refused with one
-line naming the file.
+parameter and $K = 3 \cdot 4$ bytes of Adam state (an fp32 master and two fp32
+moments). A checkpoint must give a *bit-exact* resume, load at *any world
+size*, and never be half written or silently changed: what is on disk either
+loads exactly or is refused with one line naming the file.
 
-## Pages, in reading order
-
-Saving uses [atomic files](../../files.html); each page below is one concept.
-
-{{contents}}
+Each page of this folder is one concept; saving writes through [atomic
+files](../../files.html).
 
 ## In use
 

@@ -87,7 +87,8 @@ def gather_digests(comm: Communicator, digests: list[str]) -> list[list[str]]:
     one list per rank, in rank order. See "Digests through a collective" on
     [the digest page](digest.html).
     """
-    # [N_d, n, 32] int32: row r is rank r's digests, zero elsewhere before the sum
+    # [N_d, n, DIGEST_BYTES] int32: row r is rank r's digests, zero elsewhere
+    # before the sum
     table = torch.zeros(comm.world_size, len(digests), DIGEST_BYTES,
                         dtype=torch.int32)
     for i, digest in enumerate(digests):

@@ -8,14 +8,16 @@ summary: Each checkpoint file's SHA-256, recorded when it is saved and checked
 # File digests
 
 A file's size and its safetensors header catch a truncated or garbled file, but
-not a changed byte inside the tensor data: 4 KiB of garbage in a shard, or one
-flipped exponent bit that turns a weight of $0.01$ into $\approx 3.4 \cdot
-10^{36}$, load without complaint and train to NaN. So every file of a checkpoint
-has its digest in the manifest,
+not a changed byte inside the tensor data: a few KiB of garbage in a shard, or
+one flipped exponent bit, which multiplies an fp32 weight below 2 in magnitude
+by $2^{128}$ (tested:
+tests/zero3/test_checkpoint_digest.py::test_one_flipped_exponent_bit), load
+without complaint and train to NaN. So every file of a checkpoint has its
+digest in the manifest,
 
 $$d = \text{SHA-256}(\text{the file's bytes}),$$
 
-written as `"sha256:<64 hex digits>"`, and a reader recomputes $d$ before it
+written as `"sha256:<hex digits>"`, and a reader recomputes $d$ before it
 uses a file. SHA-256 because a checkpoint is an input someone may hand you: a
 cryptographic hash cannot be matched by accident nor, in practice, on purpose;
 and `hashlib`'s is OpenSSL's, which uses the CPU's SHA instructions where there
@@ -64,10 +66,10 @@ def file_digest(file: str | os.PathLike) -> str:
 
 
 def pack_digest(digest: str) -> torch.Tensor:
-    """`"sha256:<hex>"` as its 32 bytes, one per `int32` (any backend sums int32)."""
+    """`"sha256:<hex>"` as its `DIGEST_BYTES` bytes, one per `int32` element."""
     algorithm, _, hex_digits = digest.partition(":")
     assert algorithm == ALGORITHM, digest
-    # [32] int32, each in [0, 256)
+    # [DIGEST_BYTES] int32, each a byte value; any backend sums int32
     return torch.tensor(list(bytes.fromhex(hex_digits)), dtype=torch.int32)
 
 

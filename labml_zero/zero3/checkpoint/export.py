@@ -13,7 +13,7 @@ directory, say). Gathering the whole model would cost the device memory that
 ZeRO-3 exists to avoid, so the export goes **one chunk at a time**:
 
 1. every rank contributes its shard of the chunk: the fp32 master where one
-   exists (more exact than the 16-bit copy: that is what training would
+   exists (more exact than the bf16/fp16 copy: that is what training would
    continue from), else the parameter shard;
 2. one all-gather builds the chunk's $C$ elements on every rank's device;
 3. rank 0 copies it to host memory and the device buffer is freed;
@@ -76,8 +76,8 @@ def consolidated_tensors(model: nn.Module, optimizer=None, *,
     Every rank must run the iterator to its end (each chunk is an all-gather);
     only rank 0 gets the `(name, tensor)` pairs, on the host, in chunk order.
 
-    * `optimizer`: where the fp32 masters are; without it, 16-bit chunks export
-      their 16-bit values (or `master_init`, before the first step).
+    * `optimizer`: where the fp32 masters are; without it, bf16/fp16 chunks
+      export their own values (or `master_init`, before the first step).
     * `rename` maps a qualified name to the exported one (see `prefix_rename`).
     * `dtype` casts every tensor, e.g. to bf16 for a release.
     """

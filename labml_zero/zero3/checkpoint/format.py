@@ -39,7 +39,7 @@ records every file with its size in bytes (`files`) and its
 * `meta`: small JSON values the job chose to record (its step, batch size,
   seed), which a launcher reads [before any process starts](preflight.html).
 
-`master` is written only when it is not the parameter itself: for a 16-bit chunk
+`master` is written only when it is not the parameter itself: for a bf16/fp16 chunk
 with an optimizer state, or whose exact fp32 initial weights the engine kept
 (`master_init`, before the first step). For fp32 chunks the parameter *is* the
 master. Frozen chunks have only `param`.

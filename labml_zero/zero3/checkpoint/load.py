@@ -8,7 +8,7 @@ summary: Every rank reads its new shards from the saved ranks' files, at any wor
 # Loading a sharded checkpoint
 
 A load fills each chunk's new shard, on each new rank, with exactly the
-elements it held when saved: the 16-bit parameter, the fp32 master and both
+elements it held when saved: the bf16/fp16 parameter, the fp32 master and both
 moments. At the saved world size and layout that is each rank's own file; at
 another world size $N'$ (or another chunk size) each new shard overlaps parts
 of the old ones, and [the reader](reader.html) finds them with one piece of
@@ -111,7 +111,7 @@ def read_shard(reader: CheckpointReader, chunk: Chunk, with_state: bool) -> Shar
     # [S] chunk dtype; zeros, so padding stays zero
     param = torch.zeros(chunk.shard_numel, dtype=chunk.dtype)
     for name, a, b, at in overlaps:
-        # the saved 16-bit copy when the dtype matches (exact), else the master
+        # the saved bf16/fp16 copy when the dtype matches (exact), else the master
         kind = "param" if reader.dtype(name) == chunk.dtype else "master"
         param[at : at + b - a] = reader.read(name, kind, a, b)
 

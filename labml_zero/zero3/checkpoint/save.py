@@ -7,15 +7,15 @@ summary: Each rank writes its own shards in parallel, with digests, and the
 
 # Saving a sharded checkpoint
 
-A ZeRO-3 rank holds $\frac{1}{N_d}$ of every chunk: its 16-bit parameter shard
+A ZeRO-3 rank holds $\frac{1}{N_d}$ of every chunk: its bf16/fp16 parameter shard
 and, for trainable chunks, the fp32 master and the two Adam moments. A checkpoint
 is those shards, one file per rank, written in parallel and never gathered.
 With $\Psi_t$ trainable and $\Psi_f$ frozen elements, $p$ bytes per parameter
-and $K = 12$ bytes of optimizer state, each rank writes
+and $K = 3 \cdot 4$ bytes of optimizer state, each rank writes
 
 $$\frac{(p + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 
-bytes (for fp32, $K = 8$: the master is the parameter) and the ranks exchange
+bytes (for fp32, $K = 2 \cdot 4$: the master is the parameter) and the ranks exchange
 nothing but a few flags and their files' digests. What the files hold is
 [the format](format.html); why those pieces, [what a resume needs](state.html).
 Saving draws from no RNG (its temporary name comes from `secrets`), so the

@@ -12,7 +12,7 @@ save would have computed: a resume is *bit-exact* when, for every step $t$ after
 the save, the weights $\theta_t$ of the resumed run equal those of the run that
 was never interrupted, to the last bit. That needs every input of a step:
 
-* the 16-bit parameters (the forward pass reads them), the fp32 masters (the
+* the bf16/fp16 parameters (the forward pass reads them), the fp32 masters (the
   update writes them), both moments, and each shard's step count $t$ (Adam's
   bias correction $1 - \beta^t$);
 * the optimizer's hyperparameters, which a schedule may have changed;
