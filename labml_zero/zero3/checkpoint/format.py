@@ -27,8 +27,9 @@ either.
 
 ## The manifest
 
-The {{term: manifest}} lists every chunk: its size $C$, dtype, whether it is trainable, its
-optimizer step, and its parameters with qualified name, shape and offset. It
+The {{term: manifest}} lists every chunk: its size $C$, dtype, whether it is
+trainable, its optimizer step, and its parameters with qualified name, shape and
+offset. It
 records every file with its size in bytes (`files`) and its
 [digest](digest.html) (`digests`). It carries
 
