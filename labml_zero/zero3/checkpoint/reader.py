@@ -57,6 +57,8 @@ a check before the job starts.
 * Every file is checked for existence and size when the reader is built, so a
   rank that needs only its own file still refuses a checkpoint with another
   rank's file missing (which is the point: it would not resume anyway).
+* Checking a digest reads the whole file once before its slices are read:
+  at the saved world size, one extra sequential read of the rank's own file.
 * A format-1 checkpoint has no digests (see Versions in [the
   format](format.html)): a changed byte in its tensor data is not caught.
 """
