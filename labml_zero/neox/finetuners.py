@@ -1,8 +1,9 @@
 r"""
 ---
 title: Fine-tuners
-summary: Choose which GPT-NeoX parameters train (biases only, the MLPs, or all)
-  by setting requires_grad before the ZeRO engine wraps the layers.
+summary: Choose which GPT-NeoX parameters train (biases only, the MLPs, all, or
+  low-rank adapters) by setting requires_grad before the ZeRO engine wraps the
+  layers.
 ---
 
 # Fine-tuners
@@ -20,24 +21,32 @@ $\frac{(2 + 2 + K)\Psi}{N_d}$.
   BitFit-style tune: $3d + d + 4d$ per layer, about 0.03% of 20B).
 * `FineTuneFFN`: the whole MLP of every transformer layer.
 * `FineTuneAll`: everything.
+* `FineTuneLoRA` ([LoRA](lora.html)): adds low-rank adapters to the
+  projections of every transformer layer and trains only those.
 
-The embedding, final norm and readout are frozen by the first two.
+The embedding, final norm and readout are frozen by all but `FineTuneAll`.
 
 ## Limitations
 
-* Choice is per parameter name; there is no LoRA or other added adapter.
+* The first three choose by parameter name; only `FineTuneLoRA` adds parameters.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
 
 from torch import nn
 
 from labml_zero.neox.model import TransformerLayer
 
+if TYPE_CHECKING:
+    from labml_zero.neox.lora import FineTuneLoRA
+
 __all__ = ["FineTuneBiases", "FineTuneFFN", "FineTuneAll", "TrainableCount",
-           "finetuner"]
+           "FINETUNERS", "finetuner"]
+
+# The names `finetuner` knows; `'lora'` takes options.
+FINETUNERS = ("biases", "ffn", "all", "lora")
 
 
 class TrainableCount(NamedTuple):
@@ -95,16 +104,29 @@ class FineTuneAll:
         return mark_trainable(layers, lambda layer, name: True)
 
 
-def finetuner(name: str) -> FineTuneBiases | FineTuneFFN | FineTuneAll:
+def finetuner(name: str, **options: Any
+              ) -> FineTuneBiases | FineTuneFFN | FineTuneAll | FineTuneLoRA:
     """
-    ### The fine-tuner called `name`: `'biases'`, `'ffn'` or `'all'`
+    ### The fine-tuner called `name`: `'biases'`, `'ffn'`, `'all'` or `'lora'`
+
+    `options` are `FineTuneLoRA`'s fields (`rank`, `alpha`, `targets`); the
+    other fine-tuners take none.
     """
+    if name == "lora":
+        # lora.py builds on this page's `mark_trainable`: imported here, not at
+        # the top, so that neither module needs the other while loading.
+        from labml_zero.neox.lora import FineTuneLoRA
+
+        return FineTuneLoRA(**options)
+    if name not in FINETUNERS:
+        raise ValueError(f"unknown fine-tuner {name!r}; expected one of "
+                         f"{', '.join(FINETUNERS)}")
+    if options:
+        raise ValueError(f"fine-tuner {name!r} takes no options, got "
+                         f"{', '.join(sorted(options))}")
     match name:
         case "biases":
             return FineTuneBiases()
         case "ffn":
             return FineTuneFFN()
-        case "all":
-            return FineTuneAll()
-    raise ValueError(f"unknown fine-tuner {name!r}; expected 'biases', 'ffn' "
-                     f"or 'all'")
+    return FineTuneAll()

@@ -5,6 +5,7 @@ import pytest
 from labml_zero.neox import model as M
 from labml_zero.neox.finetuners import (FineTuneAll, FineTuneBiases, FineTuneFFN,
                                         finetuner)
+from labml_zero.neox.lora import FineTuneLoRA
 
 
 @pytest.fixture
@@ -42,5 +43,6 @@ def test_lookup_by_name():
     assert isinstance(finetuner("biases"), FineTuneBiases)
     assert isinstance(finetuner("ffn"), FineTuneFFN)
     assert isinstance(finetuner("all"), FineTuneAll)
-    with pytest.raises(ValueError, match="unknown fine-tuner 'lora'"):
-        finetuner("lora")
+    assert finetuner("lora", rank=4, alpha=8) == FineTuneLoRA(rank=4, alpha=8)
+    with pytest.raises(ValueError, match="unknown fine-tuner 'adapters'"):
+        finetuner("adapters")
