@@ -1,0 +1,259 @@
+r"""
+---
+title: LoRA export
+summary: A LoRA fine-tune out of the sharded model, either merged into a Hugging
+  Face GPT-NeoX checkpoint or as a PEFT adapter, gathered one chunk at a time.
+---
+
+# LoRA export
+
+A [LoRA](lora.html) fine-tune leaves two things worth keeping, and this page
+writes either from the sharded model:
+
+* **The merged model**: every adapted weight replaced by
+  $$W' = W + \frac{\alpha}{r} B A,$$
+  written as a Hugging Face GPT-NeoX checkpoint by
+  [`save_hf_checkpoint`](checkpoint.html). It loads with
+  `GPTNeoXForCausalLM.from_pretrained` and runs at the base model's cost.
+* **The adapter alone**, in PEFT's format: `adapter_config.json` (rank,
+  $\alpha$, target module names) and `adapter_model.safetensors` with only the
+  $A$ and $B$ matrices, a few megabytes, which
+  `PeftModel.from_pretrained(base_model, directory)` puts back on the base model.
+  PEFT names each matrix after the module it adapts, under its wrapper's
+  prefix: our `attention.query_key_value.lora_A` of layer $i$ is
+  `base_model.model.gpt_neox.layers.`$i$`.attention.query_key_value.lora_A.weight`.
+
+Both are collectives: every rank calls them, and the tensors come to rank 0
+[one chunk at a time](../zero3/checkpoint_export.html), from the fp32 master
+when the optimizer is given (the values training would continue from). The
+adapter export gathers only the trainable chunks, since they hold every
+adapter and nothing else.
+
+## Merging in order
+
+The chunks of a layer arrive in layout order, and a layer's frozen chunk (with
+$W$) may come before or after its trainable one (with $A$ and $B$). So `merged`
+holds each adapted $W$ until its $A$ and $B$ have arrived, and each $A$, $B$
+until its $W$ has: at most one layer on the host. The product is taken in fp32
+and the sum is rounded once, to $W$'s dtype (or the export's `dtype`).
+
+## Limitations
+
+* In a 16-bit merged checkpoint $\frac{\alpha}{r} B A$ is rounded to $W$'s
+  precision: an update smaller than half a unit in the last place of $W$ is
+  lost. Export in fp32 (`dtype=torch.float32`) to keep it exactly.
+* The adapter file has no `README.md` model card, which PEFT writes and does
+  not need.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterable, Iterator, NamedTuple
+
+import torch
+from safetensors.torch import save_file
+
+from labml_zero.neox.checkpoint import save_hf_checkpoint
+from labml_zero.neox.lora import ADAPTER_NAMES, FineTuneLoRA
+from labml_zero.neox.model import NeoXConfig, TransformerLayer, hf_prefix
+from labml_zero.zero3.checkpoint_export import (export_full_state_dict,
+                                                prefix_rename)
+
+__all__ = ["merged", "save_merged_checkpoint", "peft_adapter_config",
+           "peft_name", "save_peft_adapter", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# PEFT's prefix for the wrapped model's modules (`PeftModel.base_model.model`).
+PEFT_PREFIX = "base_model.model."
+
+
+def hf_names(model):
+    """`Zero3Sequential` names (`"3.attention.dense.weight"`) to Hugging Face ones."""
+    return prefix_rename([hf_prefix(layer.module) for layer in model.layers])
+
+
+# ## The merged checkpoint
+
+
+def merged(tensors: Iterable[tuple[str, torch.Tensor]], lora: FineTuneLoRA, *,
+           dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    r"""
+    ### Fold the adapters into their weights
+
+    `tensors` yields `(hf_name, tensor)` of a model with adapters; the result
+    has the base model's names only, each adapted `weight` replaced by
+    $W + \frac{\alpha}{r} B A$ (see "Merging in order").
+    """
+    adapted = tuple("." + path for path in lora.paths())
+    # module name -> {"weight" | "lora_A" | "lora_B": tensor}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        module, _, leaf = name.rpartition(".")
+        if leaf not in ("weight", *ADAPTER_NAMES) or not module.endswith(adapted) \
+                or ".layers." not in module:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(module, {})
+        parts[leaf] = tensor
+        if len(parts) < 3:
+            continue
+        del pending[module]
+        w, a, b = parts["weight"], parts["lora_A"], parts["lora_B"]
+        # [d_out, d_in] fp32; one rounding, at the end, to the output dtype
+        update = lora.scale * (b.float() @ a.float())
+        yield module + ".weight", (w.float() + update).to(dtype or w.dtype)
+    if pending:
+        module, parts = next(iter(pending.items()))
+        missing = sorted({"weight", *ADAPTER_NAMES} - parts.keys())
+        raise ValueError(f"{module}: no {', '.join(missing)} among the tensors "
+                         f"to merge")
+
+
+def save_merged_checkpoint(out_dir: str | os.PathLike, model, lora: FineTuneLoRA,
+                           config: NeoXConfig, optimizer=None, *,
+                           dtype: torch.dtype | None = None,
+                           overwrite: bool = False) -> Path | None:
+    """
+    ### Write the merged model as a Hugging Face checkpoint
+
+    Called by every rank of the sharded `model` (a `Zero3Sequential` of GPT-NeoX
+    layers with adapters); rank 0 writes `out_dir` and returns it, the others
+    return `None`. `config` is the model's shape (for `config.json`); `dtype`
+    casts every tensor (the merge itself is computed in higher precision).
+    """
+    def write(tensors: Iterator[tuple[str, torch.Tensor]]) -> Path:
+        return save_hf_checkpoint(out_dir, config,
+                                  merged(tensors, lora, dtype=dtype),
+                                  dtype=dtype, overwrite=overwrite)
+
+    return export_full_state_dict(write, model, optimizer, rename=hf_names(model))
+
+
+# ## The PEFT adapter
+
+
+def peft_name(hf_name: str) -> str:
+    """`gpt_neox.layers.0.attention.dense.lora_A` → PEFT's
+    `base_model.model.gpt_neox.layers.0.attention.dense.lora_A.weight`."""
+    return PEFT_PREFIX + hf_name + ".weight"
+
+
+def peft_adapter_config(lora: FineTuneLoRA, layer_indices: list[int],
+                        n_layers: int, *,
+                        base_model_name_or_path: str | None = None) -> dict:
+    """
+    ### `adapter_config.json`
+
+    The fields of PEFT's `LoraConfig` that describe this adapter; PEFT fills the
+    rest with its defaults. With only some layers built (`filter_layers`),
+    `layers_to_transform` names them, so PEFT adapts exactly those.
+    """
+    subset = sorted(layer_indices) != list(range(n_layers))
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        # PEFT matches these against the last part of each module's name; in
+        # `GPTNeoXForCausalLM` only `attention.dense` ends in `dense` (the MLP's
+        # are `dense_h_to_4h` and `dense_4h_to_h`), so each adapts one projection.
+        "target_modules": list(lora.targets),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": sorted(layer_indices) if subset else None,
+        "layers_pattern": "layers" if subset else None,
+    }
+
+
+class TrainableOnly(NamedTuple):
+    """
+    #### The trainable chunks of a sharded model, for `export_full_state_dict`
+
+    It gathers `model.chunks` through `model.runtime`; given this, it gathers
+    only the chunks that hold adapters.
+    """
+
+    runtime: object
+    chunks: list
+
+
+def save_peft_adapter(out_dir: str | os.PathLike, model, lora: FineTuneLoRA,
+                      optimizer=None, *, base_model_name_or_path: str | None = None,
+                      overwrite: bool = False) -> Path | None:
+    """
+    ### Write the adapter in PEFT's format
+
+    Called by every rank of the sharded `model`; rank 0 writes `out_dir`
+    (atomically: a temporary directory renamed into place) and returns it, the
+    others return `None`. The matrices are written in the dtype they are
+    gathered in: fp32 from the optimizer's masters.
+    """
+    layers = [layer.module for layer in model.layers
+              if isinstance(layer.module, TransformerLayer)]
+    if not layers:
+        raise ValueError("save_peft_adapter: the model has no transformer layers")
+    config = peft_adapter_config(lora, [layer.layer_idx for layer in layers],
+                                 layers[0].config.n_layers,
+                                 base_model_name_or_path=base_model_name_or_path)
+    out_dir = Path(out_dir)
+
+    def write(tensors: Iterator[tuple[str, torch.Tensor]]) -> Path:
+        adapter = {peft_name(name): tensor for name, tensor in tensors
+                   if name.rpartition(".")[2] in ADAPTER_NAMES}
+        if not adapter:
+            raise ValueError("save_peft_adapter: the model has no LoRA adapters")
+        write_adapter_dir(out_dir, config, adapter, overwrite=overwrite)
+        return out_dir
+
+    trainable = TrainableOnly(model.runtime,
+                              [c for c in model.chunks if c.trainable])
+    return export_full_state_dict(write, trainable, optimizer,
+                                  rename=hf_names(model))
+
+
+def write_adapter_dir(out_dir: Path, config: dict,
+                      tensors: dict[str, torch.Tensor], *, overwrite: bool) -> None:
+    """
+    #### Both files into a fresh directory, then one rename
+
+    As for [Hugging Face checkpoints](checkpoint.html) (Note: atomic checkpoint
+    directory): a reader never sees a directory with one file and not the other.
+    """
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"adapter directory exists: {out_dir} "
+                              f"(pass overwrite=True)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        # metadata {"format": "pt"} is what PEFT and transformers check for
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+        for file in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+            with open(tmp / file, "rb") as f:
+                os.fsync(f.fileno())
+        old = None
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+

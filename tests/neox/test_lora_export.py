@@ -1,0 +1,133 @@
+"""`labml_zero/neox/lora_export.py`: the merged Hugging Face checkpoint and the PEFT
+adapter, written from a sharded model, load in transformers and peft with our
+logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from labml_zero.neox import model as M
+from labml_zero.neox.checkpoint import HFCheckpoint
+from labml_zero.neox.lora import FineTuneLoRA, load_hf_layer
+from labml_zero.neox.lora_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, merged,
+                                         peft_adapter_config, peft_name,
+                                         save_merged_checkpoint, save_peft_adapter)
+from labml_zero.optimizers.adam_fp16 import AdamFP16
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+from tests.distributed import run_distributed
+
+# ## Merging a stream of tensors
+
+
+def test_merge_in_either_order():
+    lora = FineTuneLoRA(rank=2, alpha=6.0, targets=("dense",))
+    g = torch.Generator().manual_seed(0)
+    w, a, b = (torch.randn(*s, generator=g) for s in ((4, 5), (2, 5), (4, 2)))
+    prefix = "gpt_neox.layers.1.attention.dense."
+    expected = w + 3.0 * b @ a
+    for order in (["weight", "lora_A", "lora_B"], ["lora_B", "lora_A", "weight"]):
+        parts = {"weight": w, "lora_A": a, "lora_B": b}
+        stream = [("gpt_neox.embed_in.weight", torch.ones(3))]
+        stream += [(prefix + leaf, parts[leaf]) for leaf in order]
+        stream += [(prefix + "bias", torch.zeros(4))]
+        out = dict(merged(stream, lora))
+        # the merged weight comes out as soon as its last part went in
+        assert list(out) == ["gpt_neox.embed_in.weight", prefix + "weight",
+                             prefix + "bias"]
+        torch.testing.assert_close(out[prefix + "weight"], expected)
+
+
+def test_merge_refuses_a_weight_without_its_adapter():
+    lora = FineTuneLoRA(targets=("dense",))
+    stream = [("gpt_neox.layers.0.attention.dense.weight", torch.ones(2, 2))]
+    with pytest.raises(ValueError, match="attention.dense: no lora_A, lora_B"):
+        list(merged(stream, lora))
+
+
+def test_peft_names_and_config():
+    assert (peft_name("gpt_neox.layers.3.mlp.dense_h_to_4h.lora_B")
+            == "base_model.model.gpt_neox.layers.3.mlp.dense_h_to_4h.lora_B.weight")
+    config = peft_adapter_config(FineTuneLoRA(rank=4, alpha=8), [0, 1, 2], 3)
+    assert config["r"] == 4 and config["lora_alpha"] == 8
+    assert config["layers_to_transform"] is None
+    assert config["target_modules"] == ["query_key_value", "dense",
+                                        "dense_h_to_4h", "dense_4h_to_h"]
+    subset = peft_adapter_config(FineTuneLoRA(), [2, 0], 3)
+    assert subset["layers_to_transform"] == [0, 2]
+
+
+# ## From a sharded model to transformers and peft
+
+LORA = FineTuneLoRA(rank=4, alpha=8)
+
+
+def probe_ids(n_vocab: int) -> torch.Tensor:
+    return torch.randint(0, n_vocab, (2, 11),
+                         generator=torch.Generator().manual_seed(7))
+
+
+def train_and_export(ctx, checkpoint_dir: str, out: str):
+    """Load the checkpoint under LoRA, train a few fp32 steps, export both ways."""
+    hf = HFCheckpoint(checkpoint_dir)
+    layers = M.build_layers(hf.config, device="meta")
+    LORA(layers)
+    torch.manual_seed(0)
+    sharded = zero3_layers(layers, device=ctx.device,
+                           config=ZeroConfig(dtype=torch.float32, chunk_numel=3000),
+                           init_param=LORA.init_param(lambda name, p: None))
+    for layer in sharded:
+        load_hf_layer(layer, hf)
+    model = Zero3Sequential(sharded)
+    optimizer = AdamFP16(model.get_trainable_chunk(), lr=3e-2)
+    ids = torch.randint(0, hf.config.n_vocab, (2 * ctx.world_size, 9),
+                        generator=torch.Generator().manual_seed(1))
+    mine = ids[2 * ctx.rank:2 * ctx.rank + 2]
+    for _ in range(3):
+        F.cross_entropy(model(mine[:, :-1]).flatten(0, 1),
+                        mine[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        logits = model(probe_ids(hf.config.n_vocab))
+    adapter = save_peft_adapter(f"{out}/adapter", model, LORA, optimizer,
+                                base_model_name_or_path=checkpoint_dir)
+    merged_dir = save_merged_checkpoint(f"{out}/merged", model, LORA, hf.config,
+                                        optimizer)
+    return {"logits": logits, "adapter": adapter and str(adapter),
+            "merged": merged_dir and str(merged_dir)}
+
+
+@pytest.mark.distributed
+def test_exports_load_in_transformers_and_peft(hf_checkpoint_dir, hf_model,
+                                               tmp_path):
+    from peft import PeftModel
+    from transformers import GPTNeoXForCausalLM
+
+    reports = run_distributed(train_and_export, 2, str(hf_checkpoint_dir),
+                              str(tmp_path))
+    assert reports[1]["adapter"] is None and reports[1]["merged"] is None
+    ours = reports[0]["logits"]
+    ids = probe_ids(hf_model.config.vocab_size)
+    with torch.no_grad():
+        base_logits = hf_model(ids).logits
+    # three steps at a high rate moved the model away from the base
+    assert (ours - base_logits).abs().max() > 1e-2
+
+    adapter_dir = tmp_path / "adapter"
+    assert sorted(p.name for p in adapter_dir.iterdir()) == [ADAPTER_CONFIG,
+                                                              ADAPTER_WEIGHTS]
+    assert json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["r"] == 4
+    base = GPTNeoXForCausalLM.from_pretrained(hf_checkpoint_dir)
+    adapted = PeftModel.from_pretrained(base, adapter_dir).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids).logits, ours, rtol=1e-4, atol=1e-4)
+
+    merged_model = GPTNeoXForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged_model(ids).logits, ours, rtol=1e-4,
+                                   atol=1e-4)
+    assert not any("lora" in n for n, _ in merged_model.named_parameters())
