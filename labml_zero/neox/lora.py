@@ -47,11 +47,14 @@ $\Psi_{lora}$ adapter elements, the model states of a rank are
 $$M = \frac{2\,\Psi_{base} + (2 + 4 + 12)\,\Psi_{lora}}{N_d}$$
 
 bytes: the adapters' 16-bit shard (2), their fp32 gradient shard (4, the reduce
-dtype's), and `AdamFP16`'s fp32 master and two moments ($K = 12$). Padding
+dtype's), and `AdamFP16`'s fp32 master and two moments ($K = 12$; with fp32
+chunks the shard is its own master, and $p + g + K = 4 + 4 + 8$). Padding
 costs what the elements of its chunk cost. At $r = 8$ on all four projections
-$\Psi_{lora} = 8 \cdot 16 d$ per layer against $12 d^2$ frozen, so for
-$d \ge 1024$ the adapters' $18 \Psi_{lora}$ stay below a tenth of the base's
-$2 \Psi_{base}$: a LoRA fine-tune costs about what holding the model costs.
+$\Psi_{lora} = r (4d + 2d + 5d + 5d) = 128 d$ per layer against $12 d^2$
+frozen, so the adapters' bytes over the base's are at most
+$\frac{18 \cdot 128 d}{2 \cdot 12 d^2} = \frac{96}{d}$ (less, with the
+embeddings): under a tenth from $d = 1024$ (Pythia-410M) on. A LoRA fine-tune
+costs about what holding the 16-bit model costs.
 `lora_model_states` is this formula; the tests check it against the tensors the
 sharded model and its optimizer hold.
 
@@ -200,8 +203,8 @@ class FineTuneLoRA:
 
     name: ClassVar[str] = "lora"
     rank: int = 8
-    r"""$r$. PEFT's default; the LoRA paper found ranks 1 to 8 about as good as
-    64 for GPT-3's attention."""
+    r"""$r$. PEFT's default; in the LoRA paper's GPT-3 experiments ranks as
+    small as 1 to 8 did about as well as 64."""
     alpha: float = 16.0
     r"""$\alpha$: the update is scaled by $\alpha / r$ (2 at the defaults, the
     common $\alpha = 2r$)."""
@@ -301,10 +304,11 @@ def load_hf_layer(layer, checkpoint) -> None:
     ### Load a sharded layer's base weights from a Hugging Face checkpoint
 
     `layer` is a `Zero3Layer`, with or without adapters; `checkpoint` an
-    `HFCheckpoint` (or anything with its `layer_state_dict`). The base weights
-    are all in frozen chunks; each rank copies only its slices, as
-    `Zero3Layer.load_sharded` does. The adapters keep the values `init_param`
-    gave them, so a model loaded this way is the checkpoint's model at step 0.
+    `HFCheckpoint` or a `NeoX20BCheckpoint` (anything with `layer_state_dict`).
+    Every parameter but the adapters is loaded, each rank copying only its
+    slices, as `Zero3Layer.load_sharded` does; the adapters keep the values
+    `init_param` gave them, so a model loaded this way is the checkpoint's model
+    at step 0. Without adapters it is `load_sharded` itself.
     """
     # [one layer] on the host, shapes checked before any tensor is read
     state = checkpoint.layer_state_dict(base_layer(layer.module))

@@ -310,3 +310,14 @@ def test_parity_with_plain_lora_and_adamw(world_size):
         assert torch.count_nonzero(report["ours"][1]) > 0
         # the base weights never change
         assert report["base_diff"] == 0.0
+
+
+def test_adapters_cost_under_a_tenth_of_the_base_from_width_1024():
+    # the page's bound 96 / d at r = 8 on all four projections
+    for preset in (M.pythia_410m, M.pythia_1_4b):
+        c = preset()
+        count = FineTuneLoRA(rank=8)(M.build_layers(c, device="meta"))
+        assert count.trainable == c.n_layers * 128 * c.d_model
+        base = count.total - count.trainable
+        ratio = 18 * count.trainable / (2 * base)
+        assert ratio < 96 / c.d_model <= 0.1
