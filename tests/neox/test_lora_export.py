@@ -15,7 +15,8 @@ from labml_zero.neox.checkpoint import HFCheckpoint
 from labml_zero.neox.lora import FineTuneLoRA, load_hf_layer
 from labml_zero.neox.lora_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, merged,
                                          peft_adapter_config, peft_name,
-                                         save_merged_checkpoint, save_peft_adapter)
+                                         save_merged_checkpoint, save_peft_adapter,
+                                         write_adapter_dir)
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
 from tests.distributed import run_distributed
@@ -131,3 +132,34 @@ def test_exports_load_in_transformers_and_peft(hf_checkpoint_dir, hf_model,
         torch.testing.assert_close(merged_model(ids).logits, ours, rtol=1e-4,
                                    atol=1e-4)
     assert not any("lora" in n for n, _ in merged_model.named_parameters())
+
+
+def test_an_adapter_of_some_layers_loads_on_those_only(hf_checkpoint_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import GPTNeoXForCausalLM
+
+    lora = FineTuneLoRA(rank=2, alpha=4, targets=("dense",))
+    g = torch.Generator().manual_seed(0)
+    d = HFCheckpoint(hf_checkpoint_dir).config.d_model
+    tensors = {peft_name(f"gpt_neox.layers.{i}.attention.dense.{m}"):
+               torch.randn(*shape, generator=g)
+               for i in (0, 2) for m, shape in (("lora_A", (2, d)),
+                                                ("lora_B", (d, 2)))}
+    out = tmp_path / "adapter"
+    write_adapter_dir(out, peft_adapter_config(lora, [2, 0], 3), tensors,
+                      overwrite=False)
+    with pytest.raises(FileExistsError, match="adapter directory exists"):
+        write_adapter_dir(out, {}, tensors, overwrite=False)
+    # replaced whole; no temporary or old directory is left beside it
+    write_adapter_dir(out, peft_adapter_config(lora, [0, 2], 3), tensors,
+                      overwrite=True)
+    adapted = PeftModel.from_pretrained(
+        GPTNeoXForCausalLM.from_pretrained(hf_checkpoint_dir), out)
+    layers = adapted.base_model.model.gpt_neox.layers
+    assert not hasattr(layers[1].attention.dense, "lora_A")
+    for i in (0, 2):
+        dense = layers[i].attention.dense
+        torch.testing.assert_close(
+            dense.lora_B["default"].weight,
+            tensors[peft_name(f"gpt_neox.layers.{i}.attention.dense.lora_B")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
