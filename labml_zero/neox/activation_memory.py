@@ -210,6 +210,9 @@ def _trainable(config: NeoXConfig, finetune: str) -> tuple[set[str], set[str]]:
     fine-tuner itself keeps this page in step with it; on meta it allocates
     nothing, whatever the width.
     """
+    if finetune == "lora":
+        # no rows for adapters yet: A's gradient needs each target's input saved
+        raise ValueError("activation memory does not model fine-tuner 'lora'")
     layers = build_layers(replace(config, n_layers=1), device="meta")
     finetuner(finetune)(layers)
     block = {name for name, p in layers[1].named_parameters() if p.requires_grad}
