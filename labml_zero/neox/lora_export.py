@@ -8,16 +8,20 @@ summary: A LoRA fine-tune out of the sharded model, either merged into a Hugging
 # LoRA export
 
 A [LoRA](lora.html) fine-tune leaves two things worth keeping, and this page
-writes either from the sharded model:
+writes either from the sharded model. The first folds each adapter into its
+weight,
 
-* **The merged model**: every adapted weight replaced by
-  $$W' = W + \frac{\alpha}{r} B A,$$
-  written as a Hugging Face GPT-NeoX checkpoint by
-  [`save_hf_checkpoint`](checkpoint.html). It loads with
-  `GPTNeoXForCausalLM.from_pretrained` and runs at the base model's cost.
+$$W' = W + \frac{\alpha}{r} B A,$$
+
+a matrix of $W$'s shape, so the result is an ordinary model again:
+
+* **The merged model**: every adapted weight replaced by $W'$, written as a
+  Hugging Face GPT-NeoX checkpoint by [`save_hf_checkpoint`](checkpoint.html).
+  It loads with `GPTNeoXForCausalLM.from_pretrained` and runs at the base
+  model's cost.
 * **The adapter alone**, in PEFT's format: `adapter_config.json` (rank,
   $\alpha$, target module names) and `adapter_model.safetensors` with only the
-  $A$ and $B$ matrices, a few megabytes, which
+  $A$ and $B$ matrices ($\Psi_{lora}$ numbers, not $\Psi$), which
   `PeftModel.from_pretrained(base_model, directory)` puts back on the base model.
   PEFT names each matrix after the module it adapts, under its wrapper's
   prefix: our `attention.query_key_value.lora_A` of layer $i$ is

@@ -18,6 +18,7 @@ from labml_zero.neox.lora import (TARGETS, FineTuneLoRA, LoRALinear, load_hf_lay
                                   lora_model_states, sharded_count)
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
 from tests.distributed import run_distributed
 from tests.zero3.test_memory_and_comm import held_bytes
 
@@ -356,8 +357,6 @@ def steps(model, optimizer, ctx, n: int) -> list[float]:
 
 
 def save_and_resume(ctx, path: str):
-    from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
-
     model, optimizer = meta_lora_model(ctx)
     first = steps(model, optimizer, ctx, 2)
     save_checkpoint(path, model, optimizer)
