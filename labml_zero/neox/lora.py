@@ -2,12 +2,12 @@ r"""
 ---
 title: LoRA
 summary: Low-rank adapters on GPT-NeoX's four projections; the base weights stay
-  frozen in 16-bit chunks and only the adapters carry gradients and Adam state.
+  frozen in two-byte chunks and only the adapters carry gradients and Adam state.
 ---
 
 # LoRA
 
-Low-rank adaptation ([Hu et al., 2021](https://arxiv.org/abs/2106.09685)) freezes
+Low-rank adaptation ([Hu et al.](https://arxiv.org/abs/2106.09685)) freezes
 a pretrained weight $W \in \mathbb{R}^{d_{out} \times d_{in}}$ and learns a
 low-rank update $\Delta W = \frac{\alpha}{r} B A$ beside it, with
 $A \in \mathbb{R}^{r \times d_{in}}$, $B \in \mathbb{R}^{d_{out} \times r}$ and a
@@ -16,7 +16,8 @@ rank $r \ll \min(d_{in}, d_{out})$. A linear layer then computes
 $$y = W x + b + \frac{\alpha}{r} B A x$$
 
 and trains $r (d_{in} + d_{out})$ numbers instead of $d_{in} d_{out}$: for
-GPT-NeoX's fused QKV projection of width $d$ at $r = 8$, $32d$ instead of $3d^2$.
+GPT-NeoX's fused QKV projection of width $d$ ($d_{out} = 3d$), $4rd$ instead of
+$3d^2$.
 
 * **The scale $\alpha / r$.** The update $B A x$ is a sum of $r$ terms, so its
   size grows with $r$; dividing by $r$ keeps it about the same when $r$ changes,
@@ -39,24 +40,26 @@ transformer layer (`query_key_value`, `dense`, `dense_h_to_4h`,
 ## Memory per rank
 
 The engine packs trainable and frozen parameters into different chunks (see
-[chunk layout](../zero3/chunk_layout.html)). A frozen chunk has only its 16-bit
-shard: no gradient, no fp32 master, no Adam moments. So with $\Psi_{base}$
-frozen elements (every base weight, the embedding and readout included) and
-$\Psi_{lora}$ adapter elements, the model states of a rank are
+[chunk layout](../zero3/chunk_layout.html)). A frozen chunk has only its
+two-byte (bf16 or fp16) shard: no gradient, no fp32 master, no Adam moments. So
+with $\Psi_{base}$ frozen elements (every base weight, the embedding and readout
+included) and $\Psi_{lora}$ adapter elements, the model states of a rank are
 
 $$M = \frac{2\,\Psi_{base} + (2 + 4 + 12)\,\Psi_{lora}}{N_d}$$
 
-bytes: the adapters' 16-bit shard (2), their fp32 gradient shard (4, the reduce
-dtype's), and `AdamFP16`'s fp32 master and two moments ($K = 12$; with fp32
-chunks the shard is its own master, and $p + g + K = 4 + 4 + 8$). Padding
-costs what the elements of its chunk cost. At $r = 8$ on all four projections
-$\Psi_{lora} = r (4d + 2d + 5d + 5d) = 128 d$ per layer against $12 d^2$
-frozen, so the adapters' bytes over the base's are at most
-$\frac{18 \cdot 128 d}{2 \cdot 12 d^2} = \frac{96}{d}$ (less, with the
-embeddings): under a tenth from $d = 1024$ (Pythia-410M) on. A LoRA fine-tune
-costs about what holding the 16-bit model costs.
-`lora_model_states` is this formula; the tests check it against the tensors the
-sharded model and its optimizer hold.
+bytes (tested: tests/neox/test_lora.py::test_memory_model_matches_the_bytes_held):
+the adapters' two-byte shard, their fp32 gradient shard (4 bytes, the reduce
+dtype's), and `AdamFP16`'s fp32 master and two moments ($K = 4 + 4 + 4$; with
+fp32 chunks the shard is its own master, so $p = 4$ and $K = 4 + 4$). Padding
+costs what the elements of its chunk cost; `lora_model_states` is this formula
+and `sharded_count` counts the padding in.
+
+The adapters are small beside the base: on all four projections a layer has
+$r (4d + 2d + 5d + 5d)$ adapter elements against the $(3 + 1 + 4 + 4) d^2$ of
+its frozen matrices, so their bytes are a share of order $r / d$ of the
+base's; at $r = 8$ it is under a tenth from width $d = 1024$ (tested:
+tests/neox/test_lora.py::test_adapters_cost_under_a_tenth_of_the_base_from_width_1024)
+on. A LoRA fine-tune costs about what holding the two-byte model costs.
 
 ## Limitations
 
@@ -203,8 +206,8 @@ class FineTuneLoRA:
 
     name: ClassVar[str] = "lora"
     rank: int = 8
-    r"""$r$. PEFT's default; in the LoRA paper's GPT-3 experiments ranks as
-    small as 1 to 8 did about as well as 64."""
+    r"""$r$. PEFT's default; in the LoRA paper's GPT-3 experiments very small
+    ranks did about as well as much larger ones."""
     alpha: float = 16.0
     r"""$\alpha$: the update is scaled by $\alpha / r$ (2 at the defaults, the
     common $\alpha = 2r$)."""
@@ -241,11 +244,11 @@ class FineTuneLoRA:
         return [TARGETS[t] for t in self.targets]
 
     def __call__(self, layers: Sequence[nn.Module]) -> TrainableCount:
-        """
+        r"""
         ### Add the adapters and freeze the rest
 
-        Returns the count: `trainable` is $\\Psi_{lora}$, `total` is
-        $\\Psi_{base} + \\Psi_{lora}$. Raises if a layer already has an adapter
+        Returns the count: `trainable` is $\Psi_{lora}$, `total` is
+        $\Psi_{base} + \Psi_{lora}$. Raises if a layer already has an adapter
         (a second call would otherwise stack two).
         """
         for layer in layers:
@@ -346,8 +349,8 @@ def lora_model_states(count: TrainableCount, world_size: int, *,
 
     $$\frac{p\,\Psi_{base} + (p + g + K)\,\Psi_{lora}}{N_d}$$
 
-    with $p = 2$ (16-bit chunks), $g = 4$ (fp32 gradient shards) and $K = 12$
-    by default: $\frac{2 \Psi_{base} + 18 \Psi_{lora}}{N_d}$.
+    with $p = 2$ (two-byte chunks), $g = 4$ (fp32 gradient shards) and
+    $K = 4 + 4 + 4$ (`AdamFP16`'s master and moments) by default.
 
     * `count` is what `FineTuneLoRA` returns ($\Psi_{lora}$ trainable of
       $\Psi_{base} + \Psi_{lora}$: the formula), or `sharded_count` of the

@@ -43,7 +43,7 @@ and the sum is rounded once, to $W$'s dtype (or the export's `dtype`).
 
 ## Limitations
 
-* In a 16-bit merged checkpoint $\frac{\alpha}{r} B A$ is rounded to $W$'s
+* In a bf16 or fp16 merged checkpoint $\frac{\alpha}{r} B A$ is rounded to $W$'s
   precision: an update smaller than half a unit in the last place of $W$ is
   lost. Export in fp32 (`dtype=torch.float32`) to keep it exactly.
 * The adapter file has no `README.md` model card, which PEFT writes and does
