@@ -28,7 +28,7 @@ a matrix of $W$'s shape, so the result is an ordinary model again:
   `base_model.model.gpt_neox.layers.`$i$`.attention.query_key_value.lora_A.weight`.
 
 Both are collectives: every rank calls them, and the tensors come to rank 0
-[one chunk at a time](../zero3/checkpoint_export.html), from the fp32 master
+[one chunk at a time](../zero3/checkpoint/export.html), from the fp32 master
 when the optimizer is given (the values training would continue from). The
 adapter export gathers only the trainable chunks, since they hold every
 adapter and nothing else.
@@ -55,18 +55,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple
 
 import torch
 from safetensors.torch import save_file
 
+from labml_zero.files import fsync_path, replace_directory, temporary_sibling
 from labml_zero.neox.checkpoint import save_hf_checkpoint
 from labml_zero.neox.lora import ADAPTER_NAMES, FineTuneLoRA
 from labml_zero.neox.model import NeoXConfig, TransformerLayer, hf_prefix
-from labml_zero.zero3.checkpoint_export import (export_full_state_dict,
-                                                prefix_rename)
+from labml_zero.zero3.checkpoint import export_full_state_dict, prefix_rename
 
 __all__ = ["merged", "save_merged_checkpoint", "peft_adapter_config",
            "peft_name", "save_peft_adapter", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
@@ -201,7 +200,7 @@ def save_peft_adapter(out_dir: str | os.PathLike, model, lora: FineTuneLoRA,
     ### Write the adapter in PEFT's format
 
     Called by every rank of the sharded `model`; rank 0 writes `out_dir`
-    (atomically: a temporary directory renamed into place) and returns it, the
+    (atomically, see `write_adapter_dir`) and returns it, the
     others return `None`. The matrices are written in the dtype they are
     gathered in: fp32 from the optimizer's masters.
     """
@@ -233,31 +232,24 @@ def write_adapter_dir(out_dir: Path, config: dict,
     """
     #### Both files into a fresh directory, then one rename
 
-    As for [Hugging Face checkpoints](checkpoint.html) (Note: atomic checkpoint
-    directory): a reader never sees a directory with one file and not the other.
+    The steps of [atomic files](../files.html): a reader never sees a directory
+    with one file and not the other, nor an old adapter's config beside a new
+    adapter's weights.
     """
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"adapter directory exists: {out_dir} "
                               f"(pass overwrite=True)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = temporary_sibling(out_dir)
     tmp.mkdir()
     try:
         # metadata {"format": "pt"} is what PEFT and transformers check for
         save_file({k: v.contiguous() for k, v in tensors.items()},
                   str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
-        for file in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
-            with open(tmp / file, "rb") as f:
-                os.fsync(f.fileno())
-        old = None
-        if out_dir.exists():
-            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old)
+        for path in (tmp / ADAPTER_WEIGHTS, tmp / ADAPTER_CONFIG, tmp):
+            fsync_path(path)
+        replace_directory(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
