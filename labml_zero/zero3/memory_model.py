@@ -8,92 +8,36 @@ summary: Analytic bytes per rank and step for ZeRO-3 with chunks, formulas to la
 
 This page counts bytes without allocating any. The tests compare the engine's real
 tensors against it, the [chunk-size search](chunk_search.html) scores layouts with
-it, and the benchmark prints it next to what it measured.
+it, and the benchmark prints it beside what it measures.
 
-## Model states
+*Model states* are the tensors that live for the whole of training: for each of
+the $\Psi$ trainable parameters, mixed-precision Adam keeps
 
-Training with mixed-precision Adam keeps, for each of the $\Psi$ trainable
-parameters,
-
-* $p = 2$ bytes of 16-bit parameter, used by forward and backward,
-* $g = 2$ bytes of 16-bit gradient,
+* $p = 2$ bytes of 16-bit parameter (bf16 or fp16), used by forward and backward,
+* $g$ bytes of gradient: the ZeRO paper counts a 16-bit one ($g = 2$); this
+  engine keeps each rank's gradient shard in fp32 ($g = 4$), because the
+  optimizer reads it in fp32 and micro-batches accumulate into it,
 * $K = 12$ bytes of optimizer state: an fp32 master copy of the parameter and
   Adam's two fp32 moments, $4 + 4 + 4$.
 
-Data parallelism (DDP) replicates all of it on each rank:
-$(p + g + K)\Psi = 16\Psi$ bytes per rank, whatever the number of ranks.
-ZeRO-3 (the paper's $P_{os+g+p}$) partitions all three over the $N_d$
-data-parallel ranks, so a rank holds
+That is $2 + 4 + 12 = 18$ bytes per trainable parameter here (the paper's 16).
+Data parallelism (DDP) replicates all of it on each of the $N_d$ data-parallel
+ranks. ZeRO-3 (the paper's $P_{os+g+p}$) partitions all three over them, so a
+rank holds
 
 $$M_{\text{ZeRO-3}} = \frac{(p + g + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 
 where $\Psi_t$ are the trainable and $\Psi_f$ the frozen parameters; a frozen
 parameter has neither gradient nor optimizer state. GPT-NeoX-20B
-($\Psi \approx 20.6 \cdot 10^9$) needs $330$ GB per rank under DDP and $41$ GB per
-rank with ZeRO-3 over $N_d = 8$; trained bias-only ($\Psi_t \approx 3$ M biases)
-it needs little more than the $2\Psi_f / N_d$ of its frozen weights.
+($\Psi \approx 20.6 \cdot 10^9$) needs about $370$ GB per rank at 18 bytes a
+parameter without sharding, and $46$ GB per rank with ZeRO-3 over $N_d = 8$
+(`zero_model_states`; the tests assert both).
 
-A chunked layout stores a little more than the formula: chunks are padded (see
-[chunk layout](chunk_layout.html)), and the padding has the same cost per element
-as the parameters in the chunk. The exact bytes per rank are
-
-$$M_{\text{layout}} = \sum_{c} \frac{C_c}{N_d}\, b_c, \qquad
-b_c = \begin{cases} p + g + K & c \text{ trainable} \\ p & c \text{ frozen}
-\end{cases}$$
-
-with $C_c$ the size of chunk $c$, padding included, a multiple of $N_d$. Each
-group's last chunk of a kind is trimmed to what it holds, so a group whose
-trainable part is small (bias-only fine-tuning) pays for that part only.
-
-## Gathered parameters
-
-During forward, a layer's chunks are gathered in full before it runs, and the
-chunks of the next $d$ layers (the prefetch depth) are gathered ahead of time;
-a layer's chunks are released when it is done. Backward does the same in reverse.
-So at most $d + 1$ consecutive groups are gathered at once, and the peak is
-
-$$G = p \cdot \max_i \sum_{j = i}^{i + d} C(\text{group}_j)$$
-
-with $C(\text{group})$ the elements of a group's chunks. The windows of backward
-are the same sets of consecutive groups taken in the other order, so one maximum
-serves both passes.
-
-## Gradient buffers
-
-During backward a trainable chunk holds each parameter's gradient ($p$ bytes
-per element) until the last one arrives, copies them all into a full-size
-buffer of $C_k$ elements in the reduce dtype ($g$ bytes, fp32 by default),
-reduce-scatters it and frees it. The largest of these buffers,
-
-$$B = g \cdot \max_{k \text{ trainable}} C_k,$$
-
-is live at some moment of every backward pass, beside up to $p \cdot C_k$ of
-held gradients while it is filled; unlike the gathered peak it grows
-with the chunk size even when a group is gathered whole, because one chunk per
-layer holds the whole layer's gradient at once.
-
-## Communication per step
-
-We count each collective by the size of the *whole* tensor it produces or
-consumes: the output of an all-gather (the gathered chunk) and the input of a
-reduce-scatter (the full-size gradient). One step of ZeRO-3 moves
-
-* a forward all-gather of every chunk: $\Psi$ elements in $p$ bytes,
-* a backward all-gather of every chunk again (released after forward): $\Psi$,
-* a reduce-scatter of every trainable chunk's gradient: $\Psi_t$ in the reduce
-  dtype's $g$ bytes,
-
-$\approx 3\Psi$ in total (padding included, and frozen chunks need no
-reduce-scatter). DDP's all-reduce of the gradients counts as $2\Psi$ in the same
-units, because an all-reduce *is* a reduce-scatter followed by an all-gather,
-which is how ring and NCCL's algorithms run it.
-
-On the wire, a ring all-gather of a tensor of $M$ bytes makes each rank send (and
-receive) $\frac{N_d - 1}{N_d} M$ bytes: it passes along the $N_d - 1$ shards that are
-not its own. A reduce-scatter moves the same. So per rank and step, ZeRO-3 sends
-$\frac{N_d - 1}{N_d}(2p\Psi + g\Psi_t)$ bytes and DDP
-$\frac{N_d - 1}{N_d} \cdot 2g\Psi$: with $p = g$, $1.5\times$ the traffic of DDP for
-$\frac{1}{N_d}$ of its model states. `ring_wire_bytes` does that conversion.
+The rest of the page refines this formula for a real [chunk
+layout](chunk_layout.html) (padding, `layout_model_states`), adds what is
+*gathered* for compute at once (`gathered_units`, `gathered_peak`) and the
+largest gradient buffer (`largest_grad_buffer`), and counts the bytes one step
+communicates (`zero3_step_comm`, `ring_wire_bytes`).
 
 ## Limitations
 
@@ -101,9 +45,9 @@ $\frac{1}{N_d}$ of its model states. `ring_wire_bytes` does that conversion.
   activations, the other gradient buffers that are live at the same time (a chunk
   waiting for its reduce-scatter while the next one accumulates), temporary
   buffers and the allocator's fragmentation are not counted.
-* The peak assumes the engine's rule that a group is gathered and released whole,
-  and that prefetch runs exactly $d$ groups ahead; a schedule that releases early
-  or gathers chunk by chunk would need its own count.
+* The peak assumes the engine's rule that a group is gathered and released whole;
+  a schedule that releases early or gathers chunk by chunk would need its own
+  count.
 * Bytes on the wire assume ring-like algorithms; tree and NVLS algorithms move
   other amounts, and the latency of each collective is not modelled at all.
 """
@@ -117,6 +61,10 @@ from labml_zero.zero3.chunk_layout import ChunkLayout
 __all__ = [
     "zero_model_states",
     "layout_model_states",
+    "FORWARD",
+    "BACKWARD",
+    "BACKWARD_EXTRA_UNITS",
+    "gathered_units",
     "gathered_peak",
     "peak_window_numel",
     "largest_grad_buffer",
@@ -149,7 +97,9 @@ def zero_model_states(
 
     * `psi_trainable` is $\Psi_t$ and `psi_frozen` is $\Psi_f$ (elements).
     * `world_size` is $N_d$; $N_d = 1$ gives DDP's $(p + g + K)\Psi$.
-    * `param_bytes`, `grad_bytes` and `optimizer_bytes` are $p$, $g$ and $K$.
+    * `param_bytes`, `grad_bytes` and `optimizer_bytes` are $p$, $g$ and $K$; for
+      this engine's fp32 gradient shard pass `grad_bytes=4` (18 bytes per
+      trainable parameter with bf16 parameters).
 
     Each $\Psi / N_d$ is rounded up: a rank holds whole elements, and the largest
     shard is the one that decides whether a rank runs out of memory.
@@ -179,9 +129,18 @@ def layout_model_states(
     r"""
     ## Exact model states per rank of a chunk layout
 
-    $\sum_c \frac{C_c}{N_d} b_c$ with $b_c = p + g + K$ for a trainable chunk and
-    $p$ for a frozen one; shards include padding, which costs what a parameter
-    costs.
+    A chunked layout stores a little more than the paper's formula: chunks are
+    padded, and padding costs what a parameter in the same chunk costs. The exact
+    bytes per rank are
+
+    $$M_{\text{layout}} = \sum_{c} \frac{C_c}{N_d}\, b_c, \qquad
+    b_c = \begin{cases} p + g + K & c \text{ trainable} \\ p & c \text{ frozen}
+    \end{cases}$$
+
+    with $C_c$ the size of chunk $c$, padding included, a multiple of $N_d$. Each
+    group's last chunk of a kind is trimmed to what it holds, so a group whose
+    trainable part is small (bias-only fine-tuning) pays for that part only.
+    The engine's gradient shard is fp32: pass `grad_bytes=4`.
 
     * `master_aliases_param`: when the parameters are fp32 ($p = 4$) the engine
       uses the parameter shard itself as the fp32 master copy instead of keeping a
@@ -209,30 +168,83 @@ def layout_model_states(
     )
 
 
-def gathered_peak(layout: ChunkLayout, prefetch_depth: int, param_bytes: int) -> int:
+# ## Gathered parameters
+#
+# A *unit* is what the hooks gather and release together: one layer, whose
+# parameters form one *group* of the layout. Before a unit runs, its chunks are
+# gathered in full; the chunks of the next $d$ units (the *prefetch depth*,
+# `prefetch_depth`) are gathered ahead of time, so their all-gathers overlap the
+# running unit's compute; a unit's chunks are released when it is done.
+
+FORWARD = "forward"
+BACKWARD = "backward"
+
+# ## Note: backward holds one more unit
+#
+# In forward, a unit's post-forward hook releases it before the next unit's
+# pre-forward hook gathers: $1 + d$ units are gathered at once. In backward the
+# hooks meet the other way round. The next unit's pre-backward hook fires as soon
+# as the gradient of its output is first needed, and it gathers that unit and
+# prefetches $d$ more; the finished unit's post-backward hook fires only once the
+# gradients of all its inputs are computed, and releases it after that. So the
+# finished unit, the running one and the $d$ prefetched are gathered together:
+# $2 + d$. The tests count the units the engine really holds in each phase and
+# assert `gathered_units`; an engine whose backward released first would set
+# this constant to $0$.
+BACKWARD_EXTRA_UNITS = 1
+
+
+def gathered_units(prefetch_depth: int, phase: str) -> int:
+    r"""
+    ## Units gathered at once
+
+    $$n_{\text{fwd}} = 1 + d, \qquad n_{\text{bwd}} = 1 + d + \beta$$
+
+    with $d$ = `prefetch_depth` and $\beta$ = `BACKWARD_EXTRA_UNITS` (see Note:
+    backward holds one more unit). `phase` is `FORWARD` or `BACKWARD`.
+    """
+    _check_at_least("prefetch_depth", prefetch_depth, 0)
+    if phase == FORWARD:
+        return 1 + prefetch_depth
+    if phase == BACKWARD:
+        return 1 + prefetch_depth + BACKWARD_EXTRA_UNITS
+    raise ValueError(f"phase must be {FORWARD!r} or {BACKWARD!r}, got {phase!r}")
+
+
+def gathered_peak(
+    layout: ChunkLayout, prefetch_depth: int, param_bytes: int, *, phase: str = FORWARD
+) -> int:
     r"""
     ## Peak bytes of gathered chunks
 
-    $G = p \cdot \max_i \sum_{j=i}^{i+d} C(\text{group}_j)$: the largest total
-    size of the chunks of $d + 1$ consecutive groups (`prefetch_depth` is $d$),
-    in the parameter dtype. With fewer than $d + 1$ groups, all of them.
+    With $n$ = `gathered_units(prefetch_depth, phase)` consecutive groups gathered
+    at once,
+
+    $$G = p \cdot \max_i \sum_{j=i}^{i+n-1} C(\text{group}_j)$$
+
+    with $C(\text{group})$ the elements of a group's chunks and $p$ =
+    `param_bytes`. With fewer than $n$ groups, all of them. Backward's windows are
+    the same runs of consecutive groups taken in the other order, one group
+    wider; the step's peak is `phase=BACKWARD`'s whenever $\beta > 0$.
     """
     _check_at_least("param_bytes", param_bytes, 1)
     # `by_group` lists groups in the order of their chunks: execution order.
     sizes = [layout.group_numel(group) for group in layout.by_group]
-    return peak_window_numel(sizes, prefetch_depth) * param_bytes
+    return peak_window_numel(sizes, prefetch_depth, phase=phase) * param_bytes
 
 
-def peak_window_numel(group_numels: Sequence[int], prefetch_depth: int) -> int:
+def peak_window_numel(
+    group_numels: Sequence[int], prefetch_depth: int, *, phase: str = FORWARD
+) -> int:
     """
-    #### Largest sum of $d + 1$ consecutive group sizes
+    #### Largest sum of $n$ consecutive group sizes
 
-    `group_numels` are the gathered sizes of the groups in execution order. The
-    search calls this directly with sizes it computed without a full layout.
-    A sliding window keeps it linear in the number of groups.
+    `group_numels` are the gathered sizes of the groups in execution order, and
+    $n$ = `gathered_units(prefetch_depth, phase)`. The search calls this directly
+    with sizes it computed without a full layout. A sliding window keeps it
+    linear in the number of groups.
     """
-    _check_at_least("prefetch_depth", prefetch_depth, 0)
-    width = prefetch_depth + 1
+    width = gathered_units(prefetch_depth, phase)
     window = sum(group_numels[:width])
     peak = window
     for i in range(width, len(group_numels)):
@@ -245,9 +257,18 @@ def largest_grad_buffer(layout: ChunkLayout, grad_bytes: int) -> int:
     r"""
     ## Largest full-size gradient buffer
 
-    $B = g \cdot \max_k C_k$ over the trainable chunks (oversized ones included:
-    an embedding's buffer is as real as any), in bytes of the reduce dtype
-    (`grad_bytes` is $g$); zero when nothing trains.
+    During backward a trainable chunk holds each parameter's gradient until the
+    last one arrives, copies them all into a full-size buffer of $C_k$ elements
+    in the *reduce dtype* (the dtype the reduce-scatter runs in, fp32 by
+    default), reduce-scatters it and frees it. The largest of these buffers,
+
+    $$B = g_r \cdot \max_{k \text{ trainable}} C_k,$$
+
+    is live at some moment of every backward pass ($g_r$ = `grad_bytes`, the
+    reduce dtype's bytes; oversized chunks count: an embedding's buffer is as real
+    as any); zero when nothing trains. Unlike the gathered peak it grows with the
+    chunk size even when a group is gathered whole, because one chunk per layer
+    holds the whole layer's gradient at once.
     """
     _check_at_least("grad_bytes", grad_bytes, 1)
     sizes = [chunk.chunk_numel for chunk in layout.chunks if chunk.trainable]
@@ -257,6 +278,10 @@ def largest_grad_buffer(layout: ChunkLayout, grad_bytes: int) -> int:
 class Traffic(NamedTuple):
     """
     ## Volume of one kind of collective in a step
+
+    We count each collective by the size of the *whole* tensor it produces or
+    consumes: the output of an all-gather (the gathered chunk) and the input of a
+    reduce-scatter (the full-size gradient).
 
     * `collectives` is how many calls are made.
     * `numel` is the sum of their full tensor sizes (gathered output, or
@@ -273,8 +298,8 @@ class StepComm(NamedTuple):
     """
     ## Communication of one ZeRO-3 training step
 
-    The three phases of a step, each counted by full tensor size (see the
-    introduction for bytes on the wire).
+    The three phases of a step, each counted by full tensor size (`Traffic`);
+    `ring_wire_bytes` turns a size into bytes on the wire.
     """
 
     forward_all_gather: Traffic
@@ -301,16 +326,28 @@ def zero3_step_comm(
     grad_bytes: int = 2,
     backward_groups: Iterable[int] | None = None,
 ) -> StepComm:
-    """
+    r"""
     ## Collectives of one ZeRO-3 step
+
+    One step moves
+
+    * a forward all-gather of every chunk: $\Psi$ elements in $p$ bytes,
+    * a backward all-gather of the chunks that were released after forward and
+      run a backward: at most $\Psi$ again, fewer in the engine, which keeps the
+      root unit and *resident* chunks gathered for the whole step and never
+      gathers again the frozen layers at the input end, where no backward runs,
+    * a reduce-scatter of every trainable chunk's gradient: $\Psi_t$ in the reduce
+      dtype's $g_r$ bytes,
+
+    at most $3\Psi$ in total (padding included; frozen chunks need no
+    reduce-scatter). DDP's all-reduce of the gradients counts as $2\Psi$ in the
+    same units (`ddp_step_comm`).
 
     * `param_bytes` is the dtype the all-gathers run in (the parameter dtype).
     * `grad_bytes` is the dtype the reduce-scatters run in (the reduce dtype).
     * `backward_groups` are the groups whose chunks backward gathers again; all
-      groups by default. An engine that keeps the last layer gathered from forward
-      into backward, or skips groups that need no gradient, passes fewer.
-
-    Forward gathers every chunk once; only trainable chunks are reduce-scattered.
+      groups by default, the upper bound. The tests pass the groups the engine
+      really gathers again.
     """
     _check_at_least("param_bytes", param_bytes, 1)
     _check_at_least("grad_bytes", grad_bytes, 1)
@@ -342,8 +379,9 @@ def ddp_step_comm(psi_trainable: int, grad_bytes: int = 2) -> Traffic:
     r"""
     ## DDP's all-reduce, in the same units
 
-    An all-reduce of $\Psi_t$ gradient elements counts as $2\Psi_t$: it is a
-    reduce-scatter plus an all-gather of the full tensor. `collectives` is $1$, as
+    An all-reduce of $\Psi_t$ gradient elements counts as $2\Psi_t$: it *is* a
+    reduce-scatter followed by an all-gather of the full tensor, which is how ring
+    and NCCL's algorithms run it. `collectives` is $1$, as
     if the gradients were one flat bucket; DDP really uses buckets of about
     25 MB, which changes the count but not the volume.
     """
@@ -356,8 +394,16 @@ def ring_wire_bytes(nbytes: int, world_size: int) -> int:
     r"""
     ### Bytes each rank sends for a collective of `nbytes` (full tensor size)
 
-    $\frac{N_d - 1}{N_d}\,M$ for a ring all-gather or reduce-scatter; zero on
-    one rank. Exact when `nbytes` is a multiple of $N_d$, as chunk sizes are.
+    A ring all-gather of a tensor of $M$ bytes makes each rank send (and receive)
+
+    $$\frac{N_d - 1}{N_d}\,M$$
+
+    bytes: it passes along the $N_d - 1$ shards that are not its own. A
+    reduce-scatter moves the same; zero on one rank. Exact when `nbytes` is a
+    multiple of $N_d$, as chunk sizes are. So per rank and step, ZeRO-3 sends at
+    most $\frac{N_d - 1}{N_d}(2p\Psi + g_r\Psi_t)$ bytes and DDP
+    $\frac{N_d - 1}{N_d} \cdot 2g_r\Psi$: with $p = g_r$, $1.5\times$ the traffic
+    of DDP for $\frac{1}{N_d}$ of its model states.
     """
     _check_at_least("nbytes", nbytes, 0)
     _check_at_least("world_size", world_size, 1)

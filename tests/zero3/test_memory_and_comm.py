@@ -9,7 +9,12 @@ from torch import nn
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3 import ZeroConfig, shard_model
 from labml_zero.zero3.chunk import ChunkState
+from labml_zero.zero3.hooks import Phase
 from labml_zero.zero3.memory_model import (
+    BACKWARD,
+    FORWARD,
+    gathered_peak,
+    gathered_units,
     layout_model_states,
     zero3_step_comm,
     zero_model_states,
@@ -141,3 +146,46 @@ def test_figures_in_the_chunk_notes():
     params = sum(p.numel() for layer in build_layers(pythia_6_9b(), device="meta")
                  for p in layer.parameters())
     assert round((2 + 4) * params / 1e9) == 41
+
+
+def units_gathered_at_once(ctx, depth: int):
+    """The most units (and full-buffer bytes) the engine holds gathered at once in
+    forward and in backward, over two steps of six equal layers (all of them
+    units, so the root holds nothing)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8) for _ in range(6)]
+    config = ZeroConfig(dtype=torch.float32, prefetch_depth=depth)
+    model = shard_model(nn.Sequential(*layers), layers, device=ctx.device,
+                        config=config)
+    runtime = model.runtime
+    units = [unit for unit in runtime.all_units() if unit.module is not None]
+    peak = {Phase.FORWARD: [0, 0], Phase.BACKWARD: [0, 0]}
+
+    def count():
+        live = [u for u in units
+                if any(c.state is not ChunkState.SHARDED for c in u.chunks)]
+        nbytes = sum(c.full.untyped_storage().nbytes() for u in live for c in u.chunks)
+        if runtime.phase in peak:
+            held = peak[runtime.phase]
+            held[0], held[1] = max(held[0], len(live)), max(held[1], nbytes)
+
+    for unit in units:
+        for chunk in unit.chunks:
+            def gather(original=chunk.gather):
+                original()
+                count()
+            chunk.gather = gather
+    x = torch.randn(4, 8, device=ctx.device, requires_grad=True)
+    for _ in range(2):
+        model(x).sum().backward()
+    return {phase.value: held for phase, held in peak.items()}, model.layout
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_units_gathered_at_once_match_the_memory_model(depth):
+    (held, layout), = run_distributed(units_gathered_at_once, 1, depth)
+    for phase in (FORWARD, BACKWARD):
+        units, nbytes = held[phase]
+        assert units == gathered_units(depth, phase)
+        assert nbytes == gathered_peak(layout, depth, 4, phase=phase)

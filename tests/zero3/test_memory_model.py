@@ -4,9 +4,13 @@ import pytest
 
 from labml_zero.zero3.chunk_layout import ParamSpec, plan_chunks
 from labml_zero.zero3.memory_model import (
+    BACKWARD,
+    BACKWARD_EXTRA_UNITS,
+    FORWARD,
     Traffic,
     ddp_step_comm,
     gathered_peak,
+    gathered_units,
     largest_grad_buffer,
     layout_model_states,
     peak_window_numel,
@@ -192,3 +196,46 @@ def test_zero3_is_three_psi_and_ddp_two_psi():
 def test_backward_groups_must_exist():
     with pytest.raises(ValueError, match="backward_groups names group 7"):
         zero3_step_comm(mixed_layout(), backward_groups=[7])
+
+
+# Units gathered at once
+
+
+def test_gathered_units_by_phase():
+    # Forward holds the running unit and d prefetched; backward one more (see
+    # Note: backward holds one more unit).
+    beta = BACKWARD_EXTRA_UNITS
+    for d in (0, 1, 2):
+        assert gathered_units(d, FORWARD) == 1 + d
+        assert gathered_units(d, BACKWARD) == 1 + d + beta
+    with pytest.raises(ValueError, match="phase"):
+        gathered_units(1, "sideways")
+    with pytest.raises(ValueError, match="prefetch_depth"):
+        gathered_units(-1, FORWARD)
+
+
+def test_backward_peak_is_one_group_wider():
+    # Group sizes 4, 8, 2, 6 as above: backward's window is gathered_units wide.
+    params = [ParamSpec(f"p{g}", (n,), True, g) for g, n in enumerate([4, 8, 2, 6])]
+    layout = plan_chunks(params, 1, 1)
+    sizes = [4, 8, 2, 6]
+    for d in (0, 1, 2):
+        width = gathered_units(d, BACKWARD)
+        expected = max(sum(sizes[i : i + width]) for i in range(len(sizes)))
+        assert gathered_peak(layout, d, 1, phase=BACKWARD) == expected
+        assert peak_window_numel(sizes, d, phase=BACKWARD) == expected
+    # The forward default is unchanged: d = 0 is the largest group.
+    assert gathered_peak(layout, 0, 1, phase=FORWARD) == 8
+
+
+def test_figures_in_the_memory_notes():
+    """GPT-NeoX-20B: about 370 GB per rank unsharded at 18 bytes a parameter
+    (2 + 4 + 12), 46 GB per rank with ZeRO-3 over 8 ranks."""
+    from labml_zero.neox.model import build_layers, gpt_neox_20b
+
+    psi = sum(p.numel() for layer in build_layers(gpt_neox_20b(), device="meta")
+              for p in layer.parameters())
+    assert round(psi / 1e9, 1) == 20.6
+    assert 2 + 4 + 12 == 18
+    assert round(zero_model_states(psi, 0, 1, grad_bytes=4) / 1e9, -1) == 370
+    assert round(zero_model_states(psi, 0, 8, grad_bytes=4) / 1e9) == 46
