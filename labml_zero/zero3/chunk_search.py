@@ -6,190 +6,45 @@ summary: Pick the chunk size that trades padding against gathered and gradient m
 
 # Chunk-size search
 
-The [layout](chunk_layout.html) packs parameters into chunks of one size $c$; this
-page picks $c$. Like ColossalAI's Gemini
-(`colossalai/zero/gemini/chunk/search_utils.py`, `search_chunk_configuration`),
-it simulates the packing for every candidate size in a range and scores the
-result; it departs from it in what it simulates and in what it scores.
-
-## Candidates
-
-Candidate sizes step by the hidden size $h$ (`hidden_dim`): transformer
-parameters are multiples of $h$ (a $h \times 4h$ projection, a bias of $3h$), so
-is any run of them, and steps of $h$ reach every size that a run fills exactly;
-finer steps would add sizes that only pad more. The first candidate is
-
-$$c_0 = h \left\lceil \frac{\max(c_{\min}, n_{\max})}{h} \right\rceil$$
-
-with $c_{\min}$ = `min_chunk_size_m` $\cdot 2^{20}$ and $n_{\max}$ the largest
-parameter not excluded (below): a smaller chunk would leave that parameter
-oversized. The candidates are $c_0, c_0 + h, \dots$ up to $c_0 + R$ with
-$R$ = `search_range_m` $\cdot 2^{20}$. All of this is ColossalAI's rule. Each
-candidate is then rounded up to the layout's granule $N_d \cdot$ `align`.
-
-*Very large parameters are excluded* (`filter_exlarge_params`, ColossalAI's rule
-too): a parameter with more than $\mu + 3\sigma$ elements, $\mu$ and $\sigma$ the
-mean and standard deviation of all parameter sizes, does not set $n_{\max}$.
-In GPT-NeoX that is the two $50432 \times h$ embeddings; sizing every chunk for
-them would make the candidates larger than a layer. They are still packed: the
-layout gives a parameter larger than $c$ a chunk of its own.
-
-## The objective
+The [chunk layout](chunk_layout.html) packs parameters, in execution order, into
+flat *chunks* of one common size $c$ (in elements); a chunk never spans a *group*
+(one layer, the unit that the hooks gather and release), and the space a chunk
+holds but no parameter fills is *padding*. This page picks $c$. Like ColossalAI's
+Gemini (`search_chunk_configuration`), it tries every *candidate* size in a range
+and scores the layout each one gives; it departs from it in what it simulates and
+in what it scores (see `search_chunk_size`).
 
 For a candidate $c$, let $C_k$ be the size of chunk $k$ and $u_k$ the elements of
-parameters in it, $p$ the bytes of the parameter dtype and $g$ those of the
-reduce dtype (`grad_bytes`). We minimize
+parameters in it, $p$ the bytes of the parameter dtype, $g_r$ those of the reduce
+dtype (the dtype gradients are reduce-scattered in) and $d$ the prefetch depth
+(how many groups the engine gathers ahead of the running one). The search
+minimizes
 
 $$\text{score}(c) = \underbrace{p \sum_k (C_k - u_k)}_{\text{waste}}
 + \lambda \Big( \underbrace{p \max_i \sum_{j=i}^{i+d} C(\text{group}_j)}_
-{\text{peak gathered}} + \underbrace{g \max_{k \text{ trainable}} C_k}_
+{\text{peak gathered}} + \underbrace{g_r \max_{k \text{ trainable}} C_k}_
 {\text{gradient buffer}} \Big) + \mu \, n_{\text{collectives}}$$
 
-* *Waste* is the padding of all chunks in bytes. Every rank stores its share of
-  it (summed over ranks, the whole of it), every all-gather moves it and every
-  reduce-scatter reduces it. It is what ColossalAI minimizes (in elements).
-* *Peak gathered* is the [memory model's](memory_model.html) `gathered_peak`:
-  the engine gathers a layer's chunks whole and prefetches the next $d$
-  (`prefetch_depth`) layers, so the largest sum over $d + 1$ consecutive groups
-  is the most parameter memory that is ever gathered at once.
-* *Gradient buffer* is the memory model's `largest_grad_buffer`: in backward each
-  trainable chunk adds its parameters' gradients into a full-size buffer of
-  $C_k$ elements in the reduce dtype, and reduce-scatters and frees it only once
-  all of them have arrived.
-* $\lambda$ (`memory_weight`) prices a byte of peak memory against a byte of
-  waste.
-* $\mu$ (`collective_bytes`) is the fixed cost of one collective, in bytes:
-  launching it costs the host about 100–250 µs (c10d, NCCL, our hooks), and the
-  two ranks must meet, which at the ~250 GB/s of NVLink is the time of moving
-  tens of megabytes. Measured on 2×H200 (PyTorch 2.11): a Pythia-160M-shaped
-  model (W4) ran at 432k tokens/s with 27 chunks and 463k with 15, one per
-  layer; at Pythia-1.4B (W1) 75 and 27 chunks ran within 0.3% of each other. The
-  default, 32 MiB, makes a layer one chunk unless that chunk would cost more in
-  padding and memory, which is what those runs favour. $n_{\text{collectives}}$ counts
-  the all-gathers (forward and backward) and reduce-scatters of a step.
-
-### Why not padding alone
-
-The layout trims the last chunk of each kind in a group to what it holds, so
-padding sits only in the *regular* chunks (of size $c$) that a parameter did not
-fit into, and in alignment gaps. A candidate that holds a whole group packs it
-into one trimmed chunk with no padding at all: padding alone favours one giant
-chunk per group, as soon as the range reaches the size of a layer.
-
-The peak of gathered parameters does not stop that. A group is gathered whole,
-so the peak is the window's parameters (a constant of the model) plus the
-window's padding: it counts the padding that hurts most a second time, but a
-giant chunk has none.
-
-What does grow with $c$ is the gradient buffer. A giant chunk holds the whole
-layer's gradient at once, and its reduce-scatter waits for the layer's last
-gradient, so none of the layer's gradient traffic overlaps the layer's backward.
-With smaller chunks a chunk whose parameters are done (in backward, the ones used
-last in forward) is reduced and freed while the rest of the layer runs. The
-score makes that trade explicit. A small case (the tests' first one): layer 0
-holds parameters of 2 and 3 elements, layer 1 one of 1, $d = 0$, bf16
-parameters ($p = 2$), fp32 gradients ($g = 4$), $\lambda = 1$; sizes in elements,
-the score in bytes.
-
-| $c$ | chunks | padding | peak | gradient buffer | score |
-|---|---|---|---|---|---|
-| 3 | `[2.] [3]`, `[1]` | 1 | 6 | 3 | $2 + 12 + 12 = 26$ |
-| 4 | `[2..] [3]`, `[1]` | 2 | 7 | 4 | $4 + 14 + 16 = 34$ |
-| 5 | `[2 3]`, `[1]` | 0 | 5 | 5 | $0 + 10 + 20 = 30$ |
-
-Padding alone picks $c = 5$, one chunk per layer. The score picks $c = 3$: one
-element of padding and one more gathered, but layer 0's gradient is reduced in
-two pieces of at most 3, the first as soon as the second parameter's gradient is
-in. In a real model the same trade sets how many chunks a layer gets.
-
-*Ties go to the larger chunk.* A tie means both sizes cost the same by this
-measure; the larger one usually moves the same elements in fewer chunks (with
-$p = g = 1$ above, $c = 3$ and $c = 5$ tie at $10$, with 9 and 6 collectives per
-step), and fewer, larger collectives use the links better: on 2×H200 an
-all-gather reaches 183 GB/s with a 32 MiB result and 254 GB/s at 512 MiB (see
-`ANCHORS.md`). ColossalAI keeps the first (smallest) size instead. One exception:
-a larger size that packs every group into the same chunks as a smaller one is the
-same layout under another name, and the smaller, the first size that gives it, is
-kept (see "Cost": this is what makes skipping such sizes exact). The number of
-collectives per step is in every row of the table, so the bandwidth side can be
-read off it.
-
-## Where we depart from ColossalAI
-
-* We simulate the packer we run: chunks never span a layer, trainable and frozen
-  parameters never share a chunk, and each group's last chunk of a kind is
-  trimmed. ColossalAI packs one stream of parameters, so its waste ignores the
-  padding those boundaries cause.
-* Each candidate is rounded up to the granule $N_d \cdot$ `align` *before* it is
-  scored, so the score is the score of the layout used; ColossalAI rounds the
-  winner afterwards. Candidates that round to the same size are scored once.
-* Excluded parameters are still in the layout we score (in their own chunks);
-  ColossalAI leaves them out of the waste.
-* ColossalAI scores padding alone; we add the peak memory terms above.
-* ColossalAI keeps a model smaller than $c_{\min}$ gathered and unsharded; we
-  always shard. For that reason `min_chunk_size_m` defaults to $0$, not $32$: with
-  chunks confined to a layer, a floor above a layer's size only makes every layer
-  one giant chunk.
-
-## Cost
-
-The search plans each candidate's layout, linear in the number of parameters, and
-two shortcuts keep GPT-NeoX-20B (47 groups, 5462 candidates for a range of
-$32 \cdot 2^{20}$ at $h = 6144$) to about a second of pure Python:
-
-* *Repeated layers are packed once.* A group's packing depends only on its own
-  parameters, so groups with the same parameter sizes and kinds share one plan
-  per candidate, and the totals are weighted by how often each shape repeats.
-* *Saturated candidates are skipped.* Once each group's trainable parameters, and
-  its frozen ones, fit in one chunk (oversized parameters aside, in chunks of
-  their own), a larger $c$ packs every group into exactly the same chunks: every
-  parameter is placed where it was, the one chunk of a kind is the group's last
-  and so trimmed to the same size, and an oversized parameter's chunk does not
-  depend on $c$. Waste, peak and gradient buffer all stay equal, and the tie rule
-  keeps the smaller size, so the search jumps to the next size at which a
-  parameter stops being oversized, the first at which the packing can change.
-  The tests check this against scoring every candidate.
-
-## GPT-NeoX-20B
-
-A layer holds four layer-norm vectors of $h$, QKV ($3h \times h$ and $3h$), the
-attention output ($h \times h$, $h$) and the MLP ($4h \times h$, $4h$,
-$h \times 4h$, $h$): $12h^2 + 13h$ elements. The embeddings are excluded, so the
-range starts at $c_0 = 4h^2$, the MLP weights.
-
-*Without the collective term* ($\mu = 0$) and with ColossalAI's range of
-$R = 32 \cdot 2^{20} < h^2$, the giant chunk is out of reach. At $c_0$ the attention
-output does not fit next to QKV, nor a bias next to an MLP weight: six chunks per
-layer, $40\%$ of their elements padding. At $c_0 + 7h$ the layer norms, QKV and
-the attention output weight fill the first chunk exactly, the attention output
-bias and the first MLP half fill the second within $2h$, and the second MLP half
-is the trimmed third chunk: three all-gathers per layer and $2h$ of padding per
-layer. The gradient buffer does not move it: the embedding, trainable and in a
-chunk of its own, has the largest gradient buffer of all. Bias-only ($8h$
-trainable elements per layer) picks $c_0 + 4h$, and each layer's biases share one
-trimmed chunk with no padding.
-
-*With the engine's defaults* (`sharded_model.choose_chunk_numel`): the range is
-stretched to the largest layer and each collective costs $\mu = 32$ MiB. Three
-chunks instead of one cost $2 \cdot 3 = 6$ more collectives per layer per step,
-192 MiB, against a gradient buffer $8h^2 \cdot 4$ bytes smaller (1.2 GB at
-$h = 6144$, but the embedding's buffer is larger still and sets the term): one
-chunk per layer, $12h^2 + 13h$ elements, no padding, wins. That is the layout the
-benchmarks ran.
+padding in bytes, plus $\lambda$ times the peak memory that the size sets, plus a
+fixed price $\mu$ for each collective of a training step. `score_candidate`
+explains each term beside the line that computes it; Note: why not padding alone
+shows, on a model of three parameters, why the memory terms are needed; Note:
+GPT-NeoX-20B works the search through a real model.
 
 ## Limitations
 
 * The score weighs trainable and frozen padding alike, though a trainable
-  element also costs a gradient and optimizer state ($g + K$ bytes per element,
-  sharded); `layout_model_states` on the result gives the exact bytes.
-* Bandwidth enters as the tie rule and the per-collective cost $\mu$, one
-  constant measured on one machine (2×H200, NVLink); overlap enters only
-  through the size of the gradient buffer.
-* The peak terms count the gathered parameters and *one* gradient buffer, not
-  the other buffers live at the same time or the activations, and they assume
-  the engine's whole-group gather. A trainable parameter larger than every
-  candidate (a trainable embedding) sets the gradient buffer alone, and then the
-  term cannot tell the candidates apart.
+  element also costs a gradient and optimizer state (sharded);
+  `layout_model_states` on the result gives the exact bytes.
+* Bandwidth enters only as the tie rule and the per-collective price $\mu$, one
+  constant; overlap enters only through the size of the gradient buffer.
+* The peak terms count the gathered parameters of forward's window of $d + 1$
+  groups and *one* gradient buffer. Backward holds one more group (see the
+  memory model's Note: backward holds one more unit), and the other buffers live
+  at the same time and the activations are not counted; they assume the
+  engine's whole-group gather. A trainable parameter larger than every candidate
+  (a trainable embedding) sets the gradient buffer alone, and then the term
+  cannot tell the candidates apart.
 * One common size for the regular chunks: a layer's chunks cannot each take the
   size that its parameters fill exactly. The trim fixes only each group's last
   chunk of a kind.
@@ -243,15 +98,17 @@ class ChunkSearchConfig:
     """
 
     min_chunk_size_m: float = 0.0
-    """
-    Smallest candidate, in $2^{20}$ elements. ColossalAI's default is 32; ours is
-    0 because chunks stay inside a layer (see "Where we depart").
+    r"""
+    Smallest candidate, $c_{\min}$, in $2^{20}$ elements. ColossalAI's default is
+    32, because it keeps a model smaller than $c_{\min}$ gathered and unsharded;
+    we always shard, and with chunks confined to a layer a floor above a layer's
+    size only makes every layer one giant chunk, so ours is 0.
     """
 
     search_range_m: float = 32.0
     r"""
-    Width of the range of candidates, in $2^{20}$ elements (ColossalAI's 32):
-    $\lfloor R / h \rfloor + 1$ candidates, 5462 at $h = 6144$.
+    Width $R$ of the range of candidates, in $2^{20}$ elements (ColossalAI's 32):
+    $\lfloor R / h \rfloor + 1$ candidates, 5462 at $h = 6144$ (GPT-NeoX-20B).
     """
 
     filter_exlarge_params: bool = True
@@ -289,13 +146,17 @@ class ChunkSearchConfig:
     $\lambda$: a byte of peak memory (gathered parameters plus the largest
     gradient buffer) costs as much as $\lambda$ bytes of waste. At $1$ they count
     alike, so padding in the peak window counts twice; $0$ scores padding alone,
-    which favours one giant chunk per layer.
+    which favours one giant chunk per layer (see Note: why not padding alone).
     """
 
     collective_bytes: int = 32 * 2**20
     r"""
-    $\mu$: the fixed cost of one collective, in bytes of waste (see the
-    objective). 0 ignores it.
+    $\mu$: the fixed cost of one collective, priced in bytes of waste. Each
+    collective costs the host a launch (c10d, NCCL, our hooks), and all ranks
+    must meet before it moves data; over a fast link that time would move tens of
+    megabytes. The default, $32$ MiB, makes a layer one chunk unless that chunk
+    would cost more in padding and memory than the collectives it saves (see
+    Note: GPT-NeoX-20B). $0$ ignores the term.
     """
 
     max_candidates: int = 100_000
@@ -400,11 +261,30 @@ class ChunkSearchResult:
 def search_chunk_size(
     params: Sequence[ParamSpec], world_size: int, *, config: ChunkSearchConfig
 ) -> ChunkSearchResult:
-    """
+    r"""
     ## Search the chunk size
 
     * `params` in execution order, as for `plan_chunks`.
-    * `world_size` is $N_d$.
+    * `world_size` is $N_d$, the number of ranks a chunk is sharded over.
+
+    *Candidates* step by the hidden size $h$ (`hidden_dim`): transformer
+    parameters are multiples of $h$ (an $h \times 4h$ projection, a bias of $3h$),
+    so is any run of them, and steps of $h$ reach every size that a run fills
+    exactly; finer steps would add sizes that only pad more. They run from $c_0$
+    (`start_size`) to $c_0 + R$, $R$ = `search_range_m` $\cdot 2^{20}$, which is
+    ColossalAI's rule. Where we depart from ColossalAI:
+
+    * We simulate the packer we run: chunks never span a group, trainable and
+      frozen parameters never share a chunk, and each group's last chunk of a
+      kind is trimmed. ColossalAI packs one stream of parameters, so its waste
+      ignores the padding those boundaries cause.
+    * Each candidate is rounded up to the layout's *granule* $N_d \cdot$ `align`
+      (a chunk must split into $N_d$ aligned shards) *before* it is scored, so the
+      score is the score of the layout used; ColossalAI rounds the winner
+      afterwards. Candidates that round to the same size are scored once.
+    * Excluded parameters (`excluded_params`) are still in the layout we score,
+      in chunks of their own; ColossalAI leaves them out of the waste.
+    * ColossalAI scores padding alone; we add the memory and collective terms.
     """
     if not params:
         raise ValueError("params is empty: there is nothing to pack")
@@ -435,8 +315,12 @@ def search_chunk_size(
         )
         rows.append(row)
         chunks = [plan.chunks for plan in plans]
-        # Scanning by increasing size, a tie goes to the larger chunk (fewer,
-        # larger collectives), unless it is the same layout under another size.
+        # Ties go to the larger chunk: both cost the same by this measure, and
+        # the larger one usually moves the same elements in fewer, larger
+        # collectives, which use the links better (ColossalAI keeps the
+        # smallest). Unless it is the same layout under another size: then the
+        # first size that gives it is kept, which is what makes skipping
+        # saturated sizes exact (`is_saturated`).
         if (
             best is None
             or row.score < best.score
@@ -445,7 +329,7 @@ def search_chunk_size(
             best, best_chunks = row, chunks
         if is_saturated(plans):
             # Same chunks, so the same score, until a parameter stops being
-            # oversized (see "Cost").
+            # oversized: jump to that size.
             i = bisect.bisect_right(param_sizes, chunk_numel)
             if i == len(param_sizes):
                 break
@@ -472,8 +356,13 @@ def excluded_params(params: Sequence[ParamSpec]) -> list[ParamSpec]:
     r"""
     ### Parameters too large to set the start size
 
-    Those above $\mu + 3\sigma$ elements (population $\sigma$, as ColossalAI's
-    `np.std`). With one parameter, or all alike, $\sigma = 0$ and none is above.
+    Those above $\bar n + 3\sigma$ elements, $\bar n$ and $\sigma$ the mean and
+    the population standard deviation (as ColossalAI's `np.std`) of all parameter
+    sizes: ColossalAI's `filter_exlarge_params` rule. In GPT-NeoX these are the
+    two $50432 \times h$ embeddings; sizing every chunk for them would make every
+    candidate larger than a layer. They are still packed: the layout gives a
+    parameter larger than $c$ a chunk of its own. With one parameter, or all
+    alike, $\sigma = 0$ and none is above.
     """
     sizes = [spec.numel for spec in params]
     limit = statistics.fmean(sizes) + 3 * statistics.pstdev(sizes)
@@ -485,11 +374,14 @@ def start_size(
     excluded: Sequence[ParamSpec],
     config: ChunkSearchConfig,
 ) -> int:
-    """
+    r"""
     ### The first candidate, $c_0$
 
-    Raised to fit the largest parameter that is not excluded, then rounded up to a
-    multiple of the step.
+    $$c_0 = h \left\lceil \frac{\max(c_{\min}, n_{\max})}{h} \right\rceil$$
+
+    with $c_{\min}$ = `min_chunk_size_m` $\cdot 2^{20}$ and $n_{\max}$ the largest
+    parameter that is not excluded: a smaller chunk would leave that parameter
+    oversized.
     """
     excluded_ids = {id(spec) for spec in excluded}
     largest = max(spec.numel for spec in params if id(spec) not in excluded_ids)
@@ -513,10 +405,15 @@ def group_shapes(params: Sequence[ParamSpec]) -> tuple[list[GroupShape], list[in
     """
     ### Distinct group shapes
 
+    The search plans every candidate's layout, linear in the number of
+    parameters; two shortcuts keep GPT-NeoX-20B (47 groups, 5462 candidates) to
+    seconds of pure Python. This is the first: *repeated layers are packed once*.
+
     Returns the distinct shapes, and for each group in execution order the index
     of its shape. A shape is the sequence of (size, trainable) of its parameters:
     two groups with the same shape are packed the same way for any $c$, because a
-    chunk never spans groups.
+    chunk never spans groups, so the totals are weighted by how often each shape
+    repeats.
     """
     runs: list[list[ParamSpec]] = []
     for spec in params:
@@ -549,8 +446,16 @@ def is_saturated(plans: Sequence[ChunkLayout]) -> bool:
     """
     #### Does every group hold at most one regular chunk of each kind?
 
-    Then a larger size packs every group into the same chunks, until one more
-    parameter stops being oversized (see "Cost").
+    The second shortcut: *saturated candidates are skipped*. Once each group's
+    trainable parameters, and its frozen ones, fit in one chunk (oversized
+    parameters aside, in chunks of their own), a larger $c$ packs every group
+    into exactly the same chunks: every parameter is placed where it was, the one
+    chunk of a kind is the group's last and so trimmed to the same size, and an
+    oversized parameter's chunk does not depend on $c$. Waste, peak and gradient
+    buffer all stay equal, and the tie rule keeps the smaller size, so the search
+    jumps to the next size at which a parameter stops being oversized, the first
+    at which the packing can change. The tests check this against scoring every
+    candidate.
     """
     return all(
         sum(c.trainable == kind and not is_oversized(plan, c) for c in plan.chunks)
@@ -583,10 +488,25 @@ def score_candidate(
         zero3_step_comm(plan).collectives * shape.count
         for plan, shape in zip(plans, shapes)
     )
+    # *Collectives*: the all-gathers (forward and backward) and reduce-scatters of
+    # a step, $n_{\text{collectives}}$, which the term $\mu$ prices.
+    #
+    # *Peak gathered* is the memory model's `gathered_peak`: the engine gathers a
+    # group's chunks whole and prefetches the next $d$, so the largest sum over
+    # $d + 1$ consecutive groups is the parameter memory gathered at once in
+    # forward.
     group_numels = [plans[i].total_numel() for i in shape_of_group]
     peak = peak_window_numel(group_numels, config.prefetch_depth) * config.param_bytes
-    # A maximum, not a sum: one shape's plan stands for all its groups.
+    # *Gradient buffer* is the memory model's `largest_grad_buffer`: in backward
+    # each trainable chunk adds its parameters' gradients into a full-size
+    # buffer of $C_k$ elements in the reduce dtype, and reduce-scatters and frees
+    # it only once all of them have arrived. A maximum, not a sum: one shape's
+    # plan stands for all its groups.
     grad_buffer = max(largest_grad_buffer(plan, config.grad_bytes) for plan in plans)
+    # *Waste* is the padding of all chunks in bytes. Every rank stores its share
+    # of it (summed over ranks, the whole of it), every all-gather moves it and
+    # every reduce-scatter reduces it. It is what ColossalAI minimizes (in
+    # elements).
     waste = padding * config.param_bytes
     score = (
         waste
@@ -597,3 +517,66 @@ def score_candidate(
         chunk_numel, chunks, collectives, padding, waste, peak, grad_buffer, score
     )
     return row, plans
+
+
+# ## Note: why not padding alone
+#
+# The layout trims the last chunk of each kind in a group to what it holds, so
+# padding sits only in the *regular* chunks (of size $c$) that a parameter did
+# not fit into, and in alignment gaps. A candidate that holds a whole group packs
+# it into one trimmed chunk with no padding at all: padding alone favours one
+# giant chunk per group, as soon as the range reaches the size of a layer.
+#
+# The peak of gathered parameters does not stop that. A group is gathered whole,
+# so the peak is the window's parameters (a constant of the model) plus the
+# window's padding: it counts the padding that hurts most a second time, but a
+# giant chunk has none.
+#
+# What does grow with $c$ is the gradient buffer. A giant chunk holds the whole
+# layer's gradient at once, and its reduce-scatter waits for the layer's last
+# gradient, so none of the layer's gradient traffic overlaps the layer's
+# backward. With smaller chunks a chunk whose parameters are done (in backward,
+# the ones used last in forward) is reduced and freed while the rest of the
+# layer runs. A small case, which the tests score: layer 0 holds parameters of 2
+# and 3 elements, layer 1 one of 1, $d = 0$, $p = 2$, $g_r = 4$, $\lambda = 1$,
+# $\mu = 0$; sizes in elements, the score in bytes (`[2.]` is a chunk holding a
+# parameter of 2 and one element of padding).
+#
+# | $c$ | chunks | padding | peak | gradient buffer | score |
+# |---|---|---|---|---|---|
+# | 3 | `[2.] [3]`, `[1]` | 1 | 6 | 3 | $2 + 12 + 12 = 26$ |
+# | 4 | `[2..] [3]`, `[1]` | 2 | 7 | 4 | $4 + 14 + 16 = 34$ |
+# | 5 | `[2 3]`, `[1]` | 0 | 5 | 5 | $0 + 10 + 20 = 30$ |
+#
+# Padding alone picks $c = 5$, one chunk per layer. The score picks $c = 3$: one
+# element of padding and one more gathered, but layer 0's gradient is reduced in
+# two pieces of at most 3, the first as soon as the second parameter's gradient
+# is in. A price of $\mu = 2$ bytes per collective (9 collectives a step at
+# $c = 3$, 6 at $c = 5$) turns it back to $c = 5$. In a real model the same
+# trades set how many chunks a layer gets.
+
+# ## Note: GPT-NeoX-20B
+#
+# A layer holds four layer-norm vectors of $h$, QKV ($3h \times h$ and $3h$), the
+# attention output ($h \times h$, $h$) and the MLP ($4h \times h$, $4h$,
+# $h \times 4h$, $h$): $12h^2 + 13h$ elements. The embeddings are excluded, so
+# the range starts at $c_0 = 4h^2$, the MLP weights.
+#
+# *Without the collective term* ($\mu = 0$) and with a range of $R = 2^{20}$
+# (less than $h^2$), the giant chunk is out of reach. At $c_0$ the attention
+# output does not fit next to QKV, nor a bias next to an MLP weight: six chunks
+# per layer, $40\%$ of their elements padding. At $c_0 + 7h$ the layer norms, QKV
+# and the attention output weight fill the first chunk exactly, the attention
+# output bias and the first MLP half fill the second within $2h$, and the second
+# MLP half is the trimmed third chunk: three all-gathers per layer and $2h$ of
+# padding per layer. The gradient buffer does not move it: the embedding,
+# trainable and in a chunk of its own, has the largest gradient buffer of all.
+# Bias-only (three biases trainable per layer) picks $c_0 + 4h$, and each layer's
+# biases share one trimmed chunk with no padding.
+#
+# *With the engine's defaults* (`sharded_model.choose_chunk_numel`): the range is
+# stretched to the largest layer and each collective costs $\mu = 32$ MiB. Three
+# chunks instead of one cost $3 \cdot 3 - 3 = 6$ more collectives per layer per
+# step, $192$ MiB, against a gradient buffer $8h^2 \cdot 4$ bytes smaller
+# ($1.2$ GB at $h = 6144$, but the embedding's buffer is larger still and sets the
+# term): one chunk per layer, $12h^2 + 13h$ elements, no padding, wins.

@@ -433,3 +433,30 @@ def test_engine_defaults_give_gpt_neox_20b_one_chunk_per_layer():
     layout = plan_chunks(specs, chunk, 2, align=64)
     assert len(layout.chunks_of_group(1)) == 1
     assert layout.chunks_of_group(1)[0].padding == 0
+
+
+def test_figures_in_the_search_notes():
+    """Note: GPT-NeoX-20B's numbers: 47 groups and 5462 candidates for the default
+    range; at c_0 = 4h^2 six chunks per layer, 40% of them padding; the 6 extra
+    collectives per layer of three chunks cost 192 MiB at mu = 32 MiB, against a
+    gradient buffer 8h^2 * 4 bytes (1.2 GB) smaller."""
+    from labml_zero.zero3.chunk_search import group_shapes
+
+    params = neox_20b(lambda name: True)
+    _, shape_of_group = group_shapes(params)
+    assert len(shape_of_group) == 47
+    assert ChunkSearchConfig(hidden_dim=H).num_candidates == 5462
+    layer = [p for p in params if p.group == 1]
+    assert sum(p.numel for p in layer) == 12 * H * H + 13 * H
+    at_start = plan_chunks(layer, 4 * H * H, 2, align=64)
+    assert len(at_start.chunks) == 6
+    assert round(100 * at_start.padding() / at_start.total_numel()) == 40
+    three, one = plan_chunks(layer, 4 * H * H + 7 * H, 2, align=64), plan_chunks(
+        layer, 12 * H * H + 13 * H, 2, align=64)
+    extra = (zero3_step_comm(three).collectives - zero3_step_comm(one).collectives)
+    assert extra == 3 * 3 - 3 == 6
+    mu = ChunkSearchConfig().collective_bytes
+    assert extra * mu == 192 * MEBI
+    assert round(8 * H * H * 4 / 1e9, 1) == 1.2
+    assert (largest_grad_buffer(one, 4) - largest_grad_buffer(three, 4)
+            == 4 * (12 * H * H + 13 * H - (4 * H * H + 7 * H)))
