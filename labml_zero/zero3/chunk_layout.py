@@ -8,47 +8,29 @@ summary: Packing parameters, in execution order, into flat chunks of one size.
 
 A *chunk* is one flat buffer that holds several parameters back to back.
 Sharding whole chunks instead of single tensors is the idea ColossalAI's Gemini
-takes from PatrickStar: one `all_gather` moves a whole chunk, so the collectives are
-few and large (bandwidth grows with message size, see `ANCHORS.md`: 183 GB/s for a
-32 MiB all-gather on 2×H200 against 254 GB/s at 512 MiB), and a rank's share of a
-chunk is one contiguous slice, so the optimizer updates it with a handful of kernels.
+takes from PatrickStar: one all-gather moves a whole chunk, so the collectives are
+few and large (a collective's bandwidth grows with its message size), and a rank's
+share of a chunk is one contiguous slice, so the optimizer updates it with a
+handful of kernels.
+
+A chunk of $C$ elements is split over the $N_d$ data-parallel ranks into equal
+*shards* of
+
+$$S = \frac{C}{N_d}$$
+
+elements; rank $r$ keeps elements $[rS, (r+1)S)$. A *group* is one layer, the
+unit that the hooks gather and release. Space in a chunk that no parameter fills
+is *padding*: memory that every rank stores (sharded) and every collective
+moves, so the layout reports it and the [chunk-size search](chunk_search.html)
+trades it against the size of the gathered chunks.
 
 This page is pure arithmetic: it decides *where* every parameter lives and touches
-no tensor, so the [chunk-size search](chunk_search.html) can simulate thousands of
-layouts and the tests can check layouts by hand.
-
-## The rules
-
-* Parameters are packed in the order they are given, which should be execution
-  order (the order of the layers, then the order of parameters inside a layer).
-  A chunk that holds the parameters used together is gathered once and used whole.
-* Chunks never span two *groups* (a group is one layer, the unit that the hooks
-  gather and release), so releasing a layer releases exactly its chunks.
-* Trainable and frozen parameters go into different chunks: a trainable chunk
-  carries a gradient, an fp32 master copy and Adam moments; a frozen chunk carries
-  only its 16-bit shard. Mixing them would give frozen parameters optimizer state.
-* A parameter never straddles two chunks: it must be one view into one buffer.
-  When the next parameter does not fit in the open chunk, the chunk is closed and
-  its tail is *padding*.
-* A parameter larger than the chunk size gets a chunk of its own, sized to fit
-  (ColossalAI does the same).
-* The last chunk of each kind in a group is trimmed to what it holds (rounded as
-  below); every other chunk has the one common size. Without the trim, a group
-  whose trainable part is tiny (the biases of a layer, in bias-only fine-tuning)
-  would still carry a whole chunk of trainable padding, at 16 bytes an element:
-  for GPT-NeoX-20B bias-only that is 3.6 times the model states ZeRO promises.
-* Each parameter starts at a multiple of `align` elements, so that vectorised
-  kernels see aligned views; the skipped elements are padding too.
-* A chunk's size is a multiple of $N_d \cdot$ `align` ($N_d$ the world size), so
-  that it splits into $N_d$ equal, aligned shards of $S$ elements; rank $r$ keeps
-  elements $[r S, (r+1) S)$.
-
-Padding is memory that every rank stores (sharded) and every collective moves, so
-the layout reports it; the search trades it against the size of the gathered
-chunks.
+no tensor, so the search can simulate thousands of layouts and the tests can check
+layouts by hand. `plan_chunks` states each packing rule beside the line that
+applies it.
 
 The layout of a Pythia-160M-shaped model on two ranks, at two chunk sizes,
-computed by `plan_chunks` itself:
+computed by `plan_chunks` itself (hover a box for its parameter):
 
 ![chunk layout](figures/chunk_layout.svg)
 
@@ -189,6 +171,11 @@ def plan_chunks(
     * `chunk_numel` is the wanted chunk size; it is rounded up to a multiple of
       $N_d \cdot$ `align` so that every shard has the same, aligned size.
     * `align` is the element alignment of each parameter's offset.
+
+    Parameters are packed in the order they are given, which should be execution
+    order (the order of the layers, then the order of parameters inside a layer):
+    a chunk that holds the parameters used together is gathered once and used
+    whole.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -196,7 +183,8 @@ def plan_chunks(
         raise ValueError(f"chunk_numel must be at least 1, got {chunk_numel}")
     if align < 1:
         raise ValueError(f"align must be at least 1, got {align}")
-    # the granule of chunk sizes: N_d aligned shards
+    # The granule of chunk sizes: a chunk splits into $N_d$ equal shards, each a
+    # multiple of `align`, so vectorised kernels see aligned views.
     unit = world_size * align
     chunk_numel = round_up(chunk_numel, unit)
 
@@ -209,7 +197,10 @@ def plan_chunks(
         by_group.setdefault(group, []).append(len(chunks))
         chunks.append(ChunkSpec(len(chunks), group, trainable, tuple(slots), size))
 
-    # One open chunk per kind (trainable, frozen) inside the current group:
+    # Trainable and frozen parameters go into different chunks: a trainable chunk
+    # carries a gradient, an fp32 master copy and Adam moments; a frozen chunk
+    # only its 16-bit shard. Mixing them would give frozen parameters optimizer
+    # state. So there is one open chunk per kind inside the current group:
     # `open_slots[kind]` are its parameters and `fill[kind]` its first free element.
     open_slots: dict[bool, list[ParamSlot]] = {True: [], False: []}
     fill = {True: 0, False: 0}
@@ -221,7 +212,13 @@ def plan_chunks(
                 f"{current_group}: parameters must come in execution order"
             )
         if spec.group != current_group:
-            # Chunks never span groups: close both open chunks of the last group.
+            # Chunks never span groups, so releasing a layer releases exactly its
+            # chunks: close both open chunks of the last group. Each is the last of
+            # its kind in the group and is *trimmed* to what it holds (rounded to
+            # the granule); every other chunk has the one common size. Without the
+            # trim a group whose trainable part is tiny (the biases of a layer, in
+            # bias-only fine-tuning) would carry a whole chunk of trainable
+            # padding, at the full per-element cost of a trainable parameter.
             for kind in (True, False):
                 close(current_group, kind, open_slots[kind], round_up(fill[kind], unit))
                 open_slots[kind], fill[kind] = [], 0
@@ -230,10 +227,15 @@ def plan_chunks(
         kind = spec.trainable
         if spec.numel > chunk_numel:
             # An oversized parameter (a vocabulary embedding, say) gets a chunk of
-            # its own; the open chunk of its kind stays open for the next ones.
+            # its own, sized to fit (ColossalAI does the same); the open chunk of
+            # its kind stays open for the next ones.
             size = round_up(spec.numel, unit)
             close(spec.group, kind, [ParamSlot(index, 0, spec.numel)], size)
             continue
+        # Each parameter starts at a multiple of `align`; the skipped elements are
+        # padding too. A parameter never straddles two chunks (it must be one view
+        # into one buffer): when it does not fit in the open chunk, the chunk is
+        # closed at the full size and its tail is padding.
         offset = round_up(fill[kind], align)
         if offset + spec.numel > chunk_numel:
             close(spec.group, kind, open_slots[kind], chunk_numel)
