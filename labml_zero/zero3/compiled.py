@@ -8,51 +8,22 @@ summary: torch.compile on the layers inside Zero3Layers: their forward, not thei
 # Compiling sharded layers
 
 `torch.compile` fuses a layer's elementwise work (rotary embeddings, residual
-adds, GELU, casts) into fewer kernels. On 2×H200 it took GPT-NeoX layers from
-100.3k to 107.0k tokens/s on Pythia-1.4B and the 160M model's step from 75 to
-66 ms (`bench/README.md`). With ZeRO-3 there is one question: what to compile.
+adds, GELU, casts) into fewer kernels; the benchmark measures what that gains.
+With ZeRO-3 there is one question: *what* to compile. The runtime registers its
+[hooks](hooks.html) on each layer module: before the forward they gather the
+layer's chunks (and prefetch the next layers') and register the hook that starts
+the backward's gathers; after it they release the chunks. Those hooks call
+collectives, switch streams and read the runtime's Python state, none of which a
+compiled graph should contain.
 
-## The forward, not the call
+So this page compiles a layer's `forward`, not its call:
 
-The runtime registers its [hooks](hooks.html) on each layer module: before the
-forward, gather (and prefetch the next layers) and register the multi-grad hook
-that starts the backward's gathers; after it, release. `module.compile()`
-compiles the whole call, hooks included: dynamo then traces ours, breaks the
-graph at `register_multi_grad_hook` and guards on the runtime's Python state
-(`len(forward_order)`), so it compiles again for every layer until it reaches
-its cache limit. (FSDP2 marks its hooks `torch._dynamo.disable` for this.)
+$$\texttt{module.forward} \leftarrow \texttt{torch.compile}(\texttt{module.forward})$$
 
-So `compile_layers` replaces only `forward` by `torch.compile(forward)`, an
-instance attribute, which `nn.Module.__call__` looks up: the call, and with it
-every hook, collective, side stream and event, stays eager around the compiled
-code.
-
-## Why one compilation serves every layer and step
-
-Inside the compiled code the parameters are views into the gathered chunk
-buffer. Dynamo guards on their shape, stride, dtype and device, not on their
-storage, and treats the parameters of every module as inputs of the graph, so
-
-* resizing the storage to 0 after the forward and back before the backward
-  (see [Note: why storage resize](chunk.html)) changes nothing it checks: the
-  views always have memory when the code runs;
-* layers of one shape share one graph: 3 layers trained for 3 steps compile
-  once (one graph, one AOT forward/backward pair, no graph break; tested), and
-  so do 10, more than dynamo's default `cache_size_limit` of 8.
-
-AOT autograd makes the layer's backward one autograd node; the gradients still
-reach each parameter's `AccumulateGrad` and its post-accumulate-grad hook, which
-moves them into the chunk, eagerly. Under activation checkpointing the compiled
-forward runs again in the recomputation. The losses match eager training
-(tested on two gloo ranks).
-
-## The backend
-
-Inductor on GPUs. On CPU `aot_eager`: dynamo, guards and AOT autograd without
-code generation, because torch 2.13's CPU Inductor emits C++ for a bf16 GPT-NeoX
-layer that gcc 12 rejects (with or without labml_zero), and generating code
-takes tens of seconds on a small CPU anyway. In fp32, Inductor compiles our
-sharded layers on CPU and gives the eager losses (checked by hand).
+and the call around it, with every hook, collective, side stream and event, stays
+eager. `compile_layers` says why that is enough for one compilation to serve
+every layer of a shape and every step, and `default_compile_backend` which
+backend runs where.
 
 ## Limitations
 
@@ -72,7 +43,14 @@ __all__ = ["default_compile_backend", "compile_layers"]
 
 
 def default_compile_backend(device: torch.device) -> str:
-    """Inductor on GPUs, `aot_eager` on CPU (see The backend)."""
+    """
+    ## The backend
+
+    Inductor on GPUs. On CPU `aot_eager`: dynamo, guards and AOT autograd without
+    code generation, because torch 2.13's CPU Inductor emits C++ for a bf16
+    GPT-NeoX layer that gcc 12 rejects (with or without labml_zero), and
+    generating code takes tens of seconds on a small CPU anyway.
+    """
     return "inductor" if device.type == "cuda" else "aot_eager"
 
 
@@ -92,14 +70,38 @@ def compile_layers(
     * `backend`: default `default_compile_backend(device)`.
 
     Returns how many layers were compiled.
+
+    *Why one compilation serves every layer and step.* Inside the compiled code
+    the parameters are views into the gathered chunk buffer. Dynamo guards on
+    their shape, stride, dtype and device, not on their storage, and treats the
+    parameters of every module as inputs of the graph, so
+
+    * resizing the storage to 0 after the forward and back before the backward
+      (see [Note: why storage resize](chunk.html)) changes nothing it checks: the
+      views always have memory when the code runs;
+    * layers of one shape share one graph: 3 layers trained for 3 steps compile
+      once (one graph, one AOT forward/backward pair, no graph break; tested), so
+      the number of compilations does not grow with the depth of the model, and
+      dynamo's per-frame `cache_size_limit` is never reached.
+
+    AOT autograd makes the layer's backward one autograd node; the gradients
+    still reach each parameter's `AccumulateGrad` and its post-accumulate-grad
+    hook, which moves them into the chunk, eagerly. Under activation
+    checkpointing the compiled forward runs again in the recomputation. The
+    losses match eager training (tested on two gloo ranks).
     """
     backend = backend or default_compile_backend(device)
     compiled = 0
     for layer in layers:
         module = getattr(layer, "module", layer)
         if isinstance(module, types):
-            # an instance attribute: `nn.Module.__call__` looks `forward` up on
-            # self, so the hooks around the call stay eager
+            # The forward, not the call: `module.compile()` would compile the
+            # whole call, hooks included. Dynamo would then trace ours, break the
+            # graph at `register_multi_grad_hook` and guard on the runtime's
+            # Python state (`len(forward_order)`), so it would compile again for
+            # every layer until it reached its cache limit. (FSDP2 marks its
+            # hooks `torch._dynamo.disable` for this.) An instance attribute
+            # works because `nn.Module.__call__` looks `forward` up on self.
             module.forward = torch.compile(module.forward, backend=backend)
             compiled += 1
     return compiled
