@@ -10,53 +10,26 @@ summary: GPT-NeoX as a list of layers (embedding, transformer layers, final norm
 
 GPT-NeoX ([Black et al., 2022](https://arxiv.org/abs/2204.06745)) and the Pythia
 suite ([Biderman et al., 2023](https://arxiv.org/abs/2304.01373)) are decoder-only
-transformers with two departures from GPT-2:
+transformers with two departures from GPT-2. The first is the **parallel
+residual**: attention and the MLP both read the *same* input $x_l$, each through
+its own layer norm, and both outputs are added to the residual stream,
 
-* **Parallel residual.** Attention and the MLP both read the *same* input, each
-  through its own layer norm, and both outputs are added to the residual stream:
-  $$x_{l+1} = x_l + \operatorname{Attn}(\operatorname{LN}_1(x_l))
-                  + \operatorname{MLP}(\operatorname{LN}_2(x_l))$$
-  The two branches are independent, so they could run at the same time.
-* **Partial rotary embeddings.** Only the first
-  $d_r = \lfloor d_h \cdot \text{rotary\_pct} \rfloor$ of the $d_h$ dimensions of
-  each query and key head are rotated; the rest carry no position.
-  Dimension pairs $(i, i + d_r/2)$ are rotated by the angle
-  $m \theta_i$ at position $m$, with $\theta_i = b^{-2i/d_r}$ and $b = 10000$:
-  $$\begin{pmatrix} q_i \\ q_{i + d_r/2} \end{pmatrix} \mapsto
-    \begin{pmatrix} \cos m\theta_i & -\sin m\theta_i \\
-                    \sin m\theta_i & \cos m\theta_i \end{pmatrix}
-    \begin{pmatrix} q_i \\ q_{i + d_r/2} \end{pmatrix}$$
-  This is Hugging Face's `rotate_half` convention (halves, not interleaved
-  pairs), which is what the released checkpoints were converted to.
+$$x_{l+1} = x_l + \operatorname{Attn}(\operatorname{LN}_1(x_l))
+                + \operatorname{MLP}(\operatorname{LN}_2(x_l)).$$
 
-## A list of layers
+The two branches are independent, so they could run at the same time. The second
+is **partial rotary embeddings**: only the first $d_r$ of the $d_h$ dimensions of
+each query and key head are rotated, by an angle that grows with the position
+(`rotary_cos_sin`); the rest carry no position.
 
 The ZeRO engine shards and gathers one *layer* at a time, so the model is not one
-module but a list: `[Embedding, TransformerLayer × n, FinalNorm, Readout]`, and
-`nn.Sequential(*build_layers(config))` maps token ids `[B, T]` to logits
-`[B, T, n_vocab]`. Every layer carries no buffers and no state besides its
-parameters; the rotary angles are recomputed each forward (a few hundred
-kilo-flops against the layer's giga-flops), so a layer built on the meta device
-needs nothing but `to_empty` and `reset_parameters`.
-
-Inside each layer the submodules have **Hugging Face's names**, so a
-checkpoint name is `hf_prefix(layer) + our_name`:
-
-* `Embedding`: `embed_in.weight` is `gpt_neox.embed_in.weight`;
-* `TransformerLayer` $i$: `attention.dense.weight` is
-  `gpt_neox.layers.`$i$`.attention.dense.weight`, and likewise
-  `input_layernorm`, `post_attention_layernorm`, `attention.query_key_value`,
-  `mlp.dense_h_to_4h`, `mlp.dense_4h_to_h`;
-* `FinalNorm`: `final_layer_norm.*` is `gpt_neox.final_layer_norm.*`;
-* `Readout`: `embed_out.weight` is `embed_out.weight`.
-
-## GELU flavours
-
-Pythia's configs say `hidden_act: "gelu"`, the exact erf GELU; GPT-NeoX-20B's
-says `"gelu_fast"`, the tanh approximation
-$\frac{x}{2}\left(1 + \tanh\left(\sqrt{2/\pi}(x + 0.044715 x^3)\right)\right)$.
-`NeoXConfig.gelu_approximate` is `'none'` or `'tanh'` accordingly, and each preset
-sets the one its checkpoint was trained with.
+module but a list, `[Embedding, TransformerLayer × n, FinalNorm, Readout]`
+(`build_layers`), and `nn.Sequential(*build_layers(config))` maps token ids
+`[B, T]` to logits `[B, T, n_vocab]`. A layer carries no buffers and no state
+besides its parameters, so a layer built on the meta device needs nothing but
+`to_empty` and `reset_parameters`. Inside each layer the submodules have Hugging
+Face's names, so checkpoints map one to one (`hf_prefix`). The shapes come from
+a `NeoXConfig` (see [GPT-NeoX configuration](config.html)), re-exported here.
 
 ## Limitations
 
@@ -69,12 +42,30 @@ sets the one its checkpoint was trained with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# The configuration and its presets live on their own page; they are re-exported
+# here, so `from labml_zero.neox.model import NeoXConfig, pythia_160m` keeps
+# working.
+from labml_zero.neox.config import (  # noqa: F401
+    NeoXConfig,
+    from_hf_config,
+    gpt_neox_20b,
+    pythia_1_4b,
+    pythia_1b,
+    pythia_2_8b,
+    pythia_6_9b,
+    pythia_12b,
+    pythia_70m,
+    pythia_160m,
+    pythia_410m,
+    tiny,
+    to_hf_config,
+)
 
 __all__ = [
     "NeoXConfig",
@@ -98,230 +89,6 @@ __all__ = [
     "pythia_12b",
     "gpt_neox_20b",
 ]
-
-
-# ## Configuration
-
-
-@dataclass(frozen=True)
-class NeoXConfig:
-    """
-    ## Configuration
-
-    The defaults are a tiny model that runs on a laptop CPU with the real
-    tokenizer; the presets below give the released shapes.
-    """
-
-    n_vocab: int = 50432
-    """Rows of the embedding and the readout. The tokenizer has 50,281 tokens; the
-    released models pad the matrix to a multiple of 128 (50,432 for 20B and 6.9B,
-    50,304 for the small Pythias, 50,688 for 12B). Ids past the tokenizer are never
-    produced by it."""
-    d_model: int = 64
-    """Width of the residual stream, $d$."""
-    n_heads: int = 4
-    """Attention heads; the head width is $d_h = d / n_{heads}$."""
-    n_layers: int = 2
-    """Transformer layers."""
-    d_ff: int | None = None
-    """Width of the MLP's hidden layer; `None` means $4d$ (every released model).
-    Kept as `None` rather than resolved, so `dataclasses.replace(c, d_model=...)`
-    still gets $4d$ of the new width; read `ff_dim`."""
-    rotary_pct: float = 0.25
-    r"""Fraction of each head's dimensions that are rotated;
-    $d_r = \lfloor d_h \cdot \text{rotary\_pct} \rfloor$ must be even."""
-    rotary_base: float = 10000.0
-    r"""$b$ in $\theta_i = b^{-2i/d_r}$."""
-    layer_norm_eps: float = 1e-5
-    r"""$\epsilon$ of every layer norm."""
-    gelu_approximate: str = "tanh"
-    """`'tanh'` (GPT-NeoX-20B's `gelu_fast`) or `'none'` (Pythia's exact `gelu`);
-    passed to `torch.nn.functional.gelu`."""
-    use_parallel_residual: bool = True
-    """Must be `True`: see Limitations."""
-    max_position: int = 2048
-    """Longest sequence the model was trained on; longer inputs are rejected."""
-    init_std: float = 0.02
-    """Standard deviation of the normal init of weight matrices (HF's
-    `initializer_range`)."""
-
-    def __post_init__(self):
-        for name in ("n_vocab", "d_model", "n_heads", "n_layers", "max_position"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"NeoXConfig.{name} must be >= 1, "
-                                 f"got {getattr(self, name)}")
-        if self.d_model % self.n_heads != 0:
-            raise ValueError(f"NeoXConfig.d_model={self.d_model} is not divisible "
-                             f"by n_heads={self.n_heads}")
-        if self.d_ff is not None and self.d_ff < 1:
-            raise ValueError(f"NeoXConfig.d_ff must be >= 1 or None, got {self.d_ff}")
-        if not 0.0 <= self.rotary_pct <= 1.0:
-            raise ValueError(f"NeoXConfig.rotary_pct must be in [0, 1], "
-                             f"got {self.rotary_pct}")
-        # `rotate_half` pairs dimension i with i + d_r/2, so d_r must be even.
-        if self.rotary_dim % 2 != 0:
-            raise ValueError(f"NeoXConfig: rotary dims = int({self.head_dim} * "
-                             f"{self.rotary_pct}) = {self.rotary_dim} must be even")
-        if self.rotary_base <= 0:
-            raise ValueError(f"NeoXConfig.rotary_base must be > 0, "
-                             f"got {self.rotary_base}")
-        if self.layer_norm_eps <= 0:
-            raise ValueError(f"NeoXConfig.layer_norm_eps must be > 0, "
-                             f"got {self.layer_norm_eps}")
-        if self.gelu_approximate not in ("tanh", "none"):
-            raise ValueError(f"NeoXConfig.gelu_approximate must be 'tanh' or "
-                             f"'none', got {self.gelu_approximate!r}")
-        if not self.use_parallel_residual:
-            raise ValueError("NeoXConfig.use_parallel_residual=False is not "
-                             "supported (every GPT-NeoX/Pythia uses parallel)")
-        if self.init_std <= 0:
-            raise ValueError(f"NeoXConfig.init_std must be > 0, got {self.init_std}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def rotary_dim(self) -> int:
-        # int() truncation, as HF and the original GPT-NeoX code do.
-        return int(self.head_dim * self.rotary_pct)
-
-    @property
-    def ff_dim(self) -> int:
-        return 4 * self.d_model if self.d_ff is None else self.d_ff
-
-
-# ### Presets
-#
-# Derive variants with `dataclasses.replace`, e.g. `replace(pythia_70m(),
-# n_layers=2)`. Shapes from the `config.json` of each `EleutherAI/pythia-*` and
-# `EleutherAI/gpt-neox-20b` on the Hugging Face hub. Every Pythia has
-# `hidden_act: "gelu"` (exact), rotary_pct 0.25, base 10000, 2048 positions.
-
-
-def tiny() -> NeoXConfig:
-    """A laptop model with the real vocabulary: 2 layers of width 64."""
-    return NeoXConfig()
-
-
-def _pythia(*, n_vocab: int, d_model: int, n_heads: int, n_layers: int
-            ) -> NeoXConfig:
-    return NeoXConfig(n_vocab=n_vocab, d_model=d_model, n_heads=n_heads,
-                      n_layers=n_layers, gelu_approximate="none")
-
-
-def pythia_70m() -> NeoXConfig:
-    return _pythia(n_vocab=50304, d_model=512, n_heads=8, n_layers=6)
-
-
-def pythia_160m() -> NeoXConfig:
-    return _pythia(n_vocab=50304, d_model=768, n_heads=12, n_layers=12)
-
-
-def pythia_410m() -> NeoXConfig:
-    return _pythia(n_vocab=50304, d_model=1024, n_heads=16, n_layers=24)
-
-
-def pythia_1b() -> NeoXConfig:
-    return _pythia(n_vocab=50304, d_model=2048, n_heads=8, n_layers=16)
-
-
-def pythia_1_4b() -> NeoXConfig:
-    return _pythia(n_vocab=50304, d_model=2048, n_heads=16, n_layers=24)
-
-
-def pythia_2_8b() -> NeoXConfig:
-    return _pythia(n_vocab=50304, d_model=2560, n_heads=32, n_layers=32)
-
-
-def pythia_6_9b() -> NeoXConfig:
-    return _pythia(n_vocab=50432, d_model=4096, n_heads=32, n_layers=32)
-
-
-def pythia_12b() -> NeoXConfig:
-    return _pythia(n_vocab=50688, d_model=5120, n_heads=40, n_layers=36)
-
-
-def gpt_neox_20b() -> NeoXConfig:
-    # The 20B config says "gelu_fast": the tanh approximation.
-    return NeoXConfig(n_vocab=50432, d_model=6144, n_heads=64, n_layers=44,
-                      gelu_approximate="tanh")
-
-
-# ### Hugging Face `config.json`
-
-# HF activation names -> our `gelu_approximate`. "gelu" is erf-exact; the other
-# three are the same tanh formula under different names.
-_HF_ACTS = {"gelu": "none", "gelu_fast": "tanh", "gelu_new": "tanh",
-            "gelu_pytorch_tanh": "tanh"}
-
-
-def from_hf_config(hf: Mapping[str, Any]) -> NeoXConfig:
-    """
-    ### Read a Hugging Face `config.json` (as a dict)
-
-    Handles both spellings of the rotary settings: `rotary_pct`/`rotary_emb_base`
-    (the hub's Pythia and 20B files, transformers 4) and `rope_parameters`
-    (transformers 5).
-    """
-    if hf.get("model_type", "gpt_neox") != "gpt_neox":
-        raise ValueError(f"config.json: model_type {hf['model_type']!r} is not "
-                         f"'gpt_neox'")
-    act = hf.get("hidden_act", "gelu")
-    if act not in _HF_ACTS:
-        raise ValueError(f"config.json: hidden_act {act!r} is not one of "
-                         f"{sorted(_HF_ACTS)}")
-    if hf.get("tie_word_embeddings", False):
-        raise ValueError("config.json: tie_word_embeddings=true is not supported")
-    if not hf.get("attention_bias", True):
-        raise ValueError("config.json: attention_bias=false is not supported")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"config.json: rope_type {rope['rope_type']!r} is not "
-                         f"supported")
-    rotary_pct = rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))
-    rotary_base = rope.get("rope_theta", hf.get("rotary_emb_base", 10000.0))
-    d_model = hf["hidden_size"]
-    d_ff = hf.get("intermediate_size")
-    return NeoXConfig(
-        n_vocab=hf["vocab_size"], d_model=d_model,
-        n_heads=hf["num_attention_heads"], n_layers=hf["num_hidden_layers"],
-        d_ff=None if d_ff in (None, 4 * d_model) else d_ff,
-        rotary_pct=float(rotary_pct), rotary_base=float(rotary_base),
-        layer_norm_eps=float(hf.get("layer_norm_eps", 1e-5)),
-        gelu_approximate=_HF_ACTS[act],
-        use_parallel_residual=hf.get("use_parallel_residual", True),
-        max_position=hf.get("max_position_embeddings", 2048),
-        init_std=float(hf.get("initializer_range", 0.02)))
-
-
-def to_hf_config(config: NeoXConfig, *, dtype: torch.dtype = torch.float32
-                 ) -> dict[str, Any]:
-    """
-    ### Write a Hugging Face `config.json` (as a dict)
-
-    In the hub's transformers-4 spelling, which transformers 5 still reads.
-    """
-    return {
-        "architectures": ["GPTNeoXForCausalLM"],
-        "model_type": "gpt_neox",
-        "vocab_size": config.n_vocab,
-        "hidden_size": config.d_model,
-        "num_attention_heads": config.n_heads,
-        "num_hidden_layers": config.n_layers,
-        "intermediate_size": config.ff_dim,
-        "rotary_pct": config.rotary_pct,
-        "rotary_emb_base": config.rotary_base,
-        "layer_norm_eps": config.layer_norm_eps,
-        "hidden_act": "gelu_fast" if config.gelu_approximate == "tanh" else "gelu",
-        "use_parallel_residual": config.use_parallel_residual,
-        "max_position_embeddings": config.max_position,
-        "initializer_range": config.init_std,
-        "tie_word_embeddings": False,
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
 
 
 # ## Initialisation
@@ -404,6 +171,20 @@ def rotary_cos_sin(n_positions: int, config: NeoXConfig, *,
     r"""
     ### Rotary angles $m\theta_i$
 
+    Dimension pairs $(i, i + d_r/2)$ of each query and key head are rotated by
+    the angle $m \theta_i$ at position $m$, with $\theta_i = b^{-2i/d_r}$ and
+    $b = 10000$ (`rotary_base`):
+
+    $$\begin{pmatrix} q_i \\ q_{i + d_r/2} \end{pmatrix} \mapsto
+      \begin{pmatrix} \cos m\theta_i & -\sin m\theta_i \\
+                      \sin m\theta_i & \cos m\theta_i \end{pmatrix}
+      \begin{pmatrix} q_i \\ q_{i + d_r/2} \end{pmatrix}$$
+
+    This is Hugging Face's `rotate_half` convention (halves, not interleaved
+    pairs), which is what the released checkpoints were converted to. The angles
+    are recomputed each forward (a few hundred kilo-flops against the layer's
+    giga-flops), so the layer keeps no buffer.
+
     Computed in fp32 and cast to the activation dtype only at the end: in bf16 the
     position $m$ itself is exact only up to 256, so $m\theta_i$ computed in bf16
     would put late tokens at the wrong angle.
@@ -463,8 +244,8 @@ class Attention(nn.Module):
         q, k, v = qkv.split(d_h, dim=-1)  # each [B, n_h, T, d_h]
         # Attention saves v for its backward pass. As a view, v would keep all of
         # `qkv` alive until then, three times its own size (q and k below are new
-        # tensors); its own copy frees the other two thirds: for Pythia-1.4B at
-        # 8 × 2048 tokens, 134 MB per layer, 3.2 GB per rank over 24 layers.
+        # tensors); its own copy frees the other two thirds: $2 \cdot 2BTd$ bytes
+        # in bf16 per layer, 134 MB for Pythia-1.4B at $8 \times 2048$ tokens.
         v = v.contiguous()
         if self.config.rotary_dim > 0:
             cos, sin = rotary_cos_sin(T, self.config, device=x.device,
@@ -483,6 +264,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     r"""
     ## Feed-forward: $W_2 \operatorname{GELU}(W_1 x + b_1) + b_2$
+
+    Pythia's configs say `hidden_act: "gelu"`, the exact erf GELU; GPT-NeoX-20B's
+    says `"gelu_fast"`, the tanh approximation
+
+    $$\operatorname{GELU}(x) \approx \frac{x}{2}\left(1 + \tanh\left(
+      \sqrt{2/\pi}\,(x + 0.044715\, x^3)\right)\right).$$
+
+    `NeoXConfig.gelu_approximate` is `'none'` or `'tanh'` accordingly, and each
+    preset sets the one its checkpoint was trained with.
     """
 
     def __init__(self, config: NeoXConfig, *, device=None, dtype=None):
@@ -616,7 +406,15 @@ def hf_prefix(layer: nn.Module) -> str:
     ### The Hugging Face name prefix of a layer
 
     `hf_prefix(layer) + name` is the checkpoint name of each
-    `layer.state_dict()` entry.
+    `layer.state_dict()` entry:
+
+    * `Embedding`: `embed_in.weight` is `gpt_neox.embed_in.weight`;
+    * `TransformerLayer` $i$: `attention.dense.weight` is
+      `gpt_neox.layers.`$i$`.attention.dense.weight`, and likewise
+      `input_layernorm`, `post_attention_layernorm`, `attention.query_key_value`,
+      `mlp.dense_h_to_4h`, `mlp.dense_4h_to_h`;
+    * `FinalNorm`: `final_layer_norm.*` is `gpt_neox.final_layer_norm.*`;
+    * `Readout`: `embed_out.weight` is `embed_out.weight`.
     """
     if isinstance(layer, TransformerLayer):
         return f"gpt_neox.layers.{layer.layer_idx}."

@@ -1,4 +1,4 @@
-"""`labml_zero/neox/model.py`: HF parity, presets, meta-device build."""
+"""`labml_zero/neox/model.py`: HF parity, preset sizes, meta-device build."""
 
 import dataclasses
 
@@ -27,19 +27,6 @@ def test_logits_match_hugging_face(hf_model, hf_checkpoint_dir):
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
 
 
-def test_from_hf_config_reads_shapes(hf_model):
-    config = M.from_hf_config(hf_model.config.to_dict())
-    assert (config.n_vocab, config.d_model, config.n_heads, config.n_layers,
-            config.ff_dim, config.rotary_dim) == (97, 72, 3, 3, 100, 6)
-    assert config.gelu_approximate == "none"
-    # The hub's transformers-4 spelling, as in EleutherAI/gpt-neox-20b.
-    neox20b = {"model_type": "gpt_neox", "hidden_size": 6144,
-               "num_attention_heads": 64, "num_hidden_layers": 44,
-               "intermediate_size": 24576, "vocab_size": 50432,
-               "rotary_pct": 0.25, "rotary_emb_base": 10000,
-               "hidden_act": "gelu_fast", "use_parallel_residual": True}
-    assert M.from_hf_config(neox20b) == M.gpt_neox_20b()
-    assert M.from_hf_config(M.to_hf_config(M.pythia_70m())) == M.pythia_70m()
 
 
 # Total parameter counts published with the Pythia suite and the GPT-NeoX-20B
@@ -100,21 +87,6 @@ def test_filter_layers_out_of_range_rejected():
         build_layers(M.tiny(), filter_layers=[0, 2], device="meta")
 
 
-@pytest.mark.parametrize("changes,match", [
-    (dict(d_model=66), "not divisible by n_heads"),
-    (dict(rotary_pct=0.2), "must be even"),
-    (dict(gelu_approximate="erf"), "gelu_approximate"),
-    (dict(n_layers=0), "n_layers"),
-])
-def test_config_validation(changes, match):
-    with pytest.raises(ValueError, match=match):
-        dataclasses.replace(M.tiny(), **changes)
-
-
-def test_d_ff_follows_d_model_under_replace():
-    assert dataclasses.replace(M.tiny(), d_model=128).ff_dim == 512
-
-
 def test_bf16_close_to_fp32():
     """Low precision runs and stays close: rotary angles are fp32 (see
     `rotary_cos_sin`), layer norms in the parameter dtype."""
@@ -159,3 +131,13 @@ def test_attention_keeps_no_view_of_the_fused_qkv_for_backward():
         attention(x).sum().backward()
     head_split = 2 * 16 * 64 * 4  # one of q, k, v: [B, n_h, T, d_h] fp32
     assert sizes and max(sizes) <= head_split
+
+
+def test_figure_in_the_attention_notes():
+    """Copying v frees two thirds of the fused qkv activation: 2 * 2BTd bytes in
+    bf16, 134 MB per layer for Pythia-1.4B at 8 x 2048 tokens."""
+    d, B, T = M.pythia_1_4b().d_model, 8, 2048
+    qkv = torch.empty(B, T, 3 * d, dtype=torch.bfloat16, device="meta")
+    freed = qkv.numel() * qkv.element_size() * 2 // 3
+    assert freed == 2 * 2 * B * T * d
+    assert round(freed / 1e6) == 134
