@@ -1,22 +1,39 @@
 """
 Build-time SVG figures for the notes site (loaded by `build_docs.py`).
 
-* `chunk_layout_svg(root)`: the chunk layout that `labml_zero/zero3/chunk_layout.py`
-  (`plan_chunks`, loaded from `root`, so the figure always shows the current code)
-  computes for the parameters of a GPT-NeoX model shaped like Pythia-160M, at two
-  chunk sizes, with every chunk's parameters and padding.
-* `timeline_svg(trace)`: one training step as lanes of streams, from
-  `docs_src/figures/step_timeline.json`
-  (`{"source": str, "events": [{"name", "stream", "start", "end"}, ...]}`,
-  times in seconds; streams `gather`, `compute`, `reduce`).
+`figures(root, trace)` returns every figure by its path under `site/`; a page
+shows one with `![alt](figures/NAME.svg)`. Each is drawn from the code of the
+tree at `root` (its files loaded by path, so the figure always shows the current
+code) or from measured data:
 
-Output is a pure function of the inputs: fixed number formats, no timestamps.
+* `chunk_layout.svg` (`chunk_layout_svg`): the layout that `plan_chunks`
+  computes for a Pythia-160M-shaped GPT-NeoX, at two chunk sizes, with every
+  chunk's parameters and padding. Page: `zero3/chunk_layout`.
+* `shard_collectives.svg` (`shard_collectives_svg`): one chunk on 2, 3 and 4
+  ranks: each rank's shard, the all-gather into the full buffer, the
+  reduce-scatter back to a gradient shard. Pages: `zero3/index` (A step, in one
+  picture) and `zero3/communication`.
+* `placement.svg` (`placement_svg`): where each chunk's parameter shard,
+  gradient and optimizer state live for GPT-NeoX-20B's shape under two static
+  placements, from `placement.py`'s own functions. Page: `zero3/placement`.
+* `step_timeline.svg` (`timeline_svg(trace)`): one measured training step as
+  lanes of streams, from `docs_src/figures/step_timeline.json`
+  (`{"source": str, "events": [{"name", "stream", "start", "end"}, ...]}`,
+  times in seconds; streams `gather`, `compute`, `reduce`; other fields, such as
+  the GPU and the commit, stay in the data file). Pages: `zero3/index` and
+  `zero3/hooks`.
+
+Figures are drawn 1300 units wide with labels of at least 12 px, for a full-width
+place on the page; every mark has a `<title>`, shown on hover when the SVG is
+inline. Output is a pure function of the inputs: fixed number formats, no
+timestamps.
 """
 
 from __future__ import annotations
 
 import html
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -117,21 +134,23 @@ def _chunk_panel(layout_mod, shapes, chunk_numel, world_size, y0, width):
     ]
     layout = layout_mod.plan_chunks(specs, chunk_numel, world_size)
     n_layers = max(g for _, _, g in shapes) - 1
-    label_w, row_h, gap = 150, 22, 6
+    label_w, row_h, gap = 140, 22, 6
     unit = 180.0 / layout.chunk_numel  # px per element: a regular chunk is 180 px
     broken_w = 260.0  # an oversized chunk is drawn with a break, not to scale
     total, used = layout.total_numel(), layout.used_numel()
     parts = [
         f'<text x="0" y="{y0 + 14}" style="{FONT};font-size:14px;font-weight:bold">'
         f"chunk_numel = {layout.chunk_numel:,} ({layout.chunk_numel * 2 / 2**20:.0f}"
-        f" MiB in bf16), N_d = {world_size}: {len(layout.chunks)} chunks, padding "
-        f"{total - used:,} elements ({100 * (total - used) / total:.1f}%)</text>"
+        f" MiB in bf16), N_d = {world_size}:</text>",
+        f'<text x="0" y="{y0 + 32}" style="{FONT};font-size:14px">'
+        f"{len(layout.chunks)} chunks, padding "
+        f"{total - used:,} elements ({100 * (total - used) / total:.1f}%)</text>",
     ]
-    y = y0 + 28
+    y = y0 + 44
     groups = sorted({c.group for c in layout.chunks})
     for group in groups:
         parts.append(
-            f'<text x="0" y="{_f(y + 15)}" style="{FONT};font-size:12px">'
+            f'<text x="0" y="{_f(y + 15)}" style="{FONT};font-size:13px">'
             f"{_esc(_group_label(group, n_layers))}</text>"
         )
         x = float(label_w)
@@ -158,7 +177,7 @@ def _chunk_panel(layout_mod, shapes, chunk_numel, world_size, y0, width):
                         sw *= 0.8  # keep the label left of the break
                     parts.append(
                         f'<text x="{_f(sx + sw / 2)}" y="{_f(y + 15)}" '
-                        f'text-anchor="middle" style="{FONT};font-size:11px;'
+                        f'text-anchor="middle" style="{FONT};font-size:12px;'
                         f'fill:#fff">{_esc(label)}</text>'
                     )
             if chunk.padding:
@@ -198,11 +217,23 @@ def chunk_layout_svg(
         f"Chunk layout of a Pythia-160M-shaped GPT-NeoX ({n_params:,} parameters), "
         f"from plan_chunks</text>"
     )
-    y = 34.0
+    y, x0, tallest = 34.0, 0.0, 0.0
+    # Panels side by side while they fit the figure's width, else below.
     for size in chunk_sizes:
-        parts, h = _chunk_panel(layout_mod, shapes, size, world_size, y, width)
+        panel_width = [0.0]
+        parts, h = _chunk_panel(layout_mod, shapes, size, world_size, y, panel_width)
+        if x0 and x0 + panel_width[0] > WIDTH:
+            y, x0, tallest = y + tallest + 18, 0.0, 0.0
+            panel_width = [0.0]
+            parts, h = _chunk_panel(layout_mod, shapes, size, world_size, y,
+                                    panel_width)
+        body.append(f'<g transform="translate({_f(x0)} 0)">')
         body += parts
-        y += h + 18
+        body.append("</g>")
+        width[0] = max(width[0], x0 + panel_width[0])
+        x0 += panel_width[0] + 40
+        tallest = max(tallest, h)
+    y += tallest + 18
     # Legend
     seen = []
     for name, _, _ in shapes:
@@ -214,17 +245,19 @@ def chunk_layout_svg(
         body.append(
             f'<rect x="{_f(x)}" y="{_f(y)}" width="14" height="14" fill="{colour}" '
             f'stroke="#222" stroke-width="0.5"/><text x="{_f(x + 19)}" '
-            f'y="{_f(y + 12)}" style="{FONT};font-size:12px">{_esc(label)}</text>'
+            f'y="{_f(y + 12)}" style="{FONT};font-size:13px">{_esc(label)}</text>'
         )
-        x += 30 + 7.2 * len(label)
-    y += 22
-    body.append(
-        f'<text x="0" y="{_f(y + 12)}" style="{FONT};font-size:11px;fill:#555">'
+        x += 30 + 7.8 * len(label)
+    y += 24
+    for line in (
         "Rows are gather/release groups; boxes are chunks drawn to scale, except "
-        "broken boxes (a parameter larger than the chunk size, alone in its chunk). "
-        "Norms and biases are too thin to see; hover for every parameter.</text>"
-    )
-    w, h = max(width[0], 1000.0) + 4, y + 20
+        "broken boxes (a parameter larger than the",
+        "chunk size, alone in its chunk). Norms and biases are too thin to see; "
+        "hover for every parameter.",
+    ):
+        body.append(_text(0, y + 12, line, size=13, fill="#555"))
+        y += 18
+    w, h = max(width[0], WIDTH), y + 8
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_f(w)}" height="{_f(h)}" '
         f'viewBox="0 0 {_f(w)} {_f(h)}">\n'
@@ -271,7 +304,12 @@ def validate_trace(trace: object, where: str = "trace") -> list[dict]:
     if not isinstance(trace, dict) or not isinstance(trace.get("events"), list):
         raise ValueError(f"{where}: expected an object with an 'events' list")
     if not isinstance(trace.get("source"), str) or not trace["source"].strip():
-        raise ValueError(f"{where}: 'source' must say which run produced the trace")
+        raise ValueError(f"{where}: 'source' must say what the trace measured")
+    # The source is drawn on the page: it says what was measured, not which lab
+    # run (the run's details may sit in other fields of the data file).
+    if re.search(r"\brun ?\d+|\.jsonl?\b", trace["source"]):
+        raise ValueError(f"{where}: 'source' names a run or a result file; say what "
+                         "was measured instead")
     events = trace["events"]
     if not events:
         raise ValueError(f"{where}: 'events' is empty")
@@ -309,7 +347,8 @@ def timeline_svg(trace: dict, *, where: str = "trace") -> str:
     t0 = min(e["start"] for e in events)
     t1 = max(e["end"] for e in events)
     span = max(t1 - t0, 1e-9)
-    label_w, plot_w, lane_h, top = 90, 1000, 34, 46
+    label_w, lane_h, top = 90, 34, 46
+    plot_w = WIDTH - label_w - 10
     scale = plot_w / span
     placeholder = "placeholder" in trace["source"].lower()
     parts = [
@@ -326,7 +365,7 @@ def timeline_svg(trace: dict, *, where: str = "trace") -> str:
         y = top + lane * lane_h
         parts.append(
             f'<rect x="{label_w}" y="{y}" width="{plot_w}" height="{lane_h - 6}" '
-            f'fill="#f5f5f5"/><text x="0" y="{y + 18}" style="{FONT};font-size:13px">'
+            f'fill="#f5f5f5"/><text x="0" y="{y + 18}" style="{FONT};font-size:14px">'
             f"{stream}</text>"
         )
     for event in sorted(events, key=lambda e: (STREAMS.index(e["stream"]), e["start"])):
@@ -344,7 +383,7 @@ def timeline_svg(trace: dict, *, where: str = "trace") -> str:
         if w > 6.2 * len(event["name"]) + 6:
             parts.append(
                 f'<text x="{x + w / 2:.2f}" y="{y + 16}" text-anchor="middle" '
-                f'style="{FONT};font-size:11px;fill:#fff">{_esc(event["name"])}</text>'
+                f'style="{FONT};font-size:12px;fill:#fff">{_esc(event["name"])}</text>'
             )
         parts.append("</g>")
     axis_y = top + len(STREAMS) * lane_h + 4
@@ -359,13 +398,13 @@ def timeline_svg(trace: dict, *, where: str = "trace") -> str:
         parts.append(
             f'<line x1="{x:.2f}" y1="{axis_y}" x2="{x:.2f}" y2="{axis_y + 5}" '
             f'stroke="#444"/><text x="{x:.2f}" y="{axis_y + 18}" text-anchor="middle" '
-            f'style="{FONT};font-size:11px">{k * step:.4g}</text>'
+            f'style="{FONT};font-size:12px">{k * step:.4g}</text>'
         )
         k += 1
     parts.append(
         f'<text x="{label_w + plot_w}" y="{axis_y + 34}" text-anchor="end" '
-        f'style="{FONT};font-size:11px">ms since the first event</text>'
-        f'<text x="0" y="{axis_y + 52}" style="{FONT};font-size:11px;fill:#555">'
+        f'style="{FONT};font-size:12px">ms since the first event</text>'
+        f'<text x="0" y="{axis_y + 52}" style="{FONT};font-size:12px;fill:#555">'
         f"source: {_esc(trace['source'])}</text>"
     )
     w, h = label_w + plot_w + 10, axis_y + 62
@@ -375,3 +414,302 @@ def timeline_svg(trace: dict, *, where: str = "trace") -> str:
         + "\n".join(parts)
         + "\n</svg>\n"
     )
+
+
+# ------------------------------------------------------- shards and collectives
+
+RANK_COLOURS = ("#3d7cc9", "#e69a3d", "#2e9c6a", "#c45c8e")
+WIDTH = 1300  # viewBox width of the new figures: drawn full width, fonts >= 12 px
+
+
+def _text(x, y, text, *, size=13, anchor="start", weight="normal", fill="#222"):
+    return (
+        f'<text x="{_f(x)}" y="{_f(y)}" text-anchor="{anchor}" '
+        f'style="{FONT};font-size:{size}px;font-weight:{weight};fill:{fill}">'
+        f"{_esc(text)}</text>"
+    )
+
+
+def _svg(width: float, height: float, body: list[str], defs: str = "") -> str:
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_f(width)}" '
+        f'height="{_f(height)}" viewBox="0 0 {_f(width)} {_f(height)}">\n'
+        + (f"<defs>{defs}</defs>\n" if defs else "")
+        + '<rect width="100%" height="100%" fill="#fff"/>\n'
+        + "\n".join(body)
+        + "\n</svg>\n"
+    )
+
+
+def _load_module(root: Path, rel: str, name: str):
+    """A module of `root` loaded from its file, so a figure shows that tree's code."""
+    spec = importlib.util.spec_from_file_location(name, root / rel)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses need the module registered
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def _names_in(layout, shapes, lo: int, hi: int, chunk) -> str:
+    """Names of the parameters of `chunk` that elements [lo, hi) hold parts of."""
+    names = [
+        shapes[s.param_index][0] for s in chunk.slots if s.offset < hi and s.end > lo
+    ]
+    if chunk.padding and chunk.used_numel < hi:
+        names.append("padding")
+    return ", ".join(names)
+
+
+def shard_collectives_svg(
+    root: Path, *, world_sizes: tuple[int, ...] = (2, 3, 4), d_model: int = 4
+) -> str:
+    """
+    One GPT-NeoX layer of width `d_model` packed into one chunk by `plan_chunks`,
+    for each world size: what each rank keeps (its shard), the all-gather that
+    fills every rank's full buffer, and the reduce-scatter that sums the ranks'
+    full gradients and leaves each rank its own slice.
+    """
+    layout_mod = _load_chunk_layout(root)
+    shapes = [s for s in pythia_160m_shapes(n_layers=1, d_model=d_model, vocab=1)
+              if s[2] == 1]
+    numel = sum(_numel(s) for _, s, _ in shapes)
+    specs = [layout_mod.ParamSpec(n, s, True, 0) for n, s, _ in shapes]
+    label_w, gap, bar_h = 70, 120, 20
+    # the widest panel is the first world size: its shard + full + shard
+    widest = max(
+        layout_mod.plan_chunks(specs, numel, n).chunks[0].chunk_numel * (1 + 2 / n)
+        for n in world_sizes
+    )
+    scale = (WIDTH - label_w - 2 * gap - 10) / widest
+    body = [
+        _text(0, 20, f"Shards, all-gather and reduce-scatter of one chunk "
+              f"({numel} elements: one GPT-NeoX layer of width {d_model}, "
+              "from plan_chunks)", size=16, weight="bold"),
+    ]
+    y = 44.0
+    for n in world_sizes:
+        layout = layout_mod.plan_chunks(specs, numel, n)
+        (chunk,) = layout.chunks
+        size, shard = chunk.chunk_numel, layout.shard_numel(chunk)
+        x_shard, x_full = label_w, label_w + shard * scale + gap
+        x_red = x_full + size * scale + gap
+        body.append(_text(0, y + 16, f"N_d = {n}: chunk of {size} elements "
+                          f"({chunk.padding} padding), shards of S = {shard}",
+                          size=14, weight="bold"))
+        y += 28
+        for x, title in ((x_shard, "1. shard, kept"),
+                         (x_full, "2. full buffer, after the all-gather"),
+                         (x_red, "3. gradient shard, after the reduce-scatter")):
+            body.append(_text(x, y + 10, title, size=12, fill="#444"))
+        y += 18
+        for rank in range(n):
+            lo, hi = rank * shard, (rank + 1) * shard
+            colour = RANK_COLOURS[rank % len(RANK_COLOURS)]
+            body.append(_text(0, y + 15, f"rank {rank}", size=13))
+            body.append(
+                f'<g><title>rank {rank} keeps elements [{lo}, {hi}) of the chunk: '
+                f"{_esc(_names_in(layout, shapes, lo, hi, chunk))}</title>"
+                f'<rect x="{_f(x_shard)}" y="{_f(y)}" width="{_f(shard * scale)}" '
+                f'height="{bar_h}" fill="{colour}"/></g>'
+            )
+            for owner in range(n):
+                olo, ohi = owner * shard, (owner + 1) * shard
+                fill = RANK_COLOURS[owner % len(RANK_COLOURS)]
+                how = "its own shard" if owner == rank else f"from rank {owner}"
+                body.append(
+                    f'<g><title>rank {rank}, elements [{olo}, {ohi}): {how}'
+                    f"</title><rect x=\"{_f(x_full + olo * scale)}\" y=\"{_f(y)}\" "
+                    f'width="{_f(shard * scale)}" height="{bar_h}" fill="{fill}" '
+                    f'opacity="{1.0 if owner == rank else 0.55}"/></g>'
+                )
+            for slot in chunk.slots:
+                px = x_full + slot.offset * scale
+                body.append(
+                    f'<line x1="{_f(px)}" y1="{_f(y)}" x2="{_f(px)}" '
+                    f'y2="{_f(y + bar_h)}" stroke="#fff" stroke-width="1"/>'
+                )
+            if chunk.padding:
+                px = x_full + chunk.used_numel * scale
+                body.append(
+                    f'<g><title>padding: {chunk.padding} elements</title>'
+                    f'<rect x="{_f(px)}" y="{_f(y)}" '
+                    f'width="{_f(chunk.padding * scale)}" height="{bar_h}" '
+                    f'fill="url(#pad)"/></g>'
+                )
+            body.append(
+                f'<g><title>rank {rank}: the sum over all {n} ranks of elements '
+                f"[{lo}, {hi}) of their full gradients, divided by {n}</title>"
+                f'<rect x="{_f(x_red)}" y="{_f(y)}" width="{_f(shard * scale)}" '
+                f'height="{bar_h}" fill="{colour}" stroke="#222" '
+                f'stroke-dasharray="4 2"/></g>'
+            )
+            y += bar_h + 6
+        # arrows between the columns
+        mid = y - n * (bar_h + 6) / 2
+        for x0, x1, label in ((x_shard + shard * scale, x_full, "all-gather"),
+                              (x_full + size * scale, x_red, "reduce-scatter")):
+            body.append(
+                f'<line x1="{_f(x0 + 6)}" y1="{_f(mid)}" x2="{_f(x1 - 8)}" '
+                f'y2="{_f(mid)}" stroke="#444" stroke-width="2" '
+                f'marker-end="url(#arrow)"/>'
+            )
+            body.append(_text((x0 + x1) / 2, mid - 6, label, size=12,
+                              anchor="middle", fill="#444"))
+        y += 18
+    body.append(_text(0, y + 4, "White lines are parameter boundaries: a shard cuts "
+                      "across parameters, so a rank's shard is not whole tensors. "
+                      "Hover for the parameters in each slice.", size=12,
+                      fill="#555"))
+    defs = (
+        '<pattern id="pad" width="6" height="6" patternUnits="userSpaceOnUse" '
+        'patternTransform="rotate(45)"><rect width="6" height="6" fill="#eee"/>'
+        '<line x1="0" y1="0" x2="0" y2="6" stroke="#999" stroke-width="2"/>'
+        '</pattern><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" '
+        'markerWidth="7" markerHeight="7" orient="auto"><path d="M0 0 L10 5 '
+        'L0 10 z" fill="#444"/></marker>'
+    )
+    return _svg(WIDTH, y + 16, body, defs)
+
+
+# ------------------------------------------------------------------ placement
+
+DEVICE, HOST = "#3d7cc9", "#e69a3d"
+
+
+def neox_group_shapes(*, n_layers: int, d_model: int, vocab: int):
+    """GPT-NeoX parameter shapes with the final norm and the readout in groups of
+    their own, as `build_layers` makes them (one unit each)."""
+    shapes = pythia_160m_shapes(n_layers=n_layers, d_model=d_model, vocab=vocab)
+    head = n_layers + 1
+    return [(n, s, g + 1 if g == head and "embed_out" in n else g)
+            for n, s, g in shapes]
+
+
+def _chunk_name(group: int, n_layers: int) -> str:
+    if group == 0:
+        return "embed"
+    if group == n_layers + 1:
+        return "norm"
+    if group == n_layers + 2:
+        return "readout"
+    return f"L{group - 1}"
+
+
+def placement_svg(
+    root: Path,
+    *,
+    n_layers: int = 44,
+    d_model: int = 6144,
+    vocab: int = 50432,
+    world_size: int = 2,
+    optimizer_fraction: float = 0.4,
+    param_fraction: float = 0.5,
+) -> str:
+    """
+    Where each chunk's states live for GPT-NeoX-20B's shape (one chunk per layer,
+    the engine's default layout, align 64) on `world_size` ranks, under two static
+    placements computed by `placement.py` itself: part of the optimizer state on
+    the host, and all of it with part of the parameter shards. Per placement, the
+    bytes per rank on device and host (`resident_bytes`) and over the host link
+    (`offload_traffic`).
+    """
+    layout_mod = _load_chunk_layout(root)
+    placement = _load_module(root, "labml_zero/zero3/placement.py",
+                             "_labml_zero_placement_for_docs")
+    shapes = neox_group_shapes(n_layers=n_layers, d_model=d_model, vocab=vocab)
+    specs = [layout_mod.ParamSpec(n, s, True, g) for n, s, g in shapes]
+    largest = max(sum(_numel(s) for _, s, g in shapes if g == group)
+                  for group in {g for _, _, g in shapes})
+    layout = layout_mod.plan_chunks(specs, largest, world_size, align=64)
+    shards = [placement.ShardSpec(layout.shard_numel(c), c.trainable)
+              for c in layout.chunks]
+    cases = [
+        (f"optimizer_cpu_fraction = {optimizer_fraction}",
+         placement.StaticPlacement(optimizer_cpu_fraction=optimizer_fraction)),
+        (f"optimizer_cpu_fraction = 1, param_cpu_fraction = {param_fraction}",
+         placement.StaticPlacement(optimizer_cpu_fraction=1.0,
+                                   param_cpu_fraction=param_fraction)),
+    ]
+    label_w, cell_h = 150, 22
+    cell_w = (WIDTH - label_w - 10) / len(layout.chunks)
+    rows = (("16-bit shard", "param"), ("fp32 gradient", "grad"),
+            ("master, m, v", "optim"))
+    n_params = sum(_numel(s) for _, s, _ in shapes)
+    body = [_text(0, 20, f"Where each chunk lives: GPT-NeoX-20B's shape "
+                  f"({n_params / 1e9:.2f}B parameters, {len(layout.chunks)} chunks "
+                  f"in execution order), per rank of N_d = {world_size}, "
+                  "from placement.py", size=16, weight="bold")]
+    y = 40.0
+    for title, policy in cases:
+        chosen = policy.place(shards)
+        split = placement.resident_bytes(chosen, shards)
+        traffic = placement.offload_traffic(chosen, shards)
+        body.append(_text(0, y + 16, f"StaticPlacement({title})", size=14,
+                          weight="bold"))
+        body.append(_text(WIDTH - 10, y + 16,
+                          f"device {split.device / 1e9:.0f} GB, host "
+                          f"{split.host / 1e9:.0f} GB per rank; per step "
+                          f"{traffic.down / 1e9:.1f} GB down, "
+                          f"{traffic.up / 1e9:.1f} GB up", size=13, anchor="end"))
+        y += 26
+        for label, kind in rows:
+            body.append(_text(0, y + 16, label, size=13))
+            for i, chunk in enumerate(layout.chunks):
+                name = _chunk_name(chunk.group, n_layers)
+                if kind == "param":
+                    host = i in chosen.param_on_host
+                elif kind == "grad":
+                    host = False
+                else:
+                    host = i in chosen.optimizer_on_host
+                where = "host" if host else "device"
+                body.append(
+                    f'<g><title>{_esc(name)} (chunk {i}, shard of '
+                    f"{shards[i].numel:,} elements): {label} on the {where}"
+                    f'</title><rect x="{_f(label_w + i * cell_w)}" y="{_f(y)}" '
+                    f'width="{_f(cell_w - 1)}" height="{cell_h}" '
+                    f'fill="{HOST if host else DEVICE}"/></g>'
+                )
+            y += cell_h + 3
+        for i, chunk in enumerate(layout.chunks):
+            name = _chunk_name(chunk.group, n_layers)
+            last = i == len(layout.chunks) - 1
+            if i == 0 or last or (chunk.group > 1 and (chunk.group - 1) % 4 == 0
+                                  and chunk.group <= n_layers - 2):
+                x = label_w + (i + 1) * cell_w if last else label_w + (i + 0.5) * cell_w
+                body.append(_text(x, y + 14, name, size=12, fill="#444",
+                                  anchor="end" if last else "middle"))
+        y += 34
+    x = 0.0
+    for label, colour in (("on the device", DEVICE), ("in host memory", HOST)):
+        body.append(f'<rect x="{_f(x)}" y="{_f(y)}" width="14" height="14" '
+                    f'fill="{colour}"/>')
+        body.append(_text(x + 20, y + 12, label, size=13))
+        x += 170
+    y += 24
+    body.append(_text(0, y + 12, "Chunks go to the host from the output end: their "
+                      "gradients are final first in backward, and their parameters "
+                      "are needed last in the next forward. Hover for each chunk.",
+                      size=12, fill="#555"))
+    return _svg(WIDTH, y + 22, body)
+
+
+# ------------------------------------------------------------------ all figures
+
+
+def figures(root: Path, trace: dict | None = None) -> dict[str, str]:
+    """
+    Every figure of the site, by path under `site/`: the builder writes each one,
+    and a page shows it with `![alt](figures/NAME.svg)`.
+    """
+    out = {
+        "figures/chunk_layout.svg": chunk_layout_svg(root),
+        "figures/shard_collectives.svg": shard_collectives_svg(root),
+        "figures/placement.svg": placement_svg(root),
+    }
+    if trace is not None:
+        out["figures/step_timeline.svg"] = timeline_svg(trace)
+    return out
