@@ -19,8 +19,9 @@ $$x_{l+1} = x_l + \operatorname{Attn}(\operatorname{LN}_1(x_l))
 the first quarter of each head's dimensions by their position (*partial
 rotary embeddings*). A model with $L$ layers of width $d$ and a vocabulary of
 $V$ has about $12 L d^2 + 2 V d$ parameters: $20.55 \cdot 10^9$ for 20B, whose
-fp16 weights alone (41 GB) and Adam states ($16 \Psi$ bytes = 329 GB) are what
-ZeRO-3 spreads over the ranks.
+16-bit weights alone take 41 GB and whose model states for training, at
+$2 + 4 + 12 = 18$ bytes a parameter, about 370 GB: what ZeRO-3 spreads over the
+ranks.
 
 The model is a plain **list of layers**, the unit the engine gathers and
 releases, with Hugging Face's parameter names inside each layer, so a
@@ -28,17 +29,19 @@ checkpoint streams into it one layer at a time.
 
 Pages, in reading order:
 
-1. [The model](model.html): config and presets, partial rotary embeddings,
-   attention, the parallel-residual layer, `build_layers`.
-2. [Activation memory](activation_memory.html): what autograd keeps per layer,
+1. [The configuration](config.html): `NeoXConfig`, the released shapes as
+   presets, Hugging Face's `config.json`.
+2. [The model](model.html): partial rotary embeddings, attention, the
+   parallel-residual layer, `build_layers`.
+3. [Activation memory](activation_memory.html): what autograd keeps per layer,
    per fine-tuner and with recomputation, and the loss's fp32 peak.
-3. [Hugging Face checkpoints](checkpoint.html): streaming per-layer loading
+4. [Hugging Face checkpoints](checkpoint.html): streaming per-layer loading
    with checked shapes, atomic sharded export.
-4. [The tokenizer](tokenizer.html).
-5. [The dataset](dataset.html): tokenise once, split, fixed-length samples,
+5. [The tokenizer](tokenizer.html).
+6. [The dataset](dataset.html): tokenise once, split, fixed-length samples,
    a deterministic and resumable per-rank order.
-6. [Fine-tuners](finetuners.html): which parameters train.
-7. [Sampling](generate.html): greedy and top-k generation.
-8. [The fine-tune](finetune.html): configuration, the sharded model, the training
+7. [Fine-tuners](finetuners.html): which parameters train.
+8. [Sampling](generate.html): greedy and top-k generation.
+9. [The fine-tune](finetune.html): configuration, the sharded model, the training
    loop, checkpoints; started by [`finetune_neox`](../finetune_neox.html).
 """

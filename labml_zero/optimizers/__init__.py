@@ -12,11 +12,18 @@ update below $2^{-8}$. Mixed-precision training therefore keeps an fp32 *master*
 copy of the weights, applies the updates to it, and writes the rounded result back
 to the 16-bit copy that the computation uses. With Adam the optimizer holds, per
 parameter, the master (4 bytes) and two moments (4 + 4 bytes): $K = 12$ bytes,
-against 2 for the 16-bit parameter and 2 for its gradient. That $K$ is why ZeRO
-shards the optimizer state first: it is $\frac{12}{16}$ of the model states.
+against 2 for the 16-bit parameter and 4 for its fp32 gradient shard. That $K$
+is why ZeRO shards the optimizer state first: it is
+
+$$\frac{K}{2 + 4 + K} = \frac{12}{18}$$
+
+of the model states here ($\frac{12}{16}$ in the paper, which counts a 16-bit
+gradient).
 
 Under ZeRO-3 each rank holds these for its own shards only: the optimizer sees one
 flat 16-bit tensor per trainable chunk, with its fp32 gradient in `main_grad`.
+
+Pages, in reading order (the training features follow the optimizer):
 
 * [AdamFP16](adam_fp16.html): the optimizer.
 * [Clipping](clip_grad.html): the global gradient norm over shards, one all-reduce.

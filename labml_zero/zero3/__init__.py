@@ -6,54 +6,73 @@ summary: Parameters, gradients and optimizer states sharded over ranks in flat c
 
 # ZeRO-3 with chunks
 
-Data-parallel training keeps a full copy of the model states on every rank. With
-mixed-precision Adam that is, per parameter, 2 bytes of 16-bit weight, 2 of
-gradient and $K = 12$ of optimizer state (fp32 master, two fp32 moments):
-$(2 + 2 + K)\Psi$ bytes for $\Psi$ parameters, 16 bytes each, 112 GB for a 7B model.
-[ZeRO](https://arxiv.org/abs/1910.02054) (stage 3, "Zero-DP $P_{os+g+p}$") shards all
-three over the $N_d$ data-parallel ranks, so each holds
+Data-parallel training keeps a full copy of the *model states* on every one of
+the $N_d$ data-parallel ranks. With mixed-precision Adam that is, per parameter,
+2 bytes of 16-bit weight, a gradient, and $K = 12$ bytes of optimizer state
+(fp32 master, two fp32 moments). [ZeRO](https://arxiv.org/abs/1910.02054)
+(stage 3, "Zero-DP $P_{os+g+p}$") shards all three over the ranks, so each holds
 
-$$\frac{(2 + 2 + K)\Psi}{N_d}$$
+$$\frac{(2 + 4 + K)\,\Psi_t + 2\,\Psi_f}{N_d}$$
 
-and gathers the parameters of a layer only while the layer computes. The cost is
-communication: every step all-gathers the parameters twice (forward and backward)
-and reduce-scatters the gradients once, $3\Psi$ against DDP's $2\Psi$.
+bytes for $\Psi_t$ trainable and $\Psi_f$ frozen parameters, and gathers the
+parameters of a layer only while the layer computes. Two departures from the
+paper's accounting, both deliberate: the shard gradient is fp32 (4 bytes, not
+2: it is averaged in fp32 and accumulates across micro-batches without
+rounding), so a trainable parameter costs 18 bytes, not 16, over $N_d$; and a
+frozen parameter (fine-tuning a subset) costs only its 16-bit shard. The cost
+of sharding is communication: a step all-gathers the parameters for forward,
+again for backward (except those that stay gathered or need no backward), and
+reduce-scatters the gradients once.
 
 This engine shards in *chunks* (ColossalAI's Gemini): parameters are packed, in
 execution order, into flat buffers of one size, and a chunk is the unit of
-gathering, releasing and gradient reduction.
-
-Two departures from the paper's accounting, both deliberate: the shard gradient is
-fp32 (4 bytes, not 2: it is averaged in fp32 and accumulates across micro-batches
-without rounding), so a trainable parameter costs $\frac{2 + 4 + 12}{N_d}$ bytes
-from the reduce-scatter until `zero_grad`; and frozen parameters (fine-tuning a
-subset) cost only their 16-bit shard, $\frac{2}{N_d}$ bytes: no gradient, no
-master, no moments. `tests/zero3/test_memory_and_comm.py` counts the real tensors
-against these formulas.
+gathering, releasing and gradient reduction. A *unit* is a layer whose chunks
+the hooks gather and release together.
 
 ## A step, in one picture
 
-Forward, layer by layer: gather → compute → release. Backward, in reverse:
-gather → compute gradients → reduce-scatter them → release. The next layer's
-gather runs on a side stream while the current one computes.
+Each rank keeps one *shard* of every chunk. Before a unit computes, an
+all-gather fills the chunk's full buffer on every rank from all the shards;
+after backward, a reduce-scatter sums the ranks' full gradients and leaves each
+rank the slice of its own shard:
+
+![shards, all-gather and reduce-scatter on 2 to 4 ranks](figures/shard_collectives.svg)
+
+Forward, unit by unit: gather, compute, release. Backward, in reverse: gather,
+compute gradients, reduce-scatter them, release. The next units' gathers run on
+a side stream while the current one computes, and the reductions on another, as
+one measured step shows:
+
+![one training step on its streams](figures/step_timeline.svg)
 
 ## Pages, in reading order
 
-* [Chunk layout](chunk_layout.html): which parameter goes where; pure arithmetic.
-* [Chunk-size search](chunk_search.html): choosing the chunk size.
-* [Memory model](memory_model.html): the bytes, analytically.
-* [Placement](placement.html): which chunks keep optimizer states (or parameter
-  shards) in host memory, or stay gathered, and the bytes that moves.
-* [Communication](communication.html): the collectives and streams.
-* [Chunk](chunk.html): a chunk's tensors and lifecycle.
-* [Hooks and schedule](hooks.html): when chunks are gathered, released and reduced.
-* [Configuration](config.html): the knobs.
-* [Sharding a model](sharded_model.html): `Zero3Layer`, `Zero3Sequential`,
-  `shard_model`.
-* [Compiling sharded layers](compiled.html): `torch.compile` inside the hooks.
-* [Checkpoints](checkpoint/index.html): saving, resuming and resharding, the
-  format and its digests, checks before a job starts, pruning, and exporting
-  the whole model.
+1. [Memory model](memory_model.html): the formula above, for a real layout, and
+   the bytes a step communicates.
+2. [Chunk layout](chunk_layout.html): which parameter goes where; pure
+   arithmetic.
+3. [Chunk](chunk.html): a chunk's tensors and lifecycle.
+4. [Communication](communication.html): the collectives and streams.
+5. [Hooks and schedule](hooks.html): when chunks are gathered, released and
+   reduced; prefetch, gradient accumulation and recomputation.
+6. [Sharding a model](sharded_model.html): `Zero3Layer`, `Zero3Sequential`,
+   `shard_model`, and [their configuration](config.html).
+7. [AdamFP16](../optimizers/adam_fp16.html), then the training features:
+   [clipping](../optimizers/clip_grad.html) and
+   [loss scaling](../optimizers/grad_scaler.html).
+8. [Checkpoints](checkpoint/index.html): saving, resuming and resharding;
+   [the format and the resharding reader](checkpoint_reader.html);
+   [exporting the whole model](checkpoint_export.html).
+9. [GPT-NeoX](../neox/index.html) and [the fine-tune](../neox/finetune.html).
+
+Then the advanced chapters:
+
+10. [Chunk-size search](chunk_search.html): choosing the chunk size.
+11. [Placement](placement.html): which chunks keep optimizer states (or
+    parameter shards) in host memory, or stay gathered, and the bytes that moves.
+12. [Peer memory](peer_memory.html): gathers and reductions as copies from the
+    other GPUs' memory.
+13. [Compiling sharded layers](compiled.html): `torch.compile` inside the hooks.
 """
 
 from .checkpoint import (CheckpointError, export_full_state_dict, load_checkpoint,

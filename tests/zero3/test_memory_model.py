@@ -230,12 +230,16 @@ def test_backward_peak_is_one_group_wider():
 
 def test_figures_in_the_memory_notes():
     """GPT-NeoX-20B: about 370 GB per rank unsharded at 18 bytes a parameter
-    (2 + 4 + 12), 46 GB per rank with ZeRO-3 over 8 ranks."""
+    (2 + 4 + 12), 46 GB per rank with ZeRO-3 over 8 ranks (memory model, and the
+    GPT-NeoX chapter's index)."""
     from labml_zero.neox.model import build_layers, gpt_neox_20b
 
     psi = sum(p.numel() for layer in build_layers(gpt_neox_20b(), device="meta")
               for p in layer.parameters())
     assert round(psi / 1e9, 1) == 20.6
+    # The GPT-NeoX chapter's figures: 20.55e9 parameters, 41 GB of 16-bit weights.
+    assert round(psi / 1e9, 2) == 20.55
+    assert round(2 * psi / 1e9) == 41
     assert 2 + 4 + 12 == 18
     assert round(zero_model_states(psi, 0, 1, grad_bytes=4) / 1e9, -1) == 370
     assert round(zero_model_states(psi, 0, 8, grad_bytes=4) / 1e9) == 46
