@@ -41,73 +41,10 @@ $14nd$ for the MLPs and $9nd$ for the biases, so a layer keeps
 $$M_{\text{layer}} = 2 c\, nd + 4 \cdot 4n + 4 n_h n + 2 \cdot 2 T d_r
 \text{ bytes}, \qquad c \in \{16, 14, 9\}.$$
 
-Two details are easy to miss. The attention kernel lays its output out in
-memory as $q$ is laid out, and $q$, made by the rotation's `cat`, is
-`[B, n_h, T, d_h]` (measured on CPU and on an H200 with PyTorch 2.11, whose
-default backend there is cuDNN's). So `transpose(1, 2).reshape(B, T, d)` is a
-*copy*, and the dense linear saves that copy besides the output the attention
-saved: one $nd$ more than counting tensors by name suggests, 64 MiB per layer
-for Pythia-1.4B at $8 \times 2048$ tokens. And the first layer reads the
-embedding's output, which does not require grad when the embedding is frozen:
-its layer norms then save nothing, and under the `ffn` tuner its whole
-attention branch saves nothing either ($8nd$ for biases, $9nd$ for ffn).
-
-For GPT-NeoX-20B at $16 \times 128$ tokens, bias-only, a layer keeps
-$9 \cdot 2048 \cdot 6144 \cdot 2$ bytes $= 216$ MiB of bf16 and 556 KiB of the
-rest: the layer norms' statistics (32 KiB), the log-sum-exp (512 KiB) and the
-rotary tables (12 KiB).
-
-## Recomputation
-
-With activation checkpointing (the layer under
-`torch.utils.checkpoint(..., use_reentrant=False)`) a layer keeps only its input,
-$2nd$ bytes, and its backward first recomputes its forward, which saves the
-full set of the table again for this one layer (its input is the one already
-kept). labml_zero's engine checkpoints every unit, the final norm and the
-readout too, which then keep their inputs ($2nd$ bytes each) instead of what
-they would save.
-
-## Readout and loss
-
-The loss of the benchmark (`bench/engine.py`) and of the
-[fine-tune](finetune.html) is
-`F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())` with the
-readout's bf16 logits `[n, V]` held in a variable until backward is done. With
-$nV$ elements per vocabulary-sized tensor:
-
-* forward: the bf16 logits ($2nV$), their fp32 copy ($4nV$) and the fp32
-  log-probabilities that `log_softmax` returns and saves ($4nV$); the copy
-  dies when the loss returns, so $10nV$ at the peak and $6nV$ after it;
-* backward, at `log_softmax`'s backward: the logits ($2nV$), the saved
-  log-probabilities ($4nV$), the fp32 gradient of the log-probabilities that
-  `nll_loss` wrote ($4nV$) and the fp32 gradient of the logits being written
-  ($4nV$): $14nV$. After it the two fp32 gradients of 4 become one of 4 and one
-  bf16 of 2, never more.
-
-Besides, the final norm keeps its input $x_L$ and statistics, and the readout
-keeps its input when its weight trains. For Pythia-1.4B at $8 \times 2048$
-tokens, $14nV$ is 10.75 GiB, as much as 10.7 of its 24 layers.
-
-## The benchmark workloads
-
-Per rank, from `activation_bytes` (the test checks these figures against it):
-
-| job | model | B × T | trains | layer MiB | layers GiB | loss GiB | total GiB |
-| --- | --- | --- | --- | --- | --- | --- | --- |
-| W1 | pythia_1_4b | 8 × 2048 | all | 1025.50 | 24.04 | 10.87 | 34.91 |
-| W2 | pythia_6_9b | 2 × 2048 | all | 512.81 | 16.03 | 2.76 | 18.78 |
-| W3 | gpt_neox_20b | 16 × 128 | biases | 216.54 | 9.28 | 1.37 | 10.65 |
-| W4 | pythia_160m | 16 × 1024 | all | 385.06 | 4.51 | 10.79 | 15.31 |
-| W5 | gpt_neox_20b | 4 × 2048 | all, recomputed | 96.00 | 5.53 | 5.57 | 9.70 |
-
-"layer" is what one layer keeps from forward to backward (its input, for
-W5), "layers" all of them at the start of backward (for W5 also the one layer
-being recomputed), "loss" the peak of final norm, readout and loss, "total"
-the largest sum of the two parts alive at one time. On an H200 (PyTorch 2.11)
-the peak `torch.cuda.max_memory_allocated` of a step of plain PyTorch, 4 to 12
-layers of each of these models at these sizes, less the parameters, with each
-parameter gradient dropped as it arrives (the engine moves it out), was
-`total` to within 1 MiB.
+`_layer_bytes` computes the table row by row, `readout_loss_bytes` the final
+norm, readout and loss, and `activation_bytes` the whole model, with and
+without recomputation. The tests check each count tensor by tensor against what
+PyTorch saves (`torch.autograd.graph.saved_tensors_hooks`) on CPU.
 
 ## Limitations
 
@@ -117,11 +54,12 @@ parameter gradient dropped as it arrives (the engine moves it out), was
 * Gradients in flight during backward (the residual stream's, a layer's
   intermediate ones, at most a few $nd$), the attention kernels' workspaces and
   the allocator's rounding and fragmentation are not counted.
-* The copy of the attention output is measured for the CPU and, on an H200,
-  for the cuDNN (default) and FlashAttention backends; the memory-efficient
-  backend writes its output `[B, T, n_h, d_h]` whatever the layout of $q$ and
-  saves $nd$ less under the full fine-tune. Two or three 8-byte RNG scalars
-  that the CUDA kernels save are not counted. The CPU kernel keeps the layer
+* The copy of the attention output (see Note: the attention output is copied)
+  holds for the CPU kernel and, on CUDA, for the cuDNN (default) and
+  FlashAttention backends; the memory-efficient backend writes its output
+  `[B, T, n_h, d_h]` whatever the layout of $q$ and saves $nd$ less under the
+  full fine-tune. Two or three 8-byte RNG scalars that the CUDA kernels save
+  are not counted. The CPU kernel keeps the layer
   norms' statistics in bf16, not fp32; the tests add the difference back.
 * A model without rotary dimensions (`rotary_pct=0`, none released) differs
   and is counted so: $q$ and $k$ are then views of the fused QKV output and keep
@@ -234,6 +172,16 @@ def _check(config: NeoXConfig, batch: int, seq: int, dtype_bytes: int) -> None:
 # ## One transformer layer
 
 
+# ## Note: the attention output is copied
+#
+# The attention kernel lays its output out in memory as $q$ is laid out, and $q$,
+# made by the rotation's `cat`, is `[B, n_h, T, d_h]` (on CPU, and on CUDA with
+# the cuDNN and FlashAttention backends). So `transpose(1, 2).reshape(B, T, d)`
+# is a *copy*, and the dense linear saves that copy besides the output the
+# attention saved: one $nd$ more than counting tensors by name suggests, 64 MiB
+# per layer for Pythia-1.4B at $8 \times 2048$ tokens.
+
+
 def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
                  input_requires_grad: bool, dtype_bytes: int) -> int:
     r"""
@@ -276,7 +224,8 @@ def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
             # them keeps all of it, [B, T, 3d].
             total += 3 * nd
     if "attention.dense.weight" in trains and config.rotary_dim > 0:
-        # The heads concatenated: a copy, see the intro. Without rotation q, and
+        # The heads concatenated: a copy (see Note: the attention output is
+        # copied). Without rotation q, and
         # so the attention output, is laid out [B, T, n_h, d_h] and this is a
         # view of the output already saved.
         total += nd
@@ -305,6 +254,19 @@ def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
     * `input_requires_grad`: `False` for the first layer behind a frozen
       embedding (see the intro).
     * `dtype_bytes`: bytes per activation element, 2 for bf16.
+
+    For GPT-NeoX-20B at $16 \times 128$ tokens, bias-only, a layer keeps
+    $9 \cdot 2048 \cdot 6144 \cdot 2$ bytes $= 216$ MiB of bf16 and 556 KiB of the
+    rest: the layer norms' statistics (32 KiB), the log-sum-exp (512 KiB) and the
+    rotary tables (12 KiB).
+
+    *Recomputation.* With activation checkpointing (the layer under
+    `torch.utils.checkpoint(..., use_reentrant=False)`) a layer keeps only its input,
+    $2nd$ bytes, and its backward first recomputes its forward, which saves the
+    full set of the table again for this one layer (its input is the one already
+    kept). labml_zero's engine checkpoints every unit, the final norm and the
+    readout too, which then keep their inputs ($2nd$ bytes each) instead of what
+    they would save.
     """
     _check(config, batch, seq, dtype_bytes)
     trains, _ = _trainable(config, finetune)
@@ -331,6 +293,25 @@ def readout_loss_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: st
 
     The final norm's input $x_L$ is taken to require grad: every fine-tuner
     trains something in every layer.
+
+    The loss of the benchmark (`bench/engine.py`) and of the
+    [fine-tune](finetune.html) is
+    `F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())` with the
+    readout's bf16 logits `[n, V]` held in a variable until backward is done. With
+    $nV$ elements per vocabulary-sized tensor:
+
+    * forward: the bf16 logits ($2nV$), their fp32 copy ($4nV$) and the fp32
+      log-probabilities that `log_softmax` returns and saves ($4nV$); the copy
+      dies when the loss returns, so $10nV$ at the peak and $6nV$ after it;
+    * backward, at `log_softmax`'s backward: the logits ($2nV$), the saved
+      log-probabilities ($4nV$), the fp32 gradient of the log-probabilities that
+      `nll_loss` wrote ($4nV$) and the fp32 gradient of the logits being written
+      ($4nV$): $14nV$. After it the two fp32 gradients of 4 become one of 4 and one
+      bf16 of 2, never more.
+
+    Besides, the final norm keeps its input $x_L$ and statistics, and the readout
+    keeps its input when its weight trains. For Pythia-1.4B at $8 \times 2048$
+    tokens, $14nV$ is 10.75 GiB, as much as 10.7 of its 24 layers.
     """
     _check(config, batch, seq, dtype_bytes)
     _, trains = _trainable(config, finetune)
@@ -366,7 +347,25 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
     benchmark's loss, the logits held through backward. The embedding keeps no
     activation (its backward needs only the ids); its output is the first
     layer's input, counted there when that layer keeps it, which it does not
-    behind a frozen embedding.
+    behind a frozen embedding: its layer norms then save nothing, and under the
+    `ffn` tuner its whole attention branch saves nothing either ($8nd$ for
+    biases, $9nd$ for ffn).
+
+    Per rank, for the five jobs of the benchmark (which names them W1 to W5),
+    computed by this function (a test checks every figure against it):
+
+    | job | model | B × T | trains | layer MiB | layers GiB | loss GiB | total GiB |
+    | --- | --- | --- | --- | --- | --- | --- | --- |
+    | W1 | pythia_1_4b | 8 × 2048 | all | 1025.50 | 24.04 | 10.87 | 34.91 |
+    | W2 | pythia_6_9b | 2 × 2048 | all | 512.81 | 16.03 | 2.76 | 18.78 |
+    | W3 | gpt_neox_20b | 16 × 128 | biases | 216.54 | 9.28 | 1.37 | 10.65 |
+    | W4 | pythia_160m | 16 × 1024 | all | 385.06 | 4.51 | 10.79 | 15.31 |
+    | W5 | gpt_neox_20b | 4 × 2048 | all, recomputed | 96.00 | 5.53 | 5.57 | 9.70 |
+
+    "layer" is what one layer keeps from forward to backward (its input, for
+    W5), "layers" all of them at the start of backward (for W5 also the one layer
+    being recomputed), "loss" the peak of final norm, readout and loss, "total"
+    the largest sum of the two parts alive at one time.
     """
     _check(config, batch, seq, 2)
     block, others = _trainable(config, finetune)
