@@ -7,36 +7,19 @@ summary: Tokenise a corpus once, split it into train and validation, cut
 
 # Text dataset
 
-The fine-tune reads Tiny Shakespeare (1.1 MB, about 338k GPT-NeoX tokens). That
+The fine-tune reads Tiny Shakespeare (1.1 MB, about 340k GPT-NeoX tokens). That
 is small enough to tokenise once and keep as one `int64` tensor (2.7 MB), so a
 sample is a slice, not a file read.
 
-## Splits and samples
+The token array of $N$ tokens is split contiguously into training and
+validation text (`split_tokens`), and each split is cut into samples of $T + 1$
+tokens with stride $T$ (`TextDataset`), so a split holds
 
-The token array is split **contiguously**: the first 90% is training text, the
-last 10% validation. (A random split of overlapping windows would put the same
-lines in both.) Each split is cut into samples of $T + 1$ tokens with stride $T$:
-sample $i$ is tokens $[iT, iT + T]$, its input the first $T$ and its target the
-last $T$ (the input shifted by one). Consecutive samples share one boundary
-token, so every token except the first is a target exactly once:
-$n_{samples} = \lfloor (N - 1) / T \rfloor$.
+$$n_{\text{samples}} = \left\lfloor \frac{N - 1}{T} \right\rfloor$$
 
-## Per-rank order
-
-In data-parallel training each of the $N_d$ ranks must see *different* samples
-in each step, and a resumed run must see exactly the batches the interrupted run
-would have seen. `RankSampler` does this without communication:
-
-1. The epoch's order is a permutation drawn from a generator seeded with
-   `(seed, epoch)`: every rank computes the same permutation.
-2. Step $s$ takes the slice $[s B N_d, (s+1) B N_d)$ of it (the global batch),
-   and rank $r$ takes its $r$-th block of $B$. Blocks are disjoint, so ranks are.
-3. Samples left over at the end of an epoch (fewer than $B N_d$) are dropped, so
-   every rank runs the same number of steps; a rank that ran one more step would
-   wait forever in a collective.
-4. The state is `(epoch, position)`, position being the next step. It advances
-   when a batch is handed out, so a checkpoint taken after training on a batch
-   resumes at the next one.
+samples, and every token except the first is a target exactly once. In
+data-parallel training each of the $N_d$ ranks takes different samples in each
+step, in an order that a resumed run repeats exactly (`RankSampler`).
 
 ## Limitations
 
@@ -138,7 +121,9 @@ def split_tokens(tokens: torch.Tensor, *, valid_fraction: float = 0.1
     """
     ### Contiguous train/validation split
 
-    The first $\\lfloor (1 - f) N \\rfloor$ tokens train, the rest validate.
+    The first $\\lfloor (1 - f) N \\rfloor$ tokens train, the rest validate,
+    with $f$ = `valid_fraction` (10% by default). Contiguous, because a random
+    split of overlapping windows would put the same lines in both.
     """
     if not 0.0 < valid_fraction < 1.0:
         raise ValueError(f"valid_fraction must be in (0, 1), got {valid_fraction}")
@@ -160,7 +145,10 @@ class TextDataset:
     """
     ## Fixed-length samples of one token array
 
-    Sample $i$ is `tokens[i*T : i*T + T + 1]`, split into input and target.
+    Sample $i$ is `tokens[i*T : i*T + T + 1]`, tokens $[iT, iT + T]$: its input
+    the first $T$ and its target the last $T$ (the input shifted by one).
+    Consecutive samples share one boundary token, so every token except the
+    first is a target exactly once.
     """
 
     def __init__(self, tokens: torch.Tensor, *, seq_len: int):
@@ -220,6 +208,22 @@ class RankSampler:
     Iterating yields the rest of the current epoch as lists of `batch_size`
     indices, then moves to the next epoch; iterate again for that one.
     With `shuffle=False` the order is `0, 1, 2, …` (for validation).
+
+    Each of the $N_d$ ranks must see *different* samples in each step, and a
+    resumed run must see exactly the batches the interrupted run would have
+    seen. This sampler does both without communication:
+
+    1. The epoch's order is a permutation drawn from a generator seeded with
+       `(seed, epoch)`: every rank computes the same permutation (`order`).
+    2. Step $s$ takes the slice $[s B N_d, (s+1) B N_d)$ of it (the global
+       batch), and rank $r$ takes its $r$-th block of $B$. Blocks are disjoint,
+       so ranks are.
+    3. Samples left over at the end of an epoch (fewer than $B N_d$) are
+       dropped, so every rank runs the same number of steps; a rank that ran one
+       more step would wait forever in a collective.
+    4. The state is `(epoch, position)`, position being the next step. It
+       advances when a batch is handed out, so a checkpoint taken after training
+       on a batch resumes at the next one.
     """
 
     def __init__(self, n_samples: int, *, batch_size: int, rank: int = 0,
@@ -241,7 +245,7 @@ class RankSampler:
         self.position = 0
 
     def __len__(self) -> int:
-        """Steps per epoch: leftover samples are dropped (see step 3 above)."""
+        """Steps per epoch: leftover samples are dropped (step 3 of the class)."""
         return self.n_samples // (self.batch_size * self.world_size)
 
     def order(self, epoch: int) -> np.ndarray:

@@ -122,3 +122,15 @@ def test_sampler_bad_arguments():
         RankSampler(10, batch_size=1, rank=2, world_size=2)
     with pytest.raises(ValueError, match="fewer than one global batch"):
         RankSampler(3, batch_size=2, world_size=2)
+
+
+def test_figures_in_the_notes(corpus_tokens):
+    """Tiny Shakespeare is 1.1 MB, about 340k GPT-NeoX tokens, 2.7 MB as int64;
+    a split of N tokens holds floor((N - 1) / T) samples."""
+    assert round(1_115_394 / 1e6, 1) == 1.1
+    assert round(len(corpus_tokens) / 1e4) == 34
+    nbytes = corpus_tokens.numel() * corpus_tokens.element_size()
+    assert round(nbytes / 1e6, 1) == 2.7
+    for seq_len in (7, 128):
+        assert len(TextDataset(corpus_tokens, seq_len=seq_len)) == (
+            (len(corpus_tokens) - 1) // seq_len)

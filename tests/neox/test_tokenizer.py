@@ -32,3 +32,15 @@ def test_plain_json_path(tmp_path, tokenizer):
 def test_missing_file_names_path(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "t.json")):
         load_tokenizer(tmp_path / "t.json")
+
+
+def test_figures_in_the_notes(tokenizer):
+    """50,254 learned tokens plus 27 added ones, 50,281 ids in all; the presets'
+    embeddings have 50,304 to 50,688 rows."""
+    from labml_zero.neox import config as C
+
+    learned = tokenizer.get_vocab_size(with_added_tokens=False)
+    assert (learned, vocab_size(tokenizer) - learned) == (50254, 27)
+    rows = {getattr(C, name)().n_vocab for name in C.__all__
+            if name.startswith(("pythia", "gpt_neox"))}
+    assert (min(rows), max(rows)) == (50304, 50688)
