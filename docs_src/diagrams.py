@@ -700,10 +700,13 @@ def placement_svg(
 # ------------------------------------------------------------------ all figures
 
 
-def figures(root: Path, trace: dict | None = None) -> dict[str, str]:
+def figures(
+    root: Path, trace: dict | None = None, *, where: str = "trace"
+) -> dict[str, str]:
     """
     Every figure of the site, by path under `site/`: the builder writes each one,
-    and a page shows it with `![alt](figures/NAME.svg)`.
+    and a page shows it with `![alt](figures/NAME.svg)`. `where` names the trace
+    file in its error messages.
     """
     out = {
         "figures/chunk_layout.svg": chunk_layout_svg(root),
@@ -711,5 +714,5 @@ def figures(root: Path, trace: dict | None = None) -> dict[str, str]:
         "figures/placement.svg": placement_svg(root),
     }
     if trace is not None:
-        out["figures/step_timeline.svg"] = timeline_svg(trace)
+        out["figures/step_timeline.svg"] = timeline_svg(trace, where=where)
     return out
