@@ -20,16 +20,23 @@ dtype (the dtype gradients are reduce-scattered in) and $d$ the prefetch depth
 (how many groups the engine gathers ahead of the running one). The search
 minimizes
 
-$$\text{score}(c) = \underbrace{p \sum_k (C_k - u_k)}_{\text{waste}}
-+ \lambda \Big( \underbrace{p \max_i \sum_{j=i}^{i+d} C(\text{group}_j)}_
-{\text{peak gathered}} + \underbrace{g_r \max_{k \text{ trainable}} C_k}_
-{\text{gradient buffer}} \Big) + \mu \, n_{\text{collectives}}$$
+$$\text{score}(c) = W + \mu \, n_{\text{collectives}} + \lambda \, (G + B)$$
 
-padding in bytes, plus $\lambda$ times the peak memory that the size sets, plus a
-fixed price $\mu$ for each collective of a training step. `score_candidate`
-explains each term beside the line that computes it; Note: why not padding alone
-shows, on a model of three parameters, why the memory terms are needed; Note:
-GPT-NeoX-20B works the search through a real model.
+with
+
+* the *waste* $W = p \sum_k (C_k - u_k)$, the padding in bytes;
+* $n_{\text{collectives}}$ the collectives of one training step, each at a
+  fixed price $\mu$;
+* the *peak gathered* $G = p \max_i \sum_{j=i}^{i+d} C(\text{group}_j)$, the
+  most parameter bytes gathered at once ($C(\text{group})$ the elements of a
+  group's chunks);
+* the *gradient buffer* $B = g_r \max_{k \text{ trainable}} C_k$, the largest
+  full-size gradient a chunk holds in backward;
+* $\lambda$ the price of a byte of peak memory in bytes of waste.
+
+`score_candidate` explains each term beside the line that computes it; Note: why
+not padding alone shows, on a model of three parameters, why the memory terms
+are needed; Note: GPT-NeoX-20B works the search through a real model.
 
 ## Limitations
 
