@@ -376,9 +376,9 @@ def build_layers(config: NeoXConfig, *, filter_layers: Iterable[int] | None = No
     """
     ### Build `[Embedding, TransformerLayer × n, FinalNorm, Readout]`
 
-    * `filter_layers` keeps only the transformer layers with these indices (as
-      labml-nn does, to try a big model with a few of its layers); the embedding,
-      final norm and readout are always built.
+    * `filter_layers` keeps only the transformer layers with these indices (to
+      try a big model with a few of its layers); the embedding, final norm and
+      readout are always built.
     * `device='meta'` allocates nothing; call `to_empty(device=...)` and then
       `reset_parameters()` on each layer, or load a checkpoint into it.
     * Weights are initialised as HF does (see `_init_like_hf`) unless on meta.
