@@ -183,12 +183,12 @@ BACKWARD = "backward"
 #
 # In forward, a unit's post-forward hook releases it before the next unit's
 # pre-forward hook gathers: $1 + d$ units are gathered at once. In backward the
-# hooks meet the other way round. The next unit's pre-backward hook fires as soon
-# as the gradient of its output is first needed, and it gathers that unit and
-# prefetches $d$ more; the finished unit's post-backward hook fires only once the
-# gradients of all its inputs are computed, and releases it after that. So the
-# finished unit, the running one and the $d$ prefetched are gathered together:
-# $2 + d$. The tests count the units the engine really holds in each phase and
+# hooks meet the other way round. Both wait for the same gradient, that of the
+# tensor between the two units (the finished unit's input, the next unit's
+# output). When autograd has computed it, the next unit's pre-backward hook runs
+# first, gathering that unit and prefetching $d$ more, and only then does the
+# finished unit's post-backward hook release it. So the finished unit, the
+# running one and the $d$ prefetched are gathered together: $2 + d$. The tests count the units the engine really holds in each phase and
 # assert `gathered_units`; an engine whose backward released first would set
 # this constant to $0$.
 BACKWARD_EXTRA_UNITS = 1
