@@ -188,9 +188,10 @@ BACKWARD = "backward"
 # output). When autograd has computed it, the next unit's pre-backward hook runs
 # first, gathering that unit and prefetching $d$ more, and only then does the
 # finished unit's post-backward hook release it. So the finished unit, the
-# running one and the $d$ prefetched are gathered together: $2 + d$. The tests count the units the engine really holds in each phase and
-# assert `gathered_units`; an engine whose backward released first would set
-# this constant to $0$.
+# running one and the $d$ prefetched are gathered together: $2 + d$. The tests
+# count the units the engine really holds in each phase and assert
+# `gathered_units`; an engine whose backward released first would set this
+# constant to $0$.
 BACKWARD_EXTRA_UNITS = 1
 
 
