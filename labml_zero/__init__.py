@@ -9,8 +9,10 @@ summary: An annotated ZeRO-3 (Zero-DP) engine with chunk-based memory management
 A literate implementation of ZeRO-3 training. Data parallelism over $N_d$ ranks
 keeps a full copy of the *model states* (parameters, gradients, optimizer state)
 on every rank; ZeRO-3 shards all three over the ranks, in flat *chunks* here, so
-that with 16-bit parameters, this engine's fp32 gradient shard and Adam's
-$K = 12$ bytes of fp32 state each rank holds
+that with bf16 parameters, this engine's fp32 gradient shard and Adam's
+$K = 12$
+(tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
+bytes of fp32 state each rank holds
 
 $$\frac{(2 + 4 + K)\,\Psi}{N_d}$$
 

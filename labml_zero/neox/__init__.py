@@ -20,8 +20,11 @@ the first quarter of each head's dimensions by their position (*partial
 rotary embeddings*). A model with $L$ layers of width $d$ and a vocabulary of
 $V$ has about $12 L d^2 + 2 V d$ parameters: $20.55 \cdot 10^9$ for 20B, whose
 16-bit weights alone take 41 GB and whose model states for training, at
-$2 + 4 + 12 = 18$ bytes a parameter, about 370 GB: what ZeRO-3 spreads over the
-ranks.
+$2 + 4 + 12 = 18$
+(tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
+bytes a parameter, about 370
+(tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
+GB: what ZeRO-3 spreads over the ranks.
 
 The model is a plain **list of layers**, the unit the engine gathers and
 releases, with Hugging Face's parameter names inside each layer, so a

@@ -16,7 +16,7 @@ $$d_h = \frac{d}{n_{\text{heads}}}, \qquad
 d_r = \lfloor d_h \cdot \text{rotary\_pct} \rfloor$$
 
 The defaults are a tiny model that runs on a laptop CPU with the real tokenizer;
-the released shapes (Pythia-70M to 12B, GPT-NeoX-20B) are preset functions that
+the released shapes (every Pythia, and GPT-NeoX-20B) are preset functions that
 return a config, and `dataclasses.replace` derives variants from them.
 `from_hf_config` and `to_hf_config` translate a Hugging Face `config.json`, so a
 checkpoint on the hub maps to a config and back.
@@ -62,10 +62,11 @@ class NeoXConfig:
     """
 
     n_vocab: int = 50432
-    """Rows of the embedding and the readout. The tokenizer has 50,281 tokens; the
-    released models pad the matrix to a multiple of 128 (50,432 for 20B and 6.9B,
-    50,304 for the small Pythias, 50,688 for 12B). Ids past the tokenizer are never
-    produced by it."""
+    """Rows of the embedding and the readout. The tokenizer has 50,281
+    (tested: tests/neox/test_tokenizer.py::test_vocab_size_fits_every_preset_embedding)
+    tokens; the released models pad the matrix to a multiple of 128
+    (tested: tests/neox/test_config.py::test_figures_in_the_notes), each preset
+    to its checkpoint's size. Ids past the tokenizer are never produced by it."""
     d_model: int = 64
     """Width of the residual stream, $d$."""
     n_heads: int = 4
@@ -147,11 +148,13 @@ class NeoXConfig:
 # Derive variants with `dataclasses.replace`, e.g. `replace(pythia_70m(),
 # n_layers=2)`. Shapes from the `config.json` of each `EleutherAI/pythia-*` and
 # `EleutherAI/gpt-neox-20b` on the Hugging Face hub. Every Pythia has
-# `hidden_act: "gelu"` (exact), rotary_pct 0.25, base 10000, 2048 positions.
+# `hidden_act: "gelu"` (exact), `rotary_pct=0.25`, `rotary_base=10000` and
+# `max_position=2048` (tested: tests/neox/test_config.py::test_figures_in_the_notes).
 
 
 def tiny() -> NeoXConfig:
-    """A laptop model with the real vocabulary: 2 layers of width 64."""
+    """A laptop model with the real vocabulary: 2 layers of width 64
+    (tested: tests/neox/test_config.py::test_figures_in_the_notes)."""
     return NeoXConfig()
 
 
@@ -194,7 +197,7 @@ def pythia_12b() -> NeoXConfig:
 
 
 def gpt_neox_20b() -> NeoXConfig:
-    # The 20B config says "gelu_fast": the tanh approximation.
+    # Its config says "gelu_fast": the tanh approximation.
     return NeoXConfig(n_vocab=50432, d_model=6144, n_heads=64, n_layers=44,
                       gelu_approximate="tanh")
 
@@ -212,7 +215,7 @@ def from_hf_config(hf: Mapping[str, Any]) -> NeoXConfig:
     ### Read a Hugging Face `config.json` (as a dict)
 
     Handles both spellings of the rotary settings: `rotary_pct`/`rotary_emb_base`
-    (the hub's Pythia and 20B files, transformers 4) and `rope_parameters`
+    (the hub's Pythia and GPT-NeoX-20B files, transformers 4) and `rope_parameters`
     (transformers 5).
     """
     if hf.get("model_type", "gpt_neox") != "gpt_neox":

@@ -7,7 +7,9 @@ summary: Tokenise a corpus once, split it into train and validation, cut
 
 # Text dataset
 
-The fine-tune reads Tiny Shakespeare (1.1 MB, about 340k GPT-NeoX tokens). That
+The fine-tune reads Tiny Shakespeare (1.1 MB, about 340
+(tested: tests/neox/test_dataset.py::test_figures_in_the_notes)
+thousand GPT-NeoX tokens). That
 is small enough to tokenise once and keep as one `int64` tensor (2.7 MB), so a
 sample is a slice, not a file read.
 
@@ -118,10 +120,10 @@ class TokenSplits(NamedTuple):
 
 def split_tokens(tokens: torch.Tensor, *, valid_fraction: float = 0.1
                  ) -> TokenSplits:
-    """
+    r"""
     ### Contiguous train/validation split
 
-    The first $\\lfloor (1 - f) N \\rfloor$ tokens train, the rest validate,
+    The first $\lfloor (1 - f) N \rfloor$ tokens train, the rest validate,
     with $f$ = `valid_fraction` (10% by default). Contiguous, because a random
     split of overlapping windows would put the same lines in both.
     """

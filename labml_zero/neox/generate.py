@@ -54,7 +54,7 @@ class Sampling:
     top_k: int | None = None
     """`None`: greedy. Otherwise sample among the `top_k` most likely ids."""
     temperature: float = 1.0
-    """$\\tau$; ignored by greedy decoding."""
+    r"""$\tau$; ignored by greedy decoding."""
     max_context: int = 2048
     """Longest prefix fed to the model (the model's `max_position`)."""
 

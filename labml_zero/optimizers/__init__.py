@@ -17,6 +17,8 @@ is why ZeRO shards the optimizer state first: it is
 
 $$\frac{K}{2 + 4 + K} = \frac{12}{18}$$
 
+(tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
+
 of the model states here ($\frac{12}{16}$ in the paper, which counts a 16-bit
 gradient).
 

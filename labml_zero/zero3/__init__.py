@@ -18,7 +18,10 @@ bytes for $\Psi_t$ trainable and $\Psi_f$ frozen parameters, and gathers the
 parameters of a layer only while the layer computes. Two departures from the
 paper's accounting, both deliberate: the shard gradient is fp32 (4 bytes, not
 2: it is averaged in fp32 and accumulates across micro-batches without
-rounding), so a trainable parameter costs 18 bytes, not 16, over $N_d$; and a
+rounding), so a trainable parameter costs 18
+(tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
+bytes, not 16, over
+$N_d$; and a
 frozen parameter (fine-tuning a subset) costs only its 16-bit shard. The cost
 of sharding is communication: a step all-gathers the parameters for forward,
 again for backward (except those that stay gathered or need no backward), and

@@ -20,7 +20,10 @@ the $\Psi$ trainable parameters, mixed-precision Adam keeps
 * $K = 12$ bytes of optimizer state: an fp32 master copy of the parameter and
   Adam's two fp32 moments, $4 + 4 + 4$.
 
-That is $2 + 4 + 12 = 18$ bytes per trainable parameter here (the paper's 16).
+That is $2 + 4 + 12 = 18$
+(tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
+bytes per trainable
+parameter here (the paper's 16).
 Data parallelism (DDP) replicates all of it on each of the $N_d$ data-parallel
 ranks. ZeRO-3 (the paper's $P_{os+g+p}$) partitions all three over them, so a
 rank holds
@@ -29,9 +32,11 @@ $$M_{\text{ZeRO-3}} = \frac{(p + g + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 
 where $\Psi_t$ are the trainable and $\Psi_f$ the frozen parameters; a frozen
 parameter has neither gradient nor optimizer state. GPT-NeoX-20B
-($\Psi \approx 20.6 \cdot 10^9$) needs about $370$ GB per rank at 18 bytes a
-parameter without sharding, and $46$ GB per rank with ZeRO-3 over $N_d = 8$
-(`zero_model_states`; the tests assert both).
+($\Psi \approx 20.6 \cdot 10^9$) needs about $370$
+(tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
+GB per rank without sharding, and $46$
+(tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
+GB per rank with ZeRO-3 over $N_d = 8$ (`zero_model_states`).
 
 The rest of the page refines this formula for a real [chunk
 layout](chunk_layout.html) (padding, `layout_model_states`), adds what is
@@ -98,8 +103,9 @@ def zero_model_states(
     * `psi_trainable` is $\Psi_t$ and `psi_frozen` is $\Psi_f$ (elements).
     * `world_size` is $N_d$; $N_d = 1$ gives DDP's $(p + g + K)\Psi$.
     * `param_bytes`, `grad_bytes` and `optimizer_bytes` are $p$, $g$ and $K$; for
-      this engine's fp32 gradient shard pass `grad_bytes=4` (18 bytes per
-      trainable parameter with bf16 parameters).
+      this engine's fp32 gradient shard pass `grad_bytes=4`: 18
+      (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
+      bytes per trainable parameter with bf16 parameters.
 
     Each $\Psi / N_d$ is rounded up: a rank holds whole elements, and the largest
     shard is the one that decides whether a rank runs out of memory.

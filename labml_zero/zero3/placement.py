@@ -124,23 +124,28 @@ memory on the same job (`bench/README.md`, W5).
 
 ## Where each chunk lives during a step
 
-Each chunk's parameter shard, gradient and optimizer state, for GPT-NeoX-20B's
-shape on two ranks under two static placements, computed by this page's own
-`StaticPlacement`, `resident_bytes` and `offload_traffic` when the site is built:
+W5's placement, per rank; chunks in execution order, "L$i$" a transformer
+layer (one chunk each), the arrows the copies of one step:
 
-![where each chunk lives under two placements](figures/placement.svg)
+```
+chunk            embed  L0 ... L25 | L26 ... L43 | norm  readout
+16-bit shard     GPU    GPU        | GPU         | GPU   GPU
+fp32 gradient    GPU    GPU        | GPU         | GPU   GPU
+master, m, v     GPU    GPU        | host        | GPU   GPU
+                                   | (host Adam, |
+                                   |  a worker)  |
 
-One step then runs:
-
-* *forward*, embedding to readout: all-gather each chunk (GPU to GPU), compute,
-  free the gathered copy;
-* *backward*, readout to embedding: each chunk that runs a backward is gathered
-  again, runs it and is reduce-scattered into its fp32 gradient; a host chunk's
-  gradient then goes down (GPU to host, 4 bytes an element) and its Adam starts
-  on the host at once, while the backward pass goes on to the earlier layers;
-* *step*: device Adam for the GPU chunks; then wait for the host's updates,
-  whose rounded 16-bit masters go up (host to GPU, 2 bytes an element) in time
-  for the next forward's all-gathers.
+forward    embed, L0, ..., L43, norm, readout: all-gather each chunk
+           (GPU <-> GPU), compute, free the gathered copy
+backward   readout, norm | L43, ..., L26 | L25, ..., L0, embed
+           each chunk: all-gather, recompute, backward, reduce-scatter into
+           its fp32 gradient; a host chunk's gradient then goes down
+           (GPU -> host, 4 bytes/element) and its Adam starts on the host at
+           once, while the backward pass goes on to the earlier layers
+step       device Adam for the GPU chunks; wait for the host's updates, whose
+           rounded 16-bit masters go up (host -> GPU, 2 bytes/element) in
+           time for the next forward's all-gathers
+```
 
 The readout and the embedding (each $310$ M elements) are smaller than a layer
 ($453$ M): the fewest-chunks rule takes the layers first, from the output end.

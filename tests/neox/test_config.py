@@ -44,3 +44,21 @@ def test_config_lives_on_its_own_page_and_is_re_exported():
     for name in C.__all__:
         assert getattr(M, name) is getattr(C, name), name
     assert M.NeoXConfig is C.NeoXConfig
+
+
+def test_figures_in_the_notes():
+    """The released vocabularies are padded to a multiple of 128: 50,432 for 20B
+    and 6.9B, 50,304 for the small Pythias, 50,688 for 12B; every Pythia rotates
+    0.25 of each head with base 10000 over 2048 positions; the tiny default is 2
+    layers of width 64."""
+    pythias = [C.pythia_70m, C.pythia_160m, C.pythia_410m, C.pythia_1b,
+               C.pythia_1_4b, C.pythia_2_8b]
+    assert {p().n_vocab for p in pythias} == {50304}
+    assert C.gpt_neox_20b().n_vocab == C.pythia_6_9b().n_vocab == 50432
+    assert C.pythia_12b().n_vocab == 50688
+    for preset in pythias + [C.pythia_6_9b, C.pythia_12b, C.gpt_neox_20b]:
+        config = preset()
+        assert config.n_vocab % 128 == 0
+        assert (config.rotary_pct, config.rotary_base, config.max_position) == (
+            0.25, 10000, 2048)
+    assert (C.tiny().n_layers, C.tiny().d_model) == (2, 64)
