@@ -30,21 +30,7 @@ The model is a plain **list of layers**, the unit the engine gathers and
 releases, with Hugging Face's parameter names inside each layer, so a
 checkpoint streams into it one layer at a time.
 
-Pages, in reading order:
-
-1. [The configuration](config.html): `NeoXConfig`, the released shapes as
-   presets, Hugging Face's `config.json`.
-2. [The model](model.html): partial rotary embeddings, attention, the
-   parallel-residual layer, `build_layers`.
-3. [Activation memory](activation_memory.html): what autograd keeps per layer,
-   per fine-tuner and with recomputation, and the loss's fp32 peak.
-4. [Hugging Face checkpoints](checkpoint.html): streaming per-layer loading
-   with checked shapes, atomic sharded export.
-5. [The tokenizer](tokenizer.html).
-6. [The dataset](dataset.html): tokenise once, split, fixed-length samples,
-   a deterministic and resumable per-rank order.
-7. [Fine-tuners](finetuners.html): which parameters train.
-8. [Sampling](generate.html): greedy and top-k generation.
-9. [The fine-tune](finetune.html): configuration, the sharded model, the training
-   loop, checkpoints; started by [`finetune_neox`](../finetune_neox.html).
+The pages of this folder follow in reading order: the configuration, the model,
+Hugging Face checkpoints and activation memory, then the fine-tune and what it
+reads (fine-tuners, the tokenizer, the dataset) and the sampler.
 """

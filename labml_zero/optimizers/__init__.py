@@ -25,10 +25,8 @@ gradient).
 Under ZeRO-3 each rank holds these for its own shards only: the optimizer sees one
 flat 16-bit tensor per trainable chunk, with its fp32 gradient in `main_grad`.
 
-Pages, in reading order (the training features follow the optimizer):
-
-* [AdamFP16](adam_fp16.html): the optimizer.
-* [Clipping](clip_grad.html): the global gradient norm over shards, one all-reduce.
-* [Loss scaling](grad_scaler.html): fp16's dynamic scale, overflow agreed by all
-  ranks (and non-finite bf16 steps skipped and counted).
+The pages follow in reading order: [AdamFP16](adam_fp16.html), the optimizer,
+then the training features that act on the shards' gradients: the global
+gradient norm for clipping (one all-reduce over the shards) and fp16's dynamic
+loss scale, whose overflow all ranks agree on.
 """

@@ -48,34 +48,16 @@ one measured step shows:
 
 ![one training step on its streams](figures/step_timeline.svg)
 
-## Pages, in reading order
+## Where the chapter leads
 
-1. [Memory model](memory_model.html): the formula above, for a real layout, and
-   the bytes a step communicates.
-2. [Chunk layout](chunk_layout.html): which parameter goes where; pure
-   arithmetic.
-3. [Chunk](chunk.html): a chunk's tensors and lifecycle.
-4. [Communication](communication.html): the collectives and streams.
-5. [Hooks and schedule](hooks.html): when chunks are gathered, released and
-   reduced; prefetch, gradient accumulation and recomputation.
-6. [Sharding a model](sharded_model.html): `Zero3Layer`, `Zero3Sequential`,
-   `shard_model`, and [their configuration](config.html).
-7. [AdamFP16](../optimizers/adam_fp16.html), then the training features:
-   [clipping](../optimizers/clip_grad.html) and
-   [loss scaling](../optimizers/grad_scaler.html).
-8. [Checkpoints](checkpoint/index.html): saving, resuming and resharding;
-   [the format and the resharding reader](checkpoint_reader.html);
-   [exporting the whole model](checkpoint_export.html).
-9. [GPT-NeoX](../neox/index.html) and [the fine-tune](../neox/finetune.html).
-
-Then the advanced chapters:
-
-10. [Chunk-size search](chunk_search.html): choosing the chunk size.
-11. [Placement](placement.html): which chunks keep optimizer states (or
-    parameter shards) in host memory, or stay gathered, and the bytes that moves.
-12. [Peer memory](peer_memory.html): gathers and reductions as copies from the
-    other GPUs' memory.
-13. [Compiling sharded layers](compiled.html): `torch.compile` inside the hooks.
+The pages of this folder follow below in reading order, from the memory formula
+to the sharded model, then checkpoints, then the advanced chapters (chunk-size
+search, placement, peer memory, compiled layers). Between the sharded model and
+the checkpoints the book turns to [AdamFP16](../optimizers/adam_fp16.html), the
+optimizer on the shards, and the training features
+([clipping](../optimizers/clip_grad.html),
+[loss scaling](../optimizers/grad_scaler.html)); after the checkpoints to
+[GPT-NeoX](../neox/index.html) and [the fine-tune](../neox/finetune.html).
 """
 
 from .checkpoint import (CheckpointError, export_full_state_dict, load_checkpoint,
