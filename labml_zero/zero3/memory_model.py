@@ -13,17 +13,20 @@ it, and the benchmark prints it beside what it measures.
 *Model states* are the tensors that live for the whole of training: for each of
 the $\Psi$ trainable parameters, mixed-precision Adam keeps
 
-* $p = 2$ bytes of 16-bit parameter (bf16 or fp16), used by forward and backward,
-* $g$ bytes of gradient: the ZeRO paper counts a 16-bit one ($g = 2$); this
+* $p = 2$ bytes of half-precision parameter (bf16 or fp16), used by forward and
+  backward,
+* $g$ bytes of gradient: the ZeRO paper counts a half-precision one ($g = 2$); this
   engine keeps each rank's gradient shard in fp32 ($g = 4$), because the
   optimizer reads it in fp32 and micro-batches accumulate into it,
-* $K = 12$ bytes of optimizer state: an fp32 master copy of the parameter and
-  Adam's two fp32 moments, $4 + 4 + 4$.
+* $K = 12$
+  (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
+  bytes of optimizer state: an fp32 master copy of the parameter and Adam's two
+  fp32 moments, $4 + 4 + 4$.
 
-That is $2 + 4 + 12 = 18$
+That is $p + g + K = 18$
 (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
-bytes per trainable
-parameter here (the paper's 16).
+bytes per trainable parameter here; the paper's formula gives 16
+(tested: tests/zero3/test_memory_model.py::test_zero_model_states_is_the_paper_formula).
 Data parallelism (DDP) replicates all of it on each of the $N_d$ data-parallel
 ranks. ZeRO-3 (the paper's $P_{os+g+p}$) partitions all three over them, so a
 rank holds
@@ -31,8 +34,9 @@ rank holds
 $$M_{\text{ZeRO-3}} = \frac{(p + g + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 
 where $\Psi_t$ are the trainable and $\Psi_f$ the frozen parameters; a frozen
-parameter has neither gradient nor optimizer state. GPT-NeoX-20B
-($\Psi \approx 20.6 \cdot 10^9$) needs about $370$
+parameter has neither gradient nor optimizer state. GPT-NeoX-20B, with about
+20.6 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
+billion parameters, needs about $370$
 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
 GB per rank without sharding, and $46$
 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
@@ -389,8 +393,8 @@ def ddp_step_comm(psi_trainable: int, grad_bytes: int = 2) -> Traffic:
     An all-reduce of $\Psi_t$ gradient elements counts as $2\Psi_t$: it *is* a
     reduce-scatter followed by an all-gather of the full tensor, which is how ring
     and NCCL's algorithms run it. `collectives` is $1$, as
-    if the gradients were one flat bucket; DDP really uses buckets of about
-    25 MB, which changes the count but not the volume.
+    if the gradients were one flat bucket; DDP really uses buckets of a few
+    megabytes (`bucket_cap_mb`), which changes the count but not the volume.
     """
     _check_at_least("psi_trainable", psi_trainable, 0)
     _check_at_least("grad_bytes", grad_bytes, 1)
@@ -409,8 +413,9 @@ def ring_wire_bytes(nbytes: int, world_size: int) -> int:
     reduce-scatter moves the same; zero on one rank. Exact when `nbytes` is a
     multiple of $N_d$, as chunk sizes are. So per rank and step, ZeRO-3 sends at
     most $\frac{N_d - 1}{N_d}(2p\Psi + g_r\Psi_t)$ bytes and DDP
-    $\frac{N_d - 1}{N_d} \cdot 2g_r\Psi$: with $p = g_r$, $1.5\times$ the traffic
-    of DDP for $\frac{1}{N_d}$ of its model states.
+    $\frac{N_d - 1}{N_d} \cdot 2g_r\Psi$: with $p = g_r$, $1.5\times$
+    (tested: tests/zero3/test_memory_model.py::test_zero3_is_three_psi_and_ddp_two_psi)
+    the traffic of DDP for $\frac{1}{N_d}$ of its model states.
     """
     _check_at_least("nbytes", nbytes, 0)
     _check_at_least("world_size", world_size, 1)
