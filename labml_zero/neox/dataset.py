@@ -7,10 +7,12 @@ summary: Tokenise a corpus once, split it into train and validation, cut
 
 # Text dataset
 
-The fine-tune reads Tiny Shakespeare (1.1 MB, about 340
+The fine-tune reads Tiny Shakespeare (1.1
+(tested: tests/neox/test_dataset.py::test_figures_in_the_notes) MB, about 340
 (tested: tests/neox/test_dataset.py::test_figures_in_the_notes)
 thousand GPT-NeoX tokens). That
-is small enough to tokenise once and keep as one `int64` tensor (2.7 MB), so a
+is small enough to tokenise once and keep as one `int64` tensor (2.7
+(tested: tests/neox/test_dataset.py::test_figures_in_the_notes) MB), so a
 sample is a slice, not a file read.
 
 The token array of $N$ tokens is split contiguously into training and
@@ -124,7 +126,7 @@ def split_tokens(tokens: torch.Tensor, *, valid_fraction: float = 0.1
     ### Contiguous train/validation split
 
     The first $\lfloor (1 - f) N \rfloor$ tokens train, the rest validate,
-    with $f$ = `valid_fraction` (10% by default). Contiguous, because a random
+    with $f$ = `valid_fraction` (`0.1` by default). Contiguous, because a random
     split of overlapping windows would put the same lines in both.
     """
     if not 0.0 < valid_fraction < 1.0:

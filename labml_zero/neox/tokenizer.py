@@ -8,10 +8,16 @@ summary: Load the GPT-NeoX-20B BPE tokenizer (bundled, gzipped) with the
 # GPT-NeoX tokenizer
 
 GPT-NeoX-20B and every Pythia model share one byte-level BPE tokenizer:
-50,254 learned tokens plus 27 added ones (special tokens and runs of spaces),
-50,281 ids in all. Its `tokenizer.json` ships gzipped in `labml_zero/data/`
+50,254 (tested: tests/neox/test_tokenizer.py::test_figures_in_the_notes)
+learned tokens plus 27 (tested: tests/neox/test_tokenizer.py::test_figures_in_the_notes)
+added ones (special tokens and runs of spaces),
+50,281
+(tested: tests/neox/test_tokenizer.py::test_figures_in_the_notes)
+ids in all. Its `tokenizer.json` ships gzipped in `labml_zero/data/`
 (EleutherAI, Apache-2.0; see `data/NOTICE`), so nothing is downloaded. The
-models' embedding matrices have more rows than that (50,304 to 50,688, padded
+models' embedding matrices have more rows than that (50,304
+(tested: tests/neox/test_tokenizer.py::test_figures_in_the_notes) to 50,688
+(tested: tests/neox/test_tokenizer.py::test_figures_in_the_notes), padded
 for fast matmuls); ids past `vocab_size(tokenizer)` are never produced here, and
 the sampler in [generate](generate.html) never picks them.
 

@@ -8,7 +8,9 @@ summary: Parameters, gradients and optimizer states sharded over ranks in flat c
 
 Data-parallel training keeps a full copy of the *model states* on every one of
 the $N_d$ data-parallel ranks. With mixed-precision Adam that is, per parameter,
-2 bytes of 16-bit weight, a gradient, and $K = 12$ bytes of optimizer state
+2 bytes of bf16 weight, a gradient, and $K = 12$
+(tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
+bytes of optimizer state
 (fp32 master, two fp32 moments). [ZeRO](https://arxiv.org/abs/1910.02054)
 (stage 3, "Zero-DP $P_{os+g+p}$") shards all three over the ranks, so each holds
 
@@ -20,9 +22,11 @@ paper's accounting, both deliberate: the shard gradient is fp32 (4 bytes, not
 2: it is averaged in fp32 and accumulates across micro-batches without
 rounding), so a trainable parameter costs 18
 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
-bytes, not 16, over
+bytes, not 16
+(tested: tests/zero3/test_memory_model.py::test_zero_model_states_is_the_paper_formula)
+, over
 $N_d$; and a
-frozen parameter (fine-tuning a subset) costs only its 16-bit shard. The cost
+frozen parameter (fine-tuning a subset) costs only its bf16 shard. The cost
 of sharding is communication: a step all-gathers the parameters for forward,
 again for backward (except those that stay gathered or need no backward), and
 reduce-scatters the gradients once.

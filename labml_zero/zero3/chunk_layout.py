@@ -199,7 +199,7 @@ def plan_chunks(
 
     # Trainable and frozen parameters go into different chunks: a trainable chunk
     # carries a gradient, an fp32 master copy and Adam moments; a frozen chunk
-    # only its 16-bit shard. Mixing them would give frozen parameters optimizer
+    # only its half-precision shard. Mixing them would give frozen parameters optimizer
     # state. So there is one open chunk per kind inside the current group:
     # `open_slots[kind]` are its parameters and `fill[kind]` its first free element.
     open_slots: dict[bool, list[ParamSlot]] = {True: [], False: []}
