@@ -107,15 +107,17 @@ class ChunkSearchConfig:
     min_chunk_size_m: float = 0.0
     r"""
     Smallest candidate, $c_{\min}$, in $2^{20}$ elements. ColossalAI's default is
-    32, because it keeps a model smaller than $c_{\min}$ gathered and unsharded;
+    larger, because it keeps a model smaller than $c_{\min}$ gathered and unsharded;
     we always shard, and with chunks confined to a layer a floor above a layer's
     size only makes every layer one giant chunk, so ours is 0.
     """
 
     search_range_m: float = 32.0
     r"""
-    Width $R$ of the range of candidates, in $2^{20}$ elements (ColossalAI's 32):
-    $\lfloor R / h \rfloor + 1$ candidates, 5462 at $h = 6144$ (GPT-NeoX-20B).
+    Width $R$ of the range of candidates, in $2^{20}$ elements (ColossalAI's
+    default too): $\lfloor R / h \rfloor + 1$ candidates, 5462
+    (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
+    at GPT-NeoX-20B's hidden size.
     """
 
     filter_exlarge_params: bool = True
@@ -161,15 +163,15 @@ class ChunkSearchConfig:
     $\mu$: the fixed cost of one collective, priced in bytes of waste. Each
     collective costs the host a launch (c10d, NCCL, our hooks), and all ranks
     must meet before it moves data; over a fast link that time would move tens of
-    megabytes. The default, $32$ MiB, makes a layer one chunk unless that chunk
-    would cost more in padding and memory than the collectives it saves (see
-    Note: GPT-NeoX-20B). $0$ ignores the term.
+    megabytes. The default, `32 * 2**20` bytes, makes a layer one chunk unless
+    that chunk would cost more in padding and memory than the collectives it
+    saves (see Note: GPT-NeoX-20B). $0$ ignores the term.
     """
 
     max_candidates: int = 100_000
     r"""
     Refuse ranges with more candidates than this: a `hidden_dim` of 1 over a
-    range of $32 \cdot 2^{20}$ would plan 33 million layouts.
+    range as wide as the default would plan tens of millions of layouts.
     """
 
     def __post_init__(self) -> None:
@@ -366,7 +368,7 @@ def excluded_params(params: Sequence[ParamSpec]) -> list[ParamSpec]:
     Those above $\bar n + 3\sigma$ elements, $\bar n$ and $\sigma$ the mean and
     the population standard deviation (as ColossalAI's `np.std`) of all parameter
     sizes: ColossalAI's `filter_exlarge_params` rule. In GPT-NeoX these are the
-    two $50432 \times h$ embeddings; sizing every chunk for them would make every
+    two vocabulary-sized embeddings; sizing every chunk for them would make every
     candidate larger than a layer. They are still packed: the layout gives a
     parameter larger than $c$ a chunk of its own. With one parameter, or all
     alike, $\sigma = 0$ and none is above.
@@ -413,7 +415,11 @@ def group_shapes(params: Sequence[ParamSpec]) -> tuple[list[GroupShape], list[in
     ### Distinct group shapes
 
     The search plans every candidate's layout, linear in the number of
-    parameters; two shortcuts keep GPT-NeoX-20B (47 groups, 5462 candidates) to
+    parameters; two shortcuts keep GPT-NeoX-20B (47
+    (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
+    groups, 5462
+    (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
+    candidates) to
     seconds of pure Python. This is the first: *repeated layers are packed once*.
 
     Returns the distinct shapes, and for each group in execution order the index
@@ -572,7 +578,9 @@ def score_candidate(
 # *Without the collective term* ($\mu = 0$) and with a range of $R = 2^{20}$
 # (less than $h^2$), the giant chunk is out of reach. At $c_0$ the attention
 # output does not fit next to QKV, nor a bias next to an MLP weight: six chunks
-# per layer, $40\%$ of their elements padding. At $c_0 + 7h$ the layer norms, QKV
+# per layer, $40\%$
+# (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
+# of their elements padding. At $c_0 + 7h$ the layer norms, QKV
 # and the attention output weight fill the first chunk exactly, the attention
 # output bias and the first MLP half fill the second within $2h$, and the second
 # MLP half is the trimmed third chunk: three all-gathers per layer and $2h$ of
@@ -582,8 +590,12 @@ def score_candidate(
 # biases share one trimmed chunk with no padding.
 #
 # *With the engine's defaults* (`sharded_model.choose_chunk_numel`): the range is
-# stretched to the largest layer and each collective costs $\mu = 32$ MiB. Three
+# stretched to the largest layer and each collective costs $\mu$ =
+# `collective_bytes`. Three
 # chunks instead of one cost $3 \cdot 3 - 3 = 6$ more collectives per layer per
-# step, $192$ MiB, against a gradient buffer $8h^2 \cdot 4$ bytes smaller
-# ($1.2$ GB at $h = 6144$, but the embedding's buffer is larger still and sets the
+# step, $192$
+# (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
+# MiB, against a gradient buffer $8h^2 \cdot 4$ bytes smaller ($1.2$
+# (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
+# GB at GPT-NeoX-20B's $h$, but the embedding's buffer is larger still and sets the
 # term): one chunk per layer, $12h^2 + 13h$ elements, no padding, wins.
