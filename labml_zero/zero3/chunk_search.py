@@ -45,13 +45,11 @@ are needed; Note: GPT-NeoX-20B works the search through a real model.
   `layout_model_states` on the result gives the exact bytes.
 * Bandwidth enters only as the tie rule and the per-collective price $\mu$, one
   constant; overlap enters only through the size of the gradient buffer.
-* The peak terms count the gathered parameters of forward's window of $d + 1$
-  groups and *one* gradient buffer. Backward holds one more group (see the
-  memory model's Note: backward holds one more unit), and the other buffers live
-  at the same time and the activations are not counted; they assume the
-  engine's whole-group gather. A trainable parameter larger than every candidate
-  (a trainable embedding) sets the gradient buffer alone, and then the term
-  cannot tell the candidates apart.
+* The peak terms count forward's window of $d + 1$ whole groups and *one*
+  gradient buffer: not backward's extra group (the memory model's Note:
+  backward holds one more unit), the other live buffers or the activations. A
+  trainable parameter larger than every candidate (a trainable embedding) sets
+  the gradient buffer alone, and then the term cannot tell candidates apart.
 * One common size for the regular chunks: a layer's chunks cannot each take the
   size that its parameters fill exactly. The trim fixes only each group's last
   chunk of a kind.
