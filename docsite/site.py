@@ -78,12 +78,11 @@ def build_figures(root: Path) -> dict[str, bytes]:
     diagrams = _load_path("_labml_zero_diagrams", root / "docs_src" / "diagrams.py")
     figures_src = root / "docs_src" / "figures"
     out: dict[str, bytes] = {}
-    out["figures/chunk_layout.svg"] = diagrams.chunk_layout_svg(root).encode()
     trace_path = figures_src / "step_timeline.json"
     trace = json.loads(trace_path.read_text(encoding="utf-8"))
-    out["figures/step_timeline.svg"] = diagrams.timeline_svg(
-        trace, where=str(trace_path.relative_to(root))
-    ).encode()
+    # every figure drawn from the code and the measured trace, by site path
+    drawn = diagrams.figures(root, trace, where=str(trace_path.relative_to(root)))
+    out.update({path: svg.encode() for path, svg in drawn.items()})
     # Hand-drawn figures dropped into docs_src/figures/ are copied as they are.
     for path in sorted(figures_src.iterdir()):
         if path.suffix in {".svg", ".png"} and f"figures/{path.name}" not in out:
