@@ -508,6 +508,10 @@ def supervise(processes: list[Any], shared: Shared,
     return cause(reports, deaths)
 
 
+def shorten(line: str, limit: int = 160) -> str:
+    return line if len(line) <= limit else line[:limit - 1] + "…"
+
+
 def cause(reports: dict[int, dict], deaths: dict[int, int]) -> RankFailed | None:
     """A report that is no echo, else a death, else an echo, in arrival order."""
     firsts = [r for r in reports.values() if not r["echo"]]
@@ -525,7 +529,7 @@ def cause(reports: dict[int, dict], deaths: dict[int, int]) -> RankFailed | None
     else:
         return None
     error.others = tuple(
-        [f"rank {r['rank']} then: {r['line']}" for r in reports.values()
+        [f"rank {r['rank']} then: {shorten(r['line'])}" for r in reports.values()
          if r["rank"] != error.rank]
         + [f"rank {rank} then {died(code)}" for rank, code in deaths.items()
            if rank != error.rank])
@@ -625,7 +629,7 @@ def run_torchrun(
     torchrun is the launcher here: it ends the other ranks when one exits non-zero.
     This rank dies with its node agent, turns `SIGINT`/`SIGTERM` into a silent exit
     ($128 + \\text{signal}$), and on failure prints its traceback and one line
-    `rank r failed: …` (or `rank r stopped: …` for an echo), then exits with 1.
+    `rank r failed: …` (an echo: only `rank r stopped: …`), then exits with 1.
     """
     backend = backend or default_backend()
     rank = int(os.environ["RANK"])
@@ -647,8 +651,11 @@ def run_torchrun(
         os._exit(stop.exit_status)
     except Exception as error:
         sent = report(rank, error)
-        verb = "stopped" if sent["echo"] else "failed"
-        print(f"{sent['traceback']}rank {rank} {verb}: {sent['line']}",
-              file=sys.stderr, flush=True)
+        if sent["echo"]:  # its traceback would only hide the cause's
+            print(f"rank {rank} stopped: another rank failed or is gone: "
+                  f"{shorten(sent['line'])}", file=sys.stderr, flush=True)
+        else:
+            print(f"{sent['traceback']}rank {rank} failed: {sent['line']}",
+                  file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)
