@@ -8,6 +8,7 @@ CPU, gloo, 2 ranks. The rank bodies are module-level functions (processes spawn)
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -232,3 +233,38 @@ def test_ranks_die_with_a_killed_launcher(tmp_path: Path):
     finally:
         job.kill()
         wait_gone(ranks, 10)
+
+
+# ## The fine-tune's launcher
+
+
+def test_fine_tune_stops_on_sigterm_and_leaves_only_whole_checkpoints(
+        tmp_path: Path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    checkpoints = tmp_path / "out" / "checkpoints"
+    job = subprocess.Popen(
+        [sys.executable, "-m", "labml_zero.finetune_neox", "--world-size", "2",
+         "--batch-size", "2", "--seq-len", "32", "--steps", "100000",
+         "--valid-every", "100000", "--checkpoint-every", "2", "--sample-tokens",
+         "0", "--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (checkpoints / "step-000002").is_dir():
+            assert time.monotonic() < deadline and job.poll() is None
+            time.sleep(0.05)
+        # stopped while it trains or writes the next checkpoint
+        job.send_signal(signal.SIGTERM)
+        _, stderr = job.communicate(timeout=10)
+        assert job.returncode == 143
+        assert stderr.strip().splitlines()[-1] == (
+            "python -m labml_zero.finetune_neox: interrupted")
+        assert "Traceback" not in stderr
+        names = sorted(p.name for p in checkpoints.iterdir())
+        assert names and all(n.startswith("step-") for n in names), names
+        assert all((checkpoints / n / "manifest.json").is_file() for n in names)
+    finally:
+        job.kill()
+        job.wait()
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)  # about 90 MB each
