@@ -162,7 +162,7 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, backend: str,
         status = stop.exit_status
     except BaseException as error:
         # Reported before this process closes its connections: before any echo.
-        shared.reports.put(report(rank, error))
+        shared.send(report(rank, error))
         status = 1
     sys.stdout.flush()
     sys.stderr.flush()
@@ -246,7 +246,7 @@ def spawn(
             failure = supervise(processes, shared, hang_timeout)
         finally:
             end_all(processes)
-            shared.reports.close()
+            shared.close()
     if failure is not None:
         raise failure
 

@@ -212,25 +212,47 @@ class Shared:
     """
     ## What the launcher and its ranks share
 
-    * `reports`: the pipe of failure reports, one writer at a time (a lock), so a
-      report is whole and ordered by when it was written.
+    * `reader`, `writer`: the two ends of the pipe of failure reports; `lock` lets
+      one rank write at a time, so a report is whole and the pipe is in the order
+      the reports were written.
     * `beats`: the heartbeat count of each rank.
     * `waiting`: 1 while a rank's main thread is inside `torch.distributed`.
     * `where`: `WHERE_BYTES` per rank, its main thread's location.
     """
 
     parent_pid: int
-    reports: Any
+    reader: Any
+    writer: Any
+    lock: Any
     beats: Any
     waiting: Any
     where: Any
 
     @classmethod
     def create(cls, context: Any, world_size: int) -> "Shared":
-        return cls(os.getpid(), context.SimpleQueue(),
+        reader, writer = context.Pipe(duplex=False)
+        return cls(os.getpid(), reader, writer, context.Lock(),
                    context.Array("q", world_size, lock=False),
                    context.Array("b", world_size, lock=False),
                    context.Array("c", world_size * WHERE_BYTES, lock=False))
+
+    def send(self, sent: dict) -> None:
+        # a bound: a rank killed while holding the lock must not block the others
+        if self.lock.acquire(timeout=GRACE_S):
+            try:
+                self.writer.send(sent)
+            finally:
+                self.lock.release()
+
+    def received(self) -> list[dict]:
+        out = []
+        while self.reader.poll():
+            out.append(self.reader.recv())
+        return out
+
+    def close(self) -> None:
+        self.reader.close()
+        self.writer.close()
 
     def publish(self, rank: int) -> None:
         where, waiting = main_thread_where()
@@ -321,11 +343,10 @@ def supervise(processes: list[Any], shared: Shared,
     watch = HangWatch(len(processes), hang_timeout)
     while True:
         multiprocessing.connection.wait(
-            [shared.reports._reader]
+            [shared.reader]
             + [p.sentinel for p in processes if p.exitcode is None], POLL_S)
         exits = {rank: p.exitcode for rank, p in enumerate(processes)}
-        while not shared.reports.empty():
-            sent = shared.reports.get()
+        for sent in shared.received():
             reports.setdefault(sent["rank"], sent)
         for rank, code in exits.items():
             if code not in (None, 0) and rank not in reports:

@@ -268,3 +268,49 @@ def test_fine_tune_stops_on_sigterm_and_leaves_only_whole_checkpoints(
         job.kill()
         job.wait()
         shutil.rmtree(tmp_path / "out", ignore_errors=True)  # about 90 MB each
+
+
+# ## Under torchrun
+
+TORCHRUN_BODY = """
+import sys
+from labml_zero import launch
+from tests import test_launch
+timeout = float(sys.argv[2]) if len(sys.argv) > 2 else None
+launch.run_torchrun(getattr(test_launch, sys.argv[1]), backend="gloo",
+                    hang_timeout=timeout)
+"""
+
+
+def torchrun(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    body = tmp / "body.py"
+    body.write_text(TORCHRUN_BODY)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "torchrun"), "--standalone",
+         "--nproc-per-node", "2", str(body), *args],
+        cwd=tmp, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_torchrun_rank_prints_its_cause_and_the_echo_one_line(tmp_path: Path):
+    result = torchrun(tmp_path, "raise_on_rank_1")
+    assert result.returncode != 0
+    lines = result.stderr.splitlines()
+    cause = [x for x in lines if x.startswith("rank 1 failed: ")]
+    assert len(cause) == 1 and cause[0].startswith(
+        "rank 1 failed: ValueError: distinctive cause 4711 (tests/test_launch.py:")
+    # rank 0 either saw the peer go (one line, no traceback) or was ended quietly
+    assert not any(x.startswith("rank 0 failed") for x in lines)
+    assert result.stderr.count("Traceback (most recent call last)") <= 2  # + agent's
+
+
+def test_torchrun_hang_is_named_by_the_rank_that_stopped(tmp_path: Path):
+    start = time.monotonic()
+    result = torchrun(tmp_path, "sleepy_rank_1", "2")
+    assert result.returncode != 0
+    hung = [x for x in result.stderr.splitlines() if "stopped making progress" in x]
+    assert len(hung) == 1, result.stderr[-3000:]
+    assert hung[0].startswith("rank 1 stopped making progress: no heartbeat for 2 s "
+                              "after 2, at tests/test_launch.py:")
+    assert hung[0].endswith(" in sleepy_rank_1")
+    assert time.monotonic() - start < 90
