@@ -55,9 +55,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from labml_zero.supervisor import (Heartbeat, RankFailed, Shared, end_all,
-                                   die_with_parent, report, self_watch, shorten,
-                                   supervise, watchdog)
+from labml_zero.supervisor import (Heartbeat, RankFailed, Shared, die_with_parent,
+                                   end_all, report, self_watch, shorten,
+                                   supervise, tell_torchrun, watchdog)
 
 __all__ = ["DistContext", "Heartbeat", "Interrupted", "RankFailed", "spawn",
            "run_torchrun", "under_torchrun", "free_port", "default_backend"]
@@ -298,10 +298,13 @@ def run_torchrun(
     except Exception as error:
         sent = report(rank, error)
         if sent["echo"]:  # its traceback would only hide the cause's
-            print(f"rank {rank} stopped: another rank failed or is gone: "
-                  f"{shorten(sent['line'])}", file=sys.stderr, flush=True)
+            line = (f"rank {rank} stopped: another rank failed or is gone: "
+                    f"{shorten(sent['line'])}")
+            print(line, file=sys.stderr, flush=True)
         else:
-            print(f"{sent['traceback']}rank {rank} failed: {sent['line']}",
-                  file=sys.stderr, flush=True)
+            line = f"rank {rank} failed: {sent['line']}"
+            print(f"{sent['traceback']}{line}", file=sys.stderr, flush=True)
+        tell_torchrun(line, line if sent["echo"] else sent["traceback"],
+                      echo=sent["echo"])
         sys.stdout.flush()
         os._exit(1)

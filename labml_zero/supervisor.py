@@ -62,6 +62,7 @@ polls the parent's pid, which changes when the parent is gone.
 from __future__ import annotations
 
 import ctypes
+import json
 import multiprocessing.connection
 import os
 import signal
@@ -396,6 +397,29 @@ def cause(reports: dict[int, dict], deaths: dict[int, int]) -> RankFailed | None
 # ## Under torchrun
 
 
+def tell_torchrun(line: str, traceback_text: str = "", *, echo: bool = False
+                  ) -> None:
+    """
+    #### The line torchrun's failure summary shows for this rank
+
+    torchrun reads a JSON error file from each failed rank (the path is in
+    `TORCHELASTIC_ERROR_FILE`) and calls the one with the smallest timestamp, in
+    whole seconds, the root cause; ties go to the lowest rank. An echo comes after
+    its cause, so it is dated one second later.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    stamp = str(int(time.time()) + int(echo))
+    data = {"message": {"message": line, "extraInfo": {
+        "py_callstack": traceback_text, "timestamp": stamp}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:  # the summary is a courtesy; the line is already printed
+        pass
+
+
 def self_watch(progress: Heartbeat, rank: int, timeout: float) -> None:
     """
     #### A torchrun rank's own hang watchdog
@@ -412,7 +436,8 @@ def self_watch(progress: Heartbeat, rank: int, timeout: float) -> None:
             continue
         where, waiting = main_thread_where()
         if count and now - moved_at > timeout * (2 if waiting else 1):
-            print(f"rank {rank} stopped making progress: no heartbeat for "
-                  f"{timeout:g} s after {count}" + (f", at {where}" if where else ""),
-                  file=sys.stderr, flush=True)
+            line = (f"rank {rank} stopped making progress: no heartbeat for "
+                    f"{timeout:g} s after {count}" + (f", at {where}" if where else ""))
+            print(line, file=sys.stderr, flush=True)
+            tell_torchrun(line)
             os._exit(1)

@@ -29,8 +29,10 @@ JOB = ["--batch-size", "2", "--seq-len", "32", "--valid-every", "2",
 AGENT_GONE_S = 60
 
 
-def environment() -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+def environment(tmp: Path) -> dict:
+    # torchrun keeps a log directory per run in the temporary directory
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+            "TMPDIR": str(tmp)}
 
 
 def job_args(tmp: Path, *args: str) -> list[str]:
@@ -42,7 +44,7 @@ def one_node(tmp: Path, *args: str) -> subprocess.CompletedProcess:
     tmp.mkdir(parents=True, exist_ok=True)
     return subprocess.run([sys.executable, *job_args(tmp, "--world-size", "4",
                                                      *args)],
-                          cwd=tmp, env=environment(), capture_output=True,
+                          cwd=tmp, env=environment(tmp), capture_output=True,
                           text=True, timeout=300)
 
 
@@ -54,7 +56,7 @@ def start_nodes(tmp: Path, *args: str) -> list[subprocess.Popen]:
         [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend",
          "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "test",
          "--node-rank", str(node), *job_args(tmp, *args)],
-        cwd=tmp, env=environment(), stdout=subprocess.PIPE,
+        cwd=tmp, env=environment(tmp), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True)
         for node in (0, 1)]
 
