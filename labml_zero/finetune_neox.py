@@ -27,8 +27,9 @@ directories (`--checkpoint`, `--resume`) count as bad values.
 If any rank raises, dies or hangs, [the launcher](launch.html) ends the others
 and this process prints the failing rank's traceback and, last, one line saying
 which rank failed and why; the exit status is 1. SIGINT or SIGTERM prints
-`interrupted` and exits with 130 or 143. Under torchrun, each rank prints its
-own traceback and cause, and torchrun ends the others.
+`interrupted` and exits with the shell's status for that signal. Under
+torchrun, each rank prints its own traceback and cause, and torchrun ends the
+others.
 
 ## Limitations
 

@@ -68,7 +68,10 @@ class Interrupted(KeyboardInterrupt):
     ## `SIGINT` or `SIGTERM` arrived
 
     A `KeyboardInterrupt`, so code that handles Ctrl-C handles both;
-    `exit_status` is the shell's convention, $128 + \\text{signal}$ (130, 143).
+    `exit_status` follows the shell: 128 (tested:
+    tests/test_launch.py::test_exit_status) plus the signal's number, so 130
+    (tested: tests/test_launch.py::test_exit_status) for `SIGINT` and 143
+    (tested: tests/test_launch.py::test_exit_status) for `SIGTERM`.
     """
 
     def __init__(self, signum: int):
@@ -274,7 +277,7 @@ def run_torchrun(
 
     torchrun is the launcher here: it ends the other ranks when one exits non-zero.
     This rank dies with its node agent, turns `SIGINT`/`SIGTERM` into a silent exit
-    ($128 + \\text{signal}$), and on failure prints its traceback and one line
+    (with `Interrupted.exit_status`), and on failure prints its traceback and one line
     `rank r failed: …` (an echo: only `rank r stopped: …`), then exits with 1.
     """
     backend = backend or default_backend()

@@ -134,6 +134,13 @@ def test_hanging_rank_is_named_within_the_timeout():
     assert time.monotonic() - start < 60
 
 
+def test_exit_status():
+    for signum, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        stop = launch.Interrupted(signum)
+        assert isinstance(stop, KeyboardInterrupt)
+        assert stop.exit_status == 128 + signum == status
+
+
 def test_bad_hang_timeout_is_refused():
     with pytest.raises(ValueError, match="hang_timeout must be a positive"):
         launch.spawn(agree, 2, "unused", backend="gloo", hang_timeout=0)
