@@ -164,6 +164,8 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, backend: str,
     except Interrupted as stop:
         status = stop.exit_status
     except BaseException as error:
+        if isinstance(error, SystemExit) and error.code in (None, 0):
+            return  # `sys.exit(0)` in `fn` is a success
         # Reported before this process closes its connections: before any echo.
         shared.send(report(rank, error))
         status = 1

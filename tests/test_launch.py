@@ -35,6 +35,10 @@ def agree(ctx: launch.DistContext, out_dir: str) -> None:
     Path(out_dir, f"rank{ctx.rank}").write_text(str(total.item()))
 
 
+def exit_early(ctx: launch.DistContext) -> None:
+    sys.exit(0 if ctx.rank == 0 else "rank 1 gives up")
+
+
 def raise_on_rank_1(ctx: launch.DistContext) -> None:
     t = torch.zeros(1)
     dist.all_reduce(t)
@@ -101,6 +105,12 @@ def test_failing_rank_cause_not_its_echo(tmp_path: Path, monkeypatch):
     assert len(str(error).splitlines()) == 1
     # no error files (pytorch-errorfile-*.pickle) or anything else left behind
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sys_exit_zero_is_success_and_a_message_is_a_failure():
+    with pytest.raises(launch.RankFailed) as caught:
+        launch.spawn(exit_early, 2, backend="gloo")
+    assert str(caught.value).startswith("rank 1 failed: SystemExit: rank 1 gives up")
 
 
 def test_echo_that_arrives_first_is_not_the_cause():
