@@ -24,10 +24,12 @@ directories (`--checkpoint`, `--resume`) count as bad values.
 
 ## Failure
 
-If any rank raises or dies, `torch.multiprocessing` terminates the others and
-this process prints the failing rank's traceback and, last, one line saying which
-rank failed and why; the exit status is 1. Under torchrun, torchrun does the
-same per process.
+If any rank raises, dies or hangs, [the launcher](launch.html) ends the others
+and this process prints the failing rank's traceback and, last, one line saying
+which rank failed and why; the exit status is 1. SIGINT or SIGTERM prints
+`interrupted` and exits with the shell's status for that signal. Under
+torchrun, each rank prints its own traceback and cause, and torchrun ends the
+others.
 
 ## Limitations
 
@@ -45,7 +47,6 @@ from pathlib import Path
 from typing import NoReturn, Sequence
 
 import torch
-import torch.multiprocessing as mp
 
 from labml_zero import launch
 from labml_zero.neox.finetune import (DTYPES, FINETUNERS, MODEL_PRESETS,
@@ -200,14 +201,9 @@ def machine_facts(backend: str, world_size: int) -> None:
 
 
 def failure_line(error: Exception) -> str:
-    """One line: which rank failed, and the last line of its traceback."""
-    if isinstance(error, mp.ProcessRaisedException):
-        lines = [x for x in str(error).strip().splitlines() if x.strip()]
-        return f"rank {error.error_index} failed: {lines[-1] if lines else error}"
-    if isinstance(error, mp.ProcessExitedException):
-        how = (f"signal {error.signal_name}" if error.signal_name
-               else f"exit code {error.exit_code}")
-        return f"rank {error.error_index} died ({how})"
+    """One line: which rank failed and its own cause, or the parent's error."""
+    if isinstance(error, launch.RankFailed):
+        return str(error)
     return f"{type(error).__name__}: {error}"
 
 
@@ -241,13 +237,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine_facts(backend, world_size)
     try:
         launch.spawn(train, world_size, config, backend=backend)
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        print(str(e).strip(), file=sys.stderr)
+    except launch.RankFailed as e:
+        # the failing rank's traceback, what the others hit after it, its cause
+        print(e.traceback.strip(), *e.others, sep="\n", file=sys.stderr)
         print(f"{PROG}: error: {failure_line(e)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # launch.Interrupted: SIGINT or SIGTERM
         print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        return getattr(e, "exit_status", 130)
     except Exception as e:  # the parent's own failure (e.g. the spawn itself)
         traceback.print_exc()
         print(f"{PROG}: error: {failure_line(e)}", file=sys.stderr)

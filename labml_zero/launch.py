@@ -1,7 +1,8 @@
-"""
+r"""
 ---
 title: Launching processes
-summary: One process per GPU (NCCL) or several CPU processes (gloo); torchrun.
+summary: One process per GPU (NCCL) or several CPU processes (gloo), or torchrun;
+  a failing, hanging or interrupted rank ends the whole job with one line.
 ---
 
 # Launching processes
@@ -9,39 +10,78 @@ summary: One process per GPU (NCCL) or several CPU processes (gloo); torchrun.
 ZeRO runs one process per rank. This page starts them and is the only place that
 creates or destroys the process group:
 
-* **one host**: `spawn(fn, world_size)` starts `world_size` processes with
-  `torch.multiprocessing`, rendezvous on loopback at a free port; with CUDA each
-  process takes GPU `rank` and NCCL, without it gloo on CPU;
+* **one host**: `spawn(fn, world_size)` starts `world_size` processes,
+  rendezvous on loopback at a free port; with CUDA each process takes GPU `rank`
+  and NCCL, without it gloo on CPU;
 * **torchrun** (several hosts): the processes already exist and `RANK`,
   `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` say who they are;
   `run_torchrun(fn)` reads them.
 
 Either way `fn(ctx)` receives a `DistContext` with the rank, the world size and the
-device.
+device, and `ctx.heartbeat()` to call once per step. How the launcher watches the
+ranks, names the one that failed or hung and keeps none alive after itself is
+[the next page](supervisor.html); `spawn` raises its `RankFailed`.
 
-## Failure
+## Signals
 
-If a process raises or dies, `torch.multiprocessing` terminates the others and
-`spawn` raises in the parent with the failing rank's traceback; no process waits
-forever on a collective its peer will never join. Under torchrun, torchrun does the
-same. The process group's timeout (`timeout_s`) bounds the rest.
+`SIGINT` (Ctrl-C) and `SIGTERM` to the launcher raise `Interrupted` in it; it then
+sends `SIGTERM` to every rank, and `SIGKILL` to any still alive after the grace
+period, so every rank has ended within $p + g$ of the signal. A rank turns
+`SIGTERM` into an exception so that `finally` blocks run (a checkpoint being
+written removes its temporary directory; the one in place is never touched), then
+exits without a word. Ranks ignore `SIGINT`: a Ctrl-C in a terminal reaches every
+process of the foreground group, and only the launcher should decide. If the
+launcher was started with `SIGINT` ignored (`nohup`, a script's background job), it
+stays ignored, and `SIGTERM` still ends the job.
 
 ## Limitations
 
 * On one host every rank must see the same number of GPUs (`CUDA_VISIBLE_DEVICES`).
+* Signals are handled only when `spawn` runs in the main thread (Python's rule).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
-from dataclasses import dataclass
+import sys
+import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from labml_zero.supervisor import (Heartbeat, RankFailed, Shared, die_with_parent,
+                                   end_all, report, self_watch, shorten,
+                                   supervise, tell_torchrun, watchdog)
+
+__all__ = ["DistContext", "Heartbeat", "Interrupted", "RankFailed", "spawn",
+           "run_torchrun", "under_torchrun", "free_port", "default_backend"]
+
+
+class Interrupted(KeyboardInterrupt):
+    """
+    ## `SIGINT` or `SIGTERM` arrived
+
+    A `KeyboardInterrupt`, so code that handles Ctrl-C handles both;
+    `exit_status` follows the shell: 128 (tested:
+    tests/test_launch.py::test_exit_status) plus the signal's number, so 130
+    (tested: tests/test_launch.py::test_exit_status) for `SIGINT` and 143
+    (tested: tests/test_launch.py::test_exit_status) for `SIGTERM`.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.exit_status = 128 + signum
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
 
 
 @dataclass(frozen=True)
@@ -53,6 +93,7 @@ class DistContext:
     * `local_rank`: its place on this host (the GPU it uses).
     * `device`: `cuda:<local_rank>` or `cpu`.
     * `backend`: `nccl` or `gloo`.
+    * `progress`: where `heartbeat()` counts; `None` when nothing watches.
     """
 
     rank: int
@@ -60,6 +101,12 @@ class DistContext:
     local_rank: int
     device: torch.device
     backend: str
+    progress: Heartbeat | None = field(default=None, repr=False, compare=False)
+
+    def heartbeat(self) -> None:
+        """Say that this rank made progress (call it once per step)."""
+        if self.progress is not None:
+            self.progress.beat()
 
 
 def free_port() -> int:
@@ -74,7 +121,8 @@ def default_backend() -> str:
 
 
 def init(
-    rank: int, world_size: int, local_rank: int, *, backend: str, timeout_s: float
+    rank: int, world_size: int, local_rank: int, *, backend: str, timeout_s: float,
+    progress: Heartbeat | None = None,
 ) -> DistContext:
     """Create the process group for this process and pick its device."""
     if backend == "nccl":
@@ -89,29 +137,76 @@ def init(
         timeout=datetime.timedelta(seconds=timeout_s),
         device_id=device if backend == "nccl" else None,
     )
-    return DistContext(rank, world_size, local_rank, device, backend)
+    return DistContext(rank, world_size, local_rank, device, backend, progress)
 
 
-def _worker(
-    local_rank: int,
-    fn: Callable[..., Any],
-    world_size: int,
-    backend: str,
-    addr: str,
-    port: int,
-    timeout_s: float,
-    args: tuple,
-) -> None:
-    os.environ["MASTER_ADDR"] = addr
+# ## One spawned rank
+
+
+def _worker(rank: int, fn: Callable[..., Any], world_size: int, backend: str,
+            port: int, timeout_s: float, args: tuple, shared: Shared) -> None:
+    die_with_parent(shared.parent_pid)
+    # The launcher handles Ctrl-C for the whole job (see Signals above).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+    threading.Thread(target=watchdog, args=(shared, rank), daemon=True).start()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     if backend == "gloo":
-        # Ranks share the host's cores: one thread each keeps them from fighting.
+        # Ranks share the host's cores: an equal share each keeps them from fighting.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    ctx = init(local_rank, world_size, local_rank, backend=backend, timeout_s=timeout_s)
+    status = 0
     try:
+        ctx = init(rank, world_size, rank, backend=backend, timeout_s=timeout_s,
+                   progress=Heartbeat(shared.beats, rank))
         fn(ctx, *args)
-    finally:
         dist.destroy_process_group()
+    except Interrupted as stop:
+        status = stop.exit_status
+    except BaseException as error:
+        if isinstance(error, SystemExit) and error.code in (None, 0):
+            return  # `sys.exit(0)` in `fn` is a success
+        # Reported before this process closes its connections: before any echo.
+        shared.send(report(rank, error))
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown after a failure: gloo may abort in it.
+    if status:
+        os._exit(status)
+
+
+class Signals:
+    """
+    #### `SIGINT` and `SIGTERM` raise `Interrupted` while the job runs
+
+    An inherited ignored `SIGINT` stays ignored (see Signals above). Only the main
+    thread may set handlers; elsewhere this does nothing.
+    """
+
+    def __enter__(self) -> "Signals":
+        self.saved = {}
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self.saved[signum] = signal.getsignal(signum)
+            if self.saved[signum] is not signal.SIG_IGN:
+                signal.signal(signum, _raise_interrupted)
+        return self
+
+    def start(self, process: Any) -> None:
+        """Start a rank that inherits an ignored `SIGINT` from its first instant."""
+        if not self.saved:
+            return process.start()
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            process.start()
+        finally:
+            signal.signal(signal.SIGINT, handler)
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self.saved.items():
+            signal.signal(signum, handler)
 
 
 def spawn(
@@ -120,12 +215,15 @@ def spawn(
     *args: Any,
     backend: str | None = None,
     timeout_s: float = 300.0,
+    hang_timeout: float | None = None,
 ) -> None:
     """
     ## Run `fn(ctx, *args)` in `world_size` processes on this host
 
     `fn` must be importable (a module-level function) because the processes are
-    started with `spawn`, not `fork` (CUDA cannot be forked).
+    started with `spawn`, not `fork` (CUDA cannot be forked). Raises `RankFailed`
+    if a rank fails or stops beating for `hang_timeout` seconds, `Interrupted` on
+    `SIGINT`/`SIGTERM`; either way every rank has ended when it returns.
     """
     backend = backend or default_backend()
     if world_size < 1:
@@ -135,13 +233,30 @@ def spawn(
             f"world_size {world_size} needs {world_size} GPUs, "
             f"found {torch.cuda.device_count()}"
         )
+    if hang_timeout is not None and not hang_timeout > 0:
+        raise ValueError(f"hang_timeout must be a positive number of seconds, "
+                         f"got {hang_timeout}")
+    context = mp.get_context("spawn")
+    shared = Shared.create(context, world_size)
     port = free_port()
-    mp.spawn(
-        _worker,
-        args=(fn, world_size, backend, "127.0.0.1", port, timeout_s, args),
-        nprocs=world_size,
-        join=True,
-    )
+    processes: list[Any] = []
+    with Signals() as signals:
+        try:
+            for rank in range(world_size):
+                process = context.Process(
+                    target=_worker, name=f"rank {rank}", args=(
+                        rank, fn, world_size, backend, port, timeout_s, args, shared))
+                signals.start(process)
+                processes.append(process)
+            failure = supervise(processes, shared, hang_timeout)
+        finally:
+            end_all(processes)
+            shared.close()
+    if failure is not None:
+        raise failure
+
+
+# ## Under torchrun
 
 
 def under_torchrun() -> bool:
@@ -157,19 +272,44 @@ def run_torchrun(
     *args: Any,
     backend: str | None = None,
     timeout_s: float = 300.0,
+    hang_timeout: float | None = None,
 ) -> None:
     """
     ## Run `fn(ctx, *args)` in a process started by torchrun
+
+    torchrun is the launcher here: it ends the other ranks when one exits non-zero.
+    This rank dies with its node agent, turns `SIGINT`/`SIGTERM` into a silent exit
+    (with `Interrupted.exit_status`), and on failure prints its traceback and one line
+    `rank r failed: …` (an echo: only `rank r stopped: …`), then exits with 1.
     """
     backend = backend or default_backend()
-    ctx = init(
-        int(os.environ["RANK"]),
-        int(os.environ["WORLD_SIZE"]),
-        int(os.environ["LOCAL_RANK"]),
-        backend=backend,
-        timeout_s=timeout_s,
-    )
+    rank = int(os.environ["RANK"])
+    die_with_parent(os.getppid())
+    signal.signal(signal.SIGINT, _raise_interrupted)
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+    progress = Heartbeat([0], 0)
+    if hang_timeout is not None:
+        threading.Thread(target=self_watch, args=(progress, rank, hang_timeout),
+                         daemon=True).start()
     try:
+        ctx = init(rank, int(os.environ["WORLD_SIZE"]),
+                   int(os.environ["LOCAL_RANK"]), backend=backend,
+                   timeout_s=timeout_s, progress=progress)
         fn(ctx, *args)
-    finally:
         dist.destroy_process_group()
+    except Interrupted as stop:
+        sys.stdout.flush()
+        os._exit(stop.exit_status)
+    except Exception as error:
+        sent = report(rank, error)
+        if sent["echo"]:  # its traceback would only hide the cause's
+            line = (f"rank {rank} stopped: another rank failed or is gone: "
+                    f"{shorten(sent['line'])}")
+            print(line, file=sys.stderr, flush=True)
+        else:
+            line = f"rank {rank} failed: {sent['line']}"
+            print(f"{sent['traceback']}{line}", file=sys.stderr, flush=True)
+        tell_torchrun(line, line if sent["echo"] else sent["traceback"],
+                      echo=sent["echo"])
+        sys.stdout.flush()
+        os._exit(1)

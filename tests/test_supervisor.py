@@ -1,0 +1,103 @@
+"""The supervisor's decisions, without processes: which report is the cause, what
+is an echo, where an error happened, and which rank a hang names."""
+
+from __future__ import annotations
+
+import types
+
+import torch.distributed as dist
+
+from labml_zero import supervisor
+from labml_zero.supervisor import HangWatch, cause, is_echo, location, report
+
+
+def sent(rank: int, line: str, echo: bool) -> dict:
+    return {"rank": rank, "line": line, "echo": echo, "traceback": f"tb {rank}"}
+
+
+def test_no_failure_is_no_cause():
+    assert cause({}, {}) is None
+
+
+def test_first_report_that_is_no_echo_wins_over_earlier_echoes_and_deaths():
+    reports = {0: sent(0, "DistBackendError: peer gone", True),
+               2: sent(2, "OSError: disk full", False),
+               3: sent(3, "ValueError: later", False)}
+    error = cause(reports, {1: -9})
+    assert str(error) == "rank 2 failed: OSError: disk full"
+    assert error.traceback == "tb 2"
+    assert error.others == ("rank 0 then: DistBackendError: peer gone",
+                            "rank 3 then: ValueError: later",
+                            "rank 1 then died (signal SIGKILL)")
+
+
+def test_a_death_beats_echoes_and_an_echo_is_named_only_alone():
+    reports = {0: sent(0, "DistBackendError: peer gone", True)}
+    assert str(cause(reports, {1: 3})) == "rank 1 died (exit code 3)"
+    assert str(cause(reports, {})) == "rank 0 failed: DistBackendError: peer gone"
+
+
+def test_echoes_are_recognised_through_the_exception_chain():
+    assert is_echo(dist.DistBackendError("Connection closed by peer"))
+    assert is_echo(RuntimeError("save failed on rank 1; see its error"))
+    assert not is_echo(OSError(28, "No space left on device"))
+    try:
+        try:
+            raise dist.DistNetworkError("reset")
+        except dist.DistNetworkError:
+            raise ValueError("while saving")
+    except ValueError as error:
+        assert is_echo(error)
+
+
+def test_location_skips_torch_frames():
+    ours = ("/x/labml_zero/neox/finetune.py", 12, "train")
+    theirs = (supervisor.TORCH_DIR + "distributed/distributed_c10d.py", 5, "wait")
+    assert location([ours, theirs]) == "/x/labml_zero/neox/finetune.py:12 in train"
+    assert location([theirs]).endswith("distributed_c10d.py:5 in wait")
+    assert location([]) == ""
+
+
+def test_report_is_one_line_with_the_place():
+    try:
+        raise ValueError("bad header\n  in rank-00003.safetensors")
+    except ValueError as error:
+        line = report(3, error)["line"]
+    assert line.startswith("ValueError: bad header in rank-00003.safetensors "
+                           "(tests/test_supervisor.py:")
+    assert line.endswith(" in test_report_is_one_line_with_the_place)")
+
+
+def fake_shared(beats: list[int], waiting: list[int]) -> types.SimpleNamespace:
+    return types.SimpleNamespace(beats=beats, waiting=waiting,
+                                 where_of=lambda rank: f"where {rank}")
+
+
+def test_hang_names_the_rank_not_waiting_for_a_peer():
+    watch = HangWatch(3, 2.0)
+    shared = fake_shared([1, 1, 1], [1, 0, 1])
+    assert watch.check(shared, 0.0, [True] * 3) is None  # first beats: watched
+    assert watch.check(shared, 1.9, [True] * 3) is None
+    hung = watch.check(shared, 2.1, [True] * 3)
+    assert str(hung) == ("rank 1 stopped making progress: no heartbeat for 2 s "
+                         "after 1, at where 1")
+
+
+def test_hang_without_a_waiting_test_names_the_fewest_beats():
+    watch = HangWatch(2, 1.0)
+    watch.check(fake_shared([1, 1], [0, 0]), 0.0, [True, True])
+    shared = fake_shared([2, 1], [0, 0])
+    assert watch.check(shared, 0.5, [True, True]) is None
+    assert watch.check(shared, 1.2, [True, True]).rank == 1
+
+
+def test_no_hang_before_the_first_beat_or_after_a_rank_ended():
+    watch = HangWatch(2, 1.0)
+    assert watch.check(fake_shared([0, 0], [0, 0]), 100.0, [True, True]) is None
+    watch.check(fake_shared([1, 0], [0, 0]), 100.0, [True, True])
+    # rank 0 beat once and ended well; rank 1 never beat
+    assert watch.check(fake_shared([1, 0], [0, 0]), 200.0, [False, True]) is None
+    # no timeout: nothing is ever a hang
+    free = HangWatch(1, None)
+    free.check(fake_shared([1], [0]), 0.0, [True])
+    assert free.check(fake_shared([1], [0]), 1e9, [True]) is None
