@@ -22,9 +22,11 @@ of the model states here, and $\frac{3}{4}$ in the paper, which counts a
 half-precision gradient.
 
 Under ZeRO-3 each rank holds these for its own shards only: the optimizer sees one
-flat bf16 tensor per trainable chunk, with its fp32 gradient in `main_grad`.
+flat bf16 tensor per trainable chunk, with its fp32 gradient in its
+[shard](../zero3/shard.html).
 
 The pages follow in reading order: [AdamFP16](adam_fp16.html), the optimizer,
+and [its state in host memory](host_offload.html), what `offload=` moves;
 then the training features that act on the shards' gradients: the global
 gradient norm for clipping (one all-reduce over the shards) and fp16's dynamic
 loss scale, whose overflow all ranks agree on.

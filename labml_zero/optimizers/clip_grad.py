@@ -18,7 +18,8 @@ $$\lVert g \rVert_2^2 = \sum_{r=1}^{N_d} \sum_{i \in \text{shard}_r} g_i^2$$
 
 one all-reduce of one scalar. Padding is zero, so it adds nothing.
 
-The gradients scaled are the shards' `main_grad`s, the very tensors `AdamFP16`
+The gradients scaled are the shards' fp32 gradients
+([`LocalShard.grad`](../zero3/shard.html)), the very tensors `AdamFP16`
 consumes. (labml-nn clipped the module's parameters, whose gradients the engine
 had already moved away: the clipping did nothing.)
 
@@ -34,16 +35,14 @@ from typing import Sequence
 import torch
 
 from labml_zero.zero3.communication import Communicator
+from labml_zero.zero3.shard import shard_grad
 
 
 def shard_grads(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The fp32 gradients of the shards that have one."""
-    grads = [getattr(s, "main_grad", None) for s in shards]
-    return [
-        g if g is not None else s.grad
-        for g, s in zip(grads, shards)
-        if g is not None or s.grad is not None
-    ]
+    """The gradients of the shards that have one (a shard's fp32 `grad`, or an
+    ordinary parameter's `.grad`): the tensors themselves, scaled in place."""
+    grads = [shard_grad(s) for s in shards]
+    return [g for g in grads if g is not None]
 
 
 def global_grad_norm(

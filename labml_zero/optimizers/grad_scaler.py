@@ -105,7 +105,18 @@ class LossScaler:
         return self.grad_norm
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step unless `unscale_` found a non-finite gradient; say whether it did."""
+        """
+        Step unless `unscale_` found a non-finite gradient; say whether it did.
+
+        Refuses an optimizer that updates during the backward pass: such
+        updates used the scaled gradient, and cannot be skipped on every rank
+        once an overflow shows (see
+        [AdamFP16](adam_fp16.html#note-a-non-finite-gradient-in-an-early-update)).
+        """
+        if getattr(optimizer, "update_during_backward", False):
+            raise ValueError("LossScaler cannot step an optimizer with "
+                             "update_during_backward=True: its updates ran "
+                             "before the overflow check; turn it off")
         stepped = not self.found_inf
         if stepped:
             optimizer.step()

@@ -38,7 +38,7 @@ hook), the chunk takes it and `param.grad` is dropped. When every trainable
 parameter of the chunk has reported, the gradients are copied, in one
 multi-tensor copy, into the chunk's full-size gradient buffer in the *reduce
 dtype* (fp32 by default), one reduce-scatter averages the buffer over ranks into
-this rank's shard gradient `main_grad` (fp32, $S$ elements), and the buffer is
+this rank's shard gradient `local.grad` (fp32, $S$ elements), and the buffer is
 freed. Padding is zero in the buffer, so it is zero in the gradient.
 
 The average, not the sum: each rank's loss is a mean over its own micro-batch, so
@@ -50,7 +50,7 @@ same gradient an unsharded model gets from the whole batch.
 | tensor | elements | bytes per element | when |
 |---|---|---|---|
 | `shard` | $S$ | $p$ (2 for bf16) | always |
-| `main_grad` | $S$ | 4 | from the reduce-scatter to `zero_grad` |
+| `local.grad` | $S$ | 4 | from the reduce-scatter to `zero_grad` |
 | `full` | $C$ | $p$ | while gathered |
 | held gradients | up to $C$ | $p$ | first gradient to the chunk's last |
 | full gradient | $C$ | $g$ (reduce dtype) | the chunk's last gradient to reduction |
@@ -71,6 +71,8 @@ from torch import nn
 
 from .chunk_layout import ChunkSpec
 from .communication import Communicator, profiled
+from .shard import LocalShard
+from .transport import HostStagedGather, PeerGather, new_shard
 
 
 def padding_ranges(spec: ChunkSpec) -> list[tuple[int, int]]:
@@ -114,7 +116,7 @@ class Chunk:
     3. `wait()`: the compute stream waits for the gather → `GATHERED`;
     4. `release()`: `full` loses its storage → `SHARDED`;
     5. for trainable chunks, `add_grad()` for each parameter's gradient, then
-       `reduce()` averages them into `main_grad`.
+       `reduce()` averages them into `local.grad`.
 
     * `spec` is the chunk's place in the layout.
     * `params` are the module's parameters, in the order of `spec.slots`.
@@ -149,9 +151,10 @@ class Chunk:
         ]
         device = comm.device
 
-        # [S] param dtype; the only copy of these parameters this rank keeps.
-        # With `peer_gather` it lies in memory the other ranks read (`peers`).
-        shard, self.peers = comm.new_shard(self.shard_numel, dtype)
+        # [S] param dtype; the only copy of these parameters this rank keeps,
+        # and the [transport](transport.html) that gathers it (with
+        # `peer_gather` the shard lies in memory the other ranks read).
+        shard, self.transport = new_shard(comm, self.shard_numel, dtype)
         # [S] fp32; the original fp32 values, when the parameters were fp32 and the
         # chunk is 16-bit, so the optimizer's master copy starts exact (AdamFP16
         # takes it and drops it).
@@ -170,16 +173,9 @@ class Chunk:
                 self.materialized = False
                 continue
             self._copy_into_shard(slot, param.detach(), shard, master_init)
-
-        if self.trainable:
-            # An nn.Parameter so that optimizers accept it. Its gradient lives in
-            # `main_grad` (fp32), since `.grad` must have the parameter's dtype.
-            self.shard: torch.Tensor = nn.Parameter(shard, requires_grad=True)
-            self.shard.main_grad = None
-            if master_init is not None:
-                self.shard.master_init = master_init
-        else:
-            self.shard = shard
+        # this rank's state of the chunk: see [the shard](shard.html)
+        self.local = LocalShard(shard, trainable=self.trainable,
+                                master_init=master_init)
 
         # [C] param dtype; views into it replace the parameters' data.
         self.full = torch.empty(self.numel, dtype=dtype, device=device)
@@ -207,8 +203,7 @@ class Chunk:
         self.full.untyped_storage().resize_(0)
         self.state = ChunkState.SHARDED
         self._gathered_event = None
-        # see `offload_shard` and `keep_resident`
-        self.shard_on_host = False
+        # see `keep_resident`
         self.resident = False
 
         # [C] reduce dtype, allocated at the first gradient of a backward pass
@@ -222,6 +217,20 @@ class Chunk:
         self.grads_written: set[int] = set()
         # [start, end) ranges of the chunk that no parameter covers: padding
         self.gaps = padding_ranges(spec)
+
+    @property
+    def shard(self) -> torch.Tensor:
+        """`[S]` this rank's shard: an `nn.Parameter` if trainable (`local.param`)."""
+        return self.local.param
+
+    @property
+    def shard_on_host(self) -> bool:
+        return self.local.on_host
+
+    @property
+    def peers(self):
+        """The `PeerBuffer` of a shard in peer memory, else `None`."""
+        return self.transport.peers if isinstance(self.transport, PeerGather) else None
 
     def _copy_into_shard(self, slot, source: torch.Tensor, shard, master_init) -> None:
         """
@@ -267,7 +276,7 @@ class Chunk:
                     init(name, param)
                 lo = self.shard_offset
                 self.shard.data.copy_(self.full[lo : lo + self.shard_numel])
-                master_init = getattr(self.shard, "master_init", None)
+                master_init = self.local.master_init
                 if master_init is not None:
                     master_init.copy_(self.full[lo : lo + self.shard_numel])
         finally:
@@ -288,7 +297,7 @@ class Chunk:
                 f"{self.names[position]}: checkpoint shape {tuple(value.shape)} "
                 f"does not match the model's {tuple(param.shape)}"
             )
-        master_init = getattr(self.shard, "master_init", None)
+        master_init = self.local.master_init
         # a resident gathered copy would no longer match the shard
         self.release(force=True)
         with torch.no_grad():
@@ -306,29 +315,16 @@ class Chunk:
         all-gathers in place. A trainable shard stays the same `nn.Parameter` (its
         `.data` moves), so its optimizer must keep the master on the host too
         (`AdamFP16(offload=...)`): the update then writes the rounded master
-        straight into it. `grad_device` says where its `main_grad` will be.
+        straight into it. Its gradient stays on the device
+        (`LocalShard.grad_device`).
         """
-        if self.shard_on_host:
+        if self.local.on_host:
             return
         assert self.state is ChunkState.SHARDED, "offload a shard between steps"
-        pin = self.comm.device.type == "cuda"
-        # [S] param dtype, on the host
-        host = torch.empty(self.shard_numel, dtype=self.dtype, pin_memory=pin)
-        host.copy_(self.shard.detach())
-        # NCCL gathers a host shard (see `gather`); the peer memory is let go
-        if self.peers is not None:
-            self.comm.forget_shard(self.peers)
-            self.peers = None
-        if self.trainable:
-            self.shard.data = host
-            self.shard.grad_device = self.comm.device
-            master_init = getattr(self.shard, "master_init", None)
-            if master_init is not None:
-                # [S] fp32; the optimizer takes it to the host anyway
-                self.shard.master_init = master_init.cpu()
-        else:
-            self.shard = host
-        self.shard_on_host = True
+        self.local.move_to_host(pin=self.comm.device.type == "cuda")
+        # the peer memory (if any) is let go; NCCL gathers a host shard
+        self.transport.close()
+        self.transport = HostStagedGather(self.comm, self.shard_offset)
 
     def keep_resident(self) -> None:
         r"""
@@ -362,19 +358,7 @@ class Chunk:
         comm.wait(comm.gather_stream, compute)
         # stable profiler name, which the benchmark and the timeline refer to
         with profiled("zero::gather"), comm.on(comm.gather_stream):
-            if self.peers is not None:
-                comm.pull_all_gather(self.full, self.peers)
-            elif self.shard_on_host:
-                # [S] this rank's slice of `full`: the copy up lands in place and
-                # the all-gather reads it there (NCCL's in-place form). The host
-                # shard is rewritten only by the optimizer, after waiting for an
-                # event that follows this chunk's last gather of the step.
-                local = self.full[self.shard_offset : self.shard_offset
-                                  + self.shard_numel]
-                local.copy_(self.shard.detach(), non_blocking=True)
-                comm.all_gather(self.full, local)
-            else:
-                comm.all_gather(self.full, self.shard.detach())
+            self.transport.gather(self.full, self.shard.detach())
         self._gathered_event = comm.record_event(comm.gather_stream)
         self.state = ChunkState.GATHERING
 
@@ -471,62 +455,51 @@ class Chunk:
 
     def reduce(self) -> None:
         r"""
-        ### Reduce-scatter the gradient into `main_grad`
+        ### Reduce-scatter the gradient into `local.grad`
 
         $g_{\text{shard}} \mathrel{+}= \frac{1}{N_d} \sum_r g^{(r)}_{\text{shard}}$,
-        added to what `main_grad` holds so that gradients accumulate until
+        added to what `local.grad` holds so that gradients accumulate until
         `zero_grad`, as `param.grad` does.
         """
         assert self.trainable, "only trainable chunks have gradients"
-        comm = self.comm
-        device = comm.device
-        compute = comm.current_stream()
-        shard = self.shard
-        fresh = shard.main_grad is None
-        reduce_into_main = fresh and self.reduce_dtype == torch.float32
-        if fresh:
-            # [S] fp32, allocated on the compute stream, which the optimizer reads
-            # on; uninitialised when the reduce-scatter writes all of it
-            allocate = torch.empty if reduce_into_main else torch.zeros
-            shard.main_grad = allocate(
-                self.shard_numel, dtype=torch.float32, device=device
-            )
-        reduced = (
-            shard.main_grad
-            if reduce_into_main
-            else torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=device)
-        )
+        comm, local = self.comm, self.local
+        # The first reduction of a step in fp32 writes straight into the
+        # gradient shard; otherwise (a later micro-batch, or a narrower reduce
+        # dtype) into a temporary that is added to it.
+        direct = local.grad is None and self.reduce_dtype == torch.float32
+        if local.grad is None:
+            local.new_grad(zeroed=not direct)
+        # [S] reduce dtype
+        reduced = local.grad if direct else torch.empty(
+            self.shard_numel, dtype=self.reduce_dtype, device=comm.device)
         # reduce stream waits: the gradients were written on the compute stream
-        comm.wait(comm.reduce_stream, compute)
+        comm.wait(comm.reduce_stream, comm.current_stream())
         with comm.on(comm.reduce_stream):
-            # The copy into the buffer, a memory-bound pass over (p + g)·C bytes
-            # (41 GB a step for Pythia-6.9B), runs here, beside the backward of
-            # the layers below, instead of on the compute stream before it.
+            # The copy into the buffer, a memory-bound pass over (p + g)·C
+            # bytes, runs here, beside the backward of the layers below,
+            # instead of on the compute stream before it.
             self.flush_grads(stream=comm.reduce_stream, dtype=self._exact_dtype())
             if self.grad_full is None:
-                # No parameter of the chunk got a gradient; every rank must still
-                # take part in the collective, so it reduces zeros.
+                # No parameter of the chunk got a gradient; every rank must
+                # still take part in the collective, so it reduces zeros.
                 self.grad_full = torch.zeros(
-                    self.numel, dtype=self.reduce_dtype, device=device
-                )
+                    self.numel, dtype=self.reduce_dtype, device=comm.device)
             else:
                 self._zero_unwritten()
             with profiled("zero::reduce_scatter"):
                 comm.reduce_scatter_mean(reduced, self.grad_full)
-            if not reduce_into_main:
-                shard.main_grad.add_(reduced)
+            if not direct:
+                local.grad.add_(reduced)
         if comm.reduce_stream is not None:
             # Allocated on the compute stream (`grad_full` too, when it holds
             # accumulated micro-batches) but used on the reduce stream: the
             # allocator must not reuse them before it is done.
-            for tensor in (self.grad_full, reduced, shard.main_grad):
+            for tensor in (self.grad_full, reduced, local.grad):
                 tensor.record_stream(comm.reduce_stream)
         self.grad_full = None
         self.grads_seen.clear()
         self.grads_written.clear()
-        if self.dtype == torch.float32:
-            # In fp32 the gradient also fits `.grad`, so plain torch optimizers work.
-            shard.grad = shard.main_grad
+        local.expose_grad()
 
     def _exact_dtype(self) -> torch.dtype | None:
         """
@@ -546,6 +519,4 @@ class Chunk:
         return None
 
     def zero_grad(self) -> None:
-        if self.trainable:
-            self.shard.main_grad = None
-            self.shard.grad = None
+        self.local.zero_grad()

@@ -28,7 +28,8 @@ Backward, for each unit in reverse:
    **post-accumulate-grad hook** hands it to its chunk, and a chunk whose
    parameters have all reported copies them into its gradient buffer (one
    multi-tensor copy) and is reduce-scattered at once, overlapping with the
-   backward of the layers below; `grad_ready` then tells the optimizer, which
+   backward of the layers below; the callbacks of `on_grad_ready` then tell
+   the optimizer, which
    may update the shard right away (`AdamFP16(update_during_backward=True)`);
 6. **post-backward** (the gradients of the unit's inputs are ready): release.
 
@@ -197,9 +198,8 @@ class Zero3Runtime:
         *,
         prefetch_depth: int = 1,
         reshard_after_forward: bool = True,
+        grad_ready: Callable[..., None] | None = None,
     ):
-        if prefetch_depth < 0:
-            raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
         self.comm = comm
         self.prefetch_depth = prefetch_depth
         self.reshard_after_forward = reshard_after_forward
@@ -212,11 +212,22 @@ class Zero3Runtime:
         # buffers and are reduced once, by the backward that runs with it True.
         self.sync_gradients = True
         self._reduced: set[int] = set()
-        # Called as `grad_ready(shard, after=reduce_stream)` once a trainable
-        # chunk's shard gradient is final (its reduce-scatter queued): the
-        # optimizer (`AdamFP16.grad_ready`) may start the gradient's copy to the
-        # host, or the shard's update, overlapping the rest of the backward.
-        self.grad_ready: Callable[..., None] | None = None
+        # see `on_grad_ready`
+        self._grad_ready: list[Callable[..., None]] = []
+        if grad_ready is not None:
+            self.on_grad_ready(grad_ready)
+
+    def on_grad_ready(self, callback: Callable[..., None]) -> None:
+        """
+        ### Register what to call when a shard's gradient is final
+
+        `callback(shard, after=reduce_stream)` is called once a trainable
+        chunk's gradient shard is final (its reduce-scatter queued on
+        `reduce_stream`): the optimizer (`AdamFP16.grad_ready`) may start the
+        gradient's copy to the host, or the shard's update, overlapping the rest
+        of the backward pass. Callbacks run in registration order.
+        """
+        self._grad_ready.append(callback)
 
     ### Registration
 
@@ -376,8 +387,8 @@ class Zero3Runtime:
     def _reduce(self, chunk: Chunk) -> None:
         chunk.reduce()
         self._reduced.add(id(chunk))
-        if self.grad_ready is not None:
-            self.grad_ready(chunk.shard, after=self.comm.reduce_stream)
+        for callback in self._grad_ready:
+            callback(chunk.shard, after=self.comm.reduce_stream)
 
     def _end_backward(self) -> None:
         for chunk in self.all_chunks():

@@ -583,8 +583,7 @@ def first_step_placement(
                          "statistics there)")
     peak = measure_peak(forward_backward)
     shards = model.get_trainable_chunk()
-    master_bytes = sum(s.master_init.numel() * s.master_init.element_size()
-                       for s in shards if getattr(s, "master_init", None) is not None)
+    master_bytes = sum(c.local.master_init_nbytes() for c in model.chunks)
     model.zero_grad()
     if device_capacity is None:
         device_capacity = cuda_capacity(device)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16
+from labml_zero.zero3.shard import LocalShard
 
 
 def gradients(step: int, sizes) -> list[torch.Tensor]:
@@ -17,7 +18,8 @@ def gradients(step: int, sizes) -> list[torch.Tensor]:
 def test_fp32_update_equals_adamw(fused):
     sizes = (37, 5, 130)
     torch.manual_seed(0)
-    ours = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    # fp32 shards, as the engine builds them
+    ours = [LocalShard(torch.randn(n), trainable=True).param for n in sizes]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     opt = AdamFP16(
         ours, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, fused=fused
@@ -27,13 +29,13 @@ def test_fp32_update_equals_adamw(fused):
     )
     for step in range(20):
         for p, q, g in zip(ours, theirs, gradients(step, sizes)):
-            # the engine's fp32 shard gradient lives in main_grad
-            p.main_grad = g.clone()
+            # the engine's fp32 shard gradient lives in its LocalShard
+            LocalShard.of(p).grad = g.clone()
             q.grad = g.clone()
         opt.step()
         ref.step()
         opt.zero_grad()
-        assert all(p.main_grad is None for p in ours)
+        assert all(LocalShard.of(p).grad is None for p in ours)
     for p, q in zip(ours, theirs):
         assert (p - q).abs().max().item() <= 1e-6
     # fp32 parameters are their own master: no copy
@@ -44,15 +46,15 @@ def test_fp32_update_equals_adamw(fused):
 def test_16bit_shards_keep_fp32_masters(dtype):
     torch.manual_seed(1)
     exact = torch.randn(64)
-    shard = torch.nn.Parameter(exact.to(dtype))
     # what the engine leaves when the original weights were fp32
-    shard.master_init = exact.clone()
+    shard = LocalShard(exact.to(dtype), trainable=True,
+                       master_init=exact.clone()).param
     reference = torch.nn.Parameter(exact.clone())
     opt = AdamFP16([shard], lr=1e-4)
     ref = torch.optim.AdamW([reference], lr=1e-4, weight_decay=0.0)
     for step in range(30):
         (g,) = gradients(step, (64,))
-        shard.main_grad = g.clone()
+        LocalShard.of(shard).grad = g.clone()
         reference.grad = g.clone()
         opt.step()
         ref.step()
@@ -61,7 +63,7 @@ def test_16bit_shards_keep_fp32_masters(dtype):
     # would mostly be lost in 16 bits, but not in the master.
     assert (master - reference).abs().max().item() <= 1e-6
     assert torch.equal(shard.detach(), master.to(dtype))
-    assert not hasattr(shard, "master_init")
+    assert LocalShard.of(shard).master_init is None
 
 
 def test_plain_gradients_and_bad_arguments():

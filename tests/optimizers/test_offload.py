@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16
+from labml_zero.zero3.shard import LocalShard
 
 DEVICE = torch.device(os.environ.get("LABML_ZERO_TEST_DEVICE", "cpu"))
 
@@ -44,17 +45,25 @@ def shards(dtype: torch.dtype) -> list[torch.nn.Parameter]:
     out = []
     for n in SIZES:
         exact = torch.randn(n, device=DEVICE)
-        shard = torch.nn.Parameter(exact.to(dtype))
-        if dtype != torch.float32:
-            shard.master_init = exact.clone()
-        out.append(shard)
+        master = exact.clone() if dtype != torch.float32 else None
+        out.append(LocalShard(exact.to(dtype), trainable=True,
+                              master_init=master).param)
     return out
+
+
+def set_grad(shard: torch.Tensor, grad: torch.Tensor) -> None:
+    """What the engine's reduce-scatter leaves: the shard's fp32 gradient."""
+    LocalShard.of(shard).grad = grad
+
+
+def grad_of(shard: torch.Tensor) -> torch.Tensor:
+    return LocalShard.of(shard).grad
 
 
 def train(opt: AdamFP16, params, steps: int, *, prefetch: bool = False) -> None:
     for step in range(steps):
         for p, g in zip(params, gradients(step)):
-            p.main_grad = g
+            set_grad(p, g)
             if prefetch:
                 # what the engine does right after the shard's reduce-scatter
                 opt.prefetch_grad(p)
@@ -88,7 +97,8 @@ def test_offloaded_fp32_follows_adamw(fused):
     ref = torch.optim.AdamW(theirs, **HYPER)
     for step in range(12):
         for p, q, g in zip(ours, theirs, gradients(step)):
-            p.main_grad, q.grad = g.clone(), g.clone()
+            set_grad(p, g.clone())
+            q.grad = g.clone()
         opt.step()
         ref.step()
     for p, q in zip(ours, theirs):
@@ -105,13 +115,14 @@ def test_gradient_changed_after_prefetch_is_copied_again():
     host_opt = AdamFP16(on_host, **HYPER, offload=range(len(SIZES)))
     for step in range(3):
         for a, b, g in zip(on_device, on_host, gradients(step)):
-            a.main_grad, b.main_grad = g.clone(), g.clone()
+            set_grad(a, g.clone())
+            set_grad(b, g.clone())
             host_opt.prefetch_grad(b)
-            assert host_opt.host[b].holds(b.main_grad)
+            assert host_opt.host[b].holds(grad_of(b))
         # unscaling or clipping after the reduce-scatter works in place
-        torch._foreach_mul_([p.main_grad for p in on_device], 0.25)
-        torch._foreach_mul_([p.main_grad for p in on_host], 0.25)
-        assert not any(host_opt.host[b].holds(b.main_grad) for b in on_host)
+        torch._foreach_mul_([grad_of(p) for p in on_device], 0.25)
+        torch._foreach_mul_([grad_of(p) for p in on_host], 0.25)
+        assert not any(host_opt.host[b].holds(grad_of(b)) for b in on_host)
         device_opt.step()
         host_opt.step()
     for a, b in zip(on_device, on_host):
@@ -128,7 +139,7 @@ def test_update_during_backward_is_the_same_update(dtype):
     train(after_opt, after, 5, prefetch=True)
     for step in range(5):
         for p, g in zip(during, gradients(step)):
-            p.main_grad = g
+            set_grad(p, g)
             during_opt.prefetch_grad(p)
         # the offloaded shards' updates were handed to the worker at prefetch
         assert set(during_opt.early) == set(during_opt.host)
@@ -146,10 +157,10 @@ def test_update_during_backward_refuses_a_gradient_changed_after():
     params = shards(torch.bfloat16)
     opt = AdamFP16(params, **HYPER, offload={1}, update_during_backward=True)
     for p, g in zip(params, gradients(0)):
-        p.main_grad = g
+        set_grad(p, g)
         opt.prefetch_grad(p)
     # clipping after the reduce-scatter: too late for the early update
-    params[1].main_grad.mul_(0.5)
+    grad_of(params[1]).mul_(0.5)
     with pytest.raises(RuntimeError, match="changed after its update began"):
         opt.step()
 
@@ -170,11 +181,11 @@ def test_plain_grad_and_state_for_checkpoints():
 
 def test_loaded_state_is_moved_back_and_unaliased():
     # load_checkpoint installs an fp32 shard's master as the shard itself
-    p = torch.nn.Parameter(torch.randn(8))
+    p = LocalShard(torch.randn(8), trainable=True).param
     opt = AdamFP16([p], lr=0.1, offload={0})
-    opt.state[p] = {"step": 3, "master": p.data, "exp_avg": torch.zeros(8),
-                    "exp_avg_sq": torch.ones(8)}
-    p.main_grad = torch.ones(8)
+    opt.load_shard_state(p, {"step": 3, "master": p.data,
+                             "exp_avg": torch.zeros(8), "exp_avg_sq": torch.ones(8)})
+    set_grad(p, torch.ones(8))
     opt.step()
     assert opt.state[p]["step"] == 4
     assert opt.state[p]["master"].data_ptr() != p.data_ptr()
@@ -204,7 +215,7 @@ def sharded(dtype, *, offload, during=False):
     optimizer = AdamFP16(shards, lr=3e-3, weight_decay=0.01, offload=chosen,
                          update_during_backward=during)
     # what the fine-tune does: each chunk's reduction announces its gradient
-    model.runtime.grad_ready = optimizer.grad_ready
+    model.runtime.on_grad_ready(optimizer.grad_ready)
     return model, optimizer
 
 
@@ -250,13 +261,9 @@ def test_engine_training_and_checkpoint_resume(tmp_path, dtype):
 def watch_grad_ready(model, began) -> list[bool]:
     """`began(shard)` right after each `grad_ready` the engine calls: whether the
     shard's update had started by then."""
-    ready, seen = model.runtime.grad_ready, []
-
-    def watched(shard, *, after):
-        ready(shard, after=after)
-        seen.append(began(shard))
-
-    model.runtime.grad_ready = watched
+    seen: list[bool] = []
+    # registered after the optimizer's, so it runs right after it
+    model.runtime.on_grad_ready(lambda shard, *, after: seen.append(began(shard)))
     return seen
 
 
@@ -264,7 +271,7 @@ def watch_grad_ready(model, began) -> list[bool]:
 def test_engine_updates_during_backward(dtype):
     plain, plain_opt = sharded(dtype, offload=False)
     model, opt = sharded(dtype, offload=True, during=True)
-    started = watch_grad_ready(model, lambda p: p in opt.early)
+    started = watch_grad_ready(model, lambda p: p in opt.early and p in opt.host)
     for m, o in ((plain, plain_opt), (model, opt)):
         run_steps(m, o, range(4))
     # every offloaded shard's update began in the backward pass, every step
@@ -280,7 +287,7 @@ def test_device_shards_update_during_backward(dtype):
     after the backward pass, bit for bit, and every update began in backward."""
     plain, plain_opt = sharded(dtype, offload=False)
     model, opt = sharded(dtype, offload=False, during=True)
-    early = watch_grad_ready(model, lambda p: p in opt.early_on_device)
+    early = watch_grad_ready(model, lambda p: p in opt.early)
     for m, o in ((plain, plain_opt), (model, opt)):
         run_steps(m, o, range(4))
     shards = opt.param_groups[0]["params"]
@@ -300,6 +307,6 @@ def test_device_update_during_backward_refuses_a_changed_gradient():
     model, opt = sharded(torch.float32, offload=False, during=True)
     x, y = batch(0, 4)
     torch.nn.functional.mse_loss(model(x.to(DEVICE)), y.to(DEVICE)).backward()
-    model.get_trainable_chunk()[0].main_grad.mul_(0.5)
+    grad_of(model.get_trainable_chunk()[0]).mul_(0.5)
     with pytest.raises(RuntimeError, match="changed after its update"):
         opt.step()

@@ -42,7 +42,7 @@ def held_bytes(model, optimizer) -> int:
         assert chunk.full.untyped_storage().nbytes() == 0
         assert chunk.grad_full is None
         if chunk.trainable:
-            count(chunk.shard.main_grad)
+            count(chunk.local.grad)
         else:
             assert chunk.shard not in optimizer.state
     for state in optimizer.state.values():

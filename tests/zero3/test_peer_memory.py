@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16
+from labml_zero.zero3.shard import LocalShard
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, shard_model, zero3_layers
 from labml_zero.zero3.communication import Communicator
 from tests.distributed import run_distributed
@@ -41,7 +42,7 @@ def build(ctx, *, peer: str, dtype, early: bool, api: str):
                                peer_reduce="reduce" in peer)
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=3e-3, weight_decay=0.01,
                          update_during_backward=early)
-    model.runtime.grad_ready = optimizer.grad_ready
+    model.runtime.on_grad_ready(optimizer.grad_ready)
     return model, optimizer, layers
 
 
@@ -145,7 +146,7 @@ def exact_dtype_halves_the_bytes(ctx):
         x, y = x.to(ctx.device, torch.bfloat16), y.to(ctx.device, torch.bfloat16)
         nn.functional.mse_loss(model(x), y).backward()
         single = counter.bytes["reduce_scatter"]
-        grads = [s.main_grad.clone() for s in model.get_trainable_chunk()]
+        grads = [LocalShard.of(s).grad.clone() for s in model.get_trainable_chunk()]
         model.zero_grad()
         counter.reset()
         with model.no_sync():

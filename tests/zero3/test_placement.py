@@ -149,8 +149,7 @@ def test_first_step_placement_probes_then_decides():
         measure_peak=lambda run: (run(), other + master_bytes)[1])
     assert runs == [1]
     # the probe's gradients are gone: it trained nothing
-    assert all(getattr(s, "main_grad", None) is None
-               for s in model.get_trainable_chunk())
+    assert all(c.local.grad is None for c in model.chunks if c.trainable)
     # the same decision as auto_placement on the measured numbers
     expected = auto_placement(shards, device_capacity=capacity,
                               measured_peak_other=other, margin=0,

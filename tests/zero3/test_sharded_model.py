@@ -10,6 +10,7 @@ from torch import nn
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, shard_model, zero3_layers
+from labml_zero.zero3.shard import LocalShard
 from tests.distributed import run_distributed
 from tests.zero3.models import batch, tiny_layers
 
@@ -53,7 +54,7 @@ def train_both(ctx, api: str, chunk_numel: int):
         ref_loss = nn.functional.mse_loss(reference(x), y)
         ref_loss.backward()
         shards = model.get_trainable_chunk()
-        report["missing_grads"] += sum(s.main_grad is None for s in shards)
+        report["missing_grads"] += sum(LocalShard.of(s).grad is None for s in shards)
         if step == 0:
             report["grad_mismatch"] = gradient_mismatch(model, reference, ctx)
             report["comm"] = dict(model.runtime.comm.counter.elements)
@@ -87,7 +88,7 @@ def gradient_mismatch(model, reference, ctx) -> float:
             expected[slot.offset : slot.end] = grad.reshape(-1)
         lo = chunk.shard_offset
         mine = expected[lo : lo + chunk.shard_numel]
-        worst = max(worst, (chunk.shard.main_grad - mine).abs().max().item())
+        worst = max(worst, (chunk.local.grad - mine).abs().max().item())
     return worst
 
 
@@ -179,7 +180,8 @@ def test_layers_with_several_inputs_and_outputs():
     x, y = batch(0, 6)
     for net in (model, reference):
         nn.functional.mse_loss(net(x), y).backward()
-    assert all(s.main_grad is not None for s in model.get_trainable_chunk())
+    assert all(LocalShard.of(s).grad is not None
+               for s in model.get_trainable_chunk())
     assert gradient_mismatch(model, reference, None) <= 1e-6
     # every chunk released after the backward pass
     assert model.runtime.gathered_chunks() == []

@@ -16,6 +16,7 @@ from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.optimizers.clip_grad import clip_grad_norm_
 from labml_zero.optimizers.grad_scaler import LossScaler
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+from labml_zero.zero3.shard import LocalShard
 from tests.distributed import run_distributed
 from tests.zero3.models import batch, tiny_layers
 
@@ -29,7 +30,7 @@ def sharded(ctx, *, dtype=torch.float32, layers=None, **config):
 
 
 def grads(model) -> list[torch.Tensor]:
-    return [s.main_grad.clone() for s in model.get_trainable_chunk()]
+    return [LocalShard.of(s).grad.clone() for s in model.get_trainable_chunk()]
 
 
 def my_rows(ctx, step: int, n_micro: int = 1):
@@ -121,7 +122,7 @@ def clipping_and_overflow(ctx):
         for slot, param in zip(chunk.spec.slots, chunk.params):
             full[slot.offset : slot.end] = ref_params[id(param)].grad.reshape(-1)
         mine = full[chunk.shard_offset : chunk.shard_offset + chunk.shard_numel]
-        worst = max(worst, (chunk.shard.main_grad - mine).abs().max().item())
+        worst = max(worst, (chunk.local.grad - mine).abs().max().item())
     out["clip_diff"] = worst
 
     # An inf injected on the last rank only: every rank skips the step.
@@ -130,7 +131,7 @@ def clipping_and_overflow(ctx):
     scaler = LossScaler(model.runtime.comm, init_scale=1024.0)
     scaler.scale(loss_of(model, x, y)).backward()
     if ctx.rank == ctx.world_size - 1:
-        model.get_trainable_chunk()[0].main_grad[0] = float("inf")
+        LocalShard.of(model.get_trainable_chunk()[0]).grad[0] = float("inf")
     before = [s.detach().clone() for s in model.get_trainable_chunk()]
     scaler.unscale_(model.get_trainable_chunk())
     out["stepped"] = scaler.step(optimizer)
@@ -292,7 +293,7 @@ def chunk_by_chunk_init(ctx):
         ours2 = model2(x.bfloat16()).float()
     # fp32 masters start from the initialiser's values in full precision... of the
     # bf16 chunk they were written into (there are no fp32 originals to keep).
-    masters = [getattr(s, "master_init", None) for s in model2.get_trainable_chunk()]
+    masters = [LocalShard.of(s).master_init for s in model2.get_trainable_chunk()]
     masters_ok = all(m is not None and torch.isfinite(m).all().item() for m in masters)
     # Two training steps: the swapped-in parameters must survive the re-gathers of
     # the backward pass (autograd checks the saved weights' version counters).
@@ -367,7 +368,7 @@ def offloaded_optimizer(ctx):
         host = set(range(0, len(shards), 2)) if offload else None
         optimizer = AdamFP16(shards, lr=1e-2, offload=host,
                              update_during_backward=during)
-        model.runtime.grad_ready = optimizer.grad_ready
+        model.runtime.on_grad_ready(optimizer.grad_ready)
         for step in range(3):
             x, y = my_rows(ctx, step)
             loss_of(model, x.bfloat16(), y.bfloat16()).float().backward()

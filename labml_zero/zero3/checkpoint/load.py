@@ -165,22 +165,21 @@ def install_shard(chunk: Chunk, state: ShardState, optimizer,
     chunk.zero_grad()
     if not chunk.trainable:
         return
-    if hasattr(chunk.shard, "master_init"):
-        del chunk.shard.master_init
+    chunk.local.set_master_init(None)
     master = (chunk.shard.data if chunk.dtype == torch.float32
               else state.master.to(device))
     in_optimizer = id(chunk.shard) in optimized
     if state.moments is not None and in_optimizer:
-        optimizer.state[chunk.shard] = {
+        optimizer.load_shard_state(chunk.shard, {
             "step": state.step,
             "master": master,
             **{kind: t.to(device) for kind, t in state.moments.items()},
-        }
+        })
         return
     if in_optimizer:
-        optimizer.state.pop(chunk.shard, None)
+        optimizer.load_shard_state(chunk.shard, None)
     if chunk.dtype != torch.float32:
-        chunk.shard.master_init = master
+        chunk.local.set_master_init(master)
 
 
 def same_layout(reader: CheckpointReader, chunks: Sequence[Chunk],

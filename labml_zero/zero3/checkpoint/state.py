@@ -70,9 +70,7 @@ def optimizer_state(optimizer, chunk: Chunk) -> dict | None:
     """AdamFP16's state of a chunk's shard, or `None` before its first step."""
     if optimizer is None or not chunk.trainable:
         return None
-    # `.get`, not `[]`: `optimizer.state` is a defaultdict and must not grow
-    state = optimizer.state.get(chunk.shard)
-    return state or None
+    return optimizer.shard_state(chunk.shard)
 
 
 def master_of(optimizer, chunk: Chunk) -> torch.Tensor | None:
@@ -87,7 +85,7 @@ def master_of(optimizer, chunk: Chunk) -> torch.Tensor | None:
     state = optimizer_state(optimizer, chunk)
     if state is not None:
         return state["master"]
-    return getattr(chunk.shard, "master_init", None)
+    return chunk.local.master_init
 
 
 # ## Hyperparameters

@@ -1,0 +1,249 @@
+r"""
+---
+title: Optimizer state in host memory
+summary: Staging buffers, copy streams and the host worker that let AdamFP16 keep
+  master and moments of chosen shards in host memory.
+---
+
+# Optimizer state in host memory
+
+Of the $p + 4 + K$ bytes a trainable element costs a ZeRO-3 rank ($p$ of
+16-bit shard, 4 of fp32 gradient, $K = 12$ of master and moments), the
+optimizer's $K$ are touched once per step and by the update alone. This page
+moves them, shard by shard, to host memory and runs the update there, as
+ColossalAI's Gemini and ZeRO-Offload do ([which shards](../zero3/placement.html)).
+Per offloaded element and step:
+
+* **down** (device to host): the fp32 gradient, 4 bytes;
+* **the update** on the host: the same kernel as on the device
+  (`torch._fused_adamw_` has a CPU implementation), spread over torch's
+  intra-op threads;
+* **up** (host to device): the new master rounded on the host to the shard
+  dtype, $p$ bytes (half the bytes of sending fp32 and casting on the device).
+
+The device saves $K$ bytes per element; the host holds $K + 4$: the state and a
+*staging buffer* of $4S$ bytes, which holds the gradient after its copy down
+and then, once the update has consumed it, the $pS$ bytes of the rounded master
+going up.
+
+When the engine keeps the parameter shard itself in host memory
+(`Chunk.offload_shard`), the update rounds the master straight into it and
+nothing goes up: the next gather copies the shard up itself.
+
+## Note: pinned memory and copy streams
+
+Only the staging buffer is page-locked ("pinned", when CUDA is available): DMA
+needs it, while the master and moments are read by the CPU only, and pinned
+memory is scarce (it cannot be swapped). Copies run on two side streams, one per
+direction, so the copy engines move both ways at once:
+
+1. `copy_down(param, grad, after=stream)` queues the gradient's copy as soon as
+   `stream` (the engine's reduce stream) has written it, and records an event;
+2. `host_grad(param, grad)` waits for that event (a host sync) and returns the
+   staging buffer, copying again if the gradient changed since;
+3. `upload(param, master)` rounds into the staging buffer and queues the copy
+   up; the next copy down waits (on the device) for it, and `wait_uploads()`
+   makes the compute stream wait for every copy up, so the next all-gather
+   reads new shards.
+
+A gradient changed after its copy down (loss-scale unscaling, clipping and
+accumulation all work in place) is copied again: a `GradVersion` remembers the
+tensor and its version counter, which every in-place op bumps.
+
+## Note: threads of the host update
+
+The CPU kernels split each shard over torch's intra-op threads. Every rank is
+its own process and by default takes one thread per core, so $N$ ranks on one
+host oversubscribe the cores $N$ times over; give each
+`torch.set_num_threads(cores // ranks_per_host)`. The update is memory-bound,
+so more threads than the memory channels can feed buy little.
+
+For an update during the backward pass (`AdamFP16(update_during_backward=
+True)`) one worker thread runs the host updates in the order the gradients
+came, while the main thread goes on launching the backward pass (PyTorch's CPU
+kernels release the GIL).
+
+On CPU (tests) "host" and "device" are the same memory, yet the same path is
+taken, with plain synchronous copies into separate tensors.
+
+## Limitations
+
+* Device and host kernels need not round alike (FMA contraction, vector widths):
+  on a GPU an offloaded shard follows AdamW within fp32 rounding, not
+  necessarily bitwise like its device twin.
+* CI runs the CPU path, which shares everything but the copies; the CUDA path
+  (side streams, pinned staging, events) is tested on a GPU with
+  `LABML_ZERO_TEST_DEVICE=cuda`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterable
+
+import torch
+
+from labml_zero.zero3.shard import grad_device, param_on_host
+
+
+class GradVersion:
+    """
+    ## Which gradient, at which version
+
+    A weak reference to a gradient tensor and its version counter: `matches(g)`
+    says whether `g` is that tensor, unchanged. A weak reference, so that the
+    record never keeps a gradient alive.
+    """
+
+    def __init__(self, grad: torch.Tensor):
+        self.source = weakref.ref(grad)
+        self.version = grad._version
+
+    def matches(self, grad: torch.Tensor | None) -> bool:
+        return (grad is not None and self.source() is grad
+                and self.version == grad._version)
+
+
+class HostShard:
+    """
+    ## What an offloaded shard keeps besides its optimizer state
+
+    * `staging` [S] fp32, pinned when CUDA is available: the gradient after the
+      copy down, then (viewed in the shard dtype) the rounded master going up.
+    * `grad_ready`: event after the copy down (`None` on CPU, or none queued).
+    * `uploaded`: event after the copy up; the next copy down waits for it.
+    * `copied`: which gradient, at which version, `staging` holds.
+    """
+
+    def __init__(self, param: torch.Tensor, *, pin: bool):
+        # [S] fp32 on the host
+        self.staging = torch.empty(param.numel(), dtype=torch.float32,
+                                   pin_memory=pin)
+        self.grad_ready: torch.cuda.Event | None = None
+        self.uploaded: torch.cuda.Event | None = None
+        self.copied: GradVersion | None = None
+
+    def holds(self, grad: torch.Tensor | None) -> bool:
+        """Whether `staging` is a copy of `grad` as it is now."""
+        return self.copied is not None and self.copied.matches(grad)
+
+
+class HostOffload:
+    """
+    ## The offloaded shards, their copies and their worker
+
+    * `params`: the shards whose optimizer state lives on the host.
+    * `worker`: run updates on a worker thread (`submit`), for updates during
+      the backward pass.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], *, worker: bool):
+        params = list(params)
+        # pinned staging only where a DMA engine will read or write it
+        self.shards = {p: HostShard(p, pin=grad_device(p).type == "cuda")
+                       for p in params}
+        devices = {grad_device(p) for p in params if grad_device(p).type == "cuda"}
+        if len(devices) > 1:
+            raise ValueError(f"offloaded shards must be on one GPU, got {devices}")
+        # One side stream per direction (see Note: pinned memory and copy
+        # streams); none when no offloaded shard is on a GPU (plain copies).
+        self.down_stream = self.up_stream = None
+        for device in devices:
+            self.down_stream = torch.cuda.Stream(device, priority=-1)
+            self.up_stream = torch.cuda.Stream(device, priority=-1)
+        # One worker: the updates run in the order their gradients came.
+        self.worker = (ThreadPoolExecutor(1, thread_name_prefix="adam-host")
+                       if worker and params else None)
+
+    def __contains__(self, param: torch.Tensor) -> bool:
+        return param in self.shards
+
+    ### Down
+
+    def copy_down(self, param: torch.Tensor, grad: torch.Tensor, *,
+                  after=None) -> None:
+        """
+        ### Queue the copy of `grad` into `param`'s staging buffer
+
+        `after` is the CUDA stream that wrote `grad` (default: the current
+        one). Nothing to do if the buffer already holds it.
+        """
+        host = self.shards[param]
+        if host.holds(grad):
+            return
+        host.copied = None
+        if self.down_stream is None:
+            host.staging.copy_(grad)
+            host.copied = GradVersion(grad)
+            return
+        stream = self.down_stream
+        # copy stream waits: `after` wrote the gradient
+        stream.wait_stream(after or torch.cuda.current_stream(grad.device))
+        if host.uploaded is not None:
+            # copy stream waits: last step's upload still reads `staging`
+            stream.wait_event(host.uploaded)
+        with torch.cuda.stream(stream):
+            host.staging.copy_(grad, non_blocking=True)
+        # the compute stream may free the gradient (zero_grad) while it is copied
+        grad.record_stream(stream)
+        host.grad_ready = torch.cuda.Event()
+        host.grad_ready.record(stream)
+        host.copied = GradVersion(grad)
+
+    def host_grad(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """
+        ### `[S]` fp32 gradient on the host, once its copy down has landed
+
+        Copies `grad` down first when the staging buffer does not hold it as
+        it is now (not copied yet, or changed in place since).
+        """
+        host = self.shards[param]
+        self.copy_down(param, grad)
+        if host.grad_ready is not None:
+            # host sync: the update reads what the copy engine wrote
+            host.grad_ready.synchronize()
+            host.grad_ready = None
+        return host.staging
+
+    ### Up
+
+    def upload(self, param: torch.Tensor, master: torch.Tensor) -> None:
+        """
+        ### Round the master on the host and copy it up into the shard
+
+        The rounded copy goes into the staging buffer, whose gradient the
+        update has consumed: $p S$ bytes of its $4 S$.
+        """
+        if param_on_host(param):
+            # a shard the engine keeps in host memory: round into it; its next
+            # gather copies it up
+            param.data.copy_(master)
+            return
+        host = self.shards[param]
+        # [S] shard dtype, a view of the staging buffer's first p·S bytes
+        rounded = host.staging.view(param.dtype)[: param.numel()]
+        rounded.copy_(master)
+        host.copied = None
+        if self.up_stream is None:
+            param.data.copy_(rounded)
+            return
+        # copy stream waits: the compute stream may still read the old shard
+        self.up_stream.wait_stream(torch.cuda.current_stream(param.device))
+        with torch.cuda.stream(self.up_stream):
+            param.data.copy_(rounded, non_blocking=True)
+        host.uploaded = torch.cuda.Event()
+        host.uploaded.record(self.up_stream)
+
+    def wait_uploads(self) -> None:
+        """The compute stream waits for every copy up: the next gather reads them."""
+        if self.up_stream is not None:
+            torch.cuda.current_stream(self.up_stream.device).wait_stream(
+                self.up_stream)
+
+    ### The worker
+
+    def submit(self, update: Callable[[], None]) -> Future:
+        """Run `update` on the worker thread (in submission order)."""
+        assert self.worker is not None, "built without a worker"
+        return self.worker.submit(update)

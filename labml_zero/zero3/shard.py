@@ -1,0 +1,190 @@
+r"""
+---
+title: A rank's shard
+summary: The rank-local state of one chunk (16-bit shard, fp32 gradient, fp32 first
+  master) in one object, with what each piece costs.
+---
+
+# A rank's shard
+
+A [chunk](chunk.html) of $C$ elements is cut into $N_d$ slices of $S = C / N_d$
+elements, one per rank. Everything a rank keeps of a chunk between two gathers is
+its own slice, and this page is the one object that owns it:
+
+| state | elements | bytes per element | lives |
+|---|---|---|---|
+| `param`, the 16-bit shard | $S$ | $p$ (2 for bf16) | always |
+| `grad`, the fp32 gradient shard | $S$ | 4 | from the reduce-scatter to `zero_grad` |
+| `master_init`, the first fp32 master | $S$ | 4 | from building to the first step |
+
+so a trainable element costs $p + 4$ bytes here, beside the $K = 12$ of the
+optimizer's master and moments, and a frozen one $p$.
+
+The optimizer is handed `param` (an `nn.Parameter`, so any optimizer accepts it)
+and finds the rest through `LocalShard.of(param)`; `AdamFP16` works on ordinary
+parameters as well, which have no `LocalShard` and keep their gradient in
+`.grad`.
+
+## Note: why the gradient is not `param.grad`
+
+`param.grad` must have the parameter's dtype, and the shard's gradient is an fp32
+average over ranks (summing in 16 bits would round every partial sum). So the
+gradient lives in `LocalShard.grad`. For an fp32 chunk the two dtypes agree and
+the same tensor is also set as `param.grad`, so plain `torch.optim` optimizers
+work on fp32 shards.
+
+## Note: how a parameter finds its shard
+
+`LocalShard.of(param)` looks the parameter up in a table keyed by the identity
+of the tensor, holding it weakly: the table never keeps a shard alive, and a
+shard is in it from its construction to its end. No attribute is added to the
+`nn.Parameter`, so `state_dict`, `copy.deepcopy` and `torch.compile` see an
+ordinary parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+class LocalShard:
+    """
+    ## This rank's shard of a chunk
+
+    Lifecycle:
+
+    1. built from a filled `[S]` tensor: a trainable shard wraps it in an
+       `nn.Parameter` (`param`) and may keep `master_init`, the exact fp32 values
+       the 16-bit `param` rounds;
+    2. `add_grad(reduced)` after each reduction: the first allocates `grad`,
+       later ones (accumulation) add;
+    3. `take_master_init()`: the optimizer takes the first master at its first
+       step and the shard drops it;
+    4. `zero_grad()`: the gradient is freed;
+    5. `move_to_host()` (between steps, optional): `param` moves to host memory,
+       `grad` stays on `grad_device`.
+
+    * `data` is the `[S]` shard in the parameter dtype.
+    * `trainable`: whether it gets gradients and an optimizer.
+    * `master_init`: `[S]` fp32 first master, or `None`.
+    """
+
+    # see Note: how a parameter finds its shard
+    _of: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def __init__(self, data: torch.Tensor, *, trainable: bool,
+                 master_init: torch.Tensor | None = None):
+        self.trainable = trainable
+        # [S] param dtype. An nn.Parameter so that optimizers accept it.
+        self.param: torch.Tensor = (nn.Parameter(data, requires_grad=True)
+                                    if trainable else data)
+        # [S] fp32; see Note: why the gradient is not `param.grad`
+        self.grad: torch.Tensor | None = None
+        self._master_init = master_init
+        # where `grad` is allocated: the chunk's device, also once `param` is
+        # on the host (the reduce-scatter runs there)
+        self.grad_device: torch.device = data.device
+        self.on_host = False
+        if trainable:
+            LocalShard._of[self.param] = self
+
+    @staticmethod
+    def of(param: torch.Tensor) -> "LocalShard | None":
+        """The shard that owns `param`, or `None` for an ordinary parameter."""
+        return LocalShard._of.get(param)
+
+    ### The first master
+
+    @property
+    def master_init(self) -> torch.Tensor | None:
+        """`[S]` fp32 first master, until the optimizer takes it (read only)."""
+        return self._master_init
+
+    def take_master_init(self) -> torch.Tensor | None:
+        """Hand the first master over (the optimizer's first step) and drop it."""
+        master, self._master_init = self._master_init, None
+        return master
+
+    def set_master_init(self, master: torch.Tensor | None) -> None:
+        """A checkpoint without optimizer state gives the next first master."""
+        if master is not None and master.shape != self.param.shape:
+            raise ValueError(f"master_init of shape {tuple(master.shape)} for a "
+                             f"shard of shape {tuple(self.param.shape)}")
+        self._master_init = master
+
+    def master_init_nbytes(self) -> int:
+        m = self._master_init
+        return 0 if m is None else m.numel() * m.element_size()
+
+    ### The gradient
+
+    def new_grad(self, *, zeroed: bool) -> torch.Tensor:
+        """
+        #### Allocate `grad` for the first reduction of a step
+
+        Uninitialised when the reduction writes all of it (`zeroed=False`).
+        Allocated on the current stream, which the optimizer reads it on.
+        """
+        assert self.grad is None, "the gradient shard exists already"
+        allocate = torch.zeros if zeroed else torch.empty
+        # [S] fp32
+        self.grad = allocate(self.param.numel(), dtype=torch.float32,
+                             device=self.grad_device)
+        return self.grad
+
+    def expose_grad(self) -> None:
+        """For an fp32 shard, `param.grad` is `grad` too (see Note above)."""
+        if self.param.dtype == torch.float32:
+            self.param.grad = self.grad
+
+    def zero_grad(self) -> None:
+        if self.trainable:
+            self.grad = None
+            self.param.grad = None
+
+    ### Where it lives
+
+    def move_to_host(self, *, pin: bool) -> None:
+        r"""
+        #### Keep `param` in host memory
+
+        Saves $p S$ device bytes. A trainable shard stays the same
+        `nn.Parameter` (its `.data` moves), and `master_init` follows it (the
+        optimizer of such a shard keeps its state on the host anyway).
+        """
+        if self.on_host:
+            return
+        # [S] param dtype, on the host (page-locked for DMA on a GPU)
+        host = torch.empty(self.param.numel(), dtype=self.param.dtype,
+                           pin_memory=pin)
+        host.copy_(self.param.detach())
+        if self.trainable:
+            self.param.data = host
+            if self._master_init is not None:
+                self._master_init = self._master_init.cpu()
+        else:
+            self.param = host
+        self.on_host = True
+
+
+def shard_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """
+    The gradient to use for `param`: its shard's fp32 `grad`, or for an ordinary
+    parameter its own `.grad` (as is, in its dtype).
+    """
+    shard = LocalShard.of(param)
+    return shard.grad if shard is not None else param.grad
+
+
+def grad_device(param: torch.Tensor) -> torch.device:
+    """Where `param`'s gradient lives: its shard's `grad_device`, or its own."""
+    shard = LocalShard.of(param)
+    return shard.grad_device if shard is not None else param.device
+
+
+def param_on_host(param: torch.Tensor) -> bool:
+    """Whether the engine keeps `param`, a shard, in host memory."""
+    shard = LocalShard.of(param)
+    return shard is not None and shard.on_host
