@@ -44,12 +44,15 @@ full-size gradient buffers of the chunks being reduced.
 
 ## Limitations
 
-* A parameter may belong to one wrapped layer only (tied weights go to the root).
+* With `shard_model`, a parameter of two wrapped layers (or of a layer and the
+  rest of the model) goes to the root unit, which stays gathered for the whole
+  step; `zero3_layers` refuses one shared by two layers, having no root.
 * Buffers (such as rotary tables) are not sharded: every rank keeps them whole.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -188,6 +191,28 @@ def check_rank(rank: int, world_size: int, comm: Communicator) -> None:
         )
 
 
+def layer_config(config: ZeroConfig | None, *, dtype: torch.dtype,
+                 chunk_numel: int | None) -> ZeroConfig:
+    """
+    #### A `Zero3Layer`'s config from its arguments and `config`
+
+    The positional `dtype` and the keyword `chunk_numel` fill in the config;
+    where the config already says something else, that is an error, not a
+    silent override.
+    """
+    if config is None:
+        return ZeroConfig(dtype=dtype, chunk_numel=chunk_numel)
+    if config.dtype != dtype:
+        raise ValueError(f"Zero3Layer: dtype {dtype} differs from config.dtype "
+                         f"{config.dtype}")
+    if chunk_numel is None or config.chunk_numel == chunk_numel:
+        return config
+    if config.chunk_numel is not None:
+        raise ValueError(f"Zero3Layer: chunk_numel={chunk_numel} differs from "
+                         f"config.chunk_numel={config.chunk_numel}")
+    return replace(config, chunk_numel=chunk_numel)
+
+
 class Zero3Layer(nn.Module):
     """
     ## A sharded layer
@@ -198,9 +223,11 @@ class Zero3Layer(nn.Module):
     * `rank`, `world_size` must match the process group (`group`, default the
       global one; with no process group, `0, 1`).
     * `device`, `dtype`: where and in which dtype the shards and gathered chunks live.
-    * `chunk_numel`: the chunk size; by default one chunk for the trainable and one
-      for the frozen parameters, as labml-nn does.
-    * `config`: the other knobs ([`ZeroConfig`](config.html)).
+    * `chunk_numel`: the chunk size. By default the config's; if the config
+      leaves it to a search (`None`), one chunk for the trainable and one for
+      the frozen parameters, as labml-nn does. Given both, they must agree.
+    * `config`: the other knobs ([`ZeroConfig`](config.html)); its `dtype`
+      must be `dtype`.
     """
 
     def __init__(
@@ -219,15 +246,14 @@ class Zero3Layer(nn.Module):
     ):
         super().__init__()
         device = torch.device(device)
-        config = ZeroConfig(**{**vars(config or ZeroConfig()), "dtype": dtype})
+        config = layer_config(config, dtype=dtype, chunk_numel=chunk_numel)
         comm = comm or Communicator.for_config(device, config, group=group)
         check_rank(rank, world_size, comm)
         self.module = module
         self.comm = comm
         self.config = config
         specs, params = param_specs([module.named_parameters()])
-        if chunk_numel is None:
-            chunk_numel = one_chunk_per_kind(specs, config.align)
+        chunk_numel = config.chunk_numel or one_chunk_per_kind(specs, config.align)
         self.layout = plan_chunks(specs, chunk_numel, world_size, align=config.align)
         self.chunks: list[Chunk] = build_chunks(
             self.layout, params, comm, config, prefixes={0: name_prefix}
@@ -348,11 +374,12 @@ class Zero3Sequential(ShardedRoot):
             raise ValueError("Zero3Sequential needs at least one Zero3Layer")
         self.layers = nn.ModuleList(modules)
         config = modules[0].config
+        if prefetch_depth is not None:
+            # validated by the config, the one place that checks it
+            config = replace(config, prefetch_depth=prefetch_depth)
         self.runtime = Zero3Runtime(
             modules[0].comm,
-            prefetch_depth=config.prefetch_depth
-            if prefetch_depth is None
-            else prefetch_depth,
+            prefetch_depth=config.prefetch_depth,
             reshard_after_forward=config.reshard_after_forward,
         )
         for layer in modules:
@@ -394,6 +421,24 @@ def on_meta(module: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in module.parameters())
 
 
+def shared_parameters(modules: Sequence[nn.Module],
+                      names: Sequence[str]) -> list[tuple[str, str, str]]:
+    """
+    #### Parameters that belong to two of `modules`
+
+    `(parameter name in the first, first module's name, second module's name)`
+    for each tensor met in a second module.
+    """
+    owner: dict[int, tuple[str, str]] = {}
+    shared = []
+    for module, module_name in zip(modules, names):
+        for name, param in module.named_parameters():
+            first = owner.setdefault(id(param), (name, module_name))
+            if first[1] != module_name:
+                shared.append((f"{first[1]}.{first[0]}", first[1], module_name))
+    return shared
+
+
 def zero3_layers(
     modules: Sequence[nn.Module],
     *,
@@ -427,14 +472,22 @@ def zero3_layers(
     config = config or ZeroConfig()
     device = torch.device(device)
     comm = Communicator.for_config(device, config, group=group)
+    shared = shared_parameters(modules, [f"modules[{i}]" for i in range(len(modules))])
+    if shared:
+        name, first, second = shared[0]
+        raise ValueError(f"parameter {name} is shared by {first} and {second}: "
+                         "Zero3Sequential has no root unit to hold it; use "
+                         "shard_model, which keeps shared parameters in its root")
     specs, _ = param_specs([m.named_parameters() for m in modules])
-    chunk_numel = choose_chunk_numel(specs, comm.world_size, config)
+    # one chunk size for every layer, in the config each layer gets
+    config = replace(config, chunk_numel=choose_chunk_numel(specs, comm.world_size,
+                                                            config))
     layers = []
     for i, module in enumerate(modules):
         def shard(module=module, i=i) -> Zero3Layer:
             return Zero3Layer(module, comm.rank, comm.world_size, device,
-                              config.dtype, chunk_numel=chunk_numel, config=config,
-                              comm=comm, name_prefix=f"{i}.")
+                              config.dtype, config=config, comm=comm,
+                              name_prefix=f"{i}.")
 
         if on_meta(module) and init_param is not None:
             layer = shard()
@@ -490,14 +543,20 @@ def shard_model(
     config = config or ZeroConfig()
     device = torch.device(device)
     comm = Communicator.for_config(device, config, group=group)
-    layer_ids = {id(p) for layer in layers for p in layer.parameters()}
+    qualified = {id(m): name for name, m in model.named_modules()}
+    # A parameter shared by two layers goes to the root unit: gathered for the
+    # whole step, it is there whichever layer reads it.
+    owners: dict[int, set[int]] = {}
+    for i, layer in enumerate(layers):
+        for param in layer.parameters():
+            owners.setdefault(id(param), set()).add(i)
+    layer_ids = {key for key, owner in owners.items() if len(owner) == 1}
     root = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_ids]
 
     # Group 0 is the root; layer i is group i + 1.
     specs, params = param_specs([root, *(layer.named_parameters() for layer in layers)])
     chunk_numel = choose_chunk_numel(specs, comm.world_size, config)
     layout = plan_chunks(specs, chunk_numel, comm.world_size, align=config.align)
-    qualified = {id(m): name for name, m in model.named_modules()}
     prefixes = {i + 1: qualified[id(layer)] + "." for i, layer in enumerate(layers)}
     chunks = build_chunks(layout, params, comm, config, prefixes=prefixes)
     move_buffers(model, device)

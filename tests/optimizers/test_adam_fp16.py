@@ -75,3 +75,73 @@ def test_plain_gradients_and_bad_arguments():
                          ({"eps": -1}, "eps"), ({"weight_decay": -1}, "weight_decay")]:
         with pytest.raises(ValueError, match=name):
             AdamFP16([p], **kwargs)
+
+
+def snapshot(opt: AdamFP16, params) -> list[list]:
+    """Each shard, its master, its moments and its step count, copied."""
+    out = []
+    for p in params:
+        state = opt.shard_state(p) or {}
+        out.append([p.detach().clone()]
+                   + [state[k].clone() for k in ("master", "exp_avg", "exp_avg_sq")
+                      if k in state]
+                   + [state.get("step")])
+    return out
+
+
+def same(a: list, b: list) -> bool:
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+               for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("offload", [None, {0, 1}])
+def test_early_update_never_applies_a_non_finite_gradient(fused, offload):
+    """Issue #20 item 6: an overflow in one shard's gradient during the
+    backward pass leaves that shard, its master, moments and step count as
+    they were; `step()` then says so. The other shard was updated."""
+    torch.manual_seed(2)
+    sizes = (37, 5)
+    params = [LocalShard(torch.randn(n).bfloat16(), trainable=True,
+                         master_init=torch.randn(n)).param for n in sizes]
+    opt = AdamFP16(params, lr=1e-2, fused=fused, offload=offload,
+                   update_during_backward=True)
+    for step in range(2):
+        for p, g in zip(params, gradients(step, sizes)):
+            LocalShard.of(p).grad = g
+            opt.grad_ready(p)
+        opt.step()
+        opt.zero_grad()
+    before = snapshot(opt, params)
+    finite, overflowed = gradients(2, sizes)
+    overflowed[3] = float("inf")
+    for p, g in zip(params, (finite, overflowed)):
+        LocalShard.of(p).grad = g
+        opt.grad_ready(p)
+    with pytest.raises(RuntimeError, match="non-finite gradient"):
+        opt.step()
+    after = snapshot(opt, params)
+    assert same(before[1], after[1])
+    assert not torch.equal(before[0][0], after[0][0])
+    assert opt.shard_state(params[1])["step"] == 2
+
+
+def test_shard_state_round_trip():
+    """What checkpoints read and write: `shard_state` / `load_shard_state`."""
+    p = LocalShard(torch.randn(6), trainable=True).param
+    opt = AdamFP16([p], lr=0.1)
+    assert opt.shard_state(p) is None
+    LocalShard.of(p).grad = torch.ones(6)
+    opt.step()
+    state = opt.shard_state(p)
+    assert state["step"] == 1 and set(state) == {"step", "master", "exp_avg",
+                                                 "exp_avg_sq"}
+    fresh = AdamFP16([p], lr=0.1)
+    fresh.load_shard_state(p, state)
+    assert fresh.shard_state(p)["step"] == 1
+    fresh.load_shard_state(p, None)
+    assert fresh.shard_state(p) is None
+    with pytest.raises(ValueError, match="lacks"):
+        fresh.load_shard_state(p, {"step": 1})
+    with pytest.raises(ValueError, match="not one of this optimizer's"):
+        fresh.load_shard_state(torch.nn.Parameter(torch.ones(2)), None)

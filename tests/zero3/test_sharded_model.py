@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, shard_model, zero3_layers
 from labml_zero.zero3.shard import LocalShard
 from tests.distributed import run_distributed
-from tests.zero3.models import batch, tiny_layers
+from tests.zero3.models import Block, batch, tiny_layers
 
 STEPS = 10
 ROWS_PER_RANK = 3
@@ -185,3 +186,79 @@ def test_layers_with_several_inputs_and_outputs():
     assert gradient_mismatch(model, reference, None) <= 1e-6
     # every chunk released after the backward pass
     assert model.runtime.gathered_chunks() == []
+
+
+class TwoSharedBlocks(nn.Module):
+    """Hugging Face-like: an embedding, a list of blocks `h`, a head; blocks 1
+    and 2 share one linear layer (tensor and bias)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = nn.Linear(7, 13)
+        self.h = nn.ModuleList(Block(13, 29) for _ in range(3))
+        self.h[2].up = self.h[1].up
+        self.head = nn.Linear(13, 5)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.h:
+            x = block(x)
+        return self.head(x)
+
+
+def test_parameter_shared_by_two_layers_goes_to_the_root():
+    """Issue #16 item 4: trains as the unsharded model does."""
+    model = TwoSharedBlocks()
+    reference = copy.deepcopy(model)
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4)
+    sharded = shard_model(model, list(model.h), device="cpu", config=config)
+    root = sharded.runtime.root.chunks
+    assert any(name == "h.1.up.weight" for c in root for name in c.names)
+    optimizer = AdamFP16(sharded.get_trainable_chunk(), lr=1e-2)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2,
+                                      weight_decay=0.0)
+    for step in range(3):
+        x, y = batch(step, 4)
+        losses = []
+        for net, opt in ((sharded, optimizer), (reference, ref_optimizer)):
+            loss = nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 1e-5
+
+
+def test_zero3_layers_refuses_a_parameter_shared_by_two_layers():
+    blocks = [Block(13, 29), Block(13, 29)]
+    blocks[1].up = blocks[0].up
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4)
+    with pytest.raises(ValueError, match=r"parameter modules\[0\]\.up\.weight is "
+                       r"shared by modules\[0\] and modules\[1\]"):
+        zero3_layers(blocks, device="cpu", config=config)
+
+
+def test_zero3_layer_follows_its_config():
+    """No constructor overrides the config: its chunk size is used, and a
+    disagreeing argument is an error."""
+    from labml_zero.zero3 import Zero3Layer
+
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4)
+    layer = Zero3Layer(tiny_layers()[1], 0, 1, "cpu", torch.float32, config=config)
+    searched = dataclasses.replace(config, chunk_numel=None)
+    explicit = Zero3Layer(tiny_layers()[1], 0, 1, "cpu", torch.float32,
+                          chunk_numel=96, config=searched)
+    # labml-nn's default: one chunk per kind
+    default = Zero3Layer(tiny_layers()[1], 0, 1, "cpu", torch.float32,
+                         config=searched)
+    sizes = [c.numel for c in layer.chunks]
+    assert sizes == [c.numel for c in explicit.chunks]
+    assert sizes != [c.numel for c in default.chunks]
+    with pytest.raises(ValueError, match="chunk_numel=64 differs"):
+        Zero3Layer(tiny_layers()[1], 0, 1, "cpu", torch.float32, chunk_numel=64,
+                   config=config)
+    with pytest.raises(ValueError, match="differs from config.dtype"):
+        Zero3Layer(tiny_layers()[1], 0, 1, "cpu", torch.bfloat16, config=config)
+    with pytest.raises(ValueError, match="prefetch_depth must be >= 0"):
+        Zero3Sequential([layer], prefetch_depth=-1)

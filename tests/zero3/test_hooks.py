@@ -1,0 +1,49 @@
+"""The schedule's bound on gathered units, counted in forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential, shard_model, zero3_layers
+from labml_zero.zero3.chunk import ChunkState
+from labml_zero.zero3.hooks import Phase
+from tests.zero3.models import batch, tiny_layers
+
+
+def count_gathered(runtime) -> dict[Phase, int]:
+    """After every gather (prefetches included), how many units (the root
+    aside) hold a gathered chunk; the most per phase."""
+    peaks = {Phase.FORWARD: 0, Phase.BACKWARD: 0}
+
+    def gathered() -> int:
+        return sum(any(c.state is not ChunkState.SHARDED for c in u.chunks)
+                   for u in runtime.units)
+
+    for unit in runtime.units:
+        def gather(original=unit.gather) -> None:
+            original()
+            peaks[runtime.phase] = max(peaks[runtime.phase], gathered())
+
+        unit.gather = gather
+    return peaks
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("api", ["layers", "model"])
+@pytest.mark.parametrize("freeze", [False, True])
+def test_at_most_one_plus_depth_units_gathered(depth, api, freeze):
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4,
+                        prefetch_depth=depth)
+    layers = tiny_layers(0, freeze=freeze)
+    if api == "layers":
+        model = Zero3Sequential(zero3_layers(layers, device="cpu", config=config))
+    else:
+        model = shard_model(nn.Sequential(*layers), layers, device="cpu",
+                            config=config)
+    peaks = count_gathered(model.runtime)
+    for step in range(2):
+        x, y = batch(step, 4)
+        nn.functional.mse_loss(model(x), y).backward()
+    assert peaks == {Phase.FORWARD: 1 + depth, Phase.BACKWARD: 1 + depth}
