@@ -11,10 +11,13 @@ A chunk is the unit of memory and of communication in this engine. The
 owns the tensors.
 
 Every rank keeps its *shard*, a flat slice of $S = C / N_d$ elements of the
-chunk's $C$ elements, in the parameter dtype (bf16, fp16 or fp32). The parameters
+chunk's $C$ elements, in the parameter dtype (bf16, fp16 or fp32); that and the
+rest of the rank's state of the chunk belong to its
+[local shard](shard.html) (`chunk.local`). The parameters
 of the module are **views into one full-size buffer** `full` of $C$ elements. Most
 of the time that buffer has no storage at all; gathering gives it storage and fills
-it with one `all_gather`, releasing takes the storage away again. The modules never
+it with one all-gather (through the chunk's [transport](transport.html)),
+releasing takes the storage away again. The modules never
 notice: their `nn.Parameter` objects stay the same, only the memory behind them
 comes and goes.
 
@@ -49,8 +52,7 @@ same gradient an unsharded model gets from the whole batch.
 
 | tensor | elements | bytes per element | when |
 |---|---|---|---|
-| `shard` | $S$ | $p$ (2 for bf16) | always |
-| `local.grad` | $S$ | 4 | from the reduce-scatter to `zero_grad` |
+| the [local shard](shard.html) | $S$ each | $p$, 4, 4 | see its page |
 | `full` | $C$ | $p$ | while gathered |
 | held gradients | up to $C$ | $p$ | first gradient to the chunk's last |
 | full gradient | $C$ | $g$ (reduce dtype) | the chunk's last gradient to reduction |
@@ -391,9 +393,9 @@ class Chunk:
 
         It is held until the chunk's last parameter reports (`flush_grads`): one
         multi-tensor copy for the whole chunk then, instead of one copy, with its
-        Python call and kernel launch, per parameter. Pythia-160M has 148
-        parameter tensors, and the host's time per step, not the GPU's, is what
-        bounds its step (the benchmark's W4).
+        Python call and kernel launch, per parameter: for a small model with
+        many parameter tensors the host's time per step, not the GPU's, is what
+        bounds the step.
         """
         self.held.append((position, grad))
         self.grads_seen.add(position)
@@ -405,9 +407,9 @@ class Chunk:
         The buffer is allocated uninitialised: a parameter's first gradient is
         *copied* in (cast to the reduce dtype), later ones (accumulation) added.
         Zeroing the whole buffer first and adding would cost a write and a read of
-        $C \cdot g$ bytes per chunk per step, 8 bytes per parameter in fp32: 55 GB a
-        step for Pythia-6.9B, about 4% of its step time on an H200. Only padding
-        and parameters that got no gradient are zeroed, at the reduction.
+        $C \cdot g$ bytes per chunk per step, 8 bytes per parameter in fp32.
+        Only padding and parameters that got no gradient are zeroed, at the
+        reduction.
 
         `stream` is the side stream the copy runs on, when not the current one
         (`reduce` runs it on the reduce stream). `dtype` is the buffer's dtype

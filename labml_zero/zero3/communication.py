@@ -14,12 +14,16 @@ ZeRO-3 needs three collectives, and this page is the only place that calls them:
   gradient of $C$ elements and receives the *average* over ranks of its own shard;
 * **all-reduce** a few scalars (the gradient norm, the overflow flag).
 
-Per training step every chunk is gathered for the forward pass and again for the
+Per training step a chunk is gathered for the forward pass and again for the
 backward pass, and every trainable chunk's gradient is reduce-scattered once:
 $3\Psi$ elements of collective volume against DDP's $2\Psi$ (its all-reduce is a
 reduce-scatter plus an all-gather). That 1.5× is the price of holding
-$\frac{(2 + 2 + K)\Psi}{N_d}$ bytes instead of $(2 + 2 + K)\Psi$;
-`CommCounter` counts it so the tests can check the claim.
+$\frac{(p + 4 + K)\Psi}{N_d}$ bytes ($p$-byte parameters, fp32 gradient
+shards) instead of $(p + 4 + K)\Psi$; `CommCounter` counts it so the tests can
+check the claim. Less where the [hooks](hooks.html) skip the backward's gather:
+the root unit is gathered once for the whole step, a unit with no backward (a
+frozen layer at the input end) is not gathered again, and a resident chunk
+never is.
 
 ## Streams
 

@@ -38,8 +38,8 @@ Backward, for each unit in reverse:
    reduces zeros: every rank must take part in every collective), make the compute
    stream wait for the reductions, release whatever is still gathered.
 
-A measured step (the kernels of one GPU, from `torch.profiler`, converted by
-`bench/timeline.py`; W4, a Pythia-160M-shaped model on 2×H200). Each gather runs
+A step of a small GPT-NeoX-shaped model on two GPUs (the kernels of one GPU,
+from `torch.profiler`, converted by `bench/timeline.py`). Each gather runs
 ahead of the compute that needs it, the long stretch without collectives in the
 middle is the readout and the loss over a 50k vocabulary, and the
 reduce-scatters of the backward pass overlap the layers below (the optimizer's
@@ -92,6 +92,7 @@ gathered by the pre-backward hook and does nothing: no second all-gather.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Iterator
@@ -258,6 +259,19 @@ class Zero3Runtime:
         of the backward pass. Callbacks run in registration order.
         """
         self._grad_ready.append(callback)
+
+    @property
+    def grad_ready(self) -> tuple[Callable[..., None], ...]:
+        """The registered callbacks, in order (read only)."""
+        return tuple(self._grad_ready)
+
+    @grad_ready.setter
+    def grad_ready(self, callback: Callable[..., None]) -> None:
+        # The assignment of earlier releases, kept working until its callers
+        # say `on_grad_ready`: it registers `callback` as the only one.
+        warnings.warn("runtime.grad_ready = f is deprecated: call "
+                      "runtime.on_grad_ready(f)", DeprecationWarning, stacklevel=2)
+        self._grad_ready = [callback]
 
     ### Registration
 

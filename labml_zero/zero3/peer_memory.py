@@ -40,28 +40,15 @@ queues on its gather stream, and that ends when every rank has reached it.
    optimizer writes a shard only after its chunk's computation, which waited for
    that event. So no rank can overwrite a shard that a peer is still reading.
 
-## Measured on 2×H200 (NVLink)
+## When the copies pay
 
-Ten gathers of one chunk, alone and beside bf16 matrix products of
-$2048 \times 6144 \times 24576$ (`bench/peer_gather_probe.py`, medians of five;
-`bench/results/2026-11-29-run16-peer-gather-probe.json`). The cost to the
-products is the time of both together minus the products alone:
-
-| chunk | ten gathers alone: NCCL / copies | cost to the products: NCCL / copies |
-| --- | --- | --- |
-| 100 MiB (a Pythia-1.4B layer) | 2.6 / 2.1 ms | 1.2 / 1.3 ms (of 10.3) |
-| 400 MiB (a Pythia-6.9B layer) | 9.0 / 7.2 ms | 3.9 / 2.8 ms (of 48.2) |
-| 906 MiB (a GPT-NeoX-20B layer) | 18.6 / 15.8 ms | 4.0 / 1.5 ms (of 111.3) |
-
-The copies move bytes faster (600 against 512 GB/s for the largest chunk),
-and beside large products they cost them a third as much. For small chunks
-there is no gain: each gather is four operations (two barriers and two
-copies) instead of one kernel, which costs host time.
-
-In training on 2×H200 (the benchmark, `bench/README.md`), with the reductions
-through peer memory too, the GPT-NeoX-20B bias-only step went from 10.8k to
-12.0k tokens/s and the Pythia-6.9B step from 20.7k to 21.7k. The step of
-Pythia-160M, which is bound by the host's time, went 2–5% slower.
+The copies take no SM from the computation, so the larger the chunk and the
+busier the SMs, the more a gather through peer memory saves the matrix
+products beside it. For small chunks there is no gain: each gather is four
+operations (two barriers and two copies) instead of one kernel, which costs
+host time, and a step bound by the host's time gets slower.
+`bench/peer_gather_probe.py` measures both sides; the figures are on the
+results page.
 
 ## Reducing through the peers' memory
 

@@ -47,3 +47,22 @@ def test_at_most_one_plus_depth_units_gathered(depth, api, freeze):
         x, y = batch(step, 4)
         nn.functional.mse_loss(model(x), y).backward()
     assert peaks == {Phase.FORWARD: 1 + depth, Phase.BACKWARD: 1 + depth}
+
+
+def test_grad_ready_callbacks_run_in_registration_order():
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4)
+    model = Zero3Sequential(zero3_layers(tiny_layers(0), device="cpu",
+                                         config=config))
+    calls = []
+    model.runtime.on_grad_ready(lambda shard, *, after: calls.append(("a", shard)))
+    model.runtime.on_grad_ready(lambda shard, *, after: calls.append(("b", shard)))
+    x, y = batch(0, 4)
+    nn.functional.mse_loss(model(x), y).backward()
+    shards = model.get_trainable_chunk()
+    # each trainable chunk once per backward, both callbacks, in order
+    assert [tag for tag, _ in calls] == ["a", "b"] * len(shards)
+    assert {id(s) for _, s in calls} == {id(s) for s in shards}
+    # the old assignment still registers (as the only callback), with a warning
+    with pytest.warns(DeprecationWarning, match="on_grad_ready"):
+        model.runtime.grad_ready = lambda shard, *, after: None
+    assert len(model.runtime.grad_ready) == 1
