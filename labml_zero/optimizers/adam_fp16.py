@@ -419,9 +419,13 @@ class AdamFP16(torch.optim.Optimizer):
                    if e.found_inf is not None]
         if not (check_finite and flagged):
             return
-        # host sync: .item(), once per step with early updates
-        skipped = torch.stack([f.to("cpu") for _, f in flagged]).tolist()
-        bad = [p for (p, _), s in zip(flagged, skipped) if s]
+        # host sync: one transfer per device of all its flags, once per step
+        # with early updates (the host updates' flags are on the host already)
+        bad = []
+        for device in {f.device for _, f in flagged}:
+            on = [(p, f) for p, f in flagged if f.device == device]
+            skipped = torch.stack([f for _, f in on]).tolist()
+            bad += [p for (p, _), s in zip(on, skipped) if s]
         if bad:
             for param in bad:
                 self.state[param]["step"] -= 1
