@@ -463,7 +463,7 @@ class AdamFP16(torch.optim.Optimizer):
                 grads = [self.offload.host_grad(p, g) for p, g in zip(same, grads)]
             found_inf = None
             if early is not None:
-                # 0-dim fp32: 1.0 when the gradient has an inf or a nan
+                # 0-dim fp32: one when the gradient has an inf or a nan
                 found_inf = early.found_inf = (
                     ~torch.isfinite(grads[0]).all()).float()
                 if not self.fused or same[0] in self.offload:

@@ -8,7 +8,9 @@ summary: Staging buffers, copy streams and the host worker that let AdamFP16 kee
 # Optimizer state in host memory
 
 Of the $p + 4 + K$ bytes a trainable element costs a ZeRO-3 rank ($p$ of
-16-bit shard, 4 of fp32 gradient, $K = 12$ of master and moments), the
+bf16 shard, 4 of fp32 gradient, $K = 12$
+(tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
+of master and moments), the
 optimizer's $K$ are touched once per step and by the update alone. This page
 moves them, shard by shard, to host memory and runs the update there, as
 ColossalAI's Gemini and ZeRO-Offload do ([which shards](../zero3/placement.html)).

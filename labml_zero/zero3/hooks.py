@@ -58,22 +58,10 @@ The forward order of the last step predicts the next one; before the first step,
 the order in which units were registered does. Each pre-forward queues the gathers
 of the next `prefetch_depth` units on the gather stream, so they overlap with this
 unit's computation; at most $1 + \text{prefetch\_depth}$ units are gathered at a
-time, in the forward and in the backward pass (`tests/zero3/test_hooks.py`
-counts them), besides the root unit. In backward only units that will run a
-backward are prefetched: a frozen embedding at the bottom is never gathered
-again.
-
-## Note: release before the next gather
-
-In a chain, the output of unit $k - 1$ is the input of unit $k$: one tensor, and
-two hooks at its gradient. Unit $k$'s post-backward (its inputs' gradients are
-ready: release it) and unit $k - 1$'s pre-backward (its output's gradient is
-ready: gather it and prefetch). Both are due at the same moment; if the gather
-ran first, unit $k$ would still be gathered beside the $1 + \text{prefetch\_depth}$
-units of the next window, one unit more than the forward pass holds. So the
-post-backward is a tensor hook on the input, and the pre-backward a pre-hook of
-the autograd node that made the output: autograd runs a node's tensor hooks
-before its node pre-hooks, so unit $k$ is released first.
+time, in the forward and in the backward pass (see Note: release before the
+next gather; `tests/zero3/test_hooks.py` counts them), besides the root unit.
+In backward only units that will run a backward are prefetched: a frozen
+embedding at the bottom is never gathered again.
 
 ## Activation checkpointing
 
@@ -185,13 +173,25 @@ def when_grads_computed(tensors: list[torch.Tensor], callback: Callable[[], None
 
 def before_backward_of(outputs: list[torch.Tensor],
                        callback: Callable[[], None]) -> None:
-    """
+    r"""
     #### Call `callback` when the backward pass reaches a layer's output
 
     For one output made by an autograd node, the hook is a *pre-hook of that
-    node*, which autograd runs after the tensor hooks of the same gradient (see
-    Note: release before the next gather); otherwise a hook at the first
-    output's gradient.
+    node*, which autograd runs after the tensor hooks of the same gradient;
+    otherwise a hook at the first output's gradient.
+
+    ##### Note: release before the next gather
+
+    In a chain, the output of unit $k - 1$ is the input of unit $k$: one
+    tensor, and two hooks at its gradient. Unit $k$'s post-backward (its
+    inputs' gradients are ready: release it) and unit $k - 1$'s pre-backward
+    (its output's gradient is ready: gather it and prefetch). Both are due at
+    the same moment; if the gather ran first, unit $k$ would still be gathered
+    beside the $1 + \text{prefetch\_depth}$ units of the next window, one unit
+    more than the forward pass holds. So the post-backward is a tensor hook on
+    the input, and the pre-backward a pre-hook of the autograd node that made
+    the output: autograd runs a node's tensor hooks before its node pre-hooks,
+    so unit $k$ is released first.
     """
     if len(outputs) == 1 and outputs[0].grad_fn is not None:
         outputs[0].grad_fn.register_prehook(lambda grad_outputs: callback())

@@ -1,7 +1,7 @@
 r"""
 ---
 title: A rank's shard
-summary: The rank-local state of one chunk (16-bit shard, fp32 gradient, fp32 first
+summary: The rank-local state of one chunk (bf16 shard, fp32 gradient, fp32 first
   master) in one object, with what each piece costs.
 ---
 
@@ -13,12 +13,13 @@ its own slice, and this page is the one object that owns it:
 
 | state | elements | bytes per element | lives |
 |---|---|---|---|
-| `param`, the 16-bit shard | $S$ | $p$ (2 for bf16) | always |
+| `param`, the bf16 (or fp16, fp32) shard | $S$ | $p$ (2 for bf16) | always |
 | `grad`, the fp32 gradient shard | $S$ | 4 | from the reduce-scatter to `zero_grad` |
 | `master_init`, the first fp32 master | $S$ | 4 | from building to the first step |
 
-so a trainable element costs $p + 4$ bytes here, beside the $K = 12$ of the
-optimizer's master and moments, and a frozen one $p$.
+so a trainable element costs $p + 4$ bytes here, beside the $K = 12$
+(tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
+bytes of the optimizer's master and moments, and a frozen one $p$.
 
 The optimizer is handed `param` (an `nn.Parameter`, so any optimizer accepts it)
 and finds the rest through `LocalShard.of(param)`; `AdamFP16` works on ordinary
@@ -28,7 +29,7 @@ parameters as well, which have no `LocalShard` and keep their gradient in
 ## Note: why the gradient is not `param.grad`
 
 `param.grad` must have the parameter's dtype, and the shard's gradient is an fp32
-average over ranks (summing in 16 bits would round every partial sum). So the
+average over ranks (summing in bf16 would round every partial sum). So the
 gradient lives in `LocalShard.grad`. For an fp32 chunk the two dtypes agree and
 the same tensor is also set as `param.grad`, so plain `torch.optim` optimizers
 work on fp32 shards.
@@ -57,7 +58,7 @@ class LocalShard:
 
     1. built from a filled `[S]` tensor: a trainable shard wraps it in an
        `nn.Parameter` (`param`) and may keep `master_init`, the exact fp32 values
-       the 16-bit `param` rounds;
+       the bf16 `param` rounds;
     2. `add_grad(reduced)` after each reduction: the first allocates `grad`,
        later ones (accumulation) add;
     3. `take_master_init()`: the optimizer takes the first master at its first
