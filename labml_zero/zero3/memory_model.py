@@ -192,17 +192,15 @@ BACKWARD = "backward"
 # ## Note: backward holds one more unit
 #
 # In forward, a unit's post-forward hook releases it before the next unit's
-# pre-forward hook gathers: $1 + d$ units are gathered at once. In backward the
-# hooks meet the other way round. Both wait for the same gradient, that of the
-# tensor between the two units (the finished unit's input, the next unit's
-# output). When autograd has computed it, the next unit's pre-backward hook runs
-# first, gathering that unit and prefetching $d$ more, and only then does the
-# finished unit's post-backward hook release it. So the finished unit, the
-# running one and the $d$ prefetched are gathered together: $2 + d$. The tests
-# count the units the engine really holds in each phase and assert
-# `gathered_units`; an engine whose backward released first would set this
-# constant to $0$.
-BACKWARD_EXTRA_UNITS = 1
+# pre-forward hook gathers: $1 + d$ units are gathered at once. In backward both
+# hooks wait for the same gradient, that of the tensor between the two units
+# (the finished unit's input, the next unit's output). The engine releases the
+# finished unit first (see [hooks](hooks.html), Note: release before the next
+# gather), so backward too holds $1 + d$ units and this constant is $0$; were
+# the next unit gathered first, the finished one would be held beside it, one
+# unit more. The tests count the units the engine really holds in each phase and
+# assert `gathered_units`.
+BACKWARD_EXTRA_UNITS = 0
 
 
 def gathered_units(prefetch_depth: int, phase: str) -> int:
