@@ -95,22 +95,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labml_zero.assembly import AutoLimits, Recipe, assemble
 from labml_zero.launch import DistContext
 from labml_zero.neox.finetuners import finetuner
 from labml_zero.neox.activation_memory import activation_bytes
 from labml_zero.neox.model import TransformerLayer, build_layers
-from labml_zero.optimizers.adam_fp16 import AdamFP16
-from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.communication import CommCounter
-from labml_zero.zero3.compiled import compile_layers
 from labml_zero.zero3.placement import (
+    AutoPlacement,
     Placement,
-    apply_placement,
-    first_step_placement,
+    ShardSpec,
     resident_bytes,
     shard_specs,
 )
 from labml_zero.zero3.memory_model import (
+    GRAD_BYTES,
+    MASTER_INIT_BYTES,
+    OPTIMIZER_BYTES,
+    PARAM_BYTES,
     layout_model_states,
     peak_window_numel,
     zero_model_states,
@@ -194,7 +197,8 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     ## labml_zero: `Zero3Sequential` of `Zero3Layer`s and `AdamFP16`
 
     Every layer (embedding, transformer layers, final norm, readout) is a unit;
-    the chunk size is searched once over all of them.
+    the chunk size is searched once over all of them. The model is built by
+    [`assemble`](../labml_zero/assembly.html), the fine-tune's path too.
     """
     config = ZeroConfig(
         dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -207,16 +211,27 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         peer_gather=workload.peer_gather,
         peer_reduce=workload.peer_reduce,
     )
-    layers, psi_t, psi_f = meta_layers(workload)
+    automatic = workload.offload == "auto" or workload.resident
+    recipe = Recipe(
+        zero=config, finetune=workload.finetune,
+        compile_types=(TransformerLayer,) if workload.compile else (),
+        offload_optimizer="auto" if automatic else 0.0,
+        resident=workload.resident, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
+        # no clipping or loss scaling here, so every shard can be updated
+        # during the backward pass, as soon as its chunk is reduced
+        update_during_backward=True)
     # zero3_layers materialises, initialises and shards one layer at a time
     # (steps 1 to 3 above), with one chunk size searched over all of them.
-    sharded = zero3_layers(layers, device=ctx.device, config=config)
-    if workload.compile:
-        compile_layers(sharded, device=ctx.device, types=(TransformerLayer,))
-    model = Zero3Sequential(sharded)
-    # p = 2 (bf16 shards), g = 4 (fp32 `main_grad`), K = 12 (AdamFP16).
-    sizes = dict(param_bytes=2, grad_bytes=4, optimizer_bytes=12)
-    layouts = [layer.layout for layer in sharded]
+    built = assemble(build_layers(workload.model, device="meta"), recipe,
+                     device=ctx.device, probe=probe_step(ctx, workload),
+                     auto_limits=None if ctx.device.type == "cuda"
+                     else simulated_limits(ctx, workload))
+    model = built.model
+    psi_t = built.counts.trainable
+    psi_f = built.counts.total - psi_t
+    sizes = dict(param_bytes=PARAM_BYTES, grad_bytes=GRAD_BYTES,
+                 optimizer_bytes=OPTIMIZER_BYTES)
+    layouts = [layer.layout for layer in built.layers]
     states = sum(layout_model_states(lay, **sizes) for lay in layouts)
     memory = {
         "zero_states": zero_model_states(psi_t, psi_f, ctx.world_size, **sizes),
@@ -225,26 +240,18 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         "shard_grads": states - sum(
             layout_model_states(lay, **{**sizes, "grad_bytes": 0}) for lay in layouts),
         # Each Zero3Layer's layout is one group (group 0): one unit.
-        "gathered_peak": 2 * peak_window_numel(
+        "gathered_peak": PARAM_BYTES * peak_window_numel(
             [lay.group_numel(0) for lay in layouts], config.prefetch_depth
         ),
     }
-    info = {"chunk_numel": sharded[0].layout.chunk_numel, "chunks": len(model.chunks)}
-    offload = frozenset()
-    if workload.offload == "auto" or workload.resident:
-        offload = probe_and_place(ctx, workload, model, memory, info)
+    info = {"chunk_numel": built.layers[0].layout.chunk_numel,
+            "chunks": len(model.chunks)}
+    if built.decided is not None:
+        report_placement(built.decided, shard_specs(model), memory, info)
     memory.update(predicted_peak(workload, memory))
-    # no clipping or loss scaling here, so every shard can be updated during
-    # the backward pass, as soon as its chunk is reduced
-    optimizer = AdamFP16(model.get_trainable_chunk(), lr=LEARNING_RATE,
-                         weight_decay=WEIGHT_DECAY, offload=offload,
-                         update_during_backward=True)
-    # as each chunk is reduced, its shard's update is queued (an offloaded
-    # one's gradient starts down to the host first)
-    model.runtime.grad_ready = optimizer.grad_ready
 
     return Engine(
-        step=zero_step(model, optimizer),
+        step=zero_step(model, built.optimizer),
         memory_model=memory,
         memory_formula="(2+4+12)·Ψt/N + 2·Ψf/N; layout = same with padding; "
         "gathered_peak = bf16 chunks of 1 + prefetch_depth units; "
@@ -281,42 +288,57 @@ def predicted_peak(workload: Workload, memory: dict) -> dict[str, int]:
             + memory["gathered_peak"] + activations}
 
 
-def probe_and_place(ctx: DistContext, workload: Workload, model: Zero3Sequential,
-                    memory: dict, info: dict) -> frozenset[int]:
+def probe_step(ctx: DistContext, workload: Workload
+               ) -> Callable[[Zero3Sequential], None]:
     """
-    ### The automatic offload: probe, decide, report
+    ### The automatic offload's probe: one forward and backward
 
-    Returns `AdamFP16`'s `offload=`; adds the device/host split of the model
-    states to `memory` and the decision to `info`.
+    On a batch of its own (seed -1), so the timed steps see the usual data.
     """
-    # a batch of its own (seed -1), so the timed steps see the usual data
     probe = random_batches(workload, ctx, count=1, seed=-1)[0]
 
-    def forward_backward() -> None:
+    def forward_backward(model: Zero3Sequential) -> None:
         lm_loss(model(probe[:, :-1]), probe[:, 1:]).backward()
 
-    shards = shard_specs(model)
-    kwargs = {}
-    if ctx.device.type != "cuda":
-        # simulated device (see Offload): the states without optimizer, then
-        # room for half of the optimizer state
+    return forward_backward
+
+
+def simulated_limits(ctx: DistContext, workload: Workload
+                     ) -> Callable[[list[ShardSpec]], AutoLimits]:
+    """
+    ### A simulated device for the CPU smoke test (see Offload)
+
+    The probe's "peak" is the states without optimizer, and the device holds
+    half of the optimizer state more (and, for a resident workload, room for
+    the frozen chunks gathered).
+    """
+    def limits(shards: list[ShardSpec]) -> AutoLimits:
         states = resident_bytes(Placement(), shards)
         trainable = sum(s.numel for s in shards if s.trainable)
-        optimizer_bytes = 12 * trainable
+        optimizer_bytes = OPTIMIZER_BYTES * trainable
 
         def measure_peak(run) -> int:
             run()
             # the fp32 `master_init` copies are on the device during the probe
-            return states.device - optimizer_bytes + 4 * trainable
+            return states.device - optimizer_bytes + MASTER_INIT_BYTES * trainable
 
-        # and, for a resident workload, room for the frozen chunks gathered
-        frozen_bytes = 2 * sum(s.numel for s in shards if not s.trainable)
+        frozen_bytes = PARAM_BYTES * sum(s.numel for s in shards if not s.trainable)
         room = ctx.world_size * frozen_bytes if workload.resident else 0
-        kwargs = dict(measure_peak=measure_peak, margin=0,
-                      device_capacity=states.device - optimizer_bytes // 2 + room)
-    decided = first_step_placement(model, forward_backward,
-                                   resident=workload.resident, **kwargs)
-    apply_placement(model, decided.placement)
+        return AutoLimits(measure_peak=measure_peak, margin=0,
+                          device_capacity=states.device - optimizer_bytes // 2
+                          + room)
+
+    return limits
+
+
+def report_placement(decided: AutoPlacement, shards: list[ShardSpec],
+                     memory: dict, info: dict) -> None:
+    """
+    ### What the automatic offload decided
+
+    Adds the device/host split of the model states to `memory` and the
+    decision to `info`.
+    """
     split = resident_bytes(decided.placement, shards)
     memory["device_states"], memory["host_states"] = split.device, split.host
     trainable = sum(s.numel for s in shards if s.trainable)
@@ -330,4 +352,3 @@ def probe_and_place(ctx: DistContext, workload: Workload, model: Zero3Sequential
     )
     # launch gave each rank its share of the host's cores
     info["host_threads"] = torch.get_num_threads()
-    return decided.placement.optimizer_offload(shards)

@@ -40,17 +40,23 @@ others.
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect
+import math
 import os
+import re
 import sys
 import traceback
+import typing
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
 import torch
 
 from labml_zero import launch
-from labml_zero.neox.finetune import (DTYPES, FINETUNERS, MODEL_PRESETS,
-                                      FinetuneConfig, train)
+from labml_zero.neox.finetune import FinetuneConfig, train
+from labml_zero.neox.preflight import PreflightError, preflight
 
 PROG = "python -m labml_zero.finetune_neox"
 
@@ -62,6 +68,12 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+# ## Converters
+#
+# argparse names a converter in its message ("invalid positive integer value:
+# '0'"), hence the `__name__`s.
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -69,13 +81,33 @@ def positive_int(text: str) -> int:
     return value
 
 
-# argparse names the converter in its message ("invalid positive_int value").
 positive_int.__name__ = "positive integer"
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError
+    return value
+
+
+non_negative_int.__name__ = "non-negative integer"
+
+
+def finite_float(text: str) -> float:
+    """A number; `nan` and `inf` are refused here (ranges: `FinetuneConfig`)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError
+    return value
+
+
+finite_float.__name__ = "finite number"
 
 
 def fraction_or_auto(text: str) -> float | str:
     """`auto`, or a number (its range is checked by `FinetuneConfig`)."""
-    return "auto" if text == "auto" else float(text)
+    return "auto" if text == "auto" else finite_float(text)
 
 
 fraction_or_auto.__name__ = "fraction or 'auto'"
@@ -90,103 +122,143 @@ def layer_list(text: str) -> tuple[int, ...]:
 
 layer_list.__name__ = "comma-separated layer list"
 
+# Integers that may be 0, and any integer; every other one is at least 1.
+MAY_BE_ZERO = ("sample_tokens", "keep_checkpoints")
+ANY_INT = ("seed",)
+# LaTeX in the notes, as the terminal can show it
+SYMBOLS = {r"\cdot": "·", r"\times": "×", r"\lfloor": "⌊", r"\rfloor": "⌋",
+           r"\approx": "≈", r"\ln": "ln", r"\Psi": "Ψ"}
+
+
+# ## Flags from the config's fields
+
+
+def field_notes(cls: type) -> dict[str, str]:
+    """
+    ### Each field's note: the string literal under it in the class body
+
+    Python keeps no attribute docstrings, so they are read from the source.
+    """
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    notes = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            notes[node.target.id] = after.value.value
+    return notes
+
+
+def plain(note: str) -> str:
+    """
+    #### A note's first paragraph as one line of plain text, for `--help`
+
+    Links keep their text, code and math lose their marks, and `%` is doubled
+    (argparse formats help strings with it).
+    """
+    text = inspect.cleandoc(note).split("\n\n")[0]
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+
+    def math(match: re.Match) -> str:
+        formula = match.group(1)
+        for macro, symbol in SYMBOLS.items():
+            formula = formula.replace(macro, symbol)
+        return formula.replace("{", "").replace("}", "").replace("\\", "")
+
+    text = re.sub(r"\$([^$]*)\$", math, text).replace("`", "")
+    return " ".join(text.split()).replace("%", "%%")
+
+
+def converter(name: str, hint: Any) -> Any:
+    """The argparse `type=` for a field, from its annotation."""
+    args = set(typing.get_args(hint)) - {type(None)}
+    if hint is bool:
+        return None
+    if str in args and float in args:
+        return fraction_or_auto
+    if args == {tuple[int, ...]}:
+        return layer_list
+    base = next(iter(args)) if args else hint
+    if base is int:
+        if name in ANY_INT:
+            return int
+        return non_negative_int if name in MAY_BE_ZERO else positive_int
+    if base is float:
+        return finite_float
+    return str
+
+
+def add_field_flags(parser: Parser) -> None:
+    """
+    ### One flag per `FinetuneConfig` field
+
+    `seq_len: int = 64` becomes `--seq-len N`, its type from the annotation, its
+    help the field's note and `(default: 64)`; a `bool` becomes a switch. Only
+    flags given on the command line reach the config (`SUPPRESS`), so a default
+    lives in the dataclass alone. `--steps` and `--epochs` exclude each other:
+    `--epochs` runs whole epochs instead of a step count.
+    """
+    notes = field_notes(FinetuneConfig)
+    hints = typing.get_type_hints(FinetuneConfig)
+    length = parser.add_mutually_exclusive_group()
+    for f in dataclasses.fields(FinetuneConfig):
+        options = dict(f.metadata.get("flag", {}))
+        default = f.default
+        shown = "off" if default is False else repr(default) if isinstance(
+            default, str) else default
+        options["help"] = f"{plain(notes.get(f.name, ''))} (default: {shown})"
+        options["default"] = argparse.SUPPRESS
+        kind = converter(f.name, hints[f.name])
+        if kind is None:
+            options["action"] = "store_true"
+        elif kind is not str or "choices" not in options:
+            options["type"] = kind
+            options.setdefault("metavar", "N" if kind in (
+                int, positive_int, non_negative_int) else None)
+            if options["metavar"] is None:
+                del options["metavar"]
+        target = length if f.name in ("steps", "epochs") else parser
+        target.add_argument("--" + f.name.replace("_", "-"), **options)
+
 
 def make_parser() -> Parser:
     p = Parser(prog=PROG, description="Fine-tune GPT-NeoX with ZeRO-3 "
                "(labml_zero). With no arguments: the tiny model, random weights, "
                "Tiny Shakespeare, a few minutes on a laptop CPU.")
-    d = FinetuneConfig()
-    p.add_argument("--model", choices=list(MODEL_PRESETS),
-                   help=f"model shape, random weights (default {d.model})")
-    p.add_argument("--checkpoint", metavar="DIR",
-                   help="Hugging Face GPT-NeoX/Pythia snapshot (config.json + "
-                        "safetensors); sets the model shape")
-    p.add_argument("--finetune", choices=FINETUNERS, default=d.finetune,
-                   help=f"what trains (default {d.finetune})")
-    p.add_argument("--filter-layers", type=layer_list, metavar="0,1",
-                   help="keep only these transformer layers")
-    runs = p.add_mutually_exclusive_group()
-    runs.add_argument("--steps", type=positive_int,
-                      help=f"optimizer steps (default {d.steps})")
-    runs.add_argument("--epochs", type=positive_int, help="run whole epochs "
-                      "instead of --steps")
-    p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
-                   help=f"sequences per rank per micro-batch (default {d.batch_size})")
-    p.add_argument("--seq-len", type=positive_int, default=d.seq_len)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--dtype", choices=list(DTYPES),
-                   help="default fp32 on CPU, bf16 on CUDA")
-    p.add_argument("--grad-accum", type=positive_int, default=d.grad_accum,
-                   metavar="N", help="micro-batches per optimizer step")
-    p.add_argument("--offload-optimizer", type=fraction_or_auto,
-                   metavar="FRACTION|auto", default=d.offload_optimizer,
-                   help="fraction of the optimizer states kept in host memory, "
-                   "or auto: as little as makes the step fit (GPUs)")
-    p.add_argument("--offload-params", type=float, metavar="FRACTION",
-                   default=d.offload_params,
-                   help="fraction of the parameter shards kept in host memory "
-                   "(needs --offload-optimizer 1)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile each transformer layer (Inductor on GPUs)")
-    p.add_argument("--peer-memory", action="store_true",
-                   help="gather and reduce through the other ranks' memory "
-                   "(copy engines) instead of NCCL's kernels; one host")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute activations in the backward pass")
-    p.add_argument("--clip-grad", type=float, metavar="NORM",
-                   help="clip the global gradient norm")
+    add_field_flags(p)
+    # the one flag that is not the job's: how many processes run it
     p.add_argument("--world-size", type=positive_int, metavar="N",
+                   default=argparse.SUPPRESS,
                    help="processes (default: every GPU, or 2 on CPU)")
-    p.add_argument("--checkpoint-every", type=positive_int, metavar="N",
-                   help="write a sharded checkpoint every N steps and at the end")
-    p.add_argument("--resume", metavar="DIR", help="continue from a checkpoint "
-                   "written by --checkpoint-every")
-    p.add_argument("--out", metavar="DIR", default=d.out,
-                   help=f"run outputs (default {d.out})")
-    p.add_argument("--log-dir", metavar="DIR", default=d.log_dir,
-                   help=f"labml's runs directory (default {d.log_dir})")
-    p.add_argument("--app-url", metavar="URL",
-                   help="labml app API URL; used only if it answers within 2 s")
-    p.add_argument("--valid-every", type=positive_int, default=d.valid_every,
-                   metavar="N")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--sample-tokens", type=int, default=d.sample_tokens,
-                   metavar="N", help="tokens to generate at the end (0: none)")
-    p.add_argument("--prompt", default=d.prompt,
-                   help=f"prompt of that sample (default {d.prompt!r})")
     return p
+
+
+def flag_error(message: str) -> str:
+    """A config error names a field first; the user knows it as a flag."""
+    name = message.split(" ", 1)[0]
+    fields = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    return f"--{name.replace('_', '-')}: {message}" if name in fields else message
 
 
 def parse_config(argv: Sequence[str] | None, parser: Parser
                  ) -> tuple[FinetuneConfig, int | None]:
     """Flags → a checked config and the requested world size; exits 2 on bad input."""
-    args = parser.parse_args(argv)
-    if args.checkpoint is not None and args.model is not None:
+    given = vars(parser.parse_args(argv))
+    world_size = given.pop("world_size", None)
+    if "checkpoint" in given and "model" in given:
         parser.error("give --model or --checkpoint, not both (the checkpoint's "
                      "config.json sets the shape)")
-    if args.resume is not None and not Path(args.resume).is_dir():
-        parser.error(f"--resume: checkpoint directory not found: {args.resume}")
+    if "resume" in given and not Path(given["resume"]).is_dir():
+        parser.error(f"--resume: checkpoint directory not found: {given['resume']}")
+    if "epochs" in given:
+        given["steps"] = None
     try:
-        config = FinetuneConfig(
-            model=args.model or FinetuneConfig.model,
-            checkpoint=args.checkpoint, finetune=args.finetune,
-            filter_layers=args.filter_layers, seq_len=args.seq_len,
-            batch_size=args.batch_size, grad_accum=args.grad_accum,
-            steps=None if args.epochs else (args.steps or FinetuneConfig.steps),
-            epochs=args.epochs or FinetuneConfig.epochs, lr=args.lr,
-            clip_grad=args.clip_grad, dtype=args.dtype,
-            offload_optimizer=args.offload_optimizer,
-            offload_params=args.offload_params,
-            activation_checkpointing=args.activation_checkpointing,
-            compile=args.compile, peer_memory=args.peer_memory,
-            valid_every=args.valid_every, checkpoint_every=args.checkpoint_every,
-            resume=args.resume, out=args.out, log_dir=args.log_dir,
-            app_url=args.app_url, seed=args.seed,
-            sample_tokens=args.sample_tokens, prompt=args.prompt)
+        config = FinetuneConfig(**given)
         config.model_config()
     except (ValueError, FileNotFoundError) as e:
-        parser.error(str(e))
-    return config, args.world_size
+        parser.error(flag_error(str(e)))
+    return config, world_size
 
 
 def machine_facts(backend: str, world_size: int) -> None:
@@ -207,6 +279,21 @@ def failure_line(error: Exception) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def check_before_start(config: FinetuneConfig, parser: Parser, *,
+                       world_size: int, backend: str) -> None:
+    """
+    ### The pre-flight checks, as one line and status 2
+
+    See [checks before any rank starts](neox/preflight.html). `hang_timeout` is
+    the launcher's: documented in the config, passed on once `launch` takes it.
+    """
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    try:
+        preflight(config, world_size=world_size, device=device)
+    except (PreflightError, FileNotFoundError) as e:
+        parser.error(str(e))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """
     ## Parse, check, launch; returns the exit status
@@ -224,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if world_size is not None and world_size != ranks:
             parser.error(f"--world-size {world_size} disagrees with torchrun's "
                          f"WORLD_SIZE={ranks}")
+        check_before_start(config, parser, world_size=ranks, backend=backend)
         if os.environ["RANK"] == "0":
             machine_facts(backend, ranks)
         launch.run_torchrun(train, config, backend=backend)
@@ -234,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if backend == "nccl" and world_size > torch.cuda.device_count():
         parser.error(f"--world-size {world_size} needs {world_size} GPUs, found "
                      f"{torch.cuda.device_count()}")
+    check_before_start(config, parser, world_size=world_size, backend=backend)
     machine_facts(backend, world_size)
     try:
         launch.spawn(train, world_size, config, backend=backend)

@@ -68,6 +68,11 @@ from typing import Iterable, NamedTuple, Sequence
 from labml_zero.zero3.chunk_layout import ChunkLayout
 
 __all__ = [
+    "PARAM_BYTES",
+    "GRAD_BYTES",
+    "OPTIMIZER_BYTES",
+    "STAGING_BYTES",
+    "MASTER_INIT_BYTES",
     "zero_model_states",
     "layout_model_states",
     "FORWARD",
@@ -85,6 +90,21 @@ __all__ = [
 ]
 
 
+# Bytes per element of the engine's model states, the one home of these
+# numbers: the placement, the benchmark and the fine-tune's checks count with them.
+# $p$: a 16-bit parameter shard (bf16 or fp16).
+PARAM_BYTES = 2
+# $g$: the shard gradient (`main_grad`), always fp32 whatever the chunk dtype:
+# it is what the optimizer reads and what micro-batches accumulate into.
+GRAD_BYTES = 4
+# $K$: AdamW's fp32 master copy and two fp32 moments.
+OPTIMIZER_BYTES = 12
+# the pinned fp32 staging buffer of a shard whose optimizer state is on the host
+STAGING_BYTES = 4
+# the fp32 copy of a trainable shard's initial values, held until the first step
+MASTER_INIT_BYTES = 4
+
+
 def _check_at_least(name: str, value: int, minimum: int) -> None:
     if value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, got {value}")
@@ -95,9 +115,9 @@ def zero_model_states(
     psi_frozen: int,
     world_size: int,
     *,
-    param_bytes: int = 2,
-    grad_bytes: int = 2,
-    optimizer_bytes: int = 12,
+    param_bytes: int = PARAM_BYTES,
+    grad_bytes: int = GRAD_BYTES,
+    optimizer_bytes: int = OPTIMIZER_BYTES,
 ) -> int:
     r"""
     ## Model states per rank, the ZeRO paper's way
@@ -131,9 +151,9 @@ def zero_model_states(
 def layout_model_states(
     layout: ChunkLayout,
     *,
-    param_bytes: int = 2,
-    grad_bytes: int = 2,
-    optimizer_bytes: int = 12,
+    param_bytes: int = PARAM_BYTES,
+    grad_bytes: int = GRAD_BYTES,
+    optimizer_bytes: int = OPTIMIZER_BYTES,
     master_aliases_param: bool = False,
 ) -> int:
     r"""

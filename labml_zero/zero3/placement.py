@@ -171,6 +171,10 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+# bytes per element: the memory model is their one home
+from labml_zero.zero3.memory_model import (GRAD_BYTES, OPTIMIZER_BYTES,
+                                           PARAM_BYTES, STAGING_BYTES)
+
 __all__ = [
     "ShardSpec",
     "Placement",
@@ -187,13 +191,6 @@ __all__ = [
 ]
 
 GIB = 1024**3
-
-# fp32 master + two fp32 moments, per element
-OPTIMIZER_BYTES = 12
-# the fp32 gradient (`main_grad`) each trainable element has on the device
-GRAD_BYTES = 4
-# the pinned fp32 staging buffer of an offloaded shard
-STAGING_BYTES = 4
 
 
 def device_optimizer_bytes(param_bytes: int) -> int:
@@ -347,7 +344,7 @@ class OffloadTraffic(NamedTuple):
 
 
 def offload_traffic(placement: Placement, shards: Sequence[ShardSpec], *,
-                    param_bytes: int = 2) -> OffloadTraffic:
+                    param_bytes: int = PARAM_BYTES) -> OffloadTraffic:
     """
     ### Bytes a step moves over the host link under `placement`
 
@@ -374,7 +371,7 @@ class MemorySplit(NamedTuple):
 
 
 def resident_bytes(placement: Placement, shards: Sequence[ShardSpec], *,
-                   param_bytes: int = 2) -> MemorySplit:
+                   param_bytes: int = PARAM_BYTES) -> MemorySplit:
     r"""
     ### Model-state bytes per rank on the device and on the host
 
@@ -423,7 +420,7 @@ def auto_placement(
     device_capacity: int,
     measured_peak_other: int,
     margin: int = 0,
-    param_bytes: int = 2,
+    param_bytes: int = PARAM_BYTES,
     resident_world_size: int | None = None,
 ) -> AutoPlacement:
     r"""

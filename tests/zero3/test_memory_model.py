@@ -48,18 +48,19 @@ def mixed_layout():
 
 def test_zero_model_states_is_the_paper_formula():
     # (2 + 2 + 12) * 1000 bytes on one rank: DDP's replicated model states.
-    assert zero_model_states(1000, 0, 1) == 16_000
+    # The paper's 16-bit gradients (g = 2); the engine's default is fp32 (g = 4).
+    assert zero_model_states(1000, 0, 1, grad_bytes=2) == 16_000
     # Sharded over 4 ranks: 16 * 250.
-    assert zero_model_states(1000, 0, 4) == 4_000
+    assert zero_model_states(1000, 0, 4, grad_bytes=2) == 4_000
     # Frozen parameters add only their 2-byte shard: 2 * 600 / 4 = 300.
-    assert zero_model_states(1000, 600, 4) == 4_300
+    assert zero_model_states(1000, 600, 4, grad_bytes=2) == 4_300
     # fp32 gradients (g = 4): (2 + 4 + 12) * 250.
     assert zero_model_states(1000, 0, 4, grad_bytes=4) == 4_500
 
 
 def test_zero_model_states_rounds_shards_up():
     # 10 elements on 4 ranks: the largest shard holds 3, so 3 * 16.
-    assert zero_model_states(10, 0, 4) == 48
+    assert zero_model_states(10, 0, 4, grad_bytes=2) == 48
 
 
 @pytest.mark.parametrize(
@@ -85,7 +86,7 @@ def test_layout_model_states_counts_padding():
     layout = mixed_layout()
     # Shards of 4, 3, 2, 2: trainable 4 + 2 + 2 = 8 elements at 2 + 2 + 12,
     # frozen 3 at 2.
-    assert layout_model_states(layout) == 8 * 16 + 3 * 2
+    assert layout_model_states(layout, grad_bytes=2) == 8 * 16 + 3 * 2
     # fp32 parameters and gradients, separate master: 4 + 4 + 12 per element.
     fp32 = dict(param_bytes=4, grad_bytes=4, optimizer_bytes=12)
     assert layout_model_states(layout, **fp32) == 8 * 20 + 3 * 4
@@ -104,7 +105,8 @@ def test_a_trimmed_trainable_tail_costs_what_it_holds():
     params = [ParamSpec("w", (4, 4), False, 0), ParamSpec("bias", (4,), True, 0)]
     layout = plan_chunks(params, 16, 2)
     assert [c.chunk_numel for c in layout.chunks] == [16, 4]
-    assert layout_model_states(layout) == zero_model_states(4, 16, 2) == 48
+    assert (layout_model_states(layout, grad_bytes=2)
+            == zero_model_states(4, 16, 2, grad_bytes=2) == 48)
 
 
 def test_layout_without_padding_matches_the_paper():
@@ -113,7 +115,8 @@ def test_layout_without_padding_matches_the_paper():
     params = [ParamSpec("a", (4,), True, 0), ParamSpec("b", (4,), True, 0)]
     layout = plan_chunks(params, 8, 2)
     assert layout.padding() == 0
-    assert layout_model_states(layout) == zero_model_states(8, 0, 2) == 64
+    assert (layout_model_states(layout, grad_bytes=2)
+            == zero_model_states(8, 0, 2, grad_bytes=2) == 64)
 
 
 def test_master_alias_needs_fp32():

@@ -1,0 +1,235 @@
+r"""
+---
+title: Assembling a sharded model and its optimizer
+summary: The one path from layers on the meta device to a sharded, placed, compiled
+  model with AdamFP16 wired to its gradients, used by the fine-tune, the benchmark
+  and the tests.
+---
+
+# Assembling a sharded model and its optimizer
+
+Every job that trains with the engine builds the same thing in the same order, and
+the order matters: what trains must be known before the chunks are cut (a chunk is
+trainable or frozen, never both), the chunks must exist before anyone can decide
+where they live, and the optimizer can only be built once that is decided, because
+it allocates its fp32 masters and moments on the device or the host according to
+the placement. `assemble` is that order written once, as numbered steps:
+
+1. **mark**: the fine-tuner sets `requires_grad` on the layers, still on the meta
+   device (shapes, no memory);
+2. **shard**: `zero3_layers` cuts the layers into chunks of one size and gives
+   each rank its $\frac{1}{N_d}$ slice, initialising (or loading) one chunk or one
+   layer at a time, so that no rank ever holds the whole model;
+3. **compile** the chosen layer types' forwards (the engine's hooks stay eager);
+4. **place**: decide which chunks keep their optimizer state (and parameter
+   shards) in host memory, and apply that, in one place: a static fraction from
+   the output end, or `'auto'`, decided from one measured forward and backward;
+5. **optimizer**: `AdamFP16` on the trainable shards, told which are offloaded;
+6. **wire** the optimizer's gradient-ready callback to the runtime, so that each
+   shard's update (or its copy down to the host) starts as its chunk is reduced.
+
+The result is an `Assembled`: the model, the optimizer, the parameter counts and
+what the placement step decided, which the benchmark reports and the fine-tune's
+tracker records.
+
+## Limitations
+
+* The layers come in on the meta device, already built; loading pretrained
+  weights is the caller's `load` callback, run right after sharding.
+* `'auto'` needs a device with allocator statistics (CUDA), or the caller's
+  stand-in for them (`AutoLimits`), as the benchmark's CPU smoke test gives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+from torch import nn
+
+from labml_zero.neox.finetuners import TrainableCount, finetuner
+from labml_zero.optimizers.adam_fp16 import AdamFP16
+from labml_zero.zero3.compiled import compile_layers
+from labml_zero.zero3.config import ZeroConfig
+from labml_zero.zero3.placement import (
+    AutoPlacement,
+    Placement,
+    ShardSpec,
+    StaticPlacement,
+    apply_placement,
+    first_step_placement,
+    shard_specs,
+)
+from labml_zero.zero3.sharded_model import Zero3Layer, Zero3Sequential, zero3_layers
+
+__all__ = ["Recipe", "AutoLimits", "Assembled", "assemble"]
+
+
+class AutoLimits(NamedTuple):
+    """
+    ## A stand-in for the allocator, for `'auto'` placement off a GPU
+
+    * `measure_peak(run)` runs `run` and returns the bytes it peaked at;
+    * `device_capacity`: the bytes the device may hold;
+    * `margin`: bytes to keep free.
+
+    `first_step_placement` reads all three from CUDA's allocator when they are
+    not given; CPU memory has no such statistics.
+    """
+
+    measure_peak: Callable[[Callable[[], None]], int]
+    device_capacity: int
+    margin: int = 0
+
+
+@dataclass(frozen=True)
+class Recipe:
+    r"""
+    ## What to assemble
+
+    Everything `assemble` decides with, apart from the layers and the callbacks.
+    """
+
+    zero: ZeroConfig
+    """The engine's configuration: chunk dtype, chunk size (or `None` to search
+    it), prefetch, activation recomputation, transports."""
+    finetune: str = "all"
+    """The fine-tuner that marks what trains: `'biases'`, `'ffn'` or `'all'`."""
+    compile_types: tuple[type[nn.Module], ...] = ()
+    """Layer types whose `forward` is compiled; empty: nothing is compiled."""
+    offload_optimizer: float | str = 0.0
+    """Fraction of the trainable elements whose optimizer state lives in host
+    memory (whole chunks, from the output end), or `'auto'`: as few chunks as
+    make the measured step fit."""
+    offload_params: float = 0.0
+    """Fraction of the parameter shards kept in host memory (static placement
+    only; needs `offload_optimizer=1`)."""
+    resident: bool = True
+    """With `'auto'`: also keep frozen chunks gathered in the device memory left
+    over."""
+    lr: float = 1e-3
+    """AdamW's learning rate."""
+    weight_decay: float = 0.0
+    """AdamW's decoupled weight decay."""
+    update_during_backward: bool = False
+    """Update each shard as soon as its chunk is reduced; only right when nothing
+    changes a gradient after its reduce-scatter (no clipping, no loss scaling)."""
+    seed: int | None = None
+    """Seed the initialisation with this (inside a forked RNG, so the caller's
+    random state is untouched); `None`: use the current random state."""
+
+
+class Assembled(NamedTuple):
+    """
+    ## What `assemble` returns
+
+    * `model`: the `Zero3Sequential` of the sharded layers;
+    * `layers`: those `Zero3Layer`s, in order (their layouts feed the memory
+      model);
+    * `optimizer`: `AdamFP16` on the trainable shards, wired to the runtime;
+    * `counts`: $\\Psi_t$ and $\\Psi$, from the fine-tuner;
+    * `placement`: where the chunks' states live (`None`: all on the device);
+    * `decided`: the `'auto'` decision with its predicted peak and host traffic,
+      `None` for a static placement.
+    """
+
+    model: Zero3Sequential
+    layers: list[Zero3Layer]
+    optimizer: AdamFP16
+    counts: TrainableCount
+    placement: Placement | None
+    decided: AutoPlacement | None
+
+
+def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
+             device: torch.device,
+             init_param: Callable[[str, torch.Tensor], None] | None = None,
+             load: Callable[[list[Zero3Layer]], None] | None = None,
+             probe: Callable[[Zero3Sequential], None] | None = None,
+             auto_limits: Callable[[list[ShardSpec]], AutoLimits] | None = None,
+             ) -> Assembled:
+    """
+    ## Build the sharded model and its optimizer, in order
+
+    * `layers`: the model's layers on the meta device, input end first;
+    * `init_param(name, param)`: the per-parameter initialiser, run chunk by
+      chunk; `None`: each layer's `reset_parameters()`, one layer at a time;
+    * `load(sharded)`: copies pretrained weights into the shards;
+    * `probe(model)`: one forward and backward, for `'auto'`;
+    * `auto_limits(shards)`: the allocator's stand-in for `'auto'` off a GPU.
+    """
+    # 1. mark: `requires_grad` decides trainable against frozen chunks, so it
+    # must be set before the layout is cut.
+    counts = finetuner(recipe.finetune)(layers)
+
+    # 2. shard: every rank seeds alike and visits the chunks in the same order,
+    # so all draw the same weights and each keeps only its slice of them.
+    seeded = contextlib.nullcontext()
+    if recipe.seed is not None:
+        seeded = torch.random.fork_rng(
+            devices=[device] if device.type == "cuda" else [])
+    with seeded:
+        if recipe.seed is not None:
+            torch.manual_seed(recipe.seed)
+        sharded = zero3_layers(layers, device=device, config=recipe.zero,
+                               init_param=init_param)
+
+    # 3. compile the chosen layers' forwards; the engine's hooks stay eager.
+    if recipe.compile_types:
+        compile_layers(sharded, device=device, types=recipe.compile_types)
+    if load is not None:
+        load(sharded)
+    model = Zero3Sequential(sharded)
+
+    # 4. place, before the optimizer exists: it allocates its states where the
+    # placement says.
+    placement, decided = place(model, recipe, probe, auto_limits)
+    offload = (frozenset() if placement is None
+               else placement.optimizer_offload(shard_specs(model)))
+
+    # 5. the optimizer on the trainable shards.
+    optimizer = AdamFP16(model.get_trainable_chunk(), lr=recipe.lr,
+                         weight_decay=recipe.weight_decay, offload=offload,
+                         update_during_backward=recipe.update_during_backward)
+
+    # 6. wire: as each chunk is reduced, an offloaded gradient starts its copy
+    # to the host and (with `update_during_backward`) its shard's update.
+    model.runtime.grad_ready = optimizer.grad_ready
+    return Assembled(model, sharded, optimizer, counts, placement, decided)
+
+
+def place(model: Zero3Sequential, recipe: Recipe,
+          probe: Callable[[Zero3Sequential], None] | None,
+          auto_limits: Callable[[list[ShardSpec]], AutoLimits] | None,
+          ) -> tuple[Placement | None, AutoPlacement | None]:
+    """
+    ### Decide where the chunks live, and apply it
+
+    Static: `StaticPlacement` from the output end. `'auto'`: `probe` runs one
+    forward and backward whose peak `first_step_placement` measures, then the
+    fewest optimizer states that make the step fit go to the host.
+    """
+    if recipe.offload_optimizer == "auto":
+        if probe is None:
+            raise ValueError("offload_optimizer 'auto' needs a probe (one forward "
+                             "and backward) to measure the step")
+        device = model.runtime.comm.device
+        limits = {}
+        if auto_limits is not None:
+            limits = auto_limits(shard_specs(model))._asdict()
+        elif device.type != "cuda":
+            raise ValueError("offload_optimizer 'auto' needs GPUs (it reads the "
+                             "CUDA allocator's peak); give a fraction on CPU")
+        decided = first_step_placement(model, lambda: probe(model),
+                                       resident=recipe.resident, **limits)
+        apply_placement(model, decided.placement)
+        return decided.placement, decided
+    if recipe.offload_optimizer == 0 and recipe.offload_params == 0:
+        return None, None
+    placement = StaticPlacement(optimizer_cpu_fraction=recipe.offload_optimizer,
+                                param_cpu_fraction=recipe.offload_params
+                                ).place(shard_specs(model))
+    apply_placement(model, placement)
+    return placement, None
