@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from labml_zero.finetune_neox import main
-from labml_zero.neox.finetune import FinetuneConfig
+from labml_zero.finetune_neox import make_parser, main, parse_config
+from labml_zero.neox.finetune import (FinetuneConfig, NonFiniteLoss, Totals,
+                                      check_loss, laptop, neox_20b_biases,
+                                      prune_checkpoints)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -105,6 +107,10 @@ def test_end_to_end(reference: Path):
     # The dead app URL was probed, reported in one line, and skipped.
     assert "no labml app answered" in stdout
     assert "randomly initialised" in stdout
+    # labml's .labml.yaml warning box is swallowed; the validation loss gets its
+    # own line where measured, and no screen line repeats it
+    assert "LABML WARNING" not in stdout
+    assert "step 3: loss.valid" in stdout
     assert "Sample after 6 steps:" in stdout
     assert sorted(p.name for p in (reference / "out" / "checkpoints").iterdir()) \
         == ["step-000003", "step-000006"]
@@ -172,8 +178,11 @@ def test_failing_rank_ends_job_and_resume_reproduces(reference: Path,
     checkpoints = tmp_path / "killed" / "out" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000003"]
 
-    check_ok(finetune(tmp_path / "resumed", "--steps", "6", "--resume",
-                      str(checkpoints / "step-000003"), "--sample-tokens", "0"))
+    result = finetune(tmp_path / "resumed", "--steps", "6", "--resume",
+                      str(checkpoints / "step-000003"), "--sample-tokens", "0")
+    check_ok(result)
+    assert (f"weights from checkpoint {checkpoints / 'step-000003'} (after step 3)"
+            in result.stdout)
     resumed = tracked(run_dirs(tmp_path / "resumed")[0])
     full = tracked(run_dirs(reference)[0])
     assert sorted(resumed["loss.train"]) == [4, 5, 6]
@@ -249,3 +258,104 @@ def test_config_rejects_bad_values():
         FinetuneConfig(finetune="x")
     with pytest.raises(ValueError, match="clip_grad must be > 0"):
         FinetuneConfig(clip_grad=0.0)
+
+
+def test_a_loss_that_stays_nan_stops_the_job_and_keeps_good_checkpoints(
+        tmp_path: Path):
+    # Every rank's loss is NaN from step 5: the job stops there with exit 1,
+    # the checkpoints of steps 3 and 4 (the newest two) stay, and no sample.
+    result = finetune(tmp_path, "--steps", "6", "--checkpoint-every", "1",
+                      "--keep-checkpoints", "2",
+                      env={"LABML_ZERO_NAN_AT_STEP": "5"})
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert "NonFiniteLoss" in last and "training loss is nan at step 5" in last, last
+    assert "the last good checkpoint is" in last and "step-000004" in last
+    checkpoints = tmp_path / "out" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "step-000003", "step-000004"]
+    assert "Sample after" not in result.stdout
+
+
+@pytest.mark.parametrize("checkpoint, args, message", [
+    ("step-000006", ["--steps", "6"], "already at step 6: --steps 6 leaves nothing"),
+    ("step-000003", ["--batch-size", "4"], "saved with batch_size 2"),
+    ("step-000003", ["--seed", "1"], "saved with seed 0, this run has --seed 1"),
+    ("step-000003", ["--world-size", "1"], "saved with world_size 2"),
+    ("step-000003", ["--steps", "6"], None),
+    ("step-000003", ["--model", "pythia-70m"], "a checkpoint of another model"),
+])
+def test_resume_is_checked_before_any_rank_starts(reference: Path, tmp_path: Path,
+                                                  capsys, checkpoint, args,
+                                                  message):
+    # The reference's checkpoints, resumed with something that cannot continue
+    # them: one line, exit 2, and no process started.
+    path = reference / "out" / "checkpoints" / checkpoint
+    flags = [*SMALL, "--out", str(tmp_path / "out"), "--log-dir",
+             str(tmp_path / "logs"), "--resume", str(path)]
+    if message is None:
+        # the same job: the meta model's names and shapes are the checkpoint's
+        from labml_zero.neox.preflight import preflight
+        import torch
+
+        config, world_size = parse_config([*flags, *args], make_parser())
+        assert preflight(config, world_size=world_size,
+                         device=torch.device("cpu")).resumed_step == 3
+        return
+    with pytest.raises(SystemExit) as exit_info:
+        main([*flags, *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    parser = make_parser()
+    flags = {a.dest: a for a in parser._actions if a.dest != "help"}
+    fields = {f.name for f in __import__("dataclasses").fields(FinetuneConfig)}
+    # one flag per field, written nowhere but in the dataclass, and the launcher's
+    assert set(flags) == fields | {"world_size"}
+    for name, action in flags.items():
+        assert action.help and "(default: " in action.help, name
+    for name in ("lr", "seq_len", "seed", "valid_every"):
+        assert len(flags[name].help) > len("(default: x)") + 10, name
+    assert "(default: 0.003)" in flags["lr"].help
+    assert "(default: 64)" in flags["seq_len"].help
+
+
+def test_no_flags_is_the_laptop_preset():
+    config, world_size = parse_config([], make_parser())
+    assert config == laptop() == FinetuneConfig() and world_size is None
+    config, _ = parse_config(["--epochs", "2", "--lr", "1e-4", "--filter-layers",
+                              "0,1", "--compile"], make_parser())
+    assert (config.steps, config.epochs, config.lr) == (None, 2, 1e-4)
+    assert config.filter_layers == (0, 1) and config.compile
+    preset = neox_20b_biases("/models/neox-20b")
+    assert (preset.model, preset.finetune, preset.dtype) == (
+        "gpt-neox-20b", "biases", "fp16")
+
+
+def test_prune_keeps_the_newest(tmp_path: Path):
+    for step in (1, 2, 3, 10):
+        (tmp_path / f"step-{step:06d}").mkdir()
+    (tmp_path / ".step-000011.tmp-x").mkdir()  # a save in progress: not touched
+    removed = prune_checkpoints(tmp_path, 2)
+    assert [p.name for p in removed] == ["step-000001", "step-000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".step-000011.tmp-x", "step-000003", "step-000010"]
+    assert prune_checkpoints(tmp_path, 0) == []
+
+
+def test_check_loss_waits_for_the_scaler_floor():
+    class Scaler:
+        scale_value = 2.0 ** 10
+
+    nan = Totals(float("nan"), 0.0, 10.0)
+    check_loss(Totals(5.0, 0.0, 10.0), 1, None, None)
+    # fp16: the scaler backs off first; below its floor the job stops
+    check_loss(nan, 1, Scaler(), None)
+    Scaler.scale_value = 0.5
+    with pytest.raises(NonFiniteLoss, match="loss scale at 0.5"):
+        check_loss(nan, 2, Scaler(), None)
+    with pytest.raises(NonFiniteLoss, match="no checkpoint was written"):
+        check_loss(nan, 1, None, None)

@@ -27,7 +27,8 @@ What a step records:
 
 * labml reads its settings from a `.labml.yaml` above the working directory and
   warns when there is none; the job gives it every setting it needs, so that
-  warning is swallowed, with anything else labml prints while it is configured.
+  warning is swallowed, with anything else labml prints while the run is set up
+  (such as a notice that the directory is not a git repository).
 """
 
 from __future__ import annotations
@@ -92,14 +93,11 @@ def start_labml(config: FinetuneConfig, ctx: DistContext, *, python_file: str
     elif config.app_url is not None and ctx.rank == 0:
         logger.log(f"no labml app answered at {config.app_url} within 2 s; "
                    f"tracking offline to {log_dir}")
-    # labml's first configuration looks for a .labml.yaml and prints a warning
-    # box when there is none; every setting is given here, so it says nothing
-    # we need (see Limitations).
+    # labml looks for a .labml.yaml above the project path and above the job's
+    # file, and prints a warning box for each that is missing; every setting is
+    # given here, so its set-up messages say nothing we need (see Limitations).
     with contextlib.redirect_stdout(io.StringIO()):
         lab.configure(settings)
-    # set-up notices (no git repository, ...) once, not per rank
-    with (contextlib.nullcontext() if ctx.rank == 0
-          else contextlib.redirect_stdout(io.StringIO())):
         experiment.create(name=EXPERIMENT_NAME, uuid=run_uuid, writers=writers,
                           python_file=python_file, distributed_rank=ctx.rank,
                           distributed_world_size=ctx.world_size)

@@ -1,0 +1,96 @@
+"""The one assembly path (`labml_zero/assembly.py`): the tiny GPT-NeoX on one local
+CPU rank, marked, sharded, placed and given its optimizer in order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labml_zero.assembly import Assembled, AutoLimits, Recipe, assemble
+from labml_zero.neox import model as neox_model
+from labml_zero.zero3 import ZeroConfig
+from labml_zero.zero3.placement import shard_specs
+
+CPU = torch.device("cpu")
+
+
+def tiny_layers():
+    return neox_model.build_layers(neox_model.tiny(), device="meta")
+
+
+def recipe(**changes) -> Recipe:
+    return Recipe(zero=ZeroConfig(dtype=torch.float32), lr=1e-3, **changes)
+
+
+def lm_probe(model) -> None:
+    ids = torch.randint(0, 100, (1, 9))
+    logits = model(ids[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                      ids[:, 1:].flatten()).backward()
+
+
+def test_all_on_the_device_and_wired():
+    built = assemble(tiny_layers(), recipe(finetune="biases"), device=CPU,
+                     init_param=neox_model.init_parameter(neox_model.tiny()))
+    assert isinstance(built, Assembled)
+    assert built.placement is None and built.decided is None
+    # the fine-tuner's counts, and the optimizer holds exactly the trainable shards
+    assert 0 < built.counts.trainable < built.counts.total
+    trainable = built.model.get_trainable_chunk()
+    assert sum(s.numel() for g in built.optimizer.param_groups
+               for s in g["params"]) == sum(s.numel() for s in trainable)
+    # step 6: the runtime calls the optimizer as each chunk is reduced
+    assert built.model.runtime.grad_ready == built.optimizer.grad_ready
+    # one Zero3Layer per layer, in order: their layouts feed the memory model
+    assert len(built.layers) == len(tiny_layers())
+
+
+def test_seed_makes_the_same_weights_and_keeps_the_callers_rng():
+    init = neox_model.init_parameter(neox_model.tiny())
+    torch.manual_seed(123)
+    state = torch.random.get_rng_state()
+    a = assemble(tiny_layers(), recipe(seed=5), device=CPU, init_param=init)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    b = assemble(tiny_layers(), recipe(seed=5), device=CPU, init_param=init)
+    for x, y in zip(a.model.get_trainable_chunk(), b.model.get_trainable_chunk()):
+        assert torch.equal(x, y)
+
+
+def test_static_placement_offloads_from_the_output_end():
+    built = assemble(tiny_layers(), recipe(offload_optimizer=0.5), device=CPU,
+                     init_param=neox_model.init_parameter(neox_model.tiny()))
+    assert built.placement is not None and built.decided is None
+    shards = shard_specs(built.model)
+    on_host = built.placement.optimizer_on_host
+    assert on_host and max(on_host) == len(shards) - 1
+    assert len(built.optimizer.host) == len(on_host)
+
+
+def test_auto_placement_needs_a_probe_and_limits_off_gpus():
+    with pytest.raises(ValueError, match="needs a probe"):
+        assemble(tiny_layers(), recipe(offload_optimizer="auto"), device=CPU)
+    with pytest.raises(ValueError, match="needs GPUs"):
+        assemble(tiny_layers(), recipe(offload_optimizer="auto"), device=CPU,
+                 probe=lm_probe)
+
+
+def test_auto_placement_with_a_simulated_device():
+    probed = []
+
+    def probe(model):
+        probed.append(model)
+        lm_probe(model)
+
+    def limits(shards):
+        trainable = sum(s.numel for s in shards if s.trainable)
+        # room for the probe's peak and a third of the optimizer state
+        return AutoLimits(measure_peak=lambda run: (run(), 1000)[1],
+                          device_capacity=1000 + 4 * trainable)
+
+    built = assemble(tiny_layers(), recipe(offload_optimizer="auto",
+                                           resident=False),
+                     device=CPU, probe=probe, auto_limits=limits)
+    assert probed == [built.model]
+    assert built.decided is not None
+    assert built.placement == built.decided.placement
+    assert 0 < len(built.optimizer.host) == len(built.placement.optimizer_on_host)
