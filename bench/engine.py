@@ -25,9 +25,12 @@ engine. On random tokens it starts near $\ln n_{vocab} \approx 10.8$.
 
 GPT-NeoX-20B is 82 GB in fp32: building it on one GPU and then sharding it would
 need that much free memory on every rank, and building it on the CPU takes
-minutes. So the layers are first built on the **meta device** (shapes, no
-memory), the fine-tuner marks them, the chunk size is searched over all their
-shapes, and then, one layer at a time:
+minutes. The build is [`assemble`](../labml_zero/assembly.html), the fine-tune's
+path too, and the memory predictions count with the [memory
+model](../labml_zero/zero3/memory_model.html)'s byte constants. The layers are
+first built on the **meta device** (shapes, no memory), the fine-tuner marks
+them, the chunk size is searched over all their shapes, and then, one layer at a
+time:
 
 1. `to_empty` gives the layer fp32 storage on the GPU, `reset_parameters`
    initialises it;

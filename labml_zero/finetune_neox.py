@@ -18,9 +18,20 @@ is [the fine-tune page](neox/finetune.html); this page turns flags into a
 * **torchrun**: when `RANK`, `WORLD_SIZE` and `LOCAL_RANK` are set, this process
   is one rank and joins the others (`launch.run_torchrun`).
 
-Every flag is checked before a process starts, so a typo costs no start-up: a bad
-flag or value prints one line on stderr and exits with status 2. Missing
-directories (`--checkpoint`, `--resume`) count as bad values.
+## Flags
+
+Every flag is a field of [`FinetuneConfig`](neox/finetune_config.html), generated
+from it: `seq_len: int = 64` is `--seq-len N`, its type from the annotation
+(integers at least 1 unless the field allows 0, numbers finite), its help the
+field's note and its default, so a setting is written once, in the dataclass.
+`--world-size` is the one flag of the launcher's own.
+
+Everything is checked before a process starts, so a typo costs no start-up: a
+bad flag or value, and then everything [the pre-flight
+checks](neox/preflight.html) find on this host (outputs not writable or without
+room for a checkpoint, a snapshot whose `config.json` and tensors disagree, a
+`--resume` that this run cannot continue), prints one line on stderr and exits
+with status 2.
 
 ## Failure
 
@@ -35,6 +46,9 @@ others.
 
 * `--world-size` larger than the GPU count is refused on CUDA; on CPU the
   processes share the cores (one thread each).
+* `--hang-timeout` is checked and recorded, but reaches the launcher only once
+  `launch.spawn` and `launch.run_torchrun` take a `hang_timeout`.
+* A boolean field's flag can only switch it on: every such default is off.
 """
 
 from __future__ import annotations
