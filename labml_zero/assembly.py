@@ -122,14 +122,14 @@ class Recipe:
 
 
 class Assembled(NamedTuple):
-    """
+    r"""
     ## What `assemble` returns
 
     * `model`: the `Zero3Sequential` of the sharded layers;
     * `layers`: those `Zero3Layer`s, in order (their layouts feed the memory
       model);
     * `optimizer`: `AdamFP16` on the trainable shards, wired to the runtime;
-    * `counts`: $\\Psi_t$ and $\\Psi$, from the fine-tuner;
+    * `counts`: $\Psi_t$ and $\Psi$, from the fine-tuner;
     * `placement`: where the chunks' states live (`None`: all on the device);
     * `decided`: the `'auto'` decision with its predicted peak and host traffic,
       `None` for a static placement.

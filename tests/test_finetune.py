@@ -11,6 +11,7 @@ process (they never start a process).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -312,7 +313,7 @@ def test_resume_is_checked_before_any_rank_starts(reference: Path, tmp_path: Pat
 def test_every_flag_has_help_and_shows_its_default():
     parser = make_parser()
     flags = {a.dest: a for a in parser._actions if a.dest != "help"}
-    fields = {f.name for f in __import__("dataclasses").fields(FinetuneConfig)}
+    fields = {f.name for f in dataclasses.fields(FinetuneConfig)}
     # one flag per field, written nowhere but in the dataclass, and the launcher's
     assert set(flags) == fields | {"world_size"}
     for name, action in flags.items():
@@ -343,7 +344,12 @@ def test_prune_keeps_the_newest(tmp_path: Path):
     assert [p.name for p in removed] == ["step-000001", "step-000002"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         ".step-000011.tmp-x", "step-000003", "step-000010"]
-    assert prune_checkpoints(tmp_path, 0) == []
+    # a run resumed from step 2 saves step 4: it is the newest, not step 10
+    (tmp_path / "step-000004").mkdir()
+    removed = prune_checkpoints(tmp_path, 1, just_saved=tmp_path / "step-000004")
+    assert [p.name for p in removed] == ["step-000003", "step-000010"]
+    with pytest.raises(ValueError, match="keep must be >= 1"):
+        prune_checkpoints(tmp_path, 0)
 
 
 def test_check_loss_waits_for_the_scaler_floor():

@@ -48,17 +48,12 @@ host sync per step.
 
 A 20B model must never exist whole on one rank. The model is put together by
 [`assemble`](../assembly.html), the path the benchmark and the tests take too:
-the layers are built on the meta device (no memory), the fine-tuner marks them,
-the chunk size is chosen from their shapes alone, and `zero3_layers` shards each
-layer while it is still on meta and initialises it chunk by chunk: a chunk's full
-buffer gets memory, the seeded initialiser (the same on every rank) writes its
-parameters, the rank keeps its slice, and the buffer is freed before the next
-chunk. With a Hugging Face checkpoint the chunks start at zero and each layer's
-tensors are read on the host (that layer's only) and copied slice by slice into
-the shards. A rank never holds more than one chunk on its device beyond its
-shards, and one layer on the host. With `compile`, each transformer layer's
-forward is compiled (the engine's hooks stay eager around it, see [compiled
-layers](../zero3/compiled.html)); the first step pays for the compilation.
+the layers are built on the meta device (no memory), marked by the fine-tuner,
+and sharded while still on meta; each chunk is then initialised on its own (the
+seeded initialiser is the same on every rank, each keeps its slice), or, with a
+Hugging Face checkpoint, each layer's tensors are read on the host and copied
+slice by slice into the shards. A rank never holds more than one chunk on its
+device beyond its shards, and one layer on the host.
 
 ## Checkpoints and resuming
 
@@ -69,19 +64,6 @@ complete, all but the newest `keep_checkpoints` are removed. A run resumed from 
 rebuilds the model exactly as before (so frozen weights are the same), loads the
 shards, and continues at the next batch: with fp32 it reproduces the uninterrupted
 losses bit for bit.
-
-## Non-finite losses
-
-A non-finite training loss means the weights (or the data) went bad: every
-later step trains on garbage. With bf16 or fp32 the job stops at the first one.
-With fp16 an overflow is expected now and then: the scaler skips that step and
-halves the scale, so the job stops only when the loss is still non-finite with
-the scale below `SCALE_FLOOR`, where scaling no longer explains it. The check
-reads the step's all-reduced loss, which every rank has, so all ranks stop at
-the same step. Before each save the trainable shards are checked to be finite
-too (the last update may have broken them while the loss was still finite), so a
-saved checkpoint is always one that can be resumed: the job stops with a
-`NonFiniteLoss` error and the last good checkpoint stays.
 
 ## Limitations
 
@@ -139,12 +121,24 @@ FAIL_AT_STEP_ENV = "LABML_ZERO_FAIL_AT_STEP"
 NAN_AT_STEP_ENV = "LABML_ZERO_NAN_AT_STEP"
 
 # Below a loss scale of 1 the scaler shrinks the gradients: an overflow that
-# persists there is not the scale's doing (see Non-finite losses).
+# persists there is not the scale's doing (see Note: non-finite losses).
 SCALE_FLOOR = 1.0
 
 
 class NonFiniteLoss(RuntimeError):
-    """The training loss (or a shard about to be saved) stayed non-finite."""
+    """
+    ## Note: non-finite losses
+
+    A non-finite training loss means the weights (or the data) went bad: every
+    later step would train on garbage. With bf16 or fp32 the job stops at the
+    first one. With fp16 an overflow is expected now and then: the scaler skips
+    that step and halves the scale, so the job stops only when the loss is still
+    non-finite with the scale below `SCALE_FLOOR`, where scaling no longer
+    explains it. The check reads the step's all-reduced loss, which every rank
+    has, so all ranks stop at the same step. Before each save the trainable
+    shards are checked to be finite too (the last update may have broken them
+    while the loss was still finite), so every checkpoint kept can be resumed.
+    """
 
 
 # ## The model
@@ -334,17 +328,25 @@ def env_step(name: str, rank: int) -> int | None:
     return step if fail_rank == rank else None
 
 
-def prune_checkpoints(directory: Path, keep: int) -> list[Path]:
+def prune_checkpoints(directory: Path, keep: int, *,
+                      just_saved: Path | None = None) -> list[Path]:
     """
     ### Remove all but the newest `keep` checkpoints; returns those removed
 
     Called by rank 0 only after a save is complete on every rank, so the newest
     is whole before anything older goes. `step-NNNNNN` names sort by step;
-    hidden leftovers of an interrupted save (`.step-…`) are not touched.
-    `keep = 0` keeps them all.
+    `just_saved` counts as the newest whatever its step (a run resumed from an
+    earlier step may find later ones of a previous run) and is never removed.
+    Hidden leftovers of an interrupted save (`.step-…`) are not touched. The
+    same contract as the checkpoint package's `prune_checkpoints`, which
+    replaces this one where it exists.
     """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
     saved = sorted(p for p in directory.glob("step-*") if p.is_dir())
-    removed = saved[:-keep] if keep and len(saved) > keep else []
+    if just_saved is not None:
+        saved = [p for p in saved if p.name != just_saved.name] + [just_saved]
+    removed = saved[:-keep] if len(saved) > keep else []
     for path in removed:
         shutil.rmtree(path)
     return removed
@@ -373,8 +375,8 @@ def check_loss(totals: Totals, step: int, scaler: LossScaler | None,
     """
     ### Stop on a training loss that stays non-finite
 
-    See "Non-finite losses" above: at once without a scaler, and with one only
-    once the scale is below `SCALE_FLOOR`.
+    At once without a scaler, and with one only once the scale is below
+    `SCALE_FLOOR` (see Note: non-finite losses).
     """
     if math.isfinite(totals.loss):
         return
@@ -403,8 +405,8 @@ def save(config: FinetuneConfig, step: int, training: Training,
     path = save_checkpoint(checkpoint_path(config, step), training.model,
                            training.optimizer, extra=extra)
     # save_checkpoint returns once the checkpoint is complete on every rank
-    if training.model.runtime.comm.rank == 0:
-        prune_checkpoints(path.parent, config.keep_checkpoints)
+    if training.model.runtime.comm.rank == 0 and config.keep_checkpoints:
+        prune_checkpoints(path.parent, config.keep_checkpoints, just_saved=path)
     return path
 
 

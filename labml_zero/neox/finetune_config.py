@@ -73,15 +73,14 @@ def flag(**options) -> dict:
 
 @dataclass(frozen=True)
 class FinetuneConfig:
-    """
+    r"""
     ## The experiment's configuration
 
-    The defaults are the laptop run: the tiny GPT-NeoX (2 layers of width 64 with
-    the real 50,432-row vocabulary), randomly initialised, every parameter
-    trained, 120 steps of $2 \\times 8$ sequences of 64 tokens: one to two minutes
-    on a 2-core CPU. Random weights with only the biases training would barely
-    move; `'all'` takes the validation loss from $\\ln 50432 \\approx 10.8$ to
-    about 5.5 in that time.
+    The defaults are the laptop run: the tiny GPT-NeoX (two narrow layers with the
+    real vocabulary of $V$ tokens), randomly initialised, every parameter trained,
+    a couple of minutes on a laptop's CPU. Random weights with only the biases
+    training would barely move; `'all'` takes the validation loss well down from
+    the $\ln V$ of a uniform guess in that time.
     """
 
     model: str = field(default="tiny", metadata=flag(choices=tuple(MODEL_PRESETS)))
@@ -93,8 +92,8 @@ class FinetuneConfig:
     """What trains: `'biases'` (labml-nn's BitFit-style job), `'ffn'` or `'all'`."""
     filter_layers: tuple[int, ...] | None = field(default=None,
                                                   metadata=flag(metavar="0,1"))
-    """Keep only these transformer layers (labml-nn's way to try 20B on small
-    hardware); `None` keeps all."""
+    """Keep only these transformer layers (labml-nn's way to try its largest
+    model on small hardware); `None` keeps all."""
     seq_len: int = 64
     """$T$, tokens per sequence."""
     batch_size: int = 8
@@ -102,14 +101,14 @@ class FinetuneConfig:
     grad_accum: int = 1
     """$A$, micro-batches per optimizer step."""
     steps: int | None = 120
-    """Optimizer steps in all; `None` runs `epochs` epochs. 120 steps of the
-    laptop run see 123k tokens, about 40% of an epoch."""
+    """Optimizer steps in all; `None` runs `epochs` epochs. The laptop run's
+    steps see less than an epoch."""
     epochs: int = 1
-    """Epochs when `steps` is `None`. An epoch is
-    $\\lfloor n_{samples} / (B N_d) \\rfloor / A$ steps (leftovers dropped)."""
+    r"""Epochs when `steps` is `None`. An epoch is
+    $\lfloor n_{samples} / (B N_d) \rfloor / A$ steps (leftovers dropped)."""
     lr: float = field(default=3e-3, metadata=flag(metavar="LR"))
-    """Adam's learning rate, constant. $3 \\cdot 10^{-3}$ suits the random tiny
-    model; pre-trained weights want less ($3 \\cdot 10^{-4}$ in labml-nn)."""
+    """Adam's learning rate, constant. The default suits the random tiny model;
+    pre-trained weights want about a tenth of it (as in labml-nn)."""
     weight_decay: float = field(default=0.0, metadata=flag(metavar="DECAY"))
     """AdamW's decoupled weight decay."""
     clip_grad: float | None = field(default=None, metadata=flag(metavar="NORM"))
@@ -132,12 +131,11 @@ class FinetuneConfig:
     peer_memory: bool = False
     """Gather and reduce-scatter the chunks through the other ranks' memory
     instead of with NCCL's kernels (`ZeroConfig.peer_gather` and `peer_reduce`,
-    see [peer memory](../zero3/peer_memory.html)). On 2×H200 it made steps with
-    100 MB chunks and more 2–11% faster, and Pythia-160M's 2–5% slower. All ranks
-    on one host."""
+    see [peer memory](../zero3/peer_memory.html), which says when it pays). All
+    ranks on one host."""
     dtype: str | None = field(default=None, metadata=flag(choices=tuple(DTYPES)))
     """`'fp32'`, `'bf16'` or `'fp16'`: the chunks' and the computation's dtype.
-    `None`: fp32 on CPU (16-bit matmuls are slow on most CPUs), bf16 on CUDA."""
+    `None`: fp32 on CPU (half-precision matmuls are slow on most CPUs), bf16 on CUDA."""
     valid_every: int = 20
     """Evaluate every this many steps, and at the last step."""
     valid_batches: int = 4
@@ -146,10 +144,10 @@ class FinetuneConfig:
     """Write a sharded checkpoint every this many steps, and at the last step;
     `None`: never."""
     keep_checkpoints: int = 3
-    """Keep the newest this many checkpoints under `out`; older ones are removed
+    r"""Keep the newest this many checkpoints under `out`; older ones are removed
     only after a new one is complete. 0 keeps them all. One checkpoint of a model
-    of $\\Psi$ parameters, $\\Psi_t$ of them trainable, in $p$-byte chunks is
-    about $p\\Psi + 12\\Psi_t$ bytes (fp32 masters and moments) over all ranks."""
+    of $\Psi$ parameters, $\Psi_t$ of them trainable, in $p$-byte chunks is
+    about $p\Psi + K\Psi_t$ bytes over all ranks, $K$ the fp32 master and moments."""
     resume: str | None = field(default=None, metadata=flag(metavar="DIR"))
     """A checkpoint directory written by this job, to continue from."""
     out: str = field(default="runs/zero3_neox", metadata=flag(metavar="DIR"))
@@ -261,16 +259,16 @@ class FinetuneConfig:
 
 
 def laptop() -> FinetuneConfig:
-    """The default: the tiny model, random init, all parameters, 120 steps."""
+    """The default: the tiny model, random init, all parameters."""
     return FinetuneConfig()
 
 
 def neox_20b_biases(checkpoint: str) -> FinetuneConfig:
-    """
+    r"""
     ### labml-nn's job
 
-    GPT-NeoX-20B from `checkpoint`, biases only, $T = 128$, 16 sequences per
-    rank, Adam at $3 \\cdot 10^{-4}$, fp16 as labml-nn ran it.
+    GPT-NeoX-20B from `checkpoint`, biases only, with labml-nn's sequence
+    length, batch size, learning rate and fp16, and whole epochs.
     """
     return FinetuneConfig(model="gpt-neox-20b", checkpoint=checkpoint,
                           finetune="biases", seq_len=128, batch_size=16, lr=3e-4,

@@ -14,8 +14,8 @@ spawns anything, `preflight` checks, on this host and with no process group:
 
 1. **outputs**: `out` and `log_dir` are directories (or can be made) that this
    user can write, and `out` has room for one checkpoint when the job writes
-   any: about $p\Psi + 12\Psi_t$ bytes, from the model's shapes on the meta
-   device (no memory);
+   any: about $p\Psi + K\Psi_t$ bytes (`checkpoint_bytes`), from the model's
+   shapes on the meta device (no memory);
 2. **the Hugging Face snapshot** (`checkpoint`): `config.json` is a JSON object
    that describes a GPT-NeoX, and every tensor the model needs is in the
    safetensors headers with the shape the config implies (headers only: no
@@ -193,12 +193,13 @@ def check_writable_dir(path: str | os.PathLike, what: str) -> Path:
 
 
 def checkpoint_bytes(layers: list[nn.Module], dtype: torch.dtype) -> int:
-    """
+    r"""
     ### Bytes of one checkpoint, over all ranks
 
-    $p\\Psi + K\\Psi_t$: every parameter shard in the chunk dtype ($p$ bytes),
-    and for trainable ones the fp32 master and two moments ($K = 12$; 8 when the
-    fp32 shard is its own master). `layers` are marked by the fine-tuner.
+    $p\Psi + K\Psi_t$: every parameter shard in the chunk dtype ($p$ bytes),
+    and for trainable ones the fp32 master and two moments ($K$ is the memory
+    model's `OPTIMIZER_BYTES`, less the master when the fp32 shard is its own).
+    `layers` are marked by the fine-tuner.
     """
     p = dtype.itemsize
     k = OPTIMIZER_BYTES - 4 if p == 4 else OPTIMIZER_BYTES
