@@ -24,8 +24,7 @@ import pytest
 
 from labml_zero.finetune_neox import make_parser, main, parse_config
 from labml_zero.neox.finetune import (FinetuneConfig, NonFiniteLoss, Totals,
-                                      check_loss, laptop, neox_20b_biases,
-                                      prune_checkpoints)
+                                      check_loss, laptop, neox_20b_biases)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -334,22 +333,6 @@ def test_no_flags_is_the_laptop_preset():
     preset = neox_20b_biases("/models/neox-20b")
     assert (preset.model, preset.finetune, preset.dtype) == (
         "gpt-neox-20b", "biases", "fp16")
-
-
-def test_prune_keeps_the_newest(tmp_path: Path):
-    for step in (1, 2, 3, 10):
-        (tmp_path / f"step-{step:06d}").mkdir()
-    (tmp_path / ".step-000011.tmp-x").mkdir()  # a save in progress: not touched
-    removed = prune_checkpoints(tmp_path, 2)
-    assert [p.name for p in removed] == ["step-000001", "step-000002"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        ".step-000011.tmp-x", "step-000003", "step-000010"]
-    # a run resumed from step 2 saves step 4: it is the newest, not step 10
-    (tmp_path / "step-000004").mkdir()
-    removed = prune_checkpoints(tmp_path, 1, just_saved=tmp_path / "step-000004")
-    assert [p.name for p in removed] == ["step-000003", "step-000010"]
-    with pytest.raises(ValueError, match="keep must be >= 1"):
-        prune_checkpoints(tmp_path, 0)
 
 
 def test_check_loss_waits_for_the_scaler_floor():

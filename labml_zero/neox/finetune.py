@@ -58,7 +58,7 @@ device beyond its shards, and one layer on the host.
 ## Checkpoints and resuming
 
 Every `checkpoint_every` steps the ranks write a [sharded
-checkpoint](../zero3/checkpoint.html) (each its own shards and optimizer state)
+checkpoint](../zero3/checkpoint/index.html) (each its own shards and optimizer state)
 with the step and the data sampler's position as extra state; once it is
 complete, all but the newest `keep_checkpoints` are removed. A run resumed from it
 rebuilds the model exactly as before (so frozen weights are the same), loads the
@@ -81,7 +81,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import shutil
 from itertools import islice
 from pathlib import Path
 from typing import Iterator, NamedTuple
@@ -105,13 +104,14 @@ from labml_zero.neox.tracking import (EXPERIMENT_NAME, labml_configs,
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.optimizers.clip_grad import clip_grad_norm_
 from labml_zero.optimizers.grad_scaler import LossScaler
-from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
+from labml_zero.zero3.checkpoint import (load_checkpoint, prune_checkpoints,
+                                         save_checkpoint)
 from labml_zero.zero3.config import ZeroConfig
 from labml_zero.zero3.sharded_model import Zero3Sequential
 
 __all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "MODEL_PRESETS",
            "DTYPES", "FINETUNERS", "EXPERIMENT_NAME", "train", "build_model",
-           "NonFiniteLoss", "prune_checkpoints"]
+           "NonFiniteLoss"]
 
 # Test-only fault injection: `rank:step` makes that rank raise after that step.
 # The failure tests use it to check that a dying rank ends the whole job.
@@ -328,30 +328,6 @@ def env_step(name: str, rank: int) -> int | None:
     return step if fail_rank == rank else None
 
 
-def prune_checkpoints(directory: Path, keep: int, *,
-                      just_saved: Path | None = None) -> list[Path]:
-    """
-    ### Remove all but the newest `keep` checkpoints; returns those removed
-
-    Called by rank 0 only after a save is complete on every rank, so the newest
-    is whole before anything older goes. `step-NNNNNN` names sort by step;
-    `just_saved` counts as the newest whatever its step (a run resumed from an
-    earlier step may find later ones of a previous run) and is never removed.
-    Hidden leftovers of an interrupted save (`.step-…`) are not touched. The
-    same contract as the checkpoint package's `prune_checkpoints`, which
-    replaces this one where it exists.
-    """
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
-    saved = sorted(p for p in directory.glob("step-*") if p.is_dir())
-    if just_saved is not None:
-        saved = [p for p in saved if p.name != just_saved.name] + [just_saved]
-    removed = saved[:-keep] if len(saved) > keep else []
-    for path in removed:
-        shutil.rmtree(path)
-    return removed
-
-
 def check_shards_finite(training: Training, step: int) -> None:
     """
     ### Refuse to save shards that are not finite
@@ -402,8 +378,10 @@ def save(config: FinetuneConfig, step: int, training: Training,
     extra = {"step": step, "sampler": sampler.state_dict()}
     if training.scaler is not None:
         extra["scaler"] = training.scaler.state_dict()
+    # `meta` is in the manifest, where `check_resumable` compares it
+    meta = {"step": step, "batch_size": config.batch_size, "seed": config.seed}
     path = save_checkpoint(checkpoint_path(config, step), training.model,
-                           training.optimizer, extra=extra)
+                           training.optimizer, extra=extra, meta=meta)
     # save_checkpoint returns once the checkpoint is complete on every rank
     if training.model.runtime.comm.rank == 0 and config.keep_checkpoints:
         prune_checkpoints(path.parent, config.keep_checkpoints, just_saved=path)

@@ -39,6 +39,7 @@ import torch
 
 from labml_zero.app_client import check_app_url
 from labml_zero.neox import model as neox_model
+from labml_zero.neox.checkpoint import config_from_hf
 
 __all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "MODEL_PRESETS",
            "DTYPES", "FINETUNERS"]
@@ -237,9 +238,7 @@ class FinetuneConfig:
         and `seq_len` against it (cheap: reads one small JSON file at most).
         """
         if self.checkpoint is not None:
-            from labml_zero.neox.preflight import read_hf_config
-
-            config = read_hf_config(self.checkpoint)
+            config = config_from_hf(self.checkpoint)
         else:
             config = MODEL_PRESETS[self.model]()
         if self.filter_layers is not None:

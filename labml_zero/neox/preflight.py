@@ -16,13 +16,15 @@ spawns anything, `preflight` checks, on this host and with no process group:
    user can write, and `out` has room for one checkpoint when the job writes
    any: about $p\Psi + K\Psi_t$ bytes (`checkpoint_bytes`), from the model's
    shapes on the meta device (no memory);
-2. **the Hugging Face snapshot** (`checkpoint`): `config.json` is a JSON object
-   that describes a GPT-NeoX, and every tensor the model needs is in the
+2. **the Hugging Face snapshot** (`checkpoint`): the [checkpoint
+   loader's](checkpoint.html) `check_hf_snapshot`: `config.json` is a JSON
+   object that describes a GPT-NeoX, and every tensor the model needs is in the
    safetensors headers with the shape the config implies (headers only: no
    weights are read);
-3. **the checkpoint to resume**: a complete checkpoint (its manifest and every
-   shard file of the recorded size), of this model (the same parameter names and
-   shapes), written by this job at the same batch size, seed and world size (the
+3. **the checkpoint to resume**: the [checkpoint
+   package's](../zero3/checkpoint/preflight.html) `check_resumable` (a
+   complete checkpoint of this model: the same parameter names and shapes),
+   then written by this job at the same batch size, seed and world size (the
    data order depends on all three), and one that leaves steps to train.
 
 Each failure is a `PreflightError` whose message names the file or the setting;
@@ -38,7 +40,6 @@ the command line prints it as one line and exits with status 2.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -49,13 +50,14 @@ import torch
 from torch import nn
 
 from labml_zero.neox import model as neox_model
-from labml_zero.neox.checkpoint import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from labml_zero.neox.checkpoint import check_hf_snapshot
 from labml_zero.neox.finetuners import finetuner
-from labml_zero.neox.model import hf_prefix
+from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
+                                         check_resumable, sequential_shapes)
 from labml_zero.zero3.memory_model import OPTIMIZER_BYTES
 
-__all__ = ["PreflightError", "Preflight", "preflight", "read_hf_config",
-           "check_hf_snapshot", "check_writable_dir", "checkpoint_bytes"]
+__all__ = ["PreflightError", "Preflight", "preflight", "check_writable_dir",
+           "checkpoint_bytes", "check_resume"]
 
 
 class PreflightError(ValueError):
@@ -73,103 +75,6 @@ class Preflight(NamedTuple):
 
     neox: neox_model.NeoXConfig
     resumed_step: int | None
-
-
-def read_json(path: Path) -> object:
-    """A JSON file's value; an unreadable or malformed file names itself."""
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise PreflightError(f"{path}: not valid JSON ({e})") from e
-    except (OSError, UnicodeDecodeError) as e:
-        raise PreflightError(f"{path}: cannot be read ({e})") from e
-
-
-def read_hf_config(path: str | os.PathLike) -> neox_model.NeoXConfig:
-    """
-    ### A snapshot's `config.json`, as our `NeoXConfig`
-
-    Sizes must be positive integers: JSON has strings and floats too, and a
-    string size would otherwise fail deep inside the model's constructor.
-    """
-    directory = Path(path)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"checkpoint directory not found: {directory}")
-    file = directory / CONFIG_FILE
-    if not file.is_file():
-        raise FileNotFoundError(f"checkpoint config not found: {file}")
-    hf = read_json(file)
-    if not isinstance(hf, dict):
-        raise PreflightError(f"{file}: expected a JSON object, got "
-                             f"{type(hf).__name__}")
-    for key in ("vocab_size", "hidden_size", "num_attention_heads",
-                "num_hidden_layers", "max_position_embeddings"):
-        value = hf.get(key)
-        if value is None:
-            raise PreflightError(f"{file}: missing {key!r}")
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PreflightError(f"{file}: {key} must be a positive integer, "
-                                 f"got {value!r}")
-    try:
-        return neox_model.from_hf_config(hf)
-    except (KeyError, TypeError, ValueError) as e:
-        raise PreflightError(f"{file}: {e}") from e
-
-
-def tensor_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], Path]]:
-    """`{hf_name: (shape, file)}` from the safetensors headers (no weights read)."""
-    from safetensors import safe_open
-
-    index = directory / INDEX_FILE
-    if index.is_file():
-        value = read_json(index)
-        weight_map = value.get("weight_map") if isinstance(value, dict) else None
-        if not isinstance(weight_map, dict):
-            raise PreflightError(f"{index}: no 'weight_map' object")
-        files = sorted(set(weight_map.values()))
-    elif (directory / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
-    else:
-        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {directory}")
-    shapes = {}
-    for name in files:
-        file = directory / str(name)
-        if not file.is_file():
-            raise FileNotFoundError(f"checkpoint shard not found: {file}")
-        try:
-            with safe_open(file, framework="pt") as f:
-                for key in f.keys():
-                    shapes[key] = (tuple(f.get_slice(key).get_shape()), file)
-        except Exception as e:  # safetensors raises its own error types
-            raise PreflightError(f"{file}: not a safetensors file ({e})") from e
-    return shapes
-
-
-def check_hf_snapshot(path: str | os.PathLike,
-                      filter_layers: tuple[int, ...] | None = None
-                      ) -> neox_model.NeoXConfig:
-    """
-    ### A Hugging Face snapshot whose config and tensors agree
-
-    Every tensor of the model `config.json` describes (the layers of
-    `filter_layers` only) must be in the headers with its shape.
-    """
-    neox = read_hf_config(path)
-    shapes = tensor_shapes(Path(path))
-    layers = neox_model.build_layers(neox, filter_layers=filter_layers,
-                                     device="meta")
-    for layer in layers:
-        prefix = hf_prefix(layer)
-        for name, t in layer.state_dict().items():
-            hf_name = prefix + name
-            if hf_name not in shapes:
-                raise PreflightError(f"checkpoint {path} has no tensor {hf_name!r}")
-            shape, file = shapes[hf_name]
-            if shape != tuple(t.shape):
-                raise PreflightError(f"tensor {hf_name!r} in {file} has shape "
-                                     f"{shape}, config.json implies "
-                                     f"{tuple(t.shape)}")
-    return neox
 
 
 def check_writable_dir(path: str | os.PathLike, what: str) -> Path:
@@ -210,25 +115,24 @@ def checkpoint_bytes(layers: list[nn.Module], dtype: torch.dtype) -> int:
     return p * total + k * trainable
 
 
-def check_resume(path: Path, model: nn.Module, config, world_size: int) -> int:
+def check_resume(path: Path, layers: list[nn.Module], config, world_size: int
+                 ) -> int:
     """
     ### A checkpoint this job can continue from; returns its step
 
-    Reads the manifest (and checks every file's size) and the small `extra`
-    state, never the shards.
+    `check_resumable` reads the manifest, checks every file's size and the
+    model's parameter names and shapes (`layers` on the meta device); then the
+    small `extra` state must hold the step and a sampler of the same batch size,
+    seed and world size. No shard is read.
     """
-    from labml_zero.zero3.checkpoint import CheckpointError, CheckpointReader
-    from labml_zero.zero3.checkpoint_reader import fingerprint
-
     try:
-        reader = CheckpointReader(path)
-        extra = reader.extra() or {}
-    except (CheckpointError, OSError, KeyError, ValueError) as e:
+        check_resumable(path, world_size=world_size,
+                        shapes=sequential_shapes(layers),
+                        expect={"batch_size": config.batch_size,
+                                "seed": config.seed})
+        extra = CheckpointReader(path).extra() or {}
+    except (CheckpointError, OSError) as e:
         raise PreflightError(f"--resume {path}: {e}") from e
-    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    if reader.manifest.get("fingerprint") != fingerprint(shapes):
-        raise PreflightError(f"--resume {path} is a checkpoint of another model "
-                             f"(its parameter names or shapes differ)")
     if not isinstance(extra, dict) or "step" not in extra or "sampler" not in extra:
         raise PreflightError(f"--resume {path} is not a checkpoint of this job "
                              f"(its extra state has no step and sampler position)")
@@ -259,7 +163,10 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
     # against it, then the tensors against both
     neox = config.model_config()
     if config.checkpoint is not None:
-        check_hf_snapshot(config.checkpoint, config.filter_layers)
+        try:
+            check_hf_snapshot(config.checkpoint)
+        except CheckpointError as e:
+            raise PreflightError(str(e)) from e
     layers = neox_model.build_layers(neox, filter_layers=config.filter_layers,
                                      device="meta")
     finetuner(config.finetune)(layers)
@@ -275,6 +182,5 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
 
     step = None
     if config.resume is not None:
-        step = check_resume(Path(config.resume), nn.Sequential(*layers), config,
-                            world_size)
+        step = check_resume(Path(config.resume), layers, config, world_size)
     return Preflight(neox, step)
