@@ -279,11 +279,11 @@ def test_a_loss_that_stays_nan_stops_the_job_and_keeps_good_checkpoints(
 
 @pytest.mark.parametrize("checkpoint, args, message", [
     ("step-000006", ["--steps", "6"], "already at step 6: --steps 6 leaves nothing"),
-    ("step-000003", ["--batch-size", "4"], "saved with batch_size 2"),
-    ("step-000003", ["--seed", "1"], "saved with seed 0, this run has --seed 1"),
+    ("step-000003", ["--batch-size", "4"], "saved with batch_size=2, this job has 4"),
+    ("step-000003", ["--seed", "1"], "saved with seed=0, this job has 1"),
     ("step-000003", ["--world-size", "1"], "saved with world_size 2"),
     ("step-000003", ["--steps", "6"], None),
-    ("step-000003", ["--model", "pythia-70m"], "a checkpoint of another model"),
+    ("step-000003", ["--model", "pythia-70m"], "is of a different model"),
 ])
 def test_resume_is_checked_before_any_rank_starts(reference: Path, tmp_path: Path,
                                                   capsys, checkpoint, args,

@@ -132,7 +132,8 @@ def check_resume(path: Path, layers: list[nn.Module], config, world_size: int
                                 "seed": config.seed})
         extra = CheckpointReader(path).extra() or {}
     except (CheckpointError, OSError) as e:
-        raise PreflightError(f"--resume {path}: {e}") from e
+        # the package's messages name the checkpoint already
+        raise PreflightError(f"--resume: {e}") from e
     if not isinstance(extra, dict) or "step" not in extra or "sampler" not in extra:
         raise PreflightError(f"--resume {path} is not a checkpoint of this job "
                              f"(its extra state has no step and sampler position)")
