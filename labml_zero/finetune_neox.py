@@ -46,8 +46,6 @@ others.
 
 * `--world-size` larger than the GPU count is refused on CUDA; on CPU the
   processes share the cores (one thread each).
-* `--hang-timeout` is checked and recorded, but reaches the launcher only once
-  `launch.spawn` and `launch.run_torchrun` take a `hang_timeout`.
 * A boolean field's flag can only switch it on: every such default is off.
 """
 
@@ -298,8 +296,7 @@ def check_before_start(config: FinetuneConfig, parser: Parser, *,
     """
     ### The pre-flight checks, as one line and status 2
 
-    See [checks before any rank starts](neox/preflight.html). `hang_timeout` is
-    the launcher's: documented in the config, passed on once `launch` takes it.
+    See [checks before any rank starts](neox/preflight.html).
     """
     device = torch.device("cuda" if backend == "nccl" else "cpu")
     try:
@@ -328,7 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_before_start(config, parser, world_size=ranks, backend=backend)
         if os.environ["RANK"] == "0":
             machine_facts(backend, ranks)
-        launch.run_torchrun(train, config, backend=backend)
+        launch.run_torchrun(train, config, backend=backend,
+                            hang_timeout=config.hang_timeout)
         return 0
 
     if world_size is None:
@@ -339,7 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_before_start(config, parser, world_size=world_size, backend=backend)
     machine_facts(backend, world_size)
     try:
-        launch.spawn(train, world_size, config, backend=backend)
+        launch.spawn(train, world_size, config, backend=backend,
+                     hang_timeout=config.hang_timeout)
     except launch.RankFailed as e:
         # the failing rank's traceback, what the others hit after it, its cause
         print(e.traceback.strip(), *e.others, sep="\n", file=sys.stderr)

@@ -489,6 +489,8 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
         batches = micro_batches(sampler)
         for step in monit.loop(range(step + 1, total_steps + 1)):
             totals = train_step(training, batches, data.train, config)
+            # the launcher's hang watch: a rank silent for `hang_timeout` is hung
+            ctx.heartbeat()
             if nan_at is not None and step >= nan_at:
                 totals = totals._replace(loss_sum=math.nan)
             check_loss(totals, step, scaler, last_saved)
@@ -502,6 +504,7 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
             if fail_at is not None and step >= fail_at:
                 raise RuntimeError(f"injected failure on rank {ctx.rank} after step "
                                    f"{step} ({FAIL_AT_STEP_ENV})")
+            ctx.heartbeat()  # again after a validation or a save, which take long
             tracker.new_line()
 
         if config.sample_tokens:
