@@ -92,7 +92,7 @@ __all__ = [
 
 # Bytes per element of the engine's model states, the one home of these
 # numbers: the placement, the benchmark and the fine-tune's checks count with them.
-# $p$: a 16-bit parameter shard (bf16 or fp16).
+# $p$: a half-precision parameter shard (bf16 or fp16).
 PARAM_BYTES = 2
 # $g$: the shard gradient (`main_grad`), always fp32 whatever the chunk dtype:
 # it is what the optimizer reads and what micro-batches accumulate into.
