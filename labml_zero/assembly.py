@@ -196,7 +196,7 @@ def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
 
     # 6. wire: as each chunk is reduced, an offloaded gradient starts its copy
     # to the host and (with `update_during_backward`) its shard's update.
-    model.runtime.grad_ready = optimizer.grad_ready
+    model.runtime.on_grad_ready(optimizer.grad_ready)
     return Assembled(model, sharded, optimizer, counts, placement, decided)
 
 

@@ -40,7 +40,7 @@ def test_all_on_the_device_and_wired():
     assert sum(s.numel() for g in built.optimizer.param_groups
                for s in g["params"]) == sum(s.numel() for s in trainable)
     # step 6: the runtime calls the optimizer as each chunk is reduced
-    assert built.model.runtime.grad_ready == built.optimizer.grad_ready
+    assert built.model.runtime.grad_ready == (built.optimizer.grad_ready,)
     # one Zero3Layer per layer, in order: their layouts feed the memory model
     assert len(built.layers) == len(tiny_layers())
 
