@@ -69,7 +69,9 @@ skipped on every rank (the [loss scaler](grad_scaler.html)'s contract). So an
 early update first checks its gradient: the fused kernel takes a `found_inf`
 flag computed on the device from the gradient (no host sync) and leaves master,
 moments and shard untouched when it is set; the host update checks on the host.
-`step()` then raises, naming the shards whose update was skipped, with their
+On the host `step()` then raises at once; on a GPU the flags are copied to the
+host behind the backward pass and read at the next `step()` or `shard_state()`
+(so before any checkpoint holds the step), which raises, naming the shards whose update was skipped, with their
 step counts unchanged. `LossScaler.step` refuses an optimizer with
 `update_during_backward=True` outright: skipping a whole step is impossible once
 other shards were updated.
@@ -176,6 +178,9 @@ class AdamFP16(torch.optim.Optimizer):
             self.init_state(param)
         # the updates run during this backward pass
         self.early: dict[torch.Tensor, EarlyUpdate] = {}
+        # (shards, their skip flags on the host, the flags' copy event) of the
+        # last step's early updates on a GPU, read at the next `step()`
+        self.unread_flags: list[tuple[list, torch.Tensor, object]] = []
         # the side stream of the device's early updates, made at the first one
         self.update_stream: torch.cuda.Stream | None = None
 
@@ -265,6 +270,8 @@ class AdamFP16(torch.optim.Optimizer):
         `{"step": int, "master", "exp_avg", "exp_avg_sq"}` ([S] fp32 each), or
         `None` before its first step.
         """
+        # a checkpoint must not hold a step whose early update was skipped
+        self._raise_if_skipped()
         # `.get`, not `[]`: `self.state` is a defaultdict and must not grow
         state = self.state.get(param)
         if not state:
@@ -364,7 +371,9 @@ class AdamFP16(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # before any update: a step must not stop half done
+        # the flags of the last step's early updates on a GPU, then, before
+        # any update: a step must not stop half done
+        self._raise_if_skipped()
         self._check_early()
         offloaded = []
         for group in self.param_groups:
@@ -419,13 +428,39 @@ class AdamFP16(torch.optim.Optimizer):
                    if e.found_inf is not None]
         if not (check_finite and flagged):
             return
-        # host sync: one transfer per device of all its flags, once per step
-        # with early updates (the host updates' flags are on the host already)
-        bad = []
+        # One small copy per device of all its flags, read at the next `step()`
+        # or `shard_state()` instead of now: waiting for them here would stall
+        # the host until the GPU finished the backward pass, and the next step's
+        # launches would start late (a bubble every step). Nothing non-finite
+        # was applied either way; only the error comes later.
         for device in {f.device for _, f in flagged}:
             on = [(p, f) for p, f in flagged if f.device == device]
-            skipped = torch.stack([f for _, f in on]).tolist()
-            bad += [p for (p, _), s in zip(on, skipped) if s]
+            flags = torch.stack([f for _, f in on])
+            if device.type == "cuda":
+                host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+                host.copy_(flags, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self.unread_flags.append(([p for p, _ in on], host, event))
+            else:
+                self.unread_flags.append(([p for p, _ in on], flags, None))
+        if any(event is None for _, _, event in self.unread_flags):
+            # on the host the flags are already there: check at once
+            self._raise_if_skipped()
+
+    def _raise_if_skipped(self) -> None:
+        """
+        #### Raise if an early update of the last step was skipped
+
+        See Note: a non-finite gradient in an early update.
+        """
+        unread, self.unread_flags = self.unread_flags, []
+        bad = []
+        for params, flags, event in unread:
+            if event is not None:
+                # host sync: the flags' copy, queued a whole step ago
+                event.synchronize()
+            bad += [p for p, skipped in zip(params, flags.tolist()) if skipped]
         if bad:
             for param in bad:
                 self.state[param]["step"] -= 1
