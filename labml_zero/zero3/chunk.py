@@ -93,17 +93,32 @@ class ChunkState(Enum):
     r"""
     ## The states of a chunk's parameters
 
-    * `SHARDED`: only the shard exists ($S \cdot p$ bytes); the parameter views
-      have no memory and must not be read.
+    What each state costs on this rank, beyond the [local shard](shard.html)
+    ($S \cdot p$ bytes, always there):
+
+    * `UNINITIALISED`: built from meta parameters; the shard is allocated but
+      holds no values until `materialize` (or a load) writes them. Nothing more.
+    * `SHARDED`: only the shard exists; the parameter views have no memory and
+      must not be read. Nothing more.
     * `GATHERING`: the full buffer is allocated ($C \cdot p$ bytes) and an
       all-gather into it is queued on the gather stream.
     * `GATHERED`: the compute stream has waited for the gather; the views hold the
-      parameters.
+      parameters ($C \cdot p$ bytes) until `release`.
+    * `RESIDENT`: gathered, and kept so between steps (a frozen chunk that the
+      [placement](placement.html) keeps, `keep_resident`): $C \cdot p$ bytes for
+      the whole run, and no all-gather after the first.
     """
 
+    UNINITIALISED = "uninitialised"
     SHARDED = "sharded"
     GATHERING = "gathering"
     GATHERED = "gathered"
+    RESIDENT = "resident"
+
+
+# the states in which the full buffer has memory
+GATHERED_STATES = frozenset(
+    {ChunkState.GATHERING, ChunkState.GATHERED, ChunkState.RESIDENT})
 
 
 class Chunk:
@@ -169,10 +184,10 @@ class Chunk:
             master_init = torch.zeros(
                 self.shard_numel, dtype=torch.float32, device=device
             )
-        self.materialized = True
+        on_meta = False
         for slot, param in zip(spec.slots, self.params):
             if param.device.type == "meta":
-                self.materialized = False
+                on_meta = True
                 continue
             self._copy_into_shard(slot, param.detach(), shard, master_init)
         # this rank's state of the chunk: see [the shard](shard.html)
@@ -203,10 +218,12 @@ class Chunk:
         # see Note: why storage resize
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
-        self.state = ChunkState.SHARDED
+        self.state = ChunkState.UNINITIALISED if on_meta else ChunkState.SHARDED
         self._gathered_event = None
-        # see `keep_resident`
-        self.resident = False
+        # The placement's decision (`keep_resident`), not a state: it outlives a
+        # forced release (new weights loaded), after which the next gather makes
+        # the chunk `RESIDENT` again.
+        self.stays_gathered = False
 
         # [C] reduce dtype, allocated at the first gradient of a backward pass
         self.grad_full: torch.Tensor | None = None
@@ -266,9 +283,8 @@ class Chunk:
         and the buffer loses its storage again. One chunk at a time, so lazy
         initialisation never holds more than one chunk beyond the shards.
         """
-        if self.materialized:
+        if self.state is not ChunkState.UNINITIALISED:
             return
-        assert self.state is ChunkState.SHARDED, "materialize before training"
         self.full.untyped_storage().resize_(self._full_nbytes)
         try:
             with torch.no_grad():
@@ -283,7 +299,7 @@ class Chunk:
                     master_init.copy_(self.full[lo : lo + self.shard_numel])
         finally:
             self.full.untyped_storage().resize_(0)
-        self.materialized = True
+        self.state = ChunkState.SHARDED
 
     def load_param(self, position: int, value: torch.Tensor) -> None:
         """
@@ -322,7 +338,7 @@ class Chunk:
         """
         if self.local.on_host:
             return
-        assert self.state is ChunkState.SHARDED, "offload a shard between steps"
+        assert not self.is_gathered, "offload a shard between steps"
         self.local.move_to_host(pin=self.comm.device.type == "cuda")
         # the peer memory (if any) is let go; NCCL gathers a host shard
         self.transport.close()
@@ -342,13 +358,22 @@ class Chunk:
             raise ValueError(f"chunk {self.spec.index} is trainable: its gathered "
                              "copy would be stale after each optimizer step; only "
                              "frozen chunks can stay resident")
-        self.resident = True
+        self.stays_gathered = True
+        if self.state is ChunkState.GATHERED:
+            self.state = ChunkState.RESIDENT
+
+    @property
+    def is_gathered(self) -> bool:
+        """Whether the full buffer has memory (`GATHERING`, `GATHERED`, `RESIDENT`)."""
+        return self.state in GATHERED_STATES
 
     ### Gather and release
 
     def gather(self) -> None:
         """Queue the all-gather of the chunk; idempotent."""
-        if self.state is not ChunkState.SHARDED:
+        # an uninitialised chunk gathers as a sharded one does (its shard may have
+        # been written by a load); what it gathers is the caller's business
+        if self.is_gathered:
             return
         comm = self.comm
         compute = comm.current_stream()
@@ -370,14 +395,15 @@ class Chunk:
             # compute stream waits: the all-gather writes `full` on the gather stream
             self.comm.wait_event(self._gathered_event)
             self._gathered_event = None
-            self.state = ChunkState.GATHERED
+            self.state = (ChunkState.RESIDENT if self.stays_gathered
+                          else ChunkState.GATHERED)
 
     def release(self, *, force: bool = False) -> None:
         """Free the full buffer; the shard stays. A resident chunk keeps it,
         unless `force`."""
-        if self.state is ChunkState.SHARDED:
+        if not self.is_gathered:
             return
-        if self.resident and not force:
+        if self.stays_gathered and not force:
             return
         # A prefetched chunk may never have been waited for: wait before freeing,
         # or the allocator could hand the memory out while the gather still writes.

@@ -80,7 +80,6 @@ gathered by the pre-backward hook and does nothing: no second all-gather.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Iterator
@@ -88,7 +87,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .chunk import Chunk, ChunkState
+from .chunk import Chunk
 from .communication import Communicator
 
 
@@ -264,14 +263,6 @@ class Zero3Runtime:
     def grad_ready(self) -> tuple[Callable[..., None], ...]:
         """The registered callbacks, in order (read only)."""
         return tuple(self._grad_ready)
-
-    @grad_ready.setter
-    def grad_ready(self, callback: Callable[..., None]) -> None:
-        # The assignment of earlier releases, kept working until its callers
-        # say `on_grad_ready`: it registers `callback` as the only one.
-        warnings.warn("runtime.grad_ready = f is deprecated: call "
-                      "runtime.on_grad_ready(f)", DeprecationWarning, stacklevel=2)
-        self._grad_ready = [callback]
 
     ### Registration
 
@@ -498,4 +489,4 @@ class Zero3Runtime:
             self._release_all()
 
     def gathered_chunks(self) -> list[Chunk]:
-        return [c for c in self.all_chunks() if c.state is not ChunkState.SHARDED]
+        return [c for c in self.all_chunks() if c.is_gathered]

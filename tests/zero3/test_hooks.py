@@ -62,7 +62,46 @@ def test_grad_ready_callbacks_run_in_registration_order():
     # each trainable chunk once per backward, both callbacks, in order
     assert [tag for tag, _ in calls] == ["a", "b"] * len(shards)
     assert {id(s) for _, s in calls} == {id(s) for s in shards}
-    # the old assignment still registers (as the only callback), with a warning
-    with pytest.warns(DeprecationWarning, match="on_grad_ready"):
+    # the callbacks can be read, in order, but not replaced by assignment
+    assert len(model.runtime.grad_ready) == 2
+    with pytest.raises(AttributeError):
         model.runtime.grad_ready = lambda shard, *, after: None
-    assert len(model.runtime.grad_ready) == 1
+    assert len(model.runtime.grad_ready) == 2
+
+
+def test_a_resident_chunk_is_a_state_that_outlives_a_forced_release():
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4)
+    model = Zero3Sequential(zero3_layers(tiny_layers(0), device="cpu", config=config))
+    frozen = next(c for c in model.chunks if not c.trainable)
+    assert frozen.state is ChunkState.SHARDED and not frozen.is_gathered
+    frozen.keep_resident()
+    for step in range(2):
+        x, y = batch(step, 4)
+        nn.functional.mse_loss(model(x), y).backward()
+        # the hooks released every other chunk; this one stays gathered
+        assert frozen.state is ChunkState.RESIDENT and frozen.is_gathered
+        assert [c for c in model.chunks if c.is_gathered] == [frozen]
+    frozen.release()
+    assert frozen.state is ChunkState.RESIDENT
+    # new weights (a load) drop the gathered copy, not the placement's decision
+    frozen.release(force=True)
+    assert frozen.state is ChunkState.SHARDED
+    frozen.gather()
+    assert frozen.state is ChunkState.GATHERING
+    frozen.wait()
+    assert frozen.state is ChunkState.RESIDENT
+
+
+def test_a_chunk_of_meta_parameters_is_uninitialised_until_materialized():
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4)
+    from labml_zero.zero3 import Zero3Layer
+    with torch.device("meta"):
+        module = tiny_layers(0, freeze=False)[0]
+    layer = Zero3Layer(module, 0, 1, "cpu", torch.float32, config=config)
+    assert {c.state for c in layer.chunks} == {ChunkState.UNINITIALISED}
+    assert not any(c.is_gathered for c in layer.chunks)
+    layer.materialize(lambda name, param: nn.init.ones_(param))
+    assert {c.state for c in layer.chunks} == {ChunkState.SHARDED}
+    # a second call changes nothing: the chunks are initialised
+    layer.materialize(lambda name, param: nn.init.zeros_(param))
+    assert all(bool((c.shard.detach() == 1).any()) for c in layer.chunks)

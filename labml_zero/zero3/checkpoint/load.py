@@ -48,7 +48,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..chunk import Chunk, ChunkState
+from ..chunk import Chunk
 from ..communication import Communicator
 from .agreement import run_agreed
 from .format import MOMENTS, CheckpointError
@@ -216,7 +216,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
 
     def read_all() -> None:
         nonlocal reader
-        if any(c.state is not ChunkState.SHARDED for c in chunks):
+        if any(c.is_gathered for c in chunks):
             raise CheckpointError("load_checkpoint must be called between steps, "
                                   "with every chunk sharded")
         reader = CheckpointReader(path)
