@@ -117,8 +117,8 @@ from labml_zero.zero3.memory_model import (
     MASTER_INIT_BYTES,
     OPTIMIZER_BYTES,
     PARAM_BYTES,
+    gathered_peak,
     layout_model_states,
-    peak_window_numel,
     zero_model_states,
 )
 
@@ -234,20 +234,18 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     psi_f = built.counts.total - psi_t
     sizes = dict(param_bytes=PARAM_BYTES, grad_bytes=GRAD_BYTES,
                  optimizer_bytes=OPTIMIZER_BYTES)
-    layouts = [layer.layout for layer in built.layers]
-    states = sum(layout_model_states(lay, **sizes) for lay in layouts)
+    # the model's one layout, a group per layer: a group is a unit
+    layout = model.layout
+    states = layout_model_states(layout, **sizes)
     memory = {
         "zero_states": zero_model_states(psi_t, psi_f, ctx.world_size, **sizes),
         "layout_states": states,
         # the fp32 shard gradients exist from their reduce-scatter to zero_grad
-        "shard_grads": states - sum(
-            layout_model_states(lay, **{**sizes, "grad_bytes": 0}) for lay in layouts),
-        # Each Zero3Layer's layout is one group (group 0): one unit.
-        "gathered_peak": PARAM_BYTES * peak_window_numel(
-            [lay.group_numel(0) for lay in layouts], config.prefetch_depth
-        ),
+        "shard_grads": states - layout_model_states(layout,
+                                                    **{**sizes, "grad_bytes": 0}),
+        "gathered_peak": gathered_peak(layout, config.prefetch_depth, PARAM_BYTES),
     }
-    info = {"chunk_numel": built.layers[0].layout.chunk_numel,
+    info = {"chunk_numel": layout.chunk_numel,
             "chunks": len(model.chunks)}
     if built.decided is not None:
         report_placement(built.decided, shard_specs(model), memory, info)

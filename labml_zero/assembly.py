@@ -125,9 +125,9 @@ class Assembled(NamedTuple):
     r"""
     ## What `assemble` returns
 
-    * `model`: the `Zero3Sequential` of the sharded layers;
-    * `layers`: those `Zero3Layer`s, in order (their layouts feed the memory
-      model);
+    * `model`: the `Zero3Sequential` of the sharded layers; its `layout`, one
+      for the whole model with a group per layer, feeds the memory model;
+    * `layers`: those `Zero3Layer`s, in order;
     * `optimizer`: `AdamFP16` on the trainable shards, wired to the runtime;
     * `counts`: $\Psi_t$ and $\Psi$, from the fine-tuner;
     * `placement`: where the chunks' states live (`None`: all on the device);

@@ -19,6 +19,8 @@ Three ways to put a model under ZeRO-3, all built from the same pieces (a
   and the parameters outside them as a *root unit* that stays gathered for the
   whole step (embeddings, final norms, tied readouts).
 
+Either way the model has one layout, `model.layout`, with a group per unit.
+
 ## Sharding a layer
 
 1. List its parameters in execution order as `ParamSpec`s; frozen ones
@@ -61,7 +63,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .chunk import Chunk
-from .chunk_layout import ChunkLayout, ParamSpec, plan_chunks, round_up
+from .chunk_layout import (ChunkLayout, ChunkSpec, ParamSpec, plan_chunks,
+                           round_up)
 from .communication import Communicator
 from .config import ZeroConfig
 from .hooks import Zero3Runtime
@@ -160,19 +163,39 @@ def build_chunks(
     by_group: dict[int, list[Chunk]] = {}
     specs = layout.params
     for spec in layout.chunks:
-        chunk = Chunk(
-            spec,
-            [params[slot.param_index] for slot in spec.slots],
-            comm,
-            dtype=config.dtype,
-            reduce_dtype=config.reduce_dtype,
-            names=[
-                prefixes.get(spec.group, "") + specs[slot.param_index].name
-                for slot in spec.slots
-            ],
-        )
+        prefix = prefixes.get(spec.group, "")
+        chunk = Chunk(spec, [params[slot.param_index] for slot in spec.slots], comm,
+                      dtype=config.dtype, reduce_dtype=config.reduce_dtype,
+                      names=[prefix + specs[slot.param_index].name
+                             for slot in spec.slots])
         by_group.setdefault(spec.group, []).append(chunk)
     return by_group
+
+
+def chain_layouts(layouts: Sequence[ChunkLayout]) -> ChunkLayout:
+    """
+    #### The layouts of a chain of layers as one layout, layer $i$ its group $i$
+
+    The layout `plan_chunks` gives all the layers' parameters at once, group by
+    group: chunks never span groups, so planning the groups one at a time gives
+    the same chunks. Its `chunk_numel` is the largest of the layers' (labml-nn's
+    layers each size theirs to fit, one chunk per kind).
+    """
+    chunks: list[ChunkSpec] = []
+    params: list[ParamSpec] = []
+    by_group: dict[int, tuple[int, ...]] = {}
+    for group, layout in enumerate(layouts):
+        base, start = len(params), len(chunks)
+        params.extend(replace(spec, group=group) for spec in layout.params)
+        by_group[group] = tuple(range(start, start + len(layout.chunks)))
+        chunks.extend([ChunkSpec(
+            start + i, group, c.trainable,
+            tuple(replace(s, param_index=s.param_index + base) for s in c.slots),
+            c.chunk_numel) for i, c in enumerate(layout.chunks)])
+    first = layouts[0]
+    return ChunkLayout(max(layout.chunk_numel for layout in layouts),
+                       first.world_size, first.align, tuple(chunks), tuple(params),
+                       {g: ix for g, ix in by_group.items() if ix})
 
 
 def move_buffers(module: nn.Module, device: torch.device) -> None:
@@ -185,10 +208,8 @@ def move_buffers(module: nn.Module, device: torch.device) -> None:
 
 def check_rank(rank: int, world_size: int, comm: Communicator) -> None:
     if (rank, world_size) != (comm.rank, comm.world_size):
-        raise ValueError(
-            f"rank {rank} of world size {world_size} does not match the process "
-            f"group (rank {comm.rank} of {comm.world_size})"
-        )
+        raise ValueError(f"rank {rank} of world size {world_size} does not match the "
+                         f"process group (rank {comm.rank} of {comm.world_size})")
 
 
 def layer_config(config: ZeroConfig | None, *, dtype: torch.dtype,
@@ -271,9 +292,7 @@ class Zero3Layer(nn.Module):
             for position, new in chunk.replaced:
                 name = self.layout.params[chunk.spec.slots[position].param_index].name
                 owner_name, _, leaf = name.rpartition(".")
-                owner = (
-                    self.module.get_submodule(owner_name) if owner_name else self.module
-                )
+                owner = self.module.get_submodule(owner_name)
                 setattr(owner, leaf, new)
         if on_meta(self.module):
             raise ValueError(
@@ -289,10 +308,8 @@ class Zero3Layer(nn.Module):
         is its name in the layer. See `Chunk.materialize`.
         """
         for chunk in self.chunks:
-            names = [
-                self.layout.params[slot.param_index].name for slot in chunk.spec.slots
-            ]
-            chunk.materialize(init, names=names)
+            chunk.materialize(init, names=[self.layout.params[slot.param_index].name
+                                           for slot in chunk.spec.slots])
 
     def join(self, runtime: Zero3Runtime) -> None:
         if self.runtime is not None:
@@ -327,9 +344,8 @@ class Zero3Layer(nn.Module):
             for position, slot in enumerate(chunk.spec.slots):
                 name = self.layout.params[slot.param_index].name
                 if name not in state:
-                    raise KeyError(
-                        f"no tensor for parameter {name!r} in the state given"
-                    )
+                    raise KeyError(f"no tensor for parameter {name!r} in the "
+                                   "state given")
                 chunk.load_param(position, state[name])
 
 
@@ -338,10 +354,14 @@ class ShardedRoot(nn.Module):
     ## What a whole sharded model offers
 
     `Zero3Sequential` and `ShardedModel` share these; `runtime` is their
-    [runtime](hooks.html).
+    [runtime](hooks.html), `config` their [`ZeroConfig`](config.html) and
+    `layout` one [chunk layout](chunk_layout.html) for the whole model, one group
+    per unit, which the [memory model](memory_model.html) reads.
     """
 
     runtime: Zero3Runtime
+    config: ZeroConfig
+    layout: ChunkLayout
 
     @property
     def chunks(self) -> list[Chunk]:
@@ -365,7 +385,10 @@ class Zero3Sequential(ShardedRoot):
     ## A chain of sharded layers
 
     `modules` run one after the other, each taking the previous one's output.
-    Prefetch follows the chain.
+    Prefetch follows the chain. The layers share one config (as `zero3_layers`
+    builds them), which decides for the chain too: `prefetch_depth`, when given,
+    replaces its `prefetch_depth`. The layout is the layers' layouts chained,
+    layer $i$ its group $i$ (`chain_layouts`).
     """
 
     def __init__(self, modules: list[Zero3Layer], *, prefetch_depth: int | None = None):
@@ -374,22 +397,26 @@ class Zero3Sequential(ShardedRoot):
             raise ValueError("Zero3Sequential needs at least one Zero3Layer")
         self.layers = nn.ModuleList(modules)
         config = modules[0].config
+        for i, layer in enumerate(modules):
+            if layer.config != config:
+                differ = [f for f, v in vars(config).items()
+                          if getattr(layer.config, f) != v]
+                raise ValueError(f"Zero3Sequential: layer {i}'s config differs "
+                                 f"from layer 0's in {', '.join(differ)}")
         if prefetch_depth is not None:
             # validated by the config, the one place that checks it
             config = replace(config, prefetch_depth=prefetch_depth)
-        self.runtime = Zero3Runtime(
-            modules[0].comm,
-            prefetch_depth=config.prefetch_depth,
-            reshard_after_forward=config.reshard_after_forward,
-        )
+        self.config = config
+        self.layout = chain_layouts([layer.layout for layer in modules])
+        self.runtime = Zero3Runtime(modules[0].comm,
+                                    prefetch_depth=config.prefetch_depth,
+                                    reshard_after_forward=config.reshard_after_forward)
         for layer in modules:
             layer.join(self.runtime)
 
     def forward(self, x: Any) -> Any:
         self.runtime.begin_forward()
-        recompute = (
-            self.layers[0].config.activation_checkpointing and torch.is_grad_enabled()
-        )
+        recompute = self.config.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
             if recompute:
                 x = checkpoint(layer, x, use_reentrant=False)
@@ -513,11 +540,11 @@ class ShardedModel(ShardedRoot):
     begin and end of forward.
     """
 
-    def __init__(self, model: nn.Module, runtime: Zero3Runtime, layout: ChunkLayout):
+    def __init__(self, model: nn.Module, runtime: Zero3Runtime, layout: ChunkLayout,
+                 config: ZeroConfig):
         super().__init__()
-        self.model = model
-        self.runtime = runtime
-        self.layout = layout
+        self.model, self.runtime, self.layout, self.config = (model, runtime, layout,
+                                                              config)
 
     def forward(self, *args, **kwargs):
         self.runtime.begin_forward()
@@ -555,18 +582,18 @@ def shard_model(
 
     # Group 0 is the root; layer i is group i + 1.
     specs, params = param_specs([root, *(layer.named_parameters() for layer in layers)])
-    chunk_numel = choose_chunk_numel(specs, comm.world_size, config)
-    layout = plan_chunks(specs, chunk_numel, comm.world_size, align=config.align)
+    # the chunk size chosen, in the config the model keeps (as `zero3_layers` does)
+    config = replace(config, chunk_numel=choose_chunk_numel(specs, comm.world_size,
+                                                            config))
+    layout = plan_chunks(specs, config.chunk_numel, comm.world_size,
+                         align=config.align)
     prefixes = {i + 1: qualified[id(layer)] + "." for i, layer in enumerate(layers)}
     chunks = build_chunks(layout, params, comm, config, prefixes=prefixes)
     move_buffers(model, device)
 
-    runtime = Zero3Runtime(
-        comm,
-        prefetch_depth=config.prefetch_depth,
-        reshard_after_forward=config.reshard_after_forward,
-    )
+    runtime = Zero3Runtime(comm, prefetch_depth=config.prefetch_depth,
+                           reshard_after_forward=config.reshard_after_forward)
     runtime.add_unit(None, chunks.get(0, []))
     for index, layer in enumerate(layers):
         runtime.add_unit(layer, chunks.get(index + 1, []))
-    return ShardedModel(model, runtime, layout)
+    return ShardedModel(model, runtime, layout, config)

@@ -68,9 +68,7 @@ def train_both(ctx, api: str, chunk_numel: int):
     theirs = [p.detach() for p in reference.parameters()]
     report["max_diff"] = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
     report["names"] = names
-    report["layout"] = (
-        model.layout if api == "generic" else [layer.layout for layer in model.layers]
-    )
+    report["layout"] = model.layout
     return report
 
 
@@ -262,3 +260,72 @@ def test_zero3_layer_follows_its_config():
         Zero3Layer(tiny_layers()[1], 0, 1, "cpu", torch.bfloat16, config=config)
     with pytest.raises(ValueError, match="prefetch_depth must be >= 0"):
         Zero3Sequential([layer], prefetch_depth=-1)
+
+
+def chunk_shapes(layout, first_group: int = 0):
+    """Each chunk's group (counted from `first_group`), kind, size and slots."""
+    return [(c.group - first_group, c.trainable, c.chunk_numel,
+             [(s.param_index, s.offset, s.numel) for s in c.slots])
+            for c in layout.chunks]
+
+
+@pytest.mark.parametrize("chunk_numel", [96, None])
+def test_both_ways_build_one_layout_per_model(chunk_numel):
+    """`Zero3Sequential(zero3_layers(...))` and `shard_model(...)` of the same
+    layers: one layout each, a group per unit, the same chunks."""
+    from labml_zero.zero3.chunk_layout import plan_chunks
+    from labml_zero.zero3.memory_model import gathered_peak, layout_model_states
+    from labml_zero.zero3.sharded_model import param_specs
+
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=chunk_numel, align=4)
+    chain = Zero3Sequential(zero3_layers(tiny_layers(), device="cpu", config=config))
+    layers = tiny_layers()
+    generic = shard_model(nn.Sequential(*layers), layers, device="cpu", config=config)
+    # the config each model keeps holds the chunk size that was used
+    assert chain.config.chunk_numel == generic.config.chunk_numel
+    assert chain.config.chunk_numel is not None
+    # the chained layout is the one planned over all the layers at once
+    specs, _ = param_specs([layer.named_parameters() for layer in tiny_layers()])
+    planned = plan_chunks(specs, chain.config.chunk_numel, 1, align=4)
+    assert chain.layout == planned
+    assert chunk_shapes(chain.layout) == chunk_shapes(planned)
+    # shard_model's group 0 is its (here empty) root: layer i is group i + 1
+    assert chunk_shapes(generic.layout, first_group=1) == chunk_shapes(chain.layout)
+    assert list(chain.layout.by_group) == list(range(len(layers)))
+    # the chunks the model holds are the layout's, in its order
+    assert [c.numel for c in chain.chunks] == [c.chunk_numel
+                                               for c in chain.layout.chunks]
+    # the memory model reads either the same way
+    sizes = dict(param_bytes=4, grad_bytes=4, optimizer_bytes=12)
+    assert layout_model_states(chain.layout, **sizes) == layout_model_states(
+        generic.layout, **sizes) == sum(
+        layout_model_states(layer.layout, **sizes) for layer in chain.layers)
+    assert gathered_peak(chain.layout, 1, 4) == gathered_peak(generic.layout, 1, 4)
+
+
+def test_labml_nn_layers_chain_into_one_layout():
+    # each layer one chunk per kind, sized to fit: the chain's chunk size is the
+    # largest, and the layout still has a group per layer
+    from labml_zero.zero3 import Zero3Layer
+
+    layers = [Zero3Layer(m, 0, 1, "cpu", torch.float32) for m in tiny_layers()]
+    model = Zero3Sequential(layers)
+    assert model.layout.chunk_numel == max(layer.layout.chunk_numel for layer in layers)
+    assert [len(model.layout.chunks_of_group(i)) for i in range(len(layers))] == [
+        len(layer.chunks) for layer in layers]
+    names = [model.layout.params[s.param_index].name
+             for c in model.layout.chunks for s in c.slots]
+    assert names == [layer.layout.params[s.param_index].name
+                     for layer in layers for c in layer.layout.chunks for s in c.slots]
+
+
+def test_zero3_sequential_refuses_layers_with_different_configs():
+    from labml_zero.zero3 import Zero3Layer
+
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4)
+    other = dataclasses.replace(config, chunk_numel=64, reshard_after_forward=False)
+    layers = [Zero3Layer(tiny_layers()[0], 0, 1, "cpu", torch.float32, config=config),
+              Zero3Layer(tiny_layers()[1], 0, 1, "cpu", torch.float32, config=other)]
+    with pytest.raises(ValueError, match="layer 1's config differs from layer 0's "
+                                         "in chunk_numel, reshard_after_forward"):
+        Zero3Sequential(layers)
