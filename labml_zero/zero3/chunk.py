@@ -128,9 +128,11 @@ class Chunk:
     Lifecycle:
 
     1. built: the shard is filled from the module's parameters (this rank's slice
-       only), the parameters become views into `full`, which has no storage;
+       only), the parameters become views into `full`, which has no storage
+       → `SHARDED` (`UNINITIALISED` from meta parameters, until `materialize`);
     2. `gather()`: `full` gets storage, an all-gather is queued → `GATHERING`;
-    3. `wait()`: the compute stream waits for the gather → `GATHERED`;
+    3. `wait()`: the compute stream waits for the gather → `GATHERED`
+       (`RESIDENT` after `keep_resident`, which `release()` then leaves be);
     4. `release()`: `full` loses its storage → `SHARDED`;
     5. for trainable chunks, `add_grad()` for each parameter's gradient, then
        `reduce()` averages them into `local.grad`.
