@@ -31,7 +31,8 @@ working on an offline machine:
 
 Everything else, the API handlers and the bundled page, is labml-app's own, so its
 page looks and behaves as on app.labml.ai. Around them, a guard answers bad input
-with a short 4xx (see Note: every request passes one guard), and the app stays on
+with a short 4xx (see Note: every request passes one guard, beside
+`RequestGuard`), and the app stays on
 the loopback address unless told otherwise (see Note: no authentication).
 
 ## Projects and the URL a run sends to
@@ -52,24 +53,6 @@ and `computer` requests that have none, before labml-app's handler reads it. A
 token the app does not know becomes `default`: labml-app would answer it with an
 `invalid_token` error, and labml's sender retries an error forever, so the run
 would never exit.
-
-## Note: every request passes one guard
-
-labml-app's handlers trust their input: a body that is not JSON, or not the shape
-they expect, raises inside them (a bare 500 and a traceback in the log), and a
-body is read whole, however large. `RequestGuard`, in front of every route, turns
-bad input into a short 4xx answer and one log line:
-
-1. A path with a NUL or another control character is a `400`.
-2. A body over the limit $L$ (`max_request_bytes`) is a `413`: before one byte is
-   read when `Content-Length` declares it, else as soon as the bytes read pass
-   $L$. No handler sees more than $L$ bytes of body.
-3. An API body that is not JSON is a `400`; a run's (`track`, `computer`) must be
-   an object or a list of objects, checked before the handler creates the run.
-4. A handler's `ValueError`, `TypeError`, `KeyError`, `AttributeError` or
-   `IndexError` (input of a shape it does not handle) is a `400`; anything else,
-   and a stored record that is not valid, a `500`. Either is logged as one line
-   with the exception and where it was raised.
 
 ## Note: no authentication
 
@@ -272,10 +255,28 @@ def asset_bytes(path: str) -> tuple[bytes, str]:
 
 class RequestGuard:
     """
-    ## The guard in front of every route (see Note: every request passes one guard)
+    ## The guard in front of every route
 
     A plain ASGI middleware, so it sees the body as it arrives, before any
     handler has read it, and can refuse it without reading it.
+
+    ### Note: every request passes one guard
+
+    labml-app's handlers trust their input: a body that is not JSON, or not the shape
+    they expect, raises inside them (a bare 500 and a traceback in the log), and a
+    body is read whole, however large. `RequestGuard`, in front of every route, turns
+    bad input into a short 4xx answer and one log line:
+
+    1. A path with a NUL or another control character is a `400`.
+    2. A body over the limit $L$ (`max_request_bytes`) is a `413`: before one byte is
+       read when `Content-Length` declares it, else as soon as the bytes read pass
+       $L$. No handler sees more than $L$ bytes of body.
+    3. An API body that is not JSON is a `400`; a run's (`track`, `computer`) must be
+       an object or a list of objects, checked before the handler creates the run.
+    4. A handler's `ValueError`, `TypeError`, `KeyError`, `AttributeError` or
+       `IndexError` (input of a shape it does not handle) is a `400`; anything else,
+       and a stored record that is not valid, a `500`. Either is logged as one line
+       with the exception and where it was raised.
     """
 
     def __init__(self, app, *, max_body: int):

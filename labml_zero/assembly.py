@@ -95,8 +95,11 @@ class Recipe:
     zero: ZeroConfig
     """The engine's configuration: chunk dtype, chunk size (or `None` to search
     it), prefetch, activation recomputation, transports."""
-    finetune: str = "all"
-    """The fine-tuner that marks what trains: `'biases'`, `'ffn'` or `'all'`."""
+    finetune: str | Callable[[Sequence[nn.Module]], TrainableCount] = "all"
+    """The fine-tuner that marks what trains: a name (`'biases'`, `'ffn'`,
+    `'all'`, `'lora'` with its defaults) or a fine-tuner itself, such as a
+    `FineTuneLoRA` of some rank (whose `init_param` the caller's initialiser
+    then goes through)."""
     compile_types: tuple[type[nn.Module], ...] = ()
     """Layer types whose `forward` is compiled; empty: nothing is compiled."""
     offload_optimizer: float | str = 0.0
@@ -162,7 +165,9 @@ def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
     """
     # 1. mark: `requires_grad` decides trainable against frozen chunks, so it
     # must be set before the layout is cut.
-    counts = finetuner(recipe.finetune)(layers)
+    tuner = (finetuner(recipe.finetune) if isinstance(recipe.finetune, str)
+             else recipe.finetune)
+    counts = tuner(layers)
 
     # 2. shard: every rank seeds alike and visits the chunks in the same order,
     # so all draw the same weights and each keeps only its slice of them.

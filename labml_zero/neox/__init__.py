@@ -18,8 +18,13 @@ $$x_{l+1} = x_l + \operatorname{Attn}(\operatorname{LN}_1(x_l))
 (the *parallel residual*: both branches read $x_l$), and attention rotates only
 the first quarter of each head's dimensions by their position (*partial
 rotary embeddings*). A model with $L$ layers of width $d$ and a vocabulary of
-$V$ has about $12 L d^2 + 2 V d$ parameters: $20.55 \cdot 10^9$ for 20B, whose
-16-bit weights alone take 41 GB and whose model states for training, at
+$V$ has about $12 L d^2 + 2 V d$ parameters:
+{{py: neox_model.count_parameters(neox_model.build_layers(
+    neox_model.gpt_neox_20b(), device='meta')) / 1e9 | .2f}}
+billion for 20B (counted from its layers), whose 16-bit weights alone take
+{{py: 2 * neox_model.count_parameters(neox_model.build_layers(
+    neox_model.gpt_neox_20b(), device='meta')) / 1e9 | .0f}}
+GB and whose model states for training, at
 $2 + 4 + 12 = 18$
 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
 bytes a parameter, about 370
@@ -30,7 +35,14 @@ The model is a plain **list of layers**, the unit the engine gathers and
 releases, with Hugging Face's parameter names inside each layer, so a
 checkpoint streams into it one layer at a time.
 
-The pages of this folder follow in reading order: the configuration, the model,
-Hugging Face checkpoints and activation memory, then the fine-tune and what it
-reads (fine-tuners, the tokenizer, the dataset) and the sampler.
+The pages of this folder follow in reading order: [the
+configuration](config.html), [the model](model.html), [Hugging Face
+checkpoints](checkpoint.html) and [activation memory](activation_memory.html);
+then the fine-tune: [its configuration](finetune_config.html), [the checks
+before any rank starts](preflight.html), [the job](finetune.html) (which builds
+through [the assembly](../assembly.html)), [what labml records](tracking.html),
+[the fine-tuners](finetuners.html), [LoRA](lora.html) and [its
+exports](lora_export.html) to transformers and peft, and what the job reads:
+[the tokenizer](tokenizer.html), [the dataset](dataset.html) and [the
+sampler](generate.html).
 """

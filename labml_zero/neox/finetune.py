@@ -98,6 +98,8 @@ from labml_zero.neox.finetune_config import (DTYPES, FINETUNERS, MODEL_PRESETS,
                                              FinetuneConfig, laptop,
                                              neox_20b_biases)
 from labml_zero.neox.generate import Sampling, generate
+from labml_zero.neox.lora import FineTuneLoRA, load_hf_layer
+from labml_zero.neox.lora_export import save_merged_checkpoint, save_peft_adapter
 from labml_zero.neox.tokenizer import load_tokenizer
 from labml_zero.neox.tracking import (EXPERIMENT_NAME, labml_configs,
                                       start_labml)
@@ -157,12 +159,13 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
                                      device="meta")
     dtype = config.torch_dtype(ctx.device)
     scaled = dtype == torch.float16
+    tuner = config.tuner()
     recipe = Recipe(
         zero=ZeroConfig(dtype=dtype,
                         activation_checkpointing=config.activation_checkpointing,
                         peer_gather=config.peer_memory,
                         peer_reduce=config.peer_memory),
-        finetune=config.finetune,
+        finetune=tuner,
         compile_types=(neox_model.TransformerLayer,) if config.compile else (),
         offload_optimizer=config.offload_optimizer,
         offload_params=config.offload_params,
@@ -184,9 +187,14 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
         def load(sharded) -> None:
             for layer in sharded:
                 # [one layer] on the host, shapes checked before reading; each
-                # rank copies only its slices into its shards (and fp32 masters)
-                layer.load_sharded(hf.layer_state_dict(layer.module))
+                # rank copies only its slices into its shards (and fp32 masters).
+                # LoRA's adapters are not in the checkpoint: they keep their init.
+                load_hf_layer(layer, hf)
 
+    if isinstance(tuner, FineTuneLoRA):
+        # adapters: $A$ drawn as PEFT draws it, $B = 0$, inside each chunk like
+        # the rest; so the model at step 0 is the base model
+        init = tuner.init_param(init)
     return assemble(layers, recipe, device=ctx.device, init_param=init, load=load,
                     probe=probe)
 
@@ -424,7 +432,8 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
     2. with `resume`, the shards, the optimizer, the sampler and the step from
        the checkpoint;
     3. the loop: step, track, stop on a non-finite loss, evaluate, checkpoint;
-    4. a sample from the fine-tuned model.
+    4. with LoRA, the merged checkpoint and the adapter, if asked for;
+    5. a sample from the fine-tuned model.
     """
     from labml import experiment, logger, monit, tracker
 
@@ -507,11 +516,35 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
             ctx.heartbeat()  # again after a validation or a save, which take long
             tracker.new_line()
 
+        export(config, built, neox)
         if config.sample_tokens:
             text = sample(model, tokenizer, config, ctx)
             if ctx.rank == 0:
                 logger.log(f"\nSample after {total_steps} steps:\n{config.prompt}"
                            f"{text}\n")
+
+
+def export(config: FinetuneConfig, built: Assembled,
+           neox: neox_model.NeoXConfig) -> None:
+    """
+    ### LoRA's exports, after the last step
+
+    Every rank takes part (each chunk is gathered in turn, with the optimizer's
+    fp32 masters where it has them); rank 0 writes. The merged checkpoint
+    loads in transformers alone, the adapter in peft over the base checkpoint.
+    An existing directory is replaced whole, once the new one is complete.
+    """
+    if config.export_merged is None and config.export_adapter is None:
+        return
+    tuner = config.tuner()
+    if config.export_merged is not None:
+        save_merged_checkpoint(config.export_merged, built.model, tuner, neox,
+                               built.optimizer, overwrite=True)
+    if config.export_adapter is not None:
+        save_peft_adapter(config.export_adapter, built.model, tuner,
+                          built.optimizer,
+                          base_model_name_or_path=config.checkpoint,
+                          overwrite=True)
 
 
 def sample(model: Zero3Sequential, tokenizer, config: FinetuneConfig,

@@ -40,6 +40,8 @@ import torch
 from labml_zero.app_client import check_app_url
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.checkpoint import config_from_hf
+from labml_zero.neox.finetuners import FINETUNERS, finetuner
+from labml_zero.neox.lora import TARGETS, FineTuneLoRA
 
 __all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "MODEL_PRESETS",
            "DTYPES", "FINETUNERS"]
@@ -59,7 +61,6 @@ MODEL_PRESETS = {
 }
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-FINETUNERS = ("biases", "ffn", "all")
 
 
 def flag(**options) -> dict:
@@ -90,7 +91,21 @@ class FinetuneConfig:
     """A Hugging Face GPT-NeoX/Pythia directory (`config.json` and safetensors);
     the model's shape comes from its `config.json`. `None`: random weights."""
     finetune: str = field(default="all", metadata=flag(choices=FINETUNERS))
-    """What trains: `'biases'` (labml-nn's BitFit-style job), `'ffn'` or `'all'`."""
+    """What trains: `'biases'` (labml-nn's BitFit-style job), `'ffn'`, `'all'` or
+    `'lora'` (low-rank adapters on a frozen base, see [LoRA](lora.html))."""
+    lora_rank: int = 8
+    """LoRA's rank $r$ (with `finetune='lora'` only)."""
+    lora_alpha: float = field(default=16.0, metadata=flag(metavar="ALPHA"))
+    r"""LoRA's $\alpha$: the adapters' update is scaled by $\alpha / r$."""
+    lora_targets: tuple[str, ...] = field(default=tuple(TARGETS),
+                                          metadata=flag(metavar="NAMES"))
+    """The projections LoRA adapts, comma-separated on the command line: some of
+    `query_key_value`, `dense`, `dense_h_to_4h`, `dense_4h_to_h`."""
+    export_merged: str | None = field(default=None, metadata=flag(metavar="DIR"))
+    """With LoRA: at the end, write the model with the adapters merged into
+    its weights here, as a Hugging Face checkpoint."""
+    export_adapter: str | None = field(default=None, metadata=flag(metavar="DIR"))
+    """With LoRA: at the end, write the adapters alone here, in PEFT's format."""
     filter_layers: tuple[int, ...] | None = field(default=None,
                                                   metadata=flag(metavar="0,1"))
     """Keep only these transformer layers (labml-nn's way to try its largest
@@ -179,6 +194,7 @@ class FinetuneConfig:
         if self.finetune not in FINETUNERS:
             raise ValueError(f"unknown fine-tuner {self.finetune!r}; expected one "
                              f"of {', '.join(FINETUNERS)}")
+        self.check_lora()
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected one of "
                              f"{', '.join(DTYPES)}")
@@ -229,6 +245,55 @@ class FinetuneConfig:
             raise ValueError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
         if self.sample_tokens and not self.prompt:
             raise ValueError("prompt must be non-empty to sample")
+
+    def check_lora(self) -> None:
+        """
+        #### LoRA's fields
+
+        `lora_targets` may come as one comma-separated string (the flag's
+        value); it is kept as a tuple. The exports need adapters to export.
+        """
+        if isinstance(self.lora_targets, str):
+            targets = tuple(t.strip() for t in self.lora_targets.split(",")
+                            if t.strip())
+            object.__setattr__(self, "lora_targets", targets)
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) \
+                or self.lora_rank < 1:
+            raise ValueError(f"lora_rank must be an integer >= 1, got "
+                             f"{self.lora_rank!r}")
+        if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise ValueError(f"lora_alpha must be a finite number > 0, got "
+                             f"{self.lora_alpha}")
+        if not self.lora_targets:
+            raise ValueError("lora_targets must name at least one projection")
+        unknown = [t for t in self.lora_targets if t not in TARGETS]
+        if unknown:
+            raise ValueError(f"lora_targets names an unknown projection "
+                             f"{unknown[0]!r}; "
+                             f"expected some of {', '.join(TARGETS)}")
+        if len(set(self.lora_targets)) != len(self.lora_targets):
+            raise ValueError(f"lora_targets names a projection twice: "
+                             f"{','.join(self.lora_targets)}")
+        for name in ("export_merged", "export_adapter"):
+            if getattr(self, name) is not None and self.finetune != "lora":
+                raise ValueError(f"{name} needs finetune 'lora' (only adapters "
+                                 f"are exported), got {self.finetune!r}")
+        if self.export_merged is not None and (
+                self.export_merged == self.export_adapter):
+            raise ValueError("export_merged and export_adapter must be different "
+                             "directories")
+
+    def tuner(self):
+        """
+        #### The fine-tuner of `finetune`
+
+        `FineTuneLoRA` with the `lora_*` fields for `'lora'`; the others take no
+        options.
+        """
+        if self.finetune == "lora":
+            return FineTuneLoRA(rank=self.lora_rank, alpha=self.lora_alpha,
+                                targets=self.lora_targets)
+        return finetuner(self.finetune)
 
     def model_config(self) -> neox_model.NeoXConfig:
         """

@@ -51,9 +51,9 @@ FINETUNERS = ("biases", "ffn", "all", "lora")
 
 class TrainableCount(NamedTuple):
     trainable: int
-    """Parameters (elements) with `requires_grad`: $\\Psi_t$."""
+    r"""Parameters (elements) with `requires_grad`: $\Psi_t$."""
     total: int
-    """All parameters (elements): $\\Psi$."""
+    r"""All parameters (elements): $\Psi$."""
 
 
 def mark_trainable(layers: Sequence[nn.Module],

@@ -19,8 +19,8 @@ v_t &= \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
   \frac{m_t}{\sqrt{v_t} / \sqrt{1 - \beta_2^t} + \epsilon}
 \end{aligned}$$
 
-with $\theta$ the fp32 master, $m$ and $v$ fp32, and the 16-bit parameter set to
-$\theta$ rounded after each step.
+with $\theta$ the fp32 master (the {{term: master weights}}), $m$ and $v$ fp32,
+and the 16-bit parameter set to $\theta$ rounded after each step.
 
 ## Where each piece lives
 

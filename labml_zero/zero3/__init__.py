@@ -32,13 +32,13 @@ again for backward (except those that stay gathered or need no backward), and
 reduce-scatters the gradients once.
 
 This engine shards in *chunks* (ColossalAI's Gemini): parameters are packed, in
-execution order, into flat buffers of one size, and a chunk is the unit of
-gathering, releasing and gradient reduction. A *unit* is a layer whose chunks
-the hooks gather and release together.
+execution order, into flat buffers of one size, and a {{term: chunk}} is the
+unit of gathering, releasing and gradient reduction. A {{term: unit}} is a layer
+whose chunks the hooks gather and release together.
 
 ## A step, in one picture
 
-Each rank keeps one *shard* of every chunk. Before a unit computes, an
+Each rank keeps one {{term: shard}} of every chunk. Before a unit computes, an
 all-gather fills the chunk's full buffer on every rank from all the shards;
 after backward, a reduce-scatter sums the ranks' full gradients and leaves each
 rank the slice of its own shard:
@@ -47,8 +47,9 @@ rank the slice of its own shard:
 
 Forward, unit by unit: gather, compute, release. Backward, in reverse: gather,
 compute gradients, reduce-scatter them, release. The next units' gathers run on
-a side stream while the current one computes, and the reductions on another, as
-one measured step shows:
+a side stream, the {{term: gather stream}}, while the current one computes (how
+many units ahead is the {{term: prefetch depth}}), and the reductions on another,
+in the {{term: reduce dtype}}, as one measured step shows:
 
 ![one training step on its streams](figures/step_timeline.svg)
 

@@ -24,10 +24,10 @@ is *padding*: memory that every rank stores (sharded) and every collective
 moves, so the layout reports it and the [chunk-size search](chunk_search.html)
 trades it against the size of the gathered chunks.
 
-This page is pure arithmetic: it decides *where* every parameter lives and touches
-no tensor, so the search can simulate thousands of layouts and the tests can check
-layouts by hand. `plan_chunks` states each packing rule beside the line that
-applies it.
+This page is pure arithmetic: the {{term: chunk layout}} it computes decides
+*where* every parameter lives and touches no tensor, so the search can simulate
+thousands of layouts and the tests can check layouts by hand. `plan_chunks` states
+each packing rule beside the line that applies it.
 
 The layout of a Pythia-160M-shaped model on two ranks, at two chunk sizes,
 computed by `plan_chunks` itself (hover a box for its parameter):

@@ -15,9 +15,10 @@ the $\Psi$ trainable parameters, mixed-precision Adam keeps
 
 * $p = 2$ bytes of half-precision parameter (bf16 or fp16), used by forward and
   backward,
-* $g$ bytes of gradient: the ZeRO paper counts a half-precision one ($g = 2$); this
-  engine keeps each rank's gradient shard in fp32 ($g = 4$), because the
-  optimizer reads it in fp32 and micro-batches accumulate into it,
+* $g = 4$ bytes of gradient, the default (`GRAD_BYTES`): this engine keeps each
+  rank's gradient shard in fp32, because the optimizer reads it in fp32 and
+  micro-batches accumulate into it (the ZeRO paper counts a half-precision
+  gradient instead, $g = 2$),
 * $K = 12$
   (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
   bytes of optimizer state: an fp32 master copy of the parameter and Adam's two
@@ -126,10 +127,11 @@ def zero_model_states(
 
     * `psi_trainable` is $\Psi_t$ and `psi_frozen` is $\Psi_f$ (elements).
     * `world_size` is $N_d$; $N_d = 1$ gives DDP's $(p + g + K)\Psi$.
-    * `param_bytes`, `grad_bytes` and `optimizer_bytes` are $p$, $g$ and $K$; for
-      this engine's fp32 gradient shard pass `grad_bytes=4`: 18
+    * `param_bytes`, `grad_bytes` and `optimizer_bytes` are $p$, $g$ and $K$;
+      the defaults are this engine's (bf16 parameters, an fp32 gradient shard):
+      18
       (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
-      bytes per trainable parameter with bf16 parameters.
+      bytes per trainable parameter. `grad_bytes=2` gives the paper's count.
 
     Each $\Psi / N_d$ is rounded up: a rank holds whole elements, and the largest
     shard is the one that decides whether a rank runs out of memory.
@@ -170,7 +172,7 @@ def layout_model_states(
     with $C_c$ the size of chunk $c$, padding included, a multiple of $N_d$. Each
     group's last chunk of a kind is trimmed to what it holds, so a group whose
     trainable part is small (bias-only fine-tuning) pays for that part only.
-    The engine's gradient shard is fp32: pass `grad_bytes=4`.
+    The engine's gradient shard is fp32, the default `grad_bytes`.
 
     * `master_aliases_param`: when the parameters are fp32 ($p = 4$) the engine
       uses the parameter shard itself as the fp32 master copy instead of keeping a

@@ -24,21 +24,9 @@ one per rank $q$:
 $$\text{full}[qS, (q + 1)S) \leftarrow \text{shard}^{(q)}.$$
 
 Each rank *pulls*: it reads the peers' shards and writes only its own `full`.
-
-## What the copies cannot do: agree with the peers
-
-A collective synchronises the ranks by itself. Plain copies do not, so each
-gather is enclosed in two *barriers*. A barrier is a tiny kernel that every rank
-queues on its gather stream, and that ends when every rank has reached it.
-
-1. **Before the copies.** Each rank's gather stream has already waited for its
-   compute stream, which holds the optimizer's last write to the shard (see
-   [communication](communication.html)). Once every rank has passed the first
-   barrier, every shard is current.
-2. **After the copies.** Once every rank has passed the second barrier, no rank
-   still reads this chunk. The gather's event is recorded after it, and the
-   optimizer writes a shard only after its chunk's computation, which waited for
-   that event. So no rank can overwrite a shard that a peer is still reading.
+Gathering (and reducing) this way is {{term: peer memory}}. What the copies
+cannot do, agree with the peers, is beside `pull_all_gather`; the reduction
+through the peers' memory beside `push_reduce_scatter_mean`.
 
 ## When the copies pay
 
@@ -49,38 +37,6 @@ operations (two barriers and two copies) instead of one kernel, which costs
 host time, and a step bound by the host's time gets slower.
 `bench/peer_gather_probe.py` measures both sides; the figures are on the
 results page.
-
-## Reducing through the peers' memory
-
-A reduce-scatter can be done the same way, with a *workspace*: a buffer of
-$N_d S$ elements on every rank, one slot per rank. Rank $r$ writes slice $q$
-of its full gradient into slot $r$ of rank $q$'s workspace (a copy engine
-writing over NVLink); after a barrier, each rank averages its $N_d$ slots:
-
-$$g_{\text{shard}}^{(q)} = \frac{1}{N_d} \sum_r \text{workspace}^{(q)}[r].$$
-
-The average is one kernel (`torch.mean` over the slots), and it runs in fp32
-whatever the dtype of the slots. That allows something a collective cannot
-do. NCCL reduces in the dtype it sends, so an fp32 reduction must send fp32
-values, and every bf16 gradient is first cast into an fp32 buffer. Yet a
-gradient that autograd computed in bf16, with no micro-batches accumulated
-into it, holds nothing that bf16 cannot hold. So `Chunk.reduce` keeps it in
-bf16, and the copies move half the bytes. The sum is still fp32, and on two
-ranks it is the same number an fp32 all-reduce gives.
-
-The barrier after the copies says that every slice has arrived. The one
-before them says that the workspace is free: a rank reaches it only after its
-previous average on the same stream, so once all ranks have passed it, none
-still reads its workspace, and the copies may overwrite it. No barrier is
-needed after the average; the next reduction's first one covers it.
-
-## On CPU
-
-Processes of one host share memory through a file that all of them map
-(`torch.from_file(..., shared=True)` in `/dev/shm`). `dist.barrier` orders
-them: each rank finishes its writes before it enters the barrier. The copies
-are then `memcpy`. This is the same code path as on a GPU, with the same
-barriers, so the tests exercise it without a GPU.
 
 ## Limitations
 
@@ -121,6 +77,14 @@ class PeerBuffer:
 
     Building one is a collective: every rank must build its chunks' shards in
     the same order.
+
+    #### On CPU
+
+    Processes of one host share memory through a file that all of them map
+    (`torch.from_file(..., shared=True)` in `/dev/shm`). `dist.barrier` orders
+    them: each rank finishes its writes before it enters the barrier. The copies
+    are then `memcpy`. This is the same code path as on a GPU, with the same
+    barriers, so the tests exercise it without a GPU.
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, *, device: torch.device,
@@ -211,8 +175,23 @@ def pull_all_gather(full: torch.Tensor, shards: PeerBuffer) -> None:
     """
     ### `full` [N_d·S] ← every rank's shard, copied out of its memory
 
-    On the current stream (the gather stream on a GPU), between two barriers;
-    see above for why each is needed.
+    On the current stream (the gather stream on a GPU), between two barriers,
+    for the reasons below.
+
+    #### What the copies cannot do: agree with the peers
+
+    A collective synchronises the ranks by itself. Plain copies do not, so each
+    gather is enclosed in two *barriers*. A barrier is a tiny kernel that every rank
+    queues on its gather stream, and that ends when every rank has reached it.
+
+    1. **Before the copies.** Each rank's gather stream has already waited for its
+       compute stream, which holds the optimizer's last write to the shard (see
+       [communication](communication.html)). Once every rank has passed the first
+       barrier, every shard is current.
+    2. **After the copies.** Once every rank has passed the second barrier, no rank
+       still reads this chunk. The gather's event is recorded after it, and the
+       optimizer writes a shard only after its chunk's computation, which waited for
+       that event. So no rank can overwrite a shard that a peer is still reading.
     """
     size = shards.numel
     shards.barrier()  # every rank's shard is written
@@ -224,11 +203,35 @@ def pull_all_gather(full: torch.Tensor, shards: PeerBuffer) -> None:
 
 def push_reduce_scatter_mean(shard: torch.Tensor, full: torch.Tensor,
                              workspace: PeerBuffer) -> None:
-    """
+    r"""
     ### `shard` [S] ← the mean over ranks of this rank's slice of `full` [N_d·S]
 
     `workspace` has room for $N_d S$ elements of `full`'s dtype; the mean is in
     `shard`'s dtype.
+
+    #### Reducing through the peers' memory
+
+    A reduce-scatter can be done the same way, with a *workspace*: a buffer of
+    $N_d S$ elements on every rank, one slot per rank. Rank $r$ writes slice $q$
+    of its full gradient into slot $r$ of rank $q$'s workspace (a copy engine
+    writing over NVLink); after a barrier, each rank averages its $N_d$ slots:
+
+    $$g_{\text{shard}}^{(q)} = \frac{1}{N_d} \sum_r \text{workspace}^{(q)}[r].$$
+
+    The average is one kernel (`torch.mean` over the slots), and it runs in fp32
+    whatever the dtype of the slots. That allows something a collective cannot
+    do. NCCL reduces in the dtype it sends, so an fp32 reduction must send fp32
+    values, and every bf16 gradient is first cast into an fp32 buffer. Yet a
+    gradient that autograd computed in bf16, with no micro-batches accumulated
+    into it, holds nothing that bf16 cannot hold. So `Chunk.reduce` keeps it in
+    bf16, and the copies move half the bytes. The sum is still fp32, and on two
+    ranks it is the same number an fp32 all-reduce gives.
+
+    The barrier after the copies says that every slice has arrived. The one
+    before them says that the workspace is free: a rank reaches it only after its
+    previous average on the same stream, so once all ranks have passed it, none
+    still reads its workspace, and the copies may overwrite it. No barrier is
+    needed after the average; the next reduction's first one covers it.
     """
     size, world, rank = shard.numel(), workspace.world_size, workspace.rank
 

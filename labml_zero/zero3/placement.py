@@ -24,47 +24,12 @@ host, and, when memory is plentiful, which frozen chunks stay gathered instead.
 The mechanisms are [AdamFP16](../optimizers/adam_fp16.html)'s `offload=` and the
 [chunk](chunk.html)'s `offload_shard` and `keep_resident`.
 
-## Bytes moved, bytes saved
-
-Offloading a trainable shard's optimizer state moves, per element and step,
-
-* **down** the fp32 gradient, $4$ bytes (device to host), and
-* **up** the updated master, rounded on the host to the shard dtype, $p$ bytes,
-
-so $F$ offloaded elements cost $4F$ bytes down and $pF$ up per step, and save
-$K_d F$ bytes of device memory: $K_d = 12$, or $8$ for an fp32 shard (its master
-was the shard itself). The host then holds $16F$ bytes: $12F$ of state and $4F$
-of pinned staging buffer, which carries the gradient down and the rounded master
-up.
-
-A parameter shard on the host (`Chunk.offload_shard`, applied by
-`apply_placement`) saves $p$ more bytes per element and costs two uploads of $p$
-bytes per step, one before each all-gather (forward and backward); its updated
-master needs no upload of its own. As in ColossalAI, it needs the whole
-optimizer state on the host.
-
-## When the link becomes the bottleneck
-
-An H200's host link (PCIe Gen5 x16) moves about $50$ GB/s each way, both ways at
-once. For the 20B model with half its optimizer state offloaded,
-$F = 5.1 \cdot 10^9$ elements per rank:
-
-* down: $4F = 20.6$ GB, $0.41$ s; up: $2F = 10.3$ GB, $0.21$ s;
-* the host update reads $\theta, g, m, v$ and writes $\theta, m, v$ and the
-  rounded copy, about $34$ bytes per element: $175$ GB of host-memory traffic
-  per rank, and both ranks share the host's memory bandwidth. It is
-  memory-bound: on a 2-core test machine `torch._fused_adamw_` ran about
-  $1.4 \cdot 10^9$ elements/s on one thread and $1.8 \cdot 10^9$ on two.
-
-A step of $T$ tokens costs $6\Psi T$ FLOP over all ranks; with $T = 32$ k tokens
-($16$ k per rank) at $400$ TFLOP/s per GPU that is about $5$ s, of which
-backward is two thirds. The copy down can hide behind the backward (see
-`prefetch_grad`), so the link is not the bottleneck until
-$4F / 50\,\text{GB/s}$ approaches the backward time: at $T = 2$ k tokens per rank
-(a $0.6$ s step) it is. The host update runs during the backward pass
-([`update_during_backward`](../optimizers/adam_fp16.html)); what of it does not
-fit in the backward pass adds to the step, and with many offloaded elements per
-rank it, not PCIe, is the first bottleneck.
+A {{term: placement}} says, for each chunk, where its optimizer state and its
+parameter shard live; {{term: offload}} is keeping them in host memory. What
+offloading moves over the host link and when the link becomes the bottleneck
+are beside `offload_traffic`; the memory it frees, beside `resident_bytes`;
+keeping frozen chunks gathered, beside `auto_placement`; and where each chunk
+lives during a step of the automatic placement, beside `first_step_placement`.
 
 ## Which chunks first
 
@@ -76,92 +41,19 @@ execution order) first:
 * in the next forward their parameters are needed last, so the upload of the
   updated masters has the most time to land before their all-gather.
 
-## Keeping chunks resident
-
-The opposite case: when device memory is plentiful, a chunk need not be
-gathered again at all. A frozen chunk never changes, so once gathered it can
-stay (`Chunk.keep_resident`): each resident chunk costs $(N_d - 1) S p$ more
-device bytes and saves $2 (N_d - 1) S p$ bytes of all-gather traffic per step
-and rank (the forward and the backward gather). For bias-only fine-tuning of
-GPT-NeoX-20B on 2 ranks, the frozen model is $41$ GB in bf16 and fits an H200
-whole: every step then gathers only the bias chunks. A trainable chunk cannot
-stay: its gathered copy is stale after every optimizer step.
-
-`auto_placement(..., resident_world_size=N_d)` (and `first_step_placement`,
-by default) make frozen chunks resident, largest first, in the memory left
-after the offload decision.
-
-## Memory for the 20B example
-
-On two H200s with $256$ GiB of host memory (both ranks together), offloading a
-fraction $x$ of the optimizer state gives per rank
-$62 + (1 - x)\,123$ GB on the device (plus gathered chunks and activations) and
-$16 x S = 165x$ GB on the host. $x \ge 0.45$ leaves about $20$ GB for gathered
-chunks and activations; $x \le 0.7$ keeps both ranks' host states within
-about $230$ GB. `resident_bytes` computes these splits.
-
-## The automatic placement, measured
-
-`first_step_placement` decides from the job itself: before the optimizer
-exists it runs one forward and backward, reads the device's peak, and offloads
-the fewest chunks whose optimizer state, added back, stays under the capacity
-less a 5% margin. On the benchmark's capability job W5 (GPT-NeoX-20B, every
-parameter trained, 4 × 2048 tokens per GPU, activation checkpointing;
-2×H200, 2026-11-29) it chose:
-
-* 18 of 47 chunks, $x = 0.40$ of the trainable elements: the last 18
-  transformer layers (one chunk each, the largest chunks, so they go first);
-* per rank and step $16.3$ GB down and $8.2$ GB up the host link;
-* a predicted device peak of $130.6$ GiB; measured: $131.4$ GiB;
-* $60.8$ GiB of host state per rank (model), $65$ GiB resident (measured,
-  with the pinned buffers' rounding and the process itself).
-
-Step time $3.07$ s, $5.3$ k tokens/s for both GPUs. PyTorch FSDP2 with
-`CPUOffloadPolicy` and DeepSpeed ZeRO-3 with `offload_optimizer` put *all* of
-the optimizer state (and FSDP2 the parameters and gradients too) in host
-memory, about $16$ bytes per parameter and rank; both ran out of the host's
-memory on the same job (`bench/README.md`, W5).
-
-## Where each chunk lives during a step
-
-W5's placement, per rank; chunks in execution order, "L$i$" a transformer
-layer (one chunk each), the arrows the copies of one step:
-
-```
-chunk            embed  L0 ... L25 | L26 ... L43 | norm  readout
-16-bit shard     GPU    GPU        | GPU         | GPU   GPU
-fp32 gradient    GPU    GPU        | GPU         | GPU   GPU
-master, m, v     GPU    GPU        | host        | GPU   GPU
-                                   | (host Adam, |
-                                   |  a worker)  |
-
-forward    embed, L0, ..., L43, norm, readout: all-gather each chunk
-           (GPU <-> GPU), compute, free the gathered copy
-backward   readout, norm | L43, ..., L26 | L25, ..., L0, embed
-           each chunk: all-gather, recompute, backward, reduce-scatter into
-           its fp32 gradient; a host chunk's gradient then goes down
-           (GPU -> host, 4 bytes/element) and its Adam starts on the host at
-           once, while the backward pass goes on to the earlier layers
-step       device Adam for the GPU chunks; wait for the host's updates, whose
-           rounded 16-bit masters go up (host -> GPU, 2 bytes/element) in
-           time for the next forward's all-gathers
-```
-
-The readout and the embedding (each $310$ M elements) are smaller than a layer
-($453$ M): the fewest-chunks rule takes the layers first, from the output end.
-
 ## Limitations
 
 * Parameter shards on the host are copied up synchronously with their gather
   (on the gather stream, so the prefetch hides it behind the previous unit's
   computation, but a chunk's copy and all-gather do not overlap each other),
   and every gather copies again; keeping a device copy between the forward and
-  the backward pass would halve the traffic. The 2×H200 job above does not need
-  parameter offload, and it has not been measured on GPUs.
+  the backward pass would halve the traffic. Parameter offload has not been
+  measured on GPUs.
 * `first_step_placement` predicts the peak from one step; a job whose memory
   use varies (longer sequences later) needs a larger `margin`.
 * PyTorch's host caching allocator may round pinned blocks up (to powers of two
-  in many versions): the pinned staging buffers can take up to twice $4F$.
+  in many versions): the pinned staging buffers can take up to twice their
+  $4$ bytes per offloaded element.
 """
 
 from __future__ import annotations
@@ -345,11 +237,53 @@ class OffloadTraffic(NamedTuple):
 
 def offload_traffic(placement: Placement, shards: Sequence[ShardSpec], *,
                     param_bytes: int = PARAM_BYTES) -> OffloadTraffic:
-    """
+    r"""
     ### Bytes a step moves over the host link under `placement`
 
     Per offloaded element: $4$ down and $p$ up for optimizer state; a parameter
     shard on the host instead goes up twice (forward and backward gathers).
+
+    #### Bytes moved, bytes saved
+
+    Offloading a trainable shard's optimizer state moves, per element and step,
+
+    * **down** the fp32 gradient, $4$ bytes (device to host), and
+    * **up** the updated master, rounded on the host to the shard dtype, $p$ bytes,
+
+    so $F$ offloaded elements cost $4F$ bytes down and $pF$ up per step, and save
+    $K_d F$ bytes of device memory: $K_d = 12$, or $8$ for an fp32 shard (its master
+    was the shard itself). The host then holds $16F$ bytes: $12F$ of state and $4F$
+    of pinned staging buffer, which carries the gradient down and the rounded master
+    up.
+
+    A parameter shard on the host (`Chunk.offload_shard`, applied by
+    `apply_placement`) saves $p$ more bytes per element and costs two uploads of $p$
+    bytes per step, one before each all-gather (forward and backward); its updated
+    master needs no upload of its own. As in ColossalAI, it needs the whole
+    optimizer state on the host.
+
+    #### When the link becomes the bottleneck
+
+    An H200's host link (PCIe Gen5 x16) moves about $50$ GB/s each way, both ways at
+    once. For the 20B model with half its optimizer state offloaded,
+    $F = 5.1 \cdot 10^9$ elements per rank:
+
+    * down: $4F = 20.6$ GB, $0.41$ s; up: $2F = 10.3$ GB, $0.21$ s;
+    * the host update reads $\theta, g, m, v$ and writes $\theta, m, v$ and the
+      rounded copy, about $34$ bytes per element: $175$ GB of host-memory traffic
+      per rank, and both ranks share the host's memory bandwidth. It is
+      memory-bound: a fused AdamW on the host runs at about the host's memory
+      bandwidth over those bytes per element, and more threads help little.
+
+    A step of $T$ tokens costs $6\Psi T$ FLOP over all ranks; with $T = 32$ k tokens
+    ($16$ k per rank) at $400$ TFLOP/s per GPU that is about $5$ s, of which
+    backward is two thirds. The copy down can hide behind the backward (see
+    `prefetch_grad`), so the link is not the bottleneck until
+    $4F / 50\,\text{GB/s}$ approaches the backward time: at $T = 2$ k tokens per rank
+    (a $0.6$ s step) it is. The host update runs during the backward pass
+    ([`update_during_backward`](../optimizers/adam_fp16.html)); what of it does not
+    fit in the backward pass adds to the step, and with many offloaded elements per
+    rank it, not PCIe, is the first bottleneck.
     """
     placement.check(shards)
     down = up = 0
@@ -380,6 +314,15 @@ def resident_bytes(placement: Placement, shards: Sequence[ShardSpec], *,
     the host; a parameter shard on the host moves $p$. Frozen chunks hold $p$.
     Gathered chunks and activations are not model states (see the
     [memory model](memory_model.html)).
+
+    #### Memory for the 20B example
+
+    On two H200s with $256$ GiB of host memory (both ranks together), offloading a
+    fraction $x$ of the optimizer state gives per rank
+    $62 + (1 - x)\,123$ GB on the device (plus gathered chunks and activations) and
+    $16 x S = 165x$ GB on the host. $x \ge 0.45$ leaves about $20$ GB for gathered
+    chunks and activations; $x \le 0.7$ keeps both ranks' host states within
+    about $230$ GB. `resident_bytes` computes these splits.
     """
     placement.check(shards)
     k_device = device_optimizer_bytes(param_bytes)
@@ -449,6 +392,21 @@ def auto_placement(
     its gathered buffer, $N_d S p$ bytes, to the peak while it fits. (A chunk
     gathered at the measured peak is then counted twice: the estimate errs on
     the safe side.)
+
+    #### Keeping chunks resident
+
+    The opposite case: when device memory is plentiful, a chunk need not be
+    gathered again at all. A frozen chunk never changes, so once gathered it can
+    stay (`Chunk.keep_resident`): each resident chunk costs $(N_d - 1) S p$ more
+    device bytes and saves $2 (N_d - 1) S p$ bytes of all-gather traffic per step
+    and rank (the forward and the backward gather). For bias-only fine-tuning of
+    GPT-NeoX-20B on 2 ranks, the frozen model is $41$ GB in bf16 and fits an H200
+    whole: every step then gathers only the bias chunks. A trainable chunk cannot
+    stay: its gathered copy is stale after every optimizer step.
+
+    `auto_placement(..., resident_world_size=N_d)` (and `first_step_placement`,
+    by default) make frozen chunks resident, largest first, in the memory left
+    after the offload decision.
     """
     check_shards(shards)
     for name, value in (("device_capacity", device_capacity),
@@ -570,6 +528,33 @@ def first_step_placement(
     Then `apply_placement(model, result.placement)` and
     `AdamFP16(model.get_trainable_chunk(), ...,
     offload=result.placement.optimizer_offload(shard_specs(model)))`.
+
+    #### The decision for the benchmark's capability job
+
+    On the benchmark's job W5 (GPT-NeoX-20B, every parameter trained,
+    activation checkpointing, two ranks) the measured step leaves room for
+    the optimizer state of only part of the model: the fewest chunks whose state
+    must go are the last transformer layers (one chunk each, the largest
+    chunks, so they go first), and `offload_traffic` and `resident_bytes` give
+    the link's bytes and the host's memory for that choice. PyTorch FSDP2 with
+    `CPUOffloadPolicy` and DeepSpeed ZeRO-3 with `offload_optimizer` put *all*
+    of the optimizer state (and FSDP2 the parameters and gradients too) in host
+    memory, $16$ bytes per parameter and rank, where this policy puts only what
+    does not fit; the [benchmark's results](../../results.html) give the measured
+    figures.
+
+    #### Where each chunk lives during a step
+
+    ![where each chunk lives under two placements](figures/placement.svg)
+
+    In the backward pass each chunk is gathered, recomputed, run backward and
+    reduce-scattered into its fp32 gradient; a host chunk's gradient then goes
+    down ($4$ bytes an element) and its Adam starts on the host at once, while
+    the backward pass goes on to the earlier layers. At the step the device's
+    Adam updates the device chunks; the host's rounded 16-bit masters go up
+    ($p$ bytes an element) in time for the next forward's all-gathers. The
+    readout and the embedding are smaller than a layer, so the fewest-chunks
+    rule takes the layers first, from the output end.
     """
     device = model.runtime.comm.device
     if device.type == "cuda":
