@@ -51,7 +51,6 @@ from torch import nn
 
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.checkpoint import check_hf_snapshot
-from labml_zero.neox.finetuners import finetuner
 from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
                                          check_resumable, sequential_shapes)
 from labml_zero.zero3.memory_model import OPTIMIZER_BYTES
@@ -170,7 +169,8 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
             raise PreflightError(str(e)) from e
     layers = neox_model.build_layers(neox, filter_layers=config.filter_layers,
                                      device="meta")
-    finetuner(config.finetune)(layers)
+    # the chunk layout a resume compares against: LoRA's options included
+    config.tuner()(layers)
 
     out = check_writable_dir(config.out, "--out")
     check_writable_dir(config.log_dir, "--log-dir")

@@ -71,10 +71,10 @@ flag computed on the device from the gradient (no host sync) and leaves master,
 moments and shard untouched when it is set; the host update checks on the host.
 On the host `step()` then raises at once; on a GPU the flags are copied to the
 host behind the backward pass and read at the next `step()` or `shard_state()`
-(so before any checkpoint holds the step), which raises, naming the shards whose update was skipped, with their
-step counts unchanged. `LossScaler.step` refuses an optimizer with
-`update_during_backward=True` outright: skipping a whole step is impossible once
-other shards were updated.
+(so before any checkpoint holds the step). It raises naming the shards whose
+update was skipped, with their step counts unchanged. `LossScaler.step` refuses
+an optimizer with `update_during_backward=True` outright: skipping a whole step
+is impossible once other shards were updated.
 
 Checkpoints read and write a shard's state through `shard_state(shard)` and
 `load_shard_state(shard, state)` (keys `step`, `master`, `exp_avg`,
