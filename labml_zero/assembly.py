@@ -30,7 +30,8 @@ the placement. `assemble` is that order written once, as numbered steps:
 
 The result is an `Assembled`: the model, the optimizer, the parameter counts and
 what the placement step decided, which the benchmark reports and the fine-tune's
-tracker records.
+tracker records; with `'auto'` rank 0 prints the decision ([its
+report](zero3/placement_report.html)).
 
 ## Limitations
 
@@ -62,6 +63,7 @@ from labml_zero.zero3.placement import (
     first_step_placement,
     shard_specs,
 )
+from labml_zero.zero3.placement_report import decision_lines
 from labml_zero.zero3.sharded_model import Zero3Layer, Zero3Sequential, zero3_layers
 
 __all__ = ["Recipe", "AutoLimits", "Assembled", "assemble"]
@@ -225,6 +227,8 @@ def place(model: Zero3Sequential, recipe: Recipe,
         decided = first_step_placement(model, lambda: probe(model),
                                        resident=recipe.resident, **limits)
         apply_placement(model, decided.placement)
+        if model.runtime.comm.rank == 0:
+            print("\n".join(decision_lines(decided, shard_specs(model))), flush=True)
         return decided.placement, decided
     if recipe.offload_optimizer == 0 and recipe.offload_params == 0:
         return None, None
