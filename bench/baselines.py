@@ -22,8 +22,8 @@ placed and in which dtypes.
   $\frac{(2+2+12)\Psi_t + 2\Psi_f}{N_d}$ per rank.
 
 "AdamW with fp32 master weights", the setting of every workload, is met by all
-three: FSDP2 and DDP keep the parameters themselves in fp32 (the master *is* the parameter, and
-bf16 exists only as the gathered or autocast copy used by the matrix
+three: FSDP2 and DDP keep the parameters themselves in fp32 (the master *is*
+the parameter, and bf16 exists only as the gathered or autocast copy used by the matrix
 products); DeepSpeed keeps bf16 parameters and a separate fp32 master.
 
 A workload may ask for two more things (W5 asks for both):

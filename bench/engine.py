@@ -147,7 +147,8 @@ class Engine:
       caching allocator, added to the measured peaks (our peer memory).
     * `measured_report(steps)`: with the automatic offload, the lines that put
       the measured device and host peaks after `steps` steps beside the
-      predicted ones ([the placement's report](../labml_zero/zero3/placement_report.html)).
+      predicted ones ([the placement's
+      report](../labml_zero/zero3/placement_report.html)).
     """
 
     step: Callable[[torch.Tensor], torch.Tensor]

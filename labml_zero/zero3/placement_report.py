@@ -48,7 +48,7 @@ GB = 1e9
 
 
 class PlacementSummary(NamedTuple):
-    """
+    r"""
     ## The decision in numbers
 
     * `offloaded_chunks`, `trainable_chunks`: chunks with their optimizer state
