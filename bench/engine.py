@@ -230,8 +230,9 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         offload_optimizer="auto" if automatic else 0.0,
         resident=workload.resident, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
         # no clipping or loss scaling here, so every shard can be updated
-        # during the backward pass, as soon as its chunk is reduced
-        update_during_backward=True)
+        # during the backward pass, as soon as its chunk is reduced, and its
+        # fp32 gradient freed then (fewer optimizer states to offload)
+        update_during_backward=True, free_grads=True)
     # zero3_layers materialises, initialises and shards one layer at a time
     # (steps 1 to 3 above), with one chunk size searched over all of them.
     built = assemble(build_layers(workload.model, device="meta"), recipe,
@@ -248,7 +249,8 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     memory = {
         "zero_states": zero_model_states(psi_t, psi_f, ctx.world_size, **sizes),
         "layout_states": states,
-        # the fp32 shard gradients exist from their reduce-scatter to zero_grad
+        # the fp32 shard gradients exist from their reduce-scatter to their
+        # early update (free_grads), at most all of them at once
         "shard_grads": states - sum(
             layout_model_states(lay, **{**sizes, "grad_bytes": 0}) for lay in layouts),
         # Each Zero3Layer's layout is one group (group 0): one unit.
