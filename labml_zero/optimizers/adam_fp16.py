@@ -76,22 +76,6 @@ step counts unchanged. `LossScaler.step` refuses an optimizer with
 `update_during_backward=True` outright: skipping a whole step is impossible once
 other shards were updated.
 
-## Note: freeing a gradient after its early update
-
-With `free_grads=True` (and `update_during_backward=True`) a shard's fp32
-gradient is let go as soon as its early update has consumed it: on the device
-once the update is queued on the side stream (`record_stream` keeps the
-allocator from reusing the block until that stream has read it), for an
-offloaded shard once its copy down is queued (the copy stream's
-`record_stream`; the host update then reads the staging buffer, which the copy
-down filled). The $4S$ bytes of fp32 gradient of all the shards, $4\Psi_t/N$,
-then never exist at once: only the chunks whose update is in flight hold one.
-The update and its operands are the same, so the losses are bit for bit those
-without it. The price: after `backward()` the gradients are gone, so nothing may
-read them before `step()`: no clipping (it would see no gradient and clip
-nothing, silently), no gradient accumulation (a second backward makes new
-gradients, which `step()` refuses as for a changed one).
-
 Checkpoints read and write a shard's state through `shard_state(shard)` and
 `load_shard_state(shard, state)` (keys `step`, `master`, `exp_avg`,
 `exp_avg_sq`); `state_device(shard)` says where a loader should put the tensors.
@@ -154,7 +138,7 @@ class AdamFP16(torch.optim.Optimizer):
     * `update_during_backward`: update each shard as soon as `grad_ready` is
       called for it (see Note: updating during the backward pass).
     * `free_grads`: with it, free each shard's gradient once its early update
-      has consumed it (see Note: freeing a gradient after its early update).
+      has consumed it (see `_free_grad`).
     """
 
     def __init__(
@@ -385,12 +369,30 @@ class AdamFP16(torch.optim.Optimizer):
             # the compute stream frees the gradient (at `zero_grad`, or below)
             grad.record_stream(stream)
         if self.free_grads:
-            # see Note: freeing a gradient after its early update; an offloaded
+            # see `_free_grad`; an offloaded
             # shard's copy down was queued in `grad_ready`, before this
             self._free_grad(param)
 
     @staticmethod
     def _free_grad(param: torch.Tensor) -> None:
+        r"""
+        #### Free a gradient after its early update (`free_grads=True`)
+
+        With `free_grads=True` (and `update_during_backward=True`) a shard's fp32
+        gradient is let go as soon as its early update has consumed it: on the
+        device once the update is queued on the side stream (`record_stream` keeps
+        the allocator from reusing the block until that stream has read it), for an
+        offloaded shard once its copy down is queued (the copy stream's
+        `record_stream`; the host update then reads the staging buffer, which the
+        copy down filled). The $4S$ bytes of fp32 gradient of all the shards,
+        $4\Psi_t/N$, then never exist at once: only the chunks whose update is in
+        flight hold one. The update and its operands are the same, so the losses are
+        bit for bit those without it. The price: after `backward()` the gradients
+        are gone, so nothing may read them before `step()`: no clipping (it would
+        see no gradient and clip nothing, silently), no gradient accumulation (a
+        second backward makes new gradients, which `step()` refuses as for a changed
+        one).
+        """
         shard = LocalShard.of(param)
         if shard is not None:
             shard.zero_grad()

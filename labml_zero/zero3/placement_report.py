@@ -20,8 +20,9 @@ the prediction held. The decision is summed up as
   (rounded masters), from `offload_traffic`;
 * the **predicted device peak**, the placement's own
   ($\text{measured\_peak\_other} + K_d \sum_{\text{on device}} S_c$), and the
-  **predicted host bytes**, the model states in host memory ($16F$ plus any
-  parameter shards there, from `resident_bytes`): the process's own memory
+  **predicted host bytes**, the model states in host memory (the offloaded
+  optimizer states and their staging buffers, and any parameter shards there,
+  from `resident_bytes`): the process's own memory
   (Python, CUDA's host side, pinned pools) comes on top of it.
 
 After the first steps, `measured_lines` puts beside them the device's
