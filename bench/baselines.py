@@ -21,9 +21,9 @@ placed and in which dtypes.
   default); `AdamW` on fp32 master partitions.
   $\frac{(2+2+12)\Psi_t + 2\Psi_f}{N_d}$ per rank.
 
-"AdamW with fp32 master weights" (`ANCHORS.md`) is met by all three: FSDP2 and
-DDP keep the parameters themselves in fp32 (the master *is* the parameter, and
-bf16 exists only as the gathered or autocast copy used by the matrix
+"AdamW with fp32 master weights", the setting of every workload, is met by all
+three: FSDP2 and DDP keep the parameters themselves in fp32 (the master *is*
+the parameter, and bf16 exists only as the gathered or autocast copy used by the matrix
 products); DeepSpeed keeps bf16 parameters and a separate fp32 master.
 
 A workload may ask for two more things (W5 asks for both):
@@ -46,8 +46,8 @@ sharded (torchtitan's order), so FSDP2's hooks gather the parameters before the
 recomputation in backward exactly as before the forward.
 
 With `compile`, each transformer layer is compiled first, `module.compile()`
-before `fully_shard` (torchtitan's order again, and that of the compiled figures
-in `ANCHORS.md`): its whole call is compiled, and FSDP2's hooks on it run
+before `fully_shard` (torchtitan's order again, and that of the project's
+compiled peer figures): its whole call is compiled, and FSDP2's hooks on it run
 eagerly (FSDP2 marks them `torch._dynamo.disable`). With recomputation the
 layer inside `Recomputed` is compiled, as ours is; the backend is the same as
 ours ([compiled layers](../labml_zero/zero3/compiled.html)).

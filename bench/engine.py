@@ -59,7 +59,10 @@ reduced (the runtime's `grad_ready` hook), their host update starts then too
 and each rank's host Adam runs on
 $\lfloor \text{cores} / N \rfloor$ threads ([launch](../labml_zero/launch.html)
 sets them), so the ranks of one host do not fight over the cores. The probe is
-part of the build time (`init_s`).
+part of the build time (`init_s`). Rank 0 prints the decision (chunks and
+fraction offloaded, host-link bytes, predicted peaks) when it is made, and the
+measured peaks after the timed steps; the line's `predicted_peak` is the
+placement's.
 
 With `workload.resident` the same decision also keeps frozen chunks gathered
 in the device memory left over ([keeping chunks
@@ -112,6 +115,7 @@ from labml_zero.zero3.placement import (
     resident_bytes,
     shard_specs,
 )
+from labml_zero.zero3.placement_report import measured_lines
 from labml_zero.zero3.memory_model import (
     GRAD_BYTES,
     MASTER_INIT_BYTES,
@@ -141,6 +145,10 @@ class Engine:
     * `counter`: the engine's collective counter, if it has one (ours).
     * `uncounted_device_bytes`: device memory the engine holds outside the
       caching allocator, added to the measured peaks (our peer memory).
+    * `measured_report(steps)`: with the automatic offload, the lines that put
+      the measured device and host peaks after `steps` steps beside the
+      predicted ones ([the placement's
+      report](../labml_zero/zero3/placement_report.html)).
     """
 
     step: Callable[[torch.Tensor], torch.Tensor]
@@ -151,6 +159,7 @@ class Engine:
     counter: CommCounter | None = None
     info: dict = field(default_factory=dict)
     uncounted_device_bytes: int = 0
+    measured_report: Callable[[int], list[str]] | None = None
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -221,8 +230,9 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         offload_optimizer="auto" if automatic else 0.0,
         resident=workload.resident, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
         # no clipping or loss scaling here, so every shard can be updated
-        # during the backward pass, as soon as its chunk is reduced
-        update_during_backward=True)
+        # during the backward pass, as soon as its chunk is reduced, and its
+        # fp32 gradient freed then (fewer optimizer states to offload)
+        update_during_backward=True, free_grads=True)
     # zero3_layers materialises, initialises and shards one layer at a time
     # (steps 1 to 3 above), with one chunk size searched over all of them.
     built = assemble(build_layers(workload.model, device="meta"), recipe,
@@ -241,15 +251,26 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         "zero_states": zero_model_states(psi_t, psi_f, ctx.world_size, **sizes),
         "layout_states": states,
         # the fp32 shard gradients exist from their reduce-scatter to zero_grad
+        # (to their early update with free_grads): at most all of them at once
         "shard_grads": states - layout_model_states(layout,
                                                     **{**sizes, "grad_bytes": 0}),
         "gathered_peak": gathered_peak(layout, config.prefetch_depth, PARAM_BYTES),
     }
     info = {"chunk_numel": layout.chunk_numel,
             "chunks": len(model.chunks)}
-    if built.decided is not None:
-        report_placement(built.decided, shard_specs(model), memory, info)
+    measured = None
     memory.update(predicted_peak(workload, memory))
+    if built.decided is not None:
+        shards = shard_specs(model)
+        report_placement(built.decided, shards, memory, info)
+        # One source of truth: the placement's prediction stands on a measured
+        # probe, which the analytic formula cannot match once states are on
+        # the host (its activations and gathered buffers are estimates).
+        memory["predicted_peak"] = built.decided.predicted_peak
+        decided = built.decided
+
+        def measured(steps: int) -> list[str]:
+            return measured_lines(decided, shards, device=ctx.device, steps=steps)
 
     return Engine(
         step=zero_step(model, built.optimizer),
@@ -257,12 +278,13 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         memory_formula="(2+4+12)·Ψt/N + 2·Ψf/N; layout = same with padding; "
         "gathered_peak = bf16 chunks of 1 + prefetch_depth units; "
         "predicted_peak = device states - shard grads + gathered_peak "
-        "+ activations",
+        "+ activations, or the automatic placement's own prediction",
         psi_trainable=psi_t,
         psi_frozen=psi_f,
         counter=model.runtime.comm.counter,
         info=info,
         uncounted_device_bytes=model.runtime.comm.peer_bytes_uncounted,
+        measured_report=measured,
     )
 
 
@@ -271,13 +293,15 @@ def predicted_peak(workload: Workload, memory: dict) -> dict[str, int]:
     ### The peak the notes predict: states, gathered chunks, activations
 
     $M_\text{states} - 4\Psi_t/N + G + A$, at the start of the backward pass:
-    the model states on the device (from the layout, or from the placement
-    when some are on the host) but the fp32 shard gradients, which exist only
+    the model states on the device (from the layout) but the fp32 shard
+    gradients, which exist only
     from their chunk's reduce-scatter on, the gathered chunks of $1 +$
     prefetch units, and the activations alive then ([activation
     memory](../labml_zero/neox/activation_memory.html): every layer's saved
     tensors plus the readout's and the loss's peak). Eager PyTorch: compiled
-    layers choose what they save themselves.
+    layers choose what they save themselves. With the automatic offload the
+    builder replaces it by the placement's own prediction, which stands on the
+    probe's measured peak.
     """
     activations = activation_bytes(
         workload.model, batch=workload.batch, seq=workload.seq,

@@ -164,6 +164,8 @@ def measure_rank(ctx: launch.DistContext, engine: str, workload: Workload,
                        device=ctx.device)
     train_peak = peak_memory(ctx.device, uncounted=uncounted)
     steps_run = run.warmup + run.steps
+    if built.measured_report is not None and ctx.rank == 0:
+        print("\n".join(built.measured_report(steps_run)), flush=True)
     record = {
         # Asked here, not in the parent: a CUDA context in the parent would hold
         # memory on GPU 0 for the whole run.
@@ -372,9 +374,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "and its baselines on GPT-NeoX workloads.",
     )
     parser.add_argument("--workloads", default="W1,W2,W3,W4",
-                        help="comma-separated subset of W1,W2,W3,W4,W5,W3R")
+                        help="comma-separated subset of W1,W2,W3,W4,W5,W3R,W6,W2-1")
     parser.add_argument("--engines", default=",".join(ENGINES),
                         help=f"comma-separated subset of {','.join(ENGINES)}")
+    parser.add_argument("--batch", default=None,
+                        help="comma-separated sequences per GPU, e.g. 2,4,8: each "
+                        "workload runs once per value (default: the workload's)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--world-size", type=int, default=None,
@@ -410,6 +415,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     known = workloads()
     args.workload_list = split_names(args.workloads, known, "--workloads")
     args.engine_list = split_names(args.engines, ENGINES, "--engines")
+    args.batch_list = [None] if args.batch is None else split_batches(args.batch)
     if args.compile and args.warmup < 1:
         raise SystemExit("--compile needs --warmup >= 1: the first step compiles")
     if args.prefetch_depth < 0:
@@ -424,6 +430,17 @@ def split_names(value: str, known, flag: str) -> list[str]:
         raise SystemExit(f"{flag}: unknown or empty {unknown or value!r}; "
                          f"choose from {','.join(known)}")
     return names
+
+
+def split_batches(value: str) -> list[int]:
+    try:
+        batches = [int(b) for b in value.split(",") if b.strip()]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        raise SystemExit(f"--batch: expected comma-separated integers >= 1, "
+                         f"got {value!r}")
+    return batches
 
 
 def table(lines: list[dict]) -> str:
@@ -467,22 +484,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     world_size = args.world_size or (torch.cuda.device_count() if cuda else 2)
     known = workloads()
     lines = []
-    for name in args.workload_list:
+    pairs = [(name, batch, engine) for name in args.workload_list
+             for batch in args.batch_list for engine in args.engine_list]
+    for name, batch, engine in pairs:
         workload = shrink(known[name]) if args.tiny else known[name]
         workload = replace(workload, compile=args.compile,
                            prefetch_depth=args.prefetch_depth,
                            peer_gather=args.peer_gather,
-                           peer_reduce=args.peer_reduce)
-        for engine in args.engine_list:
-            result = run_pair(engine, workload, run, world_size=world_size,
-                              backend=backend, timeout_s=args.timeout)
-            result["tiny"] = args.tiny
-            lines.append(result)
-            text = json.dumps(result)
-            print(text, flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(text + "\n")
+                           peer_reduce=args.peer_reduce,
+                           batch=workload.batch if batch is None else batch)
+        result = run_pair(engine, workload, run, world_size=world_size,
+                          backend=backend, timeout_s=args.timeout)
+        result["tiny"] = args.tiny
+        lines.append(result)
+        text = json.dumps(result)
+        print(text, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(text + "\n")
     print(table(lines), flush=True)
     return lines
 

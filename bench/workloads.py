@@ -7,8 +7,8 @@ summary: The four GPT-NeoX training jobs every engine runs, and the FLOPs a toke
 # Benchmark workloads
 
 Each workload is a model shape, a per-GPU micro-batch and a fine-tuner, the same
-for every engine (see `ANCHORS.md`): GPT-NeoX layers, random initialisation,
-random tokens, bf16 computation, AdamW with fp32 master weights.
+for every engine: GPT-NeoX layers, random initialisation, random tokens, bf16
+computation, AdamW with fp32 master weights.
 
 | name | model | per-GPU batch × sequence | trains |
 | --- | --- | --- | --- |
@@ -18,6 +18,9 @@ random tokens, bf16 computation, AdamW with fp32 master weights.
 | W4 | Pythia-160M | 16 × 1024 | everything |
 | W5 | GPT-NeoX-20B | 4 × 2048 | everything; recomputation, offload |
 | W3R | GPT-NeoX-20B | 16 × 128 | biases only, frozen chunks resident (labml_zero) |
+| W6 | Pythia-12B | 2 × 2048 | everything; recomputation, offload; one GPU |
+| W2-1 | Pythia-6.9B | 2 × 2048 | everything; recomputation; one GPU |
+| W2-1O | Pythia-6.9B | 2 × 2048 | everything; recomputation, offload; one GPU |
 
 W5 is the capability job of heterogeneous memory: its model states alone,
 $(2 + 4 + 12) \cdot 20.6 \cdot 10^9 / 2 = 185$ GB per rank, do not fit an H200
@@ -27,6 +30,15 @@ optimizer states of whole chunks in host memory by the
 measured, then as few chunks offloaded as make it fit), PyTorch FSDP2 with
 `CPUOffloadPolicy` (parameters, gradients and optimizer all on the host),
 DeepSpeed ZeRO-3 with `offload_optimizer` to the CPU. DDP is not run on it.
+
+W6 is the same job on one GPU (`--world-size 1`): Pythia-12B's
+$18 \cdot 11.85 \cdot 10^9 = 213$ GB of model states do not fit one H200
+either. Its tokens per step are a choice: `--batch 2,4,8` runs it (like any
+workload) once per micro-batch size, and an out-of-memory error, device or host,
+is a line of its own. W2-1 is Pythia-6.9B, $18 \cdot 6.86 \cdot 10^9 = 123$ GB
+of model states, on one GPU with recomputation and no offload, every engine
+as it is; W2-1O is the same with each engine's offload, for the engines that do
+not fit without it.
 
 ## FLOPs per token
 
@@ -42,7 +54,7 @@ and $2N$ for those of the weights, and $4LTd$ for the two attention products
 ($QK^\top$ and the weighted sum of $V$) forward, three times over. Training the
 biases only skips the weight gradients of the matrices, so $F = 4N + 12LTd$. MFU
 is $F$ times the tokens per second of one GPU, over its peak: 790 TFLOP/s for
-dense bf16 on an H200 (measured, `ANCHORS.md`).
+dense bf16 on an H200 (measured by the project with a large matrix product).
 
 ## Limitations
 
@@ -60,9 +72,10 @@ from labml_zero.neox.model import (
     pythia_160m,
     pythia_1_4b,
     pythia_6_9b,
+    pythia_12b,
 )
 
-# Dense bf16 matrix product on one H200, measured (ANCHORS.md).
+# Dense bf16 matrix product on one H200, measured.
 PEAK_FLOPS_BF16 = 790e12
 
 FINETUNES = ("all", "biases")
@@ -75,7 +88,7 @@ class Workload:
     """
 
     name: str
-    """Short name, `W1`..`W4`; `tiny` workloads keep it."""
+    """Short name, `W1`..`W6`; `tiny` workloads keep it."""
     model: NeoXConfig
     """The model shape; initialised at random."""
     batch: int
@@ -167,12 +180,12 @@ def mfu(workload: Workload, tokens_per_s: float, world_size: int) -> float:
     return flops_per_token(workload) * tokens_per_s / world_size / PEAK_FLOPS_BF16
 
 
-# ## The four workloads
+# ## The workloads
 
 
 def workloads() -> dict[str, Workload]:
-    """W1..W4 of `ANCHORS.md`, the capability job W5, and W3 with resident
-    frozen chunks (W3R)."""
+    """W1..W4, the capability job W5, W3 with resident frozen chunks (W3R),
+    and the one-GPU jobs W6, W2-1 and W2-1O."""
     return {
         "W1": Workload("W1", pythia_1_4b(), batch=8, seq=2048),
         "W2": Workload("W2", pythia_6_9b(), batch=2, seq=2048),
@@ -182,6 +195,12 @@ def workloads() -> dict[str, Workload]:
                         finetune="biases", resident=True),
         "W5": Workload("W5", gpt_neox_20b(), batch=4, seq=2048,
                        activation_checkpointing=True, offload="auto"),
+        "W6": Workload("W6", pythia_12b(), batch=2, seq=2048,
+                       activation_checkpointing=True, offload="auto"),
+        "W2-1": Workload("W2-1", pythia_6_9b(), batch=2, seq=2048,
+                         activation_checkpointing=True),
+        "W2-1O": Workload("W2-1O", pythia_6_9b(), batch=2, seq=2048,
+                          activation_checkpointing=True, offload="auto"),
     }
 
 

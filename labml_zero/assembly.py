@@ -30,7 +30,8 @@ the placement. `assemble` is that order written once, as numbered steps:
 
 The result is an `Assembled`: the model, the optimizer, the parameter counts and
 what the placement step decided, which the benchmark reports and the fine-tune's
-tracker records.
+tracker records; with `'auto'` rank 0 prints the decision ([its
+report](zero3/placement_report.html)).
 
 ## Limitations
 
@@ -62,7 +63,9 @@ from labml_zero.zero3.placement import (
     first_step_placement,
     shard_specs,
 )
+from labml_zero.zero3.placement_report import decision_lines
 from labml_zero.zero3.sharded_model import Zero3Layer, Zero3Sequential, zero3_layers
+from labml_zero.zero3.shard import LocalShard
 
 __all__ = ["Recipe", "AutoLimits", "Assembled", "assemble"]
 
@@ -119,6 +122,11 @@ class Recipe:
     update_during_backward: bool = False
     """Update each shard as soon as its chunk is reduced; only right when nothing
     changes a gradient after its reduce-scatter (no clipping, no loss scaling)."""
+    free_grads: bool = False
+    r"""With `update_during_backward`: free each shard's fp32 gradient once its
+    update has consumed it (`AdamFP16(free_grads=True)`), so the $4\Psi_t/N$
+    bytes of them never exist at once; `'auto'`'s probe frees them the same way,
+    so the measured peak, and the placement, know it."""
     seed: int | None = None
     """Seed the initialisation with this (inside a forked RNG, so the caller's
     random state is untouched); `None`: use the current random state."""
@@ -163,6 +171,8 @@ def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
     * `probe(model)`: one forward and backward, for `'auto'`;
     * `auto_limits(shards)`: the allocator's stand-in for `'auto'` off a GPU.
     """
+    if recipe.free_grads and not recipe.update_during_backward:
+        raise ValueError("Recipe.free_grads needs update_during_backward=True")
     # 1. mark: `requires_grad` decides trainable against frozen chunks, so it
     # must be set before the layout is cut.
     tuner = (finetuner(recipe.finetune) if isinstance(recipe.finetune, str)
@@ -197,12 +207,31 @@ def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
     # 5. the optimizer on the trainable shards.
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=recipe.lr,
                          weight_decay=recipe.weight_decay, offload=offload,
-                         update_during_backward=recipe.update_during_backward)
+                         update_during_backward=recipe.update_during_backward,
+                         free_grads=recipe.free_grads)
 
     # 6. wire: as each chunk is reduced, an offloaded gradient starts its copy
     # to the host and (with `update_during_backward`) its shard's update.
     model.runtime.on_grad_ready(optimizer.grad_ready)
     return Assembled(model, sharded, optimizer, counts, placement, decided)
+
+
+def free_probe_grad(shard: torch.Tensor, after, freeing: list[bool]) -> None:
+    """
+    #### The probe's stand-in for `free_grads`: drop each reduced gradient
+
+    The optimizer does not exist during the probe; this callback lets each
+    gradient go as the optimizer would after its early update, so the probe's
+    peak is the step's. Registered for the probe, idle (`freeing[0]` false)
+    after it.
+    """
+    local = LocalShard.of(shard)
+    if not freeing[0] or local is None or local.grad is None:
+        return
+    if after is not None and local.grad.is_cuda:
+        # the reduce stream still writes it: the allocator waits for that stream
+        local.grad.record_stream(after)
+    local.zero_grad()
 
 
 def place(model: Zero3Sequential, recipe: Recipe,
@@ -227,9 +256,16 @@ def place(model: Zero3Sequential, recipe: Recipe,
         elif device.type != "cuda":
             raise ValueError("offload_optimizer 'auto' needs GPUs (it reads the "
                              "CUDA allocator's peak); give a fraction on CPU")
+        freeing = [recipe.free_grads]
+        if recipe.free_grads:
+            model.runtime.on_grad_ready(
+                lambda shard, after=None: free_probe_grad(shard, after, freeing))
         decided = first_step_placement(model, lambda: probe(model),
                                        resident=recipe.resident, **limits)
+        freeing[0] = False
         apply_placement(model, decided.placement)
+        if model.runtime.comm.rank == 0:
+            print("\n".join(decision_lines(decided, shard_specs(model))), flush=True)
         return decided.placement, decided
     if recipe.offload_optimizer == 0 and recipe.offload_params == 0:
         return None, None

@@ -94,3 +94,34 @@ def test_auto_placement_with_a_simulated_device():
     assert built.decided is not None
     assert built.placement == built.decided.placement
     assert 0 < len(built.optimizer.host) == len(built.placement.optimizer_on_host)
+
+
+def test_free_grads_reaches_the_optimizer_and_the_probe():
+    left = []
+
+    def probe(model):
+        lm_probe(model)
+        # the probe frees each reduced gradient as the optimizer will
+        left.append([c.local.grad for c in model.chunks if c.trainable])
+
+    def limits(shards):
+        trainable = sum(s.numel for s in shards if s.trainable)
+        return AutoLimits(measure_peak=lambda run: (run(), 1000)[1],
+                          device_capacity=1000 + 4 * trainable)
+
+    built = assemble(tiny_layers(), recipe(offload_optimizer="auto",
+                                           update_during_backward=True,
+                                           free_grads=True, resident=False),
+                     device=CPU, probe=probe, auto_limits=limits)
+    assert left and left[0] and all(g is None for g in left[0])
+    assert built.optimizer.free_grads
+    # after the probe the stand-in is idle: the optimizer frees them now
+    lm_probe(built.model)
+    assert built.optimizer.early
+    built.optimizer.step()
+    assert all(c.local.grad is None for c in built.model.chunks)
+
+
+def test_free_grads_needs_updates_during_backward():
+    with pytest.raises(ValueError, match="free_grads needs update_during_backward"):
+        assemble(tiny_layers(), recipe(free_grads=True), device=CPU)

@@ -28,6 +28,44 @@ def test_offloaded_and_resident_workloads_run_tiny():
     assert w3r["host_rss_peak_gib"] > 0
 
 
+def test_offloaded_predicted_peak_is_the_placements(capfd):
+    # W6 at world size 1, at two micro-batch sizes (--batch): the line's
+    # predicted peak is the automatic placement's own, which rank 0 printed
+    lines = bench_run.main([
+        "--tiny", "--cpu", "--workloads", "W6", "--engines", "labml_zero",
+        "--batch", "2,4", "--world-size", "1", "--steps", "1", "--warmup", "1",
+        "--no-profile"])
+    assert [line["batch_per_gpu"] for line in lines] == [2, 4]
+    for line in lines:
+        assert line["status"] == "ok" and line["world_size"] == 1
+        info, memory = line["info"], line["memory_model_gib"]
+        assert info["offloaded_chunks"] > 0
+        assert memory["predicted_peak"] * bench_run.GIB == pytest.approx(
+            info["predicted_peak"], rel=1e-12)
+    printed = capfd.readouterr().out
+    assert printed.count("automatic offload: optimizer states of") == 2
+    assert printed.count("automatic offload after 2 steps: measured peaks") == 2
+
+
+def test_batch_flag_checks_its_values():
+    for bad in ("0", "2,x", ""):
+        with pytest.raises(SystemExit, match="--batch"):
+            bench_run.parse_args(["--batch", bad])
+    assert bench_run.parse_args(["--batch", "2,4,8"]).batch_list == [2, 4, 8]
+    assert bench_run.parse_args([]).batch_list == [None]
+
+
+def test_one_gpu_workloads():
+    from bench.workloads import workloads
+
+    known = workloads()
+    w6, w21, w21o = known["W6"], known["W2-1"], known["W2-1O"]
+    assert (w6.model.n_layers, w6.model.d_model, w6.model.n_vocab) == (36, 5120, 50688)
+    assert w6.offload == "auto" and w6.activation_checkpointing
+    assert w21.model.d_model == 4096 and w21.offload is None
+    assert w21.activation_checkpointing and w21o.offload == "auto"
+
+
 def test_watchdog_reports_a_host_out_of_memory():
     info = meminfo()
     assert info is not None and 0 < info["MemAvailable"] <= info["MemTotal"]

@@ -137,6 +137,8 @@ class AdamFP16(torch.optim.Optimizer):
       `(position, param) -> bool`; `None` keeps everything on the device.
     * `update_during_backward`: update each shard as soon as `grad_ready` is
       called for it (see Note: updating during the backward pass).
+    * `free_grads`: with it, free each shard's gradient once its early update
+      has consumed it (see `_free_grad`).
     """
 
     def __init__(
@@ -150,6 +152,7 @@ class AdamFP16(torch.optim.Optimizer):
         fused: bool | None = None,
         offload: Collection[int] | OffloadRule | None = None,
         update_during_backward: bool = False,
+        free_grads: bool = False,
     ):
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -159,6 +162,9 @@ class AdamFP16(torch.optim.Optimizer):
             raise ValueError(f"eps must be >= 0, got {eps}")
         if not weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if free_grads and not update_during_backward:
+            raise ValueError("free_grads needs update_during_backward=True (the "
+                             "gradient is freed after its early update)")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         # None: the fused kernel where this PyTorch has it
@@ -166,6 +172,7 @@ class AdamFP16(torch.optim.Optimizer):
         if self.fused and not hasattr(torch, "_fused_adamw_"):
             raise ValueError("fused=True needs torch._fused_adamw_ (PyTorch >= 2.4)")
         self.update_during_backward = update_during_backward
+        self.free_grads = free_grads
         self.offload = HostOffload(self._offloaded(offload),
                                    worker=update_during_backward)
         # the param group of each shard, for an update on its own
@@ -349,19 +356,47 @@ class AdamFP16(torch.optim.Optimizer):
         if param in self.offload:
             early.done = self.offload.submit(
                 lambda: self._apply([param], group, early=early))
-            return
-        if param.device.type != "cuda":
+        elif param.device.type != "cuda":
             self._apply([param], group, early=early)
-            return
-        if self.update_stream is None:
-            self.update_stream = torch.cuda.Stream(param.device)
-        stream = self.update_stream
-        # update stream waits: `after` wrote the gradient
-        stream.wait_stream(after or torch.cuda.current_stream(param.device))
-        with torch.cuda.stream(stream):
-            self._apply([param], group, early=early)
-        # the compute stream frees the gradient at `zero_grad`
-        grad.record_stream(stream)
+        else:
+            if self.update_stream is None:
+                self.update_stream = torch.cuda.Stream(param.device)
+            stream = self.update_stream
+            # update stream waits: `after` wrote the gradient
+            stream.wait_stream(after or torch.cuda.current_stream(param.device))
+            with torch.cuda.stream(stream):
+                self._apply([param], group, early=early)
+            # the compute stream frees the gradient (at `zero_grad`, or below)
+            grad.record_stream(stream)
+        if self.free_grads:
+            # see `_free_grad`; an offloaded
+            # shard's copy down was queued in `grad_ready`, before this
+            self._free_grad(param)
+
+    @staticmethod
+    def _free_grad(param: torch.Tensor) -> None:
+        r"""
+        #### Free a gradient after its early update (`free_grads=True`)
+
+        With `free_grads=True` (and `update_during_backward=True`) a shard's fp32
+        gradient is let go as soon as its early update has consumed it: on the
+        device once the update is queued on the side stream (`record_stream` keeps
+        the allocator from reusing the block until that stream has read it), for an
+        offloaded shard once its copy down is queued (the copy stream's
+        `record_stream`; the host update then reads the staging buffer, which the
+        copy down filled). The $4S$ bytes of fp32 gradient of all the shards,
+        $4\Psi_t/N$, then never exist at once: only the chunks whose update is in
+        flight hold one. The update and its operands are the same, so the losses are
+        bit for bit those without it. The price: after `backward()` the gradients
+        are gone, so nothing may read them before `step()`: no clipping (it would
+        see no gradient and clip nothing, silently), no gradient accumulation (a
+        second backward makes new gradients, which `step()` refuses as for a changed
+        one).
+        """
+        shard = LocalShard.of(param)
+        if shard is not None:
+            shard.zero_grad()
+        param.grad = None
 
     ### The step
 

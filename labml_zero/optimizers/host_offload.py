@@ -193,15 +193,22 @@ class HostOffload:
         host.grad_ready.record(stream)
         host.copied = GradVersion(grad)
 
-    def host_grad(self, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def host_grad(self, param: torch.Tensor,
+                  grad: torch.Tensor | None) -> torch.Tensor:
         """
         ### `[S]` fp32 gradient on the host, once its copy down has landed
 
         Copies `grad` down first when the staging buffer does not hold it as
-        it is now (not copied yet, or changed in place since).
+        it is now (not copied yet, or changed in place since). `grad=None`:
+        the device gradient was freed after its copy down was queued
+        (`AdamFP16(free_grads=True)`), so the staging buffer is the gradient.
         """
         host = self.shards[param]
-        self.copy_down(param, grad)
+        if grad is not None:
+            self.copy_down(param, grad)
+        elif host.copied is None:
+            raise RuntimeError("an offloaded shard has neither a gradient nor "
+                               "a copy of one on the host")
         if host.grad_ready is not None:
             # host sync: the update reads what the copy engine wrote
             host.grad_ready.synchronize()

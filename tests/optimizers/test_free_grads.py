@@ -1,0 +1,83 @@
+"""
+`AdamFP16(free_grads=True)`: each shard's gradient is freed once its early
+update consumed it; the same training, bit for bit on CPU, as keeping it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labml_zero.optimizers.adam_fp16 import AdamFP16
+from labml_zero.zero3.shard import LocalShard
+from tests.optimizers.test_offload import DEVICE, assert_same
+
+
+def sharded(dtype, *, offload: bool, free: bool):
+    from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+    from tests.zero3.models import tiny_layers
+
+    config = ZeroConfig(dtype=dtype, chunk_numel=200, align=4)
+    model = Zero3Sequential(zero3_layers(tiny_layers(0), device=DEVICE,
+                                         config=config))
+    shards = model.get_trainable_chunk()
+    chosen = range(len(shards) // 2, len(shards)) if offload else None
+    optimizer = AdamFP16(shards, lr=3e-3, weight_decay=0.01, offload=chosen,
+                         update_during_backward=True, free_grads=free)
+    model.runtime.on_grad_ready(optimizer.grad_ready)
+    return model, optimizer
+
+
+def train(model, optimizer, steps) -> list[float]:
+    from tests.zero3.models import batch
+
+    losses = []
+    for step in steps:
+        x, y = batch(step, 4)
+        loss = torch.nn.functional.mse_loss(
+            model(x.to(DEVICE, model.chunks[0].dtype)).float(), y.to(DEVICE))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_freed_gradients_train_the_same(dtype, offload):
+    kept, kept_opt = sharded(dtype, offload=offload, free=False)
+    freed, freed_opt = sharded(dtype, offload=offload, free=True)
+    gone: list[bool] = []
+    # registered after the optimizer's callback: runs right after its update
+    freed.runtime.on_grad_ready(lambda shard, *, after: gone.append(
+        LocalShard.of(shard).grad is None and shard.grad is None))
+    kept_losses = train(kept, kept_opt, range(4))
+    freed_losses = train(freed, freed_opt, range(4))
+    assert kept_losses == freed_losses
+    n_trainable = len(freed_opt.param_groups[0]["params"])
+    # every shard's gradient was gone right after its update, every step
+    assert gone == [True] * (4 * n_trainable)
+    for a, b in zip(kept.chunks, freed.chunks):
+        assert_same(a.shard, b.shard)
+    for p, q in zip(kept_opt.param_groups[0]["params"],
+                    freed_opt.param_groups[0]["params"]):
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert_same(kept_opt.state[p][key], freed_opt.state[q][key])
+
+
+def test_free_grads_needs_updates_during_backward():
+    with pytest.raises(ValueError, match="free_grads needs update_during_backward"):
+        AdamFP16([torch.nn.Parameter(torch.ones(2))], free_grads=True)
+
+
+def test_a_second_backward_is_still_refused():
+    # accumulation would make new gradients after the first ones were used
+    from tests.zero3.models import batch
+
+    model, opt = sharded(torch.float32, offload=True, free=True)
+    for _ in range(2):
+        x, y = batch(0, 4)
+        torch.nn.functional.mse_loss(model(x.to(DEVICE)), y.to(DEVICE)).backward()
+    with pytest.raises(RuntimeError, match="changed after its update"):
+        opt.step()
