@@ -533,9 +533,12 @@ class AdamFP16(torch.optim.Optimizer):
                 grads = [self.offload.host_grad(p, g) for p, g in zip(same, grads)]
             found_inf = None
             if early is not None:
-                # 0-dim fp32: one when the gradient has an inf or a nan
-                found_inf = early.found_inf = (
-                    ~torch.isfinite(grads[0]).all()).float()
+                # 0-dim fp32: one when the gradient has an inf or a nan. The
+                # largest |g| is non-finite exactly then (a nan propagates
+                # through the max): one read of the gradient, no temporary,
+                # where isfinite(g).all() also writes and reads a bool copy.
+                found_inf = early.found_inf = (~torch.isfinite(
+                    torch.linalg.vector_norm(grads[0], float("inf")))).float()
                 if not self.fused or same[0] in self.offload:
                     # host sync on a GPU (foreach); on the host, a host check
                     if found_inf.item():

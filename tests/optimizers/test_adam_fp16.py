@@ -96,7 +96,8 @@ def same(a: list, b: list) -> bool:
 
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("offload", [None, {0, 1}])
-def test_early_update_never_applies_a_non_finite_gradient(fused, offload):
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_early_update_never_applies_a_non_finite_gradient(fused, offload, bad):
     """Issue #20 item 6: an overflow in one shard's gradient during the
     backward pass leaves that shard, its master, moments and step count as
     they were; `step()` then says so. The other shard was updated."""
@@ -114,7 +115,7 @@ def test_early_update_never_applies_a_non_finite_gradient(fused, offload):
         opt.zero_grad()
     before = snapshot(opt, params)
     finite, overflowed = gradients(2, sizes)
-    overflowed[3] = float("inf")
+    overflowed[3] = bad
     for p, g in zip(params, (finite, overflowed)):
         LocalShard.of(p).grad = g
         opt.grad_ready(p)
