@@ -70,6 +70,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from .hybrid import check_shard_group_size, replica_group_ranks, shard_group_ranks
 from .peer_memory import (
     PeerBuffer, check_one_host, new_run_name, pull_all_gather, push_reduce_scatter_mean,
 )
@@ -203,19 +204,15 @@ class Communicator:
         if self.group is not None:
             raise ValueError("shard_group_size splits the default process group; "
                              "it cannot be combined with a process group")
-        if world % size:
-            raise ValueError(f"shard_group_size {size} does not divide the world "
-                             f"size {world}")
+        check_shard_group_size(world, size)
         rank = self.rank
         self.replicas, self.replica_rank = world // size, rank // size
-        for j in range(self.replicas):
-            # shard group j: world ranks jK .. jK + K - 1
-            made = dist.new_group(list(range(j * size, (j + 1) * size)))
+        for j, ranks in enumerate(shard_group_ranks(world, size)):
+            made = dist.new_group(ranks)
             if j == self.replica_rank:
                 self.group = made
-        for q in range(size):
-            # replica group q: the q-th rank of every shard group
-            made = dist.new_group(list(range(q, world, size)))
+        for q, ranks in enumerate(replica_group_ranks(world, size)):
+            made = dist.new_group(ranks)
             if q == rank % size:
                 self.replica_group = made
         self.rank, self.world_size = rank % size, size

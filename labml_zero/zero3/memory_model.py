@@ -69,6 +69,7 @@ from __future__ import annotations
 from typing import Iterable, NamedTuple, Sequence
 
 from labml_zero.zero3.chunk_layout import ChunkLayout
+from labml_zero.zero3.hybrid import check_shard_group_size
 
 __all__ = [
     "PARAM_BYTES",
@@ -96,6 +97,10 @@ __all__ = [
     "hybrid_wire_bytes",
     "flat_step_seconds",
     "hybrid_step_seconds",
+    "HybridExample",
+    "HYBRID_EXAMPLE",
+    "HybridPrediction",
+    "hybrid_prediction",
 ]
 
 
@@ -459,11 +464,7 @@ def ring_wire_bytes(nbytes: int, world_size: int) -> int:
 # trainable chunk's gradient shard.
 
 
-def _check_divides(world_size: int, shard_group_size: int) -> None:
-    _check_at_least("shard_group_size", shard_group_size, 1)
-    if world_size % shard_group_size:
-        raise ValueError(f"shard_group_size {shard_group_size} does not divide "
-                         f"the world size {world_size}")
+_check_divides = check_shard_group_size
 
 
 def hybrid_model_states(psi_trainable: int, psi_frozen: int, world_size: int,
@@ -572,3 +573,68 @@ def hybrid_step_seconds(psi: float, world_size: int, shard_group_size: int, *,
     across = (2 * (replicas - 1) / replicas
               * grad_bytes * psi / shard_group_size / bandwidth_out)
     return inside + across
+
+
+class HybridExample(NamedTuple):
+    """
+    ### The example of the [hybrid sharding](hybrid.html) page
+
+    * `psi`: trainable elements, a model of seven billion;
+    * `ranks_per_host`: GPUs per host, the shard group;
+    * `bandwidth_in`: bytes per second per GPU inside a host, NVLink's nominal
+      figure in one direction on H100 and H200 GPUs;
+    * `bandwidth_out`: bytes per second per GPU between hosts, one network
+      card of {{py: memory_model.HYBRID_EXAMPLE.bandwidth_out * 8 / 1e9 | .0f}}
+      Gb/s per GPU.
+    """
+
+    psi: int = 7 * 10**9
+    ranks_per_host: int = 8
+    bandwidth_in: float = 450e9
+    bandwidth_out: float = 50e9
+
+
+HYBRID_EXAMPLE = HybridExample()
+
+
+class HybridPrediction(NamedTuple):
+    """
+    ### One row of the page's table
+
+    Communication seconds per step, and gigabytes (billions of bytes) of model
+    states per rank, for ZeRO-3 over all ranks (`flat_`) and hybrid sharding
+    over one host (`hybrid_`).
+    """
+
+    hosts: int
+    ranks: int
+    flat_seconds: float
+    hybrid_seconds: float
+    flat_gb: float
+    hybrid_gb: float
+
+    def markdown_row(self) -> str:
+        """The row as the page prints it."""
+        return (f"| {self.hosts:,} | {self.ranks:,} | {self.flat_seconds:.3f} | "
+                f"{self.hybrid_seconds:.3f} | {self.flat_gb:.2f} | "
+                f"{self.hybrid_gb:.2f} |")
+
+
+def hybrid_prediction(hosts: int, example: HybridExample = HYBRID_EXAMPLE, *,
+                      param_bytes: int = 2, grad_bytes: int = 4,
+                      optimizer_bytes: int = 12) -> HybridPrediction:
+    """The example's figures on `hosts` hosts (bf16, fp32 reduction, Adam)."""
+    _check_at_least("hosts", hosts, 1)
+    ranks, size = hosts * example.ranks_per_host, example.ranks_per_host
+    links = dict(bandwidth_in=example.bandwidth_in,
+                 bandwidth_out=example.bandwidth_out,
+                 param_bytes=param_bytes, grad_bytes=grad_bytes)
+    states = dict(param_bytes=param_bytes, grad_bytes=grad_bytes,
+                  optimizer_bytes=optimizer_bytes)
+    return HybridPrediction(
+        hosts, ranks,
+        flat_step_seconds(example.psi, ranks, size, **links),
+        hybrid_step_seconds(example.psi, ranks, size, **links),
+        zero_model_states(example.psi, 0, ranks, **states) / 1e9,
+        hybrid_model_states(example.psi, 0, ranks, size, **states) / 1e9,
+    )

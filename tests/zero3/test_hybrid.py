@@ -21,6 +21,8 @@ from labml_zero.zero3 import ZeroConfig, shard_model
 from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
 from labml_zero.zero3.communication import Communicator
 from labml_zero.zero3.memory_model import (
+    HYBRID_EXAMPLE,
+    hybrid_prediction,
     flat_step_seconds,
     hybrid_model_states,
     hybrid_step_comm,
@@ -32,6 +34,7 @@ from labml_zero.zero3.memory_model import (
 )
 from labml_zero.zero3.transport import CollectiveReduce, HybridReduce
 from tests.distributed import run_distributed
+from tests.test_finetune import run_dirs, tracked
 from tests.zero3.models import batch, tiny_layers
 from tests.zero3.test_memory_and_comm import held_bytes
 from tests.zero3.test_sharded_model import gradient_mismatch
@@ -226,6 +229,23 @@ def test_hybrid_memory_and_time_formulas():
                 < flat_step_seconds(psi, 8 * hosts, 8, **one))
 
 
+def test_prediction_table():
+    """The hybrid page's table: one host is plain ZeRO-3; beyond, hybrid keeps
+    one host's states per rank, (2 + 4 + 12)Ψ/8, and less time than flat."""
+    example = HYBRID_EXAMPLE
+    one = hybrid_prediction(1)
+    assert one.flat_seconds == one.hybrid_seconds and one.flat_gb == one.hybrid_gb
+    for hosts in (2, 16, 1024):
+        row = hybrid_prediction(hosts)
+        assert row.ranks == 8 * hosts
+        assert row.hybrid_gb == pytest.approx((2 + 4 + 12) * example.psi / 8 / 1e9)
+        assert row.flat_gb == pytest.approx(row.hybrid_gb / hosts)
+        assert row.hybrid_seconds < row.flat_seconds
+        assert row.markdown_row().startswith(f"| {hosts:,} | {8 * hosts:,} | ")
+    # the optimizer's bytes the page states are the default
+    assert hybrid_prediction(4) == hybrid_prediction(4, optimizer_bytes=12)
+
+
 def test_wire_bytes_per_link():
     from labml_zero.zero3.chunk_layout import plan_chunks
     from labml_zero.zero3.sharded_model import param_specs
@@ -250,13 +270,26 @@ def test_finetune_flag(capsys):
     assert "--shard-group-size 3 does not divide the world size 4" in err
 
 
-@pytest.mark.distributed
-def test_finetune_trains_with_shard_group_size_2_at_world_4(tmp_path):
+def finetune_losses(tmp: Path, *flags: str) -> dict[int, float]:
+    """Three steps of the fine-tune at world 4; rank 0's training losses."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    tmp.mkdir(parents=True)
     result = subprocess.run(
         [sys.executable, "-m", "labml_zero.finetune_neox", "--world-size", "4",
-         "--shard-group-size", "2", "--batch-size", "1", "--seq-len", "16",
-         "--steps", "2", "--valid-every", "2", "--sample-tokens", "0",
-         "--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+         *flags, "--batch-size", "1", "--seq-len", "16", "--steps", "3",
+         "--valid-every", "3", "--sample-tokens", "0",
+         "--out", str(tmp / "out"), "--log-dir", str(tmp / "logs")],
+        cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return tracked(run_dirs(tmp)[0])["loss.train"]
+
+
+@pytest.mark.distributed
+def test_finetune_with_shard_group_size_2_trains_as_flat_zero3(tmp_path):
+    hybrid = finetune_losses(tmp_path / "hybrid", "--shard-group-size", "2")
+    flat = finetune_losses(tmp_path / "flat")
+    assert sorted(hybrid) == sorted(flat) == [1, 2, 3]
+    # the same fp32 gradient, summed in another order
+    for step in (1, 2, 3):
+        assert hybrid[step] == pytest.approx(flat[step], rel=1e-5)
+    assert hybrid[3] < hybrid[1]
