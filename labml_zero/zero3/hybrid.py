@@ -23,7 +23,9 @@ over its $K$ ranks. The ranks that hold the same shard in every group form a
 
 The mean of $R$ group means, each over $K$ ranks, is the mean over all $N$:
 the gradient is the one ZeRO-3 over $N$ ranks computes, in another order of
-summation. `ZeroConfig(shard_group_size=K)` turns it on
+summation. After it every group holds the whole averaged gradient, so a sum
+over ranks of the shards, such as the gradient norm for clipping, runs over
+the shard group alone. `ZeroConfig(shard_group_size=K)` turns it on
 ([communication](communication.html) builds the groups,
 [transports](transport.html) the reduction); `--shard-group-size K` in the
 fine-tune.
