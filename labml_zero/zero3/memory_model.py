@@ -69,7 +69,10 @@ from __future__ import annotations
 from typing import Iterable, NamedTuple, Sequence
 
 from labml_zero.zero3.chunk_layout import ChunkLayout
-from labml_zero.zero3.hybrid import check_shard_group_size
+# the hybrid page's time formulas and example, re-exported for the notes
+from labml_zero.zero3.hybrid import (HYBRID_EXAMPLE, HybridExample, HybridPrediction,
+                                     check_shard_group_size, flat_step_seconds,
+                                     hybrid_prediction, hybrid_step_seconds)
 
 __all__ = [
     "PARAM_BYTES",
@@ -533,108 +536,3 @@ def hybrid_wire_bytes(comm: HybridStepComm, shard_group_size: int,
     inside = ring_wire_bytes(comm.intra.nbytes, shard_group_size)
     across = 2 * ring_wire_bytes(comm.inter.nbytes, replicas)
     return inside, across
-
-
-def flat_step_seconds(psi: float, world_size: int, ranks_per_host: int, *,
-                      bandwidth_in: float, bandwidth_out: float,
-                      param_bytes: int = 2, grad_bytes: int = 4) -> float:
-    r"""
-    ### Communication time of a ZeRO-3 step sharded over all $N$ ranks
-
-    $$T_{\text{flat}} = \frac{N - 1}{N} \cdot \frac{(2p + g)\,\Psi}{B}$$
-
-    where $B$ is $B_{in}$ on one host and $B_{out}$ once the ring crosses hosts:
-    every hop of a ring carries the same bytes, so its slowest hop sets the
-    pace. All $\Psi$ trainable, gathered twice; bandwidths in bytes per second
-    per rank.
-    """
-    _check_at_least("world_size", world_size, 1)
-    bandwidth = bandwidth_in if world_size <= ranks_per_host else bandwidth_out
-    volume = (2 * param_bytes + grad_bytes) * psi
-    return (world_size - 1) / world_size * volume / bandwidth
-
-
-def hybrid_step_seconds(psi: float, world_size: int, shard_group_size: int, *,
-                        bandwidth_in: float, bandwidth_out: float,
-                        param_bytes: int = 2, grad_bytes: int = 4) -> float:
-    r"""
-    ### Communication time of a hybrid step, shard groups of one host
-
-    $$T_{\text{hybrid}} = \frac{K - 1}{K} \cdot \frac{(2p + g)\,\Psi}{B_{in}}
-    + 2\,\frac{R - 1}{R} \cdot \frac{g\,\Psi / K}{B_{out}}$$
-
-    the two terms in sequence (the all-reduce of a chunk waits for its
-    reduce-scatter; overlap across chunks would only lower it).
-    """
-    _check_divides(world_size, shard_group_size)
-    replicas = world_size // shard_group_size
-    inside = ((shard_group_size - 1) / shard_group_size
-              * (2 * param_bytes + grad_bytes) * psi / bandwidth_in)
-    across = (2 * (replicas - 1) / replicas
-              * grad_bytes * psi / shard_group_size / bandwidth_out)
-    return inside + across
-
-
-class HybridExample(NamedTuple):
-    """
-    ### The example of the [hybrid sharding](hybrid.html) page
-
-    * `psi`: trainable elements, a model of seven billion;
-    * `ranks_per_host`: GPUs per host, the shard group;
-    * `bandwidth_in`: bytes per second per GPU inside a host, NVLink's nominal
-      figure in one direction on H100 and H200 GPUs;
-    * `bandwidth_out`: bytes per second per GPU between hosts, one network
-      card of {{py: memory_model.HYBRID_EXAMPLE.bandwidth_out * 8 / 1e9 | .0f}}
-      Gb/s per GPU.
-    """
-
-    psi: int = 7 * 10**9
-    ranks_per_host: int = 8
-    bandwidth_in: float = 450e9
-    bandwidth_out: float = 50e9
-
-
-HYBRID_EXAMPLE = HybridExample()
-
-
-class HybridPrediction(NamedTuple):
-    """
-    ### One row of the page's table
-
-    Communication seconds per step, and gigabytes (billions of bytes) of model
-    states per rank, for ZeRO-3 over all ranks (`flat_`) and hybrid sharding
-    over one host (`hybrid_`).
-    """
-
-    hosts: int
-    ranks: int
-    flat_seconds: float
-    hybrid_seconds: float
-    flat_gb: float
-    hybrid_gb: float
-
-    def markdown_row(self) -> str:
-        """The row as the page prints it."""
-        return (f"| {self.hosts:,} | {self.ranks:,} | {self.flat_seconds:.3f} | "
-                f"{self.hybrid_seconds:.3f} | {self.flat_gb:.2f} | "
-                f"{self.hybrid_gb:.2f} |")
-
-
-def hybrid_prediction(hosts: int, example: HybridExample = HYBRID_EXAMPLE, *,
-                      param_bytes: int = 2, grad_bytes: int = 4,
-                      optimizer_bytes: int = 12) -> HybridPrediction:
-    """The example's figures on `hosts` hosts (bf16, fp32 reduction, Adam)."""
-    _check_at_least("hosts", hosts, 1)
-    ranks, size = hosts * example.ranks_per_host, example.ranks_per_host
-    links = dict(bandwidth_in=example.bandwidth_in,
-                 bandwidth_out=example.bandwidth_out,
-                 param_bytes=param_bytes, grad_bytes=grad_bytes)
-    states = dict(param_bytes=param_bytes, grad_bytes=grad_bytes,
-                  optimizer_bytes=optimizer_bytes)
-    return HybridPrediction(
-        hosts, ranks,
-        flat_step_seconds(example.psi, ranks, size, **links),
-        hybrid_step_seconds(example.psi, ranks, size, **links),
-        zero_model_states(example.psi, 0, ranks, **states) / 1e9,
-        hybrid_model_states(example.psi, 0, ranks, size, **states) / 1e9,
-    )
