@@ -149,6 +149,11 @@ class FinetuneConfig:
     instead of with NCCL's kernels (`ZeroConfig.peer_gather` and `peer_reduce`,
     see [peer memory](../zero3/peer_memory.html), which says when it pays). All
     ranks on one host."""
+    shard_group_size: int | None = field(default=None, metadata=flag(metavar="K"))
+    """Hybrid sharding: shard over groups of this many consecutive ranks (one
+    host) and replicate across the groups (`ZeroConfig.shard_group_size`, see
+    [hybrid sharding](../zero3/hybrid.html)); it must divide the world size.
+    `None`: shard over all ranks."""
     dtype: str | None = field(default=None, metadata=flag(choices=tuple(DTYPES)))
     """`'fp32'`, `'bf16'` or `'fp16'`: the chunks' and the computation's dtype.
     `None`: fp32 on CPU (half-precision matmuls are slow on most CPUs), bf16 on CUDA."""
@@ -208,7 +213,7 @@ class FinetuneConfig:
                      "valid_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("steps", "checkpoint_every", "top_k"):
+        for name in ("steps", "checkpoint_every", "top_k", "shard_group_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

@@ -162,6 +162,10 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
     # config.json (through `model_config`), then `filter_layers` and `seq_len`
     # against it, then the tensors against both
     neox = config.model_config()
+    group = config.shard_group_size
+    if group is not None and world_size % group:
+        raise PreflightError(f"--shard-group-size {group} does not divide the "
+                             f"world size {world_size}")
     if config.checkpoint is not None:
         try:
             check_hf_snapshot(config.checkpoint)

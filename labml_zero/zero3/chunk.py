@@ -74,7 +74,7 @@ from torch import nn
 from .chunk_layout import ChunkSpec
 from .communication import Communicator, profiled
 from .shard import LocalShard
-from .transport import HostStagedGather, PeerGather, new_shard
+from .transport import HostStagedGather, PeerGather, new_reduction, new_shard
 
 
 def padding_ranges(spec: ChunkSpec) -> list[tuple[int, int]]:
@@ -174,6 +174,8 @@ class Chunk:
         # and the [transport](transport.html) that gathers it (with
         # `peer_gather` the shard lies in memory the other ranks read).
         shard, self.transport = new_shard(comm, self.shard_numel, dtype)
+        # and the reduction that averages its gradients into this rank's shard
+        self.reduction = new_reduction(comm)
         # [S] fp32; the original fp32 values, when the parameters were fp32 and the
         # chunk is 16-bit, so the optimizer's master copy starts exact (AdamFP16
         # takes it and drops it).
@@ -489,7 +491,9 @@ class Chunk:
 
         $g_{\text{shard}} \mathrel{+}= \frac{1}{N_d} \sum_r g^{(r)}_{\text{shard}}$,
         added to what `local.grad` holds so that gradients accumulate until
-        `zero_grad`, as `param.grad` does.
+        `zero_grad`, as `param.grad` does. One call to the chunk's
+        [reduction](transport.html) (`self.reduction`), chosen when the chunk is
+        built: collective, peer memory, or hybrid.
         """
         assert self.trainable, "only trainable chunks have gradients"
         comm, local = self.comm, self.local
@@ -517,7 +521,7 @@ class Chunk:
             else:
                 self._zero_unwritten()
             with profiled("zero::reduce_scatter"):
-                comm.reduce_scatter_mean(reduced, self.grad_full)
+                self.reduction.reduce(reduced, self.grad_full)
             if not direct:
                 local.grad.add_(reduced)
         if comm.reduce_stream is not None:
@@ -543,7 +547,7 @@ class Chunk:
         """
         positions = [position for position, _ in self.held]
         narrower = self.dtype.itemsize <= self.reduce_dtype.itemsize
-        if (self.comm.peer_reduce and narrower and self.grad_full is None
+        if (self.reduction.exact_input and narrower and self.grad_full is None
                 and len(set(positions)) == len(positions)):
             return self.dtype
         return None

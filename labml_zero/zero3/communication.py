@@ -47,10 +47,18 @@ code runs with the waits turned into no-ops, which is how the tests exercise it.
 With one rank and no process group the collectives become local copies, so a
 model wrapped for ZeRO also runs in a plain single-process script.
 
-## Limitations
+## Groups
 
-* One process group for all chunks: no hybrid sharding (sharding inside a node,
-  replicating across nodes).
+By default a chunk is sharded over every rank. With *hybrid sharding*
+(`ZeroConfig.shard_group_size` $= K$) the $N$ ranks form $N / K$ *shard
+groups* of $K$ consecutive ranks, each holding one whole copy of the model
+states, sharded over its $K$ ranks; rank $q$ of group $j$ is world rank
+$jK + q$. The ranks with the same $q$ in every group form a *replica group*
+of $N / K$ ranks that hold the same shard. All-gathers and reduce-scatters run
+inside the shard group, and one all-reduce per trainable chunk, of the shard
+only, runs across the replica group ([hybrid sharding](hybrid.html)). Here
+`rank` and `world_size` are this rank's place in its shard group: the $N_d$ of
+every other page is $K$.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from .hybrid import check_shard_group_size, replica_group_ranks, shard_group_ranks
 from .peer_memory import (
     PeerBuffer, check_one_host, new_run_name, pull_all_gather, push_reduce_scatter_mean,
 )
@@ -132,18 +141,28 @@ class Communicator:
       gathers them with copies instead of NCCL's kernel; `peer_reduce=True`
       reduce-scatters through a workspace in that memory
       ([peer memory](peer_memory.html), `ZeroConfig.peer_gather`).
+    * `shard_group_size` $K$ shards over groups of $K$ consecutive ranks of the
+      default group and replicates across the groups (see Groups above);
+      `None` shards over all ranks of `group`.
     """
 
     def __init__(self, device: torch.device, *, group=None, side_streams: bool = True,
-                 peer_gather: bool = False, peer_reduce: bool = False):
+                 peer_gather: bool = False, peer_reduce: bool = False,
+                 shard_group_size: int | None = None):
         self.device = torch.device(device)
         self.group = group
-        if dist.is_available() and dist.is_initialized():
+        # the group across replicas (ranks holding the same shard), when hybrid
+        self.replica_group = None
+        # how many shard groups hold a copy of the model states, and which is ours
+        self.replicas, self.replica_rank = 1, 0
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if self.distributed:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
         else:
             self.rank, self.world_size = 0, 1
-        self.distributed = dist.is_available() and dist.is_initialized()
+        if shard_group_size is not None and shard_group_size != self.world_size:
+            self._split_groups(shard_group_size)
         self.counter = CommCounter()
         if self.device.type == "cuda" and side_streams:
             # High priority, so that a gather issued while compute kernels are queued
@@ -169,7 +188,34 @@ class Communicator:
     def for_config(cls, device, config, *, group=None) -> "Communicator":
         """The communicator a [`ZeroConfig`](config.html) asks for."""
         return cls(device, group=group, side_streams=config.side_streams,
-                   peer_gather=config.peer_gather, peer_reduce=config.peer_reduce)
+                   peer_gather=config.peer_gather, peer_reduce=config.peer_reduce,
+                   shard_group_size=config.shard_group_size)
+
+    def _split_groups(self, size: int) -> None:
+        """
+        #### Shard groups and replica groups of the default group
+
+        `torch.distributed.new_group` is itself a collective over the default
+        group: every rank must create every group, in the same order, even the
+        ones it is not in. So each rank walks the same two lists and keeps the
+        group of each kind that holds it.
+        """
+        world = self.world_size
+        if self.group is not None:
+            raise ValueError("shard_group_size splits the default process group; "
+                             "it cannot be combined with a process group")
+        check_shard_group_size(world, size)
+        rank = self.rank
+        self.replicas, self.replica_rank = world // size, rank // size
+        for j, ranks in enumerate(shard_group_ranks(world, size)):
+            made = dist.new_group(ranks)
+            if j == self.replica_rank:
+                self.group = made
+        for q, ranks in enumerate(replica_group_ranks(world, size)):
+            made = dist.new_group(ranks)
+            if q == rank % size:
+                self.replica_group = made
+        self.rank, self.world_size = rank % size, size
 
     ### Stream helpers
 
@@ -251,20 +297,36 @@ class Communicator:
 
     def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         """
-        `shard` [S] ← this rank's slice of the mean over ranks of `full`.
-
-        With `peer_reduce` through a workspace in peer memory, the mean in
-        `shard`'s dtype whatever `full`'s; otherwise a collective, which needs
-        both in one dtype.
+        `shard` [S] ← this rank's slice of the mean over the shard group of
+        `full`; a collective, which needs both in one dtype.
         """
         self.counter.add("reduce_scatter", full)
         if not self.distributed:
             shard.copy_(full)
             return
-        if self.peer_reduce:
-            push_reduce_scatter_mean(shard, full, self._workspace(full))
-            return
         _reduce_scatter(shard, full, op=dist.ReduceOp.AVG, group=self.group)
+
+    def push_reduce_scatter_mean(self, shard: torch.Tensor,
+                                 full: torch.Tensor) -> None:
+        """
+        `reduce_scatter_mean` through a workspace in peer memory: the mean in
+        `shard`'s dtype whatever `full`'s ([peer memory](peer_memory.html)).
+        """
+        self.counter.add("reduce_scatter", full)
+        push_reduce_scatter_mean(shard, full, self._workspace(full))
+
+    def all_reduce_mean_replicas(self, shard: torch.Tensor) -> None:
+        r"""
+        `shard` [S] ← its mean over the replica group, in place: the second half
+        of a hybrid reduction. A sum, then a division by the $N / K$ replicas:
+        gloo has no averaging all-reduce. Counted as `replica_all_reduce`, the
+        only traffic that crosses shard groups.
+        """
+        self.counter.add("replica_all_reduce", shard)
+        if self.replicas == 1:
+            return
+        dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replica_group)
+        shard.div_(self.replicas)
 
     def _workspace(self, full: torch.Tensor) -> PeerBuffer:
         """A reduction workspace with room for `full`; grown, never shrunk."""
@@ -281,3 +343,9 @@ class Communicator:
         if not self.distributed:
             return
         dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.group)
+
+    def all_reduce_replicas(self, tensor: torch.Tensor) -> None:
+        """Sum a few scalars (a failure flag) across the replica group, in place."""
+        self.counter.add("all_reduce", tensor)
+        if self.replicas > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.replica_group)

@@ -92,6 +92,15 @@ class ZeroConfig:
     Needs every rank on one host.
     """
 
+    shard_group_size: int | None = None
+    r"""
+    Hybrid sharding: shard the model states over groups of $K$ consecutive
+    ranks (one host, say) and replicate them across the $N / K$ groups, so that
+    only shard-sized gradient traffic crosses groups
+    ([hybrid sharding](hybrid.html)). $K$ must divide the world size. `None`
+    shards over every rank.
+    """
+
     align: int = 64
     """
     Each parameter starts at a multiple of this many elements inside its chunk
@@ -111,5 +120,8 @@ class ZeroConfig:
             )
         if self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if self.shard_group_size is not None and self.shard_group_size < 1:
+            raise ValueError("shard_group_size must be positive or None, got "
+                             f"{self.shard_group_size}")
         if self.align < 1:
             raise ValueError(f"align must be >= 1, got {self.align}")

@@ -46,8 +46,10 @@ GB per rank with ZeRO-3 over $N_d = 8$ (`zero_model_states`).
 The rest of the page refines this formula for a real [chunk
 layout](chunk_layout.html) (padding, `layout_model_states`), adds what is
 *gathered* for compute at once (`gathered_units`, `gathered_peak`) and the
-largest gradient buffer (`largest_grad_buffer`), and counts the bytes one step
-communicates (`zero3_step_comm`, `ring_wire_bytes`).
+largest gradient buffer (`largest_grad_buffer`), counts the bytes one step
+communicates (`zero3_step_comm`, `ring_wire_bytes`), and the same for [hybrid
+sharding](hybrid.html) (`hybrid_model_states`, `hybrid_step_comm`,
+`hybrid_wire_bytes`, `hybrid_step_seconds`).
 
 ## Limitations
 
@@ -67,6 +69,10 @@ from __future__ import annotations
 from typing import Iterable, NamedTuple, Sequence
 
 from labml_zero.zero3.chunk_layout import ChunkLayout
+# the hybrid page's time formulas and example, re-exported for the notes
+from labml_zero.zero3.hybrid import (HYBRID_EXAMPLE, HybridExample, HybridPrediction,
+                                     check_shard_group_size, flat_step_seconds,
+                                     hybrid_prediction, hybrid_step_seconds)
 
 __all__ = [
     "PARAM_BYTES",
@@ -88,6 +94,16 @@ __all__ = [
     "zero3_step_comm",
     "ddp_step_comm",
     "ring_wire_bytes",
+    "hybrid_model_states",
+    "HybridStepComm",
+    "hybrid_step_comm",
+    "hybrid_wire_bytes",
+    "flat_step_seconds",
+    "hybrid_step_seconds",
+    "HybridExample",
+    "HYBRID_EXAMPLE",
+    "HybridPrediction",
+    "hybrid_prediction",
 ]
 
 
@@ -440,3 +456,83 @@ def ring_wire_bytes(nbytes: int, world_size: int) -> int:
     _check_at_least("nbytes", nbytes, 0)
     _check_at_least("world_size", world_size, 1)
     return nbytes * (world_size - 1) // world_size
+
+
+# ## Hybrid sharding
+#
+# With [hybrid sharding](hybrid.html) the $N$ ranks form $R = N / K$ shard
+# groups of $K$ ranks. Each group holds one copy of the model states, so a
+# rank holds ZeRO-3's share of a world of $K$, and a step adds to ZeRO-3's
+# collectives inside the group one all-reduce, across the $R$ groups, of each
+# trainable chunk's gradient shard.
+
+
+_check_divides = check_shard_group_size
+
+
+def hybrid_model_states(psi_trainable: int, psi_frozen: int, world_size: int,
+                        shard_group_size: int, **bytes_per_element) -> int:
+    r"""
+    ## Model states per rank with hybrid sharding
+
+    $$\frac{(p + g + K_o)\,\Psi_t + p\,\Psi_f}{K}$$
+
+    ($K_o$ is the optimizer's bytes, `optimizer_bytes`): `zero_model_states`
+    over the $K$ ranks of a shard group, whatever the world size $N$ it
+    divides. `bytes_per_element` are `zero_model_states`' keywords.
+    """
+    _check_divides(world_size, shard_group_size)
+    return zero_model_states(psi_trainable, psi_frozen, shard_group_size,
+                             **bytes_per_element)
+
+
+class HybridStepComm(NamedTuple):
+    """
+    ## Communication of one hybrid step, by kind of link
+
+    * `intra`: the all-gathers and the reduce-scatter inside the shard group,
+      as `zero3_step_comm` counts them (full chunk sizes).
+    * `inter`: the all-reduce across the replica group, of the $S$-element
+      gradient shards (their size, in the reduce dtype); nothing with one
+      group.
+    """
+
+    intra: StepComm
+    inter: Traffic
+
+
+def hybrid_step_comm(layout: ChunkLayout, *, replicas: int, param_bytes: int = 2,
+                     grad_bytes: int = 2,
+                     backward_groups: Iterable[int] | None = None) -> HybridStepComm:
+    r"""
+    ## Collectives of one hybrid step, per rank
+
+    `layout` is the layout of the shard group (its `world_size` is $K$), and
+    `replicas` is $R = N / K$. Per trainable chunk of $C$ elements the
+    all-reduce takes $S = C / K$ elements: $\Psi_t / K$ in all, against the
+    $\Psi_t$ of the reduce-scatter inside the group.
+    """
+    _check_at_least("replicas", replicas, 1)
+    intra = zero3_step_comm(layout, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                            backward_groups=backward_groups)
+    shards = [chunk.chunk_numel // layout.world_size for chunk in layout.chunks
+              if chunk.trainable]
+    if replicas == 1:
+        shards = []
+    numel = sum(shards)
+    return HybridStepComm(intra, Traffic(len(shards), numel, numel * grad_bytes))
+
+
+def hybrid_wire_bytes(comm: HybridStepComm, shard_group_size: int,
+                      replicas: int) -> tuple[int, int]:
+    r"""
+    ### Bytes each rank sends per step: (inside its group, across groups)
+
+    Inside: a ring all-gather or reduce-scatter over $K$ ranks,
+    $\frac{K - 1}{K}$ of each full size (`ring_wire_bytes`). Across: a ring
+    all-reduce over $R$ ranks is a reduce-scatter and an all-gather of the
+    shard, $2 \frac{R - 1}{R}$ of its size.
+    """
+    inside = ring_wire_bytes(comm.intra.nbytes, shard_group_size)
+    across = 2 * ring_wire_bytes(comm.inter.nbytes, replicas)
+    return inside, across

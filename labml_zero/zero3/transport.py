@@ -1,8 +1,8 @@
 r"""
 ---
 title: Transports
-summary: The three ways a chunk's shards reach the full buffer, behind one call
-  chosen when the chunk is built.
+summary: The ways a chunk's shards reach the full buffer and its gradients reach
+  the shards, each behind one call chosen when the chunk is built.
 ---
 
 # Transports
@@ -24,9 +24,22 @@ how:
 A chunk picks its transport once, when it is built, as FSDP2 picks its
 all-gather; moving the shard to the host is the one event that picks again.
 `Chunk.gather` then makes one call, `transport.gather(full, shard)`, on the
-gather stream. The reduction has one form for all three (`Communicator.
-reduce_scatter_mean`, which itself goes through peer memory with
-`peer_reduce`).
+gather stream.
+
+Reducing writes $g_{\text{shard}}^{(q)} \leftarrow \frac{1}{N}\sum_{r}
+g^{(r)}[qS, (q + 1)S)$, the mean over all $N$ ranks of this rank's slice of the
+gradient. A chunk also picks its *reduction* once:
+
+* **collective**: one reduce-scatter with averaging over the shard group;
+* **peer**: the ranks push their gradients into a workspace in peer memory and
+  each averages its own slice there, in fp32 ([peer memory](peer_memory.html));
+* **hybrid**: either of the two inside the shard group of $K$ ranks, then an
+  all-reduce of the $S$-element result across the $N / K$ groups
+  ([hybrid sharding](hybrid.html)): the mean of the $N / K$ group means, each
+  over $K$ ranks, is the mean over all $N$.
+
+`Chunk.reduce` then makes one call, `reduction.reduce(shard_grad, full_grad)`,
+on the reduce stream.
 """
 
 from __future__ import annotations
@@ -107,3 +120,68 @@ def new_shard(comm: Communicator, numel: int,
     if peers is not None:
         return shard, PeerGather(comm, peers)
     return shard, CollectiveGather(comm)
+
+
+class CollectiveReduce:
+    """
+    ## Reduce-scatter with averaging
+
+    The default: `comm.reduce_scatter_mean(shard, full)`, both in one dtype.
+    `exact_input` says whether `full` may arrive in the parameter dtype with the
+    mean still taken in `shard`'s (see `Chunk._exact_dtype`): not for a
+    collective, which needs one dtype.
+    """
+
+    exact_input = False
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+
+    def reduce(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        """`shard` [S] ← the mean over the shard group of this rank's slice of
+        `full` [K·S]."""
+        self.comm.reduce_scatter_mean(shard, full)
+
+
+class PeerReduce(CollectiveReduce):
+    """
+    ## Reduce through a workspace in peer memory
+
+    The mean is taken in `shard`'s dtype, so a bf16 gradient travels in bf16
+    and is still averaged in fp32.
+    """
+
+    exact_input = True
+
+    def reduce(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        self.comm.push_reduce_scatter_mean(shard, full)
+
+
+class HybridReduce(CollectiveReduce):
+    r"""
+    ## Reduce inside the shard group, then across the replicas
+
+    * `inner`: the reduction inside the shard group (collective or peer).
+
+    The all-reduce moves $S$ elements, $\frac{1}{K}$ of the chunk, across the
+    groups.
+    """
+
+    def __init__(self, comm: Communicator, inner: CollectiveReduce):
+        super().__init__(comm)
+        self.inner = inner
+        self.exact_input = inner.exact_input
+
+    def reduce(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        self.inner.reduce(shard, full)
+        self.comm.all_reduce_mean_replicas(shard)
+
+
+def new_reduction(comm: Communicator) -> CollectiveReduce:
+    """
+    ### The reduction a chunk uses, chosen when it is built
+    """
+    inner = PeerReduce(comm) if comm.peer_reduce else CollectiveReduce(comm)
+    if comm.replicas > 1:
+        return HybridReduce(comm, inner)
+    return inner

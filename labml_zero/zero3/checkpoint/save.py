@@ -214,7 +214,38 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
 
     Returns `path` once the checkpoint is complete there on every rank. See
     Note: atomic save.
+
+    With hybrid sharding every shard group holds the same shards, so only the
+    first group writes: the checkpoint is the one a world of $K$ ranks would
+    write (its per-rank state, RNG and `rank_extra`, that group's), and loads
+    into any shape as such. The other groups wait for its outcome, which each
+    rank learns from its replica of the first group.
     """
+    comm: Communicator = model.runtime.comm
+    if comm.replicas == 1:
+        return _save_shards(path, model, optimizer, extra=extra,
+                            rank_extra=rank_extra, meta=meta)
+    error = None
+    if comm.replica_rank == 0:
+        try:
+            _save_shards(path, model, optimizer, extra=extra,
+                         rank_extra=rank_extra, meta=meta)
+        except Exception as caught:
+            error = caught
+    # [1] int32: did the first group's save fail? summed across the replicas
+    failed = torch.tensor([int(error is not None)], dtype=torch.int32,
+                          device=comm.device)
+    comm.all_reduce_replicas(failed)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise CheckpointError(f"save of {path} failed in the first shard group")
+    return Path(path)
+
+
+def _save_shards(path, model: nn.Module, optimizer, *, extra, rank_extra,
+                 meta) -> Path:
+    """The save of one shard group: the steps of Note: atomic save."""
     path = Path(path)
     comm: Communicator = model.runtime.comm
     chunks = model.chunks
