@@ -26,7 +26,7 @@ and finds the rest through `LocalShard.of(param)`; `AdamFP16` works on ordinary
 parameters as well, which have no `LocalShard` and keep their gradient in
 `.grad`.
 
-## Note: why the gradient is not `param.grad`
+## Note: why the gradient lives beside the parameter
 
 `param.grad` must have the parameter's dtype, and the shard's gradient is an fp32
 average over ranks (summing in bf16 would round every partial sum). So the
@@ -81,7 +81,7 @@ class LocalShard:
         # [S] param dtype. An nn.Parameter so that optimizers accept it.
         self.param: torch.Tensor = (nn.Parameter(data, requires_grad=True)
                                     if trainable else data)
-        # [S] fp32; see Note: why the gradient is not `param.grad`
+        # [S] fp32; see Note: why the gradient lives beside the parameter
         self.grad: torch.Tensor | None = None
         self._master_init = master_init
         # where `grad` is allocated: the chunk's device, also once `param` is
