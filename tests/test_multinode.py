@@ -137,6 +137,24 @@ def test_two_node_checkpoint_resumes_on_one_node(single: Path, two_nodes: Path,
     assert resumed["loss.valid"][4] == full["loss.valid"][4]
 
 
+def test_two_nodes_with_hybrid_sharding_train_like_one(tmp_path: Path):
+    """Issue #16: shards inside each node (`--shard-group-size 2`), replicas
+    across the two nodes, trains bit for bit like the same run on one node."""
+    hybrid = ["--steps", "2", "--shard-group-size", "2"]
+    single = one_node(tmp_path / "single", *hybrid)
+    assert single.returncode == 0, single.stderr[-3000:]
+    tmp = tmp_path / "two_nodes"
+    try:
+        nodes = start_nodes(tmp, *hybrid)
+        for node, stderr in zip(nodes, finish(nodes, 300)):
+            assert node.returncode == 0, stderr[-3000:]
+    finally:
+        kill_all(tmp)
+    ours, theirs = losses(tmp), losses(tmp_path / "single")
+    assert sorted(ours["loss.train"]) == [1, 2]
+    assert ours == theirs  # bit for bit: the same floats
+
+
 def test_killed_node_agent_ends_the_other(tmp_path: Path):
     try:
         nodes = start_nodes(tmp_path, "--steps", "100000", "--valid-every",
