@@ -555,10 +555,17 @@ def score_candidate(
 #
 # | $c$ | chunks | padding | peak | gradient buffer | score |
 # |---|---|---|---|---|---|
-# | 3 | `[2.] [3]`, `[1]` | 1 | 6 | 3 | $2 + 12 + 12 = 26$ |
-# | 4 | `[2..] [3]`, `[1]` | 2 | 7 | 4 | $4 + 14 + 16 = 34$ |
-# | 5 | `[2 3]`, `[1]` | 0 | 5 | 5 | $0 + 10 + 20 = 30$ |
+# | 3 | `[2.] [3]`, `[1]` | 1 | 6 | 3 | $2 \cdot 1 + 2 \cdot 6 + 4 \cdot 3$ |
+# | 4 | `[2..] [3]`, `[1]` | 2 | 7 | 4 | $2 \cdot 2 + 2 \cdot 7 + 4 \cdot 4$ |
+# | 5 | `[2 3]`, `[1]` | 0 | 5 | 5 | $2 \cdot 0 + 2 \cdot 5 + 4 \cdot 5$ |
 #
+# The scores, $2 \cdot$ padding $+ \; 2 \cdot$ peak $+ \; 4 \cdot$ gradient
+# buffer, are 26 (tested:
+# tests/zero3/test_chunk_search.py::test_the_gradient_buffer_picks_a_smaller_chunk),
+# 34 (tested:
+# tests/zero3/test_chunk_search.py::test_the_gradient_buffer_picks_a_smaller_chunk)
+# and 30 (tested:
+# tests/zero3/test_chunk_search.py::test_the_gradient_buffer_picks_a_smaller_chunk).
 # Padding alone picks $c = 5$, one chunk per layer. The score picks $c = 3$: one
 # element of padding and one more gathered, but layer 0's gradient is reduced in
 # two pieces of at most 3, the first as soon as the second parameter's gradient
@@ -570,7 +577,9 @@ def score_candidate(
 #
 # A layer holds four layer-norm vectors of $h$, QKV ($3h \times h$ and $3h$), the
 # attention output ($h \times h$, $h$) and the MLP ($4h \times h$, $4h$,
-# $h \times 4h$, $h$): $12h^2 + 13h$ elements. The embeddings are excluded, so
+# $h \times 4h$, $h$): $12h^2 + 13h$
+# (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
+# elements. The embeddings are excluded, so
 # the range starts at $c_0 = 4h^2$, the MLP weights.
 #
 # *Without the collective term* ($\mu = 0$) and with a range of $R = 2^{20}$
@@ -596,4 +605,6 @@ def score_candidate(
 # MiB, against a gradient buffer $8h^2 \cdot 4$ bytes smaller ($1.2$
 # (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
 # GB at GPT-NeoX-20B's $h$, but the embedding's buffer is larger still and sets the
-# term): one chunk per layer, $12h^2 + 13h$ elements, no padding, wins.
+# term): one chunk per layer, $12h^2 + 13h$
+# (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
+# elements, no padding, wins.
