@@ -15,6 +15,7 @@ parameter, $4$ of fp32 gradient (`main_grad`) and $K = 12$ of optimizer state
 that is
 
 $$(2 + 4 + 12)\,S = 185 \text{ GB per rank}$$
+(tested: tests/zero3/test_placement.py::test_gpt_neox_20b_memory_figures_of_the_page)
 
 against an H200's $139$ GiB ($149$ GB), before any gathered chunk or activation.
 The optimizer state is the largest part, and the step touches it once, in the
@@ -319,8 +320,16 @@ def resident_bytes(placement: Placement, shards: Sequence[ShardSpec], *,
 
     On two H200s with $256$ GiB of host memory (both ranks together), offloading a
     fraction $x$ of the optimizer state gives per rank
-    $62 + (1 - x)\,123$ GB on the device (plus gathered chunks and activations) and
-    $16 x S = 165x$ GB on the host. $x \ge 0.45$ leaves about $20$ GB for gathered
+    $62$
+    (tested:
+    tests/zero3/test_placement.py::test_gpt_neox_20b_memory_figures_of_the_page)
+    $+ \; (1 - x)\,123$
+    (tested:
+    tests/zero3/test_placement.py::test_gpt_neox_20b_memory_figures_of_the_page)
+    GB on the device (plus gathered chunks and activations) and $16 x S = 165$
+    (tested:
+    tests/zero3/test_placement.py::test_gpt_neox_20b_memory_figures_of_the_page)
+    $\cdot \, x$ GB on the host. $x \ge 0.45$ leaves about $20$ GB for gathered
     chunks and activations; $x \le 0.7$ keeps both ranks' host states within
     about $230$ GB. `resident_bytes` computes these splits.
     """
