@@ -319,17 +319,17 @@ def resident_bytes(placement: Placement, shards: Sequence[ShardSpec], *,
     #### Memory for the 20B example
 
     On two H200s with $256$ GiB of host memory (both ranks together), offloading a
-    fraction $x$ of the optimizer state gives per rank
-    $62$
+    fraction $x$ of the optimizer state leaves per rank $62$ GB
     (tested:
     tests/zero3/test_placement.py::test_gpt_neox_20b_memory_figures_of_the_page)
-    $+ \; (1 - x)\,123$
+    on the device plus $1 - x$ times $123$ GB
     (tested:
     tests/zero3/test_placement.py::test_gpt_neox_20b_memory_figures_of_the_page)
-    GB on the device (plus gathered chunks and activations) and $16 x S = 165$
+    of optimizer state (gathered chunks and activations come on top), and puts
+    $16 x S$ bytes, $x$ times $165$ GB
     (tested:
-    tests/zero3/test_placement.py::test_gpt_neox_20b_memory_figures_of_the_page)
-    $\cdot \, x$ GB on the host. $x \ge 0.45$ leaves about $20$ GB for gathered
+    tests/zero3/test_placement.py::test_gpt_neox_20b_memory_figures_of_the_page),
+    on the host. $x \ge 0.45$ leaves about $20$ GB for gathered
     chunks and activations; $x \le 0.7$ keeps both ranks' host states within
     about $230$ GB. `resident_bytes` computes these splits.
     """
