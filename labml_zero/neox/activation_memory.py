@@ -178,8 +178,9 @@ def _check(config: NeoXConfig, batch: int, seq: int, dtype_bytes: int) -> None:
 # made by the rotation's `cat`, is `[B, n_h, T, d_h]` (on CPU, and on CUDA with
 # the cuDNN and FlashAttention backends). So `transpose(1, 2).reshape(B, T, d)`
 # is a *copy*, and the dense linear saves that copy besides the output the
-# attention saved: one $nd$ more than counting tensors by name suggests, 64 MiB
-# per layer for Pythia-1.4B at $8 \times 2048$ tokens.
+# attention saved: one $nd$ more than counting tensors by name suggests, 64
+# (tested: tests/neox/test_activation_memory.py::test_figures_in_the_notes)
+# MiB per layer for Pythia-1.4B at $8 \times 2048$ tokens.
 
 
 def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
@@ -256,9 +257,17 @@ def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
     * `dtype_bytes`: bytes per activation element, 2 for bf16.
 
     For GPT-NeoX-20B at $16 \times 128$ tokens, bias-only, a layer keeps
-    $9 \cdot 2048 \cdot 6144 \cdot 2$ bytes $= 216$ MiB of bf16 and 556 KiB of the
-    rest: the layer norms' statistics (32 KiB), the log-sum-exp (512 KiB) and the
-    rotary tables (12 KiB).
+    $9 \cdot 2048 \cdot 6144 \cdot 2$ bytes $= 216$
+    (tested: tests/neox/test_activation_memory.py::test_gpt_neox_20b_bias_only_layer)
+    MiB of bf16 and 556
+    (tested: tests/neox/test_activation_memory.py::test_gpt_neox_20b_bias_only_layer)
+    KiB of the rest: the layer norms' statistics (32
+    (tested: tests/neox/test_activation_memory.py::test_gpt_neox_20b_bias_only_layer)
+    KiB), the log-sum-exp (512
+    (tested: tests/neox/test_activation_memory.py::test_gpt_neox_20b_bias_only_layer)
+    KiB) and the rotary tables (12
+    (tested: tests/neox/test_activation_memory.py::test_gpt_neox_20b_bias_only_layer)
+    KiB).
 
     *Recomputation.* With activation checkpointing (the layer under
     `torch.utils.checkpoint(..., use_reentrant=False)`) a layer keeps only its input,
@@ -311,7 +320,11 @@ def readout_loss_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: st
 
     Besides, the final norm keeps its input $x_L$ and statistics, and the readout
     keeps its input when its weight trains. For Pythia-1.4B at $8 \times 2048$
-    tokens, $14nV$ is 10.75 GiB, as much as 10.7 of its 24 layers.
+    tokens, $14nV$ is 10.75
+    (tested: tests/neox/test_activation_memory.py::test_figures_in_the_notes)
+    GiB, as much as 10.7
+    (tested: tests/neox/test_activation_memory.py::test_figures_in_the_notes)
+    of its {{py: neox_model.pythia_1_4b().n_layers}} layers.
     """
     _check(config, batch, seq, dtype_bytes)
     _, trains = _trainable(config, finetune)

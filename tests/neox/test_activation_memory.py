@@ -176,6 +176,9 @@ def test_gpt_neox_20b_bias_only_layer():
     n = 16 * 128
     assert per_layer == 216 * MiB + 4 * n * 4 + 64 * n * 4 + 2 * 128 * 24 * 2
     assert per_layer - 216 * MiB == 556 * 1024
+    # the notes' parts: 32 KiB of LN statistics, 512 of log-sum-exp, 12 of tables
+    assert (4 * n * 4, 64 * n * 4, 2 * 128 * 24 * 2) == (32 * 1024, 512 * 1024,
+                                                        12 * 1024)
 
 
 # ## Recomputation
