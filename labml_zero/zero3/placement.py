@@ -409,7 +409,9 @@ def auto_placement(
     stay (`Chunk.keep_resident`): each resident chunk costs $(N_d - 1) S p$ more
     device bytes and saves $2 (N_d - 1) S p$ bytes of all-gather traffic per step
     and rank (the forward and the backward gather). For bias-only fine-tuning of
-    GPT-NeoX-20B on 2 ranks, the frozen model is $41$ GB in bf16 and fits an H200
+    GPT-NeoX-20B on 2 ranks, the frozen model is {{py: 2 * neox_model.count_parameters(
+    neox_model.build_layers(neox_model.gpt_neox_20b(), device="meta")) / 1e9
+    | .0f}} GB in bf16 and fits an H200
     whole: every step then gathers only the bias chunks. A trainable chunk cannot
     stay: its gathered copy is stale after every optimizer step.
 
