@@ -18,7 +18,8 @@ for raw TeX the built HTML) and list what a textbook should not have:
   Y", and references to files outside the repository;
 * **unchecked numbers**: a number of two or more digits, or with a decimal point,
   that neither a directive computes (`{{py: …}}`, `{{bench: …}}`) nor a named test
-  asserts (`(tested: …)` right after it). Single digits are counts in examples.
+  asserts (`(tested: …)` right after it, or right after a formula, which it then
+  vouches for whole). Single digits are counts in examples.
 
 Each check has an allowlist in `docs_src/unchecked/` (one `page | finding` a
 line) holding what the notes had when the check was written, so that CI stays
@@ -61,6 +62,7 @@ LAB_TRACES = [
     re.compile(r"\bfrom \$?[\d.,]+\S* to \$?[\d.,]+", re.I),
     re.compile(r"ANCHORS\.md|\.\./shared"),
 ]
+FORMULA_BEFORE = re.compile(r"(\$\$(?:(?!\$\$).)+\$\$|\$[^$\n]+\$)[\s.,;:]*$", re.S)
 NUMBER = re.compile(r"(?<![\w.\-/\\^_])(\d+(?:[.,]\d+)*)(?![\w.]?\d)")
 
 
@@ -87,13 +89,17 @@ def intro_words(markdown: str) -> int:
 
 def numbers(markdown: str) -> list[str]:
     """The numbers of a note that no directive computes and no test is named for."""
-    # A `(tested: …)` vouches for the last number before it.
+    # A `(tested: …)` vouches for the last number before it or, right after a
+    # formula, for the whole formula: the test asserts the formula itself.
     def drop_tested(part: str) -> str:
         out, last = [], 0
         for m in TESTED.finditer(part):
             head = part[last:m.start()]
+            formula = FORMULA_BEFORE.search(head)
             nums = list(NUMBER.finditer(head))
-            if nums:
+            if formula:
+                head = head[:formula.start()] + " "
+            elif nums:
                 head = head[:nums[-1].start()] + head[nums[-1].end():]
             out.append(head)
             last = m.end()

@@ -30,6 +30,13 @@ def test_the_checks_find_what_they_are_for():
     assert lint.numbers("costs 18 bytes, 3.5 GiB; W1 uses fp32 on 2 ranks") == [
         "18", "3.5"]
     assert lint.numbers("{{py: x}} and 12 (tested: tests/a.py::test_b)") == []
+    assert lint.numbers("$12h^2 + 13h$ (tested: tests/a.py::test_b), 16 more") == [
+        "16"]
+    assert lint.numbers("$$P = 12h^2L$$\n\n(tested: tests/a.py::test_b)") == []
+    assert lint.numbers("$$a = 12$$ then $$b = 13$$ (tested: tests/a.py::test_b)"
+                        ) == ["12"]
+    assert lint.numbers("$12h^2$ and 13 words (tested: tests/a.py::test_b)") == [
+        "12"]
     assert lint.numbers("`x = 42` and [link](a/run42.html)") == []
     assert lint.intro_words("one two $$x y z$$ three `a b`") == 3
     assert "run18" in str([p.findall("as in run18") for p in lint.LAB_TRACES])
