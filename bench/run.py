@@ -103,7 +103,8 @@ class RunConfig:
     seed: int = 0
     """Initialisation seed (the same on every rank) and data seed (plus rank)."""
     trace_dir: str | None = None
-    """Keep rank 0's profiler trace here, as `trace_<workload>_<engine>.json`."""
+    """Keep rank 0's profiler trace here, as `trace_<workload>_<engine>_b<batch>.json`
+    (the input of [the kernel summary](kernels.html) and the timeline)."""
     host_reserve_gib: float = 8.0
     """End the run as out of memory when the host has less than this available
     ([host memory](host_memory.html))."""
@@ -192,7 +193,8 @@ def measure_rank(ctx: launch.DistContext, engine: str, workload: Workload,
         progress["phase"] = "profile"
         keep = None
         if run.trace_dir and ctx.rank == 0:
-            keep = os.path.join(run.trace_dir, f"trace_{workload.name}_{engine}.json")
+            keep = os.path.join(run.trace_dir, f"trace_{workload.name}_{engine}"
+                                f"_b{workload.batch}.json")
         share = profile_comm(built.step, batches[0], device=ctx.device,
                              keep_trace=keep, exchange=exchange_objects)
         record.update(comm_total=share.comm_total, comm_exposed=share.comm_exposed,

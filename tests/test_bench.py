@@ -50,7 +50,7 @@ def test_tiny_run_of_each_engine(tmp_path):
         assert line["peak_mem_gib"] is None  # no CUDA allocator on CPU
 
     for engine in ("labml_zero", "fsdp2", "ddp"):
-        trace = json.loads((traces / f"trace_W3_{engine}.json").read_text())
+        trace = json.loads((traces / f"trace_W3_{engine}_b2.json").read_text())
         assert any(e["name"].startswith("gloo:") for e in trace["traceEvents"])
 
     ours = lines[0]
