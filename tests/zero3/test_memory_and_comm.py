@@ -83,6 +83,21 @@ def one_step(ctx, dtype_name: str, reduce_name: str):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])
+def test_one_rank_casts_gradients_straight_into_its_shard(reduce_dtype):
+    # N_d = 1: the mean over one rank is the gradient itself, so an fp32
+    # reduction is no reduction at all (nothing counted, no buffer); a bf16
+    # one still rounds through its buffer, as on N ranks.
+    (r,) = run_distributed(one_step, 1, "bfloat16", reduce_dtype)
+    elements, _ = r["counted"]
+    reduced = r["layout"].total_numel(trainable=True)
+    assert elements.get("reduce_scatter", 0) == (
+        0 if reduce_dtype == "float32" else reduced)
+    assert r["held"] == layout_model_states(
+        r["layout"], param_bytes=2, grad_bytes=4, optimizer_bytes=12)
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "world_size,dtype,reduce_dtype",
     [
