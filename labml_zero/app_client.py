@@ -97,9 +97,9 @@ def app_url_if_running(url: str, *, timeout_s: float = 2.0) -> str | None:
     The request is `GET {api}/run/status/<a uuid no run has>`, one level above the
     project token. A labml app answers it with status 404
     (tested: tests/test_app.py::test_the_app_answers_the_probe_with_404_and_json)
-    and the JSON body `{}`, and creates nothing, unlike a `POST .../track`, which would make a run and which the
-    app answers only after a 3 s pause. Anything else (refused, timed out, HTML, a
-    server error) means no app.
+    and the JSON body `{}`, and creates nothing, unlike a `POST .../track`, which
+    would make a run and which the app answers only after a 3 s pause. Anything
+    else (refused, timed out, HTML, a server error) means no app.
     """
     url = check_app_url(url)
     if timeout_s <= 0:
