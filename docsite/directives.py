@@ -47,6 +47,7 @@ PY_NAMESPACE = {
     "zero_config": "labml_zero.zero3.config",
     "neox_model": "labml_zero.neox.model",
     "activation_memory": "labml_zero.neox.activation_memory",
+    "app": "labml_zero.app",
     "math": "math",
 }
 """Names a `{{py: …}}` expression may use, and the module each one is."""

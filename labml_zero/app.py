@@ -24,10 +24,12 @@ working on an offline machine:
   record, one JSON file per index); we register it instead, with
   [records as JSON](app_records.html) rather than pickles (see Note: records are
   JSON), and never import `flask_app`.
-* its `index.html` loads **d3 v6, Bootstrap 5.0.0-beta2 and Font Awesome 5.9.0 from
-  CDNs**; without them the page stays blank. The same files, from their npm
-  packages, ship in `labml_zero/app_assets/` (about 300 KB, licenses in its
-  `NOTICE`), and we serve an `index.html` whose three tags point at them.
+* its `index.html` loads **d3, Bootstrap and Font Awesome from CDNs**; without
+  them the page stays blank. The same files, of the versions its tags name
+  (tested: tests/test_app.py::test_the_bundled_files_are_the_versions_the_page_loads),
+  from their npm packages, ship in `labml_zero/app_assets/` (a few hundred
+  kilobytes, versions and licenses in its `NOTICE`), and we serve an
+  `index.html` whose three tags point at them.
 
 Everything else, the API handlers and the bundled page, is labml-app's own, so its
 page looks and behaves as on app.labml.ai. Around them, a guard answers bad input
@@ -109,7 +111,9 @@ class AppConfig:
     host: str = "127.0.0.1"
     """Address to bind; the loopback address keeps an unauthenticated app private."""
     port: int = 5005
-    """TCP port; 5005 is labml's default app port."""
+    """TCP port; the default, {{py: app.AppConfig().port | d}}, is the one labml's own
+    `labml app-server` listens on
+    (tested: tests/test_app.py::test_the_default_port_is_labmls)."""
     data_dir: Path = field(
         default_factory=lambda: Path.home() / ".labml_zero" / "app")
     """Runs, series and indexes, as files; created if missing."""
@@ -119,7 +123,8 @@ class AppConfig:
     """Serve a `host` other than loopback (see Note: no authentication)."""
     max_request_bytes: int = 16 * 2**20
     """$L$, the largest request body accepted (see Note: every request passes one
-    guard); 16 MiB is far above a `track` request, a few seconds of a run."""
+    guard); the default, {{py: app.AppConfig().max_request_bytes // 2**20}} MiB, is
+    far above a `track` request, a few seconds of a run."""
 
     def __post_init__(self):
         if not self.host:
@@ -263,9 +268,10 @@ class RequestGuard:
     ### Note: every request passes one guard
 
     labml-app's handlers trust their input: a body that is not JSON, or not the shape
-    they expect, raises inside them (a bare 500 and a traceback in the log), and a
-    body is read whole, however large. `RequestGuard`, in front of every route, turns
-    bad input into a short 4xx answer and one log line:
+    they expect, raises inside them (the server's bare internal error and a
+    traceback in the log), and a body is read whole, however large.
+    `RequestGuard`, in front of every route, turns bad input into a short 4xx
+    answer and one log line:
 
     1. A path with a NUL or another control character is a `400`.
     2. A body over the limit $L$ (`max_request_bytes`) is a `413`: before one byte is

@@ -16,8 +16,10 @@ in a path segment and has no `?`; for our app it is
 `http://127.0.0.1:5005/api/v1/default/`, where `default` is the project token the
 app files runs under.
 
-labml's sender is a non-daemon thread that retries a failed request forever, sleeping
-$10 r$ seconds before retry $r$. With a URL where nothing answers, a run would
+labml's sender is a non-daemon thread that retries a failed request forever; before
+retry $r$ it sleeps $10 r$ seconds
+(tested: tests/test_app.py::test_labmls_sender_retries_forever_10r_seconds_apart).
+With a URL where nothing answers, a run would
 train to the end and then never exit. So a run asks first: `app_url_if_running` makes
 one cheap request with a short timeout, and the run switches the `app` writer on only
 when a labml app answered.
@@ -93,10 +95,11 @@ def app_url_if_running(url: str, *, timeout_s: float = 2.0) -> str | None:
     * `timeout_s` bounds the one request; the run waits at most this long.
 
     The request is `GET {api}/run/status/<a uuid no run has>`, one level above the
-    project token. A labml app answers it with a JSON body (404 and `{}`) and
-    creates nothing, unlike a `POST .../track`, which would make a run and which the
-    app answers only after a 3 s pause. Anything else (refused, timed out, HTML, a
-    server error) means no app.
+    project token. A labml app answers it with status 404
+    (tested: tests/test_app.py::test_the_app_answers_the_probe_with_404_and_json)
+    and the JSON body `{}`, and creates nothing, unlike a `POST .../track`, which
+    would make a run and which the app answers only after a 3 s pause. Anything
+    else (refused, timed out, HTML, a server error) means no app.
     """
     url = check_app_url(url)
     if timeout_s <= 0:
@@ -107,7 +110,9 @@ def app_url_if_running(url: str, *, timeout_s: float = 2.0) -> str | None:
         with urllib.request.urlopen(probe, timeout=timeout_s) as response:
             status, headers, body = response.status, response.headers, response.read()
     except urllib.error.HTTPError as e:
-        # 404 is the app's answer for an unknown run; read its body like a 200's.
+        # An unknown run is the app's 404
+        # (tested: tests/test_app.py::test_the_app_answers_the_probe_with_404_and_json):
+        # read its body like a success's.
         status, headers, body = e.code, e.headers, e.read()
     except (urllib.error.URLError, OSError):
         return None

@@ -16,6 +16,7 @@ it, to `docs_src/figures/labml_app_run.png`, the README's picture of the app.
 """
 
 import base64
+import gzip
 import http.server
 import json
 import math
@@ -29,16 +30,18 @@ import textwrap
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
 import pytest
 
-from labml_zero.app import AppConfig, main
-from labml_zero.app_client import (app_url_if_running, check_app_url,
-                                   labml_app_settings)
+from labml_zero.app import ASSETS, AppConfig, main, static_dir
+from labml_zero.app_client import (DEFAULT_APP_URL, app_url_if_running,
+                                   check_app_url, labml_app_settings)
 from labml_zero.neox.finetune import EXPERIMENT_NAME
 from tests.test_finetune import tracked
 
@@ -199,6 +202,42 @@ def test_app_prints_its_urls_and_serves_the_page_without_the_network(app):
     assert e.value.code == 404
 
 
+def test_the_bundled_files_are_the_versions_the_page_loads():
+    # labml-app's index.html names each CDN file's version in its URL; the copy
+    # in app_assets must be that version, or the page would run against another.
+    urls = re.findall(r'(?:src|href)="(https?://[^"]+)"',
+                      (static_dir() / "index.html").read_text())
+
+    def version(pattern: str) -> str:
+        found = [m.group(1) for u in urls if (m := re.search(pattern, u))]
+        assert len(found) == 1, (pattern, urls)
+        return found[0]
+
+    def banner(path: str) -> str:
+        return gzip.decompress((ASSETS / path).read_bytes())[:300].decode()
+
+    bootstrap = version(r"/bootstrap@([^/]+)/")
+    assert f"Bootstrap v{bootstrap} " in banner("css/bootstrap.min.css.gz")
+    font_awesome = version(r"/font-awesome/([^/]+)/")
+    assert f"Font Awesome Free {font_awesome} " in banner(
+        "css/fontawesome.min.css.gz")
+    d3_major = version(r"/d3\.v(\d+)\.")
+    assert re.search(rf"d3js\.org v{d3_major}\.\d+\.\d+ ", banner(
+        "js/d3.v6.min.js.gz"))
+
+
+def test_the_app_answers_the_probe_with_404_and_json(app):
+    # The probe's request, a run no one made: the app's 404 with a JSON body,
+    # and no run appears.
+    before = get_json(app.web_url + "api/v1/runs/null")["runs"]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        get_bytes(app.web_url + "api/v1/run/status/labmlzeroprobe")
+    assert e.value.code == 404
+    assert "json" in e.value.headers["content-type"]
+    assert json.loads(e.value.read()) == {}
+    assert get_json(app.web_url + "api/v1/runs/null")["runs"] == before
+
+
 def test_the_finetune_is_one_run_with_its_logged_losses(app, runs):
     listed = [r for r in get_json(app.web_url + "api/v1/runs/null")["runs"]
               if r["run_uuid"].startswith(runs.finetune_uuid)]
@@ -333,6 +372,40 @@ def test_probe_says_no_to_a_web_server_that_is_not_a_labml_app(tmp_path):
 def test_bad_app_urls_are_one_line_errors(url, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         check_app_url(url)
+
+
+def test_the_default_port_is_labmls():
+    # `labml app-server` (labml's own command for labml-app) listens on a default
+    # port; our app and the URL runs send to use the same.
+    port = AppConfig().port
+    assert urllib.parse.urlsplit(DEFAULT_APP_URL).port == port
+    usage = subprocess.run(
+        [sys.executable, "-c", "import sys; from labml.cli import main; "
+         "sys.argv = ['labml', 'app-server', '--help']; main()"],
+        capture_output=True, text=True, timeout=60).stdout
+    found = re.search(r"Port to run the server on\s+\(default:\s*(\d+)\)", usage)
+    assert found and int(found.group(1)) == port, usage
+
+
+def test_labmls_sender_retries_forever_10r_seconds_apart(monkeypatch):
+    # Why the probe exists: labml's `app` writer sends from a non-daemon thread
+    # that retries a failed send until it succeeds, sleeping 10 r s before retry r.
+    from labml.internal import app as sender
+    from labml.internal.app import AppTracker, SimpleAppTrackDataSource
+
+    tracker = AppTracker("http://127.0.0.1:9/track?", {"run_uuid": "x"})
+    tracker._check()
+    thread = tracker.thread
+    assert not thread.daemon
+    outcomes = iter([False] * 5 + [True])
+    monkeypatch.setattr(thread, "_process", lambda packets: next(outcomes))
+    slept = []
+    monkeypatch.setattr(sender, "time", SimpleNamespace(sleep=slept.append))
+    thread.push_data_source(SimpleAppTrackDataSource({"status": "x"}))
+    thread.is_stopped = True  # return once the queue is sent
+    thread.run()
+    retries = slept[:5]
+    assert retries == [10 * r for r in range(1, 6)]
 
 
 def test_settings_for_labml():

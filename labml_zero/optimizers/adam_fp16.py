@@ -20,19 +20,22 @@ v_t &= \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
 \end{aligned}$$
 
 with $\theta$ the fp32 master (the {{term: master weights}}), $m$ and $v$ fp32,
-and the 16-bit parameter set to $\theta$ rounded after each step.
+and the half-precision (bf16 or fp16) parameter set to $\theta$ rounded after
+each step.
 
 ## Where each piece lives
 
-* The parameters handed to `AdamFP16` are the flat 16-bit shards of the
+* The parameters handed to `AdamFP16` are the flat half-precision shards of the
   trainable chunks (`model.get_trainable_chunk()`), or any parameters.
 * A shard's gradient is its [`LocalShard`](../zero3/shard.html)'s `grad` (fp32,
   averaged over ranks by the reduce-scatter); an ordinary parameter's is its
   `.grad`.
 * The master starts from the shard's `master_init` when the engine kept one
-  (the original fp32 weights of a 16-bit chunk), otherwise from the parameter
-  itself. An fp32 parameter *is* its own master: no copy, $K = 8$ extra bytes
-  instead of 12.
+  (the original fp32 weights of a half-precision chunk), otherwise from the
+  parameter itself. An fp32 parameter *is* its own master: no copy, $K = 8$
+  extra bytes
+  (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
+  instead of {{py: memory_model.OPTIMIZER_BYTES}}.
 
 Each step is one pass over all shards, however many chunks there are: PyTorch's
 fused AdamW kernel (`torch._fused_adamw_`, which reads $\theta, g, m, v$ once and
@@ -239,7 +242,7 @@ class AdamFP16(torch.optim.Optimizer):
                 self._move_to_host(param, state)
             return state
         shard = LocalShard.of(param)
-        # The exact fp32 weights; the 16-bit shard is a rounding of them.
+        # The exact fp32 weights; the half-precision shard is a rounding of them.
         master = shard.take_master_init() if shard is not None else None
         if master is None:
             if param.dtype == torch.float32 and param not in self.offload:

@@ -9,10 +9,13 @@ summary: The norm of the whole model's gradient from its shards, with one all-re
 Clipping rescales the gradient $g$ so that its norm is at most $c$:
 
 $$g \leftarrow g \cdot \min\left(1, \frac{c}{\lVert g \rVert_2 + 10^{-6}}\right)$$
+(tested: tests/optimizers/test_clip_grad.py::test_clipping_is_the_formula_of_the_page)
 
-exactly as `torch.nn.utils.clip_grad_norm_` does on an unsharded model. The norm is
-over *all* parameters; each rank holds a disjoint shard of every trainable chunk,
-so the squared norm is a sum over ranks of the local sums of squares:
+exactly as `torch.nn.utils.clip_grad_norm_` does on an unsharded model
+(tested: tests/optimizers/test_clip_grad.py::test_clipping_is_torchs_on_one_rank).
+The norm is over *all* parameters; each rank holds a disjoint shard of every
+trainable chunk, so the squared norm is a sum over ranks of the local sums of
+squares:
 
 $$\lVert g \rVert_2^2 = \sum_{r=1}^{N_d} \sum_{i \in \text{shard}_r} g_i^2$$
 

@@ -6,12 +6,14 @@ summary: Scale the loss, detect overflow on the shard gradients, skip everywhere
 
 # Dynamic loss scaling
 
-fp16 represents magnitudes down to $6 \cdot 10^{-8}$ (subnormal); many gradients are
-smaller and would flush to zero. So the loss is multiplied by a scale $S$ before
-the backward pass, every gradient is $S$ times larger, and the optimizer divides
-by $S$ again (in fp32, on the shard gradients). Too large an $S$ overflows to
-`inf`: then the step is skipped and $S$ halved. After `growth_interval` steps
-without overflow $S$ doubles, so it tracks the largest safe value.
+fp16's smallest magnitude, a subnormal, is $6 \cdot 10^{-8}$
+(tested: tests/optimizers/test_grad_scaler.py::test_fp16_flushes_what_the_scale_keeps);
+many gradients are smaller and would flush to zero. So the loss is multiplied by a
+scale $S$ before the backward pass, every gradient is $S$ times larger, and the
+optimizer divides by $S$ again (in fp32, on the shard gradients). Too large an
+$S$ overflows to `inf`: then the step is skipped and $S$ halved. After
+`growth_interval` steps without overflow $S$ doubles, so it tracks the largest
+safe value.
 
 ## Agreeing on overflow
 

@@ -177,8 +177,8 @@ class Chunk:
         # and the reduction that averages its gradients into this rank's shard
         self.reduction = new_reduction(comm)
         # [S] fp32; the original fp32 values, when the parameters were fp32 and the
-        # chunk is 16-bit, so the optimizer's master copy starts exact (AdamFP16
-        # takes it and drops it).
+        # chunk is bf16 or fp16, so the optimizer's master copy starts exact
+        # (AdamFP16 takes it and drops it).
         master_init = None
         if (
             self.trainable
@@ -466,7 +466,7 @@ class Chunk:
             target[1].append(grad.reshape(-1))
             self.grads_written.add(position)
         # `_foreach_*`: PyTorch's multi-tensor kernels, private but what its own
-        # optimizers and FSDP2 use (2.1 to 2.13); one call casts and copies all
+        # optimizers and FSDP2 use; one call casts and copies all
         if copies[0]:
             torch._foreach_copy_(*copies)
         if adds[0]:

@@ -83,7 +83,8 @@ __all__ = [
     "search_chunk_size",
 ]
 
-# ColossalAI's unit for chunk sizes: "m" is $2^{20}$ elements.
+# ColossalAI's unit for chunk sizes: "m" is $2^{20}$ elements
+# (tested: tests/zero3/test_chunk_search.py::test_sizes_in_m_are_mebi_elements).
 MEBI = 2**20
 
 
@@ -104,7 +105,7 @@ class ChunkSearchConfig:
 
     min_chunk_size_m: float = 0.0
     r"""
-    Smallest candidate, $c_{\min}$, in $2^{20}$ elements. ColossalAI's default is
+    Smallest candidate, $c_{\min}$, in units of `MEBI` elements. ColossalAI's default is
     larger, because it keeps a model smaller than $c_{\min}$ gathered and unsharded;
     we always shard, and with chunks confined to a layer a floor above a layer's
     size only makes every layer one giant chunk, so ours is 0.
@@ -112,7 +113,7 @@ class ChunkSearchConfig:
 
     search_range_m: float = 32.0
     r"""
-    Width $R$ of the range of candidates, in $2^{20}$ elements (ColossalAI's
+    Width $R$ of the range of candidates, in units of `MEBI` elements (ColossalAI's
     default too): $\lfloor R / h \rfloor + 1$ candidates, 5462
     (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
     at GPT-NeoX-20B's hidden size.
@@ -278,7 +279,7 @@ def search_chunk_size(
     parameters are multiples of $h$ (an $h \times 4h$ projection, a bias of $3h$),
     so is any run of them, and steps of $h$ reach every size that a run fills
     exactly; finer steps would add sizes that only pad more. They run from $c_0$
-    (`start_size`) to $c_0 + R$, $R$ = `search_range_m` $\cdot 2^{20}$, which is
+    (`start_size`) to $c_0 + R$, $R$ = `search_range_m` $\times$ `MEBI`, which is
     ColossalAI's rule. Where we depart from ColossalAI:
 
     * We simulate the packer we run: chunks never span a group, trainable and
@@ -386,7 +387,7 @@ def start_size(
 
     $$c_0 = h \left\lceil \frac{\max(c_{\min}, n_{\max})}{h} \right\rceil$$
 
-    with $c_{\min}$ = `min_chunk_size_m` $\cdot 2^{20}$ and $n_{\max}$ the largest
+    with $c_{\min}$ = `min_chunk_size_m` $\times$ `MEBI` and $n_{\max}$ the largest
     parameter that is not excluded: a smaller chunk would leave that parameter
     oversized.
     """
@@ -583,7 +584,8 @@ def score_candidate(
 # the range starts at $c_0 = 4h^2$, the MLP weights.
 #
 # *Without the collective term* ($\mu = 0$) and with a range of $R = 2^{20}$
-# (less than $h^2$), the giant chunk is out of reach. At $c_0$ the attention
+# (tested: tests/zero3/test_chunk_search.py::test_20b_without_mu_packs_three_chunks),
+# less than $h^2$, the giant chunk is out of reach. At $c_0$ the attention
 # output does not fit next to QKV, nor a bias next to an MLP weight: six chunks
 # per layer, $40\%$
 # (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)

@@ -17,7 +17,9 @@ ZeRO-3 needs three collectives, and this page is the only place that calls them:
 Per training step a chunk is gathered for the forward pass and again for the
 backward pass, and every trainable chunk's gradient is reduce-scattered once:
 $3\Psi$ elements of collective volume against DDP's $2\Psi$ (its all-reduce is a
-reduce-scatter plus an all-gather). That 1.5× is the price of holding
+reduce-scatter plus an all-gather)
+(tested: tests/zero3/test_memory_model.py::test_zero3_is_three_psi_and_ddp_two_psi).
+That extra $\Psi$, half of DDP's volume again, is the price of holding
 $\frac{(p + 4 + K)\Psi}{N_d}$ bytes ($p$-byte parameters, fp32 gradient
 shards) instead of $(p + 4 + K)\Psi$; `CommCounter` counts it so the tests can
 check the claim. Less where the [hooks](hooks.html) skip the backward's gather:
@@ -104,9 +106,10 @@ class CommCounter:
         self.bytes.clear()
 
 
-# PyTorch 2.13 renamed `all_gather_into_tensor` and `reduce_scatter_tensor` to
-# `all_gather_single` and `reduce_scatter_single` (the old names warn); older
-# releases, such as 2.11 on the GPU machines, have only the old names.
+# Recent PyTorch releases rename `all_gather_into_tensor` and
+# `reduce_scatter_tensor` to `all_gather_single` and `reduce_scatter_single`
+# (the old names warn); older releases have only the old names. Each is looked
+# up once, here, so both kinds of release run the same code below.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = (
     getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -119,8 +122,9 @@ def profiled(name: str) -> contextlib.AbstractContextManager:
 
     `torch.profiler.record_function` costs several microseconds of host time
     even when nothing records, tens of times per step: enough to show in a
-    step that the host bounds. `_is_profiler_enabled` is private, present from
-    PyTorch 1.x to 2.13.
+    step that the host bounds. `_is_profiler_enabled` is private; every
+    gather and reduce-scatter reads it, so a release without it fails every
+    test at once.
     """
     if torch.autograd.profiler._is_profiler_enabled:
         return torch.profiler.record_function(name)

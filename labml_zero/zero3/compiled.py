@@ -47,9 +47,9 @@ def default_compile_backend(device: torch.device) -> str:
     ## The backend
 
     Inductor on GPUs. On CPU `aot_eager`: dynamo, guards and AOT autograd without
-    code generation, because torch 2.13's CPU Inductor emits C++ for a bf16
-    GPT-NeoX layer that gcc 12 rejects (with or without labml_zero), and
-    generating code takes tens of seconds on a small CPU anyway.
+    code generation, because the C++ that CPU Inductor emits for a bf16 GPT-NeoX
+    layer can fail to compile with the system's gcc (with or without
+    labml_zero), and generating code takes tens of seconds on a small CPU anyway.
     """
     return "inductor" if device.type == "cuda" else "aot_eager"
 

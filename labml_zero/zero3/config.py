@@ -104,7 +104,9 @@ class ZeroConfig:
     align: int = 64
     """
     Each parameter starts at a multiple of this many elements inside its chunk
-    (64 bf16 elements = 128 bytes), so kernels read aligned memory.
+    (by default {{py: zero_config.ZeroConfig().align}} bf16 elements,
+    {{py: zero_config.ZeroConfig().align * memory_model.PARAM_BYTES}} bytes), so
+    kernels read aligned memory.
     """
 
     def __post_init__(self):

@@ -38,10 +38,11 @@ Backward, for each unit in reverse:
    reduces zeros: every rank must take part in every collective), make the compute
    stream wait for the reductions, release whatever is still gathered.
 
-A step of a small GPT-NeoX-shaped model on two GPUs (the kernels of one GPU,
+A step of a Pythia-160M-shaped GPT-NeoX on two GPUs (the kernels of one GPU,
 from `torch.profiler`, converted by `bench/timeline.py`). Each gather runs
 ahead of the compute that needs it, the long stretch without collectives in the
-middle is the readout and the loss over a 50k vocabulary, and the
+middle is the readout and the loss over a
+{{py: neox_model.pythia_160m().n_vocab}}-token vocabulary, and the
 reduce-scatters of the backward pass overlap the layers below (the optimizer's
 updates, queued as each chunk is reduced, are among the compute kernels there):
 
@@ -202,9 +203,9 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """
     #### Run `callback` when the current backward pass ends
 
-    PyTorch has no public API for this; FSDP uses the same private call, present
-    since PyTorch 1.x and unchanged through 2.13. It must be called while the
-    backward pass runs (from a hook).
+    PyTorch has no public API for this; FSDP uses the same private call, so it
+    is unlikely to change unannounced, and every backward pass in the tests runs
+    through it. It must be called while the backward pass runs (from a hook).
     """
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 

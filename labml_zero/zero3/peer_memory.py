@@ -106,8 +106,8 @@ class PeerBuffer:
 
         group_name = (group or dist.group.WORLD).group_name
         with warnings.catch_warnings():
-            # PyTorch 2.11 needs the group enabled; later releases warn that it
-            # is no longer needed.
+            # Older PyTorch releases need the group enabled; newer ones warn
+            # that it is no longer needed, or drop the call.
             warnings.simplefilter("ignore")
             enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
             if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(
@@ -136,9 +136,9 @@ class PeerBuffer:
             return os.path.join(folder, f"labml_zero-{name}-{q}")
 
         self.counted = False  # no allocator statistics on CPU
-        # A mapped file larger than the free space of a tmpfs (Docker's /dev/shm
-        # is 64 MiB) fails with SIGBUS when its pages are first touched: refuse
-        # it here, in one line, instead.
+        # A mapped file larger than the free space of a tmpfs (Docker gives a
+        # container a small /dev/shm by default) fails with SIGBUS when its pages
+        # are first touched: refuse it here, in one line, instead.
         needed = numel * torch.empty(0, dtype=dtype).element_size()
         stat = os.statvfs(folder)
         if needed > stat.f_bavail * stat.f_frsize:

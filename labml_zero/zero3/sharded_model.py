@@ -36,10 +36,11 @@ the rest only while a hook has them gathered.
 ## Memory per rank
 
 With $\Psi_t$ trainable and $\Psi_f$ frozen elements (padding included),
-parameter dtype of $p$ bytes, gradient shards of 4 bytes and $K = 12$ bytes of
-optimizer state (`AdamFP16`):
+parameter dtype of $p$ bytes, gradient shards of 4 bytes and
+$K$ = {{py: memory_model.OPTIMIZER_BYTES}} bytes of optimizer state (`AdamFP16`):
 
 $$\frac{(p + 4 + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
+(tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
 
 plus the gathered chunks of at most $1 + \text{prefetch\_depth}$ units and the
 full-size gradient buffers of the chunks being reduced.
@@ -125,11 +126,17 @@ def choose_chunk_numel(
     from .chunk_search import ChunkSearchConfig, search_chunk_size
 
     hidden_dim = hidden_size(specs)
-    # ColossalAI's default range is 32·2^20 elements. In steps of a small model's
-    # hidden size that is hundreds of thousands of candidates, most of them far
-    # beyond any layer, so it is capped at 4096 steps; and it is stretched to the
-    # largest layer, so that one chunk per layer is always a candidate (for
-    # Pythia-1.4B a layer is 50·2^20 elements).
+    # ColossalAI's default range, `ChunkSearchConfig`'s too, is
+    # {{py: chunk_search.ChunkSearchConfig().search_range_m | .0f}}·2^20 elements. In
+    # steps of a small model's hidden size that is hundreds of thousands of
+    # candidates, most of them far beyond any layer, so it is capped at 4096 steps;
+    # and it is stretched to the largest layer, so that one chunk per layer is
+    # always a candidate
+    # (tested: tests/zero3/test_sharded_model.py::test_the_search_range_of_the_engine).
+    # A layer of Pythia-1.4B is {{py: neox_model.count_parameters(
+    # neox_model.build_layers(neox_model.pythia_1_4b(), device="meta")[1:2]) / 2**20
+    # | .0f}}·2^20 elements, beyond the cap at its hidden size,
+    # {{py: 4096 * neox_model.pythia_1_4b().d_model / 2**20 | .0f}}·2^20.
     largest_group: dict[int, int] = {}
     for spec in specs:
         largest_group[spec.group] = largest_group.get(spec.group, 0) + spec.numel

@@ -37,3 +37,21 @@ def test_overflow_during_backward_changes_nothing_and_is_refused():
     assert scaler.found_inf
     with pytest.raises(ValueError, match="update_during_backward"):
         scaler.step(optimizer)
+
+
+def test_fp16_flushes_what_the_scale_keeps():
+    """The page's premise: fp16's smallest magnitude, a subnormal, is about
+    6e-8; a gradient below half of it rounds to zero, and the same gradient
+    times the default initial scale is representable."""
+    from labml_zero.zero3.communication import Communicator
+
+    # the fp16 number whose bits are 0x0001: the first above zero
+    smallest = torch.tensor([1], dtype=torch.int16).view(torch.float16).item()
+    assert f"{smallest:.0e}" == "6e-08"
+    assert torch.tensor(smallest).half().item() == smallest
+    grad = torch.tensor(smallest / 4)
+    assert grad.half().item() == 0.0
+    scaler = LossScaler(Communicator(torch.device("cpu")))
+    scaled = (grad * scaler.scale_value).half()
+    assert scaled.item() != 0.0 and torch.isfinite(scaled)
+    assert scaled.float() / scaler.scale_value == pytest.approx(grad.item(), rel=1e-3)

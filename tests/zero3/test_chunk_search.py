@@ -460,3 +460,29 @@ def test_figures_in_the_search_notes():
     assert round(8 * H * H * 4 / 1e9, 1) == 1.2
     assert (largest_grad_buffer(one, 4) - largest_grad_buffer(three, 4)
             == 4 * (12 * H * H + 13 * H - (4 * H * H + 7 * H)))
+
+
+def test_sizes_in_m_are_mebi_elements():
+    # The knobs ending in `_m` count ColossalAI's "m": 2^20 elements.
+    from labml_zero.zero3.chunk_search import MEBI as SEARCH_MEBI
+
+    assert SEARCH_MEBI == 2**20
+    knobs = ChunkSearchConfig(hidden_dim=64, min_chunk_size_m=1.5, search_range_m=2.0)
+    assert knobs.min_chunk_size == 3 * 2**19
+    assert knobs.search_range == 2 * 2**20
+
+
+def test_20b_without_mu_packs_three_chunks():
+    # Note: GPT-NeoX-20B, without the collective term: a range of R = 2^20 is less
+    # than h^2, so one chunk per layer is out of reach, and c_0 + 7h packs a
+    # layer into three chunks with 2h of padding.
+    params = neox_20b(lambda name: True)
+    knobs = ChunkSearchConfig(hidden_dim=H, search_range_m=1.0, align=64,
+                              collective_bytes=0)
+    assert knobs.search_range == 2**20 < H * H
+    result = search_chunk_size(params, 2, config=knobs)
+    assert result.candidates[0].chunk_numel == 4 * H * H
+    assert result.chunk_numel == 4 * H * H + 7 * H
+    chunks = result.layout.chunks_of_group(1)
+    assert len(chunks) == 3
+    assert sum(c.padding for c in chunks) == 2 * H

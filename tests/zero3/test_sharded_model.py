@@ -329,3 +329,37 @@ def test_zero3_sequential_refuses_layers_with_different_configs():
     with pytest.raises(ValueError, match="layer 1's config differs from layer 0's "
                                          "in chunk_numel, reshard_after_forward"):
         Zero3Sequential(layers)
+
+
+def test_the_search_range_of_the_engine(monkeypatch):
+    """`choose_chunk_numel`'s range: ColossalAI's default width (the search's
+    default too) at most, at most 4096 steps of the hidden size, and at least the
+    largest layer."""
+    from labml_zero.zero3 import chunk_search
+    from labml_zero.zero3.chunk_layout import ParamSpec
+    from labml_zero.zero3.sharded_model import choose_chunk_numel
+
+    seen, original = [], chunk_search.search_chunk_size
+
+    def search(specs, world_size, *, config):
+        seen.append(config)
+        return original(specs, world_size, config=config)
+
+    monkeypatch.setattr(chunk_search, "search_chunk_size", search)
+
+    def search_range(layers: list[tuple[int, int]]) -> int:
+        specs = [ParamSpec(f"w{g}", shape, True, g) for g, shape in enumerate(layers)]
+        choose_chunk_numel(specs, 1, ZeroConfig())
+        return seen[-1]
+
+    default = chunk_search.ChunkSearchConfig().search_range
+    # A wide model of small layers: the default width.
+    wide = search_range([(4, 16384), (4, 16384)])
+    assert wide.hidden_dim == 16384 and wide.search_range == default
+    # A narrow one: 4096 steps of its hidden size.
+    narrow = search_range([(4, 64), (4, 64)])
+    assert narrow.search_range == 4096 * 64 < default
+    assert narrow.num_candidates == 4096 + 1
+    # A layer larger than either: the range reaches it.
+    large = search_range([(4, 64), (2 * 4096, 64)])
+    assert large.search_range == 2 * 4096 * 64

@@ -78,7 +78,7 @@ def master_of(optimizer, chunk: Chunk) -> torch.Tensor | None:
     #### The fp32 master of a shard, when it is not the shard itself
 
     The optimizer's, or before the first step the exact fp32 weights the engine
-    kept for a 16-bit chunk (`master_init`).
+    kept for a bf16 or fp16 chunk (`master_init`).
     """
     if not chunk.trainable or chunk.dtype == torch.float32:
         return None
