@@ -289,8 +289,13 @@ class Communicator:
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         """`full` [N_d·S] ← the shards [S] of every rank, in rank order."""
         self.counter.add("all_gather", full)
-        if not self.distributed:
-            full.copy_(shard)
+        if self.world_size == 1:
+            # A shard group of one rank (one process, or hybrid sharding with
+            # $K = 1$): the all-gather is a copy, none when the shard already
+            # sits in `full` (the host-staged gather's in-place form). No
+            # collective call, whose host-side cost a small model feels.
+            if shard.data_ptr() != full.data_ptr():
+                full.copy_(shard)
             return
         _all_gather(full, shard, group=self.group)
 
@@ -305,8 +310,8 @@ class Communicator:
         `full`; a collective, which needs both in one dtype.
         """
         self.counter.add("reduce_scatter", full)
-        if not self.distributed:
-            shard.copy_(full)
+        if self.world_size == 1:
+            shard.copy_(full)  # the mean over one rank
             return
         _reduce_scatter(shard, full, op=dist.ReduceOp.AVG, group=self.group)
 
