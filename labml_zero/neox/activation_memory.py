@@ -387,8 +387,8 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
     activation_memory.activation_bytes(neox_model.pythia_1_4b(), batch=8, seq=2048,
     finetune="all").per_layer / 2**20 | .2f}} | {{py:
     activation_memory.activation_bytes(neox_model.pythia_1_4b(), batch=8, seq=2048,
-    finetune="all").layers / 2**30 | .2f}} | {{py: activation_memory.activation_bytes(
-    neox_model.pythia_1_4b(), batch=8, seq=2048,
+    finetune="all").layers / 2**30 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.pythia_1_4b(), batch=8, seq=2048,
     finetune="all").readout_loss.peak / 2**30 | .2f}} | {{py:
     activation_memory.activation_bytes(neox_model.pythia_1_4b(), batch=8, seq=2048,
     finetune="all").total / 2**30 | .2f}} |
@@ -397,8 +397,8 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
     activation_memory.activation_bytes(neox_model.pythia_6_9b(), batch=2, seq=2048,
     finetune="all").per_layer / 2**20 | .2f}} | {{py:
     activation_memory.activation_bytes(neox_model.pythia_6_9b(), batch=2, seq=2048,
-    finetune="all").layers / 2**30 | .2f}} | {{py: activation_memory.activation_bytes(
-    neox_model.pythia_6_9b(), batch=2, seq=2048,
+    finetune="all").layers / 2**30 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.pythia_6_9b(), batch=2, seq=2048,
     finetune="all").readout_loss.peak / 2**30 | .2f}} | {{py:
     activation_memory.activation_bytes(neox_model.pythia_6_9b(), batch=2, seq=2048,
     finetune="all").total / 2**30 | .2f}} |
@@ -417,8 +417,8 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
     activation_memory.activation_bytes(neox_model.pythia_160m(), batch=16, seq=1024,
     finetune="all").per_layer / 2**20 | .2f}} | {{py:
     activation_memory.activation_bytes(neox_model.pythia_160m(), batch=16, seq=1024,
-    finetune="all").layers / 2**30 | .2f}} | {{py: activation_memory.activation_bytes(
-    neox_model.pythia_160m(), batch=16, seq=1024,
+    finetune="all").layers / 2**30 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.pythia_160m(), batch=16, seq=1024,
     finetune="all").readout_loss.peak / 2**30 | .2f}} | {{py:
     activation_memory.activation_bytes(neox_model.pythia_160m(), batch=16, seq=1024,
     finetune="all").total / 2**30 | .2f}} |
