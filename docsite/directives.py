@@ -48,6 +48,8 @@ PY_NAMESPACE = {
     "neox_model": "labml_zero.neox.model",
     "activation_memory": "labml_zero.neox.activation_memory",
     "app": "labml_zero.app",
+    "finetuners": "labml_zero.neox.finetuners",
+    "workloads": "bench.workloads",
     "math": "math",
 }
 """Names a `{{py: …}}` expression may use, and the module each one is."""

@@ -9,8 +9,9 @@ summary: The GPT-NeoX / Pythia model as a list of layers, Hugging Face
 # GPT-NeoX
 
 The model we fine-tune with ZeRO-3 is GPT-NeoX
-([Black et al., 2022](https://arxiv.org/abs/2204.06745)): the architecture of
-GPT-NeoX-20B and of the Pythia suite (70M to 12B). A layer of it computes
+([Black et al.](https://arxiv.org/abs/2204.06745)): the architecture of
+GPT-NeoX-20B and of the Pythia suite (Pythia-70M to Pythia-12B). A layer of it
+computes
 
 $$x_{l+1} = x_l + \operatorname{Attn}(\operatorname{LN}_1(x_l))
                 + \operatorname{MLP}(\operatorname{LN}_2(x_l))$$
@@ -18,10 +19,12 @@ $$x_{l+1} = x_l + \operatorname{Attn}(\operatorname{LN}_1(x_l))
 (the *parallel residual*: both branches read $x_l$), and attention rotates only
 the first quarter of each head's dimensions by their position (*partial
 rotary embeddings*). A model with $L$ layers of width $d$ and a vocabulary of
-$V$ has about $12 L d^2 + 2 V d$ parameters:
+$V$ has about $12 L d^2 + 2 V d$
+(tested: tests/neox/test_model.py::test_parameter_count_formula)
+parameters:
 {{py: neox_model.count_parameters(neox_model.build_layers(
     neox_model.gpt_neox_20b(), device='meta')) / 1e9 | .2f}}
-billion for 20B (counted from its layers), whose 16-bit weights alone take
+billion for GPT-NeoX-20B (counted from its layers), whose bf16 weights alone take
 {{py: 2 * neox_model.count_parameters(neox_model.build_layers(
     neox_model.gpt_neox_20b(), device='meta')) / 1e9 | .0f}}
 GB and whose model states for training, at

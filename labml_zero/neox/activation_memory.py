@@ -35,11 +35,12 @@ depends on the [fine-tuner](finetuners.html):
 | $h$, input of the GELU | $n d_{ff}$ | bf16 | ✓ | ✓ | ✓ |
 | $\operatorname{GELU}(h)$, input of `dense_4h_to_h` | $n d_{ff}$ | bf16 | ✓ | ✓ | |
 
-With $d_{ff} = 4d$ that is $16nd$ elements of bf16 for the full fine-tune,
-$14nd$ for the MLPs and $9nd$ for the biases, so a layer keeps
+With $d_{ff} = 4d$ the bf16 rows add up to $c\,nd$ elements, and a layer
+keeps
 
 $$M_{\text{layer}} = 2 c\, nd + 4 \cdot 4n + 4 n_h n + 2 \cdot 2 T d_r
-\text{ bytes}, \qquad c \in \{16, 14, 9\}.$$
+\text{ bytes}, \qquad c = 16, 14, 9 \text{ for all, ffn, biases}.$$
+(tested: tests/neox/test_activation_memory.py::test_layer_counts_by_finetuner)
 
 `_layer_bytes` computes the table row by row, `readout_loss_bytes` the final
 norm, readout and loss, and `activation_bytes` the whole model, with and
@@ -178,9 +179,11 @@ def _check(config: NeoXConfig, batch: int, seq: int, dtype_bytes: int) -> None:
 # made by the rotation's `cat`, is `[B, n_h, T, d_h]` (on CPU, and on CUDA with
 # the cuDNN and FlashAttention backends). So `transpose(1, 2).reshape(B, T, d)`
 # is a *copy*, and the dense linear saves that copy besides the output the
-# attention saved: one $nd$ more than counting tensors by name suggests, 64
+# attention saved: one $nd$ more than counting tensors by name suggests. On the
+# benchmark's W1, Pythia-1.4B at {{py: workloads.workloads()["W1"].batch}} ×
+# {{py: workloads.workloads()["W1"].seq | d}} tokens, that is 64
 # (tested: tests/neox/test_activation_memory.py::test_figures_in_the_notes)
-# MiB per layer for Pythia-1.4B at $8 \times 2048$ tokens.
+# MiB per layer.
 
 
 def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
@@ -256,10 +259,12 @@ def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
       embedding (see the intro).
     * `dtype_bytes`: bytes per activation element, 2 for bf16.
 
-    For GPT-NeoX-20B at $16 \times 128$ tokens, bias-only, a layer keeps
-    $9 \cdot 2048 \cdot 6144 \cdot 2$ bytes $= 216$
+    On the benchmark's W3, GPT-NeoX-20B trained bias-only at
+    {{py: workloads.workloads()["W3"].batch}} ×
+    {{py: workloads.workloads()["W3"].seq | d}} tokens, a layer keeps $9nd$
+    elements of bf16, 216
     (tested: tests/neox/test_activation_memory.py::test_gpt_neox_20b_bias_only_layer)
-    MiB of bf16 and 556
+    MiB, and 556
     (tested: tests/neox/test_activation_memory.py::test_gpt_neox_20b_bias_only_layer)
     KiB of the rest: the layer norms' statistics (32
     (tested: tests/neox/test_activation_memory.py::test_gpt_neox_20b_bias_only_layer)
@@ -311,20 +316,28 @@ def readout_loss_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: st
 
     * forward: the bf16 logits ($2nV$), their fp32 copy ($4nV$) and the fp32
       log-probabilities that `log_softmax` returns and saves ($4nV$); the copy
-      dies when the loss returns, so $10nV$ at the peak and $6nV$ after it;
+      dies when the loss returns, so $10nV$
+      (tested: tests/neox/test_activation_memory.py::test_readout_loss_options)
+      at the peak and $6nV$
+      (tested: tests/neox/test_activation_memory.py::test_readout_and_loss_peaks)
+      after it;
     * backward, at `log_softmax`'s backward: the logits ($2nV$), the saved
       log-probabilities ($4nV$), the fp32 gradient of the log-probabilities that
       `nll_loss` wrote ($4nV$) and the fp32 gradient of the logits being written
-      ($4nV$): $14nV$. After it the two fp32 gradients of 4 become one of 4 and one
-      bf16 of 2, never more.
+      ($4nV$): $14nV$
+      (tested: tests/neox/test_activation_memory.py::test_readout_loss_options).
+      After it the two fp32 gradients of 4 become one of 4 and one bf16 of 2,
+      never more.
 
     Besides, the final norm keeps its input $x_L$ and statistics, and the readout
-    keeps its input when its weight trains. For Pythia-1.4B at $8 \times 2048$
-    tokens, $14nV$ is 10.75
+    keeps its input when its weight trains. On the benchmark's W1 (Pythia-1.4B
+    at {{py: workloads.workloads()["W1"].batch}} ×
+    {{py: workloads.workloads()["W1"].seq | d}} tokens) that backward peak, less
+    `saved`, is 10.75
     (tested: tests/neox/test_activation_memory.py::test_figures_in_the_notes)
     GiB, as much as 10.7
     (tested: tests/neox/test_activation_memory.py::test_figures_in_the_notes)
-    of its {{py: neox_model.pythia_1_4b().n_layers}} layers.
+    of its {{py: neox_model.pythia_1_4b().n_layers}} layers keep.
     """
     _check(config, batch, seq, dtype_bytes)
     _, trains = _trainable(config, finetune)
@@ -365,15 +378,60 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
     biases, $9nd$ for ffn).
 
     Per rank, for the five jobs of the benchmark (which names them W1 to W5),
-    computed by this function (a test checks every figure against it):
+    computed by this function when the site is built:
 
     | job | model | B × T | trains | layer MiB | layers GiB | loss GiB | total GiB |
     | --- | --- | --- | --- | --- | --- | --- | --- |
-    | W1 | pythia_1_4b | 8 × 2048 | all | 1025.50 | 24.04 | 10.87 | 34.91 |
-    | W2 | pythia_6_9b | 2 × 2048 | all | 512.81 | 16.03 | 2.76 | 18.78 |
-    | W3 | gpt_neox_20b | 16 × 128 | biases | 216.54 | 9.28 | 1.37 | 10.65 |
-    | W4 | pythia_160m | 16 × 1024 | all | 385.06 | 4.51 | 10.79 | 15.31 |
-    | W5 | gpt_neox_20b | 4 × 2048 | all, recomputed | 96.00 | 5.53 | 5.57 | 9.70 |
+    | W1 | pythia_1_4b | {{py: workloads.workloads()["W1"].batch}} × {{py:
+    workloads.workloads()["W1"].seq | d}} | all | {{py:
+    activation_memory.activation_bytes(neox_model.pythia_1_4b(), batch=8, seq=2048,
+    finetune="all").per_layer / 2**20 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.pythia_1_4b(), batch=8, seq=2048,
+    finetune="all").layers / 2**30 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.pythia_1_4b(), batch=8, seq=2048,
+    finetune="all").readout_loss.peak / 2**30 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.pythia_1_4b(), batch=8, seq=2048,
+    finetune="all").total / 2**30 | .2f}} |
+    | W2 | pythia_6_9b | {{py: workloads.workloads()["W2"].batch}} × {{py:
+    workloads.workloads()["W2"].seq | d}} | all | {{py:
+    activation_memory.activation_bytes(neox_model.pythia_6_9b(), batch=2, seq=2048,
+    finetune="all").per_layer / 2**20 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.pythia_6_9b(), batch=2, seq=2048,
+    finetune="all").layers / 2**30 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.pythia_6_9b(), batch=2, seq=2048,
+    finetune="all").readout_loss.peak / 2**30 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.pythia_6_9b(), batch=2, seq=2048,
+    finetune="all").total / 2**30 | .2f}} |
+    | W3 | gpt_neox_20b | {{py: workloads.workloads()["W3"].batch}} × {{py:
+    workloads.workloads()["W3"].seq | d}} | biases | {{py:
+    activation_memory.activation_bytes(neox_model.gpt_neox_20b(), batch=16, seq=128,
+    finetune="biases").per_layer / 2**20 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.gpt_neox_20b(), batch=16, seq=128,
+    finetune="biases").layers / 2**30 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.gpt_neox_20b(), batch=16, seq=128,
+    finetune="biases").readout_loss.peak / 2**30 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.gpt_neox_20b(), batch=16, seq=128,
+    finetune="biases").total / 2**30 | .2f}} |
+    | W4 | pythia_160m | {{py: workloads.workloads()["W4"].batch}} × {{py:
+    workloads.workloads()["W4"].seq | d}} | all | {{py:
+    activation_memory.activation_bytes(neox_model.pythia_160m(), batch=16, seq=1024,
+    finetune="all").per_layer / 2**20 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.pythia_160m(), batch=16, seq=1024,
+    finetune="all").layers / 2**30 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.pythia_160m(), batch=16, seq=1024,
+    finetune="all").readout_loss.peak / 2**30 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.pythia_160m(), batch=16, seq=1024,
+    finetune="all").total / 2**30 | .2f}} |
+    | W5 | gpt_neox_20b | {{py: workloads.workloads()["W5"].batch}} × {{py:
+    workloads.workloads()["W5"].seq | d}} | all, recomputed | {{py:
+    activation_memory.activation_bytes(neox_model.gpt_neox_20b(), batch=4, seq=2048,
+    finetune="all", checkpointing=True).per_layer / 2**20 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.gpt_neox_20b(), batch=4, seq=2048,
+    finetune="all", checkpointing=True).layers / 2**30 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.gpt_neox_20b(), batch=4, seq=2048,
+    finetune="all", checkpointing=True).readout_loss.peak / 2**30 | .2f}} | {{py:
+    activation_memory.activation_bytes(neox_model.gpt_neox_20b(), batch=4, seq=2048,
+    finetune="all", checkpointing=True).total / 2**30 | .2f}} |
 
     "layer" is what one layer keeps from forward to backward (its input, for
     W5), "layers" all of them at the start of backward (for W5 also the one layer

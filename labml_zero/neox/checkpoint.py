@@ -7,7 +7,10 @@ summary: Stream GPT-NeoX / Pythia safetensors into our layers one layer at a tim
 
 # Hugging Face GPT-NeoX checkpoints
 
-A 20B model in fp16 is 41 GB; a ZeRO-3 rank should never hold all of it. So
+GPT-NeoX-20B in fp16 is
+{{py: 2 * neox_model.count_parameters(neox_model.build_layers(
+    neox_model.gpt_neox_20b(), device='meta')) / 1e9 | .0f}}
+GB; a ZeRO-3 rank should never hold all of it. So
 loading is **per layer**: `HFCheckpoint.layer_state_dict(layer)` opens only the
 safetensors files that hold that layer's tensors and reads only those tensors
 (`safe_open` maps the file; `get_tensor` copies one tensor out), so the peak is one
@@ -27,7 +30,8 @@ these are never read.
 
 Every tensor's shape is checked *before* it is read (the safetensors header has
 it), so a checkpoint for a different model fails on the first wrong tensor with
-its name and both shapes, not after a 41 GB read or inside `load_state_dict`.
+its name and both shapes, not after reading the whole checkpoint or inside
+`load_state_dict`.
 
 ## Note: checking a snapshot before any rank starts
 
@@ -57,8 +61,8 @@ there is briefly *no* checkpoint at that path, never a partial one.
 
 ## The original GPT-NeoX-20B release
 
-EleutherAI first released 20B as DeepSpeed pipeline files
-`layer_XX-model_0P-model_states.pt`: `XX` is the pipeline position (00 the
+EleutherAI first released GPT-NeoX-20B as DeepSpeed pipeline files
+`layer_XX-model_0P-model_states.pt`: `XX` is the pipeline position (`00` the
 embedding, `i + 2` transformer layer $i$, `n + 3` the final norm, `n + 4` the
 readout) and `P` one of the two tensor-parallel partitions. `NeoX20BCheckpoint`
 merges the two per layer, the same way as labml-nn and EleutherAI's HF

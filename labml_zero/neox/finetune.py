@@ -46,7 +46,7 @@ host sync per step.
 
 ## Building the model one chunk at a time
 
-A 20B model must never exist whole on one rank. The model is put together by
+GPT-NeoX-20B must never exist whole on one rank. The model is put together by
 [`assemble`](../assembly.html), the path the benchmark and the tests take too:
 the layers are built on the meta device (no memory), marked by the fine-tuner,
 and sharded while still on meta; each chunk is then initialised on its own (the
@@ -228,7 +228,8 @@ def forward_loss(model: Zero3Sequential, dataset: TextDataset, indices: list[int
     inputs = batch.inputs.to(device)  # [B, T] int64
     targets = batch.targets.to(device)  # [B, T] int64
     logits = model(inputs)  # [B, T, V] param dtype
-    # fp32 softmax: in 16 bits log(Σ exp) over 50k logits loses the small ones.
+    # fp32 softmax: log(Σ exp) over the whole vocabulary, summed in bf16, would
+    # lose the small terms.
     loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
     with torch.no_grad():
         correct = (logits.argmax(dim=-1) == targets).sum()

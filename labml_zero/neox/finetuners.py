@@ -18,7 +18,11 @@ $\frac{(2 + 2 + K)\Psi}{N_d}$.
 
 * `FineTuneBiases`: only the biases of the QKV projection, the attention output
   and the MLP's first linear, as in labml-nn's GPT-NeoX fine-tune (a
-  BitFit-style tune: $3d + d + 4d$ per layer, about 0.03% of 20B).
+  BitFit-style tune: $3d + d + 4d$ per layer,
+  {{py: 100 * finetuners.finetuner('biases')(neox_model.build_layers(
+      neox_model.gpt_neox_20b(), device='meta')).trainable / (
+      neox_model.count_parameters(neox_model.build_layers(
+      neox_model.gpt_neox_20b(), device='meta'))) | .3f}}% of GPT-NeoX-20B).
 * `FineTuneFFN`: the whole MLP of every transformer layer.
 * `FineTuneAll`: everything.
 * `FineTuneLoRA` ([LoRA](lora.html)): adds low-rank adapters to the

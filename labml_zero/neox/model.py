@@ -8,8 +8,8 @@ summary: GPT-NeoX as a list of layers (embedding, transformer layers, final norm
 
 # GPT-NeoX model
 
-GPT-NeoX ([Black et al., 2022](https://arxiv.org/abs/2204.06745)) and the Pythia
-suite ([Biderman et al., 2023](https://arxiv.org/abs/2304.01373)) are decoder-only
+GPT-NeoX ([Black et al.](https://arxiv.org/abs/2204.06745)) and the Pythia
+suite ([Biderman et al.](https://arxiv.org/abs/2304.01373)) are decoder-only
 transformers with two departures from GPT-2. The first is the **parallel
 residual**: attention and the MLP both read the *same* input $x_l$, each through
 its own layer norm, and both outputs are added to the residual stream,
@@ -98,7 +98,9 @@ def _init_like_hf(module: nn.Module, std: float):
     r"""
     #### HF GPT-NeoX init
 
-    $\mathcal{N}(0, 0.02^2)$ for linear and embedding weights, zero biases,
+    $\mathcal{N}(0, \sigma^2)$ for linear and embedding weights, with $\sigma$ the
+    config's `init_std` (Hugging Face's `initializer_range`,
+    {{py: neox_model.NeoXConfig().init_std | .2f}} by default), zero biases,
     unit/zero layer norms. Under `torch.no_grad` so it may run on leaf parameters
     that require grad.
     """
@@ -119,7 +121,7 @@ def init_parameter(config: NeoXConfig) -> Callable[[str, torch.Tensor], None]:
 
     For `zero3_layers(..., init_param=...)`, which initialises meta-built layers
     chunk by chunk: layer-norm weights 1, biases 0, every other weight
-    $\mathcal{N}(0, 0.02^2)$. The distributions of `_init_like_hf`; the draws
+    $\mathcal{N}(0, \sigma^2)$. The distributions of `_init_like_hf`; the draws
     differ, since parameters are visited in chunk order.
     """
 
@@ -172,8 +174,10 @@ def rotary_cos_sin(n_positions: int, config: NeoXConfig, *,
     ### Rotary angles $m\theta_i$
 
     Dimension pairs $(i, i + d_r/2)$ of each query and key head are rotated by
-    the angle $m \theta_i$ at position $m$, with $\theta_i = b^{-2i/d_r}$ and
-    $b = 10000$ (`rotary_base`):
+    the angle $m \theta_i$ at position $m$, with $\theta_i = b^{-2i/d_r}$ and the
+    base (`rotary_base`) $b = 10000$
+    (tested: tests/neox/test_config.py::test_figures_in_the_notes)
+    in every released model:
 
     $$\begin{pmatrix} q_i \\ q_{i + d_r/2} \end{pmatrix} \mapsto
       \begin{pmatrix} \cos m\theta_i & -\sin m\theta_i \\
@@ -186,8 +190,9 @@ def rotary_cos_sin(n_positions: int, config: NeoXConfig, *,
     giga-flops), so the layer keeps no buffer.
 
     Computed in fp32 and cast to the activation dtype only at the end: in bf16 the
-    position $m$ itself is exact only up to 256, so $m\theta_i$ computed in bf16
-    would put late tokens at the wrong angle.
+    position $m$ itself is exact only up to 256
+    (tested: tests/neox/test_model.py::test_bf16_positions_are_exact_up_to_256),
+    so $m\theta_i$ computed in bf16 would put late tokens at the wrong angle.
     """
     d_r = config.rotary_dim
     # [d_r / 2] fp32: θ_i = b^(-2i / d_r)
@@ -244,8 +249,11 @@ class Attention(nn.Module):
         q, k, v = qkv.split(d_h, dim=-1)  # each [B, n_h, T, d_h]
         # Attention saves v for its backward pass. As a view, v would keep all of
         # `qkv` alive until then, three times its own size (q and k below are new
-        # tensors); its own copy frees the other two thirds: $2 \cdot 2BTd$ bytes
-        # in bf16 per layer, 134 MB for Pythia-1.4B at $8 \times 2048$ tokens.
+        # tensors); its own copy frees the other two thirds, $2 \cdot 2BTd$ bytes in
+        # bf16 per layer; for Pythia-1.4B at 8 sequences of its full context
+        # ($T = d$) that is
+        # $2 \cdot 2 \cdot 8 \cdot 2048^2 \text{ B} \approx 134 \text{ MB}$
+        # (tested: tests/neox/test_model.py::test_figure_in_the_attention_notes).
         v = v.contiguous()
         if self.config.rotary_dim > 0:
             cos, sin = rotary_cos_sin(T, self.config, device=x.device,
@@ -270,6 +278,7 @@ class MLP(nn.Module):
 
     $$\operatorname{GELU}(x) \approx \frac{x}{2}\left(1 + \tanh\left(
       \sqrt{2/\pi}\,(x + 0.044715\, x^3)\right)\right).$$
+    (tested: tests/neox/test_model.py::test_tanh_gelu_is_the_formula_of_the_notes)
 
     `NeoXConfig.gelu_approximate` is `'none'` or `'tanh'` accordingly, and each
     preset sets the one its checkpoint was trained with.

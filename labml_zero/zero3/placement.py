@@ -8,16 +8,18 @@ summary: Which chunks keep their optimizer state (and parameter shard) in host
 
 # Placement of model states in device and host memory
 
-A ZeRO-3 rank holds, per element of a trainable shard, $p$ bytes of 16-bit
-parameter, $4$ of fp32 gradient (`main_grad`) and $K = 12$ of optimizer state
-(fp32 master and two moments). For GPT-NeoX-20B on $N_d = 2$ ranks
-($\Psi = 20.6 \cdot 10^9$, $S = \Psi / 2 = 10.3 \cdot 10^9$ elements per rank)
-that is
+A ZeRO-3 rank holds, per element of a trainable shard, $p$ bytes of bf16 (or
+fp16) parameter, $4$ of fp32 gradient (`main_grad`) and
+$K$ = {{py: memory_model.OPTIMIZER_BYTES}} of optimizer state (fp32 master and two
+moments). For GPT-NeoX-20B on $N_d = 2$ ranks, with
+$S = \Psi / 2 = 10.3 \cdot 10^9$
+(tested: tests/zero3/test_placement.py::test_gpt_neox_20b_memory_figures_of_the_page)
+elements per rank, that is
 
 $$(2 + 4 + 12)\,S = 185 \text{ GB per rank}$$
 (tested: tests/zero3/test_placement.py::test_gpt_neox_20b_memory_figures_of_the_page)
 
-against an H200's $139$ GiB ($149$ GB), before any gathered chunk or activation.
+more than an H200 holds, before any gathered chunk or activation.
 The optimizer state is the largest part, and the step touches it once, in the
 update alone; ColossalAI's Gemini and ZeRO-Offload keep part of it in host memory
 and run the update there. This page is the *policy*: which chunks go to the
@@ -252,10 +254,10 @@ def offload_traffic(placement: Placement, shards: Sequence[ShardSpec], *,
     * **up** the updated master, rounded on the host to the shard dtype, $p$ bytes,
 
     so $F$ offloaded elements cost $4F$ bytes down and $pF$ up per step, and save
-    $K_d F$ bytes of device memory: $K_d = 12$, or $8$ for an fp32 shard (its master
-    was the shard itself). The host then holds $16F$ bytes: $12F$ of state and $4F$
-    of pinned staging buffer, which carries the gradient down and the rounded master
-    up.
+    $K_d F$ bytes of device memory: $K_d = K$, or $K - 4$ for an fp32 shard (its
+    master was the shard itself; `device_optimizer_bytes`). The host then holds
+    $(K + 4)F$ bytes: $KF$ of state and $4F$ of pinned staging buffer, which carries
+    the gradient down and the rounded master up.
 
     A parameter shard on the host (`Chunk.offload_shard`, applied by
     `apply_placement`) saves $p$ more bytes per element and costs two uploads of $p$
@@ -265,26 +267,41 @@ def offload_traffic(placement: Placement, shards: Sequence[ShardSpec], *,
 
     #### When the link becomes the bottleneck
 
-    An H200's host link (PCIe Gen5 x16) moves about $50$ GB/s each way, both ways at
-    once. For the 20B model with half its optimizer state offloaded,
-    $F = 5.1 \cdot 10^9$ elements per rank:
+    Let the host link move $\beta$ bytes/s each way, both ways at once (on an
+    H200, PCIe Gen5 x16), and a GPU compute at $\Phi$ FLOP/s. With a fraction $x$
+    of a rank's $S$ trainable elements offloaded, $F = xS$, a step's copy down
+    takes $4F/\beta$ and its copy up $pF/\beta$, at the same time. For GPT-NeoX-20B
+    on two ranks, bf16, with half of the optimizer state offloaded,
+    $F = 5.1 \cdot 10^9$
+    (tested: tests/zero3/test_placement.py::test_gpt_neox_20b_traffic_of_the_page)
+    elements per rank go $4F = 20.6 \text{ GB}$
+    (tested: tests/zero3/test_placement.py::test_gpt_neox_20b_traffic_of_the_page)
+    down and $2F = 10.3 \text{ GB}$
+    (tested: tests/zero3/test_placement.py::test_gpt_neox_20b_traffic_of_the_page)
+    up each step.
 
-    * down: $4F = 20.6$ GB, $0.41$ s; up: $2F = 10.3$ GB, $0.21$ s;
-    * the host update reads $\theta, g, m, v$ and writes $\theta, m, v$ and the
-      rounded copy, about $34$ bytes per element: $175$ GB of host-memory traffic
-      per rank, and both ranks share the host's memory bandwidth. It is
-      memory-bound: a fused AdamW on the host runs at about the host's memory
-      bandwidth over those bytes per element, and more threads help little.
+    A step of $T$ tokens over all ranks costs $6\Psi T$ FLOP, a third of it
+    forward and two thirds backward, so the backward pass takes
+    $4\Psi T / (N_d \Phi)$ on each rank. The copy down hides behind it (see
+    `prefetch_grad`) as long as
 
-    A step of $T$ tokens costs $6\Psi T$ FLOP over all ranks; with $T = 32$ k tokens
-    ($16$ k per rank) at $400$ TFLOP/s per GPU that is about $5$ s, of which
-    backward is two thirds. The copy down can hide behind the backward (see
-    `prefetch_grad`), so the link is not the bottleneck until
-    $4F / 50\,\text{GB/s}$ approaches the backward time: at $T = 2$ k tokens per rank
-    (a $0.6$ s step) it is. The host update runs during the backward pass
-    ([`update_during_backward`](../optimizers/adam_fp16.html)); what of it does not
-    fit in the backward pass adds to the step, and with many offloaded elements per
-    rank it, not PCIe, is the first bottleneck.
+    $$\frac{4F}{\beta} \le \frac{4\Psi T}{N_d \Phi}, \quad\text{that is}\quad
+      T \ge x\,\frac{\Phi}{\beta}$$
+    (tested: tests/zero3/test_placement.py::test_gpt_neox_20b_traffic_of_the_page)
+
+    (with $\Psi = N_d S$): the link is the bottleneck only for steps of fewer
+    tokens than the FLOPs a GPU does while the link moves one byte, times the
+    offloaded fraction. With hundreds of TFLOP/s against tens of GB/s, those are
+    short steps of a few thousand tokens.
+
+    The host update reads the fp32 master, gradient and moments and writes the
+    master, the moments and the rounded copy, several times the bytes that cross
+    the link, and the ranks of a machine share its memory bandwidth. It is
+    memory-bound: a fused AdamW on the host runs at about the host's memory
+    bandwidth over those bytes, and more threads help little. It runs during the
+    backward pass ([`update_during_backward`](../optimizers/adam_fp16.html)); what
+    of it does not fit in the backward pass adds to the step, and with many
+    offloaded elements per rank it, not PCIe, is the first bottleneck.
     """
     placement.check(shards)
     down = up = 0
@@ -311,27 +328,29 @@ def resident_bytes(placement: Placement, shards: Sequence[ShardSpec], *,
     ### Model-state bytes per rank on the device and on the host
 
     Per element of a trainable chunk: $p + 4 + K_d$ on the device; an offloaded
-    optimizer state moves $K_d$ off it and puts $12 + 4$ (state and staging) on
+    optimizer state moves $K_d$ off it and puts $K + 4$ (state and staging) on
     the host; a parameter shard on the host moves $p$. Frozen chunks hold $p$.
     Gathered chunks and activations are not model states (see the
     [memory model](memory_model.html)).
 
-    #### Memory for the 20B example
+    #### Memory for the GPT-NeoX-20B example
 
-    On two H200s with $256$ GiB of host memory (both ranks together), offloading a
-    fraction $x$ of the optimizer state leaves per rank $62$ GB
+    For GPT-NeoX-20B on two ranks, offloading a fraction $x$ of the optimizer
+    state leaves per rank $62$ GB
     (tested:
     tests/zero3/test_placement.py::test_gpt_neox_20b_memory_figures_of_the_page)
     on the device plus $1 - x$ times $123$ GB
     (tested:
     tests/zero3/test_placement.py::test_gpt_neox_20b_memory_figures_of_the_page)
     of optimizer state (gathered chunks and activations come on top), and puts
-    $16 x S$ bytes, $x$ times $165$ GB
+    $(K + 4)\,x S$ bytes, $x$ times $165$ GB
     (tested:
     tests/zero3/test_placement.py::test_gpt_neox_20b_memory_figures_of_the_page),
-    on the host. $x \ge 0.45$ leaves about $20$ GB for gathered
-    chunks and activations; $x \le 0.7$ keeps both ranks' host states within
-    about $230$ GB. `resident_bytes` computes these splits.
+    on the host, whose memory the ranks of a machine share. The smallest $x$ is set
+    by the room the device must keep for gathered chunks and activations, the
+    largest by the host memory the ranks can pin. `resident_bytes` computes the
+    split for any placement; `auto_placement` chooses the chunks from a measured
+    step instead of a fixed $x$.
     """
     placement.check(shards)
     k_device = device_optimizer_bytes(param_bytes)
@@ -550,9 +569,9 @@ def first_step_placement(
     the link's bytes and the host's memory for that choice. PyTorch FSDP2 with
     `CPUOffloadPolicy` and DeepSpeed ZeRO-3 with `offload_optimizer` put *all*
     of the optimizer state (and FSDP2 the parameters and gradients too) in host
-    memory, $16$ bytes per parameter and rank, where this policy puts only what
-    does not fit; the [benchmark's results](../../results.html) give the measured
-    figures.
+    memory, $K + 4$ bytes per parameter and rank (the state and an fp32
+    gradient), where this policy puts only what does not fit; the [benchmark's
+    results](../../results.html) give the measured figures.
 
     #### Where each chunk lives during a step
 
@@ -562,7 +581,7 @@ def first_step_placement(
     reduce-scattered into its fp32 gradient; a host chunk's gradient then goes
     down ($4$ bytes an element) and its Adam starts on the host at once, while
     the backward pass goes on to the earlier layers. At the step the device's
-    Adam updates the device chunks; the host's rounded 16-bit masters go up
+    Adam updates the device chunks; the host's rounded bf16 masters go up
     ($p$ bytes an element) in time for the next forward's all-gathers. The
     readout and the embedding are smaller than a layer, so the fewest-chunks
     rule takes the layers first, from the output end.

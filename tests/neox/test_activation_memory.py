@@ -24,6 +24,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
+from bench.workloads import workloads as bench_workloads
+from docsite.directives import Directives
+from docsite.paths import REPO
 from labml_zero.neox import activation_memory as A
 from labml_zero.neox import model as M
 from labml_zero.neox.finetuners import finetuner
@@ -169,7 +172,11 @@ def test_layer_counts_by_finetuner():
 
 def test_gpt_neox_20b_bias_only_layer():
     """216 MiB of bf16 per layer at 16 × 128 tokens, and 556 KiB besides: LN
-    statistics 4·2048·4 B, log-sum-exp 64·2048·4 B, cos and sin 2·128·24·2 B."""
+    statistics 4·2048·4 B, log-sum-exp 64·2048·4 B, cos and sin 2·128·24·2 B.
+    The notes say it of the benchmark's W3, which is that job."""
+    job = bench_workloads()["W3"]
+    assert (job.model, job.batch, job.seq, job.finetune) == (
+        M.gpt_neox_20b(), 16, 128, "biases")
     config = M.gpt_neox_20b()
     per_layer = A.layer_activation_bytes(config, batch=16, seq=128,
                                          finetune="biases")
@@ -265,8 +272,10 @@ def test_readout_and_loss_peaks(finetune):
     assert forward.peak + x_bytes + cpu_stats == count.forward_peak
     assert count.logits == logits.untyped_storage().nbytes() == n * V * 2
 
-    # What forward left: logits, log-probs, the norm's and readout's saved ones.
+    # What forward left: logits, log-probs, the norm's and readout's saved ones:
+    # 6nV besides the count's `saved` (the fp32 copy of the logits is gone).
     left = forward.live()
+    assert left + x_bytes + cpu_stats == count.saved + 6 * n * V
     backward = LiveStorages()
     with backward:
         loss.backward()
@@ -283,6 +292,7 @@ def test_readout_loss_options():
     assert held.backward_peak - let_go.backward_peak == n * V * 2
     assert let_go.forward_peak == held.forward_peak
     assert held.peak == held.backward_peak == held.saved + 14 * n * V
+    assert held.forward_peak == held.saved + 10 * n * V
     recomputed = A.readout_loss_bytes(config, batch=2, seq=24, finetune="biases",
                                       checkpointing=True)
     assert recomputed.saved == 2 * nd
@@ -369,12 +379,20 @@ def workloads():
 
 
 def test_page_table_matches_the_functions():
+    """The table of `activation_bytes` as the site renders it (its figures are
+    computed when the site is built): one row per benchmark job, with that job's
+    model, size and fine-tuner, and the function's figures for it."""
+    page = Directives(REPO, {}).expand(A.activation_bytes.__doc__,
+                                       "neox/activation_memory.html")
     rows = re.findall(r"^\s*\| (W\d) \| (\w+) \| (\d+) × (\d+) \| ([^|]+?) \| "
                       r"([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$",
-                      A.activation_bytes.__doc__, flags=re.MULTILINE)
+                      page, flags=re.MULTILINE)
     assert [row[0] for row in rows] == list(workloads())
     for name, preset, batch, seq, trains, *figures in rows:
         config, B, T, finetune, ckpt = workloads()[name]
+        job = bench_workloads()[name]
+        assert (job.model, job.batch, job.seq, job.finetune,
+                job.activation_checkpointing) == (config, B, T, finetune, ckpt)
         assert getattr(M, preset)() == config
         assert (int(batch), int(seq)) == (B, T)
         assert trains == finetune + (", recomputed" if ckpt else "")
@@ -386,9 +404,11 @@ def test_page_table_matches_the_functions():
 
 
 def test_figures_in_the_notes():
-    """Note: the attention output is copied: one nd more, 64 MiB per layer for
-    Pythia-1.4B at 8 x 2048; the loss's 14 nV is 10.75 GiB there, as much as
-    10.7 of its layers."""
+    """Note: the attention output is copied: one nd more, 64 MiB per layer on
+    the benchmark's W1 (Pythia-1.4B at 8 x 2048); the loss's 14 nV is 10.75 GiB
+    there, as much as 10.7 of its layers."""
+    job = bench_workloads()["W1"]
+    assert (job.model, job.batch, job.seq) == (M.pythia_1_4b(), 8, 2048)
     config, n = M.pythia_1_4b(), 8 * 2048
     assert n * config.d_model * 2 == 64 * MiB
     loss = 14 * n * config.n_vocab

@@ -50,6 +50,20 @@ def test_preset_parameter_counts(preset, n_params):
     assert count_parameters(build_layers(preset(), device="meta")) == n_params
 
 
+@pytest.mark.parametrize("preset", [p for p, _ in PUBLISHED],
+                         ids=[p.__name__ for p, _ in PUBLISHED])
+def test_parameter_count_formula(preset):
+    """The GPT-NeoX page's $12 L d^2 + 2 V d$: the four matrices of a layer
+    ($4d^2 + 8d^2$ with $d_{ff} = 4d$) and the two embeddings; biases and layer
+    norms, $O(Ld)$, are what it leaves out (under 1% for every preset)."""
+    config = preset()
+    L, d, V = config.n_layers, config.d_model, config.n_vocab
+    assert config.ff_dim == 4 * d
+    formula = 12 * L * d**2 + 2 * V * d
+    counted = count_parameters(build_layers(config, device="meta"))
+    assert formula < counted < 1.01 * formula
+
+
 def test_meta_build_allocates_nothing_then_materializes():
     config = M.tiny()
     layers = build_layers(config, device="meta")
@@ -137,7 +151,36 @@ def test_figure_in_the_attention_notes():
     """Copying v frees two thirds of the fused qkv activation: 2 * 2BTd bytes in
     bf16, 134 MB per layer for Pythia-1.4B at 8 x 2048 tokens."""
     d, B, T = M.pythia_1_4b().d_model, 8, 2048
+    # "8 sequences of its full context, T = d": 8 · 2048 · 2048 elements of qkv/3
+    assert T == M.pythia_1_4b().max_position == d == 2048
     qkv = torch.empty(B, T, 3 * d, dtype=torch.bfloat16, device="meta")
     freed = qkv.numel() * qkv.element_size() * 2 // 3
     assert freed == 2 * 2 * B * T * d
     assert round(freed / 1e6) == 134
+
+
+def test_bf16_positions_are_exact_up_to_256():
+    """The rotary note: in bf16 (8 significant bits) every position up to 256 is
+    exact, and 257 is the first that rounds."""
+    positions = torch.arange(1024, dtype=torch.float32)
+    rounded = positions.to(torch.bfloat16).float()
+    wrong = (rounded != positions).nonzero().flatten()
+    assert wrong[0].item() == 257
+    assert torch.equal(rounded[:257], positions[:257])
+
+
+def test_tanh_gelu_is_the_formula_of_the_notes():
+    """The MLP with `gelu_approximate='tanh'` (GPT-NeoX-20B's `gelu_fast`)
+    computes the tanh formula of the MLP's note, with its constant 0.044715."""
+    torch.manual_seed(0)
+    config = dataclasses.replace(M.tiny(), gelu_approximate="tanh")
+    mlp = M.MLP(config).double()
+    x = 3 * torch.randn(4, 8, config.d_model, dtype=torch.float64)
+
+    def gelu(h):
+        return h / 2 * (1 + torch.tanh((2 / torch.pi) ** 0.5
+                                       * (h + 0.044715 * h**3)))
+
+    with torch.no_grad():
+        expected = mlp.dense_4h_to_h(gelu(mlp.dense_h_to_4h(x)))
+        torch.testing.assert_close(mlp(x), expected, rtol=0, atol=1e-12)

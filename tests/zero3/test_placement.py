@@ -213,6 +213,28 @@ def test_gpt_neox_20b_memory_figures_of_the_page():
     assert split.host / 1e9 == pytest.approx(165 * x, rel=0.01)
 
 
+def test_gpt_neox_20b_traffic_of_the_page():
+    """Half of the 20B model's optimizer state offloaded on 2 ranks: F = 5.1e9
+    elements per rank, 4F = 20.6 GB down and 2F = 10.3 GB up per step; the copy
+    down takes as long as the backward pass of T = x Φ / β tokens."""
+    shards = neox_20b_shards()
+    half = StaticPlacement(optimizer_cpu_fraction=0.5).place(shards)
+    s = sum(x.numel for x in shards)
+    f = sum(shards[i].numel for i in half.optimizer_on_host)
+    assert f"{f / 1e9:.1f}" == "5.1"
+    traffic = offload_traffic(half, shards)
+    assert (traffic.down, traffic.up) == (4 * f, 2 * f)
+    assert (f"{traffic.down / 1e9:.1f}", f"{traffic.up / 1e9:.1f}") == ("20.6",
+                                                                        "10.3")
+    # The link's break-even step: backward, 4/6 of 6ΨT FLOP over N_d GPUs at Φ
+    # each, against the copy down on a link of β bytes/s, for any Φ and β.
+    world, psi, x = 2, 2 * s, f / s
+    for flops, bandwidth in ((400e12, 50e9), (790e12, 25e9)):
+        tokens = x * flops / bandwidth
+        backward = 4 * psi * tokens / (world * flops)
+        assert traffic.seconds(bandwidth) == pytest.approx(backward, rel=1e-12)
+
+
 def test_gpt_neox_20b_automatic_choice_of_the_page():
     # W5 measured: 18 chunks chosen; the largest chunks are the 44 layers, so
     # they are the last 18 layers (L26..L43, positions 27..44), not the readout
