@@ -16,17 +16,20 @@ before the reader has met its definition:
 
 A mention is the term as a whole word or phrase, in any case, with or without a
 plural `s` (`shards`, `Gather streams`), in prose: code spans and blocks,
-directives, link targets and HTML tags do not count. A term followed by a hyphen
-and a digit is another name (`W2-1` is not `W2`), and a defining page's `# Title`
-may name what the page defines. The Results page and the glossary are not read as
-notes (they are generated), though the Results page defines the workloads.
+directives, link targets and HTML tags do not count. A word joined to the term's
+front by a hyphen, or a hyphen and a digit after it, make another name
+(`ZeRO-Offload` is not `offload`, `W2-1` is not `W2`), and the defining page's
+headings may name what it defines. The Results page and the glossary are not
+read as notes (they are generated), though the Results page defines the
+workloads.
 
 A page that must speak of a term early writes `{{see: gather stream}}` (or
 `{{see: gather streams | gather stream}}`): the words link to the definition and
-carry the glossary's one-line meaning as their hover title, so the reader is
-never left guessing. The lists the builder generates from titles and summaries
-(the home page's reading order, a folder's contents) are navigation and are not
-read.
+carry the glossary's one-line meaning as their hover title. A `{{see: …}}`
+introduces the term for the rest of its page, so a later mention there is not a
+finding: one link a page, not one a sentence. The lists the builder makes from
+titles and summaries (the home page's reading order, a folder's contents) are
+navigation and are not read.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def prose(markdown: str) -> str:
 def term_pattern(term: str) -> re.Pattern:
     """Whole words, any case, any white space between them, an optional plural s."""
     words = r"\s+".join(re.escape(w) for w in term.split())
-    return re.compile(rf"(?<!\w){words}s?(?!\w)(?!-\d)", re.I)
+    return re.compile(rf"(?<![\w-]){words}s?(?!\w)(?!-\d)", re.I)
 
 
 def mentions(markdown: str, term: str) -> list[int]:
@@ -87,9 +90,9 @@ def mentions(markdown: str, term: str) -> list[int]:
     return [m.start() for m in term_pattern(term).finditer(prose(markdown))]
 
 
-def title_lines(markdown: str) -> str:
-    """`markdown` with its `# Title` lines blanked (a page may name its subject)."""
-    return re.sub(r"^#[ \t].*$", _blank, markdown, flags=re.M)
+def without_headings(markdown: str) -> str:
+    """`markdown` with its headings blanked (they may name what follows)."""
+    return re.sub(r"^[ \t]*#{1,6}[ \t].*$", _blank, markdown, flags=re.M)
 
 
 def definitions(pages: list[Notes], meanings: dict[str, tuple[str, str]]):
@@ -104,6 +107,14 @@ def definitions(pages: list[Notes], meanings: dict[str, tuple[str, str]]):
     return out
 
 
+def first_see(markdown: str, slug: str) -> int:
+    """Offset of the first `{{see: …}}` of the term `slug`, else the length."""
+    for m in SEE.finditer(without_code(markdown)):
+        if slugify(m.group(2) or m.group(1)) == slug:
+            return m.start()
+    return len(markdown)
+
+
 def findings(pages: list[Notes], meanings: dict[str, tuple[str, str]]) -> list[str]:
     """`page | term` for every use of a term before its definition (see above)."""
     found = set()
@@ -111,9 +122,9 @@ def findings(pages: list[Notes], meanings: dict[str, tuple[str, str]]) -> list[s
         for i, page in enumerate(pages[:where + 1]):
             if page.out in NOT_NOTES:
                 continue
-            text = page.text
+            text = page.text[:first_see(page.text, slug)]
             if i == where:
-                text = title_lines(text[:marker])
+                text = without_headings(text[:marker])
             if mentions(text, term):
                 found.add(f"{page.name} | {term}")
     return sorted(found)
@@ -141,5 +152,5 @@ def check(root: Path) -> list[str]:
     return findings(load_notes(root), read_meanings(root))
 
 
-__all__ = ["Notes", "SEE", "check", "definitions", "findings", "load_notes",
+__all__ = ["Notes", "check", "definitions", "findings", "first_see", "load_notes",
            "mentions", "prose", "term_pattern"]

@@ -4,6 +4,8 @@ tests/docs/test_notes_lint.py)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from docsite import terms
@@ -33,18 +35,34 @@ def test_only_prose_counts():
     early = ("`chunk` and\n```\nchunk = 1\n```\n[the buffer](chunk.html) "
              '<span id="chunk"></span> chunk_layout, chunky, '
              "{{see: chunks | chunk}}, {{py: chunk.size}}, {{bench: W2 x tokens_per_s}}"
-             ", W2-1 and W2-1O")
+             ", W2-1 and W2-1O, ZeRO-Chunk")
     pages = _pages(early, "A {{term: chunk}}; {{term: W2}}.")
     assert terms.findings(pages, MEANINGS) == []
     assert terms.mentions("the chunk's shard; CHUNKS", "chunk") == [4, 19]
 
 
+def test_a_see_introduces_the_term_for_the_rest_of_its_page():
+    pages = _pages("W2 runs; {{see: W2}} again; W2 once more.",
+                   "chunks, then {{see: chunk}}: chunks",
+                   "A {{term: chunk}}; {{term: W2}}")
+    assert terms.findings(pages, MEANINGS) == [
+        "docs_src/index.md | W2", "labml_zero/p1.py | chunk"]
+    pages[0] = terms.Notes("docs_src/index.md", "index.html", "{{see: W2}}; W2.")
+    # a see written as code is not one
+    pages[1] = terms.Notes("labml_zero/p1.py", "labml_zero/p1.html",
+                           "`{{see: chunk}}` chunk")
+    assert terms.findings(pages, MEANINGS) == ["labml_zero/p1.py | chunk"]
+
+
 def test_the_defining_page_may_not_use_the_term_before_its_marker():
     before = _pages("", "# Chunks\n\nA chunk is... a {{term: chunk}}.")
     assert terms.findings(before, MEANINGS) == ["labml_zero/p1.py | chunk"]
-    # its title may name what it defines, and after the marker anything goes
-    titled = _pages("", "# Chunks\n\nA {{term: chunk}}; chunks again.")
+    # its headings may name what it defines, and after the marker anything goes
+    titled = _pages("", "# Chunks\n\n## The chunk\n\nA {{term: chunk}}; chunks.")
     assert terms.findings(titled, MEANINGS) == []
+    # another page's headings are uses
+    assert terms.findings(_pages("## Chunks", "A {{term: chunk}}"), MEANINGS) == [
+        "docs_src/index.md | chunk"]
 
 
 def test_generated_pages_define_but_are_not_read():
@@ -90,3 +108,10 @@ def test_the_check_reads_a_repository_in_its_reading_order(tmp_path):
         '"""\n# A\n\nA {{term: shard}}.\n"""\n# a shard of the chunk\nx = 1\n')
     assert terms.check(tmp_path) == ["docs_src/index.md | shard",
                                      "labml_zero/__init__.py | shard"]
+
+
+def test_the_site_links_early_uses_to_their_definition(site_files):
+    home = site_files["index.html"].decode()
+    assert re.search(r'<a class="term-ref" href="results\.html#term-w2" '
+                     r'title="benchmark workload, [^"]+">W2</a>', home)
+    assert '<dfn id="term-w2">W2</dfn>' in site_files["results.html"].decode()
