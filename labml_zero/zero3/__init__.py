@@ -27,9 +27,9 @@ bytes, not 16
 , over
 $N_d$; and a
 frozen parameter (fine-tuning a subset) costs only its bf16 shard. The cost
-of sharding is communication: a step all-gathers the parameters for forward,
+of sharding is communication: a step gathers the parameters for forward,
 again for backward (except those that stay gathered or need no backward), and
-reduce-scatters the gradients once.
+reduces the gradients once.
 
 This engine shards in *chunks* (ColossalAI's Gemini): parameters are packed, in
 execution order, into flat buffers of one size, and a chunk is what is
@@ -39,9 +39,9 @@ whose chunks the hooks gather and release together.
 ## A step, in one picture
 
 Each rank keeps one shard of every chunk. Before a unit computes, an
-all-gather fills the chunk's full buffer on every rank from all the shards;
-after backward, a reduce-scatter sums the ranks' full gradients and leaves each
-rank the slice of its own shard:
+{{term: all-gather}} fills the chunk's full buffer on every rank from all the
+shards; after backward, a {{term: reduce-scatter}} sums the ranks' full
+gradients and leaves each rank the slice of its own shard:
 
 ![shards, all-gather and reduce-scatter on 2 to 4 ranks](figures/shard_collectives.svg)
 
