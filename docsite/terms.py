@@ -14,6 +14,10 @@ before the reader has met its definition:
 * any page earlier than the defining page whose notes mention the term, and
 * the defining page itself when it mentions the term before the marker.
 
+A term of the glossary's list (`docs_src/glossary.txt`) that no page marks is a
+finding too, `docs_src/glossary.txt | term`: the glossary would have nowhere to
+link it.
+
 A mention is the term as a whole word or phrase, in any case, with or without a
 plural `s` (`shards`, `Gather streams`), in prose: code spans and blocks,
 directives, link targets and HTML tags do not count. A word joined to the term's
@@ -40,7 +44,7 @@ from pathlib import Path
 
 from . import order
 from .directives import ANY, SEE, TERM
-from .glossary import read_meanings
+from .glossary import GLOSSARY_FILE, read_meanings
 from .markdown import CODE_PARTS
 from .paths import discover_modules, slugify
 from .results import load_results, results_markdown
@@ -117,8 +121,10 @@ def first_see(markdown: str, slug: str) -> int:
 
 def findings(pages: list[Notes], meanings: dict[str, tuple[str, str]]) -> list[str]:
     """`page | term` for every use of a term before its definition (see above)."""
-    found = set()
-    for slug, (term, where, marker) in definitions(pages, meanings).items():
+    defined = definitions(pages, meanings)
+    found = {f"{GLOSSARY_FILE} | {term}" for slug, (term, _) in meanings.items()
+             if slug not in defined}
+    for slug, (term, where, marker) in defined.items():
         for i, page in enumerate(pages[:where + 1]):
             if page.out in NOT_NOTES:
                 continue

@@ -18,6 +18,12 @@ MEANINGS = {"chunk": ("chunk", "a flat buffer of $N_d$ shards"),
             "w2": ("W2", "a benchmark workload")}
 
 
+def _uses(pages: list[terms.Notes]) -> list[str]:
+    """The findings about pages (not about the glossary's list)."""
+    return [f for f in terms.findings(pages, MEANINGS)
+            if not f.startswith("docs_src/glossary.txt")]
+
+
 def _pages(*texts: str) -> list[terms.Notes]:
     names = ["docs_src/index.md"] + [f"labml_zero/p{i}.py" for i in range(1, 9)]
     outs = ["index.html"] + [f"labml_zero/p{i}.html" for i in range(1, 9)]
@@ -27,7 +33,7 @@ def _pages(*texts: str) -> list[terms.Notes]:
 def test_an_earlier_page_that_uses_a_term_is_a_finding():
     pages = _pages("Every Chunks matter.", "Two gather\nstreams.",
                    "A {{term: chunk}}; the {{term: gather stream}}.")
-    assert terms.findings(pages, MEANINGS) == [
+    assert _uses(pages) == [
         "docs_src/index.md | chunk", "labml_zero/p1.py | gather stream"]
 
 
@@ -37,7 +43,7 @@ def test_only_prose_counts():
              "{{see: chunks | chunk}}, {{py: chunk.size}}, {{bench: W2 x tokens_per_s}}"
              ", W2-1 and W2-1O, ZeRO-Chunk")
     pages = _pages(early, "A {{term: chunk}}; {{term: W2}}.")
-    assert terms.findings(pages, MEANINGS) == []
+    assert _uses(pages) == []
     assert terms.mentions("the chunk's shard; CHUNKS", "chunk") == [4, 19]
 
 
@@ -45,24 +51,29 @@ def test_a_see_introduces_the_term_for_the_rest_of_its_page():
     pages = _pages("W2 runs; {{see: W2}} again; W2 once more.",
                    "chunks, then {{see: chunk}}: chunks",
                    "A {{term: chunk}}; {{term: W2}}")
-    assert terms.findings(pages, MEANINGS) == [
+    assert _uses(pages) == [
         "docs_src/index.md | W2", "labml_zero/p1.py | chunk"]
     pages[0] = terms.Notes("docs_src/index.md", "index.html", "{{see: W2}}; W2.")
     # a see written as code is not one
     pages[1] = terms.Notes("labml_zero/p1.py", "labml_zero/p1.html",
                            "`{{see: chunk}}` chunk")
-    assert terms.findings(pages, MEANINGS) == ["labml_zero/p1.py | chunk"]
+    assert _uses(pages) == ["labml_zero/p1.py | chunk"]
 
 
 def test_the_defining_page_may_not_use_the_term_before_its_marker():
     before = _pages("", "# Chunks\n\nA chunk is... a {{term: chunk}}.")
-    assert terms.findings(before, MEANINGS) == ["labml_zero/p1.py | chunk"]
+    assert _uses(before) == ["labml_zero/p1.py | chunk"]
     # its headings may name what it defines, and after the marker anything goes
     titled = _pages("", "# Chunks\n\n## The chunk\n\nA {{term: chunk}}; chunks.")
-    assert terms.findings(titled, MEANINGS) == []
+    assert _uses(titled) == []
     # another page's headings are uses
-    assert terms.findings(_pages("## Chunks", "A {{term: chunk}}"), MEANINGS) == [
+    assert _uses(_pages("## Chunks", "A {{term: chunk}}")) == [
         "docs_src/index.md | chunk"]
+
+
+def test_a_glossary_term_that_no_page_defines_is_a_finding():
+    pages = _pages("", "A {{term: chunk}}, a {{term: gather stream}}.")
+    assert terms.findings(pages, MEANINGS) == ["docs_src/glossary.txt | W2"]
 
 
 def test_generated_pages_define_but_are_not_read():
@@ -71,9 +82,9 @@ def test_generated_pages_define_but_are_not_read():
                                        "* {{term: W2}}: a job. chunk")]
     pages.append(terms.Notes("@glossary", "glossary.html", "W2 chunk"))
     assert terms.definitions(pages, MEANINGS)["w2"] == ("W2", 2, 2)
-    assert terms.findings(pages, MEANINGS) == []
+    assert _uses(pages) == []
     pages[0] = terms.Notes("docs_src/index.md", "index.html", "W2 first")
-    assert terms.findings(pages, MEANINGS) == ["docs_src/index.md | W2"]
+    assert _uses(pages) == ["docs_src/index.md | W2"]
 
 
 def test_see_links_to_the_definition_with_its_meaning():
