@@ -34,6 +34,13 @@ introduces the term for the rest of its page, so a later mention there is not a
 finding: one link a page, not one a sentence. The lists the builder makes from
 titles and summaries (the home page's reading order, a folder's contents) are
 navigation and are not read.
+
+## Limitations
+
+* The match is by spelling: the verb "shards" counts as the noun (reword it,
+  "splits"), while a synonym or a pronoun for a term is not caught.
+* Only glossary terms are checked; a concept the glossary does not list can
+  still be used before the page that explains it.
 """
 
 from __future__ import annotations
