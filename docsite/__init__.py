@@ -14,14 +14,16 @@ they explain on the right. The builder is this package, run by
 2. `split.py`: a `.py` file -> rows of (notes, code).
 3. `order.py`: the one reading order (`docs_src/reading_order.txt`).
 4. `results.py`: the Results page from `bench/results/*.jsonl`.
-5. `directives.py`: `{{py: …}}`, `{{bench: …}}`, `{{term: …}}`, `(tested: …)`.
+5. `directives.py`: `{{py: …}}`, `{{bench: …}}`, `{{term: …}}`, `{{see: …}}`,
+   `(tested: …)`.
 6. `mathml.py`: TeX -> MathML, and what stops the build.
 7. `markdown.py`: notes -> HTML, links, note anchors, figures, code highlighting.
 8. `glossary.py`: the glossary page.
 9. `site.py`: every page into the template, deterministically.
 10. `cli.py`: writing `site/` and `--check`.
 11. `lint.py`: the checks of the notes' text that the tests run (raw TeX,
-    introduction length, lab traces, unchecked numbers) with their allowlists.
+    introduction length, lab traces, unchecked numbers) with their allowlists;
+12. `terms.py`: the check that no page uses a term before its definition.
 """
 
 from .cli import main, stale_files, write_site

@@ -7,7 +7,7 @@ summary: Numbers from the code, measured figures, terms, tested numbers.
 # Directives in the notes
 
 A number stated in a note should come from somewhere a reader can check. The
-builder expands four directives, anywhere in notes outside code (not inside
+builder expands five directives, anywhere in notes outside code (not inside
 `$...$`: write the directive next to the formula):
 
 * `{{py: memory_model.bytes_per_param(...) | ,}}` evaluates a Python expression
@@ -21,6 +21,10 @@ builder expands four directives, anywhere in notes outside code (not inside
 * `{{term: gather stream}}` marks the place that defines a term: the words
   show in bold and the glossary links to them. `{{term: shards | shard}}` shows
   "shards" and defines "shard".
+* `{{see: gather stream}}` (or `{{see: gather streams | gather stream}}`) is a
+  use of a term before the page that defines it: the words link to the
+  definition, with the glossary's one-line meaning as their hover title
+  (`docsite/terms.py` lists every other such early use).
 * `(tested: tests/zero3/test_chunk.py::test_gather)` says that the number just
   before it is asserted by that test; the build stops when the file or the test
   function does not exist.
@@ -57,8 +61,9 @@ PY_NAMESPACE = {
 PY = re.compile(r"\{\{py:\s*(.+?)\s*\}\}", re.S)
 BENCH = re.compile(r"\{\{bench:\s*(.+?)\s*\}\}")
 TERM = re.compile(r"\{\{term:\s*([^{}|]+?)\s*(?:\|\s*([^{}]+?)\s*)?\}\}")
+SEE = re.compile(r"\{\{see:\s*([^{}|]+?)\s*(?:\|\s*([^{}]+?)\s*)?\}\}")
 TESTED = re.compile(r"\(tested:\s*(tests/[\w/.-]+\.py)::(\w+)\)")
-ANY = re.compile(r"\{\{(py|bench|term):.*?\}\}|\(tested:[^)]*\)", re.S)
+ANY = re.compile(r"\{\{(py|bench|term|see):.*?\}\}|\(tested:[^)]*\)", re.S)
 
 _ALLOWED = (
     ast.Expression, ast.Call, ast.Attribute, ast.Name, ast.Load, ast.Constant,
@@ -111,12 +116,19 @@ def format_value(value, spec: str | None, where: str, expr: str) -> str:
 
 
 class Directives:
-    """Expands the directives of one site; `results` is `load_results(root)`."""
+    """
+    Expands the directives of one site; `results` is `load_results(root)`,
+    `definitions` the glossary's slug -> `Definition` (where `{{see:}}` links)
+    and `meanings` its slug -> (term, meaning) (the links' hover titles).
+    """
 
-    def __init__(self, root: Path, results: dict, results_page: str = "results.html"):
+    def __init__(self, root: Path, results: dict, results_page: str = "results.html",
+                 *, definitions: dict | None = None, meanings: dict | None = None):
         self.root = root
         self.results = results
         self.results_page = results_page
+        self.definitions = definitions or {}
+        self.meanings = meanings or {}
 
     def expand(self, text: str, page: str) -> str:
         def py(match: re.Match) -> str:
@@ -139,6 +151,18 @@ class Directives:
             slug = slugify(match.group(2) or shown)
             return f'<dfn id="term-{slug}">{html.escape(shown)}</dfn>'
 
+        def see(match: re.Match) -> str:
+            shown = match.group(1)
+            slug = slugify(match.group(2) or shown)
+            d = self.definitions.get(slug)
+            if d is None:
+                raise BuildError(f"{page}: {match.group(0)}: no page defines "
+                                 f"{(match.group(2) or shown)!r} with {{{{term: …}}}}")
+            href = html.escape(f"{rel_href(d.page, page)}#term-{slug}")
+            meaning = self.meanings.get(slug, ("", ""))[1].replace("$", "")
+            title = f' title="{html.escape(meaning)}"' if meaning else ""
+            return f'<a class="term-ref" href="{href}"{title}>{html.escape(shown)}</a>'
+
         def tested(match: re.Match) -> str:
             path, name = match.group(1), match.group(2)
             test_file = self.root / path
@@ -153,6 +177,7 @@ class Directives:
         text = PY.sub(py, text)
         text = BENCH.sub(bench, text)
         text = TERM.sub(term, text)
+        text = SEE.sub(see, text)
         return TESTED.sub(tested, text)
 
 

@@ -6,7 +6,7 @@ summary: Raw TeX, long introductions, lab traces and unchecked numbers, with all
 
 # Checks of the notes' text
 
-The notes are a textbook. Four checks read every page's notes (the Markdown, and
+The notes are a textbook. Five checks read every page's notes (the Markdown, and
 for raw TeX the built HTML) and list what a textbook should not have:
 
 * **raw TeX**: a TeX command left as text outside a formula (`\\begin{align}`
@@ -19,7 +19,10 @@ for raw TeX the built HTML) and list what a textbook should not have:
 * **unchecked numbers**: a number of two or more digits, or with a decimal point,
   that neither a directive computes (`{{py: …}}`, `{{bench: …}}`) nor a named test
   asserts (`(tested: …)` right after it, or right after a formula, which it then
-  vouches for whole). Single digits are counts in examples.
+  vouches for whole). Single digits are counts in examples;
+* **terms**: a glossary term used before the place that defines it, outside a
+  `{{see: …}}` (the rule is on its own page, `docsite/terms.py`); this check
+  has no allowlist: the notes have no such use.
 
 Each check has an allowlist in `docs_src/unchecked/` (one `page | finding` a
 line) holding what the notes had when the check was written, so that CI stays
@@ -35,7 +38,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import order
+from . import order, terms
 from .directives import TESTED, strip_directives
 from .markdown import outside_code
 from .mathml import spelled_commands
@@ -45,7 +48,8 @@ from .site import load_pages
 
 INTRO_WORDS = 600
 UNCHECKED = "docs_src/unchecked"
-CHECKS = ("raw_tex", "intro_budget", "lab_traces", "numbers")
+CHECKS = ("raw_tex", "intro_budget", "lab_traces", "numbers", "terms")
+NO_ALLOWLIST = ("terms",)
 
 TEX_WORDS = (r"begin|end|frac|sqrt|times|cdot|approx|sum|prod|text|mathrm|Psi|"
              r"alpha|beta|lambda|epsilon|leftarrow|rightarrow|lceil|rceil|leq|geq")
@@ -146,12 +150,13 @@ def findings(root: Path = REPO, site: dict[str, bytes] | None = None):
             text = html.unescape(re.sub(r"<[^>]+>", " ", dom))
             for m in RAW_TEX.finditer(text):
                 out["raw_tex"].add(f"{name} | raw {m.group(0)}")
+    out["terms"].update(terms.check(root))
     return {check: sorted(items) for check, items in out.items()}
 
 
 def read_allowlist(root: Path, check: str) -> set[str]:
     path = root / UNCHECKED / f"{check}.txt"
-    if not path.is_file():
+    if check in NO_ALLOWLIST or not path.is_file():
         return set()
     return {line.strip() for line in path.read_text(encoding="utf-8").splitlines()
             if line.strip() and not line.startswith("#")}
@@ -176,7 +181,7 @@ def main(argv: list[str]) -> int:
             print(f"  new: {item}")
         for item in stale:
             print(f"  stale: {item}")
-        if "--write" in argv:
+        if "--write" in argv and check not in NO_ALLOWLIST:
             path = REPO / UNCHECKED / f"{check}.txt"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(HEADER.format(check=check)

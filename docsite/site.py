@@ -207,13 +207,14 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
         page_notes[page.out] = slugs
         for slug in sorted(slugs):
             notes.setdefault(slug, []).append(page.out)
+    meanings = glossary.read_meanings(root)
     for page in pages:
         if page.out == "glossary.html":
             page.sections = [Section("# Glossary\n\n" + glossary.glossary_markdown(
-                glossary.read_meanings(root), defs, page.out), "", 0)]
+                meanings, defs, page.out), "", 0)]
 
-    renderer = Renderer(files, notes, figures=figures,
-                        directives=Directives(root, results))
+    directives = Directives(root, results, definitions=defs, meanings=meanings)
+    renderer = Renderer(files, notes, figures=figures, directives=directives)
     for i, page in enumerate(pages):
         prev_page = pages[i - 1] if i > 0 else None
         next_page = pages[i + 1] if i + 1 < len(pages) else None

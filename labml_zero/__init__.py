@@ -22,15 +22,15 @@ $(2 + 4 + K)\Psi$. Every page shows the notes beside the code they explain.
 The book has seven parts, in this order (the home page lists every page):
 
 1. the problem and [the engine](zero3/index.html), from the memory formula
-   through the configuration, the chunk layout, the chunk,
+   through the configuration, the {{see: chunk layout}}, the chunk,
    [the shard](zero3/shard.html), communication and
    [its transports](zero3/transport.html) and the hooks to the sharded model;
 2. [the optimizer](optimizers/index.html), its
    [host-side update](optimizers/host_offload.html), and the training features
    (clipping, loss scaling, accumulation, recomputation);
 3. [sharded checkpoints](zero3/checkpoint/index.html), a package of its own:
-   format, state, agreement, digests, saving, reading, loading, checks, pruning
-   and export;
+   format, state, agreement, {{see: digests | digest}}, saving, reading,
+   loading, checks, pruning and export;
 4. [the GPT-NeoX model](neox/index.html);
 5. the fine-tune: [the command line](finetune_neox.html),
    [its configuration](neox/finetune_config.html),
@@ -38,8 +38,8 @@ The book has seven parts, in this order (the home page lists every page):
    [the assembly](assembly.html) of a sharded model and its optimizer,
    [tracking](neox/tracking.html), the fine-tuners, [LoRA](neox/lora.html) and
    [its exports](neox/lora_export.html);
-6. the advanced chapters (chunk-size search, placement and offload, peer
-   memory, compiled layers);
+6. the advanced chapters (chunk-size search, {{see: placement}} and
+   {{see: offload}}, {{see: peer memory}}, compiled layers);
 7. the tooling: launching processes and [supervising them](supervisor.html),
    the labml app and [its records](app_records.html), and the benchmark.
 """

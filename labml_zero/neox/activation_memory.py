@@ -377,8 +377,9 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
     `ffn` tuner its whole attention branch saves nothing either ($8nd$ for
     biases, $9nd$ for ffn).
 
-    Per rank, for the five jobs of the benchmark (which names them W1 to W5),
-    computed by this function when the site is built:
+    Per rank, for the five jobs of the benchmark ({{see: W1}}, {{see: W2}},
+    {{see: W3}}, {{see: W4}} and {{see: W5}}), computed by this function when the
+    site is built:
 
     | job | model | B × T | trains | layer MiB | layers GiB | loss GiB | total GiB |
     | --- | --- | --- | --- | --- | --- | --- | --- |

@@ -12,8 +12,10 @@ bf16 shard, 4 of fp32 gradient, $K = 12$
 (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
 of master and moments), the
 optimizer's $K$ are touched once per step and by the update alone. This page
-moves them, shard by shard, to host memory and runs the update there, as
-ColossalAI's Gemini and ZeRO-Offload do ([which shards](../zero3/placement.html)).
+moves them, shard by shard, to host memory and runs the update there
+({{term: offload}}), as ColossalAI's Gemini and ZeRO-Offload do; where each
+chunk keeps its states is the model's {{term: placement}}
+([its page](../zero3/placement.html)).
 Per offloaded element and step:
 
 * **down** (device to host): the fp32 gradient, 4 bytes;

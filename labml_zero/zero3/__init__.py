@@ -27,21 +27,21 @@ bytes, not 16
 , over
 $N_d$; and a
 frozen parameter (fine-tuning a subset) costs only its bf16 shard. The cost
-of sharding is communication: a step all-gathers the parameters for forward,
+of sharding is communication: a step gathers the parameters for forward,
 again for backward (except those that stay gathered or need no backward), and
-reduce-scatters the gradients once.
+reduces the gradients once.
 
 This engine shards in *chunks* (ColossalAI's Gemini): parameters are packed, in
-execution order, into flat buffers of one size, and a {{term: chunk}} is the
-unit of gathering, releasing and gradient reduction. A {{term: unit}} is a layer
+execution order, into flat buffers of one size, and a chunk is what is
+gathered, released and reduced as one tensor. A {{term: unit}} is a layer
 whose chunks the hooks gather and release together.
 
 ## A step, in one picture
 
-Each rank keeps one {{term: shard}} of every chunk. Before a unit computes, an
-all-gather fills the chunk's full buffer on every rank from all the shards;
-after backward, a reduce-scatter sums the ranks' full gradients and leaves each
-rank the slice of its own shard:
+Each rank keeps one shard of every chunk. Before a unit computes, an
+{{term: all-gather}} fills the chunk's full buffer on every rank from all the
+shards; after backward, a {{term: reduce-scatter}} sums the ranks' full
+gradients and leaves each rank the slice of its own shard:
 
 ![shards, all-gather and reduce-scatter on 2 to 4 ranks](figures/shard_collectives.svg)
 
@@ -57,10 +57,10 @@ in the {{term: reduce dtype}}, as one measured step shows:
 
 The pages of this folder follow below in reading order, from the memory formula
 to the sharded model, then checkpoints, then the advanced chapters (chunk-size
-search, placement, peer memory, compiled layers). Between the sharded model and
-the checkpoints the book turns to [AdamFP16](../optimizers/adam_fp16.html), the
-optimizer on the shards, and the training features
-([clipping](../optimizers/clip_grad.html),
+search, {{see: placement}}, {{see: peer memory}}, compiled layers). Between the
+sharded model and the checkpoints the book turns to
+[AdamFP16](../optimizers/adam_fp16.html), the optimizer on the shards, and the
+training features ([clipping](../optimizers/clip_grad.html),
 [loss scaling](../optimizers/grad_scaler.html)); after the checkpoints to
 [GPT-NeoX](../neox/index.html) and [the fine-tune](../neox/finetune.html).
 """

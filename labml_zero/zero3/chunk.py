@@ -105,7 +105,7 @@ class ChunkState(Enum):
     * `GATHERED`: the compute stream has waited for the gather; the views hold the
       parameters ($C \cdot p$ bytes) until `release`.
     * `RESIDENT`: gathered, and kept so between steps (a frozen chunk that the
-      [placement](placement.html) keeps, `keep_resident`): $C \cdot p$ bytes for
+      {{see: placement}} keeps, `keep_resident`): $C \cdot p$ bytes for
       the whole run, and no all-gather after the first.
     """
 

@@ -52,7 +52,7 @@ class ParamSpec:
     """
     ## What the layout needs to know about a parameter
 
-    * `name` is the parameter's qualified name (for error messages and manifests).
+    * `name` is the parameter's qualified name (for error messages and checkpoints).
     * `shape` is its shape; only the number of elements matters for packing.
     * `trainable` says whether it gets gradients and optimizer state.
     * `group` is the index of the layer (the unit of gather and release) it belongs to.

@@ -55,7 +55,7 @@ By default a chunk is sharded over every rank. With *hybrid sharding*
 (`ZeroConfig.shard_group_size` $= K$) the $N$ ranks form $N / K$ *shard
 groups* of $K$ consecutive ranks, each holding one whole copy of the model
 states, sharded over its $K$ ranks; rank $q$ of group $j$ is world rank
-$jK + q$. The ranks with the same $q$ in every group form a *replica group*
+$jK + q$. The ranks with the same $q$ in every group form a {{term: replica group}}
 of $N / K$ ranks that hold the same shard. All-gathers and reduce-scatters run
 inside the shard group, and one all-reduce per trainable chunk, of the shard
 only, runs across the replica group ([hybrid sharding](hybrid.html)). Here

@@ -78,9 +78,10 @@ class ZeroConfig:
     peer_gather: bool = False
     """
     Gather chunks by copying the shards out of the other ranks' memory instead
-    of with NCCL's all-gather kernel: on GPUs the copy engines move the bytes and
-    no SM is taken from the computation ([peer memory](peer_memory.html)). Needs
-    every rank on one host; the same code runs on CPU through shared memory.
+    of with NCCL's all-gather kernel, {{term: peer memory}}: on GPUs the copy
+    engines move the bytes and no SM is taken from the computation
+    ([its page](peer_memory.html)). Needs every rank on one host; the same code
+    runs on CPU through shared memory.
     """
 
     peer_reduce: bool = False

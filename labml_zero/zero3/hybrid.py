@@ -11,10 +11,10 @@ ZeRO-3 over all $N$ ranks divides the model states by $N$, but every
 all-gather and reduce-scatter then runs over all of them, and a ring that
 crosses hosts goes at the pace of its slowest hop: the network. *Hybrid
 sharding* (FSDP2's two-dimensional mesh, DeepSpeed's hpZ) splits the ranks
-into $R = N / K$ {{term: shard groups | shard group}} of $K$ consecutive ranks,
+into $R = N / K$ *shard groups* of $K$ consecutive ranks,
 one host each, and gives each group a whole copy of the model states, sharded
 over its $K$ ranks. The ranks that hold the same shard in every group form a
-{{term: replica group}}. A step then runs
+*replica group*. A step then runs
 
 1. the all-gathers and the reduce-scatter of ZeRO-3 inside the shard group,
    over the fast links of one host;

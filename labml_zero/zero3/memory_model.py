@@ -43,8 +43,8 @@ GB per rank without sharding, and $46$
 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
 GB per rank with ZeRO-3 over $N_d = 8$ (`zero_model_states`).
 
-The rest of the page refines this formula for a real [chunk
-layout](chunk_layout.html) (padding, `layout_model_states`), adds what is
+The rest of the page refines this formula for a real {{see: chunk
+layout}} (padding, `layout_model_states`), adds what is
 *gathered* for compute at once (`gathered_units`, `gathered_peak`) and the
 largest gradient buffer (`largest_grad_buffer`), counts the bytes one step
 communicates (`zero3_step_comm`, `ring_wire_bytes`), and the same for [hybrid
@@ -108,7 +108,8 @@ __all__ = [
 
 
 # Bytes per element of the engine's model states, the one home of these
-# numbers: the placement, the benchmark and the fine-tune's checks count with them.
+# numbers: the {{see: placement}}, the benchmark and the fine-tune's checks count
+# with them.
 # $p$: a half-precision parameter shard (bf16 or fp16).
 PARAM_BYTES = 2
 # $g$: the shard gradient (`main_grad`), always fp32 whatever the chunk dtype:
@@ -460,11 +461,11 @@ def ring_wire_bytes(nbytes: int, world_size: int) -> int:
 
 # ## Hybrid sharding
 #
-# With [hybrid sharding](hybrid.html) the $N$ ranks form $R = N / K$ shard
-# groups of $K$ ranks. Each group holds one copy of the model states, so a
-# rank holds ZeRO-3's share of a world of $K$, and a step adds to ZeRO-3's
-# collectives inside the group one all-reduce, across the $R$ groups, of each
-# trainable chunk's gradient shard.
+# With [hybrid sharding](hybrid.html) the $N$ ranks form $R = N / K$
+# {{term: shard groups | shard group}} of $K$ ranks. Each group holds one copy of
+# the model states, so a rank holds ZeRO-3's share of a world of $K$, and a step
+# adds to ZeRO-3's collectives inside the group one all-reduce, across the $R$
+# groups, of each trainable chunk's gradient shard.
 
 
 _check_divides = check_shard_group_size
@@ -492,9 +493,9 @@ class HybridStepComm(NamedTuple):
 
     * `intra`: the all-gathers and the reduce-scatter inside the shard group,
       as `zero3_step_comm` counts them (full chunk sizes).
-    * `inter`: the all-reduce across the replica group, of the $S$-element
-      gradient shards (their size, in the reduce dtype); nothing with one
-      group.
+    * `inter`: the all-reduce across the {{see: replica group}}, of the
+      $S$-element gradient shards (their size, in the reduce dtype); nothing
+      with one group.
     """
 
     intra: StepComm

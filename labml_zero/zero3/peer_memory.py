@@ -24,7 +24,7 @@ one per rank $q$:
 $$\text{full}[qS, (q + 1)S) \leftarrow \text{shard}^{(q)}.$$
 
 Each rank *pulls*: it reads the peers' shards and writes only its own `full`.
-Gathering (and reducing) this way is {{term: peer memory}}. What the copies
+Gathering (and reducing) this way is peer memory. What the copies
 cannot do, agree with the peers, is beside `pull_all_gather`; the reduction
 through the peers' memory beside `push_reduce_scatter_mean`.
 

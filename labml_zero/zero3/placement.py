@@ -27,8 +27,8 @@ host, and, when memory is plentiful, which frozen chunks stay gathered instead.
 The mechanisms are [AdamFP16](../optimizers/adam_fp16.html)'s `offload=` and the
 [chunk](chunk.html)'s `offload_shard` and `keep_resident`.
 
-A {{term: placement}} says, for each chunk, where its optimizer state and its
-parameter shard live; {{term: offload}} is keeping them in host memory. What
+A placement says, for each chunk, where its optimizer state and its
+parameter shard live; offload is keeping them in host memory. What
 offloading moves over the host link and when the link becomes the bottleneck
 are beside `offload_traffic`; the memory it frees, beside `resident_bytes`;
 keeping frozen chunks gathered, beside `auto_placement`; and where each chunk
@@ -561,7 +561,7 @@ def first_step_placement(
 
     #### The decision for the benchmark's capability job
 
-    On the benchmark's job W5 (GPT-NeoX-20B, every parameter trained,
+    On the benchmark's job {{see: W5}} (GPT-NeoX-20B, every parameter trained,
     activation checkpointing, two ranks) the measured step leaves room for
     the optimizer state of only part of the model: the fewest chunks whose state
     must go are the last transformer layers (one chunk each, the largest

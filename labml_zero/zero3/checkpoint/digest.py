@@ -13,7 +13,7 @@ one flipped exponent bit, which multiplies an fp32 weight below 2 in magnitude
 by $2^{128}$ (tested:
 tests/zero3/test_checkpoint_digest.py::test_one_flipped_exponent_bit), load
 without complaint and train to NaN. So every file of a checkpoint has its
-{{term: digest}} in the manifest,
+digest in the manifest,
 
 $$d = \text{SHA-256}(\text{the file's bytes}),$$
 

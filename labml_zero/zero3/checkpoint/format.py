@@ -31,7 +31,8 @@ The {{term: manifest}} lists every chunk: its size $C$, dtype, whether it is
 trainable, its optimizer step, and its parameters with qualified name, shape and
 offset. It
 records every file with its size in bytes (`files`) and its
-[digest](digest.html) (`digests`). It carries
+{{term: digest}}, its SHA-256 ([checked before use](digest.html), `digests`).
+It carries
 
 * a *fingerprint*, a hash of the sorted `(name, shape)` pairs, so a checkpoint
   of another model is refused before anything is read;
