@@ -180,7 +180,7 @@ def _check(config: NeoXConfig, batch: int, seq: int, dtype_bytes: int) -> None:
 # the cuDNN and FlashAttention backends). So `transpose(1, 2).reshape(B, T, d)`
 # is a *copy*, and the dense linear saves that copy besides the output the
 # attention saved: one $nd$ more than counting tensors by name suggests. On the
-# benchmark's W1, Pythia-1.4B at {{py: workloads.workloads()["W1"].batch}} ×
+# benchmark's {{see: W1}}, Pythia-1.4B at {{py: workloads.workloads()["W1"].batch}} ×
 # {{py: workloads.workloads()["W1"].seq | d}} tokens, that is 64
 # (tested: tests/neox/test_activation_memory.py::test_figures_in_the_notes)
 # MiB per layer.
@@ -259,7 +259,7 @@ def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
       embedding (see the intro).
     * `dtype_bytes`: bytes per activation element, 2 for bf16.
 
-    On the benchmark's W3, GPT-NeoX-20B trained bias-only at
+    On the benchmark's {{see: W3}}, GPT-NeoX-20B trained bias-only at
     {{py: workloads.workloads()["W3"].batch}} ×
     {{py: workloads.workloads()["W3"].seq | d}} tokens, a layer keeps $9nd$
     elements of bf16, 216
