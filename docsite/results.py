@@ -10,15 +10,17 @@ Every measured figure of the site comes from the benchmark's JSON lines in
 `bench/results/` (one line per engine and workload, written by
 `python -m bench.run --out FILE`; `bench/README.md` describes the fields). This
 module reads them all and keeps, for each *configuration* (workload, engine,
-compiled or not, number of GPUs), the **latest** line: files are ordered by the
+compiled or not, number of GPUs, sequences per GPU), the **latest** line: files are ordered by the
 date in their name, then by their run number, and lines within a file by their
 position, so a later measurement of the same configuration replaces an earlier
 one. Lines without a `status` (loss curves, probes) are not measurements of a
 step and are skipped.
 
 A note inserts a figure with `{{bench: W2 labml_zero tokens_per_s}}`, adding
-`compiled` and/or `gpus=1` to pick another configuration; the figure links to its
-row here, so each number exists once and says where it comes from.
+`compiled`, `gpus=1` and/or `batch=8` to pick another configuration (`batch=`
+is needed only where one configuration was measured at several batch sizes);
+the figure links to its row here, so each number exists once and says where it
+comes from.
 """
 
 from __future__ import annotations
@@ -49,10 +51,13 @@ class Key:
     engine: str
     compiled: bool
     gpus: int
+    batch: int
+    """Sequences per GPU (`batch_per_gpu`)."""
 
     @property
     def anchor(self) -> str:
-        tail = ("-compiled" if self.compiled else "") + f"-{self.gpus}gpu"
+        tail = (("-compiled" if self.compiled else "") + f"-{self.gpus}gpu"
+                + f"-b{self.batch}")
         return f"result-{self.workload}-{self.engine}{tail}".lower()
 
 
@@ -89,12 +94,13 @@ def load_results(root: Path) -> dict[Key, Measurement]:
             if "status" not in line or "workload" not in line:
                 continue
             key = Key(line["workload"], line["engine"], bool(line.get("compiled")),
-                      int(line.get("world_size") or 1))
+                      int(line.get("world_size") or 1),
+                      int(line.get("batch_per_gpu") or 0))
             latest[key] = Measurement(key, line, path.name, date)
     order = {w: i for i, w in enumerate(("labml_zero", "fsdp2", "ddp", "deepspeed"))}
     return dict(sorted(latest.items(), key=lambda kv: (
-        kv[0].workload, kv[0].gpus, kv[0].compiled, order.get(kv[0].engine, 9),
-        kv[0].engine)))
+        kv[0].workload, kv[0].gpus, kv[0].compiled, kv[0].batch,
+        order.get(kv[0].engine, 9), kv[0].engine)))
 
 
 def command(m: Measurement) -> str:
@@ -106,6 +112,8 @@ def command(m: Measurement) -> str:
         parts.append(f"--steps {line['steps']} --warmup {line['warmup']}")
     if m.key.gpus != 2:
         parts.append(f"--world-size {m.key.gpus}")
+    if m.key.batch:
+        parts.append(f"--batch {m.key.batch}")
     if m.key.compiled:
         parts.append("--compile")
     if m.key.engine == "labml_zero" and line.get("prefetch_depth", 1) != 1:
@@ -119,7 +127,8 @@ def command(m: Measurement) -> str:
 
 def lookup(results: dict[Key, Measurement], spec: str) -> tuple[str, Key]:
     """
-    `W2 labml_zero [compiled] [gpus=N] FIELD` -> (formatted value, its key).
+    `W2 labml_zero [compiled] [gpus=N] [batch=B] FIELD` -> (formatted value, its
+    key).
 
     Raises `BuildError` for an unknown field or a configuration never measured.
     """
@@ -128,16 +137,26 @@ def lookup(results: dict[Key, Measurement], spec: str) -> tuple[str, Key]:
         raise BuildError(f"bench directive {spec!r}: write WORKLOAD ENGINE FIELD")
     workload, engine, *mods, name = words
     compiled = "compiled" in mods
-    gpus = 2
+    gpus, batch = 2, None
     for mod in mods:
         if mod.startswith("gpus="):
             gpus = int(mod[5:])
+        elif mod.startswith("batch="):
+            batch = int(mod[6:])
         elif mod != "compiled":
             raise BuildError(f"bench directive {spec!r}: unknown word {mod!r}")
     if name not in FIELDS:
         raise BuildError(f"bench directive {spec!r}: field {name!r} is not one of "
                          f"{', '.join(FIELDS)}")
-    key = Key(workload, engine, compiled, gpus)
+    batches = sorted(k.batch for k in results
+                     if (k.workload, k.engine, k.compiled, k.gpus)
+                     == (workload, engine, compiled, gpus))
+    if batch is None and len(batches) > 1:
+        raise BuildError(f"bench directive {spec!r}: measured at batch sizes "
+                         f"{batches}; add batch=B")
+    if batch is None:
+        batch = batches[0] if batches else 0
+    key = Key(workload, engine, compiled, gpus, batch)
     m = results.get(key)
     if m is None or m.line.get("status") != "ok":
         raise BuildError(f"bench directive {spec!r}: no successful measurement of "
@@ -172,9 +191,9 @@ def results_markdown(results: dict[Key, Measurement]) -> str:
     out += ["", "## Measurements", "",
             "Tokens per second of all GPUs together; peak memory per GPU; MFU the "
             "share of the GPUs' bf16 peak that the model's matrix products reach.",
-            "", "| workload | engine | compiled | GPUs | tokens/s | step s (± std) "
-            "| MFU | peak GiB | loss | settings |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "", "| workload | engine | compiled | GPUs | B × T | tokens/s "
+            "| step s (± std) | MFU | peak GiB | loss | settings |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, m in results.items():
         line = m.line
         settings = []
@@ -190,25 +209,28 @@ def results_markdown(results: dict[Key, Measurement]) -> str:
             settings.append(f"prefetch depth {line['prefetch_depth']}")
         gpus = f"{key.gpus} × {line.get('device') or 'GPU'}"
         anchor = f'<span id="{key.anchor}"></span>'
+        shape = f"{key.batch} × {line.get('seq')}"
         if line.get("status") != "ok":
+            where = f" ({line['where']})" if line.get("where") else ""
             row = [f"{anchor}{key.workload}", key.engine,
-                   "yes" if key.compiled else "no", gpus,
-                   f"{line['status']}", "", "", "", "", ""]
+                   "yes" if key.compiled else "no", gpus, shape,
+                   f"{line['status']}{where}", "", "", "", "", ""]
         else:
             step = (f"{line['step_time_mean_s']:.3f} ± "
                     f"{line['step_time_std_s']:.3f}")
             row = [f"{anchor}{key.workload}", key.engine,
-                   "yes" if key.compiled else "no", gpus,
+                   "yes" if key.compiled else "no", gpus, shape,
                    _cell(line.get("tokens_per_s"), ",.0f"), step,
                    f"{100 * line['mfu']:.1f}%", _cell(line.get("peak_mem_gib"), ".1f"),
                    _cell(line.get("loss"), ".2f"), ", ".join(settings)]
         out.append("| " + " | ".join(row) + " |")
     out += ["", "## Where each row comes from", "",
-            "| workload | engine | compiled | GPUs | date | PyTorch | file | command |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            "| workload | engine | compiled | GPUs | B | date | PyTorch | file "
+            "| command |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, m in results.items():
         out.append(
             f"| {key.workload} | {key.engine} | {'yes' if key.compiled else 'no'} "
-            f"| {key.gpus} | {m.date} | {m.line.get('torch', '')} | `{m.file}` "
+            f"| {key.gpus} | {key.batch} | {m.date} | {m.line.get('torch', '')} | `{m.file}` "
             f"| `{command(m)}` |")
     return "\n".join(out) + "\n"

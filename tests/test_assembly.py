@@ -125,3 +125,28 @@ def test_free_grads_reaches_the_optimizer_and_the_probe():
 def test_free_grads_needs_updates_during_backward():
     with pytest.raises(ValueError, match="free_grads needs update_during_backward"):
         assemble(tiny_layers(), recipe(free_grads=True), device=CPU)
+
+
+def test_the_fine_tune_prints_the_measured_peaks_of_an_auto_placement():
+    # The fine-tune's report after its first steps (`measured_peaks`), on a CPU
+    # rank with the simulated device: rank 0 says what was measured beside the
+    # prediction; other ranks, and placements not decided by 'auto', say nothing.
+    from labml_zero.launch import DistContext
+    from labml_zero.neox.finetune import PEAKS_AFTER_STEPS, measured_peaks
+
+    def limits(shards):
+        trainable = sum(s.numel for s in shards if s.trainable)
+        return AutoLimits(measure_peak=lambda run: (run(), 1000)[1],
+                          device_capacity=1000 + 4 * trainable)
+
+    built = assemble(tiny_layers(), recipe(offload_optimizer="auto",
+                                           resident=False),
+                     device=CPU, probe=lm_probe, auto_limits=limits)
+    rank0 = DistContext(0, 2, 0, CPU, "gloo")
+    (line,) = measured_peaks(built, rank0, PEAKS_AFTER_STEPS)
+    assert line.startswith(f"automatic offload after {PEAKS_AFTER_STEPS} steps: "
+                           "measured peaks device not measured on cpu (predicted ")
+    assert "host resident set" in line and "GiB predicted)" in line
+    assert measured_peaks(built, DistContext(1, 2, 1, CPU, "gloo"), 2) == []
+    static = assemble(tiny_layers(), recipe(), device=CPU)
+    assert measured_peaks(static, rank0, 2) == []

@@ -109,6 +109,8 @@ from labml_zero.optimizers.grad_scaler import LossScaler
 from labml_zero.zero3.checkpoint import (load_checkpoint, prune_checkpoints,
                                          save_checkpoint)
 from labml_zero.zero3.config import ZeroConfig
+from labml_zero.zero3.placement_report import measured_lines
+from labml_zero.zero3.placement import shard_specs
 from labml_zero.zero3.sharded_model import Zero3Sequential
 
 __all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "MODEL_PRESETS",
@@ -414,6 +416,25 @@ def resume(config: FinetuneConfig, training: Training, sampler: RankSampler) -> 
     return int(extra["step"])
 
 
+# The automatic offload predicts the device and host peaks from one probe step;
+# after this many steps of the job the measured peaks are printed beside them.
+PEAKS_AFTER_STEPS = 2
+
+
+def measured_peaks(built: Assembled, ctx: DistContext, steps: int) -> list[str]:
+    """
+    ### The automatic offload's measured peaks, on rank 0
+
+    Empty unless `offload_optimizer='auto'` decided the placement. The device
+    peak counts from `reset_peak_memory_stats` before the first step, so the
+    probe and the build are not in it.
+    """
+    if built.decided is None or ctx.rank != 0:
+        return []
+    return measured_lines(built.decided, shard_specs(built.model),
+                          device=ctx.device, steps=steps)
+
+
 def weights_origin(config: FinetuneConfig, step: int) -> str:
     """Where the weights came from, for the banner."""
     if step:
@@ -498,8 +519,15 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
             track_valid(0)
             tracker.new_line()
         batches = micro_batches(sampler)
-        for step in monit.loop(range(step + 1, total_steps + 1)):
+        first = step + 1
+        peaks_at = first - 1 + min(PEAKS_AFTER_STEPS, total_steps - step)
+        if ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        for step in monit.loop(range(first, total_steps + 1)):
             totals = train_step(training, batches, data.train, config)
+            if step == peaks_at:
+                for line in measured_peaks(built, ctx, step - first + 1):
+                    logger.log(line)
             # the launcher's hang watch: a rank silent for `hang_timeout` is hung
             ctx.heartbeat()
             if nan_at is not None and step >= nan_at:

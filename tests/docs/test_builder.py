@@ -129,7 +129,8 @@ def test_results_keep_the_latest_line_of_each_configuration(tmp_path):
     line = {"engine": "labml_zero", "workload": "W2", "world_size": 2,
             "status": "ok", "tokens_per_s": 100.0, "mfu": 0.5, "peak_mem_gib": 1.0,
             "step_time_mean_s": 1.0, "step_time_std_s": 0.1, "loss": 2.0,
-            "torch": "2.11", "device": "GPU", "steps": 10, "warmup": 3}
+            "torch": "2.11", "device": "GPU", "steps": 10, "warmup": 3,
+            "batch_per_gpu": 2, "seq": 2048}
     (folder / "2026-01-02-run2-x.jsonl").write_text(
         json.dumps({**line, "tokens_per_s": 300.0}) + "\n")
     (folder / "2026-01-02-run10-x.jsonl").write_text(
@@ -143,14 +144,27 @@ def test_results_keep_the_latest_line_of_each_configuration(tmp_path):
     with pytest.raises(BuildError, match="field 'speed'"):
         results.lookup(found, "W2 labml_zero speed")
     page = results.results_markdown(found)
-    assert "| 2026-01-02 | 2.11 | `2026-01-02-run10-x.jsonl` |" in page
+    assert "| 2 | 2026-01-02 | 2.11 | `2026-01-02-run10-x.jsonl` |" in page
     assert "`python -m bench.run --workloads W2 --engines labml_zero" in page
+    assert "--batch 2`" in page
+
+    # one configuration at two batch sizes: a note must say which
+    (folder / "2026-01-03-run1-x.jsonl").write_text(
+        json.dumps({**line, "batch_per_gpu": 4, "tokens_per_s": 400.0}) + "\n"
+        + json.dumps({**line, "batch_per_gpu": 8, "status": "oom",
+                      "where": "host"}) + "\n")
+    found = results.load_results(tmp_path)
+    with pytest.raises(BuildError, match=r"batch sizes \[2, 4, 8\]; add batch=B"):
+        results.lookup(found, "W2 labml_zero tokens_per_s")
+    assert results.lookup(found, "W2 labml_zero batch=4 tokens_per_s")[0] == (
+        "400 tokens/s")
+    assert "| 8 × 2048 | oom (host) |" in results.results_markdown(found)
 
 
 def test_measured_figures_on_the_site_come_from_the_data(site_files):
     found = results.load_results(REPO)
     home = site_files["index.html"].decode()
-    m = found[results.Key("W2", "labml_zero", False, 2)]
+    m = found[results.Key("W2", "labml_zero", False, 2, 2)]
     assert f"{m.line['tokens_per_s']:,.0f} tokens/s</a>" in home
     assert "| workload | labml_zero | FSDP2 |" not in home  # no benchmark table
     page = site_files["results.html"].decode()
