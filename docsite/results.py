@@ -10,11 +10,11 @@ Every measured figure of the site comes from the benchmark's JSON lines in
 `bench/results/` (one line per engine and workload, written by
 `python -m bench.run --out FILE`; `bench/README.md` describes the fields). This
 module reads them all and keeps, for each *configuration* (workload, engine,
-compiled or not, number of GPUs, sequences per GPU), the **latest** line: files are ordered by the
-date in their name, then by their run number, and lines within a file by their
-position, so a later measurement of the same configuration replaces an earlier
-one. Lines without a `status` (loss curves, probes) are not measurements of a
-step and are skipped.
+compiled or not, number of GPUs, sequences per GPU), the **latest** line: files are
+ordered by the date in their name, then by their run number, and lines within a file
+by their position, so a later measurement of the same configuration replaces an
+earlier one. Lines without a `status` (loss curves, probes) are not measurements of
+a step and are skipped.
 
 A note inserts a figure with `{{bench: W2 labml_zero tokens_per_s}}`, adding
 `compiled`, `gpus=1` and/or `batch=8` to pick another configuration (`batch=`
@@ -231,6 +231,7 @@ def results_markdown(results: dict[Key, Measurement]) -> str:
     for key, m in results.items():
         out.append(
             f"| {key.workload} | {key.engine} | {'yes' if key.compiled else 'no'} "
-            f"| {key.gpus} | {key.batch} | {m.date} | {m.line.get('torch', '')} | `{m.file}` "
+            f"| {key.gpus} | {key.batch} | {m.date} | {m.line.get('torch', '')} "
+            f"| `{m.file}` "
             f"| `{command(m)}` |")
     return "\n".join(out) + "\n"
