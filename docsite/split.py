@@ -66,14 +66,20 @@ def parse_front_matter(doc: str) -> tuple[dict[str, str], str]:
     match = FRONT_MATTER.match(doc)
     if not match:
         return {}, doc
-    front = {}
+    front: dict[str, str] = {}
+    last = None
     for line in match.group(1).splitlines():
+        if line[:1] in (" ", "\t") and last is not None:
+            # an indented line continues the value above it (YAML's folding)
+            front[last] = f"{front[last]} {line.strip()}".strip()
+            continue
         key, sep, value = line.partition(":")
         if sep and key.strip():
-            value = value.strip()
-            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-                value = value[1:-1]
-            front[key.strip()] = value
+            last = key.strip()
+            front[last] = value.strip()
+    for key, value in front.items():
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            front[key] = value[1:-1]
     return front, doc[match.end():]
 
 

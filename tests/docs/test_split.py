@@ -41,6 +41,21 @@ import math
     assert split.sections[1].lineno == 12
 
 
+def test_an_indented_front_matter_line_continues_the_value_above():
+    src = '''"""
+---
+title: Atomic files
+summary: Write a file so that a crash leaves the old one or
+  the new one: never a part.
+---
+"""
+'''
+    assert split_source(src).front == {
+        "title": "Atomic files",
+        "summary": "Write a file so that a crash leaves the old one or the new one: "
+                   "never a part."}
+
+
 def test_indented_comments_split_a_method_and_keep_indentation():
     src = '''class A:
     def f(self):
