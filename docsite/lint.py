@@ -140,9 +140,8 @@ def findings(root: Path = REPO, site: dict[str, bytes] | None = None):
         for pattern in LAB_TRACES:
             for m in pattern.finditer(strip_directives(docs)):
                 out["lab_traces"].add(f"{name} | {' '.join(m.group(0).split())}")
-        if page.rel_py:
-            for value in numbers(docs):
-                out["numbers"].add(f"{name} | {value}")
+        for value in numbers(docs):  # the home page's notes too
+            out["numbers"].add(f"{name} | {value}")
         if site is not None and page.out in site:
             dom = site[page.out].decode("utf-8")
             for tag in ("math", "pre", "code", "svg", "style", "title"):

@@ -2,7 +2,7 @@ r"""
 ---
 title: Adam with fp32 master weights (AdamFP16)
 summary: AdamW on flat shards, fp32 masters and moments (on the device or the
-  host), written back in 16 bits.
+  host), rounded back to half precision.
 ---
 
 # Adam with fp32 master weights
