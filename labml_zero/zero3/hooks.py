@@ -12,31 +12,27 @@ a *unit*: the module whose chunks are gathered together.
 
 ## One training step
 
+Each hook is explained beside its code below; in order:
+
 Forward, for each unit in execution order:
 
-1. **pre-forward hook**: gather the unit's chunks (unless a prefetch already did),
-   queue the gathers of the next `prefetch_depth` units, and wait for this unit's;
+1. **pre-forward hook**: gather the unit's chunks, queue the gathers of the next
+   `prefetch_depth` units, wait for this unit's;
 2. the layer computes;
-3. **post-forward hook**: release the chunks; if the output needs a gradient, hook
-   it so that the backward pass will announce when it reaches this unit.
+3. **post-forward hook**: release the chunks, and hook the output so that the
+   backward pass announces when it reaches this unit.
 
 Backward, for each unit in reverse:
 
-4. **pre-backward** (the output's gradient is ready): gather the chunks again and
-   prefetch the units before it;
-5. the layer's backward runs; as each parameter's gradient is accumulated, a
-   **post-accumulate-grad hook** hands it to its chunk, and a chunk whose
-   parameters have all reported copies them into its gradient buffer (one
-   multi-tensor copy) and is reduce-scattered at once, overlapping with the
-   backward of the layers below; the callbacks of `on_grad_ready` then tell
-   the optimizer, which
-   may update the shard right away (`AdamFP16(update_during_backward=True)`);
-6. **post-backward** (the gradients of the unit's inputs are ready): release.
+4. **pre-backward hook**: gather the chunks again and prefetch the units below;
+5. the layer's backward runs; each parameter's gradient goes to its chunk, and a
+   chunk whose parameters have all reported is reduce-scattered at once;
+6. **post-backward hook**: release;
+7. **end of backward**: reduce what was not, release what is still gathered.
 
-7. **end of backward**, a callback queued on the autograd engine: reduce every
-   trainable chunk that has not been reduced (its parameters got no gradient, so it
-   reduces zeros: every rank must take part in every collective), make the compute
-   stream wait for the reductions, release whatever is still gathered.
+At most $1 + \text{prefetch\_depth}$ units are gathered at a time, in the
+forward and in the backward pass, besides the root unit (see Note: release
+before the next gather; `tests/zero3/test_hooks.py` counts them).
 
 A step of a Pythia-160M-shaped GPT-NeoX on two GPUs (the kernels of one GPU,
 from `torch.profiler`, converted by `bench/timeline.py`). Each gather runs
@@ -47,28 +43,6 @@ reduce-scatters of the backward pass overlap the layers below (the optimizer's
 updates, queued as each chunk is reduced, are among the compute kernels there):
 
 ![training step timeline](figures/step_timeline.svg)
-
-Every hook is registered on the tensors of *this* step (outputs, inputs) or on the
-parameters themselves (`register_post_accumulate_grad_hook`), so the hooks fire on
-every step. (labml-nn hooked the gradient accumulator node of a view, which
-current PyTorch does not keep alive: the hook is lost and the second step fails.)
-
-## Prefetch
-
-The forward order of the last step predicts the next one; before the first step,
-the order in which units were registered does. Each pre-forward queues the gathers
-of the next `prefetch_depth` units on the gather stream, so they overlap with this
-unit's computation; at most $1 + \text{prefetch\_depth}$ units are gathered at a
-time, in the forward and in the backward pass (see Note: release before the
-next gather; `tests/zero3/test_hooks.py` counts them), besides the root unit.
-In backward only units that will run a backward are prefetched: a frozen
-embedding at the bottom is never gathered again.
-
-## Activation checkpointing
-
-With `torch.utils.checkpoint` (non-reentrant), a unit's forward runs a second
-time during the backward. Its pre-forward hook then finds the chunks already
-gathered by the pre-backward hook and does nothing: no second all-gather.
 
 ## Limitations
 
@@ -329,6 +303,20 @@ class Zero3Runtime:
     ### Forward hooks
 
     def _hook_pre_forward(self, unit: Unit):
+        """
+        ### 1. Pre-forward: gather, prefetch, wait
+
+        Gathers the unit's chunks (nothing to do if a prefetch already queued
+        them), queues the gathers of the next `prefetch_depth` units on the
+        gather stream, so that they overlap this unit's computation, and makes
+        the compute stream wait for this unit's gathers only. It also hooks the
+        layer's inputs: when their gradients are computed, the unit's backward is
+        done (6).
+
+        With `torch.utils.checkpoint` (non-reentrant), a unit's forward runs a
+        second time during the backward. The pre-backward hook has gathered the
+        chunks by then, so this hook finds them gathered: no second all-gather.
+        """
         def hook(module, args, kwargs):
             if self.phase is Phase.BACKWARD:
                 # Activation checkpointing recomputes this forward during backward;
@@ -354,6 +342,16 @@ class Zero3Runtime:
         return hook
 
     def _hook_post_forward(self, unit: Unit):
+        """
+        ### 3. Post-forward: release, and hook the output
+
+        Releases the chunks (unless `reshard_after_forward` is off and a backward
+        will follow). If the output needs a gradient, `before_backward_of` calls
+        the pre-backward hook (4) when the backward pass reaches this unit, and
+        `expects_backward` remembers it, so that the backward prefetches only
+        units that will run a backward: a frozen embedding at the bottom is never
+        gathered again.
+        """
         def hook(module, args, kwargs, output):
             if self.phase is Phase.BACKWARD:
                 return None
@@ -368,7 +366,13 @@ class Zero3Runtime:
         return hook
 
     def _next_in_forward(self, unit: Unit) -> list[Unit]:
-        """The units expected to run after `unit`, from the last step's order."""
+        """
+        #### The units to prefetch after `unit`
+
+        The forward order of the last step predicts the next one; before the
+        first step, the order in which units were registered does, and so does
+        a forward that departs from the last one.
+        """
         if self.prefetch_depth == 0:
             return []
         order = self.last_forward_order or self.units
@@ -387,6 +391,12 @@ class Zero3Runtime:
             queue_end_of_backward(self._end_backward)
 
     def _pre_backward(self, unit: Unit) -> None:
+        """
+        ### 4. Pre-backward: gather again, prefetch the units below
+
+        Called when the gradient of the unit's output is ready. The first call
+        of a backward pass queues the end-of-backward callback (7).
+        """
         self._enter_backward()
         unit.gather()
         # Prefetch the units whose backward comes next: those before this one in
@@ -401,10 +411,27 @@ class Zero3Runtime:
         unit.wait()
 
     def _post_backward(self, unit: Unit) -> None:
+        """
+        ### 6. Post-backward: release
+
+        Called when the gradients of the unit's inputs are computed: its
+        backward is done, its gathered chunks can go.
+        """
         if self.phase is Phase.BACKWARD:
             unit.release()
 
     def _hook_grad(self, chunk: Chunk, position: int):
+        """
+        ### 5. A parameter's gradient goes to its chunk
+
+        Registered with `register_post_accumulate_grad_hook`, on the parameter
+        itself, so it fires on every step (labml-nn hooked the gradient
+        accumulator node of a view, which current PyTorch does not keep alive:
+        the hook was lost and the second step failed). When the chunk's last
+        parameter reports, the chunk copies the gradients into its buffer (one
+        multi-tensor copy) and is reduce-scattered at once, overlapping the
+        backward of the layers below; under `no_sync` the copy only adds them up.
+        """
         def hook(param: torch.Tensor) -> None:
             self._enter_backward()
             chunk.add_grad(position, param.grad)
@@ -420,12 +447,26 @@ class Zero3Runtime:
         return hook
 
     def _reduce(self, chunk: Chunk) -> None:
+        """
+        #### Reduce a chunk and say that its shard's gradient is final
+
+        The callbacks of `on_grad_ready` get the shard and the stream to wait
+        for; `AdamFP16(update_during_backward=True)` updates the shard right away.
+        """
         chunk.reduce()
         self._reduced.add(id(chunk))
         for callback in self._grad_ready:
             callback(chunk.shard, after=self.comm.reduce_stream)
 
     def _end_backward(self) -> None:
+        """
+        ### 7. End of backward
+
+        A callback queued on the autograd engine. Every trainable chunk not yet
+        reduced (its parameters got no gradient) reduces zeros, because every
+        rank must take part in every collective; then the compute stream waits
+        for the reductions and whatever is still gathered is released.
+        """
         for chunk in self.all_chunks():
             if not chunk.trainable:
                 continue
@@ -436,7 +477,7 @@ class Zero3Runtime:
                 # Accumulating: keep the buffer, forget which gradients arrived.
                 chunk.flush_grads()
                 chunk.grads_seen.clear()
-        # compute stream waits: the optimizer reads `main_grad` next
+        # compute stream waits: the optimizer reads the gradient shards next
         self.comm.wait(self.comm.current_stream(), self.comm.reduce_stream)
         self._release_all()
         self._finish_step()
