@@ -76,15 +76,19 @@ def summary(trace: dict, top: int = 12) -> dict:
     by_name: dict[str, float] = {}
     intervals = []
     for e in events:
-        by_name[e["name"][:80]] = by_name.get(e["name"][:80], 0.0) + e["dur"]
+        name = e["name"][:80]
+        by_name[name] = by_name.get(name, 0.0) + e["dur"]
         kind = "copy" if e["cat"] != "kernel" else kind_of(e["name"])
         by_kind[kind] = by_kind.get(kind, 0.0) + e["dur"]
         stream = str(e.get("args", {}).get("stream", "?"))
         by_stream[stream] = by_stream.get(stream, 0.0) + e["dur"]
         intervals.append((e["ts"], e["ts"] + e["dur"]))
     wall = max(b for _, b in intervals) - min(a for a, _ in intervals)
-    ms = lambda d: {k: round(v / 1e3, 3)  # noqa: E731
-                    for k, v in sorted(d.items(), key=lambda kv: -kv[1])}
+    def ms(durations: dict[str, float]) -> dict[str, float]:
+        """Microseconds to milliseconds, largest first."""
+        return {k: round(v / 1e3, 3)
+                for k, v in sorted(durations.items(), key=lambda kv: -kv[1])}
+
     busy = union_us(intervals)
     return {"wall_ms": round(wall / 1e3, 3), "busy_ms": round(busy / 1e3, 3),
             "by_kind_ms": ms(by_kind), "by_stream_ms": ms(by_stream),

@@ -503,11 +503,12 @@ class Chunk:
         direct = local.grad is None and self.reduce_dtype == torch.float32
         if local.grad is None:
             local.new_grad(zeroed=not direct)
-        if direct and comm.world_size == 1 and comm.replicas == 1:
-            # One rank holds the whole chunk ($S = C$): the mean over one rank
-            # is the gradient itself, so the held gradients are cast straight
-            # into the gradient shard. No buffer, no reduction: $p + 4$ bytes a
-            # parameter move instead of $p + 4 + 8$.
+        # One rank holds the whole chunk ($S = C$): the mean over one rank is
+        # the gradient itself, so the held gradients are cast straight into the
+        # gradient shard. No buffer, no reduction: $p + 4$ bytes a parameter
+        # move instead of $p + 4 + 8$.
+        alone = direct and comm.world_size == 1 and comm.replicas == 1
+        if alone:
             self.grad_full = local.grad
         # [S] reduce dtype
         reduced = local.grad if direct else torch.empty(
@@ -526,7 +527,7 @@ class Chunk:
                     self.numel, dtype=self.reduce_dtype, device=comm.device)
             else:
                 self._zero_unwritten()
-            if self.grad_full is not local.grad:
+            if not alone:
                 with profiled("zero::reduce_scatter"):
                     self.reduction.reduce(reduced, self.grad_full)
             if not direct:
