@@ -24,6 +24,8 @@ they explain on the right. The builder is this package, run by
 11. `lint.py`: the checks of the notes' text that the tests run (raw TeX,
     introduction length, lab traces, unchecked numbers) with their allowlists;
 12. `terms.py`: the check that no page uses a term before its definition.
+13. `notes_beside_code.py`: how many note words sit in rows with no code beside
+    them, and code rows with no note.
 """
 
 from .cli import main, stale_files, write_site

@@ -186,6 +186,9 @@ def main(argv: list[str]) -> int:
             path.write_text(HEADER.format(check=check)
                             + "".join(f"{f}\n" for f in found[check]),
                             encoding="utf-8")
+    from . import notes_beside_code  # imports this module: read it here
+
+    print("\n".join(notes_beside_code.summary_lines(notes_beside_code.measure(REPO))))
     return 0
 
 
