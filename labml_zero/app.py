@@ -17,62 +17,18 @@ python -m labml_zero.finetune_neox --app-url http://127.0.0.1:5005/api/v1/defaul
 [labml-app](https://github.com/labmlai/labml/tree/master/app) is a FastAPI server
 that receives what labml's client tracks (configs, status, the loss series) and a
 single-page web app that charts it. Two things keep its own `labml app-server` from
-working on an offline machine:
-
-* `labml_app.flask_app` connects to **MongoDB** when it is imported. labml-app's
-  storage layer, `labml_db`, also ships a **file-based** driver (one file per
-  record, one JSON file per index); we register it instead, with
-  [records as JSON](app_records.html) rather than pickles (see Note: records are
-  JSON), and never import `flask_app`.
-* its `index.html` loads **d3, Bootstrap and Font Awesome from CDNs**; without
-  them the page stays blank. The same files, of the versions its tags name
-  (tested: tests/test_app.py::test_the_bundled_files_are_the_versions_the_page_loads),
-  from their npm packages, ship in `labml_zero/app_assets/` (a few hundred
-  kilobytes, versions and licenses in its `NOTICE`), and we serve an
-  `index.html` whose three tags point at them.
-
-Everything else, the API handlers and the bundled page, is labml-app's own, so its
-page looks and behaves as on app.labml.ai. Around them, a guard answers bad input
-with a short 4xx (see Note: every request passes one guard, beside
-`RequestGuard`), and the app stays on
-the loopback address unless told otherwise (see Note: no authentication).
-
-## Projects and the URL a run sends to
-
-labml-app files runs under a project token. Its local user (no login in a local
-setup) owns one project with a random token, and only that project's runs are
-listed on `/runs`. We index that project under a second, fixed token, `default`, so
-runs sent to `http://127.0.0.1:{port}/api/v1/default/` are listed.
-
-## Note: the token is in the path
-
-labml's client puts the token where the route has it, in the path
-(`/api/v1/default/track?run_uuid=...`): its `app_url` may not contain a `?`.
-labml-app's `track` handler reads it from the query string (`labml_token=`) and
-ignores the path, so every run would land in its "float" project, which `/runs`
-never lists. A middleware copies the path's token into the query string of `track`
-and `computer` requests that have none, before labml-app's handler reads it. A
-token the app does not know becomes `default`: labml-app would answer it with an
-`invalid_token` error, and labml's sender retries an error forever, so the run
-would never exit.
-
-## Note: no authentication
-
-Whoever reaches the app's port can read, change and delete runs: it has no login.
-It binds the loopback address by default; any other `--host` is refused unless
-`--allow-remote` is given, and then the app warns before it listens.
+working on an offline machine: it connects to MongoDB when it is imported, and its
+page loads its scripts from CDNs. This app replaces those two (see `create_app`)
+and keeps everything else, the API handlers and the bundled page, labml-app's own,
+so its page looks and behaves as on app.labml.ai. Around them, a guard answers bad
+input with a short 4xx (see Note: every request passes one guard), and the app
+stays on the loopback address unless told otherwise (see Note: no authentication).
 
 ## Limitations
 
-* One worker process: the file drivers keep each index in memory and rewrite its
-  file on every change, which is only safe with a single writer.
-* A data directory written by the earlier pickle storage is never read, by
-  design (see Note: records are JSON).
 * labml-app answers each `track` request after a fixed 3 s pause (its way to batch
   a client's sends), so a run shows up a few seconds after it starts.
-* The guard checks a body's syntax and outer shape; a field of the wrong type
-  inside a `track` body reaches the handler, which may have created the run
-  before it fails.
+* The guard checks a body's syntax and outer shape, not each field's type.
 """
 
 import argparse
@@ -90,6 +46,12 @@ from labml_zero.app_records import ignored_pickles, init_file_db
 
 __all__ = ["AppConfig", "RequestGuard", "create_app", "serve", "main"]
 
+# labml-app's `index.html` loads **d3, Bootstrap and Font Awesome from CDNs**;
+# without them the page stays blank. The same files, of the versions its tags name
+# (tested: tests/test_app.py::test_the_bundled_files_are_the_versions_the_page_loads),
+# from their npm packages, ship in `labml_zero/app_assets/` (a few hundred
+# kilobytes, versions and licenses in its `NOTICE`), and we serve an `index.html`
+# whose three tags point at them.
 ASSETS = Path(__file__).parent / "app_assets"
 
 # index.html tag -> where the same file lives in app_assets (served under /vendor/).
@@ -118,7 +80,7 @@ class AppConfig:
         default_factory=lambda: Path.home() / ".labml_zero" / "app")
     """Runs, series and indexes, as files; created if missing."""
     token: str = "default"
-    """Project token in the API URL runs send to (see "Projects and the URL")."""
+    """Project token in the API URL runs send to (see `init_projects`)."""
     allow_remote: bool = False
     """Serve a `host` other than loopback (see Note: no authentication)."""
     max_request_bytes: int = 16 * 2**20
@@ -188,8 +150,12 @@ def init_projects(token: str) -> None:
     """
     ### The projects labml-app expects, and our fixed token
 
-    The float and samples projects are the ones `init_mongo_db` creates. The local
-    user's project gets `token` as a second index entry (see "Projects and the URL").
+    labml-app files runs under a project token. Its local user (no login in a
+    local setup) owns one project with a random token, and only that project's
+    runs are listed on `/runs`. We index that project under a second, fixed token,
+    `token` (`default`), so runs sent to `http://127.0.0.1:{port}/api/v1/default/`
+    are listed. The float and samples projects are the ones `init_mongo_db`
+    creates.
     """
     from labml_app import settings
     from labml_app.db import project, user
@@ -283,6 +249,10 @@ class RequestGuard:
        `IndexError` (input of a shape it does not handle) is a `400`; anything else,
        and a stored record that is not valid, a `500`. Either is logged as one line
        with the exception and where it was raised.
+
+    A field of the wrong type inside a `track` body passes the guard (it checks a
+    body's syntax and outer shape) and reaches the handler, which may have created
+    the run before it fails.
     """
 
     def __init__(self, app, *, max_body: int):
@@ -400,6 +370,11 @@ def create_app(config: AppConfig):
 
     # labml-app logs every request at INFO; keep the console for errors.
     logger.setLevel("WARNING")
+    # `labml_app.flask_app` connects to **MongoDB** when it is imported. labml-app's
+    # storage layer, `labml_db`, also ships a **file-based** driver (one file per
+    # record, one JSON file per index); we register it instead, with [records as
+    # JSON](app_records.html) rather than pickles (see Note: records are JSON), and
+    # never import `flask_app`.
     config.data_dir.mkdir(parents=True, exist_ok=True)
     init_file_db(config.data_dir)
     init_projects(config.token)
@@ -409,9 +384,19 @@ def create_app(config: AppConfig):
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     handlers.add_handlers(app)
 
+    # #### Note: the token is in the path
+    #
+    # labml's client puts the token where the route has it, in the path
+    # (`/api/v1/default/track?run_uuid=...`): its `app_url` may not contain a `?`.
+    # labml-app's `track` handler reads it from the query string (`labml_token=`)
+    # and ignores the path, so every run would land in its "float" project, which
+    # `/runs` never lists. This middleware copies the path's token into the query
+    # string of `track` and `computer` requests that have none, before labml-app's
+    # handler reads it. A token the app does not know becomes `default`: labml-app
+    # would answer it with an `invalid_token` error, and labml's sender retries an
+    # error forever, so the run would never exit.
     @app.middleware("http")
     async def token_from_path(request: Request, call_next):
-        # see Note: the token is in the path
         match = re.fullmatch(r"/api/v1/([^/]+)/(?:track|computer)", request.url.path)
         if match and "labml_token" not in request.query_params:
             token = match.group(1)
@@ -448,8 +433,10 @@ def serve(config: AppConfig) -> None:
     """
     ## Run the app until interrupted
 
-    One uvicorn worker in this process (see Limitations); the URLs are printed
-    before it starts listening, so a script can read them from the first lines.
+    One uvicorn worker in this process: the file drivers keep each index in memory
+    and rewrite its file on every change, which is only safe with a single writer.
+    The URLs are printed before it starts listening, so a script can read them
+    from the first lines.
     """
     import uvicorn
 
@@ -457,12 +444,19 @@ def serve(config: AppConfig) -> None:
     print(f"labml app: open {config.web_url}", flush=True)
     print(f"labml app: runs send to --app-url {config.api_url}", flush=True)
     print(f"labml app: data in {config.data_dir}", flush=True)
+    # A data directory written by the earlier pickle storage is never read, by
+    # design (see Note: records are JSON); saying so keeps old runs from seeming lost.
     pickles = ignored_pickles(config.data_dir)
     if pickles:
         print(f"labml app: ignoring {pickles} pickle records (*.pkl) in "
               f"{config.data_dir / 'models'}; records are JSON", flush=True)
+    # #### Note: no authentication
+    #
+    # Whoever reaches the app's port can read, change and delete runs: it has no
+    # login. It binds the loopback address by default; any other `--host` is
+    # refused unless `--allow-remote` is given (`AppConfig`), and then the app
+    # warns here, before it listens.
     if not is_loopback(config.host):
-        # see Note: no authentication
         print(f"labml app: WARNING: {config.host}:{config.port} can be reached from "
               f"other machines and the app has no authentication: anyone who "
               f"reaches it can read, change and delete runs", file=sys.stderr,

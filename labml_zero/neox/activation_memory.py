@@ -17,35 +17,16 @@ With $n = BT$ tokens per rank, width $d$, MLP width $d_{ff}$ ($= 4d$), $n_h$
 heads and $d_r$ rotary dimensions, a [layer](model.html) computes
 $y = \operatorname{MLP}(\operatorname{LN}_2(x)) + \operatorname{Attn}
 (\operatorname{LN}_1(x)) + x$, and an operation saves a tensor only if a
-gradient that is needed reads it. A linear $z = a W^\top + b$ saves its input
-$a$ only if $W$ trains: $\partial L / \partial a$ needs $W$ (a parameter, no
-activation) and $\partial L / \partial W$ needs $a$. So what a layer keeps
-depends on the [fine-tuner](finetuners.html):
-
-| saved tensor | elements | dtype | all | ffn | biases |
-| --- | --- | --- | --- | --- | --- |
-| $x$, the layer input (both layer norms' input) | $nd$ | bf16 | ✓ | ✓ | ✓ |
-| mean and $1/\sigma$ of each layer norm | $4n$ | fp32 | ✓ | ✓ | ✓ |
-| $\operatorname{LN}_1(x)$, input of the QKV linear | $nd$ | bf16 | ✓ | | |
-| $q$, $k$ (rotated, new tensors), $v$ (a copy) | $3nd$ | bf16 | ✓ | ✓ | ✓ |
-| rotary $\cos$, $\sin$ `[T, d_r]` | $2Td_r$ | bf16 | ✓ | ✓ | ✓ |
-| attention output, and its log-sum-exp | $nd$, $n_h n$ | bf16, fp32 | ✓ | ✓ | ✓ |
-| heads concatenated, input of the dense linear | $nd$ | bf16 | ✓ | | |
-| $\operatorname{LN}_2(x)$, input of `dense_h_to_4h` | $nd$ | bf16 | ✓ | ✓ | |
-| $h$, input of the GELU | $n d_{ff}$ | bf16 | ✓ | ✓ | ✓ |
-| $\operatorname{GELU}(h)$, input of `dense_4h_to_h` | $n d_{ff}$ | bf16 | ✓ | ✓ | |
-
-With $d_{ff} = 4d$ the bf16 rows add up to $c\,nd$ elements, and a layer
-keeps
+gradient that is needed reads it. What a layer keeps depends on the
+[fine-tuner](finetuners.html) (the table beside `_layer_bytes`); with
+$d_{ff} = 4d$ its bf16 tensors add up to $c\,nd$ elements, and a layer keeps
 
 $$M_{\text{layer}} = 2 c\, nd + 4 \cdot 4n + 4 n_h n + 2 \cdot 2 T d_r
 \text{ bytes}, \qquad c = 16, 14, 9 \text{ for all, ffn, biases}.$$
 (tested: tests/neox/test_activation_memory.py::test_layer_counts_by_finetuner)
 
-`_layer_bytes` computes the table row by row, `readout_loss_bytes` the final
-norm, readout and loss, and `activation_bytes` the whole model, with and
-without recomputation. The tests check each count tensor by tensor against what
-PyTorch saves (`torch.autograd.graph.saved_tensors_hooks`) on CPU.
+The tests check each count tensor by tensor against what PyTorch saves
+(`torch.autograd.graph.saved_tensors_hooks`) on CPU.
 
 ## Limitations
 
@@ -55,20 +36,8 @@ PyTorch saves (`torch.autograd.graph.saved_tensors_hooks`) on CPU.
 * Gradients in flight during backward (the residual stream's, a layer's
   intermediate ones, at most a few $nd$), the attention kernels' workspaces and
   the allocator's rounding and fragmentation are not counted.
-* The copy of the attention output (see Note: the attention output is copied)
-  holds for the CPU kernel and, on CUDA, for the cuDNN (default) and
-  FlashAttention backends; the memory-efficient backend writes its output
-  `[B, T, n_h, d_h]` whatever the layout of $q$ and saves $nd$ less under the
-  full fine-tune. Two or three 8-byte RNG scalars that the CUDA kernels save
-  are not counted. The CPU kernel keeps the layer
-  norms' statistics in bf16, not fp32; the tests add the difference back.
-* A model without rotary dimensions (`rotary_pct=0`, none released) differs
-  and is counted so: $q$ and $k$ are then views of the fused QKV output and keep
-  all of it ($nd$ more), and the attention output comes out `[B, T, n_h, d_h]`,
-  so the dense linear's input is a view of it (under the full fine-tune $nd$
-  less).
-* The int64 targets (`targets.flatten()` copies a strided slice: $8n$ bytes)
-  and the loss's scalars are not counted.
+* CUDA's memory-efficient attention backend saves $nd$ less under the full
+  fine-tune (see Note: the attention output is copied).
 """
 
 from __future__ import annotations
@@ -184,6 +153,13 @@ def _check(config: NeoXConfig, batch: int, seq: int, dtype_bytes: int) -> None:
 # {{py: workloads.workloads()["W1"].seq | d}} tokens, that is 64
 # (tested: tests/neox/test_activation_memory.py::test_figures_in_the_notes)
 # MiB per layer.
+#
+# This holds for the CPU kernel and, on CUDA, for the cuDNN (default) and
+# FlashAttention backends; the memory-efficient backend writes its output
+# `[B, T, n_h, d_h]` whatever the layout of $q$ and saves $nd$ less under the
+# full fine-tune. Two or three 8-byte RNG scalars that the CUDA kernels save are
+# not counted. The CPU kernel keeps the layer norms' statistics in bf16, not
+# fp32; the tests add the difference back.
 
 
 def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
@@ -191,8 +167,30 @@ def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
     r"""
     #### Bytes a layer saves without recomputation
 
+    A linear $z = a W^\top + b$ saves its input
+    $a$ only if $W$ trains: $\partial L / \partial a$ needs $W$ (a parameter, no
+    activation) and $\partial L / \partial W$ needs $a$. So what a layer keeps
+    depends on the fine-tuner:
+
+    | saved tensor | elements | dtype | all | ffn | biases |
+    | --- | --- | --- | --- | --- | --- |
+    | $x$, the layer input (both layer norms' input) | $nd$ | bf16 | ✓ | ✓ | ✓ |
+    | mean and $1/\sigma$ of each layer norm | $4n$ | fp32 | ✓ | ✓ | ✓ |
+    | $\operatorname{LN}_1(x)$, input of the QKV linear | $nd$ | bf16 | ✓ | | |
+    | $q$, $k$ (rotated, new tensors), $v$ (a copy) | $3nd$ | bf16 | ✓ | ✓ | ✓ |
+    | rotary $\cos$, $\sin$ `[T, d_r]` | $2Td_r$ | bf16 | ✓ | ✓ | ✓ |
+    | attention output and log-sum-exp | $nd$, $n_h n$ | bf16, fp32 | ✓ | ✓ | ✓ |
+    | heads concatenated, input of the dense linear | $nd$ | bf16 | ✓ | | |
+    | $\operatorname{LN}_2(x)$, input of `dense_h_to_4h` | $nd$ | bf16 | ✓ | ✓ | |
+    | $h$, input of the GELU | $n d_{ff}$ | bf16 | ✓ | ✓ | ✓ |
+    | $\operatorname{GELU}(h)$, into `dense_4h_to_h` | $n d_{ff}$ | bf16 | ✓ | ✓ | |
+
     Each term is one row of the table, under the condition that makes autograd
-    save it; `trains` are the layer's trainable parameter names.
+    save it; `trains` are the layer's trainable parameter names. A model without
+    rotary dimensions (`rotary_pct=0`, none released) differs and is counted so:
+    $q$ and $k$ are then views of the fused QKV output and keep all of it ($nd$
+    more), and the attention output comes out `[B, T, n_h, d_h]`, so the dense
+    linear's input is a view of it (under the full fine-tune $nd$ less).
     """
     n, d, d_ff = batch * seq, config.d_model, config.ff_dim
     nd = n * d * dtype_bytes
@@ -338,6 +336,9 @@ def readout_loss_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: st
     GiB, as much as 10.7
     (tested: tests/neox/test_activation_memory.py::test_figures_in_the_notes)
     of its {{py: neox_model.pythia_1_4b().n_layers}} layers keep.
+
+    The int64 targets (`targets.flatten()` copies a strided slice: $8n$ bytes)
+    and the loss's scalars are not counted.
     """
     _check(config, batch, seq, dtype_bytes)
     _, trains = _trainable(config, finetune)

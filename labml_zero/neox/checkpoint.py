@@ -17,74 +17,8 @@ safetensors files that hold that layer's tensors and reads only those tensors
 layer. The engine loads a layer, shards it into its chunks and drops it before
 the next.
 
-## The Hugging Face layout
-
-A checkpoint directory holds `config.json` and either one `model.safetensors`, or
-shards `model-00001-of-0000N.safetensors` plus `model.safetensors.index.json`,
-whose `weight_map` says which file holds each tensor. Names are those of
-`GPTNeoXForCausalLM`; since our layers use the same submodule names, the name of
-each of our tensors is `hf_prefix(layer) + name` (see [the model](model.html)).
-Old checkpoints also store buffers (`attention.bias`, `attention.masked_bias`,
-`attention.rotary_emb.inv_freq`); we ask only for the names our layers have, so
-these are never read.
-
-Every tensor's shape is checked *before* it is read (the safetensors header has
-it), so a checkpoint for a different model fails on the first wrong tensor with
-its name and both shapes, not after reading the whole checkpoint or inside
-`load_state_dict`.
-
-## Note: checking a snapshot before any rank starts
-
-A snapshot is an input someone hands the job, and a bad one should cost one
-line, not a traceback after the ranks started. `check_hf_snapshot(path)` reads
-`config.json` and every safetensors *header* (no tensor data) and compares each
-tensor the model needs with the shape `config.json` implies, so the launcher can
-call it first; its docstring lists what it refuses. `HFCheckpoint` runs the same
-`config.json` and index checks when it is built.
-
-## Export
-
-`save_hf_checkpoint` writes the same layout from an iterable of
-`(hf_name, tensor)`, e.g. `hf_named_tensors(layers)` or a generator that
-gathers a ZeRO model one layer at a time. It holds at most one shard in memory.
-See Note: atomic checkpoint directory.
-
-## Note: atomic checkpoint directory
-
-A crash halfway through writing must not leave a directory that loads: a reader
-would get half new and half missing (or old) tensors. So the snapshot is
-written as on [atomic files](../files.html): into a fresh temporary directory
-next to the target, every file `fsync`ed, then the directory itself, and only
-then renamed to the target name. If the target exists (and `overwrite` is set),
-it is first renamed aside and removed after the new one is in place; in between
-there is briefly *no* checkpoint at that path, never a partial one.
-
-## The original GPT-NeoX-20B release
-
-EleutherAI first released GPT-NeoX-20B as DeepSpeed pipeline files
-`layer_XX-model_0P-model_states.pt`: `XX` is the pipeline position (`00` the
-embedding, `i + 2` transformer layer $i$, `n + 3` the final norm, `n + 4` the
-readout) and `P` one of the two tensor-parallel partitions. `NeoX20BCheckpoint`
-merges the two per layer, the same way as labml-nn and EleutherAI's HF
-conversion:
-
-* column-parallel weights and biases (QKV, `dense_h_to_4h`, embeddings, readout)
-  are split along the output dim: concatenate on dim 0. Partition 0 holds
-  heads $0 \ldots n_h/2 - 1$ in the same head-major layout, so the
-  concatenation is HF's QKV layout;
-* row-parallel weights (`attention.dense`, `dense_4h_to_h`) are split along the
-  input dim: concatenate on dim 1;
-* row-parallel biases are **summed**: with the parallel residual, GPT-NeoX adds
-  each partition's bias before the all-reduce that sums the partitions, so the
-  effective bias is the sum of the two stored ones;
-* layer norms are replicated; the two copies drift apart by rounding during
-  training, so they are averaged.
-
 ## Limitations
 
-* The original GPT-NeoX-20B release (`NeoX20BCheckpoint`) is read with
-  `torch.load(mmap=True)` per file; its shapes are checked after the merge, not
-  before the read (`.pt` files have no separate header).
 * `.bin` (pickle) checkpoints are not read; safetensors only.
 * Tied input/output embeddings are not supported (no released GPT-NeoX ties them).
 """
@@ -114,6 +48,16 @@ __all__ = ["HFCheckpoint", "NeoX20BCheckpoint", "check_hf_snapshot",
            "config_from_hf", "save_hf_checkpoint", "hf_named_tensors",
            "load_layers"]
 
+# ## The Hugging Face layout
+#
+# A checkpoint directory holds `config.json` and either one `model.safetensors`,
+# or shards `model-00001-of-0000N.safetensors` plus `model.safetensors.index.json`,
+# whose `weight_map` says which file holds each tensor. Names are those of
+# `GPTNeoXForCausalLM`; since our layers use the same submodule names, the name
+# of each of our tensors is `hf_prefix(layer) + name` (see [the model](model.html)).
+# Old checkpoints also store buffers (`attention.bias`, `attention.masked_bias`,
+# `attention.rotary_emb.inv_freq`); we ask only for the names our layers have, so
+# these are never read.
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -211,7 +155,14 @@ def open_safetensors(file: Path):
 
 
 def check_tensor(f, file: Path, hf_name: str, shape: tuple[int, ...]) -> None:
-    """One tensor's header entry against the shape the model expects."""
+    """
+    One tensor's header entry against the shape the model expects.
+
+    Every tensor's shape is checked *before* it is read (the safetensors header
+    has it), so a checkpoint for a different model fails on the first wrong
+    tensor with its name and both shapes, not after reading the whole checkpoint
+    or inside `load_state_dict`.
+    """
     try:
         sliced = f.get_slice(hf_name)
     except Exception:
@@ -299,10 +250,30 @@ class HFCheckpoint:
 
 
 class NeoX20BCheckpoint:
-    """
+    r"""
     ## The original two-partition GPT-NeoX-20B files
 
-    Same interface as `HFCheckpoint`; see "The original GPT-NeoX-20B release".
+    EleutherAI first released GPT-NeoX-20B as DeepSpeed pipeline files
+    `layer_XX-model_0P-model_states.pt`: `XX` is the pipeline position (`00` the
+    embedding, `i + 2` transformer layer $i$, `n + 3` the final norm, `n + 4` the
+    readout) and `P` one of the two tensor-parallel partitions. This class, with
+    `HFCheckpoint`'s interface, merges the two per layer, the same way as labml-nn
+    and EleutherAI's HF conversion:
+
+    * column-parallel weights and biases (QKV, `dense_h_to_4h`, embeddings,
+      readout) are split along the output dim: concatenate on dim 0. Partition 0
+      holds heads $0 \ldots n_h/2 - 1$ in the same head-major layout, so the
+      concatenation is HF's QKV layout;
+    * row-parallel weights (`attention.dense`, `dense_4h_to_h`) are split along
+      the input dim: concatenate on dim 1;
+    * row-parallel biases are **summed**: with the parallel residual, GPT-NeoX
+      adds each partition's bias before the all-reduce that sums the partitions,
+      so the effective bias is the sum of the two stored ones;
+    * layer norms are replicated; the two copies drift apart by rounding during
+      training, so they are averaged.
+
+    Each file is read with `torch.load(mmap=True)`; its shapes are checked after
+    the merge, not before the read (`.pt` files have no separate header).
     """
 
     # our name -> (name in the .pt file, how the two partitions merge)
@@ -394,9 +365,16 @@ def check_hf_snapshot(path: str | os.PathLike) -> NeoXConfig:
     """
     ### Check a whole snapshot without reading any tensor data
 
+    #### Note: checking a snapshot before any rank starts
+
+    A snapshot is an input someone hands the job, and a bad one should cost one
+    line, not a traceback after the ranks started. This reads `config.json` and
+    every safetensors *header* (no tensor data) and compares each tensor the model
+    needs with the shape `config.json` implies, so the launcher can call it first.
+    `HFCheckpoint` runs the same `config.json` and index checks when it is built.
+
     Returns the snapshot's `NeoXConfig`; raises a one-line `CheckpointError`
-    naming the file otherwise (see Note: checking a snapshot before any rank
-    starts), for
+    naming the file otherwise, for
 
     * a `config.json` that is not a JSON object, lacks a size, or has a size
       that is not an integer (`"hidden_size": "64"`), or that the model cannot
@@ -471,6 +449,10 @@ def save_hf_checkpoint(out_dir: str | os.PathLike, config: NeoXConfig,
     """
     ### Write a sharded Hugging Face checkpoint atomically
 
+    The same layout, from an iterable of `(hf_name, tensor)`:
+    `hf_named_tensors(layers)`, or a generator that gathers a ZeRO model one layer at
+    a time. At most one shard is held in memory.
+
     * `named_tensors` yields `(hf_name, tensor)`; it is consumed once, and a
       shard is written as soon as the next tensor would push it past
       `max_shard_bytes` (a tensor larger than that gets a shard of its own).
@@ -487,6 +469,16 @@ def save_hf_checkpoint(out_dir: str | os.PathLike, config: NeoXConfig,
         raise FileExistsError(f"checkpoint directory exists: {out_dir} "
                               f"(pass overwrite=True)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # #### Note: atomic checkpoint directory
+    #
+    # A crash halfway through writing must not leave a directory that loads: a
+    # reader would get half new and half missing (or old) tensors. So the snapshot
+    # is written as on [atomic files](../files.html): into a fresh temporary
+    # directory next to the target, every file `fsync`ed, then the directory
+    # itself, and only then renamed to the target name. If the target exists (and
+    # `overwrite` is set), it is first renamed aside and removed after the new one
+    # is in place; in between there is briefly *no* checkpoint at that path, never
+    # a partial one.
     tmp = temporary_sibling(out_dir)
     tmp.mkdir()
     try:

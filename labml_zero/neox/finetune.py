@@ -28,52 +28,12 @@ gradients are those of
 $$\mathcal{L} = \frac{1}{A N_d} \sum_{a, r} \frac{1}{BT} \sum_{b, t}
   -\log p_\theta\left(x^{(a,r)}_{b,t+1} \mid x^{(a,r)}_{b, \le t}\right)$$
 
-the mean over the whole global batch, as if one unsharded model had seen it. The
-first $A - 1$ backward passes run inside `model.no_sync()`, so gradients stay in
-the chunks' full-size buffers and one reduce-scatter per chunk serves the whole
-step.
-
-Then, in order: with fp16, the [loss scaler](../optimizers/grad_scaler.html)
-unscales the shard gradients and checks them for overflow (one all-reduce of the
-squared norm, which every rank sees alike, so all skip a bad step together); with
-`clip_grad`, the [global norm](../optimizers/clip_grad.html) is clipped, reusing
-that norm; then AdamFP16 steps. Without either (bf16 or fp32, no
-`clip_grad`), no gradient changes after its chunk is reduced, so each shard is
-updated right then, during the rest of the backward pass
-([`update_during_backward`](../optimizers/adam_fp16.html)). Tracking costs one
-more all-reduce, of three numbers (loss sum, correct tokens, tokens), and one
-host sync per step.
-
-## Building the model one chunk at a time
-
-GPT-NeoX-20B must never exist whole on one rank. The model is put together by
-[`assemble`](../assembly.html), the path the benchmark and the tests take too:
-the layers are built on the meta device (no memory), marked by the fine-tuner,
-and sharded while still on meta; each chunk is then initialised on its own (the
-seeded initialiser is the same on every rank, each keeps its slice), or, with a
-Hugging Face checkpoint, each layer's tensors are read on the host and copied
-slice by slice into the shards. A rank never holds more than one chunk on its
-device beyond its shards, and one layer on the host.
-
-## Checkpoints and resuming
-
-Every `checkpoint_every` steps the ranks write a [sharded
-checkpoint](../zero3/checkpoint/index.html) (each its own shards and optimizer state)
-with the step and the data sampler's position as extra state; once it is
-complete, all but the newest `keep_checkpoints` are removed. A run resumed from it
-rebuilds the model exactly as before (so frozen weights are the same), loads the
-shards, and continues at the next batch: with fp32 it reproduces the uninterrupted
-losses bit for bit.
+the mean over the whole global batch, as if one unsharded model had seen it.
 
 ## Limitations
 
 * The learning rate is constant: no warm-up or decay.
-* Resuming needs the same world size and batch size (the data order depends on
-  them), although the checkpoint itself could be loaded at another world size.
-* Validation uses the first `valid_batches` global batches of the validation split,
-  the same ones each time, not the whole split.
-* The sample at the end re-runs the whole prefix per token (no KV cache), through
-  the sharded model, so every rank gathers every layer for every token.
+* Resuming needs the same world size and batch size (see `resume`).
 """
 
 from __future__ import annotations
@@ -153,8 +113,16 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
     """
     ### Build on meta, mark, shard, initialise or load, place, optimizer
 
-    See "Building the model one chunk at a time" above. `probe(model)` runs one
-    forward and backward, for `offload_optimizer='auto'`.
+    GPT-NeoX-20B must never exist whole on one rank. The model is put together
+    by [`assemble`](../assembly.html), the path the benchmark and the tests take
+    too: the layers are built on the meta device (no memory), marked by the
+    fine-tuner, and sharded while still on meta; each chunk is then initialised on
+    its own (the seeded initialiser is the same on every rank, each keeps its
+    slice), or, with a Hugging Face checkpoint, each layer's tensors are read on
+    the host and copied slice by slice into the shards. A rank never holds more
+    than one chunk on its device beyond its shards, and one layer on the host.
+
+    `probe(model)` runs one forward and backward, for `offload_optimizer='auto'`.
     """
     neox = config.model_config()
     layers = neox_model.build_layers(neox, filter_layers=config.filter_layers,
@@ -270,8 +238,9 @@ def evaluate(model: Zero3Sequential, dataset: TextDataset, config: FinetuneConfi
     """
     ### Loss and accuracy on the first `valid_batches` global batches
 
-    Every rank runs the same number of forwards (the engine's all-gathers must
-    match), each on its own block of each batch.
+    The same batches each time, not the whole validation split. Every rank runs
+    the same number of forwards (the engine's all-gathers must match), each on its
+    own block of each batch.
     """
     sampler = valid_sampler(dataset, config, ctx)
     stats = torch.zeros(3, dtype=torch.float64, device=ctx.device)
@@ -293,12 +262,26 @@ def train_step(training: Training, batches: Iterator[list[int]],
                dataset: TextDataset, config: FinetuneConfig) -> Totals:
     """
     ### One optimizer step over `grad_accum` micro-batches
+
+    After the backward passes, in order: with fp16, the [loss
+    scaler](../optimizers/grad_scaler.html) unscales the shard gradients and
+    checks them for overflow (one all-reduce of the squared norm, which every rank
+    sees alike, so all skip a bad step together); with `clip_grad`, the [global
+    norm](../optimizers/clip_grad.html) is clipped, reusing that norm; then
+    AdamFP16 steps. Without either (bf16 or fp32, no `clip_grad`), no gradient
+    changes after its chunk is reduced, so each shard is updated right then,
+    during the rest of the backward pass
+    ([`update_during_backward`](../optimizers/adam_fp16.html)). Tracking costs one
+    more all-reduce, of three numbers (loss sum, correct tokens, tokens), and one
+    host sync per step.
     """
     model, optimizer, scaler = training
     comm = model.runtime.comm
     stats = torch.zeros(3, dtype=torch.float64, device=comm.device)
     for micro in range(config.grad_accum):
-        # Reduce-scatter only after the last micro-batch; see "One step" above.
+        # The first $A - 1$ backward passes run inside `model.no_sync()`, so
+        # gradients stay in the chunks' full-size buffers and one reduce-scatter
+        # per chunk, after the last micro-batch, serves the whole step.
         last = micro == config.grad_accum - 1
         with contextlib.nullcontext() if last else model.no_sync():
             loss, micro_stats = forward_loss(model, dataset, next(batches),
@@ -383,6 +366,11 @@ def save(config: FinetuneConfig, step: int, training: Training,
     """
     ### A sharded checkpoint after `step`, then the older ones pruned
 
+    Every `checkpoint_every` steps the ranks write a [sharded
+    checkpoint](../zero3/checkpoint/index.html) (each its own shards and optimizer
+    state) with the step and the data sampler's position as extra state; once it
+    is complete, all but the newest `keep_checkpoints` are removed.
+
     `extra` is global state (rank 0 writes it): the sampler's position is the
     same on every rank, and so is the loss scale, agreed by an all-reduce.
     """
@@ -403,6 +391,12 @@ def save(config: FinetuneConfig, step: int, training: Training,
 def resume(config: FinetuneConfig, training: Training, sampler: RankSampler) -> int:
     """
     ### Continue from `config.resume`; returns the step it was saved after
+
+    The resumed run rebuilds the model exactly as before (so frozen weights are the
+    same), loads the shards, and continues at the next batch: with fp32 it
+    reproduces the uninterrupted losses bit for bit. It needs the same world size
+    and batch size (the data order depends on them), although the checkpoint
+    itself could be loaded at another world size.
     """
     extra = load_checkpoint(config.resume, training.model,
                             training.optimizer).extra or {}
@@ -582,7 +576,8 @@ def sample(model: Zero3Sequential, tokenizer, config: FinetuneConfig,
     """
     ### A sample through the sharded model
 
-    Every rank runs the same forwards (each gathers every layer). The sampler is
+    It re-runs the whole prefix per token (no KV cache), so every rank gathers
+    every layer for every token. Every rank runs the same forwards. The sampler is
     seeded alike on every rank, so all draw the same tokens; even if rounding made
     them differ, only the text would, not the sequence of collectives.
     """
