@@ -18,38 +18,9 @@ between `SIGTERM` and `SIGKILL`, every rank has ended at most
 
 $$t_{\text{end}} \le t_{\text{first failure}} + p + w + g$$
 
-after the first failure (`POLL_S`, `REPORT_WINDOW_S`, `GRACE_S` below).
-
-## Failure
-
-Each spawned rank catches its own exception and, *before* it closes its
-connections, writes a report (type, message, the innermost `file:line` outside
-torch, its traceback) into one pipe shared by all ranks. A peer can only see the
-failure once those connections close, so the cause is in the pipe before any echo.
-Echoes are recognised as well, for the case of two ranks failing together (an
-agreement between ranks that one failed): `torch.distributed.DistError` (a
-collective that lost its peer) and errors saying that another rank failed or that
-the peer closed the connection. The rank named is the first whose error is not an
-echo; then a rank that died without a report (a signal, `os._exit`); an echo only
-if nothing else is known. Nothing is written to disk, so no error files are left
-behind.
-
-## Hangs
-
-With a hang timeout $T$, the launcher watches each rank's heartbeat count. A rank
-whose count has not moved for $T$ seconds (after its first beat: loading is not
-watched) has stopped; since the others then wait for it in a collective, they stop
-too, and counts alone cannot tell which one stopped first. So each rank's watchdog
-thread publishes where its main thread is: a rank whose innermost frame is inside
-`torch.distributed` is waiting for a peer, so the rank named is one that is *not*
-waiting, then the one with the fewest beats. $T$ must exceed the longest gap
-between two beats (a validation, a checkpoint save).
-
-## Parent death
-
-A rank never outlives its launcher: on Linux it asks the kernel for `SIGKILL` when
-its parent dies (`prctl(PR_SET_PDEATHSIG)`), and everywhere its watchdog thread
-polls the parent's pid, which changes when the parent is gone.
+after the first failure (`POLL_S`, `REPORT_WINDOW_S`, `GRACE_S` below). A failure
+is told from its echoes by the reports the ranks send (`report`), a hang by their
+heartbeats (`HangWatch`), and no rank outlives the launcher (`die_with_parent`).
 
 ## Limitations
 
@@ -76,10 +47,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# $p$: how often the launcher wakes to read the pipe, the exits and the heartbeats.
 POLL_S = 0.25
-# After the first failure, how long the other ranks get to send their reports.
+# $w$: after the first failure, how long the other ranks get to send their reports.
 REPORT_WINDOW_S = 2.0
-# Between SIGTERM and SIGKILL when the launcher ends the ranks.
+# $g$: between SIGTERM and SIGKILL when the launcher ends the ranks.
 GRACE_S = 5.0
 # Bytes of "file:line in function" each rank publishes about its main thread.
 WHERE_BYTES = 200
@@ -152,7 +124,14 @@ def location(frames: list[tuple[str, int, str]]) -> str:
 
 
 def is_echo(error: BaseException) -> bool:
-    """An error that only reports that another rank failed (see Failure above)."""
+    """
+    An error that only reports that another rank failed, an *echo*.
+
+    Echoes are recognised for the case of two ranks failing together (an
+    agreement between ranks that one failed): `torch.distributed.DistError` (a
+    collective that lost its peer) and errors saying that another rank failed or
+    that the peer closed the connection (`ECHO_SIGNS`).
+    """
     seen = error
     while seen is not None:
         if isinstance(seen, dist.DistError) or any(
@@ -163,7 +142,16 @@ def is_echo(error: BaseException) -> bool:
 
 
 def report(rank: int, error: BaseException) -> dict:
-    """Plain strings only: the exception itself may not pickle."""
+    """
+    ### A rank's report of its own failure
+
+    Each spawned rank catches its own exception and, *before* it closes its
+    connections, writes this report (type, message, the innermost `file:line`
+    outside torch, its traceback) into one pipe shared by all ranks. A peer can
+    only see the failure once those connections close, so the cause is in the
+    pipe before any echo. Nothing is written to disk, so no error files are left
+    behind. Plain strings only: the exception itself may not pickle.
+    """
     frames = [(f.filename, f.lineno or 0, f.name)
               for f in traceback.extract_tb(error.__traceback__)]
     message = " ".join(str(error).split()) or "(no message)"
@@ -179,6 +167,8 @@ def main_thread_where() -> tuple[str, bool]:
     #### Where the main thread is, and whether it waits for a peer
 
     `sys._current_frames` is the documented way to see another thread's stack.
+    A frame inside `torch.distributed` is a wait for a peer; with NCCL the host
+    waits outside it (at `.item()`), so this cannot tell the ranks apart there.
     """
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
@@ -192,6 +182,10 @@ def main_thread_where() -> tuple[str, bool]:
 
 
 # ## Staying tied to the parent
+#
+# A rank never outlives its launcher: on Linux it asks the kernel for `SIGKILL`
+# when its parent dies (`prctl(PR_SET_PDEATHSIG)`), and everywhere its watchdog
+# thread polls the parent's pid, which changes when the parent is gone.
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -302,6 +296,16 @@ class HangWatch:
     """
     ## The launcher's view of the heartbeats
 
+    With a hang timeout $T$, the launcher watches each rank's heartbeat count. A
+    rank whose count has not moved for $T$ seconds (after its first beat: loading
+    is not watched) has stopped; since the others then wait for it in a
+    collective, they stop too, and counts alone cannot tell which one stopped
+    first. So each rank's watchdog thread publishes where its main thread is: a
+    rank whose innermost frame is inside `torch.distributed` is waiting for a
+    peer, so the rank named is one that is *not* waiting, then the one with the
+    fewest beats. $T$ must exceed the longest gap between two beats (a
+    validation, a checkpoint save).
+
     It remembers when it last saw each rank's count move, so no clock is shared.
     """
 
@@ -371,7 +375,13 @@ def shorten(line: str, limit: int = 160) -> str:
 
 
 def cause(reports: dict[int, dict], deaths: dict[int, int]) -> RankFailed | None:
-    """A report that is no echo, else a death, else an echo, in arrival order."""
+    """
+    ### The rank to blame
+
+    The first whose error is not an echo; then a rank that died without a report
+    (a signal, `os._exit`); an echo only if nothing else is known. Within each, in
+    arrival order.
+    """
     firsts = [r for r in reports.values() if not r["echo"]]
     if firsts:
         first = firsts[0]

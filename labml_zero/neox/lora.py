@@ -19,47 +19,10 @@ and trains $r (d_{in} + d_{out})$ numbers instead of $d_{in} d_{out}$: for
 GPT-NeoX's fused QKV projection of width $d$ ($d_{out} = 3d$), $4rd$ instead of
 $3d^2$.
 
-* **The scale $\alpha / r$.** The update $B A x$ is a sum of $r$ terms, so its
-  size grows with $r$; dividing by $r$ keeps it about the same when $r$ changes,
-  and $\alpha$ sets it once, so a learning rate tuned at one rank serves another.
-* **Step 0 is the base model.** $A$ starts random (Kaiming-uniform with
-  $a = \sqrt{5}$, as PEFT does, which is uniform on
-  $\pm 1 / \sqrt{d_{in}}$) and $B$ starts at zero, so $B A = 0$ and the first
-  forward equals the pretrained model's exactly. $B$ still moves, since
-  $\partial \mathcal{L} / \partial B = \frac{\alpha}{r} g\, (A x)^\top$ with
-  $g = \partial \mathcal{L} / \partial y$ is not zero; $A$ follows once $B$ is.
-  (With both zero, neither would ever move.)
-* **Merging.** After training, $W' = W + \frac{\alpha}{r} B A$ is an ordinary
-  weight of the same shape: the merged model runs at the base model's cost and
-  loads anywhere the base model does (see [LoRA export](lora_export.html)).
-
-`FineTuneLoRA` puts adapters on any subset of the four projections of every
-transformer layer (`query_key_value`, `dense`, `dense_h_to_4h`,
-`dense_4h_to_h`, PEFT's names for them) and freezes everything else.
-
-## Memory per rank
-
-The engine packs trainable and frozen parameters into different chunks (see
-[chunk layout](../zero3/chunk_layout.html)). A frozen chunk has only its
-two-byte (bf16 or fp16) shard: no gradient, no fp32 master, no Adam moments. So
-with $\Psi_{base}$ frozen elements (every base weight, the embedding and readout
-included) and $\Psi_{lora}$ adapter elements, the model states of a rank are
-
-$$M = \frac{2\,\Psi_{base} + (2 + 4 + 12)\,\Psi_{lora}}{N_d}$$
-
-bytes (tested: tests/neox/test_lora.py::test_memory_model_matches_the_bytes_held):
-the adapters' two-byte shard, their fp32 gradient shard (4 bytes, the reduce
-dtype's), and `AdamFP16`'s fp32 master and two moments ($K = 4 + 4 + 4$; with
-fp32 chunks the shard is its own master, so $p = 4$ and $K = 4 + 4$). Padding
-costs what the elements of its chunk cost; `lora_model_states` is this formula
-and `sharded_count` counts the padding in.
-
-The adapters are small beside the base: on all four projections a layer has
-$r (4d + 2d + 5d + 5d)$ adapter elements against the $(3 + 1 + 4 + 4) d^2$ of
-its frozen matrices, so their bytes are a share of order $r / d$ of the
-base's; at $r = 8$ it is under a tenth from width $d = 1024$ (tested:
-tests/neox/test_lora.py::test_adapters_cost_under_a_tenth_of_the_base_from_width_1024)
-on. A LoRA fine-tune costs about what holding the two-byte model costs.
+After training, $W' = W + \frac{\alpha}{r} B A$ is an ordinary weight of the
+same shape: the merged model runs at the base model's cost and loads anywhere the
+base model does (see [LoRA export](lora_export.html)). Frozen, the base costs only
+its two-byte shard (the memory per rank is the last section).
 
 ## Limitations
 
@@ -89,7 +52,10 @@ __all__ = ["LoRALinear", "FineTuneLoRA", "TARGETS", "ADAPTER_NAMES",
            "is_adapter", "init_adapter", "load_hf_layer", "base_layer",
            "sharded_count", "lora_model_states"]
 
-# PEFT's name of each target -> its path inside a `TransformerLayer`.
+# `FineTuneLoRA` puts adapters on any subset of the four projections of every
+# transformer layer (`query_key_value`, `dense`, `dense_h_to_4h`, `dense_4h_to_h`,
+# PEFT's names for them) and freezes everything else. PEFT's name of each target
+# -> its path inside a `TransformerLayer`.
 TARGETS = {
     "query_key_value": "attention.query_key_value",
     "dense": "attention.dense",
@@ -131,7 +97,11 @@ class LoRALinear(nn.Linear):
 
     @property
     def scale(self) -> float:
-        r"""$\alpha / r$"""
+        r"""
+        $\alpha / r$. The update $B A x$ is a sum of $r$ terms, so its size grows
+        with $r$; dividing by $r$ keeps it about the same when $r$ changes, and
+        $\alpha$ sets it once, so a learning rate tuned at one rank serves another.
+        """
         return self.alpha / self.rank
 
     @classmethod
@@ -178,6 +148,13 @@ def init_adapter(name: str, param: torch.Tensor) -> None:
     `lora_A`: Kaiming-uniform with $a = \sqrt{5}$ over its fan-in $d_{in}$,
     bound $\sqrt{6 / ((1 + a^2) d_{in})} = 1 / \sqrt{d_{in}}$ (the default
     initialisation of an `nn.Linear` weight); `lora_B`: zero, so that $BA = 0$.
+
+    So step 0 is the base model: the first forward equals the pretrained model's
+    exactly. $B$ still moves, since
+    $\partial \mathcal{L} / \partial B = \frac{\alpha}{r} g\, (A x)^\top$ with
+    $g = \partial \mathcal{L} / \partial y$ is not zero; $A$ follows once $B$ is.
+    (With both zero, neither would ever move.)
+
     In place, under `no_grad`, so it also runs on views into a chunk's buffer.
     """
     with torch.no_grad():
@@ -326,6 +303,28 @@ def load_hf_layer(layer, checkpoint) -> None:
 
 
 # ## Memory
+#
+# The engine packs trainable and frozen parameters into different chunks (see
+# [chunk layout](../zero3/chunk_layout.html)). A frozen chunk has only its
+# two-byte (bf16 or fp16) shard: no gradient, no fp32 master, no Adam moments. So
+# with $\Psi_{base}$ frozen elements (every base weight, the embedding and readout
+# included) and $\Psi_{lora}$ adapter elements, the model states of a rank are
+#
+# $$M = \frac{2\,\Psi_{base} + (2 + 4 + 12)\,\Psi_{lora}}{N_d}$$
+#
+# bytes (tested: tests/neox/test_lora.py::test_memory_model_matches_the_bytes_held):
+# the adapters' two-byte shard, their fp32 gradient shard (4 bytes, the reduce
+# dtype's), and `AdamFP16`'s fp32 master and two moments ($K = 4 + 4 + 4$; with
+# fp32 chunks the shard is its own master, so $p = 4$ and $K = 4 + 4$). Padding
+# costs what the elements of its chunk cost; `lora_model_states` is this formula
+# and `sharded_count` counts the padding in.
+#
+# The adapters are small beside the base: on all four projections a layer has
+# $r (4d + 2d + 5d + 5d)$ adapter elements against the $(3 + 1 + 4 + 4) d^2$ of
+# its frozen matrices, so their bytes are a share of order $r / d$ of the
+# base's; at $r = 8$ it is under a tenth from width $d = 1024$ (tested:
+# tests/neox/test_lora.py::test_adapters_cost_under_a_tenth_of_the_base_from_width_1024)
+# on. A LoRA fine-tune costs about what holding the two-byte model costs.
 
 
 def sharded_count(layers: Sequence) -> TrainableCount:
