@@ -27,38 +27,10 @@ $$k = \left\lfloor \frac{o + a}{S} \right\rfloor, \ldots,
 
 rank $k$ at local positions $[\max(o + a, kS) - kS,\ \min(o + b, (k+1)S) - kS)$.
 `read` copies exactly those slices (`safe_open(...).get_slice`) and concatenates
-them.
-
-A new model, at world size $N'$ and with its own chunk size, puts the same
-parameter at offset $o'$ of a chunk of $C'$ elements, and its rank $r'$ keeps
-$[r'S', (r'+1)S')$ of that chunk. So rank $r'$ asks for
-
-$$[a, b) = [\max(o', r'S') - o',\ \min(o' + n, (r'+1)S') - o')$$
-
-of each parameter that overlaps its shard, for the parameter, the master and
-both moments. Padding needs nothing: it is zero in all four (its gradient is
-zero, so Adam never moves it) and a new shard starts as zeros.
-
-## Note: checks on reading
-
-1. When the reader is built: the manifest (its format and keys), and every
-   listed file's existence and size. Cheap: no file is opened.
-2. When a file is first used: its [digest](digest.html), then its header. A
-   digest that differs is explained when the file says more: a header that does
-   not parse is "corrupted", a header with another save id "belongs to another
-   save", and anything else is a "checksum mismatch".
-3. When a tensor is read: its name, shape and dtype against the manifest.
-
-A rank thus hashes only the files it reads; `verify_files` hashes them all, for
-a check before the job starts.
+them; every file is checked before it is used (see Note: checks on reading).
 
 ## Limitations
 
-* Every file is checked for existence and size when the reader is built, so a
-  rank that needs only its own file still refuses a checkpoint with another
-  rank's file missing (which is the point: it would not resume anyway).
-* Checking a digest reads the whole file once before its slices are read:
-  at the saved world size, one extra sequential read of the rank's own file.
 * A format-1 checkpoint has no digests (see Versions in [the
   format](format.html)): a changed byte in its tensor data is not caught.
 """
@@ -104,6 +76,10 @@ class CheckpointReader:
     Construction reads the manifest and checks that every file is there with
     its recorded size; tensor files are opened (header only) when first read.
     Needs no process group: it also serves offline inspection and conversion.
+
+    Every file is checked for existence and size here, so a rank that needs only
+    its own file still refuses a checkpoint with another rank's file missing
+    (which is the point: it would not resume anyway).
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -177,7 +153,21 @@ class CheckpointReader:
         """
         ### Check one file against its digest, once
 
-        See Note: checks on reading. Does nothing for a format-1
+        #### Note: checks on reading
+
+        1. When the reader is built: the manifest (its format and keys), and
+           every listed file's existence and size. Cheap: no file is opened.
+        2. When a file is first used: its [digest](digest.html), here, then its
+           header. A digest that differs is explained when the file says more: a
+           header that does not parse is "corrupted", a header with another save
+           id "belongs to another save", and anything else is a "checksum
+           mismatch".
+        3. When a tensor is read: its name, shape and dtype against the manifest.
+
+        A rank thus hashes only the files it reads; `verify_files` hashes them
+        all, for a check before the job starts. Checking a digest reads the whole
+        file once before its slices are read: at the saved world size, one extra
+        sequential read of the rank's own file. Does nothing for a format-1
         checkpoint.
         """
         if name in self._verified or name not in self.digests:
@@ -221,12 +211,23 @@ class CheckpointReader:
 
     def read(self, name: str, kind: str = "master", start: int = 0,
              end: int | None = None) -> torch.Tensor:
-        """
+        r"""
         ### Elements `[start, end)` of a saved parameter, flat, on the host
 
         `kind` is `param` (in the saved dtype), `master` (fp32: the saved master,
-        else the parameter), `exp_avg` or `exp_avg_sq`. See "Finding elements"
-        for the arithmetic.
+        else the parameter), `exp_avg` or `exp_avg_sq`; the saved ranks that hold
+        them are the intro's $k$.
+
+        This is all that resharding needs. A new model, at world size $N'$ and
+        with its own chunk size, puts the same parameter at offset $o'$ of a chunk
+        of $C'$ elements, and its rank $r'$ keeps $[r'S', (r'+1)S')$ of that
+        chunk. So rank $r'$ asks for
+
+        $$[a, b) = [\max(o', r'S') - o',\ \min(o' + n, (r'+1)S') - o')$$
+
+        of each parameter that overlaps its shard, for the parameter, the master
+        and both moments. Padding needs nothing: it is zero in all four (its
+        gradient is zero, so Adam never moves it) and a new shard starts as zeros.
         """
         if kind not in ("param", "master", *MOMENTS):
             raise ValueError(f"kind must be param, master, exp_avg or exp_avg_sq, "

@@ -16,45 +16,16 @@ and $K = 3 \cdot 4$ bytes of optimizer state, each rank writes
 $$\frac{(p + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 
 bytes (for fp32, $K = 2 \cdot 4$: the master is the parameter) and the ranks exchange
-nothing but a few flags and their files' digests. What the files hold is
+nothing but a few flags and their files' digests; the checkpoint appears at its
+path complete or not at all (see Note: atomic save). What the files hold is
 [the format](format.html); why those pieces, [what a resume needs](state.html).
 Saving draws from no RNG (its temporary name comes from `secrets`), so the
 states it saves are those the next step would have used.
 
-## Note: atomic save
-
-A crash halfway through a save must never leave at `path` something that loads:
-it would resume from half new, half old (or missing) shards. So, in the steps
-of [atomic files](../../files.html):
-
-1. rank 0 draws a random id and all ranks learn it from an all-reduce; rank 0
-   creates `.<name>.tmp-<id>` next to `path` (same filesystem, so the final
-   rename is atomic);
-2. every rank writes and `fsync`s its files there, then hashes them;
-3. the ranks agree (an all-reduce of failure flags, see [agreement between
-   ranks](agreement.html)) that every write succeeded; if one failed, the
-   directory is deleted and every rank raises;
-4. the digests reach rank 0 through one more all-reduce;
-5. rank 0 writes the manifest *last* (a directory without one is not a
-   checkpoint), `fsync`s it and the directory, then renames the old checkpoint
-   aside to `.<name>.old-<id>`, the new one to `path`, and deletes the old one.
-
-Between the two renames there is briefly *no* checkpoint at `path`, never a
-partial one; a crash just there leaves the old one complete at `.old-<id>`, and
-`load_checkpoint` names it. A crash that kills the process leaves a
-`.<name>.tmp-<id>` directory, which nothing loads and which may be deleted.
-
-## Memory
-
-Nothing on the device; on the host, the rank's shards (copied from the device),
-and about as much again while safetensors builds the file. Hashing streams the
-file in blocks.
-
 ## Limitations
 
 * All ranks must see one filesystem: rank 0 sizes and renames every rank's file.
-* Hashing reads each file once more after it is written (from the page cache,
-  usually), on every rank in parallel.
+* Hashing reads each file once more after it is written (see `write_tensors`).
 """
 
 from __future__ import annotations
@@ -84,6 +55,11 @@ __all__ = ["save_checkpoint"]
 
 
 # ## Writing files
+#
+# Nothing on the device; on the host, the rank's shards (copied from the device),
+# and about as much again while safetensors builds the file. Hashing streams the
+# file in blocks, reading each file once more after it is written (from the page
+# cache, usually), on every rank in parallel.
 
 
 def write_tensors(tensors: dict[str, torch.Tensor], file: Path, *,
@@ -245,7 +221,32 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
 
 def _save_shards(path, model: nn.Module, optimizer, *, extra, rank_extra,
                  meta) -> Path:
-    """The save of one shard group: the steps of Note: atomic save."""
+    """
+    ### The save of one shard group
+
+    #### Note: atomic save
+
+    A crash halfway through a save must never leave at `path` something that loads:
+    it would resume from half new, half old (or missing) shards. So, in the steps
+    of [atomic files](../../files.html):
+
+    1. rank 0 draws a random id and all ranks learn it from an all-reduce; rank 0
+       creates `.<name>.tmp-<id>` next to `path` (same filesystem, so the final
+       rename is atomic);
+    2. every rank writes and `fsync`s its files there, then hashes them;
+    3. the ranks agree (an all-reduce of failure flags, see [agreement between
+       ranks](agreement.html)) that every write succeeded; if one failed, the
+       directory is deleted and every rank raises;
+    4. the digests reach rank 0 through one more all-reduce;
+    5. rank 0 writes the manifest *last* (a directory without one is not a
+       checkpoint), `fsync`s it and the directory, then renames the old checkpoint
+       aside to `.<name>.old-<id>`, the new one to `path`, and deletes the old one.
+
+    Between the two renames there is briefly *no* checkpoint at `path`, never a
+    partial one; a crash just there leaves the old one complete at `.old-<id>`, and
+    `load_checkpoint` names it. A crash that kills the process leaves a
+    `.<name>.tmp-<id>` directory, which nothing loads and which may be deleted.
+    """
     path = Path(path)
     comm: Communicator = model.runtime.comm
     chunks = model.chunks
