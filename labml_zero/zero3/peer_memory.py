@@ -28,27 +28,14 @@ Gathering (and reducing) this way is peer memory. What the copies
 cannot do, agree with the peers, is beside `pull_all_gather`; the reduction
 through the peers' memory beside `push_reduce_scatter_mean`.
 
-## When the copies pay
-
-The copies take no SM from the computation, so the larger the chunk and the
-busier the SMs, the more a gather through peer memory saves the matrix
-products beside it. For small chunks there is no gain: each gather is four
-operations (two barriers and two copies) instead of one kernel, which costs
-host time, and a step bound by the host's time gets slower.
-`bench/peer_gather_probe.py` measures both sides; the figures are on the
-results page.
-
 ## Limitations
 
-* All ranks must be on one host; it is checked when the communicator is built.
-* CUDA's symmetric memory may come from its own allocator, which
-  `torch.cuda.max_memory_allocated` does not count. `PeerBuffer.counted` says
-  whether it does; `Communicator.peer_bytes_uncounted` sums the rest, and the
-  benchmark adds it to the peaks it reports.
+* All ranks must be on one host (`check_one_host`).
+* CUDA's symmetric memory may come from an allocator that
+  `torch.cuda.max_memory_allocated` does not count (see `PeerBuffer`).
 * Shards kept in host memory (`offload_shard`) are gathered by NCCL as before.
 * The reduction workspace holds one chunk's full gradient on every rank, which
-  the [memory model](memory_model.html) does not count; a chunk whose gradients
-  stay bf16 saves as much in its gradient buffer while it is reduced.
+  the [memory model](memory_model.html) does not count.
 * The reduction workspace is sized for the largest chunk reduced so far;
   a larger chunk allocates a new one, and the old one is kept, because
   reductions already queued may still use it.
@@ -100,6 +87,11 @@ class PeerBuffer:
         self.local.zero_()
 
     ### CUDA: symmetric memory
+    #
+    # CUDA's symmetric memory may come from its own allocator, which
+    # `torch.cuda.max_memory_allocated` does not count. `counted` says whether it
+    # does; `Communicator.peer_bytes_uncounted` sums the rest, and the benchmark
+    # adds it to the peaks it reports.
 
     def _open_cuda(self, numel, dtype, device, group) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -178,6 +170,16 @@ def pull_all_gather(full: torch.Tensor, shards: PeerBuffer) -> None:
     On the current stream (the gather stream on a GPU), between two barriers,
     for the reasons below.
 
+    #### When the copies pay
+
+    The copies take no SM from the computation, so the larger the chunk and the
+    busier the SMs, the more a gather through peer memory saves the matrix
+    products beside it. For small chunks there is no gain: each gather is four
+    operations (two barriers and two copies) instead of one kernel, which costs
+    host time, and a step bound by the host's time gets slower.
+    `bench/peer_gather_probe.py` measures both sides; the figures are on the
+    results page.
+
     #### What the copies cannot do: agree with the peers
 
     A collective synchronises the ranks by itself. Plain copies do not, so each
@@ -232,6 +234,10 @@ def push_reduce_scatter_mean(shard: torch.Tensor, full: torch.Tensor,
     previous average on the same stream, so once all ranks have passed it, none
     still reads its workspace, and the copies may overwrite it. No barrier is
     needed after the average; the next reduction's first one covers it.
+
+    The workspace holds one chunk's full gradient on every rank, which the
+    [memory model](memory_model.html) does not count; a chunk whose gradients
+    stay bf16 saves as much in its gradient buffer while it is reduced.
     """
     size, world, rank = shard.numel(), workspace.world_size, workspace.rank
 
@@ -257,7 +263,10 @@ def new_run_name(group) -> str:
 
 
 def check_one_host(group) -> None:
-    """Peer memory needs every rank on one host: a one-line error otherwise."""
+    """
+    Peer memory needs every rank on one host: a one-line error otherwise, when
+    the communicator is built.
+    """
     hosts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
     if len(set(hosts)) > 1:
