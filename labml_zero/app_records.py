@@ -14,32 +14,15 @@ values with a key such as `Run:<uuid>`. `labml_db` turns a model into text with 
 `labml_db`'s file driver, one file per record under `models/<Model>/` and one JSON
 file per index under `indexes/`. This page is what it plugs in: a serializer
 that writes JSON, that driver with clearer errors, and their registration for
-every model labml-app has.
-
-## Note: records are JSON
-
-labml-app pickles its records, and unpickling runs whatever the file names: a
-record someone else placed in the data directory would run their code here as
-soon as a page listed runs. We store records as JSON, which decodes only to data,
-and never unpickle anything. `*.pkl` files left by the earlier pickle storage are
-counted, so the app can say it ignores them, and never opened.
-
-`labml_db`'s own JSON serializer cannot hold the numpy arrays (a series' steps and
-values) and sets (a folder's runs) in labml-app's records, so `encode` writes
-those, and the few other types labml-app keeps, as *tagged* objects: a dict with
-one key, the tag, that names the type. `decode` builds only the six types the
-tags name, and an array only of a numeric dtype; anything else in a file decodes
-to dicts, lists, strings, numbers, booleans and `None`.
+every model labml-app has. No record is ever unpickled (see Note: records are
+JSON).
 
 ## Limitations
 
 * One writer: the file drivers keep each index in memory and rewrite its file on
   every change, which is only safe with a single process on a data directory.
-* A data directory written by the earlier pickle storage is not read: unpickling
-  it is what this storage exists to avoid.
-* A labml-app version that keeps another type in a record (a `datetime`, say)
-  fails on that record's first write with a `TypeError` naming the type; the
-  file keeps what it held before.
+* A data directory written by the earlier pickle storage is not read.
+* A record of a type `encode` does not know fails on its first write.
 """
 
 import base64
@@ -52,6 +35,21 @@ import numpy as np
 __all__ = ["RecordError", "encode", "decode", "record_classes", "init_file_db",
            "ignored_pickles"]
 
+# ## Note: records are JSON
+#
+# labml-app pickles its records, and unpickling runs whatever the file names: a
+# record someone else placed in the data directory would run their code here as
+# soon as a page listed runs. We store records as JSON, which decodes only to data,
+# and never unpickle anything. `*.pkl` files left by the earlier pickle storage are
+# counted, so the app can say it ignores them, and never opened.
+#
+# `labml_db`'s own JSON serializer cannot hold the numpy arrays (a series' steps and
+# values) and sets (a folder's runs) in labml-app's records, so `encode` writes
+# those, and the few other types labml-app keeps, as *tagged* objects: a dict with
+# one key, the tag, that names the type. `decode` builds only the six types the
+# tags name, and an array only of a numeric dtype; anything else in a file decodes
+# to dicts, lists, strings, numbers, booleans and `None`.
+#
 # The one-key objects that stand for what JSON has no type for.
 TAGS = ("__ndarray__", "__set__", "__tuple__", "__bytes__", "__key__", "__dict__")
 # bool, signed and unsigned integers, floats, complex: bytes that are only numbers.
@@ -105,6 +103,9 @@ def encode(value):
         if plain:
             return {k: encode(v) for k, v in value.items()}
         return {"__dict__": [[encode(k), encode(v)] for k, v in value.items()]}
+    # A labml-app version that keeps another type in a record (a `datetime`, say)
+    # fails on that record's first write with this `TypeError` naming the type;
+    # the file keeps what it held before (see `RecordDriver.save_dict`).
     raise TypeError(f"cannot store a {type(value).__name__} as JSON")
 
 
@@ -226,5 +227,8 @@ def init_file_db(data_dir: Path) -> None:
 
 
 def ignored_pickles(data_dir: Path) -> int:
-    """How many `*.pkl` records an older version of this app left; never opened."""
+    """
+    How many `*.pkl` records an older version of this app left; never opened:
+    unpickling them is what this storage exists to avoid.
+    """
     return sum(1 for _ in (data_dir / "models").glob("*/*.pkl"))
