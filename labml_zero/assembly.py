@@ -13,32 +13,15 @@ the order matters: what trains must be known before the chunks are cut (a chunk 
 trainable or frozen, never both), the chunks must exist before anyone can decide
 where they live, and the optimizer can only be built once that is decided, because
 it allocates its fp32 masters and moments on the device or the host according to
-the placement. `assemble` is that order written once, as numbered steps:
-
-1. **mark**: the fine-tuner sets `requires_grad` on the layers, still on the meta
-   device (shapes, no memory);
-2. **shard**: `zero3_layers` cuts the layers into chunks of one size and gives
-   each rank its $\frac{1}{N_d}$ slice, initialising (or loading) one chunk or one
-   layer at a time, so that no rank ever holds the whole model;
-3. **compile** the chosen layer types' forwards (the engine's hooks stay eager);
-4. **place**: decide which chunks keep their optimizer state (and parameter
-   shards) in host memory, and apply that, in one place: a static fraction from
-   the output end, or `'auto'`, decided from one measured forward and backward;
-5. **optimizer**: `AdamFP16` on the trainable shards, told which are offloaded;
-6. **wire** the optimizer's gradient-ready callback to the runtime, so that each
-   shard's update (or its copy down to the host) starts as its chunk is reduced.
-
-The result is an `Assembled`: the model, the optimizer, the parameter counts and
-what the placement step decided, which the benchmark reports and the fine-tune's
-tracker records; with `'auto'` rank 0 prints the decision ([its
-report](zero3/placement_report.html)).
+the placement. `assemble` is that order written once, as six numbered steps
+beside its code: **mark** what trains, **shard**, **compile**, **place**, build
+the **optimizer**, and **wire** it to the gradients.
 
 ## Limitations
 
 * The layers come in on the meta device, already built; loading pretrained
-  weights is the caller's `load` callback, run right after sharding.
-* `'auto'` needs a device with allocator statistics (CUDA), or the caller's
-  stand-in for them (`AutoLimits`), as the benchmark's CPU smoke test gives.
+  weights is the caller's `load` callback.
+* `'auto'` needs allocator statistics (CUDA) or a stand-in (`AutoLimits`).
 """
 
 from __future__ import annotations
@@ -136,6 +119,10 @@ class Assembled(NamedTuple):
     r"""
     ## What `assemble` returns
 
+    The benchmark reports it and the fine-tune's tracker records it; with
+    `'auto'` rank 0 prints the decision ([its
+    report](zero3/placement_report.html)).
+
     * `model`: the `Zero3Sequential` of the sharded layers; its `layout`, one
       for the whole model with a group per layer, feeds the memory model;
     * `layers`: those `Zero3Layer`s, in order;
@@ -167,20 +154,25 @@ def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
     * `layers`: the model's layers on the meta device, input end first;
     * `init_param(name, param)`: the per-parameter initialiser, run chunk by
       chunk; `None`: each layer's `reset_parameters()`, one layer at a time;
-    * `load(sharded)`: copies pretrained weights into the shards;
+    * `load(sharded)`: copies pretrained weights into the shards, right after
+      sharding;
     * `probe(model)`: one forward and backward, for `'auto'`;
     * `auto_limits(shards)`: the allocator's stand-in for `'auto'` off a GPU.
     """
     if recipe.free_grads and not recipe.update_during_backward:
         raise ValueError("Recipe.free_grads needs update_during_backward=True")
-    # 1. mark: `requires_grad` decides trainable against frozen chunks, so it
-    # must be set before the layout is cut.
+    # 1. **mark**: the fine-tuner sets `requires_grad` on the layers, still on the
+    # meta device (shapes, no memory). It decides trainable against frozen chunks,
+    # so it must be set before the layout is cut.
     tuner = (finetuner(recipe.finetune) if isinstance(recipe.finetune, str)
              else recipe.finetune)
     counts = tuner(layers)
 
-    # 2. shard: every rank seeds alike and visits the chunks in the same order,
-    # so all draw the same weights and each keeps only its slice of them.
+    # 2. **shard**: `zero3_layers` cuts the layers into chunks of one size and
+    # gives each rank its $\frac{1}{N_d}$ slice, initialising (or loading) one
+    # chunk or one layer at a time, so that no rank ever holds the whole model.
+    # Every rank seeds alike and visits the chunks in the same order, so all draw
+    # the same weights and each keeps only its slice of them.
     seeded = contextlib.nullcontext()
     if recipe.seed is not None:
         seeded = torch.random.fork_rng(
@@ -191,27 +183,33 @@ def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
         sharded = zero3_layers(layers, device=device, config=recipe.zero,
                                init_param=init_param)
 
-    # 3. compile the chosen layers' forwards; the engine's hooks stay eager.
+    # 3. **compile** the chosen layer types' forwards; the engine's hooks stay
+    # eager.
     if recipe.compile_types:
         compile_layers(sharded, device=device, types=recipe.compile_types)
     if load is not None:
         load(sharded)
     model = Zero3Sequential(sharded)
 
-    # 4. place, before the optimizer exists: it allocates its states where the
-    # placement says.
+    # 4. **place**: decide which chunks keep their optimizer state (and parameter
+    # shards) in host memory, and apply that, in one place: a static fraction from
+    # the output end, or `'auto'`, decided from one measured forward and backward.
+    # Before the optimizer exists: it allocates its fp32 masters and moments
+    # where the placement says.
     placement, decided = place(model, recipe, probe, auto_limits)
     offload = (frozenset() if placement is None
                else placement.optimizer_offload(shard_specs(model)))
 
-    # 5. the optimizer on the trainable shards.
+    # 5. **optimizer**: `AdamFP16` on the trainable shards, told which are
+    # offloaded.
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=recipe.lr,
                          weight_decay=recipe.weight_decay, offload=offload,
                          update_during_backward=recipe.update_during_backward,
                          free_grads=recipe.free_grads)
 
-    # 6. wire: as each chunk is reduced, an offloaded gradient starts its copy
-    # to the host and (with `update_during_backward`) its shard's update.
+    # 6. **wire** the optimizer's gradient-ready callback to the runtime: as each
+    # chunk is reduced, an offloaded gradient starts its copy to the host and
+    # (with `update_during_backward`) its shard's update.
     model.runtime.on_grad_ready(optimizer.grad_ready)
     return Assembled(model, sharded, optimizer, counts, placement, decided)
 
@@ -243,7 +241,9 @@ def place(model: Zero3Sequential, recipe: Recipe,
 
     Static: `StaticPlacement` from the output end. `'auto'`: `probe` runs one
     forward and backward whose peak `first_step_placement` measures, then the
-    fewest optimizer states that make the step fit go to the host.
+    fewest optimizer states that make the step fit go to the host. `'auto'`
+    needs a device with allocator statistics (CUDA), or the caller's stand-in
+    for them (`AutoLimits`), as the benchmark's CPU smoke test gives.
     """
     if recipe.offload_optimizer == "auto":
         if probe is None:
