@@ -18,29 +18,8 @@ is [the fine-tune page](neox/finetune.html); this page turns flags into a
 * **torchrun**: when `RANK`, `WORLD_SIZE` and `LOCAL_RANK` are set, this process
   is one rank and joins the others (`launch.run_torchrun`).
 
-## Flags
-
-Every flag is a field of [`FinetuneConfig`](neox/finetune_config.html), generated
-from it: `seq_len: int = 64` is `--seq-len N`, its type from the annotation
-(integers at least 1 unless the field allows 0, numbers finite), its help the
-field's note and its default, so a setting is written once, in the dataclass.
-`--world-size` is the one flag of the launcher's own.
-
-Everything is checked before a process starts, so a typo costs no start-up: a
-bad flag or value, and then everything [the pre-flight
-checks](neox/preflight.html) find on this host (outputs not writable or without
-room for a checkpoint, a snapshot whose `config.json` and tensors disagree, a
-`--resume` that this run cannot continue), prints one line on stderr and exits
-with status 2.
-
-## Failure
-
-If any rank raises, dies or hangs, [the launcher](launch.html) ends the others
-and this process prints the failing rank's traceback and, last, one line saying
-which rank failed and why; the exit status is 1. SIGINT or SIGTERM prints
-`interrupted` and exits with the shell's status for that signal. Under
-torchrun, each rank prints its own traceback and cause, and torchrun ends the
-others.
+Every flag is generated from a field of the config, everything is checked before
+a process starts, and a failure ends in one line naming the rank and its cause.
 
 ## Limitations
 
@@ -70,6 +49,7 @@ from labml_zero import launch
 from labml_zero.neox.finetune import FinetuneConfig, train
 from labml_zero.neox.preflight import PreflightError, preflight
 
+# What every message of this command starts with, as the user typed it.
 PROG = "python -m labml_zero.finetune_neox"
 
 
@@ -143,6 +123,12 @@ SYMBOLS = {r"\cdot": "·", r"\times": "×", r"\lfloor": "⌊", r"\rfloor": "⌋"
 
 
 # ## Flags from the config's fields
+#
+# Every flag is a field of [`FinetuneConfig`](neox/finetune_config.html),
+# generated from it: `seq_len: int = 64` is `--seq-len N`, its type from the
+# annotation (integers at least 1 unless the field allows 0, numbers finite), its
+# help the field's note and its default, so a setting is written once, in the
+# dataclass. `--world-size` is the one flag of the launcher's own.
 
 
 def field_notes(cls: type) -> dict[str, str]:
@@ -296,7 +282,12 @@ def check_before_start(config: FinetuneConfig, parser: Parser, *,
     """
     ### The pre-flight checks, as one line and status 2
 
-    See [checks before any rank starts](neox/preflight.html).
+    Everything is checked before a process starts, so a typo costs no start-up:
+    a bad flag or value (`parse_config`), and then everything [the pre-flight
+    checks](neox/preflight.html) find on this host (outputs not writable or
+    without room for a checkpoint, a snapshot whose `config.json` and tensors
+    disagree, a `--resume` that this run cannot continue), prints one line on
+    stderr and exits with status 2.
     """
     device = torch.device("cuda" if backend == "nccl" else "cpu")
     try:
@@ -308,6 +299,13 @@ def check_before_start(config: FinetuneConfig, parser: Parser, *,
 def main(argv: Sequence[str] | None = None) -> int:
     """
     ## Parse, check, launch; returns the exit status
+
+    If any rank raises, dies or hangs, [the launcher](launch.html) ends the others
+    and this process prints the failing rank's traceback and, last, one line
+    saying which rank failed and why; the exit status is 1. SIGINT or SIGTERM
+    prints `interrupted` and exits with the shell's status for that signal. Under
+    torchrun, each rank prints its own traceback and cause, and torchrun ends the
+    others.
     """
     parser = make_parser()
     config, world_size = parse_config(argv, parser)
