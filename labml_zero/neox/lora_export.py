@@ -13,39 +13,14 @@ weight,
 
 $$W' = W + \frac{\alpha}{r} B A,$$
 
-a matrix of $W$'s shape, so the result is an ordinary model again:
-
-* **The merged model**: every adapted weight replaced by $W'$, written as a
-  Hugging Face GPT-NeoX checkpoint by [`save_hf_checkpoint`](checkpoint.html).
-  It loads with `GPTNeoXForCausalLM.from_pretrained` and runs at the base
-  model's cost.
-* **The adapter alone**, in PEFT's format: `adapter_config.json` (rank,
-  $\alpha$, target module names) and `adapter_model.safetensors` with only the
-  $A$ and $B$ matrices ($\Psi_{lora}$ numbers, not $\Psi$), which
-  `PeftModel.from_pretrained(base_model, directory)` puts back on the base model.
-  PEFT names each matrix after the module it adapts, under its wrapper's
-  prefix: our `attention.query_key_value.lora_A` of layer $i$ is
-  `base_model.model.gpt_neox.layers.`$i$`.attention.query_key_value.lora_A.weight`.
-
-Both are collectives: every rank calls them, and the tensors come to rank 0
-[one chunk at a time](../zero3/checkpoint/export.html), from the fp32 master
-when the optimizer is given (the values training would continue from). The
-adapter export gathers only the trainable chunks, since they hold every
-adapter and nothing else.
-
-## Merging in order
-
-The chunks of a layer arrive in layout order, and a layer's frozen chunk (with
-$W$) may come before or after its trainable one (with $A$ and $B$). So `merged`
-holds each adapted $W$ until its $A$ and $B$ have arrived, and each $A$, $B$
-until its $W$ has: at most one layer on the host. The product is taken in fp32
-and the sum is rounded once, to $W$'s dtype (or the export's `dtype`).
+a matrix of $W$'s shape, so the result is an ordinary model again: **the merged
+model**, every adapted weight replaced by $W'$. The second is **the adapter
+alone**, in PEFT's format.
 
 ## Limitations
 
-* In a bf16 or fp16 merged checkpoint $\frac{\alpha}{r} B A$ is rounded to $W$'s
-  precision: an update smaller than half a unit in the last place of $W$ is
-  lost. Export in fp32 (`dtype=torch.float32`) to keep it exactly.
+* In a bf16 or fp16 merged checkpoint an update smaller than half a unit in the
+  last place of $W$ is lost (see `merged`).
 * The adapter file has no `README.md` model card, which PEFT writes and does
   not need.
 """
@@ -70,6 +45,7 @@ from labml_zero.zero3.checkpoint import export_full_state_dict, prefix_rename
 __all__ = ["merged", "save_merged_checkpoint", "peft_adapter_config",
            "peft_name", "save_peft_adapter", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
 
+# The two files of an adapter directory, by the names PEFT loads.
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # PEFT's prefix for the wrapped model's modules (`PeftModel.base_model.model`).
@@ -91,7 +67,18 @@ def merged(tensors: Iterable[tuple[str, torch.Tensor]], lora: FineTuneLoRA, *,
 
     `tensors` yields `(hf_name, tensor)` of a model with adapters; the result
     has the base model's names only, each adapted `weight` replaced by
-    $W + \frac{\alpha}{r} B A$ (see "Merging in order").
+    $W + \frac{\alpha}{r} B A$.
+
+    #### Merging in order
+
+    The chunks of a layer arrive in layout order, and a layer's frozen chunk
+    (with $W$) may come before or after its trainable one (with $A$ and $B$). So
+    this holds each adapted $W$ until its $A$ and $B$ have arrived, and each $A$,
+    $B$ until its $W$ has: at most one layer on the host. The product is taken in
+    fp32 and the sum is rounded once, to $W$'s dtype (or the export's `dtype`).
+    In a bf16 or fp16 merged checkpoint $\frac{\alpha}{r} B A$ is thus rounded to
+    $W$'s precision: an update smaller than half a unit in the last place of $W$
+    is lost. Export in fp32 (`dtype=torch.float32`) to keep it exactly.
     """
     adapted = tuple("." + path for path in lora.paths())
     # module name -> {"weight" | "lora_A" | "lora_B": tensor}
@@ -129,6 +116,13 @@ def save_merged_checkpoint(out_dir: str | os.PathLike, model, lora: FineTuneLoRA
     layers with adapters); rank 0 writes `out_dir` and returns it, the others
     return `None`. `config` is the model's shape (for `config.json`); `dtype`
     casts every tensor (the merge itself is computed in higher precision).
+
+    The checkpoint is written by [`save_hf_checkpoint`](checkpoint.html); it
+    loads with `GPTNeoXForCausalLM.from_pretrained` and runs at the base model's
+    cost. Like the adapter export this is a collective: every rank calls it, and
+    the tensors come to rank 0 [one chunk at a
+    time](../zero3/checkpoint/export.html), from the fp32 master when the
+    optimizer is given (the values training would continue from).
     """
     def write(tensors: Iterator[tuple[str, torch.Tensor]]) -> Path:
         return save_hf_checkpoint(out_dir, config,
@@ -139,6 +133,13 @@ def save_merged_checkpoint(out_dir: str | os.PathLike, model, lora: FineTuneLoRA
 
 
 # ## The PEFT adapter
+#
+# `adapter_config.json` (rank, $\alpha$, target module names) and
+# `adapter_model.safetensors` with only the $A$ and $B$ matrices ($\Psi_{lora}$
+# numbers, not $\Psi$), which `PeftModel.from_pretrained(base_model, directory)`
+# puts back on the base model. PEFT names each matrix after the module it adapts,
+# under its wrapper's prefix: our `attention.query_key_value.lora_A` of layer $i$
+# is `base_model.model.gpt_neox.layers.`$i$`.attention.query_key_value.lora_A.weight`.
 
 
 def peft_name(hf_name: str) -> str:
@@ -202,7 +203,8 @@ def save_peft_adapter(out_dir: str | os.PathLike, model, lora: FineTuneLoRA,
     Called by every rank of the sharded `model`; rank 0 writes `out_dir`
     (atomically, see `write_adapter_dir`) and returns it, the
     others return `None`. The matrices are written in the dtype they are
-    gathered in: fp32 from the optimizer's masters.
+    gathered in: fp32 from the optimizer's masters. Only the trainable chunks
+    are gathered, since they hold every adapter and nothing else.
     """
     layers = [layer.module for layer in model.layers
               if isinstance(layer.module, TransformerLayer)]
