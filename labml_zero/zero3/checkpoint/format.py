@@ -24,35 +24,6 @@ bytes, so a reader maps the file and copies out a slice of one tensor without
 reading the rest, and loading runs no pickled code. The `.pt` files hold small
 Python values; they are loaded with `weights_only=True`, which runs no code
 either.
-
-## The manifest
-
-The {{term: manifest}} lists every chunk: its size $C$, dtype, whether it is
-trainable, its optimizer step, and its parameters with qualified name, shape and
-offset. It
-records every file with its size in bytes (`files`) and its
-{{term: digest}}, its SHA-256 ([checked before use](digest.html), `digests`).
-It carries
-
-* a *fingerprint*, a hash of the sorted `(name, shape)` pairs, so a checkpoint
-  of another model is refused before anything is read;
-* a *save id* that every shard file repeats in its header, so a stray file from
-  another save is refused too;
-* `meta`: small JSON values the job chose to record (its step, batch size,
-  seed), which a launcher reads [before any process starts](preflight.html).
-
-`master` is written only when it is not the parameter itself: for a bf16/fp16 chunk
-with an optimizer state, or whose exact fp32 initial weights the engine kept
-(`master_init`, before the first step). For fp32 chunks the parameter *is* the
-master. Frozen chunks have only `param`.
-
-## Versions
-
-Format 2 added `digests` and `meta`. A format-1 checkpoint (written before
-digests existed) still loads, with its sizes and headers checked but no digest:
-refusing it would strand every checkpoint written so far, and its files are no
-less trustworthy than they were when it was written. A format-2 manifest without
-`digests` is refused as corrupted.
 """
 
 from __future__ import annotations
@@ -64,10 +35,36 @@ import torch
 
 __all__ = ["CheckpointError", "FORMAT", "MANIFEST"]
 
+# ## The manifest
+#
+# The {{term: manifest}} lists every chunk: its size $C$, dtype, whether it is
+# trainable, its optimizer step, and its parameters with qualified name, shape and
+# offset. It
+# records every file with its size in bytes (`files`) and its
+# {{term: digest}}, its SHA-256 ([checked before use](digest.html), `digests`).
+# It carries
+#
+# * a *fingerprint*, a hash of the sorted `(name, shape)` pairs, so a checkpoint
+#   of another model is refused before anything is read;
+# * a *save id* that every shard file repeats in its header, so a stray file from
+#   another save is refused too;
+# * `meta`: small JSON values the job chose to record (its step, batch size,
+#   seed), which a launcher reads [before any process starts](preflight.html).
+#
+# `master` is written only when it is not the parameter itself: for a bf16/fp16 chunk
+# with an optimizer state, or whose exact fp32 initial weights the engine kept
+# (`master_init`, before the first step). For fp32 chunks the parameter *is* the
+# master. Frozen chunks have only `param`.
 FORMAT = "labml_zero.zero3.checkpoint/2"
 """What `save_checkpoint` writes."""
 FORMAT_1 = "labml_zero.zero3.checkpoint/1"
-"""Before digests: still read, with no digest to check (see Versions)."""
+"""
+Before digests: still read, with no digest to check. Format 2 added `digests` and
+`meta`. A format-1 checkpoint still loads, with its sizes and headers checked but
+no digest: refusing it would strand every checkpoint written so far, and its files
+are no less trustworthy than they were when it was written. A format-2 manifest
+without `digests` is refused as corrupted.
+"""
 MANIFEST = "manifest.json"
 EXTRA = "extra.pt"
 MOMENTS = ("exp_avg", "exp_avg_sq")

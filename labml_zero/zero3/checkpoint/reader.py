@@ -31,7 +31,7 @@ them; every file is checked before it is used (see Note: checks on reading).
 
 ## Limitations
 
-* A format-1 checkpoint has no digests (see Versions in [the
+* A format-1 checkpoint has no digests (see `FORMAT_1` in [the
   format](format.html)): a changed byte in its tensor data is not caught.
 """
 
