@@ -8,14 +8,7 @@ summary: Check that a labml app answers before labml's web-API writer is switche
 # Sending a run to the labml app, only when it is there
 
 labml's client sends a run's configs, status and tracked series to the
-[labml app](app.html) over HTTP. It learns where from one setting, `app_url`
-(`.labml.yaml`'s `app_url:`, `labml.lab.configure({'app_url': ...})` or the
-environment variable `labml_app_url`), and turns it into
-`{app_url}track?run_uuid=...&labml_version=...`. So `app_url` is a base URL that ends
-in a path segment and has no `?`; for our app it is
-`http://127.0.0.1:5005/api/v1/default/`, where `default` is the project token the
-app files runs under.
-
+[labml app](app.html) over HTTP, at one setting, `app_url` (see `check_app_url`).
 labml's sender is a non-daemon thread that retries a failed request forever; before
 retry $r$ it sleeps $10 r$ seconds
 (tested: tests/test_app.py::test_labmls_sender_retries_forever_10r_seconds_apart).
@@ -36,11 +29,6 @@ if url is not None:
 experiment.create(name="run", writers=writers)
 ```
 
-A distributed run is one run in the app when every rank calls `experiment.create`
-with the same `uuid` and its own `distributed_rank` and `distributed_world_size`:
-the app files rank $r > 0$ as `{uuid}_{r}` and merges the ranks' series on the page
-of `{uuid}`.
-
 This file imports nothing beyond the standard library, so the core install (without
 the `app` extra) can call it.
 
@@ -48,8 +36,7 @@ the `app` extra) can call it.
 
 * The probe happens once, before the run. An app that stops answering in the
   middle of a run still leaves labml's sender retrying when the run ends.
-* Any labml app answers the probe the same way (a JSON body from its API), ours or
-  one with MongoDB; a different server that happens to return JSON there would pass.
+* A server that is not a labml app but answers the probe with JSON would pass.
 """
 
 import json
@@ -67,6 +54,14 @@ DEFAULT_APP_URL = "http://127.0.0.1:5005/api/v1/default/"
 def check_app_url(url: str) -> str:
     """
     ### Check the shape of an app URL
+
+    labml learns where to send from `app_url` (`.labml.yaml`'s `app_url:`,
+    `labml.lab.configure({'app_url': ...})` or the environment variable
+    `labml_app_url`), and turns it into
+    `{app_url}track?run_uuid=...&labml_version=...`. So `app_url` is a base URL
+    that ends in a path segment and has no `?`; for our app it is
+    `DEFAULT_APP_URL`, where `default` is the project token the app files runs
+    under.
 
     Returns it with a trailing `/`, the form labml appends `track?` to. A wrong URL
     is a `ValueError` naming what is wrong, before any request is made.
@@ -99,7 +94,8 @@ def app_url_if_running(url: str, *, timeout_s: float = 2.0) -> str | None:
     (tested: tests/test_app.py::test_the_app_answers_the_probe_with_404_and_json)
     and the JSON body `{}`, and creates nothing, unlike a `POST .../track`, which
     would make a run and which the app answers only after a 3 s pause. Anything
-    else (refused, timed out, HTML, a server error) means no app.
+    else (refused, timed out, HTML, a server error) means no app. Any labml app
+    answers the same way, ours or one with MongoDB.
     """
     url = check_app_url(url)
     if timeout_s <= 0:
@@ -134,5 +130,10 @@ def labml_app_settings(url: str) -> dict:
     `app_url` is what the `app` writer sends to. `app_open_browser` is off: labml
     would open a browser tab on the run's page from the main rank when the app
     first answers, which on a headless or remote machine does nothing useful.
+
+    A distributed run is one run in the app when every rank calls
+    `experiment.create` with the same `uuid` and its own `distributed_rank` and
+    `distributed_world_size`: the app files rank $r > 0$ as `{uuid}_{r}` and
+    merges the ranks' series on the page of `{uuid}`.
     """
     return {"app_url": check_app_url(url), "app_open_browser": False}

@@ -17,26 +17,13 @@ resume is bit-exact at the saved world size (see [what a resume
 needs](state.html)); at another one the next steps differ only by the order in
 which gradients are summed over ranks.
 
-The load is in three phases:
-
-1. every rank reads the manifest, checks the model's fingerprint and every file
-   it needs (size, digest, header), and reads its new shards into host memory;
-2. the ranks agree ([agreement between ranks](agreement.html)) that all of them
-   succeeded; until then nothing in the model or the optimizer has changed;
-3. the shards, masters and moments are copied in, the optimizer's
-   hyperparameters restored, and, at the saved world size, the RNG states.
-
-## Memory
-
-On the host, the new shards, masters and moments, read slice by slice; on the
-device the new masters and moments replace the old ones.
+The load is in three phases (see `load_checkpoint`), and nothing changes until
+every rank has read everything it needs.
 
 ## Limitations
 
-* RNG states and `rank_extra` are restored only at the saved world size: at
-  another one there is no rank they belong to.
-* A chunk of the new layout must hold parameters saved at one optimizer step
-  (AdamFP16 keeps one step per shard); otherwise load without the optimizer.
+* RNG states and `rank_extra` are restored only at the saved world size.
+* A chunk of the new layout must hold parameters saved at one optimizer step.
 """
 
 from __future__ import annotations
@@ -89,6 +76,9 @@ class ShardState:
 
 
 # ## Reading a new shard
+#
+# On the host, the new shards, masters and moments, read slice by slice; on the
+# device the new masters and moments replace the old ones.
 
 
 def shard_overlaps(chunk: Chunk) -> Iterator[tuple[str, int, int, int]]:
@@ -106,7 +96,12 @@ def shard_overlaps(chunk: Chunk) -> Iterator[tuple[str, int, int, int]]:
 
 
 def read_shard(reader: CheckpointReader, chunk: Chunk, with_state: bool) -> ShardState:
-    """### Fill one chunk's new shard from the old ranks' files"""
+    """
+    ### Fill one chunk's new shard from the old ranks' files
+
+    A chunk of the new layout must hold parameters saved at one optimizer step
+    (AdamFP16 keeps one step per shard); otherwise load without the optimizer.
+    """
     overlaps = list(shard_overlaps(chunk))
     # [S] chunk dtype; zeros, so padding stays zero
     param = torch.zeros(chunk.shard_numel, dtype=chunk.dtype)
@@ -205,8 +200,16 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
     ## Load a sharded checkpoint, at any world size
 
     Called by every rank, between steps, on a model built like the saved one (the
-    same parameter names and shapes; any world size and chunk size). The three
-    phases are the introduction's.
+    same parameter names and shapes; any world size and chunk size).
+
+    The load is in three phases:
+
+    1. every rank reads the manifest, checks the model's fingerprint and every file
+       it needs (size, digest, header), and reads its new shards into host memory;
+    2. the ranks agree ([agreement between ranks](agreement.html)) that all of them
+       succeeded; until then nothing in the model or the optimizer has changed;
+    3. the shards, masters and moments are copied in, the optimizer's
+       hyperparameters restored, and, at the saved world size, the RNG states.
     """
     comm: Communicator = model.runtime.comm
     chunks = model.chunks
@@ -244,6 +247,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
     groups = reader.manifest["param_groups"]
     if optimizer is not None and groups is not None:
         restore_groups(optimizer, groups)
+    # RNG states and `rank_extra` are restored only at the saved world size: at
+    # another one there is no rank they belong to.
     rank_state = small.get("rank")
     if rank_state is not None and restore_rng:
         set_rng_state(rank_state["rng"], comm.device)
