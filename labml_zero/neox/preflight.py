@@ -10,32 +10,17 @@ summary: Everything about a fine-tune that can be checked on the launcher's host
 A mistake found by a rank costs the start-up of every rank (minutes on a large
 model) and reaches the user as a traceback of another process; found after
 $N$ steps, it costs the steps too. So before [the launcher](../finetune_neox.html)
-spawns anything, `preflight` checks, on this host and with no process group:
-
-1. **outputs**: `out` and `log_dir` are directories (or can be made) that this
-   user can write, and `out` has room for one checkpoint when the job writes
-   any: about $p\Psi + K\Psi_t$ bytes (`checkpoint_bytes`), from the model's
-   shapes on the meta device (no memory);
-2. **the Hugging Face snapshot** (`checkpoint`): the [checkpoint
-   loader's](checkpoint.html) `check_hf_snapshot`: `config.json` is a JSON
-   object that describes a GPT-NeoX, and every tensor the model needs is in the
-   safetensors headers with the shape the config implies (headers only: no
-   weights are read);
-3. **the checkpoint to resume**: the [checkpoint
-   package's](../zero3/checkpoint/preflight.html) `check_resumable` (a
-   complete checkpoint of this model: the same parameter names and shapes),
-   then written by this job at the same batch size, seed and world size (the
-   data order depends on all three), and one that leaves steps to train.
+spawns anything, `preflight` checks, on this host and with no process group,
+the outputs, the Hugging Face snapshot and the checkpoint to resume (each
+beside its lines in `preflight`).
 
 Each failure is a `PreflightError` whose message names the file or the setting;
 the command line prints it as one line and exits with status 2.
 
 ## Limitations
 
-* A filesystem can fill up between this check and the save; the save itself
-  then fails, and leaves the previous checkpoint in place.
-* Resuming at another world size is refused although the shards could be
-  resharded: the data sampler's order depends on the world size.
+* A filesystem can fill up between this check and the save.
+* Resuming at another world size is refused (see `check_resume`).
 """
 
 from __future__ import annotations
@@ -122,7 +107,9 @@ def check_resume(path: Path, layers: list[nn.Module], config, world_size: int
     `check_resumable` reads the manifest, checks every file's size and the
     model's parameter names and shapes (`layers` on the meta device); then the
     small `extra` state must hold the step and a sampler of the same batch size,
-    seed and world size. No shard is read.
+    seed and world size (the data order depends on all three), and leave steps
+    to train. No shard is read. Another world size is refused although the
+    shards could be resharded: the data sampler's order depends on it.
     """
     try:
         check_resumable(path, world_size=world_size,
@@ -154,13 +141,17 @@ def check_resume(path: Path, layers: list[nn.Module], config, world_size: int
 
 def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
     """
-    ## Every check, in the order of the introduction
+    ## Every check, each beside its lines
 
     `config` is a `FinetuneConfig`; `device` is where the ranks will run (it
     decides the default dtype).
     """
-    # config.json (through `model_config`), then `filter_layers` and `seq_len`
-    # against it, then the tensors against both
+    # **The Hugging Face snapshot** (`checkpoint`): `config.json` (through
+    # `model_config`) is a JSON object that describes a GPT-NeoX, `filter_layers`
+    # and `seq_len` fit it, and then the [checkpoint loader's](checkpoint.html)
+    # `check_hf_snapshot`: every tensor the model needs is in the safetensors
+    # headers with the shape the config implies (headers only: no weights are
+    # read).
     neox = config.model_config()
     group = config.shard_group_size
     if group is not None and world_size % group:
@@ -176,6 +167,12 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
     # the chunk layout a resume compares against: LoRA's options included
     config.tuner()(layers)
 
+    # **Outputs**: `out` and `log_dir` are directories (or can be made) that this
+    # user can write, and `out` has room for one checkpoint when the job writes
+    # any: about $p\Psi + K\Psi_t$ bytes (`checkpoint_bytes`), from the model's
+    # shapes on the meta device (no memory). A filesystem can still fill up
+    # between this check and the save; the save itself then fails, and leaves the
+    # previous checkpoint in place.
     out = check_writable_dir(config.out, "--out")
     check_writable_dir(config.log_dir, "--log-dir")
     if config.checkpoint_every is not None:
@@ -185,6 +182,10 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
             raise PreflightError(f"--out {out} has {free / 2**30:.1f} GiB free, one "
                                  f"checkpoint needs {need / 2**30:.1f} GiB")
 
+    # **The checkpoint to resume**: the [checkpoint
+    # package's](../zero3/checkpoint/preflight.html) `check_resumable` (a
+    # complete checkpoint of this model: the same parameter names and shapes),
+    # then written by this job (`check_resume`).
     step = None
     if config.resume is not None:
         step = check_resume(Path(config.resume), layers, config, world_size)
