@@ -20,19 +20,8 @@ creates or destroys the process group:
 Either way `fn(ctx)` receives a `DistContext` with the rank, the world size and the
 device, and `ctx.heartbeat()` to call once per step. How the launcher watches the
 ranks, names the one that failed or hung and keeps none alive after itself is
-[the next page](supervisor.html); `spawn` raises its `RankFailed`.
-
-## Signals
-
-`SIGINT` (Ctrl-C) and `SIGTERM` to the launcher raise `Interrupted` in it; it then
-sends `SIGTERM` to every rank, and `SIGKILL` to any still alive after the grace
-period, so every rank has ended within $p + g$ of the signal. A rank turns
-`SIGTERM` into an exception so that `finally` blocks run (a checkpoint being
-written removes its temporary directory; the one in place is never touched), then
-exits without a word. Ranks ignore `SIGINT`: a Ctrl-C in a terminal reaches every
-process of the foreground group, and only the launcher should decide. If the
-launcher was started with `SIGINT` ignored (`nohup`, a script's background job), it
-stays ignored, and `SIGTERM` still ends the job.
+[the next page](supervisor.html); `spawn` raises its `RankFailed`. A Ctrl-C or a
+`SIGTERM` ends every rank within $p + g$ (see `Signals`).
 
 ## Limitations
 
@@ -146,7 +135,11 @@ def init(
 def _worker(rank: int, fn: Callable[..., Any], world_size: int, backend: str,
             port: int, timeout_s: float, args: tuple, shared: Shared) -> None:
     die_with_parent(shared.parent_pid)
-    # The launcher handles Ctrl-C for the whole job (see Signals above).
+    # A rank turns `SIGTERM` into an exception so that `finally` blocks run (a
+    # checkpoint being written removes its temporary directory; the one in place
+    # is never touched), then exits without a word. Ranks ignore `SIGINT`: a
+    # Ctrl-C in a terminal reaches every process of the foreground group, and only
+    # the launcher should decide.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_interrupted)
     threading.Thread(target=watchdog, args=(shared, rank), daemon=True).start()
@@ -180,7 +173,12 @@ class Signals:
     """
     #### `SIGINT` and `SIGTERM` raise `Interrupted` while the job runs
 
-    An inherited ignored `SIGINT` stays ignored (see Signals above). Only the main
+    `SIGINT` (Ctrl-C) and `SIGTERM` to the launcher raise `Interrupted` in it; it
+    then sends `SIGTERM` to every rank, and `SIGKILL` to any still alive after the
+    grace period, so every rank has ended within $p + g$ of the signal (the
+    poll period and the grace period of [the supervisor](supervisor.html)). If the
+    launcher was started with `SIGINT` ignored (`nohup`, a script's background
+    job), it stays ignored, and `SIGTERM` still ends the job. Only the main
     thread may set handlers; elsewhere this does nothing.
     """
 
