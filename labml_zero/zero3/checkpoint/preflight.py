@@ -13,27 +13,14 @@ that the manifest could have told. `check_resumable` is that check. It reads the
 manifest and the files' sizes (and, when asked, every file's
 [digest](digest.html)); it needs no process group, no device and no model, only
 the model's parameter shapes, which a model built on the meta device gives for
-free. It refuses, with one line naming the path:
-
-* a path that is not a checkpoint directory (a file, a directory without
-  `manifest.json`, a save that did not finish);
-* a checkpoint of another model: the first parameter whose name or shape
-  differs, both shapes;
-* a missing or resized file, and with `verify=True` a changed one;
-* a value the job recorded in the manifest's `meta` (`save_checkpoint(meta=...)`)
-  that differs from the job's own, e.g. its batch size or seed, when the data
-  order depends on them.
-
-It returns what is left for the job to decide: the saved world size (another
-one is fine, [the load](load.html) reshards), the optimizer step and the `meta`
-values.
+free. It refuses, with one line naming the path, a checkpoint this job cannot
+resume from.
 
 ## Limitations
 
 * Without `verify=True` a changed byte in a file is found only when a rank
-  reads it; with it, the whole checkpoint is read once.
-* A key of `expect` that the checkpoint's `meta` does not have (a checkpoint
-  saved before the job recorded it, or a format-1 one) is not compared.
+  reads it.
+* A key of `expect` that the checkpoint's `meta` does not have is not compared.
 """
 
 from __future__ import annotations
@@ -56,7 +43,9 @@ class CheckpointInfo:
     """
     ## What `check_resumable` found
 
-    Everything here comes from the manifest.
+    Everything here comes from the manifest: what is left for the job to decide,
+    the saved world size (another one is fine, [the load](load.html) reshards),
+    the optimizer step and the `meta` values.
     """
 
     path: Path
@@ -98,18 +87,29 @@ def check_resumable(path: str | os.PathLike, *, world_size: int,
       `sequential_shapes`); `None` skips the model check.
     * `expect` maps `meta` keys to the job's values; a saved value that differs
       is refused.
-    * `verify` checks every file's digest (reads the whole checkpoint).
+    * `verify` checks every file's digest (reads the whole checkpoint once);
+      without it a changed byte in a file is found only when a rank reads it.
 
     Raises `CheckpointError` with one line; returns a `CheckpointInfo`.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    # Refused: a path that is not a checkpoint directory (a file, a directory
+    # without `manifest.json`, a save that did not finish), and a missing or
+    # resized file (the reader checks every size).
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{path} is a file, not a checkpoint directory")
     reader = CheckpointReader(path)
+    # A checkpoint of another model: the first parameter whose name or shape
+    # differs, both shapes.
     if shapes is not None:
         reader.check_model(dict(shapes))
+    # A value the job recorded in the manifest's `meta` (`save_checkpoint(meta=
+    # ...)`) that differs from the job's own, e.g. its batch size or seed, when
+    # the data order depends on them. A key the `meta` does not have (a
+    # checkpoint saved before the job recorded it, or a format-1 one) is not
+    # compared.
     for key, value in (expect or {}).items():
         if key in reader.meta and reader.meta[key] != value:
             raise CheckpointError(f"checkpoint {path} was saved with {key}="
