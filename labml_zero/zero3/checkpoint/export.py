@@ -10,41 +10,14 @@ summary: Every parameter, whole, gathered one chunk at a time and streamed to a
 A [sharded checkpoint](index.html) is for resuming; other tools want one
 tensor per parameter under the original model's names (a Hugging Face
 directory, say). Gathering the whole model would cost the device memory that
-ZeRO-3 exists to avoid, so the export goes **one chunk at a time**:
-
-1. every rank contributes its shard of the chunk: the fp32 master where one
-   exists (more exact than the bf16/fp16 copy: that is what training would
-   continue from), else the parameter shard;
-2. one all-gather builds the chunk's $C$ elements on every rank's device;
-3. rank 0 copies it to host memory and the device buffer is freed;
-4. rank 0 yields each of the chunk's parameters, `(name, tensor)`, in chunk
-   order.
-
-The consumer sees a stream: it can write each tensor as it comes, as the
-[GPT-NeoX exporter](../../neox/checkpoint.html) does, holding one output shard at a
-time:
-
-```python
-rename = prefix_rename([hf_prefix(layer) for layer in layers])
-export_full_state_dict(
-    lambda tensors: save_hf_checkpoint(out_dir, config, tensors),
-    model, optimizer, rename=rename,
-)
-```
-
-## Memory
-
-Per rank, one gathered chunk on the device, $C$ elements in the master's or the
-parameter's dtype, for the duration of one all-gather. On rank 0's host, one
-chunk plus whatever the consumer keeps: everything, $\Psi$ elements, when the
-target is a single file.
+ZeRO-3 exists to avoid, so the export goes **one chunk at a time**, and the
+consumer sees a stream of `(name, tensor)`.
 
 ## Limitations
 
 * Every rank must run the stream to its end (each chunk is a collective);
   `export_full_state_dict` does so even when the consumer stops early or fails.
-* A slow consumer keeps the other ranks waiting in the next all-gather, bounded
-  by the process group's timeout.
+* A slow consumer keeps the other ranks waiting in the next all-gather.
 * Module buffers are not exported (the engine does not shard them).
 """
 
@@ -70,7 +43,7 @@ def consolidated_tensors(model: nn.Module, optimizer=None, *,
                          rename: Callable[[str], str] | None = None,
                          dtype: torch.dtype | None = None
                          ) -> Iterator[tuple[str, torch.Tensor]]:
-    """
+    r"""
     ## Every parameter, whole, one chunk at a time
 
     Every rank must run the iterator to its end (each chunk is an all-gather);
@@ -80,22 +53,34 @@ def consolidated_tensors(model: nn.Module, optimizer=None, *,
       export their own values (or `master_init`, before the first step).
     * `rename` maps a qualified name to the exported one (see `prefix_rename`).
     * `dtype` casts every tensor, e.g. to bf16 for a release.
+
+    Memory per rank: one gathered chunk on the device, $C$ elements in the
+    master's or the parameter's dtype, for the duration of one all-gather. On
+    rank 0's host, one chunk plus whatever the consumer keeps: everything, $\Psi$
+    elements, when the target is a single file.
     """
     comm: Communicator = model.runtime.comm
     for chunk in model.chunks:
+        # 1. Every rank contributes its shard of the chunk: the fp32 master where
+        # one exists (more exact than the bf16/fp16 copy: that is what training
+        # would continue from), else the parameter shard.
         master = master_of(optimizer, chunk)
         # [S] fp32 master or chunk dtype
         source = (master if master is not None else chunk.shard).detach()
-        # [C] one chunk on the device at a time
+        # 2. One all-gather builds the chunk's $C$ elements on every rank's
+        # device: [C], one chunk on the device at a time.
         full = torch.empty(chunk.numel, dtype=source.dtype, device=comm.device)
         comm.all_gather(full, source)
         if comm.rank != 0:
             continue
+        # 3. Rank 0 copies it to host memory and the device buffer is freed.
         # [C] host sync: device-to-host copy
         host = full.cpu()
         del full
+        # 4. Rank 0 yields each of the chunk's parameters, `(name, tensor)`, in
+        # chunk order; a copy, not a view: safetensors refuses tensors that share
+        # memory.
         for name, param, slot in zip(chunk.names, chunk.params, chunk.spec.slots):
-            # a copy, not a view: safetensors refuses tensors that share memory
             tensor = host[slot.offset : slot.end].view(param.shape).clone()
             if dtype is not None:
                 tensor = tensor.to(dtype)
@@ -136,7 +121,18 @@ def export_full_state_dict(target: str | os.PathLike | Callable, model: nn.Modul
       stream it (`save_hf_checkpoint` holds one output shard at a time); its
       result is returned on rank 0.
 
-    Other ranks return `None` once the export is complete.
+    Other ranks return `None` once the export is complete. The consumer can
+    write each tensor as it comes, as the [GPT-NeoX
+    exporter](../../neox/checkpoint.html) does, holding one output shard at a
+    time:
+
+    ```python
+    rename = prefix_rename([hf_prefix(layer) for layer in layers])
+    export_full_state_dict(
+        lambda tensors: save_hf_checkpoint(out_dir, config, tensors),
+        model, optimizer, rename=rename,
+    )
+    ```
     """
     comm: Communicator = model.runtime.comm
     tensors = consolidated_tensors(model, optimizer, rename=rename, dtype=dtype)
@@ -151,7 +147,8 @@ def export_full_state_dict(target: str | os.PathLike | Callable, model: nn.Modul
     except Exception as caught:
         error = caught
     # A consumer that stopped early (or failed) must not strand the other
-    # ranks in the remaining all-gathers.
+    # ranks in the remaining all-gathers. A slow one keeps them waiting in the
+    # next all-gather, bounded by the process group's timeout.
     for _ in tensors:
         pass
     agree(comm, error, "export")
