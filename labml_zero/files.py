@@ -12,29 +12,16 @@ filesystem one operation is atomic, `rename(2)` within one filesystem, and one i
 durable, `fsync(2)`. Every writer of checkpoints and exports in this project
 goes through this page, in the same four steps:
 
-1. write everything under a *temporary sibling* name, `.<name>.tmp-<token>`,
-   next to the target (same directory, so same filesystem: the rename in step 3
-   is atomic, and a reader that lists the directory skips the dot-name);
+1. write everything under a *temporary sibling* name (`temporary_sibling`);
 2. `fsync` every file written, then the temporary directory (its entries are
    data too);
 3. `rename` the temporary name to the target;
 4. `fsync` the parent directory, so the rename itself survives a power cut.
 
-Replacing an existing *directory* needs two renames (a directory cannot be
-renamed over a non-empty one): the old one goes aside to
-`.<name>.old-<token>`, the new one to the target, then the old one is deleted.
-Between the two renames there is briefly no directory at the target, never a
-partial one; a crash there leaves the old one complete under its `.old-` name.
-
-A file can be renamed over an existing file (`os.replace`), so replacing a
-file needs one rename.
-
 ## Limitations
 
-* A process killed between steps 1 and 3 leaves its `.tmp-` sibling behind; it
-  is never read and may be deleted.
-* Durability is what `fsync` gives: on a network filesystem that does not honour
-  it, a power cut may still lose a rename.
+* A process killed between steps 1 and 3 leaves its `.tmp-` sibling behind.
+* Durability is what `fsync` gives (see `fsync_path`).
 """
 
 from __future__ import annotations
@@ -51,7 +38,11 @@ __all__ = ["atomic_file", "fsync_path", "replace_directory", "temporary_sibling"
 
 
 def fsync_path(path: str | os.PathLike) -> None:
-    """Flush a file's data, or a directory's entries, to disk."""
+    """
+    Flush a file's data, or a directory's entries, to disk. Durability is what
+    `fsync` gives: on a network filesystem that does not honour it, a power cut
+    may still lose a rename.
+    """
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -63,6 +54,11 @@ def temporary_sibling(path: str | os.PathLike, token: str | None = None, *,
                       kind: str = "tmp") -> Path:
     """
     ### `.<name>.<kind>-<token>` next to `path`
+
+    Next to the target: same directory, so same filesystem, and the rename in
+    step 3 is atomic; a reader that lists the directory skips the dot-name. A
+    process killed between steps 1 and 3 leaves its `.tmp-` sibling behind; it is
+    never read and may be deleted.
 
     `token` defaults to random hex digits from `secrets`, which draws from no
     RNG that training uses (a checkpoint saves those RNGs' states).
@@ -80,7 +76,8 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     Yields a temporary path to write to; when the block ends normally the file
     is flushed and renamed to `path` (replacing any file there), and the
     directory flushed. If the block raises, the temporary file is deleted and
-    `path` is untouched.
+    `path` is untouched. A file can be renamed over an existing file
+    (`os.replace`), so replacing a file needs one rename.
 
     ```python
     with atomic_file(out / "model.safetensors") as tmp:
@@ -112,7 +109,12 @@ def replace_directory(tmp: Path, path: Path, token: str | None = None) -> None:
 
     `tmp` must be complete and flushed (its files and its own entries): this is
     steps 3 and 4 of the introduction, with the old directory moved aside first.
-    If the second rename fails, the old directory is put back.
+    Replacing an existing *directory* needs two renames (a directory cannot be
+    renamed over a non-empty one): the old one goes aside to
+    `.<name>.old-<token>`, the new one to the target, then the old one is
+    deleted. Between the two renames there is briefly no directory at the target,
+    never a partial one; a crash there leaves the old one complete under its
+    `.old-` name. If the second rename fails, the old directory is put back.
     """
     old = None
     if path.exists():
