@@ -18,18 +18,10 @@ $$x_{l+1} = x_l + \operatorname{Attn}(\operatorname{LN}_1(x_l))
                 + \operatorname{MLP}(\operatorname{LN}_2(x_l)).$$
 
 The two branches are independent, so they could run at the same time. The second
-is **partial rotary embeddings**: only the first $d_r$ of the $d_h$ dimensions of
-each query and key head are rotated, by an angle that grows with the position
-(`rotary_cos_sin`); the rest carry no position.
-
-The ZeRO engine shards and gathers one *layer* at a time, so the model is not one
-module but a list, `[Embedding, TransformerLayer × n, FinalNorm, Readout]`
-(`build_layers`), and `nn.Sequential(*build_layers(config))` maps token ids
-`[B, T]` to logits `[B, T, n_vocab]`. A layer carries no buffers and no state
-besides its parameters, so a layer built on the meta device needs nothing but
-`to_empty` and `reset_parameters`. Inside each layer the submodules have Hugging
-Face's names, so checkpoints map one to one (`hf_prefix`). The shapes come from
-a `NeoXConfig` (see [GPT-NeoX configuration](config.html)), re-exported here.
+is **partial rotary embeddings** (see `rotary_cos_sin`). The model is a list of
+layers, since the ZeRO engine shards and gathers one layer at a time
+(`build_layers`). The shapes come from a `NeoXConfig` (see [GPT-NeoX
+configuration](config.html)), re-exported here.
 
 ## Limitations
 
@@ -165,6 +157,10 @@ class Embedding(nn.Module):
 
 
 # ## Rotary embeddings
+#
+# GPT-NeoX's partial rotary embeddings: only the first $d_r$ of the $d_h$
+# dimensions of each query and key head are rotated, by an angle that grows with
+# the position; the rest carry no position.
 
 
 def rotary_cos_sin(n_positions: int, config: NeoXConfig, *,
@@ -377,6 +373,13 @@ class Readout(nn.Module):
 
 
 # ## Building the list
+#
+# The ZeRO engine shards and gathers one *layer* at a time, so the model is not
+# one module but a list, `[Embedding, TransformerLayer × n, FinalNorm, Readout]`,
+# and `nn.Sequential(*build_layers(config))` maps token ids `[B, T]` to logits
+# `[B, T, n_vocab]`. A layer carries no buffers and no state besides its
+# parameters, so a layer built on the meta device needs nothing but `to_empty`
+# and `reset_parameters`.
 
 
 def build_layers(config: NeoXConfig, *, filter_layers: Iterable[int] | None = None,
@@ -414,6 +417,8 @@ def hf_prefix(layer: nn.Module) -> str:
     """
     ### The Hugging Face name prefix of a layer
 
+    Inside each layer the submodules have Hugging Face's names, so checkpoints
+    map one to one.
     `hf_prefix(layer) + name` is the checkpoint name of each
     `layer.state_dict()` entry:
 
