@@ -9,21 +9,9 @@ summary: Old checkpoints are removed only once a newer one is complete, and only
 
 A job that saves every $n$ steps fills its disk: each checkpoint holds every
 shard, master and moment. `prune_checkpoints(directory, keep)` keeps the `keep`
-newest and removes the others, under three rules that make it safe to call
-after every save:
-
-1. **Only after the newest is complete.** The newest checkpoint (the highest
-   step, or the one named `just_saved`) must have a valid manifest and every
-   file it lists, at its recorded size; otherwise nothing is removed, because
-   the older ones may be the only ones that load.
-2. **Only checkpoints of this layout.** A candidate is a directory named
-   `step-NNNNNN` (at least six digits, as the fine-tune names them) that is
-   itself a complete checkpoint. Anything else in the directory (a half-written
-   `step-…`, a `.tmp-` sibling, a file, a directory of notes) is left alone.
-3. **Never half removed.** A checkpoint is first renamed to a hidden
-   `.step-NNNNNN.pruned-<token>` name, which nothing loads, then deleted; a
-   crash during the deletion leaves a hidden directory, not a checkpoint with
-   files missing.
+newest and removes the others, under three rules, each beside its lines, that
+make it safe to call after every save: only after the newest is complete, only
+checkpoints of this layout, and never half removed.
 
 With $k$ = `keep`, the disk holds at most $k + 1$ checkpoints: the $k$ kept ones
 and, during a save, the new one being written.
@@ -31,8 +19,7 @@ and, during a save, the new one being written.
 ## Limitations
 
 * "Complete" is checked from the manifest and the files' sizes, not their
-  digests: reading every byte of every old checkpoint at each save would cost
-  more than the save.
+  digests (see `is_complete`).
 * Call it on one rank (rank 0), after `save_checkpoint` returned on every rank.
 """
 
@@ -54,7 +41,14 @@ STEP_NAME = re.compile(r"step-(\d{6,})")
 
 
 def checkpoint_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:
-    """`(step, path)` of every `step-NNNNNN` directory, by step."""
+    """
+    `(step, path)` of every `step-NNNNNN` directory, by step.
+
+    Rule 2, **only checkpoints of this layout**: a candidate is a directory named
+    `step-NNNNNN` (at least six digits, as the fine-tune names them) that is
+    itself a complete checkpoint. Anything else in the directory (a half-written
+    `step-…`, a `.tmp-` sibling, a file, a directory of notes) is left alone.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         return []
@@ -67,7 +61,11 @@ def checkpoint_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:
 
 
 def is_complete(path: str | os.PathLike) -> bool:
-    """A valid manifest and every file it lists, at its size (no digests)."""
+    """
+    A valid manifest and every file it lists, at its size. Not the digests:
+    reading every byte of every old checkpoint at each save would cost more than
+    the save.
+    """
     try:
         CheckpointReader(path)
     except CheckpointError:
@@ -87,7 +85,7 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int, *,
       ones from a previous run) and is never removed.
 
     Returns the removed paths, oldest first; `[]` when the newest is not
-    complete. See the three rules above.
+    complete.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
@@ -97,12 +95,19 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int, *,
         if newest.parent.resolve() != Path(directory).resolve():
             raise ValueError(f"just_saved {newest} is not in {directory}")
         found = [p for p in found if p.name != newest.name] + [newest]
+    # Rule 1, **only after the newest is complete**: the newest checkpoint (the
+    # highest step, or `just_saved`) must have a valid manifest and every file it
+    # lists, at its recorded size; otherwise nothing is removed, because the older
+    # ones may be the only ones that load.
     if not found or not is_complete(found[-1]):
         return []
     complete = [path for path in found if is_complete(path)]
     removed = complete[:-keep]
     for path in removed:
-        # rule 3: hidden first, so a crash mid-delete leaves no broken checkpoint
+        # Rule 3, **never half removed**: renamed first to a hidden
+        # `.step-NNNNNN.pruned-<token>` name, which nothing loads, then deleted;
+        # a crash during the deletion leaves a hidden directory, not a checkpoint
+        # with files missing.
         aside = temporary_sibling(path, kind="pruned")
         os.rename(path, aside)
         shutil.rmtree(aside)
