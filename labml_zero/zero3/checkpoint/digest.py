@@ -18,15 +18,7 @@ digest in the manifest,
 $$d = \text{SHA-256}(\text{the file's bytes}),$$
 
 written as `"sha256:<hex digits>"`, and a reader recomputes $d$ before it
-uses a file. SHA-256 because a checkpoint is an input someone may hand you: a
-cryptographic hash cannot be matched by accident nor, in practice, on purpose;
-and `hashlib`'s is OpenSSL's, which uses the CPU's SHA instructions where there
-are some. The file is streamed through the hash in blocks, so checking a file
-costs one sequential read and no memory beyond one block.
-
-Each rank hashes the files it wrote, after they are flushed, so it hashes what
-is on disk and the ranks hash in parallel; rank 0 collects the digests into the
-manifest ([saving](save.html)).
+uses a file.
 
 ## Limitations
 
@@ -46,13 +38,24 @@ import torch
 __all__ = ["file_digest", "pack_digest", "unpack_digest"]
 
 ALGORITHM = "sha256"
-"""The `hashlib` name, also the prefix of every recorded digest."""
+"""The `hashlib` name, also the prefix of every recorded digest. SHA-256 because a
+checkpoint is an input someone may hand you: a cryptographic hash cannot be matched
+by accident nor, in practice, on purpose; and `hashlib`'s is OpenSSL's, which uses
+the CPU's SHA instructions where there are some."""
 DIGEST_BYTES = 32
 """Bytes of a SHA-256 digest."""
 
 
 def file_digest(file: str | os.PathLike) -> str:
-    """`"sha256:<hex>"` of a file, read in blocks (`hashlib.file_digest`)."""
+    """
+    ### `"sha256:<hex>"` of a file, read in blocks (`hashlib.file_digest`)
+
+    Streamed through the hash in blocks, so checking a file costs one sequential
+    read and no memory beyond one block. Each rank hashes the files it wrote,
+    after they are flushed, so it hashes what is on disk and the ranks hash in
+    parallel; rank 0 collects the digests into the manifest
+    ([saving](save.html)).
+    """
     with open(file, "rb") as f:
         digest = hashlib.file_digest(f, ALGORITHM)
     return f"{ALGORITHM}:{digest.hexdigest()}"
