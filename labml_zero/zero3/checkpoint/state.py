@@ -10,16 +10,11 @@ summary: The training state a checkpoint must hold for the next step after a loa
 The next step after a load must compute exactly what the next step after the
 save would have computed: a resume is *bit-exact* when, for every step $t$ after
 the save, the weights $\theta_t$ of the resumed run equal those of the run that
-was never interrupted, to the last bit. That needs every input of a step:
-
-* the bf16/fp16 parameters (the forward pass reads them), the fp32 masters (the
-  update writes them), both moments, and each shard's step count $t$ (Adam's
-  bias correction $1 - \beta^t$);
-* the optimizer's hyperparameters, which a schedule may have changed;
-* the RNG states a step draws from: torch's CPU generator and this rank's CUDA
-  one, Python's `random` and NumPy's global generator (dropout, sampling);
-* whatever else the loop keeps: a loss scaler's state and the data position go
-  into `extra` (global) or `rank_extra` (per rank).
+was never interrupted, to the last bit. That needs every input of a step: the
+shards with their optimizer state, the hyperparameters and the RNG states (each
+beside the code that reads it out below), and whatever else the loop keeps: a
+loss scaler's state and the data position go into `extra` (global) or
+`rank_extra` (per rank).
 
 This page reads those pieces out of a model and an optimizer, and puts the
 small ones back; the shards themselves are [saved](save.html) and
@@ -64,6 +59,10 @@ def model_shapes(chunks: Sequence[Chunk]) -> dict[str, tuple[int, ...]]:
 
 
 # ## The optimizer's state of a shard
+#
+# The bf16/fp16 parameters (the forward pass reads them), the fp32 masters (the
+# update writes them), both moments, and each shard's step count $t$ (Adam's
+# bias correction $1 - \beta^t$).
 
 
 def optimizer_state(optimizer, chunk: Chunk) -> dict | None:
@@ -89,6 +88,10 @@ def master_of(optimizer, chunk: Chunk) -> torch.Tensor | None:
 
 
 # ## Hyperparameters
+#
+# A schedule may have changed them. The optimizer must be built the same way
+# (same param groups, in order); its hyperparameters are restored from the
+# manifest.
 
 
 def group_hyperparameters(optimizer) -> list[dict] | None:
@@ -124,6 +127,9 @@ def restore_groups(optimizer, groups: list[dict]) -> None:
 
 
 # ## Random number generators
+#
+# The RNG states a step draws from: torch's CPU generator and this rank's CUDA
+# one, Python's `random` and NumPy's global generator (dropout, sampling).
 
 
 def rng_state(device: torch.device) -> dict:
