@@ -13,22 +13,6 @@ and the labml app merges them. The tracked numbers are already means over all
 ranks (one all-reduce of three scalars per step, see [the job](finetune.html)), so
 every rank's log agrees; only rank 0 prints. The app writer is on only when
 `app_url` answered a probe; otherwise nothing touches the network.
-
-What a step records:
-
-* `loss.train`, `acc.train`: the mean cross-entropy and the next-token accuracy
-  over the step's $B \cdot A \cdot N_d$ sequences;
-* `loss.valid`, `acc.valid`: the same on the validation batches, only at the
-  steps where they are measured. labml's screen line would repeat the last value
-  of an indicator on every later line, so these two are kept off it and printed
-  on their own line when measured.
-
-## Limitations
-
-* labml reads its settings from a `.labml.yaml` above the working directory and
-  warns when there is none; the job gives it every setting it needs, so that
-  warning is swallowed, with anything else labml prints while the run is set up
-  (such as a notice that the directory is not a git repository).
 """
 
 from __future__ import annotations
@@ -46,8 +30,13 @@ from labml_zero.neox.finetune_config import FinetuneConfig
 
 __all__ = ["EXPERIMENT_NAME", "start_labml", "labml_configs", "VALID_INDICATORS"]
 
+# What a step records: `loss.train`, `acc.train`, the mean cross-entropy and the
+# next-token accuracy over the step's $B \cdot A \cdot N_d$ sequences; and
+# `loss.valid`, `acc.valid`, the same on the validation batches, only at the steps
+# where they are measured (every `valid_every`). labml's screen line would repeat
+# the last value of an indicator on every later line, so these two are kept off
+# it and printed on their own line when measured.
 EXPERIMENT_NAME = "zero3_neox"
-# measured every `valid_every` steps only: off labml's screen line (see above)
 VALID_INDICATORS = ("loss.valid", "acc.valid")
 
 
@@ -95,7 +84,9 @@ def start_labml(config: FinetuneConfig, ctx: DistContext, *, python_file: str
                    f"tracking offline to {log_dir}")
     # labml looks for a .labml.yaml above the project path and above the job's
     # file, and prints a warning box for each that is missing; every setting is
-    # given here, so its set-up messages say nothing we need (see Limitations).
+    # given here, so that warning is swallowed, with anything else labml prints
+    # while the run is set up (such as a notice that the directory is not a git
+    # repository).
     with contextlib.redirect_stdout(io.StringIO()):
         lab.configure(settings)
         experiment.create(name=EXPERIMENT_NAME, uuid=run_uuid, writers=writers,
