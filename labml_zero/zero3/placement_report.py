@@ -11,25 +11,8 @@ summary: A few printed lines for `--offload-optimizer auto`: the chunks and
 The [automatic placement](placement.html) picks, from one measured forward and
 backward, the fewest chunks whose optimizer state goes to host memory. A run
 that uses it should say what it chose, before the first step, and then whether
-the prediction held. The decision is summed up as
-
-* the **offloaded fraction** $F / \Psi_t^{(r)}$: the offloaded elements $F$
-  over this rank's trainable shard elements $\Psi_t^{(r)}$, and the number of
-  chunks that holds;
-* the **host-link bytes** per step, $4F$ down (fp32 gradients) and $pF$ up
-  (rounded masters), from `offload_traffic`;
-* the **predicted device peak**, the placement's own
-  ($\text{measured\_peak\_other} + K_d \sum_{\text{on device}} S_c$), and the
-  **predicted host bytes**, the model states in host memory (the offloaded
-  optimizer states and their staging buffers, and any parameter shards there,
-  from `resident_bytes`): the process's own memory
-  (Python, CUDA's host side, pinned pools) comes on top of it.
-
-After the first steps, `measured_lines` puts beside them the device's
-`max_memory_allocated()` and the process's peak resident set (`ru_maxrss`).
-
-Both functions return the lines instead of printing them, so the caller decides
-which rank prints (one, rank 0) and where (stdout, a logger).
+the prediction held: the offloaded fraction, the host-link bytes and the
+predicted peaks (`PlacementSummary`), then the measured ones.
 """
 
 from __future__ import annotations
@@ -44,6 +27,8 @@ from .placement import AutoPlacement, ShardSpec, resident_bytes
 __all__ = ["PlacementSummary", "summarize", "decision_lines", "measured_lines",
            "host_rss_peak"]
 
+# Memory is printed in GiB, as the allocator's statistics are read; traffic over
+# the host link in GB, as link bandwidths are quoted.
 GIB = 1024**3
 GB = 1e9
 
@@ -54,10 +39,16 @@ class PlacementSummary(NamedTuple):
 
     * `offloaded_chunks`, `trainable_chunks`: chunks with their optimizer state
       on the host, out of the trainable ones.
-    * `offloaded_fraction`: $F / \Psi_t^{(r)}$ in elements.
-    * `down`, `up`: host-link bytes per step and rank.
-    * `device_peak`: the placement's predicted device peak, bytes.
-    * `host_states`: model-state bytes in host memory, bytes.
+    * `offloaded_fraction`: $F / \Psi_t^{(r)}$ in elements, the offloaded
+      elements $F$ over this rank's trainable shard elements $\Psi_t^{(r)}$.
+    * `down`, `up`: host-link bytes per step and rank, $4F$ down (fp32
+      gradients) and $pF$ up (rounded masters), from `offload_traffic`.
+    * `device_peak`: the placement's own predicted device peak, bytes
+      ($\text{measured\_peak\_other} + K_d \sum_{\text{on device}} S_c$).
+    * `host_states`: model-state bytes in host memory (the offloaded optimizer
+      states and their staging buffers, and any parameter shards there, from
+      `resident_bytes`); the process's own memory (Python, CUDA's host side,
+      pinned pools) comes on top of it.
     """
 
     offloaded_chunks: int
@@ -89,6 +80,9 @@ def decision_lines(decided: AutoPlacement, shards: Sequence[ShardSpec]
                    ) -> list[str]:
     """
     ### The decision, as lines to print before the first step
+
+    Returned, not printed (and so `measured_lines`), so the caller decides which
+    rank prints (one, rank 0) and where (stdout, a logger).
     """
     s = summarize(decided, shards)
     lines = [
@@ -118,7 +112,8 @@ def measured_lines(decided: AutoPlacement, shards: Sequence[ShardSpec], *,
 
     The device peak is `max_memory_allocated()` since the last
     `reset_peak_memory_stats()`; a device without allocator statistics (CPU)
-    says so instead of a number.
+    says so instead of a number. The host's is the process's peak resident set
+    (`ru_maxrss`).
     """
     s = summarize(decided, shards)
     if device.type == "cuda":
