@@ -12,13 +12,7 @@ written once: its type, its default and, under it, its note. The
 [command line](../finetune_neox.html) is generated from these fields (a field
 `seq_len: int` becomes `--seq-len N`, its note the flag's help and its default
 shown beside it), and labml records them as the run's configuration. The
-defaults are the laptop run; presets are functions that return a config
-(`laptop()`, `neox_20b_biases(checkpoint)`), derived with `dataclasses.replace`.
-
-`__post_init__` checks each field alone (ranges, names, finite numbers), so a
-config that exists is one the job can start with; what needs the disk (the
-checkpoint's files, `--out` being writable) is checked once more before any rank
-starts, by [the pre-flight checks](preflight.html).
+defaults are the laptop run; presets are functions that return a config.
 
 One optimizer step sees $B \cdot A \cdot N_d$ sequences of $T$ tokens: the
 micro-batch $B$ (`batch_size`, per rank), the accumulation $A$ (`grad_accum`) and
@@ -192,6 +186,10 @@ class FinetuneConfig:
     """Top-$k$ sampling for the sample (seeded, so every rank draws the same
     tokens); `None`: greedy."""
 
+    # `__post_init__` checks each field alone (ranges, names, finite numbers), so
+    # a config that exists is one the job can start with; what needs the disk
+    # (the checkpoint's files, `--out` being writable) is checked once more before
+    # any rank starts, by [the pre-flight checks](preflight.html).
     def __post_init__(self):
         if self.model not in MODEL_PRESETS:
             raise ValueError(f"unknown model {self.model!r}; expected one of "
@@ -325,6 +323,12 @@ class FinetuneConfig:
         if self.dtype is None:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+
+# ## Presets
+#
+# Functions that return a config (`laptop()`, `neox_20b_biases(checkpoint)`),
+# derived with `dataclasses.replace`.
 
 
 def laptop() -> FinetuneConfig:
