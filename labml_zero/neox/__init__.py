@@ -38,14 +38,7 @@ The model is a plain **list of layers**, the unit the engine gathers and
 releases, with Hugging Face's parameter names inside each layer, so a
 checkpoint streams into it one layer at a time.
 
-The pages of this folder follow in reading order: [the
-configuration](config.html), [the model](model.html), [Hugging Face
-checkpoints](checkpoint.html) and [activation memory](activation_memory.html);
-then the fine-tune: [its configuration](finetune_config.html), [the checks
-before any rank starts](preflight.html), [the job](finetune.html) (which builds
-through [the assembly](../assembly.html)), [what labml records](tracking.html),
-[the fine-tuners](finetuners.html), [LoRA](lora.html) and [its
-exports](lora_export.html) to transformers and peft, and what the job reads:
-[the tokenizer](tokenizer.html), [the dataset](dataset.html) and [the
-sampler](generate.html).
+The pages of this folder follow in reading order: the model, then the fine-tune
+that trains it (which builds through [the assembly](../assembly.html)), then what
+the job reads.
 """

@@ -21,24 +21,27 @@ after the load computes what the uninterrupted run computed, to the last bit),
 load at any world size or chunk size ({{term: resharding}}), and never be half
 written or silently changed: what is on disk either loads exactly or is refused
 with one line naming the file.
-
-Each page of this folder is one concept; saving writes through [atomic
-files](../../files.html).
-
-## In use
-
-```python
-save_checkpoint(out / "step-000100", model, optimizer, extra=extra,
-                meta={"step": 100, "batch_size": 16, "seed": 0})
-prune_checkpoints(out, keep=3)                       # on rank 0
-...
-info = check_resumable(out / "step-000100", world_size=2,
-                       shapes=sequential_shapes(meta_layers),
-                       expect={"batch_size": 16, "seed": 0})
-loaded = load_checkpoint(info.path, model, optimizer)
-```
 """
 
+# ## Pages in this folder
+#
+# Each page is one concept, and each line below imports its public names; saving
+# writes through [atomic files](../../files.html).
+#
+# {{contents}}
+#
+# ## In use
+#
+# ```python
+# save_checkpoint(out / "step-000100", model, optimizer, extra=extra,
+#                 meta={"step": 100, "batch_size": 16, "seed": 0})
+# prune_checkpoints(out, keep=3)                       # on rank 0
+# ...
+# info = check_resumable(out / "step-000100", world_size=2,
+#                        shapes=sequential_shapes(meta_layers),
+#                        expect={"batch_size": 16, "seed": 0})
+# loaded = load_checkpoint(info.path, model, optimizer)
+# ```
 from .export import consolidated_tensors, export_full_state_dict, prefix_rename
 from .format import CheckpointError
 from .load import LoadedCheckpoint, load_checkpoint
