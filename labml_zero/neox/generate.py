@@ -12,16 +12,8 @@ loaded correctly (a wrong QKV layout still gives finite losses but produces
 gibberish). The model is any callable `ids [1, T] -> logits [1, T, V]`: our
 `nn.Sequential` of layers, a ZeRO-sharded model, or a Hugging Face forward.
 
-Each new token re-runs the whole prefix (no KV cache): $O(n^2)$ forward tokens
-for $n$ new ones, negligible for the few dozen tokens of a sanity check.
-
-* **Greedy**: $x_{t+1} = \arg\max_v \ell_v$. Deterministic.
-* **Top-k**: keep the $k$ largest logits, sample from
-  $\operatorname{softmax}(\ell / \tau)$ over them with a caller's
-  `torch.Generator`, so a seed fixes the text.
-
-Only ids below the tokenizer's vocabulary size are candidates: the rows the
-embedding is padded with were never trained and decode to nothing.
+Each new token is greedy, $x_{t+1} = \arg\max_v \ell_v$, or drawn from the top
+$k$ logits (see `generate_ids`).
 
 ## Limitations
 
@@ -42,6 +34,7 @@ from labml_zero.neox.tokenizer import decode, encode, vocab_size
 
 __all__ = ["Sampling", "generate", "generate_ids"]
 
+# Any forward from token ids `[1, T]` to logits `[1, T, V]`.
 Model = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -80,6 +73,11 @@ def generate_ids(model: Model, ids: list[int], *, n_tokens: int, n_vocab: int,
 
     `n_vocab` is the number of valid ids (the tokenizer's size); `generator`
     seeds top-$k$ sampling (a CPU generator: sampling runs on the host).
+
+    Each new token re-runs the whole prefix (no KV cache): $O(n^2)$ forward
+    tokens for $n$ new ones, negligible for the few dozen tokens of a sanity
+    check. Only ids below `n_vocab` are candidates: the rows the embedding is
+    padded with were never trained and decode to nothing.
     """
     if n_tokens < 0:
         raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
@@ -90,10 +88,14 @@ def generate_ids(model: Model, ids: list[int], *, n_tokens: int, n_vocab: int,
         x = torch.tensor([out[-sampling.max_context:]], dtype=torch.long,
                          device=device)  # [1, T]
         logits = model(x)[0, -1, :n_vocab].float()  # [V] fp32, last position
+        # **Greedy**: $x_{t+1} = \arg\max_v \ell_v$. Deterministic.
         if sampling.top_k is None:
             # host sync: .item(); the next step needs the id on the host anyway.
             out.append(int(logits.argmax().item()))
             continue
+        # **Top-k**: keep the $k$ largest logits, sample from
+        # $\operatorname{softmax}(\ell / \tau)$ over them with the caller's
+        # `torch.Generator`, so a seed fixes the text.
         values, indices = logits.topk(min(sampling.top_k, n_vocab))  # [k], [k]
         # [k] fp32 on the host, so a CPU generator works for any model device.
         probs = torch.softmax(values / sampling.temperature, dim=-1).cpu()

@@ -13,21 +13,11 @@ learned tokens plus 27 (tested: tests/neox/test_tokenizer.py::test_figures_in_th
 added ones (special tokens and runs of spaces),
 50,281
 (tested: tests/neox/test_tokenizer.py::test_figures_in_the_notes)
-ids in all. Its `tokenizer.json` ships gzipped in `labml_zero/data/`
-(EleutherAI, Apache-2.0; see `data/NOTICE`), so nothing is downloaded. The
-models' embedding matrices have more rows than that (50,304
-(tested: tests/neox/test_tokenizer.py::test_figures_in_the_notes) to 50,688
-(tested: tests/neox/test_tokenizer.py::test_figures_in_the_notes), padded
-for fast matmuls); ids past `vocab_size(tokenizer)` are never produced here, and
-the sampler in [generate](generate.html) never picks them.
-
-`"First Citizen: Before we proceed any further"` encodes to
-`[6407, 47422, 27, 9613, 359, 4262, 667, 2007]`; the tests check this vector.
+ids in all.
 
 ## Limitations
 
-* No special-token handling: `encode` adds no BOS/EOS (GPT-NeoX was trained
-  without a BOS token; documents were separated by `<|endoftext|>`, id 0).
+* No special-token handling: `encode` adds no BOS/EOS (see `encode`).
 """
 
 from __future__ import annotations
@@ -40,6 +30,8 @@ from tokenizers import Tokenizer
 
 __all__ = ["load_tokenizer", "encode", "decode", "vocab_size", "BUNDLED_TOKENIZER"]
 
+# The tokenizer's `tokenizer.json` ships gzipped in `labml_zero/data/`
+# (EleutherAI, Apache-2.0; see `data/NOTICE`), so nothing is downloaded.
 BUNDLED_TOKENIZER = (Path(__file__).resolve().parent.parent / "data"
                      / "gpt_neox_20b_tokenizer.json.gz")
 
@@ -61,7 +53,12 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
 
 
 def encode(tokenizer: Tokenizer, text: str) -> list[int]:
-    """Token ids of `text`, with no special tokens added."""
+    """
+    Token ids of `text`, with no special tokens added: no BOS/EOS (GPT-NeoX was
+    trained without a BOS token; documents were separated by `<|endoftext|>`,
+    id 0). `"First Citizen: Before we proceed any further"` encodes to
+    `[6407, 47422, 27, 9613, 359, 4262, 667, 2007]`; the tests check this vector.
+    """
     return tokenizer.encode(text, add_special_tokens=False).ids
 
 
@@ -71,5 +68,12 @@ def decode(tokenizer: Tokenizer, ids: list[int]) -> str:
 
 
 def vocab_size(tokenizer: Tokenizer) -> int:
-    """Number of ids the tokenizer can produce, special tokens included."""
+    """
+    Number of ids the tokenizer can produce, special tokens included. The
+    models' embedding matrices have more rows than that (50,304
+    (tested: tests/neox/test_tokenizer.py::test_figures_in_the_notes) to 50,688
+    (tested: tests/neox/test_tokenizer.py::test_figures_in_the_notes), padded
+    for fast matmuls); ids past it are never produced here, and the sampler in
+    [generate](generate.html) never picks them.
+    """
     return tokenizer.get_vocab_size(with_added_tokens=True)
