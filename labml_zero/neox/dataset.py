@@ -50,6 +50,8 @@ from labml_zero.neox.tokenizer import encode, load_tokenizer
 __all__ = ["load_text", "tokenize", "split_tokens", "TextDataset", "RankSampler",
            "load_datasets", "BUNDLED_SHAKESPEARE"]
 
+# Tiny Shakespeare ships gzipped in the package, so the default run downloads
+# nothing; a corpus given by URL is kept in `DEFAULT_CACHE` after its first read.
 BUNDLED_SHAKESPEARE = (Path(__file__).resolve().parent.parent / "data"
                        / "tiny_shakespeare.txt.gz")
 DEFAULT_CACHE = Path.home() / ".cache" / "labml_zero"

@@ -16,19 +16,9 @@ $\Psi_t$ trainable parameters out of $\Psi$ the model states cost
 $\frac{2\Psi + (2 + K)\Psi_t}{N_d}$ bytes per rank instead of
 $\frac{(2 + 2 + K)\Psi}{N_d}$.
 
-* `FineTuneBiases`: only the biases of the QKV projection, the attention output
-  and the MLP's first linear, as in labml-nn's GPT-NeoX fine-tune (a
-  BitFit-style tune: $3d + d + 4d$ per layer,
-  {{py: 100 * finetuners.finetuner('biases')(neox_model.build_layers(
-      neox_model.gpt_neox_20b(), device='meta')).trainable / (
-      neox_model.count_parameters(neox_model.build_layers(
-      neox_model.gpt_neox_20b(), device='meta'))) | .3f}}% of GPT-NeoX-20B).
-* `FineTuneFFN`: the whole MLP of every transformer layer.
-* `FineTuneAll`: everything.
-* `FineTuneLoRA` ([LoRA](lora.html)): adds low-rank adapters to the
-  projections of every transformer layer and trains only those.
-
-The embedding, final norm and readout are frozen by all but `FineTuneAll`.
+There are four: the biases, the MLPs, everything, and [LoRA](lora.html)'s
+low-rank adapters. The embedding, final norm and readout are frozen by all but
+`FineTuneAll`.
 
 ## Limitations
 
@@ -78,7 +68,17 @@ def mark_trainable(layers: Sequence[nn.Module],
 
 
 class FineTuneBiases:
-    """## Train the three bias vectors of each transformer layer"""
+    r"""
+    ## Train the three bias vectors of each transformer layer
+
+    The biases of the QKV projection, the attention output and the MLP's first
+    linear, as in labml-nn's GPT-NeoX fine-tune (a BitFit-style tune:
+    $3d + d + 4d$ per layer,
+    {{py: 100 * finetuners.finetuner('biases')(neox_model.build_layers(
+        neox_model.gpt_neox_20b(), device='meta')).trainable / (
+        neox_model.count_parameters(neox_model.build_layers(
+        neox_model.gpt_neox_20b(), device='meta'))) | .3f}}% of GPT-NeoX-20B).
+    """
 
     name = "biases"
     BIASES = ("attention.query_key_value.bias", "attention.dense.bias",
