@@ -15,12 +15,6 @@ head width and, from it, the number of rotated dimensions of each head:
 $$d_h = \frac{d}{n_{\text{heads}}}, \qquad
 d_r = \lfloor d_h \cdot \text{rotary\_pct} \rfloor$$
 
-The defaults are a tiny model that runs on a laptop CPU with the real tokenizer;
-the released shapes (every Pythia, and GPT-NeoX-20B) are preset functions that
-return a config, and `dataclasses.replace` derives variants from them.
-`from_hf_config` and `to_hf_config` translate a Hugging Face `config.json`, so a
-checkpoint on the hub maps to a config and back.
-
 ## Limitations
 
 * Only the settings of the released GPT-NeoX models are accepted: parallel
@@ -145,8 +139,10 @@ class NeoXConfig:
 
 # ### Presets
 #
-# Derive variants with `dataclasses.replace`, e.g. `replace(pythia_70m(),
-# n_layers=2)`. Shapes from the `config.json` of each `EleutherAI/pythia-*` and
+# The defaults are a tiny model that runs on a laptop CPU with the real
+# tokenizer; the released shapes (every Pythia, and GPT-NeoX-20B) are preset
+# functions that return a config. Derive variants with `dataclasses.replace`,
+# e.g. `replace(pythia_70m(), n_layers=2)`. Shapes from the `config.json` of each `EleutherAI/pythia-*` and
 # `EleutherAI/gpt-neox-20b` on the Hugging Face hub. Every Pythia has
 # `hidden_act: "gelu"` (exact), `rotary_pct=0.25`, `rotary_base=10000` and
 # `max_position=2048` (tested: tests/neox/test_config.py::test_figures_in_the_notes).
@@ -203,6 +199,9 @@ def gpt_neox_20b() -> NeoXConfig:
 
 
 # ### Hugging Face `config.json`
+#
+# `from_hf_config` and `to_hf_config` translate a Hugging Face `config.json`, so
+# a checkpoint on the hub maps to a config and back.
 
 # HF activation names -> our `gelu_approximate`. "gelu" is erf-exact; the other
 # three are the same tanh formula under different names.
