@@ -142,8 +142,9 @@ class NeoXConfig:
 # The defaults are a tiny model that runs on a laptop CPU with the real
 # tokenizer; the released shapes (every Pythia, and GPT-NeoX-20B) are preset
 # functions that return a config. Derive variants with `dataclasses.replace`,
-# e.g. `replace(pythia_70m(), n_layers=2)`. Shapes from the `config.json` of each `EleutherAI/pythia-*` and
-# `EleutherAI/gpt-neox-20b` on the Hugging Face hub. Every Pythia has
+# e.g. `replace(pythia_70m(), n_layers=2)`. Shapes from the `config.json` of
+# each `EleutherAI/pythia-*` and `EleutherAI/gpt-neox-20b` on the Hugging Face
+# hub. Every Pythia has
 # `hidden_act: "gelu"` (exact), `rotary_pct=0.25`, `rotary_base=10000` and
 # `max_position=2048` (tested: tests/neox/test_config.py::test_figures_in_the_notes).
 
