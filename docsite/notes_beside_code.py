@@ -23,8 +23,9 @@ row's § mark. Such a row is fine beside imports (and `__all__`) and nowhere
 else.
 
 Words are counted as the introduction budget counts them (`lint.intro_words`),
-with each formula and each `code` span one word, each directive the words it
-shows and `(tested: …)` none.
+with each formula one word, a `code` span the names it shows (`hf_prefix(layer)`
+is two), each directive the words it shows and `(tested: …)` none: what a reader
+reads on the rendered page.
 
 `python -m docsite.notes_beside_code` prints the report; `--all` lists every
 page; `tests/docs/test_notes_beside_code.py` asserts the limits.
@@ -61,7 +62,8 @@ def note_words(markdown: str) -> int:
     text = TERM.sub(lambda m: f" {m.group(2) or m.group(1)} ", text)
     text = SEE.sub(lambda m: f" {m.group(2) or m.group(1)} ", text)
     text = FENCE.sub(" ", text)
-    text = CODE_SPAN.sub(" x ", text)
+    text = CODE_SPAN.sub(lambda m: " " + re.sub(r"\W+", " ", m.group(0)) + " ",
+                         text)
     return intro_words(text)
 
 

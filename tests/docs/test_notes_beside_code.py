@@ -66,7 +66,8 @@ y = 2
     page = nbc.measure_page("m.py", split_source(constant).sections)
     assert page.bare_rows == [5]  # imports, then a constant with no note
     assert nbc.note_words("`a b` and $x + y$ {{py: f(1)}} (tested: tests/a.py::t)"
-                          ) == 4
+                          ) == 5
+    assert nbc.note_words("`hf_prefix(layer)`") == 2
     assert nbc.note_words("{{see: shown words | a term}} ok") == 3
     assert not nbc.has_note("(see Note: a; see Note: b)")
     assert nbc.has_note("The rows regrow here; see Note: why storage resize.")
