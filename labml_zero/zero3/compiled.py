@@ -27,8 +27,7 @@ backend runs where.
 
 ## Limitations
 
-* On CPU the compiled path is checked for correctness, not speed: `aot_eager`
-  runs the same kernels as eager.
+* On CPU the compiled path is checked for correctness, not speed.
 * The first step pays for the compilation (tens of seconds on a GPU).
 """
 
@@ -50,6 +49,8 @@ def default_compile_backend(device: torch.device) -> str:
     code generation, because the C++ that CPU Inductor emits for a bf16 GPT-NeoX
     layer can fail to compile with the system's gcc (with or without
     labml_zero), and generating code takes tens of seconds on a small CPU anyway.
+    `aot_eager` runs the same kernels as eager, so on CPU the compiled path is
+    checked for correctness, not speed.
     """
     return "inductor" if device.type == "cuda" else "aot_eager"
 

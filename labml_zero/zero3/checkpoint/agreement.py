@@ -18,17 +18,12 @@ $$f = \sum_{r} f_r \, e_r, \qquad f_r = 1 \text{ if rank } r \text{ failed},$$
 failing one its own error, the others "failed on rank $k$", $k$ the first rank
 whose flag is set. A load reads everything into host memory *before* that
 agreement and changes the model only after it, so a refused checkpoint changes
-nothing.
-
-The same collective carries the two other things ranks must share: the save id
-that rank 0 draws, and the digests that each rank computes of its own files.
+nothing. The same collective carries the two other things ranks must share:
+the save id and the digests.
 
 ## Limitations
 
-* Each agreement is an all-reduce, counted by the communicator's `CommCounter`
-  like the training collectives.
-* The other ranks learn *that* rank $k$ failed, not why: its own error is
-  raised on rank $k$ only.
+* The other ranks learn *that* rank $k$ failed, not why (see `agree`).
 """
 
 from __future__ import annotations
@@ -46,7 +41,13 @@ __all__ = ["agree", "agree_save_id", "gather_digests", "run_agreed"]
 
 
 def agree(comm: Communicator, error: BaseException | None, what: str) -> None:
-    """### Raise on every rank if any rank failed; `error` is this rank's"""
+    """
+    ### Raise on every rank if any rank failed; `error` is this rank's
+
+    The other ranks learn *that* rank $k$ failed, not why: its own error is
+    raised on rank $k$ only. Each agreement is an all-reduce, counted by the
+    communicator's `CommCounter` like the training collectives.
+    """
     # [N_d] int32, one flag per rank
     flags = torch.zeros(comm.world_size, dtype=torch.int32, device=comm.device)
     flags[comm.rank] = int(error is not None)
@@ -70,7 +71,10 @@ def run_agreed(comm: Communicator, fn: Callable[[], None], what: str) -> None:
 
 
 def agree_save_id(comm: Communicator) -> str:
-    """A random id drawn by rank 0 and summed into every rank (the others add 0)."""
+    """
+    The save id: a random id drawn by rank 0 and summed into every rank (the
+    others add 0).
+    """
     # `secrets`, not `random`: the save must not move the RNG state it saves
     token = torch.tensor([secrets.randbits(48) if comm.rank == 0 else 0],
                          dtype=torch.int64, device=comm.device)
@@ -83,8 +87,9 @@ def gather_digests(comm: Communicator, digests: list[str]) -> list[list[str]]:
     """
     ### Every rank's digests, on every rank
 
-    `digests` is this rank's list, of the same length on every rank; returns
-    one list per rank, in rank order. See "Digests through a collective" on
+    The digests each rank computed of its own files. `digests` is this rank's
+    list, of the same length on every rank; returns one list per rank, in rank
+    order. See "Digests through a collective" on
     [the digest page](digest.html).
     """
     # [N_d, n, DIGEST_BYTES] int32: row r is rank r's digests, zero elsewhere
