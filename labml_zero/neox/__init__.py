@@ -32,13 +32,7 @@ $2 + 4 + 12 = 18$
 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
 bytes a parameter, about 370
 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
-GB: what ZeRO-3 spreads over the ranks.
-
-The model is a plain **list of layers**, the unit the engine gathers and
-releases, with Hugging Face's parameter names inside each layer, so a
-checkpoint streams into it one layer at a time.
-
-The pages of this folder follow in reading order: the model, then the fine-tune
-that trains it (which builds through [the assembly](../assembly.html)), then what
-the job reads.
+GB: what ZeRO-3 spreads over the ranks. The model is a plain **list of layers**,
+the unit the engine gathers and releases; the fine-tune builds it through [the
+assembly](../assembly.html).
 """
