@@ -24,10 +24,8 @@ heartbeats (`HangWatch`), and no rank outlives the launcher (`die_with_parent`).
 
 ## Limitations
 
-* Under torchrun each rank watches only its own heartbeat; a rank waiting in a
-  collective gives the others $T$ more seconds to be the one that reports.
-* With NCCL the host waits outside `torch.distributed` (at `.item()`), so the
-  waiting test cannot tell the ranks apart; the one with the fewest beats is named.
+* Under torchrun each rank watches only its own heartbeat (see `self_watch`).
+* With NCCL a hung rank is named by its beats alone (see `main_thread_where`).
 """
 
 from __future__ import annotations
@@ -168,7 +166,8 @@ def main_thread_where() -> tuple[str, bool]:
 
     `sys._current_frames` is the documented way to see another thread's stack.
     A frame inside `torch.distributed` is a wait for a peer; with NCCL the host
-    waits outside it (at `.item()`), so this cannot tell the ranks apart there.
+    waits outside it (at `.item()`), so this cannot tell the ranks apart there,
+    and the one with the fewest beats is named.
     """
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
@@ -434,8 +433,10 @@ def self_watch(progress: Heartbeat, rank: int, timeout: float) -> None:
     """
     #### A torchrun rank's own hang watchdog
 
-    A rank waiting for a peer allows $T$ more seconds, so the rank that stopped
-    is the one that speaks first (see Limitations).
+    Under torchrun each rank watches only its own heartbeat. A rank waiting for
+    a peer allows $T$ more seconds, so the rank that stopped is the one that
+    speaks first: a rank waiting in a collective gives the others $T$ more
+    seconds to be the one that reports.
     """
     count, moved_at = progress.count(), time.monotonic()
     while True:

@@ -33,9 +33,8 @@ The tests check each count tensor by tensor against what PyTorch saves
 * Eager PyTorch only. `torch.compile` (the bench's `--compile`) lets the
   partitioner choose what to save and what to recompute, e.g. the GELU output
   from $h$, which this count does not know.
-* Gradients in flight during backward (the residual stream's, a layer's
-  intermediate ones, at most a few $nd$), the attention kernels' workspaces and
-  the allocator's rounding and fragmentation are not counted.
+* Gradients in flight, kernel workspaces and the allocator's rounding are not
+  counted (see `activation_bytes`).
 * CUDA's memory-efficient attention backend saves $nd$ less under the full
   fine-tune (see Note: the attention output is copied).
 """
@@ -376,7 +375,10 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
     layer's input, counted there when that layer keeps it, which it does not
     behind a frozen embedding: its layer norms then save nothing, and under the
     `ffn` tuner its whole attention branch saves nothing either ($8nd$ for
-    biases, $9nd$ for ffn).
+    biases, $9nd$ for ffn). Gradients in flight during backward (the residual
+    stream's, a layer's intermediate ones, at most a few $nd$), the attention
+    kernels' workspaces and the allocator's rounding and fragmentation are not
+    counted.
 
     Per rank, for the five jobs of the benchmark ({{see: W1}}, {{see: W2}},
     {{see: W3}}, {{see: W4}} and {{see: W5}}), computed by this function when the
