@@ -9,13 +9,9 @@ summary: Check that a labml app answers before labml's web-API writer is switche
 
 labml's client sends a run's configs, status and tracked series to the
 [labml app](app.html) over HTTP, at one setting, `app_url` (see `check_app_url`).
-labml's sender is a non-daemon thread that retries a failed request forever; before
-retry $r$ it sleeps $10 r$ seconds
-(tested: tests/test_app.py::test_labmls_sender_retries_forever_10r_seconds_apart).
-With a URL where nothing answers, a run would
-train to the end and then never exit. So a run asks first: `app_url_if_running` makes
-one cheap request with a short timeout, and the run switches the `app` writer on only
-when a labml app answered.
+With a URL where nothing answers, a run would train to the end and then never exit
+(see `app_url_if_running`). So a run asks first, and switches the `app` writer on
+only when a labml app answered:
 
 ```python
 from labml import experiment, lab
@@ -88,6 +84,12 @@ def app_url_if_running(url: str, *, timeout_s: float = 2.0) -> str | None:
 
     * `url` is the app's API base, as in `DEFAULT_APP_URL`.
     * `timeout_s` bounds the one request; the run waits at most this long.
+
+    labml's sender is a non-daemon thread that retries a failed request forever;
+    before retry $r$ it sleeps $10 r$ seconds
+    (tested: tests/test_app.py::test_labmls_sender_retries_forever_10r_seconds_apart).
+    So with a URL where nothing answers, a run would train to the end and then
+    never exit; this one cheap request with a short timeout comes first.
 
     The request is `GET {api}/run/status/<a uuid no run has>`, one level above the
     project token. A labml app answers it with status 404
