@@ -77,6 +77,7 @@ from labml_zero.zero3.hybrid import (HYBRID_EXAMPLE, HybridExample, HybridPredic
 __all__ = [
     "PARAM_BYTES",
     "GRAD_BYTES",
+    "REDUCE_BYTES",
     "OPTIMIZER_BYTES",
     "STAGING_BYTES",
     "MASTER_INIT_BYTES",
@@ -112,9 +113,14 @@ __all__ = [
 # with them.
 # $p$: a half-precision parameter shard (bf16 or fp16).
 PARAM_BYTES = 2
-# $g$: the shard gradient (`main_grad`), always fp32 whatever the chunk dtype:
-# it is what the optimizer reads and what micro-batches accumulate into.
+# $g$: the shard gradient (`LocalShard.grad`), always fp32 whatever the chunk
+# dtype: the optimizer reads it in fp32, and micro-batches reduced one by one
+# add into it without rounding.
 GRAD_BYTES = 4
+# $g_r$: the reduce dtype's bytes, of the full-size gradient buffers and of the
+# reduce-scatter; fp32 is `ZeroConfig`'s default `reduce_dtype` (bf16 or fp16:
+# 2).
+REDUCE_BYTES = 4
 # $K$: AdamW's fp32 master copy and two fp32 moments.
 OPTIMIZER_BYTES = 12
 # the pinned fp32 staging buffer of a shard whose optimizer state is on the host
@@ -228,17 +234,17 @@ def layout_model_states(
 FORWARD = "forward"
 BACKWARD = "backward"
 
-# ## Note: backward holds one more unit
+# ## Note: backward holds no extra unit
 #
 # In forward, a unit's post-forward hook releases it before the next unit's
 # pre-forward hook gathers: $1 + d$ units are gathered at once. In backward both
 # hooks wait for the same gradient, that of the tensor between the two units
 # (the finished unit's input, the next unit's output). The engine releases the
 # finished unit first (see [hooks](hooks.html), Note: release before the next
-# gather), so backward too holds $1 + d$ units and this constant is $0$; were
-# the next unit gathered first, the finished one would be held beside it, one
-# unit more. The tests count the units the engine really holds in each phase and
-# assert `gathered_units`.
+# gather), also when a layer returns several tensors, so backward too holds
+# $1 + d$ units and this constant is $0$; were the next unit gathered first, the
+# finished one would be held beside it, one unit more. The tests count the units
+# the engine really holds in each phase and assert `gathered_units`.
 BACKWARD_EXTRA_UNITS = 0
 
 
@@ -248,8 +254,8 @@ def gathered_units(prefetch_depth: int, phase: str) -> int:
 
     $$n_{\text{fwd}} = 1 + d, \qquad n_{\text{bwd}} = 1 + d + \beta$$
 
-    with $d$ = `prefetch_depth` and $\beta$ = `BACKWARD_EXTRA_UNITS` (see Note:
-    backward holds one more unit). `phase` is `FORWARD` or `BACKWARD`.
+    with $d$ = `prefetch_depth` and $\beta$ = `BACKWARD_EXTRA_UNITS`, which is
+    $0$ (see Note: backward holds no extra unit). `phase` is `FORWARD` or `BACKWARD`.
     """
     _check_at_least("prefetch_depth", prefetch_depth, 0)
     if phase == FORWARD:
@@ -272,8 +278,10 @@ def gathered_peak(
 
     with $C(\text{group})$ the elements of a group's chunks and $p$ =
     `param_bytes`. With fewer than $n$ groups, all of them. Backward's windows are
-    the same runs of consecutive groups taken in the other order, one group
-    wider; the step's peak is `phase=BACKWARD`'s whenever $\beta > 0$.
+    the same runs of consecutive groups taken in the other order, as wide as
+    forward's ($\beta = 0$), so both phases have the same peak. The root unit
+    (`shard_model`'s group 0) is held for the whole step, beside every window;
+    this window counts it only where it is one of $n$ consecutive groups.
     """
     _check_at_least("param_bytes", param_bytes, 1)
     # `by_group` lists groups in the order of their chunks: execution order.
@@ -370,8 +378,8 @@ class StepComm(NamedTuple):
 def zero3_step_comm(
     layout: ChunkLayout,
     *,
-    param_bytes: int = 2,
-    grad_bytes: int = 2,
+    param_bytes: int = PARAM_BYTES,
+    grad_bytes: int = REDUCE_BYTES,
     backward_groups: Iterable[int] | None = None,
 ) -> StepComm:
     r"""
@@ -391,8 +399,10 @@ def zero3_step_comm(
     reduce-scatter). DDP's all-reduce of the gradients counts as $2\Psi$ in the
     same units (`ddp_step_comm`).
 
-    * `param_bytes` is the dtype the all-gathers run in (the parameter dtype).
-    * `grad_bytes` is the dtype the reduce-scatters run in (the reduce dtype).
+    * `param_bytes` is $p$, the bytes of the dtype the all-gathers run in (the
+      parameter dtype; bf16 by default).
+    * `grad_bytes` is $g_r$, the bytes of the dtype the reduce-scatters run in
+      (the reduce dtype; fp32 by default, as in the engine).
     * `backward_groups` are the groups whose chunks backward gathers again; all
       groups by default, the upper bound. The tests pass the groups the engine
       really gathers again.
@@ -423,7 +433,7 @@ def zero3_step_comm(
     )
 
 
-def ddp_step_comm(psi_trainable: int, grad_bytes: int = 2) -> Traffic:
+def ddp_step_comm(psi_trainable: int, grad_bytes: int = REDUCE_BYTES) -> Traffic:
     r"""
     ## DDP's all-reduce, in the same units
 
@@ -432,6 +442,8 @@ def ddp_step_comm(psi_trainable: int, grad_bytes: int = 2) -> Traffic:
     and NCCL's algorithms run it. `collectives` is $1$, as
     if the gradients were one flat bucket; DDP really uses buckets of a few
     megabytes (`bucket_cap_mb`), which changes the count but not the volume.
+    `grad_bytes` is $g_r$, fp32's by default: DDP compared in the engine's
+    reduce dtype.
     """
     _check_at_least("psi_trainable", psi_trainable, 0)
     _check_at_least("grad_bytes", grad_bytes, 1)
@@ -450,9 +462,16 @@ def ring_wire_bytes(nbytes: int, world_size: int) -> int:
     reduce-scatter moves the same; zero on one rank. Exact when `nbytes` is a
     multiple of $N_d$, as chunk sizes are. So per rank and step, ZeRO-3 sends at
     most $\frac{N_d - 1}{N_d}(2p\Psi + g_r\Psi_t)$ bytes and DDP
-    $\frac{N_d - 1}{N_d} \cdot 2g_r\Psi$: with $p = g_r$, $1.5\times$
+    $\frac{N_d - 1}{N_d} \cdot 2g_r\Psi_t$. In elements ($\Psi_t = \Psi$) that is
+    $3\Psi$ against $2\Psi$, $1.5\times$
     (tested: tests/zero3/test_memory_model.py::test_zero3_is_three_psi_and_ddp_two_psi)
-    the traffic of DDP for $\frac{1}{N_d}$ of its model states.
+    the traffic of DDP for $\frac{1}{N_d}$ of its model states. In bytes it
+    depends on the reduce dtype. At the defaults (bf16 gathers, $p = 2$; an fp32
+    reduce, $g_r = 4$, for DDP's all-reduce too) both send $8\Psi$: the same bytes
+    (tested: tests/zero3/test_memory_model.py::test_default_step_bytes_match_ddp).
+    With a bf16 reduce ($g_r = p = 2$) it is $6\Psi$ against $4\Psi$, $1.5\times$
+    in bytes as well
+    (tested: tests/zero3/test_memory_model.py::test_zero3_is_three_psi_and_ddp_two_psi).
     """
     _check_at_least("nbytes", nbytes, 0)
     _check_at_least("world_size", world_size, 1)
@@ -502,8 +521,9 @@ class HybridStepComm(NamedTuple):
     inter: Traffic
 
 
-def hybrid_step_comm(layout: ChunkLayout, *, replicas: int, param_bytes: int = 2,
-                     grad_bytes: int = 2,
+def hybrid_step_comm(layout: ChunkLayout, *, replicas: int,
+                     param_bytes: int = PARAM_BYTES,
+                     grad_bytes: int = REDUCE_BYTES,
                      backward_groups: Iterable[int] | None = None) -> HybridStepComm:
     r"""
     ## Collectives of one hybrid step, per rank
