@@ -43,11 +43,13 @@ are needed; Note: GPT-NeoX-20B works the search through a real model.
 * The score weighs trainable and frozen padding alike, though a trainable
   element also costs a gradient and optimizer state (sharded);
   `layout_model_states` on the result gives the exact bytes.
-* Bandwidth enters only as the tie rule and the per-collective price $\mu$, one
-  constant; overlap enters only through the size of the gradient buffer.
-* The peak terms count forward's window of $d + 1$ whole groups and *one*
-  gradient buffer: not backward's extra group (the memory model's Note:
-  backward holds one more unit), the other live buffers or the activations. A
+* Bandwidth enters only as the tie rule (see `search_chunk_size`) and the
+  per-collective price $\mu$, one constant; overlap enters only through the
+  size of the gradient buffer.
+* The peak terms count the window of $d + 1$ whole groups (the same in forward
+  and backward: the memory model's Note: backward holds no extra unit) and *one*
+  gradient buffer: not the root unit held beside every window, the other live
+  buffers (all of them under `no_sync`) or the activations. A
   trainable parameter larger than every candidate (a trainable embedding) sets
   the gradient buffer alone, and then the term cannot tell candidates apart.
 * One common size for the regular chunks: a layer's chunks cannot each take the
@@ -323,12 +325,12 @@ def search_chunk_size(
         )
         rows.append(row)
         chunks = [plan.chunks for plan in plans]
-        # Ties go to the larger chunk: both cost the same by this measure, and
-        # the larger one usually moves the same elements in fewer, larger
-        # collectives, which use the links better (ColossalAI keeps the
-        # smallest). Unless it is the same layout under another size: then the
-        # first size that gives it is kept, which is what makes skipping
-        # saturated sizes exact (`is_saturated`).
+        # The tie rule, one rule for two cases. Equal scores, different
+        # layouts: the larger size wins (it usually moves the same elements in
+        # fewer, larger collectives, which use the links better; ColossalAI
+        # keeps the smallest). Equal scores, the same layout under another
+        # size: the first, smaller size that gives it is kept, which is what
+        # makes skipping saturated sizes exact (`is_saturated`).
         if (
             best is None
             or row.score < best.score
@@ -464,7 +466,8 @@ def is_saturated(plans: Sequence[ChunkLayout]) -> bool:
     into exactly the same chunks: every parameter is placed where it was, the one
     chunk of a kind is the group's last and so trimmed to the same size, and an
     oversized parameter's chunk does not depend on $c$. Waste, peak and gradient
-    buffer all stay equal, and the tie rule keeps the smaller size, so the search
+    buffer all stay equal, and for the same layout the tie rule keeps the first,
+    smaller size that gives it, so the search
     jumps to the next size at which a parameter stops being oversized, the first
     at which the packing can change. The tests check this against scoring every
     candidate.
