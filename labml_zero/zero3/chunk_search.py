@@ -6,10 +6,11 @@ summary: Pick the chunk size that trades padding against gathered and gradient m
 
 # Chunk-size search
 
-The [chunk layout](chunk_layout.html) packs parameters, in execution order, into
-flat *chunks* of one common size $c$ (in elements); a chunk never spans a *group*
-(one layer, the unit that the hooks gather and release), and the space a chunk
-holds but no parameter fills is *padding*. This page picks $c$. Like ColossalAI's
+The {{see: chunk layout}} (explained in [its page](chunk_layout.html)) packs
+parameters, in execution order, into flat *chunks* of one common size $c$ (in
+elements); a chunk never spans a *group* (one layer, the unit that the hooks
+gather and release), and the space a chunk holds but no parameter fills is
+*padding*. This page picks $c$. Like ColossalAI's
 Gemini (`search_chunk_configuration`), it tries every *candidate* size in a range
 and scores the layout each one gives; it departs from it in what it simulates and
 in what it scores (see `search_chunk_size`).

@@ -17,7 +17,8 @@ Each hook is explained beside its code below, numbered as here:
 Forward, for each unit in execution order:
 
 1. **pre-forward hook**: gather the unit's chunks, queue the gathers of the next
-   `prefetch_depth` units, wait for this unit's; then the layer computes;
+   `prefetch_depth` units (the {{term: prefetch depth}}) on a side stream, the
+   {{term: gather stream}}, and wait for this unit's; then the layer computes;
 2. **post-forward hook**: release the chunks, and hook the output so that the
    backward pass announces when it reaches this unit.
 
@@ -44,7 +45,7 @@ whole step (see Note: release before the next gather;
 
 A step of a Pythia-160M-shaped GPT-NeoX on two GPUs: rank 0's kernels from
 `torch.profiler` (converted by `bench/timeline.py`), one lane per CUDA stream,
-time from left to right. *gather* is the {{see: gather stream}}: each
+time from left to right. *gather* is the gather stream: each
 all-gather (hooks 1 and 3) starts before the compute that needs it, so the
 compute lane rarely waits for one. *compute* is the layers, forward then
 backward; its long stretch without collectives in the middle is the readout

@@ -117,9 +117,9 @@ PARAM_BYTES = 2
 # dtype: the optimizer reads it in fp32, and micro-batches reduced one by one
 # add into it without rounding.
 GRAD_BYTES = 4
-# $g_r$: the reduce dtype's bytes, of the full-size gradient buffers and of the
-# reduce-scatter; fp32 is `ZeroConfig`'s default `reduce_dtype` (bf16 or fp16:
-# 2).
+# $g_r$: the bytes of the {{term: reduce dtype}}, the dtype of the full-size
+# gradient buffers and of the reduce-scatter; fp32 is `ZeroConfig`'s default
+# `reduce_dtype` (bf16 or fp16: 2).
 REDUCE_BYTES = 4
 # $K$: AdamW's fp32 master copy and two fp32 moments.
 OPTIMIZER_BYTES = 12
@@ -227,9 +227,10 @@ def layout_model_states(
 #
 # A *unit* is what the hooks gather and release together: one layer, whose
 # parameters form one *group* of the layout. Before a unit runs, its chunks are
-# gathered in full; the chunks of the next $d$ units (the *prefetch depth*,
-# `prefetch_depth`) are gathered ahead of time, so their all-gathers overlap the
-# running unit's compute; a unit's chunks are released when it is done.
+# gathered in full; the chunks of the next $d$ units (the
+# {{see: prefetch depth}}, `prefetch_depth`, explained in [hooks](hooks.html))
+# are gathered ahead of time, so their all-gathers overlap the running unit's
+# compute; a unit's chunks are released when it is done.
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -315,8 +316,7 @@ def largest_grad_buffer(layout: ChunkLayout, grad_bytes: int) -> int:
 
     During backward a trainable chunk holds each parameter's gradient until the
     last one arrives, copies them all into a full-size buffer of $C_k$ elements
-    in the *reduce dtype* (the dtype the reduce-scatter runs in, fp32 by
-    default), reduce-scatters it and frees it. The largest of these buffers,
+    in the reduce dtype (fp32 by default), reduce-scatters it and frees it. The largest of these buffers,
 
     $$B = g_r \cdot \max_{k \text{ trainable}} C_k,$$
 

@@ -362,7 +362,8 @@ class ShardedRoot(nn.Module):
 
     `Zero3Sequential` and `ShardedModel` share these; `runtime` is their
     [runtime](hooks.html), `config` their [`ZeroConfig`](config.html) and
-    `layout` one [chunk layout](chunk_layout.html) for the whole model, one group
+    `layout` one {{see: chunk layout}} (explained in
+    [its page](chunk_layout.html)) for the whole model, one group
     per unit, which the [memory model](memory_model.html) reads.
     """
 
