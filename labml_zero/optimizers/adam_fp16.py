@@ -32,7 +32,9 @@ each step.
   `.grad`.
 * The master starts from the shard's `master_init` when the engine kept one
   (the original fp32 weights of a half-precision chunk), otherwise from the
-  parameter itself. An fp32 parameter *is* its own master: no copy, $K = 8$
+  parameter itself; it is taken at the first step, or at construction for a
+  shard whose state is on the host. An fp32 parameter *is* its own master: no
+  copy, $K = 8$
   extra bytes
   (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
   instead of {{py: memory_model.OPTIMIZER_BYTES}}.
@@ -45,43 +47,20 @@ the memory traffic). Both are tested against `torch.optim.AdamW`. Every update,
 whenever and wherever it runs, goes through one method, `_apply`.
 
 `offload=` keeps the master and moments of chosen shards in host memory and
-updates them there ([optimizer state in host memory](host_offload.html)).
+updates them there (explained in
+[optimizer state in host memory](host_offload.html)): the gradient shard is
+copied down, the update runs on the CPU, and the rounded shard goes back up.
+Which shards go is the {{see: placement}}'s decision.
 
-## Note: updating during the backward pass
+## All ranks agree on an overflow
 
-A shard's gradient is final as soon as its chunk is reduced, and the output-end
-chunks are reduced first. The engine announces each final gradient
-(`grad_ready`, registered with `runtime.on_grad_ready`). With
-`update_during_backward=True` the shard is updated then: on a GPU on a side
-stream that waits for the reduce-scatter, so the memory-bound update runs beside
-the backward kernels of the layers below; an offloaded shard on the host worker
-of [`HostOffload`](host_offload.html). `step()` only waits for them and updates
-the shards not updated yet. The update is the same, with the same operands, so:
-
-* it needs the final gradient at `grad_ready` time: clipping and loss-scale
-  unscaling change the gradient in place afterwards. Each early update records
-  its gradient's version (`GradVersion`), and `step()` raises if a gradient
-  changed after its update, before updating anything;
-* it reads `lr` and the other hyperparameters when it runs: change them
-  between `step()` and the next backward, as schedulers do.
-
-## Note: a non-finite gradient in an early update
-
-An early update cannot be undone, and a step with a non-finite gradient must be
-skipped on every rank (the [loss scaler](grad_scaler.html)'s contract). So an
-early update first checks its gradient: the fused kernel takes a `found_inf`
-flag computed on the device from the gradient (no host sync) and leaves master,
-moments and shard untouched when it is set; the host update checks on the host.
-On the host `step()` then raises at once; on a GPU the flags are copied to the
-host behind the backward pass and read at the next `step()` or `shard_state()`
-(so before any checkpoint holds the step). It raises naming the shards whose
-update was skipped, with their step counts unchanged. `LossScaler.step` refuses
-an optimizer with `update_during_backward=True` outright: skipping a whole step
-is impossible once other shards were updated.
-
-Checkpoints read and write a shard's state through `shard_state(shard)` and
-`load_shard_state(shard, state)` (keys `step`, `master`, `exp_avg`,
-`exp_avg_sq`); `state_device(shard)` says where a loader should put the tensors.
+A step with a non-finite gradient must be skipped on every rank, or the ranks'
+shards would come from different steps, yet each rank sees only its own
+shards. The agreement costs no collective of its own: the global gradient norm
+is one all-reduce of each rank's sum of squares (explained in
+[clipping](clip_grad.html)), and a non-finite gradient anywhere makes that sum
+non-finite on every rank at once; the [loss scaler](grad_scaler.html) reads it
+and skips the step everywhere.
 
 ## Limitations
 
@@ -327,8 +306,25 @@ class AdamFP16(torch.optim.Optimizer):
 
         The engine calls this as each chunk is reduced, with `after` the stream
         that wrote the gradient. An offloaded shard starts its copy down; with
-        `update_during_backward` the shard is updated now (see Note: updating
-        during the backward pass).
+        `update_during_backward` the shard is updated now.
+
+        #### Note: updating during the backward pass
+
+        A shard's gradient is final as soon as its chunk is reduced, and the output-end
+        chunks are reduced first. The engine announces each final gradient
+        (`grad_ready`, registered with `runtime.on_grad_ready`). With
+        `update_during_backward=True` the shard is updated then: on a GPU on a side
+        stream that waits for the reduce-scatter, so the memory-bound update runs beside
+        the backward kernels of the layers below; an offloaded shard on the host worker
+        of [`HostOffload`](host_offload.html). `step()` only waits for them and updates
+        the shards not updated yet. The update is the same, with the same operands, so:
+
+        * it needs the final gradient at `grad_ready` time: clipping and loss-scale
+          unscaling change the gradient in place afterwards. Each early update records
+          its gradient's version (`GradVersion`), and `step()` raises if a gradient
+          changed after its update, before updating anything;
+        * it reads `lr` and the other hyperparameters when it runs: change them
+          between `step()` and the next backward, as schedulers do.
         """
         grad = self.gradient(param)
         if grad is None:
@@ -490,7 +486,19 @@ class AdamFP16(torch.optim.Optimizer):
         """
         #### Raise if an early update of the last step was skipped
 
-        See Note: a non-finite gradient in an early update.
+        ##### Note: a non-finite gradient in an early update
+
+        An early update cannot be undone, and a step with a non-finite gradient must be
+        skipped on every rank (the [loss scaler](grad_scaler.html)'s contract). So an
+        early update first checks its gradient: the fused kernel takes a `found_inf`
+        flag computed on the device from the gradient (no host sync) and leaves master,
+        moments and shard untouched when it is set; the host update checks on the host.
+        On the host `step()` then raises at once; on a GPU the flags are copied to the
+        host behind the backward pass and read at the next `step()` or `shard_state()`
+        (so before any checkpoint holds the step). It raises naming the shards whose
+        update was skipped, with their step counts unchanged. `LossScaler.step` refuses
+        an optimizer with `update_during_backward=True` outright: skipping a whole step
+        is impossible once other shards were updated.
         """
         unread, self.unread_flags = self.unread_flags, []
         bad = []

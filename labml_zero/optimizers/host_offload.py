@@ -38,8 +38,9 @@ nothing goes up: the next gather copies the shard up itself.
 
 Only the staging buffer is page-locked ("pinned", when the shard's gradient is
 on a GPU, `grad_device`): DMA needs it, while the master and moments are read
-by the CPU only, and pinned memory is scarce (it cannot be swapped). Copies run on two side streams, one per
-direction, so the copy engines move both ways at once:
+by the CPU only, and pinned memory is scarce (it cannot be swapped). Copies run
+on two side streams, one per direction, so the copy engines move both ways at
+once:
 
 1. `copy_down(param, grad, after=stream)` queues the gradient's copy as soon as
    `stream` (the engine's reduce stream) has written it, and records an event;

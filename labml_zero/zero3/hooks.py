@@ -574,9 +574,12 @@ class Zero3Runtime:
         ### Accumulate gradients without reducing them
 
         Backward passes inside accumulate into each chunk's full-size gradient
-        buffer (held from one micro-batch to the next: $C \cdot g$ bytes per
-        trainable chunk); the first backward outside reduces the sum once. For $k$
-        micro-batches that is one reduce-scatter per step instead of $k$.
+        buffer (held from one micro-batch to the next: $C \cdot g_r$ bytes per
+        trainable chunk in the reduce dtype, about $g_r \Psi_t$ per rank in all,
+        not divided by $N_d$: the memory model counts them); the first backward
+        outside reduces the sum once, and the shard gradient receives that one
+        reduction. For $k$ micro-batches that is one reduce-scatter per step
+        instead of $k$.
         """
         previous, self.sync_gradients = self.sync_gradients, False
         try:

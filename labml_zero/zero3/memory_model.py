@@ -15,10 +15,11 @@ the $\Psi$ trainable parameters, mixed-precision Adam keeps
 
 * $p = 2$ bytes of half-precision parameter (bf16 or fp16), used by forward and
   backward,
-* $g = 4$ bytes of gradient, the default (`GRAD_BYTES`): this engine keeps each
-  rank's gradient shard in fp32, because the optimizer reads it in fp32 and
-  micro-batches accumulate into it (the ZeRO paper counts a half-precision
-  gradient instead, $g = 2$),
+* $g = 4$ bytes of gradient shard (`GRAD_BYTES`): this engine keeps it in fp32
+  whatever the parameter dtype, because the ranks' gradients are averaged in
+  fp32 by default and the optimizer reads fp32, so the mean is never rounded
+  on its way (the ZeRO paper counts a half-precision gradient instead,
+  $g = 2$),
 * $K = 12$
   (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
   bytes of optimizer state: an fp32 master copy of the parameter and Adam's two
@@ -30,12 +31,23 @@ bytes per trainable parameter here; the paper's formula gives 16
 (tested: tests/zero3/test_memory_model.py::test_zero_model_states_is_the_paper_formula).
 Data parallelism (DDP) replicates all of it on each of the $N_d$ data-parallel
 ranks. ZeRO-3 (the paper's $P_{os+g+p}$) partitions all three over them, so a
-rank holds
+rank holds, of model states,
 
 $$M_{\text{ZeRO-3}} = \frac{(p + g + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 
 where $\Psi_t$ are the trainable and $\Psi_f$ the frozen parameters; a frozen
-parameter has neither gradient nor optimizer state. GPT-NeoX-20B, with about
+parameter has neither gradient nor optimizer state. That is not all a rank
+holds during a step. Beside the model states it holds the gathered chunks of
+$1 + d$ units (`gathered_peak`), the root unit's gathered chunks for the whole
+step, beside every window, and in backward the full-size gradient buffer of
+each chunk until it is reduced (`largest_grad_buffer`). Under gradient
+accumulation (`no_sync`) no chunk reduces until the last micro-batch: every
+trainable chunk keeps its full-size buffer from one micro-batch to the next,
+$g_r \sum_k C_k \approx g_r \Psi_t$ bytes per rank ($g_r$ the bytes of the
+{{term: reduce dtype}}, the dtype gradients are reduce-scattered in), *not*
+divided by $N_d$; from $N_d > (p + g + K) / g_r$ ranks on, that is
+more than the model states themselves. The shard gradient then receives one
+reduction per step. GPT-NeoX-20B, with about
 20.6 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
 billion parameters, needs about $370$
 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
@@ -47,16 +59,17 @@ The rest of the page refines this formula for a real {{see: chunk
 layout}} (padding, `layout_model_states`), adds what is
 *gathered* for compute at once (`gathered_units`, `gathered_peak`) and the
 largest gradient buffer (`largest_grad_buffer`), counts the bytes one step
-communicates (`zero3_step_comm`, `ring_wire_bytes`), and the same for [hybrid
-sharding](hybrid.html) (`hybrid_model_states`, `hybrid_step_comm`,
-`hybrid_wire_bytes`, `hybrid_step_seconds`).
+communicates (`zero3_step_comm`, `ring_wire_bytes`), and the same for hybrid
+sharding (`hybrid_model_states`, `hybrid_step_comm`, `hybrid_wire_bytes`,
+`hybrid_step_seconds`; hybrid sharding is explained in
+[its page](hybrid.html)).
 
 ## Limitations
 
-* Model states, gathered parameters and the largest gradient buffer only:
-  activations, the other gradient buffers that are live at the same time (a chunk
-  waiting for its reduce-scatter while the next one accumulates), temporary
-  buffers and the allocator's fragmentation are not counted.
+* Model states, gathered parameters and gradient buffers only: activations,
+  temporary buffers and the allocator's fragmentation are not counted, nor,
+  without accumulation, a second gradient buffer live beside the largest (a
+  chunk waiting for its reduce-scatter while the next one fills).
 * The peak assumes the engine's rule that a group is gathered and released whole;
   a schedule that releases early or gathers chunk by chunk would need its own
   count.
@@ -117,7 +130,7 @@ PARAM_BYTES = 2
 # dtype: the optimizer reads it in fp32, and micro-batches reduced one by one
 # add into it without rounding.
 GRAD_BYTES = 4
-# $g_r$: the bytes of the {{term: reduce dtype}}, the dtype of the full-size
+# $g_r$: the bytes of the reduce dtype, the dtype of the full-size
 # gradient buffers and of the reduce-scatter; fp32 is `ZeroConfig`'s default
 # `reduce_dtype` (bf16 or fp16: 2).
 REDUCE_BYTES = 4
@@ -316,7 +329,8 @@ def largest_grad_buffer(layout: ChunkLayout, grad_bytes: int) -> int:
 
     During backward a trainable chunk holds each parameter's gradient until the
     last one arrives, copies them all into a full-size buffer of $C_k$ elements
-    in the reduce dtype (fp32 by default), reduce-scatters it and frees it. The largest of these buffers,
+    in the reduce dtype (fp32 by default), reduce-scatters it and frees it. The
+    largest of these buffers,
 
     $$B = g_r \cdot \max_{k \text{ trainable}} C_k,$$
 
@@ -390,7 +404,9 @@ def zero3_step_comm(
     * a forward all-gather of every chunk: $\Psi$ elements in $p$ bytes,
     * a backward all-gather of the chunks that were released after forward and
       run a backward: at most $\Psi$ again, fewer in the engine, which keeps the
-      root unit and *resident* chunks gathered for the whole step and never
+      root unit and *resident* chunks (frozen chunks that the placement keeps
+      gathered, explained in [placement](placement.html)) gathered for the
+      whole step, and never
       gathers again the frozen layers at the input end, where no backward runs,
     * a reduce-scatter of every trainable chunk's gradient: $\Psi_t$ in the reduce
       dtype's $g_r$ bytes,
@@ -480,7 +496,8 @@ def ring_wire_bytes(nbytes: int, world_size: int) -> int:
 
 # ## Hybrid sharding
 #
-# With [hybrid sharding](hybrid.html) the $N$ ranks form $R = N / K$
+# With hybrid sharding (explained in [its page](hybrid.html)) the $N$ ranks form
+# $R = N / K$
 # {{term: shard groups | shard group}} of $K$ ranks. Each group holds one copy of
 # the model states, so a rank holds ZeRO-3's share of a world of $K$, and a step
 # adds to ZeRO-3's collectives inside the group one all-reduce, across the $R$

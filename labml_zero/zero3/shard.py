@@ -15,7 +15,7 @@ its own slice, and this page is the one object that owns it:
 |---|---|---|---|
 | `param`, the bf16 (or fp16, fp32) shard | $S$ | $p$ (2 for bf16) | always |
 | `grad`, the fp32 gradient shard | $S$ | 4 | from the reduce-scatter to `zero_grad` |
-| `master_init`, the first fp32 master | $S$ | 4 | from building until the optimizer takes it |
+| `master_init`, the first fp32 master | $S$ | 4 | until the optimizer takes it |
 
 so a trainable element costs $p + 4$ bytes here, beside the $K = 12$
 (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)

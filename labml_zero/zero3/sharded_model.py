@@ -21,6 +21,13 @@ Three ways to put a model under ZeRO-3, all built from the same pieces (a
 
 Either way the model has one layout, `model.layout`, with a group per unit.
 
+A model larger than one GPU is built without any rank holding it: its layers
+are made on the meta device (shapes, no memory), the chunk size is chosen
+from the shapes alone, and each layer is given weights and sharded one at a
+time, or even one chunk at a time, so that a rank never holds more than one
+layer (or one chunk) beyond its shards (see Lazy initialisation, beside
+`zero3_layers`).
+
 ## Sharding a layer
 
 1. List its parameters in execution order as `ParamSpec`s; frozen ones
@@ -42,8 +49,12 @@ $K$ = {{py: memory_model.OPTIMIZER_BYTES}} bytes of optimizer state (`AdamFP16`)
 $$\frac{(p + 4 + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
 
-plus the gathered chunks of at most $1 + \text{prefetch\_depth}$ units and the
-full-size gradient buffers of the chunks being reduced.
+of model states, plus what a step holds beside them (counted by the
+[memory model](memory_model.html)): the gathered chunks of at most
+$1 + \text{prefetch\_depth}$ units, the root unit's for the whole step, and
+the full-size gradient buffers of the chunks being reduced; under `no_sync`
+every trainable chunk's buffer at once, about $g_r \Psi_t$ bytes, not divided
+by $N_d$.
 
 ## Limitations
 
