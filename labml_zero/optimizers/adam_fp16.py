@@ -115,7 +115,8 @@ class AdamFP16(torch.optim.Optimizer):
     * `offload`: which shards keep master and moments in host memory: positions
       in the list of all parameters, group after group (for
       `model.get_trainable_chunk()`, the trainable chunks in order;
-      `Placement.optimizer_offload` gives them), or a function
+      `Placement.optimizer_offload` gives them, explained in
+      [placement](../zero3/placement.html)), or a function
       `(position, param) -> bool`; `None` keeps everything on the device.
     * `update_during_backward`: update each shard as soon as `grad_ready` is
       called for it (see Note: updating during the backward pass).

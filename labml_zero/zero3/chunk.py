@@ -224,9 +224,10 @@ class Chunk:
         self.full.untyped_storage().resize_(0)
         self.state = ChunkState.UNINITIALISED if on_meta else ChunkState.SHARDED
         self._gathered_event = None
-        # The placement's decision (`keep_resident`), not a state: it outlives a
-        # forced release (new weights loaded), after which the next gather makes
-        # the chunk `RESIDENT` again.
+        # The placement's decision (`keep_resident`; the placement is explained
+        # in [its page](placement.html)), not a state: it outlives a forced
+        # release (new weights loaded), after which the next gather makes the
+        # chunk `RESIDENT` again.
         self.stays_gathered = False
 
         # [C] reduce dtype, allocated at the first gradient of a backward pass
@@ -493,7 +494,8 @@ class Chunk:
         added to what `local.grad` holds so that gradients accumulate until
         `zero_grad`, as `param.grad` does. One call to the chunk's
         [reduction](transport.html) (`self.reduction`), chosen when the chunk is
-        built: collective, peer memory, or hybrid.
+        built: collective, peer memory, or hybrid (explained in
+        [transports](transport.html)).
         """
         assert self.trainable, "only trainable chunks have gradients"
         comm, local = self.comm, self.local

@@ -59,7 +59,8 @@ states, sharded over its $K$ ranks; rank $q$ of group $j$ is world rank
 $jK + q$. The ranks with the same $q$ in every group form a {{term: replica group}}
 of $N / K$ ranks that hold the same shard. All-gathers and reduce-scatters run
 inside the shard group, and one all-reduce per trainable chunk, of the shard
-only, runs across the replica group ([hybrid sharding](hybrid.html)). Here
+only, runs across the replica group (explained in
+[hybrid sharding](hybrid.html)). Here
 `rank` and `world_size` are this rank's place in its shard group: the $N_d$ of
 every other page is $K$.
 """

@@ -99,8 +99,8 @@ class ZeroConfig:
     r"""
     Hybrid sharding: shard the model states over groups of $K$ consecutive
     ranks (one host, say) and replicate them across the $N / K$ groups, so that
-    only shard-sized gradient traffic crosses groups
-    ([hybrid sharding](hybrid.html)). $K$ must divide the world size. `None`
+    only shard-sized gradient traffic crosses groups (explained in
+    [hybrid sharding](hybrid.html)). $K$ must divide the world size. `None`
     shards over every rank.
     """
 

@@ -33,6 +33,11 @@ Backward, for each unit in reverse:
 5. **post-backward hook**: release;
 6. **end of backward**: reduce what was not, release what is still gathered.
 
+Then the optimizer updates each shard from its gradient shard
+([AdamFP16](../optimizers/adam_fp16.html), the next page), at `step()` or,
+with `update_during_backward`, as soon as hook 4 has reduced its chunk
+(`on_grad_ready`).
+
 At most $1 + \text{prefetch\_depth}$ units are gathered at a time, in the
 forward and in the backward pass, whatever the layers return (a tuple of
 several tensors too), besides the root unit, which stays gathered for the

@@ -7,7 +7,8 @@ summary: Analytic bytes per rank and step for ZeRO-3 with chunks, formulas to la
 # Memory and communication model
 
 This page counts bytes without allocating any. The tests compare the engine's real
-tensors against it, the [chunk-size search](chunk_search.html) scores layouts with
+tensors against it, the chunk-size search (explained in
+[its page](chunk_search.html), the last of the core path) scores layouts with
 it, and the benchmark prints it beside what it measures.
 
 *Model states* are the tensors that live for the whole of training: for each of
@@ -41,13 +42,15 @@ holds during a step. Beside the model states it holds the gathered chunks of
 $1 + d$ units (`gathered_peak`), the root unit's gathered chunks for the whole
 step, beside every window, and in backward the full-size gradient buffer of
 each chunk until it is reduced (`largest_grad_buffer`). Under gradient
-accumulation (`no_sync`) no chunk reduces until the last micro-batch: every
-trainable chunk keeps its full-size buffer from one micro-batch to the next,
-$g_r \sum_k C_k \approx g_r \Psi_t$ bytes per rank ($g_r$ the bytes of the
-{{term: reduce dtype}}, the dtype gradients are reduce-scattered in), *not*
-divided by $N_d$; from $N_d > (p + g + K) / g_r$ ranks on, that is
-more than the model states themselves. The shard gradient then receives one
-reduction per step. GPT-NeoX-20B, with about
+accumulation (`no_sync`, explained in [hooks](hooks.html)) no chunk reduces
+until the last micro-batch: every trainable chunk keeps its full-size buffer
+from one micro-batch to the next, $g_r \sum_k C_k \approx g_r \Psi_t$ bytes
+per rank ($g_r$ the bytes of the {{term: reduce dtype}}, the dtype gradients
+are reduce-scattered in), *not* divided by $N_d$; from
+$N_d > (p + g + K) / g_r$ ranks on, that is more than the model states
+themselves. The shard gradient then receives one reduction per step.
+
+GPT-NeoX-20B, with about
 20.6 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
 billion parameters, needs about $370$
 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)

@@ -13,7 +13,8 @@ Three ways to put a model under ZeRO-3, all built from the same pieces (a
 * `Zero3Layer(module, rank, world_size, device, dtype)` shards one layer, and
   `Zero3Sequential([...])` runs a chain of them, as in labml-nn;
 * `zero3_layers(modules, device=..., config=...)` builds those layers with one
-  chunk size for all of them (searched unless the config fixes it);
+  chunk size for all of them (searched unless the config fixes it; the search
+  is explained in [its page](chunk_search.html));
 * `shard_model(model, layers, device=..., config=...)` wraps any `nn.Module`,
   sharding the chosen submodules (each block of a Hugging Face model, say) as units
   and the parameters outside them as a *root unit* that stays gathered for the
