@@ -178,7 +178,9 @@ def load_pages(root: Path, modules: list[str], parts: list[order.Part],
     for entry, page in zip(order.flat(parts), pages[1:]):
         if entry in deepened:
             page.sections = _with_deepens(page, deepened[entry], titles)
-        if entry.endswith("/__init__.py"):
+        # The package's own page is the core path's overview; the home page
+        # lists every page, so it lists no folder of its own.
+        if entry.endswith("/__init__.py") and entry != f"{PACKAGE}/__init__.py":
             page.sections = _with_contents(page,
                                            order.folder_list(parts, entry, titles))
     listing = order.home_list(parts, titles)

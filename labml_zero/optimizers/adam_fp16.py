@@ -2,7 +2,7 @@ r"""
 ---
 title: Adam with fp32 master weights (AdamFP16)
 summary: AdamW on flat shards, fp32 masters and moments (on the device or the
-  host), rounded back to half precision.
+  host) rounded back to half precision, and how all ranks agree on an overflow.
 ---
 
 # Adam with fp32 master weights

@@ -13,8 +13,6 @@ and its pages follow below in reading order: the configuration, the
 [its transports](transport.html), then {{see: placement}}, other transports and compiled
 layers. `ZeroConfig`, `shard_model`, `Zero3Sequential`, `save_checkpoint` and
 `load_checkpoint` are re-exported here.
-
-{{contents}}
 """
 
 from .checkpoint import (CheckpointError, export_full_state_dict, load_checkpoint,

@@ -1,7 +1,9 @@
 r"""
 ---
 title: Hooks and schedule
-summary: When chunks are gathered, prefetched, released and reduced in a step.
+summary: One training step hook by hook (when each chunk is gathered,
+  prefetched, released and reduced), how many units are gathered at most, frozen
+  layers and gradient accumulation.
 ---
 
 # Hooks and schedule

@@ -1,7 +1,8 @@
 r"""
 ---
 title: Memory and communication model
-summary: Analytic bytes per rank and step for ZeRO-3 with chunks, formulas to layouts.
+summary: The bytes a rank holds, term by term as the engine holds them, and a
+  step's traffic against DDP's, in elements and in bytes.
 ---
 
 # Memory and communication model

@@ -1,7 +1,8 @@
 r"""
 ---
 title: Sharding a model
-summary: Zero3Layer, Zero3Sequential and shard_model, the public ways into the engine.
+summary: Zero3Layer, Zero3Sequential and shard_model, the public ways into the
+  engine, and how a model larger than one GPU is built without any rank holding it.
 ---
 
 # Sharding a model
