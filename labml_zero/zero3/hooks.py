@@ -8,9 +8,9 @@ summary: One training step hook by hook (when each chunk is gathered,
 
 # Hooks and schedule
 
-The [chunks](chunk.html) know *how* to gather, release and reduce; this page decides
-*when*, from hooks that PyTorch calls around each wrapped layer. A wrapped layer is
-a *unit*: the module whose chunks are gathered together.
+A chunk knows *how* to gather, release and reduce (explained in
+[the chunk's page](chunk.html)); this page decides *when*, from hooks that
+PyTorch calls around each wrapped layer, a unit.
 
 ## One training step
 
@@ -52,18 +52,17 @@ whole step (see Note: release before the next gather;
 
 A step of a Pythia-160M-shaped GPT-NeoX on two GPUs: rank 0's kernels from
 `torch.profiler` (converted by `bench/timeline.py`), one lane per CUDA stream,
-time from left to right. *gather* is the gather stream: each
-all-gather (hooks 1 and 3) starts before the compute that needs it, so the
-compute lane rarely waits for one. *compute* is the layers, forward then
-backward; its long stretch without collectives in the middle is the readout
-and the loss over a {{py: neox_model.pythia_160m().n_vocab}}-token vocabulary.
-*reduce* holds the reduce-scatters of hook 4, each started when a chunk's last
-gradient arrives and running beside the backward of the layers below (the
-optimizer's updates, queued as each chunk is reduced, are among the compute
-kernels there). The step ends at hook 6, when the compute stream has waited
-for the last reduction.
+time from left to right. *gather* is the gather stream: each all-gather (hooks 1
+and 3) starts before the compute that needs it, so the compute lane rarely waits
+for one. *compute* is the layers, forward then backward; its long stretch
+without collectives in the middle is the readout and the loss over a
+{{py: neox_model.pythia_160m().n_vocab}}-token vocabulary. *reduce* holds the
+reduce-scatters of hook 4, each started when a chunk's last gradient arrives and
+running beside the backward of the layers below (this run updates during the
+backward pass: the optimizer's updates, queued as each chunk is reduced, are
+among the compute kernels there). The step ends at hook 6, when the compute
+stream has waited for the last reduction.
 
-## Limitations
 ## Limitations
 
 * A unit must run at most once per forward pass.

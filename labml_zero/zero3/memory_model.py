@@ -38,18 +38,18 @@ rank holds, of model states,
 $$M_{\text{ZeRO-3}} = \frac{(p + g + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 
 where $\Psi_t$ are the trainable and $\Psi_f$ the frozen parameters; a frozen
-parameter has neither gradient nor optimizer state. That is not all a rank
-holds during a step. Beside the model states it holds the gathered chunks of
-$1 + d$ units (`gathered_peak`), the root unit's gathered chunks for the whole
-step, beside every window, and in backward the full-size gradient buffer of
-each chunk until it is reduced (`largest_grad_buffer`). Under gradient
+parameter has neither gradient nor optimizer state. That is not all a rank holds
+during a step. Beside the model states it holds the gathered chunks of $1 + d$
+units ($d$ = `prefetch_depth`; `gathered_peak`), the root unit's gathered chunks
+for the whole step, beside every window, and in backward the full-size gradient
+buffer of each chunk until it is reduced (`largest_grad_buffer`). Under gradient
 accumulation (`no_sync`, explained in [hooks](hooks.html)) no chunk reduces
 until the last micro-batch: every trainable chunk keeps its full-size buffer
-from one micro-batch to the next, $g_r \sum_k C_k \approx g_r \Psi_t$ bytes
-per rank ($g_r$ the bytes of the {{term: reduce dtype}}, the dtype gradients
-are reduce-scattered in), *not* divided by $N_d$; from
-$N_d > (p + g + K) / g_r$ ranks on, that is more than the model states
-themselves. The shard gradient then receives one reduction per step.
+from one micro-batch to the next, $g_r \sum_k C_k \approx g_r \Psi_t$ bytes per
+rank ($g_r$ the bytes of the {{term: reduce dtype}}, the dtype gradients are
+reduce-scattered in), *not* divided by $N_d$; from $N_d > (p + g + K) / g_r$
+ranks on, that is more than the model states themselves. The shard gradient then
+receives one reduction per step.
 
 GPT-NeoX-20B, with about
 20.6 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
