@@ -9,7 +9,8 @@ summary: Zero3Layer, Zero3Sequential and shard_model, the public ways into the
 
 Three ways to put a model under ZeRO-3, all built from the same pieces (a
 [layout](chunk_layout.html), [chunks](chunk.html) and the
-[runtime's hooks](hooks.html)):
+[runtime's hooks](hooks.html); the layout and the chunk are explained in their
+pages, after the core path):
 
 * `Zero3Layer(module, rank, world_size, device, dtype)` shards one layer, and
   `Zero3Sequential([...])` runs a chain of them, as in labml-nn;
@@ -267,8 +268,8 @@ class Zero3Layer(nn.Module):
     * `chunk_numel`: the chunk size. By default the config's; if the config
       leaves it to a search (`None`), one chunk for the trainable and one for
       the frozen parameters, as labml-nn does. Given both, they must agree.
-    * `config`: the other knobs ([`ZeroConfig`](config.html)); its `dtype`
-      must be `dtype`.
+    * `config`: the other knobs (`ZeroConfig`, explained in
+      [its page](config.html)); its `dtype` must be `dtype`.
     """
 
     def __init__(
