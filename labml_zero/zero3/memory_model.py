@@ -41,15 +41,16 @@ where $\Psi_t$ are the trainable and $\Psi_f$ the frozen parameters; a frozen
 parameter has neither gradient nor optimizer state. That is not all a rank holds
 during a step. Beside the model states it holds the gathered chunks of $1 + d$
 units ($d$ = `prefetch_depth`; `gathered_peak`), the root unit's gathered chunks
-for the whole step, beside every window, and in backward the full-size gradient
-buffer of each chunk until it is reduced (`largest_grad_buffer`). Under gradient
-accumulation (`no_sync`, explained in [hooks](hooks.html)) no chunk reduces
-until the last micro-batch: every trainable chunk keeps its full-size buffer
-from one micro-batch to the next, $g_r \sum_k C_k \approx g_r \Psi_t$ bytes per
-rank ($g_r$ the bytes of the {{term: reduce dtype}}, the dtype gradients are
-reduce-scattered in), *not* divided by $N_d$; from $N_d > (p + g + K) / g_r$
-ranks on, that is more than the model states themselves. The shard gradient then
-receives one reduction per step.
+for the whole step, beside every window (`root_unit_bytes`), and in backward the
+full-size gradient buffer of each chunk until it is reduced
+(`largest_grad_buffer`). Under gradient accumulation (`no_sync`, explained in
+[hooks](hooks.html)) no chunk reduces until the last micro-batch: every
+trainable chunk keeps its full-size buffer from one micro-batch to the next,
+$g_r \sum_k C_k \approx g_r \Psi_t$ bytes per rank ($g_r$ the bytes of the
+{{term: reduce dtype}}, the dtype gradients are reduce-scattered in), *not*
+divided by $N_d$; from $N_d > (p + g + K) / g_r$ ranks on, that is more than the
+model states themselves. The shard gradient then receives one reduction per
+step.
 
 GPT-NeoX-20B, with about
 20.6 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
@@ -106,6 +107,8 @@ __all__ = [
     "gathered_units",
     "gathered_peak",
     "peak_window_numel",
+    "ROOT_GROUP",
+    "root_unit_bytes",
     "largest_grad_buffer",
     "Traffic",
     "StepComm",
@@ -298,8 +301,9 @@ def gathered_peak(
     `param_bytes`. With fewer than $n$ groups, all of them. Backward's windows are
     the same runs of consecutive groups taken in the other order, as wide as
     forward's ($\beta = 0$), so both phases have the same peak. The root unit
-    (`shard_model`'s group 0) is held for the whole step, beside every window;
-    this window counts it only where it is one of $n$ consecutive groups.
+    (`shard_model`'s group 0) is held for the whole step, beside every window
+    (`root_unit_bytes`); this window counts it only where it is one of $n$
+    consecutive groups.
     """
     _check_at_least("param_bytes", param_bytes, 1)
     # `by_group` lists groups in the order of their chunks: execution order.
@@ -325,6 +329,27 @@ def peak_window_numel(
         window += group_numels[i] - group_numels[i - width]
         peak = max(peak, window)
     return peak
+
+
+ROOT_GROUP = 0
+"""`shard_model`'s group of the root unit (a `Zero3Sequential` has none)."""
+
+
+def root_unit_bytes(layout: ChunkLayout, param_bytes: int = PARAM_BYTES) -> int:
+    r"""
+    ## The root unit, gathered for the whole step
+
+    $$R = p \cdot C(\text{group}_0)$$
+
+    `shard_model` puts the parameters of no wrapped layer (embeddings, a tied
+    readout) in group 0, the root unit: gathered at the start of the forward
+    pass and released at the end of the backward pass, so these bytes are held
+    beside every window of `gathered_peak`, and belong on top of it. Only for a
+    layout made by `shard_model`: a `Zero3Sequential`'s group 0 is its first
+    layer, an ordinary unit.
+    """
+    _check_at_least("param_bytes", param_bytes, 1)
+    return layout.group_numel(ROOT_GROUP) * param_bytes
 
 
 def largest_grad_buffer(layout: ChunkLayout, grad_bytes: int) -> int:

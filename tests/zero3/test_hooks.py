@@ -9,6 +9,7 @@ from torch import nn
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, shard_model, zero3_layers
 from labml_zero.zero3.chunk import ChunkState
 from labml_zero.zero3.hooks import Phase
+from labml_zero.zero3.memory_model import root_unit_bytes
 from tests.zero3.models import batch, tiny_layers
 from tests.zero3.test_sharded_model import gradient_mismatch
 
@@ -101,6 +102,29 @@ def test_a_unit_with_several_outputs_holds_the_same_bound(depth):
     # One rank in fp32: the same operations in the same order as the
     # reference, and a reduction over one rank, so the gradients are equal.
     assert gradient_mismatch(model, reference, None) == 0.0
+
+
+def test_the_root_unit_is_gathered_for_the_whole_step_as_the_model_counts():
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4)
+    layers = tiny_layers(0, freeze=False)
+    # the first and last layers are the root unit, the blocks the units
+    model = shard_model(nn.Sequential(*layers), layers[1:4], device="cpu",
+                        config=config)
+    root = model.runtime.root
+    held = []
+    for unit in model.runtime.units:
+        def gather(original=unit.gather) -> None:
+            original()
+            held.append(all(c.is_gathered for c in root.chunks))
+
+        unit.gather = gather
+    x, y = batch(0, 4)
+    nn.functional.mse_loss(model(x), y).backward()
+    # gathered at every gather of the forward and the backward pass
+    assert held and all(held)
+    gathered = sum(c.numel * c.full.element_size() for c in root.chunks)
+    assert root_unit_bytes(model.layout, param_bytes=4) == gathered > 0
+    assert not any(c.is_gathered for c in root.chunks)  # released at the end
 
 
 def test_grad_ready_callbacks_run_in_registration_order():

@@ -18,6 +18,7 @@ from labml_zero.zero3.memory_model import (
     layout_model_states,
     peak_window_numel,
     ring_wire_bytes,
+    root_unit_bytes,
     zero3_step_comm,
     zero_model_states,
 )
@@ -249,6 +250,15 @@ def test_backward_peak_is_as_wide_as_forward():
         assert peak_window_numel(sizes, d, phase=BACKWARD) == expected
     # The forward default is unchanged: d = 0 is the largest group.
     assert gathered_peak(layout, 0, 1, phase=FORWARD) == 8
+
+
+def test_root_unit_bytes_is_group_zero_gathered():
+    layout = mixed_layout()
+    # group 0's chunks, 8 + 6 + 4 elements, gathered in bf16
+    assert root_unit_bytes(layout) == (8 + 6 + 4) * 2
+    assert root_unit_bytes(layout, param_bytes=4) == (8 + 6 + 4) * 4
+    with pytest.raises(ValueError, match="param_bytes"):
+        root_unit_bytes(layout, param_bytes=0)
 
 
 def test_figures_in_the_memory_notes():
