@@ -21,7 +21,10 @@ v_t &= \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
 
 with $\theta$ the fp32 master (the {{term: master weights}}), $m$ and $v$ fp32,
 and the half-precision (bf16 or fp16) parameter set to $\theta$ rounded after
-each step.
+each step. The master is why: bf16 keeps 8 bits of mantissa, so an update
+smaller than half a unit in the last place of a weight (below $2^{-8}$ for a
+weight of $1$) would be lost if it were applied to the bf16 parameter; the
+master keeps every update, and the parameter is its rounding.
 
 ## Where each piece lives
 
@@ -34,8 +37,7 @@ each step.
   (the original fp32 weights of a half-precision chunk), otherwise from the
   parameter itself; it is taken at the first step, or at construction for a
   shard whose state is on the host. An fp32 parameter *is* its own master: no
-  copy, $K = 8$
-  extra bytes
+  copy, $K = 8$ extra bytes
   (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
   instead of {{py: memory_model.OPTIMIZER_BYTES}}.
 
@@ -65,7 +67,8 @@ and skips the step everywhere.
 ## Limitations
 
 * No AMSGrad, no `maximize`, no capturable (CUDA graph) mode.
-* With a loss scaler or clipping an early update is impossible (above); passing
+* With a loss scaler or clipping an early update is impossible (see Note:
+  updating during the backward pass); passing
   the scale to the kernel (`grad_scale=`) instead would allow it.
 * The foreach fallback checks an early gradient's finiteness with a host sync.
 """
