@@ -222,7 +222,8 @@ class Chunk:
                 self.replaced.append((position, new))
             else:
                 param.data = view
-        # see Note: why storage resize
+        # Free the full buffer's storage but keep the tensor, which the
+        # parameters are views of (see Note: why storage resize).
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
         self.state = ChunkState.UNINITIALISED if on_meta else ChunkState.SHARDED

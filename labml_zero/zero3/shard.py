@@ -75,7 +75,8 @@ class LocalShard:
     * `master_init`: `[S]` fp32 first master, or `None`.
     """
 
-    # see Note: how a parameter finds its shard
+    # parameter -> its shard, keyed weakly by the parameter's identity (see
+    # Note: how a parameter finds its shard)
     _of: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __init__(self, data: torch.Tensor, *, trainable: bool,
