@@ -9,7 +9,10 @@ summary: One list from which every page's place is rendered.
 A learner reads the site from the home page to the last tooling page by the
 previous/next links. The order is written once, in `docs_src/reading_order.txt`:
 one page a line, `## Title` lines start a part, `@results` and `@glossary` are
-the two pages the builder writes itself. From it the builder renders
+the two pages the builder writes itself. The first part is the *core path*; a
+page after it may name the core page it deepens, `page.py -> core_page.py`, and
+the builder writes that as one line under the page's title. From it the builder
+renders
 
 * the previous/next chain (home page first, then every entry in order),
 * the home page's list (where `index.md` says `{{reading_order}}`), by part,
@@ -37,6 +40,8 @@ class Part:
     title: str
     entries: tuple[str, ...]
     """Module paths (`labml_zero/zero3/chunk.py`) or `@results`/`@glossary`."""
+    deepens: tuple[tuple[str, str], ...] = ()
+    """(entry, the core page it deepens) for the entries written `a -> b`."""
 
 
 def page_of(entry: str) -> str:
@@ -46,14 +51,22 @@ def page_of(entry: str) -> str:
 
 def parse_order(text: str) -> list[Part]:
     """The file's text -> its parts; entries before any `##` form an untitled part."""
-    parts: list[tuple[str, list[str]]] = [("", [])]
+    parts: list[tuple[str, list[str], list[tuple[str, str]]]] = [("", [], [])]
     for line in text.splitlines():
         line = line.strip()
         if line.startswith("## "):
-            parts.append((line[3:].strip(), []))
+            parts.append((line[3:].strip(), [], []))
         elif line and not line.startswith("#"):
-            parts[-1][1].append(line)
-    return [Part(t, tuple(e)) for t, e in parts if t or e]
+            entry, arrow, core = (x.strip() for x in line.partition("->"))
+            parts[-1][1].append(entry)
+            if arrow:
+                parts[-1][2].append((entry, core))
+    return [Part(t, tuple(e), tuple(d)) for t, e, d in parts if t or e]
+
+
+def deepens(parts: list[Part]) -> dict[str, str]:
+    """Each entry written `a -> b`: the core page `b` that page `a` deepens."""
+    return {entry: core for part in parts for entry, core in part.deepens}
 
 
 def load_order(root: Path, modules: list[str]) -> list[Part]:
@@ -76,6 +89,12 @@ def load_order(root: Path, modules: list[str]) -> list[Part]:
                 raise BuildError(
                     f"{ORDER_FILE}: {entry} does not exist; remove its line")
             seen.add(entry)
+    core = set(parts[0].entries) if parts else set()
+    for entry, target in deepens(parts).items():
+        if entry in core or target not in core:
+            raise BuildError(
+                f"{ORDER_FILE}: {entry} -> {target}: a page after the first part "
+                "(the core path) names a page of that part")
     missing = [m for m in modules if m not in seen]
     if missing:
         raise BuildError(

@@ -136,6 +136,21 @@ def _with_contents(page: Page, listing: str) -> list[Section]:
     return sections[:at] + [Section(block, "", 0)] + sections[at:]
 
 
+def _with_deepens(page: Page, core: str, titles: dict[str, tuple[str, str]]
+                  ) -> list[Section]:
+    """The line under a page's title that names the core page it deepens."""
+    href = rel_href(order.page_of(core), page.out)
+    line = f"*Deepens the core path's [{titles[core][0]}]({href}).*"
+    sections = list(page.sections)
+    for i, s in enumerate(sections):
+        title = re.search(r"^#[ \t]+.+$", s.doc, re.M)
+        if title:
+            doc = s.doc[:title.end()] + "\n\n" + line + s.doc[title.end():]
+            sections[i] = Section(doc, s.code, s.lineno)
+            return sections
+    return [Section(line, "", 0)] + sections
+
+
 def load_pages(root: Path, modules: list[str], parts: list[order.Part],
                results_md: str) -> list[Page]:
     """The home page, then every entry of the reading order, contents filled in."""
@@ -159,8 +174,13 @@ def load_pages(root: Path, modules: list[str], parts: list[order.Part],
     titles = {}
     for entry, page in zip(order.flat(parts), pages[1:]):
         titles[entry] = (page.title, page.summary)
+    deepened = order.deepens(parts)
     for entry, page in zip(order.flat(parts), pages[1:]):
-        if entry.endswith("/__init__.py"):
+        if entry in deepened:
+            page.sections = _with_deepens(page, deepened[entry], titles)
+        # The package's own page is the core path's overview; the home page
+        # lists every page, so it lists no folder of its own.
+        if entry.endswith("/__init__.py") and entry != f"{PACKAGE}/__init__.py":
             page.sections = _with_contents(page,
                                            order.folder_list(parts, entry, titles))
     listing = order.home_list(parts, titles)

@@ -104,7 +104,8 @@ class Recipe:
     """AdamW's decoupled weight decay."""
     update_during_backward: bool = False
     """Update each shard as soon as its chunk is reduced; only right when nothing
-    changes a gradient after its reduce-scatter (no clipping, no loss scaling)."""
+    changes a gradient after its reduce-scatter (no clipping, no loss scaling)
+    and no second backward runs before `step()` (no accumulation)."""
     free_grads: bool = False
     r"""With `update_during_backward`: free each shard's fp32 gradient once its
     update has consumed it (`AdamFP16(free_grads=True)`), so the $4\Psi_t/N$

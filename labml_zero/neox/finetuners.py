@@ -13,8 +13,8 @@ engine shards the layers, because the engine packs trainable and frozen
 parameters into different chunks (see [chunk layout](../zero3/chunk_layout.html)):
 only trainable chunks carry gradients, fp32 masters and Adam moments, so with
 $\Psi_t$ trainable parameters out of $\Psi$ the model states cost
-$\frac{2\Psi + (2 + K)\Psi_t}{N_d}$ bytes per rank instead of
-$\frac{(2 + 2 + K)\Psi}{N_d}$.
+$\frac{2\Psi + (4 + K)\Psi_t}{N_d}$ bytes per rank (bf16 parameters, the
+engine's fp32 gradient shard) instead of $\frac{(2 + 4 + K)\Psi}{N_d}$.
 
 There are four: the biases, the MLPs, everything, and [LoRA](lora.html)'s
 low-rank adapters. The embedding, final norm and readout are frozen by all but

@@ -2,7 +2,7 @@ r"""
 ---
 title: Adam with fp32 master weights (AdamFP16)
 summary: AdamW on flat shards, fp32 masters and moments (on the device or the
-  host), rounded back to half precision.
+  host) rounded back to half precision, and how all ranks agree on an overflow.
 ---
 
 # Adam with fp32 master weights
@@ -21,7 +21,10 @@ v_t &= \beta_2 v_{t-1} + (1 - \beta_2) g_t^2 \\
 
 with $\theta$ the fp32 master (the {{term: master weights}}), $m$ and $v$ fp32,
 and the half-precision (bf16 or fp16) parameter set to $\theta$ rounded after
-each step.
+each step. The master is why: bf16 keeps 8 bits of mantissa, so an update
+smaller than half a unit in the last place of a weight (below $2^{-8}$ for a
+weight of $1$) would be lost if it were applied to the bf16 parameter; the
+master keeps every update, and the parameter is its rounding.
 
 ## Where each piece lives
 
@@ -32,8 +35,9 @@ each step.
   `.grad`.
 * The master starts from the shard's `master_init` when the engine kept one
   (the original fp32 weights of a half-precision chunk), otherwise from the
-  parameter itself. An fp32 parameter *is* its own master: no copy, $K = 8$
-  extra bytes
+  parameter itself; it is taken at the first step, or at construction for a
+  shard whose state is on the host. An fp32 parameter *is* its own master: no
+  copy, $K = 8$ extra bytes
   (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
   instead of {{py: memory_model.OPTIMIZER_BYTES}}.
 
@@ -45,48 +49,26 @@ the memory traffic). Both are tested against `torch.optim.AdamW`. Every update,
 whenever and wherever it runs, goes through one method, `_apply`.
 
 `offload=` keeps the master and moments of chosen shards in host memory and
-updates them there ([optimizer state in host memory](host_offload.html)).
+updates them there (explained in
+[optimizer state in host memory](host_offload.html)): the gradient shard is
+copied down, the update runs on the CPU, and the rounded shard goes back up.
+Which shards go is the {{see: placement}}'s decision.
 
-## Note: updating during the backward pass
+## All ranks agree on an overflow
 
-A shard's gradient is final as soon as its chunk is reduced, and the output-end
-chunks are reduced first. The engine announces each final gradient
-(`grad_ready`, registered with `runtime.on_grad_ready`). With
-`update_during_backward=True` the shard is updated then: on a GPU on a side
-stream that waits for the reduce-scatter, so the memory-bound update runs beside
-the backward kernels of the layers below; an offloaded shard on the host worker
-of [`HostOffload`](host_offload.html). `step()` only waits for them and updates
-the shards not updated yet. The update is the same, with the same operands, so:
-
-* it needs the final gradient at `grad_ready` time: clipping and loss-scale
-  unscaling change the gradient in place afterwards. Each early update records
-  its gradient's version (`GradVersion`), and `step()` raises if a gradient
-  changed after its update, before updating anything;
-* it reads `lr` and the other hyperparameters when it runs: change them
-  between `step()` and the next backward, as schedulers do.
-
-## Note: a non-finite gradient in an early update
-
-An early update cannot be undone, and a step with a non-finite gradient must be
-skipped on every rank (the [loss scaler](grad_scaler.html)'s contract). So an
-early update first checks its gradient: the fused kernel takes a `found_inf`
-flag computed on the device from the gradient (no host sync) and leaves master,
-moments and shard untouched when it is set; the host update checks on the host.
-On the host `step()` then raises at once; on a GPU the flags are copied to the
-host behind the backward pass and read at the next `step()` or `shard_state()`
-(so before any checkpoint holds the step). It raises naming the shards whose
-update was skipped, with their step counts unchanged. `LossScaler.step` refuses
-an optimizer with `update_during_backward=True` outright: skipping a whole step
-is impossible once other shards were updated.
-
-Checkpoints read and write a shard's state through `shard_state(shard)` and
-`load_shard_state(shard, state)` (keys `step`, `master`, `exp_avg`,
-`exp_avg_sq`); `state_device(shard)` says where a loader should put the tensors.
+A step with a non-finite gradient must be skipped on every rank, or the ranks'
+shards would come from different steps, yet each rank sees only its own
+shards. The agreement costs no collective of its own: the global gradient norm
+is one all-reduce of each rank's sum of squares (explained in
+[clipping](clip_grad.html)), and a non-finite gradient anywhere makes that sum
+non-finite on every rank at once; the [loss scaler](grad_scaler.html) reads it
+and skips the step everywhere.
 
 ## Limitations
 
 * No AMSGrad, no `maximize`, no capturable (CUDA graph) mode.
-* With a loss scaler or clipping an early update is impossible (above); passing
+* With a loss scaler or clipping an early update is impossible (see Note:
+  updating during the backward pass); passing
   the scale to the kernel (`grad_scale=`) instead would allow it.
 * The foreach fallback checks an early gradient's finiteness with a host sync.
 """
@@ -136,7 +118,8 @@ class AdamFP16(torch.optim.Optimizer):
     * `offload`: which shards keep master and moments in host memory: positions
       in the list of all parameters, group after group (for
       `model.get_trainable_chunk()`, the trainable chunks in order;
-      `Placement.optimizer_offload` gives them), or a function
+      `Placement.optimizer_offload` gives them, explained in
+      [placement](../zero3/placement.html)), or a function
       `(position, param) -> bool`; `None` keeps everything on the device.
     * `update_during_backward`: update each shard as soon as `grad_ready` is
       called for it (see Note: updating during the backward pass).
@@ -327,8 +310,25 @@ class AdamFP16(torch.optim.Optimizer):
 
         The engine calls this as each chunk is reduced, with `after` the stream
         that wrote the gradient. An offloaded shard starts its copy down; with
-        `update_during_backward` the shard is updated now (see Note: updating
-        during the backward pass).
+        `update_during_backward` the shard is updated now.
+
+        #### Note: updating during the backward pass
+
+        A shard's gradient is final as soon as its chunk is reduced, and the output-end
+        chunks are reduced first. The engine announces each final gradient
+        (`grad_ready`, registered with `runtime.on_grad_ready`). With
+        `update_during_backward=True` the shard is updated then: on a GPU on a side
+        stream that waits for the reduce-scatter, so the memory-bound update runs beside
+        the backward kernels of the layers below; an offloaded shard on the host worker
+        of [`HostOffload`](host_offload.html). `step()` only waits for them and updates
+        the shards not updated yet. The update is the same, with the same operands, so:
+
+        * it needs the final gradient at `grad_ready` time: clipping and loss-scale
+          unscaling change the gradient in place afterwards. Each early update records
+          its gradient's version (`GradVersion`), and `step()` raises if a gradient
+          changed after its update, before updating anything;
+        * it reads `lr` and the other hyperparameters when it runs: change them
+          between `step()` and the next backward, as schedulers do.
         """
         grad = self.gradient(param)
         if grad is None:
@@ -490,7 +490,19 @@ class AdamFP16(torch.optim.Optimizer):
         """
         #### Raise if an early update of the last step was skipped
 
-        See Note: a non-finite gradient in an early update.
+        ##### Note: a non-finite gradient in an early update
+
+        An early update cannot be undone, and a step with a non-finite gradient must be
+        skipped on every rank (the [loss scaler](grad_scaler.html)'s contract). So an
+        early update first checks its gradient: the fused kernel takes a `found_inf`
+        flag computed on the device from the gradient (no host sync) and leaves master,
+        moments and shard untouched when it is set; the host update checks on the host.
+        On the host `step()` then raises at once; on a GPU the flags are copied to the
+        host behind the backward pass and read at the next `step()` or `shard_state()`
+        (so before any checkpoint holds the step). It raises naming the shards whose
+        update was skipped, with their step counts unchanged. `LossScaler.step` refuses
+        an optimizer with `update_during_backward=True` outright: skipping a whole step
+        is impossible once other shards were updated.
         """
         unread, self.unread_flags = self.unread_flags, []
         bad = []

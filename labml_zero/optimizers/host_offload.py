@@ -36,10 +36,11 @@ nothing goes up: the next gather copies the shard up itself.
 
 ## Note: pinned memory and copy streams
 
-Only the staging buffer is page-locked ("pinned", when CUDA is available): DMA
-needs it, while the master and moments are read by the CPU only, and pinned
-memory is scarce (it cannot be swapped). Copies run on two side streams, one per
-direction, so the copy engines move both ways at once:
+Only the staging buffer is page-locked ("pinned", when the shard's gradient is
+on a GPU, `grad_device`): DMA needs it, while the master and moments are read
+by the CPU only, and pinned memory is scarce (it cannot be swapped). Copies run
+on two side streams, one per direction, so the copy engines move both ways at
+once:
 
 1. `copy_down(param, grad, after=stream)` queues the gradient's copy as soon as
    `stream` (the engine's reduce stream) has written it, and records an event;
@@ -113,8 +114,9 @@ class HostShard:
     """
     ## What an offloaded shard keeps besides its optimizer state
 
-    * `staging` [S] fp32, pinned when CUDA is available: the gradient after the
-      copy down, then (viewed in the shard dtype) the rounded master going up.
+    * `staging` [S] fp32, pinned when the gradient is on CUDA: the gradient
+      after the copy down, then (viewed in the shard dtype) the rounded master
+      going up.
     * `grad_ready`: event after the copy down (`None` on CPU, or none queued).
     * `uploaded`: event after the copy up; the next copy down waits for it.
     * `copied`: which gradient, at which version, `staging` holds.

@@ -55,7 +55,10 @@ same gradient an unsharded model gets from the whole batch.
 | the [local shard](shard.html) | $S$ each | $p$, 4, 4 | see its page |
 | `full` | $C$ | $p$ | while gathered |
 | held gradients | up to $C$ | $p$ | first gradient to the chunk's last |
-| full gradient | $C$ | $g$ (reduce dtype) | the chunk's last gradient to reduction |
+| full gradient | $C$ | $g_r$ (reduce dtype) | the chunk's last gradient to reduction |
+
+Under `no_sync` the full gradient lives longer: from the first micro-batch to
+the backward that reduces it, every trainable chunk's at once.
 
 ## Limitations
 
@@ -219,14 +222,16 @@ class Chunk:
                 self.replaced.append((position, new))
             else:
                 param.data = view
-        # see Note: why storage resize
+        # Free the full buffer's storage but keep the tensor, which the
+        # parameters are views of (see Note: why storage resize).
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
         self.state = ChunkState.UNINITIALISED if on_meta else ChunkState.SHARDED
         self._gathered_event = None
-        # The placement's decision (`keep_resident`), not a state: it outlives a
-        # forced release (new weights loaded), after which the next gather makes
-        # the chunk `RESIDENT` again.
+        # The placement's decision (`keep_resident`; the placement is explained
+        # in [its page](placement.html)), not a state: it outlives a forced
+        # release (new weights loaded), after which the next gather makes the
+        # chunk `RESIDENT` again.
         self.stays_gathered = False
 
         # [C] reduce dtype, allocated at the first gradient of a backward pass
@@ -493,7 +498,8 @@ class Chunk:
         added to what `local.grad` holds so that gradients accumulate until
         `zero_grad`, as `param.grad` does. One call to the chunk's
         [reduction](transport.html) (`self.reduction`), chosen when the chunk is
-        built: collective, peer memory, or hybrid.
+        built: collective, peer memory, or hybrid (explained in
+        [transports](transport.html)).
         """
         assert self.trainable, "only trainable chunks have gradients"
         comm, local = self.comm, self.local

@@ -6,10 +6,11 @@ summary: Pick the chunk size that trades padding against gathered and gradient m
 
 # Chunk-size search
 
-The [chunk layout](chunk_layout.html) packs parameters, in execution order, into
-flat *chunks* of one common size $c$ (in elements); a chunk never spans a *group*
-(one layer, the unit that the hooks gather and release), and the space a chunk
-holds but no parameter fills is *padding*. This page picks $c$. Like ColossalAI's
+The {{see: chunk layout}} (explained in [its page](chunk_layout.html)) packs
+parameters, in execution order, into flat *chunks* of one common size $c$ (in
+elements); a chunk never spans a *group* (one layer, the unit that the hooks
+gather and release), and the space a chunk holds but no parameter fills is
+*padding*. This page picks $c$. Like ColossalAI's
 Gemini (`search_chunk_configuration`), it tries every *candidate* size in a range
 and scores the layout each one gives; it departs from it in what it simulates and
 in what it scores (see `search_chunk_size`).
@@ -43,11 +44,13 @@ are needed; Note: GPT-NeoX-20B works the search through a real model.
 * The score weighs trainable and frozen padding alike, though a trainable
   element also costs a gradient and optimizer state (sharded);
   `layout_model_states` on the result gives the exact bytes.
-* Bandwidth enters only as the tie rule and the per-collective price $\mu$, one
-  constant; overlap enters only through the size of the gradient buffer.
-* The peak terms count forward's window of $d + 1$ whole groups and *one*
-  gradient buffer: not backward's extra group (the memory model's Note:
-  backward holds one more unit), the other live buffers or the activations. A
+* Bandwidth enters only as the tie rule (see `search_chunk_size`) and the
+  per-collective price $\mu$, one constant; overlap enters only through the
+  size of the gradient buffer.
+* The peak terms count the window of $d + 1$ whole groups (the same in forward
+  and backward: the memory model's Note: backward holds no extra unit) and *one*
+  gradient buffer: not the root unit held beside every window, the other live
+  buffers (all of them under `no_sync`) or the activations. A
   trainable parameter larger than every candidate (a trainable embedding) sets
   the gradient buffer alone, and then the term cannot tell candidates apart.
 * One common size for the regular chunks: a layer's chunks cannot each take the
@@ -313,6 +316,43 @@ def search_chunk_size(
     last = 0
     # While saturated, candidates (after rounding) below this size are skipped.
     skip_below = 0
+    # #### Note: GPT-NeoX-20B
+    #
+    # A layer holds four layer-norm vectors of $h$, QKV ($3h \times h$ and $3h$), the
+    # attention output ($h \times h$, $h$) and the MLP ($4h \times h$, $4h$,
+    # $h \times 4h$, $h$): $12h^2 + 13h$
+    # (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
+    # elements. The embeddings are excluded, so
+    # the range starts at $c_0 = 4h^2$, the MLP weights.
+    #
+    # *Without the collective term* ($\mu = 0$) and with a range of
+    # $R = 2^{20}$ elements
+    # (tested: tests/zero3/test_chunk_search.py::test_20b_without_mu_packs_three_chunks)
+    # (less than $h^2$), the giant chunk is out of reach. At $c_0$ the attention
+    # output does not fit next to QKV, nor a bias next to an MLP weight: six chunks
+    # per layer, $40\%$
+    # (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
+    # of their elements padding. At $c_0 + 7h$ the layer norms, QKV
+    # and the attention output weight fill the first chunk exactly, the attention
+    # output bias and the first MLP half fill the second within $2h$, and the second
+    # MLP half is the trimmed third chunk: three all-gathers per layer and $2h$ of
+    # padding per layer. The gradient buffer does not move it: the embedding,
+    # trainable and in a chunk of its own, has the largest gradient buffer of all.
+    # Bias-only (three biases trainable per layer) picks $c_0 + 4h$, and each layer's
+    # biases share one trimmed chunk with no padding.
+    #
+    # *With the engine's defaults* (`sharded_model.choose_chunk_numel`): the range is
+    # stretched to the largest layer and each collective costs $\mu$ =
+    # `collective_bytes`. Three
+    # chunks instead of one cost $3 \cdot 3 - 3 = 6$ more collectives per layer per
+    # step, $192$
+    # (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
+    # MiB, against a gradient buffer $8h^2 \cdot 4$ bytes smaller ($1.2$
+    # (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
+    # GB at GPT-NeoX-20B's $h$, but the embedding's buffer is larger still and sets the
+    # term): one chunk per layer, $12h^2 + 13h$
+    # (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
+    # elements, no padding, wins.
     for requested in range(start, start + config.search_range + 1, config.hidden_dim):
         chunk_numel = round_up(requested, granule)
         if chunk_numel == last or chunk_numel < skip_below:
@@ -323,12 +363,12 @@ def search_chunk_size(
         )
         rows.append(row)
         chunks = [plan.chunks for plan in plans]
-        # Ties go to the larger chunk: both cost the same by this measure, and
-        # the larger one usually moves the same elements in fewer, larger
-        # collectives, which use the links better (ColossalAI keeps the
-        # smallest). Unless it is the same layout under another size: then the
-        # first size that gives it is kept, which is what makes skipping
-        # saturated sizes exact (`is_saturated`).
+        # The tie rule, one rule for two cases. Equal scores, different
+        # layouts: the larger size wins (it usually moves the same elements in
+        # fewer, larger collectives, which use the links better; ColossalAI
+        # keeps the smallest). Equal scores, the same layout under another
+        # size: the first, smaller size that gives it is kept, which is what
+        # makes skipping saturated sizes exact (`is_saturated`).
         if (
             best is None
             or row.score < best.score
@@ -464,7 +504,8 @@ def is_saturated(plans: Sequence[ChunkLayout]) -> bool:
     into exactly the same chunks: every parameter is placed where it was, the one
     chunk of a kind is the group's last and so trimmed to the same size, and an
     oversized parameter's chunk does not depend on $c$. Waste, peak and gradient
-    buffer all stay equal, and the tie rule keeps the smaller size, so the search
+    buffer all stay equal, and for the same layout the tie rule keeps the first,
+    smaller size that gives it, so the search
     jumps to the next size at which a parameter stops being oversized, the first
     at which the packing can change. The tests check this against scoring every
     candidate.
@@ -509,6 +550,49 @@ def score_candidate(
     # forward.
     group_numels = [plans[i].total_numel() for i in shape_of_group]
     peak = peak_window_numel(group_numels, config.prefetch_depth) * config.param_bytes
+    # #### Note: why not padding alone
+    #
+    # The layout trims the last chunk of each kind in a group to what it holds, so
+    # padding sits only in the *regular* chunks (of size $c$) that a parameter did
+    # not fit into, and in alignment gaps. A candidate that holds a whole group packs
+    # it into one trimmed chunk with no padding at all: padding alone favours one
+    # giant chunk per group, as soon as the range reaches the size of a layer.
+    #
+    # The peak of gathered parameters does not stop that. A group is gathered whole,
+    # so the peak is the window's parameters (a constant of the model) plus the
+    # window's padding: it counts the padding that hurts most a second time, but a
+    # giant chunk has none.
+    #
+    # What does grow with $c$ is the gradient buffer. A giant chunk holds the whole
+    # layer's gradient at once, and its reduce-scatter waits for the layer's last
+    # gradient, so none of the layer's gradient traffic overlaps the layer's
+    # backward. With smaller chunks a chunk whose parameters are done (in backward,
+    # the ones used last in forward) is reduced and freed while the rest of the
+    # layer runs. A small case, which the tests score: layer 0 holds parameters of 2
+    # and 3 elements, layer 1 one of 1, $d = 0$, $p = 2$, $g_r = 4$, $\lambda = 1$,
+    # $\mu = 0$; sizes in elements, the score in bytes (`[2.]` is a chunk holding a
+    # parameter of 2 and one element of padding).
+    #
+    # | $c$ | chunks | padding | peak | gradient buffer | score |
+    # |---|---|---|---|---|---|
+    # | 3 | `[2.] [3]`, `[1]` | 1 | 6 | 3 | $2 \cdot 1 + 2 \cdot 6 + 4 \cdot 3$ |
+    # | 4 | `[2..] [3]`, `[1]` | 2 | 7 | 4 | $2 \cdot 2 + 2 \cdot 7 + 4 \cdot 4$ |
+    # | 5 | `[2 3]`, `[1]` | 0 | 5 | 5 | $2 \cdot 0 + 2 \cdot 5 + 4 \cdot 5$ |
+    #
+    # The scores, $2 \cdot$ padding $+ \; 2 \cdot$ peak $+ \; 4 \cdot$ gradient
+    # buffer, are 26 (tested:
+    # tests/zero3/test_chunk_search.py::test_the_gradient_buffer_picks_a_smaller_chunk),
+    # 34 (tested:
+    # tests/zero3/test_chunk_search.py::test_the_gradient_buffer_picks_a_smaller_chunk)
+    # and 30 (tested:
+    # tests/zero3/test_chunk_search.py::test_the_gradient_buffer_picks_a_smaller_chunk).
+    # Padding alone picks $c = 5$, one chunk per layer. The score picks $c = 3$: one
+    # element of padding and one more gathered, but layer 0's gradient is reduced in
+    # two pieces of at most 3, the first as soon as the second parameter's gradient
+    # is in. A price of $\mu = 2$ bytes per collective (9 collectives a step at
+    # $c = 3$, 6 at $c = 5$) turns it back to $c = 5$. In a real model the same
+    # trades set how many chunks a layer gets.
+    #
     # *Gradient buffer* is the memory model's `largest_grad_buffer`: in backward
     # each trainable chunk adds its parameters' gradients into a full-size
     # buffer of $C_k$ elements in the reduce dtype, and reduce-scatters and frees
@@ -529,84 +613,3 @@ def score_candidate(
         chunk_numel, chunks, collectives, padding, waste, peak, grad_buffer, score
     )
     return row, plans
-
-
-# ## Note: why not padding alone
-#
-# The layout trims the last chunk of each kind in a group to what it holds, so
-# padding sits only in the *regular* chunks (of size $c$) that a parameter did
-# not fit into, and in alignment gaps. A candidate that holds a whole group packs
-# it into one trimmed chunk with no padding at all: padding alone favours one
-# giant chunk per group, as soon as the range reaches the size of a layer.
-#
-# The peak of gathered parameters does not stop that. A group is gathered whole,
-# so the peak is the window's parameters (a constant of the model) plus the
-# window's padding: it counts the padding that hurts most a second time, but a
-# giant chunk has none.
-#
-# What does grow with $c$ is the gradient buffer. A giant chunk holds the whole
-# layer's gradient at once, and its reduce-scatter waits for the layer's last
-# gradient, so none of the layer's gradient traffic overlaps the layer's
-# backward. With smaller chunks a chunk whose parameters are done (in backward,
-# the ones used last in forward) is reduced and freed while the rest of the
-# layer runs. A small case, which the tests score: layer 0 holds parameters of 2
-# and 3 elements, layer 1 one of 1, $d = 0$, $p = 2$, $g_r = 4$, $\lambda = 1$,
-# $\mu = 0$; sizes in elements, the score in bytes (`[2.]` is a chunk holding a
-# parameter of 2 and one element of padding).
-#
-# | $c$ | chunks | padding | peak | gradient buffer | score |
-# |---|---|---|---|---|---|
-# | 3 | `[2.] [3]`, `[1]` | 1 | 6 | 3 | $2 \cdot 1 + 2 \cdot 6 + 4 \cdot 3$ |
-# | 4 | `[2..] [3]`, `[1]` | 2 | 7 | 4 | $2 \cdot 2 + 2 \cdot 7 + 4 \cdot 4$ |
-# | 5 | `[2 3]`, `[1]` | 0 | 5 | 5 | $2 \cdot 0 + 2 \cdot 5 + 4 \cdot 5$ |
-#
-# The scores, $2 \cdot$ padding $+ \; 2 \cdot$ peak $+ \; 4 \cdot$ gradient
-# buffer, are 26 (tested:
-# tests/zero3/test_chunk_search.py::test_the_gradient_buffer_picks_a_smaller_chunk),
-# 34 (tested:
-# tests/zero3/test_chunk_search.py::test_the_gradient_buffer_picks_a_smaller_chunk)
-# and 30 (tested:
-# tests/zero3/test_chunk_search.py::test_the_gradient_buffer_picks_a_smaller_chunk).
-# Padding alone picks $c = 5$, one chunk per layer. The score picks $c = 3$: one
-# element of padding and one more gathered, but layer 0's gradient is reduced in
-# two pieces of at most 3, the first as soon as the second parameter's gradient
-# is in. A price of $\mu = 2$ bytes per collective (9 collectives a step at
-# $c = 3$, 6 at $c = 5$) turns it back to $c = 5$. In a real model the same
-# trades set how many chunks a layer gets.
-
-# ## Note: GPT-NeoX-20B
-#
-# A layer holds four layer-norm vectors of $h$, QKV ($3h \times h$ and $3h$), the
-# attention output ($h \times h$, $h$) and the MLP ($4h \times h$, $4h$,
-# $h \times 4h$, $h$): $12h^2 + 13h$
-# (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
-# elements. The embeddings are excluded, so
-# the range starts at $c_0 = 4h^2$, the MLP weights.
-#
-# *Without the collective term* ($\mu = 0$) and with a range of $R = 2^{20}$
-# (tested: tests/zero3/test_chunk_search.py::test_20b_without_mu_packs_three_chunks),
-# less than $h^2$, the giant chunk is out of reach. At $c_0$ the attention
-# output does not fit next to QKV, nor a bias next to an MLP weight: six chunks
-# per layer, $40\%$
-# (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
-# of their elements padding. At $c_0 + 7h$ the layer norms, QKV
-# and the attention output weight fill the first chunk exactly, the attention
-# output bias and the first MLP half fill the second within $2h$, and the second
-# MLP half is the trimmed third chunk: three all-gathers per layer and $2h$ of
-# padding per layer. The gradient buffer does not move it: the embedding,
-# trainable and in a chunk of its own, has the largest gradient buffer of all.
-# Bias-only (three biases trainable per layer) picks $c_0 + 4h$, and each layer's
-# biases share one trimmed chunk with no padding.
-#
-# *With the engine's defaults* (`sharded_model.choose_chunk_numel`): the range is
-# stretched to the largest layer and each collective costs $\mu$ =
-# `collective_bytes`. Three
-# chunks instead of one cost $3 \cdot 3 - 3 = 6$ more collectives per layer per
-# step, $192$
-# (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
-# MiB, against a gradient buffer $8h^2 \cdot 4$ bytes smaller ($1.2$
-# (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
-# GB at GPT-NeoX-20B's $h$, but the embedding's buffer is larger still and sets the
-# term): one chunk per layer, $12h^2 + 13h$
-# (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
-# elements, no padding, wins.

@@ -12,12 +12,13 @@ ZeRO-3 needs three collectives, and this page is the only place that calls them:
   elements and receives the whole chunk of $C$ elements;
 * **reduce-scatter** a chunk's gradient: every rank contributes a full-size
   gradient of $C$ elements and receives the *average* over ranks of its own shard;
-* **all-reduce** a few scalars (the gradient norm, the overflow flag).
+* **all-reduce** a scalar: the squared gradient norm, whose sum over ranks is
+  also how every rank learns that one of them overflowed (non-finite).
 
 Per training step a chunk is gathered for the forward pass and again for the
 backward pass, and every trainable chunk's gradient is reduce-scattered once:
 $3\Psi$ elements of collective volume against DDP's $2\Psi$ (its all-reduce is a
-reduce-scatter plus an all-gather)
+reduce-scatter plus an all-gather), counted in elements
 (tested: tests/zero3/test_memory_model.py::test_zero3_is_three_psi_and_ddp_two_psi).
 That extra $\Psi$, half of DDP's volume again, is the price of holding
 $\frac{(p + 4 + K)\Psi}{N_d}$ bytes ($p$-byte parameters, fp32 gradient
@@ -58,7 +59,8 @@ states, sharded over its $K$ ranks; rank $q$ of group $j$ is world rank
 $jK + q$. The ranks with the same $q$ in every group form a {{term: replica group}}
 of $N / K$ ranks that hold the same shard. All-gathers and reduce-scatters run
 inside the shard group, and one all-reduce per trainable chunk, of the shard
-only, runs across the replica group ([hybrid sharding](hybrid.html)). Here
+only, runs across the replica group (explained in
+[hybrid sharding](hybrid.html)). Here
 `rank` and `world_size` are this rank's place in its shard group: the $N_d$ of
 every other page is $K$.
 """

@@ -35,9 +35,11 @@ class ZeroConfig:
 
     reduce_dtype: torch.dtype = torch.float32
     """
-    Dtype of the gradient buffers and of the reduce-scatter. fp32 (default) sums
-    $N_d$ gradients without rounding each partial sum to 8 bits of mantissa; bf16
-    halves the bytes moved ($g = 2$ instead of 4).
+    Dtype of the full-size gradient buffers and of the reduce-scatter (fp32,
+    bf16 or fp16). fp32 (default) averages $N_d$ gradients without rounding each
+    partial sum to 8 bits of mantissa; bf16 halves the bytes the reduce-scatter
+    moves ($g_r = 2$ instead of 4). The gradient shard the optimizer reads stays
+    fp32 either way ($g = 4$).
     """
 
     chunk_numel: int | None = None
@@ -97,8 +99,8 @@ class ZeroConfig:
     r"""
     Hybrid sharding: shard the model states over groups of $K$ consecutive
     ranks (one host, say) and replicate them across the $N / K$ groups, so that
-    only shard-sized gradient traffic crosses groups
-    ([hybrid sharding](hybrid.html)). $K$ must divide the world size. `None`
+    only shard-sized gradient traffic crosses groups (explained in
+    [hybrid sharding](hybrid.html)). $K$ must divide the world size. `None`
     shards over every rank.
     """
 

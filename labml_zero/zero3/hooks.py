@@ -1,48 +1,67 @@
 r"""
 ---
 title: Hooks and schedule
-summary: When chunks are gathered, prefetched, released and reduced in a step.
+summary: One training step hook by hook (when each chunk is gathered,
+  prefetched, released and reduced), how many units are gathered at most, frozen
+  layers and gradient accumulation.
 ---
 
 # Hooks and schedule
 
-The [chunks](chunk.html) know *how* to gather, release and reduce; this page decides
-*when*, from hooks that PyTorch calls around each wrapped layer. A wrapped layer is
-a *unit*: the module whose chunks are gathered together.
+A chunk knows *how* to gather, release and reduce (explained in
+[the chunk's page](chunk.html)); this page decides *when*, from hooks that
+PyTorch calls around each wrapped layer, a unit.
 
 ## One training step
 
-Each hook is explained beside its code below; in order:
+Each hook is explained beside its code below, numbered as here:
 
 Forward, for each unit in execution order:
 
 1. **pre-forward hook**: gather the unit's chunks, queue the gathers of the next
-   `prefetch_depth` units, wait for this unit's;
-2. the layer computes;
-3. **post-forward hook**: release the chunks, and hook the output so that the
+   `prefetch_depth` units (the {{term: prefetch depth}}) on a side stream, the
+   {{term: gather stream}}, and wait for this unit's; then the layer computes;
+2. **post-forward hook**: release the chunks, and hook the output so that the
    backward pass announces when it reaches this unit.
 
 Backward, for each unit in reverse:
 
-4. **pre-backward hook**: gather the chunks again and prefetch the units below;
-5. the layer's backward runs; each parameter's gradient goes to its chunk, and a
-   chunk whose parameters have all reported is reduce-scattered at once;
-6. **post-backward hook**: release;
-7. **end of backward**: reduce what was not, release what is still gathered.
+3. **pre-backward hook**: gather the chunks again and prefetch the units below;
+   a unit whose output needs no gradient (frozen layers at the input end) is
+   never gathered again;
+4. **gradient hooks**, during the layer's backward: each parameter's gradient
+   goes to its chunk, and a chunk whose parameters have all reported is
+   reduce-scattered at once (inside `no_sync` it only accumulates);
+5. **post-backward hook**: release;
+6. **end of backward**: reduce what was not, release what is still gathered.
+
+Then the optimizer updates each shard from its gradient shard
+([AdamFP16](../optimizers/adam_fp16.html), the next page), at `step()` or,
+with `update_during_backward`, as soon as hook 4 has reduced its chunk
+(`on_grad_ready`).
 
 At most $1 + \text{prefetch\_depth}$ units are gathered at a time, in the
-forward and in the backward pass, besides the root unit (see Note: release
-before the next gather; `tests/zero3/test_hooks.py` counts them).
+forward and in the backward pass, whatever the layers return (a tuple of
+several tensors too), besides the root unit, which stays gathered for the
+whole step (see Note: release before the next gather;
+`tests/zero3/test_hooks.py` counts them).
 
-A step of a Pythia-160M-shaped GPT-NeoX on two GPUs (the kernels of one GPU,
-from `torch.profiler`, converted by `bench/timeline.py`). Each gather runs
-ahead of the compute that needs it, the long stretch without collectives in the
-middle is the readout and the loss over a
-{{py: neox_model.pythia_160m().n_vocab}}-token vocabulary, and the
-reduce-scatters of the backward pass overlap the layers below (the optimizer's
-updates, queued as each chunk is reduced, are among the compute kernels there):
+## One measured step
 
 ![training step timeline](figures/step_timeline.svg)
+
+A step of a Pythia-160M-shaped GPT-NeoX on two GPUs: rank 0's kernels from
+`torch.profiler` (converted by `bench/timeline.py`), one lane per CUDA stream,
+time from left to right. *gather* is the gather stream: each all-gather (hooks 1
+and 3) starts before the compute that needs it, so the compute lane rarely waits
+for one. *compute* is the layers, forward then backward; its long stretch
+without collectives in the middle is the readout and the loss over a
+{{py: neox_model.pythia_160m().n_vocab}}-token vocabulary. *reduce* holds the
+reduce-scatters of hook 4, each started when a chunk's last gradient arrives and
+running beside the backward of the layers below (this run updates during the
+backward pass: the optimizer's updates, queued as each chunk is reduced, are
+among the compute kernels there). The step ends at hook 6, when the compute
+stream has waited for the last reduction.
 
 ## Limitations
 
@@ -55,6 +74,7 @@ updates, queued as each chunk is reduced, are among the compute kernels there):
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Iterator
@@ -145,32 +165,89 @@ def when_grads_computed(tensors: list[torch.Tensor], callback: Callable[[], None
             tensors, lambda grads: callback(), mode=mode)
 
 
-def before_backward_of(outputs: list[torch.Tensor],
-                       callback: Callable[[], None]) -> None:
+class JoinOutputs(torch.autograd.Function):
+    """
+    #### Several outputs as one autograd node
+
+    The identity on the tensors of a layer's output that need a gradient. Their
+    gradients all meet at this one node, so autograd runs it only when every
+    one of them is computed (see Note: release before the next gather). The
+    outputs are `detach()`ed aliases, not views: no copy, and an in-place
+    change of one is caught by the same version check as on the original.
+    """
+
+    @staticmethod
+    def forward(ctx, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # An output whose gradient never comes stays None: no zeros are made.
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        return grads
+
+
+def replace_tensors(value: Any, new: dict[int, torch.Tensor]) -> Any:
+    """`value` with each tensor `t` whose `id` is in `new` replaced by `new[id(t)]`,
+    walking the containers `tensors_in` walks."""
+    if isinstance(value, torch.Tensor):
+        return new.get(id(value), value)
+    if isinstance(value, tuple):
+        items = [replace_tensors(item, new) for item in value]
+        # a named tuple is rebuilt from fields, a plain tuple from an iterable
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    if isinstance(value, list):
+        return [replace_tensors(item, new) for item in value]
+    if isinstance(value, dict):
+        # a dict subclass (a Hugging Face `ModelOutput`) keeps its type
+        copied = copy.copy(value)
+        for key, item in value.items():
+            copied[key] = replace_tensors(item, new)
+        return copied
+    return value
+
+
+def before_backward_of(output: Any, outputs: list[torch.Tensor],
+                       callback: Callable[[], None]) -> Any:
     r"""
     #### Call `callback` when the backward pass reaches a layer's output
 
-    For one output made by an autograd node, the hook is a *pre-hook of that
-    node*, which autograd runs after the tensor hooks of the same gradient;
-    otherwise a hook at the first output's gradient.
+    `outputs` are the tensors of `output` that need a gradient. The hook is a
+    *pre-hook of the autograd node that made them*, which autograd runs after
+    the tensor hooks of the same gradients. One output made by a node has
+    that node; several are first joined into one node (`JoinOutputs`), and
+    the output returned has the joined tensors in their places. (An output
+    that is a leaf has no node: a hook at its gradient.)
 
     ##### Note: release before the next gather
 
-    In a chain, the output of unit $k - 1$ is the input of unit $k$: one
-    tensor, and two hooks at its gradient. Unit $k$'s post-backward (its
-    inputs' gradients are ready: release it) and unit $k - 1$'s pre-backward
-    (its output's gradient is ready: gather it and prefetch). Both are due at
-    the same moment; if the gather ran first, unit $k$ would still be gathered
+    In a chain, the output of unit $k - 1$ is the input of unit $k$, and two
+    hooks wait at its gradient: unit $k$'s post-backward (its inputs'
+    gradients are ready: release it) and unit $k - 1$'s pre-backward (its
+    output's gradient is ready: gather it and prefetch). Both are due at the
+    same moment; if the gather ran first, unit $k$ would still be gathered
     beside the $1 + \text{prefetch\_depth}$ units of the next window, one unit
     more than the forward pass holds. So the post-backward is a tensor hook on
     the input, and the pre-backward a pre-hook of the autograd node that made
     the output: autograd runs a node's tensor hooks before its node pre-hooks,
     so unit $k$ is released first.
+
+    With several tensors the two hooks would not even be due together: the
+    post-backward waits for *all* the inputs' gradients, while unit $k - 1$
+    must be gathered before the *first* of its nodes runs, which autograd may
+    start as soon as one gradient is ready. Joined, every gradient reaches
+    one node, its tensor hooks (the post-backward among them) run when the
+    last arrives, and then its pre-hook: again release first, then gather.
     """
-    if len(outputs) == 1 and outputs[0].grad_fn is not None:
+    if len(outputs) > 1:
+        joined = JoinOutputs.apply(*outputs)
+        output = replace_tensors(output, {id(t): j for t, j in zip(outputs, joined)})
+        outputs = list(joined)
+    if outputs[0].grad_fn is not None:
         outputs[0].grad_fn.register_prehook(lambda grad_outputs: callback())
     else:
         when_grads_computed(outputs, callback, mode="any")
+    return output
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
@@ -311,7 +388,7 @@ class Zero3Runtime:
         gather stream, so that they overlap this unit's computation, and makes
         the compute stream wait for this unit's gathers only. It also hooks the
         layer's inputs: when their gradients are computed, the unit's backward is
-        done (6).
+        done (5).
 
         With `torch.utils.checkpoint` (non-reentrant), a unit's forward runs a
         second time during the backward. The pre-backward hook has gathered the
@@ -343,11 +420,11 @@ class Zero3Runtime:
 
     def _hook_post_forward(self, unit: Unit):
         """
-        ### 3. Post-forward: release, and hook the output
+        ### 2. Post-forward: release, and hook the output
 
         Releases the chunks (unless `reshard_after_forward` is off and a backward
         will follow). If the output needs a gradient, `before_backward_of` calls
-        the pre-backward hook (4) when the backward pass reaches this unit, and
+        the pre-backward hook (3) when the backward pass reaches this unit, and
         `expects_backward` remembers it, so that the backward prefetches only
         units that will run a backward: a frozen embedding at the bottom is never
         gathered again.
@@ -359,9 +436,11 @@ class Zero3Runtime:
                 unit.release()
             outputs = needing_grad(output) if torch.is_grad_enabled() else []
             unit.expects_backward = bool(outputs)
-            if outputs:
-                before_backward_of(outputs, lambda: self._pre_backward(unit))
-            return None
+            if not outputs:
+                return None
+            # Several outputs come back joined into one autograd node.
+            return before_backward_of(output, outputs,
+                                      lambda: self._pre_backward(unit))
 
         return hook
 
@@ -392,10 +471,10 @@ class Zero3Runtime:
 
     def _pre_backward(self, unit: Unit) -> None:
         """
-        ### 4. Pre-backward: gather again, prefetch the units below
+        ### 3. Pre-backward: gather again, prefetch the units below
 
         Called when the gradient of the unit's output is ready. The first call
-        of a backward pass queues the end-of-backward callback (7).
+        of a backward pass queues the end-of-backward callback (6).
         """
         self._enter_backward()
         unit.gather()
@@ -410,19 +489,9 @@ class Zero3Runtime:
                 behind.gather()
         unit.wait()
 
-    def _post_backward(self, unit: Unit) -> None:
-        """
-        ### 6. Post-backward: release
-
-        Called when the gradients of the unit's inputs are computed: its
-        backward is done, its gathered chunks can go.
-        """
-        if self.phase is Phase.BACKWARD:
-            unit.release()
-
     def _hook_grad(self, chunk: Chunk, position: int):
         """
-        ### 5. A parameter's gradient goes to its chunk
+        ### 4. A parameter's gradient goes to its chunk
 
         Registered with `register_post_accumulate_grad_hook`, on the parameter
         itself, so it fires on every step (labml-nn hooked the gradient
@@ -458,9 +527,19 @@ class Zero3Runtime:
         for callback in self._grad_ready:
             callback(chunk.shard, after=self.comm.reduce_stream)
 
+    def _post_backward(self, unit: Unit) -> None:
+        """
+        ### 5. Post-backward: release
+
+        Called when the gradients of the unit's inputs are computed: its
+        backward is done, its gathered chunks can go.
+        """
+        if self.phase is Phase.BACKWARD:
+            unit.release()
+
     def _end_backward(self) -> None:
         """
-        ### 7. End of backward
+        ### 6. End of backward
 
         A callback queued on the autograd engine. Every trainable chunk not yet
         reduced (its parameters got no gradient) reduces zeros, because every
@@ -501,9 +580,12 @@ class Zero3Runtime:
         ### Accumulate gradients without reducing them
 
         Backward passes inside accumulate into each chunk's full-size gradient
-        buffer (held from one micro-batch to the next: $C \cdot g$ bytes per
-        trainable chunk); the first backward outside reduces the sum once. For $k$
-        micro-batches that is one reduce-scatter per step instead of $k$.
+        buffer (held from one micro-batch to the next: $C \cdot g_r$ bytes per
+        trainable chunk in the reduce dtype, about $g_r \Psi_t$ per rank in all,
+        not divided by $N_d$: the memory model counts them); the first backward
+        outside reduces the sum once, and the shard gradient receives that one
+        reduction. For $k$ micro-batches that is one reduce-scatter per step
+        instead of $k$.
         """
         previous, self.sync_gradients = self.sync_gradients, False
         try:

@@ -1,13 +1,15 @@
 r"""
 ---
 title: Memory and communication model
-summary: Analytic bytes per rank and step for ZeRO-3 with chunks, formulas to layouts.
+summary: The bytes a rank holds, term by term as the engine holds them, and a
+  step's traffic against DDP's, in elements and in bytes.
 ---
 
 # Memory and communication model
 
 This page counts bytes without allocating any. The tests compare the engine's real
-tensors against it, the [chunk-size search](chunk_search.html) scores layouts with
+tensors against it, the chunk-size search (explained in
+[its page](chunk_search.html), the last of the core path) scores layouts with
 it, and the benchmark prints it beside what it measures.
 
 *Model states* are the tensors that live for the whole of training: for each of
@@ -15,10 +17,11 @@ the $\Psi$ trainable parameters, mixed-precision Adam keeps
 
 * $p = 2$ bytes of half-precision parameter (bf16 or fp16), used by forward and
   backward,
-* $g = 4$ bytes of gradient, the default (`GRAD_BYTES`): this engine keeps each
-  rank's gradient shard in fp32, because the optimizer reads it in fp32 and
-  micro-batches accumulate into it (the ZeRO paper counts a half-precision
-  gradient instead, $g = 2$),
+* $g = 4$ bytes of gradient shard (`GRAD_BYTES`): this engine keeps it in fp32
+  whatever the parameter dtype, because the ranks' gradients are averaged in
+  fp32 by default and the optimizer reads fp32, so the mean is never rounded
+  on its way (the ZeRO paper counts a half-precision gradient instead,
+  $g = 2$),
 * $K = 12$
   (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
   bytes of optimizer state: an fp32 master copy of the parameter and Adam's two
@@ -30,12 +33,26 @@ bytes per trainable parameter here; the paper's formula gives 16
 (tested: tests/zero3/test_memory_model.py::test_zero_model_states_is_the_paper_formula).
 Data parallelism (DDP) replicates all of it on each of the $N_d$ data-parallel
 ranks. ZeRO-3 (the paper's $P_{os+g+p}$) partitions all three over them, so a
-rank holds
+rank holds, of model states,
 
 $$M_{\text{ZeRO-3}} = \frac{(p + g + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 
 where $\Psi_t$ are the trainable and $\Psi_f$ the frozen parameters; a frozen
-parameter has neither gradient nor optimizer state. GPT-NeoX-20B, with about
+parameter has neither gradient nor optimizer state. That is not all a rank holds
+during a step. Beside the model states it holds the gathered chunks of $1 + d$
+units ($d$ = `prefetch_depth`; `gathered_peak`), the root unit's gathered chunks
+for the whole step, beside every window (`root_unit_bytes`), and in backward the
+full-size gradient buffer of each chunk until it is reduced
+(`largest_grad_buffer`). Under gradient accumulation (`no_sync`, explained in
+[hooks](hooks.html)) no chunk reduces until the last micro-batch: every
+trainable chunk keeps its full-size buffer from one micro-batch to the next,
+$g_r \sum_k C_k \approx g_r \Psi_t$ bytes per rank ($g_r$ the bytes of the
+{{term: reduce dtype}}, the dtype gradients are reduce-scattered in), *not*
+divided by $N_d$; from $N_d > (p + g + K) / g_r$ ranks on, that is more than the
+model states themselves. The shard gradient then receives one reduction per
+step.
+
+GPT-NeoX-20B, with about
 20.6 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
 billion parameters, needs about $370$
 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
@@ -47,16 +64,17 @@ The rest of the page refines this formula for a real {{see: chunk
 layout}} (padding, `layout_model_states`), adds what is
 *gathered* for compute at once (`gathered_units`, `gathered_peak`) and the
 largest gradient buffer (`largest_grad_buffer`), counts the bytes one step
-communicates (`zero3_step_comm`, `ring_wire_bytes`), and the same for [hybrid
-sharding](hybrid.html) (`hybrid_model_states`, `hybrid_step_comm`,
-`hybrid_wire_bytes`, `hybrid_step_seconds`).
+communicates (`zero3_step_comm`, `ring_wire_bytes`), and the same for hybrid
+sharding (`hybrid_model_states`, `hybrid_step_comm`, `hybrid_wire_bytes`,
+`hybrid_step_seconds`; hybrid sharding is explained in
+[its page](hybrid.html)).
 
 ## Limitations
 
-* Model states, gathered parameters and the largest gradient buffer only:
-  activations, the other gradient buffers that are live at the same time (a chunk
-  waiting for its reduce-scatter while the next one accumulates), temporary
-  buffers and the allocator's fragmentation are not counted.
+* Model states, gathered parameters and gradient buffers only: activations,
+  temporary buffers and the allocator's fragmentation are not counted, nor,
+  without accumulation, a second gradient buffer live beside the largest (a
+  chunk waiting for its reduce-scatter while the next one fills).
 * The peak assumes the engine's rule that a group is gathered and released whole;
   a schedule that releases early or gathers chunk by chunk would need its own
   count.
@@ -77,6 +95,7 @@ from labml_zero.zero3.hybrid import (HYBRID_EXAMPLE, HybridExample, HybridPredic
 __all__ = [
     "PARAM_BYTES",
     "GRAD_BYTES",
+    "REDUCE_BYTES",
     "OPTIMIZER_BYTES",
     "STAGING_BYTES",
     "MASTER_INIT_BYTES",
@@ -88,6 +107,8 @@ __all__ = [
     "gathered_units",
     "gathered_peak",
     "peak_window_numel",
+    "ROOT_GROUP",
+    "root_unit_bytes",
     "largest_grad_buffer",
     "Traffic",
     "StepComm",
@@ -112,9 +133,14 @@ __all__ = [
 # with them.
 # $p$: a half-precision parameter shard (bf16 or fp16).
 PARAM_BYTES = 2
-# $g$: the shard gradient (`main_grad`), always fp32 whatever the chunk dtype:
-# it is what the optimizer reads and what micro-batches accumulate into.
+# $g$: the shard gradient (`LocalShard.grad`), always fp32 whatever the chunk
+# dtype: the optimizer reads it in fp32, and micro-batches reduced one by one
+# add into it without rounding.
 GRAD_BYTES = 4
+# $g_r$: the bytes of the reduce dtype, the dtype of the full-size
+# gradient buffers and of the reduce-scatter; fp32 is `ZeroConfig`'s default
+# `reduce_dtype` (bf16 or fp16: 2).
+REDUCE_BYTES = 4
 # $K$: AdamW's fp32 master copy and two fp32 moments.
 OPTIMIZER_BYTES = 12
 # the pinned fp32 staging buffer of a shard whose optimizer state is on the host
@@ -221,24 +247,25 @@ def layout_model_states(
 #
 # A *unit* is what the hooks gather and release together: one layer, whose
 # parameters form one *group* of the layout. Before a unit runs, its chunks are
-# gathered in full; the chunks of the next $d$ units (the *prefetch depth*,
-# `prefetch_depth`) are gathered ahead of time, so their all-gathers overlap the
-# running unit's compute; a unit's chunks are released when it is done.
+# gathered in full; the chunks of the next $d$ units (the
+# {{see: prefetch depth}}, `prefetch_depth`, explained in [hooks](hooks.html))
+# are gathered ahead of time, so their all-gathers overlap the running unit's
+# compute; a unit's chunks are released when it is done.
 
 FORWARD = "forward"
 BACKWARD = "backward"
 
-# ## Note: backward holds one more unit
+# ## Note: backward holds no extra unit
 #
 # In forward, a unit's post-forward hook releases it before the next unit's
 # pre-forward hook gathers: $1 + d$ units are gathered at once. In backward both
 # hooks wait for the same gradient, that of the tensor between the two units
 # (the finished unit's input, the next unit's output). The engine releases the
 # finished unit first (see [hooks](hooks.html), Note: release before the next
-# gather), so backward too holds $1 + d$ units and this constant is $0$; were
-# the next unit gathered first, the finished one would be held beside it, one
-# unit more. The tests count the units the engine really holds in each phase and
-# assert `gathered_units`.
+# gather), also when a layer returns several tensors, so backward too holds
+# $1 + d$ units and this constant is $0$; were the next unit gathered first, the
+# finished one would be held beside it, one unit more. The tests count the units
+# the engine really holds in each phase and assert `gathered_units`.
 BACKWARD_EXTRA_UNITS = 0
 
 
@@ -248,8 +275,8 @@ def gathered_units(prefetch_depth: int, phase: str) -> int:
 
     $$n_{\text{fwd}} = 1 + d, \qquad n_{\text{bwd}} = 1 + d + \beta$$
 
-    with $d$ = `prefetch_depth` and $\beta$ = `BACKWARD_EXTRA_UNITS` (see Note:
-    backward holds one more unit). `phase` is `FORWARD` or `BACKWARD`.
+    with $d$ = `prefetch_depth` and $\beta$ = `BACKWARD_EXTRA_UNITS`, which is
+    $0$ (see Note: backward holds no extra unit). `phase` is `FORWARD` or `BACKWARD`.
     """
     _check_at_least("prefetch_depth", prefetch_depth, 0)
     if phase == FORWARD:
@@ -272,8 +299,11 @@ def gathered_peak(
 
     with $C(\text{group})$ the elements of a group's chunks and $p$ =
     `param_bytes`. With fewer than $n$ groups, all of them. Backward's windows are
-    the same runs of consecutive groups taken in the other order, one group
-    wider; the step's peak is `phase=BACKWARD`'s whenever $\beta > 0$.
+    the same runs of consecutive groups taken in the other order, as wide as
+    forward's ($\beta = 0$), so both phases have the same peak. The root unit
+    (`shard_model`'s group 0) is held for the whole step, beside every window
+    (`root_unit_bytes`); this window counts it only where it is one of $n$
+    consecutive groups.
     """
     _check_at_least("param_bytes", param_bytes, 1)
     # `by_group` lists groups in the order of their chunks: execution order.
@@ -301,14 +331,35 @@ def peak_window_numel(
     return peak
 
 
+ROOT_GROUP = 0
+"""`shard_model`'s group of the root unit (a `Zero3Sequential` has none)."""
+
+
+def root_unit_bytes(layout: ChunkLayout, param_bytes: int = PARAM_BYTES) -> int:
+    r"""
+    ## The root unit, gathered for the whole step
+
+    $$R = p \cdot C(\text{group}_0)$$
+
+    `shard_model` puts the parameters of no wrapped layer (embeddings, a tied
+    readout) in group 0, the root unit: gathered at the start of the forward
+    pass and released at the end of the backward pass, so these bytes are held
+    beside every window of `gathered_peak`, and belong on top of it. Only for a
+    layout made by `shard_model`: a `Zero3Sequential`'s group 0 is its first
+    layer, an ordinary unit.
+    """
+    _check_at_least("param_bytes", param_bytes, 1)
+    return layout.group_numel(ROOT_GROUP) * param_bytes
+
+
 def largest_grad_buffer(layout: ChunkLayout, grad_bytes: int) -> int:
     r"""
     ## Largest full-size gradient buffer
 
     During backward a trainable chunk holds each parameter's gradient until the
     last one arrives, copies them all into a full-size buffer of $C_k$ elements
-    in the *reduce dtype* (the dtype the reduce-scatter runs in, fp32 by
-    default), reduce-scatters it and frees it. The largest of these buffers,
+    in the reduce dtype (fp32 by default), reduce-scatters it and frees it. The
+    largest of these buffers,
 
     $$B = g_r \cdot \max_{k \text{ trainable}} C_k,$$
 
@@ -370,8 +421,8 @@ class StepComm(NamedTuple):
 def zero3_step_comm(
     layout: ChunkLayout,
     *,
-    param_bytes: int = 2,
-    grad_bytes: int = 2,
+    param_bytes: int = PARAM_BYTES,
+    grad_bytes: int = REDUCE_BYTES,
     backward_groups: Iterable[int] | None = None,
 ) -> StepComm:
     r"""
@@ -382,7 +433,9 @@ def zero3_step_comm(
     * a forward all-gather of every chunk: $\Psi$ elements in $p$ bytes,
     * a backward all-gather of the chunks that were released after forward and
       run a backward: at most $\Psi$ again, fewer in the engine, which keeps the
-      root unit and *resident* chunks gathered for the whole step and never
+      root unit and *resident* chunks (frozen chunks that the placement keeps
+      gathered, explained in [placement](placement.html)) gathered for the
+      whole step, and never
       gathers again the frozen layers at the input end, where no backward runs,
     * a reduce-scatter of every trainable chunk's gradient: $\Psi_t$ in the reduce
       dtype's $g_r$ bytes,
@@ -391,8 +444,10 @@ def zero3_step_comm(
     reduce-scatter). DDP's all-reduce of the gradients counts as $2\Psi$ in the
     same units (`ddp_step_comm`).
 
-    * `param_bytes` is the dtype the all-gathers run in (the parameter dtype).
-    * `grad_bytes` is the dtype the reduce-scatters run in (the reduce dtype).
+    * `param_bytes` is $p$, the bytes of the dtype the all-gathers run in (the
+      parameter dtype; bf16 by default).
+    * `grad_bytes` is $g_r$, the bytes of the dtype the reduce-scatters run in
+      (the reduce dtype; fp32 by default, as in the engine).
     * `backward_groups` are the groups whose chunks backward gathers again; all
       groups by default, the upper bound. The tests pass the groups the engine
       really gathers again.
@@ -423,7 +478,7 @@ def zero3_step_comm(
     )
 
 
-def ddp_step_comm(psi_trainable: int, grad_bytes: int = 2) -> Traffic:
+def ddp_step_comm(psi_trainable: int, grad_bytes: int = REDUCE_BYTES) -> Traffic:
     r"""
     ## DDP's all-reduce, in the same units
 
@@ -432,6 +487,8 @@ def ddp_step_comm(psi_trainable: int, grad_bytes: int = 2) -> Traffic:
     and NCCL's algorithms run it. `collectives` is $1$, as
     if the gradients were one flat bucket; DDP really uses buckets of a few
     megabytes (`bucket_cap_mb`), which changes the count but not the volume.
+    `grad_bytes` is $g_r$, fp32's by default: DDP compared in the engine's
+    reduce dtype.
     """
     _check_at_least("psi_trainable", psi_trainable, 0)
     _check_at_least("grad_bytes", grad_bytes, 1)
@@ -450,9 +507,16 @@ def ring_wire_bytes(nbytes: int, world_size: int) -> int:
     reduce-scatter moves the same; zero on one rank. Exact when `nbytes` is a
     multiple of $N_d$, as chunk sizes are. So per rank and step, ZeRO-3 sends at
     most $\frac{N_d - 1}{N_d}(2p\Psi + g_r\Psi_t)$ bytes and DDP
-    $\frac{N_d - 1}{N_d} \cdot 2g_r\Psi$: with $p = g_r$, $1.5\times$
+    $\frac{N_d - 1}{N_d} \cdot 2g_r\Psi_t$. In elements ($\Psi_t = \Psi$) that is
+    $3\Psi$ against $2\Psi$, $1.5\times$
     (tested: tests/zero3/test_memory_model.py::test_zero3_is_three_psi_and_ddp_two_psi)
-    the traffic of DDP for $\frac{1}{N_d}$ of its model states.
+    the traffic of DDP for $\frac{1}{N_d}$ of its model states. In bytes it
+    depends on the reduce dtype. At the defaults (bf16 gathers, $p = 2$; an fp32
+    reduce, $g_r = 4$, for DDP's all-reduce too) both send $8\Psi$: the same bytes
+    (tested: tests/zero3/test_memory_model.py::test_default_step_bytes_match_ddp).
+    With a bf16 reduce ($g_r = p = 2$) it is $6\Psi$ against $4\Psi$, $1.5\times$
+    in bytes as well
+    (tested: tests/zero3/test_memory_model.py::test_zero3_is_three_psi_and_ddp_two_psi).
     """
     _check_at_least("nbytes", nbytes, 0)
     _check_at_least("world_size", world_size, 1)
@@ -461,7 +525,8 @@ def ring_wire_bytes(nbytes: int, world_size: int) -> int:
 
 # ## Hybrid sharding
 #
-# With [hybrid sharding](hybrid.html) the $N$ ranks form $R = N / K$
+# With hybrid sharding (explained in [its page](hybrid.html)) the $N$ ranks form
+# $R = N / K$
 # {{term: shard groups | shard group}} of $K$ ranks. Each group holds one copy of
 # the model states, so a rank holds ZeRO-3's share of a world of $K$, and a step
 # adds to ZeRO-3's collectives inside the group one all-reduce, across the $R$
@@ -502,8 +567,9 @@ class HybridStepComm(NamedTuple):
     inter: Traffic
 
 
-def hybrid_step_comm(layout: ChunkLayout, *, replicas: int, param_bytes: int = 2,
-                     grad_bytes: int = 2,
+def hybrid_step_comm(layout: ChunkLayout, *, replicas: int,
+                     param_bytes: int = PARAM_BYTES,
+                     grad_bytes: int = REDUCE_BYTES,
                      backward_groups: Iterable[int] | None = None) -> HybridStepComm:
     r"""
     ## Collectives of one hybrid step, per rank

@@ -9,7 +9,7 @@ summary: Which chunks keep their optimizer state (and parameter shard) in host
 # Placement of model states in device and host memory
 
 A ZeRO-3 rank holds, per element of a trainable shard, $p$ bytes of bf16 (or
-fp16) parameter, $4$ of fp32 gradient (`main_grad`) and
+fp16) parameter, $4$ of fp32 gradient (`LocalShard.grad`) and
 $K$ = {{py: memory_model.OPTIMIZER_BYTES}} of optimizer state (fp32 master and two
 moments). For GPT-NeoX-20B on $N_d = 2$ ranks, with
 $S = \Psi / 2 = 10.3 \cdot 10^9$

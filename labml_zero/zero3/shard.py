@@ -15,7 +15,7 @@ its own slice, and this page is the one object that owns it:
 |---|---|---|---|
 | `param`, the bf16 (or fp16, fp32) shard | $S$ | $p$ (2 for bf16) | always |
 | `grad`, the fp32 gradient shard | $S$ | 4 | from the reduce-scatter to `zero_grad` |
-| `master_init`, the first fp32 master | $S$ | 4 | from building to the first step |
+| `master_init`, the first fp32 master | $S$ | 4 | until the optimizer takes it |
 
 so a trainable element costs $p + 4$ bytes here, beside the $K = 12$
 (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
@@ -59,10 +59,13 @@ class LocalShard:
     1. built from a filled `[S]` tensor: a trainable shard wraps it in an
        `nn.Parameter` (`param`) and may keep `master_init`, the exact fp32 values
        the bf16 `param` rounds;
-    2. `add_grad(reduced)` after each reduction: the first allocates `grad`,
-       later ones (accumulation) add;
-    3. `take_master_init()`: the optimizer takes the first master at its first
-       step and the shard drops it;
+    2. after each reduction the [chunk](chunk.html) writes `grad`: the first
+       of a step allocates it (`new_grad`), later ones (micro-batches reduced
+       one by one, without `no_sync`) add into it (`grad.add_`);
+    3. `take_master_init()`: the optimizer takes the first master and the
+       shard drops it; `AdamFP16` takes it at its first step when the shard's
+       optimizer state is on the device, and at its construction when that
+       state is on the host (`offload`);
     4. `zero_grad()`: the gradient is freed;
     5. `move_to_host()` (between steps, optional): `param` moves to host memory,
        `grad` stays on `grad_device`.
@@ -72,7 +75,8 @@ class LocalShard:
     * `master_init`: `[S]` fp32 first master, or `None`.
     """
 
-    # see Note: how a parameter finds its shard
+    # parameter -> its shard, keyed weakly by the parameter's identity (see
+    # Note: how a parameter finds its shard)
     _of: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __init__(self, data: torch.Tensor, *, trainable: bool,

@@ -1,25 +1,35 @@
 r"""
 ---
 title: Sharding a model
-summary: Zero3Layer, Zero3Sequential and shard_model, the public ways into the engine.
+summary: Zero3Layer, Zero3Sequential and shard_model, the public ways into the
+  engine, and how a model larger than one GPU is built without any rank holding it.
 ---
 
 # Sharding a model
 
 Three ways to put a model under ZeRO-3, all built from the same pieces (a
 [layout](chunk_layout.html), [chunks](chunk.html) and the
-[runtime's hooks](hooks.html)):
+[runtime's hooks](hooks.html); the layout and the chunk are explained in their
+pages, after the core path):
 
 * `Zero3Layer(module, rank, world_size, device, dtype)` shards one layer, and
   `Zero3Sequential([...])` runs a chain of them, as in labml-nn;
 * `zero3_layers(modules, device=..., config=...)` builds those layers with one
-  chunk size for all of them (searched unless the config fixes it);
+  chunk size for all of them (searched unless the config fixes it; the search
+  is explained in [its page](chunk_search.html));
 * `shard_model(model, layers, device=..., config=...)` wraps any `nn.Module`,
   sharding the chosen submodules (each block of a Hugging Face model, say) as units
   and the parameters outside them as a *root unit* that stays gathered for the
   whole step (embeddings, final norms, tied readouts).
 
 Either way the model has one layout, `model.layout`, with a group per unit.
+
+A model larger than one GPU is built without any rank holding it: its layers
+are made on the meta device (shapes, no memory), the chunk size is chosen
+from the shapes alone, and each layer is given weights and sharded one at a
+time, or even one chunk at a time, so that a rank never holds more than one
+layer (or one chunk) beyond its shards (see Lazy initialisation, beside
+`zero3_layers`).
 
 ## Sharding a layer
 
@@ -42,8 +52,12 @@ $K$ = {{py: memory_model.OPTIMIZER_BYTES}} bytes of optimizer state (`AdamFP16`)
 $$\frac{(p + 4 + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
 
-plus the gathered chunks of at most $1 + \text{prefetch\_depth}$ units and the
-full-size gradient buffers of the chunks being reduced.
+of model states, plus what a step holds beside them (counted by the
+[memory model](memory_model.html)): the gathered chunks of at most
+$1 + \text{prefetch\_depth}$ units, the root unit's for the whole step, and
+the full-size gradient buffers of the chunks being reduced; under `no_sync`
+every trainable chunk's buffer at once, about $g_r \Psi_t$ bytes, not divided
+by $N_d$.
 
 ## Limitations
 
@@ -254,8 +268,8 @@ class Zero3Layer(nn.Module):
     * `chunk_numel`: the chunk size. By default the config's; if the config
       leaves it to a search (`None`), one chunk for the trainable and one for
       the frozen parameters, as labml-nn does. Given both, they must agree.
-    * `config`: the other knobs ([`ZeroConfig`](config.html)); its `dtype`
-      must be `dtype`.
+    * `config`: the other knobs (`ZeroConfig`, explained in
+      [its page](config.html)); its `dtype` must be `dtype`.
     """
 
     def __init__(
@@ -362,7 +376,8 @@ class ShardedRoot(nn.Module):
 
     `Zero3Sequential` and `ShardedModel` share these; `runtime` is their
     [runtime](hooks.html), `config` their [`ZeroConfig`](config.html) and
-    `layout` one [chunk layout](chunk_layout.html) for the whole model, one group
+    `layout` one {{see: chunk layout}} (explained in
+    [its page](chunk_layout.html)) for the whole model, one group
     per unit, which the [memory model](memory_model.html) reads.
     """
 

@@ -35,8 +35,8 @@ gradient. A chunk also picks its *reduction* once:
   each averages its own slice there, in fp32 ([peer memory](peer_memory.html));
 * **hybrid**: either of the two inside the shard group of $K$ ranks, then an
   all-reduce of the $S$-element result across the $N / K$ groups
-  ([hybrid sharding](hybrid.html)): the mean of the $N / K$ group means, each
-  over $K$ ranks, is the mean over all $N$.
+  (explained in [hybrid sharding](hybrid.html)): the mean of the $N / K$ group
+  means, each over $K$ ranks, is the mean over all $N$.
 
 `Chunk.reduce` then makes one call, `reduction.reduce(shard_grad, full_grad)`,
 on the reduce stream.

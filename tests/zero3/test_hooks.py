@@ -9,7 +9,9 @@ from torch import nn
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, shard_model, zero3_layers
 from labml_zero.zero3.chunk import ChunkState
 from labml_zero.zero3.hooks import Phase
+from labml_zero.zero3.memory_model import root_unit_bytes
 from tests.zero3.models import batch, tiny_layers
+from tests.zero3.test_sharded_model import gradient_mismatch
 
 
 def count_gathered(runtime) -> dict[Phase, int]:
@@ -47,6 +49,82 @@ def test_at_most_one_plus_depth_units_gathered(depth, api, freeze):
         x, y = batch(step, 4)
         nn.functional.mse_loss(model(x), y).backward()
     assert peaks == {Phase.FORWARD: 1 + depth, Phase.BACKWARD: 1 + depth}
+
+
+class TwoStreams(nn.Module):
+    """A layer whose output is a tuple of two tensors that need a gradient:
+    `a` feeds both of the next layer's outputs, `b` only the second."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.fa, self.fb = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        a, b = (x, x) if isinstance(x, torch.Tensor) else x
+        a = torch.tanh(self.fa(a))
+        return a, torch.tanh(self.fb(b)) + a
+
+
+class Merge(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.out = nn.Linear(d, d)
+
+    def forward(self, pair):
+        a, b = pair
+        return self.out(a * b)
+
+
+def two_stream_layers() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [TwoStreams(8) for _ in range(4)] + [Merge(8)]
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_a_unit_with_several_outputs_holds_the_same_bound(depth):
+    """Several outputs are joined into one autograd node: the backward pass
+    holds 1 + depth units as with one output, and the gradients are those of
+    the unsharded model."""
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4,
+                        prefetch_depth=depth)
+    layers = two_stream_layers()
+    reference = nn.Sequential(*two_stream_layers())
+    model = shard_model(nn.Sequential(*layers), layers, device="cpu", config=config)
+    peaks = count_gathered(model.runtime)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert peaks == {Phase.FORWARD: 1 + depth, Phase.BACKWARD: 1 + depth}
+    # the joined output keeps the layer's structure
+    with torch.no_grad(), model.runtime.gathered():
+        pair = layers[0](x)
+    assert isinstance(pair, tuple) and len(pair) == 2
+    # One rank in fp32: the same operations in the same order as the
+    # reference, and a reduction over one rank, so the gradients are equal.
+    assert gradient_mismatch(model, reference, None) == 0.0
+
+
+def test_the_root_unit_is_gathered_for_the_whole_step_as_the_model_counts():
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4)
+    layers = tiny_layers(0, freeze=False)
+    # the first and last layers are the root unit, the blocks the units
+    model = shard_model(nn.Sequential(*layers), layers[1:4], device="cpu",
+                        config=config)
+    root = model.runtime.root
+    held = []
+    for unit in model.runtime.units:
+        def gather(original=unit.gather) -> None:
+            original()
+            held.append(all(c.is_gathered for c in root.chunks))
+
+        unit.gather = gather
+    x, y = batch(0, 4)
+    nn.functional.mse_loss(model(x), y).backward()
+    # gathered at every gather of the forward and the backward pass
+    assert held and all(held)
+    gathered = sum(c.numel * c.full.element_size() for c in root.chunks)
+    assert root_unit_bytes(model.layout, param_bytes=4) == gathered > 0
+    assert not any(c.is_gathered for c in root.chunks)  # released at the end
 
 
 def test_grad_ready_callbacks_run_in_registration_order():

@@ -3,10 +3,13 @@
 import pytest
 
 from labml_zero.zero3.chunk_layout import ParamSpec, plan_chunks
+from labml_zero.zero3.config import ZeroConfig
 from labml_zero.zero3.memory_model import (
     BACKWARD,
     BACKWARD_EXTRA_UNITS,
     FORWARD,
+    PARAM_BYTES,
+    REDUCE_BYTES,
     Traffic,
     ddp_step_comm,
     gathered_peak,
@@ -15,6 +18,7 @@ from labml_zero.zero3.memory_model import (
     layout_model_states,
     peak_window_numel,
     ring_wire_bytes,
+    root_unit_bytes,
     zero3_step_comm,
     zero_model_states,
 )
@@ -190,10 +194,26 @@ def test_zero3_is_three_psi_and_ddp_two_psi():
     ddp = ddp_step_comm(psi, grad_bytes=2)
     assert zero.numel == 3 * psi
     assert ddp == Traffic(1, 2 * psi, 4 * psi)
+    # with a bf16 reduce: 6 * psi bytes against 4 * psi, 1.5x in bytes too
+    assert zero.nbytes == 6 * psi and zero.nbytes / ddp.nbytes == 1.5
     # On the wire each rank sends (N - 1) / N of it: 3/4 on 4 ranks.
     assert ring_wire_bytes(zero.nbytes, 4) == 3 * psi * 2 * 3 // 4 == 216
     assert ring_wire_bytes(ddp.nbytes, 4) == 144
     assert ring_wire_bytes(ddp.nbytes, 1) == 0
+
+
+def test_default_step_bytes_match_ddp():
+    # The defaults are the engine's: bf16 gathers, an fp32 reduce (ZeroConfig's
+    # reduce_dtype); DDP's all-reduce compared in the same fp32. Both then move
+    # 8 * psi bytes per step.
+    assert PARAM_BYTES == ZeroConfig().dtype.itemsize == 2
+    assert REDUCE_BYTES == ZeroConfig().reduce_dtype.itemsize == 4
+    params = [ParamSpec(f"p{g}", (16,), True, g) for g in range(3)]
+    layout = plan_chunks(params, 16, 4)
+    psi = 48
+    zero, ddp = zero3_step_comm(layout), ddp_step_comm(psi)
+    assert zero.numel == 3 * psi and ddp.numel == 2 * psi
+    assert zero.nbytes == ddp.nbytes == 8 * psi
 
 
 def test_backward_groups_must_exist():
@@ -205,8 +225,8 @@ def test_backward_groups_must_exist():
 
 
 def test_gathered_units_by_phase():
-    # Forward holds the running unit and d prefetched; backward one more (see
-    # Note: backward holds one more unit).
+    # Forward holds the running unit and d prefetched; backward the same, no
+    # extra unit (see Note: backward holds no extra unit).
     beta = BACKWARD_EXTRA_UNITS
     for d in (0, 1, 2):
         assert gathered_units(d, FORWARD) == 1 + d
@@ -217,8 +237,9 @@ def test_gathered_units_by_phase():
         gathered_units(-1, FORWARD)
 
 
-def test_backward_peak_is_one_group_wider():
-    # Group sizes 4, 8, 2, 6 as above: backward's window is gathered_units wide.
+def test_backward_peak_is_as_wide_as_forward():
+    # Group sizes 4, 8, 2, 6: backward's window is gathered_units wide, the
+    # same as forward's (no extra unit).
     params = [ParamSpec(f"p{g}", (n,), True, g) for g, n in enumerate([4, 8, 2, 6])]
     layout = plan_chunks(params, 1, 1)
     sizes = [4, 8, 2, 6]
@@ -229,6 +250,15 @@ def test_backward_peak_is_one_group_wider():
         assert peak_window_numel(sizes, d, phase=BACKWARD) == expected
     # The forward default is unchanged: d = 0 is the largest group.
     assert gathered_peak(layout, 0, 1, phase=FORWARD) == 8
+
+
+def test_root_unit_bytes_is_group_zero_gathered():
+    layout = mixed_layout()
+    # group 0's chunks, 8 + 6 + 4 elements, gathered in bf16
+    assert root_unit_bytes(layout) == (8 + 6 + 4) * 2
+    assert root_unit_bytes(layout, param_bytes=4) == (8 + 6 + 4) * 4
+    with pytest.raises(ValueError, match="param_bytes"):
+        root_unit_bytes(layout, param_bytes=0)
 
 
 def test_figures_in_the_memory_notes():
