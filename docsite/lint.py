@@ -9,9 +9,11 @@ summary: Raw TeX, long introductions, lab traces and unchecked numbers, with all
 The notes are a textbook. Five checks read every page's notes (the Markdown, and
 for raw TeX the built HTML) and list what a textbook should not have:
 
-* **raw TeX**: a TeX command left as text outside a formula (`\\begin{align}`
-  outside `$$`), or a command spelled as letters inside one ("2times8":
-  `\\times` written with two backslashes in a non-raw docstring);
+* **raw TeX**: a TeX command or a whole `$...$` left as text on a built page
+  (the renderer already stops the build on one: this check reads every built
+  page, the generated ones included), or a command spelled as letters inside a
+  formula ("2times8": `\\times` written with two backslashes in a non-raw
+  docstring);
 * **introduction budget**: more than `INTRO_WORDS` words of prose (formulas and
   code not counted) in a module's introduction, its module docstring;
 * **lab traces**: run IDs (`run18`), result file names, dates, "went from X to
@@ -33,14 +35,13 @@ size and its stale entries; `--write` rewrites the lists from the notes.
 
 from __future__ import annotations
 
-import html
 import re
 import sys
 from pathlib import Path
 
 from . import order, terms
 from .directives import TESTED, strip_directives
-from .markdown import outside_code
+from .markdown import TEX_LEFT, outside_code, visible_text
 from .mathml import spelled_commands
 from .paths import REPO, discover_modules
 from .results import load_results, results_markdown
@@ -51,9 +52,8 @@ UNCHECKED = "docs_src/unchecked"
 CHECKS = ("raw_tex", "intro_budget", "lab_traces", "numbers", "terms")
 NO_ALLOWLIST = ("terms",)
 
-TEX_WORDS = (r"begin|end|frac|sqrt|times|cdot|approx|sum|prod|text|mathrm|Psi|"
-             r"alpha|beta|lambda|epsilon|leftarrow|rightarrow|lceil|rceil|leq|geq")
-RAW_TEX = re.compile(rf"\\({TEX_WORDS})(?![A-Za-z])|\$\$")
+# Over the built pages: any TeX command, `$$`, or a `$...$` formula left as text.
+RAW_TEX = TEX_LEFT
 DISPLAY = re.compile(r"\$\$(.+?)\$\$", re.S)
 INLINE = re.compile(r"(?<![\\$\w])\$([^\s$](?:[^$\n]*?[^\s$\\])?)\$(?![\w$])")
 LAB_TRACES = [
@@ -143,12 +143,9 @@ def findings(root: Path = REPO, site: dict[str, bytes] | None = None):
         for value in numbers(docs):  # the home page's notes too
             out["numbers"].add(f"{name} | {value}")
         if site is not None and page.out in site:
-            dom = site[page.out].decode("utf-8")
-            for tag in ("math", "pre", "code", "svg", "style", "title"):
-                dom = re.sub(rf"<{tag}\b.*?</{tag}>", " ", dom, flags=re.S)
-            text = html.unescape(re.sub(r"<[^>]+>", " ", dom))
+            text = visible_text(site[page.out].decode("utf-8"))
             for m in RAW_TEX.finditer(text):
-                out["raw_tex"].add(f"{name} | raw {m.group(0)}")
+                out["raw_tex"].add(f"{name} | raw {' '.join(m.group(0).split())}")
     out["terms"].update(terms.check(root))
     return {check: sorted(items) for check, items in out.items()}
 

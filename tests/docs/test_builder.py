@@ -224,3 +224,20 @@ def test_glossary_links_terms_to_their_definition(tmp_path, site_files):
         "labml_zero/zero3/chunk_layout.py\n@results\n@glossary\n")
     with pytest.raises(BuildError, match="'chunk' is defined on"):
         build_docs.build_site(tree)
+
+
+def test_no_formula_is_left_as_raw_tex():
+    from docsite.markdown import Renderer
+
+    renderer = Renderer({"p.html"}, {})
+    # A table cell whose text ends in a digit (dollarmath read src[-1] at pos 0).
+    table = renderer.render("| a | b |\n|---|---|\n| $p$, 4, 4 | $q$ |\n",
+                            "p.html", set())
+    assert table.count("<math") == 2 and "$" not in table
+    # An inline formula wrapped onto a line starting with "+" (a list item).
+    wrapped = renderer.render("$x + a(x)\n   + b(x)$.\n", "p.html", set())
+    assert wrapped.count("<math") == 1 and "<li>" not in wrapped
+    assert "$5 or $10" in renderer.render("costs $5 or $10\n", "p.html", set())
+    # What still gets through as text stops the build.
+    with pytest.raises(BuildError, match=r"p\.html: TeX left as text"):
+        renderer.render("`a` \\\\alpha b\n", "p.html", set())
