@@ -14,8 +14,9 @@ they explain on the right. The builder is this package, run by
 2. `split.py`: a `.py` file -> rows of (notes, code).
 3. `order.py`: the one reading order (`docs_src/reading_order.txt`).
 4. `results.py`: the Results page from `bench/results/*.jsonl`.
-5. `directives.py`: `{{py: …}}`, `{{bench: …}}`, `{{term: …}}`, `{{see: …}}`,
-   `(tested: …)`.
+5. `directives.py`: `{{py: …}}`, `{{bench: …}}`, `{{term: …}}`, `{{see: …}}`;
+   `citations.py`: `(tested: …)` as a check mark after its sentence, linking to
+   the test's line on the source pages of `tests/`.
 6. `mathml.py`: TeX -> MathML, and what stops the build.
 7. `markdown.py`: notes -> HTML, links, note anchors, figures, code highlighting.
 8. `glossary.py`: the glossary page.

@@ -26,8 +26,9 @@ builder expands five directives, anywhere in notes outside code (not inside
   definition, with the glossary's one-line meaning as their hover title
   (`docsite/terms.py` lists every other such early use).
 * `(tested: tests/zero3/test_chunk.py::test_gather)` says that the number just
-  before it is asserted by that test; the build stops when the file or the test
-  function does not exist.
+  before it is asserted by that test; the page shows a small check mark after
+  the sentence, linking to the test's code (`docsite/citations.py`); the build
+  stops when the file or the test function does not exist.
 
 Any other number in a note is listed by `tests/docs/test_notes_lint.py` (with the
 allowlist `docs_src/unchecked/numbers.txt` for the notes not rewritten yet).
@@ -41,6 +42,7 @@ import importlib
 import re
 from pathlib import Path
 
+from .citations import TESTED, TestIndex, place_citations
 from .paths import BuildError, rel_href, slugify
 from .results import lookup
 
@@ -62,7 +64,6 @@ PY = re.compile(r"\{\{py:\s*(.+?)\s*\}\}", re.S)
 BENCH = re.compile(r"\{\{bench:\s*(.+?)\s*\}\}")
 TERM = re.compile(r"\{\{term:\s*([^{}|]+?)\s*(?:\|\s*([^{}]+?)\s*)?\}\}")
 SEE = re.compile(r"\{\{see:\s*([^{}|]+?)\s*(?:\|\s*([^{}]+?)\s*)?\}\}")
-TESTED = re.compile(r"\(tested:\s*(tests/[\w/.-]+\.py)::(\w+)\)")
 ANY = re.compile(r"\{\{(py|bench|term|see):.*?\}\}|\(tested:[^)]*\)", re.S)
 
 _ALLOWED = (
@@ -129,6 +130,7 @@ class Directives:
         self.results_page = results_page
         self.definitions = definitions or {}
         self.meanings = meanings or {}
+        self.tests = TestIndex(root)
 
     def expand(self, text: str, page: str) -> str:
         def py(match: re.Match) -> str:
@@ -163,22 +165,14 @@ class Directives:
             title = f' title="{html.escape(meaning)}"' if meaning else ""
             return f'<a class="term-ref" href="{href}"{title}>{html.escape(shown)}</a>'
 
-        def tested(match: re.Match) -> str:
-            path, name = match.group(1), match.group(2)
-            test_file = self.root / path
-            if not test_file.is_file():
-                raise BuildError(f"{page}: (tested: {path}::{name}): no such file")
-            source = test_file.read_text(encoding="utf-8")
-            if not re.search(rf"^\s*def {re.escape(name)}\(", source, re.M):
-                raise BuildError(f"{page}: (tested: {path}::{name}): no such test")
-            return (f'<span class="tested" title="asserted by {path}::{name}">'
-                    f"(tested by <code>{name}</code>)</span>")
-
         text = PY.sub(py, text)
         text = BENCH.sub(bench, text)
         text = TERM.sub(term, text)
-        text = SEE.sub(see, text)
-        return TESTED.sub(tested, text)
+        return SEE.sub(see, text)
+
+    def cite(self, text: str, page: str) -> str:
+        """A whole note's `(tested: …)` tags as marks after their sentences."""
+        return place_citations(text, page, self.tests)
 
 
 def term_definitions(text: str) -> list[tuple[str, str]]:

@@ -148,9 +148,13 @@ class Renderer:
         self.used_ids: set[str] = set()
         self.figures = []
         if self.directives is not None:
+            text = self.directives.cite(text, page)
             text = outside_code(text, lambda p: self.directives.expand(p, page))
         text = outside_code(text, join_inline_math)
         out = self.md.render(self.link_notes(text, markdown=True))
+        # marks alone in their paragraph (after a display formula) sit at its right
+        out = re.sub(r'<p>(<sup class="tested">.*?</sup>)</p>',
+                     r'<p class="tested-alone">\1</p>', out)
         left = raw_tex_left(out)
         if left:
             raise BuildError(f"{page}: TeX left as text in the page: {left!r} "
