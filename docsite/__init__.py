@@ -24,7 +24,9 @@ they explain on the right. The builder is this package, run by
 10. `cli.py`: writing `site/` and `--check`.
 11. `lint.py`: the checks of the notes' text that the tests run (raw TeX,
     introduction length, lab traces, unchecked numbers) with their allowlists;
-12. `terms.py`: the check that no page uses a term before its definition.
+12. `terms.py`: the check that no page uses a term before its definition;
+13. `code_index.py` and `code_refs.py`: the checks that every name, flag and
+    file a note quotes exists in the code, and that no note restates a constant.
 """
 
 from .cli import main, stale_files, write_site

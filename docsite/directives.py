@@ -7,7 +7,7 @@ summary: Numbers from the code, measured figures, terms, tested numbers.
 # Directives in the notes
 
 A number stated in a note should come from somewhere a reader can check. The
-builder expands five directives, anywhere in notes outside code (not inside
+builder expands six directives, anywhere in notes outside code (not inside
 `$...$`: write the directive next to the formula):
 
 * `{{py: memory_model.bytes_per_param(...) | ,}}` evaluates a Python expression
@@ -16,6 +16,11 @@ builder expands five directives, anywhere in notes outside code (not inside
   arithmetic; after `|` comes a format spec (`,`, `.1f`, `.3g`). Integers default
   to `,` (thousands separators); floats must give a format, so that the page's
   digits are chosen, not whatever `repr` gives.
+* `{{const: BACKWARD_EXTRA_UNITS}}` shows a constant of the code as
+  `BACKWARD_EXTRA_UNITS = 0`, its value read from the code when the site is
+  built (`memory_model.BACKWARD_EXTRA_UNITS` when two modules assign the name);
+  a note that restates a constant in backticks is a finding
+  (`docsite/code_refs.py`).
 * `{{bench: W2 labml_zero tokens_per_s}}` inserts a measured figure from the
   Results page and links to its row (see `docsite/results.py`).
 * `{{term: gather stream}}` marks the place that defines a term: the words
@@ -43,6 +48,8 @@ import re
 from pathlib import Path
 
 from .citations import TESTED, TestIndex, place_citations
+from .code_index import CodeIndex
+from .code_refs import CONST, expand_constants
 from .paths import BuildError, rel_href, slugify
 from .results import lookup
 
@@ -64,7 +71,7 @@ PY = re.compile(r"\{\{py:\s*(.+?)\s*\}\}", re.S)
 BENCH = re.compile(r"\{\{bench:\s*(.+?)\s*\}\}")
 TERM = re.compile(r"\{\{term:\s*([^{}|]+?)\s*(?:\|\s*([^{}]+?)\s*)?\}\}")
 SEE = re.compile(r"\{\{see:\s*([^{}|]+?)\s*(?:\|\s*([^{}]+?)\s*)?\}\}")
-ANY = re.compile(r"\{\{(py|bench|term|see):.*?\}\}|\(tested:[^)]*\)", re.S)
+ANY = re.compile(r"\{\{(py|bench|term|see|const):.*?\}\}|\(tested:[^)]*\)", re.S)
 
 _ALLOWED = (
     ast.Expression, ast.Call, ast.Attribute, ast.Name, ast.Load, ast.Constant,
@@ -131,6 +138,7 @@ class Directives:
         self.definitions = definitions or {}
         self.meanings = meanings or {}
         self.tests = TestIndex(root)
+        self.code = None  # the CodeIndex, read on the first `{{const: …}}`
 
     def expand(self, text: str, page: str) -> str:
         def py(match: re.Match) -> str:
@@ -165,6 +173,10 @@ class Directives:
             title = f' title="{html.escape(meaning)}"' if meaning else ""
             return f'<a class="term-ref" href="{href}"{title}>{html.escape(shown)}</a>'
 
+        if CONST.search(text):
+            if self.code is None:
+                self.code = CodeIndex(self.root)
+            text = expand_constants(text, page, self.code)
         text = PY.sub(py, text)
         text = BENCH.sub(bench, text)
         text = TERM.sub(term, text)

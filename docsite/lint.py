@@ -6,7 +6,7 @@ summary: Raw TeX, long introductions, lab traces and unchecked numbers, with all
 
 # Checks of the notes' text
 
-The notes are a textbook. Five checks read every page's notes (the Markdown, and
+The notes are a textbook. Seven checks read every page's notes (the Markdown, and
 for raw TeX the built HTML) and list what a textbook should not have:
 
 * **raw TeX**: a TeX command or a whole `$...$` left as text on a built page
@@ -25,6 +25,9 @@ for raw TeX the built HTML) and list what a textbook should not have:
 * **terms**: a glossary term used before the place that defines it, outside a
   `{{see: …}}` (the rule is on its own page, `docsite/terms.py`); this check
   has no allowlist: the notes have no such use.
+* **names**: a backticked name, dotted path, call, flag or file that the code
+  does not have, and **constants**: a constant of the code restated in a note
+  instead of `{{const: NAME}}` (both on their own page, `docsite/code_refs.py`).
 
 Each check has an allowlist in `docs_src/unchecked/` (one `page | finding` a
 line) holding what the notes had when the check was written, so that CI stays
@@ -39,8 +42,9 @@ import re
 import sys
 from pathlib import Path
 
-from . import order, terms
+from . import code_refs, order, terms
 from .directives import TESTED, strip_directives
+from .glossary import GLOSSARY_FILE
 from .markdown import TEX_LEFT, outside_code, visible_text
 from .mathml import spelled_commands
 from .paths import REPO, discover_modules
@@ -49,7 +53,8 @@ from .site import load_pages
 
 INTRO_WORDS = 600
 UNCHECKED = "docs_src/unchecked"
-CHECKS = ("raw_tex", "intro_budget", "lab_traces", "numbers", "terms")
+CHECKS = ("raw_tex", "intro_budget", "lab_traces", "numbers", "terms", "names",
+          "constants")
 NO_ALLOWLIST = ("terms",)
 
 # Over the built pages: any TeX command, `$$`, or a `$...$` formula left as text.
@@ -147,6 +152,11 @@ def findings(root: Path = REPO, site: dict[str, bytes] | None = None):
             for m in RAW_TEX.finditer(text):
                 out["raw_tex"].add(f"{name} | raw {' '.join(m.group(0).split())}")
     out["terms"].update(terms.check(root))
+    notes = {p.rel_py or "docs_src/index.md": "\n\n".join(s.doc for s in p.sections)
+             for p in pages if p.out not in ("results.html", "glossary.html")}
+    notes[GLOSSARY_FILE] = (root / GLOSSARY_FILE).read_text(encoding="utf-8")
+    for check, items in code_refs.Checker(root).check(notes).items():
+        out[check].update(items)
     return {check: sorted(items) for check, items in out.items()}
 
 
