@@ -6,7 +6,7 @@ summary: Raw TeX, long introductions, lab traces and unchecked numbers, with all
 
 # Checks of the notes' text
 
-The notes are a textbook. Seven checks read every page's notes (the Markdown, and
+The notes are a textbook. Eight checks read every page's notes (the Markdown, and
 for raw TeX the built HTML) and list what a textbook should not have:
 
 * **raw TeX**: a TeX command or a whole `$...$` left as text on a built page
@@ -27,7 +27,9 @@ for raw TeX the built HTML) and list what a textbook should not have:
   has no allowlist: the notes have no such use.
 * **names**: a backticked name, dotted path, call, flag or file that the code
   does not have, and **constants**: a constant of the code restated in a note
-  instead of `{{const: NAME}}` (both on their own page, `docsite/code_refs.py`).
+  instead of `{{const: NAME}}` (both on their own page, `docsite/code_refs.py`);
+* **notation**: a page that gives a symbol of the notation table another
+  meaning (`docsite/notation.py`).
 
 Each check has an allowlist in `docs_src/unchecked/` (one `page | finding` a
 line) holding what the notes had when the check was written, so that CI stays
@@ -42,7 +44,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import code_refs, order, terms
+from . import code_refs, notation, order, terms
 from .directives import TESTED, strip_directives
 from .glossary import GLOSSARY_FILE
 from .markdown import TEX_LEFT, outside_code, visible_text
@@ -54,8 +56,8 @@ from .site import load_pages
 INTRO_WORDS = 600
 UNCHECKED = "docs_src/unchecked"
 CHECKS = ("raw_tex", "intro_budget", "lab_traces", "numbers", "terms", "names",
-          "constants")
-NO_ALLOWLIST = ("terms",)
+          "constants", "notation")
+NO_ALLOWLIST = ("terms", "constants", "notation")
 
 # Over the built pages: any TeX command, `$$`, or a `$...$` formula left as text.
 RAW_TEX = TEX_LEFT
@@ -157,6 +159,7 @@ def findings(root: Path = REPO, site: dict[str, bytes] | None = None):
     notes[GLOSSARY_FILE] = (root / GLOSSARY_FILE).read_text(encoding="utf-8")
     for check, items in code_refs.Checker(root).check(notes).items():
         out[check].update(items)
+    out["notation"].update(notation.check(root, notes))
     return {check: sorted(items) for check, items in out.items()}
 
 

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import glossary, order
+from . import glossary, notation, order
 from .citations import test_files
 from .directives import Directives, term_definitions
 from .markdown import NOTE_HEADING, Renderer, highlight, link_code_notes, source_html
@@ -236,7 +236,8 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
     for page in pages:
         if page.out == "glossary.html":
             page.sections = [Section("# Glossary\n\n" + glossary.glossary_markdown(
-                meanings, defs, page.out), "", 0)]
+                meanings, defs, page.out) + "\n" + notation.table_markdown(
+                notation.read_table(root)), "", 0)]
 
     directives = Directives(root, results, definitions=defs, meanings=meanings)
     renderer = Renderer(files, notes, figures=figures, directives=directives)

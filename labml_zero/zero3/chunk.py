@@ -55,7 +55,7 @@ same gradient an unsharded model gets from the whole batch.
 | the [local shard](shard.html) | $S$ each | $p$, 4, 4 | see its page |
 | `full` | $C$ | $p$ | while gathered |
 | held gradients | up to $C$ | $p$ | first gradient to the chunk's last |
-| full gradient | $C$ | $g$ (reduce dtype) | the chunk's last gradient to reduction |
+| full gradient | $C$ | $g_r$ (reduce dtype) | the chunk's last gradient to reduction |
 
 ## Limitations
 

@@ -37,7 +37,7 @@ class ZeroConfig:
     """
     Dtype of the gradient buffers and of the reduce-scatter. fp32 (default) sums
     $N_d$ gradients without rounding each partial sum to 8 bits of mantissa; bf16
-    halves the bytes moved ($g = 2$ instead of 4).
+    halves the bytes moved ($g_r = 2$ instead of 4).
     """
 
     chunk_numel: int | None = None
@@ -95,10 +95,10 @@ class ZeroConfig:
 
     shard_group_size: int | None = None
     r"""
-    Hybrid sharding: shard the model states over groups of $K$ consecutive
-    ranks (one host, say) and replicate them across the $N / K$ groups, so that
+    Hybrid sharding: shard the model states over groups of $N_s$ consecutive
+    ranks (one host, say) and replicate them across the $N_d / N_s$ groups, so that
     only shard-sized gradient traffic crosses groups
-    ([hybrid sharding](hybrid.html)). $K$ must divide the world size. `None`
+    ([hybrid sharding](hybrid.html)). $N_s$ must divide the world size. `None`
     shards over every rank.
     """
 

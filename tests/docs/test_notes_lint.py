@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from docsite import lint
+from docsite.paths import BuildError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,3 +69,30 @@ def test_names_flags_files_and_constants_resolve_against_the_code():
     # The directive that replaces a restatement reads the value from the code.
     assert Directives(REPO, {}).expand("{{const: BACKWARD_EXTRA_UNITS}}", "p") == (
         "<code>BACKWARD_EXTRA_UNITS = 0</code>")
+
+
+def test_a_listed_symbol_keeps_its_one_meaning(tmp_path):
+    from docsite import notation
+
+    (tmp_path / "docs_src").mkdir()
+    (tmp_path / notation.NOTATION_FILE).write_text(
+        "$K$ | optimizer bytes | optimizer, adam, byte\n"
+        "$N_s$ | ranks of a shard group | rank, group\n")
+    notes = {
+        "ok": "where $K$ is the optimizer's bytes; $N_{s}$ ranks; the group size "
+              "$N_s$, and $q$ ranks (not listed).\n\n* $K$: the Adam state's bytes",
+        "bad": "the shard group of $K$ ranks.\n\nwhere $N_s$ is the loss scale",
+    }
+    assert sorted(notation.check(tmp_path, notes)) == [
+        'bad | $K$ "ranks" (notation: optimizer bytes)',
+        'bad | $N_s$ "the loss scale" (notation: ranks of a shard group)']
+    table = notation.table_markdown(notation.read_table(tmp_path))
+    assert "| $K$ | optimizer bytes |" in table
+    (tmp_path / notation.NOTATION_FILE).write_text("$K$ | a | b\n$K$ | c | d\n")
+    with pytest.raises(BuildError, match="listed twice"):
+        notation.read_table(tmp_path)
+
+
+def test_the_glossary_page_shows_the_notation_table(site_files):
+    page = site_files["glossary.html"].decode()
+    assert 'id="notation"' in page and page.count("<math") >= 10
