@@ -82,7 +82,8 @@ def inline_math_rule(rule):
 
 
 # A formula's dollars, `$$`, or a TeX command left as text; a lone "$5" is prose.
-TEX_LEFT = re.compile(r"\$\$|\$[^\s$\d](?:[^$]*?[^\s$])?\$(?!\d)|\\[A-Za-z]+")
+# (`\n` in prose is not TeX: a command has two letters or more).
+TEX_LEFT = re.compile(r"\$\$|\$[^\s$\d](?:[^$]*?[^\s$])?\$(?!\d)|\\[A-Za-z]{2,}")
 
 
 def visible_text(page_html: str) -> str:
