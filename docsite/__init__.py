@@ -27,6 +27,8 @@ they explain on the right. The builder is this package, run by
 12. `terms.py`: the check that no page uses a term before its definition;
 13. `code_index.py` and `code_refs.py`: the checks that every name, flag and
     file a note quotes exists in the code, and that no note restates a constant.
+14. `notation.py`: the notation table (`docs_src/notation.txt`) on the glossary
+    page, and the check that no page gives a listed symbol another meaning.
 """
 
 from .cli import main, stale_files, write_site
