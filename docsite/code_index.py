@@ -18,9 +18,13 @@ backticks exists. `CodeIndex(root)` answers from the code itself, read with
   parameters (what a call written in a note may pass);
 * **names**: every identifier the code binds or reads (parameters, locals,
   attributes it reads, keywords it passes), and every identifier-like string
-  constant (`"bf16"`, `"nccl"`: values a note may quote);
+  constant outside `tests/` (`"bf16"`, `"nccl"`: values a note may quote; a
+  test's strings are often wrong on purpose, so of those only upper-case names,
+  the environment variables the tests read), and the words of the messages it
+  prints (not of its docstrings: those are the notes being checked);
 * **flags**: `FinetuneConfig`'s fields as `--seq-len` flags and every
-  `"--x"` string the code passes to `add_argument`;
+  `"--x"` string of the code outside `tests/` (what it passes to
+  `add_argument`);
 * **libraries**: the modules the code imports that are not its own (`torch`,
   `torch.distributed` as `dist`), resolved by importing them on demand.
 """
@@ -103,6 +107,7 @@ class CodeIndex:
                                 | set(keyword.kwlist))
         self.variables: set[str] = set()   # parameters, locals, self.x: values
         self.strings: set[str] = set()
+        self.words: set[str] = set()       # words of the messages the code prints
         self.flags: set[str] = set()
         self.aliases: dict[str, str] = {}   # local name -> a library's dotted name
         self.libraries: set[str] = set()    # top-level library modules imported
@@ -145,6 +150,7 @@ class CodeIndex:
                     module.constants[target] = node.value
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 module.functions[node.name] = _function(node, method=False)
+        docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 self._read_class(dotted, node)
@@ -167,10 +173,16 @@ class CodeIndex:
                     self.variables.add(node.attr)
             elif isinstance(node, ast.keyword) and node.arg:
                 self.names.add(node.arg)
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                  and (not dotted.startswith("tests")
+                       or re.fullmatch(r"[A-Z][A-Z0-9_]+", node.value))):
+                # a test's strings are inputs, often wrong on purpose: only its
+                # environment variables' names (`LABML_ZERO_TEST_DEVICE`) count
                 value = node.value
                 if DOTTED.match(value) or re.fullmatch(r"[\w.-]+", value):
                     self.strings.add(value)
+                if id(node) not in docstrings:  # a message, not a note
+                    self.words.update(re.findall(r"[A-Za-z_][\w-]*", value))
                 if value.startswith("--") and re.fullmatch(r"--[\w-]+", value):
                     self.flags.add(value)
             elif isinstance(node, (ast.Import, ast.ImportFrom)):

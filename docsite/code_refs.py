@@ -19,13 +19,14 @@ glossary's meanings too) against `CodeIndex` (`docsite/code_index.py`):
     included), or a library the code imports (`dist.all_gather_into_tensor`,
     by importing it);
   * else each part must be a name the code binds or reads somewhere (a
-    parameter, a local, an attribute, a keyword, an identifier-like string);
+    parameter, a local, an attribute, a keyword, an identifier-like string),
+    and a single word may be one of the code's messages (`interrupted`);
   * a call with arguments must fit the signature of some function of that
     name (`add_grad(reduced)` fits none of the code's `add_grad`s);
   * a flag (`--seq-len 128`) must be a `FinetuneConfig` field or an
     `add_argument` flag, a file (`docs_src/glossary.txt`, `chunk.py`) must
     exist (from the repository's root, the page's folder or the package's), or
-    be a file name the code uses as a string (`tokenizer.json`);
+    be a file name the code uses in a string (`tokenizer.json`);
 * **constants**: a span `NAME = value` with an upper-case `NAME` restates a
   constant of the code, which drifts when the code changes: it is a finding,
   whose text says whether it still matches. Write `{{const: NAME}}` instead:
@@ -137,7 +138,8 @@ class Checker:
         if any(name in s for s in idx.strings):
             return None  # the code names it in a string (a checkpoint key, a value)
         if len(parts) == 1:
-            if (name in idx.names or name in idx.classes or self._in_library(name)
+            if (name in idx.names or name in idx.classes or name in idx.words
+                    or self._in_library(name)
                     or name.endswith("_") and any(n.startswith(name) for n in idx.names)
                     or any(p.rsplit("/", 1)[-1] == name for p in idx.paths)):
                 return None
@@ -232,7 +234,7 @@ class Checker:
         if "/" not in path and any(p.rsplit("/", 1)[-1] == name for p in idx.paths):
             return None
         # a file name the code uses: `tokenizer.json`, `EleutherAI/pythia-*`
-        if any(fnmatch.fnmatchcase(s, f"*{path}") for s in idx.strings):
+        if any(fnmatch.fnmatchcase(s, f"*{path}*") for s in idx.strings):
             return None
         return "no such file"
 
