@@ -99,6 +99,10 @@ def mark_html(citations: list[Citation], page: str) -> str:
 
 def _sentence_end(text: str, start: int) -> int:
     """Where the mark of a tag taken out at `start` goes: after its sentence."""
+    line_start = text.rfind("\n", 0, start) + 1
+    if re.match(r"[ \t]*#{1,6}[ \t]", text[line_start:]):  # a heading ends at its line
+        line_end = text.find("\n", start)
+        return len(text[:line_end if line_end >= 0 else len(text)].rstrip())
     pos = start
     while True:
         skip = _SKIP.search(text, pos)

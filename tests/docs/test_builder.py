@@ -224,6 +224,8 @@ def test_citations_are_marks_after_the_sentence_linking_to_the_test():
         f"* 12 bytes{_mark(a)}\n* next")
     assert d.cite(f"| 12 {tag.format(a)} | x |", "a/p.html") == (
         f"| 12{_mark(a)} | x |")
+    assert d.cite(f"## Costs 18 {tag.format(a)} bytes\nThen more.", "a/p.html") == (
+        f"## Costs 18 bytes{_mark(a)}\nThen more.")
     # After a display formula: on its own line (the page puts it at the right).
     assert d.cite(f"$$a = 12$$\n{tag.format(a)}\n\nNext.", "a/p.html") == (
         f"$$a = 12$$\n{_mark(a)}\n\nNext.")
