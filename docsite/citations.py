@@ -19,7 +19,7 @@ of one sentence become one group of marks, one per distinct test.
 Each mark links to the test function's line on the test file's source page
 (`source/tests/…/test_x.py.html#L42`: every file under `tests/` is rendered
 like the modules' source pages, outside the reading order), and its hover title
-names the test. A tag naming a file or a test function that does not exist stops
+names the test (with its docstring's first line, if it has one). A tag naming a file or a test function that does not exist stops
 the build.
 """
 
@@ -51,6 +51,7 @@ class Citation:
     path: str  # tests/…/test_x.py
     test: str  # the test function's name
     line: int  # its `def` line
+    says: str = ""  # the first line of its docstring, if it has one
 
 
 class TestIndex:
@@ -66,16 +67,17 @@ class TestIndex:
             if not file.is_file():
                 raise BuildError(f"{where}: (tested: {path}::{test}): no such file")
             tree = ast.parse(file.read_text(encoding="utf-8"), filename=path)
-            defs: dict[str, int] = {}
+            defs: dict[str, tuple[int, str]] = {}
             for node in ast.walk(tree):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    defs.setdefault(node.name, node.lineno)
+                    doc = (ast.get_docstring(node) or "").strip().split("\n")[0]
+                    defs.setdefault(node.name, (node.lineno, doc))
             self.files[path] = defs
-        line = self.files[path].get(test)
-        if line is None:
+        found = self.files[path].get(test)
+        if found is None:
             raise BuildError(f"{where}: (tested: {path}::{test}): no such test "
                              f"function in {path}")
-        return Citation(path, test, line)
+        return Citation(path, test, *found)
 
 
 def test_files(root: Path) -> list[str]:
@@ -92,7 +94,8 @@ def mark_html(citations: list[Citation], page: str) -> str:
     links = []
     for c in dict.fromkeys(citations):
         href = html.escape(f"{rel_href(source_page(c.path), page)}#L{c.line}")
-        title = html.escape(f"asserted by {c.path}::{c.test}")
+        title = f"asserted by {c.path}::{c.test}"
+        title = html.escape(f"{title}: {c.says}" if c.says else title)
         links.append(f'<a href="{href}" title="{title}" aria-label="{title}">✓</a>')
     return f'<sup class="tested">{"".join(links)}</sup>'
 

@@ -33,6 +33,8 @@ with a listed symbol.
   one of its words ("the optimizer's ranks $K$") passes.
 * Only the four forms above are read; a symbol given a meaning in any other
   phrasing is not seen.
+* Another symbol for a listed quantity ($N$ for the ranks) is not caught: the
+  check knows the listed symbols, not every way to name their quantities.
 """
 
 from __future__ import annotations
