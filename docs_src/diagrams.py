@@ -28,8 +28,11 @@ The engine's figures (`shard_collectives_svg`, `placement_svg`) live in
 this file loads both by their paths and re-exports what the builder and the tests
 use. Figures are drawn 1300 units wide with labels of at least 12 px, for a full-width
 place on the page; every mark has a `<title>`, shown on hover when the SVG is
-inline. Output is a pure function of the inputs: fixed number formats, no
-timestamps.
+inline, and what only a hover would tell is also written in the figure: the
+chunk layout's table of every parameter of a layer and of the last group (the
+norms and biases are too thin to see at scale), each rank's slice and what it
+holds under the shard figure, the chunks each placement puts on the host.
+Output is a pure function of the inputs: fixed number formats, no timestamps.
 """
 
 from __future__ import annotations
@@ -164,6 +167,52 @@ def _chunk_panel(layout_mod, shapes, chunk_numel, world_size, y0, width):
     return parts, y - y0
 
 
+def _parameter_table(layout_mod, shapes, chunk_numel, world_size, groups, x0, y0):
+    """
+    The chunks of `groups` at one chunk size as a table of visible text, one row
+    per parameter (what the drawing's thinnest boxes, norms and biases, cannot
+    show): its chunk, name, shape, elements and offset in the chunk.
+    """
+    specs = [
+        layout_mod.ParamSpec(name, shape, True, group) for name, shape, group in shapes
+    ]
+    layout = layout_mod.plan_chunks(specs, chunk_numel, world_size)
+    n_layers = max(g for _, _, g in shapes) - 1
+    columns = (("chunk", 0, "start"), ("parameter", 58, "start"),
+               ("shape", 340, "start"), ("elements", 530, "end"),
+               ("offset", 610, "end"))
+    parts, y = [], y0
+    for group in groups:
+        parts.append(_text(x0, y + 14, f"{_group_label(group, n_layers)}, "
+                           f"chunk_numel = {layout.chunk_numel:,}:", size=13,
+                           weight="bold"))
+        y += 20
+        for title, dx, anchor in columns:
+            parts.append(_text(x0 + dx, y + 13, title, size=12, anchor=anchor,
+                               fill="#555"))
+        y += 18
+        for chunk in layout.chunks_of_group(group):
+            rows = [(shapes[s.param_index][0], shapes[s.param_index][1], s.numel,
+                     s.offset) for s in chunk.slots]
+            if chunk.padding:
+                rows.append(("padding", (), chunk.padding, chunk.used_numel))
+            for name, shape, numel, offset in rows:
+                colour = "url(#pad)" if name == "padding" else _kind(name)[2]
+                short = name.split(".", 2)[-1] if name.startswith("layers.") else name
+                parts.append(
+                    f'<rect x="{_f(x0 + 40)}" y="{_f(y + 2)}" width="12" '
+                    f'height="12" fill="{colour}" stroke="#222" stroke-width="0.5"/>')
+                for text, (_, dx, anchor) in zip(
+                        (str(chunk.index), short,
+                         " × ".join(str(d) for d in shape), f"{numel:,}",
+                         f"{offset:,}"), columns):
+                    parts.append(_text(x0 + dx, y + 13, text, size=12,
+                                       anchor=anchor))
+                y += 17
+        y += 10
+    return parts, y - y0
+
+
 def chunk_layout_svg(
     root: Path, *, chunk_sizes: tuple[int, ...] = (2**22, 2**23), world_size: int = 2
 ) -> str:
@@ -211,11 +260,22 @@ def chunk_layout_svg(
     for line in (
         "Rows are gather/release groups; boxes are chunks drawn to scale, except "
         "broken boxes (a parameter larger than the",
-        "chunk size, alone in its chunk). Norms and biases are too thin to see; "
-        "hover for every parameter.",
+        "chunk size, alone in its chunk). Norms and biases are too thin to see at "
+        "scale: the table below lists every parameter of",
+        f"layer 0 and of the last group at chunk_numel = {chunk_sizes[0]:,}, in "
+        "chunk order (every layer is laid out as layer 0).",
     ):
         body.append(_text(0, y + 12, line, size=13, fill="#555"))
         y += 18
+    y += 10
+    n_layers = max(g for _, _, g in shapes) - 1
+    heights = []
+    for x0, group in ((0.0, 1), (WIDTH - 640, n_layers + 1)):
+        parts, h = _parameter_table(layout_mod, shapes, chunk_sizes[0], world_size,
+                                    (group,), x0, y)
+        body += parts
+        heights.append(h)
+    y += max(heights)
     w, h = max(width[0], WIDTH), y + 8
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_f(w)}" height="{_f(h)}" '

@@ -30,6 +30,33 @@ neox_group_shapes = _c.neox_group_shapes
 
 
 RANK_COLOURS = ("#3d7cc9", "#e69a3d", "#2e9c6a", "#c45c8e")
+SHORT = (("input_layernorm", "ln1"), ("post_attention_layernorm", "ln2"),
+         ("attention.query_key_value", "qkv"), ("attention.dense", "attn_out"),
+         ("mlp.dense_h_to_4h", "mlp_up"), ("mlp.dense_4h_to_h", "mlp_down"))
+
+
+def _short(name: str) -> str:
+    """`layers.0.attention.dense.bias` -> `attn_out.b`: a label that fits."""
+    for long, short in SHORT:
+        if long in name:
+            return short + (".b" if name.endswith(".bias") else ".w")
+    return name
+
+
+def _slice_text(shapes, lo: int, hi: int, chunk) -> str:
+    """What elements [lo, hi) of a chunk hold, as visible text: each parameter
+    with the elements of it the slice holds (whole or part)."""
+    held = []
+    for s in chunk.slots:
+        a, b = max(s.offset, lo), min(s.end, hi)
+        if a < b:
+            part = "" if (a, b) == (s.offset, s.end) else f" ({b - a} of {s.numel})"
+            held.append(_short(shapes[s.param_index][0]) + part)
+    if chunk.padding and chunk.used_numel < hi:
+        held.append(f"padding ({hi - max(lo, chunk.used_numel)})")
+    return f"[{lo}, {hi}): " + ", ".join(held)
+
+
 def _names_in(layout, shapes, lo: int, hi: int, chunk) -> str:
     """Names of the parameters of `chunk` that elements [lo, hi) hold parts of."""
     names = [
@@ -126,6 +153,13 @@ def shard_collectives_svg(
             y += bar_h + 6
         # arrows between the columns
         mid = y - n * (bar_h + 6) / 2
+        # what each rank's slice holds, readable without hovering
+        for rank in range(n):
+            lo, hi = rank * shard, (rank + 1) * shard
+            body.append(_text(label_w, y + 14, f"rank {rank} keeps "
+                              + _slice_text(shapes, lo, hi, chunk), size=12,
+                              fill="#333"))
+            y += 17
         for x0, x1, label in ((x_shard + shard * scale, x_full, "all-gather"),
                               (x_full + size * scale, x_red, "reduce-scatter")):
             body.append(
@@ -137,9 +171,9 @@ def shard_collectives_svg(
                               anchor="middle", fill="#444"))
         y += 18
     body.append(_text(0, y + 4, "White lines are parameter boundaries: a shard cuts "
-                      "across parameters, so a rank's shard is not whole tensors. "
-                      "Hover for the parameters in each slice.", size=12,
-                      fill="#555"))
+                      "across parameters, so a rank's shard is not whole tensors "
+                      "(the lines under each panel: what each slice holds).",
+                      size=12, fill="#555"))
     defs = (
         '<pattern id="pad" width="6" height="6" patternUnits="userSpaceOnUse" '
         'patternTransform="rotate(45)"><rect width="6" height="6" fill="#eee"/>'
@@ -163,6 +197,18 @@ def _chunk_name(group: int, n_layers: int) -> str:
     if group == n_layers + 2:
         return "readout"
     return f"L{group - 1}"
+
+
+def _runs(indices: list[int], names: list[str]) -> str:
+    """Chunk indices as runs of names: `L26–readout (21 chunks)`, or `none`."""
+    if not indices:
+        return "none"
+    runs, start = [], indices[0]
+    for a, b in zip(indices, indices[1:] + [None]):
+        if b != a + 1:
+            runs.append(names[start] if start == a else f"{names[start]}–{names[a]}")
+            start = b
+    return f"{', '.join(runs)} ({len(indices)} of {len(names)} chunks)"
 
 
 def placement_svg(
@@ -241,6 +287,16 @@ def placement_svg(
                     f'fill="{HOST if host else DEVICE}"/></g>'
                 )
             y += cell_h + 3
+        names = [_chunk_name(c.group, n_layers) for c in layout.chunks]
+        for label, on_host in (("optimizer state", chosen.optimizer_on_host),
+                               ("parameter shards", chosen.param_on_host)):
+            body.append(_text(WIDTH - 10, y + 30, f"{label} on the host: "
+                              f"{_runs(sorted(on_host), names)}", size=12,
+                              anchor="end", fill="#333")
+                        if label == "parameter shards" else
+                        _text(0, y + 30, f"{label} on the host: "
+                              f"{_runs(sorted(on_host), names)}", size=12,
+                              fill="#333"))
         for i, chunk in enumerate(layout.chunks):
             name = _chunk_name(chunk.group, n_layers)
             last = i == len(layout.chunks) - 1
@@ -249,7 +305,7 @@ def placement_svg(
                 x = label_w + (i + 1) * cell_w if last else label_w + (i + 0.5) * cell_w
                 body.append(_text(x, y + 14, name, size=12, fill="#444",
                                   anchor="end" if last else "middle"))
-        y += 34
+        y += 50
     x = 0.0
     for label, colour in (("on the device", DEVICE), ("in host memory", HOST)):
         body.append(f'<rect x="{_f(x)}" y="{_f(y)}" width="14" height="14" '
@@ -259,6 +315,6 @@ def placement_svg(
     y += 24
     body.append(_text(0, y + 12, "Chunks go to the host from the output end: their "
                       "gradients are final first in backward, and their parameters "
-                      "are needed last in the next forward. Hover for each chunk.",
+                      "are needed last in the next forward.",
                       size=12, fill="#555"))
     return _svg(WIDTH, y + 22, body)

@@ -14,8 +14,9 @@ they explain on the right. The builder is this package, run by
 2. `split.py`: a `.py` file -> rows of (notes, code).
 3. `order.py`: the one reading order (`docs_src/reading_order.txt`).
 4. `results.py`: the Results page from `bench/results/*.jsonl`.
-5. `directives.py`: `{{py: …}}`, `{{bench: …}}`, `{{term: …}}`, `{{see: …}}`,
-   `(tested: …)`.
+5. `directives.py`: `{{py: …}}`, `{{bench: …}}`, `{{term: …}}`, `{{see: …}}`;
+   `citations.py`: `(tested: …)` as a check mark after its sentence, linking to
+   the test's line on the source pages of `tests/`.
 6. `mathml.py`: TeX -> MathML, and what stops the build.
 7. `markdown.py`: notes -> HTML, links, note anchors, figures, code highlighting.
 8. `glossary.py`: the glossary page.
@@ -23,8 +24,12 @@ they explain on the right. The builder is this package, run by
 10. `cli.py`: writing `site/` and `--check`.
 11. `lint.py`: the checks of the notes' text that the tests run (raw TeX,
     introduction length, lab traces, unchecked numbers) with their allowlists;
-12. `terms.py`: the check that no page uses a term before its definition.
-13. `notes_beside_code.py`: how many note words sit in rows with no code beside
+12. `terms.py`: the check that no page uses a term before its definition;
+13. `code_index.py` and `code_refs.py`: the checks that every name, flag and
+    file a note quotes exists in the code, and that no note restates a constant.
+14. `notation.py`: the notation table (`docs_src/notation.txt`) on the glossary
+    page, and the check that no page gives a listed symbol another meaning.
+15. `notes_beside_code.py`: how many note words sit in rows with no code beside
     them, and code rows with no note.
 """
 

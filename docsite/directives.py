@@ -7,7 +7,7 @@ summary: Numbers from the code, measured figures, terms, tested numbers.
 # Directives in the notes
 
 A number stated in a note should come from somewhere a reader can check. The
-builder expands five directives, anywhere in notes outside code (not inside
+builder expands six directives, anywhere in notes outside code (not inside
 `$...$`: write the directive next to the formula):
 
 * `{{py: memory_model.bytes_per_param(...) | ,}}` evaluates a Python expression
@@ -16,6 +16,11 @@ builder expands five directives, anywhere in notes outside code (not inside
   arithmetic; after `|` comes a format spec (`,`, `.1f`, `.3g`). Integers default
   to `,` (thousands separators); floats must give a format, so that the page's
   digits are chosen, not whatever `repr` gives.
+* `{{const: BACKWARD_EXTRA_UNITS}}` shows a constant of the code as
+  `BACKWARD_EXTRA_UNITS = 0`, its value read from the code when the site is
+  built (`memory_model.BACKWARD_EXTRA_UNITS` when two modules assign the name);
+  a note that restates a constant in backticks is a finding
+  (`docsite/code_refs.py`).
 * `{{bench: W2 labml_zero tokens_per_s}}` inserts a measured figure from the
   Results page and links to its row (see `docsite/results.py`).
 * `{{term: gather stream}}` marks the place that defines a term: the words
@@ -26,8 +31,9 @@ builder expands five directives, anywhere in notes outside code (not inside
   definition, with the glossary's one-line meaning as their hover title
   (`docsite/terms.py` lists every other such early use).
 * `(tested: tests/zero3/test_chunk.py::test_gather)` says that the number just
-  before it is asserted by that test; the build stops when the file or the test
-  function does not exist.
+  before it is asserted by that test; the page shows a small check mark after
+  the sentence, linking to the test's code (`docsite/citations.py`); the build
+  stops when the file or the test function does not exist.
 
 Any other number in a note is listed by `tests/docs/test_notes_lint.py` (with the
 allowlist `docs_src/unchecked/numbers.txt` for the notes not rewritten yet).
@@ -41,6 +47,9 @@ import importlib
 import re
 from pathlib import Path
 
+from .citations import TESTED, TestIndex, place_citations
+from .code_index import CodeIndex
+from .code_refs import CONST, expand_constants
 from .paths import BuildError, rel_href, slugify
 from .results import lookup
 
@@ -62,8 +71,7 @@ PY = re.compile(r"\{\{py:\s*(.+?)\s*\}\}", re.S)
 BENCH = re.compile(r"\{\{bench:\s*(.+?)\s*\}\}")
 TERM = re.compile(r"\{\{term:\s*([^{}|]+?)\s*(?:\|\s*([^{}]+?)\s*)?\}\}")
 SEE = re.compile(r"\{\{see:\s*([^{}|]+?)\s*(?:\|\s*([^{}]+?)\s*)?\}\}")
-TESTED = re.compile(r"\(tested:\s*(tests/[\w/.-]+\.py)::(\w+)\)")
-ANY = re.compile(r"\{\{(py|bench|term|see):.*?\}\}|\(tested:[^)]*\)", re.S)
+ANY = re.compile(r"\{\{(py|bench|term|see|const):.*?\}\}|\(tested:[^)]*\)", re.S)
 
 _ALLOWED = (
     ast.Expression, ast.Call, ast.Attribute, ast.Name, ast.Load, ast.Constant,
@@ -129,6 +137,8 @@ class Directives:
         self.results_page = results_page
         self.definitions = definitions or {}
         self.meanings = meanings or {}
+        self.tests = TestIndex(root)
+        self.code = None  # the CodeIndex, read on the first `{{const: …}}`
 
     def expand(self, text: str, page: str) -> str:
         def py(match: re.Match) -> str:
@@ -163,22 +173,18 @@ class Directives:
             title = f' title="{html.escape(meaning)}"' if meaning else ""
             return f'<a class="term-ref" href="{href}"{title}>{html.escape(shown)}</a>'
 
-        def tested(match: re.Match) -> str:
-            path, name = match.group(1), match.group(2)
-            test_file = self.root / path
-            if not test_file.is_file():
-                raise BuildError(f"{page}: (tested: {path}::{name}): no such file")
-            source = test_file.read_text(encoding="utf-8")
-            if not re.search(rf"^\s*def {re.escape(name)}\(", source, re.M):
-                raise BuildError(f"{page}: (tested: {path}::{name}): no such test")
-            return (f'<span class="tested" title="asserted by {path}::{name}">'
-                    f"(tested by <code>{name}</code>)</span>")
-
+        if CONST.search(text):
+            if self.code is None:
+                self.code = CodeIndex(self.root)
+            text = expand_constants(text, page, self.code)
         text = PY.sub(py, text)
         text = BENCH.sub(bench, text)
         text = TERM.sub(term, text)
-        text = SEE.sub(see, text)
-        return TESTED.sub(tested, text)
+        return SEE.sub(see, text)
+
+    def cite(self, text: str, page: str) -> str:
+        """A whole note's `(tested: …)` tags as marks after their sentences."""
+        return place_citations(text, page, self.tests)
 
 
 def term_definitions(text: str) -> list[tuple[str, str]]:

@@ -6,12 +6,14 @@ summary: Raw TeX, long introductions, lab traces and unchecked numbers, with all
 
 # Checks of the notes' text
 
-The notes are a textbook. Five checks read every page's notes (the Markdown, and
+The notes are a textbook. Eight checks read every page's notes (the Markdown, and
 for raw TeX the built HTML) and list what a textbook should not have:
 
-* **raw TeX**: a TeX command left as text outside a formula (`\\begin{align}`
-  outside `$$`), or a command spelled as letters inside one ("2times8":
-  `\\times` written with two backslashes in a non-raw docstring);
+* **raw TeX**: a TeX command or a whole `$...$` left as text on a built page
+  (the renderer already stops the build on one: this check reads every built
+  page, the generated ones included), or a command spelled as letters inside a
+  formula ("2times8": `\\times` written with two backslashes in a non-raw
+  docstring);
 * **introduction budget**: more than `INTRO_WORDS` words of prose (formulas and
   code not counted) in a module's introduction, its module docstring;
 * **lab traces**: run IDs (`run18`), result file names, dates, "went from X to
@@ -23,9 +25,15 @@ for raw TeX the built HTML) and list what a textbook should not have:
 * **terms**: a glossary term used before the place that defines it, outside a
   `{{see: …}}` (the rule is on its own page, `docsite/terms.py`); this check
   has no allowlist: the notes have no such use.
+* **names**: a backticked name, dotted path, call, flag or file that the code
+  does not have, and **constants**: a constant of the code restated in a note
+  instead of `{{const: NAME}}` (both on their own page, `docsite/code_refs.py`);
+* **notation**: a page that gives a symbol of the notation table another
+  meaning (`docsite/notation.py`).
 
-Each check has an allowlist in `docs_src/unchecked/` (one `page | finding` a
-line) holding what the notes had when the check was written, so that CI stays
+Each check but terms, constants and notation (which have no finding) has an
+allowlist in `docs_src/unchecked/` (one `page | finding` a line) holding what
+the notes had when the check was written, so that CI stays
 green while the notes are rewritten; the tests in `tests/docs/test_notes_lint.py`
 fail on any finding not in its list. `python -m docsite.lint` prints each list's
 size and its stale entries; `--write` rewrites the lists from the notes.
@@ -33,14 +41,14 @@ size and its stale entries; `--write` rewrites the lists from the notes.
 
 from __future__ import annotations
 
-import html
 import re
 import sys
 from pathlib import Path
 
-from . import order, terms
+from . import code_refs, notation, order, terms
 from .directives import TESTED, strip_directives
-from .markdown import outside_code
+from .glossary import GLOSSARY_FILE
+from .markdown import TEX_LEFT, outside_code, visible_text
 from .mathml import spelled_commands
 from .paths import REPO, discover_modules
 from .results import load_results, results_markdown
@@ -48,12 +56,12 @@ from .site import load_pages
 
 INTRO_WORDS = 600
 UNCHECKED = "docs_src/unchecked"
-CHECKS = ("raw_tex", "intro_budget", "lab_traces", "numbers", "terms")
-NO_ALLOWLIST = ("terms",)
+CHECKS = ("raw_tex", "intro_budget", "lab_traces", "numbers", "terms", "names",
+          "constants", "notation")
+NO_ALLOWLIST = ("terms", "constants", "notation")
 
-TEX_WORDS = (r"begin|end|frac|sqrt|times|cdot|approx|sum|prod|text|mathrm|Psi|"
-             r"alpha|beta|lambda|epsilon|leftarrow|rightarrow|lceil|rceil|leq|geq")
-RAW_TEX = re.compile(rf"\\({TEX_WORDS})(?![A-Za-z])|\$\$")
+# Over the built pages: any TeX command, `$$`, or a `$...$` formula left as text.
+RAW_TEX = TEX_LEFT
 DISPLAY = re.compile(r"\$\$(.+?)\$\$", re.S)
 INLINE = re.compile(r"(?<![\\$\w])\$([^\s$](?:[^$\n]*?[^\s$\\])?)\$(?![\w$])")
 LAB_TRACES = [
@@ -143,13 +151,16 @@ def findings(root: Path = REPO, site: dict[str, bytes] | None = None):
         for value in numbers(docs):  # the home page's notes too
             out["numbers"].add(f"{name} | {value}")
         if site is not None and page.out in site:
-            dom = site[page.out].decode("utf-8")
-            for tag in ("math", "pre", "code", "svg", "style", "title"):
-                dom = re.sub(rf"<{tag}\b.*?</{tag}>", " ", dom, flags=re.S)
-            text = html.unescape(re.sub(r"<[^>]+>", " ", dom))
+            text = visible_text(site[page.out].decode("utf-8"))
             for m in RAW_TEX.finditer(text):
-                out["raw_tex"].add(f"{name} | raw {m.group(0)}")
+                out["raw_tex"].add(f"{name} | raw {' '.join(m.group(0).split())}")
     out["terms"].update(terms.check(root))
+    notes = {p.rel_py or "docs_src/index.md": "\n\n".join(s.doc for s in p.sections)
+             for p in pages if p.out not in ("results.html", "glossary.html")}
+    notes[GLOSSARY_FILE] = (root / GLOSSARY_FILE).read_text(encoding="utf-8")
+    for check, items in code_refs.Checker(root).check(notes).items():
+        out[check].update(items)
+    out["notation"].update(notation.check(root, notes))
     return {check: sorted(items) for check, items in out.items()}
 
 

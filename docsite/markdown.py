@@ -29,7 +29,7 @@ import posixpath
 import re
 
 from .mathml import to_mathml
-from .paths import module_page, rel_href, slugify
+from .paths import BuildError, module_page, rel_href, slugify
 
 NOTE_HEADING = re.compile(r"^#{1,6}[ \t]+Note:[ \t]*(.+?)[ \t#]*$", re.M)
 NOTE_REF = re.compile(r"\b([Ss]ee) Note:[ \t]*((?:[\w'-]+[ \t\n]*){1,10})")
@@ -41,6 +41,63 @@ def outside_code(text: str, fn) -> str:
     """Apply `fn` to the parts of Markdown `text` that are not code."""
     parts = CODE_PARTS.split(text)
     return "".join(p if i % 2 else fn(p) for i, p in enumerate(parts))
+
+
+# An inline formula as dollarmath reads it: no space inside its dollars, no digit
+# right outside them (so "$5 or $10" is not math), no blank line.
+INLINE_MATH = re.compile(r"(?<![\\$\d])\$(?=[^\s$])((?:[^$\n]|\n(?![ \t]*\n))+?)"
+                         r"(?<![\s\\])\$(?![\d$])")
+BLOCK_START = re.compile(r"\n[ \t]*(?=[-+*>#=|]|\d+[.)])")
+
+
+def join_inline_math(text: str) -> str:
+    """
+    An inline formula that wraps onto a line starting with `+`, `-`, `1.` or
+    `#` would be cut by the block parser (a list, a heading) before the inline
+    parser sees its closing `$`: such a formula is joined onto one line.
+    """
+    def join(match: re.Match) -> str:
+        return BLOCK_START.sub(" ", match.group(0))
+
+    parts = re.split(r"(\$\$.*?\$\$)", text, flags=re.S)
+    return "".join(p if i % 2 else INLINE_MATH.sub(join, p)
+                   for i, p in enumerate(parts))
+
+
+def inline_math_rule(rule):
+    """dollarmath's inline rule with a sound digit guard (see `Renderer`)."""
+    def guarded(state, silent: bool) -> bool:
+        if state.pos > 0 and state.src[state.pos - 1].isdigit():
+            return False
+        start, n_tokens = state.pos, len(state.tokens)
+        if not rule(state, silent):
+            return False
+        if state.pos < len(state.src) and state.src[state.pos].isdigit():
+            state.pos = start
+            del state.tokens[n_tokens:]
+            return False
+        return True
+
+    return guarded
+
+
+# A formula's dollars, `$$`, or a TeX command left as text; a lone "$5" is prose.
+# (`\n` in prose is not TeX: a command has two letters or more).
+TEX_LEFT = re.compile(r"\$\$|\$[^\s$\d](?:[^$]*?[^\s$])?\$(?!\d)|\\[A-Za-z]{2,}")
+
+
+def visible_text(page_html: str) -> str:
+    """What a reader sees as text: the HTML without code, math, figures, tags."""
+    for tag in ("math", "pre", "code", "svg", "style", "title", "script"):
+        page_html = re.sub(rf"<{tag}\b.*?</{tag}>", " ", page_html, flags=re.S)
+    return html.unescape(re.sub(r"<[^>]+>", " ", page_html))
+
+
+def raw_tex_left(page_html: str) -> str:
+    """The first formula or `\\command` left as text in rendered HTML, or ''."""
+    text = visible_text(page_html)
+    m = TEX_LEFT.search(text)
+    return " ".join(text[max(0, m.start() - 30):m.end() + 30].split()) if m else ""
 
 
 def inline_svg(data: bytes) -> str:
@@ -57,6 +114,7 @@ class Renderer:
                  figures: dict[str, bytes] | None = None, directives=None):
         from markdown_it import MarkdownIt
         from mdit_py_plugins.dollarmath import dollarmath_plugin
+        from mdit_py_plugins.dollarmath.index import math_inline_dollar
 
         self.files = files
         self.notes = notes  # note slug -> pages that define it, in reading order
@@ -67,8 +125,12 @@ class Renderer:
         self.warnings: list[str] = []
         self.figures: list[str] = []  # full-width figures of the last render
         md = MarkdownIt("commonmark", {"html": True}).enable("table")
-        # allow_space/allow_digits off: "$5 or $10" and "$ HOME" are not math.
-        md.use(dollarmath_plugin, allow_space=False, allow_digits=False)
+        # allow_space off: "$ HOME" is not math. The plugin's own digit guard reads
+        # `src[pos - 1]` at pos 0, which is the text's *last* character: a table
+        # cell "$p$, 4, 4" stayed raw. `inline_math_rule` guards digits instead.
+        md.use(dollarmath_plugin, allow_space=False, allow_digits=True)
+        md.inline.ruler.at("math_inline", inline_math_rule(
+            math_inline_dollar(allow_space=False, allow_digits=True)))
         # markdown-it binds render rules to its renderer: pass plain functions.
         for name, method in (
             ("math_inline", self._math_inline),
@@ -87,8 +149,18 @@ class Renderer:
         self.used_ids: set[str] = set()
         self.figures = []
         if self.directives is not None:
+            text = self.directives.cite(text, page)
             text = outside_code(text, lambda p: self.directives.expand(p, page))
-        return self.md.render(self.link_notes(text, markdown=True))
+        text = outside_code(text, join_inline_math)
+        out = self.md.render(self.link_notes(text, markdown=True))
+        # marks alone in their paragraph (after a display formula) sit at its right
+        out = re.sub(r'<p>(<sup class="tested">.*?</sup>)</p>',
+                     r'<p class="tested-alone">\1</p>', out)
+        left = raw_tex_left(out)
+        if left:
+            raise BuildError(f"{page}: TeX left as text in the page: {left!r} "
+                             "(a formula the parser did not take as math)")
+        return out
 
     # `see Note: why storage resize` -> a link to the note's anchor; the name is the
     # longest run of the words after `Note:` that names a known note.

@@ -9,7 +9,7 @@ summary: Every page in reading order into one template, deterministically.
 `build_site(root)` returns every file of the site by its site-relative path:
 the static files (CSS, the math font), the figures, one page per module in the
 reading order, the Results page and the glossary, and one highlighted source page
-per module. Nothing depends on the clock, the machine or the order files are
+per module and per file of `tests/` (the notes' check marks link to the tests). Nothing depends on the clock, the machine or the order files are
 found in, so the same sources give byte-identical output and `--check` can
 compare a committed `site/` with a fresh build.
 """
@@ -23,7 +23,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import glossary, order
+from . import glossary, notation, order
+from .citations import test_files
 from .directives import Directives, term_definitions
 from .markdown import NOTE_HEADING, Renderer, highlight, link_code_notes, source_html
 from .paths import (PACKAGE, REPO, BuildError, discover_modules, module_page,
@@ -188,6 +189,30 @@ def load_pages(root: Path, modules: list[str], parts: list[order.Part],
     return pages
 
 
+def _source_page(template, root: Path, rel: str, notes_page: str | None) -> bytes:
+    """A whole file highlighted, one anchor per line; `notes_page` is its page."""
+    page_out = source_page(rel)
+    home = rel_href("index.html", page_out)
+    crumbs = [{"href": home, "title": "Home"}]
+    if notes_page:
+        crumbs.append({"href": rel_href(notes_page, page_out), "title": rel})
+        crumbs.append({"href": "", "title": "source"})
+    else:
+        crumbs.append({"href": "", "title": rel})
+    context = {
+        "title": rel,
+        "summary": f"Source of {rel}",
+        "home": False,
+        "prose": False,
+        "root": home.rsplit("index.html", 1)[0],
+        "crumbs": crumbs,
+        "prev": None,
+        "next": None,
+        "lines": source_html((root / rel).read_text(encoding="utf-8")),
+    }
+    return template.render(kind="source", **context).encode()
+
+
 def build_site(root: Path = REPO) -> dict[str, bytes]:
     """Every file of the site, by site-relative path."""
     import jinja2
@@ -211,7 +236,7 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
     by_py = {p.rel_py: p for p in pages if p.rel_py}
 
     files = set(out) | {p.out for p in pages}
-    files |= {source_page(m) for m in modules}
+    files |= {source_page(m) for m in modules + test_files(root)}
 
     notes: dict[str, list[str]] = {}
     page_notes: dict[str, set[str]] = {}
@@ -231,7 +256,8 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
     for page in pages:
         if page.out == "glossary.html":
             page.sections = [Section("# Glossary\n\n" + glossary.glossary_markdown(
-                meanings, defs, page.out), "", 0)]
+                meanings, defs, page.out) + "\n" + notation.table_markdown(
+                notation.read_table(root)), "", 0)]
 
     directives = Directives(root, results, definitions=defs, meanings=meanings)
     renderer = Renderer(files, notes, figures=figures, directives=directives)
@@ -276,22 +302,10 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
         out[page.out] = template.render(kind="page", **context).encode()
 
     for rel in modules:
-        source = (root / rel).read_text(encoding="utf-8")
-        page_out = source_page(rel)
-        context = {
-            "title": rel,
-            "summary": f"Source of {rel}",
-            "home": False,
-            "prose": False,
-            "root": rel_href("index.html", page_out).rsplit("index.html", 1)[0],
-            "crumbs": [{"href": rel_href("index.html", page_out), "title": "Home"},
-                       {"href": rel_href(module_page(rel), page_out), "title": rel},
-                       {"href": "", "title": "source"}],
-            "prev": None,
-            "next": None,
-            "lines": source_html(source),
-        }
-        out[page_out] = template.render(kind="source", **context).encode()
+        out[source_page(rel)] = _source_page(template, root, rel, module_page(rel))
+    # The tests, which the notes' check marks link to, outside the reading order.
+    for rel in test_files(root):
+        out[source_page(rel)] = _source_page(template, root, rel, None)
 
     for warning in sorted(set(renderer.warnings)):
         print(f"warning: {warning}", file=sys.stderr)

@@ -108,7 +108,7 @@ class Recipe:
     and no second backward runs before `step()` (no accumulation)."""
     free_grads: bool = False
     r"""With `update_during_backward`: free each shard's fp32 gradient once its
-    update has consumed it (`AdamFP16(free_grads=True)`), so the $4\Psi_t/N$
+    update has consumed it (`AdamFP16(free_grads=True)`), so the $4\Psi_t/N_d$
     bytes of them never exist at once; `'auto'`'s probe frees them the same way,
     so the measured peak, and the placement, know it."""
     seed: int | None = None

@@ -9,14 +9,14 @@ summary: How the launcher tells a rank's own failure from its echoes, names a ra
 
 [The launcher](launch.html) starts the ranks; this page is how it watches them.
 The ranks of a ZeRO-3 job move in lockstep: every step is a chain of collectives
-that all $N$ ranks must join. So when one rank stops, by an exception, a signal or a
+that all $N_d$ ranks must join. So when one rank stops, by an exception, a signal or a
 hang, every other rank stops at its next collective, and each of them then reports
 an error of its own, an *echo*. The launcher's job is to tell the first failure
 from its echoes, end every process within a bounded time, and say in one line what
-happened. With a poll period $p$, a report window $w$ and a grace period $g$
+happened. With a poll period $t_p$, a report window $t_w$ and a grace period $t_g$
 between `SIGTERM` and `SIGKILL`, every rank has ended at most
 
-$$t_{\text{end}} \le t_{\text{first failure}} + p + w + g$$
+$$t_{\text{end}} \le t_{\text{first failure}} + t_p + t_w + t_g$$
 
 after the first failure (`POLL_S`, `REPORT_WINDOW_S`, `GRACE_S` below). A failure
 is told from its echoes by the reports the ranks send (`report`), a hang by their

@@ -388,7 +388,7 @@ class AdamFP16(torch.optim.Optimizer):
         offloaded shard once its copy down is queued (the copy stream's
         `record_stream`; the host update then reads the staging buffer, which the
         copy down filled). The $4S$ bytes of fp32 gradient of all the shards,
-        $4\Psi_t/N$, then never exist at once: only the chunks whose update is in
+        $4\Psi_t/N_d$, then never exist at once: only the chunks whose update is in
         flight hold one. The update and its operands are the same, so the losses are
         bit for bit those without it. The price: after `backward()` the gradients
         are gone, so nothing may read them before `step()`: no clipping (it would

@@ -6,9 +6,9 @@ summary: The norm of the whole model's gradient from its shards, with one all-re
 
 # Global gradient-norm clipping over shards
 
-Clipping rescales the gradient $g$ so that its norm is at most $c$:
+Clipping rescales the gradient $\mathbf{g}$ so that its norm is at most $c$:
 
-$$g \leftarrow g \cdot \min\left(1, \frac{c}{\lVert g \rVert_2 + 10^{-6}}\right)$$
+$$\mathbf{g} \leftarrow \mathbf{g} \cdot \min\left(1, \frac{c}{\lVert \mathbf{g} \rVert_2 + 10^{-6}}\right)$$
 (tested: tests/optimizers/test_clip_grad.py::test_clipping_is_the_formula_of_the_page)
 
 exactly as `torch.nn.utils.clip_grad_norm_` does on an unsharded model
@@ -17,7 +17,7 @@ The norm is over *all* parameters; each rank holds a disjoint shard of every
 trainable chunk, so the squared norm is a sum over ranks of the local sums of
 squares:
 
-$$\lVert g \rVert_2^2 = \sum_{r=1}^{N_d} \sum_{i \in \text{shard}_r} g_i^2$$
+$$\lVert \mathbf{g} \rVert_2^2 = \sum_{r=1}^{N_d} \sum_{i \in \text{shard}_r} g_i^2$$
 
 one all-reduce of one scalar. Padding is zero, so it adds nothing.
 
@@ -52,7 +52,7 @@ def global_grad_norm(
     shards: Sequence[torch.Tensor], comm: Communicator
 ) -> torch.Tensor:
     r"""
-    ### $\lVert g \rVert_2$ over every rank's shards
+    ### $\lVert \mathbf{g} \rVert_2$ over every rank's shards
 
     A 0-dim fp32 tensor on the device; no host sync.
     """

@@ -9,10 +9,10 @@ summary: Scale the loss, detect overflow on the shard gradients, skip everywhere
 fp16's smallest magnitude, a subnormal, is $6 \cdot 10^{-8}$
 (tested: tests/optimizers/test_grad_scaler.py::test_fp16_flushes_what_the_scale_keeps);
 many gradients are smaller and would flush to zero. So the loss is multiplied by a
-scale $S$ before the backward pass, every gradient is $S$ times larger, and the
-optimizer divides by $S$ again (in fp32, on the shard gradients). Too large an
-$S$ overflows to `inf`: then the step is skipped and $S$ halved. After
-`growth_interval` steps without overflow $S$ doubles, so it tracks the largest
+scale $\gamma$ before the backward pass, every gradient is $\gamma$ times larger, and the
+optimizer divides by $\gamma$ again (in fp32, on the shard gradients). Too large an
+$\gamma$ overflows to `inf`: then the step is skipped and $\gamma$ halved. After
+`growth_interval` steps without overflow $\gamma$ doubles, so it tracks the largest
 safe value.
 
 ## Agreeing on overflow
@@ -28,7 +28,7 @@ scaler checked each rank alone.)
 ## bf16
 
 bf16 has fp32's exponent range and needs no scaling: `LossScaler(dynamic=False)`
-keeps $S = 1$ but still checks the gradients, skips a non-finite step on every rank
+keeps $\gamma = 1$ but still checks the gradients, skips a non-finite step on every rank
 and counts it in `skipped_steps`, so a diverging run is reported rather than
 silently corrupting the master weights.
 """
@@ -45,7 +45,7 @@ from .clip_grad import global_grad_norm, shard_grads
 
 
 class LossScaler:
-    """
+    r"""
     ## The scaler
 
     Used like `torch.amp.GradScaler`: `scale(loss).backward()`,
@@ -53,7 +53,7 @@ class LossScaler:
     was non-finite and updates the scale.
 
     * `comm`: the engine's communicator (its process group decides overflow).
-    * `dynamic`: scale the loss (fp16) or keep $S = 1$ (bf16, fp32).
+    * `dynamic`: scale the loss (fp16) or keep $\gamma = 1$ (bf16, fp32).
     * `init_scale`, `growth_factor`, `backoff_factor`, `growth_interval`: as in
       `torch.amp.GradScaler`.
     """

@@ -58,8 +58,8 @@ tensor and its version counter, which every in-place op bumps.
 ## Note: threads of the host update
 
 The CPU kernels split each shard over torch's intra-op threads. Every rank is
-its own process and by default takes one thread per core, so $N$ ranks on one
-host oversubscribe the cores $N$ times over; give each
+its own process and by default takes one thread per core, so $N_d$ ranks on one
+host oversubscribe the cores $N_d$ times over; give each
 `torch.set_num_threads(cores // ranks_per_host)`. The update is memory-bound,
 so more threads than the memory channels can feed buy little.
 

@@ -147,7 +147,7 @@ class ChunkSearchConfig:
 
     grad_bytes: int = 4
     """
-    Bytes per element of the reduce dtype, $g$, in which a trainable chunk's
+    Bytes per element of the reduce dtype, $g_r$, in which a trainable chunk's
     full-size gradient buffer is kept: 4 for the engine's default fp32, 2 for a
     bf16 reduce.
     """

@@ -53,16 +53,16 @@ model wrapped for ZeRO also runs in a plain single-process script.
 ## Groups
 
 By default a chunk is sharded over every rank. With *hybrid sharding*
-(`ZeroConfig.shard_group_size` $= K$) the $N$ ranks form $N / K$ *shard
-groups* of $K$ consecutive ranks, each holding one whole copy of the model
-states, sharded over its $K$ ranks; rank $q$ of group $j$ is world rank
-$jK + q$. The ranks with the same $q$ in every group form a {{term: replica group}}
-of $N / K$ ranks that hold the same shard. All-gathers and reduce-scatters run
+(`ZeroConfig.shard_group_size` $= N_s$) the $N_d$ ranks form $N_d / N_s$ *shard
+groups* of $N_s$ consecutive ranks, each holding one whole copy of the model
+states, sharded over its $N_s$ ranks; rank $q$ of group $j$ is world rank
+$jN_s + q$. The ranks with the same $q$ in every group form a {{term: replica group}}
+of $N_d / N_s$ ranks that hold the same shard. All-gathers and reduce-scatters run
 inside the shard group, and one all-reduce per trainable chunk, of the shard
 only, runs across the replica group (explained in
 [hybrid sharding](hybrid.html)). Here
 `rank` and `world_size` are this rank's place in its shard group: the $N_d$ of
-every other page is $K$.
+every other page is $N_s$.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class Communicator:
       gathers them with copies instead of NCCL's kernel; `peer_reduce=True`
       reduce-scatters through a workspace in that memory
       ([peer memory](peer_memory.html), `ZeroConfig.peer_gather`).
-    * `shard_group_size` $K$ shards over groups of $K$ consecutive ranks of the
+    * `shard_group_size` $N_s$ shards over groups of $N_s$ consecutive ranks of the
       default group and replicates across the groups (see Groups above);
       `None` shards over all ranks of `group`.
     """
@@ -293,7 +293,7 @@ class Communicator:
         self.counter.add("all_gather", full)
         if self.world_size == 1:
             # A shard group of one rank (one process, or hybrid sharding with
-            # $K = 1$): the all-gather is a copy, none when the shard already
+            # $N_s = 1$): the all-gather is a copy, none when the shard already
             # sits in `full` (the host-staged gather's in-place form). No
             # collective call, whose host-side cost a small model feels.
             if shard.data_ptr() != full.data_ptr():
@@ -329,7 +329,7 @@ class Communicator:
     def all_reduce_mean_replicas(self, shard: torch.Tensor) -> None:
         r"""
         `shard` [S] ← its mean over the replica group, in place: the second half
-        of a hybrid reduction. A sum, then a division by the $N / K$ replicas:
+        of a hybrid reduction. A sum, then a division by the $N_d / N_s$ replicas:
         gloo has no averaging all-reduce. Counted as `replica_all_reduce`, the
         only traffic that crosses shard groups.
         """

@@ -97,10 +97,10 @@ class ZeroConfig:
 
     shard_group_size: int | None = None
     r"""
-    Hybrid sharding: shard the model states over groups of $K$ consecutive
-    ranks (one host, say) and replicate them across the $N / K$ groups, so that
+    Hybrid sharding: shard the model states over groups of $N_s$ consecutive
+    ranks (one host, say) and replicate them across the $N_d / N_s$ groups, so that
     only shard-sized gradient traffic crosses groups (explained in
-    [hybrid sharding](hybrid.html)). $K$ must divide the world size. `None`
+    [hybrid sharding](hybrid.html)). $N_s$ must divide the world size. `None`
     shards over every rank.
     """
 

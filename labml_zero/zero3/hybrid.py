@@ -7,22 +7,22 @@ summary: Shard inside a host, replicate across hosts; only gradient shards cross
 
 # Hybrid sharding
 
-ZeRO-3 over all $N$ ranks divides the model states by $N$, but every
+ZeRO-3 over all $N_d$ ranks divides the model states by $N_d$, but every
 all-gather and reduce-scatter then runs over all of them, and a ring that
 crosses hosts goes at the pace of its slowest hop: the network. *Hybrid
 sharding* (FSDP2's two-dimensional mesh, DeepSpeed's hpZ) splits the ranks
-into $R = N / K$ *shard groups* of $K$ consecutive ranks,
+into $R = N_d / N_s$ *shard groups* of $N_s$ consecutive ranks,
 one host each, and gives each group a whole copy of the model states, sharded
-over its $K$ ranks. The ranks that hold the same shard in every group form a
+over its $N_s$ ranks. The ranks that hold the same shard in every group form a
 *replica group*. A step then runs
 
 1. the all-gathers and the reduce-scatter of ZeRO-3 inside the shard group,
    over the fast links of one host;
 2. one all-reduce (mean) per trainable chunk across the replica group, of the
-   $S = C / K$ elements of the shard only.
+   $S = C / N_s$ elements of the shard only.
 
-The mean of $R$ group means, each over $K$ ranks, is the mean over all $N$:
-the gradient is the one ZeRO-3 over $N$ ranks computes, in another order of
+The mean of $R$ group means, each over $N_s$ ranks, is the mean over all $N_d$:
+the gradient is the one ZeRO-3 over $N_d$ ranks computes, in another order of
 summation. After it every group holds the whole averaged gradient, so a sum
 over ranks of the shards, such as the gradient norm for clipping, runs over
 the shard group alone. `ZeroConfig(shard_group_size=K)` turns it on
@@ -32,26 +32,26 @@ fine-tune.
 
 ## Cost
 
-A rank holds $\frac{(p + g + K_o)\Psi_t + p\Psi_f}{K}$ bytes of model states
-($K_o$ the optimizer's bytes per element): what it would hold in a world of
-$K$ ranks, however many hosts join (`memory_model.hybrid_model_states`). Per
+A rank holds $\frac{(p + g + K)\Psi_t + p\Psi_f}{N_s}$ bytes of model states
+($K$ the optimizer's bytes per element): what it would hold in a world of
+$N_s$ ranks, however many hosts join (`memory_model.hybrid_model_states`). Per
 step it sends, for $\Psi$ trainable elements,
 
-$$T_{\text{hybrid}} = \frac{K - 1}{K} \cdot \frac{(2p + g)\,\Psi}{B_{in}}
-+ 2\,\frac{R - 1}{R} \cdot \frac{g\,\Psi / K}{B_{out}}$$
+$$T_{\text{hybrid}} = \frac{N_s - 1}{N_s} \cdot \frac{(2p + g_r)\,\Psi}{B_{in}}
++ 2\,\frac{R - 1}{R} \cdot \frac{g_r\,\Psi / N_s}{B_{out}}$$
 
 seconds of communication, with $B_{in}$ a rank's bandwidth inside its host and
-$B_{out}$ its bandwidth to other hosts, against ZeRO-3 over all $N$ ranks,
+$B_{out}$ its bandwidth to other hosts, against ZeRO-3 over all $N_d$ ranks,
 
-$$T_{\text{flat}} = \frac{N - 1}{N} \cdot \frac{(2p + g)\,\Psi}{B_{out}}$$
+$$T_{\text{flat}} = \frac{N_d - 1}{N_d} \cdot \frac{(2p + g_r)\,\Psi}{B_{out}}$$
 
 (`memory_model.hybrid_step_seconds` and `flat_step_seconds`). Across hosts,
-hybrid sends at most $2g\Psi / K$ bytes per rank, against nearly
-$(2p + g)\Psi$.
+hybrid sends at most $2g_r\Psi / N_s$ bytes per rank, against nearly
+$(2p + g_r)\Psi$.
 
 ## When to use it
 
-When the model states of one copy fit in the memory of one host's $K$ ranks,
+When the model states of one copy fit in the memory of one host's $N_s$ ranks,
 with room for activations, and the network is much slower than the links
 inside a host. Then hybrid sharding's step costs about what one host's costs,
 whatever the number of hosts. When they do not fit, shard over more ranks: a
@@ -60,17 +60,17 @@ group of two hosts, or ZeRO-3 over all.
 ## Predictions
 
 A model of $\Psi =$ {{py: memory_model.HYBRID_EXAMPLE.psi / 1e9 | .0f}} billion
-trainable elements, bf16 parameters ($p = 2$), an fp32 reduction ($g = 4$),
-Adam ($K_o = 12$
+trainable elements, bf16 parameters ($p = 2$), an fp32 reduction ($g_r = 4$),
+Adam ($K = 12$
 (tested: tests/zero3/test_hybrid.py::test_prediction_table)), on hosts of
 {{py: memory_model.HYBRID_EXAMPLE.ranks_per_host}} GPUs with nominal links of $B_{in} =$
 {{py: memory_model.HYBRID_EXAMPLE.bandwidth_in / 1e9 | .0f}} GB/s
 (NVLink, one direction) and $B_{out} =$
 {{py: memory_model.HYBRID_EXAMPLE.bandwidth_out / 1e9 | .0f}} GB/s (one
-network card per GPU), $K$ one host. Communication seconds per step and
+network card per GPU), $N_s$ one host. Communication seconds per step and
 gigabytes of model states per rank (`memory_model.hybrid_prediction`):
 
-| hosts | ranks $N$ | flat s | hybrid s | flat GB | hybrid GB |
+| hosts | ranks $N_d$ | flat s | hybrid s | flat GB | hybrid GB |
 |---|---|---|---|---|---|
 {{py: memory_model.hybrid_prediction(1).markdown_row()}}
 {{py: memory_model.hybrid_prediction(2).markdown_row()}}
@@ -89,7 +89,7 @@ by it, not by bandwidth, and the hybrid column is then a lower bound.
 
 ## Limitations
 
-* The group is $K$ consecutive ranks: a host's ranks must be consecutive, as
+* The group is $N_s$ consecutive ranks: a host's ranks must be consecutive, as
   `torchrun` numbers them.
 * Checkpoints are written by the first shard group alone (every group holds
   the same shards); the per-rank state saved, the RNG and `rank_extra`, is
@@ -104,7 +104,7 @@ from typing import NamedTuple
 
 
 def check_shard_group_size(world_size: int, shard_group_size: int) -> None:
-    """$K$ must divide the world size: one line naming both otherwise."""
+    """$N_s$ must divide the world size: one line naming both otherwise."""
     if shard_group_size < 1 or world_size % shard_group_size:
         raise ValueError(f"shard_group_size {shard_group_size} does not divide "
                          f"the world size {world_size}")
@@ -114,8 +114,8 @@ def shard_group_ranks(world_size: int, shard_group_size: int) -> list[list[int]]
     r"""
     ## The shard groups
 
-    Group $j$ is world ranks $jK, \dots, jK + K - 1$: the ranks of one host
-    when each host runs $K$ consecutive ranks.
+    Group $j$ is world ranks $jN_s, \dots, jN_s + N_s - 1$: the ranks of one host
+    when each host runs $N_s$ consecutive ranks.
     """
     check_shard_group_size(world_size, shard_group_size)
     size = shard_group_size
@@ -126,7 +126,7 @@ def replica_group_ranks(world_size: int, shard_group_size: int) -> list[list[int
     r"""
     ## The replica groups
 
-    Group $q$ is the $q$-th rank of every shard group, $q, q + K, q + 2K, \dots$:
+    Group $q$ is the $q$-th rank of every shard group, $q, q + N_s, q + 2N_s, \dots$:
     the ranks that hold the same shard, one per host.
     """
     check_shard_group_size(world_size, shard_group_size)
@@ -141,9 +141,9 @@ def flat_step_seconds(psi: float, world_size: int, ranks_per_host: int, *,
                       bandwidth_in: float, bandwidth_out: float,
                       param_bytes: int = 2, grad_bytes: int = 4) -> float:
     r"""
-    ### Communication time of a ZeRO-3 step sharded over all $N$ ranks
+    ### Communication time of a ZeRO-3 step sharded over all $N_d$ ranks
 
-    $$T_{\text{flat}} = \frac{N - 1}{N} \cdot \frac{(2p + g)\,\Psi}{B}$$
+    $$T_{\text{flat}} = \frac{N_d - 1}{N_d} \cdot \frac{(2p + g_r)\,\Psi}{B}$$
 
     where $B$ is $B_{in}$ on one host and $B_{out}$ once the ring crosses hosts:
     every hop of a ring carries the same bytes, so its slowest hop sets the
@@ -163,8 +163,8 @@ def hybrid_step_seconds(psi: float, world_size: int, shard_group_size: int, *,
     r"""
     ### Communication time of a hybrid step, shard groups of one host
 
-    $$T_{\text{hybrid}} = \frac{K - 1}{K} \cdot \frac{(2p + g)\,\Psi}{B_{in}}
-    + 2\,\frac{R - 1}{R} \cdot \frac{g\,\Psi / K}{B_{out}}$$
+    $$T_{\text{hybrid}} = \frac{N_s - 1}{N_s} \cdot \frac{(2p + g_r)\,\Psi}{B_{in}}
+    + 2\,\frac{R - 1}{R} \cdot \frac{g_r\,\Psi / N_s}{B_{out}}$$
 
     the two terms in sequence (the all-reduce of a chunk waits for its
     reduce-scatter; overlap across chunks would only lower it).

@@ -525,10 +525,10 @@ def ring_wire_bytes(nbytes: int, world_size: int) -> int:
 
 # ## Hybrid sharding
 #
-# With hybrid sharding (explained in [its page](hybrid.html)) the $N$ ranks form
-# $R = N / K$
-# {{term: shard groups | shard group}} of $K$ ranks. Each group holds one copy of
-# the model states, so a rank holds ZeRO-3's share of a world of $K$, and a step
+# With hybrid sharding (explained in [its page](hybrid.html)) the $N_d$ ranks form
+# $R = N_d / N_s$
+# {{term: shard groups | shard group}} of $N_s$ ranks. Each group holds one copy of
+# the model states, so a rank holds ZeRO-3's share of a world of $N_s$, and a step
 # adds to ZeRO-3's collectives inside the group one all-reduce, across the $R$
 # groups, of each trainable chunk's gradient shard.
 
@@ -541,10 +541,10 @@ def hybrid_model_states(psi_trainable: int, psi_frozen: int, world_size: int,
     r"""
     ## Model states per rank with hybrid sharding
 
-    $$\frac{(p + g + K_o)\,\Psi_t + p\,\Psi_f}{K}$$
+    $$\frac{(p + g + K)\,\Psi_t + p\,\Psi_f}{N_s}$$
 
-    ($K_o$ is the optimizer's bytes, `optimizer_bytes`): `zero_model_states`
-    over the $K$ ranks of a shard group, whatever the world size $N$ it
+    ($K$ is the optimizer's bytes, `optimizer_bytes`): `zero_model_states`
+    over the $N_s$ ranks of a shard group, whatever the world size $N_d$ it
     divides. `bytes_per_element` are `zero_model_states`' keywords.
     """
     _check_divides(world_size, shard_group_size)
@@ -574,9 +574,9 @@ def hybrid_step_comm(layout: ChunkLayout, *, replicas: int,
     r"""
     ## Collectives of one hybrid step, per rank
 
-    `layout` is the layout of the shard group (its `world_size` is $K$), and
-    `replicas` is $R = N / K$. Per trainable chunk of $C$ elements the
-    all-reduce takes $S = C / K$ elements: $\Psi_t / K$ in all, against the
+    `layout` is the layout of the shard group (its `world_size` is $N_s$), and
+    `replicas` is $R = N_d / N_s$. Per trainable chunk of $C$ elements the
+    all-reduce takes $S = C / N_s$ elements: $\Psi_t / N_s$ in all, against the
     $\Psi_t$ of the reduce-scatter inside the group.
     """
     _check_at_least("replicas", replicas, 1)
@@ -595,8 +595,8 @@ def hybrid_wire_bytes(comm: HybridStepComm, shard_group_size: int,
     r"""
     ### Bytes each rank sends per step: (inside its group, across groups)
 
-    Inside: a ring all-gather or reduce-scatter over $K$ ranks,
-    $\frac{K - 1}{K}$ of each full size (`ring_wire_bytes`). Across: a ring
+    Inside: a ring all-gather or reduce-scatter over $N_s$ ranks,
+    $\frac{N_s - 1}{N_s}$ of each full size (`ring_wire_bytes`). Across: a ring
     all-reduce over $R$ ranks is a reduce-scatter and an all-gather of the
     shard, $2 \frac{R - 1}{R}$ of its size.
     """

@@ -26,17 +26,17 @@ all-gather; moving the shard to the host is the one event that picks again.
 `Chunk.gather` then makes one call, `transport.gather(full, shard)`, on the
 gather stream.
 
-Reducing writes $g_{\text{shard}}^{(q)} \leftarrow \frac{1}{N}\sum_{r}
-g^{(r)}[qS, (q + 1)S)$, the mean over all $N$ ranks of this rank's slice of the
+Reducing writes $g_{\text{shard}}^{(q)} \leftarrow \frac{1}{N_d}\sum_{r}
+g^{(r)}[qS, (q + 1)S)$, the mean over all $N_d$ ranks of this rank's slice of the
 gradient. A chunk also picks its *reduction* once:
 
 * **collective**: one reduce-scatter with averaging over the shard group;
 * **peer**: the ranks push their gradients into a workspace in peer memory and
   each averages its own slice there, in fp32 ([peer memory](peer_memory.html));
-* **hybrid**: either of the two inside the shard group of $K$ ranks, then an
-  all-reduce of the $S$-element result across the $N / K$ groups
-  (explained in [hybrid sharding](hybrid.html)): the mean of the $N / K$ group
-  means, each over $K$ ranks, is the mean over all $N$.
+* **hybrid**: either of the two inside the shard group of $N_s$ ranks, then an
+  all-reduce of the $S$-element result across the $N_d / N_s$ groups
+  (explained in [hybrid sharding](hybrid.html)): the mean of the $N_d / N_s$ group
+  means, each over $N_s$ ranks, is the mean over all $N_d$.
 
 `Chunk.reduce` then makes one call, `reduction.reduce(shard_grad, full_grad)`,
 on the reduce stream.
@@ -163,7 +163,7 @@ class HybridReduce(CollectiveReduce):
 
     * `inner`: the reduction inside the shard group (collective or peer).
 
-    The all-reduce moves $S$ elements, $\frac{1}{K}$ of the chunk, across the
+    The all-reduce moves $S$ elements, $\frac{1}{N_s}$ of the chunk, across the
     groups.
     """
 

@@ -4,6 +4,7 @@ page and the directives, on small inputs and on the repository's own site."""
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 import shutil
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import build_docs
 from docsite import order, results
 from docsite.directives import Directives, evaluate
+from docsite.markdown import visible_text
 from docsite.mathml import spelled_commands, to_mathml
 from docsite.paths import BuildError
 
@@ -187,13 +189,68 @@ def test_py_directive_evaluates_only_the_whitelist(tmp_path):
                     "p") == "3,628,800 and 3.142"
     with pytest.raises(BuildError, match="is a float; give a format"):
         d.expand("{{py: math.pi}}", "p")
-    ok = d.expand("4 (tested: tests/docs/test_builder.py::test_py_directive_"
-                  "evaluates_only_the_whitelist)", "p")
-    assert 'class="tested"' in ok
-    with pytest.raises(BuildError, match="no such test"):
-        d.expand("(tested: tests/docs/test_builder.py::test_nothing)", "p")
+    with pytest.raises(BuildError, match="no such test function"):
+        d.cite("(tested: tests/docs/test_builder.py::test_nothing)", "p")
     with pytest.raises(BuildError, match="no such file"):
-        d.expand("(tested: tests/none.py::test_x)", "p")
+        d.cite("(tested: tests/none.py::test_x)", "p")
+
+
+def _mark(*tests: str) -> str:
+    """The mark `cite` gives on page a/p.html for tests of this file."""
+    where = "tests/docs/test_builder.py"
+    lines = (REPO / where).read_text().splitlines()
+    links = []
+    for test in tests:
+        line = next(i for i, text in enumerate(lines, start=1)
+                    if text.startswith(f"def {test}("))
+        links.append(f'<a href="../source/{where}.html#L{line}" '
+                     f'title="asserted by {where}::{test}" '
+                     f'aria-label="asserted by {where}::{test}">✓</a>')
+    return f'<sup class="tested">{"".join(links)}</sup>'
+
+
+def test_citations_are_marks_after_the_sentence_linking_to_the_test():
+    d = Directives(REPO, {})
+    tag = "(tested: tests/docs/test_builder.py::{})"
+    a, b = "test_citations_are_marks_after_the_sentence_linking_to_the_test", \
+        "test_no_formula_is_left_as_raw_tex"
+    # Out of the sentence, after its end; one mark per distinct test.
+    assert d.cite(f"costs 18 {tag.format(a)} bytes, not 16\n{tag.format(b)} "
+                  f"(e.g. `x. y`, $1.5$). Then", "a/p.html") == (
+        f"costs 18 bytes, not 16 (e.g. `x. y`, $1.5$).{_mark(a, b)} Then")
+    assert d.cite(f"26 {tag.format(a)}, 34 {tag.format(a)} and 30 {tag.format(a)}.",
+                  "a/p.html") == f"26, 34 and 30.{_mark(a)}"
+    # The end of a paragraph, a list item or a table cell comes first.
+    assert d.cite(f"* 12 {tag.format(a)} bytes\n* next", "a/p.html") == (
+        f"* 12 bytes{_mark(a)}\n* next")
+    assert d.cite(f"| 12 {tag.format(a)} | x |", "a/p.html") == (
+        f"| 12{_mark(a)} | x |")
+    assert d.cite(f"## Costs 18 {tag.format(a)} bytes\nThen more.", "a/p.html") == (
+        f"## Costs 18 bytes{_mark(a)}\nThen more.")
+    # After a display formula: on its own line (the page puts it at the right).
+    assert d.cite(f"$$a = 12$$\n{tag.format(a)}\n\nNext.", "a/p.html") == (
+        f"$$a = 12$$\n{_mark(a)}\n\nNext.")
+    # A tag shown as code is an example, not a citation.
+    assert d.cite("write `(tested: tests/x.py::test_y)` after it", "p") == (
+        "write `(tested: tests/x.py::test_y)` after it")
+
+
+def test_the_tests_are_source_pages_that_the_marks_link_to(site_files):
+    page = site_files["source/tests/docs/test_builder.py.html"].decode()
+    assert 'id="L1"' in page and "def test_citations_are_marks" in page
+    marks = [(page_out, href) for page_out, data in site_files.items()
+             if page_out.endswith(".html") and not page_out.startswith("source/")
+             for href in re.findall(r'<sup class="tested"><a href="([^"]+)"',
+                                    data.decode())]
+    assert len(marks) > 50
+    for page_out, href in marks:
+        target, _, anchor = href.partition("#")
+        target = posixpath.normpath(posixpath.join(posixpath.dirname(page_out),
+                                                   target))
+        assert f'id="{anchor}"' in site_files[target].decode(), (page_out, href)
+    assert "(tested:" not in "".join(
+        visible_text(d.decode()) for p, d in site_files.items()
+        if p.endswith(".html") and not p.startswith("source/"))
 
 
 def test_glossary_links_terms_to_their_definition(tmp_path, site_files):
@@ -225,3 +282,20 @@ def test_glossary_links_terms_to_their_definition(tmp_path, site_files):
         "labml_zero/zero3/chunk_layout.py\n@results\n@glossary\n")
     with pytest.raises(BuildError, match="'chunk' is defined on"):
         build_docs.build_site(tree)
+
+
+def test_no_formula_is_left_as_raw_tex():
+    from docsite.markdown import Renderer
+
+    renderer = Renderer({"p.html"}, {})
+    # A table cell whose text ends in a digit (dollarmath read src[-1] at pos 0).
+    table = renderer.render("| a | b |\n|---|---|\n| $p$, 4, 4 | $q$ |\n",
+                            "p.html", set())
+    assert table.count("<math") == 2 and "$" not in table
+    # An inline formula wrapped onto a line starting with "+" (a list item).
+    wrapped = renderer.render("$x + a(x)\n   + b(x)$.\n", "p.html", set())
+    assert wrapped.count("<math") == 1 and "<li>" not in wrapped
+    assert "$5 or $10" in renderer.render("costs $5 or $10\n", "p.html", set())
+    # What still gets through as text stops the build.
+    with pytest.raises(BuildError, match=r"p\.html: TeX left as text"):
+        renderer.render("`a` \\\\alpha b\n", "p.html", set())

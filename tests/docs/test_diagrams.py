@@ -100,3 +100,29 @@ def test_timeline_source_says_what_was_measured(diagrams):
     for source in ("run16 on 2xH200", "results/run-peer.jsonl"):
         with pytest.raises(ValueError, match="names a run or a result file"):
             diagrams.validate_trace({"source": source, "events": [event]})
+
+
+def _visible(svg: str) -> str:
+    """The figure's text a reader sees without hovering (no <title>)."""
+    svg = re.sub(r"<title>.*?</title>", " ", svg, flags=re.S)
+    return " ".join(re.findall(r"<text[^>]*>([^<]*)</text>", svg))
+
+
+def test_what_a_figure_shows_on_hover_is_also_written_in_it(diagrams, figures):
+    # Chunk layout: every parameter of a layer and of the last group, norms
+    # and biases included, with its elements and offset in the chunk.
+    text = _visible(figures["figures/chunk_layout.svg"])
+    for name, shape, group in diagrams.pythia_160m_shapes():
+        if group in (1, 13):
+            short = name.split(".", 2)[-1] if name.startswith("layers.") else name
+            assert short in text, short
+    assert "input_layernorm.bias 768 768 768" in text  # shape, elements, offset
+    # Shard collectives: each rank's slice and what it holds.
+    text = _visible(figures["figures/shard_collectives.svg"])
+    for n in (2, 3, 4):
+        assert text.count(f"rank {n - 1} keeps [") >= 1
+    assert "rank 0 keeps [0, 122): ln1.w, ln1.b" in text
+    # Placement: which chunks are on the host, for each placement.
+    text = _visible(figures["figures/placement.svg"])
+    assert text.count("optimizer state on the host:") == 2
+    assert "parameter shards on the host: none" in text

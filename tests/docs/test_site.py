@@ -271,3 +271,12 @@ def test_chromium_renders_math_from_file_urls(tmp_path):
     assert png.is_file(), proc.stderr[-2000:]
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_no_page_of_the_built_site_shows_raw_tex(site_files):
+    from docsite.markdown import raw_tex_left
+
+    left = {page: raw_tex_left(data.decode()) for page, data in site_files.items()
+            if page.endswith(".html") and not page.startswith("source/")}
+    assert len(left) > 50
+    assert not {p: t for p, t in left.items() if t}

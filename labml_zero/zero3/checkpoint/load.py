@@ -10,7 +10,7 @@ summary: Every rank reads its new shards from the saved ranks' files, at any wor
 A load fills each chunk's new shard, on each new rank, with exactly the
 elements it held when saved: the bf16/fp16 parameter, the fp32 master and both
 moments. At the saved world size and layout that is each rank's own file; at
-another world size $N'$ (or another chunk size) each new shard overlaps parts
+another world size $N_d'$ (or another chunk size) each new shard overlaps parts
 of the old ones, and [the reader](reader.html) finds them with one piece of
 arithmetic. Either way a trained element is copied, never recomputed, so the
 resume is bit-exact at the saved world size (see [what a resume

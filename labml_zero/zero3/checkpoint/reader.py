@@ -17,8 +17,8 @@ conversion and the checks a launcher makes before any process starts.
 
 ## Finding elements: the resharding arithmetic
 
-A chunk of $C$ elements saved over $N$ ranks gave rank $k$ the elements
-$[kS, (k+1)S)$, $S = C / N$. A parameter at offset $o$ with $n$ elements is
+A chunk of $C$ elements saved over $N_d$ ranks gave rank $k$ the elements
+$[kS, (k+1)S)$, $S = C / N_d$. A parameter at offset $o$ with $n$ elements is
 elements $[o, o + n)$ of its chunk, so its elements $[a, b)$ are chunk elements
 $[o + a, o + b)$, held by the saved ranks
 
@@ -218,7 +218,7 @@ class CheckpointReader:
         else the parameter), `exp_avg` or `exp_avg_sq`; the saved ranks that hold
         them are the intro's $k$.
 
-        This is all that resharding needs. A new model, at world size $N'$ and
+        This is all that resharding needs. A new model, at world size $N_d'$ and
         with its own chunk size, puts the same parameter at offset $o'$ of a chunk
         of $C'$ elements, and its rank $r'$ keeps $[r'S', (r'+1)S')$ of that
         chunk. So rank $r'$ asks for

@@ -192,7 +192,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
     Note: atomic save.
 
     With hybrid sharding every shard group holds the same shards, so only the
-    first group writes: the checkpoint is the one a world of $K$ ranks would
+    first group writes: the checkpoint is the one a world of $N_s$ ranks would
     write (its per-rank state, RNG and `rank_extra`, that group's), and loads
     into any shape as such. The other groups wait for its outcome, which each
     rank learns from its replica of the first group.
