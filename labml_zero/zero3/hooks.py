@@ -199,7 +199,7 @@ def replace_tensors(value: Any, new: dict[int, torch.Tensor]) -> Any:
     if isinstance(value, list):
         return [replace_tensors(item, new) for item in value]
     if isinstance(value, dict):
-        # a dict subclass (a Hugging Face `ModelOutput`) keeps its type
+        # a dict subclass (a Hugging Face ModelOutput) keeps its type
         copied = copy.copy(value)
         for key, item in value.items():
             copied[key] = replace_tensors(item, new)
