@@ -41,6 +41,7 @@ import importlib
 import re
 from pathlib import Path
 
+from . import calculator
 from .paths import BuildError, rel_href, slugify
 from .results import lookup
 
@@ -174,6 +175,7 @@ class Directives:
             return (f'<span class="tested" title="asserted by {path}::{name}">'
                     f"(tested by <code>{name}</code>)</span>")
 
+        text = calculator.expand(text, page)
         text = PY.sub(py, text)
         text = BENCH.sub(bench, text)
         text = TERM.sub(term, text)
