@@ -43,7 +43,10 @@ while the activations are being freed, so the first term does not count them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
+
+import torch
 
 from labml_zero.neox.activation_memory import activation_bytes
 from labml_zero.neox.finetuners import finetuner
@@ -64,6 +67,7 @@ __all__ = ["DTYPE_BYTES", "H200_BYTES", "BudgetInputs", "Budget", "budget"]
 
 # bytes per element of the dtypes the engine takes
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # An H200's memory as `nvidia-smi` and `torch.cuda.get_device_properties` give
 # it: 143,771 MiB (NVIDIA's "141 GB").
 H200_BYTES = 143_771 * 2**20
@@ -182,21 +186,26 @@ class Budget:
 def _layout(inputs: BudgetInputs):
     """The engine's layout: the fine-tuner marks the layers on meta, the chunk size
     is the config's or the search's, as `zero3_layers` does it."""
-    layers = build_layers(inputs.model, device="meta")
-    options = ({"rank": inputs.lora_rank, "targets": inputs.lora_targets}
-               if inputs.finetune == "lora" else {})
-    counts = finetuner(inputs.finetune, **options)(layers)
-    specs, _ = param_specs([layer.named_parameters() for layer in layers])
-    torch_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-    import torch
+    return _cached_layout(inputs.model, inputs.finetune, inputs.lora_rank,
+                          tuple(inputs.lora_targets), inputs.group_size,
+                          inputs.param_dtype, inputs.reduce_dtype, inputs.chunk_numel,
+                          inputs.prefetch_depth)
 
-    config = ZeroConfig(dtype=getattr(torch, torch_dtype[inputs.param_dtype]),
-                        reduce_dtype=getattr(torch, torch_dtype[inputs.reduce_dtype]),
-                        chunk_numel=inputs.chunk_numel,
-                        prefetch_depth=inputs.prefetch_depth)
-    chunk_numel = choose_chunk_numel(specs, inputs.group_size, config)
-    return counts, plan_chunks(specs, chunk_numel, inputs.group_size,
-                               align=config.align)
+
+@functools.lru_cache(maxsize=32)
+def _cached_layout(model, finetune, lora_rank, lora_targets, group_size, param_dtype,
+                   reduce_dtype, chunk_numel, prefetch_depth):
+    # the search takes seconds on the large presets; a layout is immutable
+    layers = build_layers(model, device="meta")
+    options = ({"rank": lora_rank, "targets": lora_targets}
+               if finetune == "lora" else {})
+    counts = finetuner(finetune, **options)(layers)
+    specs, _ = param_specs([layer.named_parameters() for layer in layers])
+    config = ZeroConfig(dtype=TORCH_DTYPES[param_dtype],
+                        reduce_dtype=TORCH_DTYPES[reduce_dtype],
+                        chunk_numel=chunk_numel, prefetch_depth=prefetch_depth)
+    chunk_numel = choose_chunk_numel(specs, group_size, config)
+    return counts, plan_chunks(specs, chunk_numel, group_size, align=config.align)
 
 
 def budget(inputs: BudgetInputs) -> Budget:
