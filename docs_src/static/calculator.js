@@ -411,6 +411,10 @@
     const peak = other + kDevice * (trainable - offloaded);
     const psiTrainable = sum(specs.filter(s => s.trainable).map(s => s.numel));
     const fwd = totalNumel(layout) * p, rs = totalNumel(layout, true) * gR;
+    // gathered again for backward: the units from the first one that trains on
+    const trains = layout.chunks.filter(c => c.trainable).map(c => c.group);
+    const first = trains.length ? Math.min(...trains) : Infinity;
+    const bwd = sum(layout.chunks.filter(c => c.group >= first).map(c => c.chunk_numel)) * p;
     const interNumel = replicas > 1 ? totalNumel(layout, true) / nD : 0;
     return {
       psi_trainable: psiTrainable,
@@ -423,9 +427,9 @@
       gathered, grad_buffer: gradBuffer, accumulation, activations,
       offloaded_fraction: trainable ? offloaded / trainable : 0,
       peak, fits: peak <= inputs.device_bytes,
-      all_gather: 2 * fwd, reduce_scatter: alone ? 0 : rs,
+      all_gather: fwd + bwd, reduce_scatter: alone ? 0 : rs,
       all_reduce: interNumel * gR,
-      wire_inside: ringWireBytes(2 * fwd + rs, nD),
+      wire_inside: ringWireBytes(fwd + bwd + rs, nD),
       wire_across: 2 * ringWireBytes(interNumel * gR, replicas),
       host_down: 4 * offloaded, host_up: p * offloaded,
     };

@@ -257,7 +257,12 @@ def budget(inputs: BudgetInputs) -> Budget:
     peak = other + k_device * (trainable - offloaded)
     traffic = offload_traffic(placement, shards, param_bytes=p)
 
-    comm = hybrid_step_comm(layout, replicas=replicas, param_bytes=p, grad_bytes=g_r)
+    # A unit is gathered again for backward when its output needs a gradient
+    # (the hooks' `expects_backward`): from the first unit that trains on.
+    first = min((c.group for c in layout.chunks if c.trainable), default=None)
+    backward = [g for g in layout.by_group if first is not None and g >= first]
+    comm = hybrid_step_comm(layout, replicas=replicas, param_bytes=p, grad_bytes=g_r,
+                            backward_groups=backward)
     inside, across = hybrid_wire_bytes(comm, inputs.group_size, replicas)
     return Budget(
         psi_trainable=counts.trainable,

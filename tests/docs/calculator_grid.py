@@ -19,6 +19,16 @@ OFFLOADS = (0.0, 0.35, 1.0, None)
 CHUNKS = (2**20, 3 * 2**20 + 17, 5_000_000, 2**24, 40_000_000)
 GIB = 2**30
 
+# The tiny model on two CPU ranks, whose real bytes tests/zero3/test_memory_budget.py
+# counts: the end-to-end case, in the grid like any other.
+ENGINE_CASES = (
+    BudgetInputs(model=neox_config.tiny(), world_size=2, batch=2, seq=16,
+                 micro_batches=2),
+    BudgetInputs(model=neox_config.tiny(), world_size=2, batch=2, seq=16,
+                 micro_batches=2, finetune="biases", reduce_dtype="bf16",
+                 chunk_numel=20_000, prefetch_depth=0),
+)
+
 
 def grid_inputs(count: int = 224) -> list[BudgetInputs]:
     """`count` inputs that walk every axis at coprime strides, so that each value
@@ -43,7 +53,7 @@ def grid_inputs(count: int = 224) -> list[BudgetInputs]:
             seq=(128, 512, 2048)[(i // 4) % 3], micro_batches=(1, 1, 4)[i % 3],
             offload_fraction=OFFLOADS[(i // 6) % 4],
             device_bytes=(80 * GIB, 143_771 * 2**20)[i % 2]))
-    return cases
+    return cases + list(ENGINE_CASES)
 
 
 def searched_inputs() -> list[BudgetInputs]:
@@ -60,4 +70,4 @@ def searched_inputs() -> list[BudgetInputs]:
     cases += [w6, replace(w6, offload_fraction=None),
               BudgetInputs(model=neox_config.gpt_neox_20b(), world_size=8, batch=4,
                            checkpointing=True)]
-    return cases
+    return cases + list(ENGINE_CASES)

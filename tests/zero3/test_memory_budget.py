@@ -1,0 +1,68 @@
+"""`labml_zero/zero3/memory_budget.py` against the engine: the tiny GPT-NeoX,
+assembled as the fine-tune assembles it, on two CPU ranks; the bytes it really
+holds and moves are the budget's (and the calculator's: the same inputs are in
+its grid, tests/docs/calculator_grid.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labml_zero.assembly import Recipe, assemble
+from labml_zero.neox import model as neox_model
+from labml_zero.zero3 import ZeroConfig
+from labml_zero.zero3.memory_budget import TORCH_DTYPES, BudgetInputs, budget
+from tests.distributed import run_distributed
+from tests.docs.calculator_grid import ENGINE_CASES
+from tests.zero3.test_memory_and_comm import held_bytes
+
+
+def lm_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                             ids[:, 1:].flatten())
+
+
+def engine_bytes(ctx, inputs: BudgetInputs) -> dict:
+    config = ZeroConfig(dtype=TORCH_DTYPES[inputs.param_dtype],
+                        reduce_dtype=TORCH_DTYPES[inputs.reduce_dtype],
+                        chunk_numel=inputs.chunk_numel,
+                        prefetch_depth=inputs.prefetch_depth)
+    built = assemble(neox_model.build_layers(inputs.model, device="meta"),
+                     Recipe(zero=config, finetune=inputs.finetune, seed=0),
+                     device=ctx.device,
+                     init_param=neox_model.init_parameter(inputs.model))
+    model, optimizer = built.model, built.optimizer
+    counter = model.runtime.comm.counter
+    torch.manual_seed(ctx.rank)
+    ids = torch.randint(0, 1000, (inputs.batch, inputs.seq + 1))
+    # one step: what each collective moves
+    counter.reset()
+    lm_loss(model, ids).backward()
+    moved = dict(counter.bytes)
+    optimizer.step()
+    states = held_bytes(model, optimizer)
+    model.zero_grad()
+    # a micro-batch under no_sync: every trainable chunk keeps its buffer
+    with model.no_sync():
+        lm_loss(model, ids).backward()
+    buffers = sum(chunk.grad_full.untyped_storage().nbytes()
+                  for chunk in model.chunks if chunk.trainable)
+    return {"states": states, "moved": moved, "buffers": buffers,
+            "chunk_numel": model.layout.chunk_numel}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", range(len(ENGINE_CASES)))
+def test_the_engine_holds_and_moves_the_budget(case):
+    inputs = ENGINE_CASES[case]
+    expected = budget(inputs)
+    for got in run_distributed(engine_bytes, inputs.world_size, inputs):
+        assert got["chunk_numel"] == expected.chunk_numel
+        # the shards, the fp32 gradient shards, master and moments
+        assert got["states"] == (expected.params + expected.grad_shards
+                                 + expected.optimizer_device)
+        # the full-size buffers held under accumulation: g_r Ψ_t, padded
+        assert got["buffers"] == expected.accumulation
+        assert got["moved"]["all_gather"] == expected.all_gather
+        assert got["moved"]["reduce_scatter"] == expected.reduce_scatter
