@@ -5,6 +5,8 @@ its grid, tests/docs/calculator_grid.py)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -66,3 +68,30 @@ def test_the_engine_holds_and_moves_the_budget(case):
         assert got["buffers"] == expected.accumulation
         assert got["moved"]["all_gather"] == expected.all_gather
         assert got["moved"]["reduce_scatter"] == expected.reduce_scatter
+
+
+def accumulated_grads(ctx, accumulate: bool) -> list[torch.Tensor]:
+    config = neox_model.NeoXConfig(n_vocab=128, d_model=32, n_heads=2, n_layers=1)
+    built = assemble(neox_model.build_layers(config, device="meta"),
+                     Recipe(zero=ZeroConfig(dtype=torch.float32), seed=0),
+                     device=ctx.device, init_param=neox_model.init_parameter(config))
+    model = built.model
+    torch.manual_seed(0)
+    first, second = torch.randint(0, 128, (2, 2, 9))
+    with model.no_sync() if accumulate else contextlib.nullcontext():
+        lm_loss(model, first).backward()
+    lm_loss(model, second).backward()
+    return [chunk.local.grad.clone() for chunk in model.chunks if chunk.trainable]
+
+
+@pytest.mark.distributed
+def test_one_rank_accumulates_through_its_buffer():
+    """At N_d = 1 with an fp32 reduction the gradient skips the buffer, except
+    after `no_sync`: the buffer holds the earlier micro-batches (the budget's
+    accumulation term), and the sum is that of two reduced backward passes."""
+    (accumulated,) = run_distributed(accumulated_grads, 1, True)
+    (reduced,) = run_distributed(accumulated_grads, 1, False)
+    for a, b in zip(accumulated, reduced):
+        # fp32 sums of the same two terms, in either order: a few ulps apart
+        torch.testing.assert_close(a, b, rtol=4 * torch.finfo(torch.float32).eps,
+                                   atol=4 * torch.finfo(torch.float32).eps)
