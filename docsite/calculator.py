@@ -45,9 +45,9 @@ PRESETS = ("tiny", "pythia_70m", "pythia_160m", "pythia_410m", "pythia_1b",
 ROWS = (
     ("psi_trainable", "count", r"\Psi_t", "trainable parameters"),
     ("psi_frozen", "count", r"\Psi_f", "frozen parameters"),
-    ("chunk_numel", "count", r"c", "chunk size (elements)"),
+    ("chunk_numel", "count", r"C", "chunk size (elements)"),
     ("chunks", "count", r"n_c", "chunks"),
-    ("padding", "count", r"\sum_k C_k - u_k", "padding (elements)"),
+    ("padding", "count", r"\sum_k (C_k - u_k)", "padding (elements)"),
     ("params", "bytes", r"p \sum_k S_k", "parameter shards"),
     ("grad_shards", "bytes", r"g\,S_t", "fp32 gradient shards"),
     ("optimizer_device", "bytes", r"K_d\,(1 - x)\,S_t",
@@ -67,7 +67,7 @@ ROWS = (
     ("reduce_scatter", "bytes", r"g_r \sum_{k\,\text{trainable}} C_k",
      "reduce-scatters per step (full size)"),
     ("all_reduce", "bytes", r"g_r\,S_t", "all-reduce across shard groups per step"),
-    ("wire_inside", "bytes", r"\frac{N_d - 1}{N_d}(\ldots)",
+    ("wire_inside", "bytes", r"\frac{N_s - 1}{N_s}(\ldots)",
      "sent per rank and step inside the shard group"),
     ("wire_across", "bytes", r"2\frac{R - 1}{R} g_r S_t",
      "sent per rank and step across groups"),
@@ -173,13 +173,13 @@ def render(page: str) -> str:
         ("Model", _select("preset", "preset", presets + [("custom", "custom")],
                           data["default_preset"])
          + _number("n_layers", f"layers {_math('L', page)}", model["n_layers"], minimum=1)
-         + _number("d_model", f"width {_math('d', page)}", model["d_model"], minimum=1)
+         + _number("d_model", "width", model["d_model"], minimum=1)
          + _number("n_heads", f"heads {_math('n_h', page)}", model["n_heads"], minimum=1)
          + _number("n_vocab", f"vocabulary {_math('V', page)}", model["n_vocab"],
                    minimum=1)),
-        ("Ranks", _number("world_size", f"GPUs {_math('N', page)}", example["world_size"],
+        ("Ranks", _number("world_size", f"GPUs {_math('N_d', page)}", example["world_size"],
                           minimum=1)
-         + _number("shard_group_size", f"shard group {_math('N_d', page)}",
+         + _number("shard_group_size", f"shard group {_math('N_s', page)}",
                    example["shard_group_size"], minimum=1, hint="all")),
         ("Precision", _select("param_dtype", f"parameters {_math('p', page)}", dtypes,
                               example["param_dtype"])
@@ -191,11 +191,11 @@ def render(page: str) -> str:
          + _number("lora_rank", f"rank {_math('r', page)}", example["lora_rank"],
                    minimum=1)
          + f'<span class="calc-targets">{targets}</span></span>'),
-        ("Chunks", _number("chunk_numel", f"chunk size {_math('c', page)}",
+        ("Chunks", _number("chunk_numel", f"chunk size {_math('C', page)}",
                            example["chunk_numel"], minimum=1, hint="searched")
          + _number("prefetch_depth", f"prefetch depth {_math('d', page)}",
                    example["prefetch_depth"])),
-        ("Activations", _number("batch", f"micro-batch {_math('B', page)}",
+        ("Activations", _number("batch", "sequences a micro-batch",
                                 example["batch"], minimum=1)
          + _number("seq", f"sequence {_math('T', page)}", example["seq"], minimum=1)
          + _number("micro_batches", "micro-batches a step", example["micro_batches"],

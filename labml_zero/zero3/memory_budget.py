@@ -2,7 +2,8 @@ r"""
 ---
 title: Memory budget of a fine-tune
 summary: Every byte a rank holds and moves for one GPT-NeoX fine-tune, from the
-  memory model, the chunk layout, the activation count and the placement; what
+  memory model, the chunk layout, the activation count and the placement of the
+  states; what
   the memory model page's calculator computes.
 ---
 
@@ -23,13 +24,13 @@ gradient shard is:
 $$M_{\text{peak}} = \max\left(M_{\text{dev}},\;
   M_{\text{dev}} - g\,S_t + G + A + B'\right)$$
 
-with $M_{\text{dev}}$ the model states on the device (16-bit shards, the fp32
-gradient shards $g\,S_t$, the optimizer state not offloaded), $G$ the gathered
-chunks of the widest window (`gathered_peak`), $A$ the activations
+with $M_{\text{dev}}$ the model states on the device (the parameter shards,
+the fp32 gradient shards $g\,S_t$, the optimizer state not on the host), $G$ the
+gathered chunks of the widest window (`gathered_peak`), $A$ the activations
 (`activation_bytes`) and $B'$ the gradient buffers: the largest one
 (`largest_grad_buffer`), or under gradient accumulation all of them
 (`accumulated_grad_buffers`). The gradient shards are made by the reduction,
-while the activations are being freed, so the first term does not count them.
+while the activations are being freed, so the second term leaves them out.
 
 ## Limitations
 
@@ -37,8 +38,9 @@ while the activations are being freed, so the first term does not count them.
   temporaries of the optimizer step, ring traffic.
 * LoRA's activations are not counted (the activation model has no rows for the
   adapters); the peak then leaves them out and says so.
-* The automatic placement of the engine measures its probe step; `fit` here
-  predicts it from the formula instead, and keeps no chunk resident.
+* The automatic {{see: placement}} of the engine measures its probe step;
+  `offload_fraction=None` predicts it from the formula instead, and keeps no
+  chunk resident.
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ __all__ = ["DTYPE_BYTES", "H200_BYTES", "BudgetInputs", "Budget", "budget"]
 # bytes per element of the dtypes the engine takes
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# An H200's memory as `nvidia-smi` and `torch.cuda.get_device_properties` give
-# it: 143,771 MiB (NVIDIA's "141 GB").
+# An H200's memory in MiB, as `nvidia-smi` and `torch.cuda.get_device_properties`
+# give it (NVIDIA's data sheet rounds it to GB).
 H200_BYTES = 143_771 * 2**20
 
 
@@ -84,10 +86,10 @@ class BudgetInputs:
     model: NeoXConfig = field(default_factory=pythia_1_4b)
     """The model's shape (a preset of [the model's config](../neox/config.html))."""
     world_size: int = 8
-    """$N$, the data-parallel ranks."""
+    """$N_d$, the data-parallel ranks."""
     shard_group_size: int | None = None
-    """The ranks one copy of the model states is sharded over ([hybrid
-    sharding](hybrid.html)); `None` is all of them, so $N_d = N$."""
+    """$N_s$, the ranks one copy of the model states is sharded over ([hybrid
+    sharding](hybrid.html)); `None` is all of them."""
     param_dtype: str = "bf16"
     """The chunk dtype: $p$ = 2 for `bf16`, `fp16`, 4 for `fp32`."""
     reduce_dtype: str = "fp32"
@@ -105,16 +107,16 @@ class BudgetInputs:
     checkpointing: bool = False
     """Activation checkpointing (recomputation) of every unit."""
     batch: int = 1
-    """$B$, sequences per micro-batch and rank."""
+    """Sequences per micro-batch and rank."""
     seq: int = 2048
     """$T$, tokens per sequence."""
     micro_batches: int = 1
     """Micro-batches accumulated per step (`no_sync`)."""
     offload_fraction: float | None = 0.0
     """The least fraction of the trainable elements whose optimizer state is on
-    the host (`StaticPlacement`), whole chunks from the output end; `None` fits
-    the device: the fewest chunks, largest first, that bring the peak under
-    `device_bytes` (`auto_placement`)."""
+    the host (the {{see: offload}}, `StaticPlacement`), whole chunks from the
+    output end; `None` fits the device: the fewest chunks, largest first, that
+    bring the peak under `device_bytes` (`auto_placement`)."""
     device_bytes: int = H200_BYTES
     """The device memory the peak must fit in."""
 
@@ -134,7 +136,7 @@ class BudgetInputs:
 
     @property
     def group_size(self) -> int:
-        """$N_d$: the ranks a chunk is sharded over."""
+        """The ranks a chunk is sharded over: $N_s$, else $N_d$."""
         return self.shard_group_size or self.world_size
 
 
@@ -153,9 +155,9 @@ class Budget:
     chunks: int
     padding: int
     params: int
-    """$p \\sum_c S_c$, the 16-bit (or fp32) shards."""
+    r"""$p \sum_c S_c$, the parameter shards."""
     grad_shards: int
-    """$g\\,S_t$, the fp32 gradient shards."""
+    r"""$g\,S_t$, the fp32 gradient shards."""
     optimizer_device: int
     optimizer_host: int
     """Master and moments on the host, with their pinned staging buffer."""
@@ -288,7 +290,34 @@ def budget(inputs: BudgetInputs) -> Budget:
 
 
 def example() -> Budget:
-    """The worked example of the memory model's page: its calculator's default."""
+    r"""
+    ## Worked example
+
+    The calculator's default, computed by `budget(BudgetInputs())` when the site
+    is built: Pythia-1.4B trained whole on $N_d$ =
+    {{py: memory_budget.BudgetInputs().world_size}} ranks, bf16 chunks, an fp32
+    reduction, the searched chunk size ($C$ =
+    {{py: memory_budget.example().chunk_numel}} elements), one sequence of
+    {{py: memory_budget.BudgetInputs().seq}} tokens a micro-batch, no
+    accumulation, nothing on the host. Per rank, in GiB:
+
+    | part | symbol | GiB |
+    | --- | --- | --- |
+    | parameter shards | $p \sum_k S_k$ | {{py: memory_budget.example().params / 2**30 | .3f}} |
+    | gradient shards | $g\,S_t$ | {{py: memory_budget.example().grad_shards / 2**30 | .3f}} |
+    | master and moments | $K S_t$ | {{py: memory_budget.example().optimizer_device / 2**30 | .3f}} |
+    | gathered chunks | $G$ | {{py: memory_budget.example().gathered / 2**30 | .3f}} |
+    | activations | $A$ | {{py: memory_budget.example().activations / 2**30 | .3f}} |
+    | largest gradient buffer | $B$ | {{py: memory_budget.example().grad_buffer / 2**30 | .3f}} |
+    | peak | $M_{\text{peak}}$ | {{py: memory_budget.example().peak / 2**30 | .3f}} |
+
+    The peak is the second term, $M_{\text{dev}} - g\,S_t + G + A + B$: the
+    activations of a whole sequence outweigh the gradient shards. A step moves
+    {{py: memory_budget.example().all_gather / 2**30 | .2f}} GiB of all-gathers
+    and {{py: memory_budget.example().reduce_scatter / 2**30 | .2f}} GiB of
+    reduce-scatters (full sizes), and each rank sends
+    {{py: memory_budget.example().wire_inside / 2**30 | .2f}} GiB of them.
+    """
     return budget(BudgetInputs())
 
 

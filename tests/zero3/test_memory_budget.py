@@ -95,3 +95,28 @@ def test_one_rank_accumulates_through_its_buffer():
         # fp32 sums of the same two terms, in either order: a few ulps apart
         torch.testing.assert_close(a, b, rtol=4 * torch.finfo(torch.float32).eps,
                                    atol=4 * torch.finfo(torch.float32).eps)
+
+
+def test_the_worked_example_peaks_at_the_start_of_backward():
+    """The notes' worked example: its peak is the backward term, which leaves
+    the gradient shards out and the activations in."""
+    example = budget(BudgetInputs())
+    backward = (example.device_states - example.grad_shards + example.gathered
+                + example.activations + example.grad_buffer)
+    assert example.peak == backward > example.device_states
+
+
+def test_fitting_the_device_offloads_the_fewest_chunks():
+    """`offload_fraction=None` offloads until the peak fits, and no more; a device
+    too small for everything offloaded says it does not fit."""
+    job = BudgetInputs(model=neox_model.pythia_1b(), world_size=1, batch=2,
+                       chunk_numel=2**22, offload_fraction=None,
+                       device_bytes=12 * 2**30)
+    fitted = budget(job)
+    assert fitted.fits and 0 < fitted.offloaded_fraction < 1
+    assert fitted.host_down == 4 * fitted.optimizer_host // 16
+    assert not budget(BudgetInputs(**{**job.__dict__, "device_bytes": 2**30})).fits
+    with pytest.raises(ValueError, match="shard_group_size 3 does not divide"):
+        budget(BudgetInputs(world_size=8, shard_group_size=3))
+    with pytest.raises(ValueError, match="param_dtype must be one of"):
+        BudgetInputs(param_dtype="int8")
