@@ -139,8 +139,8 @@ def _math(tex: str, page: str) -> str:
 
 def _number(name: str, label: str, value, *, minimum: int = 0, hint: str = "") -> str:
     shown = "" if value is None else html.escape(str(value))
-    return (f'<label><span>{label}</span> <input type="number" name="{name}" min="{minimum}" '
-            f'step="any" value="{shown}" inputmode="numeric" disabled'
+    return (f'<label><span>{label}</span> <input type="number" name="{name}" '
+            f'min="{minimum}" step="any" value="{shown}" inputmode="numeric" disabled'
             f'{f" placeholder={chr(34)}{hint}{chr(34)}" if hint else ""}></label>')
 
 
@@ -148,7 +148,8 @@ def _select(name: str, label: str, options, value) -> str:
     items = "".join(
         f'<option value="{html.escape(v)}"{" selected" if v == value else ""}>'
         f"{html.escape(text)}</option>" for v, text in options)
-    return f'<label><span>{label}</span> <select name="{name}" disabled>{items}</select></label>'
+    return (f'<label><span>{label}</span> <select name="{name}" disabled>{items}'
+            "</select></label>")
 
 
 def _gib(value) -> str:
@@ -172,13 +173,15 @@ def render(page: str) -> str:
     fieldsets = [
         ("Model", _select("preset", "preset", presets + [("custom", "custom")],
                           data["default_preset"])
-         + _number("n_layers", f"layers {_math('L', page)}", model["n_layers"], minimum=1)
+         + _number("n_layers", f"layers {_math('L', page)}", model["n_layers"],
+                   minimum=1)
          + _number("d_model", "width", model["d_model"], minimum=1)
-         + _number("n_heads", f"heads {_math('n_h', page)}", model["n_heads"], minimum=1)
+         + _number("n_heads", f"heads {_math('n_h', page)}", model["n_heads"],
+                   minimum=1)
          + _number("n_vocab", f"vocabulary {_math('V', page)}", model["n_vocab"],
                    minimum=1)),
-        ("Ranks", _number("world_size", f"GPUs {_math('N_d', page)}", example["world_size"],
-                          minimum=1)
+        ("Ranks", _number("world_size", f"GPUs {_math('N_d', page)}",
+                          example["world_size"], minimum=1)
          + _number("shard_group_size", f"shard group {_math('N_s', page)}",
                    example["shard_group_size"], minimum=1, hint="all")),
         ("Precision", _select("param_dtype", f"parameters {_math('p', page)}", dtypes,
@@ -186,7 +189,8 @@ def render(page: str) -> str:
          + _select("reduce_dtype", f"reduction {_math('g_r', page)}", dtypes,
                    example["reduce_dtype"])),
         ("What trains", _select("finetune", "fine-tuner",
-                                [(f, f) for f in data["finetuners"]], example["finetune"])
+                                [(f, f) for f in data["finetuners"]],
+                                example["finetune"])
          + f'<span class="calc-lora">'
          + _number("lora_rank", f"rank {_math('r', page)}", example["lora_rank"],
                    minimum=1)
@@ -202,7 +206,11 @@ def render(page: str) -> str:
                    minimum=1)
          + '<label class="calc-check"><input type="checkbox" name="checkpointing" '
          + f'{"checked " if example["checkpointing"] else ""}disabled> '
-         + "activation checkpointing</label>"),
+         + "activation checkpointing</label>"
+         + '<label class="calc-check"><input type="checkbox" '
+         + 'name="update_during_backward" '
+         + f'{"checked " if example["update_during_backward"] else ""}disabled> '
+         + "update during backward</label>"),
         ("Offload", '<label class="calc-check"><input type="radio" name="offload" '
          'value="fraction" checked disabled> a fraction</label>'
          + _number("offload_fraction", f"offloaded {_math('x', page)}",

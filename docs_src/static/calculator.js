@@ -396,8 +396,10 @@
     const activations = inputs.finetune === "lora" ? null : activationBytes(inputs, data);
     const grads = data.grad_bytes * trainable;
     const withoutOptimizer = p * all + grads;
-    const other = Math.max(withoutOptimizer, withoutOptimizer - grads + gathered
-                           + (activations || 0) + Math.max(gradBuffer, accumulation));
+    const backward = withoutOptimizer - grads + gathered + (activations || 0)
+      + Math.max(gradBuffer, accumulation);
+    const other = inputs.update_during_backward ? backward
+      : Math.max(withoutOptimizer, backward);
     const trainablePositions = [];
     shards.forEach((s, i) => { if (s.trainable) trainablePositions.push(i); });
     let onHost;

@@ -10,7 +10,7 @@
   const FIELDS = ["preset", "n_layers", "d_model", "n_heads", "n_vocab", "world_size",
                   "shard_group_size", "param_dtype", "reduce_dtype", "finetune", "lora_rank",
                   "lora_targets", "chunk_numel", "prefetch_depth", "checkpointing", "batch",
-                  "seq", "micro_batches", "offload", "offload_fraction", "device_gib"];
+                  "seq", "micro_batches", "update_during_backward", "offload", "offload_fraction", "device_gib"];
 
   function control(form, name) { return form.elements.namedItem(name); }
   function readForm(form, data) {
@@ -28,6 +28,7 @@
       finetune: value("finetune"), lora_rank: integer("lora_rank"), lora_targets: targets,
       chunk_numel: integer("chunk_numel", null), prefetch_depth: integer("prefetch_depth"),
       checkpointing: control(form, "checkpointing").checked, batch: integer("batch"),
+      update_during_backward: control(form, "update_during_backward").checked,
       seq: integer("seq"), micro_batches: integer("micro_batches"),
       offload_fraction: fit ? null : Number(value("offload_fraction")),
       device_bytes: Math.round(Number(value("device_gib")) * GIB),
@@ -41,7 +42,7 @@
           .map(box => box.value).join(","));
       } else if (name === "offload") {
         params.set(name, form.querySelector('input[name="offload"]:checked').value);
-      } else if (name === "checkpointing") {
+      } else if (name === "checkpointing" || name === "update_during_backward") {
         params.set(name, control(form, name).checked ? "1" : "0");
       } else params.set(name, control(form, name).value.trim());
     }
@@ -60,7 +61,9 @@
       } else if (name === "offload") {
         form.querySelectorAll('input[name="offload"]')
           .forEach(radio => { radio.checked = radio.value === text; });
-      } else if (name === "checkpointing") control(form, name).checked = text === "1";
+      } else if (name === "checkpointing" || name === "update_during_backward") {
+        control(form, name).checked = text === "1";
+      }
       else control(form, name).value = text;
     }
     return true;
@@ -104,10 +107,10 @@
     }
     drawChart(root.querySelector(".calc-chart"), result, inputs);
   }
-  function peakParts(r) {
+  function peakParts(r, inputs) {
     const buffers = Math.max(r.grad_buffer, r.accumulation);
     const backward = r.params + r.optimizer_device + r.gathered + (r.activations || 0) + buffers;
-    if (backward >= r.params + r.grad_shards + r.optimizer_device) {
+    if (inputs.update_during_backward || backward >= r.params + r.grad_shards + r.optimizer_device) {
       return [["params", r.params], ["optimizer_device", r.optimizer_device],
               ["gathered", r.gathered], ["activations", r.activations || 0],
               [r.accumulation > r.grad_buffer ? "accumulation" : "grad_buffer", buffers]];
@@ -116,7 +119,7 @@
             ["optimizer_device", r.optimizer_device]];
   }
   function drawChart(box, r, inputs) {
-    const parts = peakParts(r), scale = Math.max(r.peak, inputs.device_bytes);
+    const parts = peakParts(r, inputs), scale = Math.max(r.peak, inputs.device_bytes);
     const svg = box.querySelector("svg"), legend = box.querySelector("ol");
     const ns = "http://www.w3.org/2000/svg";
     svg.replaceChildren(); legend.replaceChildren();

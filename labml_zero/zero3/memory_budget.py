@@ -24,6 +24,9 @@ gradient shard is:
 $$M_{\text{peak}} = \max\left(M_{\text{dev}},\;
   M_{\text{dev}} - g\,S_t + G + A + B'\right)$$
 
+(the first term drops out when each shard is updated during the backward pass,
+`update_during_backward`)
+
 with $M_{\text{dev}}$ the model states on the device (the parameter shards,
 the fp32 gradient shards $g\,S_t$, the optimizer state not on the host), $G$ the
 gathered chunks of the widest window (`gathered_peak`), $A$ the activations
@@ -112,6 +115,11 @@ class BudgetInputs:
     """$T$, tokens per sequence."""
     micro_batches: int = 1
     """Micro-batches accumulated per step (`no_sync`)."""
+    update_during_backward: bool = False
+    """`AdamFP16(update_during_backward=True, free_grads=True)`, as the benchmark
+    runs (no clipping, no loss scale): each shard is updated as soon as it is
+    reduced and its gradient freed, so the gradient shards are never all alive
+    and the optimizer step is no peak of its own."""
     offload_fraction: float | None = 0.0
     """The least fraction of the trainable elements whose optimizer state is on
     the host (the {{see: offload}}, `StaticPlacement`), whole chunks from the
@@ -244,8 +252,10 @@ def budget(inputs: BudgetInputs) -> Budget:
     nothing = resident_bytes(StaticPlacement().place(shards), shards, param_bytes=p)
     grads = GRAD_BYTES * trainable
     without_optimizer = nothing.device - k_device * trainable
-    other = max(without_optimizer, without_optimizer - grads + gathered
-                + (activations or 0) + max(buffer, accumulation))
+    backward = (without_optimizer - grads + gathered + (activations or 0)
+                + max(buffer, accumulation))
+    other = backward if inputs.update_during_backward else max(without_optimizer,
+                                                                backward)
     if inputs.offload_fraction is None and other <= inputs.device_bytes:
         placement = auto_placement(shards, device_capacity=inputs.device_bytes,
                                    measured_peak_other=other,
@@ -303,13 +313,20 @@ def example() -> Budget:
 
     | part | symbol | GiB |
     | --- | --- | --- |
-    | parameter shards | $p \sum_k S_k$ | {{py: memory_budget.example().params / 2**30 | .3f}} |
-    | gradient shards | $g\,S_t$ | {{py: memory_budget.example().grad_shards / 2**30 | .3f}} |
-    | master and moments | $K S_t$ | {{py: memory_budget.example().optimizer_device / 2**30 | .3f}} |
-    | gathered chunks | $G$ | {{py: memory_budget.example().gathered / 2**30 | .3f}} |
-    | activations | $A$ | {{py: memory_budget.example().activations / 2**30 | .3f}} |
-    | largest gradient buffer | $B$ | {{py: memory_budget.example().grad_buffer / 2**30 | .3f}} |
-    | peak | $M_{\text{peak}}$ | {{py: memory_budget.example().peak / 2**30 | .3f}} |
+    | parameter shards | $p \sum_k S_k$ | {{py:
+    memory_budget.example().params / 2**30 | .3f}} |
+    | gradient shards | $g\,S_t$ | {{py:
+    memory_budget.example().grad_shards / 2**30 | .3f}} |
+    | master and moments | $K S_t$ | {{py:
+    memory_budget.example().optimizer_device / 2**30 | .3f}} |
+    | gathered chunks | $G$ | {{py:
+    memory_budget.example().gathered / 2**30 | .3f}} |
+    | activations | $A$ | {{py:
+    memory_budget.example().activations / 2**30 | .3f}} |
+    | largest gradient buffer | $B$ | {{py:
+    memory_budget.example().grad_buffer / 2**30 | .3f}} |
+    | peak | $M_{\text{peak}}$ | {{py:
+    memory_budget.example().peak / 2**30 | .3f}} |
 
     The peak is the second term, $M_{\text{dev}} - g\,S_t + G + A + B$: the
     activations of a whole sequence outweigh the gradient shards. A step moves

@@ -51,6 +51,7 @@ def grid_inputs(count: int = 224) -> list[BudgetInputs]:
             chunk_numel=CHUNKS[i % len(CHUNKS)], prefetch_depth=(0, 1, 2)[i % 3],
             checkpointing=i % 2 == 1, batch=(1, 2, 4, 8)[(i // 5) % 4],
             seq=(128, 512, 2048)[(i // 4) % 3], micro_batches=(1, 1, 4)[i % 3],
+            update_during_backward=i % 4 == 3,
             offload_fraction=OFFLOADS[(i // 6) % 4],
             device_bytes=(80 * GIB, 143_771 * 2**20)[i % 2]))
     return cases + list(ENGINE_CASES)
@@ -65,8 +66,8 @@ def searched_inputs() -> list[BudgetInputs]:
             model=getattr(neox_config, name)(), world_size=(1, 2, 8, 3, 64)[i % 5],
             finetune=FINETUNES[i % 4], checkpointing=i % 2 == 0, batch=2,
             prefetch_depth=(1, 2)[i % 2], chunk_numel=None))
-    w6 = BudgetInputs(model=neox_config.pythia_12b(), world_size=1, batch=2,
-                      checkpointing=True)
+    w6 = BudgetInputs(model=neox_config.pythia_12b(), world_size=1, batch=4,
+                      checkpointing=True, update_during_backward=True)
     cases += [w6, replace(w6, offload_fraction=None),
               BudgetInputs(model=neox_config.gpt_neox_20b(), world_size=8, batch=4,
                            checkpointing=True)]

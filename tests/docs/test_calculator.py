@@ -61,6 +61,7 @@ def test_the_script_computes_the_python_budget_on_the_grid(built_site, tmp_path)
     assert {c.offload_fraction for c in cases} >= {0.0, 1.0, None}
     assert {c.checkpointing for c in cases} == {True, False}
     assert {c.micro_batches > 1 for c in cases} == {True, False}
+    assert {c.update_during_backward for c in cases} == {True, False}
     expected = [budget_json(budget(c)) for c in cases]
     static = (built_site / "static" / "calculator.js").resolve().as_uri()
     body = (f'<script type="application/json" id="calc-data">{page_data(built_site)}'
@@ -69,7 +70,8 @@ def test_the_script_computes_the_python_budget_on_the_grid(built_site, tmp_path)
     const data = JSON.parse(document.getElementById("calc-data").textContent);
     const cases = {json.dumps([inputs_json(c) for c in cases])};
     const out = cases.map(c => {{
-      try {{ return computeBudget(c, data); }} catch (e) {{ return {{error: e.message}}; }}
+      try {{ return computeBudget(c, data); }}
+      catch (e) {{ return {{error: e.message}}; }}
     }});
     document.getElementById("out").textContent = JSON.stringify(out);
     """
@@ -109,7 +111,8 @@ function read(frame) {
     const cells = row.querySelectorAll("td");
     table[row.dataset.key] = [cells[1].textContent, cells[2].textContent];
   }
-  const controls = [...doc.querySelectorAll("#calculator form input, #calculator form select")];
+  const controls = [...doc.querySelectorAll(
+    "#calculator form input, #calculator form select")];
   return {table, hash: frame.contentWindow.location.hash,
           status: doc.querySelector(".calc-status").textContent,
           unlabelled: controls.filter(c => !c.labels.length).map(c => c.name),
@@ -123,21 +126,23 @@ def test_the_page_through_its_fragment_and_its_form(built_site, tmp_path):
     page = (built_site / PAGE).resolve().as_uri()
     linked = BudgetInputs(model=neox_config.pythia_410m(), world_size=16,
                           shard_group_size=8, finetune="lora", lora_rank=16,
-                          lora_targets=("dense", "dense_h_to_4h"), chunk_numel=3_000_000,
+                          lora_targets=("dense", "dense_h_to_4h"),
+                          chunk_numel=3_000_000,
                           micro_batches=4, offload_fraction=0.5, seq=1024,
                           device_bytes=round(140.4 * 2**30))
     fragment = ("#preset=pythia_410m&n_layers=24&d_model=1024&n_heads=16&n_vocab=50304"
                 "&world_size=16&shard_group_size=8&param_dtype=bf16&reduce_dtype=fp32"
                 "&finetune=lora&lora_rank=16&lora_targets=dense,dense_h_to_4h"
                 "&chunk_numel=3000000&prefetch_depth=1&checkpointing=0&batch=1"
-                "&seq=1024&micro_batches=4&offload=fraction&offload_fraction=0.5"
-                "&device_gib=140.4")
+                "&seq=1024&micro_batches=4&update_during_backward=0"
+                "&offload=fraction&offload_fraction=0.5&device_gib=140.4")
     # the form: GPT-NeoX-20B on 8 GPUs, biases only, checkpointed, fit an 80 GiB one
     driven = BudgetInputs(model=neox_config.gpt_neox_20b(), world_size=8,
                           finetune="biases", checkpointing=True, batch=4,
                           chunk_numel=None, offload_fraction=None,
                           device_bytes=round(80.0 * 2**30))
-    body = (f'<iframe id="linked" width="1400" height="900" src="{html.escape(page + fragment)}">'
+    linked_src = html.escape(page + fragment)
+    body = (f'<iframe id="linked" width="1400" height="900" src="{linked_src}">'
             f'</iframe><iframe id="driven" width="420" height="900" src="{page}">'
             "</iframe>")
     script = READ + r"""
