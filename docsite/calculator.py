@@ -233,7 +233,7 @@ def render(page: str) -> str:
         elif unit == "yes/no":
             cells = f'<td class="num">{"yes" if value else "no"}</td><td></td>'
         else:
-            cells = f'<td class="num">{value:,}</td><td></td>'
+            cells = f'<td class="num"></td><td class="num">{value:,}</td>'
         rows.append(f'<tr data-key="{key}" data-unit="{unit}"><th scope="row">'
                     f"{_math(tex, page)}</th><td>{html.escape(name)}</td>{cells}</tr>")
     labels = "".join(f' data-label_{key}="{html.escape(name)}"'
@@ -252,7 +252,7 @@ def render(page: str) -> str:
         '<div class="calc-out"><div class="calc-table-box">'
         '<table class="calc-table"><thead><tr>'
         '<th scope="col">symbol</th><th scope="col">per rank</th>'
-        '<th scope="col">GiB</th><th scope="col">bytes</th></tr></thead><tbody>'
+        '<th scope="col">GiB</th><th scope="col">exact</th></tr></thead><tbody>'
         + "".join(rows) +
         f'</tbody></table></div><figure class="calc-chart"{labels}>'
         '<svg viewBox="0 0 1000 40" preserveAspectRatio="none" role="img" '

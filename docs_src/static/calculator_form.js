@@ -102,7 +102,8 @@
       } else if (row.dataset.unit === "fraction") {
         cells[1].textContent = (100 * value).toFixed(1) + "%";
       } else {
-        cells[1].textContent = value.toLocaleString("en-US");
+        cells[1].textContent = "";
+        cells[2].textContent = value.toLocaleString("en-US");
       }
     }
     drawChart(root.querySelector(".calc-chart"), result, inputs);
