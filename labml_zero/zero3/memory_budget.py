@@ -73,9 +73,11 @@ __all__ = ["DTYPE_BYTES", "H200_BYTES", "BudgetInputs", "Budget", "budget"]
 # bytes per element of the dtypes the engine takes
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# An H200's memory in MiB, as `nvidia-smi` and `torch.cuda.get_device_properties`
-# give it (NVIDIA's data sheet rounds it to GB).
-H200_BYTES = 143_771 * 2**20
+# An H200's memory as PyTorch sees it, `torch.cuda.get_device_properties(0)
+# .total_memory`: the memory `nvidia-smi` lists less what the driver keeps. The
+# engine's own capacity (`placement.cuda_capacity`) is this less the CUDA
+# context, and its automatic {{see: offload}} keeps a margin besides.
+H200_BYTES = 150_109_880_320
 
 
 @dataclass(frozen=True)

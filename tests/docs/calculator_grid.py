@@ -53,7 +53,7 @@ def grid_inputs(count: int = 224) -> list[BudgetInputs]:
             seq=(128, 512, 2048)[(i // 4) % 3], micro_batches=(1, 1, 4)[i % 3],
             update_during_backward=i % 4 == 3,
             offload_fraction=OFFLOADS[(i // 6) % 4],
-            device_bytes=(80 * GIB, 143_771 * 2**20)[i % 2]))
+            device_bytes=(80 * GIB, 150_109_880_320)[i % 2]))
     return cases + list(ENGINE_CASES)
 
 

@@ -132,13 +132,13 @@ def test_the_page_through_its_fragment_and_its_form(built_site, tmp_path):
                           lora_targets=("dense", "dense_h_to_4h"),
                           chunk_numel=3_000_000,
                           micro_batches=4, offload_fraction=0.5, seq=1024,
-                          device_bytes=round(140.4 * 2**30))
+                          device_bytes=round(139.8 * 2**30))
     fragment = ("#preset=pythia_410m&n_layers=24&d_model=1024&n_heads=16&n_vocab=50304"
                 "&world_size=16&shard_group_size=8&param_dtype=bf16&reduce_dtype=fp32"
                 "&finetune=lora&lora_rank=16&lora_targets=dense,dense_h_to_4h"
                 "&chunk_numel=3000000&prefetch_depth=1&checkpointing=0&batch=1"
                 "&seq=1024&micro_batches=4&update_during_backward=0"
-                "&offload=fraction&offload_fraction=0.5&device_gib=140.4")
+                "&offload=fraction&offload_fraction=0.5&device_gib=139.8")
     # the form: GPT-NeoX-20B on 8 GPUs, biases only, checkpointed, fit an 80 GiB one
     driven = BudgetInputs(model=neox_config.gpt_neox_20b(), world_size=8,
                           finetune="biases", checkpointing=True, batch=4,
