@@ -39,6 +39,9 @@ while the activations are being freed, so the second term leaves them out.
 
 * The same as its parts': eager activations, no allocator fragmentation, no
   temporaries of the optimizer step, ring traffic.
+* No root unit: the fine-tune's `Zero3Sequential` puts every parameter in a
+  unit. A model wrapped by `shard_model` keeps the rest of its parameters
+  gathered for the whole step, $p$ times their elements beside every window.
 * LoRA's activations are not counted (the activation model has no rows for the
   adapters); the peak then leaves them out and says so.
 * The automatic {{see: placement}} of the engine measures its probe step;
