@@ -50,11 +50,13 @@ from pathlib import Path
 from .citations import TESTED, TestIndex, place_citations
 from .code_index import CodeIndex
 from .code_refs import CONST, expand_constants
+from . import calculator
 from .paths import BuildError, rel_href, slugify
 from .results import lookup
 
 PY_NAMESPACE = {
     "memory_model": "labml_zero.zero3.memory_model",
+    "memory_budget": "labml_zero.zero3.memory_budget",
     "chunk_layout": "labml_zero.zero3.chunk_layout",
     "chunk_search": "labml_zero.zero3.chunk_search",
     "zero_config": "labml_zero.zero3.config",
@@ -177,6 +179,7 @@ class Directives:
             if self.code is None:
                 self.code = CodeIndex(self.root)
             text = expand_constants(text, page, self.code)
+        text = calculator.expand(text, page)
         text = PY.sub(py, text)
         text = BENCH.sub(bench, text)
         text = TERM.sub(term, text)

@@ -69,6 +69,8 @@ sharding (`hybrid_model_states`, `hybrid_step_comm`, `hybrid_wire_bytes`,
 `hybrid_step_seconds`; hybrid sharding is explained in
 [its page](hybrid.html)).
 
+{{calculator}}
+
 ## Limitations
 
 * Model states, gathered parameters and gradient buffers only: activations,
@@ -110,6 +112,7 @@ __all__ = [
     "ROOT_GROUP",
     "root_unit_bytes",
     "largest_grad_buffer",
+    "accumulated_grad_buffers",
     "Traffic",
     "StepComm",
     "zero3_step_comm",
@@ -372,6 +375,19 @@ def largest_grad_buffer(layout: ChunkLayout, grad_bytes: int) -> int:
     _check_at_least("grad_bytes", grad_bytes, 1)
     sizes = [chunk.chunk_numel for chunk in layout.chunks if chunk.trainable]
     return max(sizes, default=0) * grad_bytes
+
+
+def accumulated_grad_buffers(layout: ChunkLayout, grad_bytes: int) -> int:
+    r"""
+    ## Gradient buffers held under accumulation
+
+    Inside `no_sync` no chunk reduces: each trainable chunk keeps its full-size
+    buffer from one micro-batch to the next, all at once,
+    $g_r \sum_{k 	ext{ trainable}} C_k$ bytes per rank, about $g_r \Psi_t$: not
+    divided by $N_d$.
+    """
+    _check_at_least("grad_bytes", grad_bytes, 1)
+    return layout.total_numel(trainable=True) * grad_bytes
 
 
 class Traffic(NamedTuple):

@@ -1,0 +1,273 @@
+"""
+---
+title: The memory calculator's page block
+summary: The form, the table and the chart of the memory model's calculator,
+  with the Python model's constants and worked example written into the page.
+---
+
+# The memory calculator's page block
+
+`{{calculator}}` in a note becomes the calculator: a form whose controls are
+the fields of `memory_budget.BudgetInputs`, a table of every part of the
+`Budget` and a bar chart of the peak. The arithmetic is
+`docs_src/static/calculator.js`, a line-by-line port of the Python functions;
+this module writes into the page, as JSON, everything that port must not
+restate: the presets of `neox/config.py`, the bytes per element of the memory
+model, the search's knobs, the fine-tuners' choices, and the worked example's
+inputs with the bytes `memory_budget.budget` computes for them. The script
+recomputes that example when the page loads and says whether it agrees.
+
+With scripting off the block is still a page: the form shows the example's
+inputs, and the table its outputs, computed when the site was built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import html
+import json
+import re
+
+from .mathml import to_mathml
+from .paths import rel_href
+
+CALCULATOR = re.compile(r"\{\{calculator\}\}")
+
+# sharded_model.choose_chunk_numel caps the search at this many steps of the
+# hidden size (before stretching it to the largest layer)
+RANGE_STEPS = 4096
+
+PRESETS = ("tiny", "pythia_70m", "pythia_160m", "pythia_410m", "pythia_1b",
+           "pythia_1_4b", "pythia_2_8b", "pythia_6_9b", "pythia_12b", "gpt_neox_20b")
+
+# (key, unit, symbol in TeX, name): the table's rows, in the page's notation
+ROWS = (
+    ("psi_trainable", "count", r"\Psi_t", "trainable parameters"),
+    ("psi_frozen", "count", r"\Psi_f", "frozen parameters"),
+    ("chunk_numel", "count", r"C", "chunk size (elements)"),
+    ("chunks", "count", r"n_c", "chunks"),
+    ("padding", "count", r"\sum_k (C_k - u_k)", "padding (elements)"),
+    ("params", "bytes", r"p \sum_k S_k", "parameter shards"),
+    ("grad_shards", "bytes", r"g\,S_t", "fp32 gradient shards"),
+    ("optimizer_device", "bytes", r"K_d\,(1 - x)\,S_t",
+     "master and moments on the device"),
+    ("optimizer_host", "bytes", r"(K + 4)\,x\,S_t",
+     "master, moments and staging on the host"),
+    ("offloaded_fraction", "fraction", r"x", "optimizer state offloaded"),
+    ("gathered", "bytes", r"G", "gathered chunks at the peak"),
+    ("activations", "bytes", r"A", "activations"),
+    ("grad_buffer", "bytes", r"B", "largest full-size gradient buffer"),
+    ("accumulation", "bytes", r"g_r \sum_{k\,\text{trainable}} C_k",
+     "gradient buffers held under accumulation"),
+    ("peak", "bytes", r"M_{\text{peak}}", "predicted peak"),
+    ("fits", "yes/no", r"M_{\text{peak}} \le M_{\text{device}}", "fits the device"),
+    ("all_gather", "bytes", r"p \sum_k C_k + p \sum_{k\,\text{backward}} C_k",
+     "all-gathers per step (full size)"),
+    ("reduce_scatter", "bytes", r"g_r \sum_{k\,\text{trainable}} C_k",
+     "reduce-scatters per step (full size)"),
+    ("all_reduce", "bytes", r"g_r\,S_t", "all-reduce across shard groups per step"),
+    ("wire_inside", "bytes", r"\frac{N_s - 1}{N_s}(\ldots)",
+     "sent per rank and step inside the shard group"),
+    ("wire_across", "bytes", r"2\frac{R - 1}{R} g_r S_t",
+     "sent per rank and step across groups"),
+    ("host_down", "bytes", r"4\,x\,S_t", "over the host link per step, down"),
+    ("host_up", "bytes", r"p\,x\,S_t", "over the host link per step, up"),
+)
+"""What each row shows; the chart's parts reuse the names."""
+
+
+def inputs_json(inputs) -> dict:
+    """A `BudgetInputs` as the object `computeBudget` takes."""
+    fields = dataclasses.asdict(inputs)
+    model = inputs.model
+    fields["model"] = {"n_vocab": model.n_vocab, "d_model": model.d_model,
+                       "n_heads": model.n_heads, "n_layers": model.n_layers,
+                       "d_ff": model.d_ff, "rotary_pct": model.rotary_pct,
+                       "max_position": model.max_position}
+    fields["lora_targets"] = list(inputs.lora_targets)
+    return fields
+
+
+def budget_json(budget) -> dict:
+    return dataclasses.asdict(budget)
+
+
+@functools.cache
+def calculator_data() -> dict:
+    """Everything the script takes from the Python model, as JSON."""
+    from labml_zero.neox import config as neox_config
+    from labml_zero.neox.finetuners import FINETUNERS, FineTuneBiases
+    from labml_zero.neox.lora import TARGETS
+    from labml_zero.zero3 import memory_budget, memory_model
+    from labml_zero.zero3.chunk_search import MEBI, ChunkSearchConfig
+    from labml_zero.zero3.config import ZeroConfig
+
+    search = ChunkSearchConfig()
+    example = memory_budget.BudgetInputs()
+    presets = {}
+    for name in PRESETS:
+        presets[name] = inputs_json(dataclasses.replace(
+            example, model=getattr(neox_config, name)()))["model"]
+    return {
+        "presets": presets,
+        "default_preset": "pythia_1_4b",
+        "dtype_bytes": memory_budget.DTYPE_BYTES,
+        "grad_bytes": memory_model.GRAD_BYTES,
+        "optimizer_bytes": memory_model.OPTIMIZER_BYTES,
+        "staging_bytes": memory_model.STAGING_BYTES,
+        "backward_extra_units": memory_model.BACKWARD_EXTRA_UNITS,
+        "align": ZeroConfig().align,
+        "finetuners": list(FINETUNERS),
+        "biases": list(FineTuneBiases.BIASES),
+        "lora_targets": dict(TARGETS),
+        "device_bytes": memory_budget.H200_BYTES,
+        "search": {"search_range_m": search.search_range_m, "range_steps": RANGE_STEPS,
+                   "mebi": MEBI, "memory_weight": search.memory_weight,
+                   "collective_bytes": search.collective_bytes,
+                   "min_chunk_size": search.min_chunk_size,
+                   "filter_exlarge_params": search.filter_exlarge_params,
+                   "max_candidates": search.max_candidates},
+        "reference": {"inputs": inputs_json(example),
+                      "budget": budget_json(memory_budget.example())},
+    }
+
+
+def _math(tex: str, page: str) -> str:
+    return to_mathml(tex, display=False, where=page)
+
+
+def _number(name: str, label: str, value, *, minimum: int = 0, hint: str = "") -> str:
+    shown = "" if value is None else html.escape(str(value))
+    return (f'<label><span>{label}</span> <input type="number" name="{name}" '
+            f'min="{minimum}" step="any" value="{shown}" inputmode="numeric" disabled'
+            f'{f" placeholder={chr(34)}{hint}{chr(34)}" if hint else ""}></label>')
+
+
+def _select(name: str, label: str, options, value) -> str:
+    items = "".join(
+        f'<option value="{html.escape(v)}"{" selected" if v == value else ""}>'
+        f"{html.escape(text)}</option>" for v, text in options)
+    return (f'<label><span>{label}</span> <select name="{name}" disabled>{items}'
+            "</select></label>")
+
+
+def _gib(value) -> str:
+    if value is None:
+        return "not modelled"
+    return "0" if value == 0 else f"{value / 2**30:.4g}"
+
+
+def render(page: str) -> str:
+    """The block, for the page at `page` (site-relative): one HTML block, no blank
+    line, so that Markdown passes it through whole."""
+    data = calculator_data()
+    example, result = data["reference"]["inputs"], data["reference"]["budget"]
+    model = example["model"]
+    static = rel_href("static/calculator.js", page).rsplit("calculator.js", 1)[0]
+    presets = [(name, name.replace("_", "-")) for name in PRESETS]
+    dtypes = [(name, name) for name in data["dtype_bytes"]]
+    targets = "".join(
+        f'<label class="calc-check"><input type="checkbox" name="lora_targets" '
+        f'value="{t}" checked disabled> {t}</label>' for t in data["lora_targets"])
+    fieldsets = [
+        ("Model", _select("preset", "preset", presets + [("custom", "custom")],
+                          data["default_preset"])
+         + _number("n_layers", f"layers {_math('L', page)}", model["n_layers"],
+                   minimum=1)
+         + _number("d_model", "width", model["d_model"], minimum=1)
+         + _number("n_heads", f"heads {_math('n_h', page)}", model["n_heads"],
+                   minimum=1)
+         + _number("n_vocab", f"vocabulary {_math('V', page)}", model["n_vocab"],
+                   minimum=1)),
+        ("Ranks", _number("world_size", f"GPUs {_math('N_d', page)}",
+                          example["world_size"], minimum=1)
+         + _number("shard_group_size", f"shard group {_math('N_s', page)}",
+                   example["shard_group_size"], minimum=1, hint="all")),
+        ("Precision", _select("param_dtype", f"parameters {_math('p', page)}", dtypes,
+                              example["param_dtype"])
+         + _select("reduce_dtype", f"reduction {_math('g_r', page)}", dtypes,
+                   example["reduce_dtype"])),
+        ("What trains", _select("finetune", "fine-tuner",
+                                [(f, f) for f in data["finetuners"]],
+                                example["finetune"])
+         + f'<span class="calc-lora">'
+         + _number("lora_rank", f"rank {_math('r', page)}", example["lora_rank"],
+                   minimum=1)
+         + f'<span class="calc-targets">{targets}</span></span>'),
+        ("Chunks", _number("chunk_numel", f"chunk size {_math('C', page)}",
+                           example["chunk_numel"], minimum=1, hint="searched")
+         + _number("prefetch_depth", f"prefetch depth {_math('d', page)}",
+                   example["prefetch_depth"])),
+        ("Activations", _number("batch", "sequences a micro-batch",
+                                example["batch"], minimum=1)
+         + _number("seq", f"sequence {_math('T', page)}", example["seq"], minimum=1)
+         + _number("micro_batches", "micro-batches a step", example["micro_batches"],
+                   minimum=1)
+         + '<label class="calc-check"><input type="checkbox" name="checkpointing" '
+         + f'{"checked " if example["checkpointing"] else ""}disabled> '
+         + "activation checkpointing</label>"
+         + '<label class="calc-check"><input type="checkbox" '
+         + 'name="update_during_backward" '
+         + f'{"checked " if example["update_during_backward"] else ""}disabled> '
+         + "update during backward</label>"),
+        ("Offload", '<label class="calc-check"><input type="radio" name="offload" '
+         'value="fraction" checked disabled> a fraction</label>'
+         + _number("offload_fraction", f"offloaded {_math('x', page)}",
+                   example["offload_fraction"])
+         + '<label class="calc-check"><input type="radio" name="offload" value="fit" '
+         'disabled> fit this device</label>'
+         + _number("device_gib", "device memory, GiB",
+                   round(example["device_bytes"] / 2**30, 2), minimum=1)),
+    ]
+    form = "".join(f"<fieldset><legend>{legend}</legend>{body}</fieldset>"
+                   for legend, body in fieldsets)
+    rows = []
+    for key, unit, tex, name in ROWS:
+        value = result[key]
+        if unit == "bytes":
+            cells = (f'<td class="num">{_gib(value)}</td><td class="num">'
+                     f'{"" if value is None else f"{value:,}"}</td>')
+        elif unit == "fraction":
+            cells = f'<td class="num">{100 * value:.1f}%</td><td></td>'
+        elif unit == "yes/no":
+            cells = f'<td class="num">{"yes" if value else "no"}</td><td></td>'
+        else:
+            cells = f'<td class="num"></td><td class="num">{value:,}</td>'
+        rows.append(f'<tr data-key="{key}" data-unit="{unit}"><th scope="row">'
+                    f"{_math(tex, page)}</th><td>{html.escape(name)}</td>{cells}</tr>")
+    labels = "".join(f' data-label_{key}="{html.escape(name)}"'
+                     for key, _, _, name in ROWS)
+    payload = json.dumps(data, sort_keys=True).replace("</", "<\\/")
+    block = (
+        '<div class="calc" id="calculator">'
+        '<h2 id="calculator-title">Calculator</h2><p>What one rank holds and moves '
+        'for a GPT-NeoX fine-tune: the <a href="memory_budget.html">memory '
+        'budget</a> of this page\'s parts, each row named by its symbol.</p>'
+        '<noscript><p>The calculator runs in the browser; with scripting off the '
+        'form and the table show the worked example, computed by '
+        '<code>memory_budget.budget</code> when this page was built.</p></noscript>'
+        f'<form class="calc-form" aria-label="calculator inputs">{form}</form>'
+        '<p class="calc-status" role="status" aria-live="polite"></p>'
+        '<div class="calc-out"><div class="calc-table-box">'
+        '<table class="calc-table"><thead><tr>'
+        '<th scope="col">symbol</th><th scope="col">per rank</th>'
+        '<th scope="col">GiB</th><th scope="col">exact</th></tr></thead><tbody>'
+        + "".join(rows) +
+        f'</tbody></table></div><figure class="calc-chart"{labels}>'
+        '<svg viewBox="0 0 1000 40" preserveAspectRatio="none" role="img" '
+        'aria-label="the peak\'s parts"></svg><ol></ol>'
+        '<figcaption>The peak\'s parts; the line is the device memory.</figcaption>'
+        '</figure></div>'
+        f'<script type="application/json" id="calc-data">{payload}</script>'
+        f'<script src="{static}calculator.js"></script>'
+        f'<script src="{static}calculator_form.js"></script>'
+        f'<link rel="stylesheet" href="{static}calculator.css">'
+        "</div>"
+    )
+    return block.replace("\n", "")
+
+
+def expand(text: str, page: str) -> str:
+    """`{{calculator}}` -> the block."""
+    return CALCULATOR.sub(lambda _: render(page), text)

@@ -1,0 +1,74 @@
+"""The inputs on which the calculator's script is compared with the Python model:
+every preset, N from 1 to 1,024, each dtype and fine-tuner, with and without
+offload, checkpointing and accumulation, fixed and searched chunk sizes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from docsite.calculator import PRESETS
+from labml_zero.neox import config as neox_config
+from labml_zero.neox.lora import TARGETS
+from labml_zero.zero3.memory_budget import BudgetInputs
+
+WORLDS = (1, 2, 3, 8, 16, 64, 256, 1024)
+DTYPES = (("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "fp32"))
+FINETUNES = ("all", "biases", "ffn", "lora")
+OFFLOADS = (0.0, 0.35, 1.0, None)
+# fixed chunk sizes in elements, odd ones included (the granule rounds them)
+CHUNKS = (2**20, 3 * 2**20 + 17, 5_000_000, 2**24, 40_000_000)
+GIB = 2**30
+
+# The tiny model on two CPU ranks, whose real bytes tests/zero3/test_memory_budget.py
+# counts: the end-to-end case, in the grid like any other.
+ENGINE_CASES = (
+    BudgetInputs(model=neox_config.tiny(), world_size=2, batch=2, seq=16,
+                 micro_batches=2),
+    BudgetInputs(model=neox_config.tiny(), world_size=2, batch=2, seq=16,
+                 micro_batches=2, finetune="biases", reduce_dtype="bf16",
+                 chunk_numel=20_000, prefetch_depth=0),
+)
+
+
+def grid_inputs(count: int = 224) -> list[BudgetInputs]:
+    """`count` inputs that walk every axis at coprime strides, so that each value
+    of each axis meets many values of the others."""
+    cases = []
+    for i in range(count):
+        model = getattr(neox_config, PRESETS[i % len(PRESETS)])()
+        world = WORLDS[(i // 2) % len(WORLDS)]
+        # every third case of several ranks is hybrid: groups of a divisor
+        group = None
+        if world > 1 and i % 3 == 0:
+            group = 2 if world % 2 == 0 else 1
+        param_dtype, reduce_dtype = DTYPES[i % 4 if i % 7 else (i // 7) % 4]
+        finetune = FINETUNES[(i // 3) % 4]
+        targets = tuple(TARGETS) if i % 5 else ("query_key_value", "dense_4h_to_h")
+        cases.append(BudgetInputs(
+            model=model, world_size=world, shard_group_size=group,
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, finetune=finetune,
+            lora_rank=(4, 8, 16, 64)[i % 4], lora_targets=targets,
+            chunk_numel=CHUNKS[i % len(CHUNKS)], prefetch_depth=(0, 1, 2)[i % 3],
+            checkpointing=i % 2 == 1, batch=(1, 2, 4, 8)[(i // 5) % 4],
+            seq=(128, 512, 2048)[(i // 4) % 3], micro_batches=(1, 1, 4)[i % 3],
+            update_during_backward=i % 4 == 3,
+            offload_fraction=OFFLOADS[(i // 6) % 4],
+            device_bytes=(80 * GIB, 150_109_880_320)[i % 2]))
+    return cases + list(ENGINE_CASES)
+
+
+def searched_inputs() -> list[BudgetInputs]:
+    """The chunk-size search on every preset, and the closing note's three jobs:
+    Pythia-12B on one H200 with and without offload, GPT-NeoX-20B on 8 GPUs."""
+    cases = []
+    for i, name in enumerate(PRESETS):
+        cases.append(BudgetInputs(
+            model=getattr(neox_config, name)(), world_size=(1, 2, 8, 3, 64)[i % 5],
+            finetune=FINETUNES[i % 4], checkpointing=i % 2 == 0, batch=2,
+            prefetch_depth=(1, 2)[i % 2], chunk_numel=None))
+    w6 = BudgetInputs(model=neox_config.pythia_12b(), world_size=1, batch=4,
+                      checkpointing=True, update_during_backward=True)
+    cases += [w6, replace(w6, offload_fraction=None),
+              BudgetInputs(model=neox_config.gpt_neox_20b(), world_size=8, batch=4,
+                           checkpointing=True)]
+    return cases + list(ENGINE_CASES)
