@@ -59,9 +59,11 @@ def outputs_and_grads(fn: Callable, inputs: list[torch.Tensor], seed: int
     inputs = leaves(inputs)
     out = fn(*inputs)
     outs = list(out) if isinstance(out, tuple) else [out]
-    generator = torch.Generator(device=outs[0].device).manual_seed(seed)
-    grads = [torch.randn(o.shape, device=o.device, dtype=o.dtype,
-                         generator=generator) for o in outs]
+    # the same output gradients whatever the dtype: drawn in float64 on the
+    # CPU, then cast
+    generator = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(o.shape, dtype=torch.float64, generator=generator)
+             .to(o.device, o.dtype) for o in outs]
     torch.autograd.backward(outs, grads)
     return [o.detach() for o in outs] + [i.grad for i in inputs
                                          if i.grad is not None]

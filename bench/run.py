@@ -110,6 +110,12 @@ class RunConfig:
     host_reserve_gib: float = 8.0
     """End the run as out of memory when the host has less than this available
     ([host memory](host_memory.html))."""
+    host_watch_s: float | None = None
+    """Seconds between the host-memory watchdog's samples (`--host-watch-s`);
+    `None`: 0.1 for workloads that offload to the host, 1.0 otherwise. The
+    watchdog is a Python thread: each sample takes the interpreter lock from
+    the main thread, which then waits up to the switch interval (5 ms) to get
+    it back, so a host-bound step sees every sample."""
     gc_freeze: bool = True
     """Freeze the objects alive after the warm-up out of the garbage
     collector's walks ([measure](measure.html)); `--no-gc-freeze` turns it off."""
@@ -119,6 +125,8 @@ class RunConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.host_watch_s is not None and self.host_watch_s <= 0:
+            raise ValueError(f"host_watch_s must be > 0, got {self.host_watch_s}")
         if self.host_reserve_gib < 0:
             raise ValueError(f"host_reserve_gib must be >= 0, got "
                              f"{self.host_reserve_gib}")
@@ -233,8 +241,9 @@ def worker(ctx: launch.DistContext, engine: str, workload: Workload, run: RunCon
     progress = {"phase": "start"}
     exhausted = exit_on_exhausted(lambda record: write_json(
         path, {**record, "phase": progress["phase"], "rank": ctx.rank}))
+    interval = run.host_watch_s or (0.1 if workload.offload else 1.0)
     watch = HostMemoryWatch(reserve=int(run.host_reserve_gib * GIB),
-                            on_exhausted=exhausted)
+                            on_exhausted=exhausted, interval_s=interval)
     try:
         with watch:
             record = {"status": "ok",
@@ -436,6 +445,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention", default=None,
                         help="pin the attention backend: "
                         f"{', '.join(ATTENTION_BACKENDS)} (default: PyTorch's choice)")
+    parser.add_argument("--host-watch-s", type=float, default=None,
+                        help="seconds between host-memory samples (default 0.1 "
+                        "with offload, 1.0 without)")
     parser.add_argument("--no-gc-freeze", action="store_true",
                         help="leave the objects alive after the warm-up to the "
                         "garbage collector's walks")
@@ -514,7 +526,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     run = RunConfig(steps=args.steps, warmup=args.warmup,
                     profile=not args.no_profile, trace_dir=args.trace_dir,
                     host_reserve_gib=args.host_reserve_gib,
-                    gc_freeze=not args.no_gc_freeze)
+                    gc_freeze=not args.no_gc_freeze,
+                    host_watch_s=args.host_watch_s)
     cuda = torch.cuda.is_available() and not args.cpu
     backend = "nccl" if cuda else "gloo"
     world_size = args.world_size or (torch.cuda.device_count() if cuda else 2)
