@@ -19,35 +19,39 @@ so a fused kernel wins by touching each element fewer times, and, where the
 host sets the pace, by launching fewer kernels. `ModelKernels` names four such
 fusions; `build_layers(config, kernels=...)` hands the choice to every layer
 once, and a layer calls the function the choice resolved to. Each fused
-function has its plain PyTorch twin beside it: the twin is what runs on a CPU
-and the reference the tests compare against.
+function has its plain PyTorch twin beside it: the twin runs on a CPU and is
+the reference the tests compare against
+(tested: tests/neox/test_kernels.py::test_model_with_every_kernel_is_the_plain_model).
+The figures are for Pythia-1.4B at {{py: 8 * 2048 | ,}} tokens a step
+($d$ = {{py: neox_model.pythia_1_4b().d_model}}, $V$ = {{py:
+neox_model.pythia_1_4b().n_vocab | ,}}, $d_r$ = {{py:
+neox_model.pythia_1_4b().rotary_dim}}); launches are counted by running the
+twin on the meta device (`plain_launches`).
 
 * **`loss`**: the readout and the cross-entropy in chunks of rows. The plain
-  path writes the logits $[BT, V]$ in bf16, an fp32 copy, the fp32 log-softmax
-  it saves for the backward pass and, in the backward pass, an fp32 and a bf16
-  gradient: at $V = 50{,}304$ that is $V \cdot (2 + 4 + 4 + 4 + 2) = $ {{py:
-  neox_kernels.plain_loss_bytes_per_row(50304) | ,}} bytes a token, about
-  {{py: neox_kernels.plain_loss_bytes_per_row(50304) * 8 * 2048 / 2**30 | .1f}}
-  GiB for 8 sequences of 2048, most of it held at once. The chunked loss
-  computes each chunk's logits, its loss and its gradient in the forward pass,
-  keeps only $\partial L / \partial x$ and $\partial L / \partial W$, and drops
-  the chunk: see `chunked_readout_loss`.
-* **`rotary`**: the angles, the rotation of $q$ and $k$ and the re-assembly with
-  the unrotated dimensions in one compiled function; the plain path is about a
-  dozen launches per layer (`rotary_cos_sin`, then slices, negation and
-  concatenations for each of $q$ and $k$) and copies $q$ and $k$ twice.
-* **`norms`**: the parallel residual feeds the same $x$ through two layer norms;
-  fused, $x$ is read once and its mean and variance computed once for both.
-* **`bias_gelu`**: $\operatorname{GELU}(W_1 x + b_1)$ with the bias and the GELU
-  in one pass after the matrix product, and in the backward pass the GELU's
-  derivative and the bias gradient's sum over rows in one pass over the
-  gradient $[BT, d_{ff}]$ instead of two.
+  path writes the logits in bf16, an fp32 copy, the fp32 log-softmax it saves
+  and, in the backward pass, an fp32 and a bf16 gradient: {{py:
+  (neox_model.K.plain_loss_bytes_per_row(neox_model.pythia_1_4b().n_vocab)
+  * 8 * 2048 / 2**30) | .1f}} GiB for the step, most of it held at once. The
+  chunked loss keeps one chunk's fp32 logits, {{py:
+  (neox_model.ModelKernels().loss_chunk_rows * neox_model.pythia_1_4b().n_vocab
+  * 4 / 2**20) | .0f}} MiB (`chunked_readout_loss`).
+* **`rotary`**: angles, rotations and re-assembly in one compiled function,
+  where the plain path is {{py: neox_model.K.plain_launches('rotary',
+  neox_model.pythia_1_4b())}} launches per layer forward (`rotary_qk`).
+* **`norms`**: both layer norms of the parallel residual read $x$ once and
+  compute its mean and variance once (`two_layer_norms`).
+* **`bias_gelu`**: the bias and the GELU in one pass after the product, their
+  derivatives and the bias gradient's sum in one pass in the backward pass
+  (`linear_bias_gelu`).
 
-The three compiled kernels are `torch.compile` of small functions (Inductor
-writes one Triton kernel for each fused pass); a function is compiled once
-per shape on its first GPU call. The attention itself is PyTorch's
-`scaled_dot_product_attention`, which picks its backend (cuDNN's on Hopper);
-`ModelKernels.attention` can pin one.
+The compiled kernels are `torch.compile` of small functions, compiled once per
+shape at their first GPU call. Each call of a compiled function with gradients
+goes through its autograd wrapper on the host, which costs more than the plain
+path's launches where the host already sets the pace (a small model). The
+attention is PyTorch's `scaled_dot_product_attention`, which picks its backend
+(cuDNN's on Hopper); `ModelKernels.attention` can pin one. The benchmark's
+README has each kernel's measured gain alone and in the step.
 
 ## Limitations
 
@@ -95,12 +99,12 @@ class ModelKernels:
     norms: bool = False
     """A layer's two layer norms of the same input in one pass."""
     bias_gelu: bool = False
-    """$\\operatorname{GELU}(W_1 x + b_1)$: bias and GELU fused after the
-    product, and their derivatives fused in the backward pass."""
+    """The MLP's bias and GELU fused after its first product, and their
+    derivatives fused in the backward pass."""
     loss_chunk_rows: int = 2048
     """Rows (tokens) per chunk of the chunked loss: a chunk's fp32 logits are
-    `loss_chunk_rows` × $V$ × 4 bytes, 412 MB at $V = 50{,}304$ for 2048
-    rows, against the full $BT$ rows of the plain path."""
+    `loss_chunk_rows` × $V$ × 4 bytes, against the full $BT$ rows of the
+    plain path."""
     attention: str | None = None
     """`None` lets `scaled_dot_product_attention` pick its backend;
     `'cudnn'`, `'flash'`, `'efficient'` or `'math'` pins one."""
@@ -213,8 +217,9 @@ def chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor,
       - [j = y]}{n},$$
 
     zero for an ignored row. Compiled, this is two passes over the chunk's bf16
-    logits (the row's log-sum-exp, then the gradient) and one bf16 write: 6
-    bytes an element against about 30 for the same steps uncompiled.
+    logits (the row's log-sum-exp, then the gradient) and one bf16 write,
+    where the plain path's casts, log-softmax and its backward each read and
+    write the whole fp32 logits.
     """
     z = logits.float()  # [n_c, V] fp32
     keep = targets != IGNORE_INDEX
@@ -240,8 +245,8 @@ def add_weight_grad(acc: torch.Tensor | None, grad_logits: torch.Tensor,
     #### $\partial L / \partial W \mathrel{+}= g^\top x$, accumulated in fp32
 
     On CUDA one product whose output is fp32 and which adds `acc` in place of
-    its $\beta$ term (`addmm` with `out_dtype`, PyTorch 2.8 on); elsewhere the
-    bf16 product is added to the fp32 sum.
+    its $\beta$ term (`addmm` with `out_dtype`, where this PyTorch has it);
+    elsewhere the bf16 product is added to the fp32 sum.
     """
     if x.is_cuda and fp32_products_work(x.device):
         if acc is None:
@@ -254,7 +259,7 @@ def add_weight_grad(acc: torch.Tensor | None, grad_logits: torch.Tensor,
 
 @functools.cache
 def fp32_products_work(device: torch.device) -> bool:
-    """Whether this PyTorch has `mm` with `out_dtype` on `device` (2.8 on)."""
+    """Whether this PyTorch has `mm` with `out_dtype` on `device`."""
     a = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
     try:
         return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
@@ -344,7 +349,13 @@ def rotary_qk(q: torch.Tensor, k: torch.Tensor, rotary_dim: int, base: float
 
     The model's `rotary_cos_sin` and `apply_rotary` written as one function,
     so that, compiled, the angles, both rotations and the concatenation with
-    the unrotated dimensions are one pass over $q$ and $k$.
+    the unrotated dimensions are one pass over $q$ and $k$. Per head and
+    position the plain path reads or writes the $d_r$ rotated elements of each
+    ten times (two products, a negation, a concatenation, a sum) and all $d_h$
+    twice (the last concatenation), the fused pass only the $d_h$ twice: {{py:
+    (10 * neox_model.pythia_1_4b().rotary_dim * 2 * 8 * 2048
+    * neox_model.pythia_1_4b().n_heads * 2 / 2**20) | .0f}} MiB fewer per layer
+    forward for Pythia-1.4B's step.
     """
     T = q.shape[-2]
     # [d_r / 2] fp32: θ_i = b^(-2i / d_r)
@@ -378,6 +389,12 @@ def two_layer_norms(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
 
     $\hat x = (x - \mu) / \sqrt{\sigma^2 + \epsilon}$ in fp32, then
     $\hat x \odot w_i + b_i$ in `x`'s dtype, as `F.layer_norm` computes each.
+    The plain path is {{py: neox_model.K.plain_launches('norms',
+    neox_model.pythia_1_4b())}} launches that each read $x$; fused, $x$ is read
+    once ({{py: (8 * 2048 * neox_model.pythia_1_4b().d_model * 2 / 2**20) | .0f}}
+    MiB less per layer forward for Pythia-1.4B's step), and in the backward
+    pass both gradients are summed into one $\partial L / \partial x$ in the
+    same kernel.
     """
     x32 = x.float()
     mean = x32.mean(-1, keepdim=True)
@@ -394,13 +411,77 @@ two_layer_norms_fused = on_gpu_compiled(two_layer_norms)
 
 def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                      approximate: str) -> torch.Tensor:
-    r"""$\operatorname{GELU}(x W^\top + b)$, `x` `[B, T, d]` to `[B, T, d_{ff}]`."""
+    r"""
+    ### $\operatorname{GELU}(x W^\top + b)$, `x` `[B, T, d]` to `[B, T, d_{ff}]`
+
+    The plain path already adds the bias in cuBLAS's epilogue ({{py:
+    neox_model.K.plain_launches('bias_gelu', neox_model.pythia_1_4b())}}
+    launches forward); fused, the product runs without it and one pass adds it
+    and applies the GELU, and the backward pass reads the gradient
+    $[BT, d_{ff}]$ once for the GELU's derivative and the bias gradient's sum
+    over rows instead of twice.
+    """
     h = F.linear(x, weight)  # [B, T, d_ff]
     # the bias in the product's dtype, as autocast gives `nn.Linear`
     return F.gelu(h + bias.to(h.dtype), approximate=approximate)
 
 
 linear_bias_gelu_fused = on_gpu_compiled(linear_bias_gelu)
+
+
+# ## Counting the plain path's launches
+
+
+VIEW_OPS = frozenset({"view", "_unsafe_view", "slice", "split", "select",
+                      "transpose", "t", "expand", "unsqueeze", "squeeze",
+                      "permute", "as_strided", "alias", "detach",
+                      "split_with_sizes", "chunk", "unbind"})
+"""ATen ops that return a view: no kernel runs."""
+
+
+def forward_launches(fn: Callable, *args) -> int:
+    """
+    #### Kernels `fn(*args)` launches, counted on the meta device
+
+    Every ATen op that reaches the dispatcher and is not a view launches (at
+    least) one kernel on a GPU; meta tensors run none of them.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in VIEW_OPS:
+                self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as count:
+        fn(*args)
+    return count.ops
+
+
+def plain_launches(kernel: str, config) -> int:
+    """The plain twin's forward launches for one layer of `config`
+    (`'rotary'`, `'norms'` or `'bias_gelu'`), on a small meta batch."""
+    from labml_zero.neox.model import rotary_plain
+
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    d, n_h, d_h = config.d_model, config.n_heads, config.head_dim
+    x = torch.empty(1, 16, d, **meta)
+    if kernel == "rotary":
+        qkv = torch.empty(1, 16, n_h, 3 * d_h, **meta).transpose(1, 2)
+        q, k, _ = qkv.split(d_h, dim=-1)
+        return forward_launches(rotary_plain, q, k, config)
+    if kernel == "norms":
+        ln = nn.LayerNorm(d, **meta)
+        return forward_launches(norms_plain, x, ln, ln)
+    if kernel == "bias_gelu":
+        linear = nn.Linear(d, config.ff_dim, **meta)
+        return forward_launches(up_plain, x, linear, config.gelu_approximate)
+    raise ValueError(f"plain_launches: no kernel {kernel!r}")
 
 
 # ## What a layer calls
