@@ -30,6 +30,10 @@ besides its parameters, so a layer built on the meta device needs nothing but
 `to_empty` and `reset_parameters`. Inside each layer the submodules have Hugging
 Face's names, so checkpoints map one to one (`hf_prefix`). The shapes come from
 a `NeoXConfig` (see [GPT-NeoX configuration](config.html)), re-exported here.
+The passes between the matrix products (readout and loss, rotary embeddings,
+the two layer norms, bias and GELU) are either plain PyTorch or [fused
+kernels](kernels.html), chosen once by `build_layers(config, kernels=...)`;
+the fused kernels page says what each saves, in bytes and launches.
 
 ## Limitations
 
