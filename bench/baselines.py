@@ -153,7 +153,7 @@ from torch.utils.checkpoint import checkpoint
 
 from labml_zero.launch import DistContext
 from labml_zero.neox.finetuners import finetuner
-from labml_zero.neox.model import TransformerLayer, build_layers
+from labml_zero.neox.model import NeoXChain, TransformerLayer, build_layers
 from labml_zero.zero3.compiled import default_compile_backend
 from labml_zero.zero3.memory_model import zero_model_states
 
@@ -187,11 +187,10 @@ def plain_step(model: nn.Module, optimizer, *, autocast_device: str | None = Non
 
     def step(batch: torch.Tensor) -> torch.Tensor:
         if autocast_device is None:
-            logits = model(batch[:, :-1])  # [B, T, V] bf16
+            loss = lm_loss(model, batch)
         else:
             with torch.autocast(autocast_device, dtype=torch.bfloat16):
-                logits = model(batch[:, :-1])  # [B, T, V] bf16
-        loss = lm_loss(logits, batch[:, 1:])
+                loss = lm_loss(model, batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -286,7 +285,7 @@ def build_fsdp2(ctx: DistContext, workload: Workload) -> Engine:
 
     layers, psi_t, psi_f = meta_layers(workload)
     modules = with_recompute(layers, workload)
-    model = nn.Sequential(*modules)
+    model = NeoXChain(*modules)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     offload = workload.offload is not None
     # Pinned host memory makes the copies to and from the GPU asynchronous;
@@ -342,11 +341,12 @@ def build_ddp(ctx: DistContext, workload: Workload) -> Engine:
             f"{workload.offload!r}): it replicates every model state on each GPU"
         )
     # fp32 on the device directly, initialised there.
-    layers = build_layers(workload.model, device=ctx.device)
+    layers = build_layers(workload.model, device=ctx.device,
+                          kernels=workload.kernels)
     count = finetuner(workload.finetune)(layers)
     psi_t, psi_f = count.trainable, count.total - count.trainable
     model = DistributedDataParallel(
-        nn.Sequential(*with_recompute(layers, workload)),
+        NeoXChain(*with_recompute(layers, workload)),
         device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
         gradient_as_bucket_view=True,
     )
@@ -409,20 +409,20 @@ def build_deepspeed(ctx: DistContext, workload: Workload) -> Engine:
         raise EngineUnavailable(f"import deepspeed failed: {error!r}") from error
 
     config = deepspeed_config(workload, ctx.device)
+    # the plain model (see `Workload.kernels`)
     with deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.bfloat16):
         layers = build_layers(workload.model, device=ctx.device)
     finetuner(workload.finetune)(layers)
     # Partitioned parameters report numel() 0: count on a meta copy instead.
     _, psi_t, psi_f = meta_layers(workload)
     # The wrappers own no parameters, so they need not be built under Init.
-    model = nn.Sequential(*with_recompute(layers, workload))
+    model = NeoXChain(*with_recompute(layers, workload))
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=trainable(model), config=config
     )
 
     def step(batch: torch.Tensor) -> torch.Tensor:
-        logits = engine(batch[:, :-1])  # [B, T, V] bf16
-        loss = lm_loss(logits, batch[:, 1:])
+        loss = lm_loss(engine, batch)
         engine.backward(loss)
         engine.step()  # also zeroes the gradients
         return loss.detach()

@@ -98,7 +98,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from labml_zero.assembly import AutoLimits, Recipe, assemble
@@ -162,9 +161,13 @@ class Engine:
     measured_report: Callable[[int], list[str]] | None = None
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy; `logits` `[B, T, V]` any dtype, in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """
+    Mean next-token cross-entropy in fp32 of `batch` `[B, T + 1]`: the model's
+    readout computes it from the targets (a `NeoXChain`'s `(ids, targets)`),
+    by the workload's loss kernel.
+    """
+    return model(batch[:, :-1], batch[:, 1:])
 
 
 def random_batches(
@@ -187,15 +190,14 @@ def meta_layers(workload: Workload) -> tuple[list[nn.Module], int, int]:
 
     Returns the layers, $\Psi_t$ and $\Psi_f$.
     """
-    layers = build_layers(workload.model, device="meta")
+    layers = build_layers(workload.model, device="meta", kernels=workload.kernels)
     count = finetuner(workload.finetune)(layers)
     return layers, count.trainable, count.total - count.trainable
 
 
 def zero_step(model: nn.Module, optimizer: torch.optim.Optimizer):
     def step(batch: torch.Tensor) -> torch.Tensor:
-        logits = model(batch[:, :-1])  # [B, T, V] bf16
-        loss = lm_loss(logits, batch[:, 1:])
+        loss = lm_loss(model, batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -235,7 +237,8 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         update_during_backward=True, free_grads=True)
     # zero3_layers materialises, initialises and shards one layer at a time
     # (steps 1 to 3 above), with one chunk size searched over all of them.
-    built = assemble(build_layers(workload.model, device="meta"), recipe,
+    built = assemble(build_layers(workload.model, device="meta",
+                                  kernels=workload.kernels), recipe,
                      device=ctx.device, probe=probe_step(ctx, workload),
                      auto_limits=None if ctx.device.type == "cuda"
                      else simulated_limits(ctx, workload))
@@ -323,7 +326,7 @@ def probe_step(ctx: DistContext, workload: Workload
     probe = random_batches(workload, ctx, count=1, seed=-1)[0]
 
     def forward_backward(model: Zero3Sequential) -> None:
-        lm_loss(model(probe[:, :-1]), probe[:, 1:]).backward()
+        lm_loss(model, probe).backward()
 
     return forward_backward
 

@@ -20,6 +20,20 @@ NCCL communicators and pick cuDNN/cuBLAS algorithms. The mean and standard
 deviation are over the timed steps; tokens per second are those of all ranks over
 the mean step time.
 
+## The host's share
+
+A step bound by the host is one whose kernels wait for their launches. Two
+figures tell: `host_s`, the time from a step's start until `step()` returns
+on the main thread, before the synchronisation (the host's issue time; close
+to the step time when the host sets the pace), and, in the profiled step,
+`device_ops`, the kernels, copies and memsets it launched. The garbage
+collector runs on the main thread whenever enough objects were allocated, and
+a full collection walks every live object: each timed step counts its
+collections and their time (`gc_ms`). With `gc_freeze` (the default) every
+object alive after the warm-up steps is moved out of the collector's reach
+(`gc.freeze()`), the same for every engine, so a collection walks only what
+the steps themselves allocate.
+
 ## Waiting on communication
 
 One more step runs under `torch.profiler` (after the timed steps, so the profiler
@@ -69,6 +83,7 @@ exposed.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -102,6 +117,12 @@ class StepTimes:
 
     times_s: tuple[float, ...]
     loss: float
+    host_s: tuple[float, ...] = ()
+    """Per step, the host's issue time: from the start until `step()` returns."""
+    gc_collections: int = 0
+    """Garbage collections during the timed steps, all generations."""
+    gc_ms: float = 0.0
+    """Their total time."""
 
     @property
     def mean_s(self) -> float:
@@ -112,6 +133,34 @@ class StepTimes:
         return statistics.stdev(self.times_s) if len(self.times_s) > 1 else 0.0
 
 
+class GcWatch:
+    """
+    #### Count the garbage collector's runs and their time
+
+    Through `gc.callbacks`, which the collector calls at the start and the end
+    of every collection, on the thread that triggered it.
+    """
+
+    def __init__(self):
+        self.collections = 0
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.collections += 1
+            self.seconds += time.perf_counter() - self._started
+
+    def __enter__(self) -> "GcWatch":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
 def time_steps(
     step: Callable[[torch.Tensor], torch.Tensor],
     batches: Sequence[torch.Tensor],
@@ -119,27 +168,40 @@ def time_steps(
     warmup: int,
     steps: int,
     device: torch.device,
+    gc_freeze: bool = True,
 ) -> StepTimes:
     """
     ### Run `warmup` untimed and `steps` timed steps
 
     `batches` are cycled; the loss is read only after the last step, so no step
-    but the last waits for a `.item()`.
+    but the last waits for a `.item()`. With `gc_freeze`, the objects alive
+    after the warm-up are frozen (see The host's share) and unfrozen at the end.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     loss = None
     for i in range(warmup):
         loss = step(batches[i % len(batches)])
-    times = []
-    for i in range(steps):
-        synchronize(device)
-        start = time.perf_counter()
-        loss = step(batches[(warmup + i) % len(batches)])
-        synchronize(device)
-        times.append(time.perf_counter() - start)
+    if gc_freeze:
+        gc.collect()
+        gc.freeze()
+    times, host = [], []
+    try:
+        with GcWatch() as watch:
+            for i in range(steps):
+                synchronize(device)
+                start = time.perf_counter()
+                loss = step(batches[(warmup + i) % len(batches)])
+                host.append(time.perf_counter() - start)
+                synchronize(device)
+                times.append(time.perf_counter() - start)
+    finally:
+        if gc_freeze:
+            gc.unfreeze()
     # host sync: .item()
-    return StepTimes(tuple(times), float(loss.detach().float().item()))
+    return StepTimes(tuple(times), float(loss.detach().float().item()),
+                     host_s=tuple(host), gc_collections=watch.collections,
+                     gc_ms=1e3 * watch.seconds)
 
 
 # ## Communication share
@@ -163,6 +225,8 @@ class CommShare:
     comm_exposed_transfer: float | None = None
     """Exposed, counting each collective only from when every rank had started
     it / step; `None` on CPU or with one rank."""
+    device_ops: int | None = None
+    """Kernels, copies and memsets the step ran; `None` on CPU."""
 
 
 def union(intervals: Iterable[Interval]) -> list[Interval]:
@@ -315,8 +379,10 @@ def profile_comm(
     comm, compute = classify(events, on_gpu=on_gpu)
     comm, compute = union(comm), union(compute)
     step_us = step_s * 1e6
-    idle = transfer = None
+    idle = transfer = device_ops = None
     if on_gpu:
+        device_ops = sum(1 for e in events if e.get("ph") == "X"
+                         and e.get("cat") in DEVICE_CATEGORIES)
         idle = max(0.0, 1.0 - length(union(comm + compute)) / step_us)
         if exchange is not None:
             kernels = nccl_kernels(events)
@@ -335,6 +401,7 @@ def profile_comm(
         comm_exposed=length(subtract(comm, compute)) / step_us,
         gpu_idle=idle,
         comm_exposed_transfer=transfer,
+        device_ops=device_ops,
     )
 
 

@@ -79,6 +79,8 @@ import torch.distributed as dist
 
 from labml_zero import launch
 
+from labml_zero.neox.kernels import ATTENTION_BACKENDS, ModelKernels
+
 from .host_memory import HostMemoryWatch, exit_on_exhausted, rss_peak
 from .workloads import Workload, mfu, shrink, workloads
 
@@ -108,12 +110,23 @@ class RunConfig:
     host_reserve_gib: float = 8.0
     """End the run as out of memory when the host has less than this available
     ([host memory](host_memory.html))."""
+    host_watch_s: float | None = None
+    """Seconds between the host-memory watchdog's samples (`--host-watch-s`);
+    `None`: 0.1 for workloads that offload to the host, 1.0 otherwise. The
+    watchdog is a Python thread: each sample takes the interpreter lock from
+    the main thread, which then waits up to the switch interval (5 ms) to get
+    it back, so a host-bound step sees every sample."""
+    gc_freeze: bool = True
+    """Freeze the objects alive after the warm-up out of the garbage
+    collector's walks ([measure](measure.html)); `--no-gc-freeze` turns it off."""
 
     def __post_init__(self):
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.host_watch_s is not None and self.host_watch_s <= 0:
+            raise ValueError(f"host_watch_s must be > 0, got {self.host_watch_s}")
         if self.host_reserve_gib < 0:
             raise ValueError(f"host_reserve_gib must be >= 0, got "
                              f"{self.host_reserve_gib}")
@@ -162,7 +175,7 @@ def measure_rank(ctx: launch.DistContext, engine: str, workload: Workload,
         built.counter.reset()
     progress["phase"] = "train"
     timed = time_steps(built.step, batches, warmup=run.warmup, steps=run.steps,
-                       device=ctx.device)
+                       device=ctx.device, gc_freeze=run.gc_freeze)
     train_peak = peak_memory(ctx.device, uncounted=uncounted)
     steps_run = run.warmup + run.steps
     if built.measured_report is not None and ctx.rank == 0:
@@ -175,6 +188,10 @@ def measure_rank(ctx: launch.DistContext, engine: str, workload: Workload,
         "init_s": init_s,
         "step_mean_s": timed.mean_s,
         "step_std_s": timed.std_s,
+        "step_times_s": list(timed.times_s),
+        "host_s": list(timed.host_s),
+        "gc_collections": timed.gc_collections,
+        "gc_ms": timed.gc_ms,
         "loss": timed.loss,
         "peak_build": build_peak,
         "peak_train": train_peak,
@@ -199,7 +216,8 @@ def measure_rank(ctx: launch.DistContext, engine: str, workload: Workload,
                              keep_trace=keep, exchange=exchange_objects)
         record.update(comm_total=share.comm_total, comm_exposed=share.comm_exposed,
                       comm_exposed_transfer=share.comm_exposed_transfer,
-                      gpu_idle=share.gpu_idle, profiled_step_s=share.step_s)
+                      gpu_idle=share.gpu_idle, profiled_step_s=share.step_s,
+                      device_ops=share.device_ops)
     return record
 
 
@@ -223,8 +241,9 @@ def worker(ctx: launch.DistContext, engine: str, workload: Workload, run: RunCon
     progress = {"phase": "start"}
     exhausted = exit_on_exhausted(lambda record: write_json(
         path, {**record, "phase": progress["phase"], "rank": ctx.rank}))
+    interval = run.host_watch_s or (0.1 if workload.offload else 1.0)
     watch = HostMemoryWatch(reserve=int(run.host_reserve_gib * GIB),
-                            on_exhausted=exhausted)
+                            on_exhausted=exhausted, interval_s=interval)
     try:
         with watch:
             record = {"status": "ok",
@@ -270,6 +289,8 @@ def describe(engine: str, workload: Workload, world_size: int, backend: str) -> 
         "prefetch_depth": workload.prefetch_depth,
         "peer_gather": workload.peer_gather,
         "peer_reduce": workload.peer_reduce,
+        "kernels": ("none" if engine == "deepspeed" else workload.kernels.names()),
+        "attention": workload.kernels.attention,
         "model": {"n_layers": model.n_layers, "d_model": model.d_model,
                   "n_heads": model.n_heads, "n_vocab": model.n_vocab},
     }
@@ -304,6 +325,12 @@ def merge(line: dict, records: list[dict], workload: Workload, world_size: int,
         "tokens_per_s": tokens_per_s,
         "step_time_mean_s": step_s,
         "step_time_std_s": max(r["step_std_s"] for r in records),
+        # rank 0's: each step's time, the host's issue time of each
+        "step_times_s": first["step_times_s"],
+        "host_s": first["host_s"],
+        "host_s_mean": sum(first["host_s"]) / len(first["host_s"]),
+        "gc_collections": max(r["gc_collections"] for r in records),
+        "gc_ms": max(r["gc_ms"] for r in records),
         "mfu": mfu(workload, tokens_per_s, world_size),
         "init_s": max(r["init_s"] for r in records),
         "psi_trainable": first["psi_trainable"],
@@ -329,6 +356,7 @@ def merge(line: dict, records: list[dict], workload: Workload, world_size: int,
         merged["gpu_idle"] = None if None in idle else max(idle)
         transfer = [r["comm_exposed_transfer"] for r in records]
         merged["comm_exposed_transfer"] = None if None in transfer else max(transfer)
+        merged["device_ops"] = first.get("device_ops")
     return merged
 
 
@@ -411,6 +439,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host-reserve-gib", type=float, default=8.0,
                         help="end a pair as host OOM below this much available "
                         "host memory")
+    parser.add_argument("--kernels", default="none",
+                        help="the model's fused kernels, comma-separated from "
+                        f"{','.join(ModelKernels.fusions())}, or all, or none")
+    parser.add_argument("--attention", default=None,
+                        help="pin the attention backend: "
+                        f"{', '.join(ATTENTION_BACKENDS)} (default: PyTorch's choice)")
+    parser.add_argument("--host-watch-s", type=float, default=None,
+                        help="seconds between host-memory samples (default 0.1 "
+                        "with offload, 1.0 without)")
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="leave the objects alive after the warm-up to the "
+                        "garbage collector's walks")
     parser.add_argument("--out", default=None, help="append the JSON lines here")
     args = parser.parse_args(argv)
 
@@ -422,6 +462,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--compile needs --warmup >= 1: the first step compiles")
     if args.prefetch_depth < 0:
         raise SystemExit(f"--prefetch-depth must be >= 0, got {args.prefetch_depth}")
+    try:
+        args.model_kernels = replace(ModelKernels.from_names(args.kernels),
+                                     attention=args.attention)
+    except ValueError as error:
+        raise SystemExit(f"--kernels/--attention: {error}")
     return args
 
 
@@ -480,7 +525,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         os.makedirs(args.trace_dir, exist_ok=True)
     run = RunConfig(steps=args.steps, warmup=args.warmup,
                     profile=not args.no_profile, trace_dir=args.trace_dir,
-                    host_reserve_gib=args.host_reserve_gib)
+                    host_reserve_gib=args.host_reserve_gib,
+                    gc_freeze=not args.no_gc_freeze,
+                    host_watch_s=args.host_watch_s)
     cuda = torch.cuda.is_available() and not args.cpu
     backend = "nccl" if cuda else "gloo"
     world_size = args.world_size or (torch.cuda.device_count() if cuda else 2)
@@ -494,6 +541,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                            prefetch_depth=args.prefetch_depth,
                            peer_gather=args.peer_gather,
                            peer_reduce=args.peer_reduce,
+                           kernels=args.model_kernels,
                            batch=workload.batch if batch is None else batch)
         result = run_pair(engine, workload, run, world_size=world_size,
                           backend=backend, timeout_s=args.timeout)

@@ -67,6 +67,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from labml_zero.neox.model import (
+    ModelKernels,
     NeoXConfig,
     gpt_neox_20b,
     pythia_160m,
@@ -121,6 +122,11 @@ class Workload:
     peer_reduce: bool = False
     """labml_zero reduce-scatters through a workspace in the other GPUs' memory,
     bf16 gradients sent in bf16 and averaged in fp32 (`--peer-reduce`)."""
+    kernels: ModelKernels = ModelKernels()
+    """The model's [fused kernels](../labml_zero/neox/kernels.html)
+    (`--kernels`), the same for every engine but DeepSpeed, whose hooks gather
+    a submodule's weights only when that submodule is called: it runs the
+    plain model."""
 
     def __post_init__(self):
         if self.batch < 1 or self.seq < 1:

@@ -259,3 +259,26 @@ def test_peer_gather_reaches_the_engine_and_trains_the_same():
     assert (plain["peer_gather"], peer["peer_gather"]) == (False, True)
     assert (plain["peer_reduce"], peer["peer_reduce"]) == (False, True)
     assert peer["loss"] == plain["loss"]
+
+
+@pytest.mark.distributed
+def test_kernels_reach_every_engine_and_the_line(tmp_path):
+    """`--kernels loss,rotary`: the same losses as the plain model (fp32 on the
+    CPU, within a few ulps), the line names the kernels, and the host's side
+    of the step is there; a bad name stops before any process starts."""
+    args = ["--tiny", "--cpu", "--workloads", "W4", "--engines", "labml_zero,ddp",
+            "--steps", "2", "--warmup", "1", "--no-profile"]
+    plain = bench_run.main(args)
+    fused = bench_run.main(args + ["--kernels", "loss,rotary"])
+    for a, b in zip(plain, fused):
+        assert a["status"] == b["status"] == "ok"
+        assert a["kernels"] == "none" and b["kernels"] == "loss,rotary"
+        # fp32 sums in another order, through three Adam steps whose update
+        # divides by sqrt(v): allow 2^10 units in the last place
+        assert abs(a["loss"] - b["loss"]) <= 2**10 * 2**-23 * abs(a["loss"])
+        assert len(b["host_s"]) == len(b["step_times_s"]) == 2
+        assert b["gc_collections"] >= 0 and b["host_s_mean"] > 0
+    with pytest.raises(SystemExit, match="unknown kernel.*bogus"):
+        bench_run.main(["--tiny", "--cpu", "--kernels", "bogus"])
+    with pytest.raises(SystemExit, match="attention"):
+        bench_run.main(["--tiny", "--cpu", "--attention", "fastest"])

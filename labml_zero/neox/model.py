@@ -22,6 +22,10 @@ is **partial rotary embeddings** (see `rotary_cos_sin`). The model is a list of
 layers, since the ZeRO engine shards and gathers one layer at a time
 (`build_layers`). The shapes come from a `NeoXConfig` (see [GPT-NeoX
 configuration](config.html)), re-exported here.
+The passes between the matrix products (readout and loss, rotary embeddings,
+the two layer norms, bias and GELU) are either plain PyTorch or [fused
+kernels](kernels.html), chosen once by `build_layers(config, kernels=...)`;
+the fused kernels page says what each saves, in bytes and launches.
 
 ## Limitations
 
@@ -34,11 +38,15 @@ configuration](config.html)), re-exported here.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from labml_zero.neox import kernels as K
+from labml_zero.neox.kernels import ModelKernels
 
 # The configuration and its presets live on their own page; they are re-exported
 # here, so `from labml_zero.neox.model import NeoXConfig, pythia_160m` keeps
@@ -61,6 +69,8 @@ from labml_zero.neox.config import (  # noqa: F401
 
 __all__ = [
     "NeoXConfig",
+    "ModelKernels",
+    "NeoXChain",
     "build_layers",
     "hf_prefix",
     "from_hf_config",
@@ -217,6 +227,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.cat([x_rot, x_pass], dim=-1)
 
 
+def rotary_plain(q: torch.Tensor, k: torch.Tensor, config: NeoXConfig
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain twin of `kernels.rotary_fused`: angles, then each rotation."""
+    cos, sin = rotary_cos_sin(q.shape[-2], config, device=q.device,
+                              dtype=q.dtype)  # each [T, d_r]
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 # ## Attention
 
 
@@ -230,12 +248,17 @@ class Attention(nn.Module):
     order still runs, and silently gives nonsense.
     """
 
-    def __init__(self, config: NeoXConfig, *, device=None, dtype=None):
+    def __init__(self, config: NeoXConfig, *, kernels: ModelKernels | None = None,
+                 device=None, dtype=None):
         super().__init__()
+        kernels = kernels or ModelKernels()
         self.config = config
         d = config.d_model
         self.query_key_value = nn.Linear(d, 3 * d, device=device, dtype=dtype)
         self.dense = nn.Linear(d, d, device=device, dtype=dtype)
+        # chosen once: the fused rotation or its plain twin, same signature
+        self.rotate = K.rotary_fused if kernels.rotary else rotary_plain
+        self.backend = kernels.attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
@@ -252,12 +275,10 @@ class Attention(nn.Module):
         # (tested: tests/neox/test_model.py::test_figure_in_the_attention_notes).
         v = v.contiguous()
         if self.config.rotary_dim > 0:
-            cos, sin = rotary_cos_sin(T, self.config, device=x.device,
-                                      dtype=x.dtype)  # each [T, d_r]
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
-        # softmax(q kᵀ / √d_h + causal mask) v; the kernel picks the backend.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            q, k = self.rotate(q, k, self.config)
+        # softmax(q kᵀ / √d_h + causal mask) v; PyTorch picks the backend
+        # unless the kernels pin one.
+        y = K.attention(q, k, v, self.backend)
         y = y.transpose(1, 2).reshape(B, T, d)  # [B, T, d], heads concatenated
         return self.dense(y)
 
@@ -280,16 +301,20 @@ class MLP(nn.Module):
     preset sets the one its checkpoint was trained with.
     """
 
-    def __init__(self, config: NeoXConfig, *, device=None, dtype=None):
+    def __init__(self, config: NeoXConfig, *, kernels: ModelKernels | None = None,
+                 device=None, dtype=None):
         super().__init__()
+        kernels = kernels or ModelKernels()
         self.approximate = config.gelu_approximate
         d, d_ff = config.d_model, config.ff_dim
         self.dense_h_to_4h = nn.Linear(d, d_ff, device=device, dtype=dtype)
         self.dense_4h_to_h = nn.Linear(d_ff, d, device=device, dtype=dtype)
+        # GELU(W_1 x + b_1): fused bias and GELU, or the plain linear then GELU
+        self.up = K.up_fused if kernels.bias_gelu else K.up_plain
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.dense_h_to_4h(x)  # [B, T, d_ff]
-        return self.dense_4h_to_h(F.gelu(h, approximate=self.approximate))
+        h = self.up(x, self.dense_h_to_4h, self.approximate)  # [B, T, d_ff]
+        return self.dense_4h_to_h(h)
 
 
 # ## Transformer layer
@@ -306,24 +331,29 @@ class TransformerLayer(nn.Module):
     only some layers, so the checkpoint name of every parameter is known.
     """
 
-    def __init__(self, config: NeoXConfig, layer_idx: int, *, device=None,
-                 dtype=None):
+    def __init__(self, config: NeoXConfig, layer_idx: int, *,
+                 kernels: ModelKernels | None = None, device=None, dtype=None):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
+        kernels = kernels or ModelKernels()
         d, eps = config.d_model, config.layer_norm_eps
         factory = dict(device=device, dtype=dtype)
         self.input_layernorm = nn.LayerNorm(d, eps=eps, **factory)
         self.post_attention_layernorm = nn.LayerNorm(d, eps=eps, **factory)
-        self.attention = Attention(config, **factory)
-        self.mlp = MLP(config, **factory)
+        self.attention = Attention(config, kernels=kernels, **factory)
+        self.mlp = MLP(config, kernels=kernels, **factory)
+        # both norms of x in one pass, or each LayerNorm module in turn
+        self.norms = K.norms_fused if kernels.norms else K.norms_plain
 
     def reset_parameters(self):
         _init_like_hf(self, self.config.init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        attn = self.attention(self.input_layernorm(x))
-        mlp = self.mlp(self.post_attention_layernorm(x))
+        h_attn, h_mlp = self.norms(x, self.input_layernorm,
+                                   self.post_attention_layernorm)
+        attn = self.attention(h_attn)
+        mlp = self.mlp(h_mlp)
         # Same summation order as HF (mlp + attn + x), so fp32 results agree to
         # the last few ulps.
         return mlp + attn + x
@@ -357,19 +387,33 @@ class FinalNorm(nn.Module):
 class Readout(nn.Module):
     """
     ## Readout: `[B, T, d]` to logits `[B, T, n_vocab]`, no bias, not tied
+
+    Given `targets` `[B, T]` as well, it returns the mean next-token
+    cross-entropy instead, the fp32 scalar of
+    `F.cross_entropy(logits.float()...)`: with the `loss` kernel computed in
+    chunks that never hold the logits ([fused kernels](kernels.html)), else
+    from the logits by the plain twin.
     """
 
-    def __init__(self, config: NeoXConfig, *, device=None, dtype=None):
+    def __init__(self, config: NeoXConfig, *, kernels: ModelKernels | None = None,
+                 device=None, dtype=None):
         super().__init__()
         self.config = config
+        kernels = kernels or ModelKernels()
         self.embed_out = nn.Linear(config.d_model, config.n_vocab, bias=False,
                                    device=device, dtype=dtype)
+        self.loss = (functools.partial(K.fused_readout_loss,
+                                       chunk_rows=kernels.loss_chunk_rows)
+                     if kernels.loss else K.plain_readout_loss)
 
     def reset_parameters(self):
         _init_like_hf(self, self.config.init_std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.embed_out(x)  # [B, T, n_vocab]
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        if targets is None:
+            return self.embed_out(x)  # [B, T, n_vocab]
+        return self.loss(x, self.embed_out, targets)  # [] fp32
 
 
 # ## Building the list
@@ -384,7 +428,8 @@ class Readout(nn.Module):
 
 def build_layers(config: NeoXConfig, *, filter_layers: Iterable[int] | None = None,
                  device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> list[nn.Module]:
+                 dtype: torch.dtype | None = None,
+                 kernels: ModelKernels | None = None) -> list[nn.Module]:
     """
     ### Build `[Embedding, TransformerLayer × n, FinalNorm, Readout]`
 
@@ -394,6 +439,8 @@ def build_layers(config: NeoXConfig, *, filter_layers: Iterable[int] | None = No
     * `device='meta'` allocates nothing; call `to_empty(device=...)` and then
       `reset_parameters()` on each layer, or load a checkpoint into it.
     * Weights are initialised as HF does (see `_init_like_hf`) unless on meta.
+    * `kernels` chooses the [fused kernels](kernels.html), once for every
+      layer; by default none, the plain PyTorch model.
     """
     if filter_layers is None:
         indices = list(range(config.n_layers))
@@ -404,13 +451,35 @@ def build_layers(config: NeoXConfig, *, filter_layers: Iterable[int] | None = No
             raise ValueError(f"filter_layers {bad} out of range: the model has "
                              f"{config.n_layers} layers (0..{config.n_layers - 1})")
     factory = dict(device=device, dtype=dtype)
+    kernels = kernels or ModelKernels()
     layers: list[nn.Module] = [Embedding(config, **factory)]
-    layers += [TransformerLayer(config, i, **factory) for i in indices]
-    layers += [FinalNorm(config, **factory), Readout(config, **factory)]
+    layers += [TransformerLayer(config, i, kernels=kernels, **factory)
+               for i in indices]
+    layers += [FinalNorm(config, **factory),
+               Readout(config, kernels=kernels, **factory)]
     if torch.device(device or "cpu").type != "meta":
         for layer in layers:
             layer.reset_parameters()
     return layers
+
+
+class NeoXChain(nn.Sequential):
+    """
+    ## The layers in a chain, with the loss at its end
+
+    `NeoXChain(*build_layers(config))(ids)` is the logits, as
+    `nn.Sequential` gives; `(ids, targets)` hands the targets to the last
+    layer, the `Readout`, which returns the loss. The engines' wrappers (DDP,
+    FSDP2, `Zero3Sequential` with its own `forward(x, *last_args)`) pass both
+    through.
+    """
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None):
+        *body, last = self
+        x = ids
+        for layer in body:
+            x = layer(x)
+        return last(x) if targets is None else last(x, targets)
 
 
 def hf_prefix(layer: nn.Module) -> str:

@@ -179,6 +179,9 @@ class AdamFP16(torch.optim.Optimizer):
         self.unread_flags: list[tuple[list, torch.Tensor, object]] = []
         # the side stream of the device's early updates, made at the first one
         self.update_stream: torch.cuda.Stream | None = None
+        # (step, 0-dim step tensor) per (device, stream): every shard updated
+        # at that step there reads the same one, one fill a step, not a shard
+        self._step_tensors: dict[tuple, tuple[int, torch.Tensor]] = {}
 
     @property
     def host(self):
@@ -586,7 +589,7 @@ class AdamFP16(torch.optim.Optimizer):
         lr, (beta1, beta2) = group["lr"], group["betas"]
         if self.fused:
             # The kernel reads the (already incremented) step from a tensor.
-            steps = [torch.full((), float(step), device=m.device) for m in masters]
+            steps = [self._step_tensor(m.device, step) for m in masters]
             torch._fused_adamw_(
                 masters, grads, exp_avgs, exp_avg_sqs, [], steps,
                 lr=lr, beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
@@ -607,6 +610,15 @@ class AdamFP16(torch.optim.Optimizer):
         torch._foreach_div_(denom, bias_correction2_sqrt)
         torch._foreach_add_(denom, group["eps"])
         torch._foreach_addcdiv_(masters, exp_avgs, denom, -step_size)
+
+    def _step_tensor(self, device: torch.device, step: int) -> torch.Tensor:
+        """The kernel only reads it, so shards of one step may share it."""
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        held = self._step_tensors.get((device, stream))
+        if held is None or held[0] != step:
+            held = (step, torch.full((), float(step), device=device))
+            self._step_tensors[(device, stream)] = held
+        return held[1]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:

@@ -436,14 +436,17 @@ class Zero3Sequential(ShardedRoot):
         for layer in modules:
             layer.join(self.runtime)
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Any, *last_args: Any) -> Any:
         self.runtime.begin_forward()
         recompute = self.config.activation_checkpointing and torch.is_grad_enabled()
-        for layer in self.layers:
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            # the last layer also takes `last_args` (a loss head's targets)
+            args = (x, *last_args) if i == last else (x,)
             if recompute:
-                x = checkpoint(layer, x, use_reentrant=False)
+                x = checkpoint(layer, *args, use_reentrant=False)
             else:
-                x = layer(x)
+                x = layer(*args)
         self.runtime.end_forward(x)
         return x
 
