@@ -86,7 +86,7 @@ from labml_zero.zero3.shard import LocalShard
 
 from .host_offload import GradVersion, HostOffload
 
-# An offload rule answers, for a chunk's index and its 16-bit shard, whether that
+# A rule answers, for a chunk's index and its parameter shard, whether that
 # shard's master and moments live on the host; the two moments are named as in
 # `torch.optim.AdamW`'s state, so a state dict reads the same.
 OffloadRule = Callable[[int, torch.Tensor], bool]

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-# The dtypes a chunk may hold or reduce in: the 16-bit ones the engine is for,
-# and fp32, the reference every parity test trains against.
+# The dtypes a chunk may hold or reduce in: bf16 and fp16, which the engine is
+# for, and fp32, the reference every parity test trains against.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
