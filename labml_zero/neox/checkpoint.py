@@ -467,7 +467,8 @@ def save_hf_checkpoint(out_dir: str | os.PathLike, config: NeoXConfig,
                        named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        max_shard_bytes: int = 2 * 1024**3,
                        dtype: torch.dtype | None = None,
-                       overwrite: bool = False) -> Path:
+                       overwrite: bool = False,
+                       extra_files: dict[str, str] | None = None) -> Path:
     """
     ### Write a sharded Hugging Face checkpoint atomically
 
@@ -477,6 +478,8 @@ def save_hf_checkpoint(out_dir: str | os.PathLike, config: NeoXConfig,
     * `dtype` casts every tensor (e.g. `torch.float16` for release), else each
       keeps its own dtype.
     * One shard is written as `model.safetensors` with no index, as HF does.
+    * `extra_files` (`{name: text}`) go in beside them, inside the same rename
+      (the LoRA export's marker).
 
     Returns the checkpoint directory. See Note: atomic checkpoint directory.
     """
@@ -510,6 +513,9 @@ def save_hf_checkpoint(out_dir: str | os.PathLike, config: NeoXConfig,
         hf_config = to_hf_config(config, dtype=written.dtype)
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
         fsync_path(tmp / CONFIG_FILE)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+            fsync_path(tmp / name)
         fsync_path(tmp)
         # The only moment the target changes; see Note: atomic checkpoint directory.
         replace_directory(tmp, out_dir)

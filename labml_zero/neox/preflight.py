@@ -21,7 +21,12 @@ spawns anything, `preflight` checks, on this host and with no process group:
    object that describes a GPT-NeoX, and every tensor the model needs is in the
    safetensors headers with the shape the config implies (headers only: no
    weights are read);
-3. **the checkpoint to resume**: the [checkpoint
+3. **exports** (LoRA's `export_adapter`, `export_merged`): each is a new or
+   empty directory or a previous export of its kind, never a file nor a
+   directory the run reads or writes otherwise, writable, with room for the
+   export ([the rules](lora_export.html)); an adapter needs a `checkpoint` to
+   name as its base;
+4. **the checkpoint to resume**: the [checkpoint
    package's](../zero3/checkpoint/preflight.html) `check_resumable` (a
    complete checkpoint of this model: the same parameter names and shapes),
    then written by this job at the same batch size, seed and world size (the
@@ -51,12 +56,14 @@ from torch import nn
 
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.checkpoint import check_hf_snapshot
+from labml_zero.neox.lora_export import (ADAPTER, MERGED, ExportDestinationError,
+                                         check_export_destination, export_bytes)
 from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
                                          check_resumable, sequential_shapes)
 from labml_zero.zero3.memory_model import OPTIMIZER_BYTES
 
 __all__ = ["PreflightError", "Preflight", "preflight", "check_writable_dir",
-           "checkpoint_bytes", "check_resume"]
+           "checkpoint_bytes", "check_resume", "check_exports"]
 
 
 class PreflightError(ValueError):
@@ -112,6 +119,36 @@ def checkpoint_bytes(layers: list[nn.Module], dtype: torch.dtype) -> int:
         total += param.numel()
         trainable += param.numel() if param.requires_grad else 0
     return p * total + k * trainable
+
+
+def check_exports(config, layers: list[nn.Module], dtype: torch.dtype) -> None:
+    """
+    ### Where LoRA's exports go, before training, not after it
+
+    An export replaces its directory whole, so one pointed at the wrong place
+    would delete what is there (see the rules on [the export's
+    page](lora_export.html)); each destination is also checked writable, with
+    room for its size from `layers`' shapes.
+    """
+    flags = {"export_adapter": ("--export-adapter", ADAPTER),
+             "export_merged": ("--export-merged", MERGED)}
+    if config.export_adapter is not None and config.checkpoint is None:
+        raise PreflightError("--export-adapter needs --checkpoint: an adapter "
+                             "trained on random weights has no base model to load "
+                             "it onto (use --export-merged)")
+    for name, (flag, kind) in flags.items():
+        path = getattr(config, name)
+        if path is None:
+            continue
+        protected = {"--out": config.out, "--log-dir": config.log_dir,
+                     "--checkpoint": config.checkpoint, "--resume": config.resume}
+        protected |= {f: getattr(config, n) for n, (f, _) in flags.items()
+                      if n != name}
+        try:
+            check_export_destination(path, kind, flag=flag, protected=protected,
+                                     need_bytes=export_bytes(layers, kind, dtype))
+        except ExportDestinationError as e:
+            raise PreflightError(str(e)) from e
 
 
 def check_resume(path: Path, layers: list[nn.Module], config, world_size: int
@@ -185,6 +222,7 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
             raise PreflightError(f"--out {out} has {free / 2**30:.1f} GiB free, one "
                                  f"checkpoint needs {need / 2**30:.1f} GiB")
 
+    check_exports(config, layers, config.torch_dtype(device))
     step = None
     if config.resume is not None:
         step = check_resume(Path(config.resume), layers, config, world_size)
