@@ -34,6 +34,16 @@ process of the foreground group, and only the launcher should decide. If the
 launcher was started with `SIGINT` ignored (`nohup`, a script's background job), it
 stays ignored, and `SIGTERM` still ends the job.
 
+## Timeouts
+
+Two clocks can end a job that stopped moving: the launcher's hang watch $T$
+([the next page](supervisor.html)) and the process group's own timeout, after
+which a collective raises on a rank that waited for a peer. The rank that
+waits is the healthy one; so the process group's timeout is set above the hang
+watch, to $T$ plus `COLLECTIVE_MARGIN_S`, and the watch, which names the rank
+that is *not* waiting, always speaks first. A timeout given explicitly must be
+above $T$ too.
+
 ## Limitations
 
 * On one host every rank must see the same number of GPUs (`CUDA_VISIBLE_DEVICES`).
@@ -78,6 +88,29 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
         self.exit_status = 128 + signum
+
+
+# Without a hang watch, how long a collective waits for a peer.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+# With one, the collectives wait this much longer than the watch (see Timeouts).
+COLLECTIVE_MARGIN_S = 60.0
+
+
+def collective_timeout(timeout_s: float | None, hang_timeout: float | None) -> float:
+    """
+    ### The process group's timeout, above the hang watch (see Timeouts)
+    """
+    if hang_timeout is not None and not hang_timeout > 0:
+        raise ValueError(f"hang_timeout must be a positive number of seconds, "
+                         f"got {hang_timeout}")
+    if timeout_s is None:
+        return (DEFAULT_COLLECTIVE_TIMEOUT_S if hang_timeout is None
+                else hang_timeout + COLLECTIVE_MARGIN_S)
+    if hang_timeout is not None and timeout_s <= hang_timeout:
+        raise ValueError(f"the collective timeout {timeout_s:g} s must exceed the "
+                         f"hang timeout {hang_timeout:g} s, or a rank waiting for "
+                         f"a hung peer is blamed for it")
+    return timeout_s
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:
@@ -214,7 +247,7 @@ def spawn(
     world_size: int,
     *args: Any,
     backend: str | None = None,
-    timeout_s: float = 300.0,
+    timeout_s: float | None = None,
     hang_timeout: float | None = None,
 ) -> None:
     """
@@ -224,6 +257,7 @@ def spawn(
     started with `spawn`, not `fork` (CUDA cannot be forked). Raises `RankFailed`
     if a rank fails or stops beating for `hang_timeout` seconds, `Interrupted` on
     `SIGINT`/`SIGTERM`; either way every rank has ended when it returns.
+    `timeout_s` is the process group's (`collective_timeout` by default).
     """
     backend = backend or default_backend()
     if world_size < 1:
@@ -233,9 +267,7 @@ def spawn(
             f"world_size {world_size} needs {world_size} GPUs, "
             f"found {torch.cuda.device_count()}"
         )
-    if hang_timeout is not None and not hang_timeout > 0:
-        raise ValueError(f"hang_timeout must be a positive number of seconds, "
-                         f"got {hang_timeout}")
+    timeout_s = collective_timeout(timeout_s, hang_timeout)
     context = mp.get_context("spawn")
     shared = Shared.create(context, world_size)
     port = free_port()
@@ -271,7 +303,7 @@ def run_torchrun(
     fn: Callable[..., Any],
     *args: Any,
     backend: str | None = None,
-    timeout_s: float = 300.0,
+    timeout_s: float | None = None,
     hang_timeout: float | None = None,
 ) -> None:
     """
@@ -283,6 +315,7 @@ def run_torchrun(
     `rank r failed: …` (an echo: only `rank r stopped: …`), then exits with 1.
     """
     backend = backend or default_backend()
+    timeout_s = collective_timeout(timeout_s, hang_timeout)
     rank = int(os.environ["RANK"])
     die_with_parent(os.getppid())
     signal.signal(signal.SIGINT, _raise_interrupted)

@@ -151,6 +151,23 @@ def test_exit_status():
         assert stop.exit_status == 128 + signum == status
 
 
+def test_collectives_wait_longer_than_the_hang_watch():
+    # a healthy rank waiting in a collective for a hung peer must not time out
+    # (and be named) before the watch names the hung one
+    from labml_zero.neox.finetune_config import FinetuneConfig
+
+    default = FinetuneConfig().hang_timeout
+    assert 60 <= default <= 300  # minutes, not ten
+    assert launch.collective_timeout(None, default) == \
+        default + launch.COLLECTIVE_MARGIN_S
+    assert launch.collective_timeout(None, None) == \
+        launch.DEFAULT_COLLECTIVE_TIMEOUT_S
+    assert launch.collective_timeout(30.0, 10.0) == 30.0
+    with pytest.raises(ValueError, match="must exceed the hang timeout 10 s"):
+        launch.spawn(agree, 2, "unused", backend="gloo", timeout_s=10.0,
+                     hang_timeout=10.0)
+
+
 def test_bad_hang_timeout_is_refused():
     with pytest.raises(ValueError, match="hang_timeout must be a positive"):
         launch.spawn(agree, 2, "unused", backend="gloo", hang_timeout=0)
