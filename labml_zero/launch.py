@@ -65,9 +65,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from labml_zero.supervisor import (Heartbeat, RankFailed, Shared, die_with_parent,
-                                   end_all, report, self_watch, shorten,
-                                   supervise, tell_torchrun, watchdog)
+from labml_zero.supervisor import (Heartbeat, RankFailed, Shared, StderrTail,
+                                   die_with_parent, end_all, report, self_watch,
+                                   shorten, supervise, tell_torchrun, watchdog)
 
 __all__ = ["DistContext", "Heartbeat", "Interrupted", "RankFailed", "spawn",
            "run_torchrun", "under_torchrun", "free_port", "default_backend"]
@@ -177,8 +177,12 @@ def init(
 
 
 def _worker(rank: int, fn: Callable[..., Any], world_size: int, backend: str,
-            port: int, timeout_s: float, args: tuple, shared: Shared) -> None:
+            port: int, timeout_s: float, args: tuple, shared: Shared,
+            stderr: Any) -> None:
     die_with_parent(shared.parent_pid)
+    # stderr into the launcher's pipe (see supervisor's "A rank's last words")
+    os.dup2(stderr.fileno(), 2)
+    stderr.close()
     # The launcher handles Ctrl-C for the whole job (see Signals above).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_interrupted)
@@ -272,18 +276,26 @@ def spawn(
     shared = Shared.create(context, world_size)
     port = free_port()
     processes: list[Any] = []
+    tails: list[StderrTail] = []
     with Signals() as signals:
         try:
             for rank in range(world_size):
+                reader, writer = context.Pipe(duplex=False)
                 process = context.Process(
                     target=_worker, name=f"rank {rank}", args=(
-                        rank, fn, world_size, backend, port, timeout_s, args, shared))
+                        rank, fn, world_size, backend, port, timeout_s, args, shared,
+                        writer))
                 signals.start(process)
                 processes.append(process)
-            failure = supervise(processes, shared, hang_timeout)
+                writer.close()  # the rank holds the only write end: EOF at its end
+                tails.append(StderrTail(os.dup(reader.fileno())))
+                reader.close()
+            failure = supervise(processes, shared, hang_timeout, tails)
         finally:
             end_all(processes)
             shared.close()
+            for tail in tails:  # what the ranks wrote last, before our last line
+                tail.thread.join(1.0)
     if failure is not None:
         raise failure
 

@@ -34,6 +34,16 @@ echo; then a rank that died without a report (a signal, `os._exit`); an echo onl
 if nothing else is known. Nothing is written to disk, so no error files are left
 behind.
 
+## A rank's last words
+
+A rank killed by a signal writes no report, and a signal's name alone rarely
+says why (`SIGABRT` from a C++ exception, `SIGKILL` from the kernel's
+out-of-memory killer). So each rank's stderr is a pipe the launcher reads
+(`StderrTail`): it passes every byte on to its own stderr at once and keeps
+the last `TAIL_BYTES`, and a death is reported with the last lines the rank
+wrote. The pipe lives in the launcher, so what the rank wrote before it died
+is there even when the death was instant.
+
 ## Hangs
 
 With a hang timeout $T$, the launcher watches each rank's heartbeat count. A rank
@@ -83,6 +93,10 @@ REPORT_WINDOW_S = 2.0
 GRACE_S = 5.0
 # Bytes of "file:line in function" each rank publishes about its main thread.
 WHERE_BYTES = 200
+# Of each rank's stderr, what the launcher keeps for a death's report.
+TAIL_BYTES = 8192
+# Lines of it the one-line report quotes.
+TAIL_LINES = 3
 
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 DIST_DIR = os.path.join(TORCH_DIR, "distributed") + os.sep
@@ -298,6 +312,50 @@ def died(exitcode: int) -> str:
     return f"died (exit code {exitcode})"
 
 
+class StderrTail:
+    """
+    ## A rank's stderr, passed on and its end kept (see A rank's last words)
+
+    `fd` is the read end of the rank's stderr pipe; a daemon thread copies
+    every chunk to the launcher's stderr (file descriptor 2, as the rank's
+    own stderr was before) and keeps the last `TAIL_BYTES`.
+    """
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.tail = b""
+        self.thread = threading.Thread(target=self.pump, daemon=True)
+        self.thread.start()
+
+    def pump(self) -> None:
+        try:
+            while chunk := os.read(self.fd, 65536):
+                os.write(2, chunk)
+                self.tail = (self.tail + chunk)[-TAIL_BYTES:]
+        except OSError:
+            pass
+        finally:
+            os.close(self.fd)
+
+    def last_lines(self, wait_s: float = 1.0) -> list[str]:
+        """The last non-empty lines, once the pipe is drained (or `wait_s`)."""
+        self.thread.join(wait_s)
+        text = self.tail.decode(errors="replace").replace("\r", "\n")
+        return [" ".join(line.split()) for line in text.splitlines()
+                if line.strip()][-TAIL_LINES:]
+
+
+def last_words(exitcode: int, lines: list[str]) -> str:
+    """`died (signal …)` with what the rank last wrote, or a hint if nothing."""
+    cause = died(exitcode)
+    if lines:
+        return f"{cause}; its last words on stderr: {shorten(' | '.join(lines), 300)}"
+    if exitcode == -signal.SIGKILL:
+        return (f"{cause}, printing nothing: killed from outside, often by the "
+                f"kernel's out-of-memory killer (see dmesg)")
+    return f"{cause}, printing nothing on stderr"
+
+
 class HangWatch:
     """
     ## The launcher's view of the heartbeats
@@ -331,7 +389,8 @@ class HangWatch:
 
 
 def supervise(processes: list[Any], shared: Shared,
-              hang_timeout: float | None) -> RankFailed | None:
+              hang_timeout: float | None,
+              tails: list[StderrTail] | None = None) -> RankFailed | None:
     """
     ## Wait for the ranks; the first failure, or `None` if all ended well
 
@@ -363,7 +422,12 @@ def supervise(processes: list[Any], shared: Shared,
         elif (hung := watch.check(
                 shared, now, [code is None for code in exits.values()])) is not None:
             return hung
-    return cause(reports, deaths)
+    error = cause(reports, deaths)
+    if error is not None and tails and error.rank in deaths and not error.traceback:
+        lines = tails[error.rank].last_lines()
+        error = RankFailed(error.rank, last_words(deaths[error.rank], lines),
+                           others=error.others)
+    return error
 
 
 def shorten(line: str, limit: int = 160) -> str:

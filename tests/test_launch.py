@@ -64,6 +64,17 @@ def killed_rank_1(ctx: launch.DistContext) -> None:
     dist.all_reduce(t)
 
 
+def abort_after_words_on_rank_1(ctx: launch.DistContext) -> None:
+    t = torch.zeros(1)
+    dist.all_reduce(t)
+    if ctx.rank == 1:
+        # what a C++ library prints before abort(): straight to file descriptor 2
+        os.write(2, b"terminate called after throwing an instance of 'Err'\n"
+                    b"  what():  distinctive words 1234\n")
+        os.kill(os.getpid(), signal.SIGABRT)
+    dist.all_reduce(t)
+
+
 def sleepy_rank_1(ctx: launch.DistContext) -> None:
     t = torch.zeros(1)
     for step in range(1000):
@@ -128,8 +139,22 @@ def test_killed_rank_is_named():
     start = time.monotonic()
     with pytest.raises(launch.RankFailed) as caught:
         launch.spawn(killed_rank_1, 2, backend="gloo")
-    assert str(caught.value) == "rank 1 died (signal SIGKILL)"
+    assert str(caught.value).startswith("rank 1 died (signal SIGKILL), printing "
+                                        "nothing: killed from outside")
+    assert "out-of-memory killer" in str(caught.value)
     assert time.monotonic() - start < 60
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_its_last_stderr_lines(capfd):
+    with pytest.raises(launch.RankFailed) as caught:
+        launch.spawn(abort_after_words_on_rank_1, 2, backend="gloo")
+    message = str(caught.value)
+    assert message.startswith("rank 1 died (signal SIGABRT); its last words on "
+                              "stderr: terminate called after throwing"), message
+    assert message.endswith("what(): distinctive words 1234"), message
+    assert "\n" not in message
+    # and the words still reached the launcher's stderr as they were written
+    assert "distinctive words 1234" in capfd.readouterr().err
 
 
 def test_hanging_rank_is_named_within_the_timeout():
