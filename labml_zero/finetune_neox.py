@@ -341,7 +341,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                      hang_timeout=config.hang_timeout)
     except launch.RankFailed as e:
         # the failing rank's traceback, what the others hit after it, its cause
-        print(e.traceback.strip(), *e.others, sep="\n", file=sys.stderr)
+        before = [text for text in (e.traceback.strip(), *e.others) if text]
+        if before:
+            print(*before, sep="\n", file=sys.stderr)
         print(f"{PROG}: error: {failure_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # launch.Interrupted: SIGINT or SIGTERM

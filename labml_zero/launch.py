@@ -24,15 +24,17 @@ ranks, names the one that failed or hung and keeps none alive after itself is
 
 ## Signals
 
-`SIGINT` (Ctrl-C) and `SIGTERM` to the launcher raise `Interrupted` in it; it then
+`SIGINT` (Ctrl-C), `SIGTERM` and `SIGHUP` (the terminal closed, the SSH session
+lost) to the launcher raise `Interrupted` in it; it then
 sends `SIGTERM` to every rank, and `SIGKILL` to any still alive after the grace
 period, so every rank has ended within $p + g$ of the signal. A rank turns
 `SIGTERM` into an exception so that `finally` blocks run (a checkpoint being
 written removes its temporary directory; the one in place is never touched), then
-exits without a word. Ranks ignore `SIGINT`: a Ctrl-C in a terminal reaches every
-process of the foreground group, and only the launcher should decide. If the
-launcher was started with `SIGINT` ignored (`nohup`, a script's background job), it
-stays ignored, and `SIGTERM` still ends the job.
+exits without a word. Ranks ignore `SIGINT` and `SIGHUP`: a Ctrl-C or a hangup
+reaches every process of the terminal's group, and only the launcher should
+decide. If the launcher was started with one of them ignored (`nohup` ignores
+`SIGHUP`, a script's background job `SIGINT`), it stays ignored, and `SIGTERM`
+still ends the job.
 
 ## Timeouts
 
@@ -75,13 +77,14 @@ __all__ = ["DistContext", "Heartbeat", "Interrupted", "RankFailed", "spawn",
 
 class Interrupted(KeyboardInterrupt):
     """
-    ## `SIGINT` or `SIGTERM` arrived
+    ## `SIGINT`, `SIGTERM` or `SIGHUP` arrived
 
     A `KeyboardInterrupt`, so code that handles Ctrl-C handles both;
     `exit_status` follows the shell: 128 (tested:
     tests/test_launch.py::test_exit_status) plus the signal's number, so 130
-    (tested: tests/test_launch.py::test_exit_status) for `SIGINT` and 143
-    (tested: tests/test_launch.py::test_exit_status) for `SIGTERM`.
+    (tested: tests/test_launch.py::test_exit_status) for `SIGINT`, 143
+    (tested: tests/test_launch.py::test_exit_status) for `SIGTERM` and 129
+    (tested: tests/test_launch.py::test_exit_status) for `SIGHUP`.
     """
 
     def __init__(self, signum: int):
@@ -111,6 +114,10 @@ def collective_timeout(timeout_s: float | None, hang_timeout: float | None) -> f
                          f"hang timeout {hang_timeout:g} s, or a rank waiting for "
                          f"a hung peer is blamed for it")
     return timeout_s
+
+
+# Signals a whole terminal group gets, which spawned ranks leave to the launcher.
+HANDED_TO_LAUNCHER = (signal.SIGINT, signal.SIGHUP)
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:
@@ -183,8 +190,9 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, backend: str,
     # stderr into the launcher's pipe (see supervisor's "A rank's last words")
     os.dup2(stderr.fileno(), 2)
     stderr.close()
-    # The launcher handles Ctrl-C for the whole job (see Signals above).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The launcher handles Ctrl-C and hangups for the whole job (see Signals above).
+    for signum in HANDED_TO_LAUNCHER:
+        signal.signal(signum, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_interrupted)
     threading.Thread(target=watchdog, args=(shared, rank), daemon=True).start()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -215,9 +223,9 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, backend: str,
 
 class Signals:
     """
-    #### `SIGINT` and `SIGTERM` raise `Interrupted` while the job runs
+    #### `SIGINT`, `SIGTERM` and `SIGHUP` raise `Interrupted` while the job runs
 
-    An inherited ignored `SIGINT` stays ignored (see Signals above). Only the main
+    An inherited ignored signal stays ignored (see Signals above). Only the main
     thread may set handlers; elsewhere this does nothing.
     """
 
@@ -225,25 +233,46 @@ class Signals:
         self.saved = {}
         if threading.current_thread() is not threading.main_thread():
             return self
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self.saved[signum] = signal.getsignal(signum)
             if self.saved[signum] is not signal.SIG_IGN:
                 signal.signal(signum, _raise_interrupted)
         return self
 
     def start(self, process: Any) -> None:
-        """Start a rank that inherits an ignored `SIGINT` from its first instant."""
+        """Start a rank that inherits ignored `SIGINT`, `SIGHUP` from its first
+        instant."""
         if not self.saved:
             return process.start()
-        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        handlers = {s: signal.signal(s, signal.SIG_IGN) for s in HANDED_TO_LAUNCHER}
         try:
             process.start()
         finally:
-            signal.signal(signal.SIGINT, handler)
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
 
     def __exit__(self, *exc: Any) -> None:
         for signum, handler in self.saved.items():
             signal.signal(signum, handler)
+
+
+def start_resource_tracker() -> None:
+    """
+    #### multiprocessing's helper process, started with `SIGHUP` ignored
+
+    The shared lock and arrays need multiprocessing's resource tracker, a
+    process in the terminal's group that ignores `SIGINT` and `SIGTERM` but
+    would die of a hangup; started here first, it inherits `SIGHUP` ignored.
+    """
+    from multiprocessing import resource_tracker
+
+    if threading.current_thread() is not threading.main_thread():
+        return resource_tracker.ensure_running()
+    handler = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, handler)
 
 
 def spawn(
@@ -273,6 +302,7 @@ def spawn(
         )
     timeout_s = collective_timeout(timeout_s, hang_timeout)
     context = mp.get_context("spawn")
+    start_resource_tracker()
     shared = Shared.create(context, world_size)
     port = free_port()
     processes: list[Any] = []
@@ -330,8 +360,8 @@ def run_torchrun(
     timeout_s = collective_timeout(timeout_s, hang_timeout)
     rank = int(os.environ["RANK"])
     die_with_parent(os.getppid())
-    signal.signal(signal.SIGINT, _raise_interrupted)
-    signal.signal(signal.SIGTERM, _raise_interrupted)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _raise_interrupted)
     progress = Heartbeat([0], 0)
     if hang_timeout is not None:
         threading.Thread(target=self_watch, args=(progress, rank, hang_timeout),

@@ -26,6 +26,10 @@ Each spawned rank catches its own exception and, *before* it closes its
 connections, writes a report (type, message, the innermost `file:line` outside
 torch, its traceback) into one pipe shared by all ranks. A peer can only see the
 failure once those connections close, so the cause is in the pipe before any echo.
+An error whose class sets `user_error = True` (a damaged checkpoint, a loss
+that became non-finite) says all there is in its message: it is reported
+without its traceback, and neither the other ranks' same line nor their echoes
+of it are listed, so the user reads one line.
 Echoes are recognised as well, for the case of two ranks failing together (an
 agreement between ranks that one failed): `torch.distributed.DistError` (a
 collective that lost its peer) and errors saying that another rank failed or that
@@ -185,7 +189,9 @@ def report(rank: int, error: BaseException) -> dict:
     return {"rank": rank, "echo": is_echo(error),
             "line": f"{type(error).__name__}: {message}"
                     + (f" ({where})" if where else ""),
-            "traceback": "".join(traceback.format_exception(error))}
+            "brief": getattr(error, "user_error", False),
+            "traceback": ("" if getattr(error, "user_error", False)
+                          else "".join(traceback.format_exception(error)))}
 
 
 def main_thread_where() -> tuple[str, bool]:
@@ -450,9 +456,14 @@ def cause(reports: dict[int, dict], deaths: dict[int, int]) -> RankFailed | None
                            traceback_text=first["traceback"])
     else:
         return None
+    # After an error that says it all (see Failure), the same line on another
+    # rank, or an echo that points at it, adds nothing.
+    said = str(error).partition(": ")[2]
+    brief = any(r["rank"] == error.rank and r.get("brief") for r in reports.values())
     error.others = tuple(
         [f"rank {r['rank']} then: {shorten(r['line'])}" for r in reports.values()
-         if r["rank"] != error.rank]
+         if r["rank"] != error.rank and not (brief and (r["line"] == said
+                                                        or r["echo"]))]
         + [f"rank {rank} then {died(code)}" for rank, code in deaths.items()
            if rank != error.rank])
     return error

@@ -170,7 +170,8 @@ def test_hanging_rank_is_named_within_the_timeout():
 
 
 def test_exit_status():
-    for signum, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+    for signum, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143),
+                           (signal.SIGHUP, 129)):
         stop = launch.Interrupted(signum)
         assert isinstance(stop, KeyboardInterrupt)
         assert stop.exit_status == 128 + signum == status
@@ -221,8 +222,8 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def start_job(tmp: Path, *, ignore_sigint: bool = False) -> tuple[subprocess.Popen,
-                                                                   list[int]]:
+def start_job(tmp: Path, *, ignore_sigint: bool = False,
+              new_session: bool = False) -> tuple[subprocess.Popen, list[int]]:
     """The launcher in its own process, once both ranks are training."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
@@ -231,7 +232,8 @@ def start_job(tmp: Path, *, ignore_sigint: bool = False) -> tuple[subprocess.Pop
 
     job = subprocess.Popen([sys.executable, "-c", JOB, str(tmp)], env=env,
                            stderr=subprocess.PIPE, text=True,
-                           preexec_fn=ignore if ignore_sigint else None)
+                           preexec_fn=ignore if ignore_sigint else None,
+                           start_new_session=new_session)
     deadline = time.monotonic() + 90
     while not all((tmp / f"pid{r}").exists() for r in (0, 1)):
         if time.monotonic() > deadline or job.poll() is not None:
@@ -255,7 +257,8 @@ def wait_gone(pids: list[int], timeout: float) -> float:
 
 
 @pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130),
-                                            (signal.SIGTERM, 143)])
+                                            (signal.SIGTERM, 143),
+                                            (signal.SIGHUP, 129)])
 def test_signal_ends_every_rank(tmp_path: Path, signum: int, status: int):
     job, ranks = start_job(tmp_path)
     try:
@@ -263,6 +266,21 @@ def test_signal_ends_every_rank(tmp_path: Path, signum: int, status: int):
         _, stderr = job.communicate(timeout=10)
         assert job.returncode == status
         assert stderr.strip() == "interrupted"  # no traceback from anyone
+        wait_gone(ranks, 1)
+    finally:
+        job.kill()
+        wait_gone(ranks, 10)
+
+
+def test_a_hangup_of_the_whole_group_ends_the_job_like_sigterm(tmp_path: Path):
+    # a closed terminal sends SIGHUP to every process of its group, ranks too:
+    # they leave it to the launcher, which ends them and says one word
+    job, ranks = start_job(tmp_path, new_session=True)
+    try:
+        os.killpg(job.pid, signal.SIGHUP)
+        _, stderr = job.communicate(timeout=10)
+        assert job.returncode == 129
+        assert stderr.strip() == "interrupted"
         wait_gone(ranks, 1)
     finally:
         job.kill()
