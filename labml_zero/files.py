@@ -29,6 +29,11 @@ partial one; a crash there leaves the old one complete under its `.old-` name.
 A file can be renamed over an existing file (`os.replace`), so replacing a
 file needs one rename.
 
+Every file of a checkpoint or an export gets the mode a file created by
+`open` would have, $0666$ less the process's umask (`give_default_mode`):
+safetensors creates its files readable by their owner only, which would make
+one file of a checkpoint unreadable to a group that can read the rest.
+
 ## Limitations
 
 * A process killed between steps 1 and 3 leaves its `.tmp-` sibling behind; it
@@ -46,8 +51,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["atomic_file", "fsync_path", "replace_directory", "temporary_sibling",
-           "write_bytes_atomic"]
+__all__ = ["atomic_file", "fsync_path", "give_default_mode", "replace_directory",
+           "temporary_sibling", "write_bytes_atomic"]
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -57,6 +62,25 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def give_default_mode(path: str | os.PathLike) -> None:
+    """Set a file's mode to what `open` would create: `0o666` less the umask."""
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    """The process's umask: from `/proc` on Linux, which changes nothing."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    # elsewhere it can only be read by setting it; set back at once
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
 
 
 def temporary_sibling(path: str | os.PathLike, token: str | None = None, *,

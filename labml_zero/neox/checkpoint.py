@@ -104,7 +104,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from labml_zero.files import fsync_path, replace_directory, temporary_sibling
+from labml_zero.files import (fsync_path, give_default_mode, replace_directory,
+                              temporary_sibling)
 from labml_zero.neox.model import (Embedding, FinalNorm, NeoXConfig, Readout,
                                    TransformerLayer, build_layers, from_hf_config,
                                    gpt_neox_20b, hf_prefix, to_hf_config)
@@ -460,6 +461,7 @@ def hf_named_tensors(layers: Iterable[nn.Module]
 def _write_shard(tensors: dict[str, torch.Tensor], path: Path):
     # metadata {"format": "pt"} is what transformers checks for on load.
     save_file(tensors, str(path), metadata={"format": "pt"})
+    give_default_mode(path)  # safetensors makes it owner-only (see atomic files)
     fsync_path(path)
 
 

@@ -76,7 +76,8 @@ from typing import Iterable, Iterator, NamedTuple
 import torch
 from safetensors.torch import save_file
 
-from labml_zero.files import fsync_path, replace_directory, temporary_sibling
+from labml_zero.files import (fsync_path, give_default_mode, replace_directory,
+                              temporary_sibling)
 from labml_zero.neox.checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
                                         save_hf_checkpoint)
 from labml_zero.neox.lora import ADAPTER_NAMES, FineTuneLoRA
@@ -384,6 +385,7 @@ def write_adapter_dir(out_dir: Path, config: dict,
         # metadata {"format": "pt"} is what PEFT and transformers check for
         save_file({k: v.contiguous() for k, v in tensors.items()},
                   str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        give_default_mode(tmp / ADAPTER_WEIGHTS)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
         (tmp / EXPORT_MARKER).write_text(marker_text(ADAPTER))
         for path in (tmp / ADAPTER_WEIGHTS, tmp / ADAPTER_CONFIG,

@@ -9,7 +9,7 @@ summary: Old checkpoints are removed only once a newer one is complete, and only
 
 A job that saves every $n$ steps fills its disk: each checkpoint holds every
 shard, master and moment. `prune_checkpoints(directory, keep)` keeps the `keep`
-newest and removes the others, under three rules that make it safe to call
+newest and removes the others, under four rules that make it safe to call
 after every save:
 
 1. **Only after the newest is complete.** The newest checkpoint (the highest
@@ -19,11 +19,15 @@ after every save:
 2. **Only checkpoints of this layout.** A candidate is a directory named
    `step-NNNNNN` (at least six digits, as the fine-tune names them) that is
    itself a complete checkpoint. Anything else in the directory (a half-written
-   `step-…`, a `.tmp-` sibling, a file, a directory of notes) is left alone.
+   `step-…`, a file, a directory of notes) is left alone.
 3. **Never half removed.** A checkpoint is first renamed to a hidden
    `.step-NNNNNN.pruned-<token>` name, which nothing loads, then deleted; a
    crash during the deletion leaves a hidden directory, not a checkpoint with
    files missing.
+4. **Leftovers go.** A save killed outright (`SIGKILL`, a power cut) cannot
+   remove its `.step-NNNNNN.tmp-<id>` directory, nor a crash mid-delete its
+   `.pruned-` one; nothing loads either, so the next prune of the directory,
+   which runs after a save of its own has completed, removes them.
 
 With $k$ = `keep`, the disk holds at most $k + 1$ checkpoints: the $k$ kept ones
 and, during a save, the new one being written.
@@ -51,6 +55,8 @@ __all__ = ["checkpoint_dirs", "is_complete", "prune_checkpoints"]
 
 STEP_NAME = re.compile(r"step-(\d{6,})")
 """`step-NNNNNN`: the fine-tune's `checkpoints/step-{step:06d}`."""
+LEFTOVER_NAME = re.compile(r"\.step-\d{6,}\.(tmp|pruned)-[0-9A-Za-z_-]+")
+"""A killed save's temporary directory, or a crashed prune's (rule 4)."""
 
 
 def checkpoint_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -87,7 +93,7 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int, *,
       ones from a previous run) and is never removed.
 
     Returns the removed paths, oldest first; `[]` when the newest is not
-    complete. See the three rules above.
+    complete. See the four rules above.
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
@@ -101,6 +107,12 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int, *,
         return []
     complete = [path for path in found if is_complete(path)]
     removed = complete[:-keep]
+    # rule 4: this job's own save is complete, so every such directory is a
+    # leftover of one that was killed
+    for entry in Path(directory).iterdir():
+        if LEFTOVER_NAME.fullmatch(entry.name) and entry.is_dir() \
+                and not entry.is_symlink():
+            shutil.rmtree(entry)
     for path in removed:
         # rule 3: hidden first, so a crash mid-delete leaves no broken checkpoint
         aside = temporary_sibling(path, kind="pruned")
