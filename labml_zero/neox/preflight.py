@@ -26,7 +26,10 @@ spawns anything, `preflight` checks, on this host and with no process group:
    directory the run reads or writes otherwise, writable, with room for the
    export ([the rules](lora_export.html)); an adapter needs a `checkpoint` to
    name as its base;
-4. **the checkpoint to resume**: the [checkpoint
+4. **host memory**: the ranks this host starts fit in its available memory,
+   each about `RANK_BASE_BYTES` (the interpreter, torch, the data) plus its
+   share of the model states held in host memory (`check_host_memory`);
+5. **the checkpoint to resume**: the [checkpoint
    package's](../zero3/checkpoint/preflight.html) `check_resumable` (a
    complete checkpoint of this model: the same parameter names and shapes),
    then written by this job at the same batch size, seed and world size (the
@@ -63,7 +66,13 @@ from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
 from labml_zero.zero3.memory_model import OPTIMIZER_BYTES
 
 __all__ = ["PreflightError", "Preflight", "preflight", "check_writable_dir",
-           "checkpoint_bytes", "check_resume", "check_exports"]
+           "checkpoint_bytes", "check_resume", "check_exports",
+           "check_host_memory", "RANK_BASE_BYTES"]
+
+# What one rank of the tiny model holds in host memory at its peak, rounded
+# up: the interpreter with torch and labml, the tokenizer and the data, gloo's
+# buffers (tested: tests/test_finetune_failures.py::test_a_rank_fits_its_estimate).
+RANK_BASE_BYTES = 2**30
 
 
 class PreflightError(ValueError):
@@ -151,6 +160,53 @@ def check_exports(config, layers: list[nn.Module], dtype: torch.dtype) -> None:
             raise PreflightError(str(e)) from e
 
 
+def available_host_bytes() -> int | None:
+    """`MemAvailable` from `/proc/meminfo` (Linux), else free pages; `None` if
+    neither can be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory(config, layers: list[nn.Module], *, world_size: int,
+                      ranks_here: int, device: torch.device) -> None:
+    r"""
+    ### The ranks of this host fit in its memory
+
+    A rank is estimated at `RANK_BASE_BYTES` plus the model states it keeps
+    in host memory: on CPU its whole share, $(p\Psi + (4 + K)\Psi_t) / N$
+    (`checkpoint_bytes` and the fp32 gradient shards); on GPUs the offloaded
+    fraction of the optimizer states. Too many ranks for the host would be
+    killed one by one by the kernel; refused here instead.
+    """
+    available = available_host_bytes()
+    if available is None:
+        return
+    states = checkpoint_bytes(layers, config.torch_dtype(device))
+    trainable = sum(q.numel() for layer in layers for q in layer.parameters()
+                    if q.requires_grad)
+    if device.type == "cpu":
+        held = states + 4 * trainable
+    else:
+        offload = config.offload_optimizer
+        held = (offload if isinstance(offload, float) else 0.0) * \
+            OPTIMIZER_BYTES * trainable
+    rank = RANK_BASE_BYTES + held / world_size
+    need = ranks_here * rank
+    if need > available:
+        raise PreflightError(
+            f"--world-size {world_size}: {ranks_here} ranks on this host need about "
+            f"{need / 2**30:.1f} GiB ({rank / 2**30:.2f} GiB each), it has "
+            f"{available / 2**30:.1f} GiB available; use fewer ranks")
+
+
 def check_resume(path: Path, layers: list[nn.Module], config, world_size: int
                  ) -> int:
     """
@@ -223,6 +279,8 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
                                  f"checkpoint needs {need / 2**30:.1f} GiB")
 
     check_exports(config, layers, config.torch_dtype(device))
+    check_host_memory(config, layers, world_size=world_size, device=device,
+                      ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     step = None
     if config.resume is not None:
         step = check_resume(Path(config.resume), layers, config, world_size)
