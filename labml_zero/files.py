@@ -30,7 +30,8 @@ A file can be renamed over an existing file (`os.replace`), so replacing a
 file needs one rename.
 
 Every file of a checkpoint or an export gets the mode a file created by
-`open` would have, $0666$ less the process's umask (`give_default_mode`):
+`open` would have, read and write for all less the process's umask
+(`give_default_mode`):
 safetensors creates its files readable by their owner only, which would make
 one file of a checkpoint unreadable to a group that can read the rest.
 

@@ -25,8 +25,8 @@ What a step records:
 
 ## Note: tracking never decides a run's outcome
 
-labml's own sender thread (labml 0.5.3) is not a daemon, waits up to 120 s for
-each request and retries a failed one forever, so an app that goes away in the
+labml's own sender thread (in the labml releases `pyproject.toml` accepts) is
+not a daemon, waits minutes for each request and retries a failed one forever, so an app that goes away in the
 middle of a run keeps every rank from exiting after its last step. This page
 gives labml a sender with every wait bounded (`BoundedSender`):
 
@@ -77,7 +77,7 @@ VALID_INDICATORS = ("loss.valid", "acc.valid")
 
 # ## Sending to the app, bounded (see Note: tracking never decides a run's outcome)
 
-# One request; labml's own waits 120 s.
+# One request; labml's own waits minutes.
 REQUEST_TIMEOUT_S = 5.0
 # Failing this long, the app counts as gone.
 LOST_AFTER_S = 20.0
@@ -90,7 +90,7 @@ MAX_BACKOFF_S = 4.0
 
 
 def labml_sender_base():
-    """labml 0.5.3's sender thread class, the one private name this page uses."""
+    """labml's sender thread class, the one private name this page uses."""
     from labml.internal.app import _AppTrackThread
 
     return _AppTrackThread
@@ -208,7 +208,7 @@ def install_bounded_sender(app_url: str, rank: int, log_dir: Path) -> None:
     """
     ### Make labml use `BoundedSender` for this process's runs
 
-    labml 0.5.3 builds its `AppTracker` inside `experiment.start()`, looking the
+    labml builds its `AppTracker` inside `experiment.start()`, looking the
     class up in `labml.internal.app` then; replacing it there is the one place
     this page reaches into labml.
     """
