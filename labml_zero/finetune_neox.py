@@ -37,8 +37,8 @@ with status 2.
 
 If any rank raises, dies or hangs, [the launcher](launch.html) ends the others
 and this process prints the failing rank's traceback and, last, one line saying
-which rank failed and why; the exit status is 1. SIGINT or SIGTERM prints
-`interrupted` and exits with the shell's status for that signal. Under
+which rank failed and why; the exit status is 1. SIGINT, SIGTERM or SIGHUP
+prints `interrupted` and exits with the shell's status for that signal. Under
 torchrun, each rank prints its own traceback and cause, and torchrun ends the
 others.
 

@@ -569,7 +569,8 @@ def export(config: FinetuneConfig, built: Assembled,
     Every rank takes part (each chunk is gathered in turn, with the optimizer's
     fp32 masters where it has them); rank 0 writes. The merged checkpoint
     loads in transformers alone, the adapter in peft over the base checkpoint.
-    An existing directory is replaced whole, once the new one is complete.
+    A previous export of the same kind is replaced whole, once the new one is
+    complete; preflight has refused any other destination (see LoRA export).
     """
     if config.export_merged is None and config.export_adapter is None:
         return

@@ -26,8 +26,9 @@ What a step records:
 ## Note: tracking never decides a run's outcome
 
 labml's own sender thread (in the labml releases `pyproject.toml` accepts) is
-not a daemon, waits minutes for each request and retries a failed one forever, so an app that goes away in the
-middle of a run keeps every rank from exiting after its last step. This page
+not a daemon, waits minutes for each request and retries a failed one forever,
+so an app that goes away in the middle of a run keeps every rank from exiting
+after its last step. This page
 gives labml a sender with every wait bounded (`BoundedSender`):
 
 * one request waits at most `REQUEST_TIMEOUT_S`;
