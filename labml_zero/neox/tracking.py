@@ -82,8 +82,9 @@ VALID_INDICATORS = ("loss.valid", "acc.valid")
 REQUEST_TIMEOUT_S = 5.0
 # Failing this long, the app counts as gone.
 LOST_AFTER_S = 20.0
-# At exit, the time the last records get.
-EXIT_WAIT_S = 5.0
+# At exit, the time the last records get: room for two of labml-app's answers,
+# each after its fixed pause (one request in flight, one with the last records).
+EXIT_WAIT_S = 10.0
 # Packets held while the app does not answer (a few seconds of a run each).
 MAX_PENDING = 64
 # The longest pause between two tries of a failed request.
