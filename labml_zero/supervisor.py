@@ -334,10 +334,15 @@ class StderrTail:
         self.thread.start()
 
     def pump(self) -> None:
+        forward = True
         try:
             while chunk := os.read(self.fd, 65536):
-                os.write(2, chunk)
                 self.tail = (self.tail + chunk)[-TAIL_BYTES:]
+                if forward:
+                    try:
+                        os.write(2, chunk)
+                    except OSError:  # our stderr is gone: keep draining the
+                        forward = False  # rank's, or it blocks once the pipe is full
         except OSError:
             pass
         finally:
