@@ -19,7 +19,7 @@ from labml_zero.app import AppConfig
 from labml_zero.app_client import app_url_if_running
 from labml_zero.neox import tracking
 from labml_zero.neox.tracking import MAX_PENDING, BoundedSender
-from tests.test_app import free_port, subprocess_env
+from tests.test_app import free_port, get_json, series, subprocess_env
 from tests.test_finetune import SMALL, closed_port_url, run_dirs, tracked
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,6 +74,15 @@ def test_a_silent_app_at_exit_costs_at_most_the_exit_wait(monkeypatch, capsys,
     assert err.count("\n") == 1 and "last records within 1 s" in err, err
 
 
+def app_has_points(config: AppConfig) -> bool:
+    """Some run in the app has a training loss series."""
+    try:
+        runs = get_json(config.web_url + "api/v1/runs/null")["runs"]
+        return any("loss.train" in series(config, run["run_uuid"]) for run in runs)
+    except (OSError, KeyError, ValueError):
+        return False
+
+
 def test_an_app_stopped_mid_run_does_not_hang_or_fail_it(tmp_path: Path):
     config = AppConfig(port=free_port(), data_dir=tmp_path / "data")
     app_log = open(tmp_path / "app.log", "w")
@@ -104,13 +113,13 @@ def test_an_app_stopped_mid_run_does_not_hang_or_fail_it(tmp_path: Path):
                    for s in (job.stdout, job.stderr)]
         for reader in readers:
             reader.start()
-        # the app has the run (its page's URL came back): stop the app, as a
+        # the app has the run and some of its points: stop the app, as a
         # machine that suspends or a server that hangs would
-        deadline = time.monotonic() + 120
-        while not any("Monitor experiment at" in line for _, line in lines):
+        deadline = time.monotonic() + 300
+        while not app_has_points(config):
             assert job.poll() is None, "".join(line for _, line in lines)[-3000:]
-            assert time.monotonic() < deadline, "the app never answered the run"
-            time.sleep(0.1)
+            assert time.monotonic() < deadline, "the app never had the run's points"
+            time.sleep(0.5)
         os.kill(app.pid, signal.SIGSTOP)
         job.wait(timeout=240)
         ended = time.monotonic()
