@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv for labml_zero on a fresh machine.
-#   bash setup.sh          the package and what the fine-tune needs
-#   bash setup.sh test     also the test, docs and app extras, and Chromium for
+#   bash setup.sh          the package, what the fine-tune needs and the labml
+#                          app its runs are tracked in (the app extra)
+#   bash setup.sh test     also the test and docs extras, and Chromium for
 #                          the tests that render the notes and the labml app
 # torch goes in first, by exact version, so that pip takes the CPU build this
 # machine keeps on disk instead of downloading a multi-GB CUDA build. Where torch
@@ -14,7 +15,7 @@ $py -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 if ! $py -c "import torch" 2>/dev/null; then
     $py -m pip install -q "torch==${LABML_ZERO_TORCH:-2.13.0}"
 fi
-extras=""
+extras="[app]"
 if [ "${1:-}" = "test" ]; then
     extras="[test,docs,app]"
     if ! command -v chromium >/dev/null 2>&1; then

@@ -142,8 +142,8 @@ def import_labml_app(config: AppConfig) -> None:
         # them in, and the other order is a circular import.
         from labml_app import db  # noqa: F401
     except ImportError as e:
-        raise ImportError("labml-app is not installed; install the app extra: "
-                          "pip install -e '.[app]'") from e
+        raise ImportError("labml-app is not installed; run bash setup.sh, or "
+                          "install the app extra: pip install -e '.[app]'") from e
 
 
 def init_projects(token: str) -> None:
@@ -243,8 +243,10 @@ class RequestGuard:
     2. A body over the limit $L$ (`max_request_bytes`) is a `413`: before one byte is
        read when `Content-Length` declares it, else as soon as the bytes read pass
        $L$. No handler sees more than $L$ bytes of body.
-    3. An API body that is not JSON is a `400`; a run's (`track`, `computer`) must be
-       an object or a list of objects, checked before the handler creates the run.
+    3. An API body that is not JSON, or is nested deeper than the parser's
+       recursion allows, is a `400` with one log line; a run's (`track`,
+       `computer`) must be an object or a list of objects, checked before the
+       handler creates the run.
     4. A handler's `ValueError`, `TypeError`, `KeyError`, `AttributeError` or
        `IndexError` (input of a shape it does not handle) is a `400`; anything else,
        and a stored record that is not valid, a `500`. Either is logged as one line
@@ -280,6 +282,8 @@ class RequestGuard:
         problem = body and path.startswith("/api/") and \
             json_problem(body, run_write=bool(run_write))
         if problem:
+            print(f"labml app: {scope['method']} {path}: 400 {problem[:200]}",
+                  file=sys.stderr, flush=True)
             return await reply(send, 400, problem)
         replayed = False
 
@@ -332,6 +336,8 @@ def json_problem(body: bytes, *, run_write: bool) -> str | None:
         data = json.loads(body)
     except ValueError as e:
         return f"the body is not JSON: {e}"
+    except RecursionError:  # `[` repeated past Python's recursion limit
+        return "the body's JSON is nested too deeply"
     items = data if isinstance(data, list) else [data]
     if run_write and not all(isinstance(d, dict) for d in items):
         return "a run's body must be a JSON object or a list of objects"
@@ -464,6 +470,24 @@ def serve(config: AppConfig) -> None:
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
 
 
+def check_data_dir(path: Path) -> None:
+    """
+    #### A data directory the app can write, made if missing
+
+    One temporary file is written and removed: a read-only mount or a quota
+    shows only then. Found at start, not at the first run's first record.
+    """
+    import tempfile
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ValueError(f"--data-dir {path} is not writable "
+                         f"({e.strerror or e})") from e
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m labml_zero.app [--port N] [--host H] [--data-dir D] ...`"""
     defaults = AppConfig()
@@ -487,6 +511,7 @@ def main(argv: list[str] | None = None) -> None:
         config = AppConfig(host=args.host, port=args.port, data_dir=args.data_dir,
                            allow_remote=args.allow_remote,
                            max_request_bytes=int(args.max_request_mib * 2**20))
+        check_data_dir(config.data_dir)
     except ValueError as e:
         # One line, without argparse's usage text.
         print(f"{prog}: error: {e}", file=sys.stderr)
@@ -494,7 +519,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         serve(config)
     except ImportError as e:
-        sys.exit(f"labml_zero.app: {e}")
+        if not e.name:
+            sys.exit(f"{prog}: error: {e}")
+        sys.exit(f"{prog}: error: no module named {e.name!r}: the app extra is not "
+                 f"installed; run bash setup.sh, or pip install -e '.[app]'")
     except KeyboardInterrupt:
         pass
 

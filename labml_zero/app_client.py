@@ -31,8 +31,11 @@ the `app` extra) can call it.
 ## Limitations
 
 * The probe happens once, before the run. An app that stops answering in the
-  middle of a run still leaves labml's sender retrying when the run ends.
-* A server that is not a labml app but answers the probe with JSON would pass.
+  middle of a run is handled by the fine-tune's own sender, whose every wait is
+  bounded ([tracking](neox/tracking.html)); a plain labml run like the one
+  above still has labml's, which retries when the run ends.
+* Any labml app answers the probe the same way (a JSON body from its API), ours or
+  one with MongoDB; a different server that happens to return JSON there would pass.
 """
 
 import json

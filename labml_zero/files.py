@@ -33,8 +33,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["atomic_file", "fsync_path", "replace_directory", "temporary_sibling",
-           "write_bytes_atomic"]
+__all__ = ["atomic_file", "fsync_path", "give_default_mode", "replace_directory",
+           "temporary_sibling", "write_bytes_atomic"]
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -48,6 +48,30 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def give_default_mode(path: str | os.PathLike) -> None:
+    """
+    Set a file's mode to what `open` would create: read and write for all, less
+    the process's umask. safetensors creates its files readable by their owner
+    only, which would make one file of a checkpoint or an export unreadable to a
+    group that can read the rest; every writer calls this on what it wrote.
+    """
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    """The process's umask: from `/proc` on Linux, which changes nothing."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    # elsewhere it can only be read by setting it; set back at once
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
 
 
 def temporary_sibling(path: str | os.PathLike, token: str | None = None, *,

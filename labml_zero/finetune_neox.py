@@ -302,8 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     If any rank raises, dies or hangs, [the launcher](launch.html) ends the others
     and this process prints the failing rank's traceback and, last, one line
-    saying which rank failed and why; the exit status is 1. SIGINT or SIGTERM
-    prints `interrupted` and exits with the shell's status for that signal. Under
+    saying which rank failed and why; the exit status is 1. SIGINT, SIGTERM or
+    SIGHUP prints `interrupted` and exits with the shell's status for that signal. Under
     torchrun, each rank prints its own traceback and cause, and torchrun ends the
     others.
     """
@@ -339,10 +339,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                      hang_timeout=config.hang_timeout)
     except launch.RankFailed as e:
         # the failing rank's traceback, what the others hit after it, its cause
-        print(e.traceback.strip(), *e.others, sep="\n", file=sys.stderr)
+        before = [text for text in (e.traceback.strip(), *e.others) if text]
+        if before:
+            print(*before, sep="\n", file=sys.stderr)
         print(f"{PROG}: error: {failure_line(e)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as e:  # launch.Interrupted: SIGINT or SIGTERM
+    except KeyboardInterrupt as e:  # launch.Interrupted: SIGINT, SIGTERM or SIGHUP
         print(f"{PROG}: interrupted", file=sys.stderr)
         return getattr(e, "exit_status", 130)
     except Exception as e:  # the parent's own failure (e.g. the spawn itself)

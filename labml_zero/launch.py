@@ -20,8 +20,8 @@ creates or destroys the process group:
 Either way `fn(ctx)` receives a `DistContext` with the rank, the world size and the
 device, and `ctx.heartbeat()` to call once per step. How the launcher watches the
 ranks, names the one that failed or hung and keeps none alive after itself is
-[the next page](supervisor.html); `spawn` raises its `RankFailed`. A Ctrl-C or a
-`SIGTERM` ends every rank within $p + g$ (see `Signals`).
+[the next page](supervisor.html); `spawn` raises its `RankFailed`. A Ctrl-C, a
+`SIGTERM` or a `SIGHUP` ends every rank within $p + g$ (see `Signals`).
 
 ## Limitations
 
@@ -44,9 +44,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from labml_zero.supervisor import (Heartbeat, RankFailed, Shared, die_with_parent,
-                                   end_all, report, self_watch, shorten,
-                                   supervise, tell_torchrun, watchdog)
+from labml_zero.supervisor import (Heartbeat, RankFailed, Shared, StderrTail,
+                                   die_with_parent, end_all, report, self_watch,
+                                   shorten, supervise, tell_torchrun, watchdog)
 
 __all__ = ["DistContext", "Heartbeat", "Interrupted", "RankFailed", "spawn",
            "run_torchrun", "under_torchrun", "free_port", "default_backend"]
@@ -54,19 +54,55 @@ __all__ = ["DistContext", "Heartbeat", "Interrupted", "RankFailed", "spawn",
 
 class Interrupted(KeyboardInterrupt):
     """
-    ## `SIGINT` or `SIGTERM` arrived
+    ## `SIGINT`, `SIGTERM` or `SIGHUP` arrived
 
     A `KeyboardInterrupt`, so code that handles Ctrl-C handles both;
     `exit_status` follows the shell: 128 (tested:
     tests/test_launch.py::test_exit_status) plus the signal's number, so 130
-    (tested: tests/test_launch.py::test_exit_status) for `SIGINT` and 143
-    (tested: tests/test_launch.py::test_exit_status) for `SIGTERM`.
+    (tested: tests/test_launch.py::test_exit_status) for `SIGINT`, 143
+    (tested: tests/test_launch.py::test_exit_status) for `SIGTERM` and 129
+    (tested: tests/test_launch.py::test_exit_status) for `SIGHUP`.
     """
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
         self.exit_status = 128 + signum
+
+
+# Without a hang watch, how long a collective waits for a peer.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
+# With one, the collectives wait this much longer than the watch.
+COLLECTIVE_MARGIN_S = 60.0
+
+
+def collective_timeout(timeout_s: float | None, hang_timeout: float | None) -> float:
+    """
+    ### The process group's timeout, above the hang watch
+
+    Two clocks can end a job that stopped moving: the launcher's hang watch $T$
+    ([the next page](supervisor.html)) and the process group's own timeout, after
+    which a collective raises on a rank that waited for a peer. The rank that
+    waits is the healthy one; so the process group's timeout is set above the
+    hang watch, to $T$ plus `COLLECTIVE_MARGIN_S`, and the watch, which names the
+    rank that is *not* waiting, always speaks first. A timeout given explicitly
+    must be above $T$ too.
+    """
+    if hang_timeout is not None and not hang_timeout > 0:
+        raise ValueError(f"hang_timeout must be a positive number of seconds, "
+                         f"got {hang_timeout}")
+    if timeout_s is None:
+        return (DEFAULT_COLLECTIVE_TIMEOUT_S if hang_timeout is None
+                else hang_timeout + COLLECTIVE_MARGIN_S)
+    if hang_timeout is not None and timeout_s <= hang_timeout:
+        raise ValueError(f"the collective timeout {timeout_s:g} s must exceed the "
+                         f"hang timeout {hang_timeout:g} s, or a rank waiting for "
+                         f"a hung peer is blamed for it")
+    return timeout_s
+
+
+# Signals a whole terminal group gets, which spawned ranks leave to the launcher.
+HANDED_TO_LAUNCHER = (signal.SIGINT, signal.SIGHUP)
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:
@@ -133,14 +169,19 @@ def init(
 
 
 def _worker(rank: int, fn: Callable[..., Any], world_size: int, backend: str,
-            port: int, timeout_s: float, args: tuple, shared: Shared) -> None:
+            port: int, timeout_s: float, args: tuple, shared: Shared,
+            stderr: Any) -> None:
     die_with_parent(shared.parent_pid)
+    # stderr into the launcher's pipe (see the supervisor's `StderrTail`)
+    os.dup2(stderr.fileno(), 2)
+    stderr.close()
     # A rank turns `SIGTERM` into an exception so that `finally` blocks run (a
     # checkpoint being written removes its temporary directory; the one in place
-    # is never touched), then exits without a word. Ranks ignore `SIGINT`: a
-    # Ctrl-C in a terminal reaches every process of the foreground group, and only
-    # the launcher should decide.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # is never touched), then exits without a word. Ranks ignore `SIGINT` and
+    # `SIGHUP`: a Ctrl-C or a hangup reaches every process of the terminal's
+    # group, and only the launcher should decide.
+    for signum in HANDED_TO_LAUNCHER:
+        signal.signal(signum, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_interrupted)
     threading.Thread(target=watchdog, args=(shared, rank), daemon=True).start()
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -171,14 +212,15 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, backend: str,
 
 class Signals:
     """
-    #### `SIGINT` and `SIGTERM` raise `Interrupted` while the job runs
+    #### `SIGINT`, `SIGTERM` and `SIGHUP` raise `Interrupted` while the job runs
 
-    `SIGINT` (Ctrl-C) and `SIGTERM` to the launcher raise `Interrupted` in it; it
+    `SIGINT` (Ctrl-C), `SIGTERM` and `SIGHUP` (the terminal closed, the SSH
+    session lost) to the launcher raise `Interrupted` in it; it
     then sends `SIGTERM` to every rank, and `SIGKILL` to any still alive after the
     grace period, so every rank has ended within $p + g$ of the signal (the
     poll period and the grace period of [the supervisor](supervisor.html)). If the
-    launcher was started with `SIGINT` ignored (`nohup`, a script's background
-    job), it stays ignored, and `SIGTERM` still ends the job. Only the main
+    launcher was started with one of them ignored (`nohup` ignores `SIGHUP`, a
+    script's background job `SIGINT`), it stays ignored, and `SIGTERM` still ends the job. Only the main
     thread may set handlers; elsewhere this does nothing.
     """
 
@@ -186,25 +228,46 @@ class Signals:
         self.saved = {}
         if threading.current_thread() is not threading.main_thread():
             return self
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self.saved[signum] = signal.getsignal(signum)
             if self.saved[signum] is not signal.SIG_IGN:
                 signal.signal(signum, _raise_interrupted)
         return self
 
     def start(self, process: Any) -> None:
-        """Start a rank that inherits an ignored `SIGINT` from its first instant."""
+        """Start a rank that inherits ignored `SIGINT`, `SIGHUP` from its first
+        instant."""
         if not self.saved:
             return process.start()
-        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        handlers = {s: signal.signal(s, signal.SIG_IGN) for s in HANDED_TO_LAUNCHER}
         try:
             process.start()
         finally:
-            signal.signal(signal.SIGINT, handler)
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
 
     def __exit__(self, *exc: Any) -> None:
         for signum, handler in self.saved.items():
             signal.signal(signum, handler)
+
+
+def start_resource_tracker() -> None:
+    """
+    #### multiprocessing's helper process, started with `SIGHUP` ignored
+
+    The shared lock and arrays need multiprocessing's resource tracker, a
+    process in the terminal's group that ignores `SIGINT` and `SIGTERM` but
+    would die of a hangup; started here first, it inherits `SIGHUP` ignored.
+    """
+    from multiprocessing import resource_tracker
+
+    if threading.current_thread() is not threading.main_thread():
+        return resource_tracker.ensure_running()
+    handler = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGHUP, handler)
 
 
 def spawn(
@@ -212,7 +275,7 @@ def spawn(
     world_size: int,
     *args: Any,
     backend: str | None = None,
-    timeout_s: float = 300.0,
+    timeout_s: float | None = None,
     hang_timeout: float | None = None,
 ) -> None:
     """
@@ -222,6 +285,7 @@ def spawn(
     started with `spawn`, not `fork` (CUDA cannot be forked). Raises `RankFailed`
     if a rank fails or stops beating for `hang_timeout` seconds, `Interrupted` on
     `SIGINT`/`SIGTERM`; either way every rank has ended when it returns.
+    `timeout_s` is the process group's (`collective_timeout` by default).
     """
     backend = backend or default_backend()
     if world_size < 1:
@@ -231,25 +295,32 @@ def spawn(
             f"world_size {world_size} needs {world_size} GPUs, "
             f"found {torch.cuda.device_count()}"
         )
-    if hang_timeout is not None and not hang_timeout > 0:
-        raise ValueError(f"hang_timeout must be a positive number of seconds, "
-                         f"got {hang_timeout}")
+    timeout_s = collective_timeout(timeout_s, hang_timeout)
     context = mp.get_context("spawn")
+    start_resource_tracker()
     shared = Shared.create(context, world_size)
     port = free_port()
     processes: list[Any] = []
+    tails: list[StderrTail] = []
     with Signals() as signals:
         try:
             for rank in range(world_size):
+                reader, writer = context.Pipe(duplex=False)
                 process = context.Process(
                     target=_worker, name=f"rank {rank}", args=(
-                        rank, fn, world_size, backend, port, timeout_s, args, shared))
+                        rank, fn, world_size, backend, port, timeout_s, args, shared,
+                        writer))
                 signals.start(process)
                 processes.append(process)
-            failure = supervise(processes, shared, hang_timeout)
+                writer.close()  # the rank holds the only write end: EOF at its end
+                tails.append(StderrTail(os.dup(reader.fileno())))
+                reader.close()
+            failure = supervise(processes, shared, hang_timeout, tails)
         finally:
             end_all(processes)
             shared.close()
+            for tail in tails:  # what the ranks wrote last, before our last line
+                tail.thread.join(1.0)
     if failure is not None:
         raise failure
 
@@ -269,7 +340,7 @@ def run_torchrun(
     fn: Callable[..., Any],
     *args: Any,
     backend: str | None = None,
-    timeout_s: float = 300.0,
+    timeout_s: float | None = None,
     hang_timeout: float | None = None,
 ) -> None:
     """
@@ -281,10 +352,11 @@ def run_torchrun(
     `rank r failed: …` (an echo: only `rank r stopped: …`), then exits with 1.
     """
     backend = backend or default_backend()
+    timeout_s = collective_timeout(timeout_s, hang_timeout)
     rank = int(os.environ["RANK"])
     die_with_parent(os.getppid())
-    signal.signal(signal.SIGINT, _raise_interrupted)
-    signal.signal(signal.SIGTERM, _raise_interrupted)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _raise_interrupted)
     progress = Heartbeat([0], 0)
     if hang_timeout is not None:
         threading.Thread(target=self_watch, args=(progress, rank, hang_timeout),

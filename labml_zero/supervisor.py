@@ -20,7 +20,8 @@ $$t_{\text{end}} \le t_{\text{first failure}} + t_p + t_w + t_g$$
 
 after the first failure (`POLL_S`, `REPORT_WINDOW_S`, `GRACE_S` below). A failure
 is told from its echoes by the reports the ranks send (`report`), a hang by their
-heartbeats (`HangWatch`), and no rank outlives the launcher (`die_with_parent`).
+heartbeats (`HangWatch`), a death by a signal by the rank's last lines on stderr
+(`StderrTail`), and no rank outlives the launcher (`die_with_parent`).
 
 ## Limitations
 
@@ -53,6 +54,10 @@ REPORT_WINDOW_S = 2.0
 GRACE_S = 5.0
 # Bytes of "file:line in function" each rank publishes about its main thread.
 WHERE_BYTES = 200
+# Of each rank's stderr, what the launcher keeps for a death's report.
+TAIL_BYTES = 8192
+# Lines of it the one-line report quotes.
+TAIL_LINES = 3
 
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 DIST_DIR = os.path.join(TORCH_DIR, "distributed") + os.sep
@@ -149,6 +154,11 @@ def report(rank: int, error: BaseException) -> dict:
     only see the failure once those connections close, so the cause is in the
     pipe before any echo. Nothing is written to disk, so no error files are left
     behind. Plain strings only: the exception itself may not pickle.
+
+    An error whose class sets `user_error = True` (a damaged checkpoint, a loss
+    that became non-finite) says all there is in its message: it is reported
+    without its traceback, and neither the other ranks' same line nor their
+    echoes of it are listed, so the user reads one line.
     """
     frames = [(f.filename, f.lineno or 0, f.name)
               for f in traceback.extract_tb(error.__traceback__)]
@@ -157,7 +167,9 @@ def report(rank: int, error: BaseException) -> dict:
     return {"rank": rank, "echo": is_echo(error),
             "line": f"{type(error).__name__}: {message}"
                     + (f" ({where})" if where else ""),
-            "traceback": "".join(traceback.format_exception(error))}
+            "brief": getattr(error, "user_error", False),
+            "traceback": ("" if getattr(error, "user_error", False)
+                          else "".join(traceback.format_exception(error)))}
 
 
 def main_thread_where() -> tuple[str, bool]:
@@ -291,6 +303,62 @@ def died(exitcode: int) -> str:
     return f"died (exit code {exitcode})"
 
 
+class StderrTail:
+    """
+    ## A rank's stderr, passed on and its end kept
+
+    A rank killed by a signal writes no report, and a signal's name alone rarely
+    says why (`SIGABRT` from a C++ exception, `SIGKILL` from the kernel's
+    out-of-memory killer). So each rank's stderr is a pipe the launcher reads,
+    and a death is reported with the last lines the rank wrote. The pipe lives in
+    the launcher, so what the rank wrote before it died is there even when the
+    death was instant.
+
+    `fd` is the read end of the rank's stderr pipe; a daemon thread copies
+    every chunk to the launcher's stderr (file descriptor 2, as the rank's
+    own stderr was before) and keeps the last `TAIL_BYTES`.
+    """
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.tail = b""
+        self.thread = threading.Thread(target=self.pump, daemon=True)
+        self.thread.start()
+
+    def pump(self) -> None:
+        forward = True
+        try:
+            while chunk := os.read(self.fd, 65536):
+                self.tail = (self.tail + chunk)[-TAIL_BYTES:]
+                if forward:
+                    try:
+                        os.write(2, chunk)
+                    except OSError:  # our stderr is gone: keep draining the
+                        forward = False  # rank's, or it blocks once the pipe is full
+        except OSError:
+            pass
+        finally:
+            os.close(self.fd)
+
+    def last_lines(self, wait_s: float = 1.0) -> list[str]:
+        """The last non-empty lines, once the pipe is drained (or `wait_s`)."""
+        self.thread.join(wait_s)
+        text = self.tail.decode(errors="replace").replace("\r", "\n")
+        return [" ".join(line.split()) for line in text.splitlines()
+                if line.strip()][-TAIL_LINES:]
+
+
+def last_words(exitcode: int, lines: list[str]) -> str:
+    """`died (signal …)` with what the rank last wrote, or a hint if nothing."""
+    cause = died(exitcode)
+    if lines:
+        return f"{cause}; its last words on stderr: {shorten(' | '.join(lines), 300)}"
+    if exitcode == -signal.SIGKILL:
+        return (f"{cause}, printing nothing: killed from outside, often by the "
+                f"kernel's out-of-memory killer (see dmesg)")
+    return f"{cause}, printing nothing on stderr"
+
+
 class HangWatch:
     """
     ## The launcher's view of the heartbeats
@@ -334,7 +402,8 @@ class HangWatch:
 
 
 def supervise(processes: list[Any], shared: Shared,
-              hang_timeout: float | None) -> RankFailed | None:
+              hang_timeout: float | None,
+              tails: list[StderrTail] | None = None) -> RankFailed | None:
     """
     ## Wait for the ranks; the first failure, or `None` if all ended well
 
@@ -366,7 +435,12 @@ def supervise(processes: list[Any], shared: Shared,
         elif (hung := watch.check(
                 shared, now, [code is None for code in exits.values()])) is not None:
             return hung
-    return cause(reports, deaths)
+    error = cause(reports, deaths)
+    if error is not None and tails and error.rank in deaths and not error.traceback:
+        lines = tails[error.rank].last_lines()
+        error = RankFailed(error.rank, last_words(deaths[error.rank], lines),
+                           others=error.others)
+    return error
 
 
 def shorten(line: str, limit: int = 160) -> str:
@@ -395,9 +469,14 @@ def cause(reports: dict[int, dict], deaths: dict[int, int]) -> RankFailed | None
                            traceback_text=first["traceback"])
     else:
         return None
+    # After an error that says it all (see Failure), the same line on another
+    # rank, or an echo that points at it, adds nothing.
+    said = str(error).partition(": ")[2]
+    brief = any(r["rank"] == error.rank and r.get("brief") for r in reports.values())
     error.others = tuple(
         [f"rank {r['rank']} then: {shorten(r['line'])}" for r in reports.values()
-         if r["rank"] != error.rank]
+         if r["rank"] != error.rank and not (brief and (r["line"] == said
+                                                        or r["echo"]))]
         + [f"rank {rank} then {died(code)}" for rank, code in deaths.items()
            if rank != error.rank])
     return error

@@ -96,6 +96,33 @@ def test_malformed_requests_are_400_with_a_short_message(path, body, message):
     assert status == 400 and message in json.loads(reply)["error"]
 
 
+def test_json_nested_past_the_parser_is_400_and_one_log_line(capsys):
+    status, body, _ = call(RequestGuard(echo, max_body=MiB), chunks=(b"[" * 100_000,))
+    assert status == 400 and b"nested too deeply" in body
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "400 the body's JSON is nested too deeply" in err
+
+
+def test_a_data_dir_that_cannot_be_written_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data-dir", "/proc/self/labml-app"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--data-dir /proc/self/labml-app is not writable" in err
+
+
+def test_a_missing_dependency_prints_the_install_hint(monkeypatch, tmp_path):
+    def serve_without_uvicorn(config):
+        raise ModuleNotFoundError("No module named 'uvicorn'", name="uvicorn")
+
+    monkeypatch.setattr(app_module, "serve", serve_without_uvicorn)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--data-dir", str(tmp_path / "data")])
+    message = str(exit_info.value.code)
+    assert "no module named 'uvicorn'" in message and "bash setup.sh" in message
+
+
 def test_a_bad_content_length_is_400():
     status, reply, _ = call(RequestGuard(echo, max_body=100),
                             headers=[("content-length", "-5")])
@@ -262,6 +289,7 @@ MALFORMED = [
     ("POST", f"api/v1/metrics/{RUN_UUID}", b'"a string"', 400),
     ("PUT", "api/v1/runs", b'{"x": 1}', 400),
     ("PUT", "api/v1/runs", b"\xff\xfe", 400),
+    ("POST", f"api/v1/metrics/{RUN_UUID}", b"[" * 100_000, 400),
     ("GET", "vendor/%00", None, 400),
     ("GET", "vendor/..%2f..%2fapp.py", None, 404),
     ("GET", "vendor/%2e%2e/%2e%2e/app.py", None, 404),

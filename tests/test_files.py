@@ -76,3 +76,18 @@ def test_replace_directory_swaps_and_restores(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "rename", real_rename)
     assert os.listdir(target) == ["new.txt"]
     assert sorted(os.listdir(tmp_path)) == sorted(["snapshot", newer.name])
+
+
+def test_a_safetensors_file_gets_the_mode_open_would_give(tmp_path):
+    from safetensors.torch import save_file
+    import torch
+
+    from labml_zero.files import current_umask, give_default_mode
+
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    shard = tmp_path / "shard.safetensors"
+    save_file({"t": torch.zeros(2)}, str(shard))
+    give_default_mode(shard)
+    assert shard.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777 \
+        == 0o666 & ~current_umask()

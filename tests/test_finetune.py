@@ -269,7 +269,8 @@ def test_a_loss_that_stays_nan_stops_the_job_and_keeps_good_checkpoints(
                       env={"LABML_ZERO_NAN_AT_STEP": "5"})
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
-    assert "NonFiniteLoss" in last and "training loss is nan at step 5" in last, last
+    assert "NonFiniteLoss" in last and "loss became non-finite at step 5" in last
+    assert "lower the learning rate" in last, last
     assert "the last good checkpoint is" in last and "step-000004" in last
     checkpoints = tmp_path / "out" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == [

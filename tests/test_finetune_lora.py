@@ -14,7 +14,8 @@ import torch
 from labml_zero.finetune_neox import main
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.checkpoint import hf_named_tensors, save_hf_checkpoint
-from labml_zero.neox.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from labml_zero.neox.lora_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS,
+                                         EXPORT_MARKER)
 from tests.neox.test_lora_export import probe_ids
 from tests.test_finetune import check_ok, finetune, run_dirs, tracked
 
@@ -37,8 +38,8 @@ def test_lora_trains_and_exports_load_in_peft_and_transformers(tmp_path: Path):
     losses = tracked(run_dirs(tmp_path / "run")[0])["loss.train"]
     assert sorted(losses) == [1, 2, 3, 4]
 
-    assert sorted(p.name for p in adapter_dir.iterdir()) == [ADAPTER_CONFIG,
-                                                              ADAPTER_WEIGHTS]
+    assert sorted(p.name for p in adapter_dir.iterdir()) == [
+        ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPORT_MARKER]
     config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8
     assert config["target_modules"] == ["query_key_value", "dense_4h_to_h"]

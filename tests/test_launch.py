@@ -64,6 +64,17 @@ def killed_rank_1(ctx: launch.DistContext) -> None:
     dist.all_reduce(t)
 
 
+def abort_after_words_on_rank_1(ctx: launch.DistContext) -> None:
+    t = torch.zeros(1)
+    dist.all_reduce(t)
+    if ctx.rank == 1:
+        # what a C++ library prints before abort(): straight to file descriptor 2
+        os.write(2, b"terminate called after throwing an instance of 'Err'\n"
+                    b"  what():  distinctive words 1234\n")
+        os.kill(os.getpid(), signal.SIGABRT)
+    dist.all_reduce(t)
+
+
 def sleepy_rank_1(ctx: launch.DistContext) -> None:
     t = torch.zeros(1)
     for step in range(1000):
@@ -128,8 +139,22 @@ def test_killed_rank_is_named():
     start = time.monotonic()
     with pytest.raises(launch.RankFailed) as caught:
         launch.spawn(killed_rank_1, 2, backend="gloo")
-    assert str(caught.value) == "rank 1 died (signal SIGKILL)"
+    assert str(caught.value).startswith("rank 1 died (signal SIGKILL), printing "
+                                        "nothing: killed from outside")
+    assert "out-of-memory killer" in str(caught.value)
     assert time.monotonic() - start < 60
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_its_last_stderr_lines(capfd):
+    with pytest.raises(launch.RankFailed) as caught:
+        launch.spawn(abort_after_words_on_rank_1, 2, backend="gloo")
+    message = str(caught.value)
+    assert message.startswith("rank 1 died (signal SIGABRT); its last words on "
+                              "stderr: terminate called after throwing"), message
+    assert message.endswith("what(): distinctive words 1234"), message
+    assert "\n" not in message
+    # and the words still reached the launcher's stderr as they were written
+    assert "distinctive words 1234" in capfd.readouterr().err
 
 
 def test_hanging_rank_is_named_within_the_timeout():
@@ -145,10 +170,28 @@ def test_hanging_rank_is_named_within_the_timeout():
 
 
 def test_exit_status():
-    for signum, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+    for signum, status in ((signal.SIGINT, 130), (signal.SIGTERM, 143),
+                           (signal.SIGHUP, 129)):
         stop = launch.Interrupted(signum)
         assert isinstance(stop, KeyboardInterrupt)
         assert stop.exit_status == 128 + signum == status
+
+
+def test_collectives_wait_longer_than_the_hang_watch():
+    # a healthy rank waiting in a collective for a hung peer must not time out
+    # (and be named) before the watch names the hung one
+    from labml_zero.neox.finetune_config import FinetuneConfig
+
+    default = FinetuneConfig().hang_timeout
+    assert 60 <= default <= 300  # minutes, not ten
+    assert launch.collective_timeout(None, default) == \
+        default + launch.COLLECTIVE_MARGIN_S
+    assert launch.collective_timeout(None, None) == \
+        launch.DEFAULT_COLLECTIVE_TIMEOUT_S
+    assert launch.collective_timeout(30.0, 10.0) == 30.0
+    with pytest.raises(ValueError, match="must exceed the hang timeout 10 s"):
+        launch.spawn(agree, 2, "unused", backend="gloo", timeout_s=10.0,
+                     hang_timeout=10.0)
 
 
 def test_bad_hang_timeout_is_refused():
@@ -179,8 +222,8 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def start_job(tmp: Path, *, ignore_sigint: bool = False) -> tuple[subprocess.Popen,
-                                                                   list[int]]:
+def start_job(tmp: Path, *, ignore_sigint: bool = False,
+              new_session: bool = False) -> tuple[subprocess.Popen, list[int]]:
     """The launcher in its own process, once both ranks are training."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
@@ -189,7 +232,8 @@ def start_job(tmp: Path, *, ignore_sigint: bool = False) -> tuple[subprocess.Pop
 
     job = subprocess.Popen([sys.executable, "-c", JOB, str(tmp)], env=env,
                            stderr=subprocess.PIPE, text=True,
-                           preexec_fn=ignore if ignore_sigint else None)
+                           preexec_fn=ignore if ignore_sigint else None,
+                           start_new_session=new_session)
     deadline = time.monotonic() + 90
     while not all((tmp / f"pid{r}").exists() for r in (0, 1)):
         if time.monotonic() > deadline or job.poll() is not None:
@@ -213,7 +257,8 @@ def wait_gone(pids: list[int], timeout: float) -> float:
 
 
 @pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130),
-                                            (signal.SIGTERM, 143)])
+                                            (signal.SIGTERM, 143),
+                                            (signal.SIGHUP, 129)])
 def test_signal_ends_every_rank(tmp_path: Path, signum: int, status: int):
     job, ranks = start_job(tmp_path)
     try:
@@ -221,6 +266,21 @@ def test_signal_ends_every_rank(tmp_path: Path, signum: int, status: int):
         _, stderr = job.communicate(timeout=10)
         assert job.returncode == status
         assert stderr.strip() == "interrupted"  # no traceback from anyone
+        wait_gone(ranks, 1)
+    finally:
+        job.kill()
+        wait_gone(ranks, 10)
+
+
+def test_a_hangup_of_the_whole_group_ends_the_job_like_sigterm(tmp_path: Path):
+    # a closed terminal sends SIGHUP to every process of its group, ranks too:
+    # they leave it to the launcher, which ends them and says one word
+    job, ranks = start_job(tmp_path, new_session=True)
+    try:
+        os.killpg(job.pid, signal.SIGHUP)
+        _, stderr = job.communicate(timeout=10)
+        assert job.returncode == 129
+        assert stderr.strip() == "interrupted"
         wait_gone(ranks, 1)
     finally:
         job.kill()

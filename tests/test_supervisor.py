@@ -37,6 +37,31 @@ def test_a_death_beats_echoes_and_an_echo_is_named_only_alone():
     assert str(cause(reports, {})) == "rank 0 failed: DistBackendError: peer gone"
 
 
+def test_an_error_that_says_it_all_is_one_line():
+    class Damaged(ValueError):
+        user_error = True
+
+    try:
+        raise Damaged("rank-00001.safetensors: checksum mismatch")
+    except Damaged as error:
+        own = report(1, error)
+    assert own["traceback"] == "" and own["brief"]
+    reports = {0: sent(0, "Damaged: load failed on rank 1; see its error", True),
+               1: own, 2: {**own, "rank": 2}}
+    error = cause(reports, {})
+    assert str(error).startswith("rank 1 failed: Damaged: rank-00001.safetensors")
+    # every rank's same line, and the echoes pointing at it, add nothing
+    assert error.others == () and error.traceback == ""
+
+
+def test_last_words_of_a_rank_killed_by_a_signal():
+    assert supervisor.last_words(-6, ["terminate called", "what(): x"]) == \
+        "died (signal SIGABRT); its last words on stderr: terminate called | what(): x"
+    assert "out-of-memory killer" in supervisor.last_words(-9, [])
+    assert supervisor.last_words(-11, []) == \
+        "died (signal SIGSEGV), printing nothing on stderr"
+
+
 def test_echoes_are_recognised_through_the_exception_chain():
     assert is_echo(dist.DistBackendError("Connection closed by peer"))
     assert is_echo(RuntimeError("save failed on rank 1; see its error"))

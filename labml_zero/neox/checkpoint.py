@@ -38,7 +38,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from labml_zero.files import fsync_path, replace_directory, temporary_sibling
+from labml_zero.files import (fsync_path, give_default_mode, replace_directory,
+                              temporary_sibling)
 from labml_zero.neox.model import (Embedding, FinalNorm, NeoXConfig, Readout,
                                    TransformerLayer, build_layers, from_hf_config,
                                    gpt_neox_20b, hf_prefix, to_hf_config)
@@ -438,6 +439,7 @@ def hf_named_tensors(layers: Iterable[nn.Module]
 def _write_shard(tensors: dict[str, torch.Tensor], path: Path):
     # metadata {"format": "pt"} is what transformers checks for on load.
     save_file(tensors, str(path), metadata={"format": "pt"})
+    give_default_mode(path)  # safetensors makes it owner-only (see atomic files)
     fsync_path(path)
 
 
@@ -445,7 +447,8 @@ def save_hf_checkpoint(out_dir: str | os.PathLike, config: NeoXConfig,
                        named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                        max_shard_bytes: int = 2 * 1024**3,
                        dtype: torch.dtype | None = None,
-                       overwrite: bool = False) -> Path:
+                       overwrite: bool = False,
+                       extra_files: dict[str, str] | None = None) -> Path:
     """
     ### Write a sharded Hugging Face checkpoint atomically
 
@@ -459,6 +462,8 @@ def save_hf_checkpoint(out_dir: str | os.PathLike, config: NeoXConfig,
     * `dtype` casts every tensor (e.g. `torch.float16` for release), else each
       keeps its own dtype.
     * One shard is written as `model.safetensors` with no index, as HF does.
+    * `extra_files` (`{name: text}`) go in beside them, inside the same rename
+      (the LoRA export's marker).
 
     Returns the checkpoint directory. See Note: atomic checkpoint directory.
     """
@@ -502,6 +507,9 @@ def save_hf_checkpoint(out_dir: str | os.PathLike, config: NeoXConfig,
         hf_config = to_hf_config(config, dtype=written.dtype)
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2))
         fsync_path(tmp / CONFIG_FILE)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+            fsync_path(tmp / name)
         fsync_path(tmp)
         # The only moment the target changes; see Note: atomic checkpoint directory.
         replace_directory(tmp, out_dir)

@@ -63,7 +63,7 @@ from labml_zero.neox.lora_export import save_merged_checkpoint, save_peft_adapte
 from labml_zero.neox.tokenizer import load_tokenizer
 from labml_zero.neox.tracking import (EXPERIMENT_NAME, labml_configs,
                                       start_labml)
-from labml_zero.optimizers.adam_fp16 import AdamFP16
+from labml_zero.optimizers.adam_fp16 import AdamFP16, NonFiniteGradient
 from labml_zero.optimizers.clip_grad import clip_grad_norm_
 from labml_zero.optimizers.grad_scaler import LossScaler
 from labml_zero.zero3.checkpoint import (load_checkpoint, prune_checkpoints,
@@ -103,6 +103,9 @@ class NonFiniteLoss(RuntimeError):
     shards are checked to be finite too (the last update may have broken them
     while the loss was still finite), so every checkpoint kept can be resumed.
     """
+
+    # the message is the whole story: the launcher leaves out the traceback
+    user_error = True
 
 
 # ## The model
@@ -357,8 +360,8 @@ def check_loss(totals: Totals, step: int, scaler: LossScaler | None,
             else "no checkpoint was written")
     scale = (f" with the loss scale at {scaler.scale_value:g}" if scaler is not None
              else "")
-    raise NonFiniteLoss(f"training loss is {totals.loss} at step {step}{scale}; "
-                        f"stopping ({kept})")
+    raise NonFiniteLoss(f"loss became non-finite at step {step} (training loss "
+                        f"{totals.loss}{scale}); lower the learning rate ({kept})")
 
 
 def save(config: FinetuneConfig, step: int, training: Training,
@@ -518,7 +521,11 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
         for step in monit.loop(range(first, total_steps + 1)):
-            totals = train_step(training, batches, data.train, config)
+            try:
+                totals = train_step(training, batches, data.train, config)
+            except NonFiniteGradient as e:  # an early update met it first
+                raise NonFiniteLoss(f"loss became non-finite at step {step}; lower "
+                                    f"the learning rate (--lr {config.lr:g})") from e
             if step == peaks_at:
                 for line in measured_peaks(built, ctx, step - first + 1):
                     logger.log(line)
@@ -556,7 +563,8 @@ def export(config: FinetuneConfig, built: Assembled,
     Every rank takes part (each chunk is gathered in turn, with the optimizer's
     fp32 masters where it has them); rank 0 writes. The merged checkpoint
     loads in transformers alone, the adapter in peft over the base checkpoint.
-    An existing directory is replaced whole, once the new one is complete.
+    A previous export of the same kind is replaced whole, once the new one is
+    complete; preflight has refused any other destination (see LoRA export).
     """
     if config.export_merged is None and config.export_adapter is None:
         return

@@ -174,10 +174,11 @@ class FinetuneConfig:
     `python -m labml_zero.app`); used only if an app answers there."""
     seed: int = 0
     """Seeds the random init and the data order."""
-    hang_timeout: float = field(default=600.0, metadata=flag(metavar="SECONDS"))
-    """Seconds a rank may go without progress before the launcher calls it hung
-    and ends the job (passed to `launch.spawn` / `launch.run_torchrun`). A first
-    step with compilation, or a checkpoint of a large model, must fit in it."""
+    hang_timeout: float = field(default=300.0, metadata=flag(metavar="SECONDS"))
+    """Seconds a rank may go without progress, after its first step, before the
+    launcher calls it hung and ends the job (passed to `launch.spawn` /
+    `launch.run_torchrun`, which set the collectives' timeout above it). A
+    validation, or a checkpoint of a large model, must fit in it."""
     prompt: str = "It is"
     """Prompt of the sample printed at the end."""
     sample_tokens: int = 60

@@ -17,6 +17,19 @@ a matrix of $W$'s shape, so the result is an ordinary model again: **the merged
 model**, every adapted weight replaced by $W'$. The second is **the adapter
 alone**, in PEFT's format.
 
+## Where an export may go
+
+An export replaces its directory whole, once the new one is complete (see
+[atomic files](../files.html)). So that this never deletes anything else, each
+export writes a marker, `labml_zero_export.json` naming its kind, and a
+directory may be replaced only if it is empty or holds a previous export of the
+*same kind*: its marker and no file that kind does not write. Never a file, a
+symbolic link, nor `--out`, `--log-dir`, `--checkpoint`, `--resume` or a
+directory above any of them (`check_export_destination`). The sizes to find
+room for come from the model's shapes (`export_bytes`): the adapter is
+$4\Psi_{lora}$ bytes (fp32 masters), the merged model $p\Psi_f + 4\Psi_t$,
+frozen weights in the chunk dtype and trainable ones from their fp32 masters.
+
 ## Limitations
 
 * In a bf16 or fp16 merged checkpoint an update smaller than half a unit in the
@@ -29,27 +42,148 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple
 
 import torch
 from safetensors.torch import save_file
 
-from labml_zero.files import fsync_path, replace_directory, temporary_sibling
-from labml_zero.neox.checkpoint import save_hf_checkpoint
+from labml_zero.files import (fsync_path, give_default_mode, replace_directory,
+                              temporary_sibling)
+from labml_zero.neox.checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
+                                        save_hf_checkpoint)
 from labml_zero.neox.lora import ADAPTER_NAMES, FineTuneLoRA
 from labml_zero.neox.model import NeoXConfig, TransformerLayer, hf_prefix
 from labml_zero.zero3.checkpoint import export_full_state_dict, prefix_rename
 
 __all__ = ["merged", "save_merged_checkpoint", "peft_adapter_config",
-           "peft_name", "save_peft_adapter", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS"]
+           "peft_name", "save_peft_adapter", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS",
+           "EXPORT_MARKER", "ExportDestinationError", "check_export_destination",
+           "export_bytes"]
 
 # The two files of an adapter directory, by the names PEFT loads.
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # PEFT's prefix for the wrapped model's modules (`PeftModel.base_model.model`).
 PEFT_PREFIX = "base_model.model."
+
+# ## Where an export may go
+
+# The file each export writes beside its own, `{"kind": ...}`: what tells a
+# previous export, which may be replaced, from a directory of anything else.
+EXPORT_MARKER = "labml_zero_export.json"
+ADAPTER, MERGED = "lora_adapter", "merged_checkpoint"
+# The names each kind writes; anything else in a directory is someone's data.
+EXPORT_FILES = {
+    ADAPTER: re.compile(rf"{re.escape(ADAPTER_CONFIG)}|{re.escape(ADAPTER_WEIGHTS)}"),
+    MERGED: re.compile(rf"{re.escape(CONFIG_FILE)}|{re.escape(SINGLE_FILE)}"
+                       rf"|{re.escape(INDEX_FILE)}"
+                       r"|model-\d{5}-of-\d{5}\.safetensors"),
+}
+
+
+class ExportDestinationError(ValueError):
+    """An export directory that must not be replaced; the message is one line."""
+
+
+def marker_text(kind: str) -> str:
+    return json.dumps({"kind": kind, "writer": "labml_zero"}) + "\n"
+
+
+def previous_export_kind(directory: Path) -> str | None:
+    """The kind its marker names, or `None` without a readable marker."""
+    try:
+        kind = json.loads((directory / EXPORT_MARKER).read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return kind if kind in EXPORT_FILES else None
+
+
+def contains(outer: Path, inner: Path) -> bool:
+    """`inner` is `outer` or below it (both resolved)."""
+    return inner == outer or outer in inner.parents
+
+
+def check_export_destination(path: str | os.PathLike, kind: str, *, flag: str,
+                             protected: dict[str, str | os.PathLike | None],
+                             need_bytes: int = 0) -> Path:
+    """
+    ### A directory this export may write, or replace
+
+    * `kind`: `"lora_adapter"` or `"merged_checkpoint"`;
+    * `flag`: how the user named it (`--export-adapter`), for the message;
+    * `protected`: `{flag: path}` of the directories the run reads or writes
+      otherwise; the export may be below them, never them or above them;
+    * `need_bytes`: room the export needs on its filesystem.
+
+    Returns the path; raises `ExportDestinationError` (see "Where an export may
+    go"). Nothing is created or changed.
+    """
+    given = Path(path).expanduser()
+    target = given.resolve()
+    for other, where in protected.items():
+        if where is not None and contains(target, Path(where).expanduser().resolve()):
+            same = target == Path(where).expanduser().resolve()
+            raise ExportDestinationError(
+                f"{flag} {given} {'is' if same else 'contains'} {other} {where}: "
+                f"an export replaces its whole directory; give another one")
+    if given.is_symlink():
+        raise ExportDestinationError(f"{flag} {given} is a symbolic link; give the "
+                                     f"directory itself")
+    if given.exists() and not given.is_dir():
+        raise ExportDestinationError(f"{flag} {given} is a file, not a directory")
+    if given.is_dir():
+        names = sorted(p.name for p in given.iterdir())
+        foreign = [n for n in names
+                   if n != EXPORT_MARKER and not EXPORT_FILES[kind].fullmatch(n)]
+        if names and (previous_export_kind(given) != kind or foreign):
+            what = (f"{foreign[0]!r} and {len(foreign) - 1} more" if len(foreign) > 1
+                    else repr(foreign[0]) if foreign else f"no {EXPORT_MARKER}")
+            raise ExportDestinationError(
+                f"{flag} {given} holds files that are not an earlier export of "
+                f"this kind ({what}); give a new or empty directory")
+    # the nearest directory that exists is where the temporary sibling goes
+    existing = target if target.is_dir() else target.parent
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ExportDestinationError(f"{flag} {given}: {existing} is a file, not a "
+                                     f"directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ExportDestinationError(f"{flag} {given} is not writable "
+                                     f"({e.strerror or e})") from e
+    free = shutil.disk_usage(existing).free
+    if free < need_bytes:
+        raise ExportDestinationError(f"{flag} {given} has {free / 2**30:.1f} GiB "
+                                     f"free, the export needs "
+                                     f"{need_bytes / 2**30:.1f} GiB")
+    return given
+
+
+def export_bytes(layers, kind: str, dtype: torch.dtype) -> int:
+    r"""
+    ### Bytes an export writes, from the marked layers' shapes
+
+    `layers` carry LoRA's adapters (on the meta device is enough); `dtype` is
+    the chunks' dtype. The adapter: $4\Psi_{lora}$; the merged model:
+    $p\Psi_f + 4\Psi_t$ without the adapters, which are folded in.
+    """
+    total = 0
+    for layer in layers:
+        for name, param in layer.named_parameters():
+            is_adapter = name.rpartition(".")[2] in ADAPTER_NAMES
+            if kind == ADAPTER:
+                total += 4 * param.numel() if is_adapter else 0
+            elif not is_adapter:
+                size = 4 if param.requires_grad else dtype.itemsize
+                total += size * param.numel()
+    return total
 
 
 def hf_names(model):
@@ -125,9 +259,12 @@ def save_merged_checkpoint(out_dir: str | os.PathLike, model, lora: FineTuneLoRA
     optimizer is given (the values training would continue from).
     """
     def write(tensors: Iterator[tuple[str, torch.Tensor]]) -> Path:
+        if overwrite:  # again at the end: the directory may have changed since
+            check_export_destination(out_dir, MERGED, flag="export", protected={})
         return save_hf_checkpoint(out_dir, config,
                                   merged(tensors, lora, dtype=dtype),
-                                  dtype=dtype, overwrite=overwrite)
+                                  dtype=dtype, overwrite=overwrite,
+                                  extra_files={EXPORT_MARKER: marker_text(MERGED)})
 
     return export_full_state_dict(write, model, optimizer, rename=hf_names(model))
 
@@ -241,6 +378,8 @@ def write_adapter_dir(out_dir: Path, config: dict,
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"adapter directory exists: {out_dir} "
                               f"(pass overwrite=True)")
+    if overwrite:  # only a previous adapter export (see "Where an export may go")
+        check_export_destination(out_dir, ADAPTER, flag="export", protected={})
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(out_dir)
     tmp.mkdir()
@@ -248,8 +387,11 @@ def write_adapter_dir(out_dir: Path, config: dict,
         # metadata {"format": "pt"} is what PEFT and transformers check for
         save_file({k: v.contiguous() for k, v in tensors.items()},
                   str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        give_default_mode(tmp / ADAPTER_WEIGHTS)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
-        for path in (tmp / ADAPTER_WEIGHTS, tmp / ADAPTER_CONFIG, tmp):
+        (tmp / EXPORT_MARKER).write_text(marker_text(ADAPTER))
+        for path in (tmp / ADAPTER_WEIGHTS, tmp / ADAPTER_CONFIG,
+                     tmp / EXPORT_MARKER, tmp):
             fsync_path(path)
         replace_directory(tmp, out_dir)
     except BaseException:

@@ -11,7 +11,8 @@ A mistake found by a rank costs the start-up of every rank (minutes on a large
 model) and reaches the user as a traceback of another process; found after
 $N$ steps, it costs the steps too. So before [the launcher](../finetune_neox.html)
 spawns anything, `preflight` checks, on this host and with no process group,
-the outputs, the Hugging Face snapshot and the checkpoint to resume (each
+the outputs, the exports, the host's memory, the Hugging Face snapshot and
+the checkpoint to resume (each
 beside its lines in `preflight`).
 
 Each failure is a `PreflightError` whose message names the file or the setting;
@@ -36,12 +37,20 @@ from torch import nn
 
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.checkpoint import check_hf_snapshot
+from labml_zero.neox.lora_export import (ADAPTER, MERGED, ExportDestinationError,
+                                         check_export_destination, export_bytes)
 from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
                                          check_resumable, sequential_shapes)
 from labml_zero.zero3.memory_model import OPTIMIZER_BYTES
 
 __all__ = ["PreflightError", "Preflight", "preflight", "check_writable_dir",
-           "checkpoint_bytes", "check_resume"]
+           "checkpoint_bytes", "check_resume", "check_exports",
+           "check_host_memory", "RANK_BASE_BYTES"]
+
+# What one rank of the tiny model holds in host memory at its peak, rounded
+# up: the interpreter with torch and labml, the tokenizer and the data, gloo's
+# buffers (tested: tests/test_finetune_failures.py::test_a_rank_fits_its_estimate).
+RANK_BASE_BYTES = 2**30
 
 
 class PreflightError(ValueError):
@@ -97,6 +106,83 @@ def checkpoint_bytes(layers: list[nn.Module], dtype: torch.dtype) -> int:
         total += param.numel()
         trainable += param.numel() if param.requires_grad else 0
     return p * total + k * trainable
+
+
+def check_exports(config, layers: list[nn.Module], dtype: torch.dtype) -> None:
+    """
+    ### Where LoRA's exports go, before training, not after it
+
+    An export replaces its directory whole, so one pointed at the wrong place
+    would delete what is there (see the rules on [the export's
+    page](lora_export.html)); each destination is also checked writable, with
+    room for its size from `layers`' shapes.
+    """
+    flags = {"export_adapter": ("--export-adapter", ADAPTER),
+             "export_merged": ("--export-merged", MERGED)}
+    if config.export_adapter is not None and config.checkpoint is None:
+        raise PreflightError("--export-adapter needs --checkpoint: an adapter "
+                             "trained on random weights has no base model to load "
+                             "it onto (use --export-merged)")
+    for name, (flag, kind) in flags.items():
+        path = getattr(config, name)
+        if path is None:
+            continue
+        protected = {"--out": config.out, "--log-dir": config.log_dir,
+                     "--checkpoint": config.checkpoint, "--resume": config.resume}
+        protected |= {f: getattr(config, n) for n, (f, _) in flags.items()
+                      if n != name}
+        try:
+            check_export_destination(path, kind, flag=flag, protected=protected,
+                                     need_bytes=export_bytes(layers, kind, dtype))
+        except ExportDestinationError as e:
+            raise PreflightError(str(e)) from e
+
+
+def available_host_bytes() -> int | None:
+    """`MemAvailable` from `/proc/meminfo` (Linux), else free pages; `None` if
+    neither can be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory(config, layers: list[nn.Module], *, world_size: int,
+                      ranks_here: int, device: torch.device) -> None:
+    r"""
+    ### The ranks of this host fit in its memory
+
+    A rank is estimated at `RANK_BASE_BYTES` plus the model states it keeps
+    in host memory: on CPU its whole share, $(p\Psi + (4 + K)\Psi_t) / N$
+    (`checkpoint_bytes` and the fp32 gradient shards); on GPUs the offloaded
+    fraction of the optimizer states. Too many ranks for the host would be
+    killed one by one by the kernel; refused here instead.
+    """
+    available = available_host_bytes()
+    if available is None:
+        return
+    states = checkpoint_bytes(layers, config.torch_dtype(device))
+    trainable = sum(q.numel() for layer in layers for q in layer.parameters()
+                    if q.requires_grad)
+    if device.type == "cpu":
+        held = states + 4 * trainable
+    else:
+        offload = config.offload_optimizer
+        held = (offload if isinstance(offload, float) else 0.0) * \
+            OPTIMIZER_BYTES * trainable
+    rank = RANK_BASE_BYTES + held / world_size
+    need = ranks_here * rank
+    if need > available:
+        raise PreflightError(
+            f"--world-size {world_size}: {ranks_here} ranks on this host need about "
+            f"{need / 2**30:.1f} GiB ({rank / 2**30:.2f} GiB each), it has "
+            f"{available / 2**30:.1f} GiB available; use fewer ranks")
 
 
 def check_resume(path: Path, layers: list[nn.Module], config, world_size: int
@@ -181,6 +267,18 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
         if free < need:
             raise PreflightError(f"--out {out} has {free / 2**30:.1f} GiB free, one "
                                  f"checkpoint needs {need / 2**30:.1f} GiB")
+
+    # **Exports** (LoRA's `export_adapter`, `export_merged`): each is a new or
+    # empty directory or a previous export of its kind, never a file nor a
+    # directory the run reads or writes otherwise, writable, with room for the
+    # export ([the rules](lora_export.html)); an adapter needs a `checkpoint` to
+    # name as its base.
+    check_exports(config, layers, config.torch_dtype(device))
+    # **Host memory**: the ranks this host starts fit in its available memory,
+    # each about `RANK_BASE_BYTES` (the interpreter, torch, the data) plus its
+    # share of the model states held in host memory.
+    check_host_memory(config, layers, world_size=world_size, device=device,
+                      ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
     # **The checkpoint to resume**: the [checkpoint
     # package's](../zero3/checkpoint/preflight.html) `check_resumable` (a

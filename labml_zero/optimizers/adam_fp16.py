@@ -94,6 +94,11 @@ OffloadRule = Callable[[int, torch.Tensor], bool]
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
+class NonFiniteGradient(RuntimeError):
+    """An early update met a non-finite gradient (see Note: a non-finite
+    gradient in an early update); a job may turn it into its own message."""
+
+
 @dataclass
 class EarlyUpdate:
     """
@@ -521,7 +526,7 @@ class AdamFP16(torch.optim.Optimizer):
             for param in bad:
                 self.state[param]["step"] -= 1
             self.early = {}
-            raise RuntimeError(
+            raise NonFiniteGradient(
                 f"{len(bad)} shard(s) got a non-finite gradient during the "
                 "backward pass; their early update was skipped, but a step "
                 "cannot be skipped on every rank once others were updated: use "

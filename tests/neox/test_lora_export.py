@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from labml_zero.neox import model as M
 from labml_zero.neox.checkpoint import HFCheckpoint
 from labml_zero.neox.lora import FineTuneLoRA, load_hf_layer
-from labml_zero.neox.lora_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, merged,
+from labml_zero.neox.lora_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPORT_MARKER,
+                                         merged,
                                          peft_adapter_config, peft_name,
                                          save_merged_checkpoint, save_peft_adapter,
                                          write_adapter_dir)
@@ -119,8 +120,8 @@ def test_exports_load_in_transformers_and_peft(hf_checkpoint_dir, hf_model,
     assert (ours - base_logits).abs().max() > 1e-2
 
     adapter_dir = tmp_path / "adapter"
-    assert sorted(p.name for p in adapter_dir.iterdir()) == [ADAPTER_CONFIG,
-                                                              ADAPTER_WEIGHTS]
+    assert sorted(p.name for p in adapter_dir.iterdir()) == [
+        ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPORT_MARKER]
     assert json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["r"] == 4
     base = GPTNeoXForCausalLM.from_pretrained(hf_checkpoint_dir)
     adapted = PeftModel.from_pretrained(base, adapter_dir).eval()

@@ -33,12 +33,13 @@ def run_dir(root: Path, one: Path, steps) -> Path:
     (out / "step-12").mkdir()  # too few digits: not the fine-tune's layout
     (out / "step-000001").mkdir()  # a step directory with no manifest
     (out / "step-000001" / "mine.txt").write_text("keep me")
-    (out / ".step-000009.tmp-0123").mkdir()  # a save that was killed
+    (out / LEFTOVER).mkdir()  # a save that was killed (SIGKILL)
+    (out / LEFTOVER / "rank-00000.safetensors").write_bytes(b"half")
     return out
 
 
-OTHERS = ["notes", "step-000000.txt", "step-12", "step-000001",
-          ".step-000009.tmp-0123"]
+LEFTOVER = ".step-000009.tmp-0123"
+OTHERS = ["notes", "step-000000.txt", "step-12", "step-000001"]
 
 
 def listing(out: Path) -> list[str]:
@@ -50,6 +51,7 @@ def test_keeps_the_newest_and_removes_only_checkpoints(tmp_path, one):
     assert [step for step, _ in checkpoint_dirs(out)] == [1, 2, 4, 6, 8]
     removed = prune_checkpoints(out, keep=2)
     assert removed == [out / "step-000002", out / "step-000004"]
+    # the killed save's temporary directory went with the first prune
     assert listing(out) == sorted(OTHERS + ["step-000006", "step-000008"])
     assert (out / "step-000001" / "mine.txt").read_text() == "keep me"
     # idempotent, and `keep` larger than what is there removes nothing
@@ -71,8 +73,9 @@ def test_nothing_is_removed_until_the_newest_is_complete(tmp_path, one):
     shard = out / "step-000006" / "rank-00000.safetensors"
     shard.write_bytes(shard.read_bytes()[:100])
     assert prune_checkpoints(out, keep=1) == []
-    assert listing(out) == sorted(OTHERS + ["step-000002", "step-000004",
-                                            "step-000006"])
+    # until then, leftovers too stay: nothing is touched
+    assert listing(out) == sorted(OTHERS + [LEFTOVER, "step-000002",
+                                            "step-000004", "step-000006"])
 
 
 def test_the_checkpoint_just_saved_is_never_removed(tmp_path, one):
@@ -93,3 +96,9 @@ def test_keep_must_be_a_positive_integer(tmp_path, keep):
 
 def test_a_missing_directory_has_nothing_to_prune(tmp_path):
     assert prune_checkpoints(tmp_path / "nowhere", keep=3) == []
+
+
+def test_every_file_of_a_checkpoint_has_the_same_mode(one):
+    # safetensors alone would make the shards owner-only beside 0644 files
+    modes = {p.name: p.stat().st_mode & 0o777 for p in one.iterdir()}
+    assert len(set(modes.values())) == 1, modes

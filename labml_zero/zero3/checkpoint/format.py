@@ -82,6 +82,10 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16",
 class CheckpointError(ValueError):
     """A checkpoint that cannot be saved or loaded; the message names the cause."""
 
+    # the message names the file and what is wrong with it: the launcher leaves
+    # out the traceback (see the supervisor's Failure)
+    user_error = True
+
 
 def tensors_file(rank: int) -> str:
     return f"rank-{rank:05d}.safetensors"

@@ -9,9 +9,10 @@ summary: Old checkpoints are removed only once a newer one is complete, and only
 
 A job that saves every $n$ steps fills its disk: each checkpoint holds every
 shard, master and moment. `prune_checkpoints(directory, keep)` keeps the `keep`
-newest and removes the others, under three rules, each beside its lines, that
+newest and removes the others, under four rules, each beside its lines, that
 make it safe to call after every save: only after the newest is complete, only
-checkpoints of this layout, and never half removed.
+checkpoints of this layout, never half removed, and
+leftovers go.
 
 With $k$ = `keep`, the disk holds at most $k + 1$ checkpoints: the $k$ kept ones
 and, during a save, the new one being written.
@@ -38,6 +39,8 @@ __all__ = ["checkpoint_dirs", "is_complete", "prune_checkpoints"]
 
 STEP_NAME = re.compile(r"step-(\d{6,})")
 """`step-NNNNNN`: the fine-tune's `checkpoints/step-{step:06d}`."""
+LEFTOVER_NAME = re.compile(r"\.step-\d{6,}\.(tmp|pruned)-[0-9A-Za-z_-]+")
+"""A killed save's temporary directory, or a crashed prune's (rule 4)."""
 
 
 def checkpoint_dirs(directory: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -103,6 +106,14 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int, *,
         return []
     complete = [path for path in found if is_complete(path)]
     removed = complete[:-keep]
+    # Rule 4, **leftovers go**: a save killed outright (`SIGKILL`, a power cut)
+    # cannot remove its `.step-NNNNNN.tmp-<id>` directory, nor a crash mid-delete
+    # its `.pruned-` one, and nothing loads either. This job's own save is
+    # complete, so every such directory is a leftover of one that was killed.
+    for entry in Path(directory).iterdir():
+        if LEFTOVER_NAME.fullmatch(entry.name) and entry.is_dir() \
+                and not entry.is_symlink():
+            shutil.rmtree(entry)
     for path in removed:
         # Rule 3, **never half removed**: renamed first to a hidden
         # `.step-NNNNNN.pruned-<token>` name, which nothing loads, then deleted;

@@ -41,7 +41,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ...files import fsync_path, replace_directory, temporary_sibling
+from ...files import (fsync_path, give_default_mode, replace_directory,
+                     temporary_sibling)
 from ..chunk import Chunk
 from ..communication import Communicator
 from .agreement import agree_save_id, gather_digests, run_agreed
@@ -66,6 +67,7 @@ def write_tensors(tensors: dict[str, torch.Tensor], file: Path, *,
                   metadata: dict[str, str]) -> None:
     """One safetensors file, flushed; the tests replace it to simulate a crash."""
     save_file(tensors, str(file), metadata=metadata)
+    give_default_mode(file)  # safetensors makes it owner-only (see atomic files)
     fsync_path(file)
 
 
