@@ -51,7 +51,7 @@ EXPERIMENT_NAME = "zero3_neox"
 VALID_INDICATORS = ("loss.valid", "acc.valid")
 
 
-# ## Sending to the app, bounded (see Note: tracking never decides a run's outcome)
+# ## Sending to the app, bounded
 
 # One request; labml's own waits minutes.
 REQUEST_TIMEOUT_S = 5.0
