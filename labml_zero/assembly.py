@@ -23,7 +23,8 @@ the placement. `assemble` is that order written once, as numbered steps:
 3. **compile** the chosen layer types' forwards (the engine's hooks stay eager);
 4. **place**: decide which chunks keep their optimizer state (and parameter
    shards) in host memory, and apply that, in one place: a static fraction from
-   the output end, or `'auto'`, decided from one measured forward and backward;
+   the output end, or `'auto'`, decided from the measured forward and backward
+   passes of one step, every micro-batch of it;
 5. **optimizer**: `AdamFP16` on the trainable shards, told which are offloaded;
 6. **wire** the optimizer's gradient-ready callback to the runtime, so that each
    shard's update (or its copy down to the host) starts as its chunk is reduced.
@@ -59,10 +60,10 @@ from labml_zero.zero3.placement import (
     Placement,
     ShardSpec,
     StaticPlacement,
-    apply_placement,
-    first_step_placement,
     shard_specs,
 )
+from labml_zero.zero3.placement_probe import (accumulated_step, apply_placement,
+                                              first_step_placement)
 from labml_zero.zero3.placement_report import decision_lines
 from labml_zero.zero3.sharded_model import Zero3Layer, Zero3Sequential, zero3_layers
 from labml_zero.zero3.shard import LocalShard
@@ -115,6 +116,11 @@ class Recipe:
     resident: bool = True
     """With `'auto'`: also keep frozen chunks gathered in the device memory left
     over."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step, as the caller's training step runs
+    them (the first `grad_accum - 1` under `no_sync`). `'auto'`'s probe runs
+    as many, so the measured peak holds the full-size gradient buffers of every
+    trainable chunk between micro-batches ([the probe](zero3/placement_probe.html))."""
     lr: float = 1e-3
     """AdamW's learning rate."""
     weight_decay: float = 0.0
@@ -168,11 +174,15 @@ def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
     * `init_param(name, param)`: the per-parameter initialiser, run chunk by
       chunk; `None`: each layer's `reset_parameters()`, one layer at a time;
     * `load(sharded)`: copies pretrained weights into the shards;
-    * `probe(model)`: one forward and backward, for `'auto'`;
+    * `probe(model)`: one micro-batch's forward and backward, for `'auto'`
+      (run `recipe.grad_accum` times, as the step runs them);
     * `auto_limits(shards)`: the allocator's stand-in for `'auto'` off a GPU.
     """
     if recipe.free_grads and not recipe.update_during_backward:
         raise ValueError("Recipe.free_grads needs update_during_backward=True")
+    if recipe.grad_accum < 1:
+        raise ValueError(f"Recipe.grad_accum must be at least 1, got "
+                         f"{recipe.grad_accum}")
     # 1. mark: `requires_grad` decides trainable against frozen chunks, so it
     # must be set before the layout is cut.
     tuner = (finetuner(recipe.finetune) if isinstance(recipe.finetune, str)
@@ -241,9 +251,10 @@ def place(model: Zero3Sequential, recipe: Recipe,
     """
     ### Decide where the chunks live, and apply it
 
-    Static: `StaticPlacement` from the output end. `'auto'`: `probe` runs one
-    forward and backward whose peak `first_step_placement` measures, then the
-    fewest optimizer states that make the step fit go to the host.
+    Static: `StaticPlacement` from the output end. `'auto'`: `probe` runs the
+    step's `grad_accum` micro-batches (`accumulated_step`), whose peak
+    `first_step_placement` measures, then the fewest optimizer states that make
+    the step fit go to the host.
     """
     if recipe.offload_optimizer == "auto":
         if probe is None:
@@ -260,8 +271,9 @@ def place(model: Zero3Sequential, recipe: Recipe,
         if recipe.free_grads:
             model.runtime.on_grad_ready(
                 lambda shard, after=None: free_probe_grad(shard, after, freeing))
-        decided = first_step_placement(model, lambda: probe(model),
-                                       resident=recipe.resident, **limits)
+        step = accumulated_step(model, lambda: probe(model), recipe.grad_accum)
+        decided = first_step_placement(model, step, resident=recipe.resident,
+                                       **limits)
         freeing[0] = False
         apply_placement(model, decided.placement)
         if model.runtime.comm.rank == 0:

@@ -154,7 +154,8 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
     ### Build on meta, mark, shard, initialise or load, place, optimizer
 
     See "Building the model one chunk at a time" above. `probe(model)` runs one
-    forward and backward, for `offload_optimizer='auto'`.
+    micro-batch's forward and backward, for `offload_optimizer='auto'`, which
+    runs it `grad_accum` times, as `train_step` does.
     """
     neox = config.model_config()
     layers = neox_model.build_layers(neox, filter_layers=config.filter_layers,
@@ -171,7 +172,7 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
         finetune=tuner,
         compile_types=(neox_model.TransformerLayer,) if config.compile else (),
         offload_optimizer=config.offload_optimizer,
-        offload_params=config.offload_params,
+        offload_params=config.offload_params, grad_accum=config.grad_accum,
         lr=config.lr, weight_decay=config.weight_decay,
         # updates overlap the backward pass unless clipping or unscaling
         # changes the gradients after it
