@@ -160,9 +160,10 @@ def test_meta_build_then_checkpoint_gives_the_base_model_at_step_0(
                         generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = hf_model(ids).logits
-        # fp32 logits through the 3 layers of the tiny config; d_ff = 100
+        # fp32 logits, one forward pass
         torch.testing.assert_close(model(ids), expected, **tolerance.parity(
-            torch.float32, n=100, chained=tolerance.neox_chained(3, backward=False)))
+            torch.float32, terms=tolerance.neox_terms(
+                hf.config, seq=ids.shape[1], tokens=ids.numel(), backward=False)))
     with model.runtime.gathered():
         a = layers[1].attention.query_key_value.lora_A.detach()
         b = layers[1].attention.query_key_value.lora_B.detach()
@@ -223,11 +224,12 @@ def test_memory_model_matches_the_bytes_held(world_size, dtype_name):
 STEPS = 5
 ROWS_PER_RANK = 2
 SEQ = 8
-# The parity's tolerance (tests/tolerance.py): fp32 through the 2 layers of
-# `small_config`, forward and backward; the longest reduction is d_ff = 100.
-CHAIN = dict(n=100, chained=tolerance.neox_chained(2, backward=True))
-LOSS_TOLERANCE = tolerance.parity(torch.float32, **CHAIN)
-PARAM_TOLERANCE = tolerance.parity(torch.float32, **CHAIN, steps=STEPS, lr=1e-2)
+# The parity's tolerance (tests/tolerance.py): fp32 through `small_config`,
+# forward and backward, with the 3 ranks' rows in the batch at most.
+TERMS = tolerance.neox_terms(small_config(), seq=SEQ,
+                             tokens=3 * ROWS_PER_RANK * SEQ, backward=True)
+LOSS_TOLERANCE = tolerance.parity(torch.float32, terms=TERMS)
+PARAM_TOLERANCE = tolerance.parity(torch.float32, terms=TERMS, steps=STEPS, lr=1e-2)
 # Updates a little wrong, which the same tolerance must reject: the learning
 # rate 0.1% too high, and the weight decay forgotten.
 WRONG_UPDATES = {"lr x 1.001": (1e-2 * 1.001, 0.01), "no weight decay": (1e-2, 0.0)}
