@@ -73,10 +73,11 @@ def parity(dtype: torch.dtype, *, terms: int, steps: int = 0, lr: float = 0.0,
     return {"rtol": steps * unit_roundoff(dtype), "atol": steps * lr * rho}
 
 
-def neox_terms(config, *, seq: int, tokens: int, backward: bool,
+def neox_terms(config, *, seq: int, tokens: int = 0, backward: bool = False,
                vocab: bool = True) -> int:
     """`terms` of a value's path through a GPT-NeoX `config` (a `NeoXConfig`)
-    for sequences of `seq` tokens, `tokens` in the batch.
+    for sequences of `seq` tokens: to the logits, or with `tokens` > 0 (the
+    batch's) to the loss over them.
 
     Each layer reduces over $d$ in its query-key-value, dense and MLP-up
     matmuls and its 2 layer norms, over the head size in the scores, over the
@@ -90,8 +91,9 @@ def neox_terms(config, *, seq: int, tokens: int, backward: bool,
     """
     d, d_head = config.d_model, config.d_model // config.n_heads
     layer = 6 * d + d_head + seq + config.ff_dim
-    forward = config.n_layers * layer + 2 * d + tokens
-    forward += config.n_vocab if vocab else 0
+    forward = config.n_layers * layer + 2 * d
+    if tokens:
+        forward += tokens + (config.n_vocab if vocab else 0)
     return 2 * forward + tokens if backward else forward
 
 
