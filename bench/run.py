@@ -252,10 +252,13 @@ def end_process() -> None:
     often on a loaded host, where the ranks end at different times), which the
     launcher would report as a rank dead by `SIGABRT`. So the rank destroys its
     process group, flushes its output and ends here, as the engine's
-    distributed tests do (`tests/distributed.py`).
+    distributed tests do (`tests/distributed.py`). Without a process group
+    this is no spawned rank (a test calling `worker` in its own process), and
+    it returns.
     """
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

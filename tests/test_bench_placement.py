@@ -38,13 +38,18 @@ def test_a_rank_ends_itself_once_its_record_is_written(monkeypatch, tmp_path):
         raise SystemExit(code)
 
     monkeypatch.setattr(bench_run.os, "_exit", fake_exit)
+    # a spawned rank's process group, faked
+    destroyed = []
+    monkeypatch.setattr(bench_run.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(bench_run.dist, "destroy_process_group",
+                        lambda: destroyed.append(True))
     monkeypatch.setattr(bench_run, "measure_rank",
                         lambda ctx, engine, workload, run, progress: {"loss": 1.0})
     with pytest.raises(SystemExit) as ended:
         bench_run.worker(SimpleNamespace(rank=0), "labml_zero",
                          bench_run.workloads()["W3R"], bench_run.RunConfig(),
                          str(tmp_path))
-    assert ended.value.code == 0
+    assert ended.value.code == 0 and destroyed == [True]
     record = json.loads((tmp_path / "rank0.json").read_text())
     assert record["status"] == "ok" and record["loss"] == 1.0
 
