@@ -28,9 +28,12 @@ sizes and the number of steps, never a constant that happened to pass:
   $\eta \rho$; $k$ updates add, `atol` $= k \eta \rho$, and the parameter's own
   rounding, once a step, gives `rtol` $= k u$.
 
-The bound must stay small enough to catch a real bug: `tests/test_tolerance.py`
-checks that an update with the learning rate $\times 1.001$, or without its
-weight decay, fails the same tolerance a correct one passes.
+The bound must stay small enough to catch a real bug: an update with the
+learning rate $\times 1.001$, or without its weight decay, fails the same
+tolerance a correct one passes (`tests/optimizers/test_adam_fp16.py::
+test_fp32_update_equals_adamw`, `tests/neox/test_lora.py::
+test_parity_with_plain_lora_and_adamw`); and the bound holds for sums in
+orders a kernel may choose (`tests/test_tolerance.py`).
 """
 
 from __future__ import annotations
