@@ -55,6 +55,17 @@ def gpus_missing(world_size: int, backend: str, gpus: int) -> str | None:
     return None
 
 
+def skip_job_without_gpus(world_size: int) -> None:
+    """Skip a test that starts the fine-tune job at `world_size` where it cannot
+    run: the job takes NCCL and one GPU a rank wherever CUDA is
+    (`launch.default_backend`), gloo on the CPU otherwise."""
+    backend = launch.default_backend()
+    reason = gpus_missing(world_size, backend,
+                          torch.cuda.device_count() if backend == "nccl" else 0)
+    if reason is not None:
+        pytest.skip(reason)
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """`fn(ctx, *args)` on `world_size` ranks; returns the ranks' results in order.
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests import distributed
-from tests.distributed import gpus_missing, run_distributed
+from tests.distributed import gpus_missing, run_distributed, skip_job_without_gpus
 
 
 def test_nccl_needs_one_gpu_per_rank():
@@ -28,3 +28,16 @@ def test_run_distributed_skips_on_too_few_gpus(monkeypatch):
     with pytest.raises(pytest.skip.Exception,
                        match="world_size 2 needs 2 GPUs, this machine has 1"):
         run_distributed(never_called, 2)
+
+
+def test_the_fine_tune_job_is_skipped_on_too_few_gpus(monkeypatch):
+    # where CUDA is, the job itself takes NCCL: one GPU a rank
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    skip_job_without_gpus(1)
+    with pytest.raises(pytest.skip.Exception,
+                       match="world_size 4 needs 4 GPUs, this machine has 1"):
+        skip_job_without_gpus(4)
+    # without CUDA it runs on gloo at any size
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    skip_job_without_gpus(4)

@@ -28,6 +28,7 @@ from labml_zero.neox.finetune import (FinetuneConfig, NonFiniteLoss, Totals,
                                       check_loss, laptop, neox_20b_biases)
 from labml_zero.neox.model import tiny as neox_tiny
 from tests import tolerance
+from tests.distributed import skip_job_without_gpus
 from tests.tolerance import neox_terms
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,6 +54,10 @@ def closed_port_url() -> str:
 def finetune(tmp: Path, *args: str, env: dict | None = None,
              timeout: float = 120) -> subprocess.CompletedProcess:
     """Run the job in `tmp` with its outputs and labml logs there."""
+    flags = [*SMALL, *args]
+    # the last --world-size wins, as in argparse
+    sizes = [flags[i + 1] for i, flag in enumerate(flags) if flag == "--world-size"]
+    skip_job_without_gpus(int(sizes[-1]))
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])

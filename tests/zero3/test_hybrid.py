@@ -34,7 +34,7 @@ from labml_zero.zero3.memory_model import (
 )
 from labml_zero.zero3.transport import CollectiveReduce, HybridReduce
 from tests import tolerance
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, skip_job_without_gpus
 from tests.test_finetune import FINETUNE_LOSS_TOLERANCE, run_dirs, tracked
 from tests.zero3.models import TINY_TERMS, batch, tiny_layers
 from tests.zero3.test_memory_and_comm import held_bytes
@@ -282,6 +282,7 @@ def test_finetune_flag(capsys):
 
 def finetune_losses(tmp: Path, *flags: str) -> dict[int, float]:
     """Three steps of the fine-tune at world 4; rank 0's training losses."""
+    skip_job_without_gpus(4)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     tmp.mkdir(parents=True)
     result = subprocess.run(
