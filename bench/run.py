@@ -247,14 +247,14 @@ def end_process() -> None:
     """
     #### End a rank whose record is written, without the interpreter's teardown
 
-    After the work is done, PyTorch's gloo backend sometimes aborts in the
-    teardown of the interpreter ("terminate called without an active exception", more
-    often on a loaded host, where the ranks end at different times), which the
-    launcher would report as a rank dead by `SIGABRT`. So the rank destroys its
-    process group, flushes its output and ends here, as the engine's
-    distributed tests do (`tests/distributed.py`). Without a process group
-    this is no spawned rank (a test calling `worker` in its own process), and
-    it returns.
+    After the work is done, a gloo rank sometimes aborts as its process exits,
+    in the C++ teardown after the interpreter's, with no Python frame left
+    ("terminate called without an active exception"; more often on a loaded
+    host), which the launcher reports as a rank dead by `SIGABRT`. So the
+    rank destroys its process group, flushes its output and ends here, as
+    the engine's distributed tests do (`tests/distributed.py`). Without a
+    process group this is no spawned rank (a test calling `worker` in its own
+    process), and it returns.
     """
     if not dist.is_initialized():
         return
