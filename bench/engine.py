@@ -51,7 +51,7 @@ weights and moments, gradients reduce-scattered in fp32.
 With `workload.offload == "auto"` (or `workload.resident`, W3R) the
 optimizer is built only after a probe:
 one forward and backward on a batch of its own, measured, then
-[`first_step_placement`](../labml_zero/zero3/placement.html) puts the
+[`first_step_placement`](../labml_zero/zero3/placement_probe.html) puts the
 optimizer states of as few chunks as needed in host memory, from the output
 end. Offloaded gradients start their copy to the host as their chunk is
 reduced (the runtime's `grad_ready` hook), their host update starts then too

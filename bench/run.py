@@ -259,6 +259,28 @@ def worker(ctx: launch.DistContext, engine: str, workload: Workload, run: RunCon
     except EngineUnavailable as error:
         record = {"status": "skipped", "reason": str(error)}
     write_json(path, record)
+    end_process()
+
+
+def end_process() -> None:
+    """
+    #### End a rank whose record is written, without the interpreter's teardown
+
+    After the work is done, a gloo rank sometimes aborts as its process exits,
+    in the C++ teardown after the interpreter's, with no Python frame left
+    ("terminate called without an active exception"; more often on a loaded
+    host), which the launcher reports as a rank dead by `SIGABRT`. So the
+    rank destroys its process group, flushes its output and ends here, as
+    the engine's distributed tests do (`tests/distributed.py`). Without a
+    process group this is no spawned rank (a test calling `worker` in its own
+    process), and it returns.
+    """
+    if not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def write_json(path: str, record: dict) -> None:

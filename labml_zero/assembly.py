@@ -42,10 +42,10 @@ from labml_zero.zero3.placement import (
     Placement,
     ShardSpec,
     StaticPlacement,
-    apply_placement,
-    first_step_placement,
     shard_specs,
 )
+from labml_zero.zero3.placement_probe import (accumulated_step, apply_placement,
+                                              first_step_placement)
 from labml_zero.zero3.placement_report import decision_lines
 from labml_zero.zero3.sharded_model import Zero3Layer, Zero3Sequential, zero3_layers
 from labml_zero.zero3.shard import LocalShard
@@ -98,6 +98,11 @@ class Recipe:
     resident: bool = True
     """With `'auto'`: also keep frozen chunks gathered in the device memory left
     over."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step, as the caller's training step runs
+    them (the first `grad_accum - 1` under `no_sync`). `'auto'`'s probe runs
+    as many, so the measured peak holds the full-size gradient buffers of every
+    trainable chunk between micro-batches ([the probe](zero3/placement_probe.html))."""
     lr: float = 1e-3
     """AdamW's learning rate."""
     weight_decay: float = 0.0
@@ -157,11 +162,15 @@ def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
       chunk; `None`: each layer's `reset_parameters()`, one layer at a time;
     * `load(sharded)`: copies pretrained weights into the shards, right after
       sharding;
-    * `probe(model)`: one forward and backward, for `'auto'`;
+    * `probe(model)`: one micro-batch's forward and backward, for `'auto'`
+      (run `recipe.grad_accum` times, as the step runs them);
     * `auto_limits(shards)`: the allocator's stand-in for `'auto'` off a GPU.
     """
     if recipe.free_grads and not recipe.update_during_backward:
         raise ValueError("Recipe.free_grads needs update_during_backward=True")
+    if recipe.grad_accum < 1:
+        raise ValueError(f"Recipe.grad_accum must be at least 1, got "
+                         f"{recipe.grad_accum}")
     # 1. **mark**: the fine-tuner sets `requires_grad` on the layers, still on the
     # meta device (shapes, no memory). It decides trainable against frozen chunks,
     # so it must be set before the layout is cut.
@@ -194,7 +203,8 @@ def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
 
     # 4. **place**: decide which chunks keep their optimizer state (and parameter
     # shards) in host memory, and apply that, in one place: a static fraction from
-    # the output end, or `'auto'`, decided from one measured forward and backward.
+    # the output end, or `'auto'`, decided from the measured forward and backward
+    # passes of one step, every micro-batch of it.
     # Before the optimizer exists: it allocates its fp32 masters and moments
     # where the placement says.
     placement, decided = place(model, recipe, probe, auto_limits)
@@ -240,11 +250,12 @@ def place(model: Zero3Sequential, recipe: Recipe,
     """
     ### Decide where the chunks live, and apply it
 
-    Static: `StaticPlacement` from the output end. `'auto'`: `probe` runs one
-    forward and backward whose peak `first_step_placement` measures, then the
-    fewest optimizer states that make the step fit go to the host. `'auto'`
-    needs a device with allocator statistics (CUDA), or the caller's stand-in
-    for them (`AutoLimits`), as the benchmark's CPU smoke test gives.
+    Static: `StaticPlacement` from the output end. `'auto'`: `probe` runs the
+    step's `grad_accum` micro-batches (`accumulated_step`), whose peak
+    `first_step_placement` measures, then the fewest optimizer states that make
+    the step fit go to the host. `'auto'` needs a device with allocator
+    statistics (CUDA), or the caller's stand-in for them (`AutoLimits`), as the
+    benchmark's CPU smoke test gives.
     """
     if recipe.offload_optimizer == "auto":
         if probe is None:
@@ -261,8 +272,9 @@ def place(model: Zero3Sequential, recipe: Recipe,
         if recipe.free_grads:
             model.runtime.on_grad_ready(
                 lambda shard, after=None: free_probe_grad(shard, after, freeing))
-        decided = first_step_placement(model, lambda: probe(model),
-                                       resident=recipe.resident, **limits)
+        step = accumulated_step(model, lambda: probe(model), recipe.grad_accum)
+        decided = first_step_placement(model, step, resident=recipe.resident,
+                                       **limits)
         freeing[0] = False
         apply_placement(model, decided.placement)
         if model.runtime.comm.rank == 0:

@@ -7,6 +7,7 @@ import sys
 import tempfile
 from typing import Any, Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -42,12 +43,40 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
+def gpus_missing(world_size: int, backend: str, gpus: int) -> str | None:
+    """Why `world_size` ranks cannot run on this machine, or `None` if they can.
+
+    NCCL takes one GPU per rank; gloo runs any number of ranks on the CPU.
+    `gpus` is passed in (not read here) so the rule is tested without a GPU.
+    """
+    if backend == "nccl" and world_size > gpus:
+        return (f"world_size {world_size} needs {world_size} GPUs, "
+                f"this machine has {gpus}")
+    return None
+
+
+def skip_job_without_gpus(world_size: int) -> None:
+    """Skip a test that starts the fine-tune job at `world_size` where it cannot
+    run: the job takes NCCL and one GPU a rank wherever CUDA is
+    (`launch.default_backend`), gloo on the CPU otherwise."""
+    backend = launch.default_backend()
+    reason = gpus_missing(world_size, backend,
+                          torch.cuda.device_count() if backend == "nccl" else 0)
+    if reason is not None:
+        pytest.skip(reason)
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """`fn(ctx, *args)` on `world_size` ranks; returns the ranks' results in order.
 
-    gloo on CPU by default, NCCL when `LABML_ZERO_TEST_BACKEND=nccl`.
+    gloo on CPU by default, NCCL when `LABML_ZERO_TEST_BACKEND=nccl`; under NCCL
+    a test that needs more GPUs than the machine has is skipped, with that reason.
     `fn` must be a module-level function of an importable module (processes spawn).
     """
+    reason = gpus_missing(world_size, BACKEND,
+                          torch.cuda.device_count() if BACKEND == "nccl" else 0)
+    if reason is not None:
+        pytest.skip(reason)
     with tempfile.TemporaryDirectory() as out_dir:
         launch.spawn(
             _collect, world_size, fn, out_dir, args, backend=BACKEND, timeout_s=120

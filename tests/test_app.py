@@ -43,6 +43,7 @@ from labml_zero.app import ASSETS, AppConfig, main, static_dir
 from labml_zero.app_client import (DEFAULT_APP_URL, app_url_if_running,
                                    check_app_url, labml_app_settings)
 from labml_zero.neox.finetune import EXPERIMENT_NAME
+from tests.distributed import skip_job_without_gpus
 from tests.test_finetune import tracked
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,6 +150,7 @@ labml_log = tracked
 @pytest.fixture(scope="module")
 def runs(app: AppConfig, tmp_path_factory) -> Runs:
     """All processes at once, as under torchrun; each exits once labml has sent."""
+    skip_job_without_gpus(WORLD)
     tmp = tmp_path_factory.mktemp("runs")
     script = tmp / "tiny_run.py"
     script.write_text(TINY_RUN)

@@ -96,6 +96,43 @@ def test_auto_placement_with_a_simulated_device():
     assert 0 < len(built.optimizer.host) == len(built.placement.optimizer_on_host)
 
 
+def test_auto_placement_counts_the_gradients_held_between_micro_batches():
+    # With 2 micro-batches a step, the first backward runs under `no_sync`: every
+    # trainable chunk then holds its full-size fp32 gradient until the last one
+    # reduces it. The simulated device's peak is 1000 bytes plus those buffers,
+    # as the probe finds them when each micro-batch starts.
+    held = []
+
+    def probe(model):
+        held.append(sum(c.grad_full.untyped_storage().nbytes()
+                        for c in model.chunks if c.grad_full is not None))
+        lm_probe(model)
+
+    full_grads = []
+
+    def limits(shards):
+        trainable = sum(s.numel for s in shards if s.trainable)
+        # world size 1: a chunk's full buffer is its shard, 4 bytes an element
+        full_grads.append(4 * trainable)
+        # fp32 shards are their own masters: 8 bytes of moments an element; room
+        # for the buffers and half the moments, or for all of them without the
+        # buffers, so the one-micro-batch probe would offload nothing
+        return AutoLimits(measure_peak=lambda run: (run(), 1000 + max(held))[1],
+                          device_capacity=1000 + 4 * trainable + 4 * trainable)
+
+    built = assemble(tiny_layers(), recipe(offload_optimizer="auto",
+                                           resident=False, grad_accum=2),
+                     device=CPU, probe=probe, auto_limits=limits)
+    # the probe ran as the step runs: two micro-batches, the buffers held at the
+    # second, and none left after it
+    assert held == [0, full_grads[0]]
+    assert all(c.grad_full is None for c in built.model.chunks)
+    assert built.decided.predicted_peak >= 1000 + full_grads[0]
+    assert 0 < len(built.optimizer.host) < len(built.model.get_trainable_chunk())
+    with pytest.raises(ValueError, match="grad_accum must be at least 1, got 0"):
+        assemble(tiny_layers(), recipe(grad_accum=0), device=CPU)
+
+
 def test_free_grads_reaches_the_optimizer_and_the_probe():
     left = []
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -26,6 +27,31 @@ def test_offloaded_and_resident_workloads_run_tiny():
     gathered = w3r["comm_bytes_per_step"]["all_gather"]
     assert gathered < w3["comm_bytes_per_step"]["all_gather"]
     assert w3r["host_rss_peak_gib"] > 0
+
+
+def test_a_rank_ends_itself_once_its_record_is_written(monkeypatch, tmp_path):
+    # The cause of an occasional "rank 0 died (signal SIGABRT)" under load: a
+    # rank that returned into the interpreter's teardown, where gloo may abort
+    # after the work is done. The worker writes its record, then ends its
+    # process itself (`end_process`), never returning into that teardown.
+    def fake_exit(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(bench_run.os, "_exit", fake_exit)
+    # a spawned rank's process group, faked
+    destroyed = []
+    monkeypatch.setattr(bench_run.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(bench_run.dist, "destroy_process_group",
+                        lambda: destroyed.append(True))
+    monkeypatch.setattr(bench_run, "measure_rank",
+                        lambda ctx, engine, workload, run, progress: {"loss": 1.0})
+    with pytest.raises(SystemExit) as ended:
+        bench_run.worker(SimpleNamespace(rank=0), "labml_zero",
+                         bench_run.workloads()["W3R"], bench_run.RunConfig(),
+                         str(tmp_path))
+    assert ended.value.code == 0 and destroyed == [True]
+    record = json.loads((tmp_path / "rank0.json").read_text())
+    assert record["status"] == "ok" and record["loss"] == 1.0
 
 
 def test_offloaded_predicted_peak_is_the_placements(capfd):

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from labml_zero import launch
+from tests.distributed import skip_job_without_gpus
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -318,6 +319,7 @@ def test_ranks_die_with_a_killed_launcher(tmp_path: Path):
 
 def test_fine_tune_stops_on_sigterm_and_leaves_only_whole_checkpoints(
         tmp_path: Path):
+    skip_job_without_gpus(2)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     checkpoints = tmp_path / "out" / "checkpoints"
     job = subprocess.Popen(

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from labml_zero.launch import free_port
+from tests.distributed import skip_job_without_gpus
 from tests.test_finetune import run_dirs, tracked
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,6 +42,7 @@ def job_args(tmp: Path, *args: str) -> list[str]:
 
 
 def one_node(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    skip_job_without_gpus(4)
     tmp.mkdir(parents=True, exist_ok=True)
     return subprocess.run([sys.executable, *job_args(tmp, "--world-size", "4",
                                                      *args)],
@@ -50,6 +52,7 @@ def one_node(tmp: Path, *args: str) -> subprocess.CompletedProcess:
 
 def start_nodes(tmp: Path, *args: str) -> list[subprocess.Popen]:
     """Two node agents, each in a session of its own (so each can be killed)."""
+    skip_job_without_gpus(4)
     tmp.mkdir(parents=True, exist_ok=True)
     endpoint = f"127.0.0.1:{free_port()}"
     return [subprocess.Popen(

@@ -125,7 +125,9 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
     the host and copied slice by slice into the shards. A rank never holds more
     than one chunk on its device beyond its shards, and one layer on the host.
 
-    `probe(model)` runs one forward and backward, for `offload_optimizer='auto'`.
+    `probe(model)` runs one micro-batch's forward and backward, for
+    `offload_optimizer='auto'`, which runs it `grad_accum` times, as `train_step`
+    does.
     """
     neox = config.model_config()
     layers = neox_model.build_layers(neox, filter_layers=config.filter_layers,
@@ -142,7 +144,7 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
         finetune=tuner,
         compile_types=(neox_model.TransformerLayer,) if config.compile else (),
         offload_optimizer=config.offload_optimizer,
-        offload_params=config.offload_params,
+        offload_params=config.offload_params, grad_accum=config.grad_accum,
         lr=config.lr, weight_decay=config.weight_decay,
         # updates overlap the backward pass unless clipping or unscaling
         # changes the gradients after it

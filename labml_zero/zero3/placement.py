@@ -31,8 +31,10 @@ A placement says, for each chunk, where its optimizer state and its
 parameter shard live; offload is keeping them in host memory. What
 offloading moves over the host link and when the link becomes the bottleneck
 are beside `offload_traffic`; the memory it frees, beside `resident_bytes`;
-keeping frozen chunks gathered, beside `auto_placement`; and where each chunk
-lives during a step of the automatic placement, beside `first_step_placement`.
+keeping frozen chunks gathered, beside `auto_placement`. Everything here is a
+pure function of sizes and bytes; measuring a built model for the automatic
+placement, and applying a placement to it, are [the next
+page](placement_probe.html).
 
 ## Which chunks first
 
@@ -52,8 +54,6 @@ execution order) first:
   and every gather copies again; keeping a device copy between the forward and
   the backward pass would halve the traffic. Parameter offload has not been
   measured on GPUs.
-* `first_step_placement` predicts the peak from one step; a job whose memory
-  use varies (longer sequences later) needs a larger `margin`.
 * PyTorch's host caching allocator may round pinned blocks up (to powers of two
   in many versions): the pinned staging buffers can take up to twice their
   $4$ bytes per offloaded element.
@@ -62,9 +62,7 @@ execution order) first:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
-
-import torch
+from typing import NamedTuple, Sequence
 
 # bytes per element: the memory model is their one home
 from labml_zero.zero3.memory_model import (GRAD_BYTES, OPTIMIZER_BYTES,
@@ -81,8 +79,6 @@ __all__ = [
     "resident_bytes",
     "auto_placement",
     "shard_specs",
-    "first_step_placement",
-    "apply_placement",
 ]
 
 GIB = 1024**3
@@ -121,7 +117,7 @@ class Placement:
     * `optimizer_on_host`: positions in `model.chunks` of the trainable chunks
       whose master and moments are in host memory.
     * `param_on_host`: positions of the chunks whose parameter shard is in host
-      memory (`apply_placement` moves them).
+      memory ([`apply_placement`](placement_probe.html) moves them).
     * `resident`: positions of frozen chunks kept gathered between steps
       (`Chunk.keep_resident`), the opposite of offloading.
     """
@@ -260,10 +256,10 @@ def offload_traffic(placement: Placement, shards: Sequence[ShardSpec], *,
     the gradient down and the rounded master up.
 
     A parameter shard on the host (`Chunk.offload_shard`, applied by
-    `apply_placement`) saves $p$ more bytes per element and costs two uploads of $p$
-    bytes per step, one before each all-gather (forward and backward); its updated
-    master needs no upload of its own. As in ColossalAI, it needs the whole
-    optimizer state on the host.
+    [`apply_placement`](placement_probe.html)) saves $p$ more bytes per element
+    and costs two uploads of $p$ bytes per step, one before each all-gather
+    (forward and backward); its updated master needs no upload of its own. As
+    in ColossalAI, it needs the whole optimizer state on the host.
 
     #### When the link becomes the bottleneck
 
@@ -434,8 +430,9 @@ def auto_placement(
     whole: every step then gathers only the bias chunks. A trainable chunk cannot
     stay: its gathered copy is stale after every optimizer step.
 
-    `auto_placement(..., resident_world_size=N_d)` (and `first_step_placement`,
-    by default) make frozen chunks resident, largest first, in the memory left
+    `auto_placement(..., resident_world_size=N_d)` (and
+    [`first_step_placement`](placement_probe.html), by default) make frozen
+    chunks resident, largest first, in the memory left
     after the offload decision.
     """
     check_shards(shards)
@@ -476,134 +473,6 @@ def auto_placement(
                          offload_traffic(placement, shards, param_bytes=param_bytes))
 
 
-def apply_placement(model, placement: Placement) -> None:
-    """
-    ## Put `model.chunks` where `placement` says
-
-    Moves the parameter shards of `param_on_host` to the host and marks the
-    chunks of `resident` to stay gathered. Before building the optimizer, which
-    must keep the offloaded chunks' optimizer state on the host too
-    (`placement.optimizer_offload(...)`; `Placement.check` refuses a trainable
-    chunk whose state would stay on the device).
-    """
-    placement.check(shard_specs(model))
-    for i in sorted(placement.param_on_host):
-        model.chunks[i].offload_shard()
-    for i in sorted(placement.resident):
-        model.chunks[i].keep_resident()
-
-
-# ## Deciding from a measured first step
-
-
 def shard_specs(model) -> list[ShardSpec]:
     """`model.chunks` of a `Zero3Sequential` (or any `ShardedRoot`) as `ShardSpec`s."""
     return [ShardSpec(c.shard_numel, c.trainable) for c in model.chunks]
-
-
-def cuda_peak(device: torch.device) -> Callable[[Callable[[], None]], int]:
-    """Run a function and return the peak of allocated device bytes during it."""
-
-    def measure(run: Callable[[], None]) -> int:
-        # host sync: the peak must cover every kernel of `run`, and none before
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        run()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device)
-
-    return measure
-
-
-def cuda_capacity(device: torch.device) -> int:
-    """
-    Bytes PyTorch can allocate on `device`: what its caching allocator holds
-    plus what is free. The CUDA context and NCCL's buffers are not in it.
-    """
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device)
-
-
-def first_step_placement(
-    model,
-    forward_backward: Callable[[], None],
-    *,
-    margin: int | None = None,
-    device_capacity: int | None = None,
-    measure_peak: Callable[[Callable[[], None]], int] | None = None,
-    resident: bool = True,
-) -> AutoPlacement:
-    r"""
-    ## The automatic placement, from one measured forward and backward
-
-    Call it after building the model and before building the optimizer:
-
-    1. `forward_backward()` runs one step's forward and backward passes (all
-       its micro-batches); its peak of allocated bytes is measured;
-    2. the gradients it left are cleared: the probe trains nothing, the step
-       then runs again with the optimizer;
-    3. the fp32 `master_init` copies still on the shards are taken off the
-       peak (they become the masters, which `auto_placement` counts in $K_d$),
-       and `auto_placement` picks the chunks to offload.
-
-    * `margin`: bytes kept free; default 5% of the capacity, for the
-      allocator's fragmentation and steps that use a little more.
-    * `device_capacity`: default, on a GPU, what PyTorch can allocate there
-      (free plus reserved).
-    * `measure_peak(run)`: runs `run` and returns its peak; default, on a GPU,
-      the CUDA allocator's statistics. CPU memory has no such statistics, so on
-      CPU (the tests) both must be given.
-    * `resident`: also keep frozen chunks resident in the memory left over.
-
-    Then `apply_placement(model, result.placement)` and
-    `AdamFP16(model.get_trainable_chunk(), ...,
-    offload=result.placement.optimizer_offload(shard_specs(model)))`.
-
-    #### The decision for the benchmark's capability job
-
-    On the benchmark's job {{see: W5}} (GPT-NeoX-20B, every parameter trained,
-    activation checkpointing, two ranks) the measured step leaves room for
-    the optimizer state of only part of the model: the fewest chunks whose state
-    must go are the last transformer layers (one chunk each, the largest
-    chunks, so they go first), and `offload_traffic` and `resident_bytes` give
-    the link's bytes and the host's memory for that choice. PyTorch FSDP2 with
-    `CPUOffloadPolicy` and DeepSpeed ZeRO-3 with `offload_optimizer` put *all*
-    of the optimizer state (and FSDP2 the parameters and gradients too) in host
-    memory, $K + 4$ bytes per parameter and rank (the state and an fp32
-    gradient), where this policy puts only what does not fit; the [benchmark's
-    results](../../results.html) give the measured figures.
-
-    #### Where each chunk lives during a step
-
-    ![where each chunk lives under two placements](figures/placement.svg)
-
-    In the backward pass each chunk is gathered, recomputed, run backward and
-    reduce-scattered into its fp32 gradient; a host chunk's gradient then goes
-    down ($4$ bytes an element) and its Adam starts on the host at once, while
-    the backward pass goes on to the earlier layers. At the step the device's
-    Adam updates the device chunks; the host's rounded bf16 masters go up
-    ($p$ bytes an element) in time for the next forward's all-gathers. The
-    readout and the embedding are smaller than a layer, so the fewest-chunks
-    rule takes the layers first, from the output end.
-    """
-    device = model.runtime.comm.device
-    if device.type == "cuda":
-        measure_peak = measure_peak or cuda_peak(device)
-    if measure_peak is None or (device.type != "cuda" and device_capacity is None):
-        raise ValueError(f"first_step_placement on {device.type} needs "
-                         "measure_peak and device_capacity (no allocator "
-                         "statistics there)")
-    peak = measure_peak(forward_backward)
-    shards = model.get_trainable_chunk()
-    master_bytes = sum(c.local.master_init_nbytes() for c in model.chunks)
-    model.zero_grad()
-    if device_capacity is None:
-        device_capacity = cuda_capacity(device)
-    if margin is None:
-        margin = device_capacity // 20
-    param_bytes = shards[0].element_size() if shards else 2
-    return auto_placement(shard_specs(model), device_capacity=device_capacity,
-                          measured_peak_other=max(peak - master_bytes, 0),
-                          margin=margin, param_bytes=param_bytes,
-                          resident_world_size=(model.runtime.comm.world_size
-                                               if resident else None))

@@ -19,6 +19,7 @@ from labml_zero.neox.lora import (TARGETS, FineTuneLoRA, LoRALinear, load_hf_lay
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
 from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
+from tests import tolerance
 from tests.distributed import run_distributed
 from tests.zero3.test_memory_and_comm import held_bytes
 
@@ -159,7 +160,10 @@ def test_meta_build_then_checkpoint_gives_the_base_model_at_step_0(
                         generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = hf_model(ids).logits
-        torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
+        # fp32 logits, one forward pass
+        torch.testing.assert_close(model(ids), expected, **tolerance.parity(
+            torch.float32, terms=tolerance.neox_terms(
+                hf.config, seq=ids.shape[1])))
     with model.runtime.gathered():
         a = layers[1].attention.query_key_value.lora_A.detach()
         b = layers[1].attention.query_key_value.lora_B.detach()
@@ -220,6 +224,15 @@ def test_memory_model_matches_the_bytes_held(world_size, dtype_name):
 STEPS = 5
 ROWS_PER_RANK = 2
 SEQ = 8
+# The parity's tolerance (tests/tolerance.py): fp32 through `small_config`,
+# forward and backward, with the 3 ranks' rows in the batch at most.
+TERMS = tolerance.neox_terms(small_config(), seq=SEQ,
+                             tokens=3 * ROWS_PER_RANK * SEQ, backward=True)
+LOSS_TOLERANCE = tolerance.parity(torch.float32, terms=TERMS)
+PARAM_TOLERANCE = tolerance.parity(torch.float32, terms=TERMS, steps=STEPS, lr=1e-2)
+# Updates a little wrong, which the same tolerance must reject: the learning
+# rate 0.1% too high, and the weight decay forgotten.
+WRONG_UPDATES = {"lr x 1.001": (1e-2 * 1.001, 0.01), "no weight decay": (1e-2, 0.0)}
 
 
 def reference_lora(reference: list[nn.Module], adapters: dict, scale: float):
@@ -257,6 +270,9 @@ def train_parity(ctx):
                 .detach().clone() for layer in layers
                 if isinstance(layer, M.TransformerLayer)
                 for path in TARGETS.values() for m in ("lora_A", "lora_B")}
+    # copies before any hook: a hook is shared by a deep copy, with its adapters
+    wrong_models = {bug: nn.Sequential(*copy.deepcopy(base)).requires_grad_(False)
+                    for bug in WRONG_UPDATES}
     reference = nn.Sequential(*base)
     reference.requires_grad_(False)
     ref_params = reference_lora(list(reference), adapters, lora.scale)
@@ -265,6 +281,12 @@ def train_parity(ctx):
         config=ZeroConfig(dtype=torch.float32, chunk_numel=2400, align=4)))
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=1e-2, weight_decay=0.01)
     ref_optimizer = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.01)
+    # Two wrong references (see WRONG_UPDATES) that the tolerance must reject.
+    wrong = {}
+    for bug, (lr, weight_decay) in WRONG_UPDATES.items():
+        wrong_params = reference_lora(list(wrong_models[bug]), adapters, lora.scale)
+        wrong[bug] = (wrong_models[bug], wrong_params, torch.optim.AdamW(
+            wrong_params, lr=lr, weight_decay=weight_decay))
     losses, ref_losses = [], []
     # one global batch, learnt by heart, so the loss must fall
     ids = torch.randint(0, c.n_vocab, (ROWS_PER_RANK * ctx.world_size, SEQ + 1),
@@ -286,6 +308,11 @@ def train_parity(ctx):
         ref_optimizer.step()
         ref_optimizer.zero_grad()
         ref_losses.append(ref_loss.item())
+        for wrong_model, _, wrong_optimizer in wrong.values():
+            F.cross_entropy(wrong_model(ids[:, :-1]).flatten(0, 1),
+                            ids[:, 1:].flatten()).backward()
+            wrong_optimizer.step()
+            wrong_optimizer.zero_grad()
     with model.runtime.gathered():
         ours = [getattr(layer.get_submodule(path), m).detach().clone()
                 for layer in layers if isinstance(layer, M.TransformerLayer)
@@ -295,7 +322,9 @@ def train_parity(ctx):
                         zip(((n, p) for n, p in layer.named_parameters()
                              if "lora_" not in n), ref.parameters()))
     return {"losses": losses, "ref_losses": ref_losses, "ours": ours,
-            "theirs": [p.detach() for p in ref_params], "base_diff": base_diff}
+            "theirs": [p.detach() for p in ref_params], "base_diff": base_diff,
+            "wrong": {bug: [p.detach() for p in params]
+                      for bug, (_, params, _) in wrong.items()}}
 
 
 @pytest.mark.distributed
@@ -303,11 +332,15 @@ def train_parity(ctx):
 def test_parity_with_plain_lora_and_adamw(world_size):
     for report in run_distributed(train_parity, world_size):
         torch.testing.assert_close(report["losses"], report["ref_losses"],
-                                   rtol=1e-5, atol=1e-6)
+                                   **LOSS_TOLERANCE)
         # the loss moves: B leaves 0 and the model leaves the base model
         assert report["losses"][-1] < report["losses"][0]
         for ours, theirs in zip(report["ours"], report["theirs"], strict=True):
-            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(ours, theirs, **PARAM_TOLERANCE)
+        # the tolerance still catches a real bug
+        for bug, wrong in report["wrong"].items():
+            assert not all(tolerance.within(ours, theirs, PARAM_TOLERANCE)
+                           for ours, theirs in zip(report["ours"], wrong)), bug
         assert torch.count_nonzero(report["ours"][1]) > 0
         # the base weights never change
         assert report["base_diff"] == 0.0

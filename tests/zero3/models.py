@@ -39,6 +39,13 @@ def tiny_layers(seed: int = 0, *, freeze: bool = True) -> list[nn.Module]:
     return layers
 
 
+# `terms` of `tiny_layers` for `tests/tolerance.py`: the input projection (7),
+# each block's norm, up and down (13 + 13 + hidden: 55 + 57 + 43), the readout
+# (13) and the loss's mean over at most 12 rows of 5 outputs (60): 248 forward,
+# as many backward, and a weight's gradient sums over the 12 rows.
+TINY_TERMS = 2 * 248 + 12
+
+
 def batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of a step: the same on every rank; ranks take their rows."""
     g = torch.Generator().manual_seed(1000 + step)

@@ -26,13 +26,16 @@ from labml_zero.zero3.checkpoint import (
     save_checkpoint,
 )
 from labml_zero.zero3.checkpoint import save as save_module
+from tests import tolerance
 from tests.distributed import run_distributed
-from tests.zero3.models import batch, tiny_layers
+from tests.zero3.models import TINY_TERMS, batch, tiny_layers
 
 # One global batch of 6 rows, split evenly at world sizes 1, 2 and 3, so every
 # world size takes the same steps (up to the order of the gradient sums).
 ROWS = 6
 SAVED_AT, RESUMED_FOR = 3, 3
+RESUMED_ERROR = tolerance.max_error(tolerance.parity(
+    torch.float32, terms=TINY_TERMS, steps=RESUMED_FOR, lr=3e-3), 1.5)
 KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 
 
@@ -269,9 +272,10 @@ def test_reshard_2_to_3_to_1_and_2(at_2):
     for result in [*from_2, *from_3, result_1]:
         assert result["loaded"].resharded
         for name, expected in reference.items():
-            # the sums of gradients over ranks come in another order: fp32 rounding
+            # the sums of gradients over ranks come in another order: fp32
+            # rounding through the steps after the load (tests/tolerance.py)
             diff = (result["weights"][name] - expected).abs().max().item()
-            assert diff <= 1e-6, (name, diff)
+            assert diff <= RESUMED_ERROR, (name, diff)
 
 
 # ## Atomic save

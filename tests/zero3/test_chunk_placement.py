@@ -16,10 +16,10 @@ from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
 from labml_zero.zero3.placement import (
     Placement,
     StaticPlacement,
-    apply_placement,
     resident_bytes,
     shard_specs,
 )
+from labml_zero.zero3.placement_probe import apply_placement
 from tests.distributed import run_distributed
 from tests.zero3.models import batch, tiny_layers
 

@@ -7,7 +7,8 @@ from torch import nn
 
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
 from labml_zero.zero3.compiled import compile_layers, default_compile_backend
-from tests.zero3.models import Block, batch, tiny_layers
+from tests import tolerance
+from tests.zero3.models import TINY_TERMS, Block, batch, tiny_layers
 
 
 def test_only_the_chosen_layers_are_compiled_and_train_alike():
@@ -28,7 +29,9 @@ def test_only_the_chosen_layers_are_compiled_and_train_alike():
         nn.functional.mse_loss(model(x), y).backward()
         grads.append([c.local.grad.clone() for c in model.chunks if c.trainable])
     for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        # one fp32 pass, maybe summed in another order (tests/tolerance.py)
+        torch.testing.assert_close(a, b, **tolerance.parity(
+            torch.float32, terms=TINY_TERMS, scale=1.5))
 
 
 def test_backends():

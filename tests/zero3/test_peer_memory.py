@@ -17,8 +17,9 @@ from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3.shard import LocalShard
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, shard_model, zero3_layers
 from labml_zero.zero3.communication import Communicator
+from tests import tolerance
 from tests.distributed import run_distributed
-from tests.zero3.models import batch, tiny_layers
+from tests.zero3.models import TINY_TERMS, batch, tiny_layers
 
 ROWS = 3  # rows per rank per micro-batch
 
@@ -111,8 +112,11 @@ def test_peer_memory_trains_like_the_collectives(world_size, dtype, early, api, 
                               peer)
     for rank, report in enumerate(reports):
         if peer == "reduce" and world_size > 2:
-            # three summands: the order of the additions may differ in the last bit
-            assert report["max_param_diff"] <= 1e-6, rank
+            # three summands: the order of the additions may differ in the
+            # last bit, through 4 steps at lr 3e-3 (tests/tolerance.py)
+            assert report["max_param_diff"] <= tolerance.max_error(
+                tolerance.parity(getattr(torch, dtype), terms=TINY_TERMS, steps=4,
+                                 lr=3e-3), 1.5), rank
         else:
             # copies, and on two ranks a + b in either order: bit for bit
             assert report["losses"][True] == report["losses"][False], rank

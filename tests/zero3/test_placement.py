@@ -124,7 +124,8 @@ def test_auto_nothing_fits():
 
 def test_first_step_placement_probes_then_decides():
     from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
-    from labml_zero.zero3.placement import first_step_placement, shard_specs
+    from labml_zero.zero3.placement import shard_specs
+    from labml_zero.zero3.placement_probe import first_step_placement
     from tests.zero3.models import batch, tiny_layers
 
     config = ZeroConfig(dtype=torch.bfloat16, chunk_numel=200, align=4)
@@ -166,7 +167,7 @@ def test_first_step_placement_probes_then_decides():
 
 def test_first_step_placement_on_cpu_needs_measurements():
     from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
-    from labml_zero.zero3.placement import first_step_placement
+    from labml_zero.zero3.placement_probe import first_step_placement
     from tests.zero3.models import tiny_layers
 
     model = Zero3Sequential(zero3_layers(tiny_layers(0), device=torch.device("cpu"),

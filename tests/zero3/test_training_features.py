@@ -17,8 +17,14 @@ from labml_zero.optimizers.clip_grad import clip_grad_norm_
 from labml_zero.optimizers.grad_scaler import LossScaler
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
 from labml_zero.zero3.shard import LocalShard
+from tests import tolerance
 from tests.distributed import run_distributed
-from tests.zero3.models import batch, tiny_layers
+from tests.zero3.models import TINY_TERMS, batch, tiny_layers
+
+# fp32 through `tiny_layers`, one pass, values (gradients, outputs) of at most
+# about 1.5 (tests/tolerance.py)
+VALUE_ERROR = tolerance.max_error(tolerance.parity(
+    torch.float32, terms=TINY_TERMS, scale=1.5), 1.5)
 
 ROWS = 4  # rows per rank per micro-batch
 
@@ -90,12 +96,12 @@ def test_accumulation_and_activation_checkpointing():
         diff = max(
             (a - b).abs().max().item() for a, b in zip(r["big"], r["accumulated"])
         )
-        assert diff <= 1e-6, diff
+        assert diff <= VALUE_ERROR, diff
         # ... with a single reduce-scatter per trainable chunk per step
         assert r["reduce_calls"] == r["trainable_chunks"]
         # the recompute finds its chunks gathered: no extra all-gather
         assert r["gathers"][0] == r["gathers"][1]
-        assert r["ac_diff"] <= 1e-6
+        assert r["ac_diff"] <= VALUE_ERROR
 
 
 def clipping_and_overflow(ctx):
@@ -154,8 +160,9 @@ def clipping_and_overflow(ctx):
 def test_clipping_and_overflow_agreement():
     for r in run_distributed(clipping_and_overflow, 2):
         ours, torchs = r["norms"]
-        assert abs(ours - torchs) <= 1e-5 * max(1.0, torchs)
-        assert r["clip_diff"] <= 1e-6
+        # the norm: one more sum, of every gradient's square
+        assert abs(ours - torchs) <= VALUE_ERROR * max(1.0, torchs)
+        assert r["clip_diff"] <= VALUE_ERROR
         assert r["stepped"] is False and r["unchanged"]
         assert r["scale"] == 512.0
         assert r["stepped_after"] and r["changed_after"]
@@ -238,8 +245,8 @@ def lazy_init(ctx):
 @pytest.mark.distributed
 def test_meta_layers_are_materialised_one_at_a_time():
     for r in run_distributed(lazy_init, 2):
-        assert r["lazy_diff"] <= 1e-6
-        assert r["loaded_diff"] <= 1e-6
+        assert r["lazy_diff"] <= VALUE_ERROR
+        assert r["loaded_diff"] <= VALUE_ERROR
         assert "reset_parameters" in r["error"]
 
 

@@ -1,0 +1,198 @@
+r"""
+---
+title: Placing a live model from its measured first step
+summary: The automatic placement's probe of a built model, before its optimizer
+  exists: one optimizer step's forward and backward passes, every micro-batch
+  of it, measured; then the chunks are moved where the policy says.
+---
+
+# Placing a live model from its measured first step
+
+The [placement policy](placement.html) decides from numbers: the shards'
+sizes, the device's capacity and the step's peak without optimizer state.
+This page gets those numbers from a built model and applies the decision to
+it: `first_step_placement` runs the first step's forward and backward passes
+before the optimizer exists and measures their peak, and `apply_placement`
+moves the chosen chunks.
+
+The probe must hold what the real step holds. With gradient accumulation over
+$A$ micro-batches, the first $A - 1$ backward passes run under `no_sync`
+([hooks](hooks.html)): every trainable chunk keeps its full-size gradient
+buffer, $C_c$ elements of $g$ bytes, from one micro-batch to the next, and the
+last micro-batch's forward and backward run on top of them, so the step's peak
+includes
+
+$$g \sum_{c \text{ trainable}} C_c \approx g\,\Psi_t \text{ bytes per rank}$$
+
+that one micro-batch without `no_sync` never holds at once (each chunk's buffer
+goes at its reduce-scatter). So the probe runs all $A$ micro-batches as the
+step runs them (`accumulated_step`): a probe of one micro-batch would
+under-offload by that much and the first real step would run out of memory.
+
+## Limitations
+
+* `first_step_placement` predicts the peak from one step; a job whose memory
+  use varies (longer sequences later) needs a larger `margin`.
+* The probe's micro-batches cost one step's compute, spent before training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from labml_zero.zero3.placement import (AutoPlacement, Placement, auto_placement,
+                                        shard_specs)
+
+__all__ = ["accumulated_step", "first_step_placement", "apply_placement",
+           "cuda_peak", "cuda_capacity"]
+
+
+def accumulated_step(model, micro_batch: Callable[[], None],
+                     micro_batches: int) -> Callable[[], None]:
+    """
+    ## One optimizer step's forward and backward passes, as the step runs them
+
+    `micro_batch()` runs one micro-batch's forward and backward pass; the
+    returned function runs it `micro_batches` times, the first
+    `micro_batches - 1` under `model.no_sync()`, so the full-size gradient
+    buffers stay held until the last backward reduces them (see above).
+    """
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
+
+    def step() -> None:
+        for micro in range(micro_batches):
+            last = micro == micro_batches - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                micro_batch()
+
+    return step
+
+
+def cuda_peak(device: torch.device) -> Callable[[Callable[[], None]], int]:
+    """Run a function and return the peak of allocated device bytes during it."""
+
+    def measure(run: Callable[[], None]) -> int:
+        # host sync: the peak must cover every kernel of `run`, and none before
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+
+    return measure
+
+
+def cuda_capacity(device: torch.device) -> int:
+    """
+    Bytes PyTorch can allocate on `device`: what its caching allocator holds
+    plus what is free. The CUDA context and NCCL's buffers are not in it.
+    """
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
+
+
+def first_step_placement(
+    model,
+    forward_backward: Callable[[], None],
+    *,
+    margin: int | None = None,
+    device_capacity: int | None = None,
+    measure_peak: Callable[[Callable[[], None]], int] | None = None,
+    resident: bool = True,
+) -> AutoPlacement:
+    r"""
+    ## The automatic placement, from one measured forward and backward
+
+    Call it after building the model and before building the optimizer:
+
+    1. `forward_backward()` runs one step's forward and backward passes, all
+       its micro-batches as the step runs them (`accumulated_step`); its peak
+       of allocated bytes is measured;
+    2. the gradients it left are cleared: the probe trains nothing, the step
+       then runs again with the optimizer;
+    3. the fp32 `master_init` copies still on the shards are taken off the
+       peak (they become the masters, which `auto_placement` counts in $K_d$),
+       and `auto_placement` picks the chunks to offload.
+
+    * `margin`: bytes kept free; default 5% of the capacity, for the
+      allocator's fragmentation and steps that use a little more.
+    * `device_capacity`: default, on a GPU, what PyTorch can allocate there
+      (free plus reserved).
+    * `measure_peak(run)`: runs `run` and returns its peak; default, on a GPU,
+      the CUDA allocator's statistics. CPU memory has no such statistics, so on
+      CPU (the tests) both must be given.
+    * `resident`: also keep frozen chunks resident in the memory left over.
+
+    Then `apply_placement(model, result.placement)` and
+    `AdamFP16(model.get_trainable_chunk(), ...,
+    offload=result.placement.optimizer_offload(shard_specs(model)))`.
+
+    #### The decision for the benchmark's capability job
+
+    On the benchmark's job {{see: W5}} (GPT-NeoX-20B, every parameter trained,
+    activation checkpointing, two ranks) the measured step leaves room for
+    the optimizer state of only part of the model: the fewest chunks whose state
+    must go are the last transformer layers (one chunk each, the largest
+    chunks, so they go first), and `offload_traffic` and `resident_bytes` give
+    the link's bytes and the host's memory for that choice. PyTorch FSDP2 with
+    `CPUOffloadPolicy` and DeepSpeed ZeRO-3 with `offload_optimizer` put *all*
+    of the optimizer state (and FSDP2 the parameters and gradients too) in host
+    memory, $K + 4$ bytes per parameter and rank (the state and an fp32
+    gradient), where this policy puts only what does not fit; the [benchmark's
+    results](../../results.html) give the measured figures.
+
+    #### Where each chunk lives during a step
+
+    ![where each chunk lives under two placements](figures/placement.svg)
+
+    In the backward pass each chunk is gathered, recomputed, run backward and
+    reduce-scattered into its fp32 gradient; a host chunk's gradient then goes
+    down ($4$ bytes an element) and its Adam starts on the host at once, while
+    the backward pass goes on to the earlier layers. At the step the device's
+    Adam updates the device chunks; the host's rounded bf16 masters go up
+    ($p$ bytes an element) in time for the next forward's all-gathers. The
+    readout and the embedding are smaller than a layer, so the fewest-chunks
+    rule takes the layers first, from the output end.
+    """
+    device = model.runtime.comm.device
+    if device.type == "cuda":
+        measure_peak = measure_peak or cuda_peak(device)
+    if measure_peak is None or (device.type != "cuda" and device_capacity is None):
+        raise ValueError(f"first_step_placement on {device.type} needs "
+                         "measure_peak and device_capacity (no allocator "
+                         "statistics there)")
+    peak = measure_peak(forward_backward)
+    shards = model.get_trainable_chunk()
+    master_bytes = sum(c.local.master_init_nbytes() for c in model.chunks)
+    model.zero_grad()
+    if device_capacity is None:
+        device_capacity = cuda_capacity(device)
+    if margin is None:
+        margin = device_capacity // 20
+    param_bytes = shards[0].element_size() if shards else 2
+    return auto_placement(shard_specs(model), device_capacity=device_capacity,
+                          measured_peak_other=max(peak - master_bytes, 0),
+                          margin=margin, param_bytes=param_bytes,
+                          resident_world_size=(model.runtime.comm.world_size
+                                               if resident else None))
+
+
+def apply_placement(model, placement: Placement) -> None:
+    """
+    ## Put `model.chunks` where `placement` says
+
+    Moves the parameter shards of `param_on_host` to the host and marks the
+    chunks of `resident` to stay gathered. Before building the optimizer, which
+    must keep the offloaded chunks' optimizer state on the host too
+    (`placement.optimizer_offload(...)`; `Placement.check` refuses a trainable
+    chunk whose state would stay on the device).
+    """
+    placement.check(shard_specs(model))
+    for i in sorted(placement.param_on_host):
+        model.chunks[i].offload_shard()
+    for i in sorted(placement.resident):
+        model.chunks[i].keep_resident()
