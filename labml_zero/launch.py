@@ -31,6 +31,7 @@ ranks, names the one that failed or hung and keeps none alive after itself is
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import signal
@@ -198,16 +199,33 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, backend: str,
     except Interrupted as stop:
         status = stop.exit_status
     except BaseException as error:
-        if isinstance(error, SystemExit) and error.code in (None, 0):
-            return  # `sys.exit(0)` in `fn` is a success
-        # Reported before this process closes its connections: before any echo.
-        shared.send(report(rank, error))
-        status = 1
+        if not (isinstance(error, SystemExit) and error.code in (None, 0)):
+            # Reported before this process closes its connections: before any echo.
+            shared.send(report(rank, error))
+            status = 1
+    end_rank(status)
+
+
+def end_rank(status: int) -> None:
+    """
+    #### End a rank without the interpreter's C++ teardown
+
+    After a rank's work is done, the C++ objects torch and gloo leave for the
+    interpreter's last teardown sometimes abort there, with no Python frame
+    left ("terminate called without an active exception"; more often on a
+    loaded host), and the launcher would report a finished run as a rank dead
+    by `SIGABRT`. So a rank ends itself: after a success it runs its exit
+    handlers as a normal exit would (the tracker's last records are sent in
+    one), then every rank flushes its output and leaves with `os._exit`, which
+    skips that teardown. Threads still running are not joined: the work they
+    served (host updates, checkpoint writes) was awaited before `fn` returned.
+    """
+    if status == 0:
+        # `atexit._run_exitfuncs` is CPython's own exit step (Python 3.10+)
+        atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip the interpreter's teardown after a failure: gloo may abort in it.
-    if status:
-        os._exit(status)
+    os._exit(status)
 
 
 class Signals:

@@ -95,12 +95,26 @@ def forever(ctx: launch.DistContext, out_dir: str) -> None:
         time.sleep(0.01)
 
 
+def exit_handler_writes(ctx: launch.DistContext, out_dir: str) -> None:
+    import atexit
+    path = Path(out_dir) / f"atexit{ctx.rank}"
+    atexit.register(path.write_text, "ran")
+
+
 # ## In process
 
 
 def test_ranks_run_and_return(tmp_path: Path):
     launch.spawn(agree, 2, str(tmp_path), backend="gloo")
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["3.0", "3.0"]
+
+
+def test_a_finished_rank_runs_its_exit_handlers_and_skips_the_teardown(
+        tmp_path: Path):
+    """A rank ends with `os._exit` (no C++ teardown to abort in), after its
+    exit handlers ran, as the tracker's last records need."""
+    launch.spawn(exit_handler_writes, 2, str(tmp_path), backend="gloo")
+    assert [(tmp_path / f"atexit{r}").read_text() for r in (0, 1)] == ["ran", "ran"]
 
 
 def test_failing_rank_cause_not_its_echo(tmp_path: Path, monkeypatch):
