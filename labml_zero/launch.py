@@ -221,7 +221,7 @@ def end_rank(status: int) -> None:
     served (host updates, checkpoint writes) was awaited before `fn` returned.
     """
     if status == 0:
-        # `atexit._run_exitfuncs` is CPython's own exit step (Python 3.10+)
+        # `atexit._run_exitfuncs`: CPython's own exit step, not a documented API
         atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
