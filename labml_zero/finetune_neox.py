@@ -29,9 +29,11 @@ field's note and its default, so a setting is written once, in the dataclass.
 Everything is checked before a process starts, so a typo costs no start-up: a
 bad flag or value, and then everything [the pre-flight
 checks](neox/preflight.html) find on this host (outputs not writable or without
-room for a checkpoint, a snapshot whose `config.json` and tensors disagree, a
-`--resume` that this run cannot continue), prints one line on stderr and exits
-with status 2.
+room for a checkpoint, a snapshot whose `config.json` and tensors disagree, data
+that is missing, malformed or too short for one step, a `--resume` that this
+run cannot continue), prints one line on stderr and exits with status 2. On
+`--resume`, the checkpoint's saved hyperparameters are the defaults, and a flag
+that changes one says so in one line ([resuming](neox/job_checkpoints.html)).
 
 ## Failure
 
@@ -68,6 +70,7 @@ import torch
 
 from labml_zero import launch
 from labml_zero.neox.finetune import FinetuneConfig, train
+from labml_zero.neox.job_checkpoints import resume_settings
 from labml_zero.neox.preflight import PreflightError, preflight
 
 PROG = "python -m labml_zero.finetune_neox"
@@ -135,7 +138,7 @@ def layer_list(text: str) -> tuple[int, ...]:
 layer_list.__name__ = "comma-separated layer list"
 
 # Integers that may be 0, and any integer; every other one is at least 1.
-MAY_BE_ZERO = ("sample_tokens", "keep_checkpoints")
+MAY_BE_ZERO = ("sample_tokens", "keep_checkpoints", "warmup_steps")
 ANY_INT = ("seed",)
 # LaTeX in the notes, as the terminal can show it
 SYMBOLS = {r"\cdot": "·", r"\times": "×", r"\lfloor": "⌊", r"\rfloor": "⌋",
@@ -267,6 +270,11 @@ def parse_config(argv: Sequence[str] | None, parser: Parser
         given["steps"] = None
     try:
         config = FinetuneConfig(**given)
+        if config.resume is not None:
+            # the checkpoint's settings, but where a flag is given
+            config, changed = resume_settings(config, set(given))
+            if changed:
+                print(changed, flush=True)
         config.model_config()
     except (ValueError, FileNotFoundError) as e:
         parser.error(flag_error(str(e)))

@@ -21,11 +21,16 @@ spawns anything, `preflight` checks, on this host and with no process group:
    object that describes a GPT-NeoX, and every tensor the model needs is in the
    safetensors headers with the shape the config implies (headers only: no
    weights are read);
-3. **the checkpoint to resume**: the [checkpoint
+3. **the data** ([the fine-tune's data](job_data.html)): the tokenizer fits
+   the model, the corpus is read (and tokenised once, into its cached token
+   file) and holds at least one step;
+4. **the checkpoint to resume**: the [checkpoint
    package's](../zero3/checkpoint/preflight.html) `check_resumable` (a
    complete checkpoint of this model: the same parameter names and shapes),
-   then written by this job at the same batch size, seed and world size (the
-   data order depends on all three), and one that leaves steps to train.
+   then written by this job with the same seed, training split and global
+   batch $B A N_d$ (the data order depends on them; the world size may
+   differ, see [resuming](job_checkpoints.html)), and one that leaves steps to
+   train.
 
 Each failure is a `PreflightError` whose message names the file or the setting;
 the command line prints it as one line and exits with status 2.
@@ -34,8 +39,8 @@ the command line prints it as one line and exits with status 2.
 
 * A filesystem can fill up between this check and the save; the save itself
   then fails, and leaves the previous checkpoint in place.
-* Resuming at another world size is refused although the shards could be
-  resharded: the data sampler's order depends on the world size.
+* Resuming with another global batch is refused: it would train on other
+  samples than the interrupted run.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ from torch import nn
 
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.checkpoint import check_hf_snapshot
+from labml_zero.neox.corpus import DataError
+from labml_zero.neox.job_checkpoints import check_global_batch
+from labml_zero.neox.job_data import JobData, job_data
 from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
                                          check_resumable, sequential_shapes)
 from labml_zero.zero3.memory_model import OPTIMIZER_BYTES
@@ -69,11 +77,13 @@ class Preflight(NamedTuple):
 
     * `neox`: the model's shape;
     * `resumed_step`: the step the checkpoint to resume was saved after, or
-      `None` when starting afresh.
+      `None` when starting afresh;
+    * `data`: the tokenizer, the datasets and the run's steps.
     """
 
     neox: neox_model.NeoXConfig
     resumed_step: int | None
+    data: JobData | None = None
 
 
 def check_writable_dir(path: str | os.PathLike, what: str) -> Path:
@@ -114,21 +124,20 @@ def checkpoint_bytes(layers: list[nn.Module], dtype: torch.dtype) -> int:
     return p * total + k * trainable
 
 
-def check_resume(path: Path, layers: list[nn.Module], config, world_size: int
-                 ) -> int:
+def check_resume(path: Path, layers: list[nn.Module], config, world_size: int,
+                 data: JobData) -> int:
     """
     ### A checkpoint this job can continue from; returns its step
 
     `check_resumable` reads the manifest, checks every file's size and the
     model's parameter names and shapes (`layers` on the meta device); then the
-    small `extra` state must hold the step and a sampler of the same batch size,
-    seed and world size. No shard is read.
+    small `extra` state must hold the step and a data order of the same seed,
+    training split and global batch. No shard is read.
     """
     try:
         check_resumable(path, world_size=world_size,
                         shapes=sequential_shapes(layers),
-                        expect={"batch_size": config.batch_size,
-                                "seed": config.seed})
+                        expect={"seed": config.seed})
         extra = CheckpointReader(path).extra() or {}
     except (CheckpointError, OSError) as e:
         # the package's messages name the checkpoint already
@@ -137,18 +146,22 @@ def check_resume(path: Path, layers: list[nn.Module], config, world_size: int
         raise PreflightError(f"--resume {path} is not a checkpoint of this job "
                              f"(its extra state has no step and sampler position)")
     sampler = extra["sampler"]
-    wanted = {"batch_size": config.batch_size, "seed": config.seed,
-              "world_size": world_size}
-    for key, value in wanted.items():
-        if sampler.get(key) != value:
-            flag = "--" + key.replace("_", "-")
-            raise PreflightError(f"--resume {path} was saved with {key} "
-                                 f"{sampler.get(key)}, this run has {flag} {value}: "
-                                 f"the data order would differ")
+    if sampler.get("seed") != config.seed:
+        raise PreflightError(f"--resume {path} was saved with seed "
+                             f"{sampler.get('seed')}, this run has --seed "
+                             f"{config.seed}: the data order would differ")
+    refusal = check_global_batch(path, sampler, config, world_size)
+    if refusal is not None:
+        raise PreflightError(refusal)
+    if sampler.get("n_samples") != len(data.train):
+        raise PreflightError(f"--resume {path} was saved with a training split of "
+                             f"{sampler.get('n_samples')} samples, this run's has "
+                             f"{len(data.train)} (other data or --seq-len): the "
+                             f"data order would differ")
     step = int(extra["step"])
-    if config.steps is not None and config.steps <= step:
+    if data.total_steps <= step:
         raise PreflightError(f"--resume {path} is already at step {step}: "
-                             f"--steps {config.steps} leaves nothing to train")
+                             f"{data.total_steps} steps leave nothing to train")
     return step
 
 
@@ -185,7 +198,11 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
             raise PreflightError(f"--out {out} has {free / 2**30:.1f} GiB free, one "
                                  f"checkpoint needs {need / 2**30:.1f} GiB")
 
+    try:
+        data = job_data(config, world_size=world_size, n_vocab=neox.n_vocab)
+    except (DataError, OSError) as e:
+        raise PreflightError(str(e)) from e
     step = None
     if config.resume is not None:
-        step = check_resume(Path(config.resume), layers, config, world_size)
-    return Preflight(neox, step)
+        step = check_resume(Path(config.resume), layers, config, world_size, data)
+    return Preflight(neox, step, data)

@@ -38,10 +38,13 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-__all__ = ["load_tokenizer", "encode", "decode", "vocab_size", "BUNDLED_TOKENIZER"]
+__all__ = ["load_tokenizer", "encode", "decode", "vocab_size", "BUNDLED_TOKENIZER",
+           "job_tokenizer_path", "end_of_text_id", "END_OF_TEXT"]
 
 BUNDLED_TOKENIZER = (Path(__file__).resolve().parent.parent / "data"
                      / "gpt_neox_20b_tokenizer.json.gz")
+# Names of a document separator, in the order they are looked for.
+END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
@@ -73,3 +76,19 @@ def decode(tokenizer: Tokenizer, ids: list[int]) -> str:
 def vocab_size(tokenizer: Tokenizer) -> int:
     """Number of ids the tokenizer can produce, special tokens included."""
     return tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def job_tokenizer_path(checkpoint: str | os.PathLike | None) -> Path:
+    """A checkpoint's own `tokenizer.json` when it has one, else the bundled one."""
+    if checkpoint is not None and (Path(checkpoint) / "tokenizer.json").is_file():
+        return Path(checkpoint) / "tokenizer.json"
+    return BUNDLED_TOKENIZER
+
+
+def end_of_text_id(tokenizer: Tokenizer) -> int:
+    """The id that separates documents: the first of `END_OF_TEXT` it knows."""
+    for name in END_OF_TEXT:
+        if (token := tokenizer.token_to_id(name)) is not None:
+            return token
+    raise ValueError(f"the tokenizer has no end-of-text token (none of "
+                     f"{', '.join(END_OF_TEXT)})")
