@@ -28,8 +28,8 @@ at rate 0 would only move Adam's moments).
 step: nothing is stepped, so a run resumed after step $s$ computes the same
 $\eta_{s+1}$ as the uninterrupted one, bit for bit, at any world size (tested:
 tests/neox/test_lr_schedule.py::test_the_rate_depends_on_the_step_alone). The
-fine-tune saves the schedule's fields in each checkpoint (see [resuming a
-fine-tune](resume_settings.html)).
+fine-tune saves the schedule's fields in each checkpoint (see [the job's
+checkpoints](job_checkpoints.html)).
 
 ## Limitations
 

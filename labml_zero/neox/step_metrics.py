@@ -23,7 +23,8 @@ printed on the step's line and recorded by [labml](tracking.html):
   time is the device's);
 * `mfu` (GPUs whose peak is known): model FLOPs utilisation, the model's FLOPs
   per second over the peak of all $N_d$ devices. A token costs about
-  $6\Psi_m + 12 L d T$ FLOPs in a forward and backward (PaLM's count): $2\Psi_m$
+  $6\Psi_m + 12 L d T$ (tested: tests/neox/test_step_metrics.py::test_flops_per_token)
+  FLOPs in a forward and backward (PaLM's count): $2\Psi_m$
   forward and $4\Psi_m$ backward for the $\Psi_m$ weights of its matmuls (all
   but the input embedding, a lookup), plus attention's scores and values;
 * `memory.peak`: this rank's peak device memory in GiB (the CUDA allocator's);
@@ -59,7 +60,7 @@ PEAK_FLOPS = {"H200": (989.4e12, 494.7e12), "H100": (989.4e12, 494.7e12),
 
 def flops_per_token(*, matmul_params: int, n_layers: int, d_model: int,
                     seq_len: int) -> float:
-    r"""$6\Psi_m + 12 L d T$: a token's forward and backward FLOPs."""
+    r"""A token's forward and backward FLOPs, as in the introduction."""
     return 6.0 * matmul_params + 12.0 * n_layers * d_model * seq_len
 
 

@@ -9,8 +9,8 @@ summary: A corpus tokenised once, in parallel batches, into a flat file of token
 
 A fine-tune reads each token many times but the text's tokenisation never
 changes, so it is done once. The result is a *token file*: the corpus's token
-ids, one after the other, as `uint16` when the tokenizer's $V$ ids fit
-($V \le 2^{16}$, as GPT-NeoX's do) and `uint32` otherwise. A corpus of $N$
+ids, one after the other, as `uint16` when the tokenizer's $V$ ids fit in
+one (GPT-NeoX's do) and `uint32` otherwise. A corpus of $N$
 tokens is a file of $2N$ or $4N$ bytes with no header, so
 
 $$\text{token}_i = \text{file}[\,i \cdot s : (i + 1) \cdot s\,], \qquad s \in \{2, 4\}$$
@@ -107,8 +107,8 @@ def open_token_file(path: str | os.PathLike, *, vocab: int,
     ### A token file, memory-mapped: `[N]` `uint16` or `uint32`
 
     Refuses a file that is empty, not a whole number of tokens, or (with
-    `check_ids`) holds an id $\\ge$ `vocab`; the scan reads the file once, in
-    blocks of `SCAN_TOKENS` ids.
+    `check_ids`) holds an id of at least `vocab`; the scan reads the file once,
+    in blocks of `SCAN_TOKENS` ids.
     """
     path = Path(path)
     dtype = np.dtype(TOKEN_DTYPES.get(path.suffix.lower(), np.uint16))
