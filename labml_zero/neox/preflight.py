@@ -160,8 +160,10 @@ def check_resume(path: Path, layers: list[nn.Module], config, world_size: int,
                              f"data order would differ")
     step = int(extra["step"])
     if data.total_steps <= step:
+        length = (f"--steps {config.steps}" if config.steps is not None else
+                  f"--epochs {config.epochs} ({data.total_steps} steps)")
         raise PreflightError(f"--resume {path} is already at step {step}: "
-                             f"{data.total_steps} steps leave nothing to train")
+                             f"{length} leaves nothing to train")
     return step
 
 
