@@ -80,8 +80,8 @@ def test_resume_continues_the_curve_and_flags_override(scheduled: Path,
 
 def test_elastic_resume_two_three_one_ranks(tmp_path: Path, capsys):
     # G = 6 sequences a step: 2 ranks × 3, then 3 ranks × 1 × 2 micro-batches,
-    # then 1 rank × 6; the same samples each step, so the same losses up to
-    # the order of fp32 sums
+    # then 1 rank × 3 × 2 (one rank accumulating in its chunks' buffers); the
+    # same samples each step, so the same losses up to the order of fp32 sums
     def run(name, world, batch, accum, *args, stop_after=None):
         # a run stopped after a step (by a test-only failure) keeps the whole
         # run's schedule, which `--steps` would change
@@ -100,7 +100,7 @@ def test_elastic_resume_two_three_one_ranks(tmp_path: Path, capsys):
 
     full = run("full", 2, 3, 1)
     three = run("three", 3, 1, 2, "--resume", saved("full", 2), stop_after=4)
-    one = run("one", 1, 6, 1, "--resume", saved("three", 4))
+    one = run("one", 1, 3, 2, "--resume", saved("three", 4))
     elastic = {**three["loss.train"], **one["loss.train"]}
     assert sorted(elastic) == [3, 4, 5, 6]
     # each step's sums are reordered once (ε each); Adam's normalised updates

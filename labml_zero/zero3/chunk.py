@@ -506,8 +506,10 @@ class Chunk:
         # One rank holds the whole chunk ($S = C$): the mean over one rank is
         # the gradient itself, so the held gradients are cast straight into the
         # gradient shard. No buffer, no reduction: $p + 4$ bytes a parameter
-        # move instead of $p + 4 + 8$.
-        alone = direct and comm.world_size == 1 and comm.replicas == 1
+        # move instead of $p + 4 + 8$. Not when earlier micro-batches are
+        # accumulated in `grad_full` (`no_sync`): that buffer holds them.
+        alone = (direct and comm.world_size == 1 and comm.replicas == 1
+                 and self.grad_full is None)
         if alone:
             self.grad_full = local.grad
         # [S] reduce dtype

@@ -166,3 +166,16 @@ def test_a_token_file_is_read_memory_mapped(tmp_path):
     np.arange(10, dtype=np.uint16).tofile(path)
     tokens = open_token_file(path, vocab=10)
     assert isinstance(tokens, np.memmap) and tokens.tolist() == list(range(10))
+
+
+def test_valid_data_is_read_apart_and_all_of_data_trains(tokenizer, tmp_path):
+    from labml_zero.neox.dataset import load_datasets
+
+    train, valid = tmp_path / "train.txt", tmp_path / "valid.txt.gz"
+    train.write_text("Train on these words, all of them. " * 20)
+    valid.write_bytes(gzip.compress(b"Validate on these. " * 10))
+    data = load_datasets(seq_len=8, source=train, valid_source=valid,
+                         tokenizer=tokenizer)
+    eot = end_of_text_id(tokenizer)
+    assert len(data.train.tokens) == len(encode(tokenizer, train.read_text())) + 1
+    assert data.valid.tokens[-1] == eot
