@@ -50,8 +50,11 @@ from typing import BinaryIO, Iterator, NamedTuple
 
 __all__ = ["DataError", "Source", "find_sources", "read_documents", "BLOCK_BYTES"]
 
-# Read this many bytes at a time; a piece is at most about this long.
+# Read this many bytes at a time.
 BLOCK_BYTES = 1 << 20
+# Pieces of about this many bytes: many per batch, so every core gets some,
+# and small encodings (each holds its tokens' strings and offsets too).
+PIECE_BYTES = 1 << 16
 # A safe cut: after a newline between two printable ASCII characters.
 SAFE_CUT = re.compile(rb"(?<=[!-~])\n(?=[!-~])")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
@@ -130,9 +133,21 @@ def decode(raw: bytes, source: Source, *, offset: int, line: int) -> str:
 # ## Documents
 
 
+def split_block(raw: bytes) -> list[bytes]:
+    """`raw` cut at safe line breaks into pieces of about `PIECE_BYTES`."""
+    pieces, start = [], 0
+    for match in SAFE_CUT.finditer(raw):
+        if match.end() - start >= PIECE_BYTES:
+            pieces.append(raw[start:match.end()])
+            start = match.end()
+    if start < len(raw):
+        pieces.append(raw[start:])
+    return pieces
+
+
 def text_pieces(source: Source) -> Iterator[str]:
     """
-    ### One text file as pieces of about `BLOCK_BYTES`, cut at safe line breaks
+    ### One text file as pieces of about `PIECE_BYTES`, cut at safe line breaks
 
     The carry holds what follows the last safe cut; a gzip that ends early is a
     `DataError` like any other bad byte.
@@ -151,9 +166,10 @@ def text_pieces(source: Source) -> Iterator[str]:
                         cut = match.end()
                 if cut is None:
                     continue
-                piece, carry = carry[:cut], carry[cut:]
-                yield decode(piece, source, offset=offset, line=line)
-                offset, line = offset + len(piece), line + piece.count(NEWLINE)
+                done, carry = carry[:cut], carry[cut:]
+                for piece in split_block(done):
+                    yield decode(piece, source, offset=offset, line=line)
+                    offset, line = offset + len(piece), line + piece.count(NEWLINE)
     except (OSError, EOFError) as e:
         raise DataError(f"{source.path}: cannot be read ({e})") from None
     if carry:

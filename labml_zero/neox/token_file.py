@@ -82,7 +82,7 @@ __all__ = ["TOKEN_DTYPES", "is_token_file", "open_token_file", "cache_path",
 TOKEN_DTYPES = {".u16": np.uint16, ".uint16": np.uint16, ".bin": np.uint16,
                 ".u32": np.uint32, ".uint32": np.uint32}
 # Text per `encode_batch` call: enough pieces to keep every core busy.
-BATCH_BYTES = 8 << 20
+BATCH_BYTES = 2 << 20
 # Ids scanned at a time when checking a token file against the vocabulary.
 SCAN_TOKENS = 1 << 24
 DEFAULT_CACHE = Path.home() / ".cache" / "labml_zero" / "tokens"
