@@ -2,8 +2,8 @@ r"""
 ---
 title: GPT-NeoX
 summary: The GPT-NeoX / Pythia model as a list of layers, Hugging Face
-  checkpoints, the tokenizer, the Tiny Shakespeare dataset, fine-tuners and a
-  sampler.
+  checkpoints, the tokenizer, the user's data or Tiny Shakespeare, fine-tuners
+  and a sampler.
 ---
 
 # GPT-NeoX
@@ -41,11 +41,14 @@ checkpoint streams into it one layer at a time.
 The pages of this folder follow in reading order: [the
 configuration](config.html), [the model](model.html), [Hugging Face
 checkpoints](checkpoint.html) and [activation memory](activation_memory.html);
-then the fine-tune: [its configuration](finetune_config.html), [the checks
-before any rank starts](preflight.html), [the job](finetune.html) (which builds
-through [the assembly](../assembly.html)), [what labml records](tracking.html),
-[the fine-tuners](finetuners.html), [LoRA](lora.html) and [its
-exports](lora_export.html) to transformers and peft, and what the job reads:
-[the tokenizer](tokenizer.html), [the dataset](dataset.html) and [the
-sampler](generate.html).
+then the fine-tune: [the learning-rate schedule](lr_schedule.html), [its
+configuration](finetune_config.html), [the checks before any rank
+starts](preflight.html), [the job](finetune.html) (which builds through [the
+assembly](../assembly.html)), [what a step shows](step_metrics.html), [its
+checkpoints and resuming](job_checkpoints.html), [what labml
+records](tracking.html), [the fine-tuners](finetuners.html), [LoRA](lora.html)
+and [its exports](lora_export.html) to transformers and peft, and what the job
+reads: [the tokenizer](tokenizer.html), [the corpus](corpus.html), [the token
+file](token_file.html), [the dataset](dataset.html), [the job's
+data](job_data.html) and [the sampler](generate.html).
 """
