@@ -47,6 +47,7 @@ import torch
 
 from labml_zero import launch
 from labml_zero.neox.finetune import FinetuneConfig, train
+from labml_zero.neox.job_checkpoints import resume_settings
 from labml_zero.neox.preflight import PreflightError, preflight
 
 # What every message of this command starts with, as the user typed it.
@@ -115,7 +116,7 @@ def layer_list(text: str) -> tuple[int, ...]:
 layer_list.__name__ = "comma-separated layer list"
 
 # Integers that may be 0, and any integer; every other one is at least 1.
-MAY_BE_ZERO = ("sample_tokens", "keep_checkpoints")
+MAY_BE_ZERO = ("sample_tokens", "keep_checkpoints", "warmup_steps")
 ANY_INT = ("seed",)
 # LaTeX in the notes, as the terminal can show it
 SYMBOLS = {r"\cdot": "·", r"\times": "×", r"\lfloor": "⌊", r"\rfloor": "⌋",
@@ -253,6 +254,11 @@ def parse_config(argv: Sequence[str] | None, parser: Parser
         given["steps"] = None
     try:
         config = FinetuneConfig(**given)
+        if config.resume is not None:
+            # the checkpoint's settings, but where a flag is given
+            config, changed = resume_settings(config, set(given))
+            if changed:
+                print(changed, flush=True)
         config.model_config()
     except (ValueError, FileNotFoundError) as e:
         parser.error(flag_error(str(e)))

@@ -294,9 +294,12 @@ def test_a_loss_that_stays_nan_stops_the_job_and_keeps_good_checkpoints(
 
 @pytest.mark.parametrize("checkpoint, args, message", [
     ("step-000006", ["--steps", "6"], "already at step 6: --steps 6 leaves nothing"),
-    ("step-000003", ["--batch-size", "4"], "saved with batch_size=2, this job has 4"),
+    ("step-000003", ["--batch-size", "4"], "saved with a global batch of 4 "
+     "sequences, this run's is --batch-size 4 × --grad-accum 1 × 2 ranks = 8"),
     ("step-000003", ["--seed", "1"], "saved with seed=0, this job has 1"),
-    ("step-000003", ["--world-size", "1"], "saved with world_size 2"),
+    ("step-000003", ["--world-size", "1"], "(at 1 ranks use --grad-accum 2)"),
+    ("step-000003", ["--seq-len", "16"], "training split of 9569 samples, this "
+     "run's has 19138"),
     ("step-000003", ["--steps", "6"], None),
     ("step-000003", ["--model", "pythia-70m"], "is of a different model"),
 ])

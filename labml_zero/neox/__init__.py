@@ -2,8 +2,8 @@ r"""
 ---
 title: GPT-NeoX
 summary: The GPT-NeoX / Pythia model as a list of layers, Hugging Face
-  checkpoints, the tokenizer, the Tiny Shakespeare dataset, fine-tuners and a
-  sampler.
+  checkpoints, the tokenizer, the user's data or Tiny Shakespeare, fine-tuners
+  and a sampler.
 ---
 
 # GPT-NeoX

@@ -1,34 +1,48 @@
 r"""
 ---
 title: Text dataset
-summary: Tokenise a corpus once, split it into train and validation, cut
-  fixed-length samples, and give each rank a deterministic, resumable order.
+summary: Documents packed into fixed-length samples of one token array, split into
+  train and validation, and a data order defined over the global sequence of
+  samples, so a run resumes at any world size that keeps the global batch.
 ---
 
 # Text dataset
 
-The fine-tune reads Tiny Shakespeare (1.1
-(tested: tests/neox/test_dataset.py::test_figures_in_the_notes) MB, about 340
-(tested: tests/neox/test_dataset.py::test_figures_in_the_notes)
-thousand GPT-NeoX tokens). That
-is small enough to tokenise once and keep as one `int64` tensor (2.7
-(tested: tests/neox/test_dataset.py::test_figures_in_the_notes) MB), so a
-sample is a slice, not a file read.
+The fine-tune trains on one array of $N$ token ids: by default the bundled Tiny
+Shakespeare (1.1 (tested: tests/neox/test_dataset.py::test_figures_in_the_notes)
+MB, about 340 (tested: tests/neox/test_dataset.py::test_figures_in_the_notes)
+thousand GPT-NeoX tokens), tokenised in memory on each start, one `int64` array
+of 2.7 (tested: tests/neox/test_dataset.py::test_figures_in_the_notes) MB; with
+`--data`, the [token file](token_file.html) of the user's corpus, memory-mapped.
 
-The token array of $N$ tokens is split contiguously into training and
-validation text (`split_tokens`), and each split is cut into samples of $T + 1$
-tokens with stride $T$ (`TextDataset`), so a split holds
+## Packing
+
+A corpus is many documents of any length, and a step wants $B$ sequences of
+exactly $T$ tokens. Padding each document to $T$ would waste the tokens of the
+pad; cutting each one into its own windows would waste its tail. *Packing*
+concatenates the documents instead, each followed by the tokenizer's
+end-of-text token, and cuts the whole stream into windows: sample $i$ is tokens
+$[iT, iT + T]$ (its input the first $T$, its target the last $T$), so a split of
+$N$ tokens holds
 
 $$n_{\text{samples}} = \left\lfloor \frac{N - 1}{T} \right\rfloor$$
 
-samples, and every token except the first is a target exactly once. In
+samples and every token except the first is a target exactly once. A window
+may hold the end of one document and the start of the next; the end-of-text
+token between them tells the model that what follows does not continue what
+came before, the way GPT-NeoX and Pythia were pre-trained.
+
+The array is split contiguously into training and validation text
+(`split_tokens`; or `--valid-data` gives the validation text apart), and in
 data-parallel training each of the $N_d$ ranks takes different samples in each
-step, in an order that a resumed run repeats exactly (`RankSampler`).
+step, in an order that a resumed run repeats exactly (`RankSampler`), at any
+world size that keeps the global batch.
 
 ## Limitations
 
-* No document boundaries: samples cross the corpus's lines and scenes freely.
-* Resuming needs the same seed, batch size, world size and dataset size;
+* Attention is not masked at document boundaries inside a window: the
+  end-of-text token is the only separator, as in pre-training.
+* Resuming needs the same seed, global batch and training split;
   `load_state_dict` refuses others instead of silently changing the order.
 """
 
@@ -37,6 +51,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import re
 import urllib.request
 from pathlib import Path
 from typing import Iterator, NamedTuple
@@ -45,7 +60,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from labml_zero.neox.tokenizer import encode, load_tokenizer
+from labml_zero.neox.corpus import DataError
+from labml_zero.neox.token_file import corpus_tokens
+from labml_zero.neox.tokenizer import end_of_text_id, load_tokenizer
 
 __all__ = ["load_text", "tokenize", "split_tokens", "TextDataset", "RankSampler",
            "load_datasets", "BUNDLED_SHAKESPEARE"]
@@ -55,6 +72,9 @@ __all__ = ["load_text", "tokenize", "split_tokens", "TextDataset", "RankSampler"
 BUNDLED_SHAKESPEARE = (Path(__file__).resolve().parent.parent / "data"
                        / "tiny_shakespeare.txt.gz")
 DEFAULT_CACHE = Path.home() / ".cache" / "labml_zero"
+# Where `tokenize` may cut a text for `encode_batch` (see [the corpus](corpus.html)).
+SAFE_CUT = re.compile(r"(?<=[!-~])\n(?=[!-~])")
+TOKENIZE_PIECE = 1 << 16
 
 
 # ## Text
@@ -111,18 +131,32 @@ def _download(url: str, cache_dir: Path) -> Path:
 
 
 def tokenize(text: str, tokenizer: Tokenizer) -> torch.Tensor:
-    """The whole corpus as one `[N]` int64 tensor of token ids."""
-    return torch.tensor(encode(tokenizer, text), dtype=torch.int64)  # [N] int64
+    """
+    ### A text in memory as one `[N]` int64 tensor of token ids
+
+    Cut at safe line breaks into pieces of about `TOKENIZE_PIECE` characters and
+    tokenised as a batch, in parallel: the same ids as the whole text at once
+    (tested: tests/neox/test_corpus.py::test_pieces_tokenize_like_the_whole_text).
+    """
+    pieces, start = [], 0
+    for match in SAFE_CUT.finditer(text):
+        if match.end() - start >= TOKENIZE_PIECE:
+            pieces.append(text[start:match.end()])
+            start = match.end()
+    pieces.append(text[start:])
+    encodings = tokenizer.encode_batch(pieces, add_special_tokens=False)
+    ids = [i for encoding in encodings for i in encoding.ids]
+    return torch.tensor(ids, dtype=torch.int64)  # [N] int64
 
 
 class TokenSplits(NamedTuple):
-    train: torch.Tensor
-    """`[N_train]` int64, the first part of the corpus."""
-    valid: torch.Tensor
-    """`[N_valid]` int64, the rest."""
+    train: torch.Tensor | np.ndarray
+    """`[N_train]`, the first part of the corpus."""
+    valid: torch.Tensor | np.ndarray
+    """`[N_valid]`, the rest."""
 
 
-def split_tokens(tokens: torch.Tensor, *, valid_fraction: float = 0.1
+def split_tokens(tokens: torch.Tensor | np.ndarray, *, valid_fraction: float = 0.1
                  ) -> TokenSplits:
     r"""
     ### Contiguous train/validation split
@@ -154,11 +188,14 @@ class TextDataset:
     Sample $i$ is `tokens[i*T : i*T + T + 1]`, tokens $[iT, iT + T]$: its input
     the first $T$ and its target the last $T$ (the input shifted by one).
     Consecutive samples share one boundary token, so every token except the
-    first is a target exactly once.
+    first is a target exactly once. `tokens` is a tensor or a NumPy array (a
+    memory map of a token file: a sample reads only its own pages).
     """
 
-    def __init__(self, tokens: torch.Tensor, *, seq_len: int):
-        if tokens.dim() != 1:
+    def __init__(self, tokens: torch.Tensor | np.ndarray, *, seq_len: int):
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.numpy()
+        if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -176,7 +213,8 @@ class TextDataset:
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range [0, {len(self)})")
         start = i * self.seq_len
-        return self.tokens[start:start + self.seq_len + 1]
+        window = self.tokens[start:start + self.seq_len + 1]  # [T + 1] from disk
+        return torch.from_numpy(np.asarray(window, dtype=np.int64))  # [T + 1] int64
 
     def batch(self, indices: list[int]) -> Batch:
         """Stack samples `indices` into inputs and targets, each `[B, T]`."""
@@ -190,101 +228,148 @@ class DatasetSplits(NamedTuple):
 
 
 def load_datasets(*, seq_len: int, source: str | os.PathLike | None = None,
-                  tokenizer: Tokenizer | None = None,
-                  valid_fraction: float = 0.1) -> DatasetSplits:
+                  tokenizer: Tokenizer | None = None, valid_fraction: float = 0.1,
+                  valid_source: str | os.PathLike | None = None,
+                  text_field: str = "text", check_ids: bool = True
+                  ) -> DatasetSplits:
     """
     ### Corpus → tokens → train and validation datasets
 
-    Tokenises once; both datasets hold slices of the one token tensor.
+    `source=None` is Tiny Shakespeare, tokenised in memory; a path is `--data`,
+    through its [token file](token_file.html). With `valid_source` the
+    validation text is that, and all of `source` trains; otherwise the last
+    `valid_fraction` of it validates.
     """
     tokenizer = tokenizer or load_tokenizer()
-    splits = split_tokens(tokenize(load_text(source), tokenizer),
-                          valid_fraction=valid_fraction)
-    return DatasetSplits(TextDataset(splits.train, seq_len=seq_len),
-                         TextDataset(splits.valid, seq_len=seq_len))
+
+    def tokens_of(path):
+        if path is None:
+            return tokenize(load_text(), tokenizer)
+        try:
+            eot = end_of_text_id(tokenizer)
+        except ValueError as e:
+            raise DataError(f"--data {path}: {e}, so documents cannot be "
+                            f"separated") from None
+        return corpus_tokens(path, tokenizer, eot=eot, text_field=text_field,
+                             check_ids=check_ids)
+
+    if valid_source is not None:
+        splits = TokenSplits(tokens_of(source), tokens_of(valid_source))
+    else:
+        splits = split_tokens(tokens_of(source), valid_fraction=valid_fraction)
+    datasets = []
+    for name, tokens in zip(("training", "validation"), splits):
+        if len(tokens) < seq_len + 1:
+            raise DataError(f"the {name} split has {len(tokens):,} tokens, too few "
+                            f"for one sample of --seq-len {seq_len} (needs "
+                            f"{seq_len + 1:,})")
+        datasets.append(TextDataset(tokens, seq_len=seq_len))
+    return DatasetSplits(*datasets)
 
 
 # ## Order
 
 
 class RankSampler:
-    """
-    ## Deterministic, resumable, per-rank batches of sample indices
+    r"""
+    ## The data order, over the global sequence of samples
 
-    Iterating yields the rest of the current epoch as lists of `batch_size`
-    indices, then moves to the next epoch; iterate again for that one.
-    With `shuffle=False` the order is `0, 1, 2, …` (for validation).
+    The order is defined for the whole job, not per rank: epoch $e$ is a
+    permutation $\pi_e$ of the samples, and step $s$ of it trains on the
+    global batch of $G = B A N_d$ samples $\pi_e[sG : (s+1)G]$. That batch is
+    cut into $A$ micro-batches of $B N_d$, and rank $r$ takes block $r$ of each:
 
-    Each of the $N_d$ ranks must see *different* samples in each step, and a
-    resumed run must see exactly the batches the interrupted run would have
-    seen. This sampler does both without communication:
+    $$\text{micro-batch } a \text{ of rank } r = \pi_e[sG + aBN_d + rB \;:\;
+      sG + aBN_d + (r+1)B]$$
 
-    1. The epoch's order is a permutation drawn from a generator seeded with
-       `(seed, epoch)`: every rank computes the same permutation (`order`).
-    2. Step $s$ takes the slice $[s B N_d, (s+1) B N_d)$ of it (the global
-       batch), and rank $r$ takes its $r$-th block of $B$. Blocks are disjoint,
-       so ranks are.
-    3. Samples left over at the end of an epoch (fewer than $B N_d$) are
-       dropped, so every rank runs the same number of steps; a rank that ran one
-       more step would wait forever in a collective.
-    4. The state is `(epoch, position)`, position being the next step. It
-       advances when a batch is handed out, so a checkpoint taken after training
-       on a batch resumes at the next one.
+    1. Every rank computes the same permutation from `(seed, epoch)` (`order`),
+       so no communication is needed and blocks are disjoint.
+    2. An epoch is $\lfloor n / G \rfloor$ steps; the leftover samples (fewer
+       than $G$) are dropped, so every rank runs the same steps (a rank that
+       ran one more would wait forever in a collective).
+    3. The state is `(epoch, position)`, the position being the next step. It
+       advances when a step's batches are handed out, so a checkpoint taken
+       after training on them resumes at the next step.
+    4. Which samples a step trains on depends on $G$ alone, not on how it is
+       laid out as $B$, $A$ and $N_d$: a run resumed at another world size with
+       the same $G$ continues the same sequence (an *elastic* resume), and the
+       mean loss over the step, hence the gradient, is the same up to the order
+       of the sums.
     """
 
     def __init__(self, n_samples: int, *, batch_size: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, shuffle: bool = True):
+                 world_size: int = 1, seed: int = 0, shuffle: bool = True,
+                 grad_accum: int = 1):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if n_samples < batch_size * world_size:
+        if batch_size < 1 or grad_accum < 1:
+            raise ValueError(f"batch_size and grad_accum must be >= 1, got "
+                             f"{batch_size} and {grad_accum}")
+        self.global_batch = batch_size * grad_accum * world_size
+        if n_samples < self.global_batch:
             raise ValueError(f"{n_samples} samples are fewer than one global batch "
-                             f"(batch_size {batch_size} × world_size {world_size})")
+                             f"(batch_size {batch_size} × grad_accum {grad_accum} "
+                             f"× world_size {world_size})")
         self.n_samples = n_samples
         self.batch_size = batch_size
+        self.grad_accum = grad_accum
         self.rank = rank
         self.world_size = world_size
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
         self.position = 0
+        self._order: tuple[int, np.ndarray] | None = None
 
     def __len__(self) -> int:
-        """Steps per epoch: leftover samples are dropped (step 3 of the class)."""
-        return self.n_samples // (self.batch_size * self.world_size)
+        """Steps per epoch: leftover samples are dropped (step 2 of the class)."""
+        return self.n_samples // self.global_batch
 
     def order(self, epoch: int) -> np.ndarray:
-        """`[n_samples]` int64, the same on every rank."""
+        """`[n_samples]` int64, the same on every rank and at every world size."""
         if not self.shuffle:
             return np.arange(self.n_samples)
-        # SeedSequence mixes (seed, epoch) properly: seed + epoch would make
-        # (seed 0, epoch 1) and (seed 1, epoch 0) identical.
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n_samples)
+        if self._order is None or self._order[0] != epoch:
+            # SeedSequence mixes (seed, epoch) properly: seed + epoch would make
+            # (seed 0, epoch 1) and (seed 1, epoch 0) identical.
+            rng = np.random.default_rng([self.seed, epoch])
+            self._order = (epoch, rng.permutation(self.n_samples))
+        return self._order[1]
+
+    def step_batches(self, epoch: int, step: int) -> list[list[int]]:
+        """This rank's `grad_accum` micro-batches of `step` of `epoch` (pure)."""
+        order = self.order(epoch)
+        micro = self.batch_size * self.world_size
+        first = step * self.global_batch + self.rank * self.batch_size
+        return [order[first + a * micro:first + a * micro + self.batch_size].tolist()
+                for a in range(self.grad_accum)]
+
+    def next_step(self) -> list[list[int]]:
+        """The next step's micro-batches; moves the position past them."""
+        if self.position >= len(self):
+            self.epoch, self.position = self.epoch + 1, 0
+        batches = self.step_batches(self.epoch, self.position)
+        # Advance before handing out: a checkpoint taken after this step was
+        # trained on resumes at the next one.
+        self.position += 1
+        return batches
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = self.order(self.epoch)
-        global_batch = self.batch_size * self.world_size
+        """The rest of the current epoch, micro-batch by micro-batch."""
         while self.position < len(self):
-            start = self.position * global_batch + self.rank * self.batch_size
-            batch = order[start:start + self.batch_size].tolist()
-            # Advance before handing out: a checkpoint taken after this batch was
-            # trained on resumes at the next one.
-            self.position += 1
-            yield batch
-        self.epoch += 1
-        self.position = 0
+            yield from self.next_step()
+        self.epoch, self.position = self.epoch + 1, 0
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "n_samples": self.n_samples, "batch_size": self.batch_size,
-                "world_size": self.world_size, "shuffle": int(self.shuffle)}
+                "n_samples": self.n_samples, "global_batch": self.global_batch,
+                "shuffle": int(self.shuffle)}
 
     def load_state_dict(self, state: dict[str, int]):
-        for key in ("seed", "n_samples", "batch_size", "world_size", "shuffle"):
-            if state[key] != int(getattr(self, key)):
-                raise ValueError(f"RankSampler state has {key}={state[key]}, this "
-                                 f"sampler has {int(getattr(self, key))}")
+        for key in ("seed", "n_samples", "global_batch", "shuffle"):
+            if state.get(key) != int(getattr(self, key)):
+                raise ValueError(f"RankSampler state has {key}={state.get(key)}, "
+                                 f"this sampler has {int(getattr(self, key))}")
         if not 0 <= state["position"] <= len(self):
             raise ValueError(f"RankSampler state position {state['position']} out "
                              f"of range [0, {len(self)}]")

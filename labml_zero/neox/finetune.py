@@ -2,7 +2,8 @@ r"""
 ---
 title: Fine-tuning GPT-NeoX with ZeRO-3
 summary: The experiment: a GPT-NeoX built layer by layer into ZeRO-3 shards, AdamFP16,
-  Tiny Shakespeare, labml tracking, sharded checkpoints and a sample at the end.
+  a scheduled learning rate, the user's data, labml tracking, sharded checkpoints
+  and a sample at the end.
 ---
 
 # Fine-tuning GPT-NeoX with ZeRO-3
@@ -10,9 +11,10 @@ summary: The experiment: a GPT-NeoX built layer by layer into ZeRO-3 shards, Ada
 This page is the training job that puts the pieces together: the
 [GPT-NeoX layers](model.html), a [fine-tuner](finetuners.html) that decides what
 trains, the [ZeRO-3 engine](../zero3/index.html) that shards them over $N_d$ ranks,
-[AdamFP16](../optimizers/adam_fp16.html) on the shards, and
-[Tiny Shakespeare](dataset.html). Its settings are [the
-configuration](finetune_config.html), its numbers go to [labml](tracking.html),
+[AdamFP16](../optimizers/adam_fp16.html) on the shards at the rate of [the
+schedule](lr_schedule.html), and [the data](job_data.html). Its settings are [the
+configuration](finetune_config.html), its numbers ([what a step
+shows](step_metrics.html)) go to [labml](tracking.html),
 and the command line is [`finetune_neox`](../finetune_neox.html), which runs
 [the pre-flight checks](preflight.html) before it starts the ranks;
 `train(ctx, config)` below is what each rank runs.
@@ -32,8 +34,7 @@ the mean over the whole global batch, as if one unsharded model had seen it.
 
 ## Limitations
 
-* The learning rate is constant: no warm-up or decay.
-* Resuming needs the same world size and batch size (see `resume`).
+* Resuming needs the same global batch $B A N_d$ (the data order depends on it).
 """
 
 from __future__ import annotations
@@ -41,9 +42,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from itertools import islice
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -53,21 +53,22 @@ from labml_zero.assembly import Assembled, Recipe, assemble
 from labml_zero.launch import DistContext
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.checkpoint import HFCheckpoint
-from labml_zero.neox.dataset import RankSampler, TextDataset, load_datasets
+from labml_zero.neox.dataset import RankSampler, TextDataset
 from labml_zero.neox.finetune_config import (DTYPES, FINETUNERS, MODEL_PRESETS,
                                              FinetuneConfig, laptop,
                                              neox_20b_biases)
 from labml_zero.neox.generate import Sampling, generate
 from labml_zero.neox.lora import FineTuneLoRA, load_hf_layer
+from labml_zero.neox.job_checkpoints import resume, save
+from labml_zero.neox.job_data import job_data
 from labml_zero.neox.lora_export import save_merged_checkpoint, save_peft_adapter
-from labml_zero.neox.tokenizer import load_tokenizer
+from labml_zero.neox.step_metrics import (StepMeter, flops_per_token,
+                                          local_grad_squares, peak_flops)
 from labml_zero.neox.tracking import (EXPERIMENT_NAME, labml_configs,
                                       start_labml)
 from labml_zero.optimizers.adam_fp16 import AdamFP16, NonFiniteGradient
 from labml_zero.optimizers.clip_grad import clip_grad_norm_
 from labml_zero.optimizers.grad_scaler import LossScaler
-from labml_zero.zero3.checkpoint import (load_checkpoint, prune_checkpoints,
-                                         save_checkpoint)
 from labml_zero.zero3.config import ZeroConfig
 from labml_zero.zero3.placement import shard_specs
 from labml_zero.zero3.placement_report import measured_lines
@@ -184,6 +185,8 @@ class Totals(NamedTuple):
     loss_sum: float
     correct: float
     tokens: float
+    grad_squares: float = math.nan
+    r"""$\lVert g \rVert_2^2$ of the step; NaN where no gradient was taken."""
 
     @property
     def loss(self) -> float:
@@ -192,6 +195,10 @@ class Totals(NamedTuple):
     @property
     def accuracy(self) -> float:
         return self.correct / self.tokens
+
+    @property
+    def grad_norm(self) -> float:
+        return math.sqrt(self.grad_squares)
 
 
 def forward_loss(model: Zero3Sequential, dataset: TextDataset, indices: list[int],
@@ -221,35 +228,22 @@ def all_reduce_totals(stats: torch.Tensor) -> Totals:
     return Totals(*stats.tolist())
 
 
-def micro_batches(sampler: RankSampler) -> Iterator[list[int]]:
-    """Batches forever, epoch after epoch; the sampler's state is the position."""
-    while True:
-        yield from sampler
-
-
-def valid_sampler(dataset: TextDataset, config: FinetuneConfig,
-                  ctx: DistContext) -> RankSampler:
-    """The validation order: unshuffled, so each evaluation sees the same batches."""
-    try:
-        return RankSampler(len(dataset), batch_size=config.batch_size,
-                           rank=ctx.rank, world_size=ctx.world_size, shuffle=False)
-    except ValueError as e:
-        raise ValueError(f"validation split at seq_len {config.seq_len}: {e}") from e
-
-
 @torch.no_grad()
 def evaluate(model: Zero3Sequential, dataset: TextDataset, config: FinetuneConfig,
              ctx: DistContext) -> Totals:
     """
-    ### Loss and accuracy on the first `valid_batches` global batches
+    ### Loss and accuracy on the first `valid_batches` steps' worth of samples
 
-    The same batches each time, not the whole validation split. Every rank runs
-    the same number of forwards (the engine's all-gathers must match), each on its
-    own block of each batch.
+    Unshuffled, so each evaluation sees the same samples: $B A N_d$ a step,
+    which do not depend on the layout, in micro-batches of $B N_d$. Every rank
+    runs the same number of forwards (the engine's all-gathers must match),
+    each on its own block of each micro-batch.
     """
-    sampler = valid_sampler(dataset, config, ctx)
+    sampler = RankSampler(len(dataset), batch_size=config.batch_size,
+                          rank=ctx.rank, world_size=ctx.world_size, shuffle=False)
     stats = torch.zeros(3, dtype=torch.float64, device=ctx.device)
-    for indices in islice(sampler, min(config.valid_batches, len(sampler))):
+    for micro in range(min(config.valid_batches * config.grad_accum, len(sampler))):
+        indices = sampler.step_batches(0, micro)[0]
         stats += forward_loss(model, dataset, indices, ctx.device)[1]
     return all_reduce_totals(stats)
 
@@ -263,10 +257,10 @@ class Training(NamedTuple):
     """fp16 only: the dynamic loss scale, agreed by all ranks."""
 
 
-def train_step(training: Training, batches: Iterator[list[int]],
+def train_step(training: Training, batches: list[list[int]],
                dataset: TextDataset, config: FinetuneConfig) -> Totals:
     """
-    ### One optimizer step over `grad_accum` micro-batches
+    ### One optimizer step over the `grad_accum` micro-batches `batches`
 
     After the backward passes, in order: with fp16, the [loss
     scaler](../optimizers/grad_scaler.html) unscales the shard gradients and
@@ -276,40 +270,45 @@ def train_step(training: Training, batches: Iterator[list[int]],
     AdamFP16 steps. Without either (bf16 or fp32, no `clip_grad`), no gradient
     changes after its chunk is reduced, so each shard is updated right then,
     during the rest of the backward pass
-    ([`update_during_backward`](../optimizers/adam_fp16.html)). Tracking costs one
-    more all-reduce, of three numbers (loss sum, correct tokens, tokens), and one
-    host sync per step.
+    ([`update_during_backward`](../optimizers/adam_fp16.html)). The schedule has
+    set the rate before the step, so an update during the backward pass uses it
+    too. Tracking costs one more all-reduce, of four numbers (loss sum, correct
+    tokens, tokens and, when nothing reduced it yet, the squared gradient norm),
+    and one host sync per step.
     """
     model, optimizer, scaler = training
     comm = model.runtime.comm
-    stats = torch.zeros(3, dtype=torch.float64, device=comm.device)
-    for micro in range(config.grad_accum):
+    stats = torch.zeros(4, dtype=torch.float64, device=comm.device)
+    for micro, indices in enumerate(batches):
         # The first $A - 1$ backward passes run inside `model.no_sync()`, so
         # gradients stay in the chunks' full-size buffers and one reduce-scatter
         # per chunk, after the last micro-batch, serves the whole step.
-        last = micro == config.grad_accum - 1
+        last = micro == len(batches) - 1
         with contextlib.nullcontext() if last else model.no_sync():
-            loss, micro_stats = forward_loss(model, dataset, next(batches),
-                                             comm.device)
-            loss = loss / config.grad_accum
+            loss, micro_stats = forward_loss(model, dataset, indices, comm.device)
+            loss = loss / len(batches)
             (scaler.scale(loss) if scaler is not None else loss).backward()
-        stats += micro_stats
+        stats[:3] += micro_stats
     shards = model.get_trainable_chunk()
     # The scaler's overflow check is the gradient norm's all-reduce; clipping
     # reuses that norm instead of a second collective.
     norm = scaler.unscale_(shards) if scaler is not None else None
     if config.clip_grad is not None:
-        clip_grad_norm_(shards, config.clip_grad, comm, norm=norm)
+        norm = clip_grad_norm_(shards, config.clip_grad, comm, norm=norm)
+    world = dist.get_world_size()
+    if norm is not None:
+        # the same on every rank: the all-reduce's sum of N_d copies is ‖g‖²
+        stats[3] = norm.double().square() / world
+    else:
+        # each replica of a shard adds its squares once (see step_metrics)
+        replicas = world // (config.shard_group_size or world)
+        stats[3] = local_grad_squares(shards).to(comm.device) / replicas
     if scaler is not None:
         scaler.step(optimizer)
     else:
         optimizer.step()
     optimizer.zero_grad()
     return all_reduce_totals(stats)
-
-
-def checkpoint_path(config: FinetuneConfig, step: int) -> Path:
-    return Path(config.out) / "checkpoints" / f"step-{step:06d}"
 
 
 def env_step(name: str, rank: int) -> int | None:
@@ -366,55 +365,6 @@ def check_loss(totals: Totals, step: int, scaler: LossScaler | None,
                         f"{totals.loss}{scale}); lower the learning rate ({kept})")
 
 
-def save(config: FinetuneConfig, step: int, training: Training,
-         sampler: RankSampler) -> Path:
-    """
-    ### A sharded checkpoint after `step`, then the older ones pruned
-
-    Every `checkpoint_every` steps the ranks write a [sharded
-    checkpoint](../zero3/checkpoint/index.html) (each its own shards and optimizer
-    state) with the step and the data sampler's position as extra state; once it
-    is complete, all but the newest `keep_checkpoints` are removed.
-
-    `extra` is global state (rank 0 writes it): the sampler's position is the
-    same on every rank, and so is the loss scale, agreed by an all-reduce.
-    """
-    check_shards_finite(training, step)
-    extra = {"step": step, "sampler": sampler.state_dict()}
-    if training.scaler is not None:
-        extra["scaler"] = training.scaler.state_dict()
-    # `meta` is in the manifest, where `check_resumable` compares it
-    meta = {"step": step, "batch_size": config.batch_size, "seed": config.seed}
-    path = save_checkpoint(checkpoint_path(config, step), training.model,
-                           training.optimizer, extra=extra, meta=meta)
-    # save_checkpoint returns once the checkpoint is complete on every rank
-    if training.model.runtime.comm.rank == 0 and config.keep_checkpoints:
-        prune_checkpoints(path.parent, config.keep_checkpoints, just_saved=path)
-    return path
-
-
-def resume(config: FinetuneConfig, training: Training, sampler: RankSampler) -> int:
-    """
-    ### Continue from `config.resume`; returns the step it was saved after
-
-    The resumed run rebuilds the model exactly as before (so frozen weights are the
-    same), loads the shards, and continues at the next batch: with fp32 it
-    reproduces the uninterrupted losses bit for bit. It needs the same world size
-    and batch size (the data order depends on them), although the checkpoint
-    itself could be loaded at another world size.
-    """
-    extra = load_checkpoint(config.resume, training.model,
-                            training.optimizer).extra or {}
-    if "step" not in extra or "sampler" not in extra:
-        raise ValueError(f"{config.resume} is not a checkpoint of this job (its "
-                         f"extra state has no step and sampler position)")
-    # Refuses another batch size, world size or seed: the order would differ.
-    sampler.load_state_dict(extra["sampler"])
-    if training.scaler is not None and "scaler" in extra:
-        training.scaler.load_state_dict(extra["scaler"])
-    return int(extra["step"])
-
-
 # The automatic offload predicts the device and host peaks from one probe step;
 # after this many steps of the job the measured peaks are printed beside them.
 PEAKS_AFTER_STEPS = 2
@@ -460,18 +410,15 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
     from labml import experiment, logger, monit, tracker
 
     start_labml(config, ctx, python_file=__file__)
-    tokenizer = load_tokenizer()
-    data = load_datasets(seq_len=config.seq_len, tokenizer=tokenizer)
+    neox = config.model_config()
+    # checked before any rank started; the token file is built, so this maps it
+    data = job_data(config, world_size=ctx.world_size, n_vocab=neox.n_vocab,
+                    check_ids=False)
+    tokenizer, total_steps = data.tokenizer, data.total_steps
     sampler = RankSampler(len(data.train), batch_size=config.batch_size,
-                          rank=ctx.rank, world_size=ctx.world_size, seed=config.seed)
-    # Fails now, not after the model is built, if the validation split is
-    # smaller than one global batch.
-    valid_sampler(data.valid, config, ctx)
-    steps_per_epoch = len(sampler) // config.grad_accum
-    if config.steps is None and steps_per_epoch < 1:
-        raise ValueError(f"an epoch has {len(sampler)} micro-batches, fewer than "
-                         f"grad_accum={config.grad_accum}")
-    total_steps = config.steps or config.epochs * steps_per_epoch
+                          grad_accum=config.grad_accum, rank=ctx.rank,
+                          world_size=ctx.world_size, seed=config.seed)
+    schedule = config.schedule(total_steps)
 
     def probe(model: Zero3Sequential) -> None:
         # one micro-batch of the training split, without moving the sampler
@@ -479,7 +426,7 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
         forward_loss(model, data.train, indices, ctx.device)[0].backward()
 
     built = build_model(config, ctx, probe)
-    model, neox = built.model, config.model_config()
+    model = built.model
     scaled = config.torch_dtype(ctx.device) == torch.float16
     scaler = LossScaler(model.runtime.comm) if scaled else None
     training = Training(model, built.optimizer, scaler)
@@ -495,6 +442,12 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
         chunk_numel=max(c.numel for c in model.chunks), n_chunks=len(model.chunks),
         params_total=built.counts.total, params_trainable=built.counts.trainable,
         n_layers=neox.n_layers, d_model=neox.d_model, n_vocab=neox.n_vocab))
+    dtype = config.torch_dtype(ctx.device)
+    meter = StepMeter(token_flops=flops_per_token(
+        matmul_params=built.counts.total - neox.n_vocab * neox.d_model,
+        n_layers=neox.n_layers, d_model=neox.d_model, seq_len=config.seq_len),
+        peak=peak_flops(ctx.device, dtype), world_size=ctx.world_size,
+        device=ctx.device)
     fail_at = env_step(FAIL_AT_STEP_ENV, ctx.rank)
     nan_at = env_step(NAN_AT_STEP_ENV, ctx.rank)
     last_saved = Path(config.resume) if config.resume is not None else None
@@ -517,17 +470,21 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
         if step == 0:
             track_valid(0)
             tracker.new_line()
-        batches = micro_batches(sampler)
         first = step + 1
         peaks_at = first - 1 + min(PEAKS_AFTER_STEPS, total_steps - step)
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
+        meter.clock.restart()
         for step in monit.loop(range(first, total_steps + 1)):
+            # the rate is a pure function of the step: the same after a resume
+            lr = schedule.rate(step)
+            for group in training.optimizer.param_groups:
+                group["lr"] = lr
             try:
-                totals = train_step(training, batches, data.train, config)
+                totals = train_step(training, sampler.next_step(), data.train, config)
             except NonFiniteGradient as e:  # an early update met it first
                 raise NonFiniteLoss(f"loss became non-finite at step {step}; lower "
-                                    f"the learning rate (--lr {config.lr:g})") from e
+                                    f"the learning rate (--lr {lr:g})") from e
             if step == peaks_at:
                 for line in measured_peaks(built, ctx, step - first + 1):
                     logger.log(line)
@@ -537,17 +494,21 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
                 totals = totals._replace(loss_sum=math.nan)
             check_loss(totals, step, scaler, last_saved)
             tracker.save(step, {"loss.train": totals.loss,
-                                "acc.train": totals.accuracy})
+                                "acc.train": totals.accuracy,
+                                **meter.indicators(totals, lr=lr, scale=(
+                                    scaler.scale_value if scaler else None))})
             if step % config.valid_every == 0 or step == total_steps:
                 track_valid(step)
             if config.checkpoint_every is not None and (
                     step % config.checkpoint_every == 0 or step == total_steps):
+                check_shards_finite(training, step)
                 last_saved = save(config, step, training, sampler)
             if fail_at is not None and step >= fail_at:
                 raise RuntimeError(f"injected failure on rank {ctx.rank} after step "
                                    f"{step} ({FAIL_AT_STEP_ENV})")
             ctx.heartbeat()  # again after a validation or a save, which take long
             tracker.new_line()
+            meter.clock.restart()  # the next step's time excludes this one's extras
 
         export(config, built, neox)
         if config.sample_tokens:

@@ -36,6 +36,7 @@ from labml_zero.neox import model as neox_model
 from labml_zero.neox.checkpoint import config_from_hf
 from labml_zero.neox.finetuners import FINETUNERS, finetuner
 from labml_zero.neox.lora import TARGETS, FineTuneLoRA
+from labml_zero.neox.lr_schedule import SCHEDULES, LRSchedule
 
 __all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "MODEL_PRESETS",
            "DTYPES", "FINETUNERS"]
@@ -104,6 +105,20 @@ class FinetuneConfig:
                                                   metadata=flag(metavar="0,1"))
     """Keep only these transformer layers (labml-nn's way to try its largest
     model on small hardware); `None` keeps all."""
+    data: str | None = field(default=None, metadata=flag(metavar="PATH"))
+    """The text to fine-tune on: a text file or its `.gz`, a directory of them,
+    a JSON Lines file (`.jsonl`, the text in `text_field`), or a token file
+    (`.u16`, `.u32`, `.bin`: token ids, memory-mapped). Text is tokenised once
+    into a token file cached beside it (see [the token file](token_file.html)).
+    `None`: the bundled Tiny Shakespeare."""
+    valid_data: str | None = field(default=None, metadata=flag(metavar="PATH"))
+    """Validation text, in any format of `data`; `None`: the last
+    `valid_fraction` of `data`."""
+    valid_fraction: float = field(default=0.1, metadata=flag(metavar="F"))
+    """The share of `data`'s tokens, from its end, that validates when no
+    `valid_data` is given."""
+    text_field: str = field(default="text", metadata=flag(metavar="NAME"))
+    """The field of each JSON Lines record that holds its text."""
     seq_len: int = 64
     """$T$, tokens per sequence."""
     batch_size: int = 8
@@ -115,10 +130,19 @@ class FinetuneConfig:
     steps see less than an epoch."""
     epochs: int = 1
     r"""Epochs when `steps` is `None`. An epoch is
-    $\lfloor n_{samples} / (B N_d) \rfloor / A$ steps (leftovers dropped)."""
+    $\lfloor n_{samples} / (B A N_d) \rfloor$ steps (leftovers dropped)."""
     lr: float = field(default=3e-3, metadata=flag(metavar="LR"))
-    """Adam's learning rate, constant. The default suits the random tiny model;
-    pre-trained weights want about a tenth of it (as in labml-nn)."""
+    """Adam's peak learning rate (after the warm-up). The default suits the
+    random tiny model; pre-trained weights want about a tenth of it (as in
+    labml-nn)."""
+    lr_schedule: str = field(default="constant", metadata=flag(choices=SCHEDULES))
+    """After the warm-up: `constant`, or `linear` or `cosine` decay to `min_lr`
+    at the last step (see [the schedule](lr_schedule.html))."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from `lr / warmup_steps` to `lr`; fewer than
+    the run's steps."""
+    min_lr: float = field(default=0.0, metadata=flag(metavar="LR"))
+    """The floor that `linear` and `cosine` decay to."""
     weight_decay: float = field(default=0.0, metadata=flag(metavar="DECAY"))
     """AdamW's decoupled weight decay."""
     clip_grad: float | None = field(default=None, metadata=flag(metavar="NORM"))
@@ -217,12 +241,13 @@ class FinetuneConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         for name in ("lr", "weight_decay", "clip_grad", "offload_params",
-                     "hang_timeout"):
+                     "hang_timeout", "min_lr", "valid_fraction"):
             value = getattr(self, name)
             if isinstance(value, float) and not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        self.check_data_and_schedule()
         if self.keep_checkpoints < 0:
             raise ValueError(f"keep_checkpoints must be >= 0, got "
                              f"{self.keep_checkpoints}")
@@ -249,6 +274,36 @@ class FinetuneConfig:
             raise ValueError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
         if self.sample_tokens and not self.prompt:
             raise ValueError("prompt must be non-empty to sample")
+
+    def check_data_and_schedule(self) -> None:
+        """
+        #### The data's and the schedule's fields, alone
+
+        The files themselves are read before any rank starts (see [the
+        fine-tune's data](job_data.html)); an epoch's steps are known only then,
+        so with `epochs` the warm-up is checked there.
+        """
+        if not 0.0 < self.valid_fraction < 1.0:  # NaN fails too
+            raise ValueError(f"valid_fraction must be in (0, 1), got "
+                             f"{self.valid_fraction}")
+        if not self.text_field:
+            raise ValueError("text_field must be non-empty")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"unknown lr_schedule {self.lr_schedule!r}; expected "
+                             f"one of {', '.join(SCHEDULES)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.steps is not None and self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps {self.warmup_steps} must be fewer than "
+                             f"--steps {self.steps}")
+        if not 0.0 <= self.min_lr <= self.lr:  # NaN fails too
+            raise ValueError(f"min_lr must be in [0, lr {self.lr:g}], got "
+                             f"{self.min_lr:g}")
+
+    def schedule(self, total_steps: int) -> LRSchedule:
+        """The learning-rate schedule of a run of `total_steps` steps."""
+        return LRSchedule(lr=self.lr, total_steps=total_steps, kind=self.lr_schedule,
+                          warmup_steps=self.warmup_steps, min_lr=self.min_lr)
 
     def check_lora(self) -> None:
         """

@@ -11,7 +11,7 @@ A mistake found by a rank costs the start-up of every rank (minutes on a large
 model) and reaches the user as a traceback of another process; found after
 $N$ steps, it costs the steps too. So before [the launcher](../finetune_neox.html)
 spawns anything, `preflight` checks, on this host and with no process group,
-the outputs, the exports, the host's memory, the Hugging Face snapshot and
+the outputs, the exports, the host's memory, the data, the Hugging Face snapshot and
 the checkpoint to resume (each
 beside its lines in `preflight`).
 
@@ -20,8 +20,10 @@ the command line prints it as one line and exits with status 2.
 
 ## Limitations
 
-* A filesystem can fill up between this check and the save.
-* Resuming at another world size is refused (see `check_resume`).
+* A filesystem can fill up between this check and the save; the save itself
+  then fails, and leaves the previous checkpoint in place.
+* Resuming with another global batch is refused: it would train on other
+  samples than the interrupted run.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ from labml_zero.neox import model as neox_model
 from labml_zero.neox.checkpoint import check_hf_snapshot
 from labml_zero.neox.lora_export import (ADAPTER, MERGED, ExportDestinationError,
                                          check_export_destination, export_bytes)
+from labml_zero.neox.corpus import DataError
+from labml_zero.neox.job_checkpoints import check_global_batch
+from labml_zero.neox.job_data import JobData, job_data
 from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
                                          check_resumable, sequential_shapes)
 from labml_zero.zero3.memory_model import OPTIMIZER_BYTES
@@ -63,11 +68,13 @@ class Preflight(NamedTuple):
 
     * `neox`: the model's shape;
     * `resumed_step`: the step the checkpoint to resume was saved after, or
-      `None` when starting afresh.
+      `None` when starting afresh;
+    * `data`: the tokenizer, the datasets and the run's steps.
     """
 
     neox: neox_model.NeoXConfig
     resumed_step: int | None
+    data: JobData | None = None
 
 
 def check_writable_dir(path: str | os.PathLike, what: str) -> Path:
@@ -185,23 +192,20 @@ def check_host_memory(config, layers: list[nn.Module], *, world_size: int,
             f"{available / 2**30:.1f} GiB available; use fewer ranks")
 
 
-def check_resume(path: Path, layers: list[nn.Module], config, world_size: int
-                 ) -> int:
+def check_resume(path: Path, layers: list[nn.Module], config, world_size: int,
+                 data: JobData) -> int:
     """
     ### A checkpoint this job can continue from; returns its step
 
     `check_resumable` reads the manifest, checks every file's size and the
     model's parameter names and shapes (`layers` on the meta device); then the
-    small `extra` state must hold the step and a sampler of the same batch size,
-    seed and world size (the data order depends on all three), and leave steps
-    to train. No shard is read. Another world size is refused although the
-    shards could be resharded: the data sampler's order depends on it.
+    small `extra` state must hold the step and a data order of the same seed,
+    training split and global batch. No shard is read.
     """
     try:
         check_resumable(path, world_size=world_size,
                         shapes=sequential_shapes(layers),
-                        expect={"batch_size": config.batch_size,
-                                "seed": config.seed})
+                        expect={"seed": config.seed})
         extra = CheckpointReader(path).extra() or {}
     except (CheckpointError, OSError) as e:
         # the package's messages name the checkpoint already
@@ -210,18 +214,24 @@ def check_resume(path: Path, layers: list[nn.Module], config, world_size: int
         raise PreflightError(f"--resume {path} is not a checkpoint of this job "
                              f"(its extra state has no step and sampler position)")
     sampler = extra["sampler"]
-    wanted = {"batch_size": config.batch_size, "seed": config.seed,
-              "world_size": world_size}
-    for key, value in wanted.items():
-        if sampler.get(key) != value:
-            flag = "--" + key.replace("_", "-")
-            raise PreflightError(f"--resume {path} was saved with {key} "
-                                 f"{sampler.get(key)}, this run has {flag} {value}: "
-                                 f"the data order would differ")
+    if sampler.get("seed") != config.seed:
+        raise PreflightError(f"--resume {path} was saved with seed "
+                             f"{sampler.get('seed')}, this run has --seed "
+                             f"{config.seed}: the data order would differ")
+    refusal = check_global_batch(path, sampler, config, world_size)
+    if refusal is not None:
+        raise PreflightError(refusal)
+    if sampler.get("n_samples") != len(data.train):
+        raise PreflightError(f"--resume {path} was saved with a training split of "
+                             f"{sampler.get('n_samples')} samples, this run's has "
+                             f"{len(data.train)} (other data or --seq-len): the "
+                             f"data order would differ")
     step = int(extra["step"])
-    if config.steps is not None and config.steps <= step:
+    if data.total_steps <= step:
+        length = (f"--steps {config.steps}" if config.steps is not None else
+                  f"--epochs {config.epochs} ({data.total_steps} steps)")
         raise PreflightError(f"--resume {path} is already at step {step}: "
-                             f"--steps {config.steps} leaves nothing to train")
+                             f"{length} leaves nothing to train")
     return step
 
 
@@ -280,11 +290,21 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
     check_host_memory(config, layers, world_size=world_size, device=device,
                       ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
+    # **The data** ([the fine-tune's data](job_data.html)): the tokenizer fits
+    # the model, the corpus is read (and tokenised once, into its cached token
+    # file) and holds at least one step.
+    try:
+        data = job_data(config, world_size=world_size, n_vocab=neox.n_vocab)
+    except (DataError, OSError) as e:
+        raise PreflightError(str(e)) from e
+
     # **The checkpoint to resume**: the [checkpoint
     # package's](../zero3/checkpoint/preflight.html) `check_resumable` (a
     # complete checkpoint of this model: the same parameter names and shapes),
-    # then written by this job (`check_resume`).
+    # then written by this job with the same seed, training split and global
+    # batch $B A N_d$ (`check_resume`; the world size may differ, see
+    # [resuming](job_checkpoints.html)).
     step = None
     if config.resume is not None:
-        step = check_resume(Path(config.resume), layers, config, world_size)
-    return Preflight(neox, step)
+        step = check_resume(Path(config.resume), layers, config, world_size, data)
+    return Preflight(neox, step, data)

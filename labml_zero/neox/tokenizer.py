@@ -28,12 +28,15 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-__all__ = ["load_tokenizer", "encode", "decode", "vocab_size", "BUNDLED_TOKENIZER"]
+__all__ = ["load_tokenizer", "encode", "decode", "vocab_size", "BUNDLED_TOKENIZER",
+           "job_tokenizer_path", "end_of_text_id", "END_OF_TEXT"]
 
 # The tokenizer's `tokenizer.json` ships gzipped in `labml_zero/data/`
 # (EleutherAI, Apache-2.0; see `data/NOTICE`), so nothing is downloaded.
 BUNDLED_TOKENIZER = (Path(__file__).resolve().parent.parent / "data"
                      / "gpt_neox_20b_tokenizer.json.gz")
+# Names of a document separator, in the order they are looked for.
+END_OF_TEXT = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
@@ -77,3 +80,19 @@ def vocab_size(tokenizer: Tokenizer) -> int:
     [generate](generate.html) never picks them.
     """
     return tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def job_tokenizer_path(checkpoint: str | os.PathLike | None) -> Path:
+    """A checkpoint's own `tokenizer.json` when it has one, else the bundled one."""
+    if checkpoint is not None and (Path(checkpoint) / "tokenizer.json").is_file():
+        return Path(checkpoint) / "tokenizer.json"
+    return BUNDLED_TOKENIZER
+
+
+def end_of_text_id(tokenizer: Tokenizer) -> int:
+    """The id that separates documents: the first of `END_OF_TEXT` it knows."""
+    for name in END_OF_TEXT:
+        if (token := tokenizer.token_to_id(name)) is not None:
+            return token
+    raise ValueError(f"the tokenizer has no end-of-text token (none of "
+                     f"{', '.join(END_OF_TEXT)})")

@@ -512,8 +512,8 @@ class Chunk:
         # One rank holds the whole chunk ($S = C$): the mean over one rank is
         # the gradient itself, so the held gradients are cast straight into the
         # gradient shard. No buffer, no reduction: $p + 4$ bytes a parameter
-        # move instead of $p + 4 + 8$. Not after `no_sync`: the buffer then
-        # holds the earlier micro-batches, and goes through the reduction.
+        # move instead of $p + 4 + 8$. Not when earlier micro-batches are
+        # accumulated in `grad_full` (`no_sync`): that buffer holds them.
         alone = (direct and comm.world_size == 1 and comm.replicas == 1
                  and self.grad_full is None)
         if alone:

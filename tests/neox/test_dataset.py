@@ -113,8 +113,36 @@ def test_resume_continues_with_the_same_batches():
 
 def test_resume_with_other_settings_rejected():
     state = RankSampler(30, batch_size=2, world_size=2, seed=11).state_dict()
-    with pytest.raises(ValueError, match="world_size=2.*has 1"):
+    with pytest.raises(ValueError, match="global_batch=4, this sampler has 2"):
         RankSampler(30, batch_size=2, world_size=1, seed=11).load_state_dict(state)
+    with pytest.raises(ValueError, match="n_samples=30, this sampler has 31"):
+        RankSampler(31, batch_size=2, world_size=2, seed=11).load_state_dict(state)
+
+
+def global_steps(layout, steps, n=100, seed=5, state=None):
+    """Each step's set of samples over all ranks of `layout` = (B, A, N_d)."""
+    batch, accum, world = layout
+    samplers = [RankSampler(n, batch_size=batch, grad_accum=accum, rank=r,
+                            world_size=world, seed=seed) for r in range(world)]
+    if state is not None:
+        for s in samplers:
+            s.load_state_dict(state)
+    out = [sorted(i for s in samplers for micro in s.next_step() for i in micro)
+           for _ in range(steps)]
+    return out, samplers[0].state_dict()
+
+
+def test_elastic_resume_continues_the_global_sequence():
+    # G = 6 laid out on 2, 3 and 1 ranks: the same samples step by step, across
+    # an epoch boundary (100 // 6 = 16 steps an epoch), whatever the layout
+    reference, _ = global_steps((3, 1, 2), 20)
+    first, state = global_steps((1, 3, 2), 7)
+    second, state = global_steps((1, 2, 3), 8, state=state)
+    third, _ = global_steps((3, 2, 1), 5, state=state)
+    assert first + second + third == reference
+    # a micro-batch's ranks are disjoint, and each rank's batch has B samples
+    sampler = RankSampler(100, batch_size=2, grad_accum=2, rank=1, world_size=3)
+    assert [len(m) for m in sampler.next_step()] == [2, 2]
 
 
 def test_sampler_bad_arguments():

@@ -1,0 +1,185 @@
+r"""
+---
+title: The fine-tune's checkpoints and resuming
+summary: What a checkpoint of the fine-tune holds beside the shards, flags that
+  override its saved settings on a resume, and resuming at another world size
+  that keeps the global batch.
+---
+
+# The fine-tune's checkpoints and resuming
+
+Beside the [sharded checkpoint](../zero3/checkpoint/index.html)'s shards and
+optimizer state, the job saves small global state as `extra` (rank 0 writes it):
+
+* `step`, the last step trained;
+* `sampler`, the [data order](dataset.html)'s position (epoch, step), with its
+  seed, the number of training samples and the global batch $G = B A N_d$;
+* `scaler`, the fp16 loss scale, agreed by all ranks;
+* `settings`, the run's hyperparameters: `SETTINGS`.
+
+## Flags override saved settings
+
+On `--resume`, each of `SETTINGS` keeps its saved value unless its flag is
+given; a flag that changes one is reported in one line before any rank starts
+(`--resume: lr 0.003 → 1.0`). So a resumed run continues the same learning-rate
+curve by default (the [schedule](lr_schedule.html) is a pure function of the
+step and these settings), and a user can still lower the rate of a run going
+badly. `--steps` and `--epochs` are one setting, the run's length: giving
+either replaces both.
+
+## Resuming at another world size
+
+A step's samples depend on $G$ alone (see the data order's class), so a run
+may resume at another world size $N_d'$ with $B' A' N_d' = G$: the same
+samples in each step, the same mean loss and gradient up to the order of the
+sums, the shards resharded on load. A resume that cannot keep $G$ is refused
+before any rank starts, in one line that says the layout to use, or that $G$
+does not split over $N_d'$ ranks.
+
+## Limitations
+
+* The model's own settings (shape, fine-tuner, LoRA, dtype) are not
+  overridable: a checkpoint holds their chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from labml_zero.zero3.checkpoint import (CheckpointReader, load_checkpoint,
+                                         prune_checkpoints, save_checkpoint)
+
+__all__ = ["SETTINGS", "saved_settings", "override_settings", "resume_settings",
+           "check_global_batch", "checkpoint_path", "save", "resume"]
+
+# The hyperparameters a checkpoint keeps and a flag on `--resume` overrides.
+SETTINGS = ("lr", "weight_decay", "clip_grad", "lr_schedule", "warmup_steps",
+            "min_lr", "steps", "epochs")
+LENGTH = ("steps", "epochs")
+
+
+def saved_settings(config) -> dict:
+    """`SETTINGS` of a `FinetuneConfig`, as saved in a checkpoint."""
+    return {name: getattr(config, name) for name in SETTINGS}
+
+
+def shown(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def override_settings(config, given: set[str], saved: dict):
+    """
+    ### The saved settings, but those whose flag is `given`
+
+    Returns the config to run and the line that says what the flags changed
+    (`None` when nothing did). The result is checked again by the config's
+    `__post_init__` (a saved warm-up may not fit a shorter `--steps`).
+    """
+    length_given = bool(given & set(LENGTH))
+    kept, changes = {}, []
+    for name in SETTINGS:
+        if name not in saved:
+            continue
+        flagged = name in given or (name in LENGTH and length_given)
+        if not flagged:
+            kept[name] = saved[name]
+        elif saved[name] != getattr(config, name):
+            changes.append(f"{name} {shown(saved[name])} → "
+                           f"{shown(getattr(config, name))}")
+    line = f"--resume: flags override saved settings: {', '.join(changes)}" \
+        if changes else None
+    return dataclasses.replace(config, **kept), line
+
+
+def resume_settings(config, given: set[str]):
+    """
+    ### `override_settings` with the settings saved in `config.resume`
+
+    A checkpoint that cannot be read is left to the pre-flight checks, which
+    say why in one line.
+    """
+    try:
+        extra = CheckpointReader(config.resume).extra() or {}
+    except Exception:  # any unreadable checkpoint: preflight reports it
+        return config, None
+    saved = extra.get("settings") if isinstance(extra, dict) else None
+    if not isinstance(saved, dict):
+        return config, None
+    return override_settings(config, given, saved)
+
+
+def check_global_batch(path: Path, sampler: dict, config, world_size: int
+                       ) -> str | None:
+    """
+    ### Why this run cannot continue the checkpoint's data order, or `None`
+
+    The samples of a step are those of the global batch $G$; a run with another
+    $G$ would train on others. The advice keeps `--batch-size` where it can.
+    """
+    b, a = config.batch_size, config.grad_accum
+    g, saved = b * a * world_size, sampler.get("global_batch")
+    if saved == g:
+        return None
+    if not isinstance(saved, int):
+        return (f"--resume {path} has no global batch in its data order (saved by "
+                f"an older version): it cannot be continued")
+    if saved % world_size:
+        advice = f"{saved} sequences cannot be split over {world_size} ranks"
+    elif (saved // world_size) % b == 0:
+        advice = (f"at {world_size} ranks use --grad-accum "
+                  f"{saved // world_size // b}")
+    else:
+        advice = (f"at {world_size} ranks use --batch-size {saved // world_size} "
+                  f"--grad-accum 1")
+    return (f"--resume {path} was saved with a global batch of {saved} sequences, "
+            f"this run's is --batch-size {b} × --grad-accum {a} × {world_size} "
+            f"ranks = {g}: the data order would differ ({advice})")
+
+
+def checkpoint_path(config, step: int) -> Path:
+    return Path(config.out) / "checkpoints" / f"step-{step:06d}"
+
+
+def save(config, step: int, training, sampler) -> Path:
+    """
+    ### A sharded checkpoint after `step`, then the older ones pruned
+
+    `training` is the job's `Training`. `extra` is global state (rank 0 writes
+    it): the sampler's position is the same on every rank, and so is the loss
+    scale, agreed by an all-reduce.
+    """
+    extra = {"step": step, "sampler": sampler.state_dict(),
+             "settings": saved_settings(config)}
+    if training.scaler is not None:
+        extra["scaler"] = training.scaler.state_dict()
+    # `meta` is in the manifest, where `check_resumable` compares it
+    meta = {"step": step, "global_batch": sampler.global_batch, "seed": config.seed}
+    path = save_checkpoint(checkpoint_path(config, step), training.model,
+                           training.optimizer, extra=extra, meta=meta)
+    # save_checkpoint returns once the checkpoint is complete on every rank
+    if training.model.runtime.comm.rank == 0 and config.keep_checkpoints:
+        prune_checkpoints(path.parent, config.keep_checkpoints, just_saved=path)
+    return path
+
+
+def resume(config, training, sampler) -> int:
+    """
+    ### Continue from `config.resume`; returns the step it was saved after
+
+    The shards are resharded if the world size changed. The optimizer's saved
+    hyperparameters are replaced by the config's (already the saved ones unless
+    a flag overrode them); the rate is set at each step by the schedule.
+    """
+    extra = load_checkpoint(config.resume, training.model,
+                            training.optimizer).extra or {}
+    if "step" not in extra or "sampler" not in extra:
+        raise ValueError(f"{config.resume} is not a checkpoint of this job (its "
+                         f"extra state has no step and sampler position)")
+    # Refuses another global batch, seed or training split: the order would differ.
+    sampler.load_state_dict(extra["sampler"])
+    if training.scaler is not None and "scaler" in extra:
+        training.scaler.load_state_dict(extra["scaler"])
+    for group in training.optimizer.param_groups:
+        group["weight_decay"] = config.weight_decay
+    return int(extra["step"])
