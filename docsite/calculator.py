@@ -153,8 +153,6 @@ def _select(name: str, label: str, options, value) -> str:
 
 
 def _gib(value) -> str:
-    if value is None:
-        return "not modelled"
     return "0" if value == 0 else f"{value / 2**30:.4g}"
 
 
@@ -227,7 +225,7 @@ def render(page: str) -> str:
         value = result[key]
         if unit == "bytes":
             cells = (f'<td class="num">{_gib(value)}</td><td class="num">'
-                     f'{"" if value is None else f"{value:,}"}</td>')
+                     f'{value:,}</td>')
         elif unit == "fraction":
             cells = f'<td class="num">{100 * value:.1f}%</td><td></td>'
         elif unit == "yes/no":
