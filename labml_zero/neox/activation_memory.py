@@ -27,7 +27,8 @@ $$M_{\text{layer}} = 2 c\, nd + 4 \cdot 4n + 4 n_h n + 2 \cdot 2 T d_r
 
 [LoRA](lora.html) of rank $r$ on a set of projections keeps the biases'
 set, each target's input once, and each adapter's $A x$ `[n, r]`: on all four
-$c = 16$ and $2 \cdot 4 n r$ bytes more (see `_layer_bytes`).
+$2 \cdot 4 n r$ bytes more than $M_{\text{layer}}$ at $c = 16$
+(tested: tests/neox/test_activation_memory.py::test_layer_counts_by_finetuner).
 
 The tests check each count tensor by tensor against what PyTorch saves
 (`torch.autograd.graph.saved_tensors_hooks`) on CPU.
@@ -210,7 +211,7 @@ def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
     $$M_{\text{lora}} = M_{\text{biases}} + \sum_{t \in P}
     \bigl(\text{the input row of } t + 2 n r\bigr) \text{ bytes},$$
 
-    on all four $(16 nd + 4 n r) \cdot 2$ bytes and the small terms
+    so on all four, besides the small terms, the bytes of $2 (16 nd + 4 n r)$
     (tested: tests/neox/test_activation_memory.py::test_layer_counts_by_finetuner).
     LoRA trains in every layer, so every layer's input requires grad but the
     first's, behind the frozen embedding: that one saves only what its targets
