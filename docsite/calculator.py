@@ -153,8 +153,6 @@ def _select(name: str, label: str, options, value) -> str:
 
 
 def _gib(value) -> str:
-    if value is None:
-        return "not modelled"
     return "0" if value == 0 else f"{value / 2**30:.4g}"
 
 
@@ -165,6 +163,7 @@ def render(page: str) -> str:
     example, result = data["reference"]["inputs"], data["reference"]["budget"]
     model = example["model"]
     static = rel_href("static/calculator.js", page).rsplit("calculator.js", 1)[0]
+    activation_page = rel_href("labml_zero/neox/activation_memory.html", page)
     presets = [(name, name.replace("_", "-")) for name in PRESETS]
     dtypes = [(name, name) for name in data["dtype_bytes"]]
     targets = "".join(
@@ -227,7 +226,7 @@ def render(page: str) -> str:
         value = result[key]
         if unit == "bytes":
             cells = (f'<td class="num">{_gib(value)}</td><td class="num">'
-                     f'{"" if value is None else f"{value:,}"}</td>')
+                     f'{value:,}</td>')
         elif unit == "fraction":
             cells = f'<td class="num">{100 * value:.1f}%</td><td></td>'
         elif unit == "yes/no":
@@ -243,7 +242,10 @@ def render(page: str) -> str:
         '<div class="calc" id="calculator">'
         '<h2 id="calculator-title">Calculator</h2><p>What one rank holds and moves '
         'for a GPT-NeoX fine-tune: the <a href="memory_budget.html">memory '
-        'budget</a> of this page\'s parts, each row named by its symbol.</p>'
+        'budget</a> of this page\'s parts, each row named by its symbol; the '
+        f'activations are the <a href="{activation_page}">'
+        'activation count</a>\'s for every fine-tuner, LoRA\'s adapters at their '
+        'rank and targets included.</p>'
         '<noscript><p>The calculator runs in the browser; with scripting off the '
         'form and the table show the worked example, computed by '
         '<code>memory_budget.budget</code> when this page was built.</p></noscript>'

@@ -278,9 +278,11 @@
     }
     return [new Set(layer), new Set(others)];
   }
-  function layerBytes(m, trains, batch, seq, inputRequiresGrad, dtypeBytes) {
+  function layerBytes(m, trains, batch, seq, inputRequiresGrad, dtypeBytes, loraRank) {
     const n = batch * seq, d = m.d_model, dff = ffDim(m), nd = n * d * dtypeBytes;
     const anyTrains = prefix => [...trains].some(name => name.startsWith(prefix));
+    // W's gradient, or an adapter's A's, reads the linear's input
+    const inputSaved = path => trains.has(path + ".weight") || trains.has(path + ".lora_A");
     const ln1 = inputRequiresGrad || anyTrains("input_layernorm.");
     const ln2 = inputRequiresGrad || anyTrains("post_attention_layernorm.");
     const attn = ln1 || anyTrains("attention.query_key_value.");
@@ -288,17 +290,19 @@
     let total = 0;
     if (ln1 || ln2) total += nd;
     total += (Number(ln1) + Number(ln2)) * 2 * n * FP32;
-    if (trains.has("attention.query_key_value.weight")) total += nd;
+    if (inputSaved("attention.query_key_value")) total += nd;
     if (attn) {
       total += 2 * nd + m.n_heads * n * FP32;
       if (rotaryDim(m) > 0) total += 2 * nd + 2 * seq * rotaryDim(m) * dtypeBytes;
       else total += 3 * nd;
     }
-    if (trains.has("attention.dense.weight") && rotaryDim(m) > 0) total += nd;
-    if (trains.has("mlp.dense_h_to_4h.weight")) total += nd;
+    if (inputSaved("attention.dense") && (rotaryDim(m) > 0 || !attn)) total += nd;
+    if (inputSaved("mlp.dense_h_to_4h")) total += nd;
     if (mlp) total += n * dff * dtypeBytes;
-    if (trains.has("mlp.dense_4h_to_h.weight")) total += n * dff * dtypeBytes;
-    return total;
+    if (inputSaved("mlp.dense_4h_to_h")) total += n * dff * dtypeBytes;
+    // u = A x [n, r] of each adapter, read by B's gradient
+    const adapters = [...trains].filter(name => name.endsWith(".lora_B")).length;
+    return total + adapters * n * loraRank * dtypeBytes;
   }
   function activationBytes(inputs, data) {
     const m = inputs.model, batch = inputs.batch, seq = inputs.seq;
@@ -306,7 +310,7 @@
       fail(`seq ${seq} exceeds the model's max_position ${m.max_position}`);
     const [block, others] = trainableNames(inputs, data);
     const n = batch * seq, nd = n * m.d_model * 2;
-    const full = layerBytes(m, block, batch, seq, true, 2);
+    const full = layerBytes(m, block, batch, seq, true, 2, inputs.lora_rank);
     let saved = inputs.checkpointing ? 2 * nd
       : nd + 2 * n * FP32 + (others.has("embed_out.weight") ? nd : 0);
     const logits = n * m.n_vocab * 2, fp32 = n * m.n_vocab * FP32;
@@ -318,7 +322,7 @@
       return L * perLayer + Math.max(lossPeak, logits + recomputed);
     }
     const embeddingTrains = [...others].some(name => name.startsWith("embed_in."));
-    const first = layerBytes(m, block, batch, seq, embeddingTrains, 2);
+    const first = layerBytes(m, block, batch, seq, embeddingTrains, 2, inputs.lora_rank);
     return first + (L - 1) * full + lossPeak;
   }
 
@@ -393,10 +397,10 @@
     const alone = nD === 1 && replicas === 1 && gR === 4;
     const gradBuffer = trainable && !alone ? largestGradBuffer(layout, gR) : 0;
     const accumulation = inputs.micro_batches > 1 ? totalNumel(layout, true) * gR : 0;
-    const activations = inputs.finetune === "lora" ? null : activationBytes(inputs, data);
+    const activations = activationBytes(inputs, data);
     const grads = data.grad_bytes * trainable;
     const withoutOptimizer = p * all + grads;
-    const backward = withoutOptimizer - grads + gathered + (activations || 0)
+    const backward = withoutOptimizer - grads + gathered + activations
       + Math.max(gradBuffer, accumulation);
     const other = inputs.update_during_backward ? backward
       : Math.max(withoutOptimizer, backward);

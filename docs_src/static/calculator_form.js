@@ -84,7 +84,6 @@
   }
 
   function gib(bytes) {
-    if (bytes === null) return "not modelled";
     return bytes === 0 ? "0" : (bytes / GIB).toPrecision(4);
   }
   function show(root, result, inputs) {

@@ -25,6 +25,11 @@ $$M_{\text{layer}} = 2 c\, nd + 4 \cdot 4n + 4 n_h n + 2 \cdot 2 T d_r
 \text{ bytes}, \qquad c = 16, 14, 9 \text{ for all, ffn, biases}.$$
 (tested: tests/neox/test_activation_memory.py::test_layer_counts_by_finetuner)
 
+[LoRA](lora.html) of rank $r$ on a set of projections keeps the biases'
+set, each target's input once, and each adapter's $A x$ `[n, r]`: on all four
+$2 \cdot 4 n r$ bytes more than $M_{\text{layer}}$ at $c = 16$
+(tested: tests/neox/test_activation_memory.py::test_layer_counts_by_finetuner).
+
 The tests check each count tensor by tensor against what PyTorch saves
 (`torch.autograd.graph.saved_tensors_hooks`) on CPU.
 
@@ -42,9 +47,10 @@ The tests check each count tensor by tensor against what PyTorch saves
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 from labml_zero.neox.finetuners import finetuner
+from labml_zero.neox.lora import TARGETS
 from labml_zero.neox.model import NeoXConfig, build_layers
 
 __all__ = [
@@ -107,21 +113,23 @@ class ActivationMemory(NamedTuple):
 # ## Which parameters train
 
 
-def _trainable(config: NeoXConfig, finetune: str) -> tuple[set[str], set[str]]:
+def _trainable(config: NeoXConfig, finetune: str, lora_rank: int = 8,
+               lora_targets: Sequence[str] = tuple(TARGETS)
+               ) -> tuple[set[str], set[str]]:
     """
     #### The fine-tuner's choice, read off a model on the meta device
 
     Returns the trainable parameter names of a transformer layer (relative to
-    it, e.g. `attention.dense.weight`) and of the other units (`embed_in`,
-    `final_layer_norm`, `embed_out`, with their parameter names). Asking the
-    fine-tuner itself keeps this page in step with it; on meta it allocates
-    nothing, whatever the width.
+    it, e.g. `attention.dense.weight`, or `attention.dense.lora_A` under LoRA)
+    and of the other units (`embed_in`, `final_layer_norm`, `embed_out`, with
+    their parameter names). Asking the fine-tuner itself keeps this page in step
+    with it (and checks the rank and targets); on meta it allocates nothing,
+    whatever the width.
     """
-    if finetune == "lora":
-        # no rows for adapters yet: A's gradient needs each target's input saved
-        raise ValueError("activation memory does not model fine-tuner 'lora'")
+    options = ({"rank": lora_rank, "targets": tuple(lora_targets)}
+               if finetune == "lora" else {})
     layers = build_layers(replace(config, n_layers=1), device="meta")
-    finetuner(finetune)(layers)
+    finetuner(finetune, **options)(layers)
     block = {name for name, p in layers[1].named_parameters() if p.requires_grad}
     others = {name for layer in (layers[0], layers[2], layers[3])
               for name, p in layer.named_parameters() if p.requires_grad}
@@ -162,30 +170,56 @@ def _check(config: NeoXConfig, batch: int, seq: int, dtype_bytes: int) -> None:
 
 
 def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
-                 input_requires_grad: bool, dtype_bytes: int) -> int:
+                 input_requires_grad: bool, dtype_bytes: int,
+                 lora_rank: int = 0) -> int:
     r"""
     #### Bytes a layer saves without recomputation
 
     A linear $z = a W^\top + b$ saves its input
     $a$ only if $W$ trains: $\partial L / \partial a$ needs $W$ (a parameter, no
     activation) and $\partial L / \partial W$ needs $a$. So what a layer keeps
-    depends on the fine-tuner:
+    depends on the fine-tuner (LoRA's column: ✓ where the projection is a
+    target):
 
-    | saved tensor | elements | dtype | all | ffn | biases |
-    | --- | --- | --- | --- | --- | --- |
-    | $x$, the layer input (both layer norms' input) | $nd$ | bf16 | ✓ | ✓ | ✓ |
-    | mean and $1/\sigma$ of each layer norm | $4n$ | fp32 | ✓ | ✓ | ✓ |
-    | $\operatorname{LN}_1(x)$, input of the QKV linear | $nd$ | bf16 | ✓ | | |
-    | $q$, $k$ (rotated, new tensors), $v$ (a copy) | $3nd$ | bf16 | ✓ | ✓ | ✓ |
-    | rotary $\cos$, $\sin$ `[T, d_r]` | $2Td_r$ | bf16 | ✓ | ✓ | ✓ |
-    | attention output and log-sum-exp | $nd$, $n_h n$ | bf16, fp32 | ✓ | ✓ | ✓ |
-    | heads concatenated, input of the dense linear | $nd$ | bf16 | ✓ | | |
-    | $\operatorname{LN}_2(x)$, input of `dense_h_to_4h` | $nd$ | bf16 | ✓ | ✓ | |
-    | $h$, input of the GELU | $n d_{ff}$ | bf16 | ✓ | ✓ | ✓ |
-    | $\operatorname{GELU}(h)$, into `dense_4h_to_h` | $n d_{ff}$ | bf16 | ✓ | ✓ | |
+    | saved tensor | elements | dtype | all | ffn | biases | lora |
+    | --- | --- | --- | --- | --- | --- | --- |
+    | $x$, the layer input (both layer norms' input) | $nd$ | bf16 | ✓ | ✓ | ✓ | ✓ |
+    | mean and $1/\sigma$ of each layer norm | $4n$ | fp32 | ✓ | ✓ | ✓ | ✓ |
+    | $\operatorname{LN}_1(x)$, input of the QKV linear | $nd$ | bf16 | ✓ | | | ✓ |
+    | $q$, $k$ (rotated, new tensors), $v$ (a copy) | $3nd$ | bf16 | ✓ | ✓ | ✓ | ✓ |
+    | rotary $\cos$, $\sin$ `[T, d_r]` | $2Td_r$ | bf16 | ✓ | ✓ | ✓ | ✓ |
+    | attention output and log-sum-exp | $nd$, $n_h n$ | bf16, fp32 | ✓ | ✓ | ✓ | ✓ |
+    | heads concatenated, input of the dense linear | $nd$ | bf16 | ✓ | | | ✓ |
+    | $\operatorname{LN}_2(x)$, input of `dense_h_to_4h` | $nd$ | bf16 | ✓ | ✓ | | ✓ |
+    | $h$, input of the GELU | $n d_{ff}$ | bf16 | ✓ | ✓ | ✓ | ✓ |
+    | $\operatorname{GELU}(h)$, into `dense_4h_to_h` | $n d_{ff}$ | bf16 | ✓ | ✓ | | ✓ |
+    | $A x$ of each adapter, input of $B$ | $n r$ | bf16 | | | | ✓ |
+
+    *LoRA.* An adapted projection computes $y = W x + b + \frac{\alpha}{r}
+    B (A x)$ as three linears (`LoRALinear.forward`). The frozen $W x + b$
+    saves nothing but $W$ (a parameter); $A x$ saves its input $x$, since
+    $\partial L / \partial A = \frac{\alpha}{r} (B^\top g)\, x^\top$ reads it,
+    with $g = \partial L / \partial y$ — the same storage the full fine-tune's
+    $W$ would save, so each target costs its row of the table once;
+    $B (A x)$ saves $u = A x$ `[n, r]`, since
+    $\partial L / \partial B = \frac{\alpha}{r} g\, u^\top$; the scaling by the
+    number $\alpha / r$ and the sum save nothing, and there is no dropout. The
+    adapters' $\partial L / \partial x$ needs only $A$ and $B$, parameters.
+    With $r$ and a set $P$ of targets, a layer whose input requires grad keeps
+    the biases' set, and besides
+
+    $$M_{\text{lora}} = M_{\text{biases}} + \sum_{t \in P}
+    \bigl(\text{the input row of } t + 2 n r\bigr) \text{ bytes},$$
+
+    so on all four, besides the small terms, the bytes of $2 (16 nd + 4 n r)$
+    (tested: tests/neox/test_activation_memory.py::test_layer_counts_by_finetuner).
+    LoRA trains in every layer, so every layer's input requires grad but the
+    first's, behind the frozen embedding: that one saves only what its targets
+    make need a gradient.
 
     Each term is one row of the table, under the condition that makes autograd
-    save it; `trains` are the layer's trainable parameter names. A model without
+    save it; `trains` are the layer's trainable parameter names, `lora_rank` $r$
+    the adapters' rank. A model without
     rotary dimensions (`rotary_pct=0`, none released) differs and is counted so:
     $q$ and $k$ are then views of the fused QKV output and keep all of it ($nd$
     more), and the attention output comes out `[B, T, n_h, d_h]`, so the dense
@@ -196,6 +230,10 @@ def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
 
     def any_trains(prefix: str) -> bool:
         return any(name.startswith(prefix) for name in trains)
+
+    def input_saved(path: str) -> bool:
+        # W's gradient, or an adapter's A's, reads the linear's input
+        return f"{path}.weight" in trains or f"{path}.lora_A" in trains
 
     # A layer norm saves its input and statistics when any of its inputs (x,
     # weight, bias) needs a gradient; both norms read the same x.
@@ -209,7 +247,7 @@ def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
     if ln1 or ln2:
         total += nd  # x, one storage for both norms
     total += (int(ln1) + int(ln2)) * 2 * n * FP32  # mean, 1/σ: [B, T, 1] fp32
-    if "attention.query_key_value.weight" in trains:
+    if input_saved("attention.query_key_value"):
         total += nd  # LN1(x)
     if attn:
         # v (a copy) and the attention output, each [B, n_h, T, d_h]
@@ -224,23 +262,28 @@ def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
             # Unrotated, q and k stay views of the fused QKV output, and saving
             # them keeps all of it, [B, T, 3d].
             total += 3 * nd
-    if "attention.dense.weight" in trains and config.rotary_dim > 0:
+    if input_saved("attention.dense") and (config.rotary_dim > 0 or not attn):
         # The heads concatenated: a copy (see Note: the attention output is
         # copied). Without rotation q, and
         # so the attention output, is laid out [B, T, n_h, d_h] and this is a
-        # view of the output already saved.
+        # view of the output, already saved when the attention saves it.
         total += nd
-    if "mlp.dense_h_to_4h.weight" in trains:
+    if input_saved("mlp.dense_h_to_4h"):
         total += nd  # LN2(x)
     if mlp:
         total += n * d_ff * dtype_bytes  # h, read by the GELU's backward
-    if "mlp.dense_4h_to_h.weight" in trains:
+    if input_saved("mlp.dense_4h_to_h"):
         total += n * d_ff * dtype_bytes  # GELU(h)
+    # u = A x [n, r] of each adapter, read by B's gradient
+    adapters = sum(name.endswith(".lora_B") for name in trains)
+    total += adapters * n * lora_rank * dtype_bytes
     return total
 
 
 def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
-                           finetune: str, checkpointing: bool = False,
+                           finetune: str, lora_rank: int = 8,
+                           lora_targets: Sequence[str] = tuple(TARGETS),
+                           checkpointing: bool = False,
                            input_requires_grad: bool = True,
                            dtype_bytes: int = 2) -> int:
     r"""
@@ -248,8 +291,9 @@ def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
 
     * `batch`, `seq` are $B$ and $T$ per rank; everything scales with $n = BT$
       except the rotary tables, `[T, d_r]`.
-    * `finetune` is a [fine-tuner](finetuners.html) name: `'all'`, `'ffn'` or
-      `'biases'`.
+    * `finetune` is a [fine-tuner](finetuners.html) name: `'all'`, `'ffn'`,
+      `'biases'` or `'lora'`, the last with its rank $r$ (`lora_rank`) and the
+      adapted projections (`lora_targets`, PEFT's names as in `FineTuneLoRA`).
     * `checkpointing`: the layer is recomputed in backward and keeps its input
       only.
     * `input_requires_grad`: `False` for the first layer behind a frozen
@@ -280,12 +324,12 @@ def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
     they would save.
     """
     _check(config, batch, seq, dtype_bytes)
-    trains, _ = _trainable(config, finetune)
+    trains, _ = _trainable(config, finetune, lora_rank, lora_targets)
     if checkpointing:
         return batch * seq * config.d_model * dtype_bytes
     return _layer_bytes(config, trains, batch=batch, seq=seq,
                         input_requires_grad=input_requires_grad,
-                        dtype_bytes=dtype_bytes)
+                        dtype_bytes=dtype_bytes, lora_rank=lora_rank)
 
 
 # ## Readout and loss
@@ -365,6 +409,7 @@ def readout_loss_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: st
 
 
 def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
+                     lora_rank: int = 8, lora_targets: Sequence[str] = tuple(TARGETS),
                      checkpointing: bool = False) -> ActivationMemory:
     r"""
     ### Activation bytes of the whole model per rank
@@ -378,7 +423,8 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
     biases, $9nd$ for ffn). Gradients in flight during backward (the residual
     stream's, a layer's intermediate ones, at most a few $nd$), the attention
     kernels' workspaces and the allocator's rounding and fragmentation are not
-    counted.
+    counted. `lora_rank` and `lora_targets` are as in
+    `layer_activation_bytes`.
 
     Per rank, for the five jobs of the benchmark ({{see: W1}}, {{see: W2}},
     {{see: W3}}, {{see: W4}} and {{see: W5}}), computed by this function when the
@@ -443,8 +489,8 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
     the largest sum of the two parts alive at one time.
     """
     _check(config, batch, seq, 2)
-    block, others = _trainable(config, finetune)
-    size = {"batch": batch, "seq": seq, "dtype_bytes": 2}
+    block, others = _trainable(config, finetune, lora_rank, lora_targets)
+    size = {"batch": batch, "seq": seq, "dtype_bytes": 2, "lora_rank": lora_rank}
     full = _layer_bytes(config, block, input_requires_grad=True, **size)
     readout_loss = readout_loss_bytes(config, batch=batch, seq=seq,
                                       finetune=finetune,

@@ -325,6 +325,10 @@ def load_hf_layer(layer, checkpoint) -> None:
 # base's; at $r = 8$ it is under a tenth from width $d = 1024$ (tested:
 # tests/neox/test_lora.py::test_adapters_cost_under_a_tenth_of_the_base_from_width_1024)
 # on. A LoRA fine-tune costs about what holding the two-byte model costs.
+#
+# Its activations are another matter: each adapter's $A$ keeps its input for
+# $\partial L / \partial A$, as a trained $W$ would, and its $B$ keeps
+# $A x$ `[n, r]` ([activation memory](activation_memory.html) counts both).
 
 
 def sharded_count(layers: Sequence) -> TrainableCount:

@@ -30,7 +30,8 @@ $$M_{\text{peak}} = \max\left(M_{\text{dev}},\;
 with $M_{\text{dev}}$ the model states on the device (the parameter shards,
 the fp32 gradient shards $g\,S_t$, the optimizer state not on the host), $G$ the
 gathered chunks of the widest window (`gathered_peak`), $A$ the activations
-(`activation_bytes`) and $B'$ the gradient buffers: the largest one
+(`activation_bytes`, for every fine-tuner: LoRA's with each target's input and
+each adapter's $A x$ at its rank) and $B'$ the gradient buffers: the largest one
 (`largest_grad_buffer`), or under gradient accumulation all of them
 (`accumulated_grad_buffers`). The gradient shards are made by the reduction,
 while the activations are being freed, so the second term leaves them out.
@@ -42,8 +43,6 @@ while the activations are being freed, so the second term leaves them out.
 * No root unit: the fine-tune's `Zero3Sequential` puts every parameter in a
   unit. A model wrapped by `shard_model` keeps the rest of its parameters
   gathered for the whole step, $p$ times their elements beside every window.
-* LoRA's activations are not counted (the activation model has no rows for the
-  adapters); the peak then leaves them out and says so.
 * The automatic {{see: placement}} of the engine measures its probe step;
   `offload_fraction=None` predicts it from the formula instead, and keeps no
   chunk resident.
@@ -177,8 +176,8 @@ class Budget:
     gathered: int
     grad_buffer: int
     accumulation: int
-    activations: int | None
-    """`None` for LoRA (not modelled)."""
+    activations: int
+    """$A$, with LoRA's adapters at their rank and targets."""
     offloaded_fraction: float
     peak: int
     fits: bool
@@ -247,17 +246,16 @@ def budget(inputs: BudgetInputs) -> Budget:
     buffer = largest_grad_buffer(layout, g_r) if trainable and not alone else 0
     accumulation = (accumulated_grad_buffers(layout, g_r)
                     if inputs.micro_batches > 1 else 0)
-    activations = None
-    if inputs.finetune != "lora":
-        activations = activation_bytes(
-            inputs.model, batch=inputs.batch, seq=inputs.seq,
-            finetune=inputs.finetune, checkpointing=inputs.checkpointing).total
+    activations = activation_bytes(
+        inputs.model, batch=inputs.batch, seq=inputs.seq, finetune=inputs.finetune,
+        lora_rank=inputs.lora_rank, lora_targets=inputs.lora_targets,
+        checkpointing=inputs.checkpointing).total
 
     # The peak less the optimizer state on the device, which offload moves.
     nothing = resident_bytes(StaticPlacement().place(shards), shards, param_bytes=p)
     grads = GRAD_BYTES * trainable
     without_optimizer = nothing.device - k_device * trainable
-    backward = (without_optimizer - grads + gathered + (activations or 0)
+    backward = (without_optimizer - grads + gathered + activations
                 + max(buffer, accumulation))
     other = backward if inputs.update_during_backward else max(without_optimizer,
                                                                 backward)

@@ -43,7 +43,9 @@ def grid_inputs(count: int = 224) -> list[BudgetInputs]:
             group = 2 if world % 2 == 0 else 1
         param_dtype, reduce_dtype = DTYPES[i % 4 if i % 7 else (i // 7) % 4]
         finetune = FINETUNES[(i // 3) % 4]
-        targets = tuple(TARGETS) if i % 5 else ("query_key_value", "dense_4h_to_h")
+        # all four projections, two of them, or the attention output alone
+        targets = (("query_key_value", "dense_4h_to_h"), ("dense",))[i % 5] \
+            if i % 5 < 2 else tuple(TARGETS)
         cases.append(BudgetInputs(
             model=model, world_size=world, shard_group_size=group,
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, finetune=finetune,

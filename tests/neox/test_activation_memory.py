@@ -30,6 +30,7 @@ from docsite.paths import REPO
 from labml_zero.neox import activation_memory as A
 from labml_zero.neox import model as M
 from labml_zero.neox.finetuners import finetuner
+from labml_zero.neox.lora import TARGETS
 
 BF16 = torch.bfloat16
 FINETUNES = ("all", "ffn", "biases")
@@ -47,12 +48,36 @@ CONFIGS = {
                              rotary_pct=0.0),
 }
 SIZES = [(2, 24), (3, 17)]
+# LoRA: every single target, pairs that share an input row or not, all four
+# (not rank 1: its A x, [B, T, 1] bf16, would pass for a layer norm statistic
+# in `ln_stats_on_cpu`)
+LORA_RANKS = (2, 5, 16)
+LORA_TARGETS = [(t,) for t in TARGETS] + [
+    ("query_key_value", "dense"), ("dense_h_to_4h", "dense_4h_to_h"), tuple(TARGETS)]
 
 
-def model(config, finetune):
+# the fine-tuners, and LoRA at three ranks and target sets
+WHOLE = [(f, {}) for f in FINETUNES] + [
+    ("lora", {"lora_rank": 2, "lora_targets": ("dense",)}),
+    ("lora", {"lora_rank": 5, "lora_targets": ("dense_h_to_4h", "dense_4h_to_h")}),
+    ("lora", {"lora_rank": 16, "lora_targets": tuple(TARGETS)})]
+
+
+def whole_id(case):
+    finetune, options = case
+    return "-".join([finetune, str(options.get("lora_rank", "")),
+                     *options.get("lora_targets", ())]).rstrip("-")
+
+
+def lora_options(options):
+    """`activation_bytes`'s LoRA arguments as `FineTuneLoRA`'s fields."""
+    return {key.removeprefix("lora_"): value for key, value in options.items()}
+
+
+def model(config, finetune, **options):
     torch.manual_seed(0)
     layers = M.build_layers(config, dtype=BF16)
-    finetuner(finetune)(layers)
+    finetuner(finetune, **options)(layers)
     return layers
 
 
@@ -147,9 +172,34 @@ def test_layer_saves_what_the_count_says(name, batch, seq, input_requires_grad,
     assert nbytes + ln_stats_on_cpu(storages, batch, seq) == expected
 
 
+@pytest.mark.parametrize("targets", LORA_TARGETS, ids="+".join)
+@pytest.mark.parametrize("rank", LORA_RANKS)
+@pytest.mark.parametrize("input_requires_grad", [True, False])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_lora_layer_saves_what_the_count_says(name, input_requires_grad, rank,
+                                              targets):
+    """LoRA's rows: each target's input and each adapter's A x, against the
+    storages autograd saves, at several ranks and target sets; the first layer
+    (input without grad) saves only what its targets need."""
+    config = CONFIGS[name]
+    B, T = SIZES[1]
+    layer = model(config, "lora", rank=rank, targets=targets)[1]
+    x = torch.randn(B, T, config.d_model, dtype=BF16,
+                    requires_grad=input_requires_grad)
+    _, nbytes, storages = saved_bytes(lambda: layer(x),
+                                      exclude=list(layer.parameters()))
+    # each adapter's A x, [B, T, r] (saved as its [B·T, r] view), is among them
+    assert sum(tuple(t.shape) == (B * T, rank)
+               for t in storages.values()) == len(targets)
+    expected = A.layer_activation_bytes(config, batch=B, seq=T, finetune="lora",
+                                        lora_rank=rank, lora_targets=targets,
+                                        input_requires_grad=input_requires_grad)
+    assert nbytes + ln_stats_on_cpu(storages, B, T) == expected
+
+
 def test_layer_counts_by_finetuner():
     """The multiples of nd of the intro's table: 16, 14, 9; 8 and 9 for a first
-    layer behind a frozen embedding."""
+    layer behind a frozen embedding; LoRA on all four projections 16 and 4nr."""
     config = M.tiny()
     B, T, d, n_h = 2, 32, config.d_model, config.n_heads
     n = B * T
@@ -166,6 +216,13 @@ def test_layer_counts_by_finetuner():
     assert count("biases") == 9 * nd + small
     assert count("biases", False) == 8 * nd + n_h * n * A.FP32 + tables
     assert count("ffn", False) == 9 * nd
+    for r in LORA_RANKS:
+        lora = A.layer_activation_bytes(config, batch=B, seq=T, finetune="lora",
+                                        lora_rank=r)
+        assert lora == 16 * nd + 4 * n * r * 2 + small
+        one = A.layer_activation_bytes(config, batch=B, seq=T, finetune="lora",
+                                       lora_rank=r, lora_targets=("dense",))
+        assert one == count("biases") + nd + n * r * 2
     assert A.layer_activation_bytes(config, batch=B, seq=T, finetune="ffn",
                                     checkpointing=True) == nd
 
@@ -191,11 +248,12 @@ def test_gpt_neox_20b_bias_only_layer():
 # ## Recomputation
 
 
-@pytest.mark.parametrize("finetune", FINETUNES)
-def test_checkpointed_layer_keeps_its_input_and_recomputes_the_full_set(finetune):
+@pytest.mark.parametrize("case", WHOLE, ids=whole_id)
+def test_checkpointed_layer_keeps_its_input_and_recomputes_the_full_set(case):
+    finetune, options = case
     config = CONFIGS["d72"]
     B, T = 2, 24
-    layer = model(config, finetune)[1]
+    layer = model(config, finetune, **lora_options(options))[1]
     x = torch.randn(B, T, config.d_model, dtype=BF16, requires_grad=True)
     x_ref = storage_weak_ref(x.untyped_storage())
     forward = LiveStorages()
@@ -223,13 +281,15 @@ def test_checkpointed_layer_keeps_its_input_and_recomputes_the_full_set(finetune
     assert kept == 0
     assert not x_ref.expired()
     assert A.layer_activation_bytes(config, batch=B, seq=T, finetune=finetune,
-                                    checkpointing=True) == B * T * config.d_model * 2
+                                    checkpointing=True,
+                                    **options) == B * T * config.d_model * 2
 
     out.sum().backward()
-    full = A.layer_activation_bytes(config, batch=B, seq=T, finetune=finetune)
+    full = A.layer_activation_bytes(config, batch=B, seq=T, finetune=finetune,
+                                    **options)
     input_bytes = B * T * config.d_model * 2
     # The four layer-norm statistics, [B, T, 1] bf16 on the CPU (no other
-    # storage of this layer has B·T·2 bytes)
+    # storage of this layer has B·T·2 bytes; LoRA's A x has B·T·r·2, r > 1)
     sizes = after_recompute["sizes"]
     assert sizes.count(B * T * 2) == 4
     cpu_stats = 4 * B * T * (A.FP32 - 2)
@@ -301,14 +361,15 @@ def test_readout_loss_options():
 # ## The whole model
 
 
-@pytest.mark.parametrize("finetune", FINETUNES)
+@pytest.mark.parametrize("case", WHOLE, ids=whole_id)
 @pytest.mark.parametrize("name", ["d72", "d96_ff100"])
-def test_whole_model_saves_layers_and_readout(name, finetune):
+def test_whole_model_saves_layers_and_readout(name, case):
     """Every tensor saved by embedding, layers, final norm, readout and loss:
     the first layer's smaller set behind a frozen embedding included."""
+    finetune, options = case
     config = CONFIGS[name]
     B, T = 3, 17
-    layers = model(config, finetune)
+    layers = model(config, finetune, **lora_options(options))
     batch = torch.randint(0, config.n_vocab, (B, T + 1))
     params = [p for layer in layers for p in layer.parameters()]
 
@@ -319,21 +380,23 @@ def test_whole_model_saves_layers_and_readout(name, finetune):
         return lm_loss(x, batch[:, 1:])
 
     _, saved, storages = saved_bytes(run, exclude=params)
-    count = A.activation_bytes(config, batch=B, seq=T, finetune=finetune)
+    count = A.activation_bytes(config, batch=B, seq=T, finetune=finetune,
+                               **options)
     log_probs = B * T * config.n_vocab * A.FP32
     assert (saved + ln_stats_on_cpu(storages, B, T)
             == count.layers + count.readout_loss.saved + log_probs)
     assert count.total == count.layers + count.readout_loss.peak
 
 
-@pytest.mark.parametrize("finetune", FINETUNES)
-def test_whole_model_checkpointed_keeps_inputs(finetune):
+@pytest.mark.parametrize("case", WHOLE, ids=whole_id)
+def test_whole_model_checkpointed_keeps_inputs(case):
     """As labml_zero's engine runs it: every unit under `checkpoint`. After the
     loss, the layers' inputs, the final norm's and readout's inputs, the held
     logits and the log-probabilities are alive, nothing else."""
+    finetune, options = case
     config = CONFIGS["d72"]
     B, T = 2, 24
-    layers = model(config, finetune)
+    layers = model(config, finetune, **lora_options(options))
     batch = torch.randint(0, config.n_vocab, (B, T + 1))
     forward = LiveStorages()
     with forward:
@@ -344,21 +407,26 @@ def test_whole_model_checkpointed_keeps_inputs(finetune):
         loss = lm_loss(logits, batch[:, 1:])
     del x
     count = A.activation_bytes(config, batch=B, seq=T, finetune=finetune,
-                               checkpointing=True)
+                               checkpointing=True, **options)
     n, nd = B * T, B * T * config.d_model * 2
     # (the 0-dim loss is not tracked)
     assert forward.live() == (config.n_layers * count.per_layer
                               + count.readout_loss.saved
                     + count.readout_loss.logits + n * config.n_vocab * A.FP32)
-    full = A.layer_activation_bytes(config, batch=B, seq=T, finetune=finetune)
+    full = A.layer_activation_bytes(config, batch=B, seq=T, finetune=finetune,
+                                    **options)
     assert count.layers == config.n_layers * nd + full - nd
     loss.backward()
 
 
 def test_bad_arguments():
     config = M.tiny()
-    with pytest.raises(ValueError, match="fine-tuner 'lora'"):
-        A.layer_activation_bytes(config, batch=1, seq=8, finetune="lora")
+    with pytest.raises(ValueError, match="LoRA rank"):
+        A.layer_activation_bytes(config, batch=1, seq=8, finetune="lora",
+                                 lora_rank=0)
+    with pytest.raises(ValueError, match="unknown LoRA target"):
+        A.activation_bytes(config, batch=1, seq=8, finetune="lora",
+                           lora_targets=("embed_out",))
     with pytest.raises(ValueError, match="batch and seq"):
         A.activation_bytes(config, batch=0, seq=8, finetune="all")
     with pytest.raises(ValueError, match="max_position"):

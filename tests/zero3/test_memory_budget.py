@@ -6,11 +6,13 @@ its grid, tests/docs/calculator_grid.py)."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
 
 from labml_zero.assembly import Recipe, assemble
+from labml_zero.neox.activation_memory import activation_bytes
 from labml_zero.neox import model as neox_model
 from labml_zero.zero3 import ZeroConfig
 from labml_zero.zero3.memory_budget import TORCH_DTYPES, BudgetInputs, budget
@@ -104,6 +106,24 @@ def test_the_worked_example_peaks_at_the_start_of_backward():
     backward = (example.device_states - example.grad_shards + example.gathered
                 + example.activations + example.grad_buffer)
     assert example.peak == backward > example.device_states
+
+
+def test_lora_activations_are_in_the_peak():
+    """LoRA's activations are the activation model's at the job's rank and
+    targets, and the peak holds them: each extra rank of each adapter adds its
+    A x, 2 bytes for each of n tokens, in every layer."""
+    job = BudgetInputs(model=neox_model.pythia_160m(), world_size=8, finetune="lora",
+                       lora_rank=16, lora_targets=("query_key_value", "dense"),
+                       batch=2, seq=512, chunk_numel=2**22)
+    got = budget(job)
+    assert got.activations == activation_bytes(
+        job.model, batch=2, seq=512, finetune="lora", lora_rank=16,
+        lora_targets=("query_key_value", "dense")).total
+    assert got.peak == (got.device_states - got.grad_shards + got.gathered
+                        + got.activations + got.grad_buffer) > got.device_states
+    wider = budget(replace(job, lora_rank=32))
+    n, L = 2 * 512, job.model.n_layers
+    assert wider.activations - got.activations == L * 2 * n * (32 - 16) * 2
 
 
 def test_fitting_the_device_offloads_the_fewest_chunks():
