@@ -118,9 +118,16 @@ class PagePlacement:
     """those of `code_without_note` that are not imports: a bare § mark"""
 
 
+CONTENTS_HEADING = "## Pages in this folder"
+
+
 def measure_page(rel_py: str, sections: list[Section]) -> PagePlacement:
     page = PagePlacement(rel_py)
     for section in sections:
+        # A folder's generated list of its pages is a table of contents, not a
+        # note: it has no code to sit beside, and is not counted.
+        if section.doc.startswith(CONTENTS_HEADING):
+            continue
         words = note_words(section.doc)
         page.words += words
         if not section.code.strip():

@@ -10,9 +10,9 @@ summary: Linear warm-up, then constant, linear or cosine decay to a floor; the
 Fine-tuning from pretrained weights starts with Adam's moments at zero, so the
 first updates are sized by a few noisy gradients; a *warm-up* raises the rate
 from near 0 to its peak $\eta$ over $W$ steps while the moments settle. The rate
-then decays towards a floor $\eta_{min}$ over the rest of the $S$ steps, as
+then decays towards a floor $\eta_{min}$ over the rest of the $T_{\text{run}}$ steps, as
 Hugging Face's Trainer, torchtitan and DeepSpeed's examples do. With
-$p = \frac{s - W}{S - W}$ the fraction of the decay done at step $s$:
+$p = \frac{s - W}{T_{\text{run}} - W}$ the fraction of the decay done at step $s$:
 
 $$\eta_s = \begin{cases}
   \eta \, \frac{s}{W} & s \le W \\
@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 __all__ = ["LRSchedule", "SCHEDULES"]
 
+# The shapes of the decay after warm-up, the values `--lr-schedule` takes.
 SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -55,7 +56,7 @@ class LRSchedule:
     lr: float
     r"""$\eta$, the peak rate (after the warm-up)."""
     total_steps: int
-    """$S$, the steps of the whole run; the decay ends at the last."""
+    """$T_{\text{run}}$, the steps of the whole run; the decay ends at the last."""
     kind: str = "constant"
     """One of `SCHEDULES`."""
     warmup_steps: int = 0
@@ -76,7 +77,7 @@ class LRSchedule:
 
     def rate(self, step: int) -> float:
         r"""
-        ### $\eta_s$ at step $s \in [1, S]$
+        ### $\eta_s$ at step $s \in [1, T_{\text{run}}]$
         """
         if step <= self.warmup_steps:
             return self.lr * step / self.warmup_steps

@@ -44,7 +44,7 @@ memory does not grow with the corpus, ranks on one host share the page cache
 (one copy of a hot page for all of them), and opening a corpus larger than
 memory costs nothing.
 
-A file written by another tool (nanoGPT's `train.bin`, say) is used as it is:
+A file written by another tool (nanoGPT's train.bin, say) is used as it is:
 `.u16`, `.uint16` and `.bin` are read as `uint16`, `.u32` and `.uint32` as
 `uint32`. Its size must be a whole number of tokens and every id below the
 vocabulary size; both are checked before any rank starts.
