@@ -1,0 +1,445 @@
+/* The memory model page's calculator: labml_zero/zero3/memory_budget.py in the
+   browser. Each function below is the Python function of the same name (its
+   module in the comment); the constants come from the Python at build time (the
+   JSON block "calc-data" that docsite/calculator.py writes into the page), and
+   tests/docs/test_calculator.py compares computeBudget with budget() on a grid
+   of inputs in headless Chromium. No network, no library. */
+(function () {
+  "use strict";
+
+  // ---------------------------------------------------------------------
+  // Integer helpers (bytes stay below 2^53, so Numbers are exact)
+  function roundUp(value, multiple) { return Math.ceil(value / multiple) * multiple; }
+  function sum(xs) { let s = 0; for (const x of xs) s += x; return s; }
+  function fail(message) { throw new Error(message); }
+
+  // ---------------------------------------------------------------------
+  // neox/config.py, neox/model.py, neox/finetuners.py, neox/lora.py:
+  // the parameters of [Embedding, TransformerLayer x L, FinalNorm, Readout]
+  function checkModel(m) {
+    for (const name of ["n_vocab", "d_model", "n_heads", "n_layers", "max_position"]) {
+      if (!(Number.isInteger(m[name]) && m[name] >= 1))
+        fail(`NeoXConfig.${name} must be >= 1, got ${m[name]}`);
+    }
+    if (m.d_model % m.n_heads !== 0)
+      fail(`NeoXConfig.d_model=${m.d_model} is not divisible by n_heads=${m.n_heads}`);
+    if (rotaryDim(m) % 2 !== 0)
+      fail(`NeoXConfig: rotary dims = ${rotaryDim(m)} must be even`);
+  }
+  function ffDim(m) { return m.d_ff == null ? 4 * m.d_model : m.d_ff; }
+  function rotaryDim(m) { return Math.trunc((m.d_model / m.n_heads) * m.rotary_pct); }
+
+  function isTrainable(finetune, unit, name, data) {
+    if (finetune === "all") return true;
+    if (finetune === "lora") return /\.lora_[AB]$/.test(name);
+    if (unit !== "layer") return false;
+    if (finetune === "ffn") return name.startsWith("mlp.");
+    return data.biases.includes(name);  // "biases"
+  }
+
+  function paramSpecs(inputs, data) {
+    const m = inputs.model, d = m.d_model, ff = ffDim(m), V = m.n_vocab;
+    const r = inputs.lora_rank;
+    const lora = inputs.finetune === "lora";
+    const targets = lora ? inputs.lora_targets.map(t => data.lora_targets[t]) : [];
+    const layer = [
+      ["input_layernorm.weight", [d]], ["input_layernorm.bias", [d]],
+      ["post_attention_layernorm.weight", [d]], ["post_attention_layernorm.bias", [d]],
+    ];
+    const linears = [["attention.query_key_value", d, 3 * d], ["attention.dense", d, d],
+                     ["mlp.dense_h_to_4h", d, ff], ["mlp.dense_4h_to_h", ff, d]];
+    for (const [path, dIn, dOut] of linears) {
+      layer.push([path + ".weight", [dOut, dIn]], [path + ".bias", [dOut]]);
+      if (targets.includes(path))
+        layer.push([path + ".lora_A", [r, dIn]], [path + ".lora_B", [dOut, r]]);
+    }
+    const units = [["embed", [["embed_in.weight", [V, d]]]]];
+    for (let i = 0; i < m.n_layers; i++) units.push(["layer", layer]);
+    units.push(["norm", [["final_layer_norm.weight", [d]], ["final_layer_norm.bias", [d]]]]);
+    units.push(["readout", [["embed_out.weight", [V, d]]]]);
+    const specs = [];
+    units.forEach(([unit, params], group) => {
+      for (const [name, shape] of params) {
+        specs.push({ name, shape, numel: shape.reduce((a, b) => a * b, 1),
+                     trainable: isTrainable(inputs.finetune, unit, name, data), group });
+      }
+    });
+    return specs;
+  }
+
+  // ---------------------------------------------------------------------
+  // zero3/chunk_layout.py: plan_chunks
+  function planChunks(params, chunkNumel, worldSize, align) {
+    const unit = worldSize * align;
+    chunkNumel = roundUp(chunkNumel, unit);
+    let chunks = [];
+    function close(group, trainable, slots, size) {
+      if (!slots.length) return;
+      chunks.push({ group, trainable, slots, chunk_numel: size });
+    }
+    const open = { true: [], false: [] }, fill = { true: 0, false: 0 };
+    let current = null;
+    params.forEach((spec, index) => {
+      if (spec.group !== current) {
+        for (const kind of [true, false]) {
+          close(current, kind, open[kind], roundUp(fill[kind], unit));
+          open[kind] = []; fill[kind] = 0;
+        }
+        current = spec.group;
+      }
+      const kind = spec.trainable;
+      if (spec.numel > chunkNumel) {
+        close(spec.group, kind, [{ param_index: index, offset: 0, numel: spec.numel }],
+              roundUp(spec.numel, unit));
+        return;
+      }
+      let offset = roundUp(fill[kind], align);
+      if (offset + spec.numel > chunkNumel) {
+        close(spec.group, kind, open[kind], chunkNumel);
+        open[kind] = []; offset = 0;
+      }
+      open[kind].push({ param_index: index, offset, numel: spec.numel });
+      fill[kind] = offset + spec.numel;
+    });
+    for (const kind of [true, false]) close(current, kind, open[kind], roundUp(fill[kind], unit));
+    chunks.sort((a, b) => a.group - b.group || a.slots[0].param_index - b.slots[0].param_index);
+    const byGroup = new Map();
+    chunks.forEach((c, i) => {
+      c.index = i;
+      if (!byGroup.has(c.group)) byGroup.set(c.group, []);
+      byGroup.get(c.group).push(c);
+    });
+    return { chunk_numel: chunkNumel, world_size: worldSize, chunks, byGroup, params };
+  }
+  function totalNumel(layout, trainable) {
+    return sum(layout.chunks.filter(c => trainable == null || c.trainable === trainable)
+                 .map(c => c.chunk_numel));
+  }
+  function usedNumel(layout) {
+    return sum(layout.chunks.map(c => sum(c.slots.map(s => s.numel))));
+  }
+
+  // ---------------------------------------------------------------------
+  // zero3/memory_model.py
+  function gatheredUnits(depth, phase, data) {
+    return 1 + depth + (phase === "backward" ? data.backward_extra_units : 0);
+  }
+  function peakWindowNumel(sizes, depth, phase, data) {
+    const width = gatheredUnits(depth, phase, data);
+    let window = sum(sizes.slice(0, width)), peak = window;
+    for (let i = width; i < sizes.length; i++) {
+      window += sizes[i] - sizes[i - width];
+      peak = Math.max(peak, window);
+    }
+    return peak;
+  }
+  function groupNumels(layout) {
+    return [...layout.byGroup.values()].map(cs => sum(cs.map(c => c.chunk_numel)));
+  }
+  function largestGradBuffer(layout, gradBytes) {
+    let largest = 0;
+    for (const c of layout.chunks) if (c.trainable) largest = Math.max(largest, c.chunk_numel);
+    return largest * gradBytes;
+  }
+  function ringWireBytes(nbytes, worldSize) {
+    return Math.floor(nbytes * (worldSize - 1) / worldSize);
+  }
+
+  // ---------------------------------------------------------------------
+  // zero3/chunk_search.py and sharded_model.choose_chunk_numel
+  function hiddenSize(specs) {
+    const counts = new Map();
+    for (const s of specs) if (s.shape.length >= 2) {
+      const d = s.shape[s.shape.length - 1];
+      counts.set(d, (counts.get(d) || 0) + 1);
+    }
+    let best = null;
+    for (const [d, n] of counts) {
+      if (best === null || n > counts.get(best) || (n === counts.get(best) && d > best)) best = d;
+    }
+    return best === null ? 1024 : best;
+  }
+  function excludedParams(specs) {
+    const sizes = specs.map(s => s.numel), n = sizes.length;
+    const mean = sum(sizes) / n;
+    const variance = sum(sizes.map(x => (x - mean) * (x - mean))) / n;
+    const limit = mean + 3 * Math.sqrt(variance);
+    return new Set(specs.filter(s => s.numel > limit));
+  }
+  function groupShapes(specs) {
+    const runs = [];
+    for (const s of specs) {
+      if (runs.length && runs[runs.length - 1][0].group === s.group) runs[runs.length - 1].push(s);
+      else runs.push([s]);
+    }
+    const indexOf = new Map(), shapes = [], shapeOfGroup = [];
+    for (const run of runs) {
+      const key = run.map(s => `${s.numel}:${s.trainable}`).join(",");
+      if (!indexOf.has(key)) { indexOf.set(key, shapes.length); shapes.push({ params: run, count: 0 }); }
+      const i = indexOf.get(key);
+      shapes[i].count += 1;
+      shapeOfGroup.push(i);
+    }
+    return [shapes, shapeOfGroup];
+  }
+  function isSaturated(plans) {
+    for (const plan of plans) for (const kind of [true, false]) {
+      let regular = 0;
+      for (const c of plan.chunks) {
+        const oversized = c.slots.length === 1 &&
+          plan.params[c.slots[0].param_index].numel > plan.chunk_numel;
+        if (c.trainable === kind && !oversized) regular += 1;
+      }
+      if (regular > 1) return false;
+    }
+    return true;
+  }
+  function plansKey(plans) {
+    return plans.map(p => p.chunks.map(c => `${c.group}/${c.trainable}/${c.chunk_numel}/` +
+      c.slots.map(s => `${s.param_index}@${s.offset}`).join(".")).join("|")).join("#");
+  }
+  function scoreCandidate(shapes, shapeOfGroup, chunkNumel, worldSize, search) {
+    const plans = shapes.map(s => planChunks(s.params, chunkNumel, worldSize, search.align));
+    let padding = 0, collectives = 0, gradBuffer = 0;
+    plans.forEach((plan, i) => {
+      const count = shapes[i].count;
+      padding += (totalNumel(plan) - usedNumel(plan)) * count;
+      const trainable = plan.chunks.filter(c => c.trainable).length;
+      collectives += (2 * plan.chunks.length + trainable) * count;
+      gradBuffer = Math.max(gradBuffer, largestGradBuffer(plan, search.grad_bytes));
+    });
+    const sizes = shapeOfGroup.map(i => totalNumel(plans[i]));
+    const peak = peakWindowNumel(sizes, search.prefetch_depth, "forward", search.data)
+      * search.param_bytes;
+    const score = padding * search.param_bytes + search.memory_weight * (peak + gradBuffer)
+      + search.collective_bytes * collectives;
+    return [{ chunk_numel: chunkNumel, score }, plans];
+  }
+  function searchChunkSize(specs, worldSize, search) {
+    const excluded = search.filter_exlarge_params ? excludedParams(specs) : new Set();
+    let largest = 0;
+    for (const s of specs) if (!excluded.has(s)) largest = Math.max(largest, s.numel);
+    const start = roundUp(Math.max(search.min_chunk_size, largest, 1), search.hidden_dim);
+    const [shapes, shapeOfGroup] = groupShapes(specs);
+    const paramSizes = [...new Set(specs.map(s => s.numel))].sort((a, b) => a - b);
+    const granule = worldSize * search.align;
+    let best = null, bestPlans = null, bestKey = null, last = 0, skipBelow = 0;
+    for (let requested = start; requested <= start + search.search_range;
+         requested += search.hidden_dim) {
+      const chunkNumel = roundUp(requested, granule);
+      if (chunkNumel === last || chunkNumel < skipBelow) continue;
+      last = chunkNumel;
+      const [row, plans] = scoreCandidate(shapes, shapeOfGroup, chunkNumel, worldSize, search);
+      let better = best === null || row.score < best.score;
+      if (!better && row.score === best.score) {
+        if (bestKey === null) bestKey = plansKey(bestPlans);
+        const key = plansKey(plans);
+        better = key !== bestKey;
+        if (better) bestKey = key;
+      } else if (better) bestKey = null;
+      if (better) { best = row; bestPlans = plans; }
+      if (isSaturated(plans)) {
+        const i = paramSizes.findIndex(s => s > chunkNumel);
+        if (i === -1) break;
+        skipBelow = paramSizes[i];
+      }
+    }
+    return best.chunk_numel;
+  }
+  function chooseChunkNumel(specs, worldSize, inputs, data) {
+    if (inputs.chunk_numel != null) return inputs.chunk_numel;
+    const s = data.search, hidden = hiddenSize(specs);
+    const largestGroup = new Map();
+    for (const spec of specs) largestGroup.set(spec.group, (largestGroup.get(spec.group) || 0) + spec.numel);
+    const rangeM = Math.max(Math.min(s.search_range_m, hidden * s.range_steps / s.mebi),
+                            Math.max(...largestGroup.values()) / s.mebi);
+    const search = {
+      hidden_dim: hidden, search_range: Math.round(rangeM * s.mebi), align: data.align,
+      prefetch_depth: inputs.prefetch_depth, param_bytes: data.dtype_bytes[inputs.param_dtype],
+      grad_bytes: data.dtype_bytes[inputs.reduce_dtype], memory_weight: s.memory_weight,
+      collective_bytes: s.collective_bytes, min_chunk_size: s.min_chunk_size,
+      filter_exlarge_params: s.filter_exlarge_params, data,
+    };
+    const candidates = Math.floor(search.search_range / hidden) + 1;
+    if (candidates > s.max_candidates)
+      fail(`search_range_m=${rangeM} in steps of hidden_dim=${hidden} gives ${candidates} ` +
+           `candidates, more than max_candidates=${s.max_candidates}`);
+    return searchChunkSize(specs, worldSize, search);
+  }
+
+  // ---------------------------------------------------------------------
+  // neox/activation_memory.py
+  const FP32 = 4;
+  function trainableNames(inputs, data) {
+    const layer = [], others = [];
+    for (const s of paramSpecs({ ...inputs, model: { ...inputs.model, n_layers: 1 } }, data)) {
+      if (!s.trainable) continue;
+      (s.group === 1 ? layer : others).push(s.name);
+    }
+    return [new Set(layer), new Set(others)];
+  }
+  function layerBytes(m, trains, batch, seq, inputRequiresGrad, dtypeBytes, loraRank) {
+    const n = batch * seq, d = m.d_model, dff = ffDim(m), nd = n * d * dtypeBytes;
+    const anyTrains = prefix => [...trains].some(name => name.startsWith(prefix));
+    // W's gradient, or an adapter's A's, reads the linear's input
+    const inputSaved = path => trains.has(path + ".weight") || trains.has(path + ".lora_A");
+    const ln1 = inputRequiresGrad || anyTrains("input_layernorm.");
+    const ln2 = inputRequiresGrad || anyTrains("post_attention_layernorm.");
+    const attn = ln1 || anyTrains("attention.query_key_value.");
+    const mlp = ln2 || anyTrains("mlp.dense_h_to_4h.");
+    let total = 0;
+    if (ln1 || ln2) total += nd;
+    total += (Number(ln1) + Number(ln2)) * 2 * n * FP32;
+    if (inputSaved("attention.query_key_value")) total += nd;
+    if (attn) {
+      total += 2 * nd + m.n_heads * n * FP32;
+      if (rotaryDim(m) > 0) total += 2 * nd + 2 * seq * rotaryDim(m) * dtypeBytes;
+      else total += 3 * nd;
+    }
+    if (inputSaved("attention.dense") && (rotaryDim(m) > 0 || !attn)) total += nd;
+    if (inputSaved("mlp.dense_h_to_4h")) total += nd;
+    if (mlp) total += n * dff * dtypeBytes;
+    if (inputSaved("mlp.dense_4h_to_h")) total += n * dff * dtypeBytes;
+    // u = A x [n, r] of each adapter, read by B's gradient
+    const adapters = [...trains].filter(name => name.endsWith(".lora_B")).length;
+    return total + adapters * n * loraRank * dtypeBytes;
+  }
+  function activationBytes(inputs, data) {
+    const m = inputs.model, batch = inputs.batch, seq = inputs.seq;
+    if (seq > m.max_position)
+      fail(`seq ${seq} exceeds the model's max_position ${m.max_position}`);
+    const [block, others] = trainableNames(inputs, data);
+    const n = batch * seq, nd = n * m.d_model * 2;
+    const full = layerBytes(m, block, batch, seq, true, 2, inputs.lora_rank);
+    let saved = inputs.checkpointing ? 2 * nd
+      : nd + 2 * n * FP32 + (others.has("embed_out.weight") ? nd : 0);
+    const logits = n * m.n_vocab * 2, fp32 = n * m.n_vocab * FP32;
+    const lossPeak = Math.max(saved + logits + 2 * fp32, saved + logits + 3 * fp32);
+    const L = m.n_layers;
+    if (inputs.checkpointing) {
+      const perLayer = batch * seq * m.d_model * 2;
+      const recomputed = full - perLayer;
+      return L * perLayer + Math.max(lossPeak, logits + recomputed);
+    }
+    const embeddingTrains = [...others].some(name => name.startsWith("embed_in."));
+    const first = layerBytes(m, block, batch, seq, embeddingTrains, 2, inputs.lora_rank);
+    return first + (L - 1) * full + lossPeak;
+  }
+
+  // ---------------------------------------------------------------------
+  // zero3/placement.py
+  function fromOutputEnd(numels, positions, fraction) {
+    const target = fraction * sum(positions.map(i => numels[i]));
+    const chosen = new Set();
+    let moved = 0;
+    for (let k = positions.length - 1; k >= 0; k--) {
+      if (moved >= target) break;
+      chosen.add(positions[k]); moved += numels[positions[k]];
+    }
+    return chosen;
+  }
+  function autoPlacement(shards, capacity, other, kDevice) {
+    const saving = new Map();
+    shards.forEach((s, i) => { if (s.trainable) saving.set(i, kDevice * s.numel); });
+    let peak = other + sum(saving.values());
+    const order = [...saving.keys()].sort((a, b) => saving.get(b) - saving.get(a) || b - a);
+    const chosen = new Set();
+    for (const i of order) {
+      if (peak <= capacity) break;
+      chosen.add(i); peak -= saving.get(i);
+    }
+    return chosen;
+  }
+
+  // ---------------------------------------------------------------------
+  // zero3/memory_budget.py: budget
+  function checkInputs(inputs, data) {
+    for (const name of ["param_dtype", "reduce_dtype"]) {
+      if (!(inputs[name] in data.dtype_bytes))
+        fail(`${name} must be one of ${Object.keys(data.dtype_bytes).join(", ")}, got ${inputs[name]}`);
+    }
+    for (const [name, least] of [["world_size", 1], ["prefetch_depth", 0], ["batch", 1],
+                                 ["seq", 1], ["micro_batches", 1], ["lora_rank", 1]]) {
+      if (!(Number.isInteger(inputs[name]) && inputs[name] >= least))
+        fail(`${name} must be an integer >= ${least}, got ${inputs[name]}`);
+    }
+    const f = inputs.offload_fraction;
+    if (f != null && !(f >= 0 && f <= 1)) fail(`offload_fraction must be in [0, 1], got ${f}`);
+    if (!data.finetuners.includes(inputs.finetune))
+      fail(`unknown fine-tuner ${inputs.finetune}; expected one of ${data.finetuners.join(", ")}`);
+    if (inputs.finetune === "lora" && !inputs.lora_targets.length)
+      fail("LoRA targets must name at least one projection");
+    if (inputs.chunk_numel != null && !(Number.isInteger(inputs.chunk_numel) && inputs.chunk_numel >= 1))
+      fail(`chunk_numel must be at least 1, got ${inputs.chunk_numel}`);
+    const group = inputs.shard_group_size || inputs.world_size;
+    if (!(Number.isInteger(group) && group >= 1) || inputs.world_size % group)
+      fail(`shard_group_size ${group} does not divide the world size ${inputs.world_size}`);
+    checkModel(inputs.model);
+    if (inputs.seq > inputs.model.max_position)
+      fail(`seq ${inputs.seq} exceeds the model's max_position ${inputs.model.max_position}`);
+  }
+
+  function computeBudget(inputs, data) {
+    data = data || window.CALC_DATA;
+    checkInputs(inputs, data);
+    const p = data.dtype_bytes[inputs.param_dtype], gR = data.dtype_bytes[inputs.reduce_dtype];
+    const nD = inputs.shard_group_size || inputs.world_size;
+    const replicas = inputs.world_size / nD;
+    const specs = paramSpecs(inputs, data);
+    const layout = planChunks(specs, chooseChunkNumel(specs, nD, inputs, data), nD, data.align);
+    const shards = layout.chunks.map(c => ({ numel: c.chunk_numel / nD, trainable: c.trainable }));
+    const trainable = sum(shards.filter(s => s.trainable).map(s => s.numel));
+    const all = sum(shards.map(s => s.numel));
+    const kDevice = p === 4 ? data.optimizer_bytes - 4 : data.optimizer_bytes;
+    const sizes = groupNumels(layout);
+    const gathered = Math.max(peakWindowNumel(sizes, inputs.prefetch_depth, "forward", data),
+                              peakWindowNumel(sizes, inputs.prefetch_depth, "backward", data)) * p;
+    const alone = nD === 1 && replicas === 1 && gR === 4;
+    const gradBuffer = trainable && !alone ? largestGradBuffer(layout, gR) : 0;
+    const accumulation = inputs.micro_batches > 1 ? totalNumel(layout, true) * gR : 0;
+    const activations = activationBytes(inputs, data);
+    const grads = data.grad_bytes * trainable;
+    const withoutOptimizer = p * all + grads;
+    const backward = withoutOptimizer - grads + gathered + activations
+      + Math.max(gradBuffer, accumulation);
+    const other = inputs.update_during_backward ? backward
+      : Math.max(withoutOptimizer, backward);
+    const trainablePositions = [];
+    shards.forEach((s, i) => { if (s.trainable) trainablePositions.push(i); });
+    let onHost;
+    if (inputs.offload_fraction == null && other <= inputs.device_bytes) {
+      onHost = autoPlacement(shards, inputs.device_bytes, other, kDevice);
+    } else {
+      const fraction = inputs.offload_fraction == null ? 1 : inputs.offload_fraction;
+      onHost = fromOutputEnd(shards.map(s => s.numel), trainablePositions, fraction);
+    }
+    const offloaded = sum([...onHost].map(i => shards[i].numel));
+    const peak = other + kDevice * (trainable - offloaded);
+    const psiTrainable = sum(specs.filter(s => s.trainable).map(s => s.numel));
+    const fwd = totalNumel(layout) * p, rs = totalNumel(layout, true) * gR;
+    // gathered again for backward: the units from the first one that trains on
+    const trains = layout.chunks.filter(c => c.trainable).map(c => c.group);
+    const first = trains.length ? Math.min(...trains) : Infinity;
+    const bwd = sum(layout.chunks.filter(c => c.group >= first).map(c => c.chunk_numel)) * p;
+    const interNumel = replicas > 1 ? totalNumel(layout, true) / nD : 0;
+    return {
+      psi_trainable: psiTrainable,
+      psi_frozen: sum(specs.map(s => s.numel)) - psiTrainable,
+      chunk_numel: layout.chunk_numel, chunks: layout.chunks.length,
+      padding: totalNumel(layout) - usedNumel(layout),
+      params: p * all, grad_shards: grads,
+      optimizer_device: kDevice * (trainable - offloaded),
+      optimizer_host: (data.optimizer_bytes + data.staging_bytes) * offloaded,
+      gathered, grad_buffer: gradBuffer, accumulation, activations,
+      offloaded_fraction: trainable ? offloaded / trainable : 0,
+      peak, fits: peak <= inputs.device_bytes,
+      all_gather: fwd + bwd, reduce_scatter: alone ? 0 : rs,
+      all_reduce: interNumel * gR,
+      wire_inside: ringWireBytes(fwd + bwd + rs, nD),
+      wire_across: 2 * ringWireBytes(interNumel * gR, replicas),
+      host_down: 4 * offloaded, host_up: p * offloaded,
+    };
+  }
+  window.computeBudget = computeBudget;
+
+})();

@@ -1,0 +1,196 @@
+/* The calculator's form, table and chart on the memory model's page: reads the
+   controls (named after the fields of memory_budget.BudgetInputs), calls
+   computeBudget (calculator.js) and keeps the inputs in the URL fragment. */
+(function () {
+  "use strict";
+  // ---------------------------------------------------------------------
+  // The form: every control is named after a field of BudgetInputs; the URL
+  // fragment holds the same names, so a result can be linked.
+  const GIB = 2 ** 30;
+  const FIELDS = ["preset", "n_layers", "d_model", "n_heads", "n_vocab", "world_size",
+                  "shard_group_size", "param_dtype", "reduce_dtype", "finetune", "lora_rank",
+                  "lora_targets", "chunk_numel", "prefetch_depth", "checkpointing", "batch",
+                  "seq", "micro_batches", "update_during_backward", "offload", "offload_fraction", "device_gib"];
+
+  function control(form, name) { return form.elements.namedItem(name); }
+  function readForm(form, data) {
+    const value = name => control(form, name).value.trim();
+    const integer = (name, blank) => value(name) === "" ? blank : Number(value(name));
+    const preset = data.presets[value("preset")] || data.presets[data.default_preset];
+    const model = { ...preset, n_layers: integer("n_layers"), d_model: integer("d_model"),
+                    n_heads: integer("n_heads"), n_vocab: integer("n_vocab") };
+    const targets = [...form.querySelectorAll('input[name="lora_targets"]:checked')]
+      .map(box => box.value);
+    const fit = form.querySelector('input[name="offload"]:checked').value === "fit";
+    return {
+      model, world_size: integer("world_size"), shard_group_size: integer("shard_group_size", null),
+      param_dtype: value("param_dtype"), reduce_dtype: value("reduce_dtype"),
+      finetune: value("finetune"), lora_rank: integer("lora_rank"), lora_targets: targets,
+      chunk_numel: integer("chunk_numel", null), prefetch_depth: integer("prefetch_depth"),
+      checkpointing: control(form, "checkpointing").checked, batch: integer("batch"),
+      update_during_backward: control(form, "update_during_backward").checked,
+      seq: integer("seq"), micro_batches: integer("micro_batches"),
+      offload_fraction: fit ? null : Number(value("offload_fraction")),
+      device_bytes: Math.round(Number(value("device_gib")) * GIB),
+    };
+  }
+  function fragmentOf(form) {
+    const params = new URLSearchParams();
+    for (const name of FIELDS) {
+      if (name === "lora_targets") {
+        params.set(name, [...form.querySelectorAll('input[name="lora_targets"]:checked')]
+          .map(box => box.value).join(","));
+      } else if (name === "offload") {
+        params.set(name, form.querySelector('input[name="offload"]:checked').value);
+      } else if (name === "checkpointing" || name === "update_during_backward") {
+        params.set(name, control(form, name).checked ? "1" : "0");
+      } else params.set(name, control(form, name).value.trim());
+    }
+    return "#" + params.toString();
+  }
+  function applyFragment(form, fragment) {
+    const params = new URLSearchParams(fragment.replace(/^#/, ""));
+    if (!params.has("world_size")) return false;
+    if (params.has("preset")) control(form, "preset").value = params.get("preset");
+    for (const [name, text] of params) {
+      if (name === "preset" || !FIELDS.includes(name)) continue;
+      if (name === "lora_targets") {
+        const on = text.split(",");
+        form.querySelectorAll('input[name="lora_targets"]')
+          .forEach(box => { box.checked = on.includes(box.value); });
+      } else if (name === "offload") {
+        form.querySelectorAll('input[name="offload"]')
+          .forEach(radio => { radio.checked = radio.value === text; });
+      } else if (name === "checkpointing" || name === "update_during_backward") {
+        control(form, name).checked = text === "1";
+      }
+      else control(form, name).value = text;
+    }
+    return true;
+  }
+  function fillPreset(form, data) {
+    const preset = data.presets[control(form, "preset").value];
+    if (!preset) return;
+    for (const name of ["n_layers", "d_model", "n_heads", "n_vocab"])
+      control(form, name).value = preset[name];
+  }
+  function matchPreset(form, data) {
+    // a shape edited by hand is a custom one
+    const select = control(form, "preset"), preset = data.presets[select.value];
+    if (!preset) return;
+    for (const name of ["n_layers", "d_model", "n_heads", "n_vocab"]) {
+      if (String(preset[name]) !== control(form, name).value.trim()) { select.value = "custom"; return; }
+    }
+  }
+
+  function gib(bytes) {
+    return bytes === 0 ? "0" : (bytes / GIB).toPrecision(4);
+  }
+  function show(root, result, inputs) {
+    for (const row of root.querySelectorAll("[data-key]")) {
+      const key = row.dataset.key, value = result[key];
+      const cells = row.querySelectorAll("td");
+      if (key === "fits") {
+        cells[1].textContent = value ? "yes" : "no";
+        row.classList.toggle("calc-bad", !value);
+        continue;
+      }
+      if (row.dataset.unit === "bytes") {
+        cells[1].textContent = gib(value);
+        cells[2].textContent = value === null ? "" : value.toLocaleString("en-US");
+      } else if (row.dataset.unit === "fraction") {
+        cells[1].textContent = (100 * value).toFixed(1) + "%";
+      } else {
+        cells[1].textContent = "";
+        cells[2].textContent = value.toLocaleString("en-US");
+      }
+    }
+    drawChart(root.querySelector(".calc-chart"), result, inputs);
+  }
+  function peakParts(r, inputs) {
+    const buffers = Math.max(r.grad_buffer, r.accumulation);
+    const backward = r.params + r.optimizer_device + r.gathered + (r.activations || 0) + buffers;
+    if (inputs.update_during_backward || backward >= r.params + r.grad_shards + r.optimizer_device) {
+      return [["params", r.params], ["optimizer_device", r.optimizer_device],
+              ["gathered", r.gathered], ["activations", r.activations || 0],
+              [r.accumulation > r.grad_buffer ? "accumulation" : "grad_buffer", buffers]];
+    }
+    return [["params", r.params], ["grad_shards", r.grad_shards],
+            ["optimizer_device", r.optimizer_device]];
+  }
+  function drawChart(box, r, inputs) {
+    const parts = peakParts(r, inputs), scale = Math.max(r.peak, inputs.device_bytes);
+    const svg = box.querySelector("svg"), legend = box.querySelector("ol");
+    const ns = "http://www.w3.org/2000/svg";
+    svg.replaceChildren(); legend.replaceChildren();
+    let x = 0;
+    parts.forEach(([key, bytes], i) => {
+      const rect = document.createElementNS(ns, "rect");
+      const w = 1000 * bytes / scale;
+      rect.setAttribute("x", x); rect.setAttribute("y", 4);
+      rect.setAttribute("width", w); rect.setAttribute("height", 32);
+      rect.setAttribute("class", "calc-part-" + i);
+      const title = document.createElementNS(ns, "title");
+      title.textContent = `${box.dataset["label_" + key] || key}: ${gib(bytes)} GiB`;
+      rect.appendChild(title); svg.appendChild(rect);
+      x += w;
+      const item = document.createElement("li");
+      item.className = "calc-part-" + i;
+      item.textContent = `${box.dataset["label_" + key] || key}: ${gib(bytes)} GiB`;
+      legend.appendChild(item);
+    });
+    const line = document.createElementNS(ns, "line");
+    const at = 1000 * inputs.device_bytes / scale;
+    line.setAttribute("x1", at); line.setAttribute("x2", at);
+    line.setAttribute("y1", 0); line.setAttribute("y2", 40);
+    line.setAttribute("class", "calc-device");
+    svg.appendChild(line);
+    svg.setAttribute("aria-label", `peak ${gib(r.peak)} GiB of ${gib(inputs.device_bytes)} GiB`);
+  }
+
+  function start() {
+    const root = document.getElementById("calculator");
+    const dataBlock = document.getElementById("calc-data");
+    if (!root || !dataBlock) return;
+    const data = window.CALC_DATA = JSON.parse(dataBlock.textContent);
+    const form = root.querySelector("form"), status = root.querySelector(".calc-status");
+    root.classList.add("calc-live");
+    form.querySelectorAll("[disabled]").forEach(c => { c.disabled = false; });
+    // The build-time check: the page's script against the Python numbers
+    // written into the page for the worked example.
+    const mine = window.computeBudget(data.reference.inputs, data);
+    const wrong = Object.keys(data.reference.budget)
+      .filter(k => mine[k] !== data.reference.budget[k]);
+    const agreement = wrong.length
+      ? `This script disagrees with the Python model on ${wrong.join(", ")}.`
+      : "This script agrees with the Python model on the worked example.";
+    function update(writeFragment) {
+      form.querySelector(".calc-lora").hidden = control(form, "finetune").value !== "lora";
+      const fit = form.querySelector('input[name="offload"]:checked').value === "fit";
+      control(form, "offload_fraction").disabled = fit;
+      try {
+        const inputs = readForm(form, data);
+        show(root, window.computeBudget(inputs, data), inputs);
+        status.textContent = agreement;
+        status.classList.toggle("calc-bad", wrong.length > 0);
+      } catch (error) {
+        status.textContent = error.message;
+        status.classList.add("calc-bad");
+      }
+      if (writeFragment) history.replaceState(null, "", fragmentOf(form));
+    }
+    if (applyFragment(form, location.hash)) matchPreset(form, data);
+    form.addEventListener("change", event => {
+      if (event.target.name === "preset") fillPreset(form, data);
+      else matchPreset(form, data);
+      update(true);
+    });
+    form.addEventListener("submit", event => { event.preventDefault(); update(true); });
+    window.addEventListener("hashchange", () => {
+      if (applyFragment(form, location.hash)) { matchPreset(form, data); update(false); }
+    });
+    update(false);
+  }
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
+  else start();
+})();
