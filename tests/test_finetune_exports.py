@@ -5,6 +5,7 @@ is the only thing an export replaces (end to end, two gloo ranks)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from labml_zero.neox.checkpoint import hf_named_tensors, save_hf_checkpoint
 from labml_zero.neox.lora_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS,
                                          EXPORT_MARKER, check_export_destination,
                                          export_bytes, write_adapter_dir)
+from labml_zero.neox.tokenizer import load_tokenizer
 from tests.test_finetune import check_ok, finetune
 
 
@@ -26,7 +28,8 @@ def snapshot(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("hf") / "base"
     layers = neox_model.build_layers(neox_model.tiny())
     save_hf_checkpoint(path, neox_model.tiny(), hf_named_tensors(layers))
-    (path / "tokenizer.json").write_text("{}")
+    # a real tokenizer: the job loads the snapshot's own
+    (path / "tokenizer.json").write_text(load_tokenizer().to_str())
     return path
 
 
@@ -46,6 +49,15 @@ def previous_export(path: Path, kind: str, names: tuple[str, ...]) -> None:
     (path / EXPORT_MARKER).write_text(json.dumps({"kind": kind}))
     for name in names:
         (path / name).write_text("old")
+
+
+def test_a_snapshot_whose_tokenizer_does_not_load_is_refused_in_one_line(
+        tmp_path, snapshot, capsys):
+    broken = tmp_path / "broken"
+    shutil.copytree(snapshot, broken)  # the fixture is shared: break a copy
+    (broken / "tokenizer.json").write_text("{}")
+    err = refused(tmp_path, broken, capsys=capsys)
+    assert "tokenizer.json does not load" in err
 
 
 def test_an_export_is_never_the_runs_own_output(tmp_path, snapshot, capsys):

@@ -86,7 +86,13 @@ def job_data(config, *, world_size: int, n_vocab: int, check_ids: bool = True
     pre-flight checks do; the ranks need not again).
     """
     path = job_tokenizer_path(config.checkpoint)
-    tokenizer = load_tokenizer(path)
+    try:
+        tokenizer = load_tokenizer(path)
+    except Exception as e:  # tokenizers raises a bare `Exception` on a bad file
+        if isinstance(e, OSError):
+            raise
+        raise DataError(f"the tokenizer {path} does not load: "
+                        f"{' '.join(str(e).split())}") from e
     if vocab_size(tokenizer) > n_vocab:
         raise DataError(f"the tokenizer {path} has {vocab_size(tokenizer):,} ids, "
                         f"more than the model's embedding of {n_vocab:,} rows")
