@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -54,14 +55,31 @@ def start_nodes(tmp: Path, *args: str) -> list[subprocess.Popen]:
     """Two node agents, each in a session of its own (so each can be killed)."""
     skip_job_without_gpus(4)
     tmp.mkdir(parents=True, exist_ok=True)
-    endpoint = f"127.0.0.1:{free_port()}"
-    return [subprocess.Popen(
-        [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend",
-         "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "test",
-         "--node-rank", str(node), *job_args(tmp, *args)],
-        cwd=tmp, env=environment(tmp), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True)
-        for node in (0, 1)]
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+
+    def agent(node: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend",
+             "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "test",
+             "--node-rank", str(node), *job_args(tmp, *args)],
+            cwd=tmp, env=environment(tmp), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    # Both agents are on this host, so either could host the rendezvous store;
+    # node 1 starts once node 0 listens, so node 0 hosts it, as the head node of
+    # a cluster would, and killing node 1 never takes the store with it.
+    first = agent(0)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert first.poll() is None and time.monotonic() < deadline, \
+                "node 0 did not start its rendezvous store"
+            time.sleep(0.1)
+    return [first, agent(1)]
 
 
 def processes_of(tmp: Path) -> list[int]:
