@@ -440,7 +440,7 @@ def test_figures_in_the_search_notes():
     range; at c_0 = 4h^2 six chunks per layer, 40% of them padding; the 6 extra
     collectives per layer of three chunks cost 192 MiB at mu = 32 MiB, against a
     gradient buffer 8h^2 * 4 bytes (1.2 GB) smaller."""
-    from labml_zero.zero3.chunk_search import group_shapes
+    from labml_zero.zero3.chunk_search_shortcuts import group_shapes
 
     params = neox_20b(lambda name: True)
     _, shape_of_group = group_shapes(params)
