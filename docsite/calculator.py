@@ -34,7 +34,7 @@ from .paths import rel_href
 
 CALCULATOR = re.compile(r"\{\{calculator\}\}")
 
-# sharded_model.choose_chunk_numel caps the search at this many steps of the
+# unit_chunks.choose_chunk_numel caps the search at this many steps of the
 # hidden size (before stretching it to the largest layer)
 RANGE_STEPS = 4096
 

@@ -68,7 +68,7 @@ from labml_zero.zero3.memory_model import (BACKWARD, FORWARD, GRAD_BYTES,
 from labml_zero.zero3.placement import (ShardSpec, StaticPlacement,
                                         auto_placement, device_optimizer_bytes,
                                         offload_traffic, resident_bytes)
-from labml_zero.zero3.sharded_model import choose_chunk_numel, param_specs
+from labml_zero.zero3.unit_chunks import choose_chunk_numel, param_specs
 
 __all__ = ["DTYPE_BYTES", "H200_BYTES", "BudgetInputs", "Budget", "budget"]
 

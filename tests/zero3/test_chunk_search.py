@@ -422,7 +422,7 @@ def test_engine_defaults_give_gpt_neox_20b_one_chunk_per_layer():
     # collective, a 20B layer (12h² + 13h elements) is one chunk, unpadded.
     from labml_zero.neox.model import build_layers, gpt_neox_20b
     from labml_zero.zero3 import ZeroConfig
-    from labml_zero.zero3.sharded_model import choose_chunk_numel, param_specs
+    from labml_zero.zero3.unit_chunks import choose_chunk_numel, param_specs
 
     config = gpt_neox_20b()
     h = config.d_model

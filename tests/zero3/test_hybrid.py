@@ -258,7 +258,7 @@ def test_prediction_table():
 
 def test_wire_bytes_per_link():
     from labml_zero.zero3.chunk_layout import plan_chunks
-    from labml_zero.zero3.sharded_model import param_specs
+    from labml_zero.zero3.unit_chunks import param_specs
 
     layers = tiny_layers()
     specs, _ = param_specs([m.named_parameters() for m in layers])

@@ -185,7 +185,7 @@ def neox_20b_shards(world_size: int = 2) -> list[ShardSpec]:
     from labml_zero.neox.model import build_layers, gpt_neox_20b
     from labml_zero.zero3 import ZeroConfig
     from labml_zero.zero3.chunk_layout import plan_chunks
-    from labml_zero.zero3.sharded_model import choose_chunk_numel, param_specs
+    from labml_zero.zero3.unit_chunks import choose_chunk_numel, param_specs
 
     layers = build_layers(gpt_neox_20b(), device="meta")
     specs, _ = param_specs([layer.named_parameters() for layer in layers])

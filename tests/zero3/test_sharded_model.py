@@ -283,7 +283,7 @@ def test_both_ways_build_one_layout_per_model(chunk_numel):
     layers: one layout each, a group per unit, the same chunks."""
     from labml_zero.zero3.chunk_layout import plan_chunks
     from labml_zero.zero3.memory_model import gathered_peak, layout_model_states
-    from labml_zero.zero3.sharded_model import param_specs
+    from labml_zero.zero3.unit_chunks import param_specs
 
     config = ZeroConfig(dtype=torch.float32, chunk_numel=chunk_numel, align=4)
     chain = Zero3Sequential(zero3_layers(tiny_layers(), device="cpu", config=config))
@@ -345,7 +345,7 @@ def test_the_search_range_of_the_engine(monkeypatch):
     largest layer."""
     from labml_zero.zero3 import chunk_search
     from labml_zero.zero3.chunk_layout import ParamSpec
-    from labml_zero.zero3.sharded_model import choose_chunk_numel
+    from labml_zero.zero3.unit_chunks import choose_chunk_numel
 
     seen, original = [], chunk_search.search_chunk_size
 
