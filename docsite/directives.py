@@ -57,6 +57,7 @@ from .results import lookup
 PY_NAMESPACE = {
     "memory_model": "labml_zero.zero3.memory_model",
     "memory_budget": "labml_zero.zero3.memory_budget",
+    "hybrid_memory": "labml_zero.zero3.hybrid_memory",
     "chunk_layout": "labml_zero.zero3.chunk_layout",
     "chunk_search": "labml_zero.zero3.chunk_search",
     "zero_config": "labml_zero.zero3.config",

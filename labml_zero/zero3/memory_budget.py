@@ -61,9 +61,9 @@ from labml_zero.neox.lora import TARGETS
 from labml_zero.neox.model import NeoXConfig, build_layers, pythia_1_4b
 from labml_zero.zero3.chunk_layout import plan_chunks
 from labml_zero.zero3.config import ZeroConfig
+from labml_zero.zero3.hybrid_memory import hybrid_step_comm, hybrid_wire_bytes
 from labml_zero.zero3.memory_model import (BACKWARD, FORWARD, GRAD_BYTES,
                                            accumulated_grad_buffers, gathered_peak,
-                                           hybrid_step_comm, hybrid_wire_bytes,
                                            largest_grad_buffer)
 from labml_zero.zero3.placement import (ShardSpec, StaticPlacement,
                                         auto_placement, device_optimizer_bytes,

@@ -64,10 +64,8 @@ The rest of the page refines this formula for a real {{see: chunk
 layout}} (padding, `layout_model_states`), adds what is
 *gathered* for compute at once (`gathered_units`, `gathered_peak`) and the
 largest gradient buffer (`largest_grad_buffer`), counts the bytes one step
-communicates (`zero3_step_comm`, `ring_wire_bytes`), and the same for hybrid
-sharding (`hybrid_model_states`, `hybrid_step_comm`, `hybrid_wire_bytes`,
-`hybrid_step_seconds`; hybrid sharding is explained in
-[its page](hybrid.html)).
+communicates (`zero3_step_comm`, `ring_wire_bytes`); the same counts for hybrid
+sharding have [their own page](hybrid_memory.html).
 
 {{calculator}}
 
@@ -89,10 +87,6 @@ from __future__ import annotations
 from typing import Iterable, NamedTuple, Sequence
 
 from labml_zero.zero3.chunk_layout import ChunkLayout
-# the hybrid page's time formulas and example, re-exported for the notes
-from labml_zero.zero3.hybrid import (HYBRID_EXAMPLE, HybridExample, HybridPrediction,
-                                     check_shard_group_size, flat_step_seconds,
-                                     hybrid_prediction, hybrid_step_seconds)
 
 __all__ = [
     "PARAM_BYTES",
@@ -118,16 +112,6 @@ __all__ = [
     "zero3_step_comm",
     "ddp_step_comm",
     "ring_wire_bytes",
-    "hybrid_model_states",
-    "HybridStepComm",
-    "hybrid_step_comm",
-    "hybrid_wire_bytes",
-    "flat_step_seconds",
-    "hybrid_step_seconds",
-    "HybridExample",
-    "HYBRID_EXAMPLE",
-    "HybridPrediction",
-    "hybrid_prediction",
 ]
 
 
@@ -537,85 +521,3 @@ def ring_wire_bytes(nbytes: int, world_size: int) -> int:
     _check_at_least("nbytes", nbytes, 0)
     _check_at_least("world_size", world_size, 1)
     return nbytes * (world_size - 1) // world_size
-
-
-# ## Hybrid sharding
-#
-# With hybrid sharding (explained in [its page](hybrid.html)) the $N_d$ ranks form
-# $R = N_d / N_s$
-# {{term: shard groups | shard group}} of $N_s$ ranks. Each group holds one copy of
-# the model states, so a rank holds ZeRO-3's share of a world of $N_s$, and a step
-# adds to ZeRO-3's collectives inside the group one all-reduce, across the $R$
-# groups, of each trainable chunk's gradient shard.
-
-
-_check_divides = check_shard_group_size
-
-
-def hybrid_model_states(psi_trainable: int, psi_frozen: int, world_size: int,
-                        shard_group_size: int, **bytes_per_element) -> int:
-    r"""
-    ## Model states per rank with hybrid sharding
-
-    $$\frac{(p + g + K)\,\Psi_t + p\,\Psi_f}{N_s}$$
-
-    ($K$ is the optimizer's bytes, `optimizer_bytes`): `zero_model_states`
-    over the $N_s$ ranks of a shard group, whatever the world size $N_d$ it
-    divides. `bytes_per_element` are `zero_model_states`' keywords.
-    """
-    _check_divides(world_size, shard_group_size)
-    return zero_model_states(psi_trainable, psi_frozen, shard_group_size,
-                             **bytes_per_element)
-
-
-class HybridStepComm(NamedTuple):
-    """
-    ## Communication of one hybrid step, by kind of link
-
-    * `intra`: the all-gathers and the reduce-scatter inside the shard group,
-      as `zero3_step_comm` counts them (full chunk sizes).
-    * `inter`: the all-reduce across the {{see: replica group}}, of the
-      $S$-element gradient shards (their size, in the reduce dtype); nothing
-      with one group.
-    """
-
-    intra: StepComm
-    inter: Traffic
-
-
-def hybrid_step_comm(layout: ChunkLayout, *, replicas: int,
-                     param_bytes: int = PARAM_BYTES,
-                     grad_bytes: int = REDUCE_BYTES,
-                     backward_groups: Iterable[int] | None = None) -> HybridStepComm:
-    r"""
-    ## Collectives of one hybrid step, per rank
-
-    `layout` is the layout of the shard group (its `world_size` is $N_s$), and
-    `replicas` is $R = N_d / N_s$. Per trainable chunk of $C$ elements the
-    all-reduce takes $S = C / N_s$ elements: $\Psi_t / N_s$ in all, against the
-    $\Psi_t$ of the reduce-scatter inside the group.
-    """
-    _check_at_least("replicas", replicas, 1)
-    intra = zero3_step_comm(layout, param_bytes=param_bytes, grad_bytes=grad_bytes,
-                            backward_groups=backward_groups)
-    shards = [chunk.chunk_numel // layout.world_size for chunk in layout.chunks
-              if chunk.trainable]
-    if replicas == 1:
-        shards = []
-    numel = sum(shards)
-    return HybridStepComm(intra, Traffic(len(shards), numel, numel * grad_bytes))
-
-
-def hybrid_wire_bytes(comm: HybridStepComm, shard_group_size: int,
-                      replicas: int) -> tuple[int, int]:
-    r"""
-    ### Bytes each rank sends per step: (inside its group, across groups)
-
-    Inside: a ring all-gather or reduce-scatter over $N_s$ ranks,
-    $\frac{N_s - 1}{N_s}$ of each full size (`ring_wire_bytes`). Across: a ring
-    all-reduce over $R$ ranks is a reduce-scatter and an all-gather of the
-    shard, $2 \frac{R - 1}{R}$ of its size.
-    """
-    inside = ring_wire_bytes(comm.intra.nbytes, shard_group_size)
-    across = 2 * ring_wire_bytes(comm.inter.nbytes, replicas)
-    return inside, across

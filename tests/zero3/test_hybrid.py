@@ -20,7 +20,7 @@ from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3 import ZeroConfig, shard_model
 from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
 from labml_zero.zero3.communication import Communicator
-from labml_zero.zero3.memory_model import (
+from labml_zero.zero3.hybrid_memory import (
     HYBRID_EXAMPLE,
     hybrid_prediction,
     flat_step_seconds,
@@ -28,6 +28,8 @@ from labml_zero.zero3.memory_model import (
     hybrid_step_comm,
     hybrid_step_seconds,
     hybrid_wire_bytes,
+)
+from labml_zero.zero3.memory_model import (
     layout_model_states,
     ring_wire_bytes,
     zero_model_states,
