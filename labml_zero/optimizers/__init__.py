@@ -25,9 +25,11 @@ Under ZeRO-3 each rank holds these for its own shards only: the optimizer sees o
 flat bf16 tensor per trainable chunk, with its fp32 gradient in its
 [shard](../zero3/shard.html).
 
-The pages follow in reading order: [AdamFP16](adam_fp16.html), the optimizer,
-and [its state in host memory](host_offload.html), what `offload=` moves;
-then the training features that act on the shards' gradients: the global
-gradient norm for clipping (one all-reduce over the shards) and fp16's dynamic
+The pages follow in reading order: [AdamFP16](adam_fp16.html), the optimizer;
+[its state in host memory](host_offload.html), what `offload=` moves;
+[updating during the backward pass](early_update.html), what
+`update_during_backward=` starts; then the training features that act on the
+shards' gradients: the global gradient norm for clipping (one all-reduce over
+the shards) and fp16's dynamic
 loss scale, whose overflow all ranks agree on.
 """

@@ -53,6 +53,9 @@ updates them there (explained in
 [optimizer state in host memory](host_offload.html)): the gradient shard is
 copied down, the update runs on the CPU, and the rounded shard goes back up.
 Which shards go is the {{see: placement}}'s decision.
+`update_during_backward=` updates each shard as soon as its gradient is final,
+while the backward pass goes on (explained in
+[updating during the backward pass](early_update.html)).
 
 ## All ranks agree on an overflow
 
@@ -76,15 +79,16 @@ and skips the step everywhere.
 from __future__ import annotations
 
 import math
-from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Callable, Collection, Iterable
 
 import torch
 
 from labml_zero.zero3.shard import LocalShard
 
-from .host_offload import GradVersion, HostOffload
+from .early_update import EarlyUpdate, EarlyUpdates, NonFiniteGradient
+from .host_offload import HostOffload
+
+__all__ = ["AdamFP16", "NonFiniteGradient"]
 
 # A rule answers, for a chunk's index and its parameter shard, whether that
 # shard's master and moments live on the host; the two moments are named as in
@@ -92,27 +96,6 @@ from .host_offload import GradVersion, HostOffload
 OffloadRule = Callable[[int, torch.Tensor], bool]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-class NonFiniteGradient(RuntimeError):
-    """An early update met a non-finite gradient (see Note: a non-finite
-    gradient in an early update); a job may turn it into its own message."""
-
-
-@dataclass
-class EarlyUpdate:
-    """
-    ## An update run during the backward pass
-
-    * `grad`: the gradient it used, at its version then.
-    * `done`: the host worker's future (offloaded shards), else `None`.
-    * `found_inf`: 0-dim fp32 flag, 1 if the gradient was not finite and the
-      update was skipped (a device tensor: reading it is a host sync).
-    """
-
-    grad: GradVersion
-    done: Future | None = None
-    found_inf: torch.Tensor | None = None
 
 
 class AdamFP16(torch.optim.Optimizer):
@@ -132,7 +115,7 @@ class AdamFP16(torch.optim.Optimizer):
     * `update_during_backward`: update each shard as soon as `grad_ready` is
       called for it (see Note: updating during the backward pass).
     * `free_grads`: with it, free each shard's gradient once its early update
-      has consumed it (see `_free_grad`).
+      has consumed it (see `EarlyUpdates.free_grad`).
     """
 
     def __init__(
@@ -166,7 +149,6 @@ class AdamFP16(torch.optim.Optimizer):
         if self.fused and not hasattr(torch, "_fused_adamw_"):
             raise ValueError("fused=True needs torch._fused_adamw_ (PyTorch >= 2.4)")
         self.update_during_backward = update_during_backward
-        self.free_grads = free_grads
         self.offload = HostOffload(self._offloaded(offload),
                                    worker=update_during_backward)
         # the param group of each shard, for an update on its own
@@ -177,16 +159,22 @@ class AdamFP16(torch.optim.Optimizer):
         # at once instead of waiting there through the first step.
         for param in self.offload.shards:
             self.init_state(param)
-        # the updates run during this backward pass
-        self.early: dict[torch.Tensor, EarlyUpdate] = {}
-        # (shards, their skip flags on the host, the flags' copy event) of the
-        # last step's early updates on a GPU, read at the next `step()`
-        self.unread_flags: list[tuple[list, torch.Tensor, object]] = []
-        # the side stream of the device's early updates, made at the first one
-        self.update_stream: torch.cuda.Stream | None = None
+        # the updates run during the backward pass, their stream and flags
+        self.early_updates = EarlyUpdates(self.offload, self._apply, self.gradient,
+                                          free_grads=free_grads)
         # (step, 0-dim step tensor) per (device, stream): every shard updated
         # at that step there reads the same one, one fill a step, not a shard
         self._step_tensors: dict[tuple, tuple[int, torch.Tensor]] = {}
+
+    @property
+    def early(self) -> dict[torch.Tensor, EarlyUpdate]:
+        """The updates run during this backward pass, by shard."""
+        return self.early_updates.pending
+
+    @property
+    def free_grads(self) -> bool:
+        """Whether an early update frees its gradient (`EarlyUpdates.free_grad`)."""
+        return self.early_updates.free_grads
 
     @property
     def host(self):
@@ -275,7 +263,7 @@ class AdamFP16(torch.optim.Optimizer):
         `None` before its first step.
         """
         # a checkpoint must not hold a step whose early update was skipped
-        self._raise_if_skipped()
+        self.early_updates.raise_if_skipped(self.state)
         # `.get`, not `[]`: `self.state` is a defaultdict and must not grow
         state = self.state.get(param)
         if not state:
@@ -321,25 +309,8 @@ class AdamFP16(torch.optim.Optimizer):
 
         The engine calls this as each chunk is reduced, with `after` the stream
         that wrote the gradient. An offloaded shard starts its copy down; with
-        `update_during_backward` the shard is updated now.
-
-        #### Note: updating during the backward pass
-
-        A shard's gradient is final as soon as its chunk is reduced, and the output-end
-        chunks are reduced first. The engine announces each final gradient
-        (`grad_ready`, registered with `runtime.on_grad_ready`). With
-        `update_during_backward=True` the shard is updated then: on a GPU on a side
-        stream that waits for the reduce-scatter, so the memory-bound update runs beside
-        the backward kernels of the layers below; an offloaded shard on the host worker
-        of [`HostOffload`](host_offload.html). `step()` only waits for them and updates
-        the shards not updated yet. The update is the same, with the same operands, so:
-
-        * it needs the final gradient at `grad_ready` time: clipping and loss-scale
-          unscaling change the gradient in place afterwards. Each early update records
-          its gradient's version (`GradVersion`), and `step()` raises if a gradient
-          changed after its update, before updating anything;
-        * it reads `lr` and the other hyperparameters when it runs: change them
-          between `step()` and the next backward, as schedulers do.
+        `update_during_backward` the shard is updated now
+        (see Note: updating during the backward pass).
         """
         grad = self.gradient(param)
         if grad is None:
@@ -349,68 +320,13 @@ class AdamFP16(torch.optim.Optimizer):
         if self.update_during_backward and param not in self.early:
             # a second backward before `step()` is not updated again: `step()`
             # sees its gradient changed and refuses it
-            self._update_early(param, grad, after=after)
+            self.early_updates.start(param, grad, self._group_of(param),
+                                     after=after)
 
     def prefetch_grad(self, param: torch.Tensor, *, after=None) -> None:
         """`grad_ready` for an offloaded shard; nothing for one on the device."""
         if param in self.offload:
             self.grad_ready(param, after=after)
-
-    def _update_early(self, param: torch.Tensor, grad: torch.Tensor, *,
-                      after=None) -> None:
-        """
-        #### Update one shard while the backward pass goes on
-
-        Offloaded: on the host worker. On a GPU: on a side stream that waits for
-        `after` (the reduce-scatter); `step()` makes the compute stream wait for
-        it. On CPU: here, the same kernel on the same operands as in `step()`.
-        """
-        early = self.early[param] = EarlyUpdate(GradVersion(grad))
-        group = self._group_of(param)
-        if param in self.offload:
-            early.done = self.offload.submit(
-                lambda: self._apply([param], group, early=early))
-        elif param.device.type != "cuda":
-            self._apply([param], group, early=early)
-        else:
-            if self.update_stream is None:
-                self.update_stream = torch.cuda.Stream(param.device)
-            stream = self.update_stream
-            # update stream waits: `after` wrote the gradient
-            stream.wait_stream(after or torch.cuda.current_stream(param.device))
-            with torch.cuda.stream(stream):
-                self._apply([param], group, early=early)
-            # the compute stream frees the gradient (at `zero_grad`, or below)
-            grad.record_stream(stream)
-        if self.free_grads:
-            # see `_free_grad`; an offloaded
-            # shard's copy down was queued in `grad_ready`, before this
-            self._free_grad(param)
-
-    @staticmethod
-    def _free_grad(param: torch.Tensor) -> None:
-        r"""
-        #### Free a gradient after its early update (`free_grads=True`)
-
-        With `free_grads=True` (and `update_during_backward=True`) a shard's fp32
-        gradient is let go as soon as its early update has consumed it: on the
-        device once the update is queued on the side stream (`record_stream` keeps
-        the allocator from reusing the block until that stream has read it), for an
-        offloaded shard once its copy down is queued (the copy stream's
-        `record_stream`; the host update then reads the staging buffer, which the
-        copy down filled). The $4S$ bytes of fp32 gradient of all the shards,
-        $4\Psi_t/N_d$, then never exist at once: only the chunks whose update is in
-        flight hold one. The update and its operands are the same, so the losses are
-        bit for bit those without it. The price: after `backward()` the gradients
-        are gone, so nothing may read them before `step()`: no clipping (it would
-        see no gradient and clip nothing, silently), no gradient accumulation (a
-        second backward makes new gradients, which `step()` refuses as for a changed
-        one).
-        """
-        shard = LocalShard.of(param)
-        if shard is not None:
-            shard.zero_grad()
-        param.grad = None
 
     ### The step
 
@@ -422,8 +338,8 @@ class AdamFP16(torch.optim.Optimizer):
                 loss = closure()
         # the flags of the last step's early updates on a GPU, then, before
         # any update: a step must not stop half done
-        self._raise_if_skipped()
-        self._check_early()
+        self.early_updates.raise_if_skipped(self.state)
+        self.early_updates.check(self.state)
         offloaded = []
         for group in self.param_groups:
             late = [p for p in group["params"]
@@ -431,106 +347,15 @@ class AdamFP16(torch.optim.Optimizer):
             offloaded += [p for p in late if p in self.offload]
             # Device updates first: they are queued and run while the host works.
             self._apply([p for p in late if p not in self.offload], group)
-        self._finish_early()
+        self.early_updates.finish(self.state)
         # Last first: in backward their gradients were final first.
         for param in reversed(offloaded):
             self._apply([param], self._group_of(param))
         if offloaded or any(p in self.offload for p in self.early):
             # compute stream waits: the next all-gather reads the new shards
             self.offload.wait_uploads()
-        self.early = {}
+        self.early_updates.pending = {}
         return loss
-
-    def _check_early(self) -> None:
-        """
-        #### Refuse an early update that used a gradient changed since
-
-        Clipping, unscaling or a second backward pass changed the gradient after
-        its update during the backward pass began.
-        """
-        for param, early in self.early.items():
-            grad = self.gradient(param)
-            if grad is not None and not early.grad.matches(grad):
-                self._finish_early(check_finite=False)
-                self.early = {}
-                raise RuntimeError(
-                    "a shard's gradient changed after its update began, during "
-                    "the backward pass (clipping, unscaling or a second "
-                    "backward before step()?): use update_during_backward=False "
-                    "with them")
-
-    def _finish_early(self, *, check_finite: bool = True) -> None:
-        """
-        #### Wait for the updates started during the backward pass
-
-        Then, see Note: a non-finite gradient in an early update.
-        """
-        for early in self.early.values():
-            if early.done is not None:
-                # host sync: the worker's update and its upload are queued
-                early.done.result()
-        if self.update_stream is not None and self.early:
-            # compute stream waits: the next all-gather reads the new shards
-            torch.cuda.current_stream(self.update_stream.device).wait_stream(
-                self.update_stream)
-        flagged = [(p, e.found_inf) for p, e in self.early.items()
-                   if e.found_inf is not None]
-        if not (check_finite and flagged):
-            return
-        # One small copy per device of all its flags, read at the next `step()`
-        # or `shard_state()` instead of now: waiting for them here would stall
-        # the host until the GPU finished the backward pass, and the next step's
-        # launches would start late (a bubble every step). Nothing non-finite
-        # was applied either way; only the error comes later.
-        for device in {f.device for _, f in flagged}:
-            on = [(p, f) for p, f in flagged if f.device == device]
-            flags = torch.stack([f for _, f in on])
-            if device.type == "cuda":
-                host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-                host.copy_(flags, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                self.unread_flags.append(([p for p, _ in on], host, event))
-            else:
-                self.unread_flags.append(([p for p, _ in on], flags, None))
-        if any(event is None for _, _, event in self.unread_flags):
-            # on the host the flags are already there: check at once
-            self._raise_if_skipped()
-
-    def _raise_if_skipped(self) -> None:
-        """
-        #### Raise if an early update of the last step was skipped
-
-        ##### Note: a non-finite gradient in an early update
-
-        An early update cannot be undone, and a step with a non-finite gradient must be
-        skipped on every rank (the [loss scaler](grad_scaler.html)'s contract). So an
-        early update first checks its gradient: the fused kernel takes a `found_inf`
-        flag computed on the device from the gradient (no host sync) and leaves master,
-        moments and shard untouched when it is set; the host update checks on the host.
-        On the host `step()` then raises at once; on a GPU the flags are copied to the
-        host behind the backward pass and read at the next `step()` or `shard_state()`
-        (so before any checkpoint holds the step). It raises naming the shards whose
-        update was skipped, with their step counts unchanged. `LossScaler.step` refuses
-        an optimizer with `update_during_backward=True` outright: skipping a whole step
-        is impossible once other shards were updated.
-        """
-        unread, self.unread_flags = self.unread_flags, []
-        bad = []
-        for params, flags, event in unread:
-            if event is not None:
-                # host sync: the flags' copy, queued a whole step ago
-                event.synchronize()
-            bad += [p for p, skipped in zip(params, flags.tolist()) if skipped]
-        if bad:
-            for param in bad:
-                self.state[param]["step"] -= 1
-            self.early = {}
-            raise NonFiniteGradient(
-                f"{len(bad)} shard(s) got a non-finite gradient during the "
-                "backward pass; their early update was skipped, but a step "
-                "cannot be skipped on every rank once others were updated: use "
-                "update_during_backward=False with a LossScaler")
 
     def _apply(self, params: list[torch.Tensor], group: dict, *,
                early: EarlyUpdate | None = None) -> None:

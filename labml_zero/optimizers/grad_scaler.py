@@ -112,8 +112,8 @@ class LossScaler:
 
         Refuses an optimizer that updates during the backward pass: such
         updates used the scaled gradient, and cannot be skipped on every rank
-        once an overflow shows (see
-        [AdamFP16](adam_fp16.html#note-a-non-finite-gradient-in-an-early-update)).
+        once an overflow shows (see Note: a non-finite gradient in an early
+        update).
         """
         if getattr(optimizer, "update_during_backward", False):
             raise ValueError("LossScaler cannot step an optimizer with "

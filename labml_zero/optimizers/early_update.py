@@ -1,0 +1,258 @@
+r"""
+---
+title: Updating during the backward pass
+summary: AdamFP16's update of each shard as soon as its gradient is final, on a
+  side stream or the host worker, and how a non-finite gradient is caught there.
+---
+
+# Updating during the backward pass
+
+This page deepens [AdamFP16](adam_fp16.html): with
+`AdamFP16(update_during_backward=True)` a shard is updated as soon as its
+chunk is reduced, while the backward pass goes on with the layers below, and
+`step()` only waits for those updates. The update is `AdamFP16._apply`, the
+same path and operands as in `step()`; what this page holds is the
+bookkeeping around it: the updates in flight, the side stream they run on, the
+skip flags of gradients that were not finite, and the refusal of a gradient
+changed after its update began. `EarlyUpdates` owns all of it; the optimizer
+holds one.
+
+## Limitations
+
+* An early update cannot be undone: a loss scaler, whose skipped steps must
+  skip every shard, is refused, and clipping must not change a gradient after
+  its update began (see Note: updating during the backward pass).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from labml_zero.zero3.shard import LocalShard
+
+from .host_offload import GradVersion, HostOffload
+
+
+class NonFiniteGradient(RuntimeError):
+    """An early update met a non-finite gradient (see Note: a non-finite
+    gradient in an early update); a job may turn it into its own message."""
+
+
+@dataclass
+class EarlyUpdate:
+    """
+    ## An update run during the backward pass
+
+    * `grad`: the gradient it used, at its version then.
+    * `done`: the host worker's future (offloaded shards), else `None`.
+    * `found_inf`: 0-dim fp32 flag, 1 if the gradient was not finite and the
+      update was skipped (a device tensor: reading it is a host sync).
+    """
+
+    grad: GradVersion
+    done: Future | None = None
+    found_inf: torch.Tensor | None = None
+
+
+# `AdamFP16._apply`: one AdamW step of the shards, with `early` when it runs
+# during the backward pass
+Apply = Callable[..., None]
+
+
+class EarlyUpdates:
+    """
+    ## The early updates of one optimizer
+
+    * `offload`: the optimizer's `HostOffload`; an offloaded shard's update
+      runs on its worker.
+    * `apply`: the optimizer's `_apply`, the one path every update takes.
+    * `gradient`: a shard's fp32 gradient (`AdamFP16.gradient`).
+    * `free_grads`: free each shard's gradient once its early update has
+      consumed it (see `free_grad`).
+    """
+
+    def __init__(self, offload: HostOffload, apply: Apply,
+                 gradient: Callable[[torch.Tensor], torch.Tensor | None], *,
+                 free_grads: bool):
+        self.offload = offload
+        self.apply = apply
+        self.gradient = gradient
+        self.free_grads = free_grads
+        # the updates run during this backward pass
+        self.pending: dict[torch.Tensor, EarlyUpdate] = {}
+        # (shards, their skip flags on the host, the flags' copy event) of the
+        # last step's early updates on a GPU, read at the next `step()`
+        self.unread_flags: list[tuple[list, torch.Tensor, object]] = []
+        # the side stream of the device's early updates, made at the first one
+        self.update_stream: torch.cuda.Stream | None = None
+
+    def start(self, param: torch.Tensor, grad: torch.Tensor, group: dict, *,
+              after=None) -> None:
+        """
+        ### Update one shard while the backward pass goes on
+
+        Offloaded: on the host worker. On a GPU: on a side stream that waits for
+        `after` (the reduce-scatter); `step()` makes the compute stream wait for
+        it. On CPU: here, the same kernel on the same operands as in `step()`.
+
+        #### Note: updating during the backward pass
+
+        A shard's gradient is final as soon as its chunk is reduced, and the output-end
+        chunks are reduced first. The engine announces each final gradient
+        (`grad_ready`, registered with `runtime.on_grad_ready`). With
+        `update_during_backward=True` the shard is updated then: on a GPU on a side
+        stream that waits for the reduce-scatter, so the memory-bound update runs beside
+        the backward kernels of the layers below; an offloaded shard on the host worker
+        of [`HostOffload`](host_offload.html). `step()` only waits for them and updates
+        the shards not updated yet. The update is the same, with the same operands, so:
+
+        * it needs the final gradient at `grad_ready` time: clipping and loss-scale
+          unscaling change the gradient in place afterwards. Each early update records
+          its gradient's version (`GradVersion`), and `step()` raises if a gradient
+          changed after its update, before updating anything;
+        * it reads `lr` and the other hyperparameters when it runs: change them
+          between `step()` and the next backward, as schedulers do.
+        """
+        early = self.pending[param] = EarlyUpdate(GradVersion(grad))
+        if param in self.offload:
+            early.done = self.offload.submit(
+                lambda: self.apply([param], group, early=early))
+        elif param.device.type != "cuda":
+            self.apply([param], group, early=early)
+        else:
+            if self.update_stream is None:
+                self.update_stream = torch.cuda.Stream(param.device)
+            stream = self.update_stream
+            # update stream waits: `after` wrote the gradient
+            stream.wait_stream(after or torch.cuda.current_stream(param.device))
+            with torch.cuda.stream(stream):
+                self.apply([param], group, early=early)
+            # the compute stream frees the gradient (at `zero_grad`, or below)
+            grad.record_stream(stream)
+        if self.free_grads:
+            # see `free_grad`; an offloaded
+            # shard's copy down was queued in `grad_ready`, before this
+            self.free_grad(param)
+
+    @staticmethod
+    def free_grad(param: torch.Tensor) -> None:
+        r"""
+        #### Free a gradient after its early update (`free_grads=True`)
+
+        With `free_grads=True` (and `update_during_backward=True`) a shard's fp32
+        gradient is let go as soon as its early update has consumed it: on the
+        device once the update is queued on the side stream (`record_stream` keeps
+        the allocator from reusing the block until that stream has read it), for an
+        offloaded shard once its copy down is queued (the copy stream's
+        `record_stream`; the host update then reads the staging buffer, which the
+        copy down filled). The $4S$ bytes of fp32 gradient of all the shards,
+        $4\Psi_t/N_d$, then never exist at once: only the chunks whose update is in
+        flight hold one. The update and its operands are the same, so the losses are
+        bit for bit those without it. The price: after `backward()` the gradients
+        are gone, so nothing may read them before `step()`: no clipping (it would
+        see no gradient and clip nothing, silently), no gradient accumulation (a
+        second backward makes new gradients, which `step()` refuses as for a changed
+        one).
+        """
+        shard = LocalShard.of(param)
+        if shard is not None:
+            shard.zero_grad()
+        param.grad = None
+
+    ### At `step()`
+
+    def check(self, state: dict) -> None:
+        """
+        #### Refuse an early update that used a gradient changed since
+
+        Clipping, unscaling or a second backward pass changed the gradient after
+        its update during the backward pass began; `state` as in `finish`.
+        """
+        for param, early in self.pending.items():
+            grad = self.gradient(param)
+            if grad is not None and not early.grad.matches(grad):
+                self.finish(state, check_finite=False)
+                self.pending = {}
+                raise RuntimeError(
+                    "a shard's gradient changed after its update began, during "
+                    "the backward pass (clipping, unscaling or a second "
+                    "backward before step()?): use update_during_backward=False "
+                    "with them")
+
+    def finish(self, state: dict, *, check_finite: bool = True) -> None:
+        """
+        #### Wait for the updates started during the backward pass
+
+        `state` is the optimizer's, whose step counts a skipped update takes
+        back. Then, see Note: a non-finite gradient in an early update.
+        """
+        for early in self.pending.values():
+            if early.done is not None:
+                # host sync: the worker's update and its upload are queued
+                early.done.result()
+        if self.update_stream is not None and self.pending:
+            # compute stream waits: the next all-gather reads the new shards
+            torch.cuda.current_stream(self.update_stream.device).wait_stream(
+                self.update_stream)
+        flagged = [(p, e.found_inf) for p, e in self.pending.items()
+                   if e.found_inf is not None]
+        if not (check_finite and flagged):
+            return
+        # One small copy per device of all its flags, read at the next `step()`
+        # or `shard_state()` instead of now: waiting for them here would stall
+        # the host until the GPU finished the backward pass, and the next step's
+        # launches would start late (a bubble every step). Nothing non-finite
+        # was applied either way; only the error comes later.
+        for device in {f.device for _, f in flagged}:
+            on = [(p, f) for p, f in flagged if f.device == device]
+            flags = torch.stack([f for _, f in on])
+            if device.type == "cuda":
+                host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+                host.copy_(flags, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self.unread_flags.append(([p for p, _ in on], host, event))
+            else:
+                self.unread_flags.append(([p for p, _ in on], flags, None))
+        if any(event is None for _, _, event in self.unread_flags):
+            # on the host the flags are already there: check at once
+            self.raise_if_skipped(state)
+
+    def raise_if_skipped(self, state: dict) -> None:
+        """
+        #### Raise if an early update of the last step was skipped
+
+        ##### Note: a non-finite gradient in an early update
+
+        An early update cannot be undone, and a step with a non-finite gradient must be
+        skipped on every rank (the [loss scaler](grad_scaler.html)'s contract). So an
+        early update first checks its gradient: the fused kernel takes a `found_inf`
+        flag computed on the device from the gradient (no host sync) and leaves master,
+        moments and shard untouched when it is set; the host update checks on the host.
+        On the host `step()` then raises at once; on a GPU the flags are copied to the
+        host behind the backward pass and read at the next `step()` or `shard_state()`
+        (so before any checkpoint holds the step). It raises naming the shards whose
+        update was skipped, with their step counts unchanged. `LossScaler.step` refuses
+        an optimizer with `update_during_backward=True` outright: skipping a whole step
+        is impossible once other shards were updated.
+        """
+        unread, self.unread_flags = self.unread_flags, []
+        bad = []
+        for params, flags, event in unread:
+            if event is not None:
+                # host sync: the flags' copy, queued a whole step ago
+                event.synchronize()
+            bad += [p for p, skipped in zip(params, flags.tolist()) if skipped]
+        if bad:
+            for param in bad:
+                state[param]["step"] -= 1
+            self.pending = {}
+            raise NonFiniteGradient(
+                f"{len(bad)} shard(s) got a non-finite gradient during the "
+                "backward pass; their early update was skipped, but a step "
+                "cannot be skipped on every rank once others were updated: use "
+                "update_during_backward=False with a LossScaler")
