@@ -146,7 +146,7 @@
   }
 
   // ---------------------------------------------------------------------
-  // zero3/chunk_search.py and sharded_model.choose_chunk_numel
+  // zero3/chunk_search.py and unit_chunks.choose_chunk_numel
   function hiddenSize(specs) {
     const counts = new Map();
     for (const s of specs) if (s.shape.length >= 2) {
