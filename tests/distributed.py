@@ -55,6 +55,19 @@ def gpus_missing(world_size: int, backend: str, gpus: int) -> str | None:
     return None
 
 
+def cli_on_cpu(monkeypatch) -> None:
+    """Make the command line, run in this process, start gloo ranks on the CPU.
+
+    The CLI picks NCCL, one GPU a rank, wherever CUDA is. The tests that call
+    its `main` in process check its refusals before start and its small CPU
+    runs at 2 to 4 ranks: they must give the same result on a one-GPU machine
+    as on CI's. (`tests/conftest.py` applies this to every test; a job started
+    as a subprocess picks for itself and is skipped where it cannot run, by
+    `skip_job_without_gpus`.)
+    """
+    monkeypatch.setattr(launch, "default_backend", lambda: "gloo")
+
+
 def skip_job_without_gpus(world_size: int) -> None:
     """Skip a test that starts the fine-tune job at `world_size` where it cannot
     run: the job takes NCCL and one GPU a rank wherever CUDA is

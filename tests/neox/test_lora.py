@@ -292,7 +292,8 @@ def train_parity(ctx):
     ids = torch.randint(0, c.n_vocab, (ROWS_PER_RANK * ctx.world_size, SEQ + 1),
                         generator=torch.Generator().manual_seed(100))
     for _ in range(STEPS):
-        mine = ids[ctx.rank * ROWS_PER_RANK:(ctx.rank + 1) * ROWS_PER_RANK]
+        mine = ids[ctx.rank * ROWS_PER_RANK:(ctx.rank + 1) * ROWS_PER_RANK].to(
+            ctx.device)  # the reference stays on the CPU
         loss = F.cross_entropy(model(mine[:, :-1]).flatten(0, 1),
                                mine[:, 1:].flatten())
         loss.backward()
@@ -314,10 +315,10 @@ def train_parity(ctx):
             wrong_optimizer.step()
             wrong_optimizer.zero_grad()
     with model.runtime.gathered():
-        ours = [getattr(layer.get_submodule(path), m).detach().clone()
+        ours = [getattr(layer.get_submodule(path), m).detach().cpu()
                 for layer in layers if isinstance(layer, M.TransformerLayer)
                 for path in TARGETS.values() for m in ("lora_A", "lora_B")]
-        base_diff = max((p - q).abs().max().item() for layer, ref in
+        base_diff = max((p.cpu() - q).abs().max().item() for layer, ref in
                         zip(layers, base) for (name, p), q in
                         zip(((n, p) for n, p in layer.named_parameters()
                              if "lora_" not in n), ref.parameters()))
@@ -377,7 +378,7 @@ def meta_lora_model(ctx):
 def steps(model, optimizer, ctx, n: int) -> list[float]:
     ids = torch.randint(0, 97, (2 * ctx.world_size, SEQ + 1),
                         generator=torch.Generator().manual_seed(5))
-    mine = ids[2 * ctx.rank:2 * ctx.rank + 2]
+    mine = ids[2 * ctx.rank:2 * ctx.rank + 2].to(ctx.device)
     losses = []
     for _ in range(n):
         loss = F.cross_entropy(model(mine[:, :-1]).flatten(0, 1),

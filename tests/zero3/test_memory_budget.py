@@ -39,7 +39,7 @@ def engine_bytes(ctx, inputs: BudgetInputs) -> dict:
     model, optimizer = built.model, built.optimizer
     counter = model.runtime.comm.counter
     torch.manual_seed(ctx.rank)
-    ids = torch.randint(0, 1000, (inputs.batch, inputs.seq + 1))
+    ids = torch.randint(0, 1000, (inputs.batch, inputs.seq + 1), device=ctx.device)
     # one step: what each collective moves
     counter.reset()
     lm_loss(model, ids).backward()
@@ -79,7 +79,7 @@ def accumulated_grads(ctx, accumulate: bool) -> list[torch.Tensor]:
                      device=ctx.device, init_param=neox_model.init_parameter(config))
     model = built.model
     torch.manual_seed(0)
-    first, second = torch.randint(0, 128, (2, 2, 9))
+    first, second = torch.randint(0, 128, (2, 2, 9), device=ctx.device)
     with model.no_sync() if accumulate else contextlib.nullcontext():
         lm_loss(model, first).backward()
     lm_loss(model, second).backward()
