@@ -89,8 +89,6 @@ from typing import Callable, Iterable
 
 import torch
 
-from labml_zero.zero3.shard import grad_device, param_on_host
-
 
 class GradVersion:
     """
@@ -137,19 +135,19 @@ class HostShard:
 
 class HostOffload:
     """
-    ## The offloaded shards, their copies and their worker
+    ## The copy streams and the worker that the offloaded shards share
 
-    * `params`: the shards whose optimizer state lives on the host.
+    * `devices`: the GPUs of the offloaded shards' gradients (at most one;
+      none on CPU, where the copies are plain ones).
     * `worker`: run updates on a worker thread (`submit`), for updates during
       the backward pass.
+
+    Each offloaded shard's own buffer is its `HostShard`, held by its
+    [home](shard_home.html); the methods below take it.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], *, worker: bool):
-        params = list(params)
-        # pinned staging only where a DMA engine will read or write it
-        self.shards = {p: HostShard(p, pin=grad_device(p).type == "cuda")
-                       for p in params}
-        devices = {grad_device(p) for p in params if grad_device(p).type == "cuda"}
+    def __init__(self, devices: Iterable[torch.device], *, worker: bool):
+        devices = set(devices)
         if len(devices) > 1:
             raise ValueError(f"offloaded shards must be on one GPU, got {devices}")
         # One side stream per direction (see Note: pinned memory and copy
@@ -158,24 +156,22 @@ class HostOffload:
         for device in devices:
             self.down_stream = torch.cuda.Stream(device, priority=-1)
             self.up_stream = torch.cuda.Stream(device, priority=-1)
+        # whether a copy up was queued since the last `wait_uploads`
+        self.uploads_queued = False
         # One worker: the updates run in the order their gradients came.
         self.worker = (ThreadPoolExecutor(1, thread_name_prefix="adam-host")
-                       if worker and params else None)
-
-    def __contains__(self, param: torch.Tensor) -> bool:
-        return param in self.shards
+                       if worker else None)
 
     ### Down
 
-    def copy_down(self, param: torch.Tensor, grad: torch.Tensor, *,
+    def copy_down(self, host: HostShard, grad: torch.Tensor, *,
                   after=None) -> None:
         """
-        ### Queue the copy of `grad` into `param`'s staging buffer
+        ### Queue the copy of `grad` into the shard's staging buffer
 
         `after` is the CUDA stream that wrote `grad` (default: the current
         one). Nothing to do if the buffer already holds it.
         """
-        host = self.shards[param]
         if host.holds(grad):
             return
         host.copied = None
@@ -197,7 +193,7 @@ class HostOffload:
         host.grad_ready.record(stream)
         host.copied = GradVersion(grad)
 
-    def host_grad(self, param: torch.Tensor,
+    def host_grad(self, host: HostShard,
                   grad: torch.Tensor | None) -> torch.Tensor:
         """
         ### `[S]` fp32 gradient on the host, once its copy down has landed
@@ -207,9 +203,8 @@ class HostOffload:
         the device gradient was freed after its copy down was queued
         (`AdamFP16(free_grads=True)`), so the staging buffer is the gradient.
         """
-        host = self.shards[param]
         if grad is not None:
-            self.copy_down(param, grad)
+            self.copy_down(host, grad)
         elif host.copied is None:
             raise RuntimeError("an offloaded shard has neither a gradient nor "
                                "a copy of one on the host")
@@ -221,19 +216,14 @@ class HostOffload:
 
     ### Up
 
-    def upload(self, param: torch.Tensor, master: torch.Tensor) -> None:
+    def upload(self, host: HostShard, param: torch.Tensor,
+               master: torch.Tensor) -> None:
         """
         ### Round the master on the host and copy it up into the shard
 
         The rounded copy goes into the staging buffer, whose gradient the
         update has consumed: $p S$ bytes of its $4 S$.
         """
-        if param_on_host(param):
-            # a shard the engine keeps in host memory: round into it; its next
-            # gather copies it up
-            param.data.copy_(master)
-            return
-        host = self.shards[param]
         # [S] shard dtype, a view of the staging buffer's first p·S bytes
         rounded = host.staging.view(param.dtype)[: param.numel()]
         rounded.copy_(master)
@@ -247,12 +237,16 @@ class HostOffload:
             param.data.copy_(rounded, non_blocking=True)
         host.uploaded = torch.cuda.Event()
         host.uploaded.record(self.up_stream)
+        self.uploads_queued = True
 
     def wait_uploads(self) -> None:
-        """The compute stream waits for every copy up: the next gather reads them."""
-        if self.up_stream is not None:
-            torch.cuda.current_stream(self.up_stream.device).wait_stream(
-                self.up_stream)
+        """The compute stream waits for the copies up queued since the last
+        call: the next gather reads them. Nothing to wait for, nothing done."""
+        if not self.uploads_queued:
+            return
+        self.uploads_queued = False
+        torch.cuda.current_stream(self.up_stream.device).wait_stream(
+            self.up_stream)
 
     ### The worker
 
