@@ -40,22 +40,29 @@ master keeps every update, and the parameter is its rounding.
   copy, $K = 8$ extra bytes
   (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
   instead of {{py: memory_model.OPTIMIZER_BYTES}}.
+* Where a shard's master and moments live, device or host memory, is its
+  *home* ([where a shard's optimizer state lives](shard_home.html)): one
+  object per shard, built at construction, that allocates the state, gives
+  the gradient the update reads and writes the new master back into the
+  shard. The optimizer asks the home and never where the shard is.
 
 Each step is one pass over all shards, however many chunks there are: PyTorch's
 fused AdamW kernel (`torch._fused_adamw_`, which reads $\theta, g, m, v$ once and
 writes $\theta, m, v$ once; it exists for CPU and CUDA) when available, else the
 same update as a sequence of `foreach` multi-tensor kernels (about three times
-the memory traffic). Both are tested against `torch.optim.AdamW`. Every update,
+the memory traffic), one launch per batch of device homes (one param group,
+device and dtype). Both are tested against `torch.optim.AdamW`. Every update,
 whenever and wherever it runs, goes through one method, `_apply`.
 
-`offload=` keeps the master and moments of chosen shards in host memory and
-updates them there (explained in
+`offload=` gives chosen shards a host home, whose master and moments are
+updated in host memory (explained in
 [optimizer state in host memory](host_offload.html)): the gradient shard is
 copied down, the update runs on the CPU, and the rounded shard goes back up.
 Which shards go is the {{see: placement}}'s decision.
 `update_during_backward=` updates each shard as soon as its gradient is final,
 while the backward pass goes on (explained in
-[updating during the backward pass](early_update.html)).
+[updating during the backward pass](early_update.html)): an `EarlyUpdates`
+object the optimizer holds owns those updates, their stream and their flags.
 
 ## All ranks agree on an overflow
 

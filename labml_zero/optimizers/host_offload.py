@@ -30,46 +30,9 @@ The device saves $K$ bytes per element; the host holds $K + 4$: the state and a
 and then, once the update has consumed it, the $pS$ bytes of the rounded master
 going up.
 
-When the engine keeps the parameter shard itself in host memory
-(`Chunk.offload_shard`), the update rounds the master straight into it and
-nothing goes up: the next gather copies the shard up itself.
-
-## Note: pinned memory and copy streams
-
-Only the staging buffer is page-locked ("pinned", when the shard's gradient is
-on a GPU, `grad_device`): DMA needs it, while the master and moments are read
-by the CPU only, and pinned memory is scarce (it cannot be swapped). Copies run
-on two side streams, one per direction, so the copy engines move both ways at
-once:
-
-1. `copy_down(param, grad, after=stream)` queues the gradient's copy as soon as
-   `stream` (the engine's reduce stream) has written it, and records an event;
-2. `host_grad(param, grad)` waits for that event (a host sync) and returns the
-   staging buffer, copying again if the gradient changed since;
-3. `upload(param, master)` rounds into the staging buffer and queues the copy
-   up; the next copy down waits (on the device) for it, and `wait_uploads()`
-   makes the compute stream wait for every copy up, so the next all-gather
-   reads new shards.
-
-A gradient changed after its copy down (loss-scale unscaling, clipping and
-accumulation all work in place) is copied again: a `GradVersion` remembers the
-tensor and its version counter, which every in-place op bumps.
-
-## Note: threads of the host update
-
-The CPU kernels split each shard over torch's intra-op threads. Every rank is
-its own process and by default takes one thread per core, so $N_d$ ranks on one
-host oversubscribe the cores $N_d$ times over; give each
-`torch.set_num_threads(cores // ranks_per_host)`. The update is memory-bound,
-so more threads than the memory channels can feed buy little.
-
-For an update during the backward pass (`AdamFP16(update_during_backward=
-True)`) one worker thread runs the host updates in the order the gradients
-came, while the main thread goes on launching the backward pass (PyTorch's CPU
-kernels release the GIL).
-
-On CPU (tests) "host" and "device" are the same memory, yet the same path is
-taken, with plain synchronous copies into separate tensors.
+Each offloaded shard has a host [home](shard_home.html), which holds its
+`HostShard` (the staging buffer and its events); `HostOffload` holds what they
+share, the copy streams and the worker, and moves the bytes.
 
 ## Limitations
 
@@ -142,8 +105,29 @@ class HostOffload:
     * `worker`: run updates on a worker thread (`submit`), for updates during
       the backward pass.
 
-    Each offloaded shard's own buffer is its `HostShard`, held by its
-    [home](shard_home.html); the methods below take it.
+    ### Note: pinned memory and copy streams
+
+    Only the staging buffer is page-locked ("pinned", when the shard's gradient
+    is on a GPU, `grad_device`): DMA needs it, while the master and moments are
+    read by the CPU only, and pinned memory is scarce (it cannot be swapped).
+    Copies run on two side streams, one per direction, so the copy engines move
+    both ways at once:
+
+    1. `copy_down(host, grad, after=stream)` queues the gradient's copy as soon
+       as `stream` (the engine's reduce stream) has written it, and records an
+       event;
+    2. `host_grad(host, grad)` waits for that event (a host sync) and returns
+       the staging buffer, copying again if the gradient changed since;
+    3. `upload(host, param, master)` rounds into the staging buffer and queues
+       the copy up; the next copy down waits (on the device) for it, and
+       `wait_uploads()` makes the compute stream wait for every copy up, so the
+       next all-gather reads new shards.
+
+    A gradient changed after its copy down (loss-scale unscaling, clipping and
+    accumulation all work in place) is copied again: a `GradVersion` remembers
+    the tensor and its version counter, which every in-place op bumps. On CPU
+    (tests) "host" and "device" are the same memory, yet the same path is
+    taken, with plain synchronous copies into separate tensors.
     """
 
     def __init__(self, devices: Iterable[torch.device], *, worker: bool):
@@ -158,7 +142,8 @@ class HostOffload:
             self.up_stream = torch.cuda.Stream(device, priority=-1)
         # whether a copy up was queued since the last `wait_uploads`
         self.uploads_queued = False
-        # One worker: the updates run in the order their gradients came.
+        # One worker: the updates run in the order their gradients came (see
+        # Note: threads of the host update).
         self.worker = (ThreadPoolExecutor(1, thread_name_prefix="adam-host")
                        if worker else None)
 
@@ -251,6 +236,21 @@ class HostOffload:
     ### The worker
 
     def submit(self, update: Callable[[], None]) -> Future:
-        """Run `update` on the worker thread (in submission order)."""
+        """
+        ### Run `update` on the worker thread, in submission order
+
+        #### Note: threads of the host update
+
+        The CPU kernels split each shard over torch's intra-op threads. Every
+        rank is its own process and by default takes one thread per core, so
+        $N_d$ ranks on one host oversubscribe the cores $N_d$ times over; give
+        each `torch.set_num_threads(cores // ranks_per_host)`. The update is
+        memory-bound, so more threads than the memory channels can feed buy
+        little. For an update during the backward pass
+        (`AdamFP16(update_during_backward=True)`) this one worker thread runs
+        the host updates in the order the gradients came, while the main
+        thread goes on launching the backward pass (PyTorch's CPU kernels
+        release the GIL).
+        """
         assert self.worker is not None, "built without a worker"
         return self.worker.submit(update)

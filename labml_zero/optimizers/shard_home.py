@@ -42,6 +42,8 @@ from labml_zero.zero3.shard import LocalShard, grad_device
 
 from .host_offload import HostOffload, HostShard
 
+# the two moments, named as in `torch.optim.AdamW`'s state, so that a state
+# dict reads the same
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -103,7 +105,7 @@ class DeviceHome(ShardHome):
     ## Master and moments in the shard's own memory
 
     An fp32 shard *is* its own master (no copy, $K = 8$ bytes of moments); a
-    16-bit one gets an fp32 master of its own. The gradient the update reads
+    half-precision one gets an fp32 master of its own. The gradient the update reads
     is the shard's, and the new master is copied into the shard in place.
     """
 
