@@ -158,7 +158,7 @@ class AdamFP16(torch.optim.Optimizer):
         self.update_during_backward = update_during_backward
         # Each shard's home, its kind decided here, once, by `offload`.
         self.homes = build_homes(self.param_groups, self._offloaded(offload),
-                                 fused=self.fused, worker=update_during_backward)
+                                 worker=update_during_backward)
         # Host homes get their state now: the engine's fp32 `master_init`
         # (4 bytes per element on the device) moves to the host at once
         # instead of waiting there through the first step.
@@ -175,7 +175,7 @@ class AdamFP16(torch.optim.Optimizer):
         # during `__init__` the homes are built after all groups
         if hasattr(self, "homes"):
             add_group_homes(self.homes, len(self.param_groups) - 1,
-                            self.param_groups[-1], set(), fused=self.fused)
+                            self.param_groups[-1], set())
 
     @property
     def early(self) -> dict[torch.Tensor, EarlyUpdate]:

@@ -57,8 +57,9 @@ class ShardHome:
 
     Set by each kind, once:
 
-    * `skip_in_kernel`: the fused kernel may skip a non-finite gradient on
-      the device (a flag it reads, no host sync);
+    * `skip_in_kernel`: the fused kernel, when the optimizer uses it, may
+      skip a non-finite gradient where the state is (a flag it reads, no host
+      sync);
     * `copies_gradient`: the gradient is copied elsewhere as soon as it is
       final (`grad_ready`);
     * `worker`: where an update during the backward pass runs instead of the
@@ -110,11 +111,8 @@ class DeviceHome(ShardHome):
     """
 
     copies_gradient = False
-
-    def __init__(self, param: torch.Tensor, group_index: int, *, fused: bool):
-        super().__init__(param, group_index)
-        # the fused kernel reads a found-inf flag on the device
-        self.skip_in_kernel = fused
+    # the fused kernel reads a found-inf flag on the device: no host sync
+    skip_in_kernel = True
 
     @property
     def state_device(self) -> torch.device:
@@ -231,7 +229,7 @@ class Homes(NamedTuple):
 
 
 def build_homes(param_groups: list[dict], offloaded: Iterable[torch.Tensor], *,
-                fused: bool, worker: bool) -> Homes:
+                worker: bool) -> Homes:
     """
     ### One home per parameter, the offloaded ones on the host
 
@@ -243,12 +241,12 @@ def build_homes(param_groups: list[dict], offloaded: Iterable[torch.Tensor], *,
     offload = HostOffload(gpus, worker=worker and bool(offloaded))
     homes = Homes({}, [], [], offload)
     for index, group in enumerate(param_groups):
-        add_group_homes(homes, index, group, offloaded, fused=fused)
+        add_group_homes(homes, index, group, offloaded)
     return homes
 
 
 def add_group_homes(homes: Homes, index: int, group: dict,
-                    offloaded: set[torch.Tensor], *, fused: bool) -> None:
+                    offloaded: set[torch.Tensor]) -> None:
     """#### The homes of one param group, its device homes batched"""
     batches: dict[tuple, list[DeviceHome]] = {}
     for param in group["params"]:
@@ -256,7 +254,7 @@ def add_group_homes(homes: Homes, index: int, group: dict,
             home = HostHome(param, index, offload=homes.offload)
             homes.host.append(home)
         else:
-            home = DeviceHome(param, index, fused=fused)
+            home = DeviceHome(param, index)
             batches.setdefault((param.device, param.dtype), []).append(home)
         homes.of[param] = home
     homes.device_batches.extend(batches.values())
