@@ -26,7 +26,9 @@ flat bf16 tensor per trainable chunk, with its fp32 gradient in its
 [shard](../zero3/shard.html).
 
 The pages follow in reading order: [AdamFP16](adam_fp16.html), the optimizer;
-[its state in host memory](host_offload.html), what `offload=` moves;
+[where a shard's optimizer state lives](shard_home.html), each shard's home,
+device or host; [its state in host memory](host_offload.html), what
+`offload=` moves;
 [updating during the backward pass](early_update.html), what
 `update_during_backward=` starts; then the training features that act on the
 shards' gradients: the global gradient norm for clipping (one all-reduce over

@@ -40,22 +40,29 @@ master keeps every update, and the parameter is its rounding.
   copy, $K = 8$ extra bytes
   (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
   instead of {{py: memory_model.OPTIMIZER_BYTES}}.
+* Where a shard's master and moments live, device or host memory, is its
+  *home* ([where a shard's optimizer state lives](shard_home.html)): one
+  object per shard, built at construction, that allocates the state, gives
+  the gradient the update reads and writes the new master back into the
+  shard. The optimizer asks the home and never where the shard is.
 
 Each step is one pass over all shards, however many chunks there are: PyTorch's
 fused AdamW kernel (`torch._fused_adamw_`, which reads $\theta, g, m, v$ once and
 writes $\theta, m, v$ once; it exists for CPU and CUDA) when available, else the
 same update as a sequence of `foreach` multi-tensor kernels (about three times
-the memory traffic). Both are tested against `torch.optim.AdamW`. Every update,
+the memory traffic), one launch per batch of device homes (one param group,
+device and dtype). Both are tested against `torch.optim.AdamW`. Every update,
 whenever and wherever it runs, goes through one method, `_apply`.
 
-`offload=` keeps the master and moments of chosen shards in host memory and
-updates them there (explained in
+`offload=` gives chosen shards a host home, whose master and moments are
+updated in host memory (explained in
 [optimizer state in host memory](host_offload.html)): the gradient shard is
 copied down, the update runs on the CPU, and the rounded shard goes back up.
 Which shards go is the {{see: placement}}'s decision.
 `update_during_backward=` updates each shard as soon as its gradient is final,
 while the backward pass goes on (explained in
-[updating during the backward pass](early_update.html)).
+[updating during the backward pass](early_update.html)): an `EarlyUpdates`
+object the optimizer holds owns those updates, their stream and their flags.
 
 ## All ranks agree on an overflow
 
@@ -83,19 +90,15 @@ from typing import Callable, Collection, Iterable
 
 import torch
 
-from labml_zero.zero3.shard import LocalShard
-
 from .early_update import EarlyUpdate, EarlyUpdates, NonFiniteGradient
-from .host_offload import HostOffload
+from .host_offload import HostShard
+from .shard_home import MOMENTS, ShardHome, add_group_homes, build_homes
 
 __all__ = ["AdamFP16", "NonFiniteGradient"]
 
 # A rule answers, for a chunk's index and its parameter shard, whether that
-# shard's master and moments live on the host; the two moments are named as in
-# `torch.optim.AdamW`'s state, so a state dict reads the same.
+# shard's master and moments live on the host.
 OffloadRule = Callable[[int, torch.Tensor], bool]
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class AdamFP16(torch.optim.Optimizer):
@@ -116,6 +119,10 @@ class AdamFP16(torch.optim.Optimizer):
       called for it (see Note: updating during the backward pass).
     * `free_grads`: with it, free each shard's gradient once its early update
       has consumed it (see `EarlyUpdates.free_grad`).
+
+    It holds `homes` (each shard's [home](shard_home.html), device or host,
+    and the kernels' batches) and `early_updates` (the updates during the
+    backward pass); `self.state` holds each shard's master and moments.
     """
 
     def __init__(
@@ -149,22 +156,26 @@ class AdamFP16(torch.optim.Optimizer):
         if self.fused and not hasattr(torch, "_fused_adamw_"):
             raise ValueError("fused=True needs torch._fused_adamw_ (PyTorch >= 2.4)")
         self.update_during_backward = update_during_backward
-        self.offload = HostOffload(self._offloaded(offload),
-                                   worker=update_during_backward)
-        # the param group of each shard, for an update on its own
-        self.group_of = {p: group for group in self.param_groups
-                         for p in group["params"]}
-        # Offloaded shards get their host state now: the engine's fp32
-        # `master_init` (4 bytes per element on the device) moves to the host
-        # at once instead of waiting there through the first step.
-        for param in self.offload.shards:
-            self.init_state(param)
-        # the updates run during the backward pass, their stream and flags
-        self.early_updates = EarlyUpdates(self.offload, self._apply, self.gradient,
-                                          free_grads=free_grads)
+        # Each shard's home, its kind decided here, once, by `offload`.
+        self.homes = build_homes(self.param_groups, self._offloaded(offload),
+                                 worker=update_during_backward)
+        # Host homes get their state now: the engine's fp32 `master_init`
+        # (4 bytes per element on the device) moves to the host at once
+        # instead of waiting there through the first step.
+        for home in self.homes.host:
+            self._state(home)
+        self.early_updates = EarlyUpdates(self._apply, free_grads=free_grads)
         # (step, 0-dim step tensor) per (device, stream): every shard updated
         # at that step there reads the same one, one fill a step, not a shard
         self._step_tensors: dict[tuple, tuple[int, torch.Tensor]] = {}
+
+    def add_param_group(self, param_group: dict) -> None:
+        """A group added after construction: its homes on the device."""
+        super().add_param_group(param_group)
+        # during `__init__` the homes are built after all groups
+        if hasattr(self, "homes"):
+            add_group_homes(self.homes, len(self.param_groups) - 1,
+                            self.param_groups[-1], set())
 
     @property
     def early(self) -> dict[torch.Tensor, EarlyUpdate]:
@@ -177,9 +188,9 @@ class AdamFP16(torch.optim.Optimizer):
         return self.early_updates.free_grads
 
     @property
-    def host(self):
-        """The offloaded shards and their staging (`HostOffload.shards`)."""
-        return self.offload.shards
+    def host(self) -> dict[torch.Tensor, HostShard]:
+        """The offloaded shards and their staging buffers."""
+        return {home.param: home.staging for home in self.homes.host}
 
     def _offloaded(self, offload) -> list[torch.Tensor]:
         """#### Resolve `offload` into the offloaded parameters, in list order"""
@@ -198,62 +209,33 @@ class AdamFP16(torch.optim.Optimizer):
 
     ### State
 
-    def state_device(self, param: torch.Tensor) -> torch.device:
-        """Where `param`'s master and moments belong (for checkpoint loading)."""
-        return torch.device("cpu") if param in self.offload else param.device
+    def _home(self, param: torch.Tensor) -> ShardHome:
+        home = self.homes.of.get(param)
+        if home is None:
+            raise ValueError("the parameter is not one of this optimizer's")
+        return home
 
-    @staticmethod
-    def gradient(param: torch.Tensor) -> torch.Tensor | None:
-        """The fp32 gradient: the shard's, or the ordinary one cast."""
-        shard = LocalShard.of(param)
-        grad = shard.grad if shard is not None else None
-        if grad is None and param.grad is not None:
-            grad = param.grad.float()
-        return grad
+    def state_device(self, param: torch.Tensor) -> torch.device:
+        """Where `param`'s master and moments belong (for checkpoint loading;
+        a parameter not updated here, a frozen chunk's shard: its own device)."""
+        home = self.homes.of.get(param)
+        return param.device if home is None else home.state_device
 
     def init_state(self, param: torch.Tensor) -> dict:
         """
         ### The state of one shard
 
-        `master` [S] fp32, `exp_avg` [S] fp32, `exp_avg_sq` [S] fp32, `step`;
-        host tensors for an offloaded shard, whose master never aliases it.
+        `master` [S] fp32, `exp_avg` [S] fp32, `exp_avg_sq` [S] fp32, `step`,
+        allocated by its home at the first use (host tensors for a host home,
+        whose master never aliases the shard).
         """
-        state = self.state[param]
-        if state:
-            if param in self.offload:
-                self._move_to_host(param, state)
-            return state
-        shard = LocalShard.of(param)
-        # The exact fp32 weights; the half-precision shard is a rounding of them.
-        master = shard.take_master_init() if shard is not None else None
-        if master is None:
-            if param.dtype == torch.float32 and param not in self.offload:
-                master = param.data
-            else:
-                master = param.detach().float()
-        if param in self.offload:
-            # [S] fp32 on the host; copy=True: on CPU an fp32 shard is already
-            # there, and its master must still be a tensor of its own
-            master = master.to("cpu", torch.float32, copy=True)
-        state["step"] = 0
-        state["master"] = master
-        for kind in MOMENTS:
-            state[kind] = torch.zeros_like(master)
+        return self._state(self._home(param))
+
+    def _state(self, home: ShardHome) -> dict:
+        state = self.state[home.param]
+        if not state:
+            state.update(home.new_state())
         return state
-
-    @staticmethod
-    def _move_to_host(param: torch.Tensor, state: dict) -> None:
-        """
-        #### Bring a state loaded onto the device back to the host
-
-        A state installed on the shard's device (an fp32 shard's master as the
-        shard itself) is copied, so the device memory is freed and the master
-        does not alias the shard.
-        """
-        for key in ("master", *MOMENTS):
-            t = state[key]
-            if t.device.type != "cpu" or t.data_ptr() == param.data_ptr():
-                state[key] = t.to("cpu", torch.float32, copy=True)
 
     def shard_state(self, param: torch.Tensor) -> dict | None:
         """
@@ -276,10 +258,10 @@ class AdamFP16(torch.optim.Optimizer):
         ### Install a checkpoint's state for `param`, or forget it (`None`)
 
         The tensors are used as given (put them on `state_device(param)`); an
-        fp32 shard's `master` may be the shard itself.
+        fp32 shard's `master` may be the shard itself, which a host home
+        copies (`HostHome.adopt`).
         """
-        if param not in self.group_of:
-            raise ValueError("the parameter is not one of this optimizer's")
+        home = self._home(param)
         if state is None:
             self.state.pop(param, None)
             return
@@ -288,18 +270,14 @@ class AdamFP16(torch.optim.Optimizer):
             raise ValueError(f"shard state lacks {sorted(missing)}")
         self.state[param] = {"step": int(state["step"]), "master": state["master"],
                              **{kind: state[kind] for kind in MOMENTS}}
+        home.adopt(self.state[param])
 
-    def _group_of(self, param: torch.Tensor) -> dict:
-        group = self.group_of.get(param)
-        if group is None:
-            # a group added after construction (`add_param_group`)
-            for candidate in self.param_groups:
-                if any(p is param for p in candidate["params"]):
-                    group = self.group_of[param] = candidate
-                    break
-            else:
-                raise ValueError("the parameter is not one of this optimizer's")
-        return group
+    def load_state_dict(self, state_dict: dict) -> None:
+        """`torch.optim`'s, then each loaded state moved to its home."""
+        super().load_state_dict(state_dict)
+        for param, home in self.homes.of.items():
+            if self.state.get(param):
+                home.adopt(self.state[param])
 
     ### A gradient is final
 
@@ -308,24 +286,29 @@ class AdamFP16(torch.optim.Optimizer):
         ### `param`'s gradient is final for this step
 
         The engine calls this as each chunk is reduced, with `after` the stream
-        that wrote the gradient. An offloaded shard starts its copy down; with
-        `update_during_backward` the shard is updated now
-        (see Note: updating during the backward pass).
+        that wrote the gradient. Its home moves it if it must (a host home
+        starts the copy down); with `update_during_backward` the shard is
+        updated now (see Note: updating during the backward pass).
         """
-        grad = self.gradient(param)
+        home = self.homes.of.get(param)
+        if home is None:
+            if self.update_during_backward:
+                raise ValueError("the parameter is not one of this optimizer's")
+            # not one of ours: nothing to move, nothing to update
+            return
+        grad = home.gradient()
         if grad is None:
             return
-        if param in self.offload:
-            self.offload.copy_down(param, grad, after=after)
-        if self.update_during_backward and param not in self.early:
+        home.grad_ready(grad, after=after)
+        if self.update_during_backward and not self.early_updates.started(param):
             # a second backward before `step()` is not updated again: `step()`
             # sees its gradient changed and refuses it
-            self.early_updates.start(param, grad, self._group_of(param),
-                                     after=after)
+            self.early_updates.start(home, grad, after=after)
 
     def prefetch_grad(self, param: torch.Tensor, *, after=None) -> None:
-        """`grad_ready` for an offloaded shard; nothing for one on the device."""
-        if param in self.offload:
+        """`grad_ready` for a shard whose home copies its gradient (a host
+        home); nothing for one on the device."""
+        if self._home(param).copies_gradient:
             self.grad_ready(param, after=after)
 
     ### The step
@@ -340,57 +323,56 @@ class AdamFP16(torch.optim.Optimizer):
         # any update: a step must not stop half done
         self.early_updates.raise_if_skipped(self.state)
         self.early_updates.check(self.state)
-        offloaded = []
-        for group in self.param_groups:
-            late = [p for p in group["params"]
-                    if self.gradient(p) is not None and p not in self.early]
-            offloaded += [p for p in late if p in self.offload]
-            # Device updates first: they are queued and run while the host works.
-            self._apply([p for p in late if p not in self.offload], group)
+        started = self.early_updates.started
+        # Device batches first: they are queued and run while the host works.
+        for homes in self.homes.device_batches:
+            self._apply([h for h in homes
+                         if h.gradient() is not None and not started(h.param)])
+        late_host = [h for h in self.homes.host
+                     if h.gradient() is not None and not started(h.param)]
         self.early_updates.finish(self.state)
         # Last first: in backward their gradients were final first.
-        for param in reversed(offloaded):
-            self._apply([param], self._group_of(param))
-        if offloaded or any(p in self.offload for p in self.early):
-            # compute stream waits: the next all-gather reads the new shards
-            self.offload.wait_uploads()
-        self.early_updates.pending = {}
+        for home in reversed(late_host):
+            self._apply([home])
+        # compute stream waits: the next all-gather reads the new shards
+        self.homes.offload.wait_uploads()
         return loss
 
-    def _apply(self, params: list[torch.Tensor], group: dict, *,
+    def _apply(self, homes: list[ShardHome], *,
                early: EarlyUpdate | None = None) -> None:
         """
-        ### One AdamW step of `params`, the one path every update takes
+        ### One AdamW step of `homes`, the one path every update takes
+
+        The homes are of one kind, param group, device and dtype (one of
+        `homes.device_batches`, or a single home), so the first speaks for all.
 
         1. Each shard's step count goes up; shards with the same count share the
            bias corrections, so one kernel launch covers them.
-        2. The gradients: the shards' own, or the host copies of offloaded ones.
+        2. The gradients, as the home gives them: the shards' own, or the host
+           copies.
         3. The kernel updates master and moments; with `early`, only if the
            gradient is finite (see Note: a non-finite gradient in an early
            update).
-        4. The rounded master goes back into the shard: on the device a copy,
-           for an offloaded shard an upload.
+        4. The home writes the rounded master back into the shard: on the
+           device a copy, from the host an upload.
         """
-        by_step: dict[int, list[torch.Tensor]] = {}
-        for param in params:
-            state = self.init_state(param)
+        if not homes:
+            return
+        lead = homes[0]
+        group = self.param_groups[lead.group_index]
+        by_step: dict[int, list[ShardHome]] = {}
+        for home in homes:
+            state = self._state(home)
             state["step"] += 1
-            by_step.setdefault(state["step"], []).append(param)
+            by_step.setdefault(state["step"], []).append(home)
         for step, same in by_step.items():
-            states = [self.state[p] for p in same]
+            states = [self.state[h.param] for h in same]
             masters = [s["master"] for s in states]
-            grads = [self.gradient(p) for p in same]
-            if same[0] in self.offload:
-                grads = [self.offload.host_grad(p, g) for p, g in zip(same, grads)]
+            grads = lead.gradients(same)
             found_inf = None
             if early is not None:
-                # 0-dim fp32: one when the gradient has an inf or a nan. The
-                # largest |g| is non-finite exactly then (a nan propagates
-                # through the max): one read of the gradient, no temporary,
-                # where isfinite(g).all() also writes and reads a bool copy.
-                found_inf = early.found_inf = (~torch.isfinite(
-                    torch.linalg.vector_norm(grads[0], float("inf")))).float()
-                if not self.fused or same[0] in self.offload:
+                found_inf = early.flag_non_finite(grads[0])
+                if not (self.fused and lead.skip_in_kernel):
                     # host sync on a GPU (foreach); on the host, a host check
                     if found_inf.item():
                         return
@@ -398,16 +380,7 @@ class AdamFP16(torch.optim.Optimizer):
             self._kernel(masters, grads, [s["exp_avg"] for s in states],
                          [s["exp_avg_sq"] for s in states], step, group,
                          found_inf=found_inf)
-            if same[0] in self.offload:
-                for param, master in zip(same, masters):
-                    self.offload.upload(param, master)
-                continue
-            # Write back the rounded master; the next all-gather spreads it.
-            pairs = [(p, m) for p, m in zip(same, masters)
-                     if m.data_ptr() != p.data_ptr()]
-            if pairs:
-                torch._foreach_copy_([p.data for p, _ in pairs],
-                                     [m for _, m in pairs])
+            lead.write_back(same, masters)
 
     def _kernel(self, masters, grads, exp_avgs, exp_avg_sqs, step: int,
                 group: dict, *, found_inf: torch.Tensor | None) -> None:
@@ -451,9 +424,7 @@ class AdamFP16(torch.optim.Optimizer):
         return held[1]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for group in self.param_groups:
-            for param in group["params"]:
-                shard = LocalShard.of(param)
-                if shard is not None:
-                    shard.zero_grad()
-                param.grad = None
+        """Free every gradient; `set_to_none` is always true (the engine's
+        reduction allocates the next step's gradient)."""
+        for home in self.homes.of.values():
+            home.free_grad()

@@ -15,7 +15,9 @@ same path and operands as in `step()`; what this page holds is the
 bookkeeping around it: the updates in flight, the side stream they run on, the
 skip flags of gradients that were not finite, and the refusal of a gradient
 changed after its update began. `EarlyUpdates` owns all of it; the optimizer
-holds one.
+holds one and asks it. Where an update runs is its shard's
+[home](shard_home.html)'s answer: on the host worker for a host home, else on
+the side stream (GPU) or at once (CPU).
 
 ## Limitations
 
@@ -32,9 +34,8 @@ from typing import Callable
 
 import torch
 
-from labml_zero.zero3.shard import LocalShard
-
-from .host_offload import GradVersion, HostOffload
+from .host_offload import GradVersion
+from .shard_home import ShardHome
 
 
 class NonFiniteGradient(RuntimeError):
@@ -47,19 +48,33 @@ class EarlyUpdate:
     """
     ## An update run during the backward pass
 
+    * `home`: the shard's [home](shard_home.html).
     * `grad`: the gradient it used, at its version then.
     * `done`: the host worker's future (offloaded shards), else `None`.
     * `found_inf`: 0-dim fp32 flag, 1 if the gradient was not finite and the
       update was skipped (a device tensor: reading it is a host sync).
     """
 
+    home: ShardHome
     grad: GradVersion
     done: Future | None = None
     found_inf: torch.Tensor | None = None
 
+    def flag_non_finite(self, grad: torch.Tensor) -> torch.Tensor:
+        """
+        #### `found_inf`: 0-dim fp32, one when `grad` has an inf or a nan
 
-# `AdamFP16._apply`: one AdamW step of the shards, with `early` when it runs
-# during the backward pass
+        The largest $|g|$ is non-finite exactly then (a nan propagates through
+        the max): one read of the gradient, no temporary, where
+        `isfinite(g).all()` also writes and reads a bool copy.
+        """
+        self.found_inf = (~torch.isfinite(
+            torch.linalg.vector_norm(grad, float("inf")))).float()
+        return self.found_inf
+
+
+# `AdamFP16._apply`: one AdamW step of a list of homes, with `early` when it
+# runs during the backward pass
 Apply = Callable[..., None]
 
 
@@ -67,20 +82,17 @@ class EarlyUpdates:
     """
     ## The early updates of one optimizer
 
-    * `offload`: the optimizer's `HostOffload`; an offloaded shard's update
-      runs on its worker.
     * `apply`: the optimizer's `_apply`, the one path every update takes.
-    * `gradient`: a shard's fp32 gradient (`AdamFP16.gradient`).
     * `free_grads`: free each shard's gradient once its early update has
       consumed it (see `free_grad`).
+
+    Lifecycle of one step: `start` for each shard as its gradient is final;
+    at `step()`, `raise_if_skipped` (last step's flags), `check`, then
+    `finish`, which ends the step's updates and empties `pending`.
     """
 
-    def __init__(self, offload: HostOffload, apply: Apply,
-                 gradient: Callable[[torch.Tensor], torch.Tensor | None], *,
-                 free_grads: bool):
-        self.offload = offload
+    def __init__(self, apply: Apply, *, free_grads: bool):
         self.apply = apply
-        self.gradient = gradient
         self.free_grads = free_grads
         # the updates run during this backward pass
         self.pending: dict[torch.Tensor, EarlyUpdate] = {}
@@ -90,12 +102,15 @@ class EarlyUpdates:
         # the side stream of the device's early updates, made at the first one
         self.update_stream: torch.cuda.Stream | None = None
 
-    def start(self, param: torch.Tensor, grad: torch.Tensor, group: dict, *,
-              after=None) -> None:
+    def started(self, param: torch.Tensor) -> bool:
+        """Whether `param`'s update already began in this backward pass."""
+        return param in self.pending
+
+    def start(self, home: ShardHome, grad: torch.Tensor, *, after=None) -> None:
         """
         ### Update one shard while the backward pass goes on
 
-        Offloaded: on the host worker. On a GPU: on a side stream that waits for
+        A host home: on its worker. On a GPU: on a side stream that waits for
         `after` (the reduce-scatter); `step()` makes the compute stream wait for
         it. On CPU: here, the same kernel on the same operands as in `step()`.
 
@@ -117,12 +132,13 @@ class EarlyUpdates:
         * it reads `lr` and the other hyperparameters when it runs: change them
           between `step()` and the next backward, as schedulers do.
         """
-        early = self.pending[param] = EarlyUpdate(GradVersion(grad))
-        if param in self.offload:
-            early.done = self.offload.submit(
-                lambda: self.apply([param], group, early=early))
+        param = home.param
+        early = self.pending[param] = EarlyUpdate(home, GradVersion(grad))
+        if home.worker is not None:
+            early.done = home.worker.submit(
+                lambda: self.apply([home], early=early))
         elif param.device.type != "cuda":
-            self.apply([param], group, early=early)
+            self.apply([home], early=early)
         else:
             if self.update_stream is None:
                 self.update_stream = torch.cuda.Stream(param.device)
@@ -130,16 +146,16 @@ class EarlyUpdates:
             # update stream waits: `after` wrote the gradient
             stream.wait_stream(after or torch.cuda.current_stream(param.device))
             with torch.cuda.stream(stream):
-                self.apply([param], group, early=early)
+                self.apply([home], early=early)
             # the compute stream frees the gradient (at `zero_grad`, or below)
             grad.record_stream(stream)
         if self.free_grads:
-            # see `free_grad`; an offloaded
-            # shard's copy down was queued in `grad_ready`, before this
-            self.free_grad(param)
+            # see `free_grad`; a host home's copy down was queued in
+            # `grad_ready`, before this
+            self.free_grad(home)
 
     @staticmethod
-    def free_grad(param: torch.Tensor) -> None:
+    def free_grad(home: ShardHome) -> None:
         r"""
         #### Free a gradient after its early update (`free_grads=True`)
 
@@ -158,10 +174,7 @@ class EarlyUpdates:
         second backward makes new gradients, which `step()` refuses as for a changed
         one).
         """
-        shard = LocalShard.of(param)
-        if shard is not None:
-            shard.zero_grad()
-        param.grad = None
+        home.free_grad()
 
     ### At `step()`
 
@@ -172,11 +185,10 @@ class EarlyUpdates:
         Clipping, unscaling or a second backward pass changed the gradient after
         its update during the backward pass began; `state` as in `finish`.
         """
-        for param, early in self.pending.items():
-            grad = self.gradient(param)
+        for early in self.pending.values():
+            grad = early.home.gradient()
             if grad is not None and not early.grad.matches(grad):
                 self.finish(state, check_finite=False)
-                self.pending = {}
                 raise RuntimeError(
                     "a shard's gradient changed after its update began, during "
                     "the backward pass (clipping, unscaling or a second "
@@ -188,17 +200,19 @@ class EarlyUpdates:
         #### Wait for the updates started during the backward pass
 
         `state` is the optimizer's, whose step counts a skipped update takes
-        back. Then, see Note: a non-finite gradient in an early update.
+        back. Then, see Note: a non-finite gradient in an early update. The
+        step's updates are over: `pending` is empty after.
         """
-        for early in self.pending.values():
+        pending, self.pending = self.pending, {}
+        for early in pending.values():
             if early.done is not None:
                 # host sync: the worker's update and its upload are queued
                 early.done.result()
-        if self.update_stream is not None and self.pending:
+        if self.update_stream is not None and pending:
             # compute stream waits: the next all-gather reads the new shards
             torch.cuda.current_stream(self.update_stream.device).wait_stream(
                 self.update_stream)
-        flagged = [(p, e.found_inf) for p, e in self.pending.items()
+        flagged = [(p, e.found_inf) for p, e in pending.items()
                    if e.found_inf is not None]
         if not (check_finite and flagged):
             return

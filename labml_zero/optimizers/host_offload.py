@@ -30,46 +30,9 @@ The device saves $K$ bytes per element; the host holds $K + 4$: the state and a
 and then, once the update has consumed it, the $pS$ bytes of the rounded master
 going up.
 
-When the engine keeps the parameter shard itself in host memory
-(`Chunk.offload_shard`), the update rounds the master straight into it and
-nothing goes up: the next gather copies the shard up itself.
-
-## Note: pinned memory and copy streams
-
-Only the staging buffer is page-locked ("pinned", when the shard's gradient is
-on a GPU, `grad_device`): DMA needs it, while the master and moments are read
-by the CPU only, and pinned memory is scarce (it cannot be swapped). Copies run
-on two side streams, one per direction, so the copy engines move both ways at
-once:
-
-1. `copy_down(param, grad, after=stream)` queues the gradient's copy as soon as
-   `stream` (the engine's reduce stream) has written it, and records an event;
-2. `host_grad(param, grad)` waits for that event (a host sync) and returns the
-   staging buffer, copying again if the gradient changed since;
-3. `upload(param, master)` rounds into the staging buffer and queues the copy
-   up; the next copy down waits (on the device) for it, and `wait_uploads()`
-   makes the compute stream wait for every copy up, so the next all-gather
-   reads new shards.
-
-A gradient changed after its copy down (loss-scale unscaling, clipping and
-accumulation all work in place) is copied again: a `GradVersion` remembers the
-tensor and its version counter, which every in-place op bumps.
-
-## Note: threads of the host update
-
-The CPU kernels split each shard over torch's intra-op threads. Every rank is
-its own process and by default takes one thread per core, so $N_d$ ranks on one
-host oversubscribe the cores $N_d$ times over; give each
-`torch.set_num_threads(cores // ranks_per_host)`. The update is memory-bound,
-so more threads than the memory channels can feed buy little.
-
-For an update during the backward pass (`AdamFP16(update_during_backward=
-True)`) one worker thread runs the host updates in the order the gradients
-came, while the main thread goes on launching the backward pass (PyTorch's CPU
-kernels release the GIL).
-
-On CPU (tests) "host" and "device" are the same memory, yet the same path is
-taken, with plain synchronous copies into separate tensors.
+Each offloaded shard has a host [home](shard_home.html), which holds its
+`HostShard` (the staging buffer and its events); `HostOffload` holds what they
+share, the copy streams and the worker, and moves the bytes.
 
 ## Limitations
 
@@ -88,8 +51,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
 import torch
-
-from labml_zero.zero3.shard import grad_device, param_on_host
 
 
 class GradVersion:
@@ -137,19 +98,40 @@ class HostShard:
 
 class HostOffload:
     """
-    ## The offloaded shards, their copies and their worker
+    ## The copy streams and the worker that the offloaded shards share
 
-    * `params`: the shards whose optimizer state lives on the host.
+    * `devices`: the GPUs of the offloaded shards' gradients (at most one;
+      none on CPU, where the copies are plain ones).
     * `worker`: run updates on a worker thread (`submit`), for updates during
       the backward pass.
+
+    ### Note: pinned memory and copy streams
+
+    Only the staging buffer is page-locked ("pinned", when the shard's gradient
+    is on a GPU, `grad_device`): DMA needs it, while the master and moments are
+    read by the CPU only, and pinned memory is scarce (it cannot be swapped).
+    Copies run on two side streams, one per direction, so the copy engines move
+    both ways at once:
+
+    1. `copy_down(host, grad, after=stream)` queues the gradient's copy as soon
+       as `stream` (the engine's reduce stream) has written it, and records an
+       event;
+    2. `host_grad(host, grad)` waits for that event (a host sync) and returns
+       the staging buffer, copying again if the gradient changed since;
+    3. `upload(host, param, master)` rounds into the staging buffer and queues
+       the copy up; the next copy down waits (on the device) for it, and
+       `wait_uploads()` makes the compute stream wait for every copy up, so the
+       next all-gather reads new shards.
+
+    A gradient changed after its copy down (loss-scale unscaling, clipping and
+    accumulation all work in place) is copied again: a `GradVersion` remembers
+    the tensor and its version counter, which every in-place op bumps. On CPU
+    (tests) "host" and "device" are the same memory, yet the same path is
+    taken, with plain synchronous copies into separate tensors.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], *, worker: bool):
-        params = list(params)
-        # pinned staging only where a DMA engine will read or write it
-        self.shards = {p: HostShard(p, pin=grad_device(p).type == "cuda")
-                       for p in params}
-        devices = {grad_device(p) for p in params if grad_device(p).type == "cuda"}
+    def __init__(self, devices: Iterable[torch.device], *, worker: bool):
+        devices = set(devices)
         if len(devices) > 1:
             raise ValueError(f"offloaded shards must be on one GPU, got {devices}")
         # One side stream per direction (see Note: pinned memory and copy
@@ -158,24 +140,23 @@ class HostOffload:
         for device in devices:
             self.down_stream = torch.cuda.Stream(device, priority=-1)
             self.up_stream = torch.cuda.Stream(device, priority=-1)
-        # One worker: the updates run in the order their gradients came.
+        # whether a copy up was queued since the last `wait_uploads`
+        self.uploads_queued = False
+        # One worker: the updates run in the order their gradients came (see
+        # Note: threads of the host update).
         self.worker = (ThreadPoolExecutor(1, thread_name_prefix="adam-host")
-                       if worker and params else None)
-
-    def __contains__(self, param: torch.Tensor) -> bool:
-        return param in self.shards
+                       if worker else None)
 
     ### Down
 
-    def copy_down(self, param: torch.Tensor, grad: torch.Tensor, *,
+    def copy_down(self, host: HostShard, grad: torch.Tensor, *,
                   after=None) -> None:
         """
-        ### Queue the copy of `grad` into `param`'s staging buffer
+        ### Queue the copy of `grad` into the shard's staging buffer
 
         `after` is the CUDA stream that wrote `grad` (default: the current
         one). Nothing to do if the buffer already holds it.
         """
-        host = self.shards[param]
         if host.holds(grad):
             return
         host.copied = None
@@ -197,7 +178,7 @@ class HostOffload:
         host.grad_ready.record(stream)
         host.copied = GradVersion(grad)
 
-    def host_grad(self, param: torch.Tensor,
+    def host_grad(self, host: HostShard,
                   grad: torch.Tensor | None) -> torch.Tensor:
         """
         ### `[S]` fp32 gradient on the host, once its copy down has landed
@@ -207,9 +188,8 @@ class HostOffload:
         the device gradient was freed after its copy down was queued
         (`AdamFP16(free_grads=True)`), so the staging buffer is the gradient.
         """
-        host = self.shards[param]
         if grad is not None:
-            self.copy_down(param, grad)
+            self.copy_down(host, grad)
         elif host.copied is None:
             raise RuntimeError("an offloaded shard has neither a gradient nor "
                                "a copy of one on the host")
@@ -221,19 +201,14 @@ class HostOffload:
 
     ### Up
 
-    def upload(self, param: torch.Tensor, master: torch.Tensor) -> None:
+    def upload(self, host: HostShard, param: torch.Tensor,
+               master: torch.Tensor) -> None:
         """
         ### Round the master on the host and copy it up into the shard
 
         The rounded copy goes into the staging buffer, whose gradient the
         update has consumed: $p S$ bytes of its $4 S$.
         """
-        if param_on_host(param):
-            # a shard the engine keeps in host memory: round into it; its next
-            # gather copies it up
-            param.data.copy_(master)
-            return
-        host = self.shards[param]
         # [S] shard dtype, a view of the staging buffer's first p·S bytes
         rounded = host.staging.view(param.dtype)[: param.numel()]
         rounded.copy_(master)
@@ -247,16 +222,35 @@ class HostOffload:
             param.data.copy_(rounded, non_blocking=True)
         host.uploaded = torch.cuda.Event()
         host.uploaded.record(self.up_stream)
+        self.uploads_queued = True
 
     def wait_uploads(self) -> None:
-        """The compute stream waits for every copy up: the next gather reads them."""
-        if self.up_stream is not None:
-            torch.cuda.current_stream(self.up_stream.device).wait_stream(
-                self.up_stream)
+        """The compute stream waits for the copies up queued since the last
+        call: the next gather reads them. Nothing to wait for, nothing done."""
+        if not self.uploads_queued:
+            return
+        self.uploads_queued = False
+        torch.cuda.current_stream(self.up_stream.device).wait_stream(
+            self.up_stream)
 
     ### The worker
 
     def submit(self, update: Callable[[], None]) -> Future:
-        """Run `update` on the worker thread (in submission order)."""
+        """
+        ### Run `update` on the worker thread, in submission order
+
+        #### Note: threads of the host update
+
+        The CPU kernels split each shard over torch's intra-op threads. Every
+        rank is its own process and by default takes one thread per core, so
+        $N_d$ ranks on one host oversubscribe the cores $N_d$ times over; give
+        each `torch.set_num_threads(cores // ranks_per_host)`. The update is
+        memory-bound, so more threads than the memory channels can feed buy
+        little. For an update during the backward pass
+        (`AdamFP16(update_during_backward=True)`) this one worker thread runs
+        the host updates in the order the gradients came, while the main
+        thread goes on launching the backward pass (PyTorch's CPU kernels
+        release the GIL).
+        """
         assert self.worker is not None, "built without a worker"
         return self.worker.submit(update)

@@ -1,0 +1,260 @@
+r"""
+---
+title: Where a shard's optimizer state lives
+summary: One home object per shard, device or host, chosen once when AdamFP16 is
+  built; it holds the shard's master and moments and moves its gradient and its
+  update, so the optimizer never asks where a shard is.
+---
+
+# Where a shard's optimizer state lives
+
+This page deepens [AdamFP16](adam_fp16.html). Each shard's fp32 master and two
+moments live in one place, its *home*: device memory (`DeviceHome`) or host
+memory (`HostHome`, the {{see: offload}} of
+[optimizer state in host memory](host_offload.html)). Of the $p + 4 + K$
+bytes a trainable element costs a rank, a shard of $S$ elements keeps on its
+device
+
+$$\underbrace{(p + 4 + K)\,S}_{\texttt{DeviceHome}} \quad\text{or}\quad
+  \underbrace{(p + 4)\,S}_{\texttt{HostHome}},$$
+
+and a host home holds the $K S$ bytes and a $4 S$-byte staging buffer in host
+memory instead. `AdamFP16` builds one home per shard at construction, the
+`offload=` positions deciding which kind, once; every later question about the
+shard (where its state is allocated, which gradient the update reads, whether
+the fused kernel may skip a non-finite gradient on the device, how the new
+master reaches the shard) is a call on its home. `build_homes` also groups the
+device homes for the multi-tensor kernels, once.
+
+## Limitations
+
+* A param group added after construction (`add_param_group`) keeps its state
+  on the device: `offload=` positions are resolved once, at construction.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple
+
+import torch
+
+from labml_zero.zero3.shard import LocalShard, grad_device
+
+from .host_offload import HostOffload, HostShard
+
+# the two moments, named as in `torch.optim.AdamW`'s state, so that a state
+# dict reads the same
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class ShardHome:
+    """
+    ## What every home answers
+
+    * `param`: the shard (or any parameter) the home belongs to.
+    * `group_index`: its param group's position in `optimizer.param_groups`
+      (an index, not the group: `load_state_dict` replaces the groups).
+
+    Set by each kind, once:
+
+    * `skip_in_kernel`: the fused kernel, when the optimizer uses it, may
+      skip a non-finite gradient where the state is (a flag it reads, no host
+      sync);
+    * `copies_gradient`: the gradient is copied elsewhere as soon as it is
+      final (`grad_ready`);
+    * `worker`: where an update during the backward pass runs instead of the
+      caller's stream (`None`: on the caller's side).
+    """
+
+    skip_in_kernel: bool
+    copies_gradient: bool
+    worker: HostOffload | None = None
+
+    def __init__(self, param: torch.Tensor, group_index: int):
+        self.param = param
+        # looked up once: a parameter keeps its shard for life (see the shard's
+        # Note: how a parameter finds its shard)
+        self.shard: LocalShard | None = LocalShard.of(param)
+        self.group_index = group_index
+
+    def gradient(self) -> torch.Tensor | None:
+        """The fp32 gradient: the shard's, or an ordinary parameter's cast."""
+        grad = self.shard.grad if self.shard is not None else None
+        if grad is None and self.param.grad is not None:
+            grad = self.param.grad.float()
+        return grad
+
+    def free_grad(self) -> None:
+        """Drop the gradient: the shard's, and `.grad`."""
+        if self.shard is not None:
+            self.shard.zero_grad()
+        self.param.grad = None
+
+    def first_master(self) -> torch.Tensor | None:
+        """The exact fp32 weights the engine kept, taken (once) from the shard."""
+        return self.shard.take_master_init() if self.shard is not None else None
+
+    @staticmethod
+    def state_of(master: torch.Tensor) -> dict:
+        """`step`, `master` and zero moments, in the order checkpoints read."""
+        return {"step": 0, "master": master,
+                **{kind: torch.zeros_like(master) for kind in MOMENTS}}
+
+
+class DeviceHome(ShardHome):
+    """
+    ## Master and moments in the shard's own memory
+
+    An fp32 shard *is* its own master (no copy, $K = 8$ bytes of moments); a
+    half-precision one gets an fp32 master of its own. The gradient the update reads
+    is the shard's, and the new master is copied into the shard in place.
+    """
+
+    copies_gradient = False
+    # the fused kernel reads a found-inf flag on the device: no host sync
+    skip_in_kernel = True
+
+    @property
+    def state_device(self) -> torch.device:
+        return self.param.device
+
+    def new_state(self) -> dict:
+        """`master` [S] fp32 and both moments on the shard's device."""
+        master = self.first_master()
+        if master is None:
+            master = (self.param.data if self.param.dtype == torch.float32
+                      else self.param.detach().float())
+        return self.state_of(master)
+
+    def adopt(self, state: dict) -> None:
+        """A loaded state is used as given (an fp32 master may be the shard)."""
+
+    def grad_ready(self, grad: torch.Tensor, *, after=None) -> None:
+        """Nothing to move: the update reads the gradient where it is."""
+
+    @staticmethod
+    def gradients(homes: list[DeviceHome]) -> list[torch.Tensor | None]:
+        return [home.gradient() for home in homes]
+
+    @staticmethod
+    def write_back(homes: list[DeviceHome], masters: list[torch.Tensor]) -> None:
+        """The rounded masters into the shards, one multi-tensor copy; the next
+        all-gather spreads them. An fp32 shard that is its master has nothing
+        to copy."""
+        pairs = [(h.param, m) for h, m in zip(homes, masters)
+                 if m.data_ptr() != h.param.data_ptr()]
+        if pairs:
+            torch._foreach_copy_([p.data for p, _ in pairs], [m for _, m in pairs])
+
+
+class HostHome(ShardHome):
+    """
+    ## Master and moments in host memory
+
+    * `offload`: the copy streams and worker all host homes share.
+    * `staging`: this shard's `HostShard`, the buffer its gradient comes down
+      into and its rounded master goes up from.
+
+    The master never aliases the shard, also for an fp32 shard on CPU.
+    """
+
+    copies_gradient = True
+    # the host update checks its gradient on the host, where that is free
+    skip_in_kernel = False
+
+    def __init__(self, param: torch.Tensor, group_index: int, *,
+                 offload: HostOffload):
+        super().__init__(param, group_index)
+        self.offload = offload
+        self.worker = offload if offload.worker is not None else None
+        # pinned only where a DMA engine will read or write it
+        self.staging = HostShard(param, pin=grad_device(param).type == "cuda")
+
+    state_device = torch.device("cpu")
+
+    def new_state(self) -> dict:
+        """`master` [S] fp32 and both moments on the host; `copy=True`: on CPU
+        an fp32 shard is already there, and its master must be its own."""
+        master = self.first_master()
+        if master is None:
+            master = self.param.detach()
+        return self.state_of(master.to("cpu", torch.float32, copy=True))
+
+    def adopt(self, state: dict) -> None:
+        """A state loaded onto the device (an fp32 shard's master as the shard
+        itself) is copied home, so the device memory is freed and the master
+        does not alias the shard."""
+        for key in ("master", *MOMENTS):
+            t = state[key]
+            if t.device.type != "cpu" or t.data_ptr() == self.param.data_ptr():
+                state[key] = t.to("cpu", torch.float32, copy=True)
+
+    def grad_ready(self, grad: torch.Tensor, *, after=None) -> None:
+        """Start the copy down as soon as `after` (the reduce stream) wrote it."""
+        self.offload.copy_down(self.staging, grad, after=after)
+
+    @staticmethod
+    def gradients(homes: list[HostHome]) -> list[torch.Tensor]:
+        """The host copies, each once its copy down has landed."""
+        return [h.offload.host_grad(h.staging, h.gradient()) for h in homes]
+
+    @staticmethod
+    def write_back(homes: list[HostHome], masters: list[torch.Tensor]) -> None:
+        """Round each master on the host and send it up (`HostOffload.upload`);
+        a shard the engine keeps in host memory is rounded into directly, and
+        its next gather copies it up."""
+        for home, master in zip(homes, masters):
+            if home.shard is not None and home.shard.on_host:
+                home.param.data.copy_(master)
+            else:
+                home.offload.upload(home.staging, home.param, master)
+
+
+class Homes(NamedTuple):
+    """
+    ## Every shard's home, and the kernels' batches, built once
+
+    * `of`: each parameter's home.
+    * `device_batches`: the device homes, one list per (param group, device,
+      dtype): one multi-tensor kernel launch each (per step count).
+    * `host`: the host homes in parameter order; each is updated alone, so
+      its copy up starts as soon as its update ends.
+    * `offload`: the streams and worker the host homes share.
+    """
+
+    of: dict[torch.Tensor, ShardHome]
+    device_batches: list[list[DeviceHome]]
+    host: list[HostHome]
+    offload: HostOffload
+
+
+def build_homes(param_groups: list[dict], offloaded: Iterable[torch.Tensor], *,
+                worker: bool) -> Homes:
+    """
+    ### One home per parameter, the offloaded ones on the host
+
+    `worker`: whether host updates may run during the backward pass (on the
+    offload's worker thread).
+    """
+    offloaded = set(offloaded)
+    gpus = {d for d in map(grad_device, offloaded) if d.type == "cuda"}
+    offload = HostOffload(gpus, worker=worker and bool(offloaded))
+    homes = Homes({}, [], [], offload)
+    for index, group in enumerate(param_groups):
+        add_group_homes(homes, index, group, offloaded)
+    return homes
+
+
+def add_group_homes(homes: Homes, index: int, group: dict,
+                    offloaded: set[torch.Tensor]) -> None:
+    """#### The homes of one param group, its device homes batched"""
+    batches: dict[tuple, list[DeviceHome]] = {}
+    for param in group["params"]:
+        if param in offloaded:
+            home = HostHome(param, index, offload=homes.offload)
+            homes.host.append(home)
+        else:
+            home = DeviceHome(param, index)
+            batches.setdefault((param.device, param.dtype), []).append(home)
+        homes.of[param] = home
+    homes.device_batches.extend(batches.values())
