@@ -273,8 +273,22 @@ class AdamFP16(torch.optim.Optimizer):
         home.adopt(self.state[param])
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """`torch.optim`'s, then each loaded state moved to its home."""
+        """
+        `torch.optim`'s, with the states kept as saved, then each moved to its home
+
+        `torch.optim`'s loader casts every floating-point state to its parameter's
+        dtype: for a bf16 shard it would round the fp32 master and moments to bf16,
+        losing what they exist to keep. The saved tensors are put back as saved
+        (fp32), on the parameter's device, before the homes adopt them.
+        """
         super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        positions = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for position, param in zip(positions, params):
+            for key, value in saved.get(position, {}).items():
+                if key != "step" and torch.is_tensor(value):
+                    self.state[param][key] = value.to(param.device, copy=True)
         for param, home in self.homes.of.items():
             if self.state.get(param):
                 home.adopt(self.state[param])

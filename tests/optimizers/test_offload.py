@@ -209,6 +209,26 @@ def test_loaded_state_is_moved_back_and_unaliased():
     assert torch.equal(opt.state[p]["master"], p.detach())
 
 
+@pytest.mark.parametrize("offload", [set(), {0}])
+def test_load_state_dict_keeps_a_bf16_shards_fp32_states(offload):
+    """`torch.optim`'s loader would cast the master and moments to the shard's
+    bf16; loaded into a fresh optimizer they must be the saved fp32 bits."""
+    torch.manual_seed(0)
+    first = LocalShard(torch.randn(64).bfloat16(), trainable=True).param
+    opt = AdamFP16([first], lr=1e-3, offload=offload)
+    for step in range(3):
+        set_grad(first, torch.randn(64))  # the engine's fp32 gradient
+        opt.step()
+    saved = opt.state_dict()
+    second = LocalShard(first.detach().clone(), trainable=True).param
+    again = AdamFP16([second], lr=1e-3, offload=offload)
+    again.load_state_dict(saved)
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        got, want = again.state[second][key], opt.state[first][key]
+        assert got.dtype == torch.float32 and torch.equal(got, want), key
+        assert got.device == want.device, key
+
+
 def test_bad_offload_position():
     params = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
     with pytest.raises(ValueError, match="offload names parameter 3"):
