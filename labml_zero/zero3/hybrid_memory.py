@@ -53,7 +53,8 @@ __all__ = [
 # adds to ZeRO-3's collectives inside the group one all-reduce, across the $R$
 # groups, of each trainable chunk's gradient shard. Which ranks form which
 # group is arithmetic, here; the [communicator](communication.html) makes its
-# shard group from it and [hybrid sharding](hybrid.html) its replica group.
+# shard group from it and [hybrid sharding](hybrid.html) its
+# {{see: replica group}}.
 
 
 def check_shard_group_size(world_size: int, shard_group_size: int) -> None:

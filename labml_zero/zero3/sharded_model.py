@@ -253,8 +253,8 @@ class ShardedRoot(nn.Module):
     `layout` one {{see: chunk layout}} (explained in
     [its page](chunk_layout.html)) for the whole model, one group
     per unit, which the [memory model](memory_model.html) reads, and
-    `transports` its [transports](transport.html) (its peer memory and
-    replica group, if any).
+    `transports` the ways its chunks are gathered and reduced, chosen once
+    from the config ([transports](transport.html)).
     """
 
     runtime: Zero3Runtime
