@@ -155,6 +155,11 @@ class Communicator:
 
     def __init__(self, device: torch.device, *, group=None, side_streams: bool = True,
                  shard_group_size: int | None = None):
+        if shard_group_size is not None and group is not None:
+            # one rule for the communicator and the replica group: hybrid
+            # sharding is decided by `shard_group_size` against the default world
+            raise ValueError("shard_group_size splits the default process group; "
+                             "it cannot be combined with a process group")
         self.device = torch.device(device)
         self.group = group
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -194,9 +199,6 @@ class Communicator:
         that holds it. [Hybrid sharding](hybrid.html) makes the replica groups
         after these, in the same way.
         """
-        if self.group is not None:
-            raise ValueError("shard_group_size splits the default process group; "
-                             "it cannot be combined with a process group")
         world, rank = self.world_size, self.rank
         # checks that $N_s$ divides the world size, in one line naming both
         for j, ranks in enumerate(shard_group_ranks(world, size)):

@@ -25,10 +25,9 @@ The mean of $R$ group means, each over $N_s$ ranks, is the mean over all $N_d$:
 the gradient is the one ZeRO-3 over $N_d$ ranks computes, in another order of
 summation. After it every group holds the whole averaged gradient, so a sum
 over ranks of the shards, such as the gradient norm for clipping, runs over
-the shard group alone. `ZeroConfig(shard_group_size=K)` turns it on
-([communication](communication.html) builds the shard group, `ReplicaGroup`
-below the replica group, and the [transports](transport.html) the
-reduction from both); `--shard-group-size K` in the fine-tune.
+the shard group alone. `ZeroConfig(shard_group_size=K)` turns it on (the
+[communicator](communication.html) makes the shard group, `ReplicaGroup`
+below the replica group); `--shard-group-size K` in the fine-tune.
 
 ## Cost
 
@@ -94,8 +93,8 @@ by it, not by bandwidth, and the hybrid column is then a lower bound.
 * Checkpoints are written by the first shard group alone (every group holds
   the same shards); the per-rank state saved, the RNG and `rank_extra`, is
   that group's.
-* `shard_group_size` splits the default process group; it does not combine
-  with a `group` of one's own.
+* `shard_group_size` splits the default process group; with a `group` of
+  one's own it is refused.
 """
 
 from __future__ import annotations

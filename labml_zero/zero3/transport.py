@@ -197,6 +197,7 @@ class HybridReduce:
         self.replicas.all_reduce_mean(shard)
 
 
+# what `Transports` hands a chunk: its gather, its reduction
 Gather = CollectiveGather | PeerGather
 Reduction = CollectiveReduce | PeerReduce | HybridReduce
 

@@ -210,6 +210,10 @@ def test_one_group_is_plain_zero3():
     with pytest.raises(ValueError, match="^shard_group_size 2 does not divide "
                        "the world size 1$"):
         Communicator(torch.device("cpu"), shard_group_size=2)
+    # refused before the group is read: any process group of one's own
+    with pytest.raises(ValueError, match="^shard_group_size splits the default "
+                       "process group; it cannot be combined with a process group$"):
+        Communicator(torch.device("cpu"), group=object(), shard_group_size=1)
     with pytest.raises(ValueError, match="shard_group_size must be positive"):
         ZeroConfig(shard_group_size=0)
     layers = tiny_layers()
