@@ -103,6 +103,7 @@ import torch
 import torch.distributed as dist
 
 from .communication import CommCounter, Communicator
+from .config import ZeroConfig
 from .hybrid_memory import replica_group_ranks
 
 
@@ -131,7 +132,8 @@ class ReplicaGroup:
         self.counter = counter
 
     @classmethod
-    def for_config(cls, comm: Communicator, config) -> "ReplicaGroup | None":
+    def for_config(cls, comm: Communicator,
+                   config: ZeroConfig) -> "ReplicaGroup | None":
         """
         ### The replica group a [`ZeroConfig`](config.html) asks for
 

@@ -307,6 +307,8 @@ class Zero3Sequential(ShardedRoot):
             config = replace(config, prefetch_depth=prefetch_depth)
         self.config = config
         self.layout = chain_layouts([layer.layout for layer in modules])
+        # the first layer's, whose communicator the runtime takes too;
+        # `zero3_layers` gives every layer the same ones
         self.transports = modules[0].transports
         self.runtime = Zero3Runtime(modules[0].comm,
                                     prefetch_depth=config.prefetch_depth,
