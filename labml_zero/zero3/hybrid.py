@@ -146,7 +146,7 @@ class ReplicaGroup:
         world = dist.get_world_size() if comm.distributed else 1
         if size is None or size == world:
             return None
-        # rank q of shard group j is world rank j·N_s + q
+        # rank $q$ of shard group $j$ is world rank $jN_s + q$
         rank, q = dist.get_rank() // size, comm.rank
         mine = None
         for index, ranks in enumerate(replica_group_ranks(world, size)):

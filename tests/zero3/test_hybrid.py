@@ -202,6 +202,41 @@ def test_world_6_in_three_groups_of_2_matches_the_reference():
         check_traffic(report)
 
 
+def hybrid_through_peer_memory(ctx):
+    """Hybrid sharding with gathers and reductions through peer memory inside
+    each shard group: the transports combine, and the gradient is the
+    reference's."""
+    layers = tiny_layers()
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4,
+                        shard_group_size=2, peer_gather=True, peer_reduce=True)
+    model = shard_model(nn.Sequential(*layers), layers[1:4], device=ctx.device,
+                        config=config)
+    reference = nn.Sequential(*copy.deepcopy(tiny_layers())).to(ctx.device)
+    step_loss(ctx, model, 0).backward()
+    x, y = (t.to(ctx.device) for t in batch(0, ROWS))
+    nn.functional.mse_loss(reference(x), y).backward()
+    trainable = [c for c in model.chunks if c.trainable]
+    return {"gathers": {type(c.transport).__name__ for c in model.chunks},
+            "reductions": {(type(c.reduction).__name__,
+                            type(c.reduction.inner).__name__) for c in trainable},
+            # one reduction for all the chunks, chosen once
+            "shared": len({id(c.reduction) for c in trainable}),
+            "peers": len(dist.get_process_group_ranks(
+                model.transports.peer_memory.comm.group)),
+            "grad_mismatch": gradient_mismatch(model, reference, ctx)}
+
+
+@pytest.mark.distributed
+def test_hybrid_combines_with_peer_memory_inside_each_group():
+    for rank, report in enumerate(run_distributed(hybrid_through_peer_memory, 4)):
+        assert report["gathers"] == {"PeerGather"}, rank
+        assert report["reductions"] == {("HybridReduce", "PeerReduce")}, rank
+        assert report["shared"] == 1, rank
+        # peer memory spans the shard group only, not the world
+        assert report["peers"] == 2, rank
+        assert report["grad_mismatch"] <= VALUE_ERROR, (rank, report["grad_mismatch"])
+
+
 def test_one_group_is_plain_zero3():
     assert not dist.is_initialized()
     comm = Communicator(torch.device("cpu"), shard_group_size=1)
