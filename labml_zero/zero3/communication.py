@@ -6,7 +6,8 @@ summary: The three collectives ZeRO-3 needs, their side streams, and a byte coun
 
 # Communication
 
-ZeRO-3 needs three collectives, and this page is the only place that calls them:
+ZeRO-3 needs three collectives over a shard group, and this page is the only
+place that calls them:
 
 * **all-gather** a chunk: every rank contributes its shard of $S = C / N_d$
   elements and receives the whole chunk of $C$ elements;
