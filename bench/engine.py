@@ -275,6 +275,8 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         def measured(steps: int) -> list[str]:
             return measured_lines(decided, shards, device=ctx.device, steps=steps)
 
+    # peer memory's device bytes that the allocator's peaks may miss
+    peers = model.transports.peer_memory
     return Engine(
         step=zero_step(model, built.optimizer),
         memory_model=memory,
@@ -286,7 +288,7 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         psi_frozen=psi_f,
         counter=model.runtime.comm.counter,
         info=info,
-        uncounted_device_bytes=model.runtime.comm.peer_bytes_uncounted,
+        uncounted_device_bytes=0 if peers is None else peers.bytes_uncounted,
         measured_report=measured,
     )
 

@@ -75,9 +75,9 @@ import torch
 from torch import nn
 
 from .chunk_layout import ChunkSpec
-from .communication import Communicator, profiled
+from .communication import profiled
 from .shard import LocalShard
-from .transport import HostStagedGather, PeerGather, new_reduction, new_shard
+from .transport import HostStagedGather, PeerGather, Transports
 
 
 def padding_ranges(spec: ChunkSpec) -> list[tuple[int, int]]:
@@ -142,7 +142,8 @@ class Chunk:
 
     * `spec` is the chunk's place in the layout.
     * `params` are the module's parameters, in the order of `spec.slots`.
-    * `comm` is the communicator; it knows the rank and the world size.
+    * `transports` are the model's [transports](transport.html); their
+      communicator (`comm`) knows the rank and the world size.
     * `dtype` is the parameter dtype; `reduce_dtype` the dtype of the reduction.
     * `names` are the parameters' qualified names in the model.
     """
@@ -151,14 +152,14 @@ class Chunk:
         self,
         spec: ChunkSpec,
         params: Sequence[nn.Parameter],
-        comm: Communicator,
+        transports: Transports,
         *,
         dtype: torch.dtype,
         reduce_dtype: torch.dtype = torch.float32,
         names: Sequence[str] = (),
     ):
         self.spec = spec
-        self.comm = comm
+        self.comm = comm = transports.comm
         self.dtype = dtype
         self.reduce_dtype = reduce_dtype
         self.trainable = spec.trainable
@@ -176,9 +177,9 @@ class Chunk:
         # [S] param dtype; the only copy of these parameters this rank keeps,
         # and the [transport](transport.html) that gathers it (with
         # `peer_gather` the shard lies in memory the other ranks read).
-        shard, self.transport = new_shard(comm, self.shard_numel, dtype)
+        shard, self.transport = transports.new_shard(self.shard_numel, dtype)
         # and the reduction that averages its gradients into this rank's shard
-        self.reduction = new_reduction(comm)
+        self.reduction = transports.reduction(self.trainable)
         # [S] fp32; the original fp32 values, when the parameters were fp32 and the
         # chunk is bf16 or fp16, so the optimizer's master copy starts exact
         # (AdamFP16 takes it and drops it).
@@ -514,8 +515,7 @@ class Chunk:
         # gradient shard. No buffer, no reduction: $p + 4$ bytes a parameter
         # move instead of $p + 4 + 8$. Not when earlier micro-batches are
         # accumulated in `grad_full` (`no_sync`): that buffer holds them.
-        alone = (direct and comm.world_size == 1 and comm.replicas == 1
-                 and self.grad_full is None)
+        alone = direct and self.reduction.identity and self.grad_full is None
         if alone:
             self.grad_full = local.grad
         # [S] reduce dtype

@@ -6,7 +6,8 @@ summary: The three collectives ZeRO-3 needs, their side streams, and a byte coun
 
 # Communication
 
-ZeRO-3 needs three collectives, and this page is the only place that calls them:
+ZeRO-3 needs three collectives over a shard group, and this page is the only
+place that calls them:
 
 * **all-gather** a chunk: every rank contributes its shard of $S = C / N_d$
   elements and receives the whole chunk of $C$ elements;
@@ -42,7 +43,8 @@ orderings make this safe; each is marked where it is enforced:
 
 On GPUs of one host, gathers and reductions can also go through the other
 ranks' memory, with copies instead of NCCL's kernels
-([peer memory](peer_memory.html)); the streams and orderings are the same.
+([peer memory](peer_memory.html), which owns those buffers and counts its
+copies here); the streams and orderings are the same.
 
 On CPU (gloo) the collectives are synchronous and every stream is `None`: the same
 code runs with the waits turned into no-ops, which is how the tests exercise it.
@@ -59,10 +61,14 @@ states, sharded over its $N_s$ ranks; rank $q$ of group $j$ is world rank
 $jN_s + q$. The ranks with the same $q$ in every group form a {{term: replica group}}
 of $N_d / N_s$ ranks that hold the same shard. All-gathers and reduce-scatters run
 inside the shard group, and one all-reduce per trainable chunk, of the shard
-only, runs across the replica group (explained in
-[hybrid sharding](hybrid.html)). Here
-`rank` and `world_size` are this rank's place in its shard group: the $N_d$ of
-every other page is $N_s$.
+only, runs across the replica group. The communicator makes and keeps its
+shard group; the replica group belongs to [hybrid sharding](hybrid.html),
+which makes it next and averages across it. Here `rank` and `world_size` are
+this rank's place in its shard group: the $N_d$ of every other page is $N_s$.
+
+What runs over these groups, and how (collective, peer memory, hybrid), is
+chosen once per model by the [transports](transport.html); this page holds
+only the groups, the streams, the plain collectives and the counter.
 """
 
 from __future__ import annotations
@@ -74,10 +80,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from .hybrid import check_shard_group_size, replica_group_ranks, shard_group_ranks
-from .peer_memory import (
-    PeerBuffer, check_one_host, new_run_name, pull_all_gather, push_reduce_scatter_mean,
-)
+from .hybrid_memory import shard_group_ranks
 
 
 @dataclass
@@ -143,24 +146,23 @@ class Communicator:
     * `side_streams=False` runs every collective on the compute stream, as on
       CPU: no overlap, and no stream ordering to get wrong. A correctness oracle
       for the overlapped schedule (`ZeroConfig.side_streams`).
-    * `peer_gather=True` puts the shards in memory that every rank can read and
-      gathers them with copies instead of NCCL's kernel; `peer_reduce=True`
-      reduce-scatters through a workspace in that memory
-      ([peer memory](peer_memory.html), `ZeroConfig.peer_gather`).
     * `shard_group_size` $N_s$ shards over groups of $N_s$ consecutive ranks of the
-      default group and replicates across the groups (see Groups above);
-      `None` shards over all ranks of `group`.
+      default group (see Groups above); `None` shards over all ranks of `group`.
+
+    Every attribute is set here, once: the device, the group with this rank's
+    place in it, the two streams and the counter. Peer memory and the replica
+    group are [the transports'](transport.html), which count into `counter`.
     """
 
     def __init__(self, device: torch.device, *, group=None, side_streams: bool = True,
-                 peer_gather: bool = False, peer_reduce: bool = False,
                  shard_group_size: int | None = None):
+        if shard_group_size is not None and group is not None:
+            # one rule for the communicator and the replica group: hybrid
+            # sharding is decided by `shard_group_size` against the default world
+            raise ValueError("shard_group_size splits the default process group; "
+                             "it cannot be combined with a process group")
         self.device = torch.device(device)
         self.group = group
-        # the group across replicas (ranks holding the same shard), when hybrid
-        self.replica_group = None
-        # how many shard groups hold a copy of the model states, and which is ours
-        self.replicas, self.replica_rank = 1, 0
         self.distributed = dist.is_available() and dist.is_initialized()
         if self.distributed:
             self.rank = dist.get_rank(group)
@@ -168,7 +170,7 @@ class Communicator:
         else:
             self.rank, self.world_size = 0, 1
         if shard_group_size is not None and shard_group_size != self.world_size:
-            self._split_groups(shard_group_size)
+            self._split_into_shard_groups(shard_group_size)
         self.counter = CommCounter()
         if self.device.type == "cuda" and side_streams:
             # High priority, so that a gather issued while compute kernels are queued
@@ -177,50 +179,33 @@ class Communicator:
             self.reduce_stream = torch.cuda.Stream(self.device, priority=-1)
         else:
             self.gather_stream = self.reduce_stream = None
-        # With one rank a gather is a copy: nothing to read from a peer.
-        self.peer_gather = peer_gather and self.world_size > 1
-        self.peer_reduce = peer_reduce and self.world_size > 1
-        # bytes of shards in peer memory; those the caching allocator does not
-        # count (see `PeerBuffer.counted`)
-        self.peer_bytes = self.peer_bytes_uncounted = 0
-        if self.peer_gather or self.peer_reduce:
-            check_one_host(group)
-            self._peer_run = new_run_name(group)
-            self._peer_count = 0
-        # reduction workspaces, the last one the largest; see `_workspace`
-        self._workspaces: list[PeerBuffer] = []
 
     @classmethod
     def for_config(cls, device, config, *, group=None) -> "Communicator":
-        """The communicator a [`ZeroConfig`](config.html) asks for."""
+        """
+        The communicator a [`ZeroConfig`](config.html) asks for: its side
+        streams and its shard group. Peer memory and the replica group are the
+        [transports'](transport.html), made from the same config.
+        """
         return cls(device, group=group, side_streams=config.side_streams,
-                   peer_gather=config.peer_gather, peer_reduce=config.peer_reduce,
                    shard_group_size=config.shard_group_size)
 
-    def _split_groups(self, size: int) -> None:
+    def _split_into_shard_groups(self, size: int) -> None:
         """
-        #### Shard groups and replica groups of the default group
+        #### This rank's shard group, out of the default group
 
         `torch.distributed.new_group` is itself a collective over the default
         group: every rank must create every group, in the same order, even the
-        ones it is not in. So each rank walks the same two lists and keeps the
-        group of each kind that holds it.
+        ones it is not in. So each rank walks the same list and keeps the group
+        that holds it. [Hybrid sharding](hybrid.html) makes the replica groups
+        after these, in the same way.
         """
-        world = self.world_size
-        if self.group is not None:
-            raise ValueError("shard_group_size splits the default process group; "
-                             "it cannot be combined with a process group")
-        check_shard_group_size(world, size)
-        rank = self.rank
-        self.replicas, self.replica_rank = world // size, rank // size
+        world, rank = self.world_size, self.rank
+        # checks that $N_s$ divides the world size, in one line naming both
         for j, ranks in enumerate(shard_group_ranks(world, size)):
             made = dist.new_group(ranks)
-            if j == self.replica_rank:
+            if j == rank // size:
                 self.group = made
-        for q, ranks in enumerate(replica_group_ranks(world, size)):
-            made = dist.new_group(ranks)
-            if q == rank % size:
-                self.replica_group = made
         self.rank, self.world_size = rank % size, size
 
     ### Stream helpers
@@ -256,36 +241,6 @@ class Communicator:
         if event is not None:
             self.current_stream().wait_event(event)
 
-    ### Shards
-
-    def new_shard(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor,
-                                                                  PeerBuffer | None]:
-        """
-        A zero-filled shard of `numel` elements, and with `peer_gather` its
-        `PeerBuffer` (a collective then: every rank allocates in the same order).
-        """
-        if not self.peer_gather:
-            return torch.zeros(numel, dtype=dtype, device=self.device), None
-        shards = self._new_peer_buffer(numel, dtype)
-        return shards.local, shards
-
-    def _new_peer_buffer(self, numel: int, dtype: torch.dtype) -> PeerBuffer:
-        buffer = PeerBuffer(numel, dtype, device=self.device, group=self.group,
-                            rank=self.rank, world_size=self.world_size,
-                            name=f"{self._peer_run}-{self._peer_count}")
-        self._peer_count += 1
-        self._count_peer_bytes(buffer, +1)
-        return buffer
-
-    def forget_shard(self, shards: PeerBuffer) -> None:
-        """The chunk no longer uses `shards` (its shard moved to the host)."""
-        self._count_peer_bytes(shards, -1)
-
-    def _count_peer_bytes(self, shards: PeerBuffer, sign: int) -> None:
-        self.peer_bytes += sign * shards.local.nbytes
-        if not shards.counted:
-            self.peer_bytes_uncounted += sign * shards.local.nbytes
-
     ### Collectives
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
@@ -301,11 +256,6 @@ class Communicator:
             return
         _all_gather(full, shard, group=self.group)
 
-    def pull_all_gather(self, full: torch.Tensor, shards: PeerBuffer) -> None:
-        """`all_gather` for a shard in peer memory: copies, no collective kernel."""
-        self.counter.add("all_gather", full)
-        pull_all_gather(full, shards)
-
     def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         """
         `shard` [S] ← this rank's slice of the mean over the shard group of
@@ -317,46 +267,9 @@ class Communicator:
             return
         _reduce_scatter(shard, full, op=dist.ReduceOp.AVG, group=self.group)
 
-    def push_reduce_scatter_mean(self, shard: torch.Tensor,
-                                 full: torch.Tensor) -> None:
-        """
-        `reduce_scatter_mean` through a workspace in peer memory: the mean in
-        `shard`'s dtype whatever `full`'s ([peer memory](peer_memory.html)).
-        """
-        self.counter.add("reduce_scatter", full)
-        push_reduce_scatter_mean(shard, full, self._workspace(full))
-
-    def all_reduce_mean_replicas(self, shard: torch.Tensor) -> None:
-        r"""
-        `shard` [S] ← its mean over the replica group, in place: the second half
-        of a hybrid reduction. A sum, then a division by the $N_d / N_s$ replicas:
-        gloo has no averaging all-reduce. Counted as `replica_all_reduce`, the
-        only traffic that crosses shard groups.
-        """
-        self.counter.add("replica_all_reduce", shard)
-        if self.replicas == 1:
-            return
-        dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.replica_group)
-        shard.div_(self.replicas)
-
-    def _workspace(self, full: torch.Tensor) -> PeerBuffer:
-        """A reduction workspace with room for `full`; grown, never shrunk."""
-        nbytes = full.numel() * full.element_size()
-        if not self._workspaces or self._workspaces[-1].local.nbytes < nbytes:
-            # fp32 elements: the workspace is viewed in the dtype of each `full`
-            self._workspaces.append(self._new_peer_buffer(-(-nbytes // 4),
-                                                          torch.float32))
-        return self._workspaces[-1]
-
     def all_reduce(self, tensor: torch.Tensor, *, op=None) -> None:
         """Sum (or `op`) `tensor` over ranks, in place."""
         self.counter.add("all_reduce", tensor)
         if not self.distributed:
             return
         dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=self.group)
-
-    def all_reduce_replicas(self, tensor: torch.Tensor) -> None:
-        """Sum a few scalars (a failure flag) across the replica group, in place."""
-        self.counter.add("all_reduce", tensor)
-        if self.replicas > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.replica_group)

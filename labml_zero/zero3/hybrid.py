@@ -25,10 +25,9 @@ The mean of $R$ group means, each over $N_s$ ranks, is the mean over all $N_d$:
 the gradient is the one ZeRO-3 over $N_d$ ranks computes, in another order of
 summation. After it every group holds the whole averaged gradient, so a sum
 over ranks of the shards, such as the gradient norm for clipping, runs over
-the shard group alone. `ZeroConfig(shard_group_size=K)` turns it on
-([communication](communication.html) builds the groups,
-[transports](transport.html) the reduction); `--shard-group-size K` in the
-fine-tune.
+the shard group alone. `ZeroConfig(shard_group_size=K)` turns it on (the
+[communicator](communication.html) makes the shard group, `ReplicaGroup`
+below the replica group); `--shard-group-size K` in the fine-tune.
 
 ## Cost
 
@@ -94,39 +93,81 @@ by it, not by bandwidth, and the hybrid column is then a lower bound.
 * Checkpoints are written by the first shard group alone (every group holds
   the same shards); the per-rank state saved, the RNG and `rank_extra`, is
   that group's.
-* `shard_group_size` splits the default process group; it does not combine
-  with a `group` of one's own.
+* `shard_group_size` splits the default process group; with a `group` of
+  one's own it is refused.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 
-def check_shard_group_size(world_size: int, shard_group_size: int) -> None:
-    """$N_s$ must divide the world size: one line naming both otherwise."""
-    if shard_group_size < 1 or world_size % shard_group_size:
-        raise ValueError(f"shard_group_size {shard_group_size} does not divide "
-                         f"the world size {world_size}")
+from .communication import CommCounter, Communicator
+from .config import ZeroConfig
+from .hybrid_memory import replica_group_ranks
 
 
-def shard_group_ranks(world_size: int, shard_group_size: int) -> list[list[int]]:
+class ReplicaGroup:
     r"""
-    ## The shard groups
+    ## The replica group, and the all-reduce across it
 
-    Group $j$ is world ranks $jN_s, \dots, jN_s + N_s - 1$: the ranks of one host
-    when each host runs $N_s$ consecutive ranks.
+    The ranks that hold the same shard, one in each of the $R = N_d / N_s$
+    shard groups (listed by `replica_group_ranks`).
+
+    * `group` is the process group of this rank's replicas.
+    * `size` is $R$, the number of shard groups, each with a copy of the model
+      states.
+    * `rank` is this rank's place in it, which is its shard group's: $j$ for
+      world rank $jN_s + q$. The group with `rank` 0 writes the checkpoints.
+    * `counter` is the communicator's, into which the all-reduces count.
+
+    Built by `for_config`, once per model, right after the communicator has made
+    its shard group.
     """
-    check_shard_group_size(world_size, shard_group_size)
-    size = shard_group_size
-    return [list(range(j * size, (j + 1) * size)) for j in range(world_size // size)]
 
+    def __init__(self, group, *, size: int, rank: int, counter: CommCounter):
+        self.group = group
+        self.size = size
+        self.rank = rank
+        self.counter = counter
 
-def replica_group_ranks(world_size: int, shard_group_size: int) -> list[list[int]]:
-    r"""
-    ## The replica groups
+    @classmethod
+    def for_config(cls, comm: Communicator,
+                   config: ZeroConfig) -> "ReplicaGroup | None":
+        """
+        ### The replica group a [`ZeroConfig`](config.html) asks for
 
-    Group $q$ is the $q$-th rank of every shard group, $q, q + N_s, q + 2N_s, \dots$:
-    the ranks that hold the same shard, one per host.
-    """
-    check_shard_group_size(world_size, shard_group_size)
-    return [list(range(q, world_size, shard_group_size))
-            for q in range(shard_group_size)]
+        `None` without hybrid sharding, or with one shard group ($N_s = N_d$):
+        nothing to average across. Like the shard groups (see
+        `Communicator._split_into_shard_groups`), every rank makes every replica
+        group, in the same order, and keeps its own.
+        """
+        size = config.shard_group_size
+        world = dist.get_world_size() if comm.distributed else 1
+        if size is None or size == world:
+            return None
+        # rank $q$ of shard group $j$ is world rank $jN_s + q$
+        rank, q = dist.get_rank() // size, comm.rank
+        mine = None
+        for index, ranks in enumerate(replica_group_ranks(world, size)):
+            made = dist.new_group(ranks)
+            if index == q:
+                mine = made
+        return cls(mine, size=world // size, rank=rank, counter=comm.counter)
+
+    def all_reduce_mean(self, shard: torch.Tensor) -> None:
+        r"""
+        ### `shard` [S] ← its mean over the replicas, in place
+
+        The second half of a hybrid reduction. A sum, then a division by the
+        $R$ replicas: gloo has no averaging all-reduce. Counted as
+        `replica_all_reduce`, the only traffic that crosses shard groups.
+        """
+        self.counter.add("replica_all_reduce", shard)
+        dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.group)
+        shard.div_(self.size)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Sum a few scalars (a failure flag) across the replicas, in place."""
+        self.counter.add("all_reduce", tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)

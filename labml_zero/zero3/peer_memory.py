@@ -28,6 +28,13 @@ Gathering (and reducing) this way is peer memory. What the copies
 cannot do, agree with the peers, is beside `pull_all_gather`; the reduction
 through the peers' memory beside `push_reduce_scatter_mean`.
 
+A model's peer memory is one object, `PeerMemory`, built once by its
+[transports](transport.html) when the config asks for it: it checks that
+every rank runs on one host, names the run's buffers, allocates and maps
+them (`PeerBuffer`), counts their bytes, keeps the reduction's workspace,
+and gathers and reduces through them. The transports `PeerGather` and
+`PeerReduce` each make one call to it.
+
 ## Limitations
 
 * All ranks must be on one host (`check_one_host`).
@@ -52,6 +59,8 @@ import warnings
 
 import torch
 import torch.distributed as dist
+
+from .communication import Communicator
 
 
 class PeerBuffer:
@@ -90,8 +99,8 @@ class PeerBuffer:
     #
     # CUDA's symmetric memory may come from its own allocator, which
     # `torch.cuda.max_memory_allocated` does not count. `counted` says whether it
-    # does; `Communicator.peer_bytes_uncounted` sums the rest, and the benchmark
-    # adds it to the peaks it reports.
+    # does; `PeerMemory.bytes_uncounted` sums the rest, and the benchmark adds
+    # it to the peaks it reports.
 
     def _open_cuda(self, numel, dtype, device, group) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -265,10 +274,90 @@ def new_run_name(group) -> str:
 def check_one_host(group) -> None:
     """
     Peer memory needs every rank on one host: a one-line error otherwise, when
-    the communicator is built.
+    the model's `PeerMemory` is built (before any buffer).
     """
     hosts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
     if len(set(hosts)) > 1:
         raise ValueError(f"peer_gather needs every rank on one host; the ranks run "
                          f"on {sorted(set(hosts))}")
+
+
+class PeerMemory:
+    r"""
+    ## A model's peer memory
+
+    Built once per model, by its [transports](transport.html), on every rank of
+    the shard group in the same order (a collective): it checks that the ranks
+    share a host and agrees on `run_name`. Then
+
+    * `new_buffer(numel, dtype)` allocates a `PeerBuffer` of every rank's shard
+      (a collective too: every rank allocates its chunks in the same order,
+      which is what makes the `allocations`-th buffer's name the same on all);
+    * `all_gather` and `reduce_scatter_mean` gather and reduce through them,
+      counted in the communicator's `counter` as the collectives they replace;
+    * `bytes` are the bytes of this rank's buffers in peer memory (shards and
+      workspaces), `bytes_uncounted` those of them the caching allocator does
+      not count (`PeerBuffer.counted`), which the benchmark adds to its peaks;
+    * `workspaces` are the reduction's workspaces, the last one the largest
+      (see `workspace`).
+    """
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+        check_one_host(comm.group)
+        # the buffers' files (on CPU) are named `<run_name>-<allocation>`
+        self.run_name = new_run_name(comm.group)
+        self.allocations = 0
+        self.bytes = self.bytes_uncounted = 0
+        self.workspaces: list[PeerBuffer] = []
+
+    ### Buffers
+
+    def new_buffer(self, numel: int, dtype: torch.dtype) -> PeerBuffer:
+        """A zero-filled `PeerBuffer` of `numel` elements on every rank."""
+        comm = self.comm
+        buffer = PeerBuffer(numel, dtype, device=comm.device, group=comm.group,
+                            rank=comm.rank, world_size=comm.world_size,
+                            name=f"{self.run_name}-{self.allocations}")
+        self.allocations += 1
+        self._count(buffer, +1)
+        return buffer
+
+    def forget(self, buffer: PeerBuffer) -> None:
+        """A chunk no longer uses `buffer` (its shard moved to the host)."""
+        self._count(buffer, -1)
+
+    def _count(self, buffer: PeerBuffer, sign: int) -> None:
+        self.bytes += sign * buffer.local.nbytes
+        if not buffer.counted:
+            self.bytes_uncounted += sign * buffer.local.nbytes
+
+    def workspace(self, full: torch.Tensor) -> PeerBuffer:
+        """
+        #### A reduction workspace with room for `full`; grown, never shrunk
+
+        A reduction already queued on the reduce stream may still read the
+        old one, so it is kept (see Limitations).
+        """
+        nbytes = full.numel() * full.element_size()
+        if not self.workspaces or self.workspaces[-1].local.nbytes < nbytes:
+            # [⌈bytes / 4⌉] fp32; viewed in the dtype of each `full`
+            self.workspaces.append(self.new_buffer(-(-nbytes // 4), torch.float32))
+        return self.workspaces[-1]
+
+    ### Gather and reduce
+
+    def all_gather(self, full: torch.Tensor, shards: PeerBuffer) -> None:
+        """`full` [N_d·S] ← every rank's shard in `shards`: copies, no kernel."""
+        self.comm.counter.add("all_gather", full)
+        pull_all_gather(full, shards)
+
+    def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        """
+        `shard` [S] ← the mean over the shard group of this rank's slice of
+        `full` [N_d·S], through the workspace: the mean in `shard`'s dtype
+        whatever `full`'s.
+        """
+        self.comm.counter.add("reduce_scatter", full)
+        push_reduce_scatter_mean(shard, full, self.workspace(full))

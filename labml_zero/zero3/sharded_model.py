@@ -85,6 +85,7 @@ from .chunk_layout import ChunkLayout, plan_chunks
 from .communication import Communicator
 from .config import ZeroConfig
 from .hooks import Zero3Runtime
+from .transport import Transports
 from .unit_chunks import (build_chunks, chain_layouts, choose_chunk_numel,
                           move_buffers, one_chunk_per_kind, param_specs)
 
@@ -134,6 +135,9 @@ class Zero3Layer(nn.Module):
       the frozen parameters, as labml-nn does. Given both, they must agree.
     * `config`: the other knobs (`ZeroConfig`, explained in
       [its page](config.html)); its `dtype` must be `dtype`.
+    * `transports`: the [transports](transport.html) to share with other
+      layers (`zero3_layers` gives all its layers one), else made from `comm`
+      (or a communicator of its own) and `config`.
     """
 
     def __init__(
@@ -148,21 +152,27 @@ class Zero3Layer(nn.Module):
         config: ZeroConfig | None = None,
         group: dist.ProcessGroup | None = None,
         comm: Communicator | None = None,
+        transports: Transports | None = None,
         name_prefix: str = "",
     ):
         super().__init__()
         device = torch.device(device)
         config = layer_config(config, dtype=dtype, chunk_numel=chunk_numel)
-        comm = comm or Communicator.for_config(device, config, group=group)
+        if transports is None:
+            comm = comm or Communicator.for_config(device, config, group=group)
+            transports = Transports.for_config(comm, config)
+        elif comm is not None and comm is not transports.comm:
+            raise ValueError("Zero3Layer: comm is not transports.comm")
+        comm = transports.comm
         check_rank(rank, world_size, comm)
         self.module = module
-        self.comm = comm
+        self.comm, self.transports = comm, transports
         self.config = config
         specs, params = param_specs([module.named_parameters()])
         chunk_numel = config.chunk_numel or one_chunk_per_kind(specs, config.align)
         self.layout = plan_chunks(specs, chunk_numel, world_size, align=config.align)
         self.chunks: list[Chunk] = build_chunks(
-            self.layout, params, comm, config, prefixes={0: name_prefix}
+            self.layout, params, transports, config, prefixes={0: name_prefix}
         ).get(0, [])
         self._swap_in_replaced_parameters()
         move_buffers(module, device)
@@ -242,12 +252,15 @@ class ShardedRoot(nn.Module):
     [runtime](hooks.html), `config` their [`ZeroConfig`](config.html) and
     `layout` one {{see: chunk layout}} (explained in
     [its page](chunk_layout.html)) for the whole model, one group
-    per unit, which the [memory model](memory_model.html) reads.
+    per unit, which the [memory model](memory_model.html) reads, and
+    `transports` the ways its chunks are gathered and reduced, chosen once
+    from the config ([transports](transport.html)).
     """
 
     runtime: Zero3Runtime
     config: ZeroConfig
     layout: ChunkLayout
+    transports: Transports
 
     @property
     def chunks(self) -> list[Chunk]:
@@ -294,6 +307,9 @@ class Zero3Sequential(ShardedRoot):
             config = replace(config, prefetch_depth=prefetch_depth)
         self.config = config
         self.layout = chain_layouts([layer.layout for layer in modules])
+        # the first layer's, whose communicator the runtime takes too;
+        # `zero3_layers` gives every layer the same ones
+        self.transports = modules[0].transports
         self.runtime = Zero3Runtime(modules[0].comm,
                                     prefetch_depth=config.prefetch_depth,
                                     reshard_after_forward=config.reshard_after_forward)
@@ -388,6 +404,7 @@ def zero3_layers(
     config = config or ZeroConfig()
     device = torch.device(device)
     comm = Communicator.for_config(device, config, group=group)
+    transports = Transports.for_config(comm, config)
     shared = shared_parameters(modules, [f"modules[{i}]" for i in range(len(modules))])
     if shared:
         name, first, second = shared[0]
@@ -402,8 +419,8 @@ def zero3_layers(
     for i, module in enumerate(modules):
         def shard(module=module, i=i) -> Zero3Layer:
             return Zero3Layer(module, comm.rank, comm.world_size, device,
-                              config.dtype, config=config, comm=comm,
-                              name_prefix=f"{i}.")
+                              config.dtype, config=config,
+                              transports=transports, name_prefix=f"{i}.")
 
         if on_meta(module) and init_param is not None:
             layer = shard()
@@ -430,10 +447,11 @@ class ShardedModel(ShardedRoot):
     """
 
     def __init__(self, model: nn.Module, runtime: Zero3Runtime, layout: ChunkLayout,
-                 config: ZeroConfig):
+                 config: ZeroConfig, transports: Transports):
         super().__init__()
         self.model, self.runtime, self.layout, self.config = (model, runtime, layout,
                                                               config)
+        self.transports = transports
 
     def forward(self, *args, **kwargs):
         self.runtime.begin_forward()
@@ -459,6 +477,7 @@ def shard_model(
     config = config or ZeroConfig()
     device = torch.device(device)
     comm = Communicator.for_config(device, config, group=group)
+    transports = Transports.for_config(comm, config)
     qualified = {id(m): name for name, m in model.named_modules()}
     # A parameter shared by two layers goes to the root unit: gathered for the
     # whole step, it is there whichever layer reads it.
@@ -477,7 +496,7 @@ def shard_model(
     layout = plan_chunks(specs, config.chunk_numel, comm.world_size,
                          align=config.align)
     prefixes = {i + 1: qualified[id(layer)] + "." for i, layer in enumerate(layers)}
-    chunks = build_chunks(layout, params, comm, config, prefixes=prefixes)
+    chunks = build_chunks(layout, params, transports, config, prefixes=prefixes)
     move_buffers(model, device)
 
     runtime = Zero3Runtime(comm, prefetch_depth=config.prefetch_depth,
@@ -485,4 +504,4 @@ def shard_model(
     runtime.add_unit(None, chunks.get(0, []))
     for index, layer in enumerate(layers):
         runtime.add_unit(layer, chunks.get(index + 1, []))
-    return ShardedModel(model, runtime, layout, config)
+    return ShardedModel(model, runtime, layout, config, transports)

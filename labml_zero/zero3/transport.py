@@ -40,6 +40,13 @@ gradient. A chunk also picks its *reduction* once:
 
 `Chunk.reduce` then makes one call, `reduction.reduce(shard_grad, full_grad)`,
 on the reduce stream.
+
+Each transport holds what it moves the bytes with, and nothing else: the
+[communicator](communication.html) for a collective, the model's
+[peer memory](peer_memory.html) (`PeerMemory`) for copies, the
+[replica group](hybrid.html) (`ReplicaGroup`) for hybrid sharding's second
+step. `Transports`, at the end, reads the config once per model, builds
+those owners, and hands each chunk its gather and its reduction.
 """
 
 from __future__ import annotations
@@ -47,14 +54,19 @@ from __future__ import annotations
 import torch
 
 from .communication import Communicator
-from .peer_memory import PeerBuffer
+from .config import ZeroConfig
+from .hybrid import ReplicaGroup
+from .peer_memory import PeerBuffer, PeerMemory
+
+# ## Gathers
 
 
 class CollectiveGather:
     """
     ## All-gather from a device shard
 
-    The default: `comm.all_gather(full, shard)`.
+    The default: `comm.all_gather(full, shard)`. It holds nothing of a chunk's,
+    so the chunks of a model share one.
     """
 
     def __init__(self, comm: Communicator):
@@ -67,24 +79,25 @@ class CollectiveGather:
         """Nothing to give back."""
 
 
-class PeerGather(CollectiveGather):
+class PeerGather:
     """
     ## Copy the shards out of the peers' memory
 
-    * `peers`: the `PeerBuffer` that holds every rank's shard (`shard` is its
-      local view, so it is not read here).
+    * `memory`: the model's `PeerMemory`, which copies and counts.
+    * `peers`: the `PeerBuffer` that holds every rank's shard of this chunk
+      (`shard` is its local view, so it is not read here).
     """
 
-    def __init__(self, comm: Communicator, peers: PeerBuffer):
-        super().__init__(comm)
+    def __init__(self, memory: PeerMemory, peers: PeerBuffer):
+        self.memory = memory
         self.peers = peers
 
     def gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
-        self.comm.pull_all_gather(full, self.peers)
+        self.memory.all_gather(full, self.peers)
 
     def close(self) -> None:
         """The shard leaves peer memory; its bytes no longer count there."""
-        self.comm.forget_shard(self.peers)
+        self.memory.forget(self.peers)
 
 
 class HostStagedGather(CollectiveGather):
@@ -108,80 +121,157 @@ class HostStagedGather(CollectiveGather):
         self.comm.all_gather(full, local)
 
 
-def new_shard(comm: Communicator, numel: int,
-              dtype: torch.dtype) -> tuple[torch.Tensor, CollectiveGather]:
-    """
-    ### A zero-filled `[numel]` shard and the transport that gathers it
-
-    With `peer_gather` the shard is allocated in peer memory (a collective:
-    every rank allocates in the same order) and gathered by `PeerGather`.
-    """
-    shard, peers = comm.new_shard(numel, dtype)
-    if peers is not None:
-        return shard, PeerGather(comm, peers)
-    return shard, CollectiveGather(comm)
+# ## Reductions
+#
+# Each has two attributes besides its `reduce`, fixed when it is built, that
+# `Chunk.reduce` reads instead of asking what kind it is:
+#
+# * `exact_input`: whether `full` may arrive in the parameter dtype with the
+#   mean still taken in `shard`'s (see `Chunk._exact_dtype`);
+# * `identity`: whether the mean is over one rank alone, so that the chunk can
+#   cast its gradients straight into the gradient shard and reduce nothing.
 
 
 class CollectiveReduce:
     """
     ## Reduce-scatter with averaging
 
-    The default: `comm.reduce_scatter_mean(shard, full)`, both in one dtype.
-    `exact_input` says whether `full` may arrive in the parameter dtype with the
-    mean still taken in `shard`'s (see `Chunk._exact_dtype`): not for a
-    collective, which needs one dtype.
+    The default: `comm.reduce_scatter_mean(shard, full)`, both in one dtype,
+    so not `exact_input`: a collective needs one dtype. The identity when the
+    shard group is one rank.
     """
 
     exact_input = False
 
     def __init__(self, comm: Communicator):
         self.comm = comm
+        self.identity = comm.world_size == 1
 
     def reduce(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         """`shard` [S] ← the mean over the shard group of this rank's slice of
-        `full` [K·S]."""
+        `full` [N_s·S]."""
         self.comm.reduce_scatter_mean(shard, full)
 
 
-class PeerReduce(CollectiveReduce):
+class PeerReduce:
     """
     ## Reduce through a workspace in peer memory
 
+    * `memory`: the model's `PeerMemory`, which keeps the workspace.
+
     The mean is taken in `shard`'s dtype, so a bf16 gradient travels in bf16
-    and is still averaged in fp32.
+    and is still averaged in fp32. Peer memory exists only for more than one
+    rank, so never the identity.
     """
 
     exact_input = True
+    identity = False
+
+    def __init__(self, memory: PeerMemory):
+        self.memory = memory
 
     def reduce(self, shard: torch.Tensor, full: torch.Tensor) -> None:
-        self.comm.push_reduce_scatter_mean(shard, full)
+        self.memory.reduce_scatter_mean(shard, full)
 
 
-class HybridReduce(CollectiveReduce):
+class HybridReduce:
     r"""
     ## Reduce inside the shard group, then across the replicas
 
     * `inner`: the reduction inside the shard group (collective or peer).
+    * `replicas`: the `ReplicaGroup` across which the result is averaged.
 
     The all-reduce moves $S$ elements, $\frac{1}{N_s}$ of the chunk, across the
-    groups.
+    groups. Never the identity: there are at least two replicas.
     """
 
-    def __init__(self, comm: Communicator, inner: CollectiveReduce):
-        super().__init__(comm)
+    identity = False
+
+    def __init__(self, inner: CollectiveReduce | PeerReduce, replicas: ReplicaGroup):
         self.inner = inner
+        self.replicas = replicas
         self.exact_input = inner.exact_input
 
     def reduce(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         self.inner.reduce(shard, full)
-        self.comm.all_reduce_mean_replicas(shard)
+        self.replicas.all_reduce_mean(shard)
 
 
-def new_reduction(comm: Communicator) -> CollectiveReduce:
+# what `Transports` hands a chunk: its gather, its reduction
+Gather = CollectiveGather | PeerGather
+Reduction = CollectiveReduce | PeerReduce | HybridReduce
+
+
+class Transports:
+    r"""
+    ## A model's transports, chosen once from its config
+
+    Reads `ZeroConfig.peer_gather`, `peer_reduce` and `shard_group_size` once
+    (`for_config`), builds what they need, and from then on answers each
+    chunk's two questions without looking at the config again:
+
+    * `new_shard(numel, dtype)`: a zero-filled shard and the gather that reads
+      it;
+    * `reduction(trainable)`: the reduction of a chunk's gradients, `None` for
+      a frozen chunk.
+
+    It holds
+
+    * `comm`, the [communicator](communication.html) (its shard group, streams
+      and counter);
+    * `peer_memory`, the model's `PeerMemory`, or `None` (neither flag, or one
+      rank: with one rank a gather is a copy, nothing to read from a peer);
+    * `replicas`, the `ReplicaGroup`, or `None` without hybrid sharding;
+    * `gathers_peers`: whether shards go into peer memory (`peer_gather`);
+    * the one gather and the one reduction the chunks share, since neither
+      holds anything of a chunk's (a `PeerGather` holds its chunk's buffer,
+      so each such chunk gets its own).
     """
-    ### The reduction a chunk uses, chosen when it is built
-    """
-    inner = PeerReduce(comm) if comm.peer_reduce else CollectiveReduce(comm)
-    if comm.replicas > 1:
-        return HybridReduce(comm, inner)
-    return inner
+
+    def __init__(self, comm: Communicator, *, peer_memory: PeerMemory | None = None,
+                 gathers_peers: bool = False, reduces_peers: bool = False,
+                 replicas: ReplicaGroup | None = None):
+        if (gathers_peers or reduces_peers) and peer_memory is None:
+            raise ValueError("gathers or reductions through peer memory need a "
+                             "PeerMemory")
+        self.comm = comm
+        self.peer_memory = peer_memory
+        self.replicas = replicas
+        self.gathers_peers = gathers_peers
+        self._gather = CollectiveGather(comm)
+        inner = PeerReduce(peer_memory) if reduces_peers else CollectiveReduce(comm)
+        self._reduction: Reduction = (
+            inner if replicas is None else HybridReduce(inner, replicas))
+
+    @classmethod
+    def for_config(cls, comm: Communicator, config: ZeroConfig) -> "Transports":
+        """
+        ### The transports a [`ZeroConfig`](config.html) asks for
+
+        A collective on every rank, in the same order (the replica groups, the
+        peers' host check and run name), right after the communicator.
+        """
+        # with one rank, peer memory would copy a shard onto itself
+        many = comm.world_size > 1
+        gathers, reduces = config.peer_gather and many, config.peer_reduce and many
+        memory = PeerMemory(comm) if gathers or reduces else None
+        return cls(comm, peer_memory=memory, gathers_peers=gathers,
+                   reduces_peers=reduces, replicas=ReplicaGroup.for_config(comm,
+                                                                           config))
+
+    def new_shard(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, Gather]:
+        """
+        ### A zero-filled `[numel]` shard and the transport that gathers it
+
+        With `peer_gather` the shard is allocated in peer memory (a collective:
+        every rank allocates in the same order) and gathered by a `PeerGather`.
+        """
+        if not self.gathers_peers:
+            return (torch.zeros(numel, dtype=dtype, device=self.comm.device),
+                    self._gather)
+        peers = self.peer_memory.new_buffer(numel, dtype)
+        return peers.local, PeerGather(self.peer_memory, peers)
+
+    def reduction(self, trainable: bool) -> Reduction | None:
+        """### The reduction of a chunk's gradients (none if it is frozen)"""
+        return self._reduction if trainable else None

@@ -27,8 +27,8 @@ from torch import nn
 
 from .chunk import Chunk
 from .chunk_layout import ChunkLayout, ChunkSpec, ParamSpec, round_up
-from .communication import Communicator
 from .config import ZeroConfig
+from .transport import Transports
 
 
 def param_specs(
@@ -117,7 +117,7 @@ def choose_chunk_numel(
 def build_chunks(
     layout: ChunkLayout,
     params: Sequence[nn.Parameter],
-    comm: Communicator,
+    transports: Transports,
     config: ZeroConfig,
     *,
     prefixes: dict[int, str] | None = None,
@@ -131,8 +131,8 @@ def build_chunks(
     specs = layout.params
     for spec in layout.chunks:
         prefix = prefixes.get(spec.group, "")
-        chunk = Chunk(spec, [params[slot.param_index] for slot in spec.slots], comm,
-                      dtype=config.dtype, reduce_dtype=config.reduce_dtype,
+        chunk = Chunk(spec, [params[slot.param_index] for slot in spec.slots],
+                      transports, dtype=config.dtype, reduce_dtype=config.reduce_dtype,
                       names=[prefix + specs[slot.param_index].name
                              for slot in spec.slots])
         by_group.setdefault(spec.group, []).append(chunk)

@@ -34,7 +34,7 @@ from labml_zero.zero3.memory_model import (
     ring_wire_bytes,
     zero_model_states,
 )
-from labml_zero.zero3.transport import CollectiveReduce, HybridReduce
+from labml_zero.zero3.transport import CollectiveReduce, HybridReduce, Transports
 from tests import tolerance
 from tests.distributed import run_distributed, skip_job_without_gpus
 from tests.test_finetune import FINETUNE_LOSS_TOLERANCE, run_dirs, tracked
@@ -87,9 +87,9 @@ def train_hybrid(ctx, shard_group_size: int, save_dir: str | None):
     ref_optimizer = torch.optim.AdamW(
         [p for p in reference.parameters() if p.requires_grad],
         lr=LR, weight_decay=0.01)
-    comm = model.runtime.comm
-    report = {"group": (comm.rank, comm.world_size, comm.replica_rank,
-                        comm.replicas)}
+    comm, replicas = model.runtime.comm, model.transports.replicas
+    report = {"group": (comm.rank, comm.world_size, replicas.rank, replicas.size),
+              "replica_ranks": dist.get_process_group_ranks(replicas.group)}
     for step in range(STEPS):
         if step == 1:
             comm.counter.reset()
@@ -168,6 +168,8 @@ def test_world_4_in_two_groups_of_2_trains_saves_and_reshards(tmp_path):
     reports = run_distributed(train_hybrid, 4, 2, str(tmp_path))
     assert [r["group"] for r in reports] == [(0, 2, 0, 2), (1, 2, 0, 2),
                                              (0, 2, 1, 2), (1, 2, 1, 2)]
+    # the replicas of a shard are the ranks with the same place in each group
+    assert [r["replica_ranks"] for r in reports] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     for rank, report in enumerate(reports):
         assert report["max_diff"] <= PARAM_ERROR, (rank, report["max_diff"])
         assert report["grad_mismatch"] <= VALUE_ERROR, (rank, report["grad_mismatch"])
@@ -200,21 +202,64 @@ def test_world_6_in_three_groups_of_2_matches_the_reference():
         check_traffic(report)
 
 
+def hybrid_through_peer_memory(ctx):
+    """Hybrid sharding with gathers and reductions through peer memory inside
+    each shard group: the transports combine, and the gradient is the
+    reference's."""
+    layers = tiny_layers()
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4,
+                        shard_group_size=2, peer_gather=True, peer_reduce=True)
+    model = shard_model(nn.Sequential(*layers), layers[1:4], device=ctx.device,
+                        config=config)
+    reference = nn.Sequential(*copy.deepcopy(tiny_layers())).to(ctx.device)
+    step_loss(ctx, model, 0).backward()
+    x, y = (t.to(ctx.device) for t in batch(0, ROWS))
+    nn.functional.mse_loss(reference(x), y).backward()
+    trainable = [c for c in model.chunks if c.trainable]
+    return {"gathers": {type(c.transport).__name__ for c in model.chunks},
+            "reductions": {(type(c.reduction).__name__,
+                            type(c.reduction.inner).__name__) for c in trainable},
+            # one reduction for all the chunks, chosen once
+            "shared": len({id(c.reduction) for c in trainable}),
+            "peers": len(dist.get_process_group_ranks(
+                model.transports.peer_memory.comm.group)),
+            "grad_mismatch": gradient_mismatch(model, reference, ctx)}
+
+
+@pytest.mark.distributed
+def test_hybrid_combines_with_peer_memory_inside_each_group():
+    for rank, report in enumerate(run_distributed(hybrid_through_peer_memory, 4)):
+        assert report["gathers"] == {"PeerGather"}, rank
+        assert report["reductions"] == {("HybridReduce", "PeerReduce")}, rank
+        assert report["shared"] == 1, rank
+        # peer memory spans the shard group only, not the world
+        assert report["peers"] == 2, rank
+        assert report["grad_mismatch"] <= VALUE_ERROR, (rank, report["grad_mismatch"])
+
+
 def test_one_group_is_plain_zero3():
     assert not dist.is_initialized()
     comm = Communicator(torch.device("cpu"), shard_group_size=1)
-    assert (comm.rank, comm.world_size, comm.replicas) == (0, 1, 1)
+    assert (comm.rank, comm.world_size) == (0, 1)
+    assert Transports.for_config(comm, ZeroConfig(shard_group_size=1)).replicas is None
     with pytest.raises(ValueError, match="^shard_group_size 2 does not divide "
                        "the world size 1$"):
         Communicator(torch.device("cpu"), shard_group_size=2)
+    # refused before the group is read: any process group of one's own
+    with pytest.raises(ValueError, match="^shard_group_size splits the default "
+                       "process group; it cannot be combined with a process group$"):
+        Communicator(torch.device("cpu"), group=object(), shard_group_size=1)
     with pytest.raises(ValueError, match="shard_group_size must be positive"):
         ZeroConfig(shard_group_size=0)
     layers = tiny_layers()
     model = shard_model(nn.Sequential(*layers), layers[1:4], device="cpu",
                         config=ZeroConfig(dtype=torch.float32, chunk_numel=96,
                                           align=4))
-    assert {type(c.reduction) for c in model.chunks} == {CollectiveReduce}
+    assert {type(c.reduction) for c in model.chunks if c.trainable} == {
+        CollectiveReduce}
     assert not any(isinstance(c.reduction, HybridReduce) for c in model.chunks)
+    # a frozen chunk has no gradients to reduce
+    assert all(c.reduction is None for c in model.chunks if not c.trainable)
 
 
 def test_hybrid_memory_and_time_formulas():

@@ -17,6 +17,8 @@ from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3.shard import LocalShard
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, shard_model, zero3_layers
 from labml_zero.zero3.communication import Communicator
+from labml_zero.zero3.peer_memory import PeerMemory
+from labml_zero.zero3.transport import CollectiveGather, CollectiveReduce, Transports
 from tests import tolerance
 from tests.distributed import run_distributed
 from tests.zero3.models import TINY_TERMS, batch, tiny_layers
@@ -89,13 +91,15 @@ def peer_against_collective(ctx, dtype_name: str, early: bool, api: str, peer: s
     report["peer_chunks"] = sum(c.peers is not None for c in chunks)
     report["chunks"] = len(chunks)
     report["none_peer"] = all(c.peers is None for c in collective.runtime.all_chunks())
-    comm = peer_model.runtime.comm
-    report["peer_bytes"] = comm.peer_bytes
+    memory = peer_model.transports.peer_memory
+    report["peer_bytes"] = memory.bytes
+    report["allocations"] = memory.allocations
     report["shard_bytes"] = sum(c.shard.numel() * c.shard.element_size()
                                 for c in chunks)
-    report["workspace_bytes"] = sum(w.local.nbytes for w in comm._workspaces)
+    report["workspaces"] = len(memory.workspaces)
+    report["workspace_bytes"] = sum(w.local.nbytes for w in memory.workspaces)
     # every rank has unlinked its files once the model is built
-    report["files_left"] = glob.glob(f"/dev/shm/labml_zero-{comm._peer_run}-*")
+    report["files_left"] = glob.glob(f"/dev/shm/labml_zero-{memory.run_name}-*")
     return report
 
 
@@ -136,6 +140,9 @@ def test_peer_memory_trains_like_the_collectives(world_size, dtype, early, api, 
         assert report["peer_bytes"] == (report["shard_bytes"] if gathers else 0) \
             + report["workspace_bytes"], rank
         assert (report["workspace_bytes"] > 0) == ("reduce" in peer), rank
+        # one buffer per chunk's shard, one per workspace, nothing else
+        assert report["allocations"] == report["workspaces"] + (
+            report["chunks"] if gathers else 0), rank
         assert report["files_left"] == [], rank
 
 
@@ -177,10 +184,11 @@ def offloaded_shards_fall_back(ctx):
     for offload in (False, True):
         model, _ = tiny_model(ctx, dtype=torch.float32, peer_gather=True)
         frozen = next(c for c in model.runtime.all_chunks() if not c.trainable)
-        before = model.runtime.comm.peer_bytes
+        memory = model.transports.peer_memory
+        before = memory.bytes
         if offload:
             frozen.offload_shard()
-            report = {"peer_freed": before - model.runtime.comm.peer_bytes,
+            report = {"peer_freed": before - memory.bytes,
                       "shard_bytes": frozen.shard.numel() * 4,
                       "peers": frozen.peers}
         x, y = batch(0, ROWS)
@@ -204,7 +212,7 @@ def two_hosts(ctx):
     real = socket.gethostname
     socket.gethostname = lambda: f"host{ctx.rank}"
     try:
-        Communicator(ctx.device, peer_gather=True)
+        PeerMemory(Communicator(ctx.device))
     except ValueError as error:
         return str(error)
     finally:
@@ -220,17 +228,22 @@ def test_peer_gather_refuses_ranks_on_several_hosts():
 
 
 def test_one_rank_needs_no_peer_memory():
-    comm = Communicator(torch.device("cpu"), peer_gather=True)
-    assert not comm.peer_gather
-    shard, peers = comm.new_shard(5, torch.float32)
-    assert peers is None and shard.tolist() == [0.0] * 5
+    config = ZeroConfig(peer_gather=True, peer_reduce=True)
+    transports = Transports.for_config(Communicator(torch.device("cpu")), config)
+    assert transports.peer_memory is None
+    shard, gather = transports.new_shard(5, torch.float32)
+    assert type(gather) is CollectiveGather
+    assert shard.tolist() == [0.0] * 5
+    assert type(transports.reduction(True)) is CollectiveReduce
+    assert transports.reduction(False) is None
 
 
 def too_big_for_shared_memory(ctx):
     # the CPU twin's check (on GPUs, CUDA's allocator refuses by itself)
     try:
-        comm = Communicator(torch.device("cpu"), peer_gather=True)
-        comm.new_shard(1 << 60, torch.float32)
+        config = ZeroConfig(peer_gather=True)
+        transports = Transports.for_config(Communicator(torch.device("cpu")), config)
+        transports.new_shard(1 << 60, torch.float32)
     except ValueError as error:
         return str(error)
     return None

@@ -199,12 +199,12 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
     into any shape as such. The other groups wait for its outcome, which each
     rank learns from its replica of the first group.
     """
-    comm: Communicator = model.runtime.comm
-    if comm.replicas == 1:
+    replicas = model.transports.replicas
+    if replicas is None:
         return _save_shards(path, model, optimizer, extra=extra,
                             rank_extra=rank_extra, meta=meta)
     error = None
-    if comm.replica_rank == 0:
+    if replicas.rank == 0:
         try:
             _save_shards(path, model, optimizer, extra=extra,
                          rank_extra=rank_extra, meta=meta)
@@ -212,8 +212,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
             error = caught
     # [1] int32: did the first group's save fail? summed across the replicas
     failed = torch.tensor([int(error is not None)], dtype=torch.int32,
-                          device=comm.device)
-    comm.all_reduce_replicas(failed)
+                          device=model.runtime.comm.device)
+    replicas.all_reduce_sum(failed)
     if error is not None:
         raise error
     if failed.item():
