@@ -38,7 +38,7 @@ gradient. A chunk also picks its *reduction* once:
   (explained in [hybrid sharding](hybrid.html)): the mean of the $N_d / N_s$ group
   means, each over $N_s$ ranks, is the mean over all $N_d$.
 
-`Chunk.reduce` then makes one call, `reduction.reduce(shard_grad, full_grad)`,
+`ChunkGrads.reduce` then makes one call, `reduction.reduce(shard_grad, full_grad)`,
 on the reduce stream.
 """
 
@@ -128,7 +128,7 @@ class CollectiveReduce:
 
     The default: `comm.reduce_scatter_mean(shard, full)`, both in one dtype.
     `exact_input` says whether `full` may arrive in the parameter dtype with the
-    mean still taken in `shard`'s (see `Chunk._exact_dtype`): not for a
+    mean still taken in `shard`'s (see `ChunkGrads.exact_dtype`): not for a
     collective, which needs one dtype.
     """
 
