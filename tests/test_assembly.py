@@ -152,6 +152,8 @@ def test_free_grads_reaches_the_optimizer_and_the_probe():
                      device=CPU, probe=probe, auto_limits=limits)
     assert left and left[0] and all(g is None for g in left[0])
     assert built.optimizer.free_grads
+    # the probe's callback was removed: only the optimizer's is left
+    assert built.model.runtime.grad_ready == (built.optimizer.grad_ready,)
     # after the probe the stand-in is idle: the optimizer frees them now
     lm_probe(built.model)
     assert built.optimizer.early
