@@ -463,13 +463,12 @@ class Zero3Runtime:
         r"""
         ### Accumulate gradients without reducing them
 
-        Backward passes inside accumulate into each chunk's full-size gradient
-        buffer (held from one micro-batch to the next: $C \cdot g_r$ bytes per
-        trainable chunk in the reduce dtype, about $g_r \Psi_t$ per rank in all,
-        not divided by $N_d$: the memory model counts them); the first backward
-        outside reduces the sum once, and the shard gradient receives that one
-        reduction. For $k$ micro-batches that is one reduce-scatter per step
-        instead of $k$.
+        Backward passes inside accumulate into each trainable chunk's
+        full-size gradient buffer, kept from one micro-batch to the next (about
+        $g_r \Psi_t$ bytes per rank in all, see
+        [a chunk's gradients](chunk_grads.html)); the first backward outside
+        reduces the sum once: for $k$ micro-batches, one reduce-scatter per
+        step instead of $k$.
         """
         previous, self.sync_gradients = self.sync_gradients, False
         try:
