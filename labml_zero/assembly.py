@@ -225,17 +225,16 @@ def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
     return Assembled(model, sharded, optimizer, counts, placement, decided)
 
 
-def free_probe_grad(shard: torch.Tensor, after, freeing: list[bool]) -> None:
+def free_probe_grad(shard: torch.Tensor, after=None) -> None:
     """
     #### The probe's stand-in for `free_grads`: drop each reduced gradient
 
     The optimizer does not exist during the probe; this callback lets each
     gradient go as the optimizer would after its early update, so the probe's
-    peak is the step's. Registered for the probe, idle (`freeing[0]` false)
-    after it.
+    peak is the step's. Registered for the probe only, and removed after it.
     """
     local = LocalShard.of(shard)
-    if not freeing[0] or local is None or local.grad is None:
+    if local is None or local.grad is None:
         return
     if after is not None and local.grad.is_cuda:
         # the reduce stream still writes it: the allocator waits for that stream
@@ -268,14 +267,13 @@ def place(model: Zero3Sequential, recipe: Recipe,
         elif device.type != "cuda":
             raise ValueError("offload_optimizer 'auto' needs GPUs (it reads the "
                              "CUDA allocator's peak); give a fraction on CPU")
-        freeing = [recipe.free_grads]
-        if recipe.free_grads:
-            model.runtime.on_grad_ready(
-                lambda shard, after=None: free_probe_grad(shard, after, freeing))
+        freeing = (model.runtime.on_grad_ready(free_probe_grad)
+                   if recipe.free_grads else None)
         step = accumulated_step(model, lambda: probe(model), recipe.grad_accum)
         decided = first_step_placement(model, step, resident=recipe.resident,
                                        **limits)
-        freeing[0] = False
+        if freeing is not None:
+            freeing.remove()  # the optimizer frees them from here on
         apply_placement(model, decided.placement)
         if model.runtime.comm.rank == 0:
             print("\n".join(decision_lines(decided, shard_specs(model))), flush=True)

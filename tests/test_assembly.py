@@ -104,8 +104,8 @@ def test_auto_placement_counts_the_gradients_held_between_micro_batches():
     held = []
 
     def probe(model):
-        held.append(sum(c.grad_full.untyped_storage().nbytes()
-                        for c in model.chunks if c.grad_full is not None))
+        held.append(sum(c.grads.full.untyped_storage().nbytes()
+                        for c in model.chunks if c.trainable and c.grads.full is not None))
         lm_probe(model)
 
     full_grads = []
@@ -126,7 +126,7 @@ def test_auto_placement_counts_the_gradients_held_between_micro_batches():
     # the probe ran as the step runs: two micro-batches, the buffers held at the
     # second, and none left after it
     assert held == [0, full_grads[0]]
-    assert all(c.grad_full is None for c in built.model.chunks)
+    assert all(c.grads.full is None for c in built.model.chunks if c.trainable)
     assert built.decided.predicted_peak >= 1000 + full_grads[0]
     assert 0 < len(built.optimizer.host) < len(built.model.get_trainable_chunk())
     with pytest.raises(ValueError, match="grad_accum must be at least 1, got 0"):
@@ -152,6 +152,8 @@ def test_free_grads_reaches_the_optimizer_and_the_probe():
                      device=CPU, probe=probe, auto_limits=limits)
     assert left and left[0] and all(g is None for g in left[0])
     assert built.optimizer.free_grads
+    # the probe's callback was removed: only the optimizer's is left
+    assert built.model.runtime.grad_ready == (built.optimizer.grad_ready,)
     # after the probe the stand-in is idle: the optimizer frees them now
     lm_probe(built.model)
     assert built.optimizer.early

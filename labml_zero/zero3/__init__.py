@@ -9,7 +9,8 @@ summary: The ZeRO-3 engine's package, its pages in reading order.
 The engine's overview is the first page of the core path,
 [ZeRO-3 in six pages](../index.html); this package holds the engine itself,
 and its pages follow below in reading order: the configuration, the
-{{see: chunk layout}}, the chunk and [the shard](shard.html), communication and
+{{see: chunk layout}}, the chunk, [its gradients](chunk_grads.html) and
+[the shard](shard.html), communication and
 [its transports](transport.html), then {{see: placement}}, other transports and compiled
 layers. `ZeroConfig`, `shard_model`, `Zero3Sequential`, `save_checkpoint` and
 `load_checkpoint` are re-exported here.

@@ -13,6 +13,13 @@ the callbacks that start [the schedule's](hooks.html) backward hooks: the
 pre-backward at the output's autograd node, the post-backward at the inputs'
 gradients, the end of backward on the autograd engine. This page deepens
 [Hooks and schedule](hooks.html).
+
+The parameters' gradient hooks need none of this: PyTorch's
+`register_post_accumulate_grad_hook` on each parameter, registered once by the
+schedule, hands each gradient to its chunk's gradients
+([a chunk's gradients](chunk_grads.html)), and the end of backward above is
+where an accumulation under `no_sync` ends its backward pass
+(`ChunkGrads.end_backward`).
 """
 
 from __future__ import annotations

@@ -35,18 +35,15 @@ gathered, which the [hooks](hooks.html) guarantee.
 
 ## Gradients
 
-Autograd accumulates each parameter's gradient into `param.grad`, a full-size
-tensor in the parameter dtype. As soon as it is complete (the post-accumulate-grad
-hook), the chunk takes it and `param.grad` is dropped. When every trainable
-parameter of the chunk has reported, the gradients are copied, in one
-multi-tensor copy, into the chunk's full-size gradient buffer in the *reduce
-dtype* (fp32 by default), one reduce-scatter averages the buffer over ranks into
-this rank's shard gradient `local.grad` (fp32, $S$ elements), and the buffer is
-freed. Padding is zero in the buffer, so it is zero in the gradient.
-
-The average, not the sum: each rank's loss is a mean over its own micro-batch, so
-the mean over ranks is the gradient of the mean loss over the global batch, the
-same gradient an unsharded model gets from the whole batch.
+A trainable chunk's gradients are an object of their own, `grads` (explained in
+[a chunk's gradients](chunk_grads.html)): it holds each parameter's gradient as
+autograd completes it, writes them into a full-size buffer in the reduce dtype,
+and reduce-scatters that into this rank's shard gradient `local.grad`. A frozen
+chunk has none. So a chunk runs two state machines, each on its own object:
+its parameters' (`ChunkState`, below) and its gradients' (held, written,
+reduced). They share no tensor: releasing the parameters' `full` after a
+unit's backward leaves the gradients where they are, whether or not the
+chunk has been reduced yet.
 
 ## Memory per rank
 
@@ -54,16 +51,12 @@ same gradient an unsharded model gets from the whole batch.
 |---|---|---|---|
 | the [local shard](shard.html) | $S$ each | $p$, 4, 4 | see its page |
 | `full` | $C$ | $p$ | while gathered |
-| held gradients | up to $C$ | $p$ | first gradient to the chunk's last |
-| full gradient | $C$ | $g_r$ (reduce dtype) | the chunk's last gradient to reduction |
-
-Under `no_sync` the full gradient lives longer: from the first micro-batch to
-the backward that reduces it, every trainable chunk's at once.
+| `grads` | up to $C$ | $p$, then $g_r$ | see [its page](chunk_grads.html) |
 
 ## Limitations
 
-* A parameter that gets no gradient in a backward pass counts as a zero gradient
-  (PyTorch's optimizers would skip it instead).
+* Only frozen chunks can stay gathered between steps (`keep_resident`): a
+  trainable chunk's gathered copy would be stale after each optimizer step.
 """
 
 from __future__ import annotations
@@ -74,22 +67,11 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from .chunk_grads import ChunkGrads
 from .chunk_layout import ChunkSpec
 from .communication import profiled
 from .shard import LocalShard
 from .transport import HostStagedGather, PeerGather, Transports
-
-
-def padding_ranges(spec: ChunkSpec) -> list[tuple[int, int]]:
-    """The `[start, end)` ranges of a chunk that hold no parameter."""
-    gaps, filled = [], 0
-    for slot in sorted(spec.slots, key=lambda s: s.offset):
-        if slot.offset > filled:
-            gaps.append((filled, slot.offset))
-        filled = max(filled, slot.end)
-    if filled < spec.chunk_numel:
-        gaps.append((filled, spec.chunk_numel))
-    return gaps
 
 
 class ChunkState(Enum):
@@ -137,8 +119,8 @@ class Chunk:
     3. `wait()`: the compute stream waits for the gather → `GATHERED`
        (`RESIDENT` after `keep_resident`, which `release()` then leaves be);
     4. `release()`: `full` loses its storage → `SHARDED`;
-    5. for trainable chunks, `add_grad()` for each parameter's gradient, then
-       `reduce()` averages them into `local.grad`.
+    5. for trainable chunks, `grads` takes each parameter's gradient and
+       reduces them into `local.grad` (its own lifecycle: see `ChunkGrads`).
 
     * `spec` is the chunk's place in the layout.
     * `params` are the module's parameters, in the order of `spec.slots`.
@@ -161,7 +143,6 @@ class Chunk:
         self.spec = spec
         self.comm = comm = transports.comm
         self.dtype = dtype
-        self.reduce_dtype = reduce_dtype
         self.trainable = spec.trainable
         self.numel = spec.chunk_numel
         self.shard_numel = self.numel // comm.world_size
@@ -201,6 +182,10 @@ class Chunk:
         # this rank's state of the chunk: see [the shard](shard.html)
         self.local = LocalShard(shard, trainable=self.trainable,
                                 master_init=master_init)
+        # a trainable chunk's gradients, from autograd to `local.grad`
+        self.grads = (ChunkGrads(spec, self.local, comm, self.reduction, dtype=dtype,
+                                 reduce_dtype=reduce_dtype)
+                      if self.trainable else None)
 
         # [C] param dtype; views into it replace the parameters' data.
         self.full = torch.empty(self.numel, dtype=dtype, device=device)
@@ -234,18 +219,6 @@ class Chunk:
         # release (new weights loaded), after which the next gather makes the
         # chunk `RESIDENT` again.
         self.stays_gathered = False
-
-        # [C] reduce dtype, allocated at the first gradient of a backward pass
-        self.grad_full: torch.Tensor | None = None
-        # slots (by position) whose gradient arrived in this backward pass
-        self.grads_seen: set[int] = set()
-        # (position, gradient) not yet in `grad_full`; see `add_grad`
-        self.held: list[tuple[int, torch.Tensor]] = []
-        # slots written into `grad_full` since it was allocated (across the
-        # micro-batches of an accumulation); the rest of it is uninitialised
-        self.grads_written: set[int] = set()
-        # [start, end) ranges of the chunk that no parameter covers: padding
-        self.gaps = padding_ranges(spec)
 
     @property
     def shard(self) -> torch.Tensor:
@@ -420,153 +393,6 @@ class Chunk:
         self.wait()
         self.full.untyped_storage().resize_(0)
         self.state = ChunkState.SHARDED
-
-    ### Gradients
-
-    def add_grad(self, position: int, grad: torch.Tensor) -> None:
-        r"""
-        ### Take the gradient of parameter number `position`
-
-        It is held until the chunk's last parameter reports (`flush_grads`): one
-        multi-tensor copy for the whole chunk then, instead of one copy, with its
-        Python call and kernel launch, per parameter: for a small model with
-        many parameter tensors the host's time per step, not the GPU's, is what
-        bounds the step.
-        """
-        self.held.append((position, grad))
-        self.grads_seen.add(position)
-
-    def flush_grads(self, *, stream=None, dtype: torch.dtype | None = None) -> None:
-        r"""
-        ### Copy the held gradients into the full-size gradient buffer
-
-        The buffer is allocated uninitialised: a parameter's first gradient is
-        *copied* in (cast to the reduce dtype), later ones (accumulation) added.
-        Zeroing the whole buffer first and adding would cost a write and a read of
-        $C \cdot g$ bytes per chunk per step, 8 bytes per parameter in fp32.
-        Only padding and parameters that got no gradient are zeroed, at the
-        reduction.
-
-        `stream` is the side stream the copy runs on, when not the current one
-        (`reduce` runs it on the reduce stream). `dtype` is the buffer's dtype
-        if it is allocated now (default: the reduce dtype).
-        """
-        if not self.held:
-            return
-        if stream is not None:
-            for _, grad in self.held:
-                # autograd allocated it on the compute stream, which may reuse
-                # its memory as soon as the chunk lets go of it
-                grad.record_stream(stream)
-        if self.grad_full is None:
-            # [C] reduce dtype, uninitialised; see above
-            self.grad_full = torch.empty(
-                self.numel, dtype=dtype or self.reduce_dtype, device=self.comm.device
-            )
-        copies: tuple[list, list] = ([], [])
-        adds: tuple[list, list] = ([], [])
-        for position, grad in self.held:
-            slot = self.spec.slots[position]
-            target = adds if position in self.grads_written else copies
-            target[0].append(self.grad_full[slot.offset : slot.end])
-            target[1].append(grad.reshape(-1))
-            self.grads_written.add(position)
-        # `_foreach_*`: PyTorch's multi-tensor kernels, private but what its own
-        # optimizers and FSDP2 use; one call casts and copies all
-        if copies[0]:
-            torch._foreach_copy_(*copies)
-        if adds[0]:
-            torch._foreach_add_(*adds)
-        self.held.clear()
-
-    def _zero_unwritten(self) -> None:
-        """Zero the padding and the parameters without a gradient, before reducing."""
-        for start, end in self.gaps:
-            self.grad_full[start:end].zero_()
-        for position, slot in enumerate(self.spec.slots):
-            if position not in self.grads_written:
-                self.grad_full[slot.offset : slot.end].zero_()
-
-    @property
-    def all_grads_seen(self) -> bool:
-        return len(self.grads_seen) == len(self.spec.slots)
-
-    def reduce(self) -> None:
-        r"""
-        ### Reduce-scatter the gradient into `local.grad`
-
-        $g_{\text{shard}} \mathrel{+}= \frac{1}{N_d} \sum_r g^{(r)}_{\text{shard}}$,
-        added to what `local.grad` holds so that gradients accumulate until
-        `zero_grad`, as `param.grad` does. One call to the chunk's
-        [reduction](transport.html) (`self.reduction`), chosen when the chunk is
-        built: collective, peer memory, or hybrid (explained in
-        [transports](transport.html)).
-        """
-        assert self.trainable, "only trainable chunks have gradients"
-        comm, local = self.comm, self.local
-        # The first reduction of a step in fp32 writes straight into the
-        # gradient shard; otherwise (a later micro-batch, or a narrower reduce
-        # dtype) into a temporary that is added to it.
-        direct = local.grad is None and self.reduce_dtype == torch.float32
-        if local.grad is None:
-            local.new_grad(zeroed=not direct)
-        # One rank holds the whole chunk ($S = C$): the mean over one rank is
-        # the gradient itself, so the held gradients are cast straight into the
-        # gradient shard. No buffer, no reduction: $p + 4$ bytes a parameter
-        # move instead of $p + 4 + 8$. Not when earlier micro-batches are
-        # accumulated in `grad_full` (`no_sync`): that buffer holds them.
-        alone = direct and self.reduction.identity and self.grad_full is None
-        if alone:
-            self.grad_full = local.grad
-        # [S] reduce dtype
-        reduced = local.grad if direct else torch.empty(
-            self.shard_numel, dtype=self.reduce_dtype, device=comm.device)
-        # reduce stream waits: the gradients were written on the compute stream
-        comm.wait(comm.reduce_stream, comm.current_stream())
-        with comm.on(comm.reduce_stream):
-            # The copy into the buffer, a memory-bound pass over (p + g)·C
-            # bytes, runs here, beside the backward of the layers below,
-            # instead of on the compute stream before it.
-            self.flush_grads(stream=comm.reduce_stream, dtype=self._exact_dtype())
-            if self.grad_full is None:
-                # No parameter of the chunk got a gradient; every rank must
-                # still take part in the collective, so it reduces zeros.
-                self.grad_full = torch.zeros(
-                    self.numel, dtype=self.reduce_dtype, device=comm.device)
-            else:
-                self._zero_unwritten()
-            if not alone:
-                with profiled("zero::reduce_scatter"):
-                    self.reduction.reduce(reduced, self.grad_full)
-            if not direct:
-                local.grad.add_(reduced)
-        if comm.reduce_stream is not None:
-            # Allocated on the compute stream (`grad_full` too, when it holds
-            # accumulated micro-batches) but used on the reduce stream: the
-            # allocator must not reuse them before it is done.
-            for tensor in (self.grad_full, reduced, local.grad):
-                tensor.record_stream(comm.reduce_stream)
-        self.grad_full = None
-        self.grads_seen.clear()
-        self.grads_written.clear()
-        local.expose_grad()
-
-    def _exact_dtype(self) -> torch.dtype | None:
-        """
-        The parameter dtype, when the reduction can take the gradients in it
-        without rounding anything: it reduces through peer memory (the mean is
-        then computed in the reduce dtype, see [peer memory](peer_memory.html)),
-        and each parameter's gradient arrived once, with no earlier micro-batch
-        accumulated into the buffer; and it is no wider than the reduce dtype
-        (fp32 parameters with a bf16 reduction keep sending bf16). `None`
-        otherwise (the reduce dtype).
-        """
-        positions = [position for position, _ in self.held]
-        narrower = self.dtype.itemsize <= self.reduce_dtype.itemsize
-        if (self.reduction.exact_input and narrower and self.grad_full is None
-                and len(set(positions)) == len(positions)):
-            return self.dtype
-        return None
 
     def zero_grad(self) -> None:
         self.local.zero_grad()

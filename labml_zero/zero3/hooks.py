@@ -30,10 +30,12 @@ Backward, for each unit in reverse:
    a unit whose output needs no gradient (frozen layers at the input end) is
    never gathered again;
 4. **gradient hooks**, during the layer's backward: each parameter's gradient
-   goes to its chunk, and a chunk whose parameters have all reported is
-   reduce-scattered at once (inside `no_sync` it only accumulates);
+   goes to its chunk's [gradients](chunk_grads.html), and a chunk whose
+   parameters have all reported is reduce-scattered at once (inside `no_sync`
+   it only accumulates);
 5. **post-backward hook**: release;
-6. **end of backward**: reduce what was not, release what is still gathered.
+6. **end of backward**: reduce what was not (or, inside `no_sync`, end each
+   chunk's backward pass), release what is still gathered.
 
 Then the optimizer updates each shard from its gradient shard
 ([AdamFP16](../optimizers/adam_fp16.html), the next page), at `step()` or,
@@ -74,12 +76,14 @@ stream has waited for the last reduction.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .autograd_hooks import (before_backward_of, needing_grad, queue_end_of_backward,
                              when_grads_computed)
@@ -165,12 +169,12 @@ class Zero3Runtime:
         # buffers and are reduced once, by the backward that runs with it True.
         self.sync_gradients = True
         self._reduced: set[int] = set()
-        # see `on_grad_ready`
-        self._grad_ready: list[Callable[..., None]] = []
+        # see `on_grad_ready`; by handle id (an `OrderedDict`: weakly referable)
+        self._grad_ready: OrderedDict[int, Callable[..., None]] = OrderedDict()
         if grad_ready is not None:
             self.on_grad_ready(grad_ready)
 
-    def on_grad_ready(self, callback: Callable[..., None]) -> None:
+    def on_grad_ready(self, callback: Callable[..., None]) -> RemovableHandle:
         """
         ### Register what to call when a shard's gradient is final
 
@@ -179,13 +183,18 @@ class Zero3Runtime:
         `reduce_stream`): the optimizer (`AdamFP16.grad_ready`) may start the
         gradient's copy to the host, or the shard's update, overlapping the rest
         of the backward pass. Callbacks run in registration order.
+
+        Returns a handle whose `remove()` unregisters it, as a module hook's
+        does; not from inside a callback, while the reduction iterates them.
         """
-        self._grad_ready.append(callback)
+        handle = RemovableHandle(self._grad_ready)
+        self._grad_ready[handle.id] = callback
+        return handle
 
     @property
     def grad_ready(self) -> tuple[Callable[..., None], ...]:
         """The registered callbacks, in order (read only)."""
-        return tuple(self._grad_ready)
+        return tuple(self._grad_ready.values())
 
     ### Registration
 
@@ -368,21 +377,25 @@ class Zero3Runtime:
         itself, so it fires on every step (labml-nn hooked the gradient
         accumulator node of a view, which current PyTorch does not keep alive:
         the hook was lost and the second step failed). When the chunk's last
-        parameter reports, the chunk copies the gradients into its buffer (one
-        multi-tensor copy) and is reduce-scattered at once, overlapping the
-        backward of the layers below; under `no_sync` the copy only adds them up.
+        parameter reports, the chunk's gradients go into its buffer (one
+        multi-tensor copy) and are reduce-scattered at once, overlapping the
+        backward of the layers below; under `no_sync` the copy only adds them up
+        (the steps are explained in [a chunk's gradients](chunk_grads.html)).
         """
+        # bound once, here: the hook runs once per parameter per backward pass
+        add, flush = chunk.grads.add, chunk.grads.flush
+
         def hook(param: torch.Tensor) -> None:
             self._enter_backward()
-            chunk.add_grad(position, param.grad)
+            complete = add(position, param.grad)
             # The chunk holds the gradient now; autograd must not add the next
             # micro-batch's into it.
             param.grad = None
-            if chunk.all_grads_seen:
+            if complete:
                 if self.sync_gradients:
                     self._reduce(chunk)
                 else:
-                    chunk.flush_grads()
+                    flush()
 
         return hook
 
@@ -393,9 +406,9 @@ class Zero3Runtime:
         The callbacks of `on_grad_ready` get the shard and the stream to wait
         for; `AdamFP16(update_during_backward=True)` updates the shard right away.
         """
-        chunk.reduce()
+        chunk.grads.reduce()
         self._reduced.add(id(chunk))
-        for callback in self._grad_ready:
+        for callback in self._grad_ready.values():
             callback(chunk.shard, after=self.comm.reduce_stream)
 
     def _post_backward(self, unit: Unit) -> None:
@@ -414,8 +427,10 @@ class Zero3Runtime:
 
         A callback queued on the autograd engine. Every trainable chunk not yet
         reduced (its parameters got no gradient) reduces zeros, because every
-        rank must take part in every collective; then the compute stream waits
-        for the reductions and whatever is still gathered is released.
+        rank must take part in every collective; inside `no_sync` each chunk's
+        gradients end their backward pass instead, keeping their buffer. Then
+        the compute stream waits for the reductions and whatever is still
+        gathered is released.
         """
         for chunk in self.all_chunks():
             if not chunk.trainable:
@@ -424,9 +439,7 @@ class Zero3Runtime:
                 if id(chunk) not in self._reduced:
                     self._reduce(chunk)
             else:
-                # Accumulating: keep the buffer, forget which gradients arrived.
-                chunk.flush_grads()
-                chunk.grads_seen.clear()
+                chunk.grads.end_backward()
         # compute stream waits: the optimizer reads the gradient shards next
         self.comm.wait(self.comm.current_stream(), self.comm.reduce_stream)
         self._release_all()
@@ -450,13 +463,12 @@ class Zero3Runtime:
         r"""
         ### Accumulate gradients without reducing them
 
-        Backward passes inside accumulate into each chunk's full-size gradient
-        buffer (held from one micro-batch to the next: $C \cdot g_r$ bytes per
-        trainable chunk in the reduce dtype, about $g_r \Psi_t$ per rank in all,
-        not divided by $N_d$: the memory model counts them); the first backward
-        outside reduces the sum once, and the shard gradient receives that one
-        reduction. For $k$ micro-batches that is one reduce-scatter per step
-        instead of $k$.
+        Backward passes inside accumulate into each trainable chunk's
+        full-size gradient buffer, kept from one micro-batch to the next (about
+        $g_r \Psi_t$ bytes per rank in all, see
+        [a chunk's gradients](chunk_grads.html)); the first backward outside
+        reduces the sum once: for $k$ micro-batches, one reduce-scatter per
+        step instead of $k$.
         """
         previous, self.sync_gradients = self.sync_gradients, False
         try:

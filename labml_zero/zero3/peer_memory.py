@@ -234,7 +234,7 @@ def push_reduce_scatter_mean(shard: torch.Tensor, full: torch.Tensor,
     do. NCCL reduces in the dtype it sends, so an fp32 reduction must send fp32
     values, and every bf16 gradient is first cast into an fp32 buffer. Yet a
     gradient that autograd computed in bf16, with no micro-batches accumulated
-    into it, holds nothing that bf16 cannot hold. So `Chunk.reduce` keeps it in
+    into it, holds nothing that bf16 cannot hold. So `ChunkGrads.reduce` keeps it in
     bf16, and the copies move half the bytes. The sum is still fp32, and on two
     ranks it is the same number an fp32 all-reduce gives.
 

@@ -38,7 +38,7 @@ gradient. A chunk also picks its *reduction* once:
   (explained in [hybrid sharding](hybrid.html)): the mean of the $N_d / N_s$ group
   means, each over $N_s$ ranks, is the mean over all $N_d$.
 
-`Chunk.reduce` then makes one call, `reduction.reduce(shard_grad, full_grad)`,
+`ChunkGrads.reduce` then makes one call, `reduction.reduce(shard_grad, full_grad)`,
 on the reduce stream.
 
 Each transport holds what it moves the bytes with, and nothing else: the
@@ -136,9 +136,11 @@ class CollectiveReduce:
     """
     ## Reduce-scatter with averaging
 
-    The default: `comm.reduce_scatter_mean(shard, full)`, both in one dtype,
-    so not `exact_input`: a collective needs one dtype. The identity when the
-    shard group is one rank.
+    The default: `comm.reduce_scatter_mean(shard, full)`, both in one dtype.
+    `exact_input` says whether `full` may arrive in the parameter dtype with the
+    mean still taken in `shard`'s (see `ChunkGrads.exact_dtype`): not for a
+    collective, which needs one dtype. The identity when the shard group is one
+    rank.
     """
 
     exact_input = False

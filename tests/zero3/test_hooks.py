@@ -147,6 +147,28 @@ def test_grad_ready_callbacks_run_in_registration_order():
     assert len(model.runtime.grad_ready) == 2
 
 
+def test_a_removed_grad_ready_callback_is_not_called():
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4)
+    model = Zero3Sequential(zero3_layers(tiny_layers(0), device="cpu",
+                                         config=config))
+    calls = []
+    kept = model.runtime.on_grad_ready(lambda shard, *, after: calls.append("kept"))
+    removed = model.runtime.on_grad_ready(lambda shard, *, after: calls.append("gone"))
+    removed.remove()
+    removed.remove()  # a second remove does nothing, as a module hook's
+    x, y = batch(0, 4)
+    nn.functional.mse_loss(model(x), y).backward()
+    assert calls == ["kept"] * len(model.get_trainable_chunk())
+    assert len(model.runtime.grad_ready) == 1
+    # a handle is also a context manager: registered for the block only
+    kept.remove()
+    with model.runtime.on_grad_ready(lambda shard, *, after: calls.append("block")):
+        nn.functional.mse_loss(model(x), y).backward()
+    nn.functional.mse_loss(model(x), y).backward()
+    assert calls.count("block") == len(model.get_trainable_chunk())
+    assert model.runtime.grad_ready == ()
+
+
 def test_a_resident_chunk_is_a_state_that_outlives_a_forced_release():
     config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4)
     model = Zero3Sequential(zero3_layers(tiny_layers(0), device="cpu", config=config))

@@ -40,7 +40,7 @@ def held_bytes(model, optimizer) -> int:
         # released chunks hold nothing: their full buffer has no storage
         assert chunk.state is ChunkState.SHARDED
         assert chunk.full.untyped_storage().nbytes() == 0
-        assert chunk.grad_full is None
+        assert chunk.grads is None or chunk.grads.full is None
         if chunk.trainable:
             count(chunk.local.grad)
         else:

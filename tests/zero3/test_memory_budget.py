@@ -50,7 +50,7 @@ def engine_bytes(ctx, inputs: BudgetInputs) -> dict:
     # a micro-batch under no_sync: every trainable chunk keeps its buffer
     with model.no_sync():
         lm_loss(model, ids).backward()
-    buffers = sum(chunk.grad_full.untyped_storage().nbytes()
+    buffers = sum(chunk.grads.full.untyped_storage().nbytes()
                   for chunk in model.chunks if chunk.trainable)
     return {"states": states, "moved": moved, "buffers": buffers,
             "chunk_numel": model.layout.chunk_numel}

@@ -130,7 +130,7 @@ def test_peer_memory_trains_like_the_collectives(world_size, dtype, early, api, 
         assert counts[True]["all_gather"] == counts[False]["all_gather"], rank
         if "reduce" in peer and dtype == "bfloat16":
             # bf16 gradients travel in bf16, except at the step that accumulated
-            # two micro-batches (fp32); see `Chunk._exact_dtype`
+            # two micro-batches (fp32); see `ChunkGrads.exact_dtype`
             assert counts[True]["reduce_scatter"] < counts[False]["reduce_scatter"]
         else:
             assert counts[True]["reduce_scatter"] == counts[False]["reduce_scatter"]
