@@ -1,0 +1,22 @@
+"""
+---
+title: Processes
+summary: Starting one process per rank (or joining torchrun's), and watching them so
+  that a failing, hanging or interrupted rank ends the whole job with one line.
+---
+
+# Processes
+
+ZeRO runs one process per rank. This package starts them and is the only code
+that creates or destroys the process group: [starting the
+ranks](spawn.html) (`spawn` on one host, `run_torchrun` under torchrun), then
+[supervising them](supervisor.html) (failure reports, hang watch, signals).
+Their public names are re-exported here, so `launch.spawn(fn, world_size)`
+reads as before.
+"""
+
+from .spawn import (DistContext, Heartbeat, Interrupted, RankFailed, default_backend,
+                    free_port, run_torchrun, spawn, under_torchrun)
+
+__all__ = ["DistContext", "Heartbeat", "Interrupted", "RankFailed", "spawn",
+           "run_torchrun", "under_torchrun", "free_port", "default_backend"]
