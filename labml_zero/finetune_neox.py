@@ -7,8 +7,7 @@ summary: Keeps `python -m labml_zero.finetune_neox` working; the command line
 
 # The fine-tune's entry point
 
-`python -m labml_zero.finetune_neox` runs [the command line](finetune/cli.html),
-which lives in the fine-tune package with the job it starts.
+Runs [the fine-tune's command line](finetune/cli.html).
 """
 
 import sys

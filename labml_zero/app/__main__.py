@@ -6,8 +6,7 @@ summary: Runs the app's server, so that `python -m labml_zero.app` starts it.
 
 # `python -m labml_zero.app`
 
-Starts [the app's server](server.html) with the command line's flags
-(`--help` lists them); `labml-zero-app` is the same command, installed by pip.
+Starts [the app's server](server.html); `labml-zero-app` is the same command.
 """
 
 from labml_zero.app.server import main

@@ -7,12 +7,9 @@ summary: Starting one process per rank (or joining torchrun's), and watching the
 
 # Processes
 
-ZeRO runs one process per rank. This package starts them and is the only code
-that creates or destroys the process group: [starting the
-ranks](spawn.html) (`spawn` on one host, `run_torchrun` under torchrun), then
-[supervising them](supervisor.html) (failure reports, hang watch, signals).
-Their public names are re-exported here, so `launch.spawn(fn, world_size)`
-reads as before.
+ZeRO runs one process per rank. This package starts them (`spawn`, or
+`run_torchrun` under torchrun) and watches them, and is the only code that
+creates or destroys the process group; its public names are re-exported here.
 """
 
 from .spawn import (DistContext, Heartbeat, Interrupted, RankFailed, default_backend,

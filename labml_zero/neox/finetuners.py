@@ -17,9 +17,8 @@ $\frac{2\Psi + (4 + K)\Psi_t}{N_d}$ bytes per rank (bf16 parameters, the
 engine's fp32 gradient shard) instead of $\frac{(2 + 4 + K)\Psi}{N_d}$.
 
 There are four: the biases, the MLPs, everything, and [LoRA](lora.html)'s
-low-rank adapters, each built on the engine's `mark_trainable` ([what
-trains](../zero3/trainable.html)); `finetuner(name)` resolves a name to one for
-the callers that take names. The embedding, final norm and readout are frozen
+low-rank adapters, each built on the engine's
+[`mark_trainable`](../zero3/trainable.html). The embedding, final norm and readout are frozen
 by all but `FineTuneAll`.
 
 ## Limitations
@@ -90,7 +89,8 @@ def finetuner(name: str, **options: Any
     ### The fine-tuner called `name`: `'biases'`, `'ffn'`, `'all'` or `'lora'`
 
     `options` are `FineTuneLoRA`'s fields (`rank`, `alpha`, `targets`); the
-    other fine-tuners take none.
+    other fine-tuners take none. Callers that take a name (the job, the
+    benchmark) resolve it here: the assembly takes the fine-tuner itself.
     """
     if name == "lora":
         return FineTuneLoRA(**options)

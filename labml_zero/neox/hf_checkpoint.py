@@ -15,9 +15,8 @@ loading is **per layer**: `HFCheckpoint.layer_state_dict(layer)` opens only the
 safetensors files that hold that layer's tensors and reads only those tensors
 (`safe_open` maps the file; `get_tensor` copies one tensor out), so the peak is one
 layer. The engine loads a layer, shards it into its chunks and drops it before
-the next. These are the model's files in Hugging Face's format, for loading a
-snapshot and exporting one; resuming a run uses the engine's own [sharded
-checkpoints](../zero3/checkpoint/index.html).
+the next. Not the engine's [sharded checkpoints](../zero3/checkpoint/index.html),
+which resume a run.
 
 ## Limitations
 

@@ -7,17 +7,11 @@ summary: Marking parameters trainable or frozen before the engine shards them, a
 
 # What trains
 
-The engine packs trainable and frozen parameters into different chunks (see
-[chunk layout](chunk_layout.html)), so what trains must be decided before the
-layers are sharded: a function of the layers that sets `requires_grad` on each
-parameter and returns the counts
+What trains must be decided before the layers are sharded: trainable and frozen
+parameters go to different chunks (see [chunk layout](chunk_layout.html)). A
+*fine-tuner* sets `requires_grad` and returns the counts the memory model reads,
 
 $$\Psi_t = \sum_{p \,:\, \text{trainable}} |p|, \qquad \Psi = \sum_p |p|$$
-
-that the memory model reads. Such a function is a *fine-tuner*; the model's own
-ones (GPT-NeoX's biases, MLPs, LoRA) are [its fine-tuners](../neox/finetuners.html),
-built on `mark_trainable` below, and [the assembly](../assembly.html) calls
-whichever it is given.
 """
 
 from __future__ import annotations
@@ -26,8 +20,9 @@ from typing import Callable, NamedTuple, Sequence
 
 from torch import nn
 
-# Nothing here knows a model: the assembly and each model's fine-tuners import
-# these from below, and a model's fine-tuner is any function of this shape.
+# Nothing here knows a model: [the assembly](../assembly.html) calls any
+# fine-tuner, and a model's own ones (GPT-NeoX's
+# [fine-tuners](../neox/finetuners.html)) build on `mark_trainable`.
 __all__ = ["TrainableCount", "mark_trainable", "train_all"]
 
 
