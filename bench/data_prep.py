@@ -23,15 +23,15 @@ from pathlib import Path
 
 import numpy as np
 
-from labml_zero.neox.corpus import find_sources, read_documents
-from labml_zero.neox.dataset import load_text
-from labml_zero.neox.token_file import corpus_tokens
+from labml_zero.finetune.corpus import find_sources, read_documents
+from labml_zero.finetune.dataset import load_text
+from labml_zero.finetune.token_file import corpus_tokens
 from labml_zero.neox.tokenizer import end_of_text_id, load_tokenizer
 
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across exec
 READER = """
 import sys, numpy as np, torch
-from labml_zero.neox.dataset import TextDataset
+from labml_zero.finetune.dataset import TextDataset
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key + ":"):

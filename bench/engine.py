@@ -57,7 +57,7 @@ end. Offloaded gradients start their copy to the host as their chunk is
 reduced (the runtime's `grad_ready` hook), their host update starts then too
 (`update_during_backward`: the benchmark neither clips nor scales the loss),
 and each rank's host Adam runs on
-$\lfloor \text{cores} / N \rfloor$ threads ([launch](../labml_zero/launch.html)
+$\lfloor \text{cores} / N \rfloor$ threads ([launch](../labml_zero/launch/spawn.html)
 sets them), so the ranks of one host do not fight over the cores. The probe is
 part of the build time (`init_s`). Rank 0 prints the decision (chunks and
 fraction offloaded, host-link bytes, predicted peaks) when it is made, and the
@@ -227,7 +227,7 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     )
     automatic = workload.offload == "auto" or workload.resident
     recipe = Recipe(
-        zero=config, finetune=workload.finetune,
+        zero=config, finetune=finetuner(workload.finetune),
         compile_types=(TransformerLayer,) if workload.compile else (),
         offload_optimizer="auto" if automatic else 0.0,
         resident=workload.resident, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY,

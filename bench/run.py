@@ -14,7 +14,7 @@ python -m bench.run --workloads W1,W2,W3,W4 \
 ```
 
 For each workload, for each engine, the parent process spawns one process per
-GPU ([`launch.spawn`](../labml_zero/launch.html)), and each of them
+GPU ([`launch.spawn`](../labml_zero/launch/spawn.html)), and each of them
 
 1. builds the engine (timed as `init_s`),
 2. runs `warmup` untimed and `steps` timed training steps

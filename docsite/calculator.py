@@ -99,7 +99,8 @@ def calculator_data() -> dict:
     from labml_zero.neox import config as neox_config
     from labml_zero.neox.finetuners import FINETUNERS, FineTuneBiases
     from labml_zero.neox.lora import TARGETS
-    from labml_zero.zero3 import memory_budget, memory_model
+    from labml_zero.neox import memory_budget
+    from labml_zero.zero3 import memory_model
     from labml_zero.zero3.chunk_search import MEBI, ChunkSearchConfig
     from labml_zero.zero3.config import ZeroConfig
 
@@ -164,6 +165,7 @@ def render(page: str) -> str:
     model = example["model"]
     static = rel_href("static/calculator.js", page).rsplit("calculator.js", 1)[0]
     activation_page = rel_href("labml_zero/neox/activation_memory.html", page)
+    budget_page = rel_href("labml_zero/neox/memory_budget.html", page)
     presets = [(name, name.replace("_", "-")) for name in PRESETS]
     dtypes = [(name, name) for name in data["dtype_bytes"]]
     targets = "".join(
@@ -241,7 +243,7 @@ def render(page: str) -> str:
     block = (
         '<div class="calc" id="calculator">'
         '<h2 id="calculator-title">Calculator</h2><p>What one rank holds and moves '
-        'for a GPT-NeoX fine-tune: the <a href="memory_budget.html">memory '
+        f'for a GPT-NeoX fine-tune: the <a href="{budget_page}">memory '
         'budget</a> of this page\'s parts, each row named by its symbol; the '
         f'activations are the <a href="{activation_page}">'
         'activation count</a>\'s for every fine-tuner, LoRA\'s adapters at their '

@@ -43,7 +43,7 @@ CODE_DIRS = ("labml_zero", "bench", "tests", "docsite", "docs_src")
 CODE_FILES = ("build_docs.py",)
 IDENT = re.compile(r"[A-Za-z_]\w*\Z")
 DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*\Z")
-CONFIG_CLASS = ("labml_zero.neox.finetune_config", "FinetuneConfig")
+CONFIG_CLASS = ("labml_zero.finetune.config", "FinetuneConfig")
 
 
 @dataclass

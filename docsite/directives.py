@@ -56,14 +56,14 @@ from .results import lookup
 
 PY_NAMESPACE = {
     "memory_model": "labml_zero.zero3.memory_model",
-    "memory_budget": "labml_zero.zero3.memory_budget",
+    "memory_budget": "labml_zero.neox.memory_budget",
     "hybrid_memory": "labml_zero.zero3.hybrid_memory",
     "chunk_layout": "labml_zero.zero3.chunk_layout",
     "chunk_search": "labml_zero.zero3.chunk_search",
     "zero_config": "labml_zero.zero3.config",
     "neox_model": "labml_zero.neox.model",
     "activation_memory": "labml_zero.neox.activation_memory",
-    "app": "labml_zero.app",
+    "app": "labml_zero.app.server",
     "finetuners": "labml_zero.neox.finetuners",
     "workloads": "bench.workloads",
     "math": "math",

@@ -45,14 +45,15 @@ import re
 import sys
 from pathlib import Path
 
-from . import code_refs, notation, order, terms
+from . import code_refs, notation, notes_beside_code, order, terms
 from .directives import TESTED, strip_directives
 from .glossary import GLOSSARY_FILE
 from .markdown import TEX_LEFT, outside_code, visible_text
 from .mathml import spelled_commands
 from .paths import REPO, discover_modules
+from .prose import DISPLAY, INLINE, intro_words, prose
 from .results import load_results, results_markdown
-from .site import load_pages
+from .site import build_site, load_pages
 
 INTRO_WORDS = 600
 UNCHECKED = "docs_src/unchecked"
@@ -62,8 +63,6 @@ NO_ALLOWLIST = ("terms", "constants", "notation")
 
 # Over the built pages: any TeX command, `$$`, or a `$...$` formula left as text.
 RAW_TEX = TEX_LEFT
-DISPLAY = re.compile(r"\$\$(.+?)\$\$", re.S)
-INLINE = re.compile(r"(?<![\\$\w])\$([^\s$](?:[^$\n]*?[^\s$\\])?)\$(?![\w$])")
 LAB_TRACES = [
     re.compile(r"\brun\d+\b"),
     re.compile(r"\b20\d\d-\d\d-\d\d\b"),
@@ -78,25 +77,10 @@ FORMULA_BEFORE = re.compile(r"(\$\$(?:(?!\$\$).)+\$\$|\$[^$\n]+\$)[\s.,;:]*$", r
 NUMBER = re.compile(r"(?<![\w.\-/\\^_])(\d+(?:[.,]\d+)*)(?![\w.]?\d)")
 
 
-def _prose(markdown: str) -> str:
-    """Markdown without code, link targets and HTML tags."""
-    text = outside_code(markdown, lambda p: p)
-    text = re.sub(r"^```.*?^```[ \t]*$", " ", text, flags=re.S | re.M)
-    text = re.sub(r"`+[^`]*`+", " ", text)
-    text = re.sub(r"\]\([^)]*\)", "]", text)
-    return re.sub(r"<[^>]+>", " ", text)
-
-
 def formulas(markdown: str) -> list[str]:
-    text = _prose(markdown)
+    text = prose(markdown)
     found = DISPLAY.findall(text)
     return found + INLINE.findall(DISPLAY.sub(" ", text))
-
-
-def intro_words(markdown: str) -> int:
-    text = DISPLAY.sub(" ", _prose(markdown))
-    text = INLINE.sub(" x ", text)
-    return len(re.findall(r"[A-Za-z0-9][\w'’-]*", text))
 
 
 def numbers(markdown: str) -> list[str]:
@@ -117,7 +101,7 @@ def numbers(markdown: str) -> list[str]:
             last = m.end()
         return "".join(out) + part[last:]
 
-    text = _prose(strip_directives(outside_code(markdown, drop_tested)))
+    text = prose(strip_directives(outside_code(markdown, drop_tested)))
     text = re.sub(r"^\s*\d+\.\s", " ", text, flags=re.M)  # list item numbers
     found = []
     for m in NUMBER.finditer(text):
@@ -178,8 +162,6 @@ HEADER = ("# Findings of the `{check}` check that the notes had when it was writ
 
 
 def main(argv: list[str]) -> int:
-    from .site import build_site
-
     found = findings(REPO, build_site(REPO))
     for check in CHECKS:
         allowed = read_allowlist(REPO, check)
@@ -197,8 +179,6 @@ def main(argv: list[str]) -> int:
             path.write_text(HEADER.format(check=check)
                             + "".join(f"{f}\n" for f in found[check]),
                             encoding="utf-8")
-    from . import notes_beside_code  # imports this module: read it here
-
     print("\n".join(notes_beside_code.summary_lines(notes_beside_code.measure(REPO))))
     return 0
 

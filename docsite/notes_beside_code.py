@@ -22,7 +22,7 @@ empty, or only points elsewhere ("see Note: …"), shows the reader nothing but 
 row's § mark. Such a row is fine beside imports (and `__all__`) and nowhere
 else.
 
-Words are counted as the introduction budget counts them (`lint.intro_words`),
+Words are counted as the introduction budget counts them (`prose.intro_words`),
 with each formula one word, a `code` span the names it shows (`hf_prefix(layer)`
 is two), each directive the words it shows and `(tested: …)` none: what a reader
 reads on the rendered page.
@@ -41,8 +41,8 @@ from pathlib import Path
 
 from . import order
 from .directives import BENCH, PY, SEE, TERM, TESTED
-from .lint import intro_words
 from .paths import REPO, discover_modules
+from .prose import intro_words
 from .site import load_pages
 from .split import Section
 

@@ -33,7 +33,6 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from labml_zero.neox.finetuners import TrainableCount, finetuner
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3.compiled import compile_layers
 from labml_zero.zero3.config import ZeroConfig
@@ -49,6 +48,7 @@ from labml_zero.zero3.placement_probe import (accumulated_step, apply_placement,
 from labml_zero.zero3.placement_report import decision_lines
 from labml_zero.zero3.sharded_model import Zero3Layer, Zero3Sequential, zero3_layers
 from labml_zero.zero3.shard import LocalShard
+from labml_zero.zero3.trainable import TrainableCount, train_all
 
 __all__ = ["Recipe", "AutoLimits", "Assembled", "assemble"]
 
@@ -81,11 +81,11 @@ class Recipe:
     zero: ZeroConfig
     """The engine's configuration: chunk dtype, chunk size (or `None` to search
     it), prefetch, activation recomputation, transports."""
-    finetune: str | Callable[[Sequence[nn.Module]], TrainableCount] = "all"
-    """The fine-tuner that marks what trains: a name (`'biases'`, `'ffn'`,
-    `'all'`, `'lora'` with its defaults) or a fine-tuner itself, such as a
-    `FineTuneLoRA` of some rank (whose `init_param` the caller's initialiser
-    then goes through)."""
+    finetune: Callable[[Sequence[nn.Module]], TrainableCount] = train_all
+    """The fine-tuner that marks what trains ([what trains](zero3/trainable.html)):
+    every parameter by default, or a model's own, such as a `FineTuneLoRA` of some
+    rank (whose `init_param` the caller's initialiser then goes through). A name
+    like `'biases'` is the caller's to resolve (GPT-NeoX's `finetuner(name)`)."""
     compile_types: tuple[type[nn.Module], ...] = ()
     """Layer types whose `forward` is compiled; empty: nothing is compiled."""
     offload_optimizer: float | str = 0.0
@@ -174,9 +174,7 @@ def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
     # 1. **mark**: the fine-tuner sets `requires_grad` on the layers, still on the
     # meta device (shapes, no memory). It decides trainable against frozen chunks,
     # so it must be set before the layout is cut.
-    tuner = (finetuner(recipe.finetune) if isinstance(recipe.finetune, str)
-             else recipe.finetune)
-    counts = tuner(layers)
+    counts = recipe.finetune(layers)
 
     # 2. **shard**: `zero3_layers` cuts the layers into chunks of one size and
     # gives each rank its $\frac{1}{N_d}$ slice, initialising (or loading) one

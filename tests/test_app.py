@@ -1,5 +1,5 @@
-"""The labml app offline (`labml_zero/app.py`) and the probe runs use before sending
-to it (`labml_zero/app_client.py`).
+"""The labml app offline (`labml_zero/app/server.py`) and the probe runs use before
+sending to it (`labml_zero/app/client.py`).
 
 One app server runs for the module on a free port with its data in a temporary
 directory. Two runs send to it at once, as they would in use:
@@ -39,10 +39,10 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from labml_zero.app import ASSETS, AppConfig, main, static_dir
-from labml_zero.app_client import (DEFAULT_APP_URL, app_url_if_running,
+from labml_zero.app.client import (DEFAULT_APP_URL, app_url_if_running,
                                    check_app_url, labml_app_settings)
-from labml_zero.neox.finetune import EXPERIMENT_NAME
+from labml_zero.app.server import ASSETS, AppConfig, main, static_dir
+from labml_zero.finetune.job import EXPERIMENT_NAME
 from tests.distributed import skip_job_without_gpus
 from tests.test_finetune import tracked
 
@@ -70,7 +70,7 @@ loss = _namespace["loss"]
 TINY_RUN = textwrap.dedent("""
     import math, sys
     from labml import experiment, lab, tracker
-    from labml_zero.app_client import app_url_if_running, labml_app_settings
+    from labml_zero.app.client import app_url_if_running, labml_app_settings
     %s
     url, uuid, rank, world = sys.argv[1:3] + [int(a) for a in sys.argv[3:5]]
     assert app_url_if_running(url) == url, url
@@ -200,13 +200,13 @@ def test_app_prints_its_urls_and_serves_the_page_without_the_network(app):
     assert "../webfonts/fa-solid-900.woff2" in css
     assert get_bytes(app.web_url + "vendor/webfonts/fa-solid-900.woff2")[:4] == b"wOF2"
     with pytest.raises(urllib.error.HTTPError) as e:
-        get_bytes(app.web_url + "vendor/../app.py")
+        get_bytes(app.web_url + "vendor/../server.py")
     assert e.value.code == 404
 
 
 def test_the_bundled_files_are_the_versions_the_page_loads():
     # labml-app's index.html names each CDN file's version in its URL; the copy
-    # in app_assets must be that version, or the page would run against another.
+    # in app/assets must be that version, or the page would run against another.
     urls = re.findall(r'(?:src|href)="(https?://[^"]+)"',
                       (static_dir() / "index.html").read_text())
 

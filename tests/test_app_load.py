@@ -16,8 +16,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from labml_zero.app import AppConfig
-from labml_zero.app_client import app_url_if_running
+from labml_zero.app.client import app_url_if_running
+from labml_zero.app.server import AppConfig
 from tests.test_app import free_port, series, subprocess_env
 
 CLIENTS = 32

@@ -1,4 +1,4 @@
-"""The app's record storage (`labml_zero/app_records.py`): records round-trip
+"""The app's record storage (`labml_zero/app/records.py`): records round-trip
 through tagged JSON, what JSON cannot hold is a `TypeError` naming it, and a file
 that is not such a record, a pickle included, is an error naming the file, never
 unpickled.
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from labml_zero.app_records import RecordError, decode, encode, record_classes
+from labml_zero.app.records import RecordError, decode, encode, record_classes
 
 
 class CreatesAFile:

@@ -1,4 +1,4 @@
-"""The labml app under bad input (`labml_zero/app.py`): the request guard, the
+"""The labml app under bad input (`labml_zero/app/server.py`): the request guard, the
 request-size limit and the loopback-only default; its JSON record storage is in
 `test_app_records.py`.
 
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from labml_zero import app as app_module
-from labml_zero.app import AppConfig, RequestGuard, main, serve
-from labml_zero.app_client import app_url_if_running
-from labml_zero.app_records import RecordError
+from labml_zero.app import server as app_module
+from labml_zero.app.client import app_url_if_running
+from labml_zero.app.records import RecordError
+from labml_zero.app.server import AppConfig, RequestGuard, main, serve
 from tests.test_app import free_port, subprocess_env
 from tests.test_app_records import CreatesAFile
 
@@ -292,7 +292,7 @@ MALFORMED = [
     ("POST", f"api/v1/metrics/{RUN_UUID}", b"[" * 100_000, 400),
     ("GET", "vendor/%00", None, 400),
     ("GET", "vendor/..%2f..%2fapp.py", None, 404),
-    ("GET", "vendor/%2e%2e/%2e%2e/app.py", None, 404),
+    ("GET", "vendor/%2e%2e/%2e%2e/files.py", None, 404),
     ("GET", "vendor/css/..%2f..%2f..%2f..%2f..%2fetc%2fpasswd", None, 404),
 ]
 

@@ -8,6 +8,7 @@ import torch
 
 from labml_zero.assembly import Assembled, AutoLimits, Recipe, assemble
 from labml_zero.neox import model as neox_model
+from labml_zero.neox.finetuners import finetuner
 from labml_zero.zero3 import ZeroConfig
 from labml_zero.zero3.placement import shard_specs
 
@@ -30,7 +31,7 @@ def lm_probe(model) -> None:
 
 
 def test_all_on_the_device_and_wired():
-    built = assemble(tiny_layers(), recipe(finetune="biases"), device=CPU,
+    built = assemble(tiny_layers(), recipe(finetune=finetuner("biases")), device=CPU,
                      init_param=neox_model.init_parameter(neox_model.tiny()))
     assert isinstance(built, Assembled)
     assert built.placement is None and built.decided is None
@@ -171,7 +172,7 @@ def test_the_fine_tune_prints_the_measured_peaks_of_an_auto_placement():
     # rank with the simulated device: rank 0 says what was measured beside the
     # prediction; other ranks, and placements not decided by 'auto', say nothing.
     from labml_zero.launch import DistContext
-    from labml_zero.neox.finetune import PEAKS_AFTER_STEPS, measured_peaks
+    from labml_zero.finetune.job import PEAKS_AFTER_STEPS, measured_peaks
 
     def limits(shards):
         trainable = sum(s.numel for s in shards if s.trainable)

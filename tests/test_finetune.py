@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from labml_zero.finetune_neox import make_parser, main, parse_config
-from labml_zero.neox.finetune import (FinetuneConfig, NonFiniteLoss, Totals,
-                                      check_loss, laptop, neox_20b_biases)
+from labml_zero.finetune.cli import make_parser, main, parse_config
+from labml_zero.finetune.job import (FinetuneConfig, NonFiniteLoss, Totals,
+                                     check_loss, laptop, neox_20b_biases)
 from labml_zero.neox.model import tiny as neox_tiny
 from tests import tolerance
 from tests.distributed import skip_job_without_gpus
@@ -213,8 +213,8 @@ def test_hugging_face_weights_are_loaded(tmp_path: Path):
     import torch.nn.functional as F
 
     from labml_zero.neox import model as neox_model
-    from labml_zero.neox.checkpoint import hf_named_tensors, save_hf_checkpoint
-    from labml_zero.neox.dataset import load_datasets
+    from labml_zero.neox.hf_checkpoint import hf_named_tensors, save_hf_checkpoint
+    from labml_zero.finetune.dataset import load_datasets
 
     config = neox_model.tiny()
     torch.manual_seed(7)
@@ -313,7 +313,7 @@ def test_resume_is_checked_before_any_rank_starts(reference: Path, tmp_path: Pat
              str(tmp_path / "logs"), "--resume", str(path)]
     if message is None:
         # the same job: the meta model's names and shapes are the checkpoint's
-        from labml_zero.neox.preflight import preflight
+        from labml_zero.finetune.preflight import preflight
         import torch
 
         config, world_size = parse_config([*flags, *args], make_parser())

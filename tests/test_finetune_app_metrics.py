@@ -1,6 +1,6 @@
 """The step's metrics reach the labml app: the fine-tune of `tests/test_app.py`
 tracked into a live app, and every metric of [what a step
-shows](labml_zero/neox/step_metrics.py) read back through the app's API."""
+shows](labml_zero/finetune/step_metrics.py) read back through the app's API."""
 
 import pytest
 

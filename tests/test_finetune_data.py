@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from labml_zero.finetune_neox import main
-from labml_zero.neox.dataset import load_text
-from labml_zero.neox.lr_schedule import LRSchedule
+from labml_zero.finetune.cli import main
+from labml_zero.finetune.dataset import load_text
+from labml_zero.finetune.lr_schedule import LRSchedule
 from tests.test_finetune import check_ok, finetune, run_dirs, tracked
 
 SCHEDULE = ["--lr-schedule", "cosine", "--warmup-steps", "2", "--min-lr", "3e-4"]

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from labml_zero.finetune_neox import main
+from labml_zero.finetune.cli import main
 from labml_zero.neox import lora_export
 from labml_zero.neox import model as neox_model
-from labml_zero.neox.checkpoint import hf_named_tensors, save_hf_checkpoint
+from labml_zero.neox.hf_checkpoint import hf_named_tensors, save_hf_checkpoint
 from labml_zero.neox.lora_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS,
                                          EXPORT_MARKER, check_export_destination,
                                          export_bytes, write_adapter_dir)
@@ -153,7 +153,7 @@ def test_export_sizes_follow_the_model():
     neox = neox_model.tiny()
     layers = neox_model.build_layers(neox, device="meta")
     base = sum(p.numel() for layer in layers for p in layer.parameters())
-    from labml_zero.neox.finetune_config import FinetuneConfig
+    from labml_zero.finetune.config import FinetuneConfig
     FinetuneConfig(finetune="lora").tuner()(layers)
     adapters = sum(p.numel() for layer in layers
                    for n, p in layer.named_parameters() if "lora_" in n)

@@ -44,8 +44,8 @@ def test_a_damaged_checkpoint_is_refused_in_one_line(diverged):
 
 def test_more_ranks_than_the_host_can_hold_are_refused(tmp_path, capsys,
                                                        monkeypatch):
-    from labml_zero.finetune_neox import main
-    from labml_zero.neox import preflight
+    from labml_zero.finetune.cli import main
+    from labml_zero.finetune import preflight
 
     monkeypatch.setattr(preflight, "available_host_bytes", lambda: 8 * 2**30)
     with pytest.raises(SystemExit) as exit_info:
@@ -60,7 +60,7 @@ def test_more_ranks_than_the_host_can_hold_are_refused(tmp_path, capsys,
 
 RANK_PEAK = """
 import resource, sys
-from labml_zero.finetune_neox import main
+from labml_zero.finetune.cli import main
 status = main(sys.argv[1:])
 # the largest peak resident size of a process this one waited for: a rank's
 print("peak", resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
@@ -73,7 +73,7 @@ def test_a_rank_fits_its_estimate(tmp_path):
     import subprocess
     import sys
 
-    from labml_zero.neox.preflight import RANK_BASE_BYTES
+    from labml_zero.finetune.preflight import RANK_BASE_BYTES
     from tests.test_finetune import REPO, SMALL
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from labml_zero.finetune_neox import main
+from labml_zero.finetune.cli import main
 from labml_zero.neox import model as neox_model
-from labml_zero.neox.checkpoint import hf_named_tensors, save_hf_checkpoint
+from labml_zero.neox.hf_checkpoint import hf_named_tensors, save_hf_checkpoint
 from labml_zero.neox.lora_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS,
                                          EXPORT_MARKER)
 from tests import tolerance

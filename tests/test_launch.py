@@ -195,15 +195,16 @@ def test_exit_status():
 def test_collectives_wait_longer_than_the_hang_watch():
     # a healthy rank waiting in a collective for a hung peer must not time out
     # (and be named) before the watch names the hung one
-    from labml_zero.neox.finetune_config import FinetuneConfig
+    from labml_zero.finetune.config import FinetuneConfig
+    from labml_zero.launch.spawn import (COLLECTIVE_MARGIN_S,
+                                         DEFAULT_COLLECTIVE_TIMEOUT_S,
+                                         collective_timeout)
 
     default = FinetuneConfig().hang_timeout
     assert 60 <= default <= 300  # minutes, not ten
-    assert launch.collective_timeout(None, default) == \
-        default + launch.COLLECTIVE_MARGIN_S
-    assert launch.collective_timeout(None, None) == \
-        launch.DEFAULT_COLLECTIVE_TIMEOUT_S
-    assert launch.collective_timeout(30.0, 10.0) == 30.0
+    assert collective_timeout(None, default) == default + COLLECTIVE_MARGIN_S
+    assert collective_timeout(None, None) == DEFAULT_COLLECTIVE_TIMEOUT_S
+    assert collective_timeout(30.0, 10.0) == 30.0
     with pytest.raises(ValueError, match="must exceed the hang timeout 10 s"):
         launch.spawn(agree, 2, "unused", backend="gloo", timeout_s=10.0,
                      hang_timeout=10.0)

@@ -7,8 +7,8 @@ import types
 
 import torch.distributed as dist
 
-from labml_zero import supervisor
-from labml_zero.supervisor import HangWatch, cause, is_echo, location, report
+from labml_zero.launch import supervisor
+from labml_zero.launch.supervisor import HangWatch, cause, is_echo, location, report
 
 
 def sent(rank: int, line: str, echo: bool) -> dict:
@@ -76,9 +76,9 @@ def test_echoes_are_recognised_through_the_exception_chain():
 
 
 def test_location_skips_torch_frames():
-    ours = ("/x/labml_zero/neox/finetune.py", 12, "train")
+    ours = ("/x/labml_zero/finetune/job.py", 12, "train")
     theirs = (supervisor.TORCH_DIR + "distributed/distributed_c10d.py", 5, "wait")
-    assert location([ours, theirs]) == "/x/labml_zero/neox/finetune.py:12 in train"
+    assert location([ours, theirs]) == "/x/labml_zero/finetune/job.py:12 in train"
     assert location([theirs]).endswith("distributed_c10d.py:5 in wait")
     assert location([]) == ""
 

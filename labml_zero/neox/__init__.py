@@ -1,9 +1,9 @@
 r"""
 ---
 title: GPT-NeoX
-summary: The GPT-NeoX / Pythia model as a list of layers, Hugging Face
-  checkpoints, the tokenizer, the user's data or Tiny Shakespeare, fine-tuners
-  and a sampler.
+summary: The GPT-NeoX / Pythia model as a list of layers, its kernels, Hugging
+  Face checkpoints, the tokenizer, fine-tuners, its memory budget and a sampler;
+  the fine-tune job is a package of its own, above it.
 ---
 
 # GPT-NeoX
@@ -33,6 +33,6 @@ $2 + 4 + 12 = 18$
 bytes a parameter, about 370
 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
 GB: what ZeRO-3 spreads over the ranks. The model is a plain **list of layers**,
-the unit the engine gathers and releases; the fine-tune builds it through [the
-assembly](../assembly.html).
+the unit the engine gathers and releases; [the fine-tune](../finetune/index.html),
+a package above this one, builds it through [the assembly](../assembly.html).
 """

@@ -350,7 +350,7 @@ def readout_loss_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: st
     trains something in every layer.
 
     The loss of the benchmark (`bench/engine.py`) and of the
-    [fine-tune](finetune.html) is
+    [fine-tune](../finetune/job.html) is
     `F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())` with the
     readout's bf16 logits `[n, V]` held in a variable until backward is done. With
     $nV$ elements per vocabulary-sized tensor:

@@ -17,8 +17,9 @@ $\frac{2\Psi + (4 + K)\Psi_t}{N_d}$ bytes per rank (bf16 parameters, the
 engine's fp32 gradient shard) instead of $\frac{(2 + 4 + K)\Psi}{N_d}$.
 
 There are four: the biases, the MLPs, everything, and [LoRA](lora.html)'s
-low-rank adapters. The embedding, final norm and readout are frozen by all but
-`FineTuneAll`.
+low-rank adapters, each built on the engine's
+[`mark_trainable`](../zero3/trainable.html). The embedding, final norm and readout are frozen
+by all but `FineTuneAll`.
 
 ## Limitations
 
@@ -27,44 +28,18 @@ low-rank adapters. The embedding, final norm and readout are frozen by all but
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from typing import Any, Sequence
 
 from torch import nn
 
+from labml_zero.neox.lora import FineTuneLoRA
 from labml_zero.neox.model import TransformerLayer
+from labml_zero.zero3.trainable import TrainableCount, mark_trainable, train_all
 
-if TYPE_CHECKING:
-    from labml_zero.neox.lora import FineTuneLoRA
-
-__all__ = ["FineTuneBiases", "FineTuneFFN", "FineTuneAll", "TrainableCount",
-           "FINETUNERS", "finetuner"]
+__all__ = ["FineTuneBiases", "FineTuneFFN", "FineTuneAll", "FINETUNERS", "finetuner"]
 
 # The names `finetuner` knows; `'lora'` takes options.
 FINETUNERS = ("biases", "ffn", "all", "lora")
-
-
-class TrainableCount(NamedTuple):
-    trainable: int
-    r"""Parameters (elements) with `requires_grad`: $\Psi_t$."""
-    total: int
-    r"""All parameters (elements): $\Psi$."""
-
-
-def mark_trainable(layers: Sequence[nn.Module],
-                   is_trainable: Callable[[nn.Module, str], bool]) -> TrainableCount:
-    """
-    ### Set `requires_grad` on every parameter of every layer
-
-    `is_trainable(layer, name)` decides, with `name` relative to the layer
-    (e.g. `attention.dense.bias`). Works on meta-device layers too.
-    """
-    trainable = total = 0
-    for layer in layers:
-        for name, p in layer.named_parameters():
-            p.requires_grad_(is_trainable(layer, name))
-            total += p.numel()
-            trainable += p.numel() if p.requires_grad else 0
-    return TrainableCount(trainable, total)
 
 
 class FineTuneBiases:
@@ -105,7 +80,7 @@ class FineTuneAll:
     name = "all"
 
     def __call__(self, layers: Sequence[nn.Module]) -> TrainableCount:
-        return mark_trainable(layers, lambda layer, name: True)
+        return train_all(layers)
 
 
 def finetuner(name: str, **options: Any
@@ -114,13 +89,10 @@ def finetuner(name: str, **options: Any
     ### The fine-tuner called `name`: `'biases'`, `'ffn'`, `'all'` or `'lora'`
 
     `options` are `FineTuneLoRA`'s fields (`rank`, `alpha`, `targets`); the
-    other fine-tuners take none.
+    other fine-tuners take none. Callers that take a name (the job, the
+    benchmark) resolve it here: the assembly takes the fine-tuner itself.
     """
     if name == "lora":
-        # lora.py builds on this page's `mark_trainable`: imported here, not at
-        # the top, so that neither module needs the other while loading.
-        from labml_zero.neox.lora import FineTuneLoRA
-
         return FineTuneLoRA(**options)
     if name not in FINETUNERS:
         raise ValueError(f"unknown fine-tuner {name!r}; expected one of "

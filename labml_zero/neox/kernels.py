@@ -26,7 +26,7 @@ The figures are for Pythia-1.4B at {{py: 8 * 2048 | ,}} tokens a step
 ($d$ = {{py: neox_model.pythia_1_4b().d_model}}, $V$ = {{py:
 neox_model.pythia_1_4b().n_vocab | ,}}, $d_r$ = {{py:
 neox_model.pythia_1_4b().rotary_dim}}); launches are counted by running the
-twin on the meta device (`plain_launches`).
+twin on the meta device (the model's `plain_launches`).
 
 * **`loss`**: the readout and the cross-entropy in chunks of rows. The plain
   path writes the logits in bf16, an fp32 copy, the fp32 log-softmax it saves
@@ -37,7 +37,7 @@ twin on the meta device (`plain_launches`).
   (neox_model.ModelKernels().loss_chunk_rows * neox_model.pythia_1_4b().n_vocab
   * 4 / 2**20) | .0f}} MiB (`chunked_readout_loss`).
 * **`rotary`**: angles, rotations and re-assembly in one compiled function,
-  where the plain path is {{py: neox_model.K.plain_launches('rotary',
+  where the plain path is {{py: neox_model.plain_launches('rotary',
   neox_model.pythia_1_4b())}} launches per layer forward (`rotary_qk`).
 * **`norms`**: both layer norms of the parallel residual read $x$ once and
   compute its mean and variance once (`two_layer_norms`).
@@ -389,7 +389,7 @@ def two_layer_norms(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor,
 
     $\hat x = (x - \mu) / \sqrt{\sigma^2 + \epsilon}$ in fp32, then
     $\hat x \odot w_i + b_i$ in `x`'s dtype, as `F.layer_norm` computes each.
-    The plain path is {{py: neox_model.K.plain_launches('norms',
+    The plain path is {{py: neox_model.plain_launches('norms',
     neox_model.pythia_1_4b())}} launches that each read $x$; fused, $x$ is read
     once ({{py: (8 * 2048 * neox_model.pythia_1_4b().d_model * 2 / 2**20) | .0f}}
     MiB less per layer forward for Pythia-1.4B's step), and in the backward
@@ -415,7 +415,7 @@ def linear_bias_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     ### $\operatorname{GELU}(x W^\top + b)$, `x` `[B, T, d]` to `[B, T, d_{ff}]`
 
     The plain path already adds the bias in cuBLAS's epilogue ({{py:
-    neox_model.K.plain_launches('bias_gelu', neox_model.pythia_1_4b())}}
+    neox_model.plain_launches('bias_gelu', neox_model.pythia_1_4b())}}
     launches forward); fused, the product runs without it and one pass adds it
     and applies the GELU, and the backward pass reads the gradient
     $[BT, d_{ff}]$ once for the GELU's derivative and the bias gradient's sum
@@ -461,27 +461,6 @@ def forward_launches(fn: Callable, *args) -> int:
     with Count() as count:
         fn(*args)
     return count.ops
-
-
-def plain_launches(kernel: str, config) -> int:
-    """The plain twin's forward launches for one layer of `config`
-    (`'rotary'`, `'norms'` or `'bias_gelu'`), on a small meta batch."""
-    from labml_zero.neox.model import rotary_plain
-
-    meta = dict(device="meta", dtype=torch.bfloat16)
-    d, n_h, d_h = config.d_model, config.n_heads, config.head_dim
-    x = torch.empty(1, 16, d, **meta)
-    if kernel == "rotary":
-        qkv = torch.empty(1, 16, n_h, 3 * d_h, **meta).transpose(1, 2)
-        q, k, _ = qkv.split(d_h, dim=-1)
-        return forward_launches(rotary_plain, q, k, config)
-    if kernel == "norms":
-        ln = nn.LayerNorm(d, **meta)
-        return forward_launches(norms_plain, x, ln, ln)
-    if kernel == "bias_gelu":
-        linear = nn.Linear(d, config.ff_dim, **meta)
-        return forward_launches(up_plain, x, linear, config.gelu_approximate)
-    raise ValueError(f"plain_launches: no kernel {kernel!r}")
 
 
 # ## What a layer calls

@@ -44,9 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labml_zero.neox.finetuners import TrainableCount, mark_trainable
 from labml_zero.neox.model import TransformerLayer
 from labml_zero.zero3.memory_model import zero_model_states
+from labml_zero.zero3.trainable import TrainableCount, mark_trainable
 
 __all__ = ["LoRALinear", "FineTuneLoRA", "TARGETS", "ADAPTER_NAMES",
            "is_adapter", "init_adapter", "load_hf_layer", "base_layer",

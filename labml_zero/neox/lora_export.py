@@ -53,8 +53,8 @@ from safetensors.torch import save_file
 
 from labml_zero.files import (fsync_path, give_default_mode, replace_directory,
                               temporary_sibling)
-from labml_zero.neox.checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
-                                        save_hf_checkpoint)
+from labml_zero.neox.hf_checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
+                                           save_hf_checkpoint)
 from labml_zero.neox.lora import ADAPTER_NAMES, FineTuneLoRA
 from labml_zero.neox.model import NeoXConfig, TransformerLayer, hf_prefix
 from labml_zero.zero3.checkpoint import export_full_state_dict, prefix_rename
@@ -251,7 +251,7 @@ def save_merged_checkpoint(out_dir: str | os.PathLike, model, lora: FineTuneLoRA
     return `None`. `config` is the model's shape (for `config.json`); `dtype`
     casts every tensor (the merge itself is computed in higher precision).
 
-    The checkpoint is written by [`save_hf_checkpoint`](checkpoint.html); it
+    The checkpoint is written by [`save_hf_checkpoint`](hf_checkpoint.html); it
     loads with `GPTNeoXForCausalLM.from_pretrained` and runs at the base model's
     cost. Like the adapter export this is a collective: every rank calls it, and
     the tensors come to rank 0 [one chunk at a

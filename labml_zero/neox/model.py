@@ -42,7 +42,6 @@ import functools
 from typing import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from labml_zero.neox import kernels as K
@@ -511,3 +510,29 @@ def hf_prefix(layer: nn.Module) -> str:
 def count_parameters(layers: Iterable[nn.Module]) -> int:
     r"""Parameter count $\Psi$ (works on the meta device)."""
     return sum(p.numel() for layer in layers for p in layer.parameters())
+
+
+# ## The plain path's launches, kernel by kernel
+
+
+def plain_launches(kernel: str, config) -> int:
+    """
+    #### The plain twin's forward launches for one layer of `config`
+
+    `kernel` is `'rotary'`, `'norms'` or `'bias_gelu'`, run on a small meta batch;
+    here, not on the kernels' page, because the rotary twin is this page's.
+    """
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    d, n_h, d_h = config.d_model, config.n_heads, config.head_dim
+    x = torch.empty(1, 16, d, **meta)
+    if kernel == "rotary":
+        qkv = torch.empty(1, 16, n_h, 3 * d_h, **meta).transpose(1, 2)
+        q, k, _ = qkv.split(d_h, dim=-1)
+        return K.forward_launches(rotary_plain, q, k, config)
+    if kernel == "norms":
+        ln = nn.LayerNorm(d, **meta)
+        return K.forward_launches(K.norms_plain, x, ln, ln)
+    if kernel == "bias_gelu":
+        linear = nn.Linear(d, config.ff_dim, **meta)
+        return K.forward_launches(K.up_plain, x, linear, config.gelu_approximate)
+    raise ValueError(f"plain_launches: no kernel {kernel!r}")

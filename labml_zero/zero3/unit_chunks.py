@@ -27,6 +27,7 @@ from torch import nn
 
 from .chunk import Chunk
 from .chunk_layout import ChunkLayout, ChunkSpec, ParamSpec, round_up
+from .chunk_search import ChunkSearchConfig, search_chunk_size
 from .config import ZeroConfig
 from .transport import Transports
 
@@ -83,8 +84,6 @@ def choose_chunk_numel(
     """The configured chunk size, or the one the search picks."""
     if config.chunk_numel is not None:
         return config.chunk_numel
-    from .chunk_search import ChunkSearchConfig, search_chunk_size
-
     hidden_dim = hidden_size(specs)
     # ColossalAI's default range, `ChunkSearchConfig`'s too, is
     # {{py: chunk_search.ChunkSearchConfig().search_range_m | .0f}}·2^20 elements. In

@@ -9,7 +9,7 @@ from dataclasses import replace
 from docsite.calculator import PRESETS
 from labml_zero.neox import config as neox_config
 from labml_zero.neox.lora import TARGETS
-from labml_zero.zero3.memory_budget import BudgetInputs
+from labml_zero.neox.memory_budget import BudgetInputs
 
 WORLDS = (1, 2, 3, 8, 16, 64, 256, 1024)
 DTYPES = (("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "fp32"))
@@ -19,7 +19,7 @@ OFFLOADS = (0.0, 0.35, 1.0, None)
 CHUNKS = (2**20, 3 * 2**20 + 17, 5_000_000, 2**24, 40_000_000)
 GIB = 2**30
 
-# The tiny model on two CPU ranks, whose real bytes tests/zero3/test_memory_budget.py
+# The tiny model on two CPU ranks, whose real bytes tests/neox/test_memory_budget.py
 # counts: the end-to-end case, in the grid like any other.
 ENGINE_CASES = (
     BudgetInputs(model=neox_config.tiny(), world_size=2, batch=2, seq=16,

@@ -121,7 +121,7 @@ def test_one_reading_order_for_the_chain_the_home_page_and_the_folders(site_file
              "zero3/sharded_model", "zero3/chunk_search", "zero3/chunk_layout",
              "zero3/chunk", "zero3/communication", "zero3/placement",
              "zero3/peer_memory", "zero3/compiled", "zero3/checkpoint/__init__",
-             "neox/model", "neox/finetune", "launch", "app"]
+             "neox/model", "finetune/job", "launch/spawn", "app/server"]
     idx = [pos[f"labml_zero/{c}.py"] for c in chain]
     assert idx == sorted(idx)
 

@@ -1,5 +1,5 @@
 """The memory model page's calculator in headless Chromium against the Python
-model (`labml_zero/zero3/memory_budget.py`): its `computeBudget` on a grid of
+model (`labml_zero/neox/memory_budget.py`): its `computeBudget` on a grid of
 inputs in one page load, exactly; then the real page through its URL fragment
 and its form controls, the rounded figures within 0.1%."""
 
@@ -10,7 +10,7 @@ import json
 import re
 from docsite.calculator import budget_json, inputs_json
 from labml_zero.neox import config as neox_config
-from labml_zero.zero3.memory_budget import BudgetInputs, budget
+from labml_zero.neox.memory_budget import BudgetInputs, budget
 from tests.docs.calculator_grid import grid_inputs, searched_inputs
 from tests.docs.test_browser import chromium
 

@@ -12,13 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from labml_zero.neox import model as M
-from labml_zero.neox.checkpoint import HFCheckpoint
-from labml_zero.neox.finetuners import TrainableCount, finetuner
+from labml_zero.neox.finetuners import finetuner
+from labml_zero.neox.hf_checkpoint import HFCheckpoint
 from labml_zero.neox.lora import (TARGETS, FineTuneLoRA, LoRALinear, load_hf_layer,
                                   lora_model_states, sharded_count)
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
 from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
+from labml_zero.zero3.trainable import TrainableCount
 from tests import tolerance
 from tests.distributed import run_distributed
 from tests.zero3.test_memory_and_comm import held_bytes

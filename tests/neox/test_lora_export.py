@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from labml_zero.neox import model as M
-from labml_zero.neox.checkpoint import HFCheckpoint
+from labml_zero.neox.hf_checkpoint import HFCheckpoint
 from labml_zero.neox.lora import FineTuneLoRA, load_hf_layer
 from labml_zero.neox.lora_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPORT_MARKER,
                                          merged,

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from labml_zero.neox import model as M
-from labml_zero.neox.checkpoint import HFCheckpoint, load_layers
+from labml_zero.neox.hf_checkpoint import HFCheckpoint, load_layers
 from labml_zero.neox.model import NeoXConfig, build_layers, count_parameters
 from tests import tolerance
 

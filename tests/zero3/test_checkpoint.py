@@ -393,7 +393,7 @@ def test_a_changed_shard_on_one_rank_is_refused_on_every_rank(at_2):
 
 def export_run(ctx, out_dir):
     """A tiny GPT-NeoX, sharded in bf16, exported into Hugging Face files."""
-    from labml_zero.neox.checkpoint import save_hf_checkpoint
+    from labml_zero.neox.hf_checkpoint import save_hf_checkpoint
     from labml_zero.neox.model import NeoXConfig, build_layers, hf_prefix
 
     config = NeoXConfig(n_vocab=97, d_model=32, n_heads=2, n_layers=2)
@@ -428,7 +428,7 @@ def export_run(ctx, out_dir):
 
 @pytest.mark.distributed
 def test_export_streams_into_hf_checkpoint(at_2):
-    from labml_zero.neox.checkpoint import HFCheckpoint
+    from labml_zero.neox.hf_checkpoint import HFCheckpoint
     from labml_zero.neox.model import NeoXConfig, build_layers
 
     root, results = at_2

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labml_zero.finetune_neox import main
+from labml_zero.finetune.cli import main
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3 import ZeroConfig, shard_model
 from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint

@@ -123,7 +123,7 @@ def export_full_state_dict(target: str | os.PathLike | Callable, model: nn.Modul
 
     Other ranks return `None` once the export is complete. The consumer can
     write each tensor as it comes, as the [GPT-NeoX
-    exporter](../../neox/checkpoint.html) does, holding one output shard at a
+    exporter](../../neox/hf_checkpoint.html) does, holding one output shard at a
     time:
 
     ```python

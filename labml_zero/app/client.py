@@ -1,0 +1,144 @@
+"""
+---
+title: Sending a run to the labml app, only when it is there
+summary: Check that a labml app answers before labml's web-API writer is switched on,
+  so a run without the app never hangs; the settings labml needs for the app.
+---
+
+# Sending a run to the labml app, only when it is there
+
+labml's client sends a run's configs, status and tracked series to the
+[labml app](server.html) over HTTP, at one setting, `app_url` (see `check_app_url`).
+With a URL where nothing answers, a run would train to the end and then never exit
+(see `app_url_if_running`). So a run asks first, and switches the `app` writer on
+only when a labml app answered:
+
+```python
+from labml import experiment, lab
+from labml_zero.app.client import app_url_if_running, labml_app_settings
+
+url = app_url_if_running("http://127.0.0.1:5005/api/v1/default/")
+writers = {"screen"}
+if url is not None:
+    lab.configure(labml_app_settings(url))
+    writers.add("app")
+experiment.create(name="run", writers=writers)
+```
+
+This file imports nothing beyond the standard library, so the core install (without
+the `app` extra) can call it.
+
+## Limitations
+
+* The probe happens once, before the run. An app that stops answering in the
+  middle of a run is handled by the fine-tune's own sender, whose every wait is
+  bounded ([tracking](../finetune/tracking.html)); a plain labml run like the one
+  above still has labml's, which retries when the run ends.
+* Any labml app answers the probe the same way (a JSON body from its API), ours or
+  one with MongoDB; a different server that happens to return JSON there would pass.
+"""
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+
+__all__ = ["DEFAULT_APP_URL", "check_app_url", "app_url_if_running",
+           "labml_app_settings"]
+
+DEFAULT_APP_URL = "http://127.0.0.1:5005/api/v1/default/"
+"""Where `python -m labml_zero.app` listens with its default port and token."""
+
+
+def check_app_url(url: str) -> str:
+    """
+    ### Check the shape of an app URL
+
+    labml learns where to send from `app_url` (`.labml.yaml`'s `app_url:`,
+    `labml.lab.configure({'app_url': ...})` or the environment variable
+    `labml_app_url`), and turns it into
+    `{app_url}track?run_uuid=...&labml_version=...`. So `app_url` is a base URL
+    that ends in a path segment and has no `?`; for our app it is
+    `DEFAULT_APP_URL`, where `default` is the project token the app files runs
+    under.
+
+    Returns it with a trailing `/`, the form labml appends `track?` to. A wrong URL
+    is a `ValueError` naming what is wrong, before any request is made.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise ValueError(f"app url must be a non-empty string, got {url!r}")
+    url = url.strip()
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"app url must start with http:// or https:// and name a "
+                         f"host, got {url!r}")
+    # labml appends `track?...` itself and refuses a `?` in the base.
+    if parts.query or parts.fragment or "?" in url:
+        raise ValueError(f"app url must have no '?' or '#' part, got {url!r}")
+    if not parts.path.strip("/"):
+        raise ValueError(f"app url must end in the project path, e.g. "
+                         f"{DEFAULT_APP_URL!r}, got {url!r}")
+    return url if url.endswith("/") else url + "/"
+
+
+def app_url_if_running(url: str, *, timeout_s: float = 2.0) -> str | None:
+    """
+    ### The URL if a labml app answers there, else `None`
+
+    * `url` is the app's API base, as in `DEFAULT_APP_URL`.
+    * `timeout_s` bounds the one request; the run waits at most this long.
+
+    labml's sender is a non-daemon thread that retries a failed request forever;
+    before retry $r$ it sleeps $10 r$ seconds
+    (tested: tests/test_app.py::test_labmls_sender_retries_forever_10r_seconds_apart).
+    So with a URL where nothing answers, a run would train to the end and then
+    never exit; this one cheap request with a short timeout comes first.
+
+    The request is `GET {api}/run/status/<a uuid no run has>`, one level above the
+    project token. A labml app answers it with status 404
+    (tested: tests/test_app.py::test_the_app_answers_the_probe_with_404_and_json)
+    and the JSON body `{}`, and creates nothing, unlike a `POST .../track`, which
+    would make a run and which the app answers only after a 3 s pause. Anything
+    else (refused, timed out, HTML, a server error) means no app. Any labml app
+    answers the same way, ours or one with MongoDB.
+    """
+    url = check_app_url(url)
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    api_root = url[:url.rstrip("/").rfind("/") + 1]
+    probe = api_root + "run/status/labmlzeroprobe"
+    try:
+        with urllib.request.urlopen(probe, timeout=timeout_s) as response:
+            status, headers, body = response.status, response.headers, response.read()
+    except urllib.error.HTTPError as e:
+        # An unknown run is the app's 404
+        # (tested: tests/test_app.py::test_the_app_answers_the_probe_with_404_and_json):
+        # read its body like a success's.
+        status, headers, body = e.code, e.headers, e.read()
+    except (urllib.error.URLError, OSError):
+        return None
+    if status not in (200, 404):
+        return None
+    if "json" not in (headers.get("content-type") or ""):
+        return None
+    try:
+        json.loads(body)
+    except ValueError:
+        return None
+    return url
+
+
+def labml_app_settings(url: str) -> dict:
+    """
+    ### Settings for `labml.lab.configure`
+
+    `app_url` is what the `app` writer sends to. `app_open_browser` is off: labml
+    would open a browser tab on the run's page from the main rank when the app
+    first answers, which on a headless or remote machine does nothing useful.
+
+    A distributed run is one run in the app when every rank calls
+    `experiment.create` with the same `uuid` and its own `distributed_rank` and
+    `distributed_world_size`: the app files rank $r > 0$ as `{uuid}_{r}` and
+    merges the ranks' series on the page of `{uuid}`.
+    """
+    return {"app_url": check_app_url(url), "app_open_browser": False}

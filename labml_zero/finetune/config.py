@@ -1,0 +1,406 @@
+r"""
+---
+title: The fine-tune's configuration
+summary: FinetuneConfig, one documented and checked field per setting of the
+  GPT-NeoX fine-tune, and presets as functions that return one.
+---
+
+# The fine-tune's configuration
+
+Every setting of [the fine-tune](job.html) is one field of `FinetuneConfig`,
+written once: its type, its default and, under it, its note. The
+[command line](cli.html) is generated from these fields (a field
+`seq_len: int` becomes `--seq-len N`, its note the flag's help and its default
+shown beside it), and labml records them as the run's configuration. The
+defaults are the laptop run; presets are functions that return a config.
+
+One optimizer step sees $B \cdot A \cdot N_d$ sequences of $T$ tokens: the
+micro-batch $B$ (`batch_size`, per rank), the accumulation $A$ (`grad_accum`) and
+the world size $N_d$, which is the launcher's, not the config's.
+
+## Limitations
+
+* A field's note is Markdown for the page; the command line's help is its first
+  paragraph with the Markdown marks taken off, so math there reads as source.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from labml_zero.app.client import check_app_url
+from labml_zero.finetune.lr_schedule import SCHEDULES, LRSchedule
+from labml_zero.neox import model as neox_model
+from labml_zero.neox.finetuners import FINETUNERS, finetuner
+from labml_zero.neox.hf_checkpoint import config_from_hf
+from labml_zero.neox.lora import TARGETS, FineTuneLoRA
+
+__all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "MODEL_PRESETS",
+           "DTYPES", "FINETUNERS"]
+
+# `--model` names → preset functions of [the model page](../neox/model.html).
+MODEL_PRESETS = {
+    "tiny": neox_model.tiny,
+    "pythia-70m": neox_model.pythia_70m,
+    "pythia-160m": neox_model.pythia_160m,
+    "pythia-410m": neox_model.pythia_410m,
+    "pythia-1b": neox_model.pythia_1b,
+    "pythia-1.4b": neox_model.pythia_1_4b,
+    "pythia-2.8b": neox_model.pythia_2_8b,
+    "pythia-6.9b": neox_model.pythia_6_9b,
+    "pythia-12b": neox_model.pythia_12b,
+    "gpt-neox-20b": neox_model.gpt_neox_20b,
+}
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def flag(**options) -> dict:
+    """
+    #### How the command line shows a field
+
+    `metavar`, `choices`: as in argparse. The type and the default come from the
+    field itself.
+    """
+    return {"flag": options}
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    r"""
+    ## The experiment's configuration
+
+    The defaults are the laptop run: the tiny GPT-NeoX (two narrow layers with the
+    real vocabulary of $V$ tokens), randomly initialised, every parameter trained,
+    a couple of minutes on a laptop's CPU. Random weights with only the biases
+    training would barely move; `'all'` takes the validation loss well down from
+    the $\ln V$ of a uniform guess in that time.
+    """
+
+    model: str = field(default="tiny", metadata=flag(choices=tuple(MODEL_PRESETS)))
+    """A key of `MODEL_PRESETS`; ignored when `checkpoint` is given."""
+    checkpoint: str | None = field(default=None, metadata=flag(metavar="DIR"))
+    """A Hugging Face GPT-NeoX/Pythia directory (`config.json` and safetensors);
+    the model's shape comes from its `config.json`. `None`: random weights."""
+    finetune: str = field(default="all", metadata=flag(choices=FINETUNERS))
+    """What trains: `'biases'` (labml-nn's BitFit-style job), `'ffn'`, `'all'` or
+    `'lora'` (low-rank adapters on a frozen base, see [LoRA](../neox/lora.html))."""
+    lora_rank: int = 8
+    """LoRA's rank $r$ (with `finetune='lora'` only)."""
+    lora_alpha: float = field(default=16.0, metadata=flag(metavar="ALPHA"))
+    r"""LoRA's $\alpha$: the adapters' update is scaled by $\alpha / r$."""
+    lora_targets: tuple[str, ...] = field(default=tuple(TARGETS),
+                                          metadata=flag(metavar="NAMES"))
+    """The projections LoRA adapts, comma-separated on the command line: some of
+    `query_key_value`, `dense`, `dense_h_to_4h`, `dense_4h_to_h`."""
+    export_merged: str | None = field(default=None, metadata=flag(metavar="DIR"))
+    """With LoRA: at the end, write the model with the adapters merged into
+    its weights here, as a Hugging Face checkpoint."""
+    export_adapter: str | None = field(default=None, metadata=flag(metavar="DIR"))
+    """With LoRA: at the end, write the adapters alone here, in PEFT's format."""
+    filter_layers: tuple[int, ...] | None = field(default=None,
+                                                  metadata=flag(metavar="0,1"))
+    """Keep only these transformer layers (labml-nn's way to try its largest
+    model on small hardware); `None` keeps all."""
+    data: str | None = field(default=None, metadata=flag(metavar="PATH"))
+    """The text to fine-tune on: a text file or its `.gz`, a directory of them,
+    a JSON Lines file (`.jsonl`, the text in `text_field`), or a token file
+    (`.u16`, `.u32`, `.bin`: token ids, memory-mapped). Text is tokenised once
+    into a token file cached beside it (see [the token file](token_file.html)).
+    `None`: the bundled Tiny Shakespeare."""
+    valid_data: str | None = field(default=None, metadata=flag(metavar="PATH"))
+    """Validation text, in any format of `data`; `None`: the last
+    `valid_fraction` of `data`."""
+    valid_fraction: float = field(default=0.1, metadata=flag(metavar="F"))
+    """The share of `data`'s tokens, from its end, that validates when no
+    `valid_data` is given."""
+    text_field: str = field(default="text", metadata=flag(metavar="NAME"))
+    """The field of each JSON Lines record that holds its text."""
+    seq_len: int = 64
+    """$T$, tokens per sequence."""
+    batch_size: int = 8
+    """$B$, sequences per micro-batch *per rank*."""
+    grad_accum: int = 1
+    """$A$, micro-batches per optimizer step."""
+    steps: int | None = 120
+    """Optimizer steps in all; `None` runs `epochs` epochs. The laptop run's
+    steps see less than an epoch."""
+    epochs: int = 1
+    r"""Epochs when `steps` is `None`. An epoch is
+    $\lfloor n_{samples} / (B A N_d) \rfloor$ steps (leftovers dropped)."""
+    lr: float = field(default=3e-3, metadata=flag(metavar="LR"))
+    """Adam's peak learning rate (after the warm-up). The default suits the
+    random tiny model; pre-trained weights want about a tenth of it (as in
+    labml-nn)."""
+    lr_schedule: str = field(default="constant", metadata=flag(choices=SCHEDULES))
+    """After the warm-up: `constant`, or `linear` or `cosine` decay to `min_lr`
+    at the last step (see [the schedule](lr_schedule.html))."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from `lr / warmup_steps` to `lr`; fewer than
+    the run's steps."""
+    min_lr: float = field(default=0.0, metadata=flag(metavar="LR"))
+    """The floor that `linear` and `cosine` decay to."""
+    weight_decay: float = field(default=0.0, metadata=flag(metavar="DECAY"))
+    """AdamW's decoupled weight decay."""
+    clip_grad: float | None = field(default=None, metadata=flag(metavar="NORM"))
+    """Clip the global gradient norm (over all ranks' shards) to this; `None`: off."""
+    offload_optimizer: float | str = field(
+        default=0.0, metadata=flag(metavar="FRACTION|auto"))
+    """Fraction of the trainable elements whose fp32 master and Adam moments
+    live in host memory (whole chunks, from the output end; see
+    [placement](../zero3/placement.html)): 0 keeps all on the device.
+    `'auto'` (GPUs only): as few chunks as make the step fit, decided from a
+    measured forward and backward before the first step."""
+    offload_params: float = field(default=0.0, metadata=flag(metavar="FRACTION"))
+    """Fraction of the parameter shards (all chunks, from the output end) kept in
+    host memory and copied up at each gather; needs `offload_optimizer=1`."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass."""
+    compile: bool = False
+    """`torch.compile` each transformer layer's forward ([compiled
+    layers](../zero3/compiled.html)): Inductor on GPUs, `aot_eager` on CPU."""
+    peer_memory: bool = False
+    """Gather and reduce-scatter the chunks through the other ranks' memory
+    instead of with NCCL's kernels (`ZeroConfig.peer_gather` and `peer_reduce`,
+    see [peer memory](../zero3/peer_memory.html), which says when it pays). All
+    ranks on one host."""
+    shard_group_size: int | None = field(default=None, metadata=flag(metavar="K"))
+    """Hybrid sharding: shard over groups of this many consecutive ranks (one
+    host) and replicate across the groups (`ZeroConfig.shard_group_size`, see
+    [hybrid sharding](../zero3/hybrid.html)); it must divide the world size.
+    `None`: shard over all ranks."""
+    dtype: str | None = field(default=None, metadata=flag(choices=tuple(DTYPES)))
+    """`'fp32'`, `'bf16'` or `'fp16'`: the chunks' and the computation's dtype.
+    `None`: fp32 on CPU (half-precision matmuls are slow on most CPUs), bf16 on CUDA."""
+    valid_every: int = 20
+    """Evaluate every this many steps, and at the last step."""
+    valid_batches: int = 4
+    """Global validation batches per evaluation."""
+    checkpoint_every: int | None = None
+    """Write a sharded checkpoint every this many steps, and at the last step;
+    `None`: never."""
+    keep_checkpoints: int = 3
+    r"""Keep the newest this many checkpoints under `out`; older ones are removed
+    only after a new one is complete. 0 keeps them all. One checkpoint of a model
+    of $\Psi$ parameters, $\Psi_t$ of them trainable, in $p$-byte chunks is
+    about $p\Psi + K\Psi_t$ bytes over all ranks, $K$ the fp32 master and moments."""
+    resume: str | None = field(default=None, metadata=flag(metavar="DIR"))
+    """A checkpoint directory written by this job, to continue from."""
+    out: str = field(default="runs/zero3_neox", metadata=flag(metavar="DIR"))
+    """Run outputs: `checkpoints/step-NNNNNN/` under it."""
+    log_dir: str = field(default="logs", metadata=flag(metavar="DIR"))
+    """labml's experiments directory: runs go to `<log_dir>/zero3_neox/`."""
+    app_url: str | None = field(default=None, metadata=flag(metavar="URL"))
+    """A labml app's API URL (`http://127.0.0.1:5005/api/v1/default/` for
+    `python -m labml_zero.app`); used only if an app answers there."""
+    seed: int = 0
+    """Seeds the random init and the data order."""
+    hang_timeout: float = field(default=300.0, metadata=flag(metavar="SECONDS"))
+    """Seconds a rank may go without progress, after its first step, before the
+    launcher calls it hung and ends the job (passed to `launch.spawn` /
+    `launch.run_torchrun`, which set the collectives' timeout above it). A
+    validation, or a checkpoint of a large model, must fit in it."""
+    prompt: str = "It is"
+    """Prompt of the sample printed at the end."""
+    sample_tokens: int = 60
+    """Tokens to generate at the end; 0 skips the sample."""
+    top_k: int | None = 5
+    """Top-$k$ sampling for the sample (seeded, so every rank draws the same
+    tokens); `None`: greedy."""
+
+    # `__post_init__` checks each field alone (ranges, names, finite numbers), so
+    # a config that exists is one the job can start with; what needs the disk
+    # (the checkpoint's files, `--out` being writable) is checked once more before
+    # any rank starts, by [the pre-flight checks](preflight.html).
+    def __post_init__(self):
+        if self.model not in MODEL_PRESETS:
+            raise ValueError(f"unknown model {self.model!r}; expected one of "
+                             f"{', '.join(MODEL_PRESETS)}")
+        if self.finetune not in FINETUNERS:
+            raise ValueError(f"unknown fine-tuner {self.finetune!r}; expected one "
+                             f"of {', '.join(FINETUNERS)}")
+        self.check_lora()
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; expected one of "
+                             f"{', '.join(DTYPES)}")
+        if self.filter_layers is not None:
+            if not self.filter_layers:
+                raise ValueError("filter_layers must name at least one layer")
+            if min(self.filter_layers) < 0:
+                raise ValueError(f"filter_layers must be >= 0, got "
+                                 f"{list(self.filter_layers)}")
+        for name in ("seq_len", "batch_size", "grad_accum", "epochs", "valid_every",
+                     "valid_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("steps", "checkpoint_every", "top_k", "shard_group_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        for name in ("lr", "weight_decay", "clip_grad", "offload_params",
+                     "hang_timeout", "min_lr", "valid_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        self.check_data_and_schedule()
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"keep_checkpoints must be >= 0, got "
+                             f"{self.keep_checkpoints}")
+        if self.hang_timeout <= 0:
+            raise ValueError(f"hang_timeout must be > 0, got {self.hang_timeout}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.clip_grad is not None and self.clip_grad <= 0:
+            raise ValueError(f"clip_grad must be > 0, got {self.clip_grad}")
+        if self.offload_optimizer != "auto" and not (
+                isinstance(self.offload_optimizer, (int, float))
+                and 0.0 <= self.offload_optimizer <= 1.0):  # NaN fails too
+            raise ValueError(f"offload_optimizer must be in [0, 1] or 'auto', got "
+                             f"{self.offload_optimizer!r}")
+        if not 0.0 <= self.offload_params <= 1.0:  # NaN fails too
+            raise ValueError(f"offload_params must be in [0, 1], got "
+                             f"{self.offload_params}")
+        if self.offload_params > 0 and self.offload_optimizer != 1:
+            raise ValueError("offload_params needs offload_optimizer=1 (a shard in "
+                             "host memory is updated there)")
+        if self.app_url is not None:
+            check_app_url(self.app_url)
+        if self.sample_tokens < 0:
+            raise ValueError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
+        if self.sample_tokens and not self.prompt:
+            raise ValueError("prompt must be non-empty to sample")
+
+    def check_data_and_schedule(self) -> None:
+        """
+        #### The data's and the schedule's fields, alone
+
+        The files themselves are read before any rank starts (see [the
+        fine-tune's data](data.html)); an epoch's steps are known only then,
+        so with `epochs` the warm-up is checked there.
+        """
+        if not 0.0 < self.valid_fraction < 1.0:  # NaN fails too
+            raise ValueError(f"valid_fraction must be in (0, 1), got "
+                             f"{self.valid_fraction}")
+        if not self.text_field:
+            raise ValueError("text_field must be non-empty")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"unknown lr_schedule {self.lr_schedule!r}; expected "
+                             f"one of {', '.join(SCHEDULES)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.steps is not None and self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps {self.warmup_steps} must be fewer than "
+                             f"--steps {self.steps}")
+        if not 0.0 <= self.min_lr <= self.lr:  # NaN fails too
+            raise ValueError(f"min_lr must be in [0, lr {self.lr:g}], got "
+                             f"{self.min_lr:g}")
+
+    def schedule(self, total_steps: int) -> LRSchedule:
+        """The learning-rate schedule of a run of `total_steps` steps."""
+        return LRSchedule(lr=self.lr, total_steps=total_steps, kind=self.lr_schedule,
+                          warmup_steps=self.warmup_steps, min_lr=self.min_lr)
+
+    def check_lora(self) -> None:
+        """
+        #### LoRA's fields
+
+        `lora_targets` may come as one comma-separated string (the flag's
+        value); it is kept as a tuple. The exports need adapters to export.
+        """
+        if isinstance(self.lora_targets, str):
+            targets = tuple(t.strip() for t in self.lora_targets.split(",")
+                            if t.strip())
+            object.__setattr__(self, "lora_targets", targets)
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) \
+                or self.lora_rank < 1:
+            raise ValueError(f"lora_rank must be an integer >= 1, got "
+                             f"{self.lora_rank!r}")
+        if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise ValueError(f"lora_alpha must be a finite number > 0, got "
+                             f"{self.lora_alpha}")
+        if not self.lora_targets:
+            raise ValueError("lora_targets must name at least one projection")
+        unknown = [t for t in self.lora_targets if t not in TARGETS]
+        if unknown:
+            raise ValueError(f"lora_targets names an unknown projection "
+                             f"{unknown[0]!r}; "
+                             f"expected some of {', '.join(TARGETS)}")
+        if len(set(self.lora_targets)) != len(self.lora_targets):
+            raise ValueError(f"lora_targets names a projection twice: "
+                             f"{','.join(self.lora_targets)}")
+        for name in ("export_merged", "export_adapter"):
+            if getattr(self, name) is not None and self.finetune != "lora":
+                raise ValueError(f"{name} needs finetune 'lora' (only adapters "
+                                 f"are exported), got {self.finetune!r}")
+        if self.export_merged is not None and (
+                self.export_merged == self.export_adapter):
+            raise ValueError("export_merged and export_adapter must be different "
+                             "directories")
+
+    def tuner(self):
+        """
+        #### The fine-tuner of `finetune`
+
+        `FineTuneLoRA` with the `lora_*` fields for `'lora'`; the others take no
+        options.
+        """
+        if self.finetune == "lora":
+            return FineTuneLoRA(rank=self.lora_rank, alpha=self.lora_alpha,
+                                targets=self.lora_targets)
+        return finetuner(self.finetune)
+
+    def model_config(self) -> neox_model.NeoXConfig:
+        """
+        ### The model's shape
+
+        From the checkpoint's `config.json` or the preset; checks `filter_layers`
+        and `seq_len` against it (cheap: reads one small JSON file at most).
+        """
+        if self.checkpoint is not None:
+            config = config_from_hf(self.checkpoint)
+        else:
+            config = MODEL_PRESETS[self.model]()
+        if self.filter_layers is not None:
+            bad = [i for i in self.filter_layers if i >= config.n_layers]
+            if bad:
+                raise ValueError(f"filter_layers {bad} out of range: the model has "
+                                 f"{config.n_layers} layers (0..{config.n_layers - 1})")
+        if self.seq_len > config.max_position:
+            raise ValueError(f"seq_len {self.seq_len} exceeds the model's "
+                             f"max_position {config.max_position}")
+        return config
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype is None:
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+
+# ## Presets
+#
+# Functions that return a config (`laptop()`, `neox_20b_biases(checkpoint)`),
+# derived with `dataclasses.replace`.
+
+
+def laptop() -> FinetuneConfig:
+    """The default: the tiny model, random init, all parameters."""
+    return FinetuneConfig()
+
+
+def neox_20b_biases(checkpoint: str) -> FinetuneConfig:
+    r"""
+    ### labml-nn's job
+
+    GPT-NeoX-20B from `checkpoint`, biases only, with labml-nn's sequence
+    length, batch size, learning rate and fp16, and whole epochs.
+    """
+    return FinetuneConfig(model="gpt-neox-20b", checkpoint=checkpoint,
+                          finetune="biases", seq_len=128, batch_size=16, lr=3e-4,
+                          dtype="fp16", steps=None, valid_every=100)
+
+

@@ -1,0 +1,114 @@
+r"""
+---
+title: The fine-tune's data
+summary: The tokenizer, the training and validation datasets and the run's
+  length, decided once from the configuration, before any rank starts and again
+  on each rank, with every data problem refused in one line.
+---
+
+# The fine-tune's data
+
+[The pre-flight checks](preflight.html) call `job_data` on the launcher's host
+before any rank starts, and each rank calls it again when it starts. The first
+call does the slow part, tokenising `--data` into its [token
+file](token_file.html); the ranks' calls find the file and only map it, so they
+start in seconds whatever the corpus size.
+
+It decides, in order:
+
+1. **the tokenizer**: `--checkpoint`'s own `tokenizer.json` when it has one,
+   else the bundled GPT-NeoX-20B one, and refuses a vocabulary of $V$ ids that
+   does not fit the model's embedding of $V_e$ rows ($V > V_e$: an id past the
+   embedding would index outside it);
+2. **the datasets** (see [the dataset](dataset.html)): the corpus read, checked
+   and packed; the validation text or fraction;
+3. **the steps**: one step trains on $G = B A N_d$ samples of $T + 1$ tokens,
+   so the training split must hold at least $G$ samples, about $GT$ tokens,
+   and validation at least one batch of $B N_d$; with `--epochs`, an epoch is
+   $\lfloor n_{samples} / G \rfloor$ steps; the warm-up must be shorter than
+   the run.
+
+Each failure is a `DataError` of one line that says what the data has and what
+the settings need, so `--batch-size 100000` or `--grad-accum 100000` is refused
+before a rank starts, not found by a rank that would run for ever at step 0.
+
+## Limitations
+
+* The whole training split is one stream: no weighting or mixing of sources.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from tokenizers import Tokenizer
+
+from labml_zero.finetune.corpus import DataError
+from labml_zero.finetune.dataset import TextDataset, load_datasets
+from labml_zero.neox.tokenizer import job_tokenizer_path, load_tokenizer, vocab_size
+
+__all__ = ["JobData", "job_data", "step_samples"]
+
+
+class JobData(NamedTuple):
+    """What the data decided."""
+
+    tokenizer: Tokenizer
+    train: TextDataset
+    valid: TextDataset
+    total_steps: int
+    """$S$: `steps`, or `epochs` × the steps of an epoch."""
+
+
+def step_samples(config, world_size: int) -> int:
+    """$G = B A N_d$, the samples of one optimizer step over all ranks."""
+    return config.batch_size * config.grad_accum * world_size
+
+
+def check_fits(dataset: TextDataset, samples: int, *, what: str, layout: str
+               ) -> None:
+    """Refuse a split with fewer than `samples` samples, in tokens and samples."""
+    if len(dataset) >= samples:
+        return
+    need = samples * dataset.seq_len + 1
+    raise DataError(f"the {what} split has {len(dataset.tokens):,} tokens "
+                    f"({len(dataset):,} samples of --seq-len {dataset.seq_len}); "
+                    f"{layout} needs {samples:,} samples, {need:,} tokens")
+
+
+def job_data(config, *, world_size: int, n_vocab: int, check_ids: bool = True
+             ) -> JobData:
+    """
+    ## Tokenizer, datasets and steps of the job
+
+    `config` is a `FinetuneConfig`, `n_vocab` the model's embedding rows;
+    `check_ids` scans a pre-tokenised file for ids past the vocabulary (the
+    pre-flight checks do; the ranks need not again).
+    """
+    path = job_tokenizer_path(config.checkpoint)
+    try:
+        tokenizer = load_tokenizer(path)
+    except Exception as e:  # tokenizers raises a bare `Exception` on a bad file
+        if isinstance(e, OSError):
+            raise
+        raise DataError(f"the tokenizer {path} does not load: "
+                        f"{' '.join(str(e).split())}") from e
+    if vocab_size(tokenizer) > n_vocab:
+        raise DataError(f"the tokenizer {path} has {vocab_size(tokenizer):,} ids, "
+                        f"more than the model's embedding of {n_vocab:,} rows")
+    data = load_datasets(seq_len=config.seq_len, source=config.data,
+                         tokenizer=tokenizer, valid_fraction=config.valid_fraction,
+                         valid_source=config.valid_data,
+                         text_field=config.text_field, check_ids=check_ids)
+    b, a = config.batch_size, config.grad_accum
+    check_fits(data.train, step_samples(config, world_size), what="training",
+               layout=f"one step of --batch-size {b} × --grad-accum {a} × "
+                      f"{world_size} ranks")
+    check_fits(data.valid, b * world_size, what="validation",
+               layout=f"one batch of --batch-size {b} × {world_size} ranks")
+    steps_per_epoch = len(data.train) // step_samples(config, world_size)
+    total = config.steps or config.epochs * steps_per_epoch
+    if config.warmup_steps >= total:
+        raise DataError(f"--warmup-steps {config.warmup_steps} must be fewer than "
+                        f"the run's {total} steps")
+    return JobData(tokenizer, data.train, data.valid, total)

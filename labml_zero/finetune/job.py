@@ -1,0 +1,558 @@
+r"""
+---
+title: Fine-tuning GPT-NeoX with ZeRO-3
+summary: The experiment: a GPT-NeoX built layer by layer into ZeRO-3 shards, AdamFP16,
+  a scheduled learning rate, the user's data, labml tracking, sharded checkpoints
+  and a sample at the end.
+---
+
+# Fine-tuning GPT-NeoX with ZeRO-3
+
+This page is the training job that puts the pieces together: the
+[GPT-NeoX layers](../neox/model.html), a [fine-tuner](../neox/finetuners.html)
+that decides what trains, the [ZeRO-3 engine](../zero3/index.html) that shards
+them over $N_d$ ranks, [AdamFP16](../optimizers/adam_fp16.html) on the shards at
+the rate of [the schedule](lr_schedule.html), and [the data](data.html). Its
+settings are [the configuration](config.html), its numbers ([what a step
+shows](step_metrics.html)) go to [labml](tracking.html), and the command line is
+[`finetune_neox`](cli.html), which runs [the pre-flight checks](preflight.html)
+before it starts the ranks;
+`train(ctx, config)` below is what each rank runs.
+
+## One step
+
+With a micro-batch of $B$ sequences of $T$ tokens per rank, $A$ micro-batches
+accumulated per step and $N_d$ ranks, one optimizer step sees $B \cdot A \cdot N_d$
+sequences. Each micro-batch's loss is the mean cross-entropy over its $BT$ tokens,
+divided by $A$; the engine's reduce-scatter averages over ranks, so the shard
+gradients are those of
+
+$$\mathcal{L} = \frac{1}{A N_d} \sum_{a, r} \frac{1}{BT} \sum_{b, t}
+  -\log p_\theta\left(x^{(a,r)}_{b,t+1} \mid x^{(a,r)}_{b, \le t}\right)$$
+
+the mean over the whole global batch, as if one unsharded model had seen it.
+
+## Limitations
+
+* Resuming needs the same global batch $B A N_d$ (the data order depends on it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from labml_zero.assembly import Assembled, Recipe, assemble
+from labml_zero.finetune.checkpoints import resume, save
+from labml_zero.finetune.config import (DTYPES, FINETUNERS, MODEL_PRESETS,
+                                        FinetuneConfig, laptop,
+                                        neox_20b_biases)
+from labml_zero.finetune.data import job_data
+from labml_zero.finetune.dataset import RankSampler, TextDataset
+from labml_zero.finetune.step_metrics import (StepMeter, flops_per_token,
+                                              local_grad_squares, peak_flops)
+from labml_zero.finetune.tracking import (EXPERIMENT_NAME, labml_configs,
+                                          start_labml)
+from labml_zero.launch import DistContext
+from labml_zero.neox import model as neox_model
+from labml_zero.neox.generate import Sampling, generate
+from labml_zero.neox.hf_checkpoint import HFCheckpoint
+from labml_zero.neox.lora import FineTuneLoRA, load_hf_layer
+from labml_zero.neox.lora_export import save_merged_checkpoint, save_peft_adapter
+from labml_zero.optimizers.adam_fp16 import AdamFP16, NonFiniteGradient
+from labml_zero.optimizers.clip_grad import clip_grad_norm_
+from labml_zero.optimizers.grad_scaler import LossScaler
+from labml_zero.zero3.config import ZeroConfig
+from labml_zero.zero3.placement import shard_specs
+from labml_zero.zero3.placement_report import measured_lines
+from labml_zero.zero3.sharded_model import Zero3Sequential
+
+__all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "MODEL_PRESETS",
+           "DTYPES", "FINETUNERS", "EXPERIMENT_NAME", "train", "build_model",
+           "NonFiniteLoss"]
+
+# Test-only fault injection: `rank:step` makes that rank raise after that step.
+# The failure tests use it to check that a dying rank ends the whole job.
+FAIL_AT_STEP_ENV = "LABML_ZERO_FAIL_AT_STEP"
+# Test-only: `step` makes every rank's training loss NaN from that step on, the
+# way weights gone bad would.
+NAN_AT_STEP_ENV = "LABML_ZERO_NAN_AT_STEP"
+
+# Below a loss scale of 1 the scaler shrinks the gradients: an overflow that
+# persists there is not the scale's doing (see Note: non-finite losses).
+SCALE_FLOOR = 1.0
+
+
+class NonFiniteLoss(RuntimeError):
+    """
+    ## Note: non-finite losses
+
+    A non-finite training loss means the weights (or the data) went bad: every
+    later step would train on garbage. With bf16 or fp32 the job stops at the
+    first one. With fp16 an overflow is expected now and then: the scaler skips
+    that step and halves the scale, so the job stops only when the loss is still
+    non-finite with the scale below `SCALE_FLOOR`, where scaling no longer
+    explains it. The check reads the step's all-reduced loss, which every rank
+    has, so all ranks stop at the same step. Before each save the trainable
+    shards are checked to be finite too (the last update may have broken them
+    while the loss was still finite), so every checkpoint kept can be resumed.
+    """
+
+    # the message is the whole story: the launcher leaves out the traceback
+    user_error = True
+
+
+# ## The model
+
+
+def build_model(config: FinetuneConfig, ctx: DistContext,
+                probe=None) -> Assembled:
+    """
+    ### Build on meta, mark, shard, initialise or load, place, optimizer
+
+    GPT-NeoX-20B must never exist whole on one rank. The model is put together
+    by [`assemble`](../assembly.html), the path the benchmark and the tests take
+    too: the layers are built on the meta device (no memory), marked by the
+    fine-tuner, and sharded while still on meta; each chunk is then initialised on
+    its own (the seeded initialiser is the same on every rank, each keeps its
+    slice), or, with a Hugging Face checkpoint, each layer's tensors are read on
+    the host and copied slice by slice into the shards. A rank never holds more
+    than one chunk on its device beyond its shards, and one layer on the host.
+
+    `probe(model)` runs one micro-batch's forward and backward, for
+    `offload_optimizer='auto'`, which runs it `grad_accum` times, as `train_step`
+    does.
+    """
+    neox = config.model_config()
+    layers = neox_model.build_layers(neox, filter_layers=config.filter_layers,
+                                     device="meta")
+    dtype = config.torch_dtype(ctx.device)
+    scaled = dtype == torch.float16
+    tuner = config.tuner()
+    recipe = Recipe(
+        zero=ZeroConfig(dtype=dtype,
+                        activation_checkpointing=config.activation_checkpointing,
+                        peer_gather=config.peer_memory,
+                        peer_reduce=config.peer_memory,
+                        shard_group_size=config.shard_group_size),
+        finetune=tuner,
+        compile_types=(neox_model.TransformerLayer,) if config.compile else (),
+        offload_optimizer=config.offload_optimizer,
+        offload_params=config.offload_params, grad_accum=config.grad_accum,
+        lr=config.lr, weight_decay=config.weight_decay,
+        # updates overlap the backward pass unless clipping or unscaling
+        # changes the gradients after it
+        update_during_backward=config.clip_grad is None and not scaled,
+        seed=config.seed)
+    if config.checkpoint is None:
+        # Random weights, drawn one chunk at a time into the chunk's buffer.
+        init, load = neox_model.init_parameter(neox), None
+    else:
+        hf = HFCheckpoint(config.checkpoint)
+
+        # Pretrained weights are loaded after sharding; the chunks start at 0.
+        def init(name: str, param: torch.Tensor) -> None:
+            pass
+
+        def load(sharded) -> None:
+            for layer in sharded:
+                # [one layer] on the host, shapes checked before reading; each
+                # rank copies only its slices into its shards (and fp32 masters).
+                # LoRA's adapters are not in the checkpoint: they keep their init.
+                load_hf_layer(layer, hf)
+
+    if isinstance(tuner, FineTuneLoRA):
+        # adapters: $A$ drawn as PEFT draws it, $B = 0$, inside each chunk like
+        # the rest; so the model at step 0 is the base model
+        init = tuner.init_param(init)
+    return assemble(layers, recipe, device=ctx.device, init_param=init, load=load,
+                    probe=probe)
+
+
+# ## Steps
+
+
+class Totals(NamedTuple):
+    """Sums over all ranks' tokens, from one all-reduce."""
+
+    loss_sum: float
+    correct: float
+    tokens: float
+    grad_squares: float = math.nan
+    r"""$\lVert g \rVert_2^2$ of the step; NaN where no gradient was taken."""
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / self.tokens
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.tokens
+
+    @property
+    def grad_norm(self) -> float:
+        return math.sqrt(self.grad_squares)
+
+
+def forward_loss(model: Zero3Sequential, dataset: TextDataset, indices: list[int],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    #### Mean cross-entropy of one micro-batch, and `[loss_sum, correct, tokens]`
+    """
+    batch = dataset.batch(indices)
+    inputs = batch.inputs.to(device)  # [B, T] int64
+    targets = batch.targets.to(device)  # [B, T] int64
+    logits = model(inputs)  # [B, T, V] param dtype
+    # fp32 softmax: log(Σ exp) over the whole vocabulary, summed in bf16, would
+    # lose the small terms.
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    with torch.no_grad():
+        correct = (logits.argmax(dim=-1) == targets).sum()
+        n = targets.numel()
+        # [3] fp64, so sums over many tokens and ranks stay exact
+        stats = torch.stack([loss.detach().double() * n, correct.double(),
+                             torch.tensor(n, dtype=torch.float64, device=device)])
+    return loss, stats
+
+
+def all_reduce_totals(stats: torch.Tensor) -> Totals:
+    dist.all_reduce(stats)
+    # host sync: .tolist(), once per step, for the tracker
+    return Totals(*stats.tolist())
+
+
+@torch.no_grad()
+def evaluate(model: Zero3Sequential, dataset: TextDataset, config: FinetuneConfig,
+             ctx: DistContext) -> Totals:
+    """
+    ### Loss and accuracy on the first `valid_batches` steps' worth of samples
+
+    Unshuffled, so each evaluation sees the same samples: $B A N_d$ a step,
+    which do not depend on the layout, in micro-batches of $B N_d$. Every rank
+    runs the same number of forwards (the engine's all-gathers must match),
+    each on its own block of each micro-batch.
+    """
+    sampler = RankSampler(len(dataset), batch_size=config.batch_size,
+                          rank=ctx.rank, world_size=ctx.world_size, shuffle=False)
+    stats = torch.zeros(3, dtype=torch.float64, device=ctx.device)
+    for micro in range(min(config.valid_batches * config.grad_accum, len(sampler))):
+        indices = sampler.step_batches(0, micro)[0]
+        stats += forward_loss(model, dataset, indices, ctx.device)[1]
+    return all_reduce_totals(stats)
+
+
+class Training(NamedTuple):
+    """What a step updates."""
+
+    model: Zero3Sequential
+    optimizer: AdamFP16
+    scaler: LossScaler | None
+    """fp16 only: the dynamic loss scale, agreed by all ranks."""
+
+
+def train_step(training: Training, batches: list[list[int]],
+               dataset: TextDataset, config: FinetuneConfig) -> Totals:
+    """
+    ### One optimizer step over the `grad_accum` micro-batches `batches`
+
+    After the backward passes, in order: with fp16, the [loss
+    scaler](../optimizers/grad_scaler.html) unscales the shard gradients and
+    checks them for overflow (one all-reduce of the squared norm, which every rank
+    sees alike, so all skip a bad step together); with `clip_grad`, the [global
+    norm](../optimizers/clip_grad.html) is clipped, reusing that norm; then
+    AdamFP16 steps. Without either (bf16 or fp32, no `clip_grad`), no gradient
+    changes after its chunk is reduced, so each shard is updated right then,
+    during the rest of the backward pass
+    ([`update_during_backward`](../optimizers/adam_fp16.html)). The schedule has
+    set the rate before the step, so an update during the backward pass uses it
+    too. Tracking costs one more all-reduce, of four numbers (loss sum, correct
+    tokens, tokens and, when nothing reduced it yet, the squared gradient norm),
+    and one host sync per step.
+    """
+    model, optimizer, scaler = training
+    comm = model.runtime.comm
+    stats = torch.zeros(4, dtype=torch.float64, device=comm.device)
+    for micro, indices in enumerate(batches):
+        # The first $A - 1$ backward passes run inside `model.no_sync()`, so
+        # gradients stay in the chunks' full-size buffers and one reduce-scatter
+        # per chunk, after the last micro-batch, serves the whole step.
+        last = micro == len(batches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss, micro_stats = forward_loss(model, dataset, indices, comm.device)
+            loss = loss / len(batches)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        stats[:3] += micro_stats
+    shards = model.get_trainable_chunk()
+    # The scaler's overflow check is the gradient norm's all-reduce; clipping
+    # reuses that norm instead of a second collective.
+    norm = scaler.unscale_(shards) if scaler is not None else None
+    if config.clip_grad is not None:
+        norm = clip_grad_norm_(shards, config.clip_grad, comm, norm=norm)
+    world = dist.get_world_size()
+    if norm is not None:
+        # the same on every rank: the all-reduce's sum of N_d copies is ‖g‖²
+        stats[3] = norm.double().square() / world
+    else:
+        # each replica of a shard adds its squares once (see step_metrics)
+        replicas = world // (config.shard_group_size or world)
+        stats[3] = local_grad_squares(shards).to(comm.device) / replicas
+    if scaler is not None:
+        scaler.step(optimizer)
+    else:
+        optimizer.step()
+    optimizer.zero_grad()
+    return all_reduce_totals(stats)
+
+
+def env_step(name: str, rank: int) -> int | None:
+    """
+    #### A test-only fault's step, from the environment
+
+    `LABML_ZERO_FAIL_AT_STEP` is `rank:step` (that rank raises after that
+    step); `LABML_ZERO_NAN_AT_STEP` is `step` (every rank's loss is NaN from it).
+    """
+    value = os.environ.get(name)
+    if not value:
+        return None
+    if name == NAN_AT_STEP_ENV:
+        return int(value)
+    fail_rank, step = (int(x) for x in value.split(":"))
+    return step if fail_rank == rank else None
+
+
+def check_shards_finite(training: Training, step: int) -> None:
+    """
+    ### Refuse to save shards that are not finite
+
+    One all-reduce of a flag, so every rank raises alike. Only trainable shards
+    change, so only they are read.
+    """
+    shards = training.model.get_trainable_chunk()
+    comm = training.model.runtime.comm
+    finite = torch.ones((), dtype=torch.float32, device=comm.device)
+    for shard in shards:
+        finite *= torch.isfinite(shard).all()
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if finite.item() < 1:  # host sync: .item(), once per save
+        raise NonFiniteLoss(f"non-finite weights after step {step}: not saving "
+                            f"a checkpoint of them")
+
+
+def check_loss(totals: Totals, step: int, scaler: LossScaler | None,
+               last_saved: Path | None) -> None:
+    """
+    ### Stop on a training loss that stays non-finite
+
+    At once without a scaler, and with one only once the scale is below
+    `SCALE_FLOOR` (see Note: non-finite losses).
+    """
+    if math.isfinite(totals.loss):
+        return
+    if scaler is not None and scaler.scale_value >= SCALE_FLOOR:
+        return  # the scaler skipped this step and backed off
+    kept = (f"the last good checkpoint is {last_saved}" if last_saved is not None
+            else "no checkpoint was written")
+    scale = (f" with the loss scale at {scaler.scale_value:g}" if scaler is not None
+             else "")
+    raise NonFiniteLoss(f"loss became non-finite at step {step} (training loss "
+                        f"{totals.loss}{scale}); lower the learning rate ({kept})")
+
+
+# The automatic offload predicts the device and host peaks from one probe step;
+# after this many steps of the job the measured peaks are printed beside them.
+PEAKS_AFTER_STEPS = 2
+
+
+def measured_peaks(built: Assembled, ctx: DistContext, steps: int) -> list[str]:
+    """
+    ### The automatic offload's measured peaks, on rank 0
+
+    Empty unless `offload_optimizer='auto'` decided the placement. The device
+    peak counts from `reset_peak_memory_stats` before the first step, so the
+    probe and the build are not in it.
+    """
+    if built.decided is None or ctx.rank != 0:
+        return []
+    return measured_lines(built.decided, shard_specs(built.model),
+                          device=ctx.device, steps=steps)
+
+
+def weights_origin(config: FinetuneConfig, step: int) -> str:
+    """Where the weights came from, for the banner."""
+    if step:
+        return f"weights from checkpoint {config.resume} (after step {step})"
+    if config.checkpoint:
+        return f"weights from {config.checkpoint}"
+    return "randomly initialised (no --checkpoint given)"
+
+
+# ## The job
+
+
+def train(ctx: DistContext, config: FinetuneConfig) -> None:
+    """
+    ## The job, on one rank
+
+    1. the labml run, the data, the sharded model, the optimizer on its shards;
+    2. with `resume`, the shards, the optimizer, the sampler and the step from
+       the checkpoint;
+    3. the loop: step, track, stop on a non-finite loss, evaluate, checkpoint;
+    4. with LoRA, the merged checkpoint and the adapter, if asked for;
+    5. a sample from the fine-tuned model.
+    """
+    from labml import experiment, logger, monit, tracker
+
+    start_labml(config, ctx, python_file=__file__)
+    neox = config.model_config()
+    # checked before any rank started; the token file is built, so this maps it
+    data = job_data(config, world_size=ctx.world_size, n_vocab=neox.n_vocab,
+                    check_ids=False)
+    tokenizer, total_steps = data.tokenizer, data.total_steps
+    sampler = RankSampler(len(data.train), batch_size=config.batch_size,
+                          grad_accum=config.grad_accum, rank=ctx.rank,
+                          world_size=ctx.world_size, seed=config.seed)
+    schedule = config.schedule(total_steps)
+
+    def probe(model: Zero3Sequential) -> None:
+        # one micro-batch of the training split, without moving the sampler
+        indices = list(range(config.batch_size))
+        forward_loss(model, data.train, indices, ctx.device)[0].backward()
+
+    built = build_model(config, ctx, probe)
+    model = built.model
+    scaled = config.torch_dtype(ctx.device) == torch.float16
+    scaler = LossScaler(model.runtime.comm) if scaled else None
+    training = Training(model, built.optimizer, scaler)
+    step = resume(config, training, sampler) if config.resume is not None else 0
+    if step >= total_steps:
+        # preflight refuses this for --steps; with --epochs it shows only here
+        if ctx.rank == 0:
+            logger.log(f"{config.resume} is already at step {step} of "
+                       f"{total_steps}: nothing to train")
+        return
+    experiment.configs(labml_configs(
+        config, ctx, total_steps=total_steps,
+        chunk_numel=max(c.numel for c in model.chunks), n_chunks=len(model.chunks),
+        params_total=built.counts.total, params_trainable=built.counts.trainable,
+        n_layers=neox.n_layers, d_model=neox.d_model, n_vocab=neox.n_vocab))
+    dtype = config.torch_dtype(ctx.device)
+    meter = StepMeter(token_flops=flops_per_token(
+        matmul_params=built.counts.total - neox.n_vocab * neox.d_model,
+        n_layers=neox.n_layers, d_model=neox.d_model, seq_len=config.seq_len),
+        peak=peak_flops(ctx.device, dtype), world_size=ctx.world_size,
+        device=ctx.device)
+    fail_at = env_step(FAIL_AT_STEP_ENV, ctx.rank)
+    nan_at = env_step(NAN_AT_STEP_ENV, ctx.rank)
+    last_saved = Path(config.resume) if config.resume is not None else None
+
+    def track_valid(at: int) -> None:
+        valid = evaluate(model, data.valid, config, ctx)
+        tracker.save(at, {"loss.valid": valid.loss, "acc.valid": valid.accuracy})
+        if ctx.rank == 0:
+            # off the screen line, which would repeat it (see tracking)
+            logger.log(f"step {at}: loss.valid {valid.loss:.4f}, "
+                       f"acc.valid {valid.accuracy:.4f}")
+
+    with experiment.start():
+        if ctx.rank == 0:
+            logger.log(f"GPT-NeoX: {neox.n_layers} layers of width "
+                       f"{neox.d_model}, {built.counts.total:,} parameters, "
+                       f"{weights_origin(config, step)}; training "
+                       f"{built.counts.trainable:,} ({config.finetune}) on "
+                       f"{ctx.world_size} ranks")
+        if step == 0:
+            track_valid(0)
+            tracker.new_line()
+        first = step + 1
+        peaks_at = first - 1 + min(PEAKS_AFTER_STEPS, total_steps - step)
+        if ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        meter.clock.restart()
+        for step in monit.loop(range(first, total_steps + 1)):
+            # the rate is a pure function of the step: the same after a resume
+            lr = schedule.rate(step)
+            for group in training.optimizer.param_groups:
+                group["lr"] = lr
+            try:
+                totals = train_step(training, sampler.next_step(), data.train, config)
+            except NonFiniteGradient as e:  # an early update met it first
+                raise NonFiniteLoss(f"loss became non-finite at step {step}; lower "
+                                    f"the learning rate (--lr {lr:g})") from e
+            if step == peaks_at:
+                for line in measured_peaks(built, ctx, step - first + 1):
+                    logger.log(line)
+            # the launcher's hang watch: a rank silent for `hang_timeout` is hung
+            ctx.heartbeat()
+            if nan_at is not None and step >= nan_at:
+                totals = totals._replace(loss_sum=math.nan)
+            check_loss(totals, step, scaler, last_saved)
+            tracker.save(step, {"loss.train": totals.loss,
+                                "acc.train": totals.accuracy,
+                                **meter.indicators(totals, lr=lr, scale=(
+                                    scaler.scale_value if scaler else None))})
+            if step % config.valid_every == 0 or step == total_steps:
+                track_valid(step)
+            if config.checkpoint_every is not None and (
+                    step % config.checkpoint_every == 0 or step == total_steps):
+                check_shards_finite(training, step)
+                last_saved = save(config, step, training, sampler)
+            if fail_at is not None and step >= fail_at:
+                raise RuntimeError(f"injected failure on rank {ctx.rank} after step "
+                                   f"{step} ({FAIL_AT_STEP_ENV})")
+            ctx.heartbeat()  # again after a validation or a save, which take long
+            tracker.new_line()
+            meter.clock.restart()  # the next step's time excludes this one's extras
+
+        export(config, built, neox)
+        if config.sample_tokens:
+            text = sample(model, tokenizer, config, ctx)
+            if ctx.rank == 0:
+                logger.log(f"\nSample after {total_steps} steps:\n{config.prompt}"
+                           f"{text}\n")
+
+
+def export(config: FinetuneConfig, built: Assembled,
+           neox: neox_model.NeoXConfig) -> None:
+    """
+    ### LoRA's exports, after the last step
+
+    Every rank takes part (each chunk is gathered in turn, with the optimizer's
+    fp32 masters where it has them); rank 0 writes. The merged checkpoint
+    loads in transformers alone, the adapter in peft over the base checkpoint.
+    A previous export of the same kind is replaced whole, once the new one is
+    complete; preflight has refused any other destination (see LoRA export).
+    """
+    if config.export_merged is None and config.export_adapter is None:
+        return
+    tuner = config.tuner()
+    if config.export_merged is not None:
+        save_merged_checkpoint(config.export_merged, built.model, tuner, neox,
+                               built.optimizer, overwrite=True)
+    if config.export_adapter is not None:
+        save_peft_adapter(config.export_adapter, built.model, tuner,
+                          built.optimizer,
+                          base_model_name_or_path=config.checkpoint,
+                          overwrite=True)
+
+
+def sample(model: Zero3Sequential, tokenizer, config: FinetuneConfig,
+           ctx: DistContext) -> str:
+    """
+    ### A sample through the sharded model
+
+    It re-runs the whole prefix per token (no KV cache), so every rank gathers
+    every layer for every token. Every rank runs the same forwards. The sampler is
+    seeded alike on every rank, so all draw the same tokens; even if rounding made
+    them differ, only the text would, not the sequence of collectives.
+    """
+    generator = torch.Generator().manual_seed(config.seed)
+    sampling = Sampling(top_k=config.top_k, max_context=config.seq_len)
+    return generate(model, tokenizer, config.prompt, n_tokens=config.sample_tokens,
+                    sampling=sampling, generator=generator, device=ctx.device)

@@ -1,0 +1,310 @@
+r"""
+---
+title: Checks before any rank starts
+summary: Everything about a fine-tune that can be checked on the launcher's host is
+  checked there, in one line each, before a process is spawned or a GPU touched.
+---
+
+# Checks before any rank starts
+
+A mistake found by a rank costs the start-up of every rank (minutes on a large
+model) and reaches the user as a traceback of another process; found after
+$N$ steps, it costs the steps too. So before [the launcher](cli.html)
+spawns anything, `preflight` checks, on this host and with no process group,
+the outputs, the exports, the host's memory, the data, the Hugging Face snapshot and
+the checkpoint to resume (each
+beside its lines in `preflight`).
+
+Each failure is a `PreflightError` whose message names the file or the setting;
+the command line prints it as one line and exits with status 2.
+
+## Limitations
+
+* A filesystem can fill up between this check and the save; the save itself
+  then fails, and leaves the previous checkpoint in place.
+* Resuming with another global batch is refused: it would train on other
+  samples than the interrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from labml_zero.finetune.checkpoints import check_global_batch
+from labml_zero.finetune.corpus import DataError
+from labml_zero.finetune.data import JobData, job_data
+from labml_zero.neox import model as neox_model
+from labml_zero.neox.hf_checkpoint import check_hf_snapshot
+from labml_zero.neox.lora_export import (ADAPTER, MERGED, ExportDestinationError,
+                                         check_export_destination, export_bytes)
+from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
+                                         check_resumable, sequential_shapes)
+from labml_zero.zero3.memory_model import OPTIMIZER_BYTES
+
+__all__ = ["PreflightError", "Preflight", "preflight", "check_writable_dir",
+           "checkpoint_bytes", "check_resume", "check_exports",
+           "check_host_memory", "RANK_BASE_BYTES"]
+
+# What one rank of the tiny model holds in host memory at its peak, rounded
+# up: the interpreter with torch and labml, the tokenizer and the data, gloo's
+# buffers (tested: tests/test_finetune_failures.py::test_a_rank_fits_its_estimate).
+RANK_BASE_BYTES = 2**30
+
+
+class PreflightError(ValueError):
+    """A setting or a file that would make the job fail; the message is one line."""
+
+
+class Preflight(NamedTuple):
+    """
+    ## What the checks found
+
+    * `neox`: the model's shape;
+    * `resumed_step`: the step the checkpoint to resume was saved after, or
+      `None` when starting afresh;
+    * `data`: the tokenizer, the datasets and the run's steps.
+    """
+
+    neox: neox_model.NeoXConfig
+    resumed_step: int | None
+    data: JobData | None = None
+
+
+def check_writable_dir(path: str | os.PathLike, what: str) -> Path:
+    """
+    ### A directory this process can write, made if missing
+
+    Writes and removes one temporary file: permission bits do not tell about
+    read-only mounts or quotas.
+    """
+    directory = Path(path)
+    if directory.exists() and not directory.is_dir():
+        raise PreflightError(f"{what} {directory} is a file, not a directory")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise PreflightError(f"{what} {directory} is not writable "
+                             f"({e.strerror or e})") from e
+    return directory
+
+
+def checkpoint_bytes(layers: list[nn.Module], dtype: torch.dtype) -> int:
+    r"""
+    ### Bytes of one checkpoint, over all ranks
+
+    $p\Psi + K\Psi_t$: every parameter shard in the chunk dtype ($p$ bytes),
+    and for trainable ones the fp32 master and two moments ($K$ is the memory
+    model's `OPTIMIZER_BYTES`, less the master when the fp32 shard is its own).
+    `layers` are marked by the fine-tuner.
+    """
+    p = dtype.itemsize
+    k = OPTIMIZER_BYTES - 4 if p == 4 else OPTIMIZER_BYTES
+    total = trainable = 0
+    for param in (q for layer in layers for q in layer.parameters()):
+        total += param.numel()
+        trainable += param.numel() if param.requires_grad else 0
+    return p * total + k * trainable
+
+
+def check_exports(config, layers: list[nn.Module], dtype: torch.dtype) -> None:
+    """
+    ### Where LoRA's exports go, before training, not after it
+
+    An export replaces its directory whole, so one pointed at the wrong place
+    would delete what is there (see the rules on [the export's
+    page](../neox/lora_export.html)); each destination is also checked writable, with
+    room for its size from `layers`' shapes.
+    """
+    flags = {"export_adapter": ("--export-adapter", ADAPTER),
+             "export_merged": ("--export-merged", MERGED)}
+    if config.export_adapter is not None and config.checkpoint is None:
+        raise PreflightError("--export-adapter needs --checkpoint: an adapter "
+                             "trained on random weights has no base model to load "
+                             "it onto (use --export-merged)")
+    for name, (flag, kind) in flags.items():
+        path = getattr(config, name)
+        if path is None:
+            continue
+        protected = {"--out": config.out, "--log-dir": config.log_dir,
+                     "--checkpoint": config.checkpoint, "--resume": config.resume}
+        protected |= {f: getattr(config, n) for n, (f, _) in flags.items()
+                      if n != name}
+        try:
+            check_export_destination(path, kind, flag=flag, protected=protected,
+                                     need_bytes=export_bytes(layers, kind, dtype))
+        except ExportDestinationError as e:
+            raise PreflightError(str(e)) from e
+
+
+def available_host_bytes() -> int | None:
+    """`MemAvailable` from `/proc/meminfo` (Linux), else free pages; `None` if
+    neither can be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_host_memory(config, layers: list[nn.Module], *, world_size: int,
+                      ranks_here: int, device: torch.device) -> None:
+    r"""
+    ### The ranks of this host fit in its memory
+
+    A rank is estimated at `RANK_BASE_BYTES` plus the model states it keeps
+    in host memory: on CPU its whole share, $(p\Psi + (4 + K)\Psi_t) / N$
+    (`checkpoint_bytes` and the fp32 gradient shards); on GPUs the offloaded
+    fraction of the optimizer states. Too many ranks for the host would be
+    killed one by one by the kernel; refused here instead.
+    """
+    available = available_host_bytes()
+    if available is None:
+        return
+    states = checkpoint_bytes(layers, config.torch_dtype(device))
+    trainable = sum(q.numel() for layer in layers for q in layer.parameters()
+                    if q.requires_grad)
+    if device.type == "cpu":
+        held = states + 4 * trainable
+    else:
+        offload = config.offload_optimizer
+        held = (offload if isinstance(offload, float) else 0.0) * \
+            OPTIMIZER_BYTES * trainable
+    rank = RANK_BASE_BYTES + held / world_size
+    need = ranks_here * rank
+    if need > available:
+        raise PreflightError(
+            f"--world-size {world_size}: {ranks_here} ranks on this host need about "
+            f"{need / 2**30:.1f} GiB ({rank / 2**30:.2f} GiB each), it has "
+            f"{available / 2**30:.1f} GiB available; use fewer ranks")
+
+
+def check_resume(path: Path, layers: list[nn.Module], config, world_size: int,
+                 data: JobData) -> int:
+    """
+    ### A checkpoint this job can continue from; returns its step
+
+    `check_resumable` reads the manifest, checks every file's size and the
+    model's parameter names and shapes (`layers` on the meta device); then the
+    small `extra` state must hold the step and a data order of the same seed,
+    training split and global batch. No shard is read.
+    """
+    try:
+        check_resumable(path, world_size=world_size,
+                        shapes=sequential_shapes(layers),
+                        expect={"seed": config.seed})
+        extra = CheckpointReader(path).extra() or {}
+    except (CheckpointError, OSError) as e:
+        # the package's messages name the checkpoint already
+        raise PreflightError(f"--resume: {e}") from e
+    if not isinstance(extra, dict) or "step" not in extra or "sampler" not in extra:
+        raise PreflightError(f"--resume {path} is not a checkpoint of this job "
+                             f"(its extra state has no step and sampler position)")
+    sampler = extra["sampler"]
+    if sampler.get("seed") != config.seed:
+        raise PreflightError(f"--resume {path} was saved with seed "
+                             f"{sampler.get('seed')}, this run has --seed "
+                             f"{config.seed}: the data order would differ")
+    refusal = check_global_batch(path, sampler, config, world_size)
+    if refusal is not None:
+        raise PreflightError(refusal)
+    if sampler.get("n_samples") != len(data.train):
+        raise PreflightError(f"--resume {path} was saved with a training split of "
+                             f"{sampler.get('n_samples')} samples, this run's has "
+                             f"{len(data.train)} (other data or --seq-len): the "
+                             f"data order would differ")
+    step = int(extra["step"])
+    if data.total_steps <= step:
+        length = (f"--steps {config.steps}" if config.steps is not None else
+                  f"--epochs {config.epochs} ({data.total_steps} steps)")
+        raise PreflightError(f"--resume {path} is already at step {step}: "
+                             f"{length} leaves nothing to train")
+    return step
+
+
+def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
+    """
+    ## Every check, each beside its lines
+
+    `config` is a `FinetuneConfig`; `device` is where the ranks will run (it
+    decides the default dtype).
+    """
+    # **The Hugging Face snapshot** (`checkpoint`): `config.json` (through
+    # `model_config`) is a JSON object that describes a GPT-NeoX, `filter_layers`
+    # and `seq_len` fit it, and then the [checkpoint
+    # loader's](../neox/hf_checkpoint.html) `check_hf_snapshot`: every tensor the
+    # model needs is in the safetensors headers with the shape the config implies
+    # (headers only: no weights are read).
+    neox = config.model_config()
+    group = config.shard_group_size
+    if group is not None and world_size % group:
+        raise PreflightError(f"--shard-group-size {group} does not divide the "
+                             f"world size {world_size}")
+    if config.checkpoint is not None:
+        try:
+            check_hf_snapshot(config.checkpoint)
+        except CheckpointError as e:
+            raise PreflightError(str(e)) from e
+    layers = neox_model.build_layers(neox, filter_layers=config.filter_layers,
+                                     device="meta")
+    # the chunk layout a resume compares against: LoRA's options included
+    config.tuner()(layers)
+
+    # **Outputs**: `out` and `log_dir` are directories (or can be made) that this
+    # user can write, and `out` has room for one checkpoint when the job writes
+    # any: about $p\Psi + K\Psi_t$ bytes (`checkpoint_bytes`), from the model's
+    # shapes on the meta device (no memory). A filesystem can still fill up
+    # between this check and the save; the save itself then fails, and leaves the
+    # previous checkpoint in place.
+    out = check_writable_dir(config.out, "--out")
+    check_writable_dir(config.log_dir, "--log-dir")
+    if config.checkpoint_every is not None:
+        need = checkpoint_bytes(layers, config.torch_dtype(device))
+        free = shutil.disk_usage(out).free
+        if free < need:
+            raise PreflightError(f"--out {out} has {free / 2**30:.1f} GiB free, one "
+                                 f"checkpoint needs {need / 2**30:.1f} GiB")
+
+    # **Exports** (LoRA's `export_adapter`, `export_merged`): each is a new or
+    # empty directory or a previous export of its kind, never a file nor a
+    # directory the run reads or writes otherwise, writable, with room for the
+    # export ([the rules](../neox/lora_export.html)); an adapter needs a `checkpoint` to
+    # name as its base.
+    check_exports(config, layers, config.torch_dtype(device))
+    # **Host memory**: the ranks this host starts fit in its available memory,
+    # each about `RANK_BASE_BYTES` (the interpreter, torch, the data) plus its
+    # share of the model states held in host memory.
+    check_host_memory(config, layers, world_size=world_size, device=device,
+                      ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+
+    # **The data** ([the fine-tune's data](data.html)): the tokenizer fits
+    # the model, the corpus is read (and tokenised once, into its cached token
+    # file) and holds at least one step.
+    try:
+        data = job_data(config, world_size=world_size, n_vocab=neox.n_vocab)
+    except (DataError, OSError) as e:
+        raise PreflightError(str(e)) from e
+
+    # **The checkpoint to resume**: the [checkpoint
+    # package's](../zero3/checkpoint/preflight.html) `check_resumable` (a
+    # complete checkpoint of this model: the same parameter names and shapes),
+    # then written by this job with the same seed, training split and global
+    # batch $B A N_d$ (`check_resume`; the world size may differ, see
+    # [resuming](checkpoints.html)).
+    step = None
+    if config.resume is not None:
+        step = check_resume(Path(config.resume), layers, config, world_size, data)
+    return Preflight(neox, step, data)

@@ -1,0 +1,280 @@
+r"""
+---
+title: Tracking the fine-tune with labml
+summary: One labml run over all ranks (one uuid, a directory per rank), the app
+  writer only when an app answered, and the numbers each step records.
+---
+
+# Tracking the fine-tune with labml
+
+Each rank creates the same labml run (one uuid, agreed by a broadcast) with its own
+rank, so labml keeps a directory per rank (`<log_dir>/zero3_neox/<uuid>.<rank>/`)
+and the labml app merges them. The tracked numbers are already means over all
+ranks (one all-reduce of three scalars per step, see [the job](job.html)), so
+every rank's log agrees; only rank 0 prints. The app writer is on only when
+`app_url` answered a probe; otherwise nothing touches the network.
+
+Tracking never decides a run's outcome: labml's own sender thread is not a
+daemon and retries a failed request forever, so this page gives labml a sender
+with every wait bounded (`BoundedSender`, below), and every rank's records are
+on disk under `log_dir` whatever the app does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import dataclasses
+import io
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+from uuid import uuid1
+
+import torch.distributed as dist
+
+from labml_zero.app.client import app_url_if_running, labml_app_settings
+from labml_zero.finetune.config import FinetuneConfig
+from labml_zero.launch import DistContext
+
+__all__ = ["EXPERIMENT_NAME", "start_labml", "labml_configs", "VALID_INDICATORS",
+           "BoundedSender", "install_bounded_sender"]
+
+# What a step records: `loss.train`, `acc.train`, the mean cross-entropy and the
+# next-token accuracy over the step's $B \cdot A \cdot N_d$ sequences; and
+# `loss.valid`, `acc.valid`, the same on the validation batches, only at the steps
+# where they are measured (every `valid_every`). labml's screen line would repeat
+# the last value of an indicator on every later line, so these two are kept off
+# it and printed on their own line when measured.
+EXPERIMENT_NAME = "zero3_neox"
+VALID_INDICATORS = ("loss.valid", "acc.valid")
+
+
+# ## Sending to the app, bounded
+
+# One request; labml's own waits minutes.
+REQUEST_TIMEOUT_S = 5.0
+# Failing this long, the app counts as gone.
+LOST_AFTER_S = 20.0
+# At exit, the time the last records get: room for two of labml-app's answers,
+# each after its fixed pause (one request in flight, one with the last records).
+EXIT_WAIT_S = 10.0
+# Packets held while the app does not answer (a few seconds of a run each).
+MAX_PENDING = 64
+# The longest pause between two tries of a failed request.
+MAX_BACKOFF_S = 4.0
+
+
+def labml_sender_base():
+    """labml's sender thread class, the one private name this page uses."""
+    from labml.internal.app import _AppTrackThread
+
+    return _AppTrackThread
+
+
+class BoundedSender(labml_sender_base()):
+    """
+    ## labml's sender thread, with every wait bounded
+
+    labml's own sender (in the labml releases `pyproject.toml` accepts) is not a
+    daemon, waits minutes for each request and retries a failed one forever, so
+    an app that goes away in the middle of a run keeps every rank from exiting
+    after its last step. This one bounds every wait: one request waits at most
+    `REQUEST_TIMEOUT_S`; packets that come while a request fails wait in a queue
+    of at most `MAX_PENDING` (the oldest dropped); the thread is a daemon. The app
+    is only a view, so the worst a lost app costs is its copy of the records.
+
+    1. `run` takes the packets labml's writers have ready into `pending`;
+    2. sends them all in one request; on success `pending` empties;
+    3. on failure waits (1, 2, 4 s) and tries again; a failure that has lasted
+       `LOST_AFTER_S` makes the app *lost*: one warning on rank 0, and from
+       then on packets are taken (so labml's buffers empty) and dropped;
+    4. once labml has called `stop` (the run ended) and nothing is pending, it
+       returns; `finish`, at exit, waits for that at most `EXIT_WAIT_S`.
+    """
+
+    def __init__(self, url: str, *, app_url: str, rank: int, log_dir: Path):
+        super().__init__(url, timeout_seconds=REQUEST_TIMEOUT_S, daemon=True)
+        self.app_url, self.rank, self.log_dir = app_url, rank, log_dir
+        self.pending: collections.deque = collections.deque(maxlen=MAX_PENDING)
+        self.lost = False
+        self.done = threading.Event()
+
+    def stop(self) -> None:
+        # labml calls this when the run ends, from the main thread: no waiting
+        # (and none of labml's "please wait" lines)
+        self.is_stopped = True
+
+    def warn(self, why: str) -> None:
+        if self.rank == 0:
+            print(f"labml app at {self.app_url} {why}; the run's records are "
+                  f"complete in {self.log_dir}", file=sys.stderr, flush=True)
+
+    def take(self, wait_s: float) -> None:
+        """Move what labml's writers have ready into `pending`."""
+        sources = []
+        try:
+            sources.append(self.queue.get(timeout=wait_s))
+            while True:
+                sources.append(self.queue.get_nowait())
+        except queue.Empty:
+            pass
+        for source in dict.fromkeys(sources):  # each writer once, in order
+            packet = source.get_data_packet()
+            if not self._is_updating_notification(packet) and not self.lost:
+                self.pending.append(packet)
+
+    def send(self) -> bool:
+        """One request with everything pending; `True` if the app took it."""
+        try:
+            response = self._send([p.data for p in self.pending])
+        except Exception:  # any failure of the app is a failed send, never the run's
+            self.errored = False  # labml's tracker would raise this in the run
+            return False
+        self.pending.clear()
+        for handler in self.handlers:
+            if handler.handle(response):
+                break
+        return True
+
+    def run(self) -> None:
+        failing_since, backoff = None, 1.0
+        try:
+            while not (self.is_stopped and self.queue.empty() and not self.pending):
+                self.take(wait_s=0.5)
+                if not self.pending:
+                    continue
+                if self.send():
+                    failing_since, backoff = None, 1.0
+                    continue
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since >= LOST_AFTER_S:
+                    self.lost = True
+                    self.pending.clear()
+                    self.warn(f"did not answer for {LOST_AFTER_S:g} s; tracking "
+                              f"goes on to disk only")
+                    continue
+                time.sleep(backoff)
+                backoff = min(2 * backoff, MAX_BACKOFF_S)
+        finally:
+            self.done.set()
+
+    def finish(self) -> None:
+        """At exit: the last records get `EXIT_WAIT_S`, then the rank goes."""
+        if self.is_alive() and not self.done.wait(EXIT_WAIT_S) and not self.lost:
+            self.warn(f"did not take the run's last records within "
+                      f"{EXIT_WAIT_S:g} s")
+
+
+def bounded_app_tracker(app_url: str, rank: int, log_dir: Path):
+    """
+    #### labml's `AppTracker`, making a `BoundedSender` instead of its own thread
+    """
+    from labml.internal.app import AppTracker
+
+    class BoundedAppTracker(AppTracker):
+        def _check(self) -> bool:
+            if self.stopped:
+                return False
+            if self.thread is None:
+                self.thread = BoundedSender(self.app_track_url, app_url=app_url,
+                                            rank=rank, log_dir=log_dir)
+                atexit.register(self.thread.finish)
+            return True
+
+    return BoundedAppTracker
+
+
+def install_bounded_sender(app_url: str, rank: int, log_dir: Path) -> None:
+    """
+    ### Make labml use `BoundedSender` for this process's runs
+
+    labml builds its `AppTracker` inside `experiment.start()`, looking the
+    class up in `labml.internal.app` then; replacing it there is the one place
+    this page reaches into labml.
+    """
+    import labml.internal.app
+
+    labml.internal.app.AppTracker = bounded_app_tracker(app_url, rank, log_dir)
+
+
+def git_root(path: Path) -> Path | None:
+    for directory in (path, *path.parents):
+        if (directory / ".git").exists():
+            return directory
+    return None
+
+
+def start_labml(config: FinetuneConfig, ctx: DistContext, *, python_file: str
+                ) -> str:
+    """
+    ## One labml run over all ranks; returns its uuid
+
+    Rank 0 picks the uuid and probes the app (see [the app
+    client](../app/client.html)); a broadcast tells the others, so every rank
+    agrees without each probing (and under torchrun, where no parent process
+    could pick for them). `python_file` is the job's source, which labml records.
+    """
+    from labml import experiment, lab, logger, tracker
+
+    decision = [None, None]
+    if ctx.rank == 0:
+        answered = (app_url_if_running(config.app_url)
+                    if config.app_url is not None else None)
+        decision = [uuid1().hex, answered]
+    dist.broadcast_object_list(decision, src=0)
+    run_uuid, app_url = decision
+
+    log_dir = Path(config.log_dir).resolve()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    # labml's project path is where it reads the git commit it records with the
+    # run: the repository we run in, if any. Runs go to `log_dir` either way.
+    settings = {"path": str(git_root(Path.cwd()) or log_dir),
+                "experiments_path": str(log_dir)}
+    writers = {"file"} | ({"screen"} if ctx.rank == 0 else set())
+    if app_url is not None:
+        settings.update(labml_app_settings(app_url))
+        writers.add("app")
+        install_bounded_sender(app_url, ctx.rank, log_dir)
+    elif config.app_url is not None and ctx.rank == 0:
+        logger.log(f"no labml app answered at {config.app_url} within 2 s; "
+                   f"tracking offline to {log_dir}")
+    # labml looks for a .labml.yaml above the project path and above the job's
+    # file, and prints a warning box for each that is missing; every setting is
+    # given here, so that warning is swallowed, with anything else labml prints
+    # while the run is set up (such as a notice that the directory is not a git
+    # repository).
+    with contextlib.redirect_stdout(io.StringIO()):
+        lab.configure(settings)
+        experiment.create(name=EXPERIMENT_NAME, uuid=run_uuid, writers=writers,
+                          python_file=python_file, distributed_rank=ctx.rank,
+                          distributed_world_size=ctx.world_size)
+    for name in VALID_INDICATORS:
+        tracker.set_scalar(name, is_print=False)
+    return run_uuid
+
+
+def labml_configs(config: FinetuneConfig, ctx: DistContext, **facts) -> dict:
+    """
+    ## What labml records as the run's configuration
+
+    The config's fields (but where the logs go and the app's address, which say
+    nothing about the run), the dtype resolved for this device, the world size
+    and backend, and `facts`: what the build found (parameter counts, chunks).
+    """
+    return {
+        **{k: v for k, v in dataclasses.asdict(config).items()
+           if k not in ("log_dir", "app_url")},
+        "filter_layers": (None if config.filter_layers is None
+                          else list(config.filter_layers)),
+        "dtype": str(config.torch_dtype(ctx.device)).removeprefix("torch."),
+        "engine": "zero3_chunks",
+        "optimizer": "AdamFP16",
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        **facts,
+    }

@@ -1,0 +1,347 @@
+r"""
+---
+title: Memory budget of a fine-tune
+summary: Every byte a rank holds and moves for one GPT-NeoX fine-tune, from the
+  memory model, the chunk layout, the activation count and the placement of the
+  states; what
+  the memory model page's calculator computes.
+---
+
+# Memory budget of a fine-tune
+
+The [memory model](../zero3/memory_model.html) counts each kind of byte alone;
+this page, beside the model it budgets, adds them up for one concrete job, a
+GPT-NeoX model fine-tuned by this engine
+(`assembly.assemble`: the layers as units, a searched or fixed chunk size, an
+optimizer state partly on the host). `budget(BudgetInputs(...))` returns every
+part as a `Budget`, and the calculator on the memory model's page computes the
+same parts in the reader's browser; a test in headless Chromium compares the two
+on hundreds of inputs.
+
+A rank's device memory peaks either at the start of the last backward pass of a
+step, when every activation is alive, or at the optimizer step, when every
+gradient shard is:
+
+$$M_{\text{peak}} = \max\left(M_{\text{dev}},\;
+  M_{\text{dev}} - g\,S_t + G + A + B'\right)$$
+
+(the first term drops out when each shard is updated during the backward pass,
+`update_during_backward`)
+
+with $M_{\text{dev}}$ the model states on the device (the parameter shards,
+the fp32 gradient shards $g\,S_t$, the optimizer state not on the host), $G$ the
+gathered chunks of the widest window (`gathered_peak`), $A$ the activations
+(`activation_bytes`, for every fine-tuner: LoRA's with each target's input and
+each adapter's $A x$ at its rank) and $B'$ the gradient buffers: the largest one
+(`largest_grad_buffer`), or under gradient accumulation all of them
+(`accumulated_grad_buffers`). The gradient shards are made by the reduction,
+while the activations are being freed, so the second term leaves them out.
+
+## Limitations
+
+* The same as its parts': eager activations, no allocator fragmentation, no
+  temporaries of the optimizer step, ring traffic.
+* No root unit: the fine-tune's `Zero3Sequential` puts every parameter in a
+  unit. A model wrapped by `shard_model` keeps the rest of its parameters
+  gathered for the whole step, $p$ times their elements beside every window.
+* The automatic {{see: placement}} of the engine measures its probe step;
+  `offload_fraction=None` predicts it from the formula instead, and keeps no
+  chunk resident.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from labml_zero.neox.activation_memory import activation_bytes
+from labml_zero.neox.finetuners import finetuner
+from labml_zero.neox.lora import TARGETS
+from labml_zero.neox.model import NeoXConfig, build_layers, pythia_1_4b
+from labml_zero.zero3.chunk_layout import plan_chunks
+from labml_zero.zero3.config import ZeroConfig
+from labml_zero.zero3.hybrid_memory import hybrid_step_comm, hybrid_wire_bytes
+from labml_zero.zero3.memory_model import (BACKWARD, FORWARD, GRAD_BYTES,
+                                           accumulated_grad_buffers, gathered_peak,
+                                           largest_grad_buffer)
+from labml_zero.zero3.placement import (ShardSpec, StaticPlacement,
+                                        auto_placement, device_optimizer_bytes,
+                                        offload_traffic, resident_bytes)
+from labml_zero.zero3.unit_chunks import choose_chunk_numel, param_specs
+
+__all__ = ["DTYPE_BYTES", "H200_BYTES", "BudgetInputs", "Budget", "budget"]
+
+# bytes per element of the dtypes the engine takes
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# An H200's memory as PyTorch sees it, `torch.cuda.get_device_properties(0)
+# .total_memory`: the memory `nvidia-smi` lists less what the driver keeps. The
+# engine's own capacity (`placement.cuda_capacity`) is this less the CUDA
+# context, and its automatic {{see: offload}} keeps a margin besides.
+H200_BYTES = 150_109_880_320
+
+
+@dataclass(frozen=True)
+class BudgetInputs:
+    """
+    ## One job
+
+    Each field is a knob of the calculator, with the symbol of the notes.
+    """
+
+    model: NeoXConfig = field(default_factory=pythia_1_4b)
+    """The model's shape (a preset of [the model's config](config.html))."""
+    world_size: int = 8
+    """$N_d$, the data-parallel ranks."""
+    shard_group_size: int | None = None
+    """$N_s$, the ranks one copy of the model states is sharded over ([hybrid
+    sharding](../zero3/hybrid.html)); `None` is all of them."""
+    param_dtype: str = "bf16"
+    """The chunk dtype: $p$ = 2 for `bf16`, `fp16`, 4 for `fp32`."""
+    reduce_dtype: str = "fp32"
+    """The dtype of the gradient buffers and the reduction, $g_r$."""
+    finetune: str = "all"
+    """What trains: `all`, `biases`, `ffn` or `lora`."""
+    lora_rank: int = 8
+    """$r$, for `lora`."""
+    lora_targets: tuple[str, ...] = tuple(TARGETS)
+    """The adapted projections, for `lora`."""
+    chunk_numel: int | None = None
+    """The chunk size in elements; `None` takes the search's choice."""
+    prefetch_depth: int = 1
+    """$d$, units gathered ahead of the running one."""
+    checkpointing: bool = False
+    """Activation checkpointing (recomputation) of every unit."""
+    batch: int = 1
+    """Sequences per micro-batch and rank."""
+    seq: int = 2048
+    """$T$, tokens per sequence."""
+    micro_batches: int = 1
+    """Micro-batches accumulated per step (`no_sync`)."""
+    update_during_backward: bool = False
+    """`AdamFP16(update_during_backward=True, free_grads=True)`, as the benchmark
+    runs (no clipping, no loss scale): each shard is updated as soon as it is
+    reduced and its gradient freed, so the gradient shards are never all alive
+    and the optimizer step is no peak of its own."""
+    offload_fraction: float | None = 0.0
+    """The least fraction of the trainable elements whose optimizer state is on
+    the host (the {{see: offload}}, `StaticPlacement`), whole chunks from the
+    output end; `None` fits the device: the fewest chunks, largest first, that
+    bring the peak under `device_bytes` (`auto_placement`)."""
+    device_bytes: int = H200_BYTES
+    """The device memory the peak must fit in."""
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPE_BYTES:
+                raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, "
+                                 f"got {getattr(self, name)!r}")
+        for name, least in (("world_size", 1), ("prefetch_depth", 0), ("batch", 1),
+                            ("seq", 1), ("micro_batches", 1), ("lora_rank", 1)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, "
+                                 f"got {getattr(self, name)}")
+        if self.offload_fraction is not None and not 0 <= self.offload_fraction <= 1:
+            raise ValueError(f"offload_fraction must be in [0, 1], "
+                             f"got {self.offload_fraction}")
+
+    @property
+    def group_size(self) -> int:
+        """The ranks a chunk is sharded over: $N_s$, else $N_d$."""
+        return self.shard_group_size or self.world_size
+
+
+@dataclass(frozen=True)
+class Budget:
+    """
+    ## Bytes per rank, and per step
+
+    Model states per rank (`params` … `optimizer_host`), the peak's other parts
+    (`gathered` … `activations`), then the peak and the traffic.
+    """
+
+    psi_trainable: int
+    psi_frozen: int
+    chunk_numel: int
+    chunks: int
+    padding: int
+    params: int
+    r"""$p \sum_c S_c$, the parameter shards."""
+    grad_shards: int
+    r"""$g\,S_t$, the fp32 gradient shards."""
+    optimizer_device: int
+    optimizer_host: int
+    """Master and moments on the host, with their pinned staging buffer."""
+    gathered: int
+    grad_buffer: int
+    accumulation: int
+    activations: int
+    """$A$, with LoRA's adapters at their rank and targets."""
+    offloaded_fraction: float
+    peak: int
+    fits: bool
+    """The peak is at most `device_bytes`."""
+    all_gather: int
+    """Full-size bytes of the step's all-gathers (forward and backward)."""
+    reduce_scatter: int
+    all_reduce: int
+    """Bytes of the gradient shards all-reduced across shard groups."""
+    wire_inside: int
+    wire_across: int
+    host_down: int
+    host_up: int
+
+    @property
+    def device_states(self) -> int:
+        return self.params + self.grad_shards + self.optimizer_device
+
+
+def _layout(inputs: BudgetInputs):
+    """The engine's layout: the fine-tuner marks the layers on meta, the chunk size
+    is the config's or the search's, as `zero3_layers` does it."""
+    return _cached_layout(inputs.model, inputs.finetune, inputs.lora_rank,
+                          tuple(inputs.lora_targets), inputs.group_size,
+                          inputs.param_dtype, inputs.reduce_dtype, inputs.chunk_numel,
+                          inputs.prefetch_depth)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_layout(model, finetune, lora_rank, lora_targets, group_size, param_dtype,
+                   reduce_dtype, chunk_numel, prefetch_depth):
+    # the search takes seconds on the large presets; a layout is immutable
+    layers = build_layers(model, device="meta")
+    options = ({"rank": lora_rank, "targets": lora_targets}
+               if finetune == "lora" else {})
+    counts = finetuner(finetune, **options)(layers)
+    specs, _ = param_specs([layer.named_parameters() for layer in layers])
+    config = ZeroConfig(dtype=TORCH_DTYPES[param_dtype],
+                        reduce_dtype=TORCH_DTYPES[reduce_dtype],
+                        chunk_numel=chunk_numel, prefetch_depth=prefetch_depth)
+    chunk_numel = choose_chunk_numel(specs, group_size, config)
+    return counts, plan_chunks(specs, chunk_numel, group_size, align=config.align)
+
+
+def budget(inputs: BudgetInputs) -> Budget:
+    """
+    ## Every part of the budget of one job
+
+    Each part is the function of its own page; only the sum is new.
+    """
+    if inputs.world_size % inputs.group_size:
+        raise ValueError(f"shard_group_size {inputs.group_size} does not divide "
+                         f"the world size {inputs.world_size}")
+    p = DTYPE_BYTES[inputs.param_dtype]
+    g_r = DTYPE_BYTES[inputs.reduce_dtype]
+    counts, layout = _layout(inputs)
+    shards = [ShardSpec(layout.shard_numel(c), c.trainable) for c in layout.chunks]
+    trainable = sum(s.numel for s in shards if s.trainable)
+    k_device = device_optimizer_bytes(p)
+    gathered = max(gathered_peak(layout, inputs.prefetch_depth, p, phase=phase)
+                   for phase in (FORWARD, BACKWARD))
+    replicas = inputs.world_size // inputs.group_size
+    # One rank and an fp32 reduction: the gradients are cast straight into the
+    # shard, no buffer and no collective (the chunk's `reduce`).
+    alone = inputs.group_size == 1 and replicas == 1 and g_r == 4
+    buffer = largest_grad_buffer(layout, g_r) if trainable and not alone else 0
+    accumulation = (accumulated_grad_buffers(layout, g_r)
+                    if inputs.micro_batches > 1 else 0)
+    activations = activation_bytes(
+        inputs.model, batch=inputs.batch, seq=inputs.seq, finetune=inputs.finetune,
+        lora_rank=inputs.lora_rank, lora_targets=inputs.lora_targets,
+        checkpointing=inputs.checkpointing).total
+
+    # The peak less the optimizer state on the device, which offload moves.
+    nothing = resident_bytes(StaticPlacement().place(shards), shards, param_bytes=p)
+    grads = GRAD_BYTES * trainable
+    without_optimizer = nothing.device - k_device * trainable
+    backward = (without_optimizer - grads + gathered + activations
+                + max(buffer, accumulation))
+    other = backward if inputs.update_during_backward else max(without_optimizer,
+                                                                backward)
+    if inputs.offload_fraction is None and other <= inputs.device_bytes:
+        placement = auto_placement(shards, device_capacity=inputs.device_bytes,
+                                   measured_peak_other=other,
+                                   param_bytes=p).placement
+    else:
+        # a fixed fraction; or, when even all of it offloaded does not fit, all
+        fraction = 1.0 if inputs.offload_fraction is None else inputs.offload_fraction
+        placement = StaticPlacement(fraction).place(shards)
+    split = resident_bytes(placement, shards, param_bytes=p)
+    offloaded = sum(shards[i].numel for i in placement.optimizer_on_host)
+    peak = other + k_device * (trainable - offloaded)
+    traffic = offload_traffic(placement, shards, param_bytes=p)
+
+    # A unit is gathered again for backward when its output needs a gradient
+    # (the hooks' `expects_backward`): from the first unit that trains on.
+    first = min((c.group for c in layout.chunks if c.trainable), default=None)
+    backward = [g for g in layout.by_group if first is not None and g >= first]
+    comm = hybrid_step_comm(layout, replicas=replicas, param_bytes=p, grad_bytes=g_r,
+                            backward_groups=backward)
+    inside, across = hybrid_wire_bytes(comm, inputs.group_size, replicas)
+    return Budget(
+        psi_trainable=counts.trainable,
+        psi_frozen=counts.total - counts.trainable,
+        chunk_numel=layout.chunk_numel, chunks=len(layout.chunks),
+        padding=layout.padding(),
+        params=p * sum(s.numel for s in shards),
+        grad_shards=grads,
+        optimizer_device=k_device * (trainable - offloaded),
+        optimizer_host=split.host,
+        gathered=gathered, grad_buffer=buffer, accumulation=accumulation,
+        activations=activations,
+        offloaded_fraction=offloaded / trainable if trainable else 0.0,
+        peak=peak,
+        fits=peak <= inputs.device_bytes,
+        all_gather=comm.intra.forward_all_gather.nbytes
+        + comm.intra.backward_all_gather.nbytes,
+        reduce_scatter=0 if alone else comm.intra.reduce_scatter.nbytes,
+        all_reduce=comm.inter.nbytes,
+        wire_inside=inside, wire_across=across,
+        host_down=traffic.down, host_up=traffic.up,
+    )
+
+
+def example() -> Budget:
+    r"""
+    ## Worked example
+
+    The calculator's default, computed by `budget(BudgetInputs())` when the site
+    is built: Pythia-1.4B trained whole on $N_d$ =
+    {{py: memory_budget.BudgetInputs().world_size}} ranks, bf16 chunks, an fp32
+    reduction, the searched chunk size ($C$ =
+    {{py: memory_budget.example().chunk_numel}} elements), one sequence of
+    {{py: memory_budget.BudgetInputs().seq}} tokens a micro-batch, no
+    accumulation, nothing on the host. Per rank, in GiB:
+
+    | part | symbol | GiB |
+    | --- | --- | --- |
+    | parameter shards | $p \sum_k S_k$ | {{py:
+    memory_budget.example().params / 2**30 | .3f}} |
+    | gradient shards | $g\,S_t$ | {{py:
+    memory_budget.example().grad_shards / 2**30 | .3f}} |
+    | master and moments | $K S_t$ | {{py:
+    memory_budget.example().optimizer_device / 2**30 | .3f}} |
+    | gathered chunks | $G$ | {{py:
+    memory_budget.example().gathered / 2**30 | .3f}} |
+    | activations | $A$ | {{py:
+    memory_budget.example().activations / 2**30 | .3f}} |
+    | largest gradient buffer | $B$ | {{py:
+    memory_budget.example().grad_buffer / 2**30 | .3f}} |
+    | peak | $M_{\text{peak}}$ | {{py:
+    memory_budget.example().peak / 2**30 | .3f}} |
+
+    The peak is the second term, $M_{\text{dev}} - g\,S_t + G + A + B$: the
+    activations of a whole sequence outweigh the gradient shards. A step moves
+    {{py: memory_budget.example().all_gather / 2**30 | .2f}} GiB of all-gathers
+    and {{py: memory_budget.example().reduce_scatter / 2**30 | .2f}} GiB of
+    reduce-scatters (full sizes), and each rank sends
+    {{py: memory_budget.example().wire_inside / 2**30 | .2f}} GiB of them.
+    """
+    return budget(BudgetInputs())
+
+
+def with_inputs(inputs: BudgetInputs, **changes) -> BudgetInputs:
+    """`dataclasses.replace`, for the notes' `{{py: …}}` expressions."""
+    return replace(inputs, **changes)

@@ -1,0 +1,117 @@
+"""The checks before any rank starts (`labml_zero/finetune/preflight.py`): bad
+snapshots, outputs and numbers are refused on this host, in one line naming the
+file or the setting, and the command line exits 2 without starting a process.
+The snapshot checks themselves are the checkpoint loader's (tests/neox/
+test_checkpoint.py); here they are reached through the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from labml_zero.finetune.cli import main
+from labml_zero.finetune.config import FinetuneConfig
+from labml_zero.finetune.preflight import (PreflightError, check_writable_dir,
+                                           checkpoint_bytes, preflight)
+from labml_zero.neox import model as neox_model
+from labml_zero.neox.finetuners import finetuner
+from labml_zero.neox.hf_checkpoint import hf_named_tensors, save_hf_checkpoint
+
+CPU = torch.device("cpu")
+
+
+def small_config() -> neox_model.NeoXConfig:
+    return dataclasses.replace(neox_model.tiny(), n_vocab=128)
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory) -> Path:
+    """A random small GPT-NeoX written as a Hugging Face snapshot."""
+    path = tmp_path_factory.mktemp("hf") / "snapshot"
+    torch.manual_seed(0)
+    layers = neox_model.build_layers(small_config())
+    save_hf_checkpoint(path, small_config(), hf_named_tensors(layers))
+    return path
+
+
+def broken_copy(snapshot: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "broken"
+    shutil.copytree(snapshot, copy)
+    return copy
+
+
+def test_output_directories(tmp_path):
+    assert check_writable_dir(tmp_path / "a" / "b", "--out").is_dir()
+    file = tmp_path / "file"
+    file.write_text("")
+    with pytest.raises(PreflightError, match="--out .* is a file"):
+        check_writable_dir(file, "--out")
+    with pytest.raises(PreflightError, match="--log-dir .* is not writable"):
+        check_writable_dir(file / "logs", "--log-dir")
+
+
+def test_checkpoint_bytes_is_p_psi_plus_k_psi_t():
+    layers = neox_model.build_layers(small_config(), device="meta")
+    counts = finetuner("biases")(layers)
+    assert checkpoint_bytes(layers, torch.bfloat16) == (
+        2 * counts.total + 12 * counts.trainable)
+    # an fp32 shard is its own master: only the two moments more
+    assert checkpoint_bytes(layers, torch.float32) == (
+        4 * counts.total + 8 * counts.trainable)
+
+
+def test_room_for_one_checkpoint(tmp_path, monkeypatch):
+    config = FinetuneConfig(out=str(tmp_path / "out"), log_dir=str(tmp_path / "l"),
+                            checkpoint_every=1)
+    assert preflight(config, world_size=2, device=CPU).resumed_step is None
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda path: shutil._ntuple_diskusage(100, 99, 1))
+    with pytest.raises(PreflightError, match="GiB free, one checkpoint needs"):
+        preflight(config, world_size=2, device=CPU)
+
+
+def run_main(args: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
+def test_command_line_refuses_before_starting(snapshot, tmp_path, capsys):
+    outputs = ["--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")]
+    file = tmp_path / "file"
+    file.write_text("")
+    assert "is a file" in run_main(["--out", str(file)], capsys)
+    copy = broken_copy(snapshot, tmp_path)
+    (copy / "config.json").write_text("[]")
+    err = run_main(["--checkpoint", str(copy), *outputs], capsys)
+    assert str(copy / "config.json") in err and "JSON object" in err
+    (copy / "config.json").write_text((snapshot / "config.json").read_text())
+    (copy / "model.safetensors").write_bytes(b"garbage")
+    assert "not a safetensors file" in run_main(
+        ["--checkpoint", str(copy), *outputs], capsys)
+    err = run_main(["--resume", str(tmp_path), *outputs], capsys)
+    assert f"--resume: no manifest.json in {tmp_path}" in err, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lr", "nan"], "argument --lr: invalid finite number value: 'nan'"),
+    (["--clip-grad", "inf"], "argument --clip-grad: invalid finite number"),
+    (["--hang-timeout", "0"], "--hang-timeout: hang_timeout must be > 0"),
+    (["--keep-checkpoints", "-1"], "argument --keep-checkpoints"),
+])
+def test_numbers_must_be_finite_and_in_range(args, message, capsys):
+    assert message in run_main(args, capsys)
+
+
+def test_config_refuses_non_finite_numbers():
+    with pytest.raises(ValueError, match="lr must be a finite number, got nan"):
+        FinetuneConfig(lr=float("nan"))
+    with pytest.raises(ValueError, match="weight_decay must be a finite number"):
+        FinetuneConfig(weight_decay=float("inf"))

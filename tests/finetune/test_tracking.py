@@ -1,0 +1,140 @@
+"""Tracking never decides a run's outcome (`labml_zero/finetune/tracking.py`): the
+bounded sender against an app that is not there, and a fine-tune whose app is
+stopped in the middle of the run, which must still exit 0 within seconds of its
+last step with one warning line and its records complete on disk."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from labml.internal.app import SimpleAppTrackDataSource
+
+from labml_zero.app.client import app_url_if_running
+from labml_zero.app.server import AppConfig
+from labml_zero.finetune.tracking import MAX_PENDING, BoundedSender
+from labml_zero.finetune import tracking
+from tests.test_app import free_port, get_json, series, subprocess_env
+from tests.test_finetune import SMALL, closed_port_url, run_dirs, tracked
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_lost_app_is_one_warning_and_nothing_waits(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(tracking, "LOST_AFTER_S", 1.0)
+    monkeypatch.setattr(tracking, "MAX_BACKOFF_S", 0.2)
+    url = closed_port_url()
+    sender = BoundedSender(url + "track?run_uuid=x", app_url=url, rank=0,
+                           log_dir=tmp_path)
+    assert sender.daemon
+    sender.start()
+    for i in range(3 * MAX_PENDING):
+        sender.push_data_source(SimpleAppTrackDataSource({"i": i}))
+        time.sleep(0.002)
+        assert len(sender.pending) <= MAX_PENDING
+    deadline = time.monotonic() + 10
+    while not sender.lost:
+        assert time.monotonic() < deadline, "the app was never declared lost"
+        time.sleep(0.05)
+    sender.push_data_source(SimpleAppTrackDataSource({"after": 1}))
+    sender.stop()
+    started = time.monotonic()
+    sender.finish()
+    assert time.monotonic() - started < 2
+    assert not sender.is_alive() and not sender.pending
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did not answer for 1 s" in err, err
+    assert str(tmp_path) in err
+
+
+def test_a_silent_app_at_exit_costs_at_most_the_exit_wait(monkeypatch, capsys,
+                                                          tmp_path):
+    import socket
+
+    # accepts connections and never answers, like a stopped process's socket
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/api/v1/default/"
+        monkeypatch.setattr(tracking, "EXIT_WAIT_S", 1.0)
+        sender = BoundedSender(url + "track?run_uuid=x", app_url=url, rank=0,
+                               log_dir=tmp_path)
+        sender.start()
+        sender.push_data_source(SimpleAppTrackDataSource({"status": "done"}))
+        sender.stop()
+        started = time.monotonic()
+        sender.finish()
+        assert time.monotonic() - started < 1.5
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "last records within 1 s" in err, err
+
+
+def app_has_points(config: AppConfig) -> bool:
+    """Some run in the app has a training loss series."""
+    try:
+        runs = get_json(config.web_url + "api/v1/runs/null")["runs"]
+        return any("loss.train" in series(config, run["run_uuid"]) for run in runs)
+    except (OSError, KeyError, ValueError):
+        return False
+
+
+def test_an_app_stopped_mid_run_does_not_hang_or_fail_it(tmp_path: Path):
+    config = AppConfig(port=free_port(), data_dir=tmp_path / "data")
+    app_log = open(tmp_path / "app.log", "w")
+    app = subprocess.Popen(
+        [sys.executable, "-m", "labml_zero.app", "--port", str(config.port),
+         "--data-dir", str(config.data_dir)],
+        cwd=tmp_path, env=subprocess_env(), stdout=app_log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while app_url_if_running(config.api_url, timeout_s=1.0) is None:
+            assert app.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        steps = 150
+        job = subprocess.Popen(
+            [sys.executable, "-m", "labml_zero.finetune_neox", *SMALL,
+             "--steps", str(steps), "--valid-every", str(steps),
+             "--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs"),
+             "--app-url", config.api_url],
+            cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        lines: list[tuple[float, str]] = []
+
+        def read(stream) -> None:
+            for line in stream:
+                lines.append((time.monotonic(), line))
+
+        readers = [threading.Thread(target=read, args=(s,), daemon=True)
+                   for s in (job.stdout, job.stderr)]
+        for reader in readers:
+            reader.start()
+        # the app has the run and some of its points: stop the app, as a
+        # machine that suspends or a server that hangs would
+        deadline = time.monotonic() + 300
+        while not app_has_points(config):
+            assert job.poll() is None, "".join(line for _, line in lines)[-3000:]
+            assert time.monotonic() < deadline, "the app never had the run's points"
+            time.sleep(0.5)
+        os.kill(app.pid, signal.SIGSTOP)
+        job.wait(timeout=240)
+        ended = time.monotonic()
+        for reader in readers:
+            reader.join(timeout=5)
+    finally:
+        app.kill()
+        app.wait(timeout=20)
+        app_log.close()
+    text = "".join(line for _, line in lines)
+    assert job.returncode == 0, text[-3000:]
+    last_step = max(t for t, line in lines if f"Sample after {steps} steps" in line)
+    # the rank's exit wait, and the launcher's own teardown
+    assert ended - last_step < tracking.EXIT_WAIT_S + 10, ended - last_step
+    warnings = [line for _, line in lines if "labml app at" in line]
+    assert len(warnings) == 1, warnings
+    losses = tracked(run_dirs(tmp_path)[0])["loss.train"]
+    assert sorted(losses) == list(range(1, steps + 1))

@@ -1,0 +1,143 @@
+"""`labml_zero/neox/memory_budget.py` against the engine: the tiny GPT-NeoX,
+assembled as the fine-tune assembles it, on two CPU ranks; the bytes it really
+holds and moves are the budget's (and the calculator's: the same inputs are in
+its grid, tests/docs/calculator_grid.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+
+import pytest
+import torch
+
+from labml_zero.assembly import Recipe, assemble
+from labml_zero.neox import model as neox_model
+from labml_zero.neox.activation_memory import activation_bytes
+from labml_zero.neox.finetuners import finetuner
+from labml_zero.neox.memory_budget import TORCH_DTYPES, BudgetInputs, budget
+from labml_zero.zero3 import ZeroConfig
+from tests.distributed import run_distributed
+from tests.docs.calculator_grid import ENGINE_CASES
+from tests.zero3.test_memory_and_comm import held_bytes
+
+
+def lm_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
+                                             ids[:, 1:].flatten())
+
+
+def engine_bytes(ctx, inputs: BudgetInputs) -> dict:
+    config = ZeroConfig(dtype=TORCH_DTYPES[inputs.param_dtype],
+                        reduce_dtype=TORCH_DTYPES[inputs.reduce_dtype],
+                        chunk_numel=inputs.chunk_numel,
+                        prefetch_depth=inputs.prefetch_depth)
+    built = assemble(neox_model.build_layers(inputs.model, device="meta"),
+                     Recipe(zero=config, finetune=finetuner(inputs.finetune), seed=0),
+                     device=ctx.device,
+                     init_param=neox_model.init_parameter(inputs.model))
+    model, optimizer = built.model, built.optimizer
+    counter = model.runtime.comm.counter
+    torch.manual_seed(ctx.rank)
+    ids = torch.randint(0, 1000, (inputs.batch, inputs.seq + 1), device=ctx.device)
+    # one step: what each collective moves
+    counter.reset()
+    lm_loss(model, ids).backward()
+    moved = dict(counter.bytes)
+    optimizer.step()
+    states = held_bytes(model, optimizer)
+    model.zero_grad()
+    # a micro-batch under no_sync: every trainable chunk keeps its buffer
+    with model.no_sync():
+        lm_loss(model, ids).backward()
+    buffers = sum(chunk.grads.full.untyped_storage().nbytes()
+                  for chunk in model.chunks if chunk.trainable)
+    return {"states": states, "moved": moved, "buffers": buffers,
+            "chunk_numel": model.layout.chunk_numel}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", range(len(ENGINE_CASES)))
+def test_the_engine_holds_and_moves_the_budget(case):
+    inputs = ENGINE_CASES[case]
+    expected = budget(inputs)
+    for got in run_distributed(engine_bytes, inputs.world_size, inputs):
+        assert got["chunk_numel"] == expected.chunk_numel
+        # the shards, the fp32 gradient shards, master and moments
+        assert got["states"] == (expected.params + expected.grad_shards
+                                 + expected.optimizer_device)
+        # the full-size buffers held under accumulation: g_r Ψ_t, padded
+        assert got["buffers"] == expected.accumulation
+        assert got["moved"]["all_gather"] == expected.all_gather
+        assert got["moved"]["reduce_scatter"] == expected.reduce_scatter
+
+
+def accumulated_grads(ctx, accumulate: bool) -> list[torch.Tensor]:
+    config = neox_model.NeoXConfig(n_vocab=128, d_model=32, n_heads=2, n_layers=1)
+    built = assemble(neox_model.build_layers(config, device="meta"),
+                     Recipe(zero=ZeroConfig(dtype=torch.float32), seed=0),
+                     device=ctx.device, init_param=neox_model.init_parameter(config))
+    model = built.model
+    torch.manual_seed(0)
+    first, second = torch.randint(0, 128, (2, 2, 9), device=ctx.device)
+    with model.no_sync() if accumulate else contextlib.nullcontext():
+        lm_loss(model, first).backward()
+    lm_loss(model, second).backward()
+    return [chunk.local.grad.clone() for chunk in model.chunks if chunk.trainable]
+
+
+@pytest.mark.distributed
+def test_one_rank_accumulates_through_its_buffer():
+    """At N_d = 1 with an fp32 reduction the gradient skips the buffer, except
+    after `no_sync`: the buffer holds the earlier micro-batches (the budget's
+    accumulation term), and the sum is that of two reduced backward passes."""
+    (accumulated,) = run_distributed(accumulated_grads, 1, True)
+    (reduced,) = run_distributed(accumulated_grads, 1, False)
+    for a, b in zip(accumulated, reduced):
+        # fp32 sums of the same two terms, in either order: a few ulps apart
+        torch.testing.assert_close(a, b, rtol=4 * torch.finfo(torch.float32).eps,
+                                   atol=4 * torch.finfo(torch.float32).eps)
+
+
+def test_the_worked_example_peaks_at_the_start_of_backward():
+    """The notes' worked example: its peak is the backward term, which leaves
+    the gradient shards out and the activations in."""
+    example = budget(BudgetInputs())
+    backward = (example.device_states - example.grad_shards + example.gathered
+                + example.activations + example.grad_buffer)
+    assert example.peak == backward > example.device_states
+
+
+def test_lora_activations_are_in_the_peak():
+    """LoRA's activations are the activation model's at the job's rank and
+    targets, and the peak holds them: each extra rank of each adapter adds its
+    A x, 2 bytes for each of n tokens, in every layer."""
+    job = BudgetInputs(model=neox_model.pythia_160m(), world_size=8, finetune="lora",
+                       lora_rank=16, lora_targets=("query_key_value", "dense"),
+                       batch=2, seq=512, chunk_numel=2**22)
+    got = budget(job)
+    assert got.activations == activation_bytes(
+        job.model, batch=2, seq=512, finetune="lora", lora_rank=16,
+        lora_targets=("query_key_value", "dense")).total
+    assert got.peak == (got.device_states - got.grad_shards + got.gathered
+                        + got.activations + got.grad_buffer) > got.device_states
+    wider = budget(replace(job, lora_rank=32))
+    n, L = 2 * 512, job.model.n_layers
+    assert wider.activations - got.activations == L * 2 * n * (32 - 16) * 2
+
+
+def test_fitting_the_device_offloads_the_fewest_chunks():
+    """`offload_fraction=None` offloads until the peak fits, and no more; a device
+    too small for everything offloaded says it does not fit."""
+    job = BudgetInputs(model=neox_model.pythia_1b(), world_size=1, batch=2,
+                       chunk_numel=2**22, offload_fraction=None,
+                       device_bytes=12 * 2**30)
+    fitted = budget(job)
+    assert fitted.fits and 0 < fitted.offloaded_fraction < 1
+    assert fitted.host_down == 4 * fitted.optimizer_host // 16
+    assert not budget(BudgetInputs(**{**job.__dict__, "device_bytes": 2**30})).fits
+    with pytest.raises(ValueError, match="shard_group_size 3 does not divide"):
+        budget(BudgetInputs(world_size=8, shard_group_size=3))
+    with pytest.raises(ValueError, match="param_dtype must be one of"):
+        BudgetInputs(param_dtype="int8")
