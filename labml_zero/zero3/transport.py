@@ -124,10 +124,10 @@ class HostStagedGather(CollectiveGather):
 # ## Reductions
 #
 # Each has two attributes besides its `reduce`, fixed when it is built, that
-# `Chunk.reduce` reads instead of asking what kind it is:
+# `ChunkGrads.reduce` reads instead of asking what kind it is:
 #
 # * `exact_input`: whether `full` may arrive in the parameter dtype with the
-#   mean still taken in `shard`'s (see `Chunk._exact_dtype`);
+#   mean still taken in `shard`'s (see `ChunkGrads.exact_dtype`);
 # * `identity`: whether the mean is over one rank alone, so that the chunk can
 #   cast its gradients straight into the gradient shard and reduce nothing.
 
