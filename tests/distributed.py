@@ -68,11 +68,16 @@ def cli_on_cpu(monkeypatch) -> None:
     monkeypatch.setattr(launch, "default_backend", lambda: "gloo")
 
 
+# How a job started as a subprocess picks its backend, whatever `cli_on_cpu`
+# makes this process's command line pick.
+job_backend = launch.default_backend
+
+
 def skip_job_without_gpus(world_size: int) -> None:
     """Skip a test that starts the fine-tune job at `world_size` where it cannot
     run: the job takes NCCL and one GPU a rank wherever CUDA is
     (`launch.default_backend`), gloo on the CPU otherwise."""
-    backend = launch.default_backend()
+    backend = job_backend()
     reason = gpus_missing(world_size, backend,
                           torch.cuda.device_count() if backend == "nccl" else 0)
     if reason is not None:

@@ -264,13 +264,17 @@ def train_parity(ctx):
         for name, p in layer.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.data.normal_(0.0, 0.1)
-    base = copy.deepcopy(layers)
+    # the references run on the rank's device, as the engine does: the parity
+    # compares the engine with plain PyTorch, not one device's kernels with
+    # another's
+    base = [layer.to(ctx.device) for layer in copy.deepcopy(layers)]
     lora = FineTuneLoRA(rank=4, alpha=8)
     lora(layers)
     adapters = {(layer.layer_idx, path, m): getattr(layer.get_submodule(path), m)
                 .detach().clone() for layer in layers
                 if isinstance(layer, M.TransformerLayer)
                 for path in TARGETS.values() for m in ("lora_A", "lora_B")}
+    adapters = {key: value.to(ctx.device) for key, value in adapters.items()}
     # copies before any hook: a hook is shared by a deep copy, with its adapters
     wrong_models = {bug: nn.Sequential(*copy.deepcopy(base)).requires_grad_(False)
                     for bug in WRONG_UPDATES}
@@ -291,10 +295,9 @@ def train_parity(ctx):
     losses, ref_losses = [], []
     # one global batch, learnt by heart, so the loss must fall
     ids = torch.randint(0, c.n_vocab, (ROWS_PER_RANK * ctx.world_size, SEQ + 1),
-                        generator=torch.Generator().manual_seed(100))
+                        generator=torch.Generator().manual_seed(100)).to(ctx.device)
     for _ in range(STEPS):
-        mine = ids[ctx.rank * ROWS_PER_RANK:(ctx.rank + 1) * ROWS_PER_RANK].to(
-            ctx.device)  # the reference stays on the CPU
+        mine = ids[ctx.rank * ROWS_PER_RANK:(ctx.rank + 1) * ROWS_PER_RANK]
         loss = F.cross_entropy(model(mine[:, :-1]).flatten(0, 1),
                                mine[:, 1:].flatten())
         loss.backward()
@@ -316,10 +319,10 @@ def train_parity(ctx):
             wrong_optimizer.step()
             wrong_optimizer.zero_grad()
     with model.runtime.gathered():
-        ours = [getattr(layer.get_submodule(path), m).detach().cpu()
+        ours = [getattr(layer.get_submodule(path), m).detach().clone()
                 for layer in layers if isinstance(layer, M.TransformerLayer)
                 for path in TARGETS.values() for m in ("lora_A", "lora_B")]
-        base_diff = max((p.cpu() - q).abs().max().item() for layer, ref in
+        base_diff = max((p - q).abs().max().item() for layer, ref in
                         zip(layers, base) for (name, p), q in
                         zip(((n, p) for n, p in layer.named_parameters()
                              if "lora_" not in n), ref.parameters()))

@@ -343,7 +343,7 @@ def test_the_search_range_of_the_engine(monkeypatch):
     """`choose_chunk_numel`'s range: ColossalAI's default width (the search's
     default too) at most, at most 4096 steps of the hidden size, and at least the
     largest layer."""
-    from labml_zero.zero3 import chunk_search
+    from labml_zero.zero3 import chunk_search, unit_chunks
     from labml_zero.zero3.chunk_layout import ParamSpec
     from labml_zero.zero3.unit_chunks import choose_chunk_numel
 
@@ -353,7 +353,7 @@ def test_the_search_range_of_the_engine(monkeypatch):
         seen.append(config)
         return original(specs, world_size, config=config)
 
-    monkeypatch.setattr(chunk_search, "search_chunk_size", search)
+    monkeypatch.setattr(unit_chunks, "search_chunk_size", search)
 
     def search_range(layers: list[tuple[int, int]]) -> int:
         specs = [ParamSpec(f"w{g}", shape, True, g) for g, shape in enumerate(layers)]
