@@ -19,6 +19,7 @@ from labml_zero.app.client import app_url_if_running
 from labml_zero.app.server import AppConfig
 from labml_zero.finetune.tracking import MAX_PENDING, BoundedSender
 from labml_zero.finetune import tracking
+from tests.distributed import skip_job_without_gpus
 from tests.test_app import free_port, get_json, series, subprocess_env
 from tests.test_finetune import SMALL, closed_port_url, run_dirs, tracked
 
@@ -84,6 +85,7 @@ def app_has_points(config: AppConfig) -> bool:
 
 
 def test_an_app_stopped_mid_run_does_not_hang_or_fail_it(tmp_path: Path):
+    skip_job_without_gpus(2)  # SMALL's world size
     config = AppConfig(port=free_port(), data_dir=tmp_path / "data")
     app_log = open(tmp_path / "app.log", "w")
     app = subprocess.Popen(
