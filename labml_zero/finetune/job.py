@@ -59,7 +59,7 @@ from labml_zero.finetune.dataset import RankSampler, TextDataset
 from labml_zero.finetune.step_metrics import (StepMeter, flops_per_token,
                                               local_grad_squares, peak_flops)
 from labml_zero.finetune.tracking import (EXPERIMENT_NAME, labml_configs,
-                                          start_labml)
+                                          local_log_written, start_labml)
 from labml_zero.launch import DistContext
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.generate import Sampling, generate
@@ -460,7 +460,8 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
             logger.log(f"step {at}: loss.valid {valid.loss:.4f}, "
                        f"acc.valid {valid.accuracy:.4f}")
 
-    with experiment.start():
+    # the local log complete before the rank ends, whatever ends the run
+    with local_log_written(), experiment.start():
         if ctx.rank == 0:
             logger.log(f"GPT-NeoX: {neox.n_layers} layers of width "
                        f"{neox.d_model}, {built.counts.total:,} parameters, "

@@ -41,7 +41,7 @@ from labml_zero.finetune.config import FinetuneConfig
 from labml_zero.launch import DistContext
 
 __all__ = ["EXPERIMENT_NAME", "start_labml", "labml_configs", "VALID_INDICATORS",
-           "BoundedSender", "install_bounded_sender"]
+           "local_log_written", "BoundedSender", "install_bounded_sender"]
 
 # What a step records: `loss.train`, `acc.train`, the mean cross-entropy and the
 # next-token accuracy over the step's $B \cdot A \cdot N_d$ sequences; and
@@ -51,6 +51,36 @@ __all__ = ["EXPERIMENT_NAME", "start_labml", "labml_configs", "VALID_INDICATORS"
 # it and printed on their own line when measured.
 EXPERIMENT_NAME = "zero3_neox"
 VALID_INDICATORS = ("loss.valid", "acc.valid")
+
+
+# ## The local log, written before the rank ends
+
+# The longest wait for labml's writer of the local log once the run has ended.
+LOG_WRITE_WAIT_S = 10.0
+
+
+@contextlib.contextmanager
+def local_log_written(timeout_s: float = LOG_WRITE_WAIT_S):
+    """
+    ### Leave only once labml's local log holds every record
+
+    labml writes the local log (one JSON line of records at a time) from a
+    thread of its own, fed its last records when the run ends (the exit of
+    `experiment.start()`, on success and on failure alike). A rank ends with `os._exit` (the launcher's `end_rank`),
+    which would cut that thread short: on a loaded host the last steps'
+    records, the step a failure came after included, could be lost. Entered
+    outside `experiment.start()`, this waits for the thread once the run has
+    ended, at most `timeout_s`, so that a stuck disk cannot hold the rank.
+    """
+    try:
+        yield
+    finally:
+        from labml.internal.tracker.writers.file import FileWriterThread
+
+        deadline = time.monotonic() + timeout_s
+        for thread in threading.enumerate():
+            if isinstance(thread, FileWriterThread):
+                thread.join(max(0.0, deadline - time.monotonic()))
 
 
 # ## Sending to the app, bounded

@@ -140,3 +140,25 @@ def test_an_app_stopped_mid_run_does_not_hang_or_fail_it(tmp_path: Path):
     assert len(warnings) == 1, warnings
     losses = tracked(run_dirs(tmp_path)[0])["loss.train"]
     assert sorted(losses) == list(range(1, steps + 1))
+
+
+def test_the_local_log_is_complete_when_the_run_ends(tmp_path, monkeypatch):
+    """labml's `log.jsonl` writer is a thread the rank's `os._exit` would cut
+    short: `local_log_written` waits for it. Here the writer is slowed, as on
+    a loaded host, and the records are all on disk when the block is left."""
+    from labml.internal.tracker.writers import file
+
+    send = file.FileWriterThread._send
+
+    def slow_send(self, data):
+        time.sleep(0.3)
+        send(self, data)
+
+    monkeypatch.setattr(file.FileWriterThread, "_send", slow_send)
+    log = tmp_path / "log.jsonl"
+    writer = file.Writer(log)
+    with tracking.local_log_written():
+        writer.flush()  # a step's records
+        writer.finish()  # the run's end: the last records, then 'done'
+        assert not log.exists()  # still queued in the writer's thread
+    assert len(log.read_text().splitlines()) == 2
