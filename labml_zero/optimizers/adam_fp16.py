@@ -279,7 +279,8 @@ class AdamFP16(torch.optim.Optimizer):
         `torch.optim`'s loader casts every floating-point state to its parameter's
         dtype: for a bf16 shard it would round the fp32 master and moments to bf16,
         losing what they exist to keep. The saved tensors are put back as saved
-        (fp32), on the parameter's device, before the homes adopt them.
+        (fp32), straight on their home's device (`state_device`): a host home's
+        state never passes through the GPU.
         """
         super().load_state_dict(state_dict)
         saved = state_dict["state"]
@@ -288,7 +289,8 @@ class AdamFP16(torch.optim.Optimizer):
         for position, param in zip(positions, params):
             for key, value in saved.get(position, {}).items():
                 if key != "step" and torch.is_tensor(value):
-                    self.state[param][key] = value.to(param.device, copy=True)
+                    self.state[param][key] = value.to(self.state_device(param),
+                                                      copy=True)
         for param, home in self.homes.of.items():
             if self.state.get(param):
                 home.adopt(self.state[param])
