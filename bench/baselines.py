@@ -131,8 +131,8 @@ host-memory watchdog reports it.
 
 * DeepSpeed is optional: when `import deepspeed` fails, the run reports the
   reason and skips it.
-* `compile` is implemented for FSDP2 (and ours) only; the run skips DDP and
-  DeepSpeed when it is asked for.
+* `compile` is implemented for FSDP2, DDP (and ours); the run skips DeepSpeed
+  when it is asked for.
 * DeepSpeed ZeRO-3 with non-reentrant checkpointing fails in 0.19 when a layer
   has *frozen* parameters (its forward hooks free them while the recomputation
   still refers to them; deepspeedai/DeepSpeed#8130). W5 trains everything, so
@@ -345,6 +345,12 @@ def build_ddp(ctx: DistContext, workload: Workload) -> Engine:
                           kernels=workload.kernels)
     count = finetuner(workload.finetune)(layers)
     psi_t, psi_f = count.trainable, count.total - count.trainable
+    # with compile, each transformer layer's call is compiled, as in FSDP2 above;
+    # DDP's hooks are on the parameters' gradients, outside the compiled graphs
+    if workload.compile:
+        for layer in layers:
+            if isinstance(layer, TransformerLayer):
+                layer.compile(backend=default_compile_backend(ctx.device))
     model = DistributedDataParallel(
         NeoXChain(*with_recompute(layers, workload)),
         device_ids=[ctx.device] if ctx.device.type == "cuda" else None,

@@ -45,8 +45,8 @@ cannot disturb the next.
 
 `--compile` compiles each transformer layer with `torch.compile` (Inductor on
 the GPUs), in ours ([compiled layers](../labml_zero/zero3/compiled.html)) and
-in FSDP2 ([baselines](baselines.html)); every line says `"compiled"`, and DDP and
-DeepSpeed are skipped. The compilation happens in the first step, so it needs
+in FSDP2 and DDP ([baselines](baselines.html)); every line says `"compiled"`,
+and DeepSpeed is skipped. The compilation happens in the first step, so it needs
 `--warmup` of at least 1 to stay out of the timing.
 
 `--tiny` shrinks every workload to two layers of width 64 so that the whole
@@ -86,7 +86,7 @@ from .workloads import Workload, mfu, shrink, workloads
 
 ENGINES = ("labml_zero", "fsdp2", "ddp", "deepspeed")
 # the engines whose builders honour `workload.compile`
-COMPILED_ENGINES = ("labml_zero", "fsdp2")
+COMPILED_ENGINES = ("labml_zero", "fsdp2", "ddp")
 GIB = 2**30
 
 

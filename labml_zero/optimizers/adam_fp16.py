@@ -90,6 +90,8 @@ from typing import Callable, Collection, Iterable
 
 import torch
 
+from labml_zero.zero3.communication import current_cuda_stream
+
 from .early_update import EarlyUpdate, EarlyUpdates, NonFiniteGradient
 from .host_offload import HostShard
 from .shard_home import MOMENTS, ShardHome, add_group_homes, build_homes
@@ -432,7 +434,7 @@ class AdamFP16(torch.optim.Optimizer):
 
     def _step_tensor(self, device: torch.device, step: int) -> torch.Tensor:
         """The kernel only reads it, so shards of one step may share it."""
-        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        stream = current_cuda_stream(device.index) if device.type == "cuda" else None
         held = self._step_tensors.get((device, stream))
         if held is None or held[0] != step:
             held = (step, torch.full((), float(step), device=device))

@@ -34,6 +34,8 @@ from typing import Callable
 
 import torch
 
+from labml_zero.zero3.communication import OnStream, current_cuda_stream
+
 from .host_offload import GradVersion
 from .shard_home import ShardHome
 
@@ -61,15 +63,20 @@ class EarlyUpdate:
     found_inf: torch.Tensor | None = None
 
     def flag_non_finite(self, grad: torch.Tensor) -> torch.Tensor:
-        """
+        r"""
         #### `found_inf`: 0-dim fp32, one when `grad` has an inf or a nan
 
-        The largest $|g|$ is non-finite exactly then (a nan propagates through
-        the max): one read of the gradient, no temporary, where
-        `isfinite(g).all()` also writes and reads a bool copy.
+        The largest $|g|$, $m$, is non-finite exactly then (a nan propagates
+        through the max): one read of the gradient, no temporary, where
+        `isfinite(g).all()` also writes and reads a bool copy. Then
+        $0 \cdot m$ is $0$ for a finite $m$ and nan for an infinite or nan
+        one, which `nan_to_num_` turns into the flag's one: two more kernels
+        on a 0-dim tensor, where `isfinite`, `~` and a cast to fp32 are three.
+        (tested: tests/optimizers/test_early_update.py::test_non_finite_flag)
         """
-        self.found_inf = (~torch.isfinite(
-            torch.linalg.vector_norm(grad, float("inf")))).float()
+        # 0-dim fp32, the dtype the fused kernel's flag must have
+        largest = torch.linalg.vector_norm(grad, float("inf"), dtype=torch.float32)
+        self.found_inf = largest.mul_(0.0).nan_to_num_(nan=1.0)
         return self.found_inf
 
 
@@ -144,8 +151,8 @@ class EarlyUpdates:
                 self.update_stream = torch.cuda.Stream(param.device)
             stream = self.update_stream
             # update stream waits: `after` wrote the gradient
-            stream.wait_stream(after or torch.cuda.current_stream(param.device))
-            with torch.cuda.stream(stream):
+            stream.wait_stream(after or current_cuda_stream(param.device.index))
+            with OnStream(stream):
                 self.apply([home], early=early)
             # the compute stream frees the gradient (at `zero_grad`, or below)
             grad.record_stream(stream)
@@ -210,7 +217,7 @@ class EarlyUpdates:
                 early.done.result()
         if self.update_stream is not None and pending:
             # compute stream waits: the next all-gather reads the new shards
-            torch.cuda.current_stream(self.update_stream.device).wait_stream(
+            current_cuda_stream(self.update_stream.device_index).wait_stream(
                 self.update_stream)
         flagged = [(p, e.found_inf) for p, e in pending.items()
                    if e.found_inf is not None]

@@ -52,6 +52,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from labml_zero.zero3.communication import OnStream, current_cuda_stream
+
 
 class GradVersion:
     """
@@ -166,11 +168,11 @@ class HostOffload:
             return
         stream = self.down_stream
         # copy stream waits: `after` wrote the gradient
-        stream.wait_stream(after or torch.cuda.current_stream(grad.device))
+        stream.wait_stream(after or current_cuda_stream(grad.device.index))
         if host.uploaded is not None:
             # copy stream waits: last step's upload still reads `staging`
             stream.wait_event(host.uploaded)
-        with torch.cuda.stream(stream):
+        with OnStream(stream):
             host.staging.copy_(grad, non_blocking=True)
         # the compute stream may free the gradient (zero_grad) while it is copied
         grad.record_stream(stream)
@@ -217,8 +219,8 @@ class HostOffload:
             param.data.copy_(rounded)
             return
         # copy stream waits: the compute stream may still read the old shard
-        self.up_stream.wait_stream(torch.cuda.current_stream(param.device))
-        with torch.cuda.stream(self.up_stream):
+        self.up_stream.wait_stream(current_cuda_stream(param.device.index))
+        with OnStream(self.up_stream):
             param.data.copy_(rounded, non_blocking=True)
         host.uploaded = torch.cuda.Event()
         host.uploaded.record(self.up_stream)
@@ -230,7 +232,7 @@ class HostOffload:
         if not self.uploads_queued:
             return
         self.uploads_queued = False
-        torch.cuda.current_stream(self.up_stream.device).wait_stream(
+        current_cuda_stream(self.up_stream.device_index).wait_stream(
             self.up_stream)
 
     ### The worker

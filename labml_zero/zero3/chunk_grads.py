@@ -151,7 +151,7 @@ class ChunkGrads:
 
     ### Written
 
-    def flush(self, *, stream=None, dtype: torch.dtype | None = None) -> None:
+    def flush(self, *, dtype: torch.dtype | None = None) -> None:
         r"""
         ### Copy the held gradients into the full-size buffer
 
@@ -162,17 +162,12 @@ class ChunkGrads:
         fp32. Only padding and slots that got no gradient are zeroed, at the
         reduction.
 
-        `stream` is the side stream the copy runs on, when not the current one
-        (`reduce` runs it on the reduce stream). `dtype` is the buffer's dtype
-        if it is allocated now (default: the reduce dtype).
+        It runs on the current stream: `reduce` runs it on the reduce stream,
+        and keeps the gradients alive for it. `dtype` is the buffer's dtype if
+        it is allocated now (default: the reduce dtype).
         """
         if not self.held:
             return
-        if stream is not None:
-            for _, grad in self.held:
-                # autograd allocated it on the compute stream, which may reuse
-                # its memory as soon as the chunk lets go of it
-                grad.record_stream(stream)
         if self.full is None:
             # [C] reduce dtype, uninitialised; see above
             self.full = torch.empty(
@@ -243,16 +238,25 @@ class ChunkGrads:
         alone = direct and self.reduction.identity and self.full is None
         if alone:
             self.full = local.grad
-        # [S] reduce dtype
-        reduced = local.grad if direct else torch.empty(
-            self.shard_numel, dtype=self.reduce_dtype, device=comm.device)
+        # What the reduce stream reads that the compute stream allocated: the
+        # gradients autograd made, and `full` when it holds earlier
+        # micro-batches; kept alive for it below, not `record_stream`ed (see
+        # [communication](communication.html), Note: holding a tensor for a
+        # side stream). What is allocated below, on the reduce stream, needs
+        # nothing; `local.grad` lives until the compute stream has waited.
+        read = [grad for _, grad in self.held]
+        if self.full is not None and not alone:
+            read.append(self.full)
         # reduce stream waits: the gradients were written on the compute stream
         comm.wait(comm.reduce_stream, comm.current_stream())
         with comm.on(comm.reduce_stream):
+            # [S] reduce dtype
+            reduced = local.grad if direct else torch.empty(
+                self.shard_numel, dtype=self.reduce_dtype, device=comm.device)
             # The copy into the buffer, a memory-bound pass over (p + g)·C
             # bytes, runs here, beside the backward of the layers below,
             # instead of on the compute stream before it.
-            self.flush(stream=comm.reduce_stream, dtype=self.exact_dtype())
+            self.flush(dtype=self.exact_dtype())
             if self.full is None:
                 # No parameter of the chunk got a gradient; every rank must
                 # still take part in the collective, so it reduces zeros.
@@ -265,12 +269,7 @@ class ChunkGrads:
                     self.reduction.reduce(reduced, self.full)
             if not direct:
                 local.grad.add_(reduced)
-        if comm.reduce_stream is not None:
-            # Allocated on the compute stream (`full` too, when it holds
-            # accumulated micro-batches) but used on the reduce stream: the
-            # allocator must not reuse them before it is done.
-            for tensor in (self.full, reduced, local.grad):
-                tensor.record_stream(comm.reduce_stream)
+        comm.hold_for_reduce(read)
         self.full = None
         self.seen.clear()
         self.written.clear()

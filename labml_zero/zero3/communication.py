@@ -46,6 +46,21 @@ ranks' memory, with copies instead of NCCL's kernels
 ([peer memory](peer_memory.html), which owns those buffers and counts its
 copies here); the streams and orderings are the same.
 
+### Note: holding a tensor for a side stream
+
+A tensor that autograd allocated on the compute stream and a side stream then
+reads (a gradient the reduce stream copies) must not be handed out again by
+the caching allocator before that stream is done with it. `record_stream`
+says so per tensor, but it costs a CUDA event per tensor at every free and
+makes every later allocation poll those events: for a chunk of many small
+parameters, hundreds of events a step on the host, which a small model
+feels. So the communicator keeps the Python references instead, one event
+per chunk (`SideStreamHolds`): a tensor is dropped once the side stream has
+passed the event recorded after its last use, or when the compute stream has
+waited for that stream (then every later use of the memory on the compute
+stream comes after), whichever comes first. A tensor allocated on the side
+stream itself needs neither: the stream uses and frees it in order.
+
 On CPU (gloo) the collectives are synchronous and every stream is `None`: the same
 code runs with the waits turned into no-ops, which is how the tests exercise it.
 
@@ -73,9 +88,9 @@ only the groups, the streams, the plain collectives and the counter.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -109,6 +124,85 @@ class CommCounter:
         self.calls.clear()
         self.elements.clear()
         self.bytes.clear()
+
+
+# Private: what `torch.cuda.current_stream` calls underneath, the id of the
+# current stream as a tuple, without building a `Stream`; where a build lacks
+# it, the public call (slower) stands in.
+_current_stream_key = getattr(torch._C, "_cuda_getCurrentStream", None)
+# `Stream` handles by that tuple: the same stream always gets the same handle
+_stream_handles: dict[tuple, torch.cuda.Stream] = {}
+
+
+def current_cuda_stream(device_index: int) -> torch.cuda.Stream:
+    """
+    #### The current stream of a GPU, cheaply
+
+    `torch.cuda.current_stream` builds a new `Stream` each call, inside a
+    device guard: microseconds of host time, and the engine asks several times
+    per chunk (and `torch.cuda.stream` asks twice more on entering). Here only
+    the stream's id is asked, and a handle made once per stream is returned.
+    """
+    if _current_stream_key is None:
+        return torch.cuda.current_stream(device_index)
+    key = _current_stream_key(device_index)
+    handle = _stream_handles.get(key)
+    if handle is None:
+        if len(_stream_handles) > 64:  # streams made and dropped by a caller
+            _stream_handles.clear()
+        handle = _stream_handles[key] = torch.cuda.current_stream(device_index)
+    return handle
+
+
+class OnStream:
+    """
+    #### `with OnStream(stream):` the enclosed kernels go to `stream`
+
+    What `torch.cuda.stream(stream)` does for a stream of the current device
+    (the engine's: the launcher sets it), without its device queries: the
+    current stream is kept, `stream` set, and the kept one set back.
+    """
+
+    __slots__ = ("stream", "previous")
+
+    def __init__(self, stream: torch.cuda.Stream):
+        self.stream = stream
+
+    def __enter__(self) -> None:
+        self.previous = current_cuda_stream(self.stream.device_index)
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_stream(self.previous)
+
+
+class SideStreamHolds:
+    """
+    ## Tensors kept alive for a side stream
+
+    `hold(tensors, event)` keeps `tensors` until `event` (recorded on the side
+    stream after their last use) has passed: `drop_finished` drops the held
+    groups whose event has, in order, stopping at the first that has not;
+    `drop_all` drops every group, once the compute stream has waited for the
+    side stream (see Note: holding a tensor for a side stream). An event is
+    anything with `query()`, so the tests drive it on a CPU.
+    """
+
+    def __init__(self):
+        # (event, tensors), oldest first; events on one stream pass in order
+        self.held: collections.deque = collections.deque()
+
+    def hold(self, tensors: list, event) -> None:
+        self.drop_finished()
+        self.held.append((event, tensors))
+
+    def drop_finished(self) -> None:
+        held = self.held
+        while held and held[0][0].query():
+            held.popleft()
+
+    def drop_all(self) -> None:
+        self.held.clear()
 
 
 # Recent PyTorch releases rename `all_gather_into_tensor` and
@@ -150,7 +244,8 @@ class Communicator:
       default group (see Groups above); `None` shards over all ranks of `group`.
 
     Every attribute is set here, once: the device, the group with this rank's
-    place in it, the two streams and the counter. Peer memory and the replica
+    place in it, the two streams, what is held for the reduce stream, and the
+    counter. Peer memory and the replica
     group are [the transports'](transport.html), which count into `counter`.
     """
 
@@ -162,6 +257,9 @@ class Communicator:
             raise ValueError("shard_group_size splits the default process group; "
                              "it cannot be combined with a process group")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # the device "cuda" means now, fixed once: streams are per device
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.group = group
         self.distributed = dist.is_available() and dist.is_initialized()
         if self.distributed:
@@ -172,6 +270,9 @@ class Communicator:
         if shard_group_size is not None and shard_group_size != self.world_size:
             self._split_into_shard_groups(shard_group_size)
         self.counter = CommCounter()
+        # what the reduce stream still reads (see Note: holding a tensor for a
+        # side stream)
+        self.reduce_holds = SideStreamHolds()
         if self.device.type == "cuda" and side_streams:
             # High priority, so that a gather issued while compute kernels are queued
             # starts as soon as possible: the compute stream will be waiting on it.
@@ -211,18 +312,30 @@ class Communicator:
     ### Stream helpers
 
     def current_stream(self):
-        if self.device.type == "cuda":
-            return torch.cuda.current_stream(self.device)
-        return None
+        """The stream the caller's kernels go to (`None` on CPU)."""
+        if self.device.type != "cuda":
+            return None
+        return current_cuda_stream(self.device.index)
 
-    @contextlib.contextmanager
-    def on(self, stream) -> Iterator[None]:
+    def hold_for_reduce(self, tensors: list) -> None:
+        """Keep `tensors` (allocated on the compute stream) until the reduce
+        stream has run what is queued on it so far (nothing to keep on CPU or
+        without side streams)."""
+        if self.reduce_stream is not None:
+            self.reduce_holds.hold(tensors, self.record_event(self.reduce_stream))
+
+    def reduce_stream_waited(self) -> None:
+        """The compute stream waits for the reduce stream; what it held for it
+        can go."""
+        self.wait(self.current_stream(), self.reduce_stream)
+        self.reduce_holds.drop_all()
+
+    @staticmethod
+    def on(stream) -> contextlib.AbstractContextManager:
         """Run the enclosed kernels on `stream` (nothing to do on CPU)."""
         if stream is None:
-            yield
-        else:
-            with torch.cuda.stream(stream):
-                yield
+            return contextlib.nullcontext()
+        return OnStream(stream)
 
     def wait(self, waiter, waited) -> None:
         """Make stream `waiter` wait for all work queued so far on `waited`."""

@@ -357,6 +357,8 @@ class Zero3Runtime:
         of a backward pass queues the end-of-backward callback (6).
         """
         self._enter_backward()
+        # the gradients the reduce stream has finished reading can go
+        self.comm.reduce_holds.drop_finished()
         unit.gather()
         # Prefetch the units whose backward comes next: those before this one in
         # the forward order that hooked their outputs.
@@ -441,7 +443,7 @@ class Zero3Runtime:
             else:
                 chunk.grads.end_backward()
         # compute stream waits: the optimizer reads the gradient shards next
-        self.comm.wait(self.comm.current_stream(), self.comm.reduce_stream)
+        self.comm.reduce_stream_waited()
         self._release_all()
         self._finish_step()
 
