@@ -46,21 +46,6 @@ ranks' memory, with copies instead of NCCL's kernels
 ([peer memory](peer_memory.html), which owns those buffers and counts its
 copies here); the streams and orderings are the same.
 
-### Note: holding a tensor for a side stream
-
-A tensor that autograd allocated on the compute stream and a side stream then
-reads (a gradient the reduce stream copies) must not be handed out again by
-the caching allocator before that stream is done with it. `record_stream`
-says so per tensor, but it costs a CUDA event per tensor at every free and
-makes every later allocation poll those events: for a chunk of many small
-parameters, hundreds of events a step on the host, which a small model
-feels. So the communicator keeps the Python references instead, one event
-per chunk (`SideStreamHolds`): a tensor is dropped once the side stream has
-passed the event recorded after its last use, or when the compute stream has
-waited for that stream (then every later use of the memory on the compute
-stream comes after), whichever comes first. A tensor allocated on the side
-stream itself needs neither: the stream uses and frees it in order.
-
 On CPU (gloo) the collectives are synchronous and every stream is `None`: the same
 code runs with the waits turned into no-ops, which is how the tests exercise it.
 
@@ -179,6 +164,21 @@ class OnStream:
 class SideStreamHolds:
     """
     ## Tensors kept alive for a side stream
+
+    #### Note: holding a tensor for a side stream
+
+    A tensor that autograd allocated on the compute stream and a side stream then
+    reads (a gradient the reduce stream copies) must not be handed out again by
+    the caching allocator before that stream is done with it. `record_stream`
+    says so per tensor, but it costs a CUDA event per tensor at every free and
+    makes every later allocation poll those events: for a chunk of many small
+    parameters, hundreds of events a step on the host, which a small model
+    feels. So the communicator keeps the Python references instead, one event
+    per chunk (`SideStreamHolds`): a tensor is dropped once the side stream has
+    passed the event recorded after its last use, or when the compute stream has
+    waited for that stream (then every later use of the memory on the compute
+    stream comes after), whichever comes first. A tensor allocated on the side
+    stream itself needs neither: the stream uses and frees it in order.
 
     `hold(tensors, event)` keeps `tensors` until `event` (recorded on the side
     stream after their last use) has passed: `drop_finished` drops the held
