@@ -21,9 +21,13 @@ gradient that is needed reads it. What a layer keeps depends on the
 [fine-tuner](finetuners.html) (the table beside `_layer_bytes`); with
 $d_{ff} = 4d$ its bf16 tensors add up to $c\,nd$ elements, and a layer keeps
 
-$$M_{\text{layer}} = 2 c\, nd + 4 \cdot 4n + 4 n_h n + 2 \cdot 2 T d_r
+$$M_{\text{layer}} = 2 c\, nd + 4 \cdot 4n + 4 n_h n
 \text{ bytes}, \qquad c = 16, 14, 9 \text{ for all, ffn, biases}.$$
 (tested: tests/neox/test_activation_memory.py::test_layer_counts_by_finetuner)
+The rotary $\cos$ and $\sin$ that the rotation saves are not a layer's: the
+model holds one table for all its layers, before and after the backward pass
+(the model's `RotaryTables`, $2 \cdot 2 T d_r$ bytes in bf16), and it is not
+counted here, as the parameters are not.
 
 [LoRA](lora.html) of rank $r$ on a set of projections keeps the biases'
 set, each target's input once, and each adapter's $A x$ `[n, r]`: on all four
@@ -186,8 +190,7 @@ def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
     | $x$, the layer input (both layer norms' input) | $nd$ | bf16 | ✓ | ✓ | ✓ | ✓ |
     | mean and $1/\sigma$ of each layer norm | $4n$ | fp32 | ✓ | ✓ | ✓ | ✓ |
     | $\operatorname{LN}_1(x)$, input of the QKV linear | $nd$ | bf16 | ✓ | | | ✓ |
-    | $q$, $k$ (rotated, new tensors), $v$ (a copy) | $3nd$ | bf16 | ✓ | ✓ | ✓ | ✓ |
-    | rotary $\cos$, $\sin$ `[T, d_r]` | $2Td_r$ | bf16 | ✓ | ✓ | ✓ | ✓ |
+    | $q$ and $k$ (rotated, one new tensor), $v$ (a copy) | $3nd$ | bf16 | ✓ | ✓ | ✓ | ✓ |
     | attention output and log-sum-exp | $nd$, $n_h n$ | bf16, fp32 | ✓ | ✓ | ✓ | ✓ |
     | heads concatenated, input of the dense linear | $nd$ | bf16 | ✓ | | | ✓ |
     | $\operatorname{LN}_2(x)$, input of `dense_h_to_4h` | $nd$ | bf16 | ✓ | ✓ | | ✓ |
@@ -254,10 +257,9 @@ def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
         total += 2 * nd
         total += config.n_heads * n * FP32  # log-sum-exp [B, n_h, T] fp32
         if config.rotary_dim > 0:
-            total += 2 * nd  # q, k: new tensors made by the rotation
-            # cos, sin [T, d_r], saved by the products that rotate q and k (the
-            # same two storages for both)
-            total += 2 * seq * config.rotary_dim * dtype_bytes
+            # q, k: one new tensor made by the rotation (cos and sin, which
+            # the rotation saves too, are the model's shared tables)
+            total += 2 * nd
         else:
             # Unrotated, q and k stay views of the fused QKV output, and saving
             # them keeps all of it, [B, T, 3d].
@@ -289,8 +291,8 @@ def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
     r"""
     ### Bytes one transformer layer keeps from forward to backward
 
-    * `batch`, `seq` are $B$ and $T$ per rank; everything scales with $n = BT$
-      except the rotary tables, `[T, d_r]`.
+    * `batch`, `seq` are $B$ and $T$ per rank; everything scales with
+      $n = BT$.
     * `finetune` is a [fine-tuner](finetuners.html) name: `'all'`, `'ffn'`,
       `'biases'` or `'lora'`, the last with its rank $r$ (`lora_rank`) and the
       adapted projections (`lora_targets`, PEFT's names as in `FineTuneLoRA`).
@@ -305,13 +307,11 @@ def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
     {{py: workloads.workloads()["W3"].seq | d}} tokens, a layer keeps $9nd$
     elements of bf16, 216
     (tested: tests/neox/test_activation_memory.py::test_gpt_neox_20b_bias_only_layer)
-    MiB, and 556
+    MiB, and 544
     (tested: tests/neox/test_activation_memory.py::test_gpt_neox_20b_bias_only_layer)
     KiB of the rest: the layer norms' statistics (32
     (tested: tests/neox/test_activation_memory.py::test_gpt_neox_20b_bias_only_layer)
-    KiB), the log-sum-exp (512
-    (tested: tests/neox/test_activation_memory.py::test_gpt_neox_20b_bias_only_layer)
-    KiB) and the rotary tables (12
+    KiB) and the log-sum-exp (512
     (tested: tests/neox/test_activation_memory.py::test_gpt_neox_20b_bias_only_layer)
     KiB).
 

@@ -36,9 +36,12 @@ twin on the meta device (the model's `plain_launches`).
   chunked loss keeps one chunk's fp32 logits, {{py:
   (neox_model.ModelKernels().loss_chunk_rows * neox_model.pythia_1_4b().n_vocab
   * 4 / 2**20) | .0f}} MiB (`chunked_readout_loss`).
-* **`rotary`**: angles, rotations and re-assembly in one compiled function,
-  where the plain path is {{py: neox_model.plain_launches('rotary',
-  neox_model.pythia_1_4b())}} launches per layer forward (`rotary_qk`).
+* **`rotary`**: angles, rotations and re-assembly in one compiled function
+  (`rotary_qk`), where the plain path is {{py: neox_model.plain_launches('rotary',
+  neox_model.pythia_1_4b())}} launches per layer forward: $q$ and $k$ rotated
+  together, with angle tables that the model builds once for all layers
+  ({{py: neox_model.plain_launches('rotary_tables', neox_model.pythia_1_4b())}}
+  launches, the model's `RotaryTables`).
 * **`norms`**: both layer norms of the parallel residual read $x$ once and
   compute its mean and variance once (`two_layer_norms`).
 * **`bias_gelu`**: the bias and the GELU in one pass after the product, their

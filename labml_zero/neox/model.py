@@ -39,6 +39,7 @@ the fused kernels page says what each saves, in bytes and launches.
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from typing import Callable, Iterable
 
 import torch
@@ -190,9 +191,9 @@ def rotary_cos_sin(n_positions: int, config: NeoXConfig, *,
       \begin{pmatrix} q_i \\ q_{i + d_r/2} \end{pmatrix}$$
 
     This is Hugging Face's `rotate_half` convention (halves, not interleaved
-    pairs), which is what the released checkpoints were converted to. The angles
-    are recomputed each forward (a few hundred kilo-flops against the layer's
-    giga-flops), so the layer keeps no buffer.
+    pairs), which is what the released checkpoints were converted to. The
+    tables $\cos m\theta_i$ and $\sin m\theta_i$, each `[T, d_r]`, are the same
+    in every layer; the model computes them once (`RotaryTables`).
 
     Computed in fp32 and cast to the activation dtype only at the end: in bf16 the
     position $m$ itself is exact only up to 256
@@ -211,6 +212,77 @@ def rotary_cos_sin(n_positions: int, config: NeoXConfig, *,
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def rotary_table_bytes(config: NeoXConfig, n_positions: int,
+                       dtype_bytes: int = 2) -> int:
+    r"""Bytes of one entry of `RotaryTables`: $\cos$ and $\sin$, `[T, d_r]` each."""
+    return 2 * n_positions * config.rotary_dim * dtype_bytes
+
+
+class RotaryTables:
+    r"""
+    ### The rotary tables, computed once for every layer of a model
+
+    The angles depend on the position, the config and the dtype, not on the
+    layer, so `build_layers` makes one `RotaryTables` and hands it to every
+    layer. The first layer to run at a given length $T$, device and dtype
+    computes $\cos$ and $\sin$ (`rotary_cos_sin`, {{py:
+    neox_model.plain_launches('rotary_tables', neox_model.pythia_160m())}}
+    launches); every later layer and step reads them. On the benchmark's
+    {{see: W4}}, Pythia-160M at {{py: workloads.workloads()["W4"].seq | d}}
+    positions in bf16, one entry (`rotary_table_bytes`) of {{py:
+    neox_model.rotary_table_bytes(neox_model.pythia_160m(),
+    workloads.workloads()["W4"].seq) / 2**10 | .0f}} KiB
+    (tested: tests/neox/test_rotary.py::test_table_bytes_are_the_tensors_bytes)
+    serves all {{py: neox_model.pythia_160m().n_layers}} layers.
+
+    It is a plain attribute, not a registered buffer: the ZeRO engine shards,
+    gathers and checkpoints a layer's parameters and buffers, and these tables
+    are neither state to save nor to shard; they are derived from the config
+    and rebuilt on whichever device a layer runs on (a meta-built model gets
+    meta tables on a meta forward, and real ones once it runs for real).
+
+    * Keys are `(T, device, dtype)`; only the `max_entries` latest stay. A
+      training run uses one key; `generate.py`, without a KV cache, runs a
+      longer sequence for every token, so it builds one table per token, not
+      one per layer and token.
+    * The tables are built outside `torch.inference_mode` and without
+      gradients, so a table first built while sampling is an ordinary tensor
+      that a later training step may save for backward.
+    * Under `torch.compile` the angles are computed inline, in the compiled
+      graph, so it reads no Python dict and puts no guard on one.
+    """
+
+    def __init__(self, config: NeoXConfig, max_entries: int = 4):
+        self.config = config
+        self.max_entries = max_entries
+        self._tables: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = \
+            OrderedDict()
+
+    def __call__(self, n_positions: int, device: torch.device,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""$\cos$, $\sin$, each `[n_positions, d_r]` of `dtype` on `device`."""
+        if torch.compiler.is_compiling():
+            return rotary_cos_sin(n_positions, self.config, device=device,
+                                  dtype=dtype)
+        key = (n_positions, torch.device(device), dtype)
+        tables = self._tables.get(key)
+        if tables is None:
+            # inference_mode(False) alone would turn gradients on: no_grad after
+            with torch.inference_mode(False), torch.no_grad():
+                tables = rotary_cos_sin(n_positions, self.config, device=device,
+                                        dtype=dtype)
+            self._tables[key] = tables
+            while len(self._tables) > self.max_entries:
+                self._tables.popitem(last=False)  # the least recently used
+        else:
+            self._tables.move_to_end(key)
+        return tables
+
+    def keys(self) -> list[tuple[int, torch.device, torch.dtype]]:
+        """The `(T, device, dtype)` held, least recently used first."""
+        return list(self._tables)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     r"""$(x_1, x_2) \mapsto (-x_2, x_1)$ over the two halves of the last dim."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -219,19 +291,58 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> torch.Tensor:
-    """Rotate the first $d_r$ dims of `x` `[B, n_h, T, d_h]`; pass the rest."""
+    """Rotate the first $d_r$ dims of `x` `[..., T, d_h]`; pass the rest.
+
+    `cos`, `sin` `[T, d_r]` broadcast over the leading dims, so `x` may hold q
+    and k together, `[2, B, n_h, T, d_h]`: one launch per op for both.
+    """
     d_r = cos.shape[-1]
     x_rot, x_pass = x[..., :d_r], x[..., d_r:]
-    x_rot = x_rot * cos + rotate_half(x_rot) * sin  # [B, n_h, T, d_r]
+    x_rot = x_rot * cos + rotate_half(x_rot) * sin  # [..., T, d_r]
     return torch.cat([x_rot, x_pass], dim=-1)
 
 
-def rotary_plain(q: torch.Tensor, k: torch.Tensor, config: NeoXConfig
+# ### Rotating q and k in one pass
+#
+# In the fused QKV output `[B, T, n_h, 3, d_h]`, q and k of a head are
+# adjacent, so `[B, T, n_h, 2, d_h]` is a view of both, and permuted,
+# `[2, B, n_h, T, d_h]`. Every op of `apply_rotary` is elementwise (or a
+# slice or a concatenation of the last dim), so applying it to that view
+# computes each element of q and k exactly as rotating each alone would, with
+# one launch per op instead of two, forward and backward
+# (tested: tests/neox/test_rotary.py::test_joint_rotation_is_the_rotation_of_each).
+# The last `cat` writes its output contiguous, so q and k come out as the two
+# contiguous `[B, n_h, T, d_h]` halves of one tensor, and the attention output
+# is laid out as q is (the activation memory page's Note: the attention output
+# is copied).
+
+
+def rotary_joint_plain(qk: torch.Tensor, config: NeoXConfig,
+                       tables: RotaryTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k from `qk` `[2, B, n_h, T, d_h]`, rotated together."""
+    cos, sin = tables(qk.shape[-2], qk.device, qk.dtype)  # each [T, d_r]
+    return apply_rotary(qk, cos, sin).unbind(0)
+
+
+def rotary_joint_fused(qk: torch.Tensor, config: NeoXConfig,
+                       tables: RotaryTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernel on the same view; it computes its own angles."""
+    q, k = qk.unbind(0)  # [B, n_h, T, d_h] each, strided views of the QKV output
+    return K.rotary_fused(q, k, config)
+
+
+def rotary_plain(q: torch.Tensor, k: torch.Tensor, config: NeoXConfig,
+                 tables: RotaryTables | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain twin of `kernels.rotary_fused`: angles, then each rotation."""
-    cos, sin = rotary_cos_sin(q.shape[-2], config, device=q.device,
-                              dtype=q.dtype)  # each [T, d_r]
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    """
+    The plain twin of `kernels.rotary_fused`, for q and k `[B, n_h, T, d_h]`
+    given apart: stacked (a copy that `Attention`, holding them as one view,
+    does without), then rotated together. Without `tables` it computes the
+    angles itself.
+    """
+    if tables is None:
+        tables = RotaryTables(config, max_entries=1)
+    return rotary_joint_plain(torch.stack([q, k]), config, tables)
 
 
 # ## Attention
@@ -248,6 +359,7 @@ class Attention(nn.Module):
     """
 
     def __init__(self, config: NeoXConfig, *, kernels: ModelKernels | None = None,
+                 rotary_tables: RotaryTables | None = None,
                  device=None, dtype=None):
         super().__init__()
         kernels = kernels or ModelKernels()
@@ -256,25 +368,34 @@ class Attention(nn.Module):
         self.query_key_value = nn.Linear(d, 3 * d, device=device, dtype=dtype)
         self.dense = nn.Linear(d, d, device=device, dtype=dtype)
         # chosen once: the fused rotation or its plain twin, same signature
-        self.rotate = K.rotary_fused if kernels.rotary else rotary_plain
+        self.rotate = rotary_joint_fused if kernels.rotary else rotary_joint_plain
+        # the model's shared tables (see `RotaryTables`), else this layer's own
+        self.rotary_tables = (RotaryTables(config) if rotary_tables is None
+                              else rotary_tables)
         self.backend = kernels.attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
         n_h, d_h = self.config.n_heads, self.config.head_dim
-        qkv = self.query_key_value(x)  # [B, T, 3d]
-        qkv = qkv.view(B, T, n_h, 3 * d_h).transpose(1, 2)  # [B, n_h, T, 3 d_h]
-        q, k, v = qkv.split(d_h, dim=-1)  # each [B, n_h, T, d_h]
+        qkv = self.query_key_value(x).view(B, T, n_h, 3, d_h)  # head-major
+        # Views; in the backward pass one `cat` writes the gradient of `qkv`
+        # in the linear's own layout, so it needs no copy to become `[B, T, 3d]`.
+        qk, v = qkv.split([2, 1], dim=3)  # [B, T, n_h, 2 | 1, d_h]
+        # q and k as one view, [2, B, n_h, T, d_h]: one pass rotates both.
+        qk = qk.permute(3, 0, 2, 1, 4)
+        v = v.squeeze(3).transpose(1, 2)  # [B, n_h, T, d_h]
         # Attention saves v for its backward pass. As a view, v would keep all of
-        # `qkv` alive until then, three times its own size (q and k below are new
-        # tensors); its own copy frees the other two thirds, $2 \cdot 2BTd$ bytes in
+        # `qkv` alive until then, three times its own size (q and k below are a
+        # new tensor); its own copy frees the other two thirds, $2 \cdot 2BTd$ bytes in
         # bf16 per layer; for Pythia-1.4B at 8 sequences of its full context
         # ($T = d$) that is
         # $2 \cdot 2 \cdot 8 \cdot 2048^2 \text{ B} \approx 134 \text{ MB}$
         # (tested: tests/neox/test_model.py::test_figure_in_the_attention_notes).
         v = v.contiguous()
         if self.config.rotary_dim > 0:
-            q, k = self.rotate(q, k, self.config)
+            q, k = self.rotate(qk, self.config, self.rotary_tables)
+        else:
+            q, k = qk.unbind(0)  # views of the QKV output
         # softmax(q kᵀ / √d_h + causal mask) v; PyTorch picks the backend
         # unless the kernels pin one.
         y = K.attention(q, k, v, self.backend)
@@ -328,10 +449,14 @@ class TransformerLayer(nn.Module):
 
     `layer_idx` is the index in the *full* model, also when `build_layers` keeps
     only some layers, so the checkpoint name of every parameter is known.
+    `rotary_tables` is the model's shared `RotaryTables`; a layer built alone
+    makes its own.
     """
 
     def __init__(self, config: NeoXConfig, layer_idx: int, *,
-                 kernels: ModelKernels | None = None, device=None, dtype=None):
+                 kernels: ModelKernels | None = None,
+                 rotary_tables: RotaryTables | None = None,
+                 device=None, dtype=None):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
@@ -340,7 +465,8 @@ class TransformerLayer(nn.Module):
         factory = dict(device=device, dtype=dtype)
         self.input_layernorm = nn.LayerNorm(d, eps=eps, **factory)
         self.post_attention_layernorm = nn.LayerNorm(d, eps=eps, **factory)
-        self.attention = Attention(config, kernels=kernels, **factory)
+        self.attention = Attention(config, kernels=kernels,
+                                   rotary_tables=rotary_tables, **factory)
         self.mlp = MLP(config, kernels=kernels, **factory)
         # both norms of x in one pass, or each LayerNorm module in turn
         self.norms = K.norms_fused if kernels.norms else K.norms_plain
@@ -421,8 +547,9 @@ class Readout(nn.Module):
 # one module but a list, `[Embedding, TransformerLayer × n, FinalNorm, Readout]`,
 # and `nn.Sequential(*build_layers(config))` maps token ids `[B, T]` to logits
 # `[B, T, n_vocab]`. A layer carries no buffers and no state besides its
-# parameters, so a layer built on the meta device needs nothing but `to_empty`
-# and `reset_parameters`.
+# parameters (the transformer layers share a `RotaryTables`, a cache rebuilt
+# on whatever device they run on), so a layer built on the meta device needs
+# nothing but `to_empty` and `reset_parameters`.
 
 
 def build_layers(config: NeoXConfig, *, filter_layers: Iterable[int] | None = None,
@@ -452,7 +579,9 @@ def build_layers(config: NeoXConfig, *, filter_layers: Iterable[int] | None = No
     factory = dict(device=device, dtype=dtype)
     kernels = kernels or ModelKernels()
     layers: list[nn.Module] = [Embedding(config, **factory)]
-    layers += [TransformerLayer(config, i, kernels=kernels, **factory)
+    rotary_tables = RotaryTables(config)  # one for every layer
+    layers += [TransformerLayer(config, i, kernels=kernels,
+                                rotary_tables=rotary_tables, **factory)
                for i in indices]
     layers += [FinalNorm(config, **factory),
                Readout(config, kernels=kernels, **factory)]
@@ -519,16 +648,23 @@ def plain_launches(kernel: str, config) -> int:
     """
     #### The plain twin's forward launches for one layer of `config`
 
-    `kernel` is `'rotary'`, `'norms'` or `'bias_gelu'`, run on a small meta batch;
+    `kernel` is `'rotary'`, `'rotary_tables'`, `'norms'` or `'bias_gelu'`, run
+    on a small meta batch;
     here, not on the kernels' page, because the rotary twin is this page's.
+    `'rotary'` is a layer's rotation as `Attention` runs it, the tables already
+    built by an earlier layer; `'rotary_tables'` is building them once.
     """
     meta = dict(device="meta", dtype=torch.bfloat16)
     d, n_h, d_h = config.d_model, config.n_heads, config.head_dim
     x = torch.empty(1, 16, d, **meta)
     if kernel == "rotary":
-        qkv = torch.empty(1, 16, n_h, 3 * d_h, **meta).transpose(1, 2)
-        q, k, _ = qkv.split(d_h, dim=-1)
-        return K.forward_launches(rotary_plain, q, k, config)
+        qkv = torch.empty(1, 16, n_h, 3, d_h, **meta)
+        qk = qkv[:, :, :, :2].permute(3, 0, 2, 1, 4)  # as `Attention.forward`
+        tables = RotaryTables(config)
+        tables(16, qk.device, qk.dtype)
+        return K.forward_launches(rotary_joint_plain, qk, config, tables)
+    if kernel == "rotary_tables":
+        return K.forward_launches(RotaryTables(config), 16, x.device, x.dtype)
     if kernel == "norms":
         ln = nn.LayerNorm(d, **meta)
         return K.forward_launches(K.norms_plain, x, ln, ln)

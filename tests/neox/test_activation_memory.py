@@ -81,6 +81,19 @@ def model(config, finetune, **options):
     return layers
 
 
+def rotary_tables(layers, seq):
+    """The model's rotary cos and sin for `seq` bf16 positions, built now. One
+    table serves every layer and outlives the backward pass, so the count leaves
+    it out as it leaves out the parameters; built before a test watches, it is
+    neither a storage the forward creates nor one it saves anew."""
+    blocks = [layer for layer in layers if isinstance(layer, M.TransformerLayer)]
+    tables = blocks[0].attention.rotary_tables
+    assert all(block.attention.rotary_tables is tables for block in blocks)
+    if blocks[0].config.rotary_dim == 0:
+        return []
+    return list(tables(seq, torch.device("cpu"), BF16))
+
+
 def ln_stats_on_cpu(storages: dict[int, torch.Tensor], batch: int, seq: int):
     """The layer norms' mean and 1/σ among saved storages: `[B, T, 1]`, in bf16 on
     the CPU where CUDA has fp32. Returns the bytes the count has on top of them."""
@@ -164,8 +177,8 @@ def test_layer_saves_what_the_count_says(name, batch, seq, input_requires_grad,
     layer = model(config, finetune)[1]
     x = torch.randn(batch, seq, config.d_model, dtype=BF16,
                     requires_grad=input_requires_grad)
-    _, nbytes, storages = saved_bytes(lambda: layer(x),
-                                      exclude=list(layer.parameters()))
+    exclude = list(layer.parameters()) + rotary_tables([layer], seq)
+    _, nbytes, storages = saved_bytes(lambda: layer(x), exclude=exclude)
     expected = A.layer_activation_bytes(config, batch=batch, seq=seq,
                                         finetune=finetune,
                                         input_requires_grad=input_requires_grad)
@@ -186,8 +199,8 @@ def test_lora_layer_saves_what_the_count_says(name, input_requires_grad, rank,
     layer = model(config, "lora", rank=rank, targets=targets)[1]
     x = torch.randn(B, T, config.d_model, dtype=BF16,
                     requires_grad=input_requires_grad)
-    _, nbytes, storages = saved_bytes(lambda: layer(x),
-                                      exclude=list(layer.parameters()))
+    exclude = list(layer.parameters()) + rotary_tables([layer], T)
+    _, nbytes, storages = saved_bytes(lambda: layer(x), exclude=exclude)
     # each adapter's A x, [B, T, r] (saved as its [B·T, r] view), is among them
     assert sum(tuple(t.shape) == (B * T, rank)
                for t in storages.values()) == len(targets)
@@ -204,8 +217,7 @@ def test_layer_counts_by_finetuner():
     B, T, d, n_h = 2, 32, config.d_model, config.n_heads
     n = B * T
     nd = n * d * 2
-    tables = 2 * T * config.rotary_dim * 2  # cos, sin
-    small = 4 * n * A.FP32 + n_h * n * A.FP32 + tables  # + LN stats, lse
+    small = 4 * n * A.FP32 + n_h * n * A.FP32  # + LN stats, lse
 
     def count(finetune, input_requires_grad=True):
         return A.layer_activation_bytes(config, batch=B, seq=T, finetune=finetune,
@@ -214,7 +226,7 @@ def test_layer_counts_by_finetuner():
     assert count("all") == 16 * nd + small
     assert count("ffn") == 14 * nd + small
     assert count("biases") == 9 * nd + small
-    assert count("biases", False) == 8 * nd + n_h * n * A.FP32 + tables
+    assert count("biases", False) == 8 * nd + n_h * n * A.FP32
     assert count("ffn", False) == 9 * nd
     for r in LORA_RANKS:
         lora = A.layer_activation_bytes(config, batch=B, seq=T, finetune="lora",
@@ -228,9 +240,10 @@ def test_layer_counts_by_finetuner():
 
 
 def test_gpt_neox_20b_bias_only_layer():
-    """216 MiB of bf16 per layer at 16 × 128 tokens, and 556 KiB besides: LN
-    statistics 4·2048·4 B, log-sum-exp 64·2048·4 B, cos and sin 2·128·24·2 B.
-    The notes say it of the benchmark's W3, which is that job."""
+    """216 MiB of bf16 per layer at 16 × 128 tokens, and 544 KiB besides: LN
+    statistics 4·2048·4 B, log-sum-exp 64·2048·4 B (the rotary tables are the
+    model's, not the layer's). The notes say it of the benchmark's W3, which is
+    that job."""
     job = bench_workloads()["W3"]
     assert (job.model, job.batch, job.seq, job.finetune) == (
         M.gpt_neox_20b(), 16, 128, "biases")
@@ -238,11 +251,10 @@ def test_gpt_neox_20b_bias_only_layer():
     per_layer = A.layer_activation_bytes(config, batch=16, seq=128,
                                          finetune="biases")
     n = 16 * 128
-    assert per_layer == 216 * MiB + 4 * n * 4 + 64 * n * 4 + 2 * 128 * 24 * 2
-    assert per_layer - 216 * MiB == 556 * 1024
-    # the notes' parts: 32 KiB of LN statistics, 512 of log-sum-exp, 12 of tables
-    assert (4 * n * 4, 64 * n * 4, 2 * 128 * 24 * 2) == (32 * 1024, 512 * 1024,
-                                                        12 * 1024)
+    assert per_layer == 216 * MiB + 4 * n * 4 + 64 * n * 4
+    assert per_layer - 216 * MiB == 544 * 1024
+    # the notes' parts: 32 KiB of LN statistics, 512 of log-sum-exp
+    assert (4 * n * 4, 64 * n * 4) == (32 * 1024, 512 * 1024)
 
 
 # ## Recomputation
@@ -254,6 +266,7 @@ def test_checkpointed_layer_keeps_its_input_and_recomputes_the_full_set(case):
     config = CONFIGS["d72"]
     B, T = 2, 24
     layer = model(config, finetune, **lora_options(options))[1]
+    rotary_tables([layer], T)
     x = torch.randn(B, T, config.d_model, dtype=BF16, requires_grad=True)
     x_ref = storage_weak_ref(x.untyped_storage())
     forward = LiveStorages()
@@ -379,7 +392,8 @@ def test_whole_model_saves_layers_and_readout(name, case):
             x = layer(x)
         return lm_loss(x, batch[:, 1:])
 
-    _, saved, storages = saved_bytes(run, exclude=params)
+    exclude = params + rotary_tables(layers, T)
+    _, saved, storages = saved_bytes(run, exclude=exclude)
     count = A.activation_bytes(config, batch=B, seq=T, finetune=finetune,
                                **options)
     log_probs = B * T * config.n_vocab * A.FP32
@@ -397,6 +411,7 @@ def test_whole_model_checkpointed_keeps_inputs(case):
     config = CONFIGS["d72"]
     B, T = 2, 24
     layers = model(config, finetune, **lora_options(options))
+    rotary_tables(layers, T)
     batch = torch.randint(0, config.n_vocab, (B, T + 1))
     forward = LiveStorages()
     with forward:

@@ -135,19 +135,26 @@ def test_attention_keeps_no_view_of_the_fused_qkv_for_backward():
     config = NeoXConfig(n_vocab=64, d_model=64, n_heads=4, n_layers=1)
     attention = M.Attention(config).requires_grad_(False)
     x = torch.randn(2, 16, 64, requires_grad=True)
-    sizes = []
+    sizes, qkv_storage = [], []
+    attention.query_key_value.register_forward_hook(
+        lambda module, args, out: qkv_storage.append(out.untyped_storage()))
 
     weights = {p.untyped_storage().data_ptr() for p in attention.parameters()}
 
     def pack(t):
         if t.untyped_storage().data_ptr() not in weights:
-            sizes.append(t.untyped_storage().nbytes())
+            sizes.append((t.untyped_storage().data_ptr(),
+                          t.untyped_storage().nbytes()))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         attention(x).sum().backward()
     head_split = 2 * 16 * 64 * 4  # one of q, k, v: [B, n_h, T, d_h] fp32
-    assert sizes and max(sizes) <= head_split
+    (qkv,) = qkv_storage
+    assert qkv.nbytes() == 3 * head_split
+    assert sizes and qkv.data_ptr() not in {ptr for ptr, _ in sizes}
+    # q and k, rotated together, are the two halves of one new tensor
+    assert max(n for _, n in sizes) == 2 * head_split
 
 
 def test_figure_in_the_attention_notes():
