@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from labml_zero.neox import kernels as K
-from labml_zero.neox.model import NeoXConfig, pythia_1_4b, pythia_160m, rotary_plain
+from labml_zero.neox.model import (NeoXConfig, RotaryTables, pythia_1_4b, pythia_160m,
+                                   rotary_joint_fused, rotary_joint_plain)
 
 SHAPES = {"W1": (pythia_1_4b(), 8, 2048), "W4": (pythia_160m(), 16, 1024)}
 
@@ -118,16 +119,21 @@ def cases(config: NeoXConfig, batch: int, seq: int, device: torch.device):
 
     yield "loss", loss_plain, loss_fused, [x, weight, targets]
 
-    qkv = randn(batch, seq, n_h, 3 * d_h).transpose(1, 2)
-    q, k, _ = qkv.split(d_h, dim=-1)  # strided views, as in the model
+    # q and k as the model holds them: one strided view of the QKV output,
+    # [2, B, n_h, T, d_h], and the model's tables, built before the timing
+    qkv = randn(batch, seq, n_h, 3, d_h)
+    tables = RotaryTables(config)
+    tables(seq, device, dtype)
 
-    def rot_plain(q, k):
-        return rotary_plain(q, k, config)
+    def rot_plain(qkv):
+        return rotary_joint_plain(qkv[:, :, :, :2].permute(3, 0, 2, 1, 4), config,
+                                  tables)
 
-    def rot_fused(q, k):
-        return K.rotary_fused(q, k, config)
+    def rot_fused(qkv):
+        return rotary_joint_fused(qkv[:, :, :, :2].permute(3, 0, 2, 1, 4), config,
+                                  tables)
 
-    yield "rotary", rot_plain, rot_fused, [q, k]
+    yield "rotary", rot_plain, rot_fused, [qkv]
 
     w1, b1, w2, b2 = (randn(d, scale=0.1) + (1 if i % 2 == 0 else 0)
                       for i in range(4))
