@@ -293,7 +293,8 @@
     if (inputSaved("attention.query_key_value")) total += nd;
     if (attn) {
       total += 2 * nd + m.n_heads * n * FP32;
-      if (rotaryDim(m) > 0) total += 2 * nd + 2 * seq * rotaryDim(m) * dtypeBytes;
+      // q, k rotated (the cos, sin tables are the model's, shared by its layers)
+      if (rotaryDim(m) > 0) total += 2 * nd;
       else total += 3 * nd;
     }
     if (inputSaved("attention.dense") && (rotaryDim(m) > 0 || !attn)) total += nd;
