@@ -18,7 +18,7 @@ $$x_{l+1} = x_l + \operatorname{Attn}(\operatorname{LN}_1(x_l))
                 + \operatorname{MLP}(\operatorname{LN}_2(x_l)).$$
 
 The two branches are independent, so they could run at the same time. The second
-is **partial rotary embeddings** (see `rotary_cos_sin`). The model is a list of
+is **partial rotary embeddings** (see [rotary embeddings](rotary.html)). The model is a list of
 layers, since the ZeRO engine shards and gathers one layer at a time
 (`build_layers`). The shapes come from a `NeoXConfig` (see [GPT-NeoX
 configuration](config.html)), re-exported here.
@@ -39,7 +39,6 @@ the fused kernels page says what each saves, in bytes and launches.
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from typing import Callable, Iterable
 
 import torch
@@ -47,6 +46,19 @@ from torch import nn
 
 from labml_zero.neox import kernels as K
 from labml_zero.neox.kernels import ModelKernels
+
+# The rotary embeddings have their own page; re-exported here, where the
+# attention uses them.
+from labml_zero.neox.rotary import (  # noqa: F401
+    RotaryTables,
+    apply_rotary,
+    rotary_cos_sin,
+    rotary_joint_fused,
+    rotary_joint_plain,
+    rotary_plain,
+    rotary_table_bytes,
+    rotate_half,
+)
 
 # The configuration and its presets live on their own page; they are re-exported
 # here, so `from labml_zero.neox.model import NeoXConfig, pythia_160m` keeps
@@ -164,185 +176,6 @@ class Embedding(nn.Module):
             raise ValueError(f"sequence length {ids.shape[-1]} exceeds "
                              f"max_position={self.config.max_position}")
         return self.embed_in(ids)  # [B, T, d]
-
-
-# ## Rotary embeddings
-#
-# GPT-NeoX's partial rotary embeddings: only the first $d_r$ of the $d_h$
-# dimensions of each query and key head are rotated, by an angle that grows with
-# the position; the rest carry no position.
-
-
-def rotary_cos_sin(n_positions: int, config: NeoXConfig, *,
-                   device: torch.device, dtype: torch.dtype
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""
-    ### Rotary angles $m\theta_i$
-
-    Dimension pairs $(i, i + d_r/2)$ of each query and key head are rotated by
-    the angle $m \theta_i$ at position $m$, with $\theta_i = b^{-2i/d_r}$ and the
-    base (`rotary_base`) $b = 10000$
-    (tested: tests/neox/test_config.py::test_figures_in_the_notes)
-    in every released model:
-
-    $$\begin{pmatrix} q_i \\ q_{i + d_r/2} \end{pmatrix} \mapsto
-      \begin{pmatrix} \cos m\theta_i & -\sin m\theta_i \\
-                      \sin m\theta_i & \cos m\theta_i \end{pmatrix}
-      \begin{pmatrix} q_i \\ q_{i + d_r/2} \end{pmatrix}$$
-
-    This is Hugging Face's `rotate_half` convention (halves, not interleaved
-    pairs), which is what the released checkpoints were converted to. The
-    tables $\cos m\theta_i$ and $\sin m\theta_i$, each `[T, d_r]`, are the same
-    in every layer; the model computes them once (`RotaryTables`).
-
-    Computed in fp32 and cast to the activation dtype only at the end: in bf16 the
-    position $m$ itself is exact only up to 256
-    (tested: tests/neox/test_model.py::test_bf16_positions_are_exact_up_to_256),
-    so $m\theta_i$ computed in bf16 would put late tokens at the wrong angle.
-    """
-    d_r = config.rotary_dim
-    # [d_r / 2] fp32: θ_i = b^(-2i / d_r)
-    inv_freq = 1.0 / config.rotary_base ** (
-        torch.arange(0, d_r, 2, device=device, dtype=torch.float32) / d_r)
-    # [T, d_r / 2] fp32
-    angles = torch.outer(torch.arange(n_positions, device=device,
-                                      dtype=torch.float32), inv_freq)
-    # [T, d_r] fp32; both halves get θ_i, matching `rotate_half`.
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def rotary_table_bytes(config: NeoXConfig, n_positions: int,
-                       dtype_bytes: int = 2) -> int:
-    r"""Bytes of one entry of `RotaryTables`: $\cos$ and $\sin$, `[T, d_r]` each."""
-    return 2 * n_positions * config.rotary_dim * dtype_bytes
-
-
-class RotaryTables:
-    r"""
-    ### The rotary tables, computed once for every layer of a model
-
-    The angles depend on the position, the config and the dtype, not on the
-    layer, so `build_layers` makes one `RotaryTables` and hands it to every
-    layer. The first layer to run at a given length $T$, device and dtype
-    computes $\cos$ and $\sin$ (`rotary_cos_sin`, {{py:
-    neox_model.plain_launches('rotary_tables', neox_model.pythia_160m())}}
-    launches); every later layer and step reads them. On the benchmark's
-    {{see: W4}}, Pythia-160M at {{py: workloads.workloads()["W4"].seq | d}}
-    positions in bf16, one entry (`rotary_table_bytes`) of {{py:
-    neox_model.rotary_table_bytes(neox_model.pythia_160m(),
-    workloads.workloads()["W4"].seq) / 2**10 | .0f}} KiB
-    (tested: tests/neox/test_rotary.py::test_table_bytes_are_the_tensors_bytes)
-    serves all {{py: neox_model.pythia_160m().n_layers}} layers.
-
-    It is a plain attribute, not a registered buffer: the ZeRO engine shards,
-    gathers and checkpoints a layer's parameters and buffers, and these tables
-    are neither state to save nor to shard; they are derived from the config
-    and rebuilt on whichever device a layer runs on (a meta-built model gets
-    meta tables on a meta forward, and real ones once it runs for real).
-
-    * Keys are `(T, device, dtype)`; only the `max_entries` latest stay. A
-      training run uses one key; `generate.py`, without a KV cache, runs a
-      longer sequence for every token, so it builds one table per token, not
-      one per layer and token.
-    * The tables are built outside `torch.inference_mode` and without
-      gradients, so a table first built while sampling is an ordinary tensor
-      that a later training step may save for backward.
-    * Under `torch.compile` the angles are computed inline, in the compiled
-      graph, so it reads no Python dict and puts no guard on one.
-    """
-
-    def __init__(self, config: NeoXConfig, max_entries: int = 4):
-        self.config = config
-        self.max_entries = max_entries
-        self._tables: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = \
-            OrderedDict()
-
-    def __call__(self, n_positions: int, device: torch.device,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        r"""$\cos$, $\sin$, each `[n_positions, d_r]` of `dtype` on `device`."""
-        if torch.compiler.is_compiling():
-            return rotary_cos_sin(n_positions, self.config, device=device,
-                                  dtype=dtype)
-        key = (n_positions, torch.device(device), dtype)
-        tables = self._tables.get(key)
-        if tables is None:
-            # inference_mode(False) alone would turn gradients on: no_grad after
-            with torch.inference_mode(False), torch.no_grad():
-                tables = rotary_cos_sin(n_positions, self.config, device=device,
-                                        dtype=dtype)
-            self._tables[key] = tables
-            while len(self._tables) > self.max_entries:
-                self._tables.popitem(last=False)  # the least recently used
-        else:
-            self._tables.move_to_end(key)
-        return tables
-
-    def keys(self) -> list[tuple[int, torch.device, torch.dtype]]:
-        """The `(T, device, dtype)` held, least recently used first."""
-        return list(self._tables)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    r"""$(x_1, x_2) \mapsto (-x_2, x_1)$ over the two halves of the last dim."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                 ) -> torch.Tensor:
-    """Rotate the first $d_r$ dims of `x` `[..., T, d_h]`; pass the rest.
-
-    `cos`, `sin` `[T, d_r]` broadcast over the leading dims, so `x` may hold q
-    and k together, `[2, B, n_h, T, d_h]`: one launch per op for both.
-    """
-    d_r = cos.shape[-1]
-    x_rot, x_pass = x[..., :d_r], x[..., d_r:]
-    x_rot = x_rot * cos + rotate_half(x_rot) * sin  # [..., T, d_r]
-    return torch.cat([x_rot, x_pass], dim=-1)
-
-
-# ### Rotating q and k in one pass
-#
-# In the fused QKV output `[B, T, n_h, 3, d_h]`, q and k of a head are
-# adjacent, so `[B, T, n_h, 2, d_h]` is a view of both, and permuted,
-# `[2, B, n_h, T, d_h]`. Every op of `apply_rotary` is elementwise (or a
-# slice or a concatenation of the last dim), so applying it to that view
-# computes each element of q and k exactly as rotating each alone would, with
-# one launch per op instead of two, forward and backward
-# (tested: tests/neox/test_rotary.py::test_joint_rotation_is_the_rotation_of_each).
-# The last `cat` writes its output contiguous, so q and k come out as the two
-# contiguous `[B, n_h, T, d_h]` halves of one tensor, and the attention output
-# is laid out as q is (the activation memory page's Note: the attention output
-# is copied).
-
-
-def rotary_joint_plain(qk: torch.Tensor, config: NeoXConfig,
-                       tables: RotaryTables) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k from `qk` `[2, B, n_h, T, d_h]`, rotated together."""
-    cos, sin = tables(qk.shape[-2], qk.device, qk.dtype)  # each [T, d_r]
-    return apply_rotary(qk, cos, sin).unbind(0)
-
-
-def rotary_joint_fused(qk: torch.Tensor, config: NeoXConfig,
-                       tables: RotaryTables) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused kernel on the same view; it computes its own angles."""
-    q, k = qk.unbind(0)  # [B, n_h, T, d_h] each, strided views of the QKV output
-    return K.rotary_fused(q, k, config)
-
-
-def rotary_plain(q: torch.Tensor, k: torch.Tensor, config: NeoXConfig,
-                 tables: RotaryTables | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """
-    The plain twin of `kernels.rotary_fused`, for q and k `[B, n_h, T, d_h]`
-    given apart: stacked (a copy that `Attention`, holding them as one view,
-    does without), then rotated together. Without `tables` it computes the
-    angles itself.
-    """
-    if tables is None:
-        tables = RotaryTables(config, max_entries=1)
-    return rotary_joint_plain(torch.stack([q, k]), config, tables)
 
 
 # ## Attention
@@ -649,8 +482,8 @@ def plain_launches(kernel: str, config) -> int:
     #### The plain twin's forward launches for one layer of `config`
 
     `kernel` is `'rotary'`, `'rotary_tables'`, `'norms'` or `'bias_gelu'`, run
-    on a small meta batch;
-    here, not on the kernels' page, because the rotary twin is this page's.
+    on a small meta batch; here, on the model's page, because these are the
+    model's own plain paths (the rotation's from [its page](rotary.html)).
     `'rotary'` is a layer's rotation as `Attention` runs it, the tables already
     built by an earlier layer; `'rotary_tables'` is building them once.
     """

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.workloads import workloads
 from labml_zero.neox import kernels as K
 from labml_zero.neox import model as M
+from labml_zero.neox import rotary
 from labml_zero.neox.kernels import ModelKernels
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -295,7 +296,8 @@ def count_builds(monkeypatch):
         built.append(args[0])
         return compute(*args, **kwargs)
 
-    monkeypatch.setattr(M, "rotary_cos_sin", counting)
+    # patched where `RotaryTables` looks it up: the rotary page's module
+    monkeypatch.setattr(rotary, "rotary_cos_sin", counting)
     return built
 
 
