@@ -415,3 +415,30 @@ def test_torchrun_hang_is_named_by_the_rank_that_stopped(tmp_path: Path):
                               "after 2, at tests/test_launch.py:")
     assert hung[0].endswith(" in sleepy_rank_1")
     assert time.monotonic() - start < 90
+
+
+def test_a_hang_watchdog_stays_silent_while_its_rank_reports(capsys, monkeypatch):
+    """
+    The race behind a flaky torchrun hang: rank 0's collective fails because
+    rank 1 stopped, and while rank 0's main thread reports that, its own
+    watchdog's deadline passes. Whoever speaks first holds `speak_once`; the
+    watchdog that comes second returns without a word (and without exiting).
+    """
+    import threading
+
+    from labml_zero.launch import supervisor
+
+    monkeypatch.setattr(supervisor, "_SPEAKING", threading.Lock())
+    monkeypatch.setattr(supervisor, "POLL_S", 0.01)
+    exits = []
+    monkeypatch.setattr(supervisor.os, "_exit", exits.append)
+    assert supervisor.speak_once()  # the main thread is reporting
+    progress = supervisor.Heartbeat([1], 0)  # one beat, then nothing
+    watch = threading.Thread(target=supervisor.self_watch,
+                             args=(progress, 0, 0.05), daemon=True)
+    watch.start()
+    watch.join(5)
+    assert not watch.is_alive() and exits == []
+    assert "stopped making progress" not in capsys.readouterr().err
+    # the second voice of a main thread waits at most `wait_s`, then gives up
+    assert supervisor.speak_once(wait_s=0.05) is False

@@ -48,7 +48,8 @@ import torch.multiprocessing as mp
 
 from labml_zero.launch.supervisor import (Heartbeat, RankFailed, Shared, StderrTail,
                                           die_with_parent, end_all, report, self_watch,
-                                          shorten, supervise, tell_torchrun, watchdog)
+                                          shorten, speak_once, supervise,
+                                          tell_torchrun, watchdog)
 
 __all__ = ["DistContext", "Heartbeat", "Interrupted", "RankFailed", "spawn",
            "run_torchrun", "under_torchrun", "free_port", "default_backend"]
@@ -388,6 +389,9 @@ def run_torchrun(
         sys.stdout.flush()
         os._exit(stop.exit_status)
     except Exception as error:
+        if not speak_once(wait_s=30.0):
+            # the hang watchdog spoke first and is ending the process
+            os._exit(1)
         sent = report(rank, error)
         if sent["echo"]:  # its traceback would only hide the cause's
             line = (f"rank {rank} stopped: another rank failed or is gone: "

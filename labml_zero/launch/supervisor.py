@@ -486,6 +486,26 @@ def cause(reports: dict[int, dict], deaths: dict[int, int]) -> RankFailed | None
 # ## Under torchrun
 
 
+# Held by whichever of a torchrun rank's two voices speaks first: the main
+# thread reporting its exception, or its hang watchdog. See `speak_once`.
+_SPEAKING = threading.Lock()
+
+
+def speak_once(*, wait_s: float = 0.0) -> bool:
+    """
+    #### One voice per torchrun rank
+
+    A rank whose peer stopped gets an exception in its collective a moment
+    after its own watchdog's deadline may have passed: both would print a line
+    and write torchrun's error file at once, the watchdog would call the rank
+    that only waited hung, and torchrun could read a half-written file. So each
+    takes this lock first and the second stays silent: the watchdog returns,
+    the main thread waits (`wait_s`) for the watchdog's `os._exit`.
+    """
+    return _SPEAKING.acquire(timeout=wait_s) if wait_s > 0 else \
+        _SPEAKING.acquire(blocking=False)
+
+
 def tell_torchrun(line: str, traceback_text: str = "", *, echo: bool = False
                   ) -> None:
     """
@@ -527,6 +547,8 @@ def self_watch(progress: Heartbeat, rank: int, timeout: float) -> None:
             continue
         where, waiting = main_thread_where()
         if count and now - moved_at > timeout * (2 if waiting else 1):
+            if not speak_once():
+                return  # the main thread is reporting its own failure
             line = (f"rank {rank} stopped making progress: no heartbeat for "
                     f"{timeout:g} s after {count}" + (f", at {where}" if where else ""))
             print(line, file=sys.stderr, flush=True)
