@@ -19,6 +19,7 @@ import cProfile
 import gc
 import io
 import pstats
+import statistics
 import time
 from dataclasses import replace
 
@@ -67,10 +68,10 @@ def profile_rank(ctx: launch.DistContext, args: argparse.Namespace) -> None:
     stats.sort_stats("tottime").print_stats(45)
     stats.sort_stats("cumulative").print_stats(70)
     calls = sum(entry[1] for entry in stats.stats.values()) / args.steps
-    mean = lambda times: 1e3 * sum(times) / len(times)  # noqa: E731
     head = (f"{args.workload} {args.engine} kernels={args.kernels} "
-            f"compiled={args.compile}: host per step {mean(plain):.1f} ms "
-            f"(min {1e3 * min(plain):.1f}), under cProfile {mean(profiled):.1f} ms; "
+            f"compiled={args.compile}: host per step "
+            f"{1e3 * statistics.fmean(plain):.1f} ms (min {1e3 * min(plain):.1f}), "
+            f"under cProfile {1e3 * statistics.fmean(profiled):.1f} ms; "
             f"Python calls per step {calls:.0f}\n")
     if ctx.rank == 0:
         with open(args.out, "w") as f:

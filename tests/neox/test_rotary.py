@@ -36,6 +36,9 @@ CONFIGS = {
 
 
 def reference_cos_sin(n_positions, config, device, dtype):
+    """The tables as the model computed them before `RotaryTables`, written
+    out here on purpose: a frozen oracle, so a change to `rotary_cos_sin`
+    cannot pass by being compared with itself."""
     d_r = config.rotary_dim
     inv_freq = 1.0 / config.rotary_base ** (
         torch.arange(0, d_r, 2, device=device, dtype=torch.float32) / d_r)
