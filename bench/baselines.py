@@ -223,6 +223,27 @@ class Recomputed(nn.Module):
         return checkpoint(self.layer, x, use_reentrant=False)
 
 
+def compile_calls(layers: list[nn.Module], workload: Workload,
+                  device: torch.device) -> None:
+    """
+    ## Each transformer layer's whole call compiled, its rotary tables made first
+
+    `module.compile()` compiles `nn.Module.__call__`, hooks included, so the
+    layer's pre-hook that makes the rotary tables' entry runs inside the
+    trace, where it does nothing ([the model](../labml_zero/neox/model.html),
+    `prepare_rotary_tables`). The entry is made here instead, once, for the
+    step's length in bf16 (the peers compute in bf16: FSDP2's parameter
+    dtype, DDP's autocast), so the compiled attention reads the tables as
+    ours does rather than computing the angles for every element.
+    """
+    for layer in layers:
+        if isinstance(layer, TransformerLayer):
+            if workload.model.rotary_dim > 0:
+                layer.attention.rotary_tables.prepare(workload.seq, device,
+                                                      torch.bfloat16)
+            layer.compile(backend=default_compile_backend(device))
+
+
 def with_recompute(layers: list[nn.Module], workload: Workload) -> list[nn.Module]:
     """The layers, each transformer layer wrapped in `Recomputed` if asked for."""
     if not workload.activation_checkpointing:
@@ -299,9 +320,7 @@ def build_fsdp2(ctx: DistContext, workload: Workload) -> Engine:
     # 0. with compile, each transformer layer's call is compiled before its hooks
     #    are installed
     if workload.compile:
-        for layer in layers:
-            if isinstance(layer, TransformerLayer):
-                layer.compile(backend=default_compile_backend(ctx.device))
+        compile_calls(layers, workload, ctx.device)
     # 1. one FSDP group per transformer layer (or its Recomputed wrapper), in
     #    execution order
     for module in modules:
@@ -348,9 +367,7 @@ def build_ddp(ctx: DistContext, workload: Workload) -> Engine:
     # with compile, each transformer layer's call is compiled, as in FSDP2 above;
     # DDP's hooks are on the parameters' gradients, outside the compiled graphs
     if workload.compile:
-        for layer in layers:
-            if isinstance(layer, TransformerLayer):
-                layer.compile(backend=default_compile_backend(ctx.device))
+        compile_calls(layers, workload, ctx.device)
     model = DistributedDataParallel(
         NeoXChain(*with_recompute(layers, workload)),
         device_ids=[ctx.device] if ctx.device.type == "cuda" else None,

@@ -118,3 +118,18 @@ def test_compile_needs_a_warmup_step():
     """The first step compiles; timing it would count the compilation."""
     with pytest.raises(SystemExit, match="--warmup"):
         bench_run.parse_args(["--compile", "--warmup", "0"])
+
+
+def test_peer_layers_compiled_with_their_rotary_entry_made():
+    """`module.compile()` traces the pre-hook too, so the peers' builders make
+    the tables' entry before compiling: the compiled call then reads it."""
+    from labml_zero.neox.model import TransformerLayer, build_layers
+
+    workload = three_layers()
+    layers = build_layers(workload.model)
+    baselines.compile_calls(layers, workload, torch.device("cpu"))
+    transformer = [m for m in layers if isinstance(m, TransformerLayer)]
+    assert len(transformer) == 3
+    tables = transformer[0].attention.rotary_tables
+    assert all(m.attention.rotary_tables is tables for m in transformer)
+    assert tables.keys() == [(workload.seq, torch.device("cpu"), torch.bfloat16)]

@@ -36,12 +36,14 @@ twin on the meta device (the model's `plain_launches`).
   chunked loss keeps one chunk's fp32 logits, {{py:
   (neox_model.ModelKernels().loss_chunk_rows * neox_model.pythia_1_4b().n_vocab
   * 4 / 2**20) | .0f}} MiB (`chunked_readout_loss`).
-* **`rotary`**: angles, rotations and re-assembly in one compiled function
-  (`rotary_qk`), where the plain path is {{py: neox_model.plain_launches('rotary',
-  neox_model.pythia_1_4b())}} launches per layer forward: $q$ and $k$ rotated
-  together, with angle tables that the model builds once for all layers
-  ({{py: neox_model.plain_launches('rotary_tables', neox_model.pythia_1_4b())}}
-  launches, the model's `RotaryTables`).
+* **`rotary`**: the rotation of q and k, the plain path's formula compiled
+  into one pass over both (`rotary.apply_rotary_fused`), where the plain path
+  is {{py: neox_model.plain_launches('rotary', neox_model.pythia_1_4b())}}
+  launches per layer forward. Both read the angle tables that the model builds
+  once for all layers ({{py: neox_model.plain_launches('rotary_tables',
+  neox_model.pythia_1_4b())}} launches, the model's `RotaryTables`), so the
+  pass moves bytes and computes no cosine; it lives on the
+  [rotary page](rotary.html), beside the formula it compiles.
 * **`norms`**: both layer norms of the parallel residual read $x$ once and
   compute its mean and variance once (`two_layer_norms`).
 * **`bias_gelu`**: the bias and the GELU in one pass after the product, their
@@ -342,45 +344,6 @@ def chunked_readout_loss(x: torch.Tensor, weight: torch.Tensor,
     return ChunkedReadoutLoss.apply(x2, weight, t, chunk_rows)
 
 
-# ## Rotary embeddings, fused
-
-
-def rotary_qk(q: torch.Tensor, k: torch.Tensor, rotary_dim: int, base: float
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""
-    ### Rotate the first $d_r$ dimensions of $q$ and $k$ `[B, n_h, T, d_h]`
-
-    The model's `rotary_cos_sin` and `apply_rotary` written as one function,
-    so that, compiled, the angles, both rotations and the concatenation with
-    the unrotated dimensions are one pass over $q$ and $k$. Per head and
-    position the plain path reads or writes the $d_r$ rotated elements of each
-    ten times (two products, a negation, a concatenation, a sum) and all $d_h$
-    twice (the last concatenation), the fused pass only the $d_h$ twice: {{py:
-    (10 * neox_model.pythia_1_4b().rotary_dim * 2 * 8 * 2048
-    * neox_model.pythia_1_4b().n_heads * 2 / 2**20) | .0f}} MiB fewer per layer
-    forward for Pythia-1.4B's step.
-    """
-    T = q.shape[-2]
-    # [d_r / 2] fp32: θ_i = b^(-2i / d_r)
-    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, device=q.device,
-                                           dtype=torch.float32) / rotary_dim)
-    angles = torch.outer(torch.arange(T, device=q.device, dtype=torch.float32),
-                         inv_freq)  # [T, d_r / 2]
-    angles = torch.cat([angles, angles], dim=-1)  # [T, d_r]
-    cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-        x1, x2 = x_rot.chunk(2, dim=-1)
-        x_rot = x_rot * cos + torch.cat([-x2, x1], dim=-1) * sin
-        return torch.cat([x_rot, x_pass], dim=-1)
-
-    return rotate(q), rotate(k)
-
-
-rotary_qk_fused = on_gpu_compiled(rotary_qk)
-
-
 # ## Both layer norms of the parallel residual
 
 
@@ -489,12 +452,6 @@ def up_plain(x: torch.Tensor, linear: nn.Linear, approximate: str) -> torch.Tens
 
 def up_fused(x: torch.Tensor, linear: nn.Linear, approximate: str) -> torch.Tensor:
     return linear_bias_gelu_fused(x, linear.weight, linear.bias, approximate)
-
-
-def rotary_fused(q: torch.Tensor, k: torch.Tensor, config
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`config` a `NeoXConfig`; its ints go in, so the kernel is specialised."""
-    return rotary_qk_fused(q, k, config.rotary_dim, float(config.rotary_base))
 
 
 # ## Attention backends

@@ -53,6 +53,7 @@ from labml_zero.neox.rotary import (  # noqa: F401
     RotaryTables,
     apply_rotary,
     rotary_cos_sin,
+    rotary_fused,
     rotary_joint_fused,
     rotary_joint_plain,
     rotary_plain,
@@ -303,6 +304,28 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config, kernels=kernels, **factory)
         # both norms of x in one pass, or each LayerNorm module in turn
         self.norms = K.norms_fused if kernels.norms else K.norms_plain
+        if config.rotary_dim > 0:
+            self.register_forward_pre_hook(TransformerLayer.prepare_rotary_tables)
+
+    def prepare_rotary_tables(self, args: tuple) -> None:
+        """
+        #### The rotary tables' entry, made before the forward
+
+        A forward pre-hook runs in `nn.Module.__call__`, outside the forward
+        that `compile_layers` compiles, so the tables exist before Dynamo
+        traces the attention's lookup, which then reads them as graph inputs
+        (the [rotary page](rotary.html), `RotaryTables`). The dtype is the one
+        the QKV product will have: autocast's where it is on, else the weight's.
+        """
+        if torch.compiler.is_compiling():
+            return  # traced with the whole call: the lookup computes in the graph
+        x = args[0]
+        device_type = x.device.type
+        autocast = (torch.amp.is_autocast_available(device_type)
+                    and torch.is_autocast_enabled(device_type))
+        dtype = (torch.get_autocast_dtype(device_type) if autocast
+                 else self.attention.query_key_value.weight.dtype)
+        self.attention.rotary_tables.prepare(x.shape[-2], x.device, dtype)
 
     def reset_parameters(self):
         _init_like_hf(self, self.config.init_std)

@@ -14,7 +14,8 @@ position. The angles are a table (`rotary_cos_sin`) that depends on the
 position and the config, not on the layer, so one `RotaryTables` serves every
 layer of a model, and the rotation of q and k is one pass over both. The
 [model](model.html) calls it from its attention; the [fused
-kernels](kernels.html) have a compiled twin (`rotary_fused`).
+kernels](kernels.html) choose between the plain rotation and its compiled
+twin (`rotary_joint_fused`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from labml_zero.neox import kernels as K
 from labml_zero.neox.config import NeoXConfig
 
 __all__ = ["rotary_cos_sin", "rotary_table_bytes", "RotaryTables", "rotate_half",
-           "apply_rotary", "rotary_joint_plain", "rotary_joint_fused",
-           "rotary_plain"]
+           "apply_rotary", "apply_rotary_fused", "rotary_joint_plain",
+           "rotary_joint_fused", "rotary_plain", "rotary_fused"]
 
 
 def rotary_cos_sin(n_positions: int, config: NeoXConfig, *,
@@ -106,8 +107,18 @@ class RotaryTables:
     * The tables are built outside `torch.inference_mode` and without
       gradients, so a table first built while sampling is an ordinary tensor
       that a later training step may save for backward.
-    * Under `torch.compile` the angles are computed inline, in the compiled
-      graph, so it reads no Python dict and puts no guard on one.
+    * Under `torch.compile` Dynamo traces the lookup itself: the tables of an
+      entry that exists are inputs of the compiled graph, so a compiled layer
+      reads them, as an eager one does, instead of computing $\cos$ and
+      $\sin$ again for every element of q and k (Inductor would fuse the
+      angles into the rotation's pass, a transcendental per element)
+      (tested: tests/neox/test_rotary.py::test_compiled_layers_read_the_tables).
+      The entry must exist before the graph is traced: `TransformerLayer`
+      makes it in a forward pre-hook, which runs outside a compiled forward.
+      A miss while compiling computes the tables in the graph and stores
+      nothing: a compiled graph must not change what the next trace sees, or
+      a recomputed forward (activation checkpointing) would run another graph
+      than the forward it replays, with other saved tensors.
     """
 
     def __init__(self, config: NeoXConfig, max_entries: int = 4):
@@ -119,22 +130,29 @@ class RotaryTables:
     def __call__(self, n_positions: int, device: torch.device,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         r"""$\cos$, $\sin$, each `[n_positions, d_r]` of `dtype` on `device`."""
-        if torch.compiler.is_compiling():
-            return rotary_cos_sin(n_positions, self.config, device=device,
-                                  dtype=dtype)
         key = (n_positions, torch.device(device), dtype)
         tables = self._tables.get(key)
+        compiling = torch.compiler.is_compiling()
         if tables is None:
             # inference_mode(False) alone would turn gradients on: no_grad after
             with torch.inference_mode(False), torch.no_grad():
                 tables = rotary_cos_sin(n_positions, self.config, device=device,
                                         dtype=dtype)
+            if compiling:
+                return tables  # the graph's own: it changes nothing outside
             self._tables[key] = tables
             while len(self._tables) > self.max_entries:
                 self._tables.popitem(last=False)  # the least recently used
-        else:
+        elif not compiling:
             self._tables.move_to_end(key)
         return tables
+
+    def prepare(self, n_positions: int, device: torch.device,
+                dtype: torch.dtype) -> None:
+        """Make the entry a later call reads (from the layer's forward
+        pre-hook, `TransformerLayer.prepare_rotary_tables`, outside compiled
+        code)."""
+        self(n_positions, device, dtype)
 
     def keys(self) -> list[tuple[int, torch.device, torch.dtype]]:
         """The `(T, device, dtype)` held, least recently used first."""
@@ -158,6 +176,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     x_rot, x_pass = x[..., :d_r], x[..., d_r:]
     x_rot = x_rot * cos + rotate_half(x_rot) * sin  # [..., T, d_r]
     return torch.cat([x_rot, x_pass], dim=-1)
+
+
+# The fused twin: `apply_rotary` compiled (on CUDA tensors; the function
+# itself elsewhere). Inductor writes the products, the sum and both
+# concatenations as one pass that reads each element of q and k once, with
+# `cos` and `sin` read from the model's tables. Why the tables are an input,
+# not computed in the kernel: there the angle $m b^{-2i/d_r}$, a cosine and a
+# sine would be evaluated for every element of q and k, $B n_h$ times per
+# table entry, and the pass would be bound by the GPU's transcendental units
+# instead of by the bytes it moves.
+apply_rotary_fused = K.on_gpu_compiled(apply_rotary)
 
 
 # ### Rotating q and k in one pass
@@ -184,20 +213,26 @@ def rotary_joint_plain(qk: torch.Tensor, config: NeoXConfig,
 
 def rotary_joint_fused(qk: torch.Tensor, config: NeoXConfig,
                        tables: RotaryTables) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused kernel on the same view; it computes its own angles."""
-    q, k = qk.unbind(0)  # [B, n_h, T, d_h] each, strided views of the QKV output
-    return K.rotary_fused(q, k, config)
+    """The same formula on the same view and tables, compiled into one pass."""
+    cos, sin = tables(qk.shape[-2], qk.device, qk.dtype)  # each [T, d_r]
+    return apply_rotary_fused(qk, cos, sin).unbind(0)
 
 
 def rotary_plain(q: torch.Tensor, k: torch.Tensor, config: NeoXConfig,
                  tables: RotaryTables | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """
-    The plain twin of `kernels.rotary_fused`, for q and k `[B, n_h, T, d_h]`
-    given apart: stacked (a copy that `Attention`, holding them as one view,
-    does without), then rotated together. Without `tables` it computes the
-    angles itself.
+    The plain rotation for q and k `[B, n_h, T, d_h]` given apart: stacked (a
+    copy that `Attention`, holding them as one view, does without), then
+    rotated together. Without `tables` it computes the angles itself.
     """
-    if tables is None:
-        tables = RotaryTables(config, max_entries=1)
-    return rotary_joint_plain(torch.stack([q, k]), config, tables)
+    return rotary_joint_plain(torch.stack([q, k]), config,
+                              tables or RotaryTables(config, max_entries=1))
+
+
+def rotary_fused(q: torch.Tensor, k: torch.Tensor, config: NeoXConfig,
+                 tables: RotaryTables | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_plain`'s fused twin: the same stack, then `rotary_joint_fused`."""
+    return rotary_joint_fused(torch.stack([q, k]), config,
+                              tables or RotaryTables(config, max_entries=1))

@@ -87,7 +87,7 @@ def reference_attention(attention, x):
     return attention.dense(y.transpose(1, 2).reshape(B, T, d))
 
 
-def model_qk(qkv_out, config, tables):
+def model_qk(qkv_out, config, tables, rotate=M.rotary_joint_plain):
     """q and k as `Attention.forward` makes them."""
     B, T, _ = qkv_out.shape
     qkv = qkv_out.view(B, T, config.n_heads, 3, config.head_dim)
@@ -95,7 +95,7 @@ def model_qk(qkv_out, config, tables):
     qk = qk.permute(3, 0, 2, 1, 4)
     if config.rotary_dim == 0:
         return qk.unbind(0)
-    return M.rotary_joint_plain(qk, config, tables)
+    return rotate(qk, config, tables)
 
 
 def outputs_and_grads(fn, inputs, grads):
@@ -169,33 +169,16 @@ def test_rotary_plain_twin_is_the_rotation_of_each(dtype):
         assert_equal_bits(got, want)
 
 
-def test_layouts_attention_receives(monkeypatch):
-    """Plain: q and k contiguous, the two halves of one tensor (the layout the
-    attention output inherits). Fused: the same strided views of the QKV output
-    as split apart, so the compiled kernel sees the inputs it always did."""
+def test_layouts_attention_receives():
+    """Plain and fused alike: q and k contiguous, the two halves of one tensor
+    (the layout the attention output inherits)."""
     config = CONFIGS["d64"]
     qkv_out = torch.randn(2, 9, 3 * config.d_model)
-    q, k = model_qk(qkv_out, config, M.RotaryTables(config))
-    assert q.is_contiguous() and k.is_contiguous()
-    assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
-    assert k.storage_offset() == q.numel()
-
-    seen = []
-
-    def spy(q, k, config):
-        seen.append((q, k))
-        return q, k
-
-    B, T = 2, 9
-    qk, _ = qkv_out.view(B, T, config.n_heads, 3, config.head_dim).split([2, 1], 3)
-    monkeypatch.setattr(K, "rotary_fused", spy)
-    M.rotary_joint_fused(qk.permute(3, 0, 2, 1, 4), config, None)
-    (fused_q, fused_k), = seen
-    ref_q, ref_k, _ = reference_split(qkv_out, config)
-    for got, want in ((fused_q, ref_q), (fused_k, ref_k)):
-        assert (got.shape, got.stride(), got.storage_offset()) == (
-            want.shape, want.stride(), want.storage_offset())
-        assert got.data_ptr() == want.data_ptr()
+    for rotate in (M.rotary_joint_plain, M.rotary_joint_fused):
+        q, k = model_qk(qkv_out, config, M.RotaryTables(config), rotate)
+        assert q.is_contiguous() and k.is_contiguous()
+        assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+        assert k.storage_offset() == q.numel()
 
 
 def test_model_with_fused_rotary_still_matches_plain():
@@ -382,33 +365,73 @@ def test_entries_per_device_and_dtype_and_only_the_latest_kept():
     assert tables.keys() == [(8, meta, torch.float32), (9, cpu, torch.float32)]
 
 
-def test_compiling_computes_inline(monkeypatch):
-    """Under `torch.compile` the dict is neither read nor written."""
-    config = CONFIGS["d64"]
-    tables = M.RotaryTables(config)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    cos, sin = tables(7, torch.device("cpu"), torch.float32)
-    assert tables.keys() == []
-    want = reference_cos_sin(7, config, torch.device("cpu"), torch.float32)
-    assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+def graph_ops(layer, x) -> tuple[set[str], list]:
+    """The ops of the graph Dynamo captures for `layer(x)`, in one graph, and
+    the output."""
+    ops = set()
+
+    def backend(gm, example_inputs):
+        ops.update(str(node.target) for node in gm.graph.nodes
+                   if node.op in ("call_function", "call_method"))
+        return gm.forward
+
+    torch._dynamo.reset()
+    return ops, torch.compile(layer, backend=backend, fullgraph=True)(x)
 
 
-def test_compiled_layers_match_eager_without_a_cache_entry():
-    """Dynamo traces the layer's forward, tables call included, in one graph."""
+def test_compiled_layers_read_the_tables():
+    """With an entry in the dict, a compiled layer reads its tables: no cosine
+    or sine in the graph, the same output as eager, the entry reused."""
     config = CONFIGS["d64"]
     torch.manual_seed(0)
-    layers = M.build_layers(config)
+    layer = M.build_layers(config)[1]
     x = torch.randn(2, 12, config.d_model)
-    want = [layer(x) for layer in layers[1:3]]
-    eager_keys = layers[1].attention.rotary_tables.keys()
-    layers[1].attention.rotary_tables._tables.clear()
+    want = layer(x)
+    entry = layer.attention.rotary_tables(12, x.device, x.dtype)
+    ops, got = graph_ops(layer, x)
+    assert not any("cos" in op or "sin" in op for op in ops)
+    assert torch.equal(got, want)
+    assert layer.attention.rotary_tables(12, x.device, x.dtype) is entry
+
+
+def test_a_miss_while_compiling_stores_nothing():
+    """A miss under compilation computes the tables in the graph and leaves
+    the dict as it was, so the next trace is the same graph."""
+    config = CONFIGS["d64"]
+    torch.manual_seed(0)
+    layer = M.build_layers(config)[1]
+    x = torch.randn(2, 12, config.d_model)
+    want = layer(x)
+    tables = layer.attention.rotary_tables
+    tables._tables.clear()
+    ops, got = graph_ops(layer.forward, x)  # the forward alone: no pre-hook
+    assert any("cos" in op for op in ops)
+    assert torch.equal(got, want)
+    assert tables.keys() == []
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_compiled_forward_finds_its_entry_made(autocast):
+    """`compile_layers` compiles a layer's forward; its pre-hook makes the
+    entry first, in the dtype of the QKV product, so the graph reads it."""
+    config = CONFIGS["d64"]
+    torch.manual_seed(0)
+    layer = M.build_layers(config)[1]
+    layer.attention.rotary_tables._tables.clear()
+    x = torch.randn(2, 12, config.d_model)
+    ops = set()
+
+    def backend(gm, example_inputs):
+        ops.update(str(n.target) for n in gm.graph.nodes)
+        return gm.forward
+
     torch._dynamo.reset()
-    got = [torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
-           for layer in layers[1:3]]
-    assert eager_keys == [(12, torch.device("cpu"), torch.float32)]
-    assert layers[1].attention.rotary_tables.keys() == []
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
+    layer.forward = torch.compile(layer.forward, backend=backend, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        layer(x)
+    dtype = torch.bfloat16 if autocast else torch.float32
+    assert layer.attention.rotary_tables.keys() == [(12, torch.device("cpu"), dtype)]
+    assert not any("cos" in op or "sin" in op for op in ops)
 
 
 def test_table_bytes_are_the_tensors_bytes():
