@@ -321,7 +321,9 @@ def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
     full set of the table again for this one layer (its input is the one already
     kept). labml_zero's engine checkpoints every unit, the final norm and the
     readout too, which then keep their inputs ($2nd$ bytes each) instead of what
-    they would save.
+    they would save; only a readout that is given the targets and returns the
+    loss runs without (`Zero3Sequential.forward` says why), and this page counts
+    the readout that returns the logits.
     """
     _check(config, batch, seq, dtype_bytes)
     trains, _ = _trainable(config, finetune, lora_rank, lora_targets)
@@ -342,7 +344,8 @@ def readout_loss_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: st
     ### Bytes of the final norm, the readout and the fp32 cross-entropy
 
     * `checkpointing`: the final norm and the readout are recomputed too (as
-      labml_zero's engine does), so each keeps its input, $2nd$ bytes.
+      labml_zero's engine does with a readout that returns the logits), so each
+      keeps its input, $2nd$ bytes.
     * `logits_held`: the caller keeps the bf16 logits until backward is done,
       as the benchmark and the fine-tune do.
 

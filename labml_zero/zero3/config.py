@@ -69,7 +69,8 @@ class ZeroConfig:
     them (`torch.utils.checkpoint`, non-reentrant): activation memory falls from
     every layer's to one layer's, for one more forward per layer. The recompute
     finds the layer's chunks already gathered, so it costs no communication.
-    Applies to `Zero3Sequential`; with `shard_model`, checkpoint in the model.
+    Applies to `Zero3Sequential` (all its layers but a loss head, a last layer
+    given the targets); with `shard_model`, checkpoint in the model.
     """
 
     side_streams: bool = True

@@ -323,7 +323,16 @@ class Zero3Sequential(ShardedRoot):
         for i, layer in enumerate(self.layers):
             # the last layer also takes `last_args` (a loss head's targets)
             args = (x, *last_args) if i == last else (x,)
-            if recompute:
+            # Recomputation frees what a layer saves for the time between its
+            # forward and its backward, while the layers after it run. A last
+            # layer given `last_args` is a loss head: its output is the loss,
+            # so its backward is the first thing the backward pass runs and
+            # nothing is allocated between the two. Recomputing it would lower
+            # no peak and only run its forward twice (for a head that computes
+            # its gradients in the forward pass, as the fused readout loss
+            # does, every one of its matrix products twice).
+            head = i == last and bool(last_args)
+            if recompute and not head:
                 x = checkpoint(layer, *args, use_reentrant=False)
             else:
                 x = layer(*args)

@@ -106,6 +106,61 @@ def test_accumulation_and_activation_checkpointing(world_size):
         assert r["ac_diff"] <= VALUE_ERROR
 
 
+class LossHead(nn.Linear):
+    """The readout of `tiny_layers` that, given the targets, returns the loss."""
+
+    def forward(self, x, y=None):
+        out = super().forward(x)
+        return out if y is None else nn.functional.mse_loss(out, y)
+
+
+def head_layers() -> list[nn.Module]:
+    layers = tiny_layers()
+    head = LossHead(13, 5)
+    head.load_state_dict(layers[-1].state_dict())
+    return layers[:-1] + [head]
+
+
+def forward_calls(model) -> list[int]:
+    """Counts, per layer, the forward calls that follow (recomputations too).
+
+    A pre-hook: a recomputation stops once it has what backward needs, before
+    the forward hooks would run."""
+    calls = [0] * len(model.layers)
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_pre_hook(
+            lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    return calls
+
+
+def recomputing_a_loss_head(ctx):
+    x, y = my_rows(ctx, 0)
+    plain = sharded(ctx, layers=head_layers())
+    loss_of(plain, x, y).backward()
+    out = {}
+    for given in ("targets", "no_targets"):
+        model = sharded(ctx, layers=head_layers(), activation_checkpointing=True)
+        calls = forward_calls(model)
+        loss = model(x, y) if given == "targets" else loss_of(model, x, y)
+        loss.backward()
+        out[given] = {"calls": list(calls), "diff": max(
+            (a - b).abs().max().item() for a, b in zip(grads(plain), grads(model)))}
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_a_loss_head_is_not_recomputed(world_size):
+    """Under activation checkpointing every layer runs its forward twice but
+    a last layer given the targets, whose output is the loss; the gradients
+    are the plain ones. Without the targets the last layer is recomputed too."""
+    for r in run_distributed(recomputing_a_loss_head, world_size):
+        assert r["targets"]["calls"] == [2, 2, 2, 2, 1]
+        assert r["no_targets"]["calls"] == [2, 2, 2, 2, 2]
+        assert r["targets"]["diff"] <= VALUE_ERROR
+        assert r["no_targets"]["diff"] <= VALUE_ERROR
+
+
 def clipping_and_overflow(ctx):
     out = {}
     layers = tiny_layers()
