@@ -39,6 +39,11 @@ def grads(model) -> list[torch.Tensor]:
     return [LocalShard.of(s).grad.clone() for s in model.get_trainable_chunk()]
 
 
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """The largest elementwise difference between two lists of gradients."""
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
 def my_rows(ctx, step: int, n_micro: int = 1):
     """This rank's rows of a global batch of n_micro micro-batches."""
     x, y = batch(step, ROWS * ctx.world_size * n_micro)
@@ -83,9 +88,7 @@ def accumulation_and_checkpointing(ctx):
         loss_of(model, x, y).backward()
         counts.append(model.runtime.comm.counter.calls["all_gather"])
     out["gathers"] = counts
-    out["ac_diff"] = max(
-        (a - b).abs().max().item() for a, b in zip(grads(plain), grads(recomputed))
-    )
+    out["ac_diff"] = max_diff(grads(plain), grads(recomputed))
     return out
 
 
@@ -95,9 +98,7 @@ def test_accumulation_and_activation_checkpointing(world_size):
     # one rank too: its first reduction may skip the buffer, not a later one
     for r in run_distributed(accumulation_and_checkpointing, world_size):
         # k micro-batches with accumulation equal one batch k times larger
-        diff = max(
-            (a - b).abs().max().item() for a, b in zip(r["big"], r["accumulated"])
-        )
+        diff = max_diff(r["big"], r["accumulated"])
         assert diff <= VALUE_ERROR, diff
         # ... with a single reduce-scatter per trainable chunk per step
         assert r["reduce_calls"] == r["trainable_chunks"]
@@ -143,8 +144,8 @@ def recomputing_a_loss_head(ctx):
         calls = forward_calls(model)
         loss = model(x, y) if given == "targets" else loss_of(model, x, y)
         loss.backward()
-        out[given] = {"calls": list(calls), "diff": max(
-            (a - b).abs().max().item() for a, b in zip(grads(plain), grads(model)))}
+        out[given] = {"calls": list(calls),
+                      "diff": max_diff(grads(plain), grads(model))}
     return out
 
 
