@@ -55,6 +55,28 @@ import torch
 from labml_zero.zero3.communication import OnStream, current_cuda_stream
 
 
+def update_threads(share: int) -> int:
+    """
+    ## The host update's intra-op threads
+
+    The rank's share of the cores but one, for the thread that runs the
+    backward pass beside it (see Note: threads of the host update); at least
+    one.
+    """
+    return max(1, share - 1)
+
+
+def _use_threads(count: int) -> None:
+    """
+    The worker thread's initializer: its own kernels split over `count`
+    threads. OpenMP keeps the count per calling thread; torch sets a thread's
+    count from the process's at the thread's first parallel kernel, so that
+    first kernel (`get_num_threads`) runs before the count is set.
+    """
+    torch.get_num_threads()
+    torch.set_num_threads(count)
+
+
 class GradVersion:
     """
     ## Which gradient, at which version
@@ -146,8 +168,16 @@ class HostOffload:
         self.uploads_queued = False
         # One worker: the updates run in the order their gradients came (see
         # Note: threads of the host update).
-        self.worker = (ThreadPoolExecutor(1, thread_name_prefix="adam-host")
-                       if worker else None)
+        self.worker = None
+        if worker:
+            share = torch.get_num_threads()
+            self.worker = ThreadPoolExecutor(
+                1, thread_name_prefix="adam-host", initializer=_use_threads,
+                initargs=(update_threads(share),))
+            # the initializer runs with the first task: run it now, then give
+            # this thread (and threads made later) the rank's share back
+            self.worker.submit(lambda: None).result()
+            torch.set_num_threads(share)
 
     ### Down
 
@@ -246,13 +276,24 @@ class HostOffload:
         The CPU kernels split each shard over torch's intra-op threads. Every
         rank is its own process and by default takes one thread per core, so
         $N_d$ ranks on one host oversubscribe the cores $N_d$ times over; give
-        each `torch.set_num_threads(cores // ranks_per_host)`. The update is
-        memory-bound, so more threads than the memory channels can feed buy
-        little. For an update during the backward pass
+        each `torch.set_num_threads(cores // ranks_per_host)`, its share. The
+        update is memory-bound, so more threads than the memory channels can
+        feed buy little. For an update during the backward pass
         (`AdamFP16(update_during_backward=True)`) this one worker thread runs
-        the host updates in the order the gradients came, while the main
-        thread goes on launching the backward pass (PyTorch's CPU kernels
+        the host updates in the order the gradients came, while another
+        thread goes on running the backward pass (PyTorch's CPU kernels
         release the GIL).
+
+        That thread needs a core of its own, so the worker's kernels take
+        one thread fewer than the share (`update_threads`). On a GPU it is
+        always runnable: it waits for the device by spinning (CUDA's default
+        for a launch into a full queue and for a synchronisation), and it
+        runs the hooks and the recomputed forward passes. An intra-op kernel
+        splits its elements evenly over its threads and ends when the last
+        one does, so if the update took every core, the thread that shares
+        its core with the backward pass's would run at half speed and hold
+        the whole update up to twice as long; one thread fewer costs at most
+        $1/\text{share}$ of its speed, less where memory bandwidth bounds it.
         """
         assert self.worker is not None, "built without a worker"
         return self.worker.submit(update)

@@ -10,6 +10,7 @@ for masters and moments, and one rounding step of the shard dtype for shards.
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -168,6 +169,27 @@ def test_update_during_backward_is_the_same_update(dtype):
         for key in ("master", "exp_avg", "exp_avg_sq"):
             assert_same(after_opt.state[a][key], during_opt.state[b][key])
         assert after_opt.state[a]["step"] == during_opt.state[b]["step"] == 5
+
+
+def test_the_host_update_leaves_a_core_to_the_backward_pass():
+    # the worker's kernels take the rank's share of the cores but one; the
+    # thread that built it, and threads made later, keep the share
+    from labml_zero.optimizers.host_offload import HostOffload, update_threads
+
+    share = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        offload = HostOffload([], worker=True)
+        assert offload.submit(torch.get_num_threads).result() == 2
+        assert torch.get_num_threads() == 3
+        later = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert later == [3]
+    finally:
+        torch.set_num_threads(share)
+    assert [update_threads(n) for n in (1, 2, 16)] == [1, 1, 15]
 
 
 def test_update_during_backward_refuses_a_gradient_changed_after():
