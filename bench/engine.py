@@ -377,7 +377,6 @@ def report_placement(decided: AutoPlacement, shards: list[ShardSpec],
         offloaded_chunks=len(decided.placement.optimizer_on_host),
         offloaded_fraction=offloaded / max(trainable, 1),
         predicted_peak=decided.predicted_peak,
-        probe_peaks=decided.probe_peaks,
         host_link_bytes={"down": decided.traffic.down, "up": decided.traffic.up},
         resident_chunks=len(decided.placement.resident),
     )

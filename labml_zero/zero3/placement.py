@@ -374,16 +374,11 @@ class AutoPlacement(NamedTuple):
     * `placement`: the chunks whose optimizer state goes to the host.
     * `predicted_peak`: device bytes at the step's peak under it.
     * `traffic`: host-link bytes per step.
-    * `probe_peaks`: the allocated-bytes peaks of the probe's two passes,
-      the first and the measured one
-      ([`first_step_placement`](placement_probe.html) runs both), for the
-      report; `None` when the caller gave the numbers.
     """
 
     placement: Placement
     predicted_peak: int
     traffic: OffloadTraffic
-    probe_peaks: tuple[int, int] | None = None
 
 
 def auto_placement(

@@ -33,7 +33,7 @@ under-offload by that much and the first real step would run out of memory.
 
 * `first_step_placement` predicts the peak from one step; a job whose memory
   use varies (longer sequences later) needs a larger `margin`.
-* The probe's micro-batches cost two steps' compute, spent before training.
+* The probe's micro-batches cost one step's compute, spent before training.
 """
 
 from __future__ import annotations
@@ -105,16 +105,15 @@ def first_step_placement(
     resident: bool = True,
 ) -> AutoPlacement:
     r"""
-    ## The automatic placement, from a measured forward and backward
+    ## The automatic placement, from one measured forward and backward
 
     Call it after building the model and before building the optimizer:
 
     1. `forward_backward()` runs one step's forward and backward passes, all
-       its micro-batches as the step runs them (`accumulated_step`), twice,
-       and the peak of allocated bytes of each pass is measured (see Note:
-       why the probe runs twice);
-    2. the gradients each pass left are cleared: the probe trains nothing,
-       the step then runs again with the optimizer;
+       its micro-batches as the step runs them (`accumulated_step`); its peak
+       of allocated bytes is measured;
+    2. the gradients it left are cleared: the probe trains nothing, the step
+       then runs again with the optimizer;
     3. the fp32 `master_init` copies still on the shards are taken off the
        peak (they become the masters, which `auto_placement` counts in $K_d$),
        and `auto_placement` picks the chunks to offload.
@@ -131,19 +130,6 @@ def first_step_placement(
     Then `apply_placement(model, result.placement)` and
     `AdamFP16(model.get_trainable_chunk(), ...,
     offload=result.placement.optimizer_offload(shard_specs(model)))`.
-
-    #### Note: why the probe runs twice
-
-    The first pass of a model does what no later pass does: compiled kernels
-    (the model's [fused kernels](../neox/kernels.html)) are compiled and tuned
-    at their first call, which benchmarks candidate kernels on scratch copies
-    of their arguments, and libraries allocate their workspaces. Those bytes
-    are gone before the first training step, yet they count in the first
-    pass's peak; a placement decided from it would offload more optimizer
-    state than the step needs, and every chunk too many is host work in every
-    step. So the decision stands on the second pass's peak, the step's, and
-    both peaks are kept for the report (`probe_peaks`). The price is
-    one more forward and backward before training.
 
     #### The decision for the benchmark's capability job
 
@@ -179,9 +165,6 @@ def first_step_placement(
         raise ValueError(f"first_step_placement on {device.type} needs "
                          "measure_peak and device_capacity (no allocator "
                          "statistics there)")
-    # see Note: why the probe runs twice
-    first_pass_peak = measure_peak(forward_backward)
-    model.zero_grad()
     peak = measure_peak(forward_backward)
     shards = model.get_trainable_chunk()
     master_bytes = sum(c.local.master_init_nbytes() for c in model.chunks)
@@ -191,12 +174,11 @@ def first_step_placement(
     if margin is None:
         margin = device_capacity // 20
     param_bytes = shards[0].element_size() if shards else 2
-    decided = auto_placement(shard_specs(model), device_capacity=device_capacity,
-                             measured_peak_other=max(peak - master_bytes, 0),
-                             margin=margin, param_bytes=param_bytes,
-                             resident_world_size=(model.runtime.comm.world_size
-                                                  if resident else None))
-    return decided._replace(probe_peaks=(first_pass_peak, peak))
+    return auto_placement(shard_specs(model), device_capacity=device_capacity,
+                          measured_peak_other=max(peak - master_bytes, 0),
+                          margin=margin, param_bytes=param_bytes,
+                          resident_world_size=(model.runtime.comm.world_size
+                                               if resident else None))
 
 
 def apply_placement(model, placement: Placement) -> None:

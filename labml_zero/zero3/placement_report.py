@@ -94,10 +94,6 @@ def decision_lines(decided: AutoPlacement, shards: Sequence[ShardSpec]
         f"  predicted peaks: device {s.device_peak / GIB:.2f} GiB, host model "
         f"states {s.host_states / GIB:.2f} GiB (plus the process's own memory)",
     ]
-    if decided.probe_peaks is not None:
-        first, measured = decided.probe_peaks
-        lines.append(f"  probe peaks: {first / GIB:.2f} GiB in its first pass "
-                     f"(first calls), {measured / GIB:.2f} GiB in the measured one")
     if decided.placement.resident:
         lines.append(f"  frozen chunks kept gathered: "
                      f"{len(decided.placement.resident)}")
