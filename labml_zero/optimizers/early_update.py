@@ -63,20 +63,13 @@ class EarlyUpdate:
     found_inf: torch.Tensor | None = None
 
     def flag_non_finite(self, grad: torch.Tensor) -> torch.Tensor:
-        r"""
-        #### `found_inf`: 0-dim fp32, one when `grad` has an inf or a nan
-
-        The largest $|g|$, $m$, is non-finite exactly then (a nan propagates
-        through the max): one read of the gradient, no temporary, where
-        `isfinite(g).all()` also writes and reads a bool copy. Then
-        $0 \cdot m$ is $0$ for a finite $m$ and nan for an infinite or nan
-        one, which `nan_to_num_` turns into the flag's one: two more kernels
-        on a 0-dim tensor, where `isfinite`, `~` and a cast to fp32 are three.
-        (tested: tests/optimizers/test_early_update.py::test_non_finite_flag)
         """
-        # 0-dim fp32, the dtype the fused kernel's flag must have
-        largest = torch.linalg.vector_norm(grad, float("inf"), dtype=torch.float32)
-        self.found_inf = largest.mul_(0.0).nan_to_num_(nan=1.0)
+        #### `found_inf` of `grad`, as its home gives it
+
+        Computed now on the device (`non_finite_flag`), or, for an offloaded
+        shard, the flag that came down with the gradient.
+        """
+        self.found_inf = self.home.found_inf(grad)
         return self.found_inf
 
 

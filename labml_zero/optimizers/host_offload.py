@@ -55,6 +55,30 @@ import torch
 from labml_zero.zero3.communication import OnStream, current_cuda_stream
 
 
+def non_finite_flag(grad: torch.Tensor) -> torch.Tensor:
+    r"""
+    ## `found_inf`: 0-dim fp32, one when `grad` has an inf or a nan
+
+    An update during the backward pass skips a non-finite gradient (see the
+    [early updates](early_update.html)); this is its flag. The largest
+    $|g|$, $m$, is non-finite exactly then (a nan propagates through the
+    max): one read of the gradient, no temporary, where `isfinite(g).all()`
+    also writes and reads a bool copy. Then $0 \cdot m$ is $0$ for a finite
+    $m$ and nan for an infinite or nan one, which `nan_to_num_` turns into
+    the flag's one: two more kernels on a 0-dim tensor, where `isfinite`, `~`
+    and a cast to fp32 are three.
+    (tested: tests/optimizers/test_early_update.py::test_non_finite_flag)
+
+    For an offloaded shard it is computed on the device, beside the copy
+    down (`HostOffload.copy_down`): there the read is a fraction of a
+    millisecond of the GPU's bandwidth, where on the host it would be one
+    more pass over the gradient in the host's update, the step's bottleneck.
+    """
+    # 0-dim fp32, the dtype the fused kernel's flag must have
+    largest = torch.linalg.vector_norm(grad, float("inf"), dtype=torch.float32)
+    return largest.mul_(0.0).nan_to_num_(nan=1.0)
+
+
 def update_threads(share: int) -> int:
     """
     ## The host update's intra-op threads
@@ -105,12 +129,15 @@ class HostShard:
     * `grad_ready`: event after the copy down (`None` on CPU, or none queued).
     * `uploaded`: event after the copy up; the next copy down waits for it.
     * `copied`: which gradient, at which version, `staging` holds.
+    * `found_inf`: `[]` fp32 on the host, pinned like `staging`: the
+      `non_finite_flag` of the gradient `staging` holds, copied down with it.
     """
 
     def __init__(self, param: torch.Tensor, *, pin: bool):
         # [S] fp32 on the host
         self.staging = torch.empty(param.numel(), dtype=torch.float32,
                                    pin_memory=pin)
+        self.found_inf = torch.zeros((), dtype=torch.float32, pin_memory=pin)
         self.grad_ready: torch.cuda.Event | None = None
         self.uploaded: torch.cuda.Event | None = None
         self.copied: GradVersion | None = None
@@ -194,6 +221,7 @@ class HostOffload:
         host.copied = None
         if self.down_stream is None:
             host.staging.copy_(grad)
+            host.found_inf.copy_(non_finite_flag(grad))
             host.copied = GradVersion(grad)
             return
         stream = self.down_stream
@@ -204,6 +232,9 @@ class HostOffload:
             stream.wait_event(host.uploaded)
         with OnStream(stream):
             host.staging.copy_(grad, non_blocking=True)
+            # the flag on the device, down with the gradient (see
+            # `non_finite_flag`); the temporary is this stream's
+            host.found_inf.copy_(non_finite_flag(grad), non_blocking=True)
         # the compute stream may free the gradient (zero_grad) while it is copied
         grad.record_stream(stream)
         host.grad_ready = torch.cuda.Event()
@@ -214,6 +245,8 @@ class HostOffload:
                   grad: torch.Tensor | None) -> torch.Tensor:
         """
         ### `[S]` fp32 gradient on the host, once its copy down has landed
+
+        Its flag, `host.found_inf`, has landed with it.
 
         Copies `grad` down first when the staging buffer does not hold it as
         it is now (not copied yet, or changed in place since). `grad=None`:

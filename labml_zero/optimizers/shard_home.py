@@ -40,7 +40,7 @@ import torch
 
 from labml_zero.zero3.shard import LocalShard, grad_device
 
-from .host_offload import HostOffload, HostShard
+from .host_offload import HostOffload, HostShard, non_finite_flag
 
 # the two moments, named as in `torch.optim.AdamW`'s state, so that a state
 # dict reads the same
@@ -57,6 +57,8 @@ class ShardHome:
 
     Set by each kind, once:
 
+    * `found_inf(grad)`: the non-finite flag of the gradient the update
+      reads, for an update during the backward pass;
     * `skip_in_kernel`: the fused kernel, when the optimizer uses it, may
       skip a non-finite gradient where the state is (a flag it reads, no host
       sync);
@@ -133,6 +135,11 @@ class DeviceHome(ShardHome):
         """Nothing to move: the update reads the gradient where it is."""
 
     @staticmethod
+    def found_inf(grad: torch.Tensor) -> torch.Tensor:
+        """The non-finite flag of `grad`, on its device, no host sync."""
+        return non_finite_flag(grad)
+
+    @staticmethod
     def gradients(homes: list[DeviceHome]) -> list[torch.Tensor | None]:
         return [home.gradient() for home in homes]
 
@@ -159,7 +166,8 @@ class HostHome(ShardHome):
     """
 
     copies_gradient = True
-    # the host update checks its gradient on the host, where that is free
+    # the host update reads its flag on the host, where that is free (the
+    # flag came down with the gradient)
     skip_in_kernel = False
 
     def __init__(self, param: torch.Tensor, group_index: int, *,
@@ -192,6 +200,12 @@ class HostHome(ShardHome):
     def grad_ready(self, grad: torch.Tensor, *, after=None) -> None:
         """Start the copy down as soon as `after` (the reduce stream) wrote it."""
         self.offload.copy_down(self.staging, grad, after=after)
+
+    def found_inf(self, grad: torch.Tensor) -> torch.Tensor:
+        """The flag that came down with the host copy `grad` (after
+        `gradients`, which waits for both)."""
+        assert grad is self.staging.staging, "the flag of the host copy only"
+        return self.staging.found_inf
 
     @staticmethod
     def gradients(homes: list[HostHome]) -> list[torch.Tensor]:
