@@ -18,10 +18,11 @@ chunk keeps its states is the model's {{term: placement}}
 ([its page](../zero3/placement.html)).
 Per offloaded element and step:
 
-* **down** (device to host): the fp32 gradient, 4 bytes;
+* **down** (device to host): the fp32 gradient, 4 bytes, with its
+  non-finite flag computed on the device (`non_finite_flag`);
 * **the update** on the host: the same kernel as on the device
   (`torch._fused_adamw_` has a CPU implementation), spread over torch's
-  intra-op threads;
+  intra-op threads but one (`update_threads`);
 * **up** (host to device): the new master rounded on the host to the shard
   dtype, $p$ bytes (half the bytes of sending fp32 and casting on the device).
 
@@ -70,9 +71,10 @@ def non_finite_flag(grad: torch.Tensor) -> torch.Tensor:
     (tested: tests/optimizers/test_early_update.py::test_non_finite_flag)
 
     For an offloaded shard it is computed on the device, beside the copy
-    down (`HostOffload.copy_down`): there the read is a fraction of a
-    millisecond of the GPU's bandwidth, where on the host it would be one
-    more pass over the gradient in the host's update, the step's bottleneck.
+    down (`HostOffload.copy_down`): there it is one read of the gradient at
+    the device's bandwidth, beside the backward pass, where on the host it
+    would be one more pass over the gradient in the host's update, which
+    bounds a step with many offloaded elements.
     """
     # 0-dim fp32, the dtype the fused kernel's flag must have
     largest = torch.linalg.vector_norm(grad, float("inf"), dtype=torch.float32)
