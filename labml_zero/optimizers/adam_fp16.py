@@ -391,7 +391,8 @@ class AdamFP16(torch.optim.Optimizer):
             if early is not None:
                 found_inf = early.flag_non_finite(grads[0])
                 if not (self.fused and lead.skip_in_kernel):
-                    # host sync on a GPU (foreach); on the host, a host check
+                    # host sync on a GPU (foreach); on the host, the flag
+                    # that came down with the gradient is read
                     if found_inf.item():
                         return
                     found_inf = None

@@ -246,7 +246,8 @@ class EarlyUpdates:
         skipped on every rank (the [loss scaler](grad_scaler.html)'s contract). So an
         early update first checks its gradient: the fused kernel takes a `found_inf`
         flag computed on the device from the gradient (no host sync) and leaves master,
-        moments and shard untouched when it is set; the host update checks on the host.
+        moments and shard untouched when it is set; the host update reads the flag that
+        came down with its gradient (computed on the device, `non_finite_flag`).
         On the host `step()` then raises at once; on a GPU the flags are copied to the
         host behind the backward pass and read at the next `step()` or `shard_state()`
         (so before any checkpoint holds the step). It raises naming the shards whose
