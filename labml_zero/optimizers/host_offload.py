@@ -321,9 +321,10 @@ class HostOffload:
 
         That thread needs a core of its own, so the worker's kernels take
         one thread fewer than the share (`update_threads`). On a GPU it is
-        always runnable: it waits for the device by spinning (CUDA's default
-        for a launch into a full queue and for a synchronisation), and it
-        runs the hooks and the recomputed forward passes. An intra-op kernel
+        always runnable: it runs the hooks and the recomputed forward passes,
+        and it waits for the device (a launch into a full queue, a
+        synchronisation) by spinning, CUDA's default scheduling where the
+        host has more cores than GPUs in use. An intra-op kernel
         splits its elements evenly over its threads and ends when the last
         one does, so if the update took every core, the thread that shares
         its core with the backward pass's would run at half speed and hold
