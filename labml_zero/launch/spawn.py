@@ -112,6 +112,28 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
     raise Interrupted(signum)
 
 
+def report_unless_interrupted(report_failure: Callable[[], int]) -> int:
+    """
+    #### A failed rank's report, which the launcher may cut short
+
+    `report_failure()` reports this rank's failure and returns its exit
+    status. Once a rank fails, the launcher ends the others, so an echo's
+    report (its collective failed because the cause's rank went) may be
+    interrupted by that `SIGTERM`. The rank then ends quietly with the
+    signal's status, as it would have before it failed, instead of letting
+    `Interrupted` escape the handler with a second traceback that hides the
+    cause's. Once reported, the rank ignores those signals: it is exiting.
+    """
+    try:
+        status = report_failure()
+    except Interrupted as stop:
+        status = stop.exit_status
+    # the rank ends now: a later signal could only interrupt its exit
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    return status
+
+
 @dataclass(frozen=True)
 class DistContext:
     """
@@ -202,9 +224,13 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, backend: str,
         status = stop.exit_status
     except BaseException as error:
         if not (isinstance(error, SystemExit) and error.code in (None, 0)):
-            # Reported before this process closes its connections: before any echo.
-            shared.send(report(rank, error))
-            status = 1
+            def report_failure() -> int:
+                # Reported before this process closes its connections: before
+                # any echo.
+                shared.send(report(rank, error))
+                return 1
+
+            status = report_unless_interrupted(report_failure)
     end_rank(status)
 
 
@@ -389,18 +415,28 @@ def run_torchrun(
         sys.stdout.flush()
         os._exit(stop.exit_status)
     except Exception as error:
-        if not speak_once(wait_s=30.0):
-            # the hang watchdog spoke first and is ending the process
-            os._exit(1)
-        sent = report(rank, error)
-        if sent["echo"]:  # its traceback would only hide the cause's
-            line = (f"rank {rank} stopped: another rank failed or is gone: "
-                    f"{shorten(sent['line'])}")
-            print(line, file=sys.stderr, flush=True)
-        else:
-            line = f"rank {rank} failed: {sent['line']}"
-            print(f"{sent['traceback']}{line}", file=sys.stderr, flush=True)
-        tell_torchrun(line, line if sent["echo"] else sent["traceback"],
-                      echo=sent["echo"])
+        status = report_unless_interrupted(lambda: _torchrun_report(rank, error))
         sys.stdout.flush()
-        os._exit(1)
+        os._exit(status)
+
+
+def _torchrun_report(rank: int, error: Exception) -> int:
+    """
+    #### A torchrun rank's failure: its traceback and one line, or an echo's line
+
+    Returns the exit status, 1.
+    """
+    if not speak_once(wait_s=30.0):
+        # the hang watchdog spoke first and is ending the process
+        return 1
+    sent = report(rank, error)
+    if sent["echo"]:  # its traceback would only hide the cause's
+        line = (f"rank {rank} stopped: another rank failed or is gone: "
+                f"{shorten(sent['line'])}")
+        print(line, file=sys.stderr, flush=True)
+    else:
+        line = f"rank {rank} failed: {sent['line']}"
+        print(f"{sent['traceback']}{line}", file=sys.stderr, flush=True)
+    tell_torchrun(line, line if sent["echo"] else sent["traceback"],
+                  echo=sent["echo"])
+    return 1
