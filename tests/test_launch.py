@@ -266,12 +266,18 @@ def start_job(tmp: Path, *, ignore_sigint: bool = False,
     """The launcher in its own process, once both ranks are training."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
-    def ignore() -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    def dispositions() -> None:
+        # the launcher keeps a signal its parent ignored ignored (as under
+        # nohup, which a test runner may be started with): each test starts
+        # it from the default ones, or with SIGINT ignored
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
+        if ignore_sigint:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     job = subprocess.Popen([sys.executable, "-c", JOB, str(tmp)], env=env,
                            stderr=subprocess.PIPE, text=True,
-                           preexec_fn=ignore if ignore_sigint else None,
+                           preexec_fn=dispositions,
                            start_new_session=new_session)
     deadline = time.monotonic() + 90
     while not all((tmp / f"pid{r}").exists() for r in (0, 1)):
