@@ -107,6 +107,7 @@ from labml_zero.neox.activation_memory import activation_bytes
 from labml_zero.neox.model import TransformerLayer, build_layers
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.communication import CommCounter
+from labml_zero.zero3.graphed_step import GraphedStep
 from labml_zero.zero3.placement import (
     AutoPlacement,
     Placement,
@@ -125,7 +126,7 @@ from labml_zero.zero3.memory_model import (
     zero_model_states,
 )
 
-from .workloads import Workload
+from .workloads import GRAPH_WARMUP, Workload
 
 LEARNING_RATE = 1e-4
 WEIGHT_DECAY = 0.01
@@ -277,8 +278,12 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
 
     # peer memory's device bytes that the allocator's peaks may miss
     peers = model.transports.peer_memory
+    step = zero_step(model, built.optimizer)
+    if workload.cuda_graph:
+        step = GraphedStep(step, built.optimizer, warmup=GRAPH_WARMUP,
+                           counter=model.runtime.comm.counter)
     return Engine(
-        step=zero_step(model, built.optimizer),
+        step=step,
         memory_model=memory,
         memory_formula="(2+4+12)·Ψt/N + 2·Ψf/N; layout = same with padding; "
         "gathered_peak = bf16 chunks of 1 + prefetch_depth units; "

@@ -49,6 +49,11 @@ in FSDP2 and DDP ([baselines](baselines.html)); every line says `"compiled"`,
 and DeepSpeed is skipped. The compilation happens in the first step, so it needs
 `--warmup` of at least 1 to stay out of the timing.
 
+`--cuda-graph` records labml_zero's whole step as one CUDA graph after its
+warm-up and replays it ([the step as one CUDA
+graph](../labml_zero/zero3/graphed_step.html)); the other engines run eagerly,
+and the line says `"cuda_graph"`. On CPU the step's twin re-runs it.
+
 `--tiny` shrinks every workload to two layers of width 64 so that the whole
 matrix runs in seconds: on CPU (gloo, two processes, `--cpu` where GPUs exist)
 it is the smoke test; on the GPUs it is a dry run of every code path, NCCL
@@ -82,7 +87,7 @@ from labml_zero import launch
 from labml_zero.neox.kernels import ATTENTION_BACKENDS, ModelKernels
 
 from .host_memory import HostMemoryWatch, exit_on_exhausted, rss_peak
-from .workloads import Workload, mfu, shrink, workloads
+from .workloads import GRAPH_WARMUP, Workload, mfu, shrink, workloads
 
 ENGINES = ("labml_zero", "fsdp2", "ddp", "deepspeed")
 # the engines whose builders honour `workload.compile`
@@ -308,6 +313,7 @@ def describe(engine: str, workload: Workload, world_size: int, backend: str) -> 
         "seq": workload.seq,
         "finetune": workload.finetune,
         "compiled": workload.compile,
+        "cuda_graph": workload.cuda_graph and engine == "labml_zero",
         "prefetch_depth": workload.prefetch_depth,
         "peer_gather": workload.peer_gather,
         "peer_reduce": workload.peer_reduce,
@@ -443,6 +449,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile each transformer layer "
                         f"({', '.join(COMPILED_ENGINES)}; others are skipped)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="labml_zero replays its whole step as one CUDA graph "
+                        f"(needs --warmup >= {GRAPH_WARMUP + 1}: "
+                        f"{GRAPH_WARMUP} eager steps, then the capture)")
     parser.add_argument("--prefetch-depth", type=int, default=1,
                         help="labml_zero's units gathered ahead (default 1)")
     parser.add_argument("--peer-gather", action="store_true",
@@ -482,6 +492,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batch_list = [None] if args.batch is None else split_batches(args.batch)
     if args.compile and args.warmup < 1:
         raise SystemExit("--compile needs --warmup >= 1: the first step compiles")
+    if args.cuda_graph and args.warmup < GRAPH_WARMUP + 1:
+        raise SystemExit(f"--cuda-graph needs --warmup >= {GRAPH_WARMUP + 1}: "
+                         f"{GRAPH_WARMUP} eager steps, then the capture")
     if args.prefetch_depth < 0:
         raise SystemExit(f"--prefetch-depth must be >= 0, got {args.prefetch_depth}")
     try:
@@ -560,6 +573,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name, batch, engine in pairs:
         workload = shrink(known[name]) if args.tiny else known[name]
         workload = replace(workload, compile=args.compile,
+                           cuda_graph=args.cuda_graph,
                            prefetch_depth=args.prefetch_depth,
                            peer_gather=args.peer_gather,
                            peer_reduce=args.peer_reduce,

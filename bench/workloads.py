@@ -80,6 +80,9 @@ from labml_zero.neox.model import (
 PEAK_FLOPS_BF16 = 790e12
 
 FINETUNES = ("all", "biases")
+# eager steps of a `cuda_graph` workload before its step is recorded: the
+# optimizer's state, NCCL's communicators and the prefetch order exist by then
+GRAPH_WARMUP = 2
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,11 @@ class Workload:
     """Compile each transformer layer with `torch.compile` (`--compile`); the
     embedding, final norm and readout stay eager. Each engine says how in its
     builder ([ours](engine.html), [FSDP2](baselines.html))."""
+    cuda_graph: bool = False
+    """labml_zero records its whole step as one CUDA graph after the warm-up and
+    replays it (`--cuda-graph`, [the step as one CUDA
+    graph](../labml_zero/zero3/graphed_step.html)); the other engines run
+    eagerly."""
     prefetch_depth: int = 1
     """labml_zero's prefetch depth, the units gathered ahead of the one that
     computes (`--prefetch-depth`); the other engines keep their own."""

@@ -10,14 +10,15 @@ Every measured figure of the site comes from the benchmark's JSON lines in
 `bench/results/` (one line per engine and workload, written by
 `python -m bench.run --out FILE`; `bench/README.md` describes the fields). This
 module reads them all and keeps, for each *configuration* (workload, engine,
-compiled or not, number of GPUs, sequences per GPU), the **latest** line: files are
+compiled or not, number of GPUs, sequences per GPU, the step replayed as a CUDA
+graph or not), the **latest** line: files are
 ordered by the date in their name, then by their run number, and lines within a file
 by their position, so a later measurement of the same configuration replaces an
 earlier one. Lines without a `status` (loss curves, probes) are not measurements of
 a step and are skipped.
 
 A note inserts a figure with `{{bench: W2 labml_zero tokens_per_s}}`, adding
-`compiled`, `gpus=1` and/or `batch=8` to pick another configuration (`batch=`
+`compiled`, `graph`, `gpus=1` and/or `batch=8` to pick another configuration (`batch=`
 is needed only where one configuration was measured at several batch sizes);
 the figure links to its row here, so each number exists once and says where it
 comes from.
@@ -53,11 +54,13 @@ class Key:
     gpus: int
     batch: int
     """Sequences per GPU (`batch_per_gpu`)."""
+    graphed: bool = False
+    """labml_zero's whole step replayed as one CUDA graph (`cuda_graph`)."""
 
     @property
     def anchor(self) -> str:
         tail = (("-compiled" if self.compiled else "") + f"-{self.gpus}gpu"
-                + f"-b{self.batch}")
+                + f"-b{self.batch}" + ("-graph" if self.graphed else ""))
         return f"result-{self.workload}-{self.engine}{tail}".lower()
 
 
@@ -95,12 +98,13 @@ def load_results(root: Path) -> dict[Key, Measurement]:
                 continue
             key = Key(line["workload"], line["engine"], bool(line.get("compiled")),
                       int(line.get("world_size") or 1),
-                      int(line.get("batch_per_gpu") or 0))
+                      int(line.get("batch_per_gpu") or 0),
+                      bool(line.get("cuda_graph")))
             latest[key] = Measurement(key, line, path.name, date)
     order = {w: i for i, w in enumerate(("labml_zero", "fsdp2", "ddp", "deepspeed"))}
     return dict(sorted(latest.items(), key=lambda kv: (
         kv[0].workload, kv[0].gpus, kv[0].compiled, kv[0].batch,
-        order.get(kv[0].engine, 9), kv[0].engine)))
+        order.get(kv[0].engine, 9), kv[0].engine, kv[0].graphed)))
 
 
 def command(m: Measurement) -> str:
@@ -116,6 +120,8 @@ def command(m: Measurement) -> str:
         parts.append(f"--batch {m.key.batch}")
     if m.key.compiled:
         parts.append("--compile")
+    if m.key.graphed:
+        parts.append("--cuda-graph")
     if m.key.engine == "labml_zero" and line.get("prefetch_depth", 1) != 1:
         parts.append(f"--prefetch-depth {line['prefetch_depth']}")
     if m.key.engine == "labml_zero" and line.get("peer_gather"):
@@ -127,8 +133,8 @@ def command(m: Measurement) -> str:
 
 def lookup(results: dict[Key, Measurement], spec: str) -> tuple[str, Key]:
     """
-    `W2 labml_zero [compiled] [gpus=N] [batch=B] FIELD` -> (formatted value, its
-    key).
+    `W2 labml_zero [compiled] [graph] [gpus=N] [batch=B] FIELD` -> (formatted
+    value, its key).
 
     Raises `BuildError` for an unknown field or a configuration never measured.
     """
@@ -137,26 +143,27 @@ def lookup(results: dict[Key, Measurement], spec: str) -> tuple[str, Key]:
         raise BuildError(f"bench directive {spec!r}: write WORKLOAD ENGINE FIELD")
     workload, engine, *mods, name = words
     compiled = "compiled" in mods
+    graphed = "graph" in mods
     gpus, batch = 2, None
     for mod in mods:
         if mod.startswith("gpus="):
             gpus = int(mod[5:])
         elif mod.startswith("batch="):
             batch = int(mod[6:])
-        elif mod != "compiled":
+        elif mod not in ("compiled", "graph"):
             raise BuildError(f"bench directive {spec!r}: unknown word {mod!r}")
     if name not in FIELDS:
         raise BuildError(f"bench directive {spec!r}: field {name!r} is not one of "
                          f"{', '.join(FIELDS)}")
     batches = sorted(k.batch for k in results
-                     if (k.workload, k.engine, k.compiled, k.gpus)
-                     == (workload, engine, compiled, gpus))
+                     if (k.workload, k.engine, k.compiled, k.gpus, k.graphed)
+                     == (workload, engine, compiled, gpus, graphed))
     if batch is None and len(batches) > 1:
         raise BuildError(f"bench directive {spec!r}: measured at batch sizes "
                          f"{batches}; add batch=B")
     if batch is None:
         batch = batches[0] if batches else 0
-    key = Key(workload, engine, compiled, gpus, batch)
+    key = Key(workload, engine, compiled, gpus, batch, graphed)
     m = results.get(key)
     if m is None or m.line.get("status") != "ok":
         raise BuildError(f"bench directive {spec!r}: no successful measurement of "
@@ -207,6 +214,8 @@ def results_markdown(results: dict[Key, Measurement]) -> str:
             settings.append("peer reduce")
         if line.get("prefetch_depth", 1) != 1:
             settings.append(f"prefetch depth {line['prefetch_depth']}")
+        if key.graphed:
+            settings.append("CUDA graph")
         gpus = f"{key.gpus} × {line.get('device') or 'GPU'}"
         anchor = f'<span id="{key.anchor}"></span>'
         shape = f"{key.batch} × {line.get('seq')}"

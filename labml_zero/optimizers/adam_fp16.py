@@ -76,7 +76,7 @@ and skips the step everywhere.
 
 ## Limitations
 
-* No AMSGrad, no `maximize`, no capturable (CUDA graph) mode.
+* No AMSGrad, no `maximize`.
 * With a loss scaler or clipping an early update is impossible (see Note:
   updating during the backward pass); passing
   the scale to the kernel (`grad_scale=`) instead would allow it.
@@ -92,6 +92,7 @@ import torch
 
 from labml_zero.zero3.communication import current_cuda_stream
 
+from .captured_update import CapturedUpdates
 from .early_update import EarlyUpdate, EarlyUpdates, NonFiniteGradient
 from .host_offload import HostShard
 from .shard_home import MOMENTS, ShardHome, add_group_homes, build_homes
@@ -170,6 +171,9 @@ class AdamFP16(torch.optim.Optimizer):
         # (step, 0-dim step tensor) per (device, stream): every shard updated
         # at that step there reads the same one, one fill a step, not a shard
         self._step_tensors: dict[tuple, tuple[int, torch.Tensor]] = {}
+        # set while the step is captured as a CUDA graph and replayed (see
+        # [the update inside a captured step](captured_update.html))
+        self.capture: CapturedUpdates | None = None
 
     def add_param_group(self, param_group: dict) -> None:
         """A group added after construction: its homes on the device."""
@@ -348,7 +352,7 @@ class AdamFP16(torch.optim.Optimizer):
                          if h.gradient() is not None and not started(h.param)])
         late_host = [h for h in self.homes.host
                      if h.gradient() is not None and not started(h.param)]
-        self.early_updates.finish(self.state)
+        self.early_updates.finish(self.state, capture=self.capture)
         # Last first: in backward their gradients were final first.
         for home in reversed(late_host):
             self._apply([home])
@@ -381,8 +385,13 @@ class AdamFP16(torch.optim.Optimizer):
         by_step: dict[int, list[ShardHome]] = {}
         for home in homes:
             state = self._state(home)
-            state["step"] += 1
-            by_step.setdefault(state["step"], []).append(home)
+            if self.capture is None:
+                state["step"] += 1
+                step = state["step"]
+            else:
+                # a captured step: its count as the graph will see it
+                step = self.capture.step_of(home.param, state)
+            by_step.setdefault(step, []).append(home)
         for step, same in by_step.items():
             states = [self.state[h.param] for h in same]
             masters = [s["master"] for s in states]
@@ -397,21 +406,26 @@ class AdamFP16(torch.optim.Optimizer):
                         return
                     found_inf = None
             self._kernel(masters, grads, [s["exp_avg"] for s in states],
-                         [s["exp_avg_sq"] for s in states], step, group,
-                         found_inf=found_inf)
+                         [s["exp_avg_sq"] for s in states], step,
+                         lead.group_index, found_inf=found_inf)
             lead.write_back(same, masters)
 
     def _kernel(self, masters, grads, exp_avgs, exp_avg_sqs, step: int,
-                group: dict, *, found_inf: torch.Tensor | None) -> None:
+                group_index: int, *, found_inf: torch.Tensor | None) -> None:
         """
         #### The update of master and moments, fused or with `foreach` kernels
 
-        The foreach sequence is `torch.optim.AdamW`'s foreach path.
+        The foreach sequence is `torch.optim.AdamW`'s foreach path. In a
+        captured step the fused kernel reads $t$ and $\\alpha$ from device
+        tensors ([the update inside a captured step](captured_update.html)).
         """
+        group = self.param_groups[group_index]
         lr, (beta1, beta2) = group["lr"], group["betas"]
         if self.fused:
             # The kernel reads the (already incremented) step from a tensor.
             steps = [self._step_tensor(m.device, step) for m in masters]
+            if self.capture is not None:
+                lr = self.capture.lr(group_index)
             torch._fused_adamw_(
                 masters, grads, exp_avgs, exp_avg_sqs, [], steps,
                 lr=lr, beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
@@ -436,6 +450,8 @@ class AdamFP16(torch.optim.Optimizer):
     def _step_tensor(self, device: torch.device, step: int) -> torch.Tensor:
         """The kernel only reads it, so shards of one step may share it."""
         stream = current_cuda_stream(device.index) if device.type == "cuda" else None
+        if self.capture is not None:
+            return self.capture.step_tensor(stream, step)
         held = self._step_tensors.get((device, stream))
         if held is None or held[0] != step:
             held = (step, torch.full((), float(step), device=device))

@@ -195,13 +195,17 @@ class EarlyUpdates:
                     "backward before step()?): use update_during_backward=False "
                     "with them")
 
-    def finish(self, state: dict, *, check_finite: bool = True) -> None:
+    def finish(self, state: dict, *, check_finite: bool = True,
+               capture=None) -> None:
         """
         #### Wait for the updates started during the backward pass
 
         `state` is the optimizer's, whose step counts a skipped update takes
         back. Then, see Note: a non-finite gradient in an early update. The
-        step's updates are over: `pending` is empty after.
+        step's updates are over: `pending` is empty after. While a step is
+        captured as a CUDA graph, `capture` (the optimizer's
+        [`CapturedUpdates`](captured_update.html)) keeps a GPU's flags: their
+        copy to the host is queued after each replay, not recorded in it.
         """
         pending, self.pending = self.pending, {}
         for early in pending.values():
@@ -224,7 +228,9 @@ class EarlyUpdates:
         for device in {f.device for _, f in flagged}:
             on = [(p, f) for p, f in flagged if f.device == device]
             flags = torch.stack([f for _, f in on])
-            if device.type == "cuda":
+            if device.type == "cuda" and capture is not None:
+                capture.hold_flags([p for p, _ in on], flags)
+            elif device.type == "cuda":
                 host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
                 host.copy_(flags, non_blocking=True)
                 event = torch.cuda.Event()

@@ -198,11 +198,19 @@ class SideStreamHolds:
 
     def drop_finished(self) -> None:
         held = self.held
-        while held and held[0][0].query():
-            held.popleft()
+        # While a step is captured as a CUDA graph its events cannot be
+        # queried; its held tensors wait for `drop_all` at the end of backward.
+        if held and not _capturing():
+            while held and held[0][0].query():
+                held.popleft()
 
     def drop_all(self) -> None:
         self.held.clear()
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 # Recent PyTorch releases rename `all_gather_into_tensor` and
