@@ -412,11 +412,11 @@ class AdamFP16(torch.optim.Optimizer):
 
     def _kernel(self, masters, grads, exp_avgs, exp_avg_sqs, step: int,
                 group_index: int, *, found_inf: torch.Tensor | None) -> None:
-        """
+        r"""
         #### The update of master and moments, fused or with `foreach` kernels
 
         The foreach sequence is `torch.optim.AdamW`'s foreach path. In a
-        captured step the fused kernel reads $t$ and $\\alpha$ from device
+        captured step the fused kernel reads $t$ and $\alpha$ from device
         tensors ([the update inside a captured step](captured_update.html)).
         """
         group = self.param_groups[group_index]

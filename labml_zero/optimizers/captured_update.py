@@ -111,7 +111,7 @@ class CapturedUpdates:
         return tensor
 
     def lr(self, group_index: int) -> torch.Tensor:
-        """$\\alpha$ of a group, as a device tensor the kernel reads."""
+        r"""$\alpha$ of a group, as a device tensor the kernel reads."""
         return self.lrs[group_index]
 
     def hold_flags(self, params: list, flags: torch.Tensor) -> None:

@@ -68,6 +68,9 @@ tests compare both with the plain step, bit for bit on CPU, and on a GPU when
   captured (each waits on the host, or recomputes under a random state the
   capture would have to own).
 * Collectives over NCCL only (gloo has no graphs); one device per process.
+* A capture that fails leaves CUDA's random number generator in its capture
+  state for the rest of the process (PyTorch cannot undo it): after
+  `CaptureFailed` the run ends, and is started again without the graph.
 """
 
 from __future__ import annotations
@@ -186,8 +189,12 @@ class GraphedStep:
                 "the training step could not be recorded as one CUDA graph "
                 f"({type(cause).__name__}: {_first_line(cause)}); a "
                 "step that waits on the host (.item(), a loss scaler, "
-                "printing a tensor) cannot be: train without the graph") from failure
+                "printing a tensor) cannot be: start the run again without "
+                "the graph") from failure
+        # the capture ran nothing: what it counted is what each replay runs,
+        # and the first replay (just below) is the first to run it
         self.counted = _difference(_counts(self.counter), before)
+        _restore(self.counter, before)
         capture.end_recording()
         return self._launch()
 
@@ -211,10 +218,10 @@ class GraphedStep:
         return self._launch()
 
     def _launch(self) -> torch.Tensor:
-        """
+        r"""
         ### One replay and its bookkeeping
 
-        Refill $\\alpha$ and $r$, replay (on a CPU: re-run), then the host's
+        Refill $\alpha$ and $r$, replay (on a CPU: re-run), then the host's
         bookkeeping: step counts, the flags of the last replay, the counter.
         A failure drops the graph: its step counts and flags no longer agree
         with the host's.
@@ -256,6 +263,16 @@ def _difference(after: CommCounter | None,
                          for new, old in ((after.calls, before.calls),
                                           (after.elements, before.elements),
                                           (after.bytes, before.bytes))))
+
+
+def _restore(counter: CommCounter | None, saved: CommCounter | None) -> None:
+    if counter is None:
+        return
+    for mine, theirs in ((counter.calls, saved.calls),
+                         (counter.elements, saved.elements),
+                         (counter.bytes, saved.bytes)):
+        mine.clear()
+        mine.update(theirs)
 
 
 def _add(counter: CommCounter | None, counted: CommCounter | None) -> None:
