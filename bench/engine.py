@@ -107,7 +107,7 @@ from labml_zero.neox.activation_memory import activation_bytes
 from labml_zero.neox.model import TransformerLayer, build_layers
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.communication import CommCounter
-from labml_zero.zero3.graphed_step import GraphedStep
+from labml_zero.optimizers.graphed_step import GraphedStep
 from labml_zero.zero3.placement import (
     AutoPlacement,
     Placement,

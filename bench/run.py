@@ -51,7 +51,7 @@ and DeepSpeed is skipped. The compilation happens in the first step, so it needs
 
 `--cuda-graph` records labml_zero's whole step as one CUDA graph after its
 warm-up and replays it ([the step as one CUDA
-graph](../labml_zero/zero3/graphed_step.html)); the other engines run eagerly,
+graph](../labml_zero/optimizers/graphed_step.html)); the other engines run eagerly,
 and the line says `"cuda_graph"`. On CPU the step's twin re-runs it.
 
 `--tiny` shrinks every workload to two layers of width 64 so that the whole

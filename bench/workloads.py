@@ -118,7 +118,7 @@ class Workload:
     cuda_graph: bool = False
     """labml_zero records its whole step as one CUDA graph after the warm-up and
     replays it (`--cuda-graph`, [the step as one CUDA
-    graph](../labml_zero/zero3/graphed_step.html)); the other engines run
+    graph](../labml_zero/optimizers/graphed_step.html)); the other engines run
     eagerly."""
     prefetch_depth: int = 1
     """labml_zero's prefetch depth, the units gathered ahead of the one that

@@ -33,5 +33,8 @@ device or host; [its state in host memory](host_offload.html), what
 `update_during_backward=` starts; then the training features that act on the
 shards' gradients: the global gradient norm for clipping (one all-reduce over
 the shards) and fp16's dynamic
-loss scale, whose overflow all ranks agree on.
+loss scale, whose overflow all ranks agree on; last,
+[the optimizer's captured updates](captured_update.html) and
+[the whole step as one CUDA graph](graphed_step.html), which replays forward,
+backward and update without the host.
 """

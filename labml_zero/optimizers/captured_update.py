@@ -9,7 +9,7 @@ summary: What AdamFP16 reads from device tensors instead of Python numbers while
 # The update inside a captured step
 
 This page deepens [AdamFP16](adam_fp16.html) for [the step as one CUDA
-graph](../zero3/graphed_step.html). A CUDA graph records the kernels a step
+graph](graphed_step.html). A CUDA graph records the kernels a step
 launches, with their arguments, once; a replay runs the same kernels on the same
 memory, and no Python code runs. Every argument that is a Python number is frozen
 at its value during the capture. Two of the update's arguments change from step
@@ -58,7 +58,7 @@ class CapturedUpdates:
     ## The optimizer's side of a captured step
 
     `param_groups` are the optimizer's; `device` the shards'. Made by
-    [`GraphedStep`](../zero3/graphed_step.html) just before its capture and
+    [`GraphedStep`](graphed_step.html) just before its capture and
     installed as `AdamFP16.capture`; everything here is read or refilled
     around each replay, never inside it.
     """

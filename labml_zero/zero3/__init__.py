@@ -11,8 +11,9 @@ The engine's overview is the first page of the core path,
 and its pages follow below in reading order: the configuration, the
 {{see: chunk layout}}, the chunk, [its gradients](chunk_grads.html) and
 [the shard](shard.html), communication and
-[its transports](transport.html), then {{see: placement}}, other transports, compiled
-layers and [the step as one CUDA graph](graphed_step.html). `ZeroConfig`, `shard_model`, `Zero3Sequential`, `save_checkpoint` and
+[its transports](transport.html), then {{see: placement}}, other transports and compiled
+layers. [The step as one CUDA graph](../optimizers/graphed_step.html) needs the
+optimizer's captured updates, so its page is with the optimizers'. `ZeroConfig`, `shard_model`, `Zero3Sequential`, `save_checkpoint` and
 `load_checkpoint` are re-exported here.
 """
 

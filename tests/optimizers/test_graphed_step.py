@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16, NonFiniteGradient
-from labml_zero.zero3.graphed_step import CaptureFailed, GraphedStep
+from labml_zero.optimizers.graphed_step import CaptureFailed, GraphedStep
 from tests.distributed import run_distributed
 from tests.optimizers.test_offload import DEVICE, assert_same
 
@@ -215,7 +215,7 @@ def test_a_host_sync_in_the_step_names_its_cause():
 
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
-        [sys.executable, "-c", "from tests.zero3.test_graphed_step import "
+        [sys.executable, "-c", "from tests.optimizers.test_graphed_step import "
          "record_a_step_with_a_host_sync as run; run()"],
         cwd=root, env={**os.environ, "LABML_ZERO_TEST_DEVICE": DEVICE.type},
         capture_output=True, text=True, timeout=300)

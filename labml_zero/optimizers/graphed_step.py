@@ -34,7 +34,7 @@ must be in device memory that the host refills before each replay:
 * the batch: each call copies it into the graph's own input tensor;
 * the learning rate and the step counts of the update: the optimizer reads them
   from device tensors while the step is recorded ([the update inside a captured
-  step](../optimizers/captured_update.html));
+  step](captured_update.html));
 * the loss: the graph writes it to its own output tensor, copied out for the
   caller.
 
@@ -75,16 +75,14 @@ tests compare both with the plain step, bit for bit on CPU, and on a GPU when
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-from labml_zero.optimizers.captured_update import CapturedUpdates
+from labml_zero.zero3.communication import CommCounter
 
-from .communication import CommCounter
-
-if TYPE_CHECKING:
-    from labml_zero.optimizers.adam_fp16 import AdamFP16
+from .adam_fp16 import AdamFP16
+from .captured_update import CapturedUpdates
 
 __all__ = ["GraphedStep", "CaptureFailed"]
 
@@ -110,7 +108,7 @@ class GraphedStep:
     """
 
     def __init__(self, step: Callable[[torch.Tensor], torch.Tensor],
-                 optimizer: "AdamFP16", *, warmup: int = 2,
+                 optimizer: AdamFP16, *, warmup: int = 2,
                  counter: CommCounter | None = None):
         if warmup < 1:
             raise ValueError(f"GraphedStep's warmup must be at least 1 (the "
