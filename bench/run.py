@@ -495,6 +495,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.cuda_graph and args.warmup < GRAPH_WARMUP + 1:
         raise SystemExit(f"--cuda-graph needs --warmup >= {GRAPH_WARMUP + 1}: "
                          f"{GRAPH_WARMUP} eager steps, then the capture")
+    # Recomputation is known before the start; a shard placed in host memory
+    # only once the placement has measured, and GraphedStep refuses it then.
+    recomputed = [name for name in args.workload_list
+                  if known[name].activation_checkpointing]
+    if args.cuda_graph and "labml_zero" in args.engine_list and recomputed:
+        raise SystemExit(f"--cuda-graph: workload {recomputed[0]} recomputes its "
+                         "activations, which the graph does not capture")
     if args.prefetch_depth < 0:
         raise SystemExit(f"--prefetch-depth must be >= 0, got {args.prefetch_depth}")
     try:

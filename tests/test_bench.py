@@ -282,3 +282,24 @@ def test_kernels_reach_every_engine_and_the_line(tmp_path):
         bench_run.main(["--tiny", "--cpu", "--kernels", "bogus"])
     with pytest.raises(SystemExit, match="attention"):
         bench_run.main(["--tiny", "--cpu", "--attention", "fastest"])
+
+
+@pytest.mark.distributed
+def test_cuda_graph_reaches_labml_zero_and_recomputation_is_refused():
+    """`--cuda-graph`: labml_zero's line says so and trains as the eager one (on
+    CPU the graph's twin re-runs the step); a workload that recomputes its
+    activations and too few warm-up steps are refused before anything starts."""
+    common = ["--tiny", "--cpu", "--workloads", "W4", "--engines", "labml_zero",
+              "--steps", "1", "--no-profile"]
+    eager, graphed = (bench_run.main(common + ["--warmup", "3"] + extra)[0]
+                      for extra in ([], ["--cuda-graph"]))
+    assert graphed["status"] == "ok" and graphed["cuda_graph"]
+    assert not eager["cuda_graph"]
+    # The same fp32 kernels on the same machine: a few units in the last place of
+    # the fourth step's loss at most, where a wrong update moves it by far more.
+    assert graphed["loss"] == pytest.approx(eager["loss"], rel=8 * 2.0 ** -23)
+    with pytest.raises(SystemExit, match="workload W2-1 recomputes"):
+        bench_run.main(["--tiny", "--cpu", "--workloads", "W4,W2-1",
+                        "--cuda-graph", "--warmup", "3"])
+    with pytest.raises(SystemExit, match="--cuda-graph needs --warmup >= 3"):
+        bench_run.main(common + ["--cuda-graph", "--warmup", "2"])
