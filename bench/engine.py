@@ -121,7 +121,7 @@ from labml_zero.zero3.memory_model import (
     MASTER_INIT_BYTES,
     OPTIMIZER_BYTES,
     PARAM_BYTES,
-    gathered_peak,
+    gathered_memory,
     layout_model_states,
     zero_model_states,
 )
@@ -258,7 +258,7 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         # (to their early update with free_grads): at most all of them at once
         "shard_grads": states - layout_model_states(layout,
                                                     **{**sizes, "grad_bytes": 0}),
-        "gathered_peak": gathered_peak(layout, config.prefetch_depth, PARAM_BYTES),
+        "gathered_peak": gathered_memory(layout, config.prefetch_depth, PARAM_BYTES),
     }
     info = {"chunk_numel": layout.chunk_numel,
             "chunks": len(model.chunks)}
@@ -286,7 +286,7 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         step=step,
         memory_model=memory,
         memory_formula="(2+4+12)·Ψt/N + 2·Ψf/N; layout = same with padding; "
-        "gathered_peak = bf16 chunks of 1 + prefetch_depth units; "
+        "gathered_peak = bf16 chunks of 1 + prefetch_depth units (none with one rank); "
         "predicted_peak = device states - shard grads + gathered_peak "
         "+ activations, or the automatic placement's own prediction",
         psi_trainable=psi_t,
@@ -306,7 +306,8 @@ def predicted_peak(workload: Workload, memory: dict) -> dict[str, int]:
     the model states on the device (from the layout) but the fp32 shard
     gradients, which exist only
     from their chunk's reduce-scatter on, the gathered chunks of $1 +$
-    prefetch units, and the activations alive then ([activation
+    prefetch units (none with one rank, whose full buffers are its shards),
+    and the activations alive then ([activation
     memory](../labml_zero/neox/activation_memory.html): every layer's saved
     tensors plus the readout's and the loss's peak). Eager PyTorch: compiled
     layers choose what they save themselves. With the automatic offload the

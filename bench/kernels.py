@@ -14,7 +14,7 @@ and sums the kernels' durations by *kind*, from their names, and by stream:
 * `matmul`: cuBLAS/CUTLASS matrix products, the $6N$ of the FLOPs;
 * `attention`: the fused attention kernels (forward and backward);
 * `optimizer`: the Adam kernels (fused, multi-tensor or ours);
-* `copy`: copies and casts (the world-1 "gather" and gradient casts are these);
+* `copy`: copies and casts (the gradient casts are these);
 * `collective`: NCCL kernels;
 * `other`: layer norms, GELU, the loss and every other elementwise kernel.
 

@@ -393,8 +393,10 @@
     const all = sum(shards.map(s => s.numel));
     const kDevice = p === 4 ? data.optimizer_bytes - 4 : data.optimizer_bytes;
     const sizes = groupNumels(layout);
-    const gathered = Math.max(peakWindowNumel(sizes, inputs.prefetch_depth, "forward", data),
-                              peakWindowNumel(sizes, inputs.prefetch_depth, "backward", data)) * p;
+    // one rank: the full buffers are the shards, nothing is gathered
+    const gathered = nD === 1 ? 0 :
+      Math.max(peakWindowNumel(sizes, inputs.prefetch_depth, "forward", data),
+               peakWindowNumel(sizes, inputs.prefetch_depth, "backward", data)) * p;
     const alone = nD === 1 && replicas === 1 && gR === 4;
     const gradBuffer = trainable && !alone ? largestGradBuffer(layout, gR) : 0;
     const accumulation = inputs.micro_batches > 1 ? totalNumel(layout, true) * gR : 0;
@@ -434,7 +436,7 @@
       gathered, grad_buffer: gradBuffer, accumulation, activations,
       offloaded_fraction: trainable ? offloaded / trainable : 0,
       peak, fits: peak <= inputs.device_bytes,
-      all_gather: fwd + bwd, reduce_scatter: alone ? 0 : rs,
+      all_gather: nD === 1 ? 0 : fwd + bwd, reduce_scatter: alone ? 0 : rs,
       all_reduce: interNumel * gR,
       wire_inside: ringWireBytes(fwd + bwd + rs, nD),
       wire_across: 2 * ringWireBytes(interNumel * gR, replicas),

@@ -30,7 +30,7 @@ $$M_{\text{peak}} = \max\left(M_{\text{dev}},\;
 
 with $M_{\text{dev}}$ the model states on the device (the parameter shards,
 the fp32 gradient shards $g\,S_t$, the optimizer state not on the host), $G$ the
-gathered chunks of the widest window (`gathered_peak`), $A$ the activations
+gathered chunks of the widest window (`gathered_memory`; none with one rank), $A$ the activations
 (`activation_bytes`, for every fine-tuner: LoRA's with each target's input and
 each adapter's $A x$ at its rank) and $B'$ the gradient buffers: the largest one
 (`largest_grad_buffer`), or under gradient accumulation all of them
@@ -63,9 +63,8 @@ from labml_zero.neox.model import NeoXConfig, build_layers, pythia_1_4b
 from labml_zero.zero3.chunk_layout import plan_chunks
 from labml_zero.zero3.config import ZeroConfig
 from labml_zero.zero3.hybrid_memory import hybrid_step_comm, hybrid_wire_bytes
-from labml_zero.zero3.memory_model import (BACKWARD, FORWARD, GRAD_BYTES,
-                                           accumulated_grad_buffers, gathered_peak,
-                                           largest_grad_buffer)
+from labml_zero.zero3.memory_model import (GRAD_BYTES, accumulated_grad_buffers,
+                                           gathered_memory, largest_grad_buffer)
 from labml_zero.zero3.placement import (ShardSpec, StaticPlacement,
                                         auto_placement, device_optimizer_bytes,
                                         offload_traffic, resident_bytes)
@@ -238,8 +237,7 @@ def budget(inputs: BudgetInputs) -> Budget:
     shards = [ShardSpec(layout.shard_numel(c), c.trainable) for c in layout.chunks]
     trainable = sum(s.numel for s in shards if s.trainable)
     k_device = device_optimizer_bytes(p)
-    gathered = max(gathered_peak(layout, inputs.prefetch_depth, p, phase=phase)
-                   for phase in (FORWARD, BACKWARD))
+    gathered = gathered_memory(layout, inputs.prefetch_depth, p)
     replicas = inputs.world_size // inputs.group_size
     # One rank and an fp32 reduction: the gradients are cast straight into the
     # shard, no buffer and no collective (the chunk's `reduce`).
@@ -294,8 +292,10 @@ def budget(inputs: BudgetInputs) -> Budget:
         offloaded_fraction=offloaded / trainable if trainable else 0.0,
         peak=peak,
         fits=peak <= inputs.device_bytes,
-        all_gather=comm.intra.forward_all_gather.nbytes
-        + comm.intra.backward_all_gather.nbytes,
+        # one rank: its full buffers are its shards, nothing is gathered
+        all_gather=0 if inputs.group_size == 1 else (
+            comm.intra.forward_all_gather.nbytes
+            + comm.intra.backward_all_gather.nbytes),
         reduce_scatter=0 if alone else comm.intra.reduce_scatter.nbytes,
         all_reduce=comm.inter.nbytes,
         wire_inside=inside, wire_across=across,

@@ -33,6 +33,18 @@ frees the memory while every view, saved or not, keeps its shape and offset;
 the all-gather fills with the same values. A view is only read while its chunk is
 gathered, which the [hooks](hooks.html) guarantee.
 
+## Note: one rank gathers nothing
+
+With one rank (one process, or hybrid sharding with groups of one) the shard is
+the whole chunk, $S = C$, and an all-gather would copy it into a second buffer
+of $C \cdot p$ bytes, twice a step under recomputation. So when that shard is
+on the device and gathered by the plain collective (`full_is_shard`), `full`
+*is* the shard: gathering and releasing only move the state, and the gathered
+window's memory and $2 C p$ bytes of copies per gather are saved. The
+optimizer's writes into the shard are ordered before the next read (see
+`gather`). A shard moved to the host (`offload_shard`) leaves the device memory
+to `full`, gathered into from then on as on $N_d$ ranks.
+
 ## Gradients
 
 A trainable chunk's gradients are an object of their own, `grads` (explained in
@@ -50,7 +62,7 @@ chunk has been reduced yet.
 | tensor | elements | bytes per element | when |
 |---|---|---|---|
 | the [local shard](shard.html) | $S$ each | $p$, 4, 4 | see its page |
-| `full` | $C$ | $p$ | while gathered |
+| `full` | $C$ | $p$ | while gathered (with one rank, none: it is the shard) |
 | `grads` | up to $C$ | $p$, then $g_r$ | see [its page](chunk_grads.html) |
 
 ## Limitations
@@ -71,7 +83,7 @@ from .chunk_grads import ChunkGrads
 from .chunk_layout import ChunkSpec
 from .communication import profiled
 from .shard import LocalShard
-from .transport import HostStagedGather, PeerGather, Transports
+from .transport import CollectiveGather, HostStagedGather, PeerGather, Transports
 
 
 class ChunkState(Enum):
@@ -187,8 +199,13 @@ class Chunk:
                                  reduce_dtype=reduce_dtype)
                       if self.trainable else None)
 
+        # One rank holds the whole chunk on its device ($S = C$): the full
+        # buffer *is* the shard, see Note: one rank gathers nothing.
+        self.full_is_shard = (comm.world_size == 1
+                              and isinstance(self.transport, CollectiveGather))
         # [C] param dtype; views into it replace the parameters' data.
-        self.full = torch.empty(self.numel, dtype=dtype, device=device)
+        self.full = (shard if self.full_is_shard
+                     else torch.empty(self.numel, dtype=dtype, device=device))
         # (position, new parameter) for meta parameters, which cannot take a real
         # tensor as `.data`: the owner module must swap in the new `nn.Parameter`
         self.replaced: list[tuple[int, nn.Parameter]] = []
@@ -211,7 +228,7 @@ class Chunk:
         # Free the full buffer's storage but keep the tensor, which the
         # parameters are views of (see Note: why storage resize).
         self._full_nbytes = self.full.untyped_storage().nbytes()
-        self.full.untyped_storage().resize_(0)
+        self._free_full()
         self.state = ChunkState.UNINITIALISED if on_meta else ChunkState.SHARDED
         self._gathered_event = None
         # The placement's decision (`keep_resident`; the placement is explained
@@ -268,7 +285,7 @@ class Chunk:
         """
         if self.state is not ChunkState.UNINITIALISED:
             return
-        self.full.untyped_storage().resize_(self._full_nbytes)
+        self._allocate_full()
         try:
             with torch.no_grad():
                 # padding stays zero, as in chunks built from real parameters
@@ -281,7 +298,7 @@ class Chunk:
                 if master_init is not None:
                     master_init.copy_(self.full[lo : lo + self.shard_numel])
         finally:
-            self.full.untyped_storage().resize_(0)
+            self._free_full()
         self.state = ChunkState.SHARDED
 
     def load_param(self, position: int, value: torch.Tensor) -> None:
@@ -323,6 +340,11 @@ class Chunk:
             return
         assert not self.is_gathered, "offload a shard between steps"
         self.local.move_to_host(pin=self.comm.device.type == "cuda")
+        if self.full_is_shard:
+            # the shard went to the host; the device memory the views still
+            # point to is the full buffer's now, gathered into like any other
+            self.full_is_shard = False
+            self._free_full()
         # the peer memory (if any) is let go; NCCL gathers a host shard
         self.transport.close()
         self.transport = HostStagedGather(self.comm, self.shard_offset)
@@ -358,11 +380,20 @@ class Chunk:
         # been written by a load); what it gathers is the caller's business
         if self.is_gathered:
             return
+        if self.full_is_shard:
+            # The views read the shard itself: nothing to allocate, copy or
+            # wait for. The optimizer writes it in place, before the compute
+            # stream's next read: `step()` runs on the compute stream, and an
+            # update during the backward pass starts after the chunk's last
+            # gradient and ends with the compute stream waiting for it.
+            self._gathered_event = None
+            self.state = ChunkState.GATHERING
+            return
         comm = self.comm
         compute = comm.current_stream()
         # Allocated on the compute stream, which is the only stream that reads it
         # or frees it; see Note: why storage resize.
-        self.full.untyped_storage().resize_(self._full_nbytes)
+        self._allocate_full()
         # gather stream waits: the optimizer may have just written the shard, and
         # the new storage may reuse memory the compute stream was still using.
         comm.wait(comm.gather_stream, compute)
@@ -391,8 +422,18 @@ class Chunk:
         # A prefetched chunk may never have been waited for: wait before freeing,
         # or the allocator could hand the memory out while the gather still writes.
         self.wait()
-        self.full.untyped_storage().resize_(0)
+        self._free_full()
         self.state = ChunkState.SHARDED
+
+    def _allocate_full(self) -> None:
+        """Give `full` its storage back (none to give when it is the shard)."""
+        if not self.full_is_shard:
+            self.full.untyped_storage().resize_(self._full_nbytes)
+
+    def _free_full(self) -> None:
+        """Take `full`'s storage away, unless it is the shard's."""
+        if not self.full_is_shard:
+            self.full.untyped_storage().resize_(0)
 
     def zero_grad(self) -> None:
         self.local.zero_grad()

@@ -369,9 +369,11 @@ class Communicator:
         self.counter.add("all_gather", full)
         if self.world_size == 1:
             # A shard group of one rank (one process, or hybrid sharding with
-            # $N_s = 1$): the all-gather is a copy, none when the shard already
-            # sits in `full` (the host-staged gather's in-place form). No
-            # collective call, whose host-side cost a small model feels.
+            # $N_s = 1$): a chunk whose full buffer is its shard never calls
+            # this (see [chunk](chunk.html), Note: one rank gathers nothing);
+            # the host-staged gather does, in place, and a copy is left for
+            # any other caller. No collective call, whose host-side cost a
+            # small model feels.
             if shard.data_ptr() != full.data_ptr():
                 full.copy_(shard)
             return

@@ -298,6 +298,24 @@ def gathered_peak(
     return peak_window_numel(sizes, prefetch_depth, phase=phase) * param_bytes
 
 
+def gathered_memory(layout: ChunkLayout, prefetch_depth: int, param_bytes: int) -> int:
+    r"""
+    ## What the gathered chunks add to a rank's memory
+
+    $G$ of `gathered_peak`, the larger of the two phases; $0$ with one rank
+    (or groups of one under hybrid sharding), whose full buffers are its shards (see
+    [chunk](chunk.html), Note: one rank gathers nothing), so its gathered
+    chunks are already counted with the shards. A parameter shard that a
+    placement puts in host memory (`param_on_host`, never chosen
+    automatically) is gathered into a buffer of its own on one rank too; this
+    counts none.
+    """
+    if layout.world_size == 1:
+        return 0
+    return max(gathered_peak(layout, prefetch_depth, param_bytes, phase=phase)
+               for phase in (FORWARD, BACKWARD))
+
+
 def peak_window_numel(
     group_numels: Sequence[int], prefetch_depth: int, *, phase: str = FORWARD
 ) -> int:

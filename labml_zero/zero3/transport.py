@@ -222,7 +222,8 @@ class Transports:
     * `comm`, the [communicator](communication.html) (its shard group, streams
       and counter);
     * `peer_memory`, the model's `PeerMemory`, or `None` (neither flag, or one
-      rank: with one rank a gather is a copy, nothing to read from a peer);
+      rank: with one rank nothing is gathered, the chunk's full buffer is its
+      shard);
     * `replicas`, the `ReplicaGroup`, or `None` without hybrid sharding;
     * `gathers_peers`: whether shards go into peer memory (`peer_gather`);
     * the one gather and the one reduction the chunks share, since neither
@@ -253,7 +254,8 @@ class Transports:
         A collective on every rank, in the same order (the replica groups, the
         peers' host check and run name), right after the communicator.
         """
-        # with one rank, peer memory would copy a shard onto itself
+        # with one rank there is no peer to read from: the chunk's full buffer is
+        # its shard
         many = comm.world_size > 1
         gathers, reduces = config.peer_gather and many, config.peer_reduce and many
         memory = PeerMemory(comm) if gathers or reduces else None

@@ -57,22 +57,29 @@ def train(ctx, dtype, param_fraction: float, steps: int = 4, resident=False):
     return {"losses": losses,
             "shards": [c.shard.detach().clone() for c in model.chunks],
             "on_host": on_host, "host_positions": sorted(placement.param_on_host),
+            "full_is_shard": [c.full_is_shard for c in model.chunks],
             "split": tuple(split),
             "gathered_per_step": counter.bytes.get("all_gather", 0) // (steps - 1),
             "frozen_bytes": sum(c.numel * c.full.element_size()
                                 for c in model.chunks if not c.trainable)}
 
 
-def run(param_fraction: float, resident: bool = False):
-    return run_distributed(train, 2, torch.bfloat16, param_fraction, 4, resident)
+def run(param_fraction: float, resident: bool = False, world_size: int = 2):
+    return run_distributed(train, world_size, torch.bfloat16, param_fraction, 4,
+                           resident)
 
 
-def test_parameter_shards_on_the_host_train_alike():
-    plain, offloaded = run(0.0), run(0.6)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_parameter_shards_on_the_host_train_alike(world_size):
+    plain, offloaded = run(0.0, world_size=world_size), run(0.6, world_size=world_size)
     for a, b in zip(plain, offloaded):
         assert b["host_positions"], "some parameter shards must be on the host"
         assert [i for i, h in enumerate(b["on_host"]) if h] == b["host_positions"]
         assert not any(a["on_host"])
+        # one rank: every device shard is its chunk's full buffer, and a shard
+        # moved to the host leaves that buffer to be gathered into
+        assert a["full_is_shard"] == [world_size == 1] * len(a["on_host"])
+        assert b["full_is_shard"] == [world_size == 1 and not h for h in b["on_host"]]
         # the same steps, bit for bit: only where the shard lives changed
         assert a["losses"] == b["losses"]
         for x, y in zip(a["shards"], b["shards"]):

@@ -37,9 +37,13 @@ def held_bytes(model, optimizer) -> int:
 
     for chunk in model.chunks:
         count(chunk.shard)
-        # released chunks hold nothing: their full buffer has no storage
+        # released chunks hold nothing beyond the shard: their full buffer has
+        # no storage, or (one rank) is the shard itself
         assert chunk.state is ChunkState.SHARDED
-        assert chunk.full.untyped_storage().nbytes() == 0
+        if chunk.full_is_shard:
+            assert chunk.full.data_ptr() == chunk.shard.data_ptr()
+        else:
+            assert chunk.full.untyped_storage().nbytes() == 0
         assert chunk.grads is None or chunk.grads.full is None
         if chunk.trainable:
             count(chunk.local.grad)
@@ -87,9 +91,11 @@ def one_step(ctx, dtype_name: str, reduce_name: str):
 def test_one_rank_casts_gradients_straight_into_its_shard(reduce_dtype):
     # N_d = 1: the mean over one rank is the gradient itself, so an fp32
     # reduction is no reduction at all (nothing counted, no buffer); a bf16
-    # one still rounds through its buffer, as on N ranks.
+    # one still rounds through its buffer, as on N ranks. The full buffer is
+    # the shard, so nothing is gathered either.
     (r,) = run_distributed(one_step, 1, "bfloat16", reduce_dtype)
     elements, _ = r["counted"]
+    assert elements.get("all_gather", 0) == 0
     reduced = r["layout"].total_numel(trainable=True)
     assert elements.get("reduce_scatter", 0) == (
         0 if reduce_dtype == "float32" else reduced)
