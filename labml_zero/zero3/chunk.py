@@ -37,13 +37,13 @@ gathered, which the [hooks](hooks.html) guarantee.
 
 With one rank (one process, or hybrid sharding with groups of one) the shard is
 the whole chunk, $S = C$, and an all-gather would copy it into a second buffer
-of $C \cdot p$ bytes, twice a step under recomputation. So when that shard is
-on the device and gathered by the plain collective (`full_is_shard`), `full`
-*is* the shard: gathering and releasing only move the state, and the gathered
-window's memory and $2 C p$ bytes of copies per gather are saved. The
-optimizer's writes into the shard are ordered before the next read (see
-`gather`). A shard moved to the host (`offload_shard`) leaves the device memory
-to `full`, gathered into from then on as on $N_d$ ranks.
+of $C \cdot p$ bytes, twice a step (the forward pass and the backward's). So
+when that shard is on the device and gathered by the plain collective
+(`full_is_shard`), `full` *is* the shard: gathering and releasing only move the
+state, and the gathered window's memory and $2 C p$ bytes of copies per gather
+are saved. The optimizer's writes into the shard are ordered before the next
+read (see `gather`). A shard moved to the host (`offload_shard`) leaves the
+device memory to `full`, gathered into from then on as on $N_d$ ranks.
 
 ## Gradients
 
