@@ -100,6 +100,7 @@ def train_hybrid(ctx, shard_group_size: int, save_dir: str | None):
             report["grad_mismatch"] = gradient_mismatch(model, reference, ctx)
             report["kinds"] = {type(c.reduction).__name__ for c in model.chunks
                                if c.trainable}
+            report["full_is_shard"] = {c.full_is_shard for c in model.chunks}
         optimizer.step()
         if step == 1:
             report["elements"] = dict(comm.counter.elements)
@@ -200,6 +201,19 @@ def test_world_6_in_three_groups_of_2_matches_the_reference():
         assert report["grad_mismatch"] <= VALUE_ERROR, (rank, report["grad_mismatch"])
         assert report["error"] == "shard_group_size 5 does not divide the world size 6"
         check_traffic(report)
+
+
+@pytest.mark.distributed
+def test_world_2_in_groups_of_1_replicates_and_gathers_nothing():
+    # groups of one: every rank holds the whole model (its full buffers are its
+    # shards, nothing is gathered) and the replicas average the gradients
+    for rank, report in enumerate(run_distributed(train_hybrid, 2, 1, None)):
+        assert report["group"] == (0, 1, rank, 2)
+        assert report["max_diff"] <= PARAM_ERROR, (rank, report["max_diff"])
+        assert report["grad_mismatch"] <= VALUE_ERROR, (rank, report["grad_mismatch"])
+        assert report["kinds"] == {"HybridReduce"}
+        assert report["full_is_shard"] == {True}
+        assert report["elements"].get("all_gather", 0) == 0
 
 
 def hybrid_through_peer_memory(ctx):
