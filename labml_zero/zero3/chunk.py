@@ -96,7 +96,8 @@ class ChunkState(Enum):
     * `UNINITIALISED`: built from meta parameters; the shard is allocated but
       holds no values until `materialize` (or a load) writes them. Nothing more.
     * `SHARDED`: only the shard exists; the parameter views have no memory and
-      must not be read. Nothing more.
+      must not be read (with one rank they read the shard: see Note: one rank
+      gathers nothing). Nothing more.
     * `GATHERING`: the full buffer is allocated ($C \cdot p$ bytes) and an
       all-gather into it is queued on the gather stream.
     * `GATHERED`: the compute stream has waited for the gather; the views hold the
@@ -127,7 +128,8 @@ class Chunk:
     1. built: the shard is filled from the module's parameters (this rank's slice
        only), the parameters become views into `full`, which has no storage
        → `SHARDED` (`UNINITIALISED` from meta parameters, until `materialize`);
-    2. `gather()`: `full` gets storage, an all-gather is queued → `GATHERING`;
+    2. `gather()`: `full` gets storage, an all-gather is queued → `GATHERING`
+       (with one rank neither: see Note: one rank gathers nothing);
     3. `wait()`: the compute stream waits for the gather → `GATHERED`
        (`RESIDENT` after `keep_resident`, which `release()` then leaves be);
     4. `release()`: `full` loses its storage → `SHARDED`;
