@@ -65,6 +65,7 @@ PY_NAMESPACE = {
     "activation_memory": "labml_zero.neox.activation_memory",
     "app": "labml_zero.app.server",
     "finetuners": "labml_zero.neox.finetuners",
+    "rounded_update": "labml_zero.optimizers.rounded_update",
     "workloads": "bench.workloads",
     "math": "math",
 }

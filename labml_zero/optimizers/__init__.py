@@ -30,7 +30,8 @@ The pages follow in reading order: [AdamFP16](adam_fp16.html), the optimizer;
 device or host; [its state in host memory](host_offload.html), what
 `offload=` moves;
 [updating during the backward pass](early_update.html), what
-`update_during_backward=` starts; then the training features that act on the
+`update_during_backward=` starts; [the update in one pass](rounded_update.html),
+the kernel a GPU runs it with; then the training features that act on the
 shards' gradients: the global gradient norm for clipping (one all-reduce over
 the shards) and fp16's dynamic
 loss scale, whose overflow all ranks agree on; last,

@@ -51,8 +51,10 @@ fused AdamW kernel (`torch._fused_adamw_`, which reads $\theta, g, m, v$ once an
 writes $\theta, m, v$ once; it exists for CPU and CUDA) when available, else the
 same update as a sequence of `foreach` multi-tensor kernels (about three times
 the memory traffic), one launch per batch of device homes (one param group,
-device and dtype). Both are tested against `torch.optim.AdamW`. Every update,
-whenever and wherever it runs, goes through one method, `_apply`.
+device and dtype). Both are tested against `torch.optim.AdamW`. On a GPU a
+half-precision shard takes [the update in one pass](rounded_update.html)
+instead, whose twin is the fused kernel and the copy. Every update, whenever and wherever it runs, goes through
+one method, `_apply`.
 
 `offload=` gives chosen shards a host home, whose master and moments are
 updated in host memory (explained in
@@ -92,6 +94,7 @@ import torch
 
 from labml_zero.zero3.communication import current_cuda_stream
 
+from . import rounded_update
 from .captured_update import CapturedUpdates
 from .early_update import EarlyUpdate, EarlyUpdates, NonFiniteGradient
 from .host_offload import HostShard
@@ -162,6 +165,11 @@ class AdamFP16(torch.optim.Optimizer):
         # Each shard's home, its kind decided here, once, by `offload`.
         self.homes = build_homes(self.param_groups, self._offloaded(offload),
                                  worker=update_during_backward)
+        # with `free_grads` only the early update reads a gradient: on one
+        # rank it may then stay in the parameter dtype (the shard's Note: one
+        # rank keeps the parameter dtype); a later optimizer decides anew
+        for home in self.homes.of.values():
+            home.read_gradient_once(free_grads)
         # Host homes get their state now: the engine's fp32 `master_init`
         # (4 bytes per element on the device) moves to the host at once
         # instead of waiting there through the first step.
@@ -171,6 +179,9 @@ class AdamFP16(torch.optim.Optimizer):
         # (step, 0-dim step tensor) per (device, stream): every shard updated
         # at that step there reads the same one, one fill a step, not a shard
         self._step_tensors: dict[tuple, tuple[int, torch.Tensor]] = {}
+        # (step and hyperparameters, `[3]` fp32 scalars) per (device, stream,
+        # group) for the one-pass kernel: one computation a step, not a shard
+        self._coefficient_cache: dict[tuple, tuple[tuple, torch.Tensor]] = {}
         # set while the step is captured as a CUDA graph and replayed (see
         # [the update inside a captured step](captured_update.html))
         self.capture: CapturedUpdates | None = None
@@ -377,6 +388,9 @@ class AdamFP16(torch.optim.Optimizer):
            update).
         4. The home writes the rounded master back into the shard: on the
            device a copy, from the host an upload.
+
+        A half-precision device home on a GPU does 3 and 4 in one kernel
+        ([the update in one pass](rounded_update.html)).
         """
         if not homes:
             return
@@ -405,6 +419,12 @@ class AdamFP16(torch.optim.Optimizer):
                     if found_inf.item():
                         return
                     found_inf = None
+            if self.fused and lead.one_pass:
+                self._one_pass(same, grads, step, found_inf=found_inf)
+                continue
+            # the twin: fp32 gradients (one rank may hand its own dtype, see
+            # the shard's Note: one rank keeps the parameter dtype)
+            grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
             self._kernel(masters, grads, [s["exp_avg"] for s in states],
                          [s["exp_avg_sq"] for s in states], step,
                          lead.group_index, found_inf=found_inf)
@@ -446,6 +466,47 @@ class AdamFP16(torch.optim.Optimizer):
         torch._foreach_div_(denom, bias_correction2_sqrt)
         torch._foreach_add_(denom, group["eps"])
         torch._foreach_addcdiv_(masters, exp_avgs, denom, -step_size)
+
+    def _one_pass(self, homes: list[ShardHome], grads: list[torch.Tensor],
+                  step: int, *, found_inf: torch.Tensor | None) -> None:
+        """#### Steps 3 and 4 of `_apply` in one kernel per shard"""
+        lead = homes[0]
+        group = self.param_groups[lead.group_index]
+        coefficients = self._coefficients(lead.param.device, lead.group_index,
+                                          step)
+        betas = rounded_update.Betas(*group["betas"], group["eps"])
+        for home, grad in zip(homes, grads):
+            state = self.state[home.param]
+            rounded_update.one_pass(
+                home.param.detach(),
+                (state["master"], state["exp_avg"], state["exp_avg_sq"]),
+                grad, coefficients, found_inf, betas)
+
+    def _coefficients(self, device: torch.device, group_index: int,
+                      step: int) -> torch.Tensor:
+        r"""
+        #### The step's scalars for the one-pass kernel, on the device
+
+        `rounded_update.step_coefficients` of this step's $t$ and $\alpha$,
+        computed once per step, group and stream; in a captured step at every
+        call, from the tensors the graph reads.
+        """
+        group = self.param_groups[group_index]
+        beta1, beta2 = group["betas"]
+        hyper = dict(beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])
+        steps = self._step_tensor(device, step)
+        if self.capture is not None:
+            return rounded_update.step_coefficients(
+                steps, self.capture.lr(group_index), **hyper)
+        stream = current_cuda_stream(device.index) if device.type == "cuda" else None
+        key = (step, group["lr"], *hyper.values())
+        held = self._coefficient_cache.get((device, stream, group_index))
+        if held is None or held[0] != key:
+            # fp32, as the GPU's fused kernel rounds $\alpha$
+            lr = torch.full((), float(group["lr"]), device=device)
+            held = (key, rounded_update.step_coefficients(steps, lr, **hyper))
+            self._coefficient_cache[(device, stream, group_index)] = held
+        return held[1]
 
     def _step_tensor(self, device: torch.device, step: int) -> torch.Tensor:
         """The kernel only reads it, so shards of one step may share it."""

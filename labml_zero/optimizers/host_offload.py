@@ -76,9 +76,11 @@ def non_finite_flag(grad: torch.Tensor) -> torch.Tensor:
     would be one more pass over the gradient in the host's update, which
     bounds a step with many offloaded elements.
     """
+    # 0-dim, in the gradient's dtype: the largest |g| is one of its values,
+    # exact in any dtype, and the reduction reads the gradient as it is
+    largest = torch.linalg.vector_norm(grad, float("inf"))
     # 0-dim fp32, the dtype the fused kernel's flag must have
-    largest = torch.linalg.vector_norm(grad, float("inf"), dtype=torch.float32)
-    return largest.mul_(0.0).nan_to_num_(nan=1.0)
+    return largest.float().mul_(0.0).nan_to_num_(nan=1.0)
 
 
 def update_threads(share: int) -> int:

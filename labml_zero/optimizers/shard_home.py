@@ -40,6 +40,7 @@ import torch
 
 from labml_zero.zero3.shard import LocalShard, grad_device
 
+from . import rounded_update
 from .host_offload import HostOffload, HostShard, non_finite_flag
 
 # the two moments, named as in `torch.optim.AdamW`'s state, so that a state
@@ -64,12 +65,15 @@ class ShardHome:
       sync);
     * `copies_gradient`: the gradient is copied elsewhere as soon as it is
       final (`grad_ready`);
+    * `one_pass`: the fused update and the write-back may run as one kernel
+      ([the update in one pass](rounded_update.html));
     * `worker`: where an update during the backward pass runs instead of the
       caller's stream (`None`: on the caller's side).
     """
 
     skip_in_kernel: bool
     copies_gradient: bool
+    one_pass: bool = False
     worker: HostOffload | None = None
 
     def __init__(self, param: torch.Tensor, group_index: int):
@@ -80,11 +84,22 @@ class ShardHome:
         self.group_index = group_index
 
     def gradient(self) -> torch.Tensor | None:
-        """The fp32 gradient: the shard's, or an ordinary parameter's cast."""
+        """The gradient as it is held: the shard's (fp32, or on one rank the
+        parameter dtype, see the shard's Note: one rank keeps the parameter
+        dtype), or an ordinary parameter's `.grad`; each kernel casts what it
+        needs."""
         grad = self.shard.grad if self.shard is not None else None
-        if grad is None and self.param.grad is not None:
-            grad = self.param.grad.float()
-        return grad
+        return self.param.grad if grad is None else grad
+
+    def read_gradient_once(self, once: bool) -> None:
+        """Tell the shard whether its gradient's only reader is an update
+        during the backward pass that then frees it (`free_grads`)."""
+        if self.shard is not None:
+            self.shard.grad_read_once = once and self.reads_narrow_gradient
+
+    # whether the update reads a gradient of the parameter's dtype as well
+    # as an fp32 one, with the same result
+    reads_narrow_gradient = False
 
     def free_grad(self) -> None:
         """Drop the gradient: the shard's, and `.grad`."""
@@ -115,6 +130,12 @@ class DeviceHome(ShardHome):
     copies_gradient = False
     # the fused kernel reads a found-inf flag on the device: no host sync
     skip_in_kernel = True
+    # the one-pass kernel reads it as it is, the twin casts it (exactly)
+    reads_narrow_gradient = True
+
+    @property
+    def one_pass(self) -> bool:
+        return rounded_update.applies(self.param)
 
     @property
     def state_device(self) -> torch.device:

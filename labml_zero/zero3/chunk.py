@@ -1,4 +1,4 @@
-"""
+r"""
 ---
 title: Chunk
 summary: One flat buffer of parameters, sharded over ranks; gather, release, reduce.

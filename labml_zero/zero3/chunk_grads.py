@@ -43,7 +43,7 @@ sum once.
 |---|---|---|---|
 | held gradients | up to $C$ | $p$ | a parameter's gradient to the chunk's last |
 | `full` | $C$ | $g_r$ (reduce dtype) | the first `flush` to `reduce` |
-| `local.grad` | $S$ | 4 | the first `reduce` to `zero_grad` |
+| `local.grad` | $S$ | 4 ($p$ on one rank, see the shard's Note: one rank keeps the parameter dtype) | the first `reduce` to `zero_grad` |
 
 Under `no_sync`, `full` lives from the first micro-batch to the backward that
 reduces it, every trainable chunk's at once: about $g_r \Psi_t$ bytes per rank,
@@ -228,14 +228,18 @@ class ChunkGrads:
         # gradient shard; otherwise (a later micro-batch, or a narrower reduce
         # dtype) into a temporary that is added to it.
         direct = local.grad is None and self.reduce_dtype == torch.float32
-        if local.grad is None:
-            local.new_grad(zeroed=not direct)
         # One rank holds the whole chunk ($S = C$): the mean over one rank is
         # the gradient itself, so the held gradients are cast straight into the
         # gradient shard. No buffer, no reduction: $p + 4$ bytes a parameter
-        # move instead of $p + 4 + 8$. Not when earlier micro-batches are
-        # accumulated in `full` (`no_sync`): that buffer holds them.
+        # move instead of $p + 4 + 8$, and $2p$ when the shard keeps the
+        # parameter dtype (see the shard's Note: one rank keeps the parameter
+        # dtype). Not when earlier micro-batches are accumulated in `full`
+        # (`no_sync`): that buffer holds them.
         alone = direct and self.reduction.identity and self.full is None
+        if local.grad is None:
+            narrow = alone and local.grad_read_once
+            local.new_grad(zeroed=not direct,
+                           dtype=self.dtype if narrow else torch.float32)
         if alone:
             self.full = local.grad
         # What the reduce stream reads that the compute stream allocated: the

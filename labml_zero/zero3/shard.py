@@ -14,7 +14,7 @@ its own slice, and this page is the one object that owns it:
 | state | elements | bytes per element | lives |
 |---|---|---|---|
 | `param`, the bf16 (or fp16, fp32) shard | $S$ | $p$ (2 for bf16) | always |
-| `grad`, the fp32 gradient shard | $S$ | 4 | from the reduce-scatter to `zero_grad` |
+| `grad`, the fp32 gradient shard | $S$ | 4 ($p$ on one rank, see below) | from the reduce-scatter to `zero_grad` |
 | `master_init`, the first fp32 master | $S$ | 4 | until the optimizer takes it |
 
 so a trainable element costs $p + 4$ bytes here, beside the $K = 12$
@@ -33,6 +33,21 @@ average over ranks (summing in bf16 would round every partial sum). So the
 gradient lives in `LocalShard.grad`. For an fp32 chunk the two dtypes agree and
 the same tensor is also set as `param.grad`, so plain `torch.optim` optimizers
 work on fp32 shards.
+
+## Note: one rank keeps the parameter dtype
+
+On one rank (or in shard groups of one) the mean over ranks is the gradient
+itself, and autograd's bf16 gradients are exact as they are: widening them to
+fp32 adds no digit, only 2 bytes per element written, and 2 more for each
+later read. So a shard keeps its gradient in the parameter dtype when two
+things hold: it is the first reduction of the step on one rank (the
+[gradient's](chunk_grads.html) `alone` path), and its only reader is an update
+during the backward pass that frees it at once (`grad_read_once`, which
+`AdamFP16(free_grads=True)` sets for its device homes: nothing else may read a
+freed gradient, no clipping, no loss scaler). Every other gradient shard is
+fp32, so that sums over ranks and micro-batches, clipping and unscaling round
+in fp32. A second backward pass before `step()` adds into the narrow gradient,
+but `step()` refuses that gradient anyway: it changed after its update began.
 
 ## Note: how a parameter finds its shard
 
@@ -85,8 +100,12 @@ class LocalShard:
         # [S] param dtype. An nn.Parameter so that optimizers accept it.
         self.param: torch.Tensor = (nn.Parameter(data, requires_grad=True)
                                     if trainable else data)
-        # [S] fp32; see Note: why the gradient lives beside the parameter
+        # [S] fp32 (or the parameter dtype: see Note: one rank keeps the
+        # parameter dtype); see Note: why the gradient lives beside the parameter
         self.grad: torch.Tensor | None = None
+        # whether `grad`'s only reader is an early update that frees it, set
+        # by the optimizer (see Note: one rank keeps the parameter dtype)
+        self.grad_read_once = False
         self._master_init = master_init
         # where `grad` is allocated: the chunk's device, also once `param` is
         # on the host (the reduce-scatter runs there)
@@ -125,7 +144,8 @@ class LocalShard:
 
     ### The gradient
 
-    def new_grad(self, *, zeroed: bool) -> torch.Tensor:
+    def new_grad(self, *, zeroed: bool,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """
         #### Allocate `grad` for the first reduction of a step
 
@@ -134,8 +154,8 @@ class LocalShard:
         """
         assert self.grad is None, "the gradient shard exists already"
         allocate = torch.zeros if zeroed else torch.empty
-        # [S] fp32
-        self.grad = allocate(self.param.numel(), dtype=torch.float32,
+        # [S] fp32, or the parameter dtype
+        self.grad = allocate(self.param.numel(), dtype=dtype,
                              device=self.grad_device)
         return self.grad
 

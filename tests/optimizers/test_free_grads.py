@@ -13,7 +13,7 @@ from labml_zero.zero3.shard import LocalShard
 from tests.optimizers.test_offload import DEVICE, assert_same
 
 
-def sharded(dtype, *, offload: bool, free: bool):
+def sharded(dtype, *, offload: bool, free: bool, first=None):
     from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
     from tests.zero3.models import tiny_layers
 
@@ -24,6 +24,9 @@ def sharded(dtype, *, offload: bool, free: bool):
     chosen = range(len(shards) // 2, len(shards)) if offload else None
     optimizer = AdamFP16(shards, lr=3e-3, weight_decay=0.01, offload=chosen,
                          update_during_backward=True, free_grads=free)
+    if first is not None:
+        # before the optimizer's callback, which frees the gradient
+        model.runtime.on_grad_ready(first)
     model.runtime.on_grad_ready(optimizer.grad_ready)
     return model, optimizer
 
@@ -79,5 +82,73 @@ def test_a_second_backward_is_still_refused():
     for _ in range(2):
         x, y = batch(0, 4)
         torch.nn.functional.mse_loss(model(x.to(DEVICE)), y.to(DEVICE)).backward()
+    with pytest.raises(RuntimeError, match="changed after its update"):
+        opt.step()
+
+
+def dtype_recorder(seen: set):
+    """A grad-ready callback that notes the dtype of each final gradient."""
+    return lambda shard, *, after: seen.add(LocalShard.of(shard).grad.dtype)
+
+
+def one_step(model, optimizer) -> None:
+    from tests.zero3.models import batch
+
+    x, y = batch(0, 4)
+    torch.nn.functional.mse_loss(
+        model(x.to(DEVICE, model.chunks[0].dtype)).float(), y.to(DEVICE)).backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("free", [False, True])
+def test_one_rank_keeps_the_parameter_dtype_only_for_a_freed_gradient(free):
+    # see the shard's Note: one rank keeps the parameter dtype
+    seen: set = set()
+    one_step(*sharded(torch.bfloat16, offload=False, free=free,
+                      first=dtype_recorder(seen)))
+    assert seen == {torch.bfloat16 if free else torch.float32}
+    # an offloaded shard's gradient goes down to fp32 staging as before
+    seen = set()
+    one_step(*sharded(torch.bfloat16, offload=True, free=True,
+                      first=dtype_recorder(seen)))
+    assert seen == {torch.bfloat16, torch.float32}
+
+
+def two_rank_gradient_dtypes(ctx) -> set:
+    from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+    from tests.zero3.models import tiny_layers
+
+    config = ZeroConfig(dtype=torch.bfloat16, chunk_numel=200, align=4)
+    model = Zero3Sequential(zero3_layers(tiny_layers(0), device=ctx.device,
+                                         config=config))
+    opt = AdamFP16(model.get_trainable_chunk(), lr=3e-3,
+                   update_during_backward=True, free_grads=True)
+    seen: set = set()
+    model.runtime.on_grad_ready(dtype_recorder(seen))
+    model.runtime.on_grad_ready(opt.grad_ready)
+    from tests.zero3.models import batch
+
+    x, y = batch(ctx.rank, 4)
+    torch.nn.functional.mse_loss(
+        model(x.to(ctx.device, torch.bfloat16)).float(), y.to(ctx.device)).backward()
+    opt.step()
+    return seen
+
+
+def test_two_ranks_keep_fp32_gradients():
+    # a mean over ranks is a sum: it rounds in fp32
+    from tests.distributed import run_distributed
+
+    assert run_distributed(two_rank_gradient_dtypes, 2) == [{torch.float32}] * 2
+
+
+def test_a_second_backward_into_a_narrow_gradient_is_refused():
+    from tests.zero3.models import batch
+
+    model, opt = sharded(torch.bfloat16, offload=False, free=True)
+    for _ in range(2):
+        x, y = batch(0, 4)
+        torch.nn.functional.mse_loss(
+            model(x.to(DEVICE, torch.bfloat16)).float(), y.to(DEVICE)).backward()
     with pytest.raises(RuntimeError, match="changed after its update"):
         opt.step()

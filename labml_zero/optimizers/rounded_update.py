@@ -1,0 +1,189 @@
+r"""
+---
+title: The update in one pass
+summary: AdamW of a half-precision shard on a GPU as one compiled kernel that
+  reads the gradient in its own dtype and writes the master, both moments and
+  the rounded shard, beside the twin of two kernels it replaces.
+---
+
+# The update in one pass
+
+This page deepens [AdamFP16](adam_fp16.html). The update of a shard is memory
+bound: it computes a few operations per element and moves every element's
+master, moments, gradient and shard once or more. At bandwidth $\beta$ a
+pass that moves $b$ bytes per element over $S$ elements takes at least
+
+$$t \ge \frac{b\, S}{\beta},$$
+
+so the bytes per element are the update's cost. The twin path, the one every
+update took before this page and still takes on a CPU, is two kernels:
+PyTorch's fused AdamW reads $\theta, g, m, v$ and writes $\theta, m, v$, all
+fp32 ({{py: rounded_update.twin_bytes(2) - rounded_update.write_back_bytes(2)}}
+bytes), then a copy rounds $\theta$ into the shard, reading 4 and writing $p$
+({{py: rounded_update.write_back_bytes(2)}} bytes for bf16):
+{{py: rounded_update.twin_bytes(2)}} bytes per element. One pass reads the
+gradient in whatever dtype it has, $g_b$ bytes, and writes the shard as it
+writes the master:
+
+$$b = \underbrace{3 \cdot 4 + g_b}_{\text{read } \theta, m, v, g}
+    + \underbrace{3 \cdot 4 + p}_{\text{write } \theta, m, v, \text{shard}},$$
+
+{{py: rounded_update.one_pass_bytes(2, 4)}} bytes with an fp32 gradient and
+{{py: rounded_update.one_pass_bytes(2, 2)}} with a bf16 one. The gradient is in
+bf16 where one rank holds a chunk alone and only its update reads the gradient
+(see the shard's Note: one rank keeps the parameter dtype): the
+[reduction](../zero3/chunk_grads.html) then copies autograd's bf16 gradients
+into it (read 2 and write 2 bytes, where the cast into fp32 writes 4) and the
+non-finite check reads 2 bytes where it read 4.
+
+`adamw_rounded_` is written with ordinary PyTorch operations and compiled
+by `torch.compile` into one Triton kernel, the first time it runs on a CUDA
+tensor of a given dtype. The arithmetic is `torch.optim.AdamW`'s (the
+formula on [AdamFP16's page](adam_fp16.html)), in fp32 like the fused kernel;
+it rounds in its own order, so it agrees with the twin within the fp32
+roundings of an update, not bit for bit
+(tested: tests/optimizers/test_rounded_update.py::test_one_pass_is_the_twin_within_rounding).
+Every update of a half-precision device shard with the fused kernel on a GPU
+takes it, in `step()`, during the backward pass and inside a captured step,
+so two ways of running the same training on a GPU still agree bit for bit.
+
+## The scalars of a step
+
+The bias corrections lose digits in fp32: at $t = 1$, $1 - \beta_2^t$ is
+$1 - \beta_2$, small for a $\beta_2$ near one, while the fp32 rounding of
+$\beta_2^t$ is up to $2^{-24}$; relative to $1 - \beta_2$ that is, for
+AdamW's default $\beta_2$, {{py: 2**-24 / (1 - 0.999) | .0e}}, hundreds of
+times an fp32 rounding. So the three scalars of a step,
+
+$$\frac{\alpha}{1 - \beta_1^t}, \qquad \sqrt{1 - \beta_2^t}, \qquad
+  1 - \alpha\lambda,$$
+
+are computed once per step in fp64 on the device (`step_coefficients`) from
+the device tensors $t$ and $\alpha$ and rounded to fp32, as the fused kernel
+does on the host. Because they are device tensors, a captured step computes
+them inside its graph from the tensors it refills before each replay (see
+[the update inside a captured step](captured_update.html)).
+
+## Limitations
+
+* CUDA only, and half-precision shards only: an fp32 shard is its own master
+  and the fused kernel already moves the least for it; on a CPU, and for a
+  host home, the twin runs.
+* One kernel launch per shard, where the fused kernel takes a whole batch of
+  shards in one: the host pays one compiled call per chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+# fp32 master, exp_avg and exp_avg_sq
+STATE_BYTES = 3 * 4
+
+
+def twin_bytes(shard_bytes: int) -> int:
+    """Per element: the fused fp32 AdamW (an fp32 gradient) and the copy that
+    rounds the master into the shard."""
+    fused = STATE_BYTES + 4 + STATE_BYTES
+    return fused + write_back_bytes(shard_bytes)
+
+
+def write_back_bytes(shard_bytes: int) -> int:
+    """Per element: read the fp32 master, write the shard."""
+    return 4 + shard_bytes
+
+
+def one_pass_bytes(shard_bytes: int, grad_bytes: int) -> int:
+    """Per element: read master, moments and gradient; write master, moments
+    and shard."""
+    return STATE_BYTES + grad_bytes + STATE_BYTES + shard_bytes
+
+
+class Betas(NamedTuple):
+    """The constants of a param group that the compiled kernel bakes in
+    (a change recompiles it)."""
+
+    beta1: float
+    beta2: float
+    eps: float
+
+
+def applies(param: torch.Tensor) -> bool:
+    """Whether `param`'s update may take the one pass: a half-precision
+    shard on a GPU."""
+    return param.is_cuda and param.dtype in (torch.bfloat16, torch.float16)
+
+
+def step_coefficients(step: torch.Tensor, lr: torch.Tensor, *, beta1: float,
+                      beta2: float, weight_decay: float) -> torch.Tensor:
+    r"""
+    ### The three scalars of a step, in fp64, rounded to fp32
+
+    `step` and `lr` are 0-dim device tensors (see The scalars of a step);
+    returns `[3]` fp32: $\alpha / (1 - \beta_1^t)$, $\sqrt{1 - \beta_2^t}$,
+    $1 - \alpha\lambda$.
+    """
+    t, alpha = step.double(), lr.double()
+    # [3] fp64, then fp32
+    return torch.stack([alpha / (1 - beta1 ** t), (1 - beta2 ** t).sqrt(),
+                        1 - alpha * weight_decay]).float()
+
+
+def adamw_rounded_(shard: torch.Tensor, state: tuple[torch.Tensor, ...],
+                   grad: torch.Tensor, coefficients: torch.Tensor,
+                   found_inf: torch.Tensor | None, betas: Betas) -> None:
+    r"""
+    ### One AdamW step of a shard, and its rounding, in one pass
+
+    * `shard`: `[S]` bf16 or fp16, written with the new master rounded.
+    * `state`: `(master, exp_avg, exp_avg_sq)`, `[S]` fp32 each, updated in
+      place.
+    * `grad`: `[S]`, any floating dtype; read once, in fp32 arithmetic.
+    * `coefficients`: `step_coefficients` of this step.
+    * `found_inf`: 0-dim fp32, or `None`; when it is not zero nothing changes
+      (an update during the backward pass whose gradient was not finite: see
+      Note: a non-finite gradient in an early update).
+    """
+    master, exp_avg, exp_avg_sq = state
+    step_size, bias_correction2_sqrt, decay = coefficients.unbind()
+    g = grad.float()
+    # m ← β1·m + (1 − β1)·g ;  v ← β2·v + (1 − β2)·g²
+    m = betas.beta1 * exp_avg + (1 - betas.beta1) * g
+    v = betas.beta2 * exp_avg_sq + (1 - betas.beta2) * g * g
+    # θ ← θ(1 − αλ) − α/(1 − β1^t) · m / (√v / √(1 − β2^t) + ε)
+    theta = master * decay - step_size * m / (
+        v.sqrt() / bias_correction2_sqrt + betas.eps)
+    if found_inf is not None:
+        skip = found_inf != 0
+        m = torch.where(skip, exp_avg, m)
+        v = torch.where(skip, exp_avg_sq, v)
+        # skipped, the shard is written with the rounding it already holds
+        theta = torch.where(skip, master, theta)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    master.copy_(theta)
+    shard.copy_(theta)
+
+
+@functools.cache
+def compiled_update():
+    """`adamw_rounded_` compiled, made once at its first GPU call. Pointwise
+    autotuning is off: it would time the kernel at the first launch of each
+    size, which inside a CUDA graph's capture is not allowed."""
+    return torch.compile(adamw_rounded_,
+                         options={"triton.autotune_pointwise": False})
+
+
+def one_pass(shard: torch.Tensor, state: tuple[torch.Tensor, ...],
+             grad: torch.Tensor, coefficients: torch.Tensor,
+             found_inf: torch.Tensor | None, betas: Betas) -> None:
+    """
+    ### `adamw_rounded_` compiled, on CUDA tensors
+
+    Compiled at the first call; a new dtype, or a second shard size (which
+    Dynamo then compiles for any size), compiles again, once.
+    """
+    compiled_update()(shard, state, grad, coefficients, found_inf, betas)
