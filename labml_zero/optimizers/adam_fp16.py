@@ -53,8 +53,8 @@ same update as a sequence of `foreach` multi-tensor kernels (about three times
 the memory traffic), one launch per batch of device homes (one param group,
 device and dtype). Both are tested against `torch.optim.AdamW`. On a GPU a
 half-precision shard takes [the update in one pass](rounded_update.html)
-instead, whose twin is the fused kernel and the copy. Every update, whenever and wherever it runs, goes through
-one method, `_apply`.
+instead, whose twin is the fused kernel and the copy. Every update, whenever
+and wherever it runs, goes through one method, `_apply`.
 
 `offload=` gives chosen shards a host home, whose master and moments are
 updated in host memory (explained in

@@ -67,6 +67,8 @@ class ShardHome:
       final (`grad_ready`);
     * `one_pass`: the fused update and the write-back may run as one kernel
       ([the update in one pass](rounded_update.html));
+    * `reads_narrow_gradient`: the update reads a gradient in the
+      parameter's dtype with the same result as an fp32 one;
     * `worker`: where an update during the backward pass runs instead of the
       caller's stream (`None`: on the caller's side).
     """
@@ -74,6 +76,7 @@ class ShardHome:
     skip_in_kernel: bool
     copies_gradient: bool
     one_pass: bool = False
+    reads_narrow_gradient: bool = False
     worker: HostOffload | None = None
 
     def __init__(self, param: torch.Tensor, group_index: int):
@@ -96,10 +99,6 @@ class ShardHome:
         during the backward pass that then frees it (`free_grads`)."""
         if self.shard is not None:
             self.shard.grad_read_once = once and self.reads_narrow_gradient
-
-    # whether the update reads a gradient of the parameter's dtype as well
-    # as an fp32 one, with the same result
-    reads_narrow_gradient = False
 
     def free_grad(self) -> None:
         """Drop the gradient: the shard's, and `.grad`."""
