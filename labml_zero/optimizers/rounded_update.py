@@ -15,8 +15,8 @@ pass that moves $b$ bytes per element over $S$ elements takes at least
 
 $$t \ge \frac{b\, S}{\beta},$$
 
-so the bytes per element are the update's cost. The twin path, the one every
-update took before this page and still takes on a CPU, is two kernels:
+so the bytes per element are the update's cost. The twin, which a CPU runs,
+is two kernels:
 PyTorch's fused AdamW reads $\theta, g, m, v$ and writes $\theta, m, v$, all
 fp32 ({{py: rounded_update.twin_bytes(2) - rounded_update.write_back_bytes(2)}}
 bytes), then a copy rounds $\theta$ into the shard, reading 4 and writing $p$
@@ -59,8 +59,8 @@ $$\frac{\alpha}{1 - \beta_1^t}, \qquad \sqrt{1 - \beta_2^t}, \qquad
   1 - \alpha\lambda,$$
 
 are computed once per step in fp64 on the device (`step_coefficients`) from
-the device tensors $t$ and $\alpha$ and rounded to fp32, as the fused kernel
-does on the host. Because they are device tensors, a captured step computes
+the device tensors $t$ and $\alpha$ and rounded to fp32: each carries one fp32
+rounding, like every other operand of the update. Because they are device tensors, a captured step computes
 them inside its graph from the tensors it refills before each replay (see
 [the update inside a captured step](captured_update.html)).
 
