@@ -498,7 +498,7 @@ class AdamFP16(torch.optim.Optimizer):
         if self.capture is not None:
             return rounded_update.step_coefficients(
                 steps, self.capture.lr(group_index), **hyper)
-        stream = current_cuda_stream(device.index) if device.type == "cuda" else None
+        stream = self._stream_of(device)
         key = (step, group["lr"], *hyper.values())
         held = self._coefficient_cache.get((device, stream, group_index))
         if held is None or held[0] != key:
@@ -508,9 +508,16 @@ class AdamFP16(torch.optim.Optimizer):
             self._coefficient_cache[(device, stream, group_index)] = held
         return held[1]
 
+    @staticmethod
+    def _stream_of(device: torch.device):
+        """The stream a device tensor made now is written on (`None` on CPU):
+        the step tensors and the coefficients are cached per stream, which
+        reads what it wrote."""
+        return current_cuda_stream(device.index) if device.type == "cuda" else None
+
     def _step_tensor(self, device: torch.device, step: int) -> torch.Tensor:
         """The kernel only reads it, so shards of one step may share it."""
-        stream = current_cuda_stream(device.index) if device.type == "cuda" else None
+        stream = self._stream_of(device)
         if self.capture is not None:
             return self.capture.step_tensor(stream, step)
         held = self._step_tensors.get((device, stream))
