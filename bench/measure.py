@@ -123,6 +123,9 @@ class StepTimes:
     """Garbage collections during the timed steps, all generations."""
     gc_ms: float = 0.0
     """Their total time."""
+    wall_window: tuple[float, float] = (0.0, 0.0)
+    """`time.time()` at the start of the first timed step and the end of the
+    last, to pick the [GPU clock samples](gpu_clocks.html) of the timed steps."""
 
     @property
     def mean_s(self) -> float:
@@ -186,6 +189,7 @@ def time_steps(
         gc.collect()
         gc.freeze()
     times, host = [], []
+    wall_start = time.time()
     try:
         with GcWatch() as watch:
             for i in range(steps):
@@ -198,10 +202,11 @@ def time_steps(
     finally:
         if gc_freeze:
             gc.unfreeze()
+    wall_end = time.time()
     # host sync: .item()
     return StepTimes(tuple(times), float(loss.detach().float().item()),
                      host_s=tuple(host), gc_collections=watch.collections,
-                     gc_ms=1e3 * watch.seconds)
+                     gc_ms=1e3 * watch.seconds, wall_window=(wall_start, wall_end))
 
 
 # ## Communication share

@@ -86,6 +86,7 @@ from labml_zero import launch
 
 from labml_zero.neox.kernels import ATTENTION_BACKENDS, ModelKernels
 
+from .gpu_clocks import CLOCK_FIELDS, ClockWatch, gpu_id
 from .host_memory import HostMemoryWatch, exit_on_exhausted, rss_peak
 from .workloads import GRAPH_WARMUP, Workload, mfu, shrink, workloads
 
@@ -179,8 +180,9 @@ def measure_rank(ctx: launch.DistContext, engine: str, workload: Workload,
     if built.counter is not None:
         built.counter.reset()
     progress["phase"] = "train"
-    timed = time_steps(built.step, batches, warmup=run.warmup, steps=run.steps,
-                       device=ctx.device, gc_freeze=run.gc_freeze)
+    with ClockWatch(gpu_id(ctx.device)) as clocks:
+        timed = time_steps(built.step, batches, warmup=run.warmup, steps=run.steps,
+                           device=ctx.device, gc_freeze=run.gc_freeze)
     train_peak = peak_memory(ctx.device, uncounted=uncounted)
     steps_run = run.warmup + run.steps
     if built.measured_report is not None and ctx.rank == 0:
@@ -206,6 +208,7 @@ def measure_rank(ctx: launch.DistContext, engine: str, workload: Workload,
         "psi_trainable": built.psi_trainable,
         "psi_frozen": built.psi_frozen,
         "info": built.info,
+        **(clocks.during(*timed.wall_window) or {}),
     }
     if built.counter is not None:
         record["comm_bytes_per_step"] = {
@@ -359,6 +362,8 @@ def merge(line: dict, records: list[dict], workload: Workload, world_size: int,
         "host_s_mean": sum(first["host_s"]) / len(first["host_s"]),
         "gc_collections": max(r["gc_collections"] for r in records),
         "gc_ms": max(r["gc_ms"] for r in records),
+        # rank 0's GPU (gpu_clocks): absent where nothing was sampled
+        **{key: first[key] for key in CLOCK_FIELDS if key in first},
         "mfu": mfu(workload, tokens_per_s, world_size),
         "init_s": max(r["init_s"] for r in records),
         "psi_trainable": first["psi_trainable"],

@@ -48,6 +48,7 @@ def test_tiny_run_of_each_engine(tmp_path):
         # bias-only: 2 layers x (3d + d + 4d) biases of width 64
         assert line["psi_trainable"] == 2 * 8 * 64
         assert line["peak_mem_gib"] is None  # no CUDA allocator on CPU
+        assert "sm_clock_mhz_mean" not in line  # no GPU clock to sample
 
     for engine in ("labml_zero", "fsdp2", "ddp"):
         trace = json.loads((traces / f"trace_W3_{engine}_b2.json").read_text())

@@ -120,8 +120,10 @@ class EarlyUpdates:
         chunks are reduced first. The engine announces each final gradient
         (`grad_ready`, registered with `runtime.on_grad_ready`). With
         `update_during_backward=True` the shard is updated then: on a GPU on a side
-        stream that waits for the reduce-scatter, so the memory-bound update runs beside
-        the backward kernels of the layers below; an offloaded shard on the host worker
+        stream that waits for the reduce-scatter, so that the backward kernels of the
+        layers below never queue behind it (the GPU runs its blocks where theirs leave
+        room, and a GPU at its power limit lowers its clock for both); an offloaded
+        shard on the host worker
         of [`HostOffload`](host_offload.html). `step()` only waits for them and updates
         the shards not updated yet. The update is the same, with the same operands, so:
 
