@@ -18,7 +18,8 @@ GPU ([`launch.spawn`](../labml_zero/launch/spawn.html)), and each of them
 
 1. builds the engine (timed as `init_s`),
 2. runs `warmup` untimed and `steps` timed training steps
-   ([measure](measure.html)),
+   ([measure](measure.html)), the GPU's clock and power sampled over the timed
+   ones ([gpu_clocks](gpu_clocks.html)),
 3. runs one more step under the profiler to measure communication,
 4. writes its own record to a file.
 
