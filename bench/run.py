@@ -181,7 +181,8 @@ def measure_rank(ctx: launch.DistContext, engine: str, workload: Workload,
     if built.counter is not None:
         built.counter.reset()
     progress["phase"] = "train"
-    with ClockWatch(gpu_id(ctx.device)) as clocks:
+    # only rank 0's GPU is sampled: its fields are the line's (see `merge`)
+    with ClockWatch(gpu_id(ctx.device) if ctx.rank == 0 else None) as clocks:
         timed = time_steps(built.step, batches, warmup=run.warmup, steps=run.steps,
                            device=ctx.device, gc_freeze=run.gc_freeze)
     train_peak = peak_memory(ctx.device, uncounted=uncounted)
