@@ -87,6 +87,7 @@ from labml_zero import launch
 
 from labml_zero.neox.kernels import ATTENTION_BACKENDS, ModelKernels
 
+from .bounds import BOUNDS, unavailable
 from .gpu_clocks import CLOCK_FIELDS, ClockWatch, gpu_id
 from .host_memory import HostMemoryWatch, exit_on_exhausted, rss_peak
 from .workloads import GRAPH_WARMUP, Workload, mfu, shrink, workloads
@@ -141,8 +142,10 @@ class RunConfig:
 
 def builder(engine: str):
     """The builder function of `engine` (imported late: each pulls its own deps)."""
-    from . import baselines, engine as ours
+    from . import baselines, bounds, engine as ours
 
+    if engine in BOUNDS:
+        return lambda ctx, workload: bounds.build_bound(engine, ctx, workload)
     return {
         "labml_zero": ours.build_labml_zero,
         "fsdp2": baselines.build_fsdp2,
@@ -403,6 +406,9 @@ def run_pair(engine: str, workload: Workload, run: RunConfig, *, world_size: int
         return {**line, "status": "skipped",
                 "reason": f"--compile is implemented for "
                 f"{', '.join(COMPILED_ENGINES)} only"}
+    if engine in BOUNDS:
+        if (reason := unavailable(engine, workload)) is not None:
+            return {**line, "status": "skipped", "reason": reason}
     if engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         return {**line, "status": "skipped",
                 "reason": "deepspeed is not installed (no module named deepspeed)"}
@@ -441,7 +447,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workloads", default="W1,W2,W3,W4",
                         help="comma-separated subset of W1,W2,W3,W4,W5,W3R,W6,W2-1")
     parser.add_argument("--engines", default=",".join(ENGINES),
-                        help=f"comma-separated subset of {','.join(ENGINES)}")
+                        help=f"comma-separated subset of {','.join(ENGINES)}, "
+                        f"or the one-device bounds {','.join(BOUNDS)} "
+                        "(bench/bounds.py)")
     parser.add_argument("--batch", default=None,
                         help="comma-separated sequences per GPU, e.g. 2,4,8: each "
                         "workload runs once per value (default: the workload's)")
@@ -495,7 +503,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     known = workloads()
     args.workload_list = split_names(args.workloads, known, "--workloads")
-    args.engine_list = split_names(args.engines, ENGINES, "--engines")
+    args.engine_list = split_names(args.engines, ENGINES + BOUNDS, "--engines")
     args.batch_list = [None] if args.batch is None else split_batches(args.batch)
     if args.compile and args.warmup < 1:
         raise SystemExit("--compile needs --warmup >= 1: the first step compiles")
@@ -580,6 +588,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cuda = torch.cuda.is_available() and not args.cpu
     backend = "nccl" if cuda else "gloo"
     world_size = args.world_size or (torch.cuda.device_count() if cuda else 2)
+    bounds = [engine for engine in args.engine_list if engine in BOUNDS]
+    if bounds and world_size != 1:
+        raise SystemExit(f"--engines {bounds[0]}: the bounds run on one device; "
+                         f"pass --world-size 1, not {world_size}")
     known = workloads()
     lines = []
     pairs = [(name, batch, engine) for name in args.workload_list

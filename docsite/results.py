@@ -22,6 +22,11 @@ A note inserts a figure with `{{bench: W2 labml_zero tokens_per_s}}`, adding
 is needed only where one configuration was measured at several batch sizes);
 the figure links to its row here, so each number exists once and says where it
 comes from.
+
+Two "engines" of the rows are not engines but the one-device bounds of
+`bench/bounds.py`: `model_only`, the model's forward and backward passes alone,
+and `update_floor`, the same with AdamW's update in one pass of fp32 masters and
+moments, the least step any engine with `AdamFP16`'s numerics can take.
 """
 
 from __future__ import annotations
@@ -122,6 +127,8 @@ def command(m: Measurement) -> str:
         parts.append("--compile")
     if m.key.graphed:
         parts.append("--cuda-graph")
+    if line.get("kernels") not in (None, "none"):
+        parts.append(f"--kernels {line['kernels']}")
     if m.key.engine == "labml_zero" and line.get("prefetch_depth", 1) != 1:
         parts.append(f"--prefetch-depth {line['prefetch_depth']}")
     if m.key.engine == "labml_zero" and line.get("peer_gather"):
