@@ -179,16 +179,7 @@ class GraphedStep:
                 self.loss = self.step(self.batch)
         except Exception as failure:
             self.drop()
-            # the first error, not the invalidated capture's that followed it
-            cause = failure
-            while cause.__context__ is not None:
-                cause = cause.__context__
-            raise CaptureFailed(
-                "the training step could not be recorded as one CUDA graph "
-                f"({type(cause).__name__}: {_first_line(cause)}); a "
-                "step that waits on the host (.item(), a loss scaler, "
-                "printing a tensor) cannot be: start the run again without "
-                "the graph") from failure
+            raise capture_failed(failure) from failure
         # the capture ran nothing: what it counted is what each replay runs,
         # and the first replay (just below) is the first to run it
         self.counted = _difference(_counts(self.counter), before)
@@ -238,6 +229,22 @@ class GraphedStep:
             self.drop()
             raise
         return loss
+
+
+def capture_failed(failure: BaseException) -> CaptureFailed:
+    """
+    The error a failed capture raises: it names the first error of the chain,
+    not the invalidated capture's errors that followed it.
+    """
+    cause = failure
+    while cause.__context__ is not None:
+        cause = cause.__context__
+    return CaptureFailed(
+        "the training step could not be recorded as one CUDA graph "
+        f"({type(cause).__name__}: {_first_line(cause)}); a "
+        "step that waits on the host (.item(), a loss scaler, "
+        "printing a tensor) cannot be: start the run again without "
+        "the graph")
 
 
 def _first_line(error: BaseException) -> str:

@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16, NonFiniteGradient
-from labml_zero.optimizers.graphed_step import CaptureFailed, GraphedStep
+from labml_zero.optimizers.graphed_step import (
+    CaptureFailed,
+    GraphedStep,
+    capture_failed,
+)
 from tests.distributed import run_distributed
 from tests.optimizers.test_offload import DEVICE, assert_same
 
@@ -206,7 +210,24 @@ def record_a_step_with_a_host_sync() -> None:
     print("refused as expected")
 
 
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="a capture exists on a GPU only")
+def test_a_failed_capture_names_the_first_error_of_its_chain():
+    """The CPU twin of the test below: the capture's own errors, raised while
+    handling the step's, are not the cause the user is shown."""
+    try:
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing\n"
+                               "second line")
+        except RuntimeError:
+            raise RuntimeError("the capture was invalidated")
+    except RuntimeError as failure:
+        error = capture_failed(failure)
+    assert isinstance(error, CaptureFailed)
+    assert ("(RuntimeError: operation not permitted when stream is capturing); "
+            in str(error))
+    assert "invalidated" not in str(error) and "second line" not in str(error)
+
+
+@pytest.mark.gpu
 def test_a_host_sync_in_the_step_names_its_cause():
     import os
     import subprocess
