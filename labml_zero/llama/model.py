@@ -1,0 +1,382 @@
+r"""
+---
+title: Llama model
+summary: Llama, Qwen 2.5, Mistral and SmolLM2 as one list of layers: RMSNorm,
+  grouped-query attention with full rotary embeddings, SwiGLU, and a readout
+  that may be the embedding's own matrix; named like Hugging Face.
+---
+
+# Llama model
+
+A Llama layer is a *sequential* pre-norm residual, where GPT-NeoX's is
+parallel ([its model page](../neox/model.html)): the MLP reads the output of
+attention,
+
+$$h = x + \operatorname{Attn}(\operatorname{RMS}_1(x)), \qquad
+x_{l+1} = h + \operatorname{MLP}(\operatorname{RMS}_2(h)).$$
+
+Three parts differ from GPT-NeoX. **RMSNorm** ([Zhang and
+Sennrich](https://arxiv.org/abs/1910.07467)) scales by the root mean square and
+has no mean and no bias: one weight vector of $d$ per norm, not two. The MLP is
+**SwiGLU** ([Shazeer](https://arxiv.org/abs/2002.05202)), a gated unit with
+three matrices instead of two, $3 d\, d_{ff}$ parameters. Attention is
+**grouped-query**: $n_{kv}$ key-value heads serve $n_h$ query heads, so $W_k$
+and $W_v$ have $n_{kv} d_h$ rows instead of $n_h d_h$, and a layer's attention
+holds
+
+$$2 d \cdot n_h d_h + 2 d \cdot n_{kv} d_h$$
+
+parameters (plus $(n_h + 2 n_{kv}) d_h$ biases in Qwen 2): for Llama-3.1-8B,
+with $n_h / n_{kv} = 4$, the K and V projections are a quarter of the Q
+projection each. The model is a list, `[Embedding, DecoderLayer × L,
+FinalNorm, Readout]`, the unit the engine gathers and releases, built by
+`build_layers`.
+
+## Limitations
+
+* No KV cache, no attention mask other than causal, no dropout.
+* Plain PyTorch only: GPT-NeoX's [fused kernels](../neox/kernels.html) are not
+  wired in, and the rotary tables are not prepared for `torch.compile`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from labml_zero.llama.config import LlamaConfig
+from labml_zero.llama.rotary import LlamaRotary, apply_rotary
+from labml_zero.neox.kernels import plain_readout_loss
+
+__all__ = ["RMSNorm", "Embedding", "Attention", "MLP", "DecoderLayer",
+           "FinalNorm", "Readout", "build_layers", "tie_embeddings", "LlamaChain",
+           "hf_prefix", "count_parameters"]
+
+
+def init_like_hf(module: nn.Module, std: float) -> None:
+    r"""
+    #### HF Llama init
+
+    $\mathcal{N}(0, \sigma^2)$ for linear and embedding weights, zero biases,
+    unit RMSNorm weights.
+    """
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                m.weight.normal_(0.0, std)
+                if getattr(m, "bias", None) is not None:
+                    m.bias.zero_()
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+
+
+# ## RMSNorm
+
+
+class RMSNorm(nn.Module):
+    r"""
+    ## RMSNorm: $w \odot x / \sqrt{\overline{x^2} + \epsilon}$
+
+    The mean of the squares over the $d$ features, in fp32 whatever the
+    activations' dtype; the normalised value is cast back before the weight
+    multiplies it, in Hugging Face's order, so bf16 results agree bit for bit.
+    """
+
+    def __init__(self, d: int, eps: float, *, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()  # [B, T, d] fp32; a copy only when x is 16-bit
+        rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # [B, T, 1]
+        return self.weight * (x32 * rms).to(x.dtype)
+
+
+# ## Embedding
+
+
+class Embedding(nn.Module):
+    """
+    ## Token embedding
+
+    `embed_tokens`: `[B, T]` ids to `[B, T, d]`. With tied embeddings its
+    weight is also the readout's (see `tie_embeddings`).
+    """
+
+    def __init__(self, config: LlamaConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.n_vocab, config.d_model,
+                                         device=device, dtype=dtype)
+
+    def reset_parameters(self):
+        init_like_hf(self, self.config.init_std)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # Shapes are Python ints: no device sync.
+        if ids.shape[-1] > self.config.max_sequence:
+            raise ValueError(f"sequence length {ids.shape[-1]} exceeds the "
+                             f"model's {self.config.max_sequence} (max_position "
+                             f"or sliding_window)")
+        return self.embed_tokens(ids)  # [B, T, d]
+
+
+# ## Grouped-query attention
+
+
+class Attention(nn.Module):
+    r"""
+    ## Causal grouped-query attention
+
+    Four projections with Hugging Face's names. Query head $j$ reads key-value
+    head $\lfloor j / (n_h / n_{kv}) \rfloor$; `scaled_dot_product_attention`
+    with `enable_gqa` does that indexing itself, without copying K and V out
+    to $n_h$ heads as `repeat_kv` in Hugging Face's eager path does.
+    """
+
+    def __init__(self, config: LlamaConfig, rotary: LlamaRotary, *,
+                 device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.rotary = rotary
+        d, d_h = config.d_model, config.head_width
+        n_h, n_kv = config.n_heads, config.n_kv_heads
+        factory = dict(device=device, dtype=dtype)
+        bias = config.qkv_bias
+        self.q_proj = nn.Linear(d, n_h * d_h, bias=bias, **factory)
+        # n_kv d_h rows, not n_h d_h: GQA's saving in parameters and in the
+        # K and V activations a layer keeps for its backward pass.
+        self.k_proj = nn.Linear(d, n_kv * d_h, bias=bias, **factory)
+        self.v_proj = nn.Linear(d, n_kv * d_h, bias=bias, **factory)
+        self.o_proj = nn.Linear(n_h * d_h, d, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        c = self.config
+        d_h = c.head_width
+        q = self.q_proj(x).view(B, T, c.n_heads, d_h).transpose(1, 2)  # [B, n_h, T, d_h]
+        k = self.k_proj(x).view(B, T, c.n_kv_heads, d_h).transpose(1, 2)  # [B, n_kv, T, d_h]
+        v = self.v_proj(x).view(B, T, c.n_kv_heads, d_h).transpose(1, 2)  # [B, n_kv, T, d_h]
+        cos, sin = self.rotary(T, x.device, q.dtype)  # each [T, d_h]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # softmax(q kᵀ / √d_h + causal mask) v, each query head on its group's k, v
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=c.n_kv_heads != c.n_heads)
+        y = y.transpose(1, 2).reshape(B, T, c.n_heads * d_h)  # heads concatenated
+        return self.o_proj(y)
+
+
+# ## SwiGLU
+
+
+class MLP(nn.Module):
+    r"""
+    ## SwiGLU: $W_{down}\,(\operatorname{SiLU}(W_{gate} x) \odot W_{up} x)$
+
+    $\operatorname{SiLU}(z) = z\,\sigma(z)$. The gate makes the unit
+    multiplicative; to keep the parameter count of a $4d$ GELU MLP, the hidden
+    width is about $\frac{2}{3} \cdot 4d$ (Llama rounds it up; others choose
+    freely).
+    """
+
+    def __init__(self, config: LlamaConfig, *, device=None, dtype=None):
+        super().__init__()
+        d, d_ff = config.d_model, config.d_ff
+        factory = dict(device=device, dtype=dtype, bias=False)
+        self.gate_proj = nn.Linear(d, d_ff, **factory)
+        self.up_proj = nn.Linear(d, d_ff, **factory)
+        self.down_proj = nn.Linear(d_ff, d, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # [B, T, d_ff]
+        return self.down_proj(h)
+
+
+# ## Decoder layer
+
+
+class DecoderLayer(nn.Module):
+    """
+    ## A sequential pre-norm layer
+
+    `layer_idx` is the index in the full model, so the checkpoint name of each
+    parameter is known also when `build_layers` keeps only some layers.
+    """
+
+    def __init__(self, config: LlamaConfig, layer_idx: int, rotary: LlamaRotary, *,
+                 device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        factory = dict(device=device, dtype=dtype)
+        d, eps = config.d_model, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(d, eps, **factory)
+        self.self_attn = Attention(config, rotary, **factory)
+        self.post_attention_layernorm = RMSNorm(d, eps, **factory)
+        self.mlp = MLP(config, **factory)
+
+    def reset_parameters(self):
+        init_like_hf(self, self.config.init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}"
+
+
+# ## Final norm and readout
+
+
+class FinalNorm(nn.Module):
+    """## The last RMSNorm, before the readout"""
+
+    def __init__(self, config: LlamaConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.norm = RMSNorm(config.d_model, config.rms_norm_eps, device=device,
+                            dtype=dtype)
+
+    def reset_parameters(self):
+        init_like_hf(self, self.config.init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
+
+
+class Readout(nn.Module):
+    """
+    ## Readout: `[B, T, d]` to logits `[B, T, n_vocab]`, or the loss
+
+    Given `targets` `[B, T]` it returns the mean next-token cross-entropy in
+    fp32, as GPT-NeoX's plain readout does. With tied embeddings `lm_head`'s
+    weight is the embedding's parameter, and `reset_parameters` leaves it to
+    the embedding.
+    """
+
+    def __init__(self, config: LlamaConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.lm_head = nn.Linear(config.d_model, config.n_vocab, bias=False,
+                                 device=device, dtype=dtype)
+
+    def reset_parameters(self):
+        if not self.config.tie_embeddings:
+            init_like_hf(self, self.config.init_std)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        if targets is None:
+            return self.lm_head(x)  # [B, T, n_vocab]
+        return plain_readout_loss(x, self.lm_head, targets)  # [] fp32
+
+
+# ## Building the list
+#
+# As for GPT-NeoX, `[Embedding, DecoderLayer × L, FinalNorm, Readout]`, with
+# one `LlamaRotary` for all layers. A tied model has one parameter in two
+# layers; [`shard_model`](../zero3/sharded_model.html) puts such a parameter
+# in its root unit, gathered for the whole step, since both the first and the
+# last layer read it (see Note: a tied embedding in the chunk layout).
+
+
+def tie_embeddings(layers: list[nn.Module]) -> None:
+    r"""
+    ### Make the readout's weight the embedding's parameter
+
+    #### Note: a tied embedding in the chunk layout
+
+    Tying is one `nn.Parameter` registered in two modules. The engine lays
+    every parameter out once, in the first unit that meets it; a parameter
+    met in two units would be gathered by one and read by the other after its
+    release. So `shard_model` moves it to the root unit, which stays gathered
+    for the whole step and takes the sum of both uses' gradients, $V d$
+    elements that every rank holds gathered during the step instead of twice
+    that held by two untied matrices. `zero3_layers`, having no root, refuses
+    it. Building on the meta device and then calling `to_empty` layer by layer
+    gives each layer its own tensor: call this again after `to_empty`.
+    """
+    embedding, readout = layers[0], layers[-1]
+    if not (isinstance(embedding, Embedding) and isinstance(readout, Readout)):
+        raise ValueError("tie_embeddings: the list must start with an Embedding "
+                         "and end with a Readout")
+    readout.lm_head.weight = embedding.embed_tokens.weight
+
+
+def build_layers(config: LlamaConfig, *, filter_layers: Iterable[int] | None = None,
+                 device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> list[nn.Module]:
+    """
+    ### Build `[Embedding, DecoderLayer × n, FinalNorm, Readout]`
+
+    * `filter_layers` keeps only the decoder layers with these indices.
+    * `device='meta'` allocates nothing; after `to_empty`, call
+      `tie_embeddings` again (tied models) and `reset_parameters` or load a
+      checkpoint.
+    * Off meta, weights are initialised as Hugging Face does.
+    """
+    if filter_layers is None:
+        indices = list(range(config.n_layers))
+    else:
+        indices = sorted(set(filter_layers))
+        bad = [i for i in indices if not 0 <= i < config.n_layers]
+        if bad:
+            raise ValueError(f"filter_layers {bad} out of range: the model has "
+                             f"{config.n_layers} layers (0..{config.n_layers - 1})")
+    factory = dict(device=device, dtype=dtype)
+    rotary = LlamaRotary(config)
+    layers: list[nn.Module] = [Embedding(config, **factory)]
+    layers += [DecoderLayer(config, i, rotary, **factory) for i in indices]
+    layers += [FinalNorm(config, **factory), Readout(config, **factory)]
+    if config.tie_embeddings:
+        tie_embeddings(layers)
+    if torch.device(device or "cpu").type != "meta":
+        for layer in layers:
+            layer.reset_parameters()
+    return layers
+
+
+class LlamaChain(nn.Sequential):
+    """
+    ## The layers in a chain, with the loss at its end
+
+    `LlamaChain(*build_layers(config))(ids)` is the logits; `(ids, targets)`
+    hands the targets to the `Readout`, which returns the loss.
+    """
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None):
+        *body, last = self
+        x = ids
+        for layer in body:
+            x = layer(x)
+        return last(x) if targets is None else last(x, targets)
+
+
+def hf_prefix(layer: nn.Module) -> str:
+    """
+    ### The Hugging Face name prefix of a layer
+
+    `hf_prefix(layer) + name` is the checkpoint name of each entry of
+    `layer.state_dict()`: `model.embed_tokens.weight`,
+    `model.layers.`$i$`.self_attn.q_proj.weight`, `model.norm.weight`,
+    `lm_head.weight`. A tied checkpoint has no `lm_head.weight`; its readout
+    reads `model.embed_tokens.weight` ([the checkpoint page](hf_checkpoint.html)).
+    """
+    if isinstance(layer, DecoderLayer):
+        return f"model.layers.{layer.layer_idx}."
+    if isinstance(layer, (Embedding, FinalNorm)):
+        return "model."
+    if isinstance(layer, Readout):
+        return ""
+    raise ValueError(f"hf_prefix: {type(layer).__name__} is not a Llama layer")
+
+
+def count_parameters(layers: Iterable[nn.Module]) -> int:
+    r"""Parameter count $\Psi$, a tied matrix once (works on the meta device)."""
+    seen = {id(p): p.numel() for layer in layers for p in layer.parameters()}
+    return sum(seen.values())

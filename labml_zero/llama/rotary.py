@@ -1,0 +1,108 @@
+r"""
+---
+title: Llama rotary embeddings
+summary: Rotary embeddings over the whole head, with a base per model and Llama
+  3's scaling of the slow frequencies; one table for every layer.
+---
+
+# Llama rotary embeddings
+
+The rotation is GPT-NeoX's ([its page](../neox/rotary.html)), with three
+differences. It turns **every** dimension of a head ($d_r = d_h$, where
+GPT-NeoX turns a quarter); its base $b$ is a field of the model
+(`rope_theta`: Llama 3 uses 500,000, Qwen 2.5 a million), and Llama 3.1 and
+3.2 **scale** the frequencies $\theta_i = b^{-2i/d_h}$ so that a model
+pretrained on $L_0$ positions reaches $s L_0$. With the wavelength
+$\lambda_i = 2\pi / \theta_i$,
+
+$$\theta_i' = \begin{cases}
+  \theta_i & \lambda_i < L_0 / \beta \\
+  \theta_i / s & \lambda_i > L_0 / \alpha \\
+  (1 - \sigma_i)\,\theta_i / s + \sigma_i\,\theta_i & \text{otherwise,}
+\end{cases} \qquad \sigma_i = \frac{L_0 / \lambda_i - \alpha}{\beta - \alpha}$$
+
+(`RopeScaling`: $s$ its `factor`, $\alpha$ and $\beta$ its low and high
+frequency factors). Fast frequencies, which resolve nearby tokens, are kept;
+slow ones, whose period exceeds the pretraining context, are slowed down by
+$s$, and those between are blended. Query heads and key heads differ in number
+under grouped-query attention, so q and k are rotated as two tensors, not as
+one stacked view as GPT-NeoX does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+
+from labml_zero.llama.config import LlamaConfig
+from labml_zero.neox.rotary import rotate_half
+
+__all__ = ["inverse_frequencies", "LlamaRotary", "apply_rotary"]
+
+
+def inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
+    r"""
+    ### $\theta_i'$ for $i < d_h / 2$, fp32, on the CPU
+
+    Computed in fp32 as Hugging Face does, so the angles $m \theta_i'$ are the
+    same numbers in both.
+    """
+    d_h = config.head_width
+    # [d_h / 2] fp32: θ_i = b^(-2i / d_h)
+    theta = 1.0 / config.rope_theta ** (
+        torch.arange(0, d_h, 2, dtype=torch.int64).float() / d_h)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return theta
+    s, alpha, beta = (scaling.factor, scaling.low_freq_factor,
+                      scaling.high_freq_factor)
+    L0 = scaling.original_max_position
+    wavelength = 2 * math.pi / theta
+    slowed = torch.where(wavelength > L0 / alpha, theta / s, theta)
+    sigma = (L0 / wavelength - alpha) / (beta - alpha)
+    blended = (1 - sigma) * slowed / s + sigma * slowed
+    middle = ~(wavelength < L0 / beta) & ~(wavelength > L0 / alpha)
+    return torch.where(middle, blended, slowed)
+
+
+class LlamaRotary:
+    r"""
+    ## The cos and sin tables, once for every layer
+
+    As GPT-NeoX's `RotaryTables`: a plain attribute shared by the layers, not
+    a buffer, so the engine neither shards nor saves it; the first layer to
+    run at a length $T$, device and dtype builds `[T, d_h]` tables, the others
+    read them. Only the `max_entries` latest keys stay.
+    """
+
+    def __init__(self, config: LlamaConfig, max_entries: int = 4):
+        self.inv_freq = inverse_frequencies(config)  # [d_h / 2] fp32
+        self.max_entries = max_entries
+        self._tables: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = \
+            OrderedDict()
+
+    def __call__(self, n_positions: int, device: torch.device, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""$\cos m\theta_i'$ and $\sin m\theta_i'$, each `[n_positions, d_h]`."""
+        key = (n_positions, torch.device(device), dtype)
+        if key in self._tables:
+            self._tables.move_to_end(key)
+            return self._tables[key]
+        with torch.inference_mode(False), torch.no_grad():
+            positions = torch.arange(n_positions, device=device).float()
+            # [T, d_h / 2] fp32; in bf16, m itself is exact only up to 256
+            angles = torch.outer(positions, self.inv_freq.to(device))
+            angles = torch.cat([angles, angles], dim=-1)  # [T, d_h], both halves
+            tables = angles.cos().to(dtype), angles.sin().to(dtype)
+        self._tables[key] = tables
+        while len(self._tables) > self.max_entries:
+            self._tables.popitem(last=False)
+        return tables
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> torch.Tensor:
+    """`x` `[B, heads, T, d_h]` rotated; `cos`, `sin` `[T, d_h]` broadcast."""
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,37 @@
+"""`labml_zero/llama/model.py`: fp32 logits equal transformers' for Llama
+(scaled rotary), tied Llama, Qwen 2 (q/k/v biases) and Mistral."""
+
+import torch
+
+from labml_zero.llama.hf_checkpoint import LlamaCheckpoint, load_layers
+from labml_zero.llama.model import LlamaChain, build_layers
+from tests import tolerance
+
+
+def llama_terms(config, *, seq: int) -> int:
+    """`terms` (tests/tolerance.py) of a logit's path: per layer the q, k and v
+    projections and the first norm reduce over $d$, the scores over $d_h$, the
+    values over $T$, the output projection over $n_h d_h$, the second norm, gate
+    and up over $d$, the down projection over $d_{ff}$; then the final norm and
+    the readout over $d$."""
+    d, d_h = config.d_model, config.head_width
+    layer = 6 * d + d_h + seq + config.n_heads * d_h + config.d_ff
+    return config.n_layers * layer + 2 * d
+
+
+def test_logits_match_transformers(hf_case):
+    case, model, path = hf_case
+    checkpoint = LlamaCheckpoint(path)
+    assert len(set(checkpoint.weight_map.values())) > 1, "want a sharded checkpoint"
+    config = checkpoint.config
+    assert config.tie_embeddings == model.config.tie_word_embeddings
+    layers = build_layers(config)
+    load_layers(checkpoint, layers)
+    ids = torch.randint(0, config.n_vocab, (2, 41),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = LlamaChain(*layers)(ids)
+        theirs = model(ids).logits
+    assert ours.shape == (2, 41, config.n_vocab)
+    torch.testing.assert_close(ours, theirs, **tolerance.parity(
+        torch.float32, terms=llama_terms(config, seq=ids.shape[1])))
