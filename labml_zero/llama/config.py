@@ -262,6 +262,15 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
                 "num_attention_heads", "num_key_value_heads", "num_hidden_layers"):
         if key not in hf:
             raise ValueError(f"config.json: no {key!r}")
+    # Named here with config.json's fields, before `LlamaConfig` names its own.
+    n_h, n_kv = hf["num_attention_heads"], hf["num_key_value_heads"]
+    if n_kv < 1 or n_h % n_kv != 0:
+        raise ValueError(f"config.json: num_attention_heads={n_h} is not "
+                         f"divisible by num_key_value_heads={n_kv}")
+    if hf.get("head_dim") is None and hf["hidden_size"] % n_h != 0:
+        raise ValueError(f"config.json: hidden_size={hf['hidden_size']} is not "
+                         f"divisible by num_attention_heads={n_h} (and no "
+                         f"head_dim)")
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json: hidden_act {act!r} is not 'silu'")
