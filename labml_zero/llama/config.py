@@ -205,14 +205,14 @@ def qwen2_5_0_5b() -> LlamaConfig:
 
 def llama_3_2_1b() -> LlamaConfig:
     return LlamaConfig(n_vocab=128256, d_model=2048, n_heads=32, n_kv_heads=8,
-                       n_layers=16, d_ff=8192, head_dim=64, rope_theta=500000.0,
+                       n_layers=16, d_ff=8192, rope_theta=500000.0,
                        rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True,
                        max_position=131072)
 
 
 def llama_3_2_3b() -> LlamaConfig:
     return LlamaConfig(n_vocab=128256, d_model=3072, n_heads=24, n_kv_heads=8,
-                       n_layers=28, d_ff=8192, head_dim=128, rope_theta=500000.0,
+                       n_layers=28, d_ff=8192, rope_theta=500000.0,
                        rope_scaling=RopeScaling(factor=32.0), tie_embeddings=True,
                        max_position=131072)
 
@@ -233,7 +233,7 @@ def mistral_7b() -> LlamaConfig:
 
 def llama_3_1_8b() -> LlamaConfig:
     return LlamaConfig(n_vocab=128256, d_model=4096, n_heads=32, n_kv_heads=8,
-                       n_layers=32, d_ff=14336, head_dim=128, rope_theta=500000.0,
+                       n_layers=32, d_ff=14336, rope_theta=500000.0,
                        rope_scaling=RopeScaling(factor=8.0), max_position=131072)
 
 
@@ -301,11 +301,15 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
             raise ValueError(f"config.json: rope_scaling has no {error}") from None
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     window = hf.get("sliding_window") if model_type == "mistral" else None
+    # `head_dim` as d / n_h is kept unresolved (`None`), as the presets have it
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and head_dim * n_h == hf["hidden_size"]:
+        head_dim = None
     return LlamaConfig(
         n_vocab=hf["vocab_size"], d_model=hf["hidden_size"],
         n_heads=hf["num_attention_heads"], n_kv_heads=hf["num_key_value_heads"],
         n_layers=hf["num_hidden_layers"], d_ff=hf["intermediate_size"],
-        head_dim=hf.get("head_dim"), rope_theta=float(theta), rope_scaling=scaling,
+        head_dim=head_dim, rope_theta=float(theta), rope_scaling=scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         qkv_bias=model_type == "qwen2",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
