@@ -158,9 +158,10 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         c = self.config
         d_h = c.head_width
-        q = self.q_proj(x).view(B, T, c.n_heads, d_h).transpose(1, 2)  # [B, n_h, T, d_h]
-        k = self.k_proj(x).view(B, T, c.n_kv_heads, d_h).transpose(1, 2)  # [B, n_kv, T, d_h]
-        v = self.v_proj(x).view(B, T, c.n_kv_heads, d_h).transpose(1, 2)  # [B, n_kv, T, d_h]
+        # [B, n_h, T, d_h] for q; [B, n_kv, T, d_h] for k and v
+        q = self.q_proj(x).view(B, T, c.n_heads, d_h).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, c.n_kv_heads, d_h).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, c.n_kv_heads, d_h).transpose(1, 2)
         cos, sin = self.rotary(T, x.device, q.dtype)  # each [T, d_h]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # softmax(q kᵀ / √d_h + causal mask) v, each query head on its group's k, v
