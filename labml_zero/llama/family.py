@@ -1,0 +1,114 @@
+r"""
+---
+title: The Llama family as one object
+summary: Everything the job asks of a model family (presets, config.json, build
+  on meta, checkpoint checks and loading, tokenizer, FLOPs, activations) as
+  one frozen object, so the job never imports a model package.
+---
+
+# The Llama family as one object
+
+The fine-tune job should ask a family, not import it (torchtitan's
+`ModelSpec`): one frozen object names its presets, how to read and check a
+snapshot, how to build the layers on the meta device and give them weights,
+how to load a layer from a checkpoint, its tokenizer, and its cost,
+$C$ FLOPs a token ([the FLOPs page](flops.html)) and the bytes a layer keeps.
+`ModelFamily` holds functions, not a base class to override; `LLAMA` is this
+package's one instance. The job, given a `--model` path, would
+
+1. call `check_snapshot(path)` before any rank starts (one-line refusals);
+2. on each rank, `build(config, device='meta')`, then `materialize(layers,
+   device)` or, per layer, `load_layer(checkpoint, layer)` into the shards;
+3. read `tokenizer(path, config)` for its data;
+4. size its batch with `activation_bytes` and report MFU with
+   `flops_per_token`.
+
+## Limitations
+
+* A tied model must be sharded with `shard_model`, which keeps the tied
+  matrix in its root unit; `zero3_layers` refuses a parameter of two layers.
+* No export or LoRA yet: those fields come with the job's next step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from tokenizers import Tokenizer
+from torch import nn
+
+from labml_zero.llama import config as llama_config
+from labml_zero.llama.flops import activation_bytes, flops_per_token
+from labml_zero.llama.hf_checkpoint import LlamaCheckpoint, check_llama_snapshot
+from labml_zero.llama.model import build_layers, count_parameters, tie_embeddings
+from labml_zero.llama.tokenizer import checkpoint_tokenizer
+
+__all__ = ["ModelFamily", "LLAMA", "materialize"]
+
+
+def materialize(layers: list[nn.Module], device: torch.device | str) -> None:
+    """
+    ### Meta-built layers to `device`, initialised, tied again
+
+    `to_empty` gives each layer new storage, so a readout tied to the
+    embedding would get a matrix of its own; re-tie, then initialise (see
+    Note: a tied embedding in the chunk layout).
+    """
+    for layer in layers:
+        layer.to_empty(device=device)
+    config = layers[0].config
+    if config.tie_embeddings:
+        tie_embeddings(layers)
+    for layer in layers:
+        layer.reset_parameters()
+
+
+def load_layer(checkpoint: LlamaCheckpoint, layer: nn.Module, *,
+               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """One layer's `{name: tensor}` from the snapshot, shapes checked."""
+    return checkpoint.layer_state_dict(layer, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """
+    ## What the job asks of a model family
+
+    Each field is a function or a table; none holds state.
+    """
+
+    name: str
+    """The family's name on the command line and in records."""
+    presets: Mapping[str, Callable[[], Any]]
+    """Preset name to a function returning its config."""
+    check_snapshot: Callable[[str | os.PathLike], Any]
+    """A snapshot's config, every header checked; one-line `CheckpointError`."""
+    open_checkpoint: Callable[[str | os.PathLike], Any]
+    """A lazy reader of a snapshot, for `load_layer`."""
+    build: Callable[..., list[nn.Module]]
+    """`build(config, device=..., dtype=...)`: the list of layers."""
+    materialize: Callable[[list[nn.Module], torch.device | str], None]
+    """Meta layers to real, initialised ones."""
+    load_layer: Callable[..., dict[str, torch.Tensor]]
+    """`load_layer(checkpoint, layer, dtype=...)`: one layer's tensors."""
+    tokenizer: Callable[[str | os.PathLike, Any], tuple[Tokenizer, int]]
+    """`tokenizer(path, config)`: the tokenizer and its end-of-text id."""
+    count_parameters: Callable[[list[nn.Module]], int]
+    """$\\Psi$, a tied matrix once."""
+    flops_per_token: Callable[[Any, int], int]
+    """`flops_per_token(config, seq)`: training FLOPs a token."""
+    activation_bytes: Callable[..., int]
+    """`activation_bytes(config, tokens, dtype_bytes=...)`: a layer's saved
+    bytes."""
+
+
+LLAMA = ModelFamily(
+    name="llama", presets=llama_config.PRESETS, check_snapshot=check_llama_snapshot,
+    open_checkpoint=LlamaCheckpoint, build=build_layers, materialize=materialize,
+    load_layer=load_layer, tokenizer=checkpoint_tokenizer,
+    count_parameters=count_parameters, flops_per_token=flops_per_token,
+    activation_bytes=activation_bytes)
+"""Llama 3, Qwen 2.5, Mistral and SmolLM2."""
