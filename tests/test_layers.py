@@ -28,6 +28,7 @@ LAYERS = (
     ("labml_zero.optimizers",),
     ("labml_zero.assembly",),
     ("labml_zero.neox",),
+    ("labml_zero.llama",),
     ("labml_zero.finetune",),
     ("labml_zero.finetune_neox",),
 )

@@ -1,14 +1,14 @@
 r"""
 ---
 title: Llama configuration
-summary: The shape of a Llama-family model (Llama 3, Qwen 2.5, Mistral, SmolLM2)
+summary: The shape of a Llama-family model (Llama 3, Qwen2.5, Mistral, SmolLM2)
   as one dataclass, the released shapes as presets, and the map to and from
   Hugging Face's config.json.
 ---
 
 # Llama configuration
 
-Llama, Qwen 2.5, Mistral and SmolLM2 are one architecture with different
+Llama, Qwen2.5, Mistral and SmolLM2 are one architecture with different
 shapes, so one frozen dataclass, `LlamaConfig`, describes them all. Where
 [GPT-NeoX's configuration](../neox/config.html) has one head count, this one
 has two: $n_h$ query heads and $n_{kv}$ key-value heads, each key-value head
@@ -44,7 +44,7 @@ class RopeScaling:
     r"""
     ## Llama 3's rotary scaling
 
-    Llama 3.1 and 3.2 stretch the slow rotary frequencies to reach a longer
+    Llama-3.1 and Llama-3.2 stretch the slow rotary frequencies to reach a longer
     context than they were pretrained on (HF's `rope_type: "llama3"`); the
     [rotary page](rotary.html) has the formula.
     """
@@ -52,9 +52,9 @@ class RopeScaling:
     factor: float = 8.0
     """$s$: how much the slowest frequencies are divided by."""
     low_freq_factor: float = 1.0
-    """$\\alpha$: wavelengths above $L_0 / \\alpha$ are divided by $s$."""
+    r"""$\alpha$: wavelengths above $L_0 / \alpha$ are divided by $s$."""
     high_freq_factor: float = 4.0
-    """$\\beta$: wavelengths below $L_0 / \\beta$ are kept."""
+    r"""$\beta$: wavelengths below $L_0 / \beta$ are kept."""
     original_max_position: int = 8192
     """$L_0$: the context length of pretraining."""
 
@@ -109,15 +109,15 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     r"""$\epsilon$ of every RMSNorm."""
     qkv_bias: bool = False
-    """Biases on the q, k and v projections (Qwen 2 and 2.5); never on the
+    """Biases on the q, k and v projections (Qwen2 and Qwen2.5); never on the
     output projection."""
     tie_embeddings: bool = False
     """The readout is the input embedding's matrix (one parameter): SmolLM2,
-    Qwen2.5-0.5B, Llama 3.2."""
+    Qwen2.5-0.5B, Llama-3.2."""
     max_position: int = 2048
     """Longest sequence accepted."""
     sliding_window: int | None = None
-    """Mistral 7B v0.1 attends to at most this many earlier tokens; sequences
+    """Mistral-7B-v0.1 attends to at most this many earlier tokens; sequences
     longer than it are refused, so inside a sequence the window never cuts."""
     init_std: float = 0.02
     """Standard deviation of the normal init (HF's `initializer_range`)."""
@@ -186,7 +186,7 @@ class LlamaConfig:
 
 
 def tiny() -> LlamaConfig:
-    """A laptop model: 2 layers of width 64, 4 query and 2 key-value heads."""
+    """A laptop model: 2 layers, 4 query and 2 key-value heads."""
     return LlamaConfig()
 
 
@@ -225,7 +225,7 @@ def qwen2_5_7b() -> LlamaConfig:
 
 
 def mistral_7b() -> LlamaConfig:
-    """Mistral-7B-v0.1, with its sliding window of 4096 tokens."""
+    """Mistral-7B-v0.1, with its sliding window."""
     return LlamaConfig(n_vocab=32000, d_model=4096, n_heads=32, n_kv_heads=8,
                        n_layers=32, d_ff=14336, max_position=32768,
                        sliding_window=4096, model_type="mistral")
@@ -276,7 +276,7 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
         raise ValueError(f"config.json: hidden_act {act!r} is not 'silu'")
     if hf.get("mlp_bias", False):
         raise ValueError("config.json: mlp_bias=true is not supported")
-    # Llama's `attention_bias` puts a bias on o_proj as well; Qwen 2 has q, k
+    # Llama's `attention_bias` puts a bias on o_proj as well; Qwen2 has q, k
     # and v biases always and no such key.
     if model_type != "qwen2" and hf.get("attention_bias", False):
         raise ValueError("config.json: attention_bias=true is not supported")

@@ -9,7 +9,7 @@ summary: Everything the job asks of a model family (presets, config.json, build
 # The Llama family as one object
 
 The fine-tune job should ask a family, not import it (torchtitan's
-`ModelSpec`): one frozen object names its presets, how to read and check a
+ModelSpec): one frozen object names its presets, how to read and check a
 snapshot, how to build the layers on the meta device and give them weights,
 how to load a layer from a checkpoint, its tokenizer, and its cost,
 $C$ FLOPs a token ([the FLOPs page](flops.html)) and the bytes a layer keeps.
@@ -97,7 +97,7 @@ class ModelFamily:
     tokenizer: Callable[[str | os.PathLike, Any], tuple[Tokenizer, int]]
     """`tokenizer(path, config)`: the tokenizer and its end-of-text id."""
     count_parameters: Callable[[list[nn.Module]], int]
-    """$\\Psi$, a tied matrix once."""
+    r"""$\Psi$, the model's parameters in elements, a tied matrix once."""
     flops_per_token: Callable[[Any, int], int]
     """`flops_per_token(config, seq)`: training FLOPs a token."""
     activation_bytes: Callable[..., int]
@@ -111,4 +111,4 @@ LLAMA = ModelFamily(
     load_layer=load_layer, tokenizer=checkpoint_tokenizer,
     count_parameters=count_parameters, flops_per_token=flops_per_token,
     activation_bytes=activation_bytes)
-"""Llama 3, Qwen 2.5, Mistral and SmolLM2."""
+"""Llama 3, Qwen2.5, Mistral and SmolLM2."""

@@ -26,6 +26,7 @@ keys and $T$ values, $4 n_h d_h T$ FLOPs a token forward, whatever $n_{kv}$
 is, since each query head still reads a whole key and value head:
 
 $$C = 6 \left(L\, N_{layer} + V d\right) + 12\, L\, n_h d_h T.$$
+(tested: tests/llama/test_flops.py::test_flops_per_token_is_the_flop_counter)
 
 The attention term counts the whole $T \times T$ square, as PaLM's
 ([Chowdhery et al.](https://arxiv.org/abs/2204.02311), appendix B) and
@@ -61,7 +62,9 @@ def flops_per_token(config: LlamaConfig, seq: int) -> int:
     r"""
     ### Training FLOPs a token, forward and backward, at sequence length $T$
 
-    $6 (L N_{layer} + V d) + 12 L n_h d_h T$; biases and the element-wise
+    $6 (L N_{layer} + V d) + 12 L n_h d_h T$
+    (tested: tests/llama/test_flops.py::test_flops_per_token_is_the_flop_counter);
+    biases and the element-wise
     passes (norms, SiLU, rotation, softmax) are $O(d)$ a token and left out.
     """
     attention = 12 * config.n_layers * config.n_heads * config.head_width * seq

@@ -1,7 +1,7 @@
 r"""
 ---
 title: Hugging Face Llama checkpoints
-summary: Read a Llama, Qwen 2 or Mistral snapshot one layer at a time, every
+summary: Read a Llama, Qwen2 or Mistral snapshot one layer at a time, every
   config field and tensor shape checked before any rank starts; a tied
   checkpoint's readout reads the embedding.
 ---

@@ -1,7 +1,7 @@
 r"""
 ---
 title: Llama model
-summary: Llama, Qwen 2.5, Mistral and SmolLM2 as one list of layers: RMSNorm,
+summary: Llama, Qwen2.5, Mistral and SmolLM2 as one list of layers: RMSNorm,
   grouped-query attention with full rotary embeddings, SwiGLU, and a readout
   that may be the embedding's own matrix; named like Hugging Face.
 ---
@@ -26,11 +26,12 @@ holds
 
 $$2 d \cdot n_h d_h + 2 d \cdot n_{kv} d_h$$
 
-parameters (plus $(n_h + 2 n_{kv}) d_h$ biases in Qwen 2): for Llama-3.1-8B,
-with $n_h / n_{kv} = 4$, the K and V projections are a quarter of the Q
-projection each. The model is a list, `[Embedding, DecoderLayer × L,
-FinalNorm, Readout]`, the unit the engine gathers and releases, built by
-`build_layers`.
+parameters (plus $(n_h + 2 n_{kv}) d_h$ biases in Qwen2): for Llama-3.1-8B,
+with four query heads to a key-value head, the K and V projections are a
+quarter of the Q projection each
+(tested: tests/llama/test_flops.py::test_gqa_saves_the_kv_projections_share).
+The model is a list, `[Embedding, DecoderLayer × L, FinalNorm, Readout]`,
+the unit the engine gathers and releases, built by `build_layers`.
 
 ## Limitations
 
@@ -135,7 +136,7 @@ class Attention(nn.Module):
     Four projections with Hugging Face's names. Query head $j$ reads key-value
     head $\lfloor j / (n_h / n_{kv}) \rfloor$; `scaled_dot_product_attention`
     with `enable_gqa` does that indexing itself, without copying K and V out
-    to $n_h$ heads as `repeat_kv` in Hugging Face's eager path does.
+    to $n_h$ heads as Hugging Face's eager path does.
     """
 
     def __init__(self, config: LlamaConfig, rotary: LlamaRotary, *,
@@ -378,6 +379,7 @@ def hf_prefix(layer: nn.Module) -> str:
 
 
 def count_parameters(layers: Iterable[nn.Module]) -> int:
-    r"""Parameter count $\Psi$, a tied matrix once (works on the meta device)."""
+    r"""Parameter count $\Psi$, the model's parameters in elements, a tied
+    matrix once (works on the meta device)."""
     seen = {id(p): p.numel() for layer in layers for p in layer.parameters()}
     return sum(seen.values())

@@ -10,9 +10,9 @@ summary: Rotary embeddings over the whole head, with a base per model and Llama
 The rotation is GPT-NeoX's ([its page](../neox/rotary.html)), with three
 differences. It turns **every** dimension of a head ($d_r = d_h$, where
 GPT-NeoX turns a quarter); its base $b$ is a field of the model
-(`rope_theta`: Llama 3 uses 500,000, Qwen 2.5 a million), and Llama 3.1 and
-3.2 **scale** the frequencies $\theta_i = b^{-2i/d_h}$ so that a model
-pretrained on $L_0$ positions reaches $s L_0$. With the wavelength
+(`rope_theta`, far larger in Llama 3 and Qwen2.5 than in GPT-NeoX), and
+Llama-3.1 and Llama-3.2 **scale** the frequencies $\theta_i = b^{-2i/d_h}$
+so that a model pretrained on $L_0$ positions reaches $s L_0$. With the wavelength
 $\lambda_i = 2\pi / \theta_i$,
 
 $$\theta_i' = \begin{cases}
@@ -92,7 +92,7 @@ class LlamaRotary:
             return self._tables[key]
         with torch.inference_mode(False), torch.no_grad():
             positions = torch.arange(n_positions, device=device).float()
-            # [T, d_h / 2] fp32; in bf16, m itself is exact only up to 256
+            # [T, d_h / 2] fp32: in bf16 the positions themselves are not exact
             angles = torch.outer(positions, self.inv_freq.to(device))
             angles = torch.cat([angles, angles], dim=-1)  # [T, d_h], both halves
             tables = angles.cos().to(dtype), angles.sin().to(dtype)

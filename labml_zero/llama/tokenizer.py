@@ -35,6 +35,8 @@ from labml_zero.zero3.checkpoint import CheckpointError
 
 __all__ = ["TOKENIZER_FILE", "checkpoint_tokenizer"]
 
+# The file's name in every snapshot on the hub, beside `config.json`: the
+# `tokenizers` library's own format, vocabulary, merges and special tokens.
 TOKENIZER_FILE = "tokenizer.json"
 
 
