@@ -160,9 +160,9 @@ class LlamaCheckpoint:
             raise CheckpointError(f"checkpoint directory not found: {self.path}")
         self.config_file = self.path / CONFIG_FILE
         self.config = llama_config_from_hf(self.config_file)
-        self.weight_map = self._read_weight_map()  # tensor name -> file name
+        self.weight_map = self.read_weight_map()  # tensor name -> file name
 
-    def _read_weight_map(self) -> dict[str, str]:
+    def read_weight_map(self) -> dict[str, str]:
         index = self.path / INDEX_FILE
         if index.is_file():
             value = read_json(index)
@@ -177,7 +177,7 @@ class LlamaCheckpoint:
                 return {name: SINGLE_FILE for name in f.keys()}
         raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}")
 
-    def _by_file(self, wanted: dict[str, tuple[str, tuple[int, ...]]]
+    def files_of(self, wanted: dict[str, tuple[str, tuple[int, ...]]]
                  ) -> dict[Path, list[str]]:
         """Our keys grouped by the file that holds their tensor."""
         by_file: dict[Path, list[str]] = defaultdict(list)
@@ -202,7 +202,7 @@ class LlamaCheckpoint:
         wanted = {n: (hf_name(layer, n), tuple(t.shape))
                   for n, t in layer.state_dict().items()}
         out = {}
-        for file, keys in self._by_file(wanted).items():
+        for file, keys in self.files_of(wanted).items():
             with open_safetensors(file) as f:
                 for key in keys:
                     name, shape = wanted[key]
@@ -226,7 +226,7 @@ def check_llama_snapshot(path: str | os.PathLike) -> LlamaConfig:
         for n, t in layer.state_dict().items():
             name = hf_name(layer, n)
             wanted[name] = (name, tuple(t.shape))
-    for file, names in checkpoint._by_file(wanted).items():
+    for file, names in checkpoint.files_of(wanted).items():
         with open_safetensors(file) as f:
             for name in names:
                 check_shape(f, file, name, wanted[name][1])

@@ -35,3 +35,23 @@ def test_logits_match_transformers(hf_case):
     assert ours.shape == (2, 41, config.n_vocab)
     torch.testing.assert_close(ours, theirs, **tolerance.parity(
         torch.float32, terms=llama_terms(config, seq=ids.shape[1])))
+
+
+def test_sequences_past_the_window_or_the_context_are_refused():
+    """Mistral-7B-v0.1's window: a longer sequence would need the window's
+    mask inside it, which the model does not apply, so it is refused."""
+    import dataclasses
+
+    from labml_zero.llama.config import mistral_7b
+
+    config = dataclasses.replace(mistral_7b(), n_vocab=11, d_model=16, n_heads=2,
+                                 n_kv_heads=1, n_layers=1, d_ff=8,
+                                 sliding_window=5)
+    embedding = build_layers(config)[0]
+    assert embedding(torch.zeros(1, 5, dtype=torch.long)).shape == (1, 5, 16)
+    try:
+        embedding(torch.zeros(1, 6, dtype=torch.long))
+    except ValueError as error:
+        assert "sequence length 6 exceeds the model's 5" in str(error)
+    else:
+        raise AssertionError("a sequence past the window was accepted")
