@@ -2,7 +2,8 @@
 ---
 title: Sending a run to the labml app, only when it is there
 summary: Check that a labml app answers before labml's web-API writer is switched on,
-  so a run without the app never hangs; the settings labml needs for the app.
+  so a run without the app never hangs; the settings labml needs for the app; the
+  run page's health charts and configuration.
 ---
 
 # Sending a run to the labml app, only when it is there
@@ -24,6 +25,10 @@ if url is not None:
     writers.add("app")
 experiment.create(name="run", writers=writers)
 ```
+
+Once the run is in the app, `show_run_health` puts what the run page hides by
+default in view: a chart for each health series beside labml-app's loss chart,
+and the run's configuration in its configurations card.
 
 This file imports nothing beyond the standard library, so the core install (without
 the `app` extra) can call it.
@@ -148,8 +153,8 @@ def web_api_root(url: str) -> str:
     """
     #### The page's API, one level above the project token
 
-    Runs send to `.../api/v1/default/track`; the page reads and edits runs at
-    `.../api/v1/run/<uuid>`, `.../api/v1/metrics/<uuid>` and so on.
+    Runs send to the project's `track`, under the token; the page reads and
+    edits a run one level up, at `run/<uuid>`, `metrics/<uuid>` and so on.
     """
     url = check_app_url(url)
     return url[:url.rstrip("/").rfind("/") + 1]
@@ -182,8 +187,8 @@ def run_series_names(url: str, run_uuid: str, *,
     """
     #### The run's series, in the order the page lists them
 
-    `None` while the app has no such run (its 404: the run's first records
-    are still on their way).
+    `None` while the app answers that it has no such run (the run's first
+    records are still on their way).
     """
     try:
         series = call_json(f"{web_api_root(url)}metrics/{run_uuid}",
@@ -214,9 +219,9 @@ def show_run_health(url: str, run_uuid: str, charts: dict[str, tuple[str, ...]],
     series (a series arrived since): a chart edited on the page keeps its
     edits until then.
 
-    Returns `False`, having changed nothing, while the run (the app's 404), its
-    `ready` series or its configs have not arrived; an app that fails raises
-    `OSError` or `ValueError`.
+    Returns `False`, having changed nothing, while the run, its `ready`
+    series or its configs have not arrived; an app that fails raises `OSError`
+    or `ValueError`.
     """
     api = web_api_root(url)
     names = run_series_names(url, run_uuid, timeout_s=timeout_s)

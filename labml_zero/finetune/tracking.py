@@ -14,6 +14,9 @@ ranks (one all-reduce of three scalars per step, see [the job](job.html)), so
 every rank's log agrees; only rank 0 prints. The app writer is on only when
 `app_url` answered a probe; otherwise nothing touches the network.
 
+On rank 0 a daemon thread sets up the run's page in the app (`RunPageSetup`):
+a chart for each health series beside the loss, and the configuration listed.
+
 Tracking never decides a run's outcome: labml's own sender thread is not a
 daemon and retries a failed request forever, so this page gives labml a sender
 with every wait bounded (`BoundedSender`, below), and every rank's records are
@@ -68,8 +71,8 @@ def local_log_written(timeout_s: float = LOG_WRITE_WAIT_S):
 
     labml writes the local log (one JSON line of records at a time) from a
     thread of its own, fed its last records when the run ends (the exit of
-    `experiment.start()`, on success and on failure alike). A rank ends with `os._exit` (the launcher's `end_rank`),
-    which would cut that thread short: on a loaded host the last steps'
+    `experiment.start()`, on success and on failure alike). A rank ends with
+    `os._exit` (the launcher's `end_rank`), which would cut that thread short: on a loaded host the last steps'
     records, the step a failure came after included, could be lost. Entered
     outside `experiment.start()`, this waits for the thread once the run has
     ended, at most `timeout_s`, so that a stuck disk cannot hold the rank.
