@@ -72,10 +72,11 @@ def local_log_written(timeout_s: float = LOG_WRITE_WAIT_S):
     labml writes the local log (one JSON line of records at a time) from a
     thread of its own, fed its last records when the run ends (the exit of
     `experiment.start()`, on success and on failure alike). A rank ends with
-    `os._exit` (the launcher's `end_rank`), which would cut that thread short: on a loaded host the last steps'
-    records, the step a failure came after included, could be lost. Entered
-    outside `experiment.start()`, this waits for the thread once the run has
-    ended, at most `timeout_s`, so that a stuck disk cannot hold the rank.
+    `os._exit` (the launcher's `end_rank`), which would cut that thread
+    short: on a loaded host the last steps' records, the step a failure came
+    after included, could be lost. Entered outside `experiment.start()`,
+    this waits for the thread once the run has ended, at most `timeout_s`,
+    so that a stuck disk cannot hold the rank.
     """
     try:
         yield
