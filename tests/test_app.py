@@ -40,9 +40,11 @@ import numpy as np
 import pytest
 
 from labml_zero.app.client import (DEFAULT_APP_URL, app_url_if_running,
-                                   check_app_url, labml_app_settings)
+                                   check_app_url, labml_app_settings,
+                                   show_run_health)
 from labml_zero.app.server import ASSETS, AppConfig, main, static_dir
 from labml_zero.finetune.job import EXPERIMENT_NAME
+from labml_zero.finetune.tracking import HEALTH_CHARTS, HEALTH_READY
 from tests.distributed import skip_job_without_gpus
 from tests.test_finetune import tracked
 
@@ -325,6 +327,71 @@ def test_the_run_page_draws_the_loss_chart(app, runs, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and 20_000 < len(data) < 300_000
     if os.environ.get("LABML_ZERO_UPDATE_FIGURES") == "1":
         FIGURE.write_bytes(data)
+
+
+def drawn_charts(dom: str) -> dict[str, list[str]]:
+    """`{title: [d of each unsmoothed line]}` for every chart the page drew; a
+    chart's title is the last known one between it and the chart before."""
+    titles = ["Metrics", *HEALTH_CHARTS]
+    out, start = {}, 0
+    for match in re.finditer(r'<svg id="chart"', dom):
+        before = dom[start:match.start()]
+        found = [(before.rfind(f">{t}<"), t) for t in titles if f">{t}<" in before]
+        chart = dom[match.start():dom.index("</svg>", match.start())]
+        out[max(found)[1] if found else None] = re.findall(
+            r'<path class="unsmoothed-line[^"]*"[^>]*\sd="([^"]+)"', chart)
+        start = match.end()
+    return out
+
+
+def test_the_run_page_shows_run_health(app, runs, tmp_path):
+    uuid, api = runs.finetune_uuid, app.web_url + "api/v1/"
+    names = [s["name"] for s in get_json(api + f"metrics/{uuid}",
+                                         {"get_all": False})["series"]]
+    # each health chart draws its own series, by name, of the run's final list
+    charts = {m["name"]: [n for n, p in zip(names,
+                                             m["preferences"]["series_preferences"])
+                          if p == 1]
+              for m in get_json(api + f"custom_metrics/{uuid}")["metrics"]}
+    expected = {t: list(s) for t, s in HEALTH_CHARTS.items() if set(s) & set(names)}
+    assert charts == expected
+    # MFU only where the device's peak is known (GPUs); the loss scale in fp16
+    assert ("MFU" in charts) == ("mfu" in runs.finetune_log)
+    assert {"learning rate", "gradient norm", "tokens per second",
+            "peak memory (GiB)"} <= set(charts)
+    run = get_json(api + f"run/{uuid}")
+    keys = [c["key"] for c in run["configs"]]
+    assert sorted(run["selected_configs"]) == sorted(keys) and "finetune" in keys
+
+    page = app.web_url + f"run/{uuid}"
+    for attempt in range(3):
+        dom = chromium(page, tmp_path / f"dom{attempt}", "--dump-dom").stdout
+        drawn = drawn_charts(dom)
+        if len(drawn) == 1 + len(expected):
+            break
+    assert sorted(drawn, key=str) == sorted(["Metrics", *expected]), drawn.keys()
+    # d3's curve: one move, then one cubic segment per further point
+    assert sorted(d.count("C") for d in drawn["Metrics"]) == [3, 11]
+    for title in expected:
+        assert [d.count("C") for d in drawn[title]] == [11], title
+    # the configurations card lists the run's configuration
+    assert "Default configurations" not in dom
+    assert '<span class="key">finetune</span>' in dom
+    # the output card: the lines the terminal showed, not labml's set-up notices
+    stdout = "".join(get_json(api + f"logs/stdout/{uuid}", {})["pages"].values())
+    for line in ("GPT-NeoX: 2 layers", "step 4: loss.valid", "step 12: loss.valid"):
+        assert line in stdout, (line, stdout[-2000:])
+    assert "LABML WARNING" not in stdout and ".labml.yaml" not in stdout
+    # the card shows the output's last lines
+    card = dom[dom.index(">Standard Output<"):dom.index(">Standard Error<")]
+    assert "step 12: loss.valid" in card and "loss.train:" in card, card[-2000:]
+
+
+def test_a_run_not_yet_in_the_app_gets_no_charts(app):
+    uuid = "00112233445566778899aabbccddeeff"
+    assert not show_run_health(app.api_url, uuid, HEALTH_CHARTS,
+                               ready=HEALTH_READY)
+    assert get_json(app.web_url + f"api/v1/custom_metrics/{uuid}")["metrics"] == []
 
 
 # ---------------------------------------------------------------- the probe

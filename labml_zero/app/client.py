@@ -2,7 +2,8 @@
 ---
 title: Sending a run to the labml app, only when it is there
 summary: Check that a labml app answers before labml's web-API writer is switched on,
-  so a run without the app never hangs; the settings labml needs for the app.
+  so a run without the app never hangs; the settings labml needs for the app; the
+  run page's health charts and configuration.
 ---
 
 # Sending a run to the labml app, only when it is there
@@ -25,6 +26,10 @@ if url is not None:
 experiment.create(name="run", writers=writers)
 ```
 
+Once the run is in the app, `show_run_health` puts what the run page hides by
+default in view: a chart for each health series beside labml-app's loss chart,
+and the run's configuration in its configurations card.
+
 This file imports nothing beyond the standard library, so the core install (without
 the `app` extra) can call it.
 
@@ -44,7 +49,8 @@ import urllib.parse
 import urllib.request
 
 __all__ = ["DEFAULT_APP_URL", "check_app_url", "app_url_if_running",
-           "labml_app_settings"]
+           "labml_app_settings", "web_api_root", "run_series_names",
+           "show_run_health"]
 
 DEFAULT_APP_URL = "http://127.0.0.1:5005/api/v1/default/"
 """Where `python -m labml_zero.app` listens with its default port and token."""
@@ -105,8 +111,7 @@ def app_url_if_running(url: str, *, timeout_s: float = 2.0) -> str | None:
     url = check_app_url(url)
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-    api_root = url[:url.rstrip("/").rfind("/") + 1]
-    probe = api_root + "run/status/labmlzeroprobe"
+    probe = web_api_root(url) + "run/status/labmlzeroprobe"
     try:
         with urllib.request.urlopen(probe, timeout=timeout_s) as response:
             status, headers, body = response.status, response.headers, response.read()
@@ -142,3 +147,116 @@ def labml_app_settings(url: str) -> dict:
     merges the ranks' series on the page of `{uuid}`.
     """
     return {"app_url": check_app_url(url), "app_open_browser": False}
+
+
+def web_api_root(url: str) -> str:
+    """
+    #### The page's API, one level above the project token
+
+    Runs send to the project's `track`, under the token; the page reads and
+    edits a run one level up, at `run/<uuid>`, `metrics/<uuid>` and so on.
+    """
+    url = check_app_url(url)
+    return url[:url.rstrip("/").rfind("/") + 1]
+
+
+def call_json(url: str, body=None, *, timeout_s: float):
+    """One request to the page's API; a JSON body makes it a `POST`."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        return json.loads(response.read())
+
+
+def chart_preferences(selected: tuple[str, ...], names: list[str]) -> dict:
+    """
+    #### A chart's preferences: which of the run's series it draws
+
+    labml-app keeps a chart's choice as one entry per series, in the order its
+    API lists them: $1$ drawn, $-1$ only a spark line. The other fields are
+    labml-app's defaults (linear scale, half smoothing).
+    """
+    return {"series_preferences": [1 if n in selected else -1 for n in names],
+            "chart_type": 0, "step_range": [-1, -1], "focus_smoothed": True,
+            "smooth_value": 0.5, "smooth_function": "exponential"}
+
+
+def run_series_names(url: str, run_uuid: str, *,
+                     timeout_s: float = 5.0) -> list[str] | None:
+    """
+    #### The run's series, in the order the page lists them
+
+    `None` while the app answers that it has no such run (the run's first
+    records are still on their way).
+    """
+    try:
+        series = call_json(f"{web_api_root(url)}metrics/{run_uuid}",
+                           {"get_all": False}, timeout_s=timeout_s)
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise
+    return [s["name"] for s in series.get("series") or []]
+
+
+def show_run_health(url: str, run_uuid: str, charts: dict[str, tuple[str, ...]],
+                    *, ready: tuple[str, ...], timeout_s: float = 5.0) -> bool:
+    """
+    ### Put a run's charts and configuration on its page
+
+    * `charts` maps a chart's title to the series it draws; a chart none of
+      whose series the run has is left out.
+    * `ready` names the series that must have arrived first: the list of
+      series fixes the meaning of each chart's preferences.
+
+    labml-app's run page draws one chart, of the series whose first name is
+    `loss`, and lists a run's configuration only where the run has *selected*
+    configs (the page's own "select" button). A *custom metric* is a further
+    chart on the page with its own choice of series. This makes one for each
+    of `charts` and selects every config, with the page's own requests. Called
+    again, it changes only a chart whose choice no longer has one entry a
+    series (a series arrived since): a chart edited on the page keeps its
+    edits until then.
+
+    Returns `False`, having changed nothing, while the run, its `ready`
+    series or its configs have not arrived; an app that fails raises `OSError`
+    or `ValueError`.
+    """
+    api = web_api_root(url)
+    names = run_series_names(url, run_uuid, timeout_s=timeout_s)
+    try:
+        run = call_json(f"{api}run/{run_uuid}", timeout_s=timeout_s)
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return False
+        raise
+    if names is None:
+        return False
+    keys = [c["key"] for c in run.get("configs") or []]
+    if not set(ready) <= set(names) or not keys:
+        return False
+    made = {m["name"]: m for m in call_json(f"{api}custom_metrics/{run_uuid}",
+                                            timeout_s=timeout_s)["metrics"]}
+    for title, selected in charts.items():
+        if not set(selected) & set(names):
+            continue
+        chart = made.get(title)
+        # A series that arrives later shifts the entries after it: a chart
+        # whose list no longer has one entry a series is chosen again.
+        if chart is not None and \
+                len(chart["preferences"]["series_preferences"]) == len(names):
+            continue
+        if chart is None:
+            chart = call_json(f"{api}custom_metrics/{run_uuid}/create",
+                              {"name": title, "description": ", ".join(selected)},
+                              timeout_s=timeout_s)
+        call_json(f"{api}custom_metrics/{run_uuid}",
+                  {"id": chart["id"], "name": title,
+                   "description": chart["description"],
+                   "preferences": chart_preferences(selected, names)},
+                  timeout_s=timeout_s)
+    if sorted(run.get("selected_configs") or []) != sorted(keys):
+        call_json(f"{api}run/{run_uuid}", {"selected_configs": keys},
+                  timeout_s=timeout_s)
+    return True

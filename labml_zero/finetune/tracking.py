@@ -14,6 +14,9 @@ ranks (one all-reduce of three scalars per step, see [the job](job.html)), so
 every rank's log agrees; only rank 0 prints. The app writer is on only when
 `app_url` answered a probe; otherwise nothing touches the network.
 
+On rank 0 a daemon thread sets up the run's page in the app (`RunPageSetup`):
+a chart for each health series beside the loss, and the configuration listed.
+
 Tracking never decides a run's outcome: labml's own sender thread is not a
 daemon and retries a failed request forever, so this page gives labml a sender
 with every wait bounded (`BoundedSender`, below), and every rank's records are
@@ -36,12 +39,14 @@ from uuid import uuid1
 
 import torch.distributed as dist
 
-from labml_zero.app.client import app_url_if_running, labml_app_settings
+from labml_zero.app.client import (app_url_if_running, labml_app_settings,
+                                   run_series_names, show_run_health)
 from labml_zero.finetune.config import FinetuneConfig
 from labml_zero.launch import DistContext
 
 __all__ = ["EXPERIMENT_NAME", "start_labml", "labml_configs", "VALID_INDICATORS",
-           "local_log_written", "BoundedSender", "install_bounded_sender"]
+           "local_log_written", "BoundedSender", "install_bounded_sender",
+           "HEALTH_CHARTS", "RunPageSetup"]
 
 # What a step records: `loss.train`, `acc.train`, the mean cross-entropy and the
 # next-token accuracy over the step's $B \cdot A \cdot N_d$ sequences; and
@@ -66,11 +71,12 @@ def local_log_written(timeout_s: float = LOG_WRITE_WAIT_S):
 
     labml writes the local log (one JSON line of records at a time) from a
     thread of its own, fed its last records when the run ends (the exit of
-    `experiment.start()`, on success and on failure alike). A rank ends with `os._exit` (the launcher's `end_rank`),
-    which would cut that thread short: on a loaded host the last steps'
-    records, the step a failure came after included, could be lost. Entered
-    outside `experiment.start()`, this waits for the thread once the run has
-    ended, at most `timeout_s`, so that a stuck disk cannot hold the rank.
+    `experiment.start()`, on success and on failure alike). A rank ends with
+    `os._exit` (the launcher's `end_rank`), which would cut that thread
+    short: on a loaded host the last steps' records, the step a failure came
+    after included, could be lost. Entered outside `experiment.start()`,
+    this waits for the thread once the run has ended, at most `timeout_s`,
+    so that a stuck disk cannot hold the rank.
     """
     try:
         yield
@@ -232,6 +238,95 @@ def install_bounded_sender(app_url: str, rank: int, log_dir: Path) -> None:
     labml.internal.app.AppTracker = bounded_app_tracker(app_url, rank, log_dir)
 
 
+# ## The run's page: its health beside its loss
+
+# The charts a run's page shows beside labml-app's own loss chart, one series
+# each: what [a step records](step_metrics.html) about the run's health. `mfu`
+# exists only where the device's peak is known (GPUs), `loss_scale` only in fp16.
+HEALTH_CHARTS = {
+    "learning rate": ("lr",),
+    "gradient norm": ("grad_norm",),
+    "tokens per second": ("tokens_per_s",),
+    "MFU": ("mfu",),
+    "peak memory (GiB)": ("memory.peak",),
+    "loss scale": ("loss_scale",),
+}
+# Every step records these together, so once they are in the app, so is any
+# other chart's series (`mfu`, `loss_scale`).
+HEALTH_READY = ("loss.train", "lr")
+# Between two looks at the app while the run's first steps are on their way.
+PAGE_POLL_S = 2.0
+# Between two looks once the charts are there.
+PAGE_RECHECK_S = 30.0
+# At exit, after the sender's wait: the last look is a few small requests to
+# an app that has just answered; one that does not answer costs no more.
+PAGE_EXIT_WAIT_S = 2.0
+
+
+class RunPageSetup(threading.Thread):
+    """
+    ## The run's page set up once, beside the run
+
+    A daemon thread on rank 0: it asks the app every `PAGE_POLL_S` until the
+    first steps' series and the configs have arrived, then adds the charts of
+    `HEALTH_CHARTS` and selects the configuration
+    ([`show_run_health`](../app/client.html)); then every `PAGE_RECHECK_S`, and
+    once more at exit, it re-chooses a chart's series if more have arrived.
+    The training loop never waits for it; an app that fails makes it give up
+    with one line, and at exit it gets at most `PAGE_EXIT_WAIT_S` more.
+
+    ### Note: a chart's series are positions in a list
+
+    labml-app stores a chart's choice as one entry per series of the run, in
+    the order of its list of series, not by name. A series that arrives
+    later (labml's loop timer comes with the second step) shifts the entries
+    after it, and a chart would draw its neighbour. So the charts are made
+    once two looks in a row see the same list, and chosen again, by name,
+    whenever the list has grown.
+    """
+
+    def __init__(self, app_url: str, run_uuid: str):
+        super().__init__(daemon=True, name="labml run page")
+        self.app_url, self.run_uuid = app_url, run_uuid
+        self.done = threading.Event()
+        self.exiting = threading.Event()
+
+    def run(self) -> None:
+        seen = None
+        try:
+            while True:
+                last = self.exiting.is_set()
+                try:
+                    # see Note: a chart's series are positions in a list
+                    names = run_series_names(self.app_url, self.run_uuid,
+                                             timeout_s=REQUEST_TIMEOUT_S)
+                    settled = last or (names == seen and names is not None)
+                    seen = names
+                    shown = settled and show_run_health(
+                        self.app_url, self.run_uuid, HEALTH_CHARTS,
+                        ready=HEALTH_READY, timeout_s=REQUEST_TIMEOUT_S)
+                except OSError:
+                    # unreachable: tried again later; an app that stays away
+                    # is the sender's one warning (`BoundedSender.warn`)
+                    shown = False
+                if last:
+                    return
+                self.exiting.wait(PAGE_RECHECK_S if shown else PAGE_POLL_S)
+        except Exception as e:  # the app is only a view: never the run's failure
+            print(f"labml app at {self.app_url}: the run's page was not set up "
+                  f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        finally:
+            self.done.set()
+
+    def finish(self) -> None:
+        """
+        At exit, after the sender's last records: one last look, so that the
+        series of the last steps are charted; at most `PAGE_EXIT_WAIT_S`.
+        """
+        self.exiting.set()
+        self.done.wait(PAGE_EXIT_WAIT_S)
+
+
 def git_root(path: Path) -> Path | None:
     for directory in (path, *path.parents):
         if (directory / ".git").exists():
@@ -273,6 +368,12 @@ def start_labml(config: FinetuneConfig, ctx: DistContext, *, python_file: str
     elif config.app_url is not None and ctx.rank == 0:
         logger.log(f"no labml app answered at {config.app_url} within 2 s; "
                    f"tracking offline to {log_dir}")
+    # labml copies what the rank prints to the app's output card by replacing
+    # the `write` of whatever `sys.stdout` is when `labml.internal.app.logs` is
+    # first imported. Imported inside the `redirect_stdout` below, it would
+    # copy the swallowed set-up lines and never a training line; so first.
+    import labml.internal.app.logs  # noqa: F401
+
     # labml looks for a .labml.yaml above the project path and above the job's
     # file, and prints a warning box for each that is missing; every setting is
     # given here, so that warning is swallowed, with anything else labml prints
@@ -285,6 +386,10 @@ def start_labml(config: FinetuneConfig, ctx: DistContext, *, python_file: str
                           distributed_world_size=ctx.world_size)
     for name in VALID_INDICATORS:
         tracker.set_scalar(name, is_print=False)
+    if app_url is not None and ctx.rank == 0:
+        page = RunPageSetup(app_url, run_uuid)
+        page.start()
+        atexit.register(page.finish)
     return run_uuid
 
 

@@ -162,3 +162,18 @@ def test_the_local_log_is_complete_when_the_run_ends(tmp_path, monkeypatch):
         writer.finish()  # the run's end: the last records, then 'done'
         assert not log.exists()  # still queued in the writer's thread
     assert len(log.read_text().splitlines()) == 2
+
+
+def test_the_run_page_setup_without_an_app_is_quiet_and_bounded(capsys):
+    # An app that is not there: the page thread keeps trying without a word
+    # (the sender's warning is the one line) and leaves at exit within its wait.
+    page = tracking.RunPageSetup(closed_port_url(), "0123456789abcdef")
+    assert page.daemon
+    page.start()
+    time.sleep(2.5 * tracking.PAGE_POLL_S)
+    assert page.is_alive()
+    started = time.monotonic()
+    page.finish()
+    assert time.monotonic() - started < tracking.PAGE_EXIT_WAIT_S + 0.5
+    assert not page.is_alive()
+    assert capsys.readouterr().err == ""
