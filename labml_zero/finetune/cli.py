@@ -262,6 +262,14 @@ def parse_config(argv: Sequence[str] | None, parser: Parser
         config.model_config()
     except (ValueError, FileNotFoundError) as e:
         parser.error(flag_error(str(e)))
+    # LoRA's options mean nothing to the other fine-tuners: given without
+    # `--finetune lora` they are refused, not ignored. Only flags the user gave
+    # are in `given`; the config's defaults never trip this.
+    lora_flags = [name for name in ("lora_rank", "lora_alpha", "lora_targets")
+                  if name in given]
+    if lora_flags and config.finetune != "lora":
+        parser.error(f"--{lora_flags[0].replace('_', '-')} needs --finetune lora "
+                     f"(this run fine-tunes {config.finetune!r})")
     return config, world_size
 
 

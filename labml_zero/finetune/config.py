@@ -232,6 +232,9 @@ class FinetuneConfig:
             if min(self.filter_layers) < 0:
                 raise ValueError(f"filter_layers must be >= 0, got "
                                  f"{list(self.filter_layers)}")
+            if len(set(self.filter_layers)) != len(self.filter_layers):
+                raise ValueError(f"filter_layers names a layer twice: "
+                                 f"{','.join(map(str, self.filter_layers))}")
         for name in ("seq_len", "batch_size", "grad_accum", "epochs", "valid_every",
                      "valid_batches"):
             if getattr(self, name) < 1:

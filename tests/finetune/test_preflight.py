@@ -15,8 +15,10 @@ import torch
 
 from labml_zero.finetune.cli import main
 from labml_zero.finetune.config import FinetuneConfig
+from labml_zero.files import size_text
 from labml_zero.finetune.preflight import (PreflightError, check_writable_dir,
-                                           checkpoint_bytes, preflight)
+                                           checkpoint_bytes, preflight,
+                                           saves_at_peak)
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.finetuners import finetuner
 from labml_zero.neox.hf_checkpoint import hf_named_tensors, save_hf_checkpoint
@@ -64,14 +66,52 @@ def test_checkpoint_bytes_is_p_psi_plus_k_psi_t():
         4 * counts.total + 8 * counts.trainable)
 
 
-def test_room_for_one_checkpoint(tmp_path, monkeypatch):
-    config = FinetuneConfig(out=str(tmp_path / "out"), log_dir=str(tmp_path / "l"),
-                            checkpoint_every=1)
-    assert preflight(config, world_size=2, device=CPU).resumed_step is None
+def marked_layers(config: FinetuneConfig) -> list:
+    """The layers preflight sizes: on the meta device, marked by the fine-tuner."""
+    layers = neox_model.build_layers(config.model_config(), device="meta")
+    config.tuner()(layers)
+    return layers
+
+
+def free_bytes(monkeypatch, free: int) -> None:
     monkeypatch.setattr(shutil, "disk_usage",
-                        lambda path: shutil._ntuple_diskusage(100, 99, 1))
-    with pytest.raises(PreflightError, match="GiB free, one checkpoint needs"):
+                        lambda path: shutil._ntuple_diskusage(10 * free, 0, free))
+
+
+@pytest.mark.parametrize("keep, at_once", [(1, 2), (3, 4), (0, 5)])
+def test_room_for_the_kept_checkpoints_and_the_new_one(tmp_path, monkeypatch,
+                                                       keep, at_once):
+    # keep k: the k kept and the one being saved are on the disk together;
+    # keep 0 keeps every one of the run's 5 saves
+    config = FinetuneConfig(out=str(tmp_path / "out"), log_dir=str(tmp_path / "l"),
+                            checkpoint_every=1, keep_checkpoints=keep, steps=5)
+    one = checkpoint_bytes(marked_layers(config), torch.float32)
+    free_bytes(monkeypatch, at_once * one)
+    assert preflight(config, world_size=2, device=CPU).resumed_step is None
+    free_bytes(monkeypatch, at_once * one - 1)
+    with pytest.raises(PreflightError) as refused:
         preflight(config, world_size=2, device=CPU)
+    assert str(refused.value) == (
+        f"--out {config.out} has {size_text(at_once * one - 1)} free, the run needs "
+        f"{size_text(at_once * one)}: {at_once} new checkpoints of {size_text(one)} "
+        f"on the disk at once with --keep-checkpoints {keep}"
+        + (" (all kept)" if keep == 0 else ""))
+    # the sizes show the shortage: the tiny model's checkpoint is megabytes
+    assert "MiB" in size_text(one) and "0.0 GiB" not in str(refused.value)
+
+
+def test_saves_at_peak_counts_the_checkpoints_already_there():
+    config = FinetuneConfig(checkpoint_every=10, keep_checkpoints=2)
+    # steps 10..120: 12 saves; 3 on the disk at once
+    assert saves_at_peak(config, first_step=0, total_steps=120, existing=0) == 3
+    # resumed from step 40 with 2 kept already: one more at once
+    assert saves_at_peak(config, first_step=40, total_steps=120, existing=2) == 1
+    # more there than kept (an earlier run kept all): the first save needs room
+    assert saves_at_peak(config, first_step=40, total_steps=120, existing=9) == 1
+    # a last step off the period is saved too: 125 gives 13 saves
+    every = dataclasses.replace(config, keep_checkpoints=0)
+    assert saves_at_peak(every, first_step=0, total_steps=125, existing=0) == 13
+    assert saves_at_peak(every, first_step=120, total_steps=120, existing=4) == 0
 
 
 def run_main(args: list[str], capsys) -> str:
