@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from labml_zero.finetune.cli import main
+from labml_zero.finetune.checkpoints import check_global_batch
+from labml_zero.finetune.cli import main, make_parser, parse_config
 from labml_zero.finetune.config import FinetuneConfig
+from labml_zero.finetune.job import banner
 from labml_zero.files import size_text
 from labml_zero.finetune.preflight import (PreflightError, check_writable_dir,
                                            checkpoint_bytes, preflight,
@@ -155,3 +157,58 @@ def test_config_refuses_non_finite_numbers():
         FinetuneConfig(lr=float("nan"))
     with pytest.raises(ValueError, match="weight_decay must be a finite number"):
         FinetuneConfig(weight_decay=float("inf"))
+
+
+def test_valid_data_errors_name_valid_data(tmp_path, capsys):
+    outputs = ["--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")]
+    train = tmp_path / "train.txt"
+    train.write_text("Train on these words, all of them. " * 50)
+    missing, empty = tmp_path / "missing.txt", tmp_path / "empty.txt"
+    empty.write_text("")
+    err = run_main(["--data", str(train), "--valid-data", str(missing), *outputs],
+                   capsys)
+    assert f"error: --valid-data {missing}: no such file or directory" in err
+    err = run_main(["--data", str(train), "--valid-data", str(empty), *outputs],
+                   capsys)
+    assert f"error: --valid-data {empty}: the file is empty" in err
+    # and `--data`'s own errors still name `--data`
+    err = run_main(["--data", str(missing), *outputs], capsys)
+    assert f"error: --data {missing}: no such file or directory" in err
+
+
+def test_a_layer_kept_twice_is_refused(capsys):
+    err = run_main(["--filter-layers", "0,0"], capsys)
+    assert "--filter-layers: filter_layers names a layer twice: 0,0" in err
+
+
+def test_lora_options_without_lora_are_refused(capsys):
+    err = run_main(["--lora-rank", "4"], capsys)
+    assert "--lora-rank needs --finetune lora (this run fine-tunes 'all')" in err
+    err = run_main(["--finetune", "biases", "--lora-alpha", "8"], capsys)
+    assert "--lora-alpha needs --finetune lora (this run fine-tunes 'biases')" in err
+
+
+def test_lora_options_with_lora_or_left_at_their_defaults_pass():
+    parser = make_parser()
+    # the defaults (rank 8 among them) are never "given"
+    config, _ = parse_config([], parser)
+    assert config.finetune == "all" and config.lora_rank == 8
+    config, _ = parse_config(["--finetune", "lora", "--lora-rank", "4"], parser)
+    assert (config.finetune, config.lora_rank) == ("lora", 4)
+
+
+@pytest.mark.parametrize("filter_layers, words", [
+    (None, "GPT-NeoX: 2 layers of width"), ((1,), "GPT-NeoX: 1 layer of width")])
+def test_the_banner_counts_the_layers_kept(filter_layers, words):
+    config = FinetuneConfig(filter_layers=filter_layers)
+    counts = finetuner("all")(neox_model.build_layers(
+        config.model_config(), filter_layers=filter_layers, device="meta"))
+    line = banner(config, config.model_config(), counts, step=0, world_size=1)
+    assert line.startswith(words) and line.endswith("(all) on 1 rank")
+
+
+def test_a_global_batch_over_one_rank_says_1_rank():
+    refusal = check_global_batch(Path("ck"), {"global_batch": 16},
+                                 FinetuneConfig(batch_size=8, grad_accum=1), 1)
+    assert "--grad-accum 1 × 1 rank = 8" in refusal
+    assert "at 1 rank use --grad-accum 2" in refusal
