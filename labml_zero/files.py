@@ -162,7 +162,7 @@ def size_text(n_bytes: int | float) -> str:
     """
     ### A size as a message shows it: three significant digits in its own unit
 
-    Bytes below 1 KiB, then KiB, MiB and GiB (powers of $2^{10}$), so a
+    Bytes below 1 KiB, then KiB, MiB and GiB (binary units), so a
     shortage of room reads `2.00 MiB free, needs 26.2 MiB`, never `0.0 GiB`
     against `0.0 GiB`. Every message about room on a disk or in memory uses it.
     """
@@ -173,6 +173,6 @@ def size_text(n_bytes: int | float) -> str:
         value /= 1024
         if abs(value) < 1024 or unit == "GiB":
             break
-    # 1.04, 10.4, 104: the decimals that keep three significant digits
+    # as many decimals as keep three significant digits
     decimals = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
     return f"{value:,.{decimals}f} {unit}"

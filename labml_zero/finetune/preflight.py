@@ -149,8 +149,8 @@ def check_checkpoint_room(config, layers: list[nn.Module], dtype: torch.dtype, *
     ### `--out` has room for the checkpoints the run keeps, plus the one it writes
 
     `saves_at_peak` checkpoints of `checkpoint_bytes` each, from the model's
-    shapes on the meta device (no memory); the checkpoints already in
-    `out/checkpoints/` are counted at that size too.
+    shapes on the meta device (no memory); the checkpoints already under `out`
+    are counted at that size too.
     """
     if config.checkpoint_every is None:
         return
