@@ -272,7 +272,11 @@ class FinetuneConfig:
             raise ValueError("offload_params needs offload_optimizer=1 (a shard in "
                              "host memory is updated there)")
         if self.app_url is not None:
-            check_app_url(self.app_url)
+            try:
+                check_app_url(self.app_url)
+            except ValueError as e:
+                # the app's message says "app url"; the user knows the field
+                raise ValueError(str(e).replace("app url", "app_url", 1)) from None
         if self.sample_tokens < 0:
             raise ValueError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
         if self.sample_tokens and not self.prompt:

@@ -326,7 +326,7 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
         try:
             check_hf_snapshot(config.checkpoint)
         except CheckpointError as e:
-            raise PreflightError(str(e)) from e
+            raise PreflightError(f"--checkpoint: {e}") from e
     layers = neox_model.build_layers(neox, filter_layers=config.filter_layers,
                                      device="meta")
     # the chunk layout a resume compares against: LoRA's options included

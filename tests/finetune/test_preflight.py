@@ -133,11 +133,13 @@ def test_command_line_refuses_before_starting(snapshot, tmp_path, capsys):
     copy = broken_copy(snapshot, tmp_path)
     (copy / "config.json").write_text("[]")
     err = run_main(["--checkpoint", str(copy), *outputs], capsys)
-    assert str(copy / "config.json") in err and "JSON object" in err
+    assert f"error: --checkpoint: {copy / 'config.json'}: expected a JSON object" \
+        in err
     (copy / "config.json").write_text((snapshot / "config.json").read_text())
     (copy / "model.safetensors").write_bytes(b"garbage")
-    assert "not a safetensors file" in run_main(
-        ["--checkpoint", str(copy), *outputs], capsys)
+    err = run_main(["--checkpoint", str(copy), *outputs], capsys)
+    assert f"error: --checkpoint: {copy / 'model.safetensors'}: not a safetensors" \
+        in err
     err = run_main(["--resume", str(tmp_path), *outputs], capsys)
     assert f"--resume: no manifest.json in {tmp_path}" in err, err
 
@@ -212,3 +214,8 @@ def test_a_global_batch_over_one_rank_says_1_rank():
                                  FinetuneConfig(batch_size=8, grad_accum=1), 1)
     assert "--grad-accum 1 × 1 rank = 8" in refusal
     assert "at 1 rank use --grad-accum 2" in refusal
+
+
+def test_a_bad_app_url_names_its_flag(capsys):
+    err = run_main(["--app-url", "ftp://x"], capsys)
+    assert "error: --app-url: app_url must start with http:// or https://" in err
