@@ -186,7 +186,9 @@ class FinetuneConfig:
     r"""Keep the newest this many checkpoints under `out`; older ones are removed
     only after a new one is complete. 0 keeps them all. One checkpoint of a model
     of $\Psi$ parameters, $\Psi_t$ of them trainable, in $p$-byte chunks is
-    about $p\Psi + K\Psi_t$ bytes over all ranks, $K$ the fp32 master and moments."""
+    about $p\Psi + K\Psi_t$ bytes over all ranks, $K$ the fp32 master and moments;
+    during a save the kept ones and the new one are on the disk together, so
+    `out` needs room for one more than are kept (checked before start)."""
     resume: str | None = field(default=None, metadata=flag(metavar="DIR"))
     """A checkpoint directory written by this job, to continue from."""
     out: str = field(default="runs/zero3_neox", metadata=flag(metavar="DIR"))
