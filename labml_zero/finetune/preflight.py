@@ -11,8 +11,8 @@ A mistake found by a rank costs the start-up of every rank (minutes on a large
 model) and reaches the user as a traceback of another process; found after
 $N$ steps, it costs the steps too. So before [the launcher](cli.html)
 spawns anything, `preflight` checks, on this host and with no process group,
-the outputs, the exports, the host's memory, the data, the Hugging Face snapshot and
-the checkpoint to resume (each
+the outputs, the exports, the host's memory, the data, the Hugging Face snapshot,
+the checkpoint to resume and the room for the checkpoints the run keeps (each
 beside its lines in `preflight`).
 
 Each failure is a `PreflightError` whose message names the file or the setting;

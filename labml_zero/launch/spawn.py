@@ -18,7 +18,7 @@ creates or destroys the process group:
   `run_torchrun(fn)` reads them.
 
 Either way `fn(ctx)` receives a `DistContext` with the rank, the world size and the
-device, and `ctx.heartbeat()` to call once per step. How the launcher watches the
+device, and `ctx.heartbeat(step)` to call once per step. How the launcher watches the
 ranks, names the one that failed or hung and keeps none alive after itself is
 [the next page](supervisor.html); `spawn` raises its `RankFailed`. A Ctrl-C, a
 `SIGTERM` or a `SIGHUP` ends every rank within $p + g$ (see `Signals`).
