@@ -393,6 +393,22 @@ def weights_origin(config: FinetuneConfig, step: int) -> str:
     return "randomly initialised (no --checkpoint given)"
 
 
+def layers_kept(config: FinetuneConfig, neox: neox_model.NeoXConfig) -> int:
+    """The transformer layers the run builds: `filter_layers`' or the model's."""
+    if config.filter_layers is None:
+        return neox.n_layers
+    return len(config.filter_layers)
+
+
+def token_flops(config: FinetuneConfig, neox: neox_model.NeoXConfig,
+                counts) -> float:
+    """A token's FLOPs for the MFU, over the layers kept: the parameters in
+    matrix products (all but the embedding) and the kept layers' attention."""
+    return flops_per_token(matmul_params=counts.total - neox.n_vocab * neox.d_model,
+                           n_layers=layers_kept(config, neox), d_model=neox.d_model,
+                           seq_len=config.seq_len)
+
+
 def banner(config: FinetuneConfig, neox: neox_model.NeoXConfig, counts,
            *, step: int, world_size: int) -> str:
     """
@@ -400,8 +416,7 @@ def banner(config: FinetuneConfig, neox: neox_model.NeoXConfig, counts,
     fewer than the model's), their parameters, the weights' origin, what
     trains and on how many ranks. `counts` is the fine-tuner's `TrainableCount`.
     """
-    kept = (neox.n_layers if config.filter_layers is None
-            else len(config.filter_layers))
+    kept = layers_kept(config, neox)
     return (f"GPT-NeoX: {kept} layer{'s' if kept != 1 else ''} of width "
             f"{neox.d_model}, {counts.total:,} parameters, "
             f"{weights_origin(config, step)}; training {counts.trainable:,} "
@@ -458,11 +473,9 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
         params_total=built.counts.total, params_trainable=built.counts.trainable,
         n_layers=neox.n_layers, d_model=neox.d_model, n_vocab=neox.n_vocab))
     dtype = config.torch_dtype(ctx.device)
-    meter = StepMeter(token_flops=flops_per_token(
-        matmul_params=built.counts.total - neox.n_vocab * neox.d_model,
-        n_layers=neox.n_layers, d_model=neox.d_model, seq_len=config.seq_len),
-        peak=peak_flops(ctx.device, dtype), world_size=ctx.world_size,
-        device=ctx.device)
+    meter = StepMeter(token_flops=token_flops(config, neox, built.counts),
+                      peak=peak_flops(ctx.device, dtype), world_size=ctx.world_size,
+                      device=ctx.device)
     fail_at = env_step(FAIL_AT_STEP_ENV, ctx.rank)
     nan_at = env_step(NAN_AT_STEP_ENV, ctx.rank)
     last_saved = Path(config.resume) if config.resume is not None else None

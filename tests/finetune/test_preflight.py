@@ -16,7 +16,7 @@ import torch
 from labml_zero.finetune.checkpoints import check_global_batch
 from labml_zero.finetune.cli import main, make_parser, parse_config
 from labml_zero.finetune.config import FinetuneConfig
-from labml_zero.finetune.job import banner
+from labml_zero.finetune.job import banner, token_flops
 from labml_zero.files import size_text
 from labml_zero.finetune.preflight import (PreflightError, check_writable_dir,
                                            checkpoint_bytes, preflight,
@@ -207,6 +207,17 @@ def test_the_banner_counts_the_layers_kept(filter_layers, words):
         config.model_config(), filter_layers=filter_layers, device="meta"))
     line = banner(config, config.model_config(), counts, step=0, world_size=1)
     assert line.startswith(words) and line.endswith("(all) on 1 rank")
+
+
+def test_the_mfu_counts_the_attention_of_the_layers_kept():
+    # --filter-layers 0 of the two-layer tiny model: one layer's attention
+    config = FinetuneConfig(filter_layers=(0,))
+    neox = config.model_config()
+    counts = finetuner("all")(neox_model.build_layers(
+        neox, filter_layers=(0,), device="meta"))
+    matmul = counts.total - neox.n_vocab * neox.d_model
+    assert token_flops(config, neox, counts) == (
+        6 * matmul + 12 * 1 * neox.d_model * config.seq_len)
 
 
 def test_a_global_batch_over_one_rank_says_1_rank():
