@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Iterator
 
 __all__ = ["atomic_file", "fsync_path", "give_default_mode", "replace_directory",
-           "temporary_sibling", "write_bytes_atomic"]
+           "size_text", "temporary_sibling", "write_bytes_atomic"]
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -153,3 +153,26 @@ def replace_directory(tmp: Path, path: Path, token: str | None = None) -> None:
     fsync_path(path.parent)
     if old is not None:
         shutil.rmtree(old)
+
+
+# ## Sizes in messages
+
+
+def size_text(n_bytes: int | float) -> str:
+    """
+    ### A size as a message shows it: three significant digits in its own unit
+
+    Bytes below 1 KiB, then KiB, MiB and GiB (binary units), so a
+    shortage of room reads `2.00 MiB free, needs 26.2 MiB`, never `0.0 GiB`
+    against `0.0 GiB`. Every message about room on a disk or in memory uses it.
+    """
+    value = float(n_bytes)
+    if abs(value) < 1024:
+        return f"{int(value)} byte" + ("" if int(value) == 1 else "s")
+    for unit in ("KiB", "MiB", "GiB"):
+        value /= 1024
+        if abs(value) < 1024 or unit == "GiB":
+            break
+    # as many decimals as keep three significant digits
+    decimals = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
+    return f"{value:,.{decimals}f} {unit}"

@@ -91,3 +91,13 @@ def test_a_safetensors_file_gets_the_mode_open_would_give(tmp_path):
     give_default_mode(shard)
     assert shard.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777 \
         == 0o666 & ~current_umask()
+
+
+def test_sizes_in_messages_show_their_magnitude():
+    # a shortage below 1 GiB reads in MiB, never as 0.0 GiB against 0.0 GiB
+    assert files.size_text(2 * 2**20) == "2.00 MiB"
+    assert files.size_text(26.2 * 2**20) == "26.2 MiB"
+    assert files.size_text(1.04 * 2**30) == "1.04 GiB"
+    assert files.size_text(700 * 2**30) == "700 GiB"
+    assert files.size_text(1536) == "1.50 KiB"
+    assert (files.size_text(1), files.size_text(1023)) == ("1 byte", "1023 bytes")

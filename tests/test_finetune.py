@@ -255,7 +255,7 @@ def test_hugging_face_weights_are_loaded(tmp_path: Path):
     (["--resume", "/nonexistent/step-1"], "not found: /nonexistent/step-1"),
     (["--checkpoint", ".", "--model", "tiny"], "not both"),
     (["--bogus"], "unrecognized arguments: --bogus"),
-    (["--app-url", "localhost:5005"], "app url must start with http://"),
+    (["--app-url", "localhost:5005"], "--app-url: app_url must start with http://"),
 ])
 def test_bad_flags_exit_2_with_one_line(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -297,7 +297,7 @@ def test_a_loss_that_stays_nan_stops_the_job_and_keeps_good_checkpoints(
     ("step-000003", ["--batch-size", "4"], "saved with a global batch of 4 "
      "sequences, this run's is --batch-size 4 × --grad-accum 1 × 2 ranks = 8"),
     ("step-000003", ["--seed", "1"], "saved with seed=0, this job has 1"),
-    ("step-000003", ["--world-size", "1"], "(at 1 ranks use --grad-accum 2)"),
+    ("step-000003", ["--world-size", "1"], "(at 1 rank use --grad-accum 2)"),
     ("step-000003", ["--seq-len", "16"], "training split of 9569 samples, this "
      "run's has 19138"),
     ("step-000003", ["--steps", "6"], None),

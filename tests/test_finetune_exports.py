@@ -5,6 +5,7 @@ is the only thing an export replaces (end to end, two gloo ranks)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -65,6 +66,22 @@ def test_an_export_is_never_the_runs_own_output(tmp_path, snapshot, capsys):
                   "--export-adapter", str(tmp_path / "out"), capsys=capsys)
     assert f"--export-adapter {tmp_path / 'out'} is --out" in err
     assert (tmp_path / "out").is_dir()
+
+
+@pytest.mark.parametrize("inside", [("out", "checkpoints"),
+                                    ("out", "checkpoints", "merged"),
+                                    ("logs", "zero3_neox", "merged")])
+def test_an_export_is_never_where_the_run_writes_its_own_files(
+        tmp_path, snapshot, capsys, inside):
+    # empty at the start, so the export's own rules pass it; by the end it
+    # holds the run's checkpoints or logs, and the export would fail after
+    # the training
+    target = tmp_path.joinpath(*inside)
+    err = refused(tmp_path, snapshot, "--checkpoint-every", "3",
+                  "--export-merged", str(target), capsys=capsys)
+    written = tmp_path.joinpath(*inside[:2])
+    assert f"--export-merged {target} is inside {written}, where the run" in err
+    assert not target.exists() or not any(target.iterdir())
 
 
 def test_an_export_is_never_the_base_checkpoint(tmp_path, snapshot, capsys):
@@ -136,7 +153,9 @@ def test_a_destination_without_room_is_refused(tmp_path, snapshot, capsys,
                         lambda path: usage._replace(free=1000))
     err = refused(tmp_path, snapshot, "--export-merged", str(tmp_path / "m"),
                   capsys=capsys)
-    assert "has 0.0 GiB free, the export needs" in err
+    # both sizes in units that show them: not 0.0 GiB against 0.0 GiB
+    assert re.search(r"has 1000 bytes free, the export needs [1-9][\d.]* MiB",
+                     err), err
 
 
 def test_an_adapter_needs_a_base_checkpoint(tmp_path, capsys):

@@ -54,8 +54,8 @@ def test_more_ranks_than_the_host_can_hold_are_refused(tmp_path, capsys,
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
-    assert "--world-size 16: 16 ranks on this host need about 16." in err
-    assert "it has 8.0 GiB available" in err
+    assert "--world-size 16: this host would run 16 ranks, about 16." in err
+    assert "and has 8.00 GiB available" in err
 
 
 RANK_PEAK = """

@@ -82,7 +82,7 @@ def sleepy_rank_1(ctx: launch.DistContext) -> None:
         if ctx.rank == 1 and step == 2:
             time.sleep(600)
         dist.all_reduce(t)
-        ctx.heartbeat()
+        ctx.heartbeat(step)
 
 
 def forever(ctx: launch.DistContext, out_dir: str) -> None:
@@ -177,8 +177,9 @@ def test_hanging_rank_is_named_within_the_timeout():
     with pytest.raises(launch.RankFailed) as caught:
         launch.spawn(sleepy_rank_1, 2, backend="gloo", hang_timeout=2.0)
     message = str(caught.value)
+    # steps 0 and 1 done: the message names the last step, as the rank did
     assert message.startswith("rank 1 stopped making progress: no heartbeat for 2 s "
-                              "after 2, at tests/test_launch.py:"), message
+                              "after step 1, at tests/test_launch.py:"), message
     assert message.endswith("in sleepy_rank_1"), message
     # spawn of two ranks, two beats, then the timeout and the end of both ranks
     assert time.monotonic() - start < 60
@@ -449,7 +450,7 @@ def test_torchrun_hang_is_named_by_the_rank_that_stopped(tmp_path: Path):
     hung = [x for x in result.stderr.splitlines() if "stopped making progress" in x]
     assert len(hung) == 1, result.stderr[-3000:]
     assert hung[0].startswith("rank 1 stopped making progress: no heartbeat for 2 s "
-                              "after 2, at tests/test_launch.py:")
+                              "after step 1, at tests/test_launch.py:")
     assert hung[0].endswith(" in sleepy_rank_1")
     assert time.monotonic() - start < 90
 

@@ -7,8 +7,9 @@ import types
 
 import torch.distributed as dist
 
-from labml_zero.launch import supervisor
-from labml_zero.launch.supervisor import HangWatch, cause, is_echo, location, report
+from labml_zero.launch import ranks_text, supervisor
+from labml_zero.launch.supervisor import (Heartbeat, HangWatch, cause, is_echo,
+                                          location, report)
 
 
 def sent(rank: int, line: str, echo: bool) -> dict:
@@ -93,8 +94,10 @@ def test_report_is_one_line_with_the_place():
     assert line.endswith(" in test_report_is_one_line_with_the_place)")
 
 
-def fake_shared(beats: list[int], waiting: list[int]) -> types.SimpleNamespace:
+def fake_shared(beats: list[int], waiting: list[int],
+                steps: list[int] | None = None) -> types.SimpleNamespace:
     return types.SimpleNamespace(beats=beats, waiting=waiting,
+                                 steps=steps or [-1] * len(beats),
                                  where_of=lambda rank: f"where {rank}")
 
 
@@ -104,8 +107,30 @@ def test_hang_names_the_rank_not_waiting_for_a_peer():
     assert watch.check(shared, 0.0, [True] * 3) is None  # first beats: watched
     assert watch.check(shared, 1.9, [True] * 3) is None
     hung = watch.check(shared, 2.1, [True] * 3)
+    # no step named: the beats, counted as beats
     assert str(hung) == ("rank 1 stopped making progress: no heartbeat for 2 s "
-                         "after 1, at where 1")
+                         "after 1 heartbeat, at where 1")
+
+
+def test_hang_is_reported_after_the_step_the_rank_named():
+    # a job beats twice at step 20 (after the step, after its validation): the
+    # message counts steps, as the user does, not the 40 beats
+    watch = HangWatch(2, 1.0)
+    shared = fake_shared([40, 40], [1, 0], steps=[20, 20])
+    watch.check(shared, 0.0, [True, True])
+    hung = watch.check(shared, 1.5, [True, True])
+    assert str(hung) == ("rank 1 stopped making progress: no heartbeat for 1 s "
+                         "after step 20, at where 1")
+
+
+def test_a_heartbeat_keeps_the_last_step_named():
+    progress = Heartbeat([0], 0, [-1])
+    assert progress.step() is None
+    progress.beat(7)
+    progress.beat()  # a beat without a step keeps the last one named
+    assert (progress.count(), progress.step()) == (2, 7)
+    # a rank that never names a step is counted in heartbeats
+    assert Heartbeat([3], 0).step() is None
 
 
 def test_hang_without_a_waiting_test_names_the_fewest_beats():
@@ -126,3 +151,7 @@ def test_no_hang_before_the_first_beat_or_after_a_rank_ended():
     free = HangWatch(1, None)
     free.check(fake_shared([1], [0]), 0.0, [True])
     assert free.check(fake_shared([1], [0]), 1e9, [True]) is None
+
+
+def test_ranks_are_counted_in_words():
+    assert (ranks_text(1), ranks_text(2)) == ("1 rank", "2 ranks")

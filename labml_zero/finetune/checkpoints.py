@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from labml_zero.launch import ranks_text
 from labml_zero.zero3.checkpoint import (CheckpointReader, load_checkpoint,
                                          prune_checkpoints, save_checkpoint)
 
@@ -125,16 +126,18 @@ def check_global_batch(path: Path, sampler: dict, config, world_size: int
         return (f"--resume {path} has no global batch in its data order (saved by "
                 f"an older version): it cannot be continued")
     if saved % world_size:
-        advice = f"{saved} sequences cannot be split over {world_size} ranks"
+        advice = (f"{saved} sequences cannot be split over "
+                  f"{ranks_text(world_size)}")
     elif (saved // world_size) % b == 0:
-        advice = (f"at {world_size} ranks use --grad-accum "
+        advice = (f"at {ranks_text(world_size)} use --grad-accum "
                   f"{saved // world_size // b}")
     else:
-        advice = (f"at {world_size} ranks use --batch-size {saved // world_size} "
-                  f"--grad-accum 1")
+        advice = (f"at {ranks_text(world_size)} use --batch-size "
+                  f"{saved // world_size} --grad-accum 1")
     return (f"--resume {path} was saved with a global batch of {saved} sequences, "
-            f"this run's is --batch-size {b} × --grad-accum {a} × {world_size} "
-            f"ranks = {g}: the data order would differ ({advice})")
+            f"this run's is --batch-size {b} × --grad-accum {a} × "
+            f"{ranks_text(world_size)} = {g}: the data order would differ "
+            f"({advice})")
 
 
 def checkpoint_path(config, step: int) -> Path:

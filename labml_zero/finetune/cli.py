@@ -49,6 +49,7 @@ from labml_zero import launch
 from labml_zero.finetune.checkpoints import resume_settings
 from labml_zero.finetune.job import FinetuneConfig, train
 from labml_zero.finetune.preflight import PreflightError, preflight
+from labml_zero.zero3.checkpoint import CheckpointError
 
 # What every message of this command starts with, as the user typed it.
 PROG = "python -m labml_zero.finetune_neox"
@@ -260,8 +261,18 @@ def parse_config(argv: Sequence[str] | None, parser: Parser
             if changed:
                 print(changed, flush=True)
         config.model_config()
+    except CheckpointError as e:  # the snapshot's config.json: its own file
+        parser.error(f"--checkpoint: {e}")
     except (ValueError, FileNotFoundError) as e:
         parser.error(flag_error(str(e)))
+    # LoRA's options mean nothing to the other fine-tuners: given without
+    # `--finetune lora` they are refused, not ignored. Only flags the user gave
+    # are in `given`; the config's defaults never trip this.
+    lora_flags = [name for name in ("lora_rank", "lora_alpha", "lora_targets")
+                  if name in given]
+    if lora_flags and config.finetune != "lora":
+        parser.error(f"--{lora_flags[0].replace('_', '-')} needs --finetune lora "
+                     f"(this run fine-tunes {config.finetune!r})")
     return config, world_size
 
 

@@ -186,7 +186,9 @@ class FinetuneConfig:
     r"""Keep the newest this many checkpoints under `out`; older ones are removed
     only after a new one is complete. 0 keeps them all. One checkpoint of a model
     of $\Psi$ parameters, $\Psi_t$ of them trainable, in $p$-byte chunks is
-    about $p\Psi + K\Psi_t$ bytes over all ranks, $K$ the fp32 master and moments."""
+    about $p\Psi + K\Psi_t$ bytes over all ranks, $K$ the fp32 master and moments;
+    during a save the kept ones and the new one are on the disk together, so
+    `out` needs room for one more than are kept (checked before start)."""
     resume: str | None = field(default=None, metadata=flag(metavar="DIR"))
     """A checkpoint directory written by this job, to continue from."""
     out: str = field(default="runs/zero3_neox", metadata=flag(metavar="DIR"))
@@ -232,6 +234,9 @@ class FinetuneConfig:
             if min(self.filter_layers) < 0:
                 raise ValueError(f"filter_layers must be >= 0, got "
                                  f"{list(self.filter_layers)}")
+            if len(set(self.filter_layers)) != len(self.filter_layers):
+                raise ValueError(f"filter_layers names a layer twice: "
+                                 f"{','.join(map(str, self.filter_layers))}")
         for name in ("seq_len", "batch_size", "grad_accum", "epochs", "valid_every",
                      "valid_batches"):
             if getattr(self, name) < 1:
@@ -269,7 +274,11 @@ class FinetuneConfig:
             raise ValueError("offload_params needs offload_optimizer=1 (a shard in "
                              "host memory is updated there)")
         if self.app_url is not None:
-            check_app_url(self.app_url)
+            try:
+                check_app_url(self.app_url)
+            except ValueError as e:
+                # the app's message says "app url"; the user knows the field
+                raise ValueError(str(e).replace("app url", "app_url", 1)) from None
         if self.sample_tokens < 0:
             raise ValueError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
         if self.sample_tokens and not self.prompt:

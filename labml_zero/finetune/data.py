@@ -45,6 +45,7 @@ from tokenizers import Tokenizer
 
 from labml_zero.finetune.corpus import DataError
 from labml_zero.finetune.dataset import TextDataset, load_datasets
+from labml_zero.launch import ranks_text
 from labml_zero.neox.tokenizer import job_tokenizer_path, load_tokenizer, vocab_size
 
 __all__ = ["JobData", "job_data", "step_samples"]
@@ -103,9 +104,9 @@ def job_data(config, *, world_size: int, n_vocab: int, check_ids: bool = True
     b, a = config.batch_size, config.grad_accum
     check_fits(data.train, step_samples(config, world_size), what="training",
                layout=f"one step of --batch-size {b} × --grad-accum {a} × "
-                      f"{world_size} ranks")
+                      f"{ranks_text(world_size)}")
     check_fits(data.valid, b * world_size, what="validation",
-               layout=f"one batch of --batch-size {b} × {world_size} ranks")
+               layout=f"one batch of --batch-size {b} × {ranks_text(world_size)}")
     steps_per_epoch = len(data.train) // step_samples(config, world_size)
     total = config.steps or config.epochs * steps_per_epoch
     if config.warmup_steps >= total:

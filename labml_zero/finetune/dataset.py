@@ -242,19 +242,27 @@ def load_datasets(*, seq_len: int, source: str | os.PathLike | None = None,
     """
     tokenizer = tokenizer or load_tokenizer()
 
-    def tokens_of(path):
+    def tokens_of(path, flag: str = "--data"):
         if path is None:
             return tokenize(load_text(), tokenizer)
         try:
             eot = end_of_text_id(tokenizer)
         except ValueError as e:
-            raise DataError(f"--data {path}: {e}, so documents cannot be "
+            raise DataError(f"{flag} {path}: {e}, so documents cannot be "
                             f"separated") from None
-        return corpus_tokens(path, tokenizer, eot=eot, text_field=text_field,
-                             check_ids=check_ids)
+        try:
+            return corpus_tokens(path, tokenizer, eot=eot, text_field=text_field,
+                                 check_ids=check_ids)
+        except DataError as e:
+            # the corpus's messages name `--data`; the validation text is
+            # another flag's, and the user must be told which file is wrong
+            if flag == "--data" or not str(e).startswith("--data "):
+                raise
+            raise DataError(flag + str(e)[len("--data"):]) from None
 
     if valid_source is not None:
-        splits = TokenSplits(tokens_of(source), tokens_of(valid_source))
+        splits = TokenSplits(tokens_of(source),
+                             tokens_of(valid_source, "--valid-data"))
     else:
         splits = split_tokens(tokens_of(source), valid_fraction=valid_fraction)
     datasets = []

@@ -60,7 +60,7 @@ from labml_zero.finetune.step_metrics import (StepMeter, flops_per_token,
                                               local_grad_squares, peak_flops)
 from labml_zero.finetune.tracking import (EXPERIMENT_NAME, labml_configs,
                                           local_log_written, start_labml)
-from labml_zero.launch import DistContext
+from labml_zero.launch import DistContext, ranks_text
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.generate import Sampling, generate
 from labml_zero.neox.hf_checkpoint import HFCheckpoint
@@ -393,6 +393,36 @@ def weights_origin(config: FinetuneConfig, step: int) -> str:
     return "randomly initialised (no --checkpoint given)"
 
 
+def layers_kept(config: FinetuneConfig, neox: neox_model.NeoXConfig) -> int:
+    """The transformer layers the run builds: `filter_layers`' or the model's."""
+    if config.filter_layers is None:
+        return neox.n_layers
+    return len(config.filter_layers)
+
+
+def token_flops(config: FinetuneConfig, neox: neox_model.NeoXConfig,
+                counts) -> float:
+    """A token's FLOPs for the MFU, over the layers kept: the parameters in
+    matrix products (all but the embedding) and the kept layers' attention."""
+    return flops_per_token(matmul_params=counts.total - neox.n_vocab * neox.d_model,
+                           n_layers=layers_kept(config, neox), d_model=neox.d_model,
+                           seq_len=config.seq_len)
+
+
+def banner(config: FinetuneConfig, neox: neox_model.NeoXConfig, counts,
+           *, step: int, world_size: int) -> str:
+    """
+    The line that opens a run: the layers it keeps (`filter_layers` may keep
+    fewer than the model's), their parameters, the weights' origin, what
+    trains and on how many ranks. `counts` is the fine-tuner's `TrainableCount`.
+    """
+    kept = layers_kept(config, neox)
+    return (f"GPT-NeoX: {kept} layer{'s' if kept != 1 else ''} of width "
+            f"{neox.d_model}, {counts.total:,} parameters, "
+            f"{weights_origin(config, step)}; training {counts.trainable:,} "
+            f"({config.finetune}) on {ranks_text(world_size)}")
+
+
 # ## The job
 
 
@@ -443,11 +473,9 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
         params_total=built.counts.total, params_trainable=built.counts.trainable,
         n_layers=neox.n_layers, d_model=neox.d_model, n_vocab=neox.n_vocab))
     dtype = config.torch_dtype(ctx.device)
-    meter = StepMeter(token_flops=flops_per_token(
-        matmul_params=built.counts.total - neox.n_vocab * neox.d_model,
-        n_layers=neox.n_layers, d_model=neox.d_model, seq_len=config.seq_len),
-        peak=peak_flops(ctx.device, dtype), world_size=ctx.world_size,
-        device=ctx.device)
+    meter = StepMeter(token_flops=token_flops(config, neox, built.counts),
+                      peak=peak_flops(ctx.device, dtype), world_size=ctx.world_size,
+                      device=ctx.device)
     fail_at = env_step(FAIL_AT_STEP_ENV, ctx.rank)
     nan_at = env_step(NAN_AT_STEP_ENV, ctx.rank)
     last_saved = Path(config.resume) if config.resume is not None else None
@@ -463,11 +491,8 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
     # the local log complete before the rank ends, whatever ends the run
     with local_log_written(), experiment.start():
         if ctx.rank == 0:
-            logger.log(f"GPT-NeoX: {neox.n_layers} layers of width "
-                       f"{neox.d_model}, {built.counts.total:,} parameters, "
-                       f"{weights_origin(config, step)}; training "
-                       f"{built.counts.trainable:,} ({config.finetune}) on "
-                       f"{ctx.world_size} ranks")
+            logger.log(banner(config, neox, built.counts, step=step,
+                              world_size=ctx.world_size))
         if step == 0:
             track_valid(0)
             tracker.new_line()
@@ -490,7 +515,7 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
                 for line in measured_peaks(built, ctx, step - first + 1):
                     logger.log(line)
             # the launcher's hang watch: a rank silent for `hang_timeout` is hung
-            ctx.heartbeat()
+            ctx.heartbeat(step)
             if nan_at is not None and step >= nan_at:
                 totals = totals._replace(loss_sum=math.nan)
             check_loss(totals, step, scaler, last_saved)
@@ -507,7 +532,7 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
             if fail_at is not None and step >= fail_at:
                 raise RuntimeError(f"injected failure on rank {ctx.rank} after step "
                                    f"{step} ({FAIL_AT_STEP_ENV})")
-            ctx.heartbeat()  # again after a validation or a save, which take long
+            ctx.heartbeat(step)  # again after a validation or a save, which take long
             tracker.new_line()
             meter.clock.restart()  # the next step's time excludes this one's extras
 

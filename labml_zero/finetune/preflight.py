@@ -11,8 +11,8 @@ A mistake found by a rank costs the start-up of every rank (minutes on a large
 model) and reaches the user as a traceback of another process; found after
 $N$ steps, it costs the steps too. So before [the launcher](cli.html)
 spawns anything, `preflight` checks, on this host and with no process group,
-the outputs, the exports, the host's memory, the data, the Hugging Face snapshot and
-the checkpoint to resume (each
+the outputs, the exports, the host's memory, the data, the Hugging Face snapshot,
+the checkpoint to resume and the room for the checkpoints the run keeps (each
 beside its lines in `preflight`).
 
 Each failure is a `PreflightError` whose message names the file or the setting;
@@ -40,17 +40,22 @@ from torch import nn
 from labml_zero.finetune.checkpoints import check_global_batch
 from labml_zero.finetune.corpus import DataError
 from labml_zero.finetune.data import JobData, job_data
+from labml_zero.finetune.tracking import EXPERIMENT_NAME
+from labml_zero.files import size_text
+from labml_zero.launch import ranks_text
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.hf_checkpoint import check_hf_snapshot
 from labml_zero.neox.lora_export import (ADAPTER, MERGED, ExportDestinationError,
-                                         check_export_destination, export_bytes)
+                                         check_export_destination, contains,
+                                         export_bytes)
 from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
                                          check_resumable, sequential_shapes)
+from labml_zero.zero3.checkpoint.pruning import checkpoint_dirs
 from labml_zero.zero3.memory_model import OPTIMIZER_BYTES
 
 __all__ = ["PreflightError", "Preflight", "preflight", "check_writable_dir",
-           "checkpoint_bytes", "check_resume", "check_exports",
-           "check_host_memory", "RANK_BASE_BYTES"]
+           "checkpoint_bytes", "saves_at_peak", "check_checkpoint_room",
+           "check_resume", "check_exports", "check_host_memory", "RANK_BASE_BYTES"]
 
 # What one rank of the tiny model holds in host memory at its peak, rounded
 # up: the interpreter with torch and labml, the tokenizer and the data, gloo's
@@ -115,6 +120,57 @@ def checkpoint_bytes(layers: list[nn.Module], dtype: torch.dtype) -> int:
     return p * total + k * trainable
 
 
+def saves_at_peak(config, *, first_step: int, total_steps: int,
+                  existing: int) -> int:
+    r"""
+    ### New checkpoints on the disk at once, at the fullest moment of the run
+
+    The run saves every `checkpoint_every` steps and at its last step: $n$ saves
+    after `first_step`. With `keep_checkpoints` $k \geq 1$, an old checkpoint is
+    removed only once the new one is complete, so during a save $k + 1$ are on
+    the disk; the $e$ complete ones already under `out` (`existing`) are counted
+    in its used space. So the run needs room for $\min(k + 1, e + n) - e$ new ones, at
+    least the one it writes first (pruning starts only after it); with $k = 0$,
+    all $n$.
+    """
+    every = config.checkpoint_every
+    n = total_steps // every - first_step // every + (total_steps % every != 0)
+    if n <= 0:
+        return 0
+    k = config.keep_checkpoints
+    if k == 0:
+        return n
+    return max(1, min(k + 1, existing + n) - existing)
+
+
+def check_checkpoint_room(config, layers: list[nn.Module], dtype: torch.dtype, *,
+                          first_step: int, total_steps: int) -> None:
+    """
+    ### `--out` has room for the checkpoints the run keeps, plus the one it writes
+
+    `saves_at_peak` checkpoints of `checkpoint_bytes` each, from the model's
+    shapes on the meta device (no memory); the checkpoints already under `out`
+    are counted at that size too.
+    """
+    if config.checkpoint_every is None:
+        return
+    out = Path(config.out)
+    existing = len(checkpoint_dirs(out / "checkpoints"))
+    saves = saves_at_peak(config, first_step=first_step, total_steps=total_steps,
+                          existing=existing)
+    one = checkpoint_bytes(layers, dtype)
+    free = shutil.disk_usage(out).free
+    if free < saves * one:
+        kept = (f"--keep-checkpoints {config.keep_checkpoints}"
+                if config.keep_checkpoints else "--keep-checkpoints 0 (all kept)")
+        there = f", {existing} already there" if existing else ""
+        raise PreflightError(
+            f"--out {out} has {size_text(free)} free, the run needs "
+            f"{size_text(saves * one)}: {saves} new checkpoint"
+            f"{'s' if saves != 1 else ''} of {size_text(one)} on the disk at once "
+            f"with {kept}{there}")
+
+
 def check_exports(config, layers: list[nn.Module], dtype: torch.dtype) -> None:
     """
     ### Where LoRA's exports go, before training, not after it
@@ -126,6 +182,12 @@ def check_exports(config, layers: list[nn.Module], dtype: torch.dtype) -> None:
     """
     flags = {"export_adapter": ("--export-adapter", ADAPTER),
              "export_merged": ("--export-merged", MERGED)}
+    # Where the run itself writes, below the directories it is given. Empty now,
+    # such a directory holds the run's checkpoints or logs by the end, and the
+    # export, which may replace only an empty directory or an earlier export,
+    # would be refused then, after the training.
+    written = {"--out": Path(config.out) / "checkpoints",
+               "--log-dir": Path(config.log_dir) / EXPERIMENT_NAME}
     if config.export_adapter is not None and config.checkpoint is None:
         raise PreflightError("--export-adapter needs --checkpoint: an adapter "
                              "trained on random weights has no base model to load "
@@ -134,6 +196,12 @@ def check_exports(config, layers: list[nn.Module], dtype: torch.dtype) -> None:
         path = getattr(config, name)
         if path is None:
             continue
+        for other, inside in written.items():
+            target = Path(path).expanduser().resolve()
+            if contains(inside.expanduser().resolve(), target):
+                raise PreflightError(f"{flag} {path} is inside {inside}, where the run "
+                                     f"writes its own files ({other}); give a "
+                                     f"directory outside it")
         protected = {"--out": config.out, "--log-dir": config.log_dir,
                      "--checkpoint": config.checkpoint, "--resume": config.resume}
         protected |= {f: getattr(config, n) for n, (f, _) in flags.items()
@@ -187,9 +255,10 @@ def check_host_memory(config, layers: list[nn.Module], *, world_size: int,
     need = ranks_here * rank
     if need > available:
         raise PreflightError(
-            f"--world-size {world_size}: {ranks_here} ranks on this host need about "
-            f"{need / 2**30:.1f} GiB ({rank / 2**30:.2f} GiB each), it has "
-            f"{available / 2**30:.1f} GiB available; use fewer ranks")
+            f"--world-size {world_size}: this host would run "
+            f"{ranks_text(ranks_here)}, about {size_text(need)} in all "
+            f"({size_text(rank)} each), and has {size_text(available)} "
+            f"available; use fewer ranks")
 
 
 def check_resume(path: Path, layers: list[nn.Module], config, world_size: int,
@@ -257,26 +326,17 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
         try:
             check_hf_snapshot(config.checkpoint)
         except CheckpointError as e:
-            raise PreflightError(str(e)) from e
+            raise PreflightError(f"--checkpoint: {e}") from e
     layers = neox_model.build_layers(neox, filter_layers=config.filter_layers,
                                      device="meta")
     # the chunk layout a resume compares against: LoRA's options included
     config.tuner()(layers)
 
     # **Outputs**: `out` and `log_dir` are directories (or can be made) that this
-    # user can write, and `out` has room for one checkpoint when the job writes
-    # any: about $p\Psi + K\Psi_t$ bytes (`checkpoint_bytes`), from the model's
-    # shapes on the meta device (no memory). A filesystem can still fill up
-    # between this check and the save; the save itself then fails, and leaves the
-    # previous checkpoint in place.
-    out = check_writable_dir(config.out, "--out")
+    # user can write; their room for checkpoints is checked once the run's steps
+    # are known, below.
+    check_writable_dir(config.out, "--out")
     check_writable_dir(config.log_dir, "--log-dir")
-    if config.checkpoint_every is not None:
-        need = checkpoint_bytes(layers, config.torch_dtype(device))
-        free = shutil.disk_usage(out).free
-        if free < need:
-            raise PreflightError(f"--out {out} has {free / 2**30:.1f} GiB free, one "
-                                 f"checkpoint needs {need / 2**30:.1f} GiB")
 
     # **Exports** (LoRA's `export_adapter`, `export_merged`): each is a new or
     # empty directory or a previous export of its kind, never a file nor a
@@ -307,4 +367,12 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
     step = None
     if config.resume is not None:
         step = check_resume(Path(config.resume), layers, config, world_size, data)
+
+    # **Room for the checkpoints**, when the job writes any: each is about
+    # $p\Psi + K\Psi_t$ bytes (`checkpoint_bytes`), and during a save the kept
+    # ones and the new one are on the disk together (`saves_at_peak`). A
+    # filesystem can still fill up between this check and a save; the save
+    # itself then fails, and leaves the previous checkpoint in place.
+    check_checkpoint_room(config, layers, config.torch_dtype(device),
+                          first_step=step or 0, total_steps=data.total_steps)
     return Preflight(neox, step, data)

@@ -13,7 +13,8 @@ creates or destroys the process group; its public names are re-exported here.
 """
 
 from .spawn import (DistContext, Heartbeat, Interrupted, RankFailed, default_backend,
-                    free_port, run_torchrun, spawn, under_torchrun)
+                    free_port, ranks_text, run_torchrun, spawn, under_torchrun)
 
 __all__ = ["DistContext", "Heartbeat", "Interrupted", "RankFailed", "spawn",
-           "run_torchrun", "under_torchrun", "free_port", "default_backend"]
+           "run_torchrun", "under_torchrun", "free_port", "default_backend",
+           "ranks_text"]

@@ -18,7 +18,7 @@ creates or destroys the process group:
   `run_torchrun(fn)` reads them.
 
 Either way `fn(ctx)` receives a `DistContext` with the rank, the world size and the
-device, and `ctx.heartbeat()` to call once per step. How the launcher watches the
+device, and `ctx.heartbeat(step)` to call once per step. How the launcher watches the
 ranks, names the one that failed or hung and keeps none alive after itself is
 [the next page](supervisor.html); `spawn` raises its `RankFailed`. A Ctrl-C, a
 `SIGTERM` or a `SIGHUP` ends every rank within $p + g$ (see `Signals`).
@@ -52,7 +52,8 @@ from labml_zero.launch.supervisor import (Heartbeat, RankFailed, Shared, StderrT
                                           tell_torchrun, watchdog)
 
 __all__ = ["DistContext", "Heartbeat", "Interrupted", "RankFailed", "spawn",
-           "run_torchrun", "under_torchrun", "free_port", "default_backend"]
+           "run_torchrun", "under_torchrun", "free_port", "default_backend",
+           "ranks_text"]
 
 
 class Interrupted(KeyboardInterrupt):
@@ -153,10 +154,16 @@ class DistContext:
     backend: str
     progress: Heartbeat | None = field(default=None, repr=False, compare=False)
 
-    def heartbeat(self) -> None:
-        """Say that this rank made progress (call it once per step)."""
+    def heartbeat(self, step: int | None = None) -> None:
+        """Say that this rank made progress (call it once per step), after `step`
+        when given: a hang is then reported as after that step."""
         if self.progress is not None:
-            self.progress.beat()
+            self.progress.beat(step)
+
+
+def ranks_text(n: int) -> str:
+    """`1 rank`, `2 ranks`: how every message of a job counts its ranks."""
+    return "1 rank" if n == 1 else f"{n} ranks"
 
 
 def free_port() -> int:
@@ -217,7 +224,7 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, backend: str,
     status = 0
     try:
         ctx = init(rank, world_size, rank, backend=backend, timeout_s=timeout_s,
-                   progress=Heartbeat(shared.beats, rank))
+                   progress=Heartbeat(shared.beats, rank, shared.steps))
         fn(ctx, *args)
         dist.destroy_process_group()
     except Interrupted as stop:
@@ -401,7 +408,7 @@ def run_torchrun(
     die_with_parent(os.getppid())
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _raise_interrupted)
-    progress = Heartbeat([0], 0)
+    progress = Heartbeat([0], 0, [-1])
     if hang_timeout is not None:
         threading.Thread(target=self_watch, args=(progress, rank, hang_timeout),
                          daemon=True).start()

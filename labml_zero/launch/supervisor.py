@@ -91,18 +91,36 @@ class Heartbeat:
 
     `counts[slot]` is in memory the watcher reads: a shared array on one host (the
     launcher is another process), a plain list under torchrun (the watcher is a
-    thread of this process). Only this rank writes its slot.
+    thread of this process). Only this rank writes its slot. `steps[slot]`, in
+    the same kind of memory, is the last step the rank named (-1: none), so a
+    hang is reported in the steps a user counts: a job beats more than once a
+    step (after a validation or a save too).
     """
 
-    def __init__(self, counts: Any, slot: int):
+    def __init__(self, counts: Any, slot: int, steps: Any = None):
         self.counts = counts
         self.slot = slot
+        self.steps = steps
 
-    def beat(self) -> None:
+    def beat(self, step: int | None = None) -> None:
+        # the step first: a watcher that sees the new count then reads it
+        if step is not None and self.steps is not None:
+            self.steps[self.slot] = step
         self.counts[self.slot] += 1
 
     def count(self) -> int:
         return self.counts[self.slot]
+
+    def step(self) -> int | None:
+        step = self.steps[self.slot] if self.steps is not None else -1
+        return step if step >= 0 else None
+
+
+def progress_text(count: int, step: int | None) -> str:
+    """How far a hung rank got: its last step if it names steps, else its beats."""
+    if step is not None:
+        return f"after step {step}"
+    return f"after {count} heartbeat{'' if count == 1 else 's'}"
 
 
 # ## What a rank says about itself
@@ -222,7 +240,8 @@ class Shared:
     * `reader`, `writer`: the two ends of the pipe of failure reports; `lock` lets
       one rank write at a time, so a report is whole and the pipe is in the order
       the reports were written.
-    * `beats`: the heartbeat count of each rank.
+    * `beats`: the heartbeat count of each rank; `steps`: the last step each
+      rank named in a heartbeat, -1 before the first.
     * `waiting`: 1 while a rank's main thread is inside `torch.distributed`.
     * `where`: `WHERE_BYTES` per rank, its main thread's location.
     """
@@ -232,6 +251,7 @@ class Shared:
     writer: Any
     lock: Any
     beats: Any
+    steps: Any
     waiting: Any
     where: Any
 
@@ -240,6 +260,7 @@ class Shared:
         reader, writer = context.Pipe(duplex=False)
         return cls(os.getpid(), reader, writer, context.Lock(),
                    context.Array("q", world_size, lock=False),
+                   context.Array("q", [-1] * world_size, lock=False),
                    context.Array("b", world_size, lock=False),
                    context.Array("c", world_size * WHERE_BYTES, lock=False))
 
@@ -397,8 +418,10 @@ class HangWatch:
             not running[r], shared.waiting[r], self.counts[r],
             self.moved_at[r] or 0.0, r))
         where = shared.where_of(rank)
+        step = shared.steps[rank] if shared.steps[rank] >= 0 else None
         return RankFailed(rank, f"stopped making progress: no heartbeat for "
-                          f"{self.timeout:g} s after {self.counts[rank]}"
+                          f"{self.timeout:g} s "
+                          f"{progress_text(self.counts[rank], step)}"
                           + (f", at {where}" if where else ""))
 
 
@@ -550,7 +573,8 @@ def self_watch(progress: Heartbeat, rank: int, timeout: float) -> None:
             if not speak_once():
                 return  # the main thread is reporting its own failure
             line = (f"rank {rank} stopped making progress: no heartbeat for "
-                    f"{timeout:g} s after {count}" + (f", at {where}" if where else ""))
+                    f"{timeout:g} s {progress_text(count, progress.step())}"
+                    + (f", at {where}" if where else ""))
             print(line, file=sys.stderr, flush=True)
             tell_torchrun(line)
             os._exit(1)

@@ -52,7 +52,7 @@ import torch
 from safetensors.torch import save_file
 
 from labml_zero.files import (fsync_path, give_default_mode, replace_directory,
-                              temporary_sibling)
+                              size_text, temporary_sibling)
 from labml_zero.neox.hf_checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
                                            save_hf_checkpoint)
 from labml_zero.neox.lora import ADAPTER_NAMES, FineTuneLoRA
@@ -160,9 +160,8 @@ def check_export_destination(path: str | os.PathLike, kind: str, *, flag: str,
                                      f"({e.strerror or e})") from e
     free = shutil.disk_usage(existing).free
     if free < need_bytes:
-        raise ExportDestinationError(f"{flag} {given} has {free / 2**30:.1f} GiB "
-                                     f"free, the export needs "
-                                     f"{need_bytes / 2**30:.1f} GiB")
+        raise ExportDestinationError(f"{flag} {given} has {size_text(free)} free, "
+                                     f"the export needs {size_text(need_bytes)}")
     return given
 
 

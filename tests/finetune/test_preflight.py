@@ -13,10 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from labml_zero.finetune.cli import main
+from labml_zero.finetune.checkpoints import check_global_batch
+from labml_zero.finetune.cli import main, make_parser, parse_config
 from labml_zero.finetune.config import FinetuneConfig
+from labml_zero.finetune.job import banner, token_flops
+from labml_zero.files import size_text
 from labml_zero.finetune.preflight import (PreflightError, check_writable_dir,
-                                           checkpoint_bytes, preflight)
+                                           checkpoint_bytes, preflight,
+                                           saves_at_peak)
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.finetuners import finetuner
 from labml_zero.neox.hf_checkpoint import hf_named_tensors, save_hf_checkpoint
@@ -64,14 +68,52 @@ def test_checkpoint_bytes_is_p_psi_plus_k_psi_t():
         4 * counts.total + 8 * counts.trainable)
 
 
-def test_room_for_one_checkpoint(tmp_path, monkeypatch):
-    config = FinetuneConfig(out=str(tmp_path / "out"), log_dir=str(tmp_path / "l"),
-                            checkpoint_every=1)
-    assert preflight(config, world_size=2, device=CPU).resumed_step is None
+def marked_layers(config: FinetuneConfig) -> list:
+    """The layers preflight sizes: on the meta device, marked by the fine-tuner."""
+    layers = neox_model.build_layers(config.model_config(), device="meta")
+    config.tuner()(layers)
+    return layers
+
+
+def free_bytes(monkeypatch, free: int) -> None:
     monkeypatch.setattr(shutil, "disk_usage",
-                        lambda path: shutil._ntuple_diskusage(100, 99, 1))
-    with pytest.raises(PreflightError, match="GiB free, one checkpoint needs"):
+                        lambda path: shutil._ntuple_diskusage(10 * free, 0, free))
+
+
+@pytest.mark.parametrize("keep, at_once", [(1, 2), (3, 4), (0, 5)])
+def test_room_for_the_kept_checkpoints_and_the_new_one(tmp_path, monkeypatch,
+                                                       keep, at_once):
+    # keep k: the k kept and the one being saved are on the disk together;
+    # keep 0 keeps every one of the run's 5 saves
+    config = FinetuneConfig(out=str(tmp_path / "out"), log_dir=str(tmp_path / "l"),
+                            checkpoint_every=1, keep_checkpoints=keep, steps=5)
+    one = checkpoint_bytes(marked_layers(config), torch.float32)
+    free_bytes(monkeypatch, at_once * one)
+    assert preflight(config, world_size=2, device=CPU).resumed_step is None
+    free_bytes(monkeypatch, at_once * one - 1)
+    with pytest.raises(PreflightError) as refused:
         preflight(config, world_size=2, device=CPU)
+    assert str(refused.value) == (
+        f"--out {config.out} has {size_text(at_once * one - 1)} free, the run needs "
+        f"{size_text(at_once * one)}: {at_once} new checkpoints of {size_text(one)} "
+        f"on the disk at once with --keep-checkpoints {keep}"
+        + (" (all kept)" if keep == 0 else ""))
+    # the sizes show the shortage: the tiny model's checkpoint is megabytes
+    assert "MiB" in size_text(one) and "0.0 GiB" not in str(refused.value)
+
+
+def test_saves_at_peak_counts_the_checkpoints_already_there():
+    config = FinetuneConfig(checkpoint_every=10, keep_checkpoints=2)
+    # steps 10..120: 12 saves; 3 on the disk at once
+    assert saves_at_peak(config, first_step=0, total_steps=120, existing=0) == 3
+    # resumed from step 40 with 2 kept already: one more at once
+    assert saves_at_peak(config, first_step=40, total_steps=120, existing=2) == 1
+    # more there than kept (an earlier run kept all): the first save needs room
+    assert saves_at_peak(config, first_step=40, total_steps=120, existing=9) == 1
+    # a last step off the period is saved too: 125 gives 13 saves
+    every = dataclasses.replace(config, keep_checkpoints=0)
+    assert saves_at_peak(every, first_step=0, total_steps=125, existing=0) == 13
+    assert saves_at_peak(every, first_step=120, total_steps=120, existing=4) == 0
 
 
 def run_main(args: list[str], capsys) -> str:
@@ -91,11 +133,13 @@ def test_command_line_refuses_before_starting(snapshot, tmp_path, capsys):
     copy = broken_copy(snapshot, tmp_path)
     (copy / "config.json").write_text("[]")
     err = run_main(["--checkpoint", str(copy), *outputs], capsys)
-    assert str(copy / "config.json") in err and "JSON object" in err
+    assert f"error: --checkpoint: {copy / 'config.json'}: expected a JSON object" \
+        in err
     (copy / "config.json").write_text((snapshot / "config.json").read_text())
     (copy / "model.safetensors").write_bytes(b"garbage")
-    assert "not a safetensors file" in run_main(
-        ["--checkpoint", str(copy), *outputs], capsys)
+    err = run_main(["--checkpoint", str(copy), *outputs], capsys)
+    assert f"error: --checkpoint: {copy / 'model.safetensors'}: not a safetensors" \
+        in err
     err = run_main(["--resume", str(tmp_path), *outputs], capsys)
     assert f"--resume: no manifest.json in {tmp_path}" in err, err
 
@@ -115,3 +159,74 @@ def test_config_refuses_non_finite_numbers():
         FinetuneConfig(lr=float("nan"))
     with pytest.raises(ValueError, match="weight_decay must be a finite number"):
         FinetuneConfig(weight_decay=float("inf"))
+
+
+def test_valid_data_errors_name_valid_data(tmp_path, capsys):
+    outputs = ["--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")]
+    train = tmp_path / "train.txt"
+    train.write_text("Train on these words, all of them. " * 50)
+    missing, empty = tmp_path / "missing.txt", tmp_path / "empty.txt"
+    empty.write_text("")
+    err = run_main(["--data", str(train), "--valid-data", str(missing), *outputs],
+                   capsys)
+    assert f"error: --valid-data {missing}: no such file or directory" in err
+    err = run_main(["--data", str(train), "--valid-data", str(empty), *outputs],
+                   capsys)
+    assert f"error: --valid-data {empty}: the file is empty" in err
+    # and `--data`'s own errors still name `--data`
+    err = run_main(["--data", str(missing), *outputs], capsys)
+    assert f"error: --data {missing}: no such file or directory" in err
+
+
+def test_a_layer_kept_twice_is_refused(capsys):
+    err = run_main(["--filter-layers", "0,0"], capsys)
+    assert "--filter-layers: filter_layers names a layer twice: 0,0" in err
+
+
+def test_lora_options_without_lora_are_refused(capsys):
+    err = run_main(["--lora-rank", "4"], capsys)
+    assert "--lora-rank needs --finetune lora (this run fine-tunes 'all')" in err
+    err = run_main(["--finetune", "biases", "--lora-alpha", "8"], capsys)
+    assert "--lora-alpha needs --finetune lora (this run fine-tunes 'biases')" in err
+
+
+def test_lora_options_with_lora_or_left_at_their_defaults_pass():
+    parser = make_parser()
+    # the defaults (rank 8 among them) are never "given"
+    config, _ = parse_config([], parser)
+    assert config.finetune == "all" and config.lora_rank == 8
+    config, _ = parse_config(["--finetune", "lora", "--lora-rank", "4"], parser)
+    assert (config.finetune, config.lora_rank) == ("lora", 4)
+
+
+@pytest.mark.parametrize("filter_layers, words", [
+    (None, "GPT-NeoX: 2 layers of width"), ((1,), "GPT-NeoX: 1 layer of width")])
+def test_the_banner_counts_the_layers_kept(filter_layers, words):
+    config = FinetuneConfig(filter_layers=filter_layers)
+    counts = finetuner("all")(neox_model.build_layers(
+        config.model_config(), filter_layers=filter_layers, device="meta"))
+    line = banner(config, config.model_config(), counts, step=0, world_size=1)
+    assert line.startswith(words) and line.endswith("(all) on 1 rank")
+
+
+def test_the_mfu_counts_the_attention_of_the_layers_kept():
+    # --filter-layers 0 of the two-layer tiny model: one layer's attention
+    config = FinetuneConfig(filter_layers=(0,))
+    neox = config.model_config()
+    counts = finetuner("all")(neox_model.build_layers(
+        neox, filter_layers=(0,), device="meta"))
+    matmul = counts.total - neox.n_vocab * neox.d_model
+    assert token_flops(config, neox, counts) == (
+        6 * matmul + 12 * 1 * neox.d_model * config.seq_len)
+
+
+def test_a_global_batch_over_one_rank_says_1_rank():
+    refusal = check_global_batch(Path("ck"), {"global_batch": 16},
+                                 FinetuneConfig(batch_size=8, grad_accum=1), 1)
+    assert "--grad-accum 1 × 1 rank = 8" in refusal
+    assert "at 1 rank use --grad-accum 2" in refusal
+
+
+def test_a_bad_app_url_names_its_flag(capsys):
+    err = run_main(["--app-url", "ftp://x"], capsys)
+    assert "error: --app-url: app_url must start with http:// or https://" in err
