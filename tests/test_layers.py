@@ -29,7 +29,7 @@ LAYERS = (
     ("labml_zero.assembly",),
     ("labml_zero.neox",),
     ("labml_zero.finetune",),
-    ("labml_zero.finetune_neox",),
+    ("labml_zero.finetune_neox", "labml_zero.export"),
 )
 
 
