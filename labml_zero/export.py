@@ -82,7 +82,7 @@ class ExportError(ValueError):
 
 
 def parse_size(text: str) -> int:
-    r"""Bytes of a size: `"2GB"` is $2 \cdot 10^9$, `"512MiB"` $512 \cdot 2^{20}$."""
+    """Bytes of a size given as `2GB` or `512MiB` (decimal or binary units)."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match and UNITS.get(match.group(2).lower())
     if not unit or float(match.group(1)) * unit < 1:

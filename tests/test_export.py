@@ -209,3 +209,11 @@ def test_a_bad_size_is_a_usage_error(capsys):
 def test_marker_names_the_export(full_run):
     assert json.loads((full_run / "hf" / EXPORT_MARKER).read_text())["kind"] == \
         "merged_checkpoint"
+
+
+def test_the_command_starts():
+    from tests.test_layers import run_help
+
+    shown = run_help("labml_zero.export")
+    assert shown.returncode == 0, shown.stderr
+    assert "usage: python -m labml_zero.export" in shown.stdout

@@ -203,3 +203,37 @@ def test_an_earlier_export_is_replaced(tmp_path: Path, snapshot: Path):
         ["config.json", "model.safetensors", EXPORT_MARKER, *SIDE_FILES[:2],
          "generation_config.json"])
     assert not list(tmp_path.glob(".*")), "no temporary or old directory is left"
+
+
+def test_export_hf_is_checked_for_every_finetune(tmp_path, snapshot, capsys):
+    # a full fine-tune exports too, under the same rules: never the base
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--finetune", "all", "--checkpoint", str(snapshot),
+              "--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs"),
+              "--export-hf", str(snapshot)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--export-hf {snapshot} is --checkpoint" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--finetune", "lora", "--export-merged", "a", "--export-hf", "b"],
+     "export_merged is the older name of export_hf"),
+    (["--finetune", "all", "--export-hf", "d", "--export-adapter", "d"],
+     "export_adapter needs finetune 'lora'"),
+    (["--finetune", "lora", "--export-hf", "d", "--export-adapter", "d"],
+     "export_hf and export_adapter must be different directories"),
+])
+def test_export_flags_that_contradict(tmp_path, args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs"),
+              *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_merged_alias_names_the_same_export():
+    from labml_zero.finetune.config import FinetuneConfig
+
+    config = FinetuneConfig(finetune="lora", export_merged="m")
+    assert config.export_hf == "m"
