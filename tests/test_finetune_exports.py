@@ -223,6 +223,8 @@ def test_export_hf_is_checked_for_every_finetune(tmp_path, snapshot, capsys):
      "export_adapter needs finetune 'lora'"),
     (["--finetune", "lora", "--export-hf", "d", "--export-adapter", "d"],
      "export_hf and export_adapter must be different directories"),
+    (["--finetune", "all", "--export-hf", "d", "--filter-layers", "0"],
+     "export_hf needs the whole model"),
 ])
 def test_export_flags_that_contradict(tmp_path, args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -346,6 +346,10 @@ class FinetuneConfig:
                 raise ValueError("export_merged is the older name of export_hf: "
                                  "give one of them")
             object.__setattr__(self, "export_hf", self.export_merged)
+        if self.export_hf is not None and self.filter_layers is not None:
+            # transformers would fill the missing layers with random weights
+            raise ValueError("export_hf needs the whole model: filter_layers "
+                             "keeps only some layers")
         if self.export_hf is not None and self.export_hf == self.export_adapter:
             name = "export_merged" if self.export_merged else "export_hf"
             raise ValueError(f"{name} and export_adapter must be different "
