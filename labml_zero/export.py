@@ -35,8 +35,8 @@ replaces it). The destination follows the exports' rules: a new or empty
 directory or a previous export, replaced whole once the new one is complete;
 never the checkpoint, nor a directory of other files.
 
-Every input is checked before a byte is written: the manifest and every file's
-size, that the checkpoint holds a whole model of the recorded shape (not a
+Every input is checked before a byte is written: the manifest, every file's
+size and digest, that the checkpoint holds a whole model of the recorded shape (not a
 `--filter-layers` run's subset), the tokenizer and the destination; each bad
 one is one line and exit status 2.
 
@@ -118,6 +118,8 @@ class ExportPlan:
                                  targets=tuple(lora["targets"])) if lora else None
         self.dtype = DTYPES[args.dtype or record["dtype"]]
         self.check_whole_model(args.checkpoint)
+        # every digest now, so a changed file is one line, not a failed write
+        self.reader.verify_files()
         tokenizer = Path(args.tokenizer or record["tokenizer"])
         if not tokenizer.is_file():
             raise ExportError(f"--tokenizer {tokenizer} not found (the job's "

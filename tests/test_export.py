@@ -184,6 +184,16 @@ def test_bad_input_is_one_line_and_nothing_is_written(full_run, tmp_path, capsys
     (bigger / "manifest.json").write_text(json.dumps(manifest))
     err = one_line_refusal([str(bigger), str(tmp_path / "o")], capsys)
     assert "not a whole model" in err and "gpt_neox.layers.2." in err
+    # a shard changed after it was saved
+    changed = tmp_path / "changed"
+    shutil.copytree(ckpt, changed)
+    with open(changed / "rank-00001.safetensors", "r+b") as f:
+        f.seek(-64, 2)
+        flipped = bytes(b ^ 0xFF for b in f.read(64))
+        f.seek(-64, 2)
+        f.write(flipped)
+    assert "checksum mismatch" in one_line_refusal(
+        [str(changed), str(tmp_path / "o")], capsys)
     # a checkpoint saved before the record
     del manifest["meta"]["export"]
     (bigger / "manifest.json").write_text(json.dumps(manifest))
