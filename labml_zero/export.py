@@ -58,13 +58,14 @@ from pathlib import Path
 import torch
 
 from labml_zero.neox.config import from_hf_config
-from labml_zero.neox.hf_checkpoint import hf_side_files, save_hf_checkpoint
+from labml_zero.neox.hf_checkpoint import save_hf_checkpoint
 from labml_zero.neox.lora import ADAPTER_NAMES, FineTuneLoRA
 from labml_zero.neox.lora_export import (EXPORT_MARKER, MERGED,
                                          ExportDestinationError,
                                          check_export_destination, marker_text,
                                          merged)
 from labml_zero.neox.model import build_layers, hf_prefix
+from labml_zero.neox.side_files import hf_side_files
 from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
                                          prefix_rename, saved_tensors)
 

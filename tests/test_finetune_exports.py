@@ -14,11 +14,11 @@ import torch
 from labml_zero.finetune.cli import main
 from labml_zero.neox import lora_export
 from labml_zero.neox import model as neox_model
-from labml_zero.neox.hf_checkpoint import (SIDE_FILES, hf_named_tensors,
-                                           save_hf_checkpoint)
+from labml_zero.neox.hf_checkpoint import hf_named_tensors, save_hf_checkpoint
 from labml_zero.neox.lora_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS,
                                          EXPORT_MARKER, check_export_destination,
                                          export_bytes, write_adapter_dir)
+from labml_zero.neox.side_files import SIDE_FILES
 from labml_zero.neox.tokenizer import load_tokenizer
 from tests.test_finetune import check_ok, finetune
 

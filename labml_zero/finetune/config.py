@@ -35,8 +35,9 @@ from labml_zero.app.client import check_app_url
 from labml_zero.finetune.lr_schedule import SCHEDULES, LRSchedule
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.finetuners import FINETUNERS, finetuner
-from labml_zero.neox.hf_checkpoint import config_from_hf, snapshot_dtype
+from labml_zero.neox.hf_checkpoint import config_from_hf
 from labml_zero.neox.lora import TARGETS, FineTuneLoRA
+from labml_zero.neox.side_files import snapshot_dtype
 
 __all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "MODEL_PRESETS",
            "DTYPES", "FINETUNERS"]

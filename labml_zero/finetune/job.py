@@ -63,9 +63,10 @@ from labml_zero.finetune.tracking import (EXPERIMENT_NAME, labml_configs,
 from labml_zero.launch import DistContext
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.generate import Sampling, generate
-from labml_zero.neox.hf_checkpoint import HFCheckpoint, hf_side_files
+from labml_zero.neox.hf_checkpoint import HFCheckpoint
 from labml_zero.neox.lora import FineTuneLoRA, load_hf_layer
 from labml_zero.neox.lora_export import save_merged_checkpoint, save_peft_adapter
+from labml_zero.neox.side_files import hf_side_files
 from labml_zero.neox.tokenizer import job_tokenizer_path
 from labml_zero.optimizers.adam_fp16 import AdamFP16, NonFiniteGradient
 from labml_zero.optimizers.clip_grad import clip_grad_norm_

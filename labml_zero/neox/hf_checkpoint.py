@@ -19,10 +19,8 @@ the next. Not the engine's [sharded checkpoints](../zero3/checkpoint/index.html)
 which resume a run.
 
 Going back, `save_hf_checkpoint` writes the same layout from a stream of
-`(name, tensor)`, holding one output shard; `hf_side_files` adds what
-transformers needs beside the weights to be a whole model again: the tokenizer
-(`tokenizer.json` and its config, so `AutoTokenizer` encodes as the job did)
-and `generation_config.json` (the end-of-text id, where `generate` stops).
+`(name, tensor)`, holding one output shard; [beside the
+weights](side_files.html) are the files that make it a whole model again.
 
 ## Limitations
 
@@ -32,7 +30,6 @@ and `generation_config.json` (the end-of-text id, where `generate` stops).
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import shutil
@@ -51,12 +48,11 @@ from labml_zero.files import (fsync_path, give_default_mode, replace_directory,
 from labml_zero.neox.model import (Embedding, FinalNorm, NeoXConfig, Readout,
                                    TransformerLayer, build_layers, from_hf_config,
                                    gpt_neox_20b, hf_prefix, to_hf_config)
-from labml_zero.neox.tokenizer import end_of_text_id, load_tokenizer
 from labml_zero.zero3.checkpoint import CheckpointError
 
 __all__ = ["HFCheckpoint", "NeoX20BCheckpoint", "check_hf_snapshot",
            "config_from_hf", "save_hf_checkpoint", "hf_named_tensors",
-           "load_layers", "hf_side_files", "snapshot_dtype", "SIDE_FILES"]
+           "load_layers"]
 
 # ## The Hugging Face layout
 #
@@ -71,13 +67,6 @@ __all__ = ["HFCheckpoint", "NeoX20BCheckpoint", "check_hf_snapshot",
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
-# Beside the weights: the tokenizer and the defaults of `generate`. A snapshot's
-# own copies are kept as they are; the others are written (`hf_side_files`).
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
-SPECIAL_TOKENS = "special_tokens_map.json"
-GENERATION_CONFIG = "generation_config.json"
-SIDE_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG, SPECIAL_TOKENS, GENERATION_CONFIG)
 # `config.json` keys that must be integers, and those that must be numbers
 REQUIRED_INTS = ("vocab_size", "hidden_size", "num_attention_heads",
                  "num_hidden_layers")
@@ -450,61 +439,6 @@ def hf_named_tensors(layers: Iterable[nn.Module]
 
 
 # ## Export
-
-
-def snapshot_dtype(path: str | os.PathLike) -> torch.dtype | None:
-    """
-    ### The dtype a snapshot's `config.json` says its weights are stored in
-
-    `torch_dtype` (transformers 4) or `dtype` (5): what an export of a model
-    fine-tuned from it is written in, so a bf16 base leaves as bf16 even when
-    a CPU run trained it in fp32. `None` when the file names no float dtype
-    or does not read (the snapshot's own check says why).
-    """
-    try:
-        hf = read_json(Path(path) / CONFIG_FILE)
-    except (OSError, CheckpointError):
-        return None
-    name = hf.get("torch_dtype") or hf.get("dtype") if isinstance(hf, dict) else None
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else None
-
-
-def hf_side_files(tokenizer: str | os.PathLike,
-                  snapshot: str | os.PathLike | None = None) -> dict[str, str]:
-    """
-    ### The files an export needs beside its weights, `{name: text}`
-
-    * `tokenizer`: the `tokenizer.json` (or its `.gz`) the job encoded with;
-    * `snapshot`: the directory the job started from; its own
-      `tokenizer_config.json`, `special_tokens_map.json` and
-      `generation_config.json` are copied as they are.
-
-    Without a snapshot's, `tokenizer_config.json` names the generic fast
-    tokenizer, which encodes exactly as `tokenizer.json` does (no BOS/EOS
-    added, as [the job's `encode`](tokenizer.html)); without `tokenizer.json`
-    `AutoTokenizer` would build a 2-token tokenizer that encodes any text to
-    `[]`. The end-of-text token is BOS, EOS and UNK, as in GPT-NeoX's.
-    """
-    tokenizer = Path(tokenizer)
-    loaded = load_tokenizer(tokenizer)  # refuses a file that does not load
-    eot = end_of_text_id(loaded)
-    eot_text = loaded.id_to_token(eot)
-    text = (gzip.decompress(tokenizer.read_bytes()).decode()
-            if tokenizer.suffix == ".gz" else tokenizer.read_text())
-    files = {TOKENIZER_FILE: text,
-             TOKENIZER_CONFIG: json.dumps({
-                 "tokenizer_class": "PreTrainedTokenizerFast",
-                 "bos_token": eot_text, "eos_token": eot_text,
-                 "unk_token": eot_text, "add_bos_token": False,
-                 "add_eos_token": False}, indent=2),
-             GENERATION_CONFIG: json.dumps({"bos_token_id": eot,
-                                            "eos_token_id": eot}, indent=2)}
-    for name in (TOKENIZER_CONFIG, SPECIAL_TOKENS, GENERATION_CONFIG):
-        own = Path(snapshot) / name if snapshot is not None else None
-        if own is not None and own.is_file():
-            files[name] = own.read_text()
-    return files
 
 
 def _write_shard(tensors: dict[str, torch.Tensor], path: Path):

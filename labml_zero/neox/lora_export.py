@@ -24,8 +24,7 @@ name `--export-merged`). The second is **the adapter alone**, in PEFT's format
 The checkpoint is written in one dtype, the base snapshot's (a bf16 base
 stays bf16 even when a CPU run trained it in fp32), else the training dtype;
 beside it go `config.json`, the tokenizer the job encoded with and
-`generation_config.json` (`hf_side_files` on [Hugging Face
-checkpoints](hf_checkpoint.html)).
+`generation_config.json` ([beside the weights](side_files.html)).
 
 ## Where an export may go
 
@@ -64,10 +63,11 @@ from safetensors.torch import save_file
 
 from labml_zero.files import (fsync_path, give_default_mode, replace_directory,
                               temporary_sibling)
-from labml_zero.neox.hf_checkpoint import (CONFIG_FILE, INDEX_FILE, SIDE_FILES,
-                                           SINGLE_FILE, save_hf_checkpoint)
+from labml_zero.neox.hf_checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
+                                           save_hf_checkpoint)
 from labml_zero.neox.lora import ADAPTER_NAMES, FineTuneLoRA
 from labml_zero.neox.model import NeoXConfig, TransformerLayer, hf_prefix
+from labml_zero.neox.side_files import SIDE_FILES
 from labml_zero.zero3.checkpoint import export_full_state_dict, prefix_rename
 
 __all__ = ["merged", "save_merged_checkpoint", "peft_adapter_config",

@@ -435,7 +435,7 @@ def test_missing_snapshot_directory_and_config(tmp_path):
 
 
 def test_side_files_keep_a_snapshots_own_and_write_the_rest(tmp_path):
-    from labml_zero.neox.hf_checkpoint import hf_side_files, snapshot_dtype
+    from labml_zero.neox.side_files import hf_side_files, snapshot_dtype
     from labml_zero.neox.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
 
     written = hf_side_files(BUNDLED_TOKENIZER)
