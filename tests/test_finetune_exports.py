@@ -19,6 +19,7 @@ from labml_zero.neox.hf_checkpoint import hf_named_tensors, save_hf_checkpoint
 from labml_zero.neox.lora_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS,
                                          EXPORT_MARKER, check_export_destination,
                                          export_bytes, write_adapter_dir)
+from labml_zero.neox.side_files import SIDE_FILES
 from labml_zero.neox.tokenizer import load_tokenizer
 from tests.test_finetune import check_ok, finetune
 
@@ -177,11 +178,9 @@ def test_export_sizes_follow_the_model():
     adapters = sum(p.numel() for layer in layers
                    for n, p in layer.named_parameters() if "lora_" in n)
     assert export_bytes(layers, "lora_adapter", torch.bfloat16) == 4 * adapters
-    trainable = sum(p.numel() for layer in layers
-                    for n, p in layer.named_parameters()
-                    if p.requires_grad and "lora_" not in n)
-    assert export_bytes(layers, "merged_checkpoint", torch.bfloat16) == \
-        2 * (base - trainable) + 4 * trainable
+    # the checkpoint is written in one dtype (the base's or the training one),
+    # trainable weights too: 2 bytes each in bf16, the adapters folded in
+    assert export_bytes(layers, "merged_checkpoint", torch.bfloat16) == 2 * base
 
 
 def test_the_writer_refuses_what_appeared_after_the_checks(tmp_path):
@@ -218,6 +217,44 @@ def test_an_earlier_export_is_replaced(tmp_path: Path, snapshot: Path):
     assert sorted(p.name for p in adapter_dir.iterdir()) == sorted(
         [ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPORT_MARKER])
     assert json.loads((adapter_dir / ADAPTER_CONFIG).read_text())["r"] > 0
+    # the checkpoint comes with its tokenizer and generation defaults
     assert sorted(p.name for p in merged_dir.iterdir()) == sorted(
-        ["config.json", "model.safetensors", EXPORT_MARKER])
+        ["config.json", "model.safetensors", EXPORT_MARKER, *SIDE_FILES[:2],
+         "generation_config.json"])
     assert not list(tmp_path.glob(".*")), "no temporary or old directory is left"
+
+
+def test_export_hf_is_checked_for_every_finetune(tmp_path, snapshot, capsys):
+    # a full fine-tune exports too, under the same rules: never the base
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--finetune", "all", "--checkpoint", str(snapshot),
+              "--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs"),
+              "--export-hf", str(snapshot)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--export-hf {snapshot} is --checkpoint" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--finetune", "lora", "--export-merged", "a", "--export-hf", "b"],
+     "export_merged is the older name of export_hf"),
+    (["--finetune", "all", "--export-hf", "d", "--export-adapter", "d"],
+     "export_adapter needs finetune 'lora'"),
+    (["--finetune", "lora", "--export-hf", "d", "--export-adapter", "d"],
+     "export_hf and export_adapter must be different directories"),
+    (["--finetune", "all", "--export-hf", "d", "--filter-layers", "0"],
+     "export_hf needs the whole model"),
+])
+def test_export_flags_that_contradict(tmp_path, args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs"),
+              *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_merged_alias_names_the_same_export():
+    from labml_zero.finetune.config import FinetuneConfig
+
+    config = FinetuneConfig(finetune="lora", export_merged="m")
+    assert config.export_hf == "m"

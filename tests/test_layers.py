@@ -30,7 +30,7 @@ LAYERS = (
     ("labml_zero.neox",),
     ("labml_zero.llama",),
     ("labml_zero.finetune",),
-    ("labml_zero.finetune_neox",),
+    ("labml_zero.finetune_neox", "labml_zero.export"),
 )
 
 

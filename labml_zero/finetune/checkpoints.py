@@ -17,6 +17,11 @@ optimizer state, the job saves small global state as `extra` (rank 0 writes it):
 * `scaler`, the fp16 loss scale, agreed by all ranks;
 * `settings`, the run's hyperparameters: `SETTINGS`.
 
+Its manifest's `meta` also holds `export`, what `python -m labml_zero.export`
+needs to write the checkpoint as a Hugging Face one with no other input
+(`export_meta`): the model's `config.json`, each layer's Hugging Face name
+prefix, LoRA's rank, $\alpha$ and targets, the tokenizer and the dtype.
+
 ## Flags override saved settings
 
 On `--resume`, each of `SETTINGS` keeps its saved value unless its flag is
@@ -48,11 +53,14 @@ import dataclasses
 from pathlib import Path
 
 from labml_zero.launch import ranks_text
+from labml_zero.neox.model import hf_prefix, to_hf_config
+from labml_zero.neox.tokenizer import job_tokenizer_path
 from labml_zero.zero3.checkpoint import (CheckpointReader, load_checkpoint,
                                          prune_checkpoints, save_checkpoint)
 
 __all__ = ["SETTINGS", "saved_settings", "override_settings", "resume_settings",
-           "check_global_batch", "checkpoint_path", "save", "resume"]
+           "check_global_batch", "checkpoint_path", "export_meta", "save",
+           "resume"]
 
 # The hyperparameters a checkpoint keeps and a flag on `--resume` overrides.
 SETTINGS = ("lr", "weight_decay", "clip_grad", "lr_schedule", "warmup_steps",
@@ -144,6 +152,29 @@ def checkpoint_path(config, step: int) -> Path:
     return Path(config.out) / "checkpoints" / f"step-{step:06d}"
 
 
+def export_meta(config, model) -> dict:
+    """
+    ### What an offline export needs, as JSON values
+
+    `prefixes[i]` is the Hugging Face prefix of the sharded model's layer $i$
+    (its parameters are saved as `"i.<name>"`); `lora` is `None` unless the
+    adapters are to be merged; `tokenizer` is the file the job encoded with;
+    `dtype` the export's (`FinetuneConfig.export_dtype`).
+    """
+    training = config.torch_dtype(model.runtime.comm.device)
+    lora = None
+    if config.finetune == "lora":
+        lora = {"rank": config.lora_rank, "alpha": config.lora_alpha,
+                "targets": list(config.lora_targets)}
+    return {"hf_config": to_hf_config(config.model_config()),
+            "prefixes": [hf_prefix(layer.module) for layer in model.layers],
+            "lora": lora,
+            "tokenizer": str(job_tokenizer_path(config.checkpoint).resolve()),
+            "snapshot": (str(Path(config.checkpoint).resolve())
+                         if config.checkpoint else None),
+            "dtype": str(config.export_dtype(training)).removeprefix("torch.")}
+
+
 def save(config, step: int, training, sampler) -> Path:
     """
     ### A sharded checkpoint after `step`, then the older ones pruned
@@ -157,7 +188,8 @@ def save(config, step: int, training, sampler) -> Path:
     if training.scaler is not None:
         extra["scaler"] = training.scaler.state_dict()
     # `meta` is in the manifest, where `check_resumable` compares it
-    meta = {"step": step, "global_batch": sampler.global_batch, "seed": config.seed}
+    meta = {"step": step, "global_batch": sampler.global_batch, "seed": config.seed,
+            "export": export_meta(config, training.model)}
     path = save_checkpoint(checkpoint_path(config, step), training.model,
                            training.optimizer, extra=extra, meta=meta)
     # save_checkpoint returns once the checkpoint is complete on every rank

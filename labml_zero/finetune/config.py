@@ -37,6 +37,7 @@ from labml_zero.neox import model as neox_model
 from labml_zero.neox.finetuners import FINETUNERS, finetuner
 from labml_zero.neox.hf_checkpoint import config_from_hf
 from labml_zero.neox.lora import TARGETS, FineTuneLoRA
+from labml_zero.neox.side_files import snapshot_dtype
 
 __all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "MODEL_PRESETS",
            "DTYPES", "FINETUNERS"]
@@ -96,9 +97,12 @@ class FinetuneConfig:
                                           metadata=flag(metavar="NAMES"))
     """The projections LoRA adapts, comma-separated on the command line: some of
     `query_key_value`, `dense`, `dense_h_to_4h`, `dense_4h_to_h`."""
+    export_hf: str | None = field(default=None, metadata=flag(metavar="DIR"))
+    """At the end, write the fine-tuned model here as a Hugging Face
+    checkpoint with its tokenizer, for any `finetune` (LoRA's adapters merged
+    into their weights), in the base snapshot's dtype, else the training one."""
     export_merged: str | None = field(default=None, metadata=flag(metavar="DIR"))
-    """With LoRA: at the end, write the model with the adapters merged into
-    its weights here, as a Hugging Face checkpoint."""
+    """With LoRA: the older name of `export_hf`."""
     export_adapter: str | None = field(default=None, metadata=flag(metavar="DIR"))
     """With LoRA: at the end, write the adapters alone here, in PEFT's format."""
     filter_layers: tuple[int, ...] | None = field(default=None,
@@ -345,10 +349,20 @@ class FinetuneConfig:
         for name in ("export_merged", "export_adapter"):
             if getattr(self, name) is not None and self.finetune != "lora":
                 raise ValueError(f"{name} needs finetune 'lora' (only adapters "
-                                 f"are exported), got {self.finetune!r}")
-        if self.export_merged is not None and (
-                self.export_merged == self.export_adapter):
-            raise ValueError("export_merged and export_adapter must be different "
+                                 f"are exported; export_hf exports any "
+                                 f"fine-tune), got {self.finetune!r}")
+        if self.export_merged is not None:
+            if self.export_hf not in (None, self.export_merged):
+                raise ValueError("export_merged is the older name of export_hf: "
+                                 "give one of them")
+            object.__setattr__(self, "export_hf", self.export_merged)
+        if self.export_hf is not None and self.filter_layers is not None:
+            # transformers would fill the missing layers with random weights
+            raise ValueError("export_hf needs the whole model: filter_layers "
+                             "keeps only some layers")
+        if self.export_hf is not None and self.export_hf == self.export_adapter:
+            name = "export_merged" if self.export_merged else "export_hf"
+            raise ValueError(f"{name} and export_adapter must be different "
                              "directories")
 
     def tuner(self):
@@ -388,6 +402,11 @@ class FinetuneConfig:
         if self.dtype is None:
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return DTYPES[self.dtype]
+
+    def export_dtype(self, training: torch.dtype) -> torch.dtype:
+        """`export_hf`'s dtype: the base snapshot's, else `training`'s."""
+        base = snapshot_dtype(self.checkpoint) if self.checkpoint else None
+        return base or training
 
 
 # ## Presets

@@ -66,6 +66,8 @@ from labml_zero.neox.generate import Sampling, generate
 from labml_zero.neox.hf_checkpoint import HFCheckpoint
 from labml_zero.neox.lora import FineTuneLoRA, load_hf_layer
 from labml_zero.neox.lora_export import save_merged_checkpoint, save_peft_adapter
+from labml_zero.neox.side_files import hf_side_files
+from labml_zero.neox.tokenizer import job_tokenizer_path
 from labml_zero.optimizers.adam_fp16 import AdamFP16, NonFiniteGradient
 from labml_zero.optimizers.clip_grad import clip_grad_norm_
 from labml_zero.optimizers.grad_scaler import LossScaler
@@ -434,7 +436,7 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
     2. with `resume`, the shards, the optimizer, the sampler and the step from
        the checkpoint;
     3. the loop: step, track, stop on a non-finite loss, evaluate, checkpoint;
-    4. with LoRA, the merged checkpoint and the adapter, if asked for;
+    4. the Hugging Face checkpoint and LoRA's adapter, if asked for;
     5. a sample from the fine-tuned model.
     """
     from labml import experiment, logger, monit, tracker
@@ -536,7 +538,7 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
             tracker.new_line()
             meter.clock.restart()  # the next step's time excludes this one's extras
 
-        export(config, built, neox)
+        export(config, built, neox, ctx.device)
         if config.sample_tokens:
             text = sample(model, tokenizer, config, ctx)
             if ctx.rank == 0:
@@ -545,22 +547,28 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
 
 
 def export(config: FinetuneConfig, built: Assembled,
-           neox: neox_model.NeoXConfig) -> None:
+           neox: neox_model.NeoXConfig, device: torch.device) -> None:
     """
-    ### LoRA's exports, after the last step
+    ### The exports, after the last step
 
     Every rank takes part (each chunk is gathered in turn, with the optimizer's
-    fp32 masters where it has them); rank 0 writes. The merged checkpoint
-    loads in transformers alone, the adapter in peft over the base checkpoint.
-    A previous export of the same kind is replaced whole, once the new one is
-    complete; preflight has refused any other destination (see LoRA export).
+    fp32 masters where it has them); rank 0 writes. The Hugging Face checkpoint
+    (`export_hf`, any fine-tune, LoRA's adapters merged) loads in transformers
+    alone, with the tokenizer the job encoded with; the adapter in peft over the
+    base checkpoint. A previous export of the same kind is replaced whole, once
+    the new one is complete; preflight has refused any other destination (see
+    [fine-tune exports](../neox/lora_export.html)).
     """
-    if config.export_merged is None and config.export_adapter is None:
+    if config.export_hf is None and config.export_adapter is None:
         return
-    tuner = config.tuner()
-    if config.export_merged is not None:
-        save_merged_checkpoint(config.export_merged, built.model, tuner, neox,
-                               built.optimizer, overwrite=True)
+    tuner = config.tuner() if config.finetune == "lora" else None
+    if config.export_hf is not None:
+        side = hf_side_files(job_tokenizer_path(config.checkpoint),
+                             config.checkpoint) if built.model.runtime.comm.rank == 0 \
+            else None
+        save_merged_checkpoint(config.export_hf, built.model, tuner, neox,
+                               built.optimizer, overwrite=True, side_files=side,
+                               dtype=config.export_dtype(config.torch_dtype(device)))
     if config.export_adapter is not None:
         save_peft_adapter(config.export_adapter, built.model, tuner,
                           built.optimizer,

@@ -173,15 +173,17 @@ def check_checkpoint_room(config, layers: list[nn.Module], dtype: torch.dtype, *
 
 def check_exports(config, layers: list[nn.Module], dtype: torch.dtype) -> None:
     """
-    ### Where LoRA's exports go, before training, not after it
+    ### Where the exports go, before training, not after it
 
     An export replaces its directory whole, so one pointed at the wrong place
     would delete what is there (see the rules on [the export's
     page](../neox/lora_export.html)); each destination is also checked writable, with
     room for its size from `layers`' shapes.
     """
+    # `--export-merged` is `--export-hf`'s older name: the message says the one given
+    hf_flag = "--export-merged" if config.export_merged else "--export-hf"
     flags = {"export_adapter": ("--export-adapter", ADAPTER),
-             "export_merged": ("--export-merged", MERGED)}
+             "export_hf": (hf_flag, MERGED)}
     # Where the run itself writes, below the directories it is given. Empty now,
     # such a directory holds the run's checkpoints or logs by the end, and the
     # export, which may replace only an empty directory or an earlier export,
@@ -191,7 +193,7 @@ def check_exports(config, layers: list[nn.Module], dtype: torch.dtype) -> None:
     if config.export_adapter is not None and config.checkpoint is None:
         raise PreflightError("--export-adapter needs --checkpoint: an adapter "
                              "trained on random weights has no base model to load "
-                             "it onto (use --export-merged)")
+                             "it onto (use --export-hf)")
     for name, (flag, kind) in flags.items():
         path = getattr(config, name)
         if path is None:
@@ -208,7 +210,8 @@ def check_exports(config, layers: list[nn.Module], dtype: torch.dtype) -> None:
                       if n != name}
         try:
             check_export_destination(path, kind, flag=flag, protected=protected,
-                                     need_bytes=export_bytes(layers, kind, dtype))
+                                     need_bytes=export_bytes(
+                                         layers, kind, config.export_dtype(dtype)))
         except ExportDestinationError as e:
             raise PreflightError(str(e)) from e
 
@@ -338,7 +341,7 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
     check_writable_dir(config.out, "--out")
     check_writable_dir(config.log_dir, "--log-dir")
 
-    # **Exports** (LoRA's `export_adapter`, `export_merged`): each is a new or
+    # **Exports** (`export_hf`, LoRA's `export_adapter`): each is a new or
     # empty directory or a previous export of its kind, never a file nor a
     # directory the run reads or writes otherwise, writable, with room for the
     # export ([the rules](../neox/lora_export.html)); an adapter needs a `checkpoint` to

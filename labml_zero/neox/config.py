@@ -17,9 +17,10 @@ d_r = \lfloor d_h \cdot \text{rotary\_pct} \rfloor$$
 
 ## Limitations
 
-* Only the settings of the released GPT-NeoX models are accepted: parallel
-  residual, untied embeddings, attention biases, default (unscaled) rotary
-  embeddings; any other value is refused with the field's name.
+* Only the settings of the released GPT-NeoX models are accepted (and the
+  sequential residual, `use_parallel_residual=False`): untied embeddings,
+  attention biases, default (unscaled) rotary embeddings; any other value is
+  refused with the field's name.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class NeoXConfig:
     (Pythia's exact erf `gelu`); passed to `torch.nn.functional.gelu` (see the
     model's MLP)."""
     use_parallel_residual: bool = True
-    """Must be `True`: every released GPT-NeoX and Pythia uses the parallel
-    residual (see Limitations)."""
+    """`True` in every released GPT-NeoX and Pythia; `False` is GPT-2's
+    sequential residual (see [the model](model.html))."""
     max_position: int = 2048
     """Longest sequence the model was trained on; longer inputs are rejected."""
     init_std: float = 0.02
@@ -117,9 +118,6 @@ class NeoXConfig:
         if self.gelu_approximate not in ("tanh", "none"):
             raise ValueError(f"NeoXConfig.gelu_approximate must be 'tanh' or "
                              f"'none', got {self.gelu_approximate!r}")
-        if not self.use_parallel_residual:
-            raise ValueError("NeoXConfig.use_parallel_residual=False is not "
-                             "supported (every GPT-NeoX/Pythia uses parallel)")
         if self.init_std <= 0:
             raise ValueError(f"NeoXConfig.init_std must be > 0, got {self.init_std}")
 

@@ -18,6 +18,10 @@ layer. The engine loads a layer, shards it into its chunks and drops it before
 the next. Not the engine's [sharded checkpoints](../zero3/checkpoint/index.html),
 which resume a run.
 
+Going back, `save_hf_checkpoint` writes the same layout from a stream of
+`(name, tensor)`, holding one output shard; [beside the
+weights](side_files.html) are the files that make it a whole model again.
+
 ## Limitations
 
 * `.bin` (pickle) checkpoints are not read; safetensors only.

@@ -1,21 +1,30 @@
 r"""
 ---
-title: LoRA export
-summary: A LoRA fine-tune out of the sharded model, either merged into a Hugging
-  Face GPT-NeoX checkpoint or as a PEFT adapter, gathered one chunk at a time.
+title: Fine-tune exports
+summary: Any fine-tune out of the sharded model as a Hugging Face GPT-NeoX
+  checkpoint (LoRA's adapters merged in), or LoRA's adapter alone for PEFT,
+  gathered one chunk at a time.
 ---
 
-# LoRA export
+# Fine-tune exports
 
-A [LoRA](lora.html) fine-tune leaves two things worth keeping, and this page
-writes either from the sharded model. The first folds each adapter into its
-weight,
+Every fine-tune goes back to Hugging Face: `--export-hf` writes the model as a
+checkpoint that `AutoModelForCausalLM` and `AutoTokenizer` load alone. For
+`all`, `ffn` and `biases` that is every parameter as trained. A
+[LoRA](lora.html) fine-tune leaves two things worth keeping, and this page
+writes either. The first folds each adapter into its weight,
 
 $$W' = W + \frac{\alpha}{r} B A,$$
 
 a matrix of $W$'s shape, so the result is an ordinary model again: **the merged
-model**, every adapted weight replaced by $W'$. The second is **the adapter
-alone**, in PEFT's format.
+model**, every adapted weight replaced by $W'$ (`--export-hf`, or its older
+name `--export-merged`). The second is **the adapter alone**, in PEFT's format
+(`--export-adapter`).
+
+The checkpoint is written in one dtype, the base snapshot's (a bf16 base
+stays bf16 even when a CPU run trained it in fp32), else the training dtype;
+beside it go `config.json`, the tokenizer the job encoded with and
+`generation_config.json` ([beside the weights](side_files.html)).
 
 ## Where an export may go
 
@@ -27,13 +36,14 @@ directory may be replaced only if it is empty or holds a previous export of the
 symbolic link, nor `--out`, `--log-dir`, `--checkpoint`, `--resume` or a
 directory above any of them (`check_export_destination`). The sizes to find
 room for come from the model's shapes (`export_bytes`): the adapter is
-$4\Psi_{lora}$ bytes (fp32 masters), the merged model $p\Psi_f + 4\Psi_t$,
-frozen weights in the chunk dtype and trainable ones from their fp32 masters.
+$4\Psi_{lora}$ bytes (fp32 masters), the checkpoint $p\Psi$ in the export's
+dtype of $p$ bytes, adapters left out (they are folded in).
 
 ## Limitations
 
-* In a bf16 or fp16 merged checkpoint an update smaller than half a unit in the
-  last place of $W$ is lost (see `merged`).
+* In a bf16 or fp16 checkpoint an update smaller than half a unit in the
+  last place of $W$ is lost (see `merged`); the fp32 masters stay in the
+  sharded checkpoint.
 * The adapter file has no `README.md` model card, which PEFT writes and does
   not need.
 """
@@ -57,6 +67,7 @@ from labml_zero.neox.hf_checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
                                            save_hf_checkpoint)
 from labml_zero.neox.lora import ADAPTER_NAMES, FineTuneLoRA
 from labml_zero.neox.model import NeoXConfig, TransformerLayer, hf_prefix
+from labml_zero.neox.side_files import SIDE_FILES
 from labml_zero.zero3.checkpoint import export_full_state_dict, prefix_rename
 
 __all__ = ["merged", "save_merged_checkpoint", "peft_adapter_config",
@@ -81,7 +92,8 @@ EXPORT_FILES = {
     ADAPTER: re.compile(rf"{re.escape(ADAPTER_CONFIG)}|{re.escape(ADAPTER_WEIGHTS)}"),
     MERGED: re.compile(rf"{re.escape(CONFIG_FILE)}|{re.escape(SINGLE_FILE)}"
                        rf"|{re.escape(INDEX_FILE)}"
-                       r"|model-\d{5}-of-\d{5}\.safetensors"),
+                       r"|model-\d{5}-of-\d{5}\.safetensors|"
+                       + "|".join(map(re.escape, SIDE_FILES))),
 }
 
 
@@ -169,9 +181,9 @@ def export_bytes(layers, kind: str, dtype: torch.dtype) -> int:
     r"""
     ### Bytes an export writes, from the marked layers' shapes
 
-    `layers` carry LoRA's adapters (on the meta device is enough); `dtype` is
-    the chunks' dtype. The adapter: $4\Psi_{lora}$; the merged model:
-    $p\Psi_f + 4\Psi_t$ without the adapters, which are folded in.
+    `layers` may carry LoRA's adapters (on the meta device is enough); `dtype`
+    is the checkpoint's. The adapter: $4\Psi_{lora}$; the checkpoint: $p\Psi$
+    without the adapters, which are folded in.
     """
     total = 0
     for layer in layers:
@@ -180,8 +192,7 @@ def export_bytes(layers, kind: str, dtype: torch.dtype) -> int:
             if kind == ADAPTER:
                 total += 4 * param.numel() if is_adapter else 0
             elif not is_adapter:
-                size = 4 if param.requires_grad else dtype.itemsize
-                total += size * param.numel()
+                total += dtype.itemsize * param.numel()
     return total
 
 
@@ -238,17 +249,21 @@ def merged(tensors: Iterable[tuple[str, torch.Tensor]], lora: FineTuneLoRA, *,
                          f"to merge")
 
 
-def save_merged_checkpoint(out_dir: str | os.PathLike, model, lora: FineTuneLoRA,
-                           config: NeoXConfig, optimizer=None, *,
-                           dtype: torch.dtype | None = None,
-                           overwrite: bool = False) -> Path | None:
+def save_merged_checkpoint(out_dir: str | os.PathLike, model,
+                           lora: FineTuneLoRA | None, config: NeoXConfig,
+                           optimizer=None, *, dtype: torch.dtype | None = None,
+                           overwrite: bool = False,
+                           side_files: dict[str, str] | None = None
+                           ) -> Path | None:
     """
-    ### Write the merged model as a Hugging Face checkpoint
+    ### Write the model as a Hugging Face checkpoint, adapters merged
 
     Called by every rank of the sharded `model` (a `Zero3Sequential` of GPT-NeoX
-    layers with adapters); rank 0 writes `out_dir` and returns it, the others
-    return `None`. `config` is the model's shape (for `config.json`); `dtype`
-    casts every tensor (the merge itself is computed in higher precision).
+    layers, with adapters when `lora` is given, else any fine-tune); rank 0
+    writes `out_dir` and returns it, the others return `None`. `config` is the
+    model's shape (for `config.json`); `dtype` casts every tensor (the merge
+    itself is computed in higher precision); `side_files` (`{name: text}`,
+    `hf_side_files`) go in beside the weights, inside the same rename.
 
     The checkpoint is written by [`save_hf_checkpoint`](hf_checkpoint.html); it
     loads with `GPTNeoXForCausalLM.from_pretrained` and runs at the base model's
@@ -260,10 +275,11 @@ def save_merged_checkpoint(out_dir: str | os.PathLike, model, lora: FineTuneLoRA
     def write(tensors: Iterator[tuple[str, torch.Tensor]]) -> Path:
         if overwrite:  # again at the end: the directory may have changed since
             check_export_destination(out_dir, MERGED, flag="export", protected={})
-        return save_hf_checkpoint(out_dir, config,
-                                  merged(tensors, lora, dtype=dtype),
-                                  dtype=dtype, overwrite=overwrite,
-                                  extra_files={EXPORT_MARKER: marker_text(MERGED)})
+        whole = merged(tensors, lora, dtype=dtype) if lora is not None else tensors
+        return save_hf_checkpoint(out_dir, config, whole, dtype=dtype,
+                                  overwrite=overwrite,
+                                  extra_files={**(side_files or {}),
+                                               EXPORT_MARKER: marker_text(MERGED)})
 
     return export_full_state_dict(write, model, optimizer, rename=hf_names(model))
 

@@ -2,7 +2,8 @@ r"""
 ---
 title: GPT-NeoX model
 summary: GPT-NeoX as a list of layers (embedding, transformer layers, final norm,
-  readout) with partial rotary embeddings and parallel residuals, named like
+  readout) with partial rotary embeddings and parallel (or sequential)
+  residuals, named like
   Hugging Face so checkpoints map one to one.
 ---
 
@@ -17,7 +18,14 @@ its own layer norm, and both outputs are added to the residual stream,
 $$x_{l+1} = x_l + \operatorname{Attn}(\operatorname{LN}_1(x_l))
                 + \operatorname{MLP}(\operatorname{LN}_2(x_l)).$$
 
-The two branches are independent, so they could run at the same time. The second
+The two branches are independent, so they could run at the same time. A
+checkpoint with `use_parallel_residual=False` (none of the released ones) has
+GPT-2's **sequential residual** instead, the MLP reading the attention's sum,
+
+$$y_l = x_l + \operatorname{Attn}(\operatorname{LN}_1(x_l)), \qquad
+x_{l+1} = y_l + \operatorname{MLP}(\operatorname{LN}_2(y_l)),$$
+
+with the same parameters under the same names. The second
 is **partial rotary embeddings** (see [rotary embeddings](rotary.html)). The model is a list of
 layers, since the ZeRO engine shards and gathers one layer at a time
 (`build_layers`). The shapes come from a `NeoXConfig` (see [GPT-NeoX
@@ -31,8 +39,9 @@ the fused kernels page says what each saves, in bytes and launches.
 
 * No KV cache and no attention mask other than causal: every forward sees whole
   sequences of equal length (training and the simple sampler of `generate.py`).
-* No dropout (the released models use none) and no sequential-residual variant
-  (`use_parallel_residual=False` is rejected; every GPT-NeoX/Pythia uses parallel).
+* No dropout (the released models use none).
+* The fused `norms` kernel reads one $x$ for both norms, so it serves the
+  parallel residual only; a sequential layer runs its two norms in turn.
 * Input and output embeddings are never tied, as in every released GPT-NeoX.
 """
 
@@ -279,7 +288,9 @@ class TransformerLayer(nn.Module):
     ## Transformer layer with a parallel residual
 
     $x + \operatorname{Attn}(\operatorname{LN}_1(x))
-       + \operatorname{MLP}(\operatorname{LN}_2(x))$.
+       + \operatorname{MLP}(\operatorname{LN}_2(x))$, or, with
+    `config.use_parallel_residual=False`, the sequential $y + \operatorname{MLP}(
+    \operatorname{LN}_2(y))$ of $y = x + \operatorname{Attn}(\operatorname{LN}_1(x))$.
 
     `layer_idx` is the index in the *full* model, also when `build_layers` keeps
     only some layers, so the checkpoint name of every parameter is known.
@@ -331,6 +342,10 @@ class TransformerLayer(nn.Module):
         _init_like_hf(self, self.config.init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.config.use_parallel_residual:
+            # GPT-2's order; HF sums `attn + x`, then `mlp + y`, as here
+            y = self.attention(self.input_layernorm(x)) + x
+            return self.mlp(self.post_attention_layernorm(y)) + y
         h_attn, h_mlp = self.norms(x, self.input_layernorm,
                                    self.post_attention_layernorm)
         attn = self.attention(h_attn)

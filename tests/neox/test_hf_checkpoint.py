@@ -432,3 +432,28 @@ def test_tensors_that_do_not_match_the_config(tmp_path):
 def test_missing_snapshot_directory_and_config(tmp_path):
     refused(tmp_path / "nope", f"checkpoint directory not found: {tmp_path / 'nope'}")
     refused(tmp_path, f"checkpoint config not found: {tmp_path / 'config.json'}")
+
+
+def test_side_files_keep_a_snapshots_own_and_write_the_rest(tmp_path):
+    from labml_zero.neox.side_files import hf_side_files, snapshot_dtype
+    from labml_zero.neox.tokenizer import BUNDLED_TOKENIZER, load_tokenizer
+
+    written = hf_side_files(BUNDLED_TOKENIZER)
+    assert sorted(written) == ["generation_config.json", "tokenizer.json",
+                               "tokenizer_config.json"]
+    eot = load_tokenizer().token_to_id("<|endoftext|>")
+    assert json.loads(written["generation_config.json"])["eos_token_id"] == eot
+    snapshot = tmp_path / "snap"
+    snapshot.mkdir()
+    (snapshot / "generation_config.json").write_text('{"eos_token_id": 7}')
+    (snapshot / "special_tokens_map.json").write_text("{}")
+    kept = hf_side_files(BUNDLED_TOKENIZER, snapshot)
+    assert kept["generation_config.json"] == '{"eos_token_id": 7}'
+    assert kept["special_tokens_map.json"] == "{}"
+    # the snapshot's dtype, in either spelling; none without a float one
+    for key, value, dtype in [("torch_dtype", "bfloat16", torch.bfloat16),
+                              ("dtype", "float16", torch.float16),
+                              ("torch_dtype", "int8", None)]:
+        (snapshot / "config.json").write_text(json.dumps({key: value}))
+        assert snapshot_dtype(snapshot) == dtype
+    assert snapshot_dtype(tmp_path / "missing") is None

@@ -198,3 +198,38 @@ def test_tanh_gelu_is_the_formula_of_the_notes():
         torch.testing.assert_close(mlp(x), expected, **tolerance.parity(
             torch.float64, terms=config.d_model + config.ff_dim,
             scale=expected.abs().max().item()))
+
+
+def test_sequential_residual_matches_hugging_face(tmp_path):
+    """`use_parallel_residual=False`: a random checkpoint written by transformers
+    loads through our reader and gives its fp32 logits; the same weights run
+    with the parallel residual do not (the test tells the two orders apart)."""
+    from transformers import GPTNeoXForCausalLM
+
+    from tests.neox.conftest import tiny_hf_config
+
+    hf_config = tiny_hf_config()
+    hf_config.use_parallel_residual = False
+    torch.manual_seed(99)
+    hf = GPTNeoXForCausalLM(hf_config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.15)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    ckpt = HFCheckpoint(tmp_path)
+    assert ckpt.config.use_parallel_residual is False
+    ids = torch.randint(0, ckpt.config.n_vocab, (2, 17),
+                        generator=torch.Generator().manual_seed(0))
+    layers = build_layers(ckpt.config)
+    load_layers(ckpt, layers)
+    parallel = build_layers(dataclasses.replace(ckpt.config,
+                                                use_parallel_residual=True))
+    load_layers(ckpt, parallel)
+    with torch.no_grad():
+        ours = nn.Sequential(*layers)(ids)
+        theirs = hf(ids).logits
+        other = nn.Sequential(*parallel)(ids)
+    tol = tolerance.parity(torch.float32, terms=tolerance.neox_terms(
+        ckpt.config, seq=ids.shape[1]))
+    torch.testing.assert_close(ours, theirs, **tol)
+    assert not torch.allclose(other, theirs, **tol)

@@ -42,7 +42,8 @@ with one line naming the file.
 #                        expect={"batch_size": 16, "seed": 0})
 # loaded = load_checkpoint(info.path, model, optimizer)
 # ```
-from .export import consolidated_tensors, export_full_state_dict, prefix_rename
+from .export import (consolidated_tensors, export_full_state_dict, prefix_rename,
+                     saved_tensors)
 from .format import CheckpointError
 from .load import LoadedCheckpoint, load_checkpoint
 from .preflight import CheckpointInfo, check_resumable, sequential_shapes
@@ -62,5 +63,6 @@ __all__ = [
     "prefix_rename",
     "prune_checkpoints",
     "save_checkpoint",
+    "saved_tensors",
     "sequential_shapes",
 ]

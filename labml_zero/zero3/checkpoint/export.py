@@ -2,7 +2,8 @@ r"""
 ---
 title: Exporting a sharded model
 summary: Every parameter, whole, gathered one chunk at a time and streamed to a
-  file or an exporter, without any rank holding the model on its device.
+  file or an exporter, without any rank holding the model on its device; or
+  read from a saved checkpoint one tensor at a time, with no process at all.
 ---
 
 # Exporting a sharded model
@@ -12,6 +13,11 @@ tensor per parameter under the original model's names (a Hugging Face
 directory, say). Gathering the whole model would cost the device memory that
 ZeRO-3 exists to avoid, so the export goes **one chunk at a time**, and the
 consumer sees a stream of `(name, tensor)`.
+
+A checkpoint already saved needs no ranks: `saved_tensors` streams the same
+`(name, tensor)` pairs out of the ranks' files, one parameter at a time, so
+an offline converter holds one tensor plus what its consumer keeps (see Note:
+why not map the files).
 
 ## Limitations
 
@@ -23,6 +29,8 @@ consumer sees a stream of `(name, tensor)`.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -33,10 +41,13 @@ from torch import nn
 from ...files import atomic_file
 from ..communication import Communicator
 from .agreement import agree
+from .format import DTYPES, SAFETENSORS_DTYPES, CheckpointError, tensors_file
+from .reader import CheckpointReader
 from .save import write_tensors
 from .state import master_of
 
-__all__ = ["consolidated_tensors", "export_full_state_dict", "prefix_rename"]
+__all__ = ["consolidated_tensors", "export_full_state_dict", "prefix_rename",
+           "saved_tensors"]
 
 
 def consolidated_tensors(model: nn.Module, optimizer=None, *,
@@ -160,3 +171,75 @@ def write_one_file(file: Path, tensors: dict[str, torch.Tensor]) -> None:
     with atomic_file(file) as tmp:
         # metadata {"format": "pt"} is what transformers checks for on load
         write_tensors(tensors, tmp, metadata={"format": "pt"})
+
+
+# ## Reading a saved checkpoint, one tensor at a time
+#
+# #### Note: why not map the files
+#
+# `CheckpointReader` reads through `safe_open`, which maps a whole rank file;
+# every page a slice touches stays resident in the process while the file is
+# open, so streaming a whole checkpoint through it would end with the
+# checkpoint's size in the converter's resident memory. Here each slice is
+# read (`readinto`, straight into the output tensor) at the offsets the
+# safetensors header gives (8 bytes of
+# little-endian header length, the JSON header, then the data; a tensor's
+# `data_offsets` count from the data's start): memory is the tensor being
+# assembled, nothing else, and the page cache is the kernel's to drop.
+
+
+def safetensors_header(file) -> tuple[int, dict]:
+    """The data's start and the JSON header of a safetensors file."""
+    with open(file, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(length))
+    return 8 + length, header
+
+
+def saved_tensors(reader: CheckpointReader, *,
+                  rename: Callable[[str], str] | None = None
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    r"""
+    ## Every saved parameter, whole, one at a time
+
+    Yields `(name, tensor)` in chunk order, each in the chunk's dtype or, where
+    the checkpoint has one, from its fp32 master (the values training would
+    continue from), as `consolidated_tensors` does for a live model. Every
+    file's digest is checked first (one streamed read of each, `verify_files`).
+    A parameter at offset $o$ of a chunk whose ranks hold $S$ elements each is
+    read from ranks $\lfloor o/S \rfloor \ldots \lfloor (o+n-1)/S \rfloor$, as
+    on [reading a sharded checkpoint](reader.html).
+    """
+    reader.verify_files()
+    headers = [safetensors_header(reader.path / tensors_file(rank))
+               for rank in range(reader.world_size)]
+    for index, chunk in enumerate(reader.chunks):
+        stored = "master" if chunk["has_master"] else "param"
+        key = f"{index}.{stored}"
+        dtype = DTYPES[chunk["dtype"]] if stored == "param" else torch.float32
+        shard = chunk["numel"] // reader.world_size
+        for saved in chunk["params"]:
+            lo = saved["offset"]
+            hi = lo + math.prod(saved["shape"])
+            # [n] saved dtype, filled one rank's slice at a time
+            out = torch.empty(hi - lo, dtype=dtype)
+            for rank in range(lo // shard, (hi - 1) // shard + 1) if hi > lo else ():
+                first, last = max(lo, rank * shard), min(hi, (rank + 1) * shard)
+                start, header = headers[rank]
+                file = reader.path / tensors_file(rank)
+                entry = header.get(key)
+                if entry is None or entry["dtype"] != SAFETENSORS_DTYPES[dtype] \
+                        or entry["shape"] != [shard]:
+                    raise CheckpointError(f"corrupted shard file {file}: tensor "
+                                          f"{key!r} is not [{shard}] {dtype}")
+                skip = (first - rank * shard) * dtype.itemsize
+                # [last − first] bytes of `out`, which the read fills in place
+                view = out[first - lo:last - lo].view(torch.uint8).numpy()
+                with open(file, "rb") as f:
+                    f.seek(start + entry["data_offsets"][0] + skip)
+                    got = f.readinto(memoryview(view))
+                if got != view.nbytes:
+                    raise CheckpointError(f"corrupted shard file {file}: tensor "
+                                          f"{key!r} is cut short")
+            name = saved["name"]
+            yield (rename(name) if rename else name), out.view(saved["shape"])
