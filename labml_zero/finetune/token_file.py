@@ -26,29 +26,12 @@ and any sample is one slice of it. It is built like this:
    ends and the next begins;
 4. the ids are appended to a temporary file, renamed into place when complete.
 
-## Note: deciding once
-
 The file is cached beside the data, as `.<name>.<path id>.<key>.tokens.u16`,
 hidden so a directory corpus never reads it back as text; where the data's
 directory is not writable, in `~/.cache/labml_zero/tokens/`. The launcher
-decides it once, before any rank starts (`prepare_token_file`):
-
-1. it *stamps* each source file: size, modification time and a BLAKE2b digest
-   of its content, read in blocks of `DIGEST_BLOCK` (one read of the corpus,
-   at the disk's speed: far cheaper than tokenising it);
-2. the key is a hash of every file's path, size and digest, the tokenizer's
-   whole definition, the end-of-text id and the JSON field: any change of the
-   content makes a new key, a rewrite that keeps the size and the time
-   included, so a stale cache is never read, and the second run finds the file
-   and starts at once;
-3. a missing file is built, after checking that its disk has room for it
-   (`check_room`), and then this path's older token files are removed
-   (`prune_caches`: only names this builder writes);
-4. the ranks get the decision, a `TokenCache` (path, key, stamps), and do not
-   decide again: `open_cache` compares each file's size and time with its
-   stamp and digests it again (every rank reads the corpus once more, from the
-   page cache when it fits), and a file changed since stops the rank in one
-   line naming it, before any step.
+decides it once, before any rank starts, and hands the decision to the ranks
+(see Note: deciding once). Its key hashes each file's content, so a stale
+cache is never read, and the second run finds the file and starts at once.
 
 ## Note: why a memory map
 
@@ -62,19 +45,9 @@ memory costs nothing.
 
 A file written by another tool (nanoGPT's train.bin, say) is used as it is:
 `.u16`, `.uint16` and `.bin` are read as `uint16`, `.u32` and `.uint32` as
-`uint32`. Its size must be a whole number of tokens and every id below the
-vocabulary size; both are checked before any rank starts.
-
-## Note: a token file of the wrong width
-
-A `uint32` file read as `uint16` (nanoGPT-style `.bin` files come in both)
-passes both checks: its ids are below $2^{16}$, so each is one little-endian
-`uint16` followed by a zero high half, and every id is below the vocabulary.
-Read as `uint16` it is the true ids interleaved with zeros, and a model trains
-on it without complaint. So a `uint16` file whose every odd token is 0 is
-refused, naming the width it looks like. The reverse, a `uint16` file read as
-`uint32`, pairs two ids into one above $2^{16}$, past any vocabulary that fits
-`uint16`, and the vocabulary check refuses it.
+`uint32`. Its size must be a whole number of tokens, every id below the
+vocabulary size, and its width plausible (see Note: a token file of the wrong
+width); all are checked before any rank starts.
 
 ## Limitations
 
@@ -139,8 +112,20 @@ def open_token_file(path: str | os.PathLike, *, vocab: int,
     ### A token file, memory-mapped: `[N]` `uint16` or `uint32`
 
     Refuses a file that is empty, not a whole number of tokens, or (with
-    `check_ids`) holds an id of at least `vocab`; the scan reads the file once,
-    in blocks of `SCAN_TOKENS` ids.
+    `check_ids`) holds an id of at least `vocab` or looks twice as wide; the
+    scan reads the file once, in blocks of `SCAN_TOKENS` ids.
+
+    #### Note: a token file of the wrong width
+
+    A `uint32` file read as `uint16` (nanoGPT-style `.bin` files come in both)
+    passes the other checks: its ids fit in a `uint16`, so each is one
+    little-endian `uint16` followed by a zero high half, every one below the
+    vocabulary. Read as `uint16` it is the true ids interleaved with zeros, and
+    a model trains on it without complaint. So a `uint16` file whose every odd
+    token is 0 is refused, naming the width it looks like. The reverse, a
+    `uint16` file read as `uint32`, pairs two ids into one larger than any
+    `uint16`, past any vocabulary that fits one, and the vocabulary check
+    refuses it.
     """
     path = Path(path)
     dtype = np.dtype(TOKEN_DTYPES.get(path.suffix.lower(), np.uint16))
@@ -153,7 +138,6 @@ def open_token_file(path: str | os.PathLike, *, vocab: int,
     tokens = np.memmap(path, dtype=dtype, mode="r")  # [N] on disk
     if not check_ids:
         return tokens
-    # see Note: a token file of the wrong width
     odd_halves_zero = dtype == np.uint16 and len(tokens) % 2 == 0
     for start in range(0, len(tokens), SCAN_TOKENS):  # even: keeps halves aligned
         block = tokens[start:start + SCAN_TOKENS]
@@ -414,10 +398,21 @@ def prepare_token_file(data: str | os.PathLike, tokenizer: Tokenizer, *, eot: in
     """
     ## The launcher's decision: build or find `data`'s token file
 
-    1. stamp every source file: size, time and content digest;
-    2. the key of the stamps, the tokenizer and the field names the file;
-    3. if it is not there: check the disk has room, build it, and remove this
-       path's older token files (`prune_caches`).
+    ### Note: deciding once
+
+    1. The launcher *stamps* each source file: size, modification time and a
+       BLAKE2b digest of its content, read in blocks of `DIGEST_BLOCK` (one
+       read of the corpus at the disk's speed, far cheaper than tokenising it).
+    2. The key hashes every file's path, size and digest, the tokenizer's whole
+       definition, the end-of-text id and the JSON field: any change of the
+       content makes a new key, a rewrite that keeps size and time included.
+    3. A missing file is built after checking that its disk has room
+       (`check_room`); then this path's older token files are removed
+       (`prune_caches`: only names this builder writes).
+    4. The ranks get the decision, a `TokenCache`, and do not decide again:
+       `open_cache` compares each file's size and time with its stamp and
+       digests it again (from the page cache when the corpus fits), and a file
+       changed since stops the rank in one line naming it, before any step.
     """
     sources = find_sources(data)
     stamps = [stamp(s.path) for s in sources]
