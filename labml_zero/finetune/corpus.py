@@ -58,7 +58,7 @@ JSON Lines line that is not JSON, not an object, or without a text field.
 ## Limitations
 
 * A JSON Lines record is parsed whole: a line longer than `MAX_RECORD_BYTES`
-  is refused (its bytes, text and string take about three times its size).
+  is refused (parsing holds about twice its size).
 * A cut without whitespace changes the tokens of the pre-token it splits.
 * Only UTF-8; no other encodings are guessed.
 """
@@ -228,14 +228,8 @@ def text_pieces(source: Source) -> Iterator[str]:
         raise DataError(f"{source.path}: cannot be read ({e})") from None
 
 
-def record_pieces(text: str, source: Source, number: int) -> Iterator[str]:
-    """One record's text cut like a file's, so the tokenizer sees small pieces."""
-    try:
-        raw = text.encode("utf-8")
-    except UnicodeEncodeError as e:  # JSON allows a lone surrogate, UTF-8 does not
-        raise DataError(f"{source.path}:{number}: a lone surrogate "
-                        f"{text[e.start]!r} in the text") from None
-    del text
+def record_pieces(raw: bytes) -> Iterator[str]:
+    """One record's text, as UTF-8, cut like a file's into small pieces."""
     start = 0
     for end in (*cuts(raw), len(raw)):
         yield raw[start:end].decode("utf-8")
@@ -248,8 +242,9 @@ def jsonl_documents(source: Source, text_field: str) -> Iterator[Iterator[str]]:
 
     Blank lines are skipped; anything else must be an object with a string in
     `text_field`. A line is parsed whole, so one longer than `MAX_RECORD_BYTES`
-    is refused, read no further than that: its bytes, its text and the parsed
-    string are held at once, about three times the line.
+    is refused, read no further than that. Each step frees what came before
+    it (the line's bytes, its text, the parsed string), so about twice the
+    line is held at once.
     """
     offset, number = 0, 0
     try:
@@ -278,9 +273,14 @@ def jsonl_documents(source: Source, text_field: str) -> Iterator[Iterator[str]]:
                 if not isinstance(record[text_field], str):
                     raise DataError(f"{source.path}:{number}: {text_field!r} is "
                                     f"not a string")
-                document = record.pop(text_field)
+                try:
+                    # the string is freed here: the bytes alone are held
+                    document = record.pop(text_field).encode("utf-8")
+                except UnicodeEncodeError as e:  # JSON allows a lone surrogate
+                    raise DataError(f"{source.path}:{number}: {text_field!r} "
+                                    f"holds a lone surrogate ({e.reason})") from None
                 del record
-                yield record_pieces(document, source, number)
+                yield record_pieces(document)
                 del document
     except (OSError, EOFError) as e:
         raise DataError(f"{source.path}: cannot be read ({e})") from None

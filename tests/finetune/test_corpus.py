@@ -105,6 +105,8 @@ BAD_DATA = [
      "n.jsonl:2: not JSON"),
     ("no field", lambda d: write(d / "f.jsonl", b'{"text": "a"}\n\n{"txt": "b"}\n'),
      "f.jsonl:3: no 'text' field"),
+    ("lone surrogate", lambda d: write(d / "s.jsonl", b'{"text": "a\\ud800b"}\n'),
+     "s.jsonl:1: 'text' holds a lone surrogate"),
     ("odd size", lambda d: write(d / "t.u16", b"\x01\x00\x02"),
      "3 bytes is not a whole number of uint16 tokens"),
     ("uint32 as uint16", lambda d: write(d / "w.u16", np.arange(
