@@ -11,7 +11,8 @@
    the time, MB/s and that process's peak resident memory (VmHWM), the
    interpreter and the tokenizer included;
 3. times a BLAKE2b digest of the corpus in 1 MiB blocks (what the key costs);
-4. for `text`, also: the tokenizer called one piece at a time on a part of it,
+4. for `text` and this checkout's builder, also: the tokenizer called one
+   piece at a time on a part of it,
    the second run's preparation (the cached file opened again), and, in a
    fresh process, a rank's reads from the memory-mapped token file.
 
@@ -91,7 +92,8 @@ def write_corpus(path: Path, mb: int, shape: str) -> None:
 
 def run(code: str, root: Path, *args: str) -> list[float]:
     env = {**os.environ, "PYTHONPATH": str(root)}
-    done = subprocess.run([sys.executable, "-c", code, *args], env=env,
+    # in `root`: `-c` puts the working directory first on the path
+    done = subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=root,
                           capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"the child failed: {done.stderr.strip().splitlines()[-1]}")
@@ -130,7 +132,8 @@ def main() -> None:
               "builder_hwm_mib_before": hwm_before, "builder_hwm_mib": hwm,
               "digest_s": digest_s, "digest_mb_per_s": size / 1e6 / digest_s,
               "cpus": os.cpu_count()}
-    if args.shape == "text":
+    here = Path(__file__).resolve().parent.parent
+    if args.shape == "text" and Path(args.root).resolve() == here:
         result.update(text_extras(corpus, args.sequential_mb))
     print(json.dumps(result, indent=1))
 
