@@ -94,6 +94,9 @@ NEWLINE = b"\n"
 class DataError(ValueError):
     """Malformed or missing data; the message is one line naming where."""
 
+    # a rank that raises it is reported in that line alone, no traceback
+    user_error = True
+
 
 class Source(NamedTuple):
     """One file of the corpus and how to read it."""

@@ -162,3 +162,28 @@ def test_a_signal_while_tokenising_is_one_line_and_no_file(tmp_path, signum):
     assert process.returncode == 128 + signum, err
     assert err == "python -m labml_zero.finetune_neox: interrupted\n"
     assert sorted(p.name for p in data.iterdir()) == ["big.txt"]
+
+
+def test_a_rank_stops_in_one_line_when_the_data_changed(tmp_path, monkeypatch,
+                                                       capsys):
+    # the data changes after the launcher's checks, before the rank starts
+    from labml_zero.finetune import cli
+
+    data = tmp_path / "c.txt"
+    data.write_text(load_text()[:20_000])
+    checks = cli.check_before_start
+
+    def then_change(*args, **kwargs):
+        checked = checks(*args, **kwargs)
+        data.write_text(load_text()[:10_000])
+        return checked
+
+    monkeypatch.setattr(cli, "check_before_start", then_change)
+    monkeypatch.setattr(cli.launch, "default_backend", lambda: "gloo")
+    status = cli.main(["--world-size", "1", "--batch-size", "2", "--seq-len",
+                       "16", "--steps", "1", "--data", str(data), "--out",
+                       str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert err.count("\n") == 1, err
+    assert f"--data {data}: changed since the launcher tokenised it" in err
