@@ -48,7 +48,8 @@ import torch
 from labml_zero import launch
 from labml_zero.finetune.checkpoints import resume_settings
 from labml_zero.finetune.job import FinetuneConfig, train
-from labml_zero.finetune.preflight import PreflightError, preflight
+from labml_zero.finetune.preflight import Preflight, PreflightError, preflight
+from labml_zero.launch.spawn import Signals
 from labml_zero.zero3.checkpoint import CheckpointError
 
 # What every message of this command starts with, as the user typed it.
@@ -295,7 +296,7 @@ def failure_line(error: Exception) -> str:
 
 
 def check_before_start(config: FinetuneConfig, parser: Parser, *,
-                       world_size: int, backend: str) -> None:
+                       world_size: int, backend: str) -> Preflight:
     """
     ### The pre-flight checks, as one line and status 2
 
@@ -304,13 +305,19 @@ def check_before_start(config: FinetuneConfig, parser: Parser, *,
     checks](preflight.html) find on this host (outputs not writable or
     without room for a checkpoint, a snapshot whose `config.json` and tensors
     disagree, a `--resume` that this run cannot continue), prints one line on
-    stderr and exits with status 2.
+    stderr and exits with status 2. Tokenising a corpus is the one long phase
+    before the ranks, so SIGINT, SIGTERM and SIGHUP here, as during the job,
+    print `interrupted` and exit with the signal's status, leaving no token file.
     """
     device = torch.device("cuda" if backend == "nccl" else "cpu")
     try:
-        preflight(config, world_size=world_size, device=device)
+        with Signals():
+            return preflight(config, world_size=world_size, device=device)
     except (PreflightError, FileNotFoundError) as e:
         parser.error(str(e))
+    except KeyboardInterrupt as e:  # launch.Interrupted: SIGINT, SIGTERM or SIGHUP
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        sys.exit(getattr(e, "exit_status", 130))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -337,10 +344,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if world_size is not None and world_size != ranks:
             parser.error(f"--world-size {world_size} disagrees with torchrun's "
                          f"WORLD_SIZE={ranks}")
-        check_before_start(config, parser, world_size=ranks, backend=backend)
+        checked = check_before_start(config, parser, world_size=ranks,
+                                     backend=backend)
         if os.environ["RANK"] == "0":
             machine_facts(backend, ranks)
-        launch.run_torchrun(train, config, backend=backend,
+        launch.run_torchrun(train, config, checked.data.caches, backend=backend,
                             hang_timeout=config.hang_timeout)
         return 0
 
@@ -349,10 +357,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if backend == "nccl" and world_size > torch.cuda.device_count():
         parser.error(f"--world-size {world_size} needs {world_size} GPUs, found "
                      f"{torch.cuda.device_count()}")
-    check_before_start(config, parser, world_size=world_size, backend=backend)
+    checked = check_before_start(config, parser, world_size=world_size,
+                                 backend=backend)
     machine_facts(backend, world_size)
     try:
-        launch.spawn(train, world_size, config, backend=backend,
+        # the ranks get the token files decided here (see [deciding
+        # once](token_file.html)), not the task of deciding again
+        launch.spawn(train, world_size, config, checked.data.caches, backend=backend,
                      hang_timeout=config.hang_timeout)
     except launch.RankFailed as e:
         # the failing rank's traceback, what the others hit after it, its cause

@@ -15,17 +15,40 @@ summary: A fine-tuning corpus as a stream of documents, from a text file, a gzip
 * a text file (`.txt`, anything not recognised below), or a gzip of one (`.gz`):
   one document;
 * a JSON Lines file (`.jsonl`, `.jsonl.gz`): one document per line, its text in
-  the field `text_field` (`--text-field`, default `text`);
+  the field `text_field` (`--text-field`, default `text`), of at most
+  `MAX_RECORD_BYTES`;
 * a directory: every file under it that is not hidden, in sorted path order, each
   read by its suffix as above.
 
-A large file is read in blocks of `BLOCK_BYTES`, and a document is cut into
-pieces at a line break between two printable ASCII characters. Byte-level BPE's
-pre-tokenizer never joins a token across such a break (the newline is a
-pre-token of its own on both sides), so tokenising the pieces one by one gives
+A file is read in blocks of `BLOCK_BYTES`, and every document, a text file's
+or a JSON Lines record's, is cut into pieces of at most $P$ = `PIECE_BYTES`
+bytes. The tokenizer's memory grows with the piece it is given (each token of
+an encoding carries its string and offsets, well over a hundred bytes for a
+byte of text), so bounded pieces bound the preparation's memory whatever the
+length of a line: a block, the carry after the last cut, and a batch of pieces.
+
+## Note: where a piece may be cut
+
+Byte-level BPE tokenises each *pre-token* on its own, and GPT-NeoX's
+pre-tokenizer (GPT-2's pattern) never lets a pre-token run across a space or
+a newline that has a non-space on both sides: a space may only *start* a
+pre-token (` word`), a newline between two printable characters is one of its
+own. So a cut
+
+1. after a newline between two printable ASCII characters, or
+2. before a space between two printable ASCII characters
+
+falls on a pre-token boundary, and tokenising the pieces one by one gives
 exactly the ids of the whole text (tested:
-tests/finetune/test_corpus.py::test_pieces_tokenize_like_the_whole_text), while
-memory holds one block, not the corpus.
+tests/finetune/test_corpus.py::test_pieces_tokenize_like_the_whole_text and
+tests/finetune/test_corpus.py::test_a_long_line_is_cut_at_spaces). `best_cut`
+takes the last of 1 in the window of $P$ bytes, else the last of 2. A window
+with neither (a run of $P$ bytes without a space: a long URL, base64, text in
+a script without spaces) is cut at $P$ bytes, moved back to the start of a
+UTF-8 character. That cut splits the one pre-token it falls in, so only that
+pre-token's tokens change: the ids before it and after it are those of the
+whole text (tested:
+tests/finetune/test_corpus.py::test_a_byte_cut_changes_one_pre_token).
 
 Every way the input can be wrong is a `DataError` with one line naming the file
 and, where it has one, the line: a missing or empty file, a directory with no
@@ -34,8 +57,9 @@ JSON Lines line that is not JSON, not an object, or without a text field.
 
 ## Limitations
 
-* A text file with no line break between printable ASCII characters for a whole
-  block is held in memory until one comes.
+* A JSON Lines record is parsed whole: a line longer than `MAX_RECORD_BYTES`
+  is refused (parsing holds about twice its size).
+* A cut without whitespace changes the tokens of the pre-token it splits.
 * Only UTF-8; no other encodings are guessed.
 """
 
@@ -52,17 +76,26 @@ __all__ = ["DataError", "Source", "find_sources", "read_documents", "BLOCK_BYTES
 
 # Read this many bytes at a time.
 BLOCK_BYTES = 1 << 20
-# Pieces of about this many bytes: many per batch, so every core gets some,
+# Pieces of at most this many bytes: many per batch, so every core gets some,
 # and small encodings (each holds its tokens' strings and offsets too).
 PIECE_BYTES = 1 << 16
-# A safe cut: after a newline between two printable ASCII characters.
+# A JSON Lines record is parsed whole; a longer line is refused.
+MAX_RECORD_BYTES = 64 << 20
+# Safe cuts (see Note: where a piece may be cut): after a newline between two
+# printable ASCII characters, or before a space between two.
 SAFE_CUT = re.compile(rb"(?<=[!-~])\n(?=[!-~])")
+SAFE_SPACE = re.compile(rb"(?<=[!-~])(?= [!-~])")
+# Where a cut is looked for first: the last this many bytes of a window.
+TAIL_BYTES = 4096
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 NEWLINE = b"\n"
 
 
 class DataError(ValueError):
     """Malformed or missing data; the message is one line naming where."""
+
+    # a rank that raises it is reported in that line alone, no traceback
+    user_error = True
 
 
 class Source(NamedTuple):
@@ -130,65 +163,105 @@ def decode(raw: bytes, source: Source, *, offset: int, line: int) -> str:
                         f"line {at} ({e.reason})") from None
 
 
+# ## Cutting
+
+
+def best_cut(buf: bytes, start: int, end: int) -> tuple[int, bool]:
+    """
+    #### The cut for the piece `buf[start:…]` of at most `end - start` bytes
+
+    Returns the position and whether it is exact (changes no token): the last
+    safe line break, else the last safe space, in `buf[start:end]` (see Note:
+    where a piece may be cut); with neither, `end` moved back to the start of
+    a UTF-8 character (at most 3 bytes: a character is at most 4).
+    """
+    for pattern in (SAFE_CUT, SAFE_SPACE):
+        # the window's tail first: in ordinary text a cut is near its end
+        for lo in dict.fromkeys((max(start + 1, end - TAIL_BYTES), start + 1)):
+            last = None
+            # endpos one past `end`: the lookahead reads the byte after a cut
+            for last in pattern.finditer(buf, lo, end + 1):
+                pass
+            if last is not None:
+                return last.end(), True
+    cut = end
+    for _ in range(3):
+        if buf[cut] & 0xC0 != 0x80:  # not a continuation byte 10xxxxxx
+            break
+        cut -= 1
+    return cut, False
+
+
+def cuts(buf: bytes, start: int = 0) -> Iterator[int]:
+    """The ends of the pieces of `buf[start:]` while more than `PIECE_BYTES` remain."""
+    while len(buf) - start > PIECE_BYTES:
+        start = best_cut(buf, start, start + PIECE_BYTES)[0]
+        yield start
+
+
 # ## Documents
-
-
-def split_block(raw: bytes) -> list[bytes]:
-    """`raw` cut at safe line breaks into pieces of about `PIECE_BYTES`."""
-    pieces, start = [], 0
-    for match in SAFE_CUT.finditer(raw):
-        if match.end() - start >= PIECE_BYTES:
-            pieces.append(raw[start:match.end()])
-            start = match.end()
-    if start < len(raw):
-        pieces.append(raw[start:])
-    return pieces
 
 
 def text_pieces(source: Source) -> Iterator[str]:
     """
-    ### One text file as pieces of about `PIECE_BYTES`, cut at safe line breaks
+    ### One text file as pieces of at most `PIECE_BYTES`
 
-    The carry holds what follows the last safe cut; a gzip that ends early is a
+    Memory holds one block and the carry, the less than `PIECE_BYTES` after the
+    last cut, whatever the length of a line; a gzip that ends early is a
     `DataError` like any other bad byte.
     """
     carry, offset, line = b"", 0, 1
     try:
         with open_bytes(source) as f:
-            while block := f.read(BLOCK_BYTES):
-                carry += block
-                cut = None
-                # the last safe cut in the block: search its tail first
-                for match in SAFE_CUT.finditer(carry, max(0, len(carry) - 4096)):
-                    cut = match.end()
-                if cut is None:
-                    for match in SAFE_CUT.finditer(carry):
-                        cut = match.end()
-                if cut is None:
-                    continue
-                done, carry = carry[:cut], carry[cut:]
-                for piece in split_block(done):
+            while True:
+                block = f.read(BLOCK_BYTES)
+                buf, start = carry + block, 0
+                ends = list(cuts(buf))
+                if not block and len(buf):
+                    ends.append(len(buf))
+                for end in ends:
+                    piece = buf[start:end]
                     yield decode(piece, source, offset=offset, line=line)
                     offset, line = offset + len(piece), line + piece.count(NEWLINE)
+                    start = end
+                carry = buf[start:]
+                if not block:
+                    return
     except (OSError, EOFError) as e:
         raise DataError(f"{source.path}: cannot be read ({e})") from None
-    if carry:
-        yield decode(carry, source, offset=offset, line=line)
 
 
-def jsonl_documents(source: Source, text_field: str) -> Iterator[str]:
+def record_pieces(raw: bytes) -> Iterator[str]:
+    """One record's text, as UTF-8, cut like a file's into small pieces."""
+    start = 0
+    for end in (*cuts(raw), len(raw)):
+        yield raw[start:end].decode("utf-8")
+        start = end
+
+
+def jsonl_documents(source: Source, text_field: str) -> Iterator[Iterator[str]]:
     """
     ### A JSON Lines file: each line's `text_field`, one document each
 
     Blank lines are skipped; anything else must be an object with a string in
-    `text_field`.
+    `text_field`. A line is parsed whole, so one longer than `MAX_RECORD_BYTES`
+    is refused, read no further than that. Each step frees what came before
+    it (the line's bytes, its text, the parsed string), so about twice the
+    line is held at once.
     """
-    offset = 0
+    offset, number = 0, 0
     try:
         with open_bytes(source) as f:
-            for number, raw in enumerate(f, start=1):
+            while raw := f.readline(MAX_RECORD_BYTES + 1):
+                number += 1
+                if len(raw) > MAX_RECORD_BYTES:
+                    raise DataError(
+                        f"{source.path}:{number}: a line longer than "
+                        f"{MAX_RECORD_BYTES >> 20} MiB; split the record (a "
+                        f"record is parsed whole)")
                 text = decode(raw, source, offset=offset, line=number)
                 offset += len(raw)
+                del raw
                 if not text.strip():
                     continue
                 try:
@@ -196,13 +269,22 @@ def jsonl_documents(source: Source, text_field: str) -> Iterator[str]:
                 except json.JSONDecodeError as e:
                     raise DataError(f"{source.path}:{number}: not JSON "
                                     f"({e.msg})") from None
+                del text
                 if not isinstance(record, dict) or text_field not in record:
                     raise DataError(f"{source.path}:{number}: no {text_field!r} "
                                     f"field (see --text-field)")
                 if not isinstance(record[text_field], str):
                     raise DataError(f"{source.path}:{number}: {text_field!r} is "
                                     f"not a string")
-                yield record[text_field]
+                try:
+                    # the string is freed here: the bytes alone are held
+                    document = record.pop(text_field).encode("utf-8")
+                except UnicodeEncodeError as e:  # JSON allows a lone surrogate
+                    raise DataError(f"{source.path}:{number}: {text_field!r} "
+                                    f"holds a lone surrogate ({e.reason})") from None
+                del record
+                yield record_pieces(document)
+                del document
     except (OSError, EOFError) as e:
         raise DataError(f"{source.path}: cannot be read ({e})") from None
 
@@ -212,12 +294,11 @@ def read_documents(sources: list[Source], *, text_field: str = "text"
     """
     ## The corpus as documents, each an iterator of text pieces
 
-    A JSON Lines document is one piece; a text file's are cut by `text_pieces`.
-    Consume each document before asking for the next.
+    Both kinds are cut by `cuts`; consume each document before asking for the
+    next.
     """
     for source in sources:
         if source.jsonl:
-            for document in jsonl_documents(source, text_field):
-                yield iter((document,))
+            yield from jsonl_documents(source, text_field)
         else:
             yield text_pieces(source)

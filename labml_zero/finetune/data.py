@@ -11,8 +11,9 @@ summary: The tokenizer, the training and validation datasets and the run's
 [The pre-flight checks](preflight.html) call `job_data` on the launcher's host
 before any rank starts, and each rank calls it again when it starts. The first
 call does the slow part, tokenising `--data` into its [token
-file](token_file.html); the ranks' calls find the file and only map it, so they
-start in seconds whatever the corpus size.
+file](token_file.html), and returns that decision (`JobData.caches`); the
+launcher hands it to the ranks, whose calls check the data is unchanged and
+only map the file, so they start in seconds whatever the corpus size.
 
 It decides, in order:
 
@@ -45,6 +46,7 @@ from tokenizers import Tokenizer
 
 from labml_zero.finetune.corpus import DataError
 from labml_zero.finetune.dataset import TextDataset, load_datasets
+from labml_zero.finetune.token_file import TokenCache
 from labml_zero.launch import ranks_text
 from labml_zero.neox.tokenizer import job_tokenizer_path, load_tokenizer, vocab_size
 
@@ -59,6 +61,9 @@ class JobData(NamedTuple):
     valid: TextDataset
     total_steps: int
     """$S$: `steps`, or `epochs` × the steps of an epoch."""
+    caches: tuple[TokenCache, ...] = ()
+    """The token files decided for `--data` and `--valid-data`: the launcher
+    hands them to the ranks (see [deciding once](token_file.html))."""
 
 
 def step_samples(config, world_size: int) -> int:
@@ -77,14 +82,15 @@ def check_fits(dataset: TextDataset, samples: int, *, what: str, layout: str
                     f"{layout} needs {samples:,} samples, {need:,} tokens")
 
 
-def job_data(config, *, world_size: int, n_vocab: int, check_ids: bool = True
-             ) -> JobData:
+def job_data(config, *, world_size: int, n_vocab: int, check_ids: bool = True,
+             caches: tuple[TokenCache, ...] = ()) -> JobData:
     """
     ## Tokenizer, datasets and steps of the job
 
     `config` is a `FinetuneConfig`, `n_vocab` the model's embedding rows;
     `check_ids` scans a pre-tokenised file for ids past the vocabulary (the
-    pre-flight checks do; the ranks need not again).
+    pre-flight checks do; the ranks need not again); `caches` are the
+    launcher's token files, given on a rank, which then tokenises nothing.
     """
     path = job_tokenizer_path(config.checkpoint)
     try:
@@ -100,7 +106,8 @@ def job_data(config, *, world_size: int, n_vocab: int, check_ids: bool = True
     data = load_datasets(seq_len=config.seq_len, source=config.data,
                          tokenizer=tokenizer, valid_fraction=config.valid_fraction,
                          valid_source=config.valid_data,
-                         text_field=config.text_field, check_ids=check_ids)
+                         text_field=config.text_field, check_ids=check_ids,
+                         caches=caches)
     b, a = config.batch_size, config.grad_accum
     check_fits(data.train, step_samples(config, world_size), what="training",
                layout=f"one step of --batch-size {b} × --grad-accum {a} × "
@@ -112,4 +119,4 @@ def job_data(config, *, world_size: int, n_vocab: int, check_ids: bool = True
     if config.warmup_steps >= total:
         raise DataError(f"--warmup-steps {config.warmup_steps} must be fewer than "
                         f"the run's {total} steps")
-    return JobData(tokenizer, data.train, data.valid, total)
+    return JobData(tokenizer, data.train, data.valid, total, data.caches)

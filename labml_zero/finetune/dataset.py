@@ -61,8 +61,9 @@ import torch
 from tokenizers import Tokenizer
 
 from labml_zero.finetune.corpus import DataError
-from labml_zero.finetune.token_file import corpus_tokens
-from labml_zero.neox.tokenizer import end_of_text_id, load_tokenizer
+from labml_zero.finetune.token_file import (TokenCache, corpus_tokens, is_token_file,
+                                           open_cache, prepare_token_file)
+from labml_zero.neox.tokenizer import end_of_text_id, load_tokenizer, vocab_size
 
 __all__ = ["load_text", "tokenize", "split_tokens", "TextDataset", "RankSampler",
            "load_datasets", "BUNDLED_SHAKESPEARE"]
@@ -225,22 +226,27 @@ class TextDataset:
 class DatasetSplits(NamedTuple):
     train: TextDataset
     valid: TextDataset
+    caches: tuple[TokenCache, ...] = ()
+    """The token files of `source` and `valid_source` that text was read from."""
 
 
 def load_datasets(*, seq_len: int, source: str | os.PathLike | None = None,
                   tokenizer: Tokenizer | None = None, valid_fraction: float = 0.1,
                   valid_source: str | os.PathLike | None = None,
-                  text_field: str = "text", check_ids: bool = True
-                  ) -> DatasetSplits:
+                  text_field: str = "text", check_ids: bool = True,
+                  caches: tuple[TokenCache, ...] = ()) -> DatasetSplits:
     """
     ### Corpus → tokens → train and validation datasets
 
     `source=None` is Tiny Shakespeare, tokenised in memory; a path is `--data`,
     through its [token file](token_file.html). With `valid_source` the
     validation text is that, and all of `source` trains; otherwise the last
-    `valid_fraction` of it validates.
+    `valid_fraction` of it validates. `caches` are the launcher's decided token
+    files, given on a rank: text is opened through them, never tokenised there.
     """
     tokenizer = tokenizer or load_tokenizer()
+    decided = {cache.data: cache for cache in caches}
+    used = []
 
     def tokens_of(path, flag: str = "--data"):
         if path is None:
@@ -251,8 +257,12 @@ def load_datasets(*, seq_len: int, source: str | os.PathLike | None = None,
             raise DataError(f"{flag} {path}: {e}, so documents cannot be "
                             f"separated") from None
         try:
-            return corpus_tokens(path, tokenizer, eot=eot, text_field=text_field,
-                                 check_ids=check_ids)
+            if is_token_file(path):
+                return corpus_tokens(path, tokenizer, eot=eot, check_ids=check_ids)
+            cache = decided.get(str(path)) or prepare_token_file(
+                path, tokenizer, eot=eot, text_field=text_field)
+            used.append(cache)
+            return open_cache(cache, vocab=vocab_size(tokenizer))
         except DataError as e:
             # the corpus's messages name `--data`; the validation text is
             # another flag's, and the user must be told which file is wrong
@@ -272,7 +282,7 @@ def load_datasets(*, seq_len: int, source: str | os.PathLike | None = None,
                             f"for one sample of --seq-len {seq_len} (needs "
                             f"{seq_len + 1:,})")
         datasets.append(TextDataset(tokens, seq_len=seq_len))
-    return DatasetSplits(*datasets)
+    return DatasetSplits(*datasets, caches=tuple(used))
 
 
 # ## Order

@@ -55,6 +55,7 @@ from labml_zero.finetune.config import (DTYPES, FINETUNERS, MODEL_PRESETS,
                                         FinetuneConfig, laptop,
                                         neox_20b_biases)
 from labml_zero.finetune.data import job_data
+from labml_zero.finetune.token_file import TokenCache
 from labml_zero.finetune.dataset import RankSampler, TextDataset
 from labml_zero.finetune.step_metrics import (StepMeter, flops_per_token,
                                               local_grad_squares, peak_flops)
@@ -428,7 +429,8 @@ def banner(config: FinetuneConfig, neox: neox_model.NeoXConfig, counts,
 # ## The job
 
 
-def train(ctx: DistContext, config: FinetuneConfig) -> None:
+def train(ctx: DistContext, config: FinetuneConfig,
+          caches: tuple[TokenCache, ...] = ()) -> None:
     """
     ## The job, on one rank
 
@@ -443,9 +445,10 @@ def train(ctx: DistContext, config: FinetuneConfig) -> None:
 
     start_labml(config, ctx, python_file=__file__)
     neox = config.model_config()
-    # checked before any rank started; the token file is built, so this maps it
+    # checked before any rank started; `caches` are the token files the launcher
+    # decided, so this checks the data is unchanged and maps them
     data = job_data(config, world_size=ctx.world_size, n_vocab=neox.n_vocab,
-                    check_ids=False)
+                    check_ids=False, caches=caches)
     tokenizer, total_steps = data.tokenizer, data.total_steps
     sampler = RankSampler(len(data.train), batch_size=config.batch_size,
                           grad_accum=config.grad_accum, rank=ctx.rank,

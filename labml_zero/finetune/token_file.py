@@ -26,13 +26,12 @@ and any sample is one slice of it. It is built like this:
    ends and the next begins;
 4. the ids are appended to a temporary file, renamed into place when complete.
 
-The file is cached beside the data, as `.<name>.<key>.tokens.u16`, hidden so a
-directory corpus never reads it back as text. The key is a hash of every
-source file's path, size and modification time, the tokenizer's whole
-definition, the end-of-text id and the JSON field: any change makes a new
-key, so a stale cache is never read, and the second run finds the file and
-starts at once. Where the data's directory is not writable the cache goes to
-`~/.cache/labml_zero/tokens/`.
+The file is cached beside the data, as `.<name>.<path id>.<key>.tokens.u16`,
+hidden so a directory corpus never reads it back as text; where the data's
+directory is not writable, in `~/.cache/labml_zero/tokens/`. The launcher
+decides it once, before any rank starts, and hands the decision to the ranks
+(see Note: deciding once). Its key hashes each file's content, so a stale
+cache is never read, and the second run finds the file and starts at once.
 
 ## Note: why a memory map
 
@@ -46,16 +45,17 @@ memory costs nothing.
 
 A file written by another tool (nanoGPT's train.bin, say) is used as it is:
 `.u16`, `.uint16` and `.bin` are read as `uint16`, `.u32` and `.uint32` as
-`uint32`. Its size must be a whole number of tokens and every id below the
-vocabulary size; both are checked before any rank starts.
+`uint32`. Its size must be a whole number of tokens, every id below the
+vocabulary size, and its width plausible (see Note: a token file of the wrong
+width); all are checked before any rank starts.
 
 ## Limitations
 
-* An old cache is not removed when its data changes; it is a hidden file beside
-  the data.
-* Under torchrun every process builds the file if it is missing; the atomic
-  rename makes that safe, not cheap. Start one process first, or build it with
-  `build_token_file`, for a large corpus.
+* Under torchrun every process runs the launcher's checks and builds the file
+  if it is missing; the atomic rename makes that safe, not cheap. Start one
+  process first, or build it with `prepare_token_file`, for a large corpus.
+* The room check is a bound (see `check_room`); a disk that fills while the
+  file is written still stops the build in one line, leaving no file.
 """
 
 from __future__ import annotations
@@ -63,10 +63,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator, NamedTuple
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -76,7 +78,8 @@ from labml_zero.finetune.corpus import DataError, Source, find_sources, read_doc
 from labml_zero.neox.tokenizer import vocab_size
 
 __all__ = ["TOKEN_DTYPES", "is_token_file", "open_token_file", "cache_path",
-           "build_token_file", "corpus_tokens", "token_dtype", "BATCH_BYTES"]
+           "build_token_file", "corpus_tokens", "token_dtype", "BATCH_BYTES",
+           "TokenCache", "FileStamp", "prepare_token_file", "open_cache"]
 
 # Suffix → dtype of a pre-tokenised file.
 TOKEN_DTYPES = {".u16": np.uint16, ".uint16": np.uint16, ".bin": np.uint16,
@@ -86,8 +89,10 @@ BATCH_BYTES = 2 << 20
 # Ids scanned at a time when checking a token file against the vocabulary.
 SCAN_TOKENS = 1 << 24
 DEFAULT_CACHE = Path.home() / ".cache" / "labml_zero" / "tokens"
-# Bump when the file's layout changes, so old caches get a new key.
-FORMAT_VERSION = 1
+# Bump when the file's layout or its key changes, so old caches get a new key.
+FORMAT_VERSION = 2
+# Bytes read at a time for a data file's digest.
+DIGEST_BLOCK = 1 << 20
 
 
 def token_dtype(tokenizer: Tokenizer) -> type:
@@ -107,8 +112,20 @@ def open_token_file(path: str | os.PathLike, *, vocab: int,
     ### A token file, memory-mapped: `[N]` `uint16` or `uint32`
 
     Refuses a file that is empty, not a whole number of tokens, or (with
-    `check_ids`) holds an id of at least `vocab`; the scan reads the file once,
-    in blocks of `SCAN_TOKENS` ids.
+    `check_ids`) holds an id of at least `vocab` or looks twice as wide; the
+    scan reads the file once, in blocks of `SCAN_TOKENS` ids.
+
+    #### Note: a token file of the wrong width
+
+    A `uint32` file read as `uint16` (nanoGPT-style `.bin` files come in both)
+    passes the other checks: its ids fit in a `uint16`, so each is one
+    little-endian `uint16` followed by a zero high half, every one below the
+    vocabulary. Read as `uint16` it is the true ids interleaved with zeros, and
+    a model trains on it without complaint. So a `uint16` file whose every odd
+    token is 0 is refused, naming the width it looks like. The reverse, a
+    `uint16` file read as `uint32`, pairs two ids into one larger than any
+    `uint16`, past any vocabulary that fits one, and the vocabulary check
+    refuses it.
     """
     path = Path(path)
     dtype = np.dtype(TOKEN_DTYPES.get(path.suffix.lower(), np.uint16))
@@ -119,39 +136,150 @@ def open_token_file(path: str | os.PathLike, *, vocab: int,
         raise DataError(f"--data {path}: {size} bytes is not a whole number of "
                         f"{dtype.name} tokens ({dtype.itemsize} bytes each)")
     tokens = np.memmap(path, dtype=dtype, mode="r")  # [N] on disk
-    if check_ids:
-        for start in range(0, len(tokens), SCAN_TOKENS):
-            block = tokens[start:start + SCAN_TOKENS]
-            if int(block.max()) >= vocab:
-                at = start + int(np.argmax(block >= vocab))
-                raise DataError(f"--data {path}: token {at} is id {int(tokens[at])},"
-                                f" not below the vocabulary size {vocab}")
+    if not check_ids:
+        return tokens
+    odd_halves_zero = dtype == np.uint16 and len(tokens) % 2 == 0
+    for start in range(0, len(tokens), SCAN_TOKENS):  # even: keeps halves aligned
+        block = tokens[start:start + SCAN_TOKENS]
+        if int(block.max()) >= vocab:
+            at = start + int(np.argmax(block >= vocab))
+            raise DataError(f"--data {path}: token {at} is id {int(tokens[at])},"
+                            f" not below the vocabulary size {vocab}")
+        odd_halves_zero = odd_halves_zero and not block[1::2].any()
+    if odd_halves_zero:
+        raise DataError(f"--data {path}: every second uint16 token is 0, as in a "
+                        f"uint32 token file read as uint16; name it .u32 if it "
+                        f"is one")
     return tokens
 
 
 # ## The cache
 
 
-def sources_key(sources: list[Source], tokenizer: Tokenizer, *, eot: int,
-                text_field: str) -> str:
-    """What the token file depends on, hashed: files, tokenizer, separator."""
-    files = [(str(s.path.resolve()), s.path.stat().st_size, s.path.stat().st_mtime_ns)
-             for s in sources]
-    uses_field = any(s.jsonl for s in sources)
-    facts = {"files": files, "eot": eot, "version": FORMAT_VERSION,
-             "text_field": text_field if uses_field else None,
+class FileStamp(NamedTuple):
+    """What a data file was when the launcher read it."""
+
+    path: str
+    """Resolved."""
+    size: int
+    mtime_ns: int
+    digest: str
+    """BLAKE2b-128 of the content, hex."""
+
+
+def file_digest(path: Path) -> str:
+    """The file's BLAKE2b-128, read in blocks of `DIGEST_BLOCK` bytes."""
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(DIGEST_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def stamp(path: Path) -> FileStamp:
+    status = path.stat()
+    return FileStamp(str(path.resolve()), status.st_size, status.st_mtime_ns,
+                     file_digest(path))
+
+
+class TokenCache(NamedTuple):
+    """
+    ## The token file the launcher decided on, handed to the ranks
+
+    Built or found once, on the launcher's host; a rank opens it with
+    `open_cache`, which first checks that `stamps` still hold.
+    """
+
+    data: str
+    """`--data` (or `--valid-data`) as given."""
+    path: Path
+    """The token file."""
+    key: str
+    stamps: tuple[FileStamp, ...]
+    """The data files as they were tokenised."""
+
+
+def sources_key(stamps: list[FileStamp], tokenizer: Tokenizer, *, eot: int,
+                text_field: str | None) -> str:
+    """
+    What the token file depends on, hashed: each file's path, size and content
+    digest (not its time: touching a file re-tokenises nothing), the tokenizer,
+    the separator and the JSON field.
+    """
+    facts = {"files": [(s.path, s.size, s.digest) for s in stamps], "eot": eot,
+             "version": FORMAT_VERSION, "text_field": text_field,
              "tokenizer": hashlib.sha256(tokenizer.to_str().encode()).hexdigest()}
     return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
 
 
+def cache_dir(data: Path) -> Path:
+    return data.parent if os.access(data.parent, os.W_OK) else DEFAULT_CACHE
+
+
+def cache_prefix(data: Path) -> str:
+    """`.<name>.<path id>.`: every cache of this `--data` path, and only its."""
+    path_id = hashlib.sha256(str(data).encode()).hexdigest()[:8]
+    return f".{data.name}.{path_id}."
+
+
 def cache_path(data: str | os.PathLike, key: str, dtype: type) -> Path:
-    """`.<name>.<key>.tokens.u16` beside `data`, or in `DEFAULT_CACHE`."""
+    """`.<name>.<path id>.<key>.tokens.u16` beside `data`, or in `DEFAULT_CACHE`."""
     data = Path(data).resolve()
     suffix = ".u16" if dtype == np.uint16 else ".u32"
-    name = f".{data.name}.{key}.tokens{suffix}"
-    if os.access(data.parent, os.W_OK):
-        return data.parent / name
-    return DEFAULT_CACHE / name
+    return cache_dir(data) / f"{cache_prefix(data)}{key}.tokens{suffix}"
+
+
+def prune_caches(data: str | os.PathLike, keep: Path) -> list[Path]:
+    """
+    #### Remove this `--data` path's older token files
+
+    Only names this builder writes: `.<name>.<path id>.<key>.tokens.u16|u32`
+    for this path, and, beside the data, the names of `FORMAT_VERSION` 1
+    (`.<name>.<key>.tokens.u16|u32`, no path id: beside the data, the name
+    alone says whose it is).
+    """
+    data = Path(data).resolve()
+    names = [re.escape(cache_prefix(data)) + r"[0-9a-f]{16}\.tokens\.u(16|32)"]
+    if cache_dir(data) == data.parent:
+        names.append(re.escape(f".{data.name}.") + r"[0-9a-f]{16}\.tokens\.u(16|32)")
+    ours = re.compile("|".join(f"(?:{n})" for n in names))
+    removed = []
+    for path in keep.parent.iterdir():
+        if path != keep and ours.fullmatch(path.name) and path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def uncompressed_bytes(source: Source) -> int:
+    """A file's size, or a gzip's as its trailer records it (modulo 4 GiB)."""
+    size = source.path.stat().st_size
+    if not source.gzipped or size < 4:
+        return size
+    with open(source.path, "rb") as f:
+        f.seek(-4, os.SEEK_END)
+        return max(size, int.from_bytes(f.read(4), "little"))
+
+
+def check_room(data: str | os.PathLike, sources: list[Source], path: Path,
+               itemsize: int) -> int:
+    r"""
+    #### Refuse to start a token file the disk cannot hold; returns its bound
+
+    A byte-level BPE token covers at least one byte of text, and each document
+    adds one end-of-text token and has at least one byte of its own (a JSON
+    Lines line more: its braces and quotes), so a corpus of $b$ bytes in $f$
+    files is at most $(b + f)$ tokens, $(b + f)\,s$ bytes. That bound is about
+    four times the usual size of English text, so the check is cautious.
+    """
+    need = (sum(uncompressed_bytes(s) for s in sources) + len(sources)) * itemsize
+    free = shutil.disk_usage(path.parent).free
+    if free < need:
+        raise DataError(f"--data {data}: its token file {path} needs up to "
+                        f"{need / 1e6:,.1f} MB and {path.parent} has "
+                        f"{free / 1e6:,.1f} MB free ({(need - free) / 1e6:,.1f} "
+                        f"MB short)")
+    return need
 
 
 # ## Building
@@ -213,6 +341,11 @@ def batches(documents: Iterator[Iterator[str]], batch_bytes: int
         yield batch, ends
 
 
+def write_ids(f: BinaryIO, ids: np.ndarray) -> None:
+    """Append `ids`; through `write`, so a full disk is an `OSError` with errno."""
+    f.write(ids.data)
+
+
 def build_token_file(sources: list[Source], tokenizer: Tokenizer, path: Path, *,
                      eot: int, text_field: str = "text",
                      batch_bytes: int = BATCH_BYTES) -> int:
@@ -220,7 +353,8 @@ def build_token_file(sources: list[Source], tokenizer: Tokenizer, path: Path, *,
     ### Tokenise `sources` into the token file at `path`; returns its length
 
     Written to a temporary sibling and renamed when complete, so an interrupted
-    or refused build leaves no file that a later run would trust.
+    or refused build (a `DataError`, an `Interrupted` signal, a full disk)
+    leaves no file that a later run would trust, nor any other.
     """
     dtype = token_dtype(tokenizer)
     total = sum(s.path.stat().st_size for s in sources)
@@ -228,42 +362,118 @@ def build_token_file(sources: list[Source], tokenizer: Tokenizer, path: Path, *,
                         else f"{len(sources)} files", total)
     n_tokens = n_text = 0
     end = np.array([eot], dtype=dtype)
-    with atomic_file(path) as tmp, open(tmp, "wb") as f:
-        for pieces, ends in batches(read_documents(sources, text_field=text_field),
-                                    batch_bytes):
-            # parallel over the batch's pieces, in Rust (no GIL)
-            encodings = tokenizer.encode_batch(pieces, add_special_tokens=False)
-            for encoding, last in zip(encodings, ends):
-                ids = np.asarray(encoding.ids, dtype=dtype)  # [n] uint16|uint32
-                ids.tofile(f)
-                n_text += len(ids)
-                if last:
-                    end.tofile(f)
-                n_tokens += len(ids) + last
-            progress.advance(sum(len(p.encode()) for p in pieces))
-        if n_text == 0:
-            raise DataError(f"--data {sources[0].path}: no text (every document "
-                            f"is empty)")
+    try:
+        with atomic_file(path) as tmp, open(tmp, "wb") as f:
+            for pieces, ends in batches(read_documents(sources,
+                                                       text_field=text_field),
+                                        batch_bytes):
+                # parallel over the batch's pieces, in Rust (no GIL)
+                encodings = tokenizer.encode_batch(pieces, add_special_tokens=False)
+                for encoding, last in zip(encodings, ends):
+                    ids = np.asarray(encoding.ids, dtype=dtype)  # [n] uint16|32
+                    write_ids(f, ids)
+                    n_text += len(ids)
+                    if last:
+                        write_ids(f, end)
+                    n_tokens += len(ids) + last
+                progress.advance(sum(len(p.encode()) for p in pieces))
+            if n_text == 0:
+                raise DataError(f"--data {sources[0].path}: no text (every "
+                                f"document is empty)")
+    except OSError as e:  # reading the data is a DataError already: this is writing
+        written = n_tokens * np.dtype(dtype).itemsize
+        raise DataError(f"{path}: cannot write the token file after "
+                        f"{written / 1e6:,.1f} MB ({e.strerror or e}); "
+                        f"{shutil.disk_usage(path.parent).free / 1e6:,.1f} MB "
+                        f"free there") from None
     progress.finish(n_tokens, path)
     return n_tokens
 
 
+# ## Deciding once
+
+
+def prepare_token_file(data: str | os.PathLike, tokenizer: Tokenizer, *, eot: int,
+                       text_field: str = "text") -> TokenCache:
+    """
+    ## The launcher's decision: build or find `data`'s token file
+
+    ### Note: deciding once
+
+    1. The launcher *stamps* each source file: size, modification time and a
+       BLAKE2b digest of its content, read in blocks of `DIGEST_BLOCK` (one
+       read of the corpus at the disk's speed, far cheaper than tokenising it).
+    2. The key hashes every file's path, size and digest, the tokenizer's whole
+       definition, the end-of-text id and the JSON field: any change of the
+       content makes a new key, a rewrite that keeps size and time included.
+    3. A missing file is built after checking that its disk has room
+       (`check_room`); then this path's older token files are removed
+       (`prune_caches`: only names this builder writes).
+    4. The ranks get the decision, a `TokenCache`, and do not decide again:
+       `open_cache` compares each file's size and time with its stamp and
+       digests it again (from the page cache when the corpus fits), and a file
+       changed since stops the rank in one line naming it, before any step.
+    """
+    sources = find_sources(data)
+    stamps = [stamp(s.path) for s in sources]
+    uses_field = text_field if any(s.jsonl for s in sources) else None
+    key = sources_key(stamps, tokenizer, eot=eot, text_field=uses_field)
+    dtype = token_dtype(tokenizer)
+    path = cache_path(data, key, dtype)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        check_room(data, sources, path, np.dtype(dtype).itemsize)
+        build_token_file(sources, tokenizer, path, eot=eot, text_field=text_field)
+        prune_caches(data, path)
+    return TokenCache(str(data), path, key, tuple(stamps))
+
+
+def open_cache(cache: TokenCache, *, vocab: int) -> np.ndarray:
+    """
+    ## A rank's side: the launcher's token file, if its data is unchanged
+
+    A file whose size or time differs, or whose content digest does (a rewrite
+    that kept both), changed after the launcher tokenised it: the token file
+    is no longer its tokens, so the rank stops before any step instead of
+    training on them or tokenising again.
+    """
+    for was in cache.stamps:
+        path = Path(was.path)
+        try:
+            status = path.stat()
+        except OSError:
+            status = None
+        if status is None:
+            what = "it is gone"
+        elif status.st_size != was.size:
+            what = f"{was.size:,} bytes then, {status.st_size:,} now"
+        elif status.st_mtime_ns != was.mtime_ns:
+            what = "its modification time differs"
+        elif file_digest(path) != was.digest:
+            what = "same size and time, other content"
+        else:
+            continue
+        raise DataError(f"--data {path}: changed since the launcher tokenised it "
+                        f"({what}); start the run again to tokenise it anew")
+    if not cache.path.is_file():
+        raise DataError(f"--data {cache.data}: its token file {cache.path} is gone")
+    # ids of our own tokenizer: below its vocabulary by construction
+    return open_token_file(cache.path, vocab=vocab, check_ids=False)
+
+
 def corpus_tokens(data: str | os.PathLike, tokenizer: Tokenizer, *, eot: int,
-                  text_field: str = "text", check_ids: bool = True) -> np.ndarray:
+                  text_field: str = "text", check_ids: bool = True,
+                  cache: TokenCache | None = None) -> np.ndarray:
     """
     ## `--data` as token ids, memory-mapped
 
-    A token file is opened as it is; text is tokenised into the cached token
-    file first, unless it is there already.
+    A token file is opened as it is. Text is opened through `cache`, the
+    launcher's decision, when a rank has one; else it is decided here
+    (`prepare_token_file`).
     """
     if is_token_file(data):
         return open_token_file(data, vocab=vocab_size(tokenizer),
                                check_ids=check_ids)
-    sources = find_sources(data)
-    key = sources_key(sources, tokenizer, eot=eot, text_field=text_field)
-    path = cache_path(data, key, token_dtype(tokenizer))
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        build_token_file(sources, tokenizer, path, eot=eot, text_field=text_field)
-    # ids of our own tokenizer: below its vocabulary by construction
-    return open_token_file(path, vocab=vocab_size(tokenizer), check_ids=False)
+    if cache is None:
+        cache = prepare_token_file(data, tokenizer, eot=eot, text_field=text_field)
+    return open_cache(cache, vocab=vocab_size(tokenizer))

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from labml_zero.finetune.cli import main
-from labml_zero.finetune.corpus import find_sources, read_documents
+from labml_zero.finetune.corpus import (PIECE_BYTES, DataError, find_sources,
+                                         read_documents)
 from labml_zero.finetune.dataset import load_text, tokenize
 from labml_zero.finetune.token_file import corpus_tokens, open_token_file
 from labml_zero.neox.tokenizer import encode, end_of_text_id
@@ -66,7 +67,7 @@ def test_every_format_packs_documents_with_end_of_text(tokenizer, tmp_path):
     assert os.stat(caches[0]).st_mtime == 1
     (folder / "a.txt").write_text(docs[0] + "!")
     corpus_tokens(folder, tokenizer, eot=eot)
-    assert len(list(tmp_path.glob(".dir.*.tokens.u16"))) == 2
+    assert len(list(tmp_path.glob(".dir.*.tokens.u16"))) == 1
 
     raw = tmp_path / "pre.u32"
     np.asarray(packed, dtype=np.uint32).tofile(raw)
@@ -104,8 +105,13 @@ BAD_DATA = [
      "n.jsonl:2: not JSON"),
     ("no field", lambda d: write(d / "f.jsonl", b'{"text": "a"}\n\n{"txt": "b"}\n'),
      "f.jsonl:3: no 'text' field"),
+    ("lone surrogate", lambda d: write(d / "s.jsonl", b'{"text": "a\\ud800b"}\n'),
+     "s.jsonl:1: 'text' holds a lone surrogate"),
     ("odd size", lambda d: write(d / "t.u16", b"\x01\x00\x02"),
      "3 bytes is not a whole number of uint16 tokens"),
+    ("uint32 as uint16", lambda d: write(d / "w.u16", np.arange(
+        1, 3000, dtype=np.uint32).tobytes()), "every second uint16 token is 0, "
+     "as in a uint32 token file"),
     ("id too big", lambda d: write(d / "t.u32", np.array(
         [1, 2, 60000, 3], dtype=np.uint32).tobytes()),
      "token 2 is id 60000, not below the vocabulary size"),
@@ -179,3 +185,65 @@ def test_valid_data_is_read_apart_and_all_of_data_trains(tokenizer, tmp_path):
     eot = end_of_text_id(tokenizer)
     assert len(data.train.tokens) == len(encode(tokenizer, train.read_text())) + 1
     assert data.valid.tokens[-1] == eot
+
+
+def pieces_of(path):
+    return list(next(read_documents(find_sources(path))))
+
+
+def test_a_long_line_is_cut_at_spaces(tokenizer, tmp_path):
+    # a text without a line break, and one JSON Lines record of it: pieces of
+    # at most PIECE_BYTES, cut before spaces, with the whole text's ids
+    text = load_text().replace("\n", " ")
+    one_line = tmp_path / "one.txt"
+    one_line.write_text(text)
+    record = tmp_path / "one.jsonl"
+    record.write_text(json.dumps({"text": text}) + "\n")
+    whole = encode(tokenizer, text)
+    for path in (one_line, record):
+        pieces = pieces_of(path)
+        assert len(pieces) >= len(text.encode()) // PIECE_BYTES
+        assert max(len(p.encode()) for p in pieces) <= PIECE_BYTES
+        assert all(p.startswith(" ") for p in pieces[1:])
+        assert [i for p in pieces for i in encode(tokenizer, p)] == whole
+
+
+def test_a_byte_cut_changes_one_pre_token(tokenizer, tmp_path):
+    # no whitespace at all: words of ASCII and two-byte letters joined by "-";
+    # each cut is at a character's start, and the pieces' ids are the whole
+    # text's with the one pre-token the cut falls in tokenised as two halves
+    rng = np.random.default_rng(0)
+    letters = list("abcdefghijklmnopqrstuvwxyzéü")
+    words = ["".join(rng.choice(letters, size=int(rng.integers(3, 40))))
+             for _ in range(20_000)]
+    text = "-".join(words)
+    path = tmp_path / "words.txt"
+    path.write_text(text)
+    pieces = pieces_of(path)
+    assert "".join(pieces) == text and len(pieces) >= 3
+    assert max(len(p.encode()) for p in pieces) <= PIECE_BYTES
+    cut_ats = np.cumsum([len(p) for p in pieces])[:-1].tolist()  # in characters
+    spans = [span for _, span in tokenizer.pre_tokenizer.pre_tokenize_str(text)]
+    bounds = {0, len(text)}
+    for cut in cut_ats:
+        start, end = next(s for s in spans if s[0] < cut < s[1] or s[0] == cut)
+        bounds |= {start, cut, end}
+    bounds = sorted(bounds)
+    expected = [i for a, b in zip(bounds, bounds[1:])
+                for i in encode(tokenizer, text[a:b])]
+    got = [i for p in pieces for i in encode(tokenizer, p)]
+    assert got == expected
+    assert got != encode(tokenizer, text)  # the cuts did split words
+
+
+def test_a_record_longer_than_the_limit_is_refused(tmp_path, monkeypatch):
+    from labml_zero.finetune import corpus
+
+    monkeypatch.setattr(corpus, "MAX_RECORD_BYTES", 1000)
+    path = tmp_path / "big.jsonl"
+    path.write_text(json.dumps({"text": "short"}) + "\n"
+                    + json.dumps({"text": "x" * 2000}) + "\n")
+    documents = read_documents(find_sources(path))
+    assert list(next(documents)) == ["short"]
+    with pytest.raises(DataError, match=r"big.jsonl:2: a line longer than"):
+        next(documents)

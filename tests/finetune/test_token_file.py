@@ -1,0 +1,189 @@
+"""`finetune/token_file.py`: the token file decided once by the launcher (its
+key, the room it needs, its older files pruned), checked by the ranks against
+the data as it was, and a preparation that a full disk or a signal stops in one
+line, leaving no file."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from labml_zero.finetune import token_file
+from labml_zero.finetune.corpus import DataError
+from labml_zero.finetune.dataset import load_datasets, load_text
+from labml_zero.finetune.token_file import open_cache, prepare_token_file
+from labml_zero.neox.tokenizer import encode, end_of_text_id
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+def prepare(path, tokenizer):
+    return prepare_token_file(path, tokenizer, eot=end_of_text_id(tokenizer))
+
+
+def rewrite_keeping_size_and_time(path: Path, text: str) -> None:
+    before = path.stat()
+    assert len(text.encode()) == before.st_size
+    path.write_text(text)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_mtime_ns == before.st_mtime_ns
+
+
+def caches_of(folder: Path, name: str) -> list[Path]:
+    return sorted(folder.glob(f".{name}.*.tokens.u16"))
+
+
+def test_the_key_sees_a_rewrite_and_the_old_file_is_pruned(tokenizer, tmp_path):
+    data, other = tmp_path / "c.txt", tmp_path / "other.txt"
+    data.write_text("The first text, of one line.")
+    other.write_text("Another corpus, whose file stays.")
+    eot = end_of_text_id(tokenizer)
+    first, kept = prepare(data, tokenizer), prepare(other, tokenizer)
+    (tmp_path / ".c.txt.notes").write_text("not the builder's")
+    rewrite_keeping_size_and_time(data, "The other text, of one line!")
+    second = prepare(data, tokenizer)
+    assert second.key != first.key
+    assert open_cache(second, vocab=1 << 16).tolist() == [
+        *encode(tokenizer, data.read_text()), eot]
+    # this path's older file went; another path's and a stranger's stayed
+    assert caches_of(tmp_path, "c.txt") == [second.path]
+    assert kept.path.is_file() and (tmp_path / ".c.txt.notes").is_file()
+    # touching the file changes no content: the same key, nothing rebuilt
+    os.utime(data, (1, 1))
+    assert prepare(data, tokenizer).key == second.key
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p.write_text(p.read_text()[:-5]), "bytes then,"),
+    (lambda p: os.utime(p, (1, 1)), "its modification time differs"),
+    (lambda p: rewrite_keeping_size_and_time(p, p.read_text().upper()),
+     "same size and time, other content"),
+    (lambda p: p.unlink(), "it is gone"),
+])
+def test_a_rank_refuses_data_changed_after_the_launcher(tokenizer, tmp_path,
+                                                        monkeypatch, change,
+                                                        message):
+    data = tmp_path / "c.txt"
+    data.write_text(load_text()[:20_000])
+    splits = load_datasets(seq_len=16, source=data, tokenizer=tokenizer)
+    (cache,) = splits.caches
+    # a rank given the launcher's decision maps it and tokenises nothing
+    monkeypatch.setattr(token_file, "build_token_file", None)
+    again = load_datasets(seq_len=16, source=data, tokenizer=tokenizer,
+                          caches=splits.caches)
+    assert np.array_equal(again.train.tokens, splits.train.tokens)
+    change(data)
+    with pytest.raises(DataError) as refused:
+        load_datasets(seq_len=16, source=data, tokenizer=tokenizer,
+                      caches=splits.caches)
+    line = str(refused.value)
+    assert "\n" not in line and str(data) in line and message in line
+    assert "changed since the launcher tokenised it" in line
+    assert cache.path.is_file()
+
+
+def test_a_disk_without_room_is_refused_before_writing(tokenizer, tmp_path,
+                                                       monkeypatch):
+    data = tmp_path / "c.txt"
+    data.write_text("Some text to tokenise. " * 100)
+    # up to one token a byte, plus the end-of-text token, two bytes each
+    need = (data.stat().st_size + 1) * 2
+    usage = shutil.disk_usage(tmp_path)._replace(free=need - 1)
+    monkeypatch.setattr(token_file.shutil, "disk_usage", lambda path: usage)
+    with pytest.raises(DataError) as refused:
+        prepare(data, tokenizer)
+    line = str(refused.value)
+    assert "\n" not in line and ".tokens.u16 needs up to" in line
+    assert f"({1e-6:,.1f} MB short)" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]
+    monkeypatch.setattr(token_file.shutil, "disk_usage",
+                        lambda path: usage._replace(free=need))
+    assert prepare(data, tokenizer).path.is_file()
+
+
+def test_a_disk_that_fills_while_writing_leaves_no_file(tokenizer, tmp_path,
+                                                        monkeypatch):
+    data = tmp_path / "c.txt"
+    data.write_text(load_text()[:300_000])
+    writes = []
+
+    def full_after_one(f, ids):
+        if writes:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        writes.append(len(ids))
+        f.write(ids.data)
+
+    monkeypatch.setattr(token_file, "write_ids", full_after_one)
+    with pytest.raises(DataError) as refused:
+        prepare(data, tokenizer)
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith(str(tmp_path / ".c.txt."))
+    assert f"cannot write the token file after {writes[0] * 2 / 1e6:,.1f} MB " \
+           f"({os.strerror(errno.ENOSPC)})" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]
+
+
+def words_file(path: Path, mb: int) -> None:
+    """`mb` MB of varied text: tokenising it takes seconds, not milliseconds."""
+    rng = np.random.default_rng(0)
+    words = load_text().split()
+    with open(path, "w") as f:
+        for _ in range(mb):
+            f.write(" ".join(rng.choice(words, size=180_000)) + "\n")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_while_tokenising_is_one_line_and_no_file(tmp_path, signum):
+    data = tmp_path / "data"
+    data.mkdir()
+    words_file(data / "big.txt", 8)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "labml_zero.finetune_neox", "--world-size", "1",
+         "--data", str(data / "big.txt"), "--out", str(tmp_path / "out"),
+         "--log-dir", str(tmp_path / "logs")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    # the token file's temporary sibling: the build has started
+    while not any(".tmp-" in p.name for p in data.iterdir()):
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    process.send_signal(signum)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signum, err
+    assert err == "python -m labml_zero.finetune_neox: interrupted\n"
+    assert sorted(p.name for p in data.iterdir()) == ["big.txt"]
+
+
+def test_a_rank_stops_in_one_line_when_the_data_changed(tmp_path, monkeypatch,
+                                                       capsys):
+    # the data changes after the launcher's checks, before the rank starts
+    from labml_zero.finetune import cli
+
+    data = tmp_path / "c.txt"
+    data.write_text(load_text()[:20_000])
+    checks = cli.check_before_start
+
+    def then_change(*args, **kwargs):
+        checked = checks(*args, **kwargs)
+        data.write_text(load_text()[:10_000])
+        return checked
+
+    monkeypatch.setattr(cli, "check_before_start", then_change)
+    monkeypatch.setattr(cli.launch, "default_backend", lambda: "gloo")
+    status = cli.main(["--world-size", "1", "--batch-size", "2", "--seq-len",
+                       "16", "--steps", "1", "--data", str(data), "--out",
+                       str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert err.count("\n") == 1, err
+    assert f"--data {data}: changed since the launcher tokenised it" in err
