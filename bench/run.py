@@ -369,7 +369,7 @@ def merge(line: dict, records: list[dict], workload: Workload, world_size: int,
         "gc_ms": max(r["gc_ms"] for r in records),
         # rank 0's GPU (gpu_clocks): absent where nothing was sampled
         **{key: first[key] for key in CLOCK_FIELDS if key in first},
-        "mfu": mfu(workload, tokens_per_s, world_size),
+        "mfu": mfu(workload, tokens_per_s, world_size, first["device"]),
         "init_s": max(r["init_s"] for r in records),
         "psi_trainable": first["psi_trainable"],
         "psi_frozen": first["psi_frozen"],
@@ -561,9 +561,10 @@ def table(lines: list[dict]) -> str:
         analytic = r["memory_model_gib"]
         model = analytic.get("layout_states", analytic["zero_states"])
         exposed = r.get("comm_exposed")
+        share = "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         rows.append(
             f"| {r['workload']} | {r['engine']} | {r['tokens_per_s']:,.0f} "
-            f"| {r['step_time_mean_s']:.3f} | {100 * r['mfu']:.1f}% | {peak} "
+            f"| {r['step_time_mean_s']:.3f} | {share} | {peak} "
             f"| {model:.1f} | "
             + ("—" if "predicted_peak" not in analytic
                else f"{analytic['predicted_peak']:.1f}")
