@@ -147,18 +147,31 @@ class StepMeter:
     ## A step's indicators, from its totals, its rate and its time
 
     * `token_flops`: `flops_per_token` of the model at `seq_len`;
-    * `peak`: one device's peak FLOP/s, or `None` for no `mfu`.
+    * `peak`: one device's peak FLOP/s, or `None` for no `mfu`;
+    * `warmup`: the first steps, left out of the steady rate (`steady_line`):
+      a compilation or a graph's recording is in them.
+
+    The steady rate is the tokens of the later steps over their summed time,
+    as the benchmark's tokens per second is its steps' tokens over their mean
+    time, so the two compare directly.
     """
 
     def __init__(self, *, token_flops: float, peak: float | None, world_size: int,
-                 device: torch.device):
+                 device: torch.device, warmup: int = 0):
         self.token_flops, self.peak = token_flops, peak
         self.world_size, self.device = world_size, device
         self.clock = StepClock()
+        self.warmup, self.steps = warmup, 0
+        self.steady_tokens = self.steady_s = 0.0
 
     def indicators(self, totals, *, lr: float, scale: float | None) -> dict:
         """`totals` is the step's `Totals`; `scale` the fp16 loss scale."""
-        rate = totals.tokens / max(self.clock.lap(), 1e-9)  # tokens/s, all ranks
+        took = max(self.clock.lap(), 1e-9)
+        self.steps += 1
+        if self.steps > self.warmup:
+            self.steady_tokens += totals.tokens
+            self.steady_s += took
+        rate = totals.tokens / took  # tokens/s, all ranks
         out = {"lr": lr, "grad_norm": totals.grad_norm, "tokens_per_s": rate,
                "memory.peak": peak_memory_gib(self.device)}
         share = mfu(token_flops=self.token_flops, tokens_per_s=rate,
@@ -168,3 +181,18 @@ class StepMeter:
         if scale is not None:
             out["loss_scale"] = scale
         return out
+
+    def steady_line(self) -> str | None:
+        """
+        ### The rate after the warm-up, one line for the end of the run
+
+        `None` when no step came after the warm-up.
+        """
+        if self.steps <= self.warmup:
+            return None
+        rate = self.steady_tokens / self.steady_s
+        share = mfu(token_flops=self.token_flops, tokens_per_s=rate,
+                    world_size=self.world_size, peak=self.peak)
+        return (f"tokens/s over steps {self.warmup + 1}..{self.steps} of this run "
+                f"(after {self.warmup} warm-up): {rate:,.0f}"
+                + ("" if share is None else f", MFU {100 * share:.1f}%"))
