@@ -495,8 +495,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "host memory")
     parser.add_argument("--kernels", default="none",
                         help="the model's fused kernels, comma-separated from "
-                        f"{','.join(ModelKernels.fusions())}, or all, none, or auto (all on the GPUs, none on CPU, as the "
-                        "fine-tune job)")
+                        f"{','.join(ModelKernels.fusions())}, or all, none, or "
+                        "auto (all on the GPUs, none on CPU, as the job)")
     parser.add_argument("--attention", default=None,
                         help="pin the attention backend: "
                         f"{', '.join(ATTENTION_BACKENDS)} (default: PyTorch's choice)")
