@@ -25,7 +25,7 @@ comes from.
 
 MFU is recomputed here from each line's tokens per second and its workload's
 FLOPs per token, over the data sheet's dense bf16 peak of the line's GPU (989.4
-TFLOP/s on an H200, [the one `mfu`](../labml_zero/finetune/step_metrics.html)):
+TFLOP/s on an H200, [the one `mfu`](labml_zero/finetune/step_metrics.html)):
 older lines wrote theirs over a measured matrix product's 790 TFLOP/s, and the
 lines themselves are raw data, kept as they were written.
 

@@ -42,9 +42,9 @@ printed on the step's line and recorded by [labml](tracking.html):
   LoRA) the hardware does about $4/6$ of those FLOPs, so MFU understates its use.
 * Peak FLOPs are a table of dense bf16/fp16 and TF32 figures from the vendors'
   data sheets (`PEAK_FLOPS`); another GPU gets no MFU. A large matrix product
-  measured on the GPU reaches less than the data sheet (about 790 TFLOP/s of
-  the H200's 989.4 in bf16), so a share of that measured peak reads higher; it
-  may be shown beside MFU, named as such, never instead of it.
+  measured on the GPU reaches less than the data sheet's figure, so a share of
+  that measured peak reads higher; it may be shown beside MFU, named as such,
+  never instead of it.
 """
 
 from __future__ import annotations
