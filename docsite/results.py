@@ -268,8 +268,10 @@ def best_markdown(results: dict[Key, Measurement]) -> list[str]:
         for engine, m in engines.items():
             ratio = ("" if ours is None else
                      f"{m.line['tokens_per_s'] / ours.line['tokens_per_s']:.3f}")
+            # the kernels may differ between the best lines: say which
+            kernels = m.line.get("kernels") or "none"
             out.append(f"| {workload} | {gpus} | {batch} | {engine} | "
-                       f"[{setting(m.key)}](#{m.key.anchor}) | "
+                       f"[{setting(m.key)}](#{m.key.anchor}), kernels {kernels} | "
                        f"{m.line['tokens_per_s']:,.0f} | {_mfu_cell(m.line)} "
                        f"| {ratio} |")
     return out

@@ -332,7 +332,7 @@ def test_results_restate_mfu_on_the_data_sheet_and_pick_each_best(tmp_path):
     assert {e: results.setting(m.key) for e, m in best.items()} == {
         "labml_zero": "compiled", "ddp": "compiled"}
     page = results.results_markdown(found)
-    assert "| W1 | 1 | 8 | ddp | [compiled](#result-w1-ddp-compiled-1gpu-b8) " \
-           "| 61,000 |" in page and f"| {61 / 62:.3f} |" in page
+    assert "| W1 | 1 | 8 | ddp | [compiled](#result-w1-ddp-compiled-1gpu-b8), " \
+           "kernels none | 61,000 |" in page and f"| {61 / 62:.3f} |" in page
     # a CPU line, or a GPU not in the table, has no MFU
     assert results.line_mfu({**line, "device": "cpu"}) is None
