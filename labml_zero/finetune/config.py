@@ -173,7 +173,8 @@ class FinetuneConfig:
     """Record the whole training step as one CUDA graph after two eager steps
     and replay it ([the step as one CUDA
     graph](../optimizers/graphed_step.html)): GPUs only, one micro-batch a step,
-    no recomputation, offload, fp16 or clipping (`cuda_graph_refusal`)."""
+    no recomputation, offload, fp16 or clipping; refused before start
+    otherwise."""
     peer_memory: bool = False
     """Gather and reduce-scatter the chunks through the other ranks' memory
     instead of with NCCL's kernels (`ZeroConfig.peer_gather` and `peer_reduce`,
