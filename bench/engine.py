@@ -100,11 +100,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from labml_zero.assembly import AutoLimits, Recipe, assemble
+from labml_zero.assembly import AutoLimits, Recipe
+from labml_zero.neox import build as neox_build
 from labml_zero.launch import DistContext
 from labml_zero.neox.finetuners import finetuner
 from labml_zero.neox.activation_memory import activation_bytes
-from labml_zero.neox.model import TransformerLayer, build_layers
+from labml_zero.neox.model import build_layers
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.communication import CommCounter
 from labml_zero.optimizers.graphed_step import GraphedStep
@@ -213,7 +214,8 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
 
     Every layer (embedding, transformer layers, final norm, readout) is a unit;
     the chunk size is searched once over all of them. The model is built by
-    [`assemble`](../labml_zero/assembly.html), the fine-tune's path too.
+    [`build_neox`](../labml_zero/neox/build.html), the fine-tune job's path too,
+    so the figures here are the job's.
     """
     config = ZeroConfig(
         dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -229,7 +231,6 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     automatic = workload.offload == "auto" or workload.resident
     recipe = Recipe(
         zero=config, finetune=finetuner(workload.finetune),
-        compile_types=(TransformerLayer,) if workload.compile else (),
         offload_optimizer="auto" if automatic else 0.0,
         resident=workload.resident, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
         # no clipping or loss scaling here, so every shard can be updated
@@ -238,11 +239,12 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         update_during_backward=True, free_grads=True)
     # zero3_layers materialises, initialises and shards one layer at a time
     # (steps 1 to 3 above), with one chunk size searched over all of them.
-    built = assemble(build_layers(workload.model, device="meta",
-                                  kernels=workload.kernels), recipe,
-                     device=ctx.device, probe=probe_step(ctx, workload),
-                     auto_limits=None if ctx.device.type == "cuda"
-                     else simulated_limits(ctx, workload))
+    build = neox_build.NeoXBuild(workload.model, kernels=workload.kernels,
+                                 compile=workload.compile)
+    built = neox_build.build_neox(build, recipe, device=ctx.device,
+                                  probe=probe_step(ctx, workload),
+                                  auto_limits=None if ctx.device.type == "cuda"
+                                  else simulated_limits(ctx, workload))
     model = built.model
     psi_t = built.counts.trainable
     psi_f = built.counts.total - psi_t

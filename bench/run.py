@@ -48,7 +48,11 @@ cannot disturb the next.
 the GPUs), in ours ([compiled layers](../labml_zero/zero3/compiled.html)) and
 in FSDP2 and DDP ([baselines](baselines.html)); every line says `"compiled"`,
 and DeepSpeed is skipped. The compilation happens in the first step, so it needs
-`--warmup` of at least 1 to stay out of the timing.
+`--warmup` of at least 1 to stay out of the timing. `--compile both` runs each
+engine eagerly and then compiled, one after the other, so that every engine's
+best setting is measured in the same run: a comparison of engines is between
+their best settings, each named (the [results page](../results.html) picks
+them).
 
 `--cuda-graph` records labml_zero's whole step as one CUDA graph after its
 warm-up and replays it ([the step as one CUDA
@@ -85,6 +89,7 @@ import torch.distributed as dist
 
 from labml_zero import launch
 
+from labml_zero.neox.build import resolve_kernels
 from labml_zero.neox.kernels import ATTENTION_BACKENDS, ModelKernels
 
 from .bounds import BOUNDS, unavailable
@@ -369,7 +374,7 @@ def merge(line: dict, records: list[dict], workload: Workload, world_size: int,
         "gc_ms": max(r["gc_ms"] for r in records),
         # rank 0's GPU (gpu_clocks): absent where nothing was sampled
         **{key: first[key] for key in CLOCK_FIELDS if key in first},
-        "mfu": mfu(workload, tokens_per_s, world_size),
+        "mfu": mfu(workload, tokens_per_s, world_size, first["device"]),
         "init_s": max(r["init_s"] for r in records),
         "psi_trainable": first["psi_trainable"],
         "psi_frozen": first["psi_frozen"],
@@ -461,9 +466,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="shrink every workload to a tiny model (CPU smoke test)")
     parser.add_argument("--cpu", action="store_true",
                         help="run on CPU with gloo even where GPUs exist")
-    parser.add_argument("--compile", action="store_true",
+    parser.add_argument("--compile", nargs="?", const="yes", default="no",
+                        choices=("no", "yes", "both"),
                         help="torch.compile each transformer layer "
-                        f"({', '.join(COMPILED_ENGINES)}; others are skipped)")
+                        f"({', '.join(COMPILED_ENGINES)}; others are skipped); "
+                        "'both' runs every pair eagerly and then compiled")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="labml_zero replays its whole step as one CUDA graph "
                         f"(needs --warmup >= {GRAPH_WARMUP + 1}: "
@@ -488,7 +495,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "host memory")
     parser.add_argument("--kernels", default="none",
                         help="the model's fused kernels, comma-separated from "
-                        f"{','.join(ModelKernels.fusions())}, or all, or none")
+                        f"{','.join(ModelKernels.fusions())}, or all, none, or "
+                        "auto (all on the GPUs, none on CPU, as the job)")
     parser.add_argument("--attention", default=None,
                         help="pin the attention backend: "
                         f"{', '.join(ATTENTION_BACKENDS)} (default: PyTorch's choice)")
@@ -505,6 +513,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.workload_list = split_names(args.workloads, known, "--workloads")
     args.engine_list = split_names(args.engines, ENGINES + BOUNDS, "--engines")
     args.batch_list = [None] if args.batch is None else split_batches(args.batch)
+    args.compile_modes = {"no": [False], "yes": [True],
+                          "both": [False, True]}[args.compile]
+    args.compile = True in args.compile_modes
     if args.compile and args.warmup < 1:
         raise SystemExit("--compile needs --warmup >= 1: the first step compiles")
     if args.cuda_graph and args.warmup < GRAPH_WARMUP + 1:
@@ -520,7 +531,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.prefetch_depth < 0:
         raise SystemExit(f"--prefetch-depth must be >= 0, got {args.prefetch_depth}")
     try:
-        args.model_kernels = replace(ModelKernels.from_names(args.kernels),
+        # `auto` as the job resolves it: every fusion on the GPUs, none on CPU
+        device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+        args.model_kernels = replace(resolve_kernels(args.kernels, device),
                                      attention=args.attention)
     except ValueError as error:
         raise SystemExit(f"--kernels/--attention: {error}")
@@ -561,9 +574,10 @@ def table(lines: list[dict]) -> str:
         analytic = r["memory_model_gib"]
         model = analytic.get("layout_states", analytic["zero_states"])
         exposed = r.get("comm_exposed")
+        share = "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         rows.append(
             f"| {r['workload']} | {r['engine']} | {r['tokens_per_s']:,.0f} "
-            f"| {r['step_time_mean_s']:.3f} | {100 * r['mfu']:.1f}% | {peak} "
+            f"| {r['step_time_mean_s']:.3f} | {share} | {peak} "
             f"| {model:.1f} | "
             + ("—" if "predicted_peak" not in analytic
                else f"{analytic['predicted_peak']:.1f}")
@@ -594,11 +608,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          f"pass --world-size 1, not {world_size}")
     known = workloads()
     lines = []
-    pairs = [(name, batch, engine) for name in args.workload_list
-             for batch in args.batch_list for engine in args.engine_list]
-    for name, batch, engine in pairs:
+    # an engine's eager and compiled runs side by side, in the same lease
+    pairs = [(name, batch, engine, compiled) for name in args.workload_list
+             for batch in args.batch_list for engine in args.engine_list
+             for compiled in args.compile_modes]
+    for name, batch, engine, compiled in pairs:
         workload = shrink(known[name]) if args.tiny else known[name]
-        workload = replace(workload, compile=args.compile,
+        workload = replace(workload, compile=compiled,
                            cuda_graph=args.cuda_graph,
                            prefetch_depth=args.prefetch_depth,
                            peer_gather=args.peer_gather,

@@ -53,8 +53,10 @@ in a full training step: $2N$ forward, $2N$ for the gradients of the activations
 and $2N$ for those of the weights, and $4LTd$ for the two attention products
 ($QK^\top$ and the weighted sum of $V$) forward, three times over. Training the
 biases only skips the weight gradients of the matrices, so $F = 4N + 12LTd$. MFU
-is $F$ times the tokens per second of one GPU, over its peak: 790 TFLOP/s for
-dense bf16 on an H200 (measured by the project with a large matrix product).
+is $F$ times the tokens per second of one GPU, over its dense bf16 peak from
+the data sheet, 989.4 TFLOP/s on an H200: the job's own
+[`mfu`](../labml_zero/finetune/step_metrics.html), by the device's name; a GPU
+not in its table (or a CPU) gets none.
 
 ## Limitations
 
@@ -66,6 +68,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
+from labml_zero.finetune import step_metrics
 from labml_zero.neox.model import (
     ModelKernels,
     NeoXConfig,
@@ -75,9 +80,6 @@ from labml_zero.neox.model import (
     pythia_6_9b,
     pythia_12b,
 )
-
-# Dense bf16 matrix product on one H200, measured.
-PEAK_FLOPS_BF16 = 790e12
 
 FINETUNES = ("all", "biases")
 # eager steps of a `cuda_graph` workload before its step is recorded: the
@@ -189,9 +191,14 @@ def flops_per_token(workload: Workload) -> float:
     return float(weight_passes * n + attention)
 
 
-def mfu(workload: Workload, tokens_per_s: float, world_size: int) -> float:
-    """Model FLOPs utilisation of one GPU against `PEAK_FLOPS_BF16`."""
-    return flops_per_token(workload) * tokens_per_s / world_size / PEAK_FLOPS_BF16
+def mfu(workload: Workload, tokens_per_s: float, world_size: int,
+        device_name: str | None) -> float | None:
+    """Model FLOPs utilisation against the bf16 data-sheet peak of
+    `device_name` (`None`: a CPU or an unknown GPU)."""
+    return step_metrics.mfu(
+        token_flops=flops_per_token(workload), tokens_per_s=tokens_per_s,
+        world_size=world_size,
+        peak=step_metrics.peak_flops_of(device_name, torch.bfloat16))
 
 
 # ## The workloads

@@ -133,3 +133,23 @@ def test_peer_layers_compiled_with_their_rotary_entry_made():
     tables = transformer[0].attention.rotary_tables
     assert all(m.attention.rotary_tables is tables for m in transformer)
     assert tables.keys() == [(workload.seq, torch.device("cpu"), torch.bfloat16)]
+
+
+def test_compile_both_runs_each_engine_eager_then_compiled(monkeypatch):
+    """`--compile both`: every engine's two settings side by side, each line
+    saying which, so that each peer's best is measured in the same run."""
+    ran = []
+
+    def run_pair(engine, workload, run, **kwargs):
+        ran.append((engine, workload.compile))
+        return {"status": "skipped", "workload": workload.name, "engine": engine,
+                "compiled": workload.compile, "reason": "recorded only"}
+
+    monkeypatch.setattr(bench_run, "run_pair", run_pair)
+    lines = bench_run.main(["--tiny", "--cpu", "--compile", "both", "--workloads",
+                            "W4", "--engines", "labml_zero,fsdp2,ddp"])
+    assert ran == [("labml_zero", False), ("labml_zero", True), ("fsdp2", False),
+                   ("fsdp2", True), ("ddp", False), ("ddp", True)]
+    assert [line["compiled"] for line in lines] == [False, True] * 3
+    assert bench_run.parse_args(["--compile"]).compile_modes == [True]
+    assert bench_run.parse_args(["--compile", "both"]).compile is True

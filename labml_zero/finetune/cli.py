@@ -304,12 +304,15 @@ def check_before_start(config: FinetuneConfig, parser: Parser, *,
     a bad flag or value (`parse_config`), and then everything [the pre-flight
     checks](preflight.html) find on this host (outputs not writable or
     without room for a checkpoint, a snapshot whose `config.json` and tensors
-    disagree, a `--resume` that this run cannot continue), prints one line on
-    stderr and exits with status 2. Tokenising a corpus is the one long phase
-    before the ranks, so SIGINT, SIGTERM and SIGHUP here, as during the job,
-    print `interrupted` and exit with the signal's status, leaving no token file.
+    disagree, a `--resume` that this run cannot continue, a `--cuda-graph`
+    where no graph can record the step), prints one line on stderr and exits
+    with status 2. Tokenising a corpus is the one long phase before the ranks,
+    so SIGINT, SIGTERM and SIGHUP here, as during the job, print `interrupted`
+    and exit with the signal's status, leaving no token file.
     """
     device = torch.device("cuda" if backend == "nccl" else "cpu")
+    if (why := config.cuda_graph_refusal(device)) is not None:
+        parser.error(f"--cuda-graph {why}")
     try:
         with Signals():
             return preflight(config, world_size=world_size, device=device)

@@ -34,6 +34,7 @@ import torch
 from labml_zero.app.client import check_app_url
 from labml_zero.finetune.lr_schedule import SCHEDULES, LRSchedule
 from labml_zero.neox import model as neox_model
+from labml_zero.neox.build import resolve_kernels
 from labml_zero.neox.finetuners import FINETUNERS, finetuner
 from labml_zero.neox.hf_checkpoint import config_from_hf
 from labml_zero.neox.lora import TARGETS, FineTuneLoRA
@@ -166,6 +167,18 @@ class FinetuneConfig:
     compile: bool = False
     """`torch.compile` each transformer layer's forward ([compiled
     layers](../zero3/compiled.html)): Inductor on GPUs, `aot_eager` on CPU."""
+    kernels: str = field(default="auto",
+                         metadata=flag(metavar="auto|none|loss,rotary,..."))
+    """The model's [fused kernels](../neox/kernels.html): `auto` turns every
+    fusion on with GPUs and none on CPU ([the model's
+    build](../neox/build.html)); `none`; or names from `loss`, `rotary`,
+    `norms`, `bias_gelu`, comma-separated."""
+    cuda_graph: bool = False
+    """Record the whole training step as one CUDA graph after two eager steps
+    and replay it ([the step as one CUDA
+    graph](../optimizers/graphed_step.html)): GPUs only, one micro-batch a step,
+    no recomputation, offload, fp16 or clipping; refused before start
+    otherwise."""
     peer_memory: bool = False
     """Gather and reduce-scatter the chunks through the other ranks' memory
     instead of with NCCL's kernels (`ZeroConfig.peer_gather` and `peer_reduce`,
@@ -277,6 +290,10 @@ class FinetuneConfig:
         if self.offload_params > 0 and self.offload_optimizer != 1:
             raise ValueError("offload_params needs offload_optimizer=1 (a shard in "
                              "host memory is updated there)")
+        try:
+            resolve_kernels(self.kernels, "cpu")  # the names, whatever the device
+        except ValueError as e:
+            raise ValueError(f"kernels {self.kernels!r}: {e}") from None
         if self.app_url is not None:
             try:
                 check_app_url(self.app_url)
@@ -287,6 +304,34 @@ class FinetuneConfig:
             raise ValueError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
         if self.sample_tokens and not self.prompt:
             raise ValueError("prompt must be non-empty to sample")
+
+    def cuda_graph_refusal(self, device: torch.device) -> str | None:
+        """
+        #### Why `cuda_graph` cannot apply to this run, or `None`
+
+        Known before any rank starts. A capture records kernels without running
+        them, so nothing in the step may wait on the host or change between
+        steps ([when a step can be recorded](../optimizers/graphed_step.html)).
+        """
+        if not self.cuda_graph:
+            return None
+        if device.type != "cuda":
+            return "needs GPUs (a CUDA graph records CUDA kernels; this run is on CPU)"
+        if self.activation_checkpointing:
+            return ("cannot record the recomputation of activations: leave out "
+                    "--activation-checkpointing")
+        if self.offload_optimizer != 0 or self.offload_params != 0:
+            return ("cannot record the update of a shard in host memory (it runs "
+                    "on a host thread): leave out --offload-optimizer/--offload-params")
+        if self.torch_dtype(device) == torch.float16:
+            return ("cannot record fp16's loss scaler (its overflow check waits on "
+                    "the host): use --dtype bf16")
+        if self.clip_grad is not None:
+            return ("cannot record clipping (the norm is read on the host): leave "
+                    "out --clip-grad")
+        if self.grad_accum != 1:
+            return "records one micro-batch a step: use --grad-accum 1"
+        return None
 
     def check_data_and_schedule(self) -> None:
         """

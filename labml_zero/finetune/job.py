@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from labml_zero.assembly import Assembled, Recipe, assemble
+from labml_zero.assembly import Assembled, Recipe
 from labml_zero.finetune.checkpoints import resume, save
 from labml_zero.finetune.config import (DTYPES, FINETUNERS, MODEL_PRESETS,
                                         FinetuneConfig, laptop,
@@ -62,6 +62,7 @@ from labml_zero.finetune.step_metrics import (StepMeter, flops_per_token,
 from labml_zero.finetune.tracking import (EXPERIMENT_NAME, labml_configs,
                                           local_log_written, start_labml)
 from labml_zero.launch import DistContext, ranks_text
+from labml_zero.neox import build as neox_build
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.generate import Sampling, generate
 from labml_zero.neox.hf_checkpoint import HFCheckpoint
@@ -72,6 +73,7 @@ from labml_zero.neox.tokenizer import job_tokenizer_path
 from labml_zero.optimizers.adam_fp16 import AdamFP16, NonFiniteGradient
 from labml_zero.optimizers.clip_grad import clip_grad_norm_
 from labml_zero.optimizers.grad_scaler import LossScaler
+from labml_zero.optimizers.graphed_step import GraphedStep
 from labml_zero.zero3.config import ZeroConfig
 from labml_zero.zero3.placement import shard_specs
 from labml_zero.zero3.placement_report import measured_lines
@@ -121,8 +123,10 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
     ### Build on meta, mark, shard, initialise or load, place, optimizer
 
     GPT-NeoX-20B must never exist whole on one rank. The model is put together
-    by [`assemble`](../assembly.html), the path the benchmark and the tests take
-    too: the layers are built on the meta device (no memory), marked by the
+    by [`build_neox`](../neox/build.html), the benchmark's path too, with the
+    fused kernels of `kernels` (on GPUs all of them, by default) and, with
+    `compile`, compiled layers: the layers are built on the meta device (no
+    memory), marked by the
     fine-tuner, and sharded while still on meta; each chunk is then initialised on
     its own (the seeded initialiser is the same on every rank, each keeps its
     slice), or, with a Hugging Face checkpoint, each layer's tensors are read on
@@ -134,8 +138,9 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
     does.
     """
     neox = config.model_config()
-    layers = neox_model.build_layers(neox, filter_layers=config.filter_layers,
-                                     device="meta")
+    build = neox_build.NeoXBuild(
+        neox, kernels=neox_build.resolve_kernels(config.kernels, ctx.device),
+        compile=config.compile, filter_layers=config.filter_layers)
     dtype = config.torch_dtype(ctx.device)
     scaled = dtype == torch.float16
     tuner = config.tuner()
@@ -146,7 +151,6 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
                         peer_reduce=config.peer_memory,
                         shard_group_size=config.shard_group_size),
         finetune=tuner,
-        compile_types=(neox_model.TransformerLayer,) if config.compile else (),
         offload_optimizer=config.offload_optimizer,
         offload_params=config.offload_params, grad_accum=config.grad_accum,
         lr=config.lr, weight_decay=config.weight_decay,
@@ -175,8 +179,9 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
         # adapters: $A$ drawn as PEFT draws it, $B = 0$, inside each chunk like
         # the rest; so the model at step 0 is the base model
         init = tuner.init_param(init)
-    return assemble(layers, recipe, device=ctx.device, init_param=init, load=load,
-                    probe=probe)
+    # through the module, so that a test sees the job take the bench's path
+    return neox_build.build_neox(build, recipe, device=ctx.device,
+                                 init_param=init, load=load, probe=probe)
 
 
 # ## Steps
@@ -204,24 +209,49 @@ class Totals(NamedTuple):
         return math.sqrt(self.grad_squares)
 
 
+def micro_batch(dataset: TextDataset, indices: list[int],
+                device: torch.device) -> torch.Tensor:
+    """`[2, B, T]` int64 on `device`: the inputs, then the targets."""
+    batch = dataset.batch(indices)
+    return torch.stack([batch.inputs, batch.targets]).to(device)
+
+
 def forward_loss(model: Zero3Sequential, dataset: TextDataset, indices: list[int],
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """
     #### Mean cross-entropy of one micro-batch, and `[loss_sum, correct, tokens]`
     """
-    batch = dataset.batch(indices)
-    inputs = batch.inputs.to(device)  # [B, T] int64
-    targets = batch.targets.to(device)  # [B, T] int64
-    logits = model(inputs)  # [B, T, V] param dtype
-    # fp32 softmax: log(Σ exp) over the whole vocabulary, summed in bf16, would
-    # lose the small terms.
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return batch_loss(model, micro_batch(dataset, indices, device))
+
+
+def batch_loss(model: Zero3Sequential, batch: torch.Tensor, *,
+               fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    #### The loss of `batch` `[2, B, T]`, and `[loss_sum, correct, tokens]`
+
+    With the fused loss (`fused`) the readout computes the loss from the
+    targets without ever holding the logits, so no token's prediction is known
+    and `correct` is NaN (no training accuracy); the validation, under
+    `no_grad`, reads the logits either way. Nothing here waits on the host,
+    so a CUDA graph can record it.
+    """
+    inputs, targets = batch[0], batch[1]  # [B, T] int64 each
+    n = targets.numel()
+    if fused:
+        loss = model(inputs, targets)  # [] fp32, the readout's chunked loss
+        correct = loss.new_full((), math.nan, dtype=torch.float64)
+    else:
+        logits = model(inputs)  # [B, T, V] param dtype
+        # fp32 softmax: log(Σ exp) over the whole vocabulary, summed in bf16,
+        # would lose the small terms.
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        with torch.no_grad():
+            correct = (logits.argmax(dim=-1) == targets).sum().double()
     with torch.no_grad():
-        correct = (logits.argmax(dim=-1) == targets).sum()
-        n = targets.numel()
-        # [3] fp64, so sums over many tokens and ranks stay exact
-        stats = torch.stack([loss.detach().double() * n, correct.double(),
-                             torch.tensor(n, dtype=torch.float64, device=device)])
+        # [3] fp64, so sums over many tokens and ranks stay exact; `new_full`
+        # fills on the device (a host tensor copied in would not record)
+        stats = torch.stack([loss.detach().double() * n, correct,
+                             loss.new_full((), n, dtype=torch.float64)])
     return loss, stats
 
 
@@ -258,6 +288,16 @@ class Training(NamedTuple):
     optimizer: AdamFP16
     scaler: LossScaler | None
     """fp16 only: the dynamic loss scale, agreed by all ranks."""
+    fused_loss: bool = False
+    """The readout computes the loss (the `loss` kernel): no training accuracy."""
+    graphed: GraphedStep | None = None
+    """With `cuda_graph`: the device part of the step (`device_step`),
+    recorded after `GRAPH_WARMUP` eager steps and replayed."""
+
+
+# eager steps before the step is recorded as a CUDA graph: the optimizer's
+# state, NCCL's communicators and the prefetch order exist by then
+GRAPH_WARMUP = 2
 
 
 def train_step(training: Training, batches: list[list[int]],
@@ -279,17 +319,36 @@ def train_step(training: Training, batches: list[list[int]],
     tokens, tokens and, when nothing reduced it yet, the squared gradient norm),
     and one host sync per step.
     """
-    model, optimizer, scaler = training
+    device = training.model.runtime.comm.device
+    # [A, 2, B, T] int64: every micro-batch's inputs and targets
+    batch = torch.stack([micro_batch(dataset, indices, device)
+                         for indices in batches])
+    if training.graphed is not None:
+        return all_reduce_totals(training.graphed(batch))
+    return all_reduce_totals(device_step(training, batch, config))
+
+
+def device_step(training: Training, batch: torch.Tensor,
+                config: FinetuneConfig) -> torch.Tensor:
+    """
+    #### The step's work on the device: `[loss_sum, correct, tokens, ‖g‖²]` fp64
+
+    Without a loss scaler or clipping nothing in it waits on the host, so
+    `GraphedStep` can record it whole (`cuda_graph`); the totals' all-reduce
+    and the host's read of them stay outside.
+    """
+    model, optimizer, scaler = training.model, training.optimizer, training.scaler
     comm = model.runtime.comm
     stats = torch.zeros(4, dtype=torch.float64, device=comm.device)
-    for micro, indices in enumerate(batches):
+    for micro in range(len(batch)):
         # The first $A - 1$ backward passes run inside `model.no_sync()`, so
         # gradients stay in the chunks' full-size buffers and one reduce-scatter
         # per chunk, after the last micro-batch, serves the whole step.
-        last = micro == len(batches) - 1
+        last = micro == len(batch) - 1
         with contextlib.nullcontext() if last else model.no_sync():
-            loss, micro_stats = forward_loss(model, dataset, indices, comm.device)
-            loss = loss / len(batches)
+            loss, micro_stats = batch_loss(model, batch[micro],
+                                           fused=training.fused_loss)
+            loss = loss / len(batch)
             (scaler.scale(loss) if scaler is not None else loss).backward()
         stats[:3] += micro_stats
     shards = model.get_trainable_chunk()
@@ -311,7 +370,7 @@ def train_step(training: Training, batches: list[list[int]],
     else:
         optimizer.step()
     optimizer.zero_grad()
-    return all_reduce_totals(stats)
+    return stats
 
 
 def env_step(name: str, rank: int) -> int | None:
@@ -426,6 +485,12 @@ def banner(config: FinetuneConfig, neox: neox_model.NeoXConfig, counts,
             f"({config.finetune}) on {ranks_text(world_size)}")
 
 
+# Steps whose time the closing throughput line leaves out: the first compiles
+# (with `compile`), the first `GRAPH_WARMUP` run eagerly and the next records
+# the graph (with `cuda_graph`); the benchmark's default warm-up is as long.
+STEADY_AFTER = GRAPH_WARMUP + 1
+
+
 # ## The job
 
 
@@ -455,16 +520,24 @@ def train(ctx: DistContext, config: FinetuneConfig,
                           world_size=ctx.world_size, seed=config.seed)
     schedule = config.schedule(total_steps)
 
+    fused_loss = neox_build.resolve_kernels(config.kernels, ctx.device).loss
+
     def probe(model: Zero3Sequential) -> None:
-        # one micro-batch of the training split, without moving the sampler
-        indices = list(range(config.batch_size))
-        forward_loss(model, data.train, indices, ctx.device)[0].backward()
+        # one micro-batch of the training split, without moving the sampler,
+        # through the loss the steps use
+        batch = micro_batch(data.train, list(range(config.batch_size)), ctx.device)
+        batch_loss(model, batch, fused=fused_loss)[0].backward()
 
     built = build_model(config, ctx, probe)
     model = built.model
     scaled = config.torch_dtype(ctx.device) == torch.float16
     scaler = LossScaler(model.runtime.comm) if scaled else None
-    training = Training(model, built.optimizer, scaler)
+    training = Training(model, built.optimizer, scaler, fused_loss=fused_loss)
+    if config.cuda_graph:
+        # refused before start where it cannot apply (`cuda_graph_refusal`)
+        training = training._replace(graphed=GraphedStep(
+            lambda batch: device_step(training, batch, config), built.optimizer,
+            warmup=GRAPH_WARMUP, counter=model.runtime.comm.counter))
     step = resume(config, training, sampler) if config.resume is not None else 0
     if step >= total_steps:
         # preflight refuses this for --steps; with --epochs it shows only here
@@ -480,7 +553,7 @@ def train(ctx: DistContext, config: FinetuneConfig,
     dtype = config.torch_dtype(ctx.device)
     meter = StepMeter(token_flops=token_flops(config, neox, built.counts),
                       peak=peak_flops(ctx.device, dtype), world_size=ctx.world_size,
-                      device=ctx.device)
+                      device=ctx.device, warmup=STEADY_AFTER)
     fail_at = env_step(FAIL_AT_STEP_ENV, ctx.rank)
     nan_at = env_step(NAN_AT_STEP_ENV, ctx.rank)
     last_saved = Path(config.resume) if config.resume is not None else None
@@ -524,8 +597,10 @@ def train(ctx: DistContext, config: FinetuneConfig,
             if nan_at is not None and step >= nan_at:
                 totals = totals._replace(loss_sum=math.nan)
             check_loss(totals, step, scaler, last_saved)
-            tracker.save(step, {"loss.train": totals.loss,
-                                "acc.train": totals.accuracy,
+            # the fused loss knows no prediction: no training accuracy then
+            accuracy = ({} if math.isnan(totals.correct)
+                        else {"acc.train": totals.accuracy})
+            tracker.save(step, {"loss.train": totals.loss, **accuracy,
                                 **meter.indicators(totals, lr=lr, scale=(
                                     scaler.scale_value if scaler else None))})
             if step % config.valid_every == 0 or step == total_steps:
@@ -541,6 +616,8 @@ def train(ctx: DistContext, config: FinetuneConfig,
             tracker.new_line()
             meter.clock.restart()  # the next step's time excludes this one's extras
 
+        if ctx.rank == 0 and (steady := meter.steady_line()) is not None:
+            logger.log(steady)
         export(config, built, neox, ctx.device)
         if config.sample_tokens:
             text = sample(model, tokenizer, config, ctx)

@@ -22,7 +22,11 @@ printed on the step's line and recorded by [labml](tracking.html):
   time (the all-reduce of the totals syncs the host with the device, so the
   time is the device's);
 * `mfu` (GPUs whose peak is known): model FLOPs utilisation, the model's FLOPs
-  per second over the peak of all $N_d$ devices. A token costs about
+  per second over the dense peak of all $N_d$ devices,
+  $\text{MFU} = \frac{F \cdot \text{tokens/s}}{N_d \, P}$, with $P$ the data
+  sheet's dense bf16/fp16 figure (TF32 for fp32), as PaLM, Megatron-LM,
+  torchtitan and LLM Foundry count it. `mfu` below is the one function the
+  job, the benchmark and the results page use. A token costs about
   $6\Psi_m + 12 L d T$
   (tested: tests/finetune/test_step_metrics.py::test_flops_per_token)
   FLOPs in a forward and backward (PaLM's count): $2\Psi_m$
@@ -37,7 +41,10 @@ printed on the step's line and recorded by [labml](tracking.html):
 * MFU counts every weight's gradient, as PaLM does; with frozen weights (biases,
   LoRA) the hardware does about $4/6$ of those FLOPs, so MFU understates its use.
 * Peak FLOPs are a table of dense bf16/fp16 and TF32 figures from the vendors'
-  data sheets (`PEAK_FLOPS`); another GPU gets no MFU.
+  data sheets (`PEAK_FLOPS`); another GPU gets no MFU. A large matrix product
+  measured on the GPU reaches less than the data sheet's figure, so a share of
+  that measured peak reads higher; it may be shown beside MFU, named as such,
+  never instead of it.
 """
 
 from __future__ import annotations
@@ -50,13 +57,14 @@ import torch
 
 from labml_zero.optimizers.clip_grad import shard_grads
 
-__all__ = ["PEAK_FLOPS", "flops_per_token", "peak_flops", "local_grad_squares",
-           "StepClock", "peak_memory_gib", "StepMeter"]
+__all__ = ["PEAK_FLOPS", "flops_per_token", "peak_flops", "peak_flops_of", "mfu",
+           "local_grad_squares", "StepClock", "peak_memory_gib", "StepMeter"]
 
-# Dense peak FLOP/s per GPU from the vendors' data sheets (SXM parts):
-# name fragment → (bf16/fp16 tensor cores, fp32 through TF32).
-PEAK_FLOPS = {"H200": (989.4e12, 494.7e12), "H100": (989.4e12, 494.7e12),
-              "A100": (312e12, 156e12)}
+# Dense (not 2:4 sparse) peak FLOP/s per GPU from the vendors' data sheets:
+# name fragment → (bf16/fp16 tensor cores, fp32 through TF32). The first
+# fragment in the device's name wins, so a PCIe part precedes its SXM twin.
+PEAK_FLOPS = {"H200": (989.4e12, 494.7e12), "H100 PCIe": (756e12, 378e12),
+              "H100": (989.4e12, 494.7e12), "A100": (312e12, 156e12)}
 
 
 def flops_per_token(*, matmul_params: int, n_layers: int, d_model: int,
@@ -65,15 +73,35 @@ def flops_per_token(*, matmul_params: int, n_layers: int, d_model: int,
     return 6.0 * matmul_params + 12.0 * n_layers * d_model * seq_len
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """One device's peak FLOP/s for `dtype`, or `None` (CPU, an unknown GPU)."""
-    if device.type != "cuda":
+def peak_flops_of(name: str | None, dtype: torch.dtype) -> float | None:
+    """
+    #### A GPU's dense peak FLOP/s from its name
+
+    `name` as `torch.cuda.get_device_name` gives it (`'NVIDIA H200'`); bf16 and
+    fp16 run on the tensor cores at one rate, fp32 through TF32 at half of it.
+    `None` for a name not in `PEAK_FLOPS` (a CPU has none).
+    """
+    if not name or dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return None
-    name = torch.cuda.get_device_name(device)
     for fragment, (half, single) in PEAK_FLOPS.items():
         if fragment in name:
             return single if dtype == torch.float32 else half
     return None
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """One device's peak FLOP/s for `dtype`, or `None` (CPU, an unknown GPU)."""
+    if device.type != "cuda":
+        return None
+    return peak_flops_of(torch.cuda.get_device_name(device), dtype)
+
+
+def mfu(*, token_flops: float, tokens_per_s: float, world_size: int,
+        peak: float | None) -> float | None:
+    r"""$\frac{F \cdot \text{tokens/s}}{N_d P}$; `None` where the peak is unknown."""
+    if peak is None:
+        return None
+    return token_flops * tokens_per_s / (world_size * peak)
 
 
 def local_grad_squares(shards: list[torch.Tensor]) -> torch.Tensor:
@@ -119,22 +147,52 @@ class StepMeter:
     ## A step's indicators, from its totals, its rate and its time
 
     * `token_flops`: `flops_per_token` of the model at `seq_len`;
-    * `peak`: one device's peak FLOP/s, or `None` for no `mfu`.
+    * `peak`: one device's peak FLOP/s, or `None` for no `mfu`;
+    * `warmup`: the first steps, left out of the steady rate (`steady_line`):
+      a compilation or a graph's recording is in them.
+
+    The steady rate is the tokens of the later steps over their summed time,
+    as the benchmark's tokens per second is its steps' tokens over their mean
+    time, so the two compare directly.
     """
 
     def __init__(self, *, token_flops: float, peak: float | None, world_size: int,
-                 device: torch.device):
+                 device: torch.device, warmup: int = 0):
         self.token_flops, self.peak = token_flops, peak
         self.world_size, self.device = world_size, device
         self.clock = StepClock()
+        self.warmup, self.steps = warmup, 0
+        self.steady_tokens = self.steady_s = 0.0
 
     def indicators(self, totals, *, lr: float, scale: float | None) -> dict:
         """`totals` is the step's `Totals`; `scale` the fp16 loss scale."""
-        rate = totals.tokens / max(self.clock.lap(), 1e-9)  # tokens/s, all ranks
+        took = max(self.clock.lap(), 1e-9)
+        self.steps += 1
+        if self.steps > self.warmup:
+            self.steady_tokens += totals.tokens
+            self.steady_s += took
+        rate = totals.tokens / took  # tokens/s, all ranks
         out = {"lr": lr, "grad_norm": totals.grad_norm, "tokens_per_s": rate,
                "memory.peak": peak_memory_gib(self.device)}
-        if self.peak is not None:
-            out["mfu"] = rate * self.token_flops / (self.peak * self.world_size)
+        share = mfu(token_flops=self.token_flops, tokens_per_s=rate,
+                    world_size=self.world_size, peak=self.peak)
+        if share is not None:
+            out["mfu"] = share
         if scale is not None:
             out["loss_scale"] = scale
         return out
+
+    def steady_line(self) -> str | None:
+        """
+        ### The rate after the warm-up, one line for the end of the run
+
+        `None` when no step came after the warm-up.
+        """
+        if self.steps <= self.warmup:
+            return None
+        rate = self.steady_tokens / self.steady_s
+        share = mfu(token_flops=self.token_flops, tokens_per_s=rate,
+                    world_size=self.world_size, peak=self.peak)
+        return (f"tokens/s over steps {self.warmup + 1}..{self.steps} of this run "
+                f"(after {self.warmup} warm-up): {rate:,.0f}"
+                + ("" if share is None else f", MFU {100 * share:.1f}%"))

@@ -299,3 +299,40 @@ def test_no_formula_is_left_as_raw_tex():
     # What still gets through as text stops the build.
     with pytest.raises(BuildError, match=r"p\.html: TeX left as text"):
         renderer.render("`a` \\\\alpha b\n", "p.html", set())
+
+
+def test_results_restate_mfu_on_the_data_sheet_and_pick_each_best(tmp_path):
+    """A line's own `mfu` (790 TFLOP/s in older lines) is not what the page
+    shows: MFU is recomputed from tokens/s and the workload's FLOPs per token
+    over the data sheet's 989.4 TFLOP/s. Each engine is compared at its fastest
+    configuration, named."""
+    from bench.workloads import flops_per_token, workloads
+
+    folder = tmp_path / "bench" / "results"
+    folder.mkdir(parents=True)
+    w1 = workloads()["W1"]
+    line = {"workload": "W1", "world_size": 1, "status": "ok", "mfu": 0.68,
+            "tokens_per_s": 59.2e3, "peak_mem_gib": 1.0, "step_time_mean_s": 1.0,
+            "step_time_std_s": 0.1, "loss": 2.0, "device": "NVIDIA H200",
+            "batch_per_gpu": 8, "seq": 2048, "finetune": "all",
+            "model": {"n_layers": 24, "d_model": 2048, "n_heads": 16,
+                      "n_vocab": 50304}}
+    rows = [{**line, "engine": "labml_zero", "tokens_per_s": 59.2e3},
+            {**line, "engine": "labml_zero", "compiled": True,
+             "tokens_per_s": 62.0e3},
+            {**line, "engine": "ddp", "tokens_per_s": 50.0e3},
+            {**line, "engine": "ddp", "compiled": True, "tokens_per_s": 61.0e3}]
+    (folder / "2026-01-02-run1-x.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows))
+    found = results.load_results(tmp_path)
+    expected = 100 * flops_per_token(w1) * 59.2e3 / 989.4e12
+    assert results.lookup(found, "W1 labml_zero gpus=1 mfu")[0] == f"{expected:.1f}%"
+    assert expected < 55  # the line's own 68% is not what the page shows
+    best = results.best_settings(found)[("W1", 1, 8)]
+    assert {e: results.setting(m.key) for e, m in best.items()} == {
+        "labml_zero": "compiled", "ddp": "compiled"}
+    page = results.results_markdown(found)
+    assert "| W1 | 1 | 8 | ddp | [compiled](#result-w1-ddp-compiled-1gpu-b8), " \
+           "kernels none | 61,000 |" in page and f"| {61 / 62:.3f} |" in page
+    # a CPU line, or a GPU not in the table, has no MFU
+    assert results.line_mfu({**line, "device": "cpu"}) is None

@@ -5,7 +5,8 @@ import math
 import torch
 
 from labml_zero.finetune.job import Totals
-from labml_zero.finetune.step_metrics import StepMeter, flops_per_token, peak_flops
+from labml_zero.finetune.step_metrics import (StepMeter, flops_per_token, mfu,
+                                              peak_flops, peak_flops_of)
 
 
 def test_flops_per_token():
@@ -24,3 +25,27 @@ def test_indicators_of_a_step():
     assert out["loss_scale"] == 1024.0 and out["memory.peak"] > 0
     # MFU: tokens/s × FLOPs a token over the peak of both devices
     assert math.isclose(out["mfu"], out["tokens_per_s"] * 10.0 / 200.0)
+
+
+def test_peak_is_the_data_sheets_dense_figure_in_flops():
+    """FLOP/s, not TFLOP/s: bf16 and fp16 share the tensor cores' dense rate,
+    fp32 runs through TF32 at half; a PCIe H100 is not its SXM twin."""
+    assert peak_flops_of("NVIDIA H200", torch.bfloat16) == 989.4e12
+    assert peak_flops_of("NVIDIA H200", torch.float16) == 989.4e12
+    assert peak_flops_of("NVIDIA H200", torch.float32) == 494.7e12
+    assert peak_flops_of("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4e12
+    assert peak_flops_of("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert peak_flops_of("NVIDIA A100-SXM4-80GB", torch.float32) == 156e12
+    # an unknown GPU, a CPU and a dtype without tensor-core peak get none
+    assert peak_flops_of("NVIDIA GeForce GT 710", torch.bfloat16) is None
+    assert peak_flops_of("cpu", torch.bfloat16) is None
+    assert peak_flops_of("NVIDIA H200", torch.float64) is None
+
+
+def test_mfu_of_a_step_on_the_data_sheet():
+    # W1: 59.2k tokens/s of 9.07 GFLOPs each on one H200 is 54%, not the 68%
+    # a 790 TFLOP/s measured product would give
+    share = mfu(token_flops=9.07e9, tokens_per_s=59.2e3, world_size=1,
+                peak=peak_flops_of("NVIDIA H200", torch.bfloat16))
+    assert math.isclose(share, 9.07e9 * 59.2e3 / 989.4e12, rel_tol=1e-12)
+    assert mfu(token_flops=1.0, tokens_per_s=1.0, world_size=1, peak=None) is None
