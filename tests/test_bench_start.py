@@ -19,7 +19,8 @@ CPU = torch.device("cpu")
 RANKS = 2  # the bench's --cpu runs two gloo ranks
 
 
-def reference_loss(workload, *, seed: int, dtype: torch.dtype) -> float:
+def reference_loss(workload, *, seed: int, dtype: torch.dtype,
+                   ranks: int = RANKS) -> float:
     """The first step's loss as the bench reports it (the mean over the ranks'
     batches, those of the bench's seed 0) of the unsharded model in one
     process, in `dtype`, its weights drawn with `seed`."""
@@ -29,12 +30,12 @@ def reference_loss(workload, *, seed: int, dtype: torch.dtype) -> float:
     InitialWeights(workload, seed=seed, device=CPU).copy_into(layers)
     model = NeoXChain(*layers).to(dtype)
     losses = []
-    for rank in range(RANKS):
-        ctx = DistContext(rank, RANKS, rank, CPU, "gloo")
+    for rank in range(ranks):
+        ctx = DistContext(rank, ranks, rank, CPU, "gloo")
         batch = random_batches(workload, ctx, count=1, seed=0)[0]
         with torch.no_grad():
             losses.append(lm_loss(model, batch).item())
-    return sum(losses) / RANKS
+    return sum(losses) / ranks
 
 
 def first_loss_tolerance(workload, dtype: torch.dtype, *, sigmas: float = 6) -> float:
@@ -106,3 +107,19 @@ def test_engines_start_alike(tmp_path):
     for seed in (1, 2):
         other = reference_loss(tiny, seed=seed, dtype=torch.float64)
         assert abs(other - exact) > 2 * tolerance, (seed, other, exact)
+
+
+@pytest.mark.distributed
+def test_the_bounds_start_as_the_engines():
+    """The one-device bounds draw the same weights: on one rank, the first
+    losses of ours, the model alone and the update floor agree."""
+    tiny = shrink(workloads()["W2-1"])
+    lines = bench_run.main([
+        "--tiny", "--cpu", "--world-size", "1", "--workloads", "W2-1",
+        "--engines", "labml_zero,model_only,update_floor", "--steps", "1",
+        "--warmup", "0", "--no-profile"])
+    # half the tokens of two ranks: the tolerance of one rank's batch
+    tolerance = first_loss_tolerance(tiny, torch.bfloat16) * math.sqrt(RANKS)
+    exact = reference_loss(tiny, seed=0, dtype=torch.float64, ranks=1)
+    for line in lines:
+        assert abs(line["loss"] - exact) <= tolerance, (line["engine"], line)
