@@ -364,7 +364,8 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         memory_formula="(2+4+12)·Ψt/N + 2·Ψf/N; layout = same with padding; "
         "gathered_peak = bf16 chunks of 1 + prefetch_depth units (none with one rank); "
         "predicted_peak = device states - shard grads + gathered_peak "
-        "+ activations, or the automatic placement's own prediction",
+        "+ activations (of the line's kernels), or the automatic placement's "
+        "own prediction",
         psi_trainable=psi_t,
         psi_frozen=psi_f,
         counter=model.runtime.comm.counter,
