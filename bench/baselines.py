@@ -305,6 +305,9 @@ def build_fsdp2(ctx: DistContext, workload: Workload) -> Engine:
         fully_shard,
     )
 
+    # the run's seed, set by `bench.run` just before building, read before
+    # anything below draws or reseeds
+    seed = torch.initial_seed()
     layers, psi_t, psi_f = meta_layers(workload)
     modules = with_recompute(layers, workload)
     model = NeoXChain(*modules)
@@ -332,8 +335,7 @@ def build_fsdp2(ctx: DistContext, workload: Workload) -> Engine:
     # 3. each rank allocates and initialises only its shards (DTensor locals),
     #    on the host when they are to live there
     model.to_empty(device="cpu" if offload else ctx.device)
-    InitialWeights(workload, seed=torch.initial_seed(),
-                   device=ctx.device).copy_into(layers)
+    InitialWeights(workload, seed=seed, device=ctx.device).copy_into(layers)
     # With offload the optimizer steps host tensors: fused has a CPU kernel.
     optimizer = adamw(trainable(model), fused=offload or ctx.device.type == "cuda")
     formula = "(4+4+8)·Ψt/N + 4·Ψf/N (fp32 params are the masters)"
