@@ -193,10 +193,10 @@ class InitialWeights:
     r"""
     ## Every engine's initial weights, drawn once per layer
 
-    Each engine used to draw its weights its own way (DDP built on the device,
-    FSDP2 drew each rank's shards of a DTensor, ours a layer at a time), so
-    the same seed gave three models and the loss column three different
-    runs. Here layer $i$ is built alone in fp32 on `device` and initialised by
+    Left to themselves the engines draw differently (DDP builds on the
+    device, FSDP2 draws each rank's shards of a DTensor, ours a layer at a
+    time), so one seed would give three models and the loss column three
+    different runs. Here layer $i$ is built alone in fp32 on `device` and initialised by
     its own `reset_parameters()` inside a forked RNG seeded with
     $(\text{seed}, i)$: its values depend neither on the engine, nor on how
     it shards or casts them, nor on the layers drawn before it. Each engine
