@@ -161,6 +161,7 @@ from .engine import (
     LEARNING_RATE,
     WEIGHT_DECAY,
     Engine,
+    InitialWeights,
     lm_loss,
     meta_layers,
 )
@@ -304,6 +305,9 @@ def build_fsdp2(ctx: DistContext, workload: Workload) -> Engine:
         fully_shard,
     )
 
+    # the run's seed, set by `bench.run` just before building, read before
+    # anything below draws or reseeds
+    seed = torch.initial_seed()
     layers, psi_t, psi_f = meta_layers(workload)
     modules = with_recompute(layers, workload)
     model = NeoXChain(*modules)
@@ -331,9 +335,7 @@ def build_fsdp2(ctx: DistContext, workload: Workload) -> Engine:
     # 3. each rank allocates and initialises only its shards (DTensor locals),
     #    on the host when they are to live there
     model.to_empty(device="cpu" if offload else ctx.device)
-    with torch.no_grad():
-        for layer in layers:
-            layer.reset_parameters()
+    InitialWeights(workload, seed=seed, device=ctx.device).copy_into(layers)
     # With offload the optimizer steps host tensors: fused has a CPU kernel.
     optimizer = adamw(trainable(model), fused=offload or ctx.device.type == "cuda")
     formula = "(4+4+8)·Ψt/N + 4·Ψf/N (fp32 params are the masters)"
@@ -359,10 +361,13 @@ def build_ddp(ctx: DistContext, workload: Workload) -> Engine:
             f"DDP has no offload (workload {workload.name} asks for offload="
             f"{workload.offload!r}): it replicates every model state on each GPU"
         )
-    # fp32 on the device directly, initialised there.
-    layers = build_layers(workload.model, device=ctx.device,
-                          kernels=workload.kernels)
+    # fp32 on the device, with every engine's initial weights
+    layers = build_layers(workload.model, device="meta", kernels=workload.kernels)
     count = finetuner(workload.finetune)(layers)
+    for layer in layers:
+        layer.to_empty(device=ctx.device)
+    InitialWeights(workload, seed=torch.initial_seed(),
+                   device=ctx.device).copy_into(layers)
     psi_t, psi_f = count.trainable, count.total - count.trainable
     # with compile, each transformer layer's call is compiled, as in FSDP2 above;
     # DDP's hooks are on the parameters' gradients, outside the compiled graphs

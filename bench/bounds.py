@@ -58,7 +58,7 @@ from labml_zero.optimizers.rounded_update import (
 from labml_zero.zero3.memory_model import zero_model_states
 
 from .baselines import with_recompute
-from .engine import LEARNING_RATE, WEIGHT_DECAY, Engine, lm_loss
+from .engine import LEARNING_RATE, WEIGHT_DECAY, Engine, InitialWeights, lm_loss
 from .workloads import Workload
 
 BOUNDS = ("model_only", "update_floor")
@@ -82,13 +82,17 @@ def bare_model(ctx: DistContext, workload: Workload) -> tuple[nn.Module, int, in
     r"""
     ## The model in bf16 on the device, marked by the workload's fine-tuner
 
-    Built as DDP's is (initialised on the device), in the dtype labml_zero and
-    FSDP2 compute in, each transformer layer recomputed if the workload says.
+    Built as DDP's is (on the device, every engine's initial weights), in the
+    dtype labml_zero and FSDP2 compute in, each transformer layer recomputed if
+    the workload says.
     Returns the model, $\Psi_t$ and $\Psi_f$.
     """
     layers = build_layers(workload.model, device=ctx.device, dtype=torch.bfloat16,
                           kernels=workload.kernels)
     count = finetuner(workload.finetune)(layers)
+    # every engine's initial weights, rounded to bf16 as ours are
+    InitialWeights(workload, seed=torch.initial_seed(),
+                   device=ctx.device).copy_into(layers)
     model = NeoXChain(*with_recompute(layers, workload))
     return model, count.trainable, count.total - count.trainable
 

@@ -93,6 +93,7 @@ GPUs, `aot_eager` on CPU).
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -186,6 +187,77 @@ def random_batches(
     ]
 
 
+# ## The same start for every engine
+
+
+class InitialWeights:
+    r"""
+    ## Every engine's initial weights, drawn once per layer
+
+    Left to themselves the engines draw differently (DDP builds on the
+    device, FSDP2 draws each rank's shards of a DTensor, ours a layer at a
+    time), so one seed would give three models and the loss column three
+    different runs. Here layer $i$ is built alone in fp32 on `device` and initialised by
+    its own `reset_parameters()` inside a forked RNG seeded with
+    $(\text{seed}, i)$: its values depend neither on the engine, nor on how
+    it shards or casts them, nor on the layers drawn before it. Each engine
+    then copies them into its own parameters, cast to their dtype. With the
+    batches (`random_batches`, the same seed) the first step's loss is one
+    number up to the engines' roundings
+    (tested: tests/test_bench_start.py::test_engines_start_alike).
+
+    One whole layer in fp32 is on the device at a time, beside what the
+    engine holds; the last one drawn is kept for the next parameter asked.
+    """
+
+    def __init__(self, workload: Workload, *, seed: int, device: torch.device):
+        # the engines' layers on meta, marked as theirs (LoRA adds adapters)
+        self.layers = build_layers(workload.model, device="meta",
+                                   kernels=workload.kernels)
+        finetuner(workload.finetune)(self.layers)
+        self.seed, self.device = seed, device
+        self.drawn: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def layer(self, index: int) -> dict[str, torch.Tensor]:
+        """Layer `index`'s parameters by name, fp32 on the device."""
+        if self.drawn is not None and self.drawn[0] == index:
+            return self.drawn[1]
+        self.drawn = None  # free the last layer before drawing the next
+        module = copy.deepcopy(self.layers[index]).to_empty(device=self.device)
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            # distinct for every (seed, index) below 2**20 layers
+            torch.manual_seed(self.seed * 2**20 + index)
+            module.reset_parameters()
+        self.drawn = (index, dict(module.named_parameters()))
+        return self.drawn[1]
+
+    @torch.no_grad()
+    def copy_into(self, layers: list[nn.Module]) -> None:
+        """Into plain or FSDP2 layers, in the same order as `self.layers`; a
+        DTensor parameter takes this rank's slice, as it shards."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        for index, layer in enumerate(layers):
+            values = self.layer(index)
+            for name, param in layer.named_parameters():
+                value = values[name]
+                if isinstance(param, DTensor):
+                    # each rank holds the full value: no communication
+                    value = distribute_tensor(value, param.device_mesh,
+                                              param.placements,
+                                              src_data_rank=None).to_local()
+                    param = param.to_local()
+                param.copy_(value)
+        self.drawn = None
+
+    def load_sharded(self, sharded: list) -> None:
+        """Into labml_zero's `Zero3Layer`s: each rank copies its slices."""
+        for index, layer in enumerate(sharded):
+            layer.load_sharded(self.layer(index))
+        self.drawn = None
+
+
 def meta_layers(workload: Workload) -> tuple[list[nn.Module], int, int]:
     r"""
     ### The model on the meta device, marked by the workload's fine-tuner
@@ -239,9 +311,13 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         update_during_backward=True, free_grads=True)
     # zero3_layers materialises, initialises and shards one layer at a time
     # (steps 1 to 3 above), with one chunk size searched over all of them.
+    # the run's seed, which `bench.run` set just before building
+    weights = InitialWeights(workload, seed=torch.initial_seed(),
+                             device=ctx.device)
     build = neox_build.NeoXBuild(workload.model, kernels=workload.kernels,
                                  compile=workload.compile)
     built = neox_build.build_neox(build, recipe, device=ctx.device,
+                                  load=weights.load_sharded,
                                   probe=probe_step(ctx, workload),
                                   auto_limits=None if ctx.device.type == "cuda"
                                   else simulated_limits(ctx, workload))
@@ -290,7 +366,8 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         memory_formula="(2+4+12)·Ψt/N + 2·Ψf/N; layout = same with padding; "
         "gathered_peak = bf16 chunks of 1 + prefetch_depth units (none with one rank); "
         "predicted_peak = device states - shard grads + gathered_peak "
-        "+ activations, or the automatic placement's own prediction",
+        "+ activations (of the line's kernels), or the automatic placement's "
+        "own prediction",
         psi_trainable=psi_t,
         psi_frozen=psi_f,
         counter=model.runtime.comm.counter,
@@ -311,7 +388,8 @@ def predicted_peak(workload: Workload, memory: dict) -> dict[str, int]:
     prefetch units (none with one rank, whose full buffers are its shards),
     and the activations alive then ([activation
     memory](../labml_zero/neox/activation_memory.html): every layer's saved
-    tensors plus the readout's and the loss's peak). Eager PyTorch: compiled
+    tensors plus the readout's and the loss's peak, for the kernels the
+    workload runs: the chunked loss holds no logits). Eager PyTorch: compiled
     layers choose what they save themselves. With the automatic offload the
     builder replaces it by the placement's own prediction, which stands on the
     probe's measured peak.
@@ -319,7 +397,8 @@ def predicted_peak(workload: Workload, memory: dict) -> dict[str, int]:
     activations = activation_bytes(
         workload.model, batch=workload.batch, seq=workload.seq,
         finetune=workload.finetune,
-        checkpointing=workload.activation_checkpointing).total
+        checkpointing=workload.activation_checkpointing,
+        kernels=workload.kernels).total
     states = memory.get("device_states", memory["layout_states"])
     return {"activations": activations,
             "predicted_peak": states - memory["shard_grads"]

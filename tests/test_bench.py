@@ -18,6 +18,7 @@ from labml_zero.neox.activation_memory import activation_bytes
 from bench.workloads import Workload, flops_per_token, matmul_params, mfu, shrink
 from bench.workloads import workloads as all_workloads
 from labml_zero.launch import DistContext
+from labml_zero.neox.kernels import ModelKernels
 from labml_zero.zero3.memory_model import zero_model_states
 
 
@@ -284,6 +285,16 @@ def test_kernels_reach_every_engine_and_the_line(tmp_path):
         assert abs(a["loss"] - b["loss"]) <= 2**10 * 2**-23 * abs(a["loss"])
         assert len(b["host_s"]) == len(b["step_times_s"]) == 2
         assert b["gc_collections"] >= 0 and b["host_s_mean"] > 0
+    # ours predicts its peak for the kernels it ran: the chunked loss holds no
+    # logits
+    tiny = shrink(all_workloads()["W4"])
+    for line, names in ((plain[0], ""), (fused[0], "loss,rotary")):
+        expected = activation_bytes(
+            tiny.model, batch=tiny.batch, seq=tiny.seq, finetune=tiny.finetune,
+            kernels=ModelKernels.from_names(names)).total
+        assert line["memory_model_gib"]["activations"] == expected / 2**30
+    assert (fused[0]["memory_model_gib"]["predicted_peak"]
+            < plain[0]["memory_model_gib"]["predicted_peak"])
     with pytest.raises(SystemExit, match="unknown kernel.*bogus"):
         bench_run.main(["--tiny", "--cpu", "--kernels", "bogus"])
     with pytest.raises(SystemExit, match="attention"):

@@ -278,7 +278,8 @@
     }
     return [new Set(layer), new Set(others)];
   }
-  function layerBytes(m, trains, batch, seq, inputRequiresGrad, dtypeBytes, loraRank) {
+  function layerBytes(m, trains, batch, seq, inputRequiresGrad, dtypeBytes, loraRank,
+                      fusedNorms) {
     const n = batch * seq, d = m.d_model, dff = ffDim(m), nd = n * d * dtypeBytes;
     const anyTrains = prefix => [...trains].some(name => name.startsWith(prefix));
     // W's gradient, or an adapter's A's, reads the linear's input
@@ -289,7 +290,9 @@
     const mlp = ln2 || anyTrains("mlp.dense_h_to_4h.");
     let total = 0;
     if (ln1 || ln2) total += nd;
-    total += (Number(ln1) + Number(ln2)) * 2 * n * FP32;
+    // fused norms: one mean and 1/σ for both
+    if (fusedNorms && (ln1 || ln2)) total += 2 * n * FP32;
+    else total += (Number(ln1) + Number(ln2)) * 2 * n * FP32;
     if (inputSaved("attention.query_key_value")) total += nd;
     if (attn) {
       total += 2 * nd + m.n_heads * n * FP32;
@@ -311,11 +314,23 @@
       fail(`seq ${seq} exceeds the model's max_position ${m.max_position}`);
     const [block, others] = trainableNames(inputs, data);
     const n = batch * seq, nd = n * m.d_model * 2;
-    const full = layerBytes(m, block, batch, seq, true, 2, inputs.lora_rank);
+    const k = inputs.kernels || {};
+    const full = layerBytes(m, block, batch, seq, true, 2, inputs.lora_rank, k.norms);
     let saved = inputs.checkpointing ? 2 * nd
       : nd + 2 * n * FP32 + (others.has("embed_out.weight") ? nd : 0);
-    const logits = n * m.n_vocab * 2, fp32 = n * m.n_vocab * FP32;
-    const lossPeak = Math.max(saved + logits + 2 * fp32, saved + logits + 3 * fp32);
+    let logits = n * m.n_vocab * 2, fp32 = n * m.n_vocab * FP32;
+    let lossPeak = Math.max(saved + logits + 2 * fp32, saved + logits + 3 * fp32);
+    if (k.loss) {
+      // chunked_loss_bytes: no logits; dL/dx bf16 and dL/dW fp32 kept
+      const chunk = Math.min(k.loss_chunk_rows, n) * m.n_vocab * 2;
+      const gradW = m.n_vocab * m.d_model * FP32;
+      const norm = inputs.checkpointing ? nd : nd + 2 * n * FP32;
+      const work = Math.max(3 * chunk + gradW, 2 * chunk + 2 * gradW);
+      const kept = norm + nd + gradW;
+      logits = 0;
+      lossPeak = Math.max(norm + 2 * nd + work,
+                          kept + nd + gradW + m.n_vocab * m.d_model * 2);
+    }
     const L = m.n_layers;
     if (inputs.checkpointing) {
       const perLayer = batch * seq * m.d_model * 2;
@@ -323,7 +338,8 @@
       return L * perLayer + Math.max(lossPeak, logits + recomputed);
     }
     const embeddingTrains = [...others].some(name => name.startsWith("embed_in."));
-    const first = layerBytes(m, block, batch, seq, embeddingTrains, 2, inputs.lora_rank);
+    const first = layerBytes(m, block, batch, seq, embeddingTrains, 2, inputs.lora_rank,
+                             k.norms);
     return first + (L - 1) * full + lossPeak;
   }
 

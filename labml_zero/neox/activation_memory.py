@@ -34,6 +34,22 @@ set, each target's input once, and each adapter's $A x$ `[n, r]`: on all four
 $2 \cdot 4 n r$ bytes more than $M_{\text{layer}}$ at $c = 16$
 (tested: tests/neox/test_activation_memory.py::test_layer_counts_by_finetuner).
 
+The [fused kernels](kernels.html) change two parts. The chunked readout loss
+(`kernels.loss`) never holds the logits: it computes both gradients in the
+forward pass and keeps them, $2nd + 4Vd$ bytes in place of the plain loss's
+$14nV$
+(tested: tests/neox/test_activation_memory.py::test_chunked_loss_peaks_by_hand)
+at its peak (`chunked_loss_bytes`); on Pythia-1.4B at
+{{py: workloads.workloads()["W1"].batch}} ×
+{{py: workloads.workloads()["W1"].seq | d}} tokens that is {{py:
+activation_memory.activation_bytes(neox_model.pythia_1_4b(), batch=8,
+seq=2048, finetune="all").readout_loss.peak / 2**30 | .2f}} GiB against {{py:
+activation_memory.activation_bytes(neox_model.pythia_1_4b(), batch=8,
+seq=2048, finetune="all", kernels=neox_model.ModelKernels.from_names(
+"loss,rotary,norms")).readout_loss.peak / 2**30 | .2f}}. Fused `norms` keep one
+mean and $1/\sigma$ for both norms of a layer. The compiled rotation and
+bias + GELU save what their plain twins save.
+
 The tests check each count tensor by tensor against what PyTorch saves
 (`torch.autograd.graph.saved_tensors_hooks`) on CPU.
 
@@ -46,6 +62,12 @@ The tests check each count tensor by tensor against what PyTorch saves
   counted (see `activation_bytes`).
 * CUDA's memory-efficient attention backend saves $nd$ less under the full
   fine-tune (see Note: the attention output is copied).
+* With recomputation the step's peak can lie in the backward pass, beyond
+  this count: a recomputed layer's gradients in flight, and, when each shard
+  is updated during the backward pass on a side stream, the gradients of the
+  units whose updates are still queued. The allocator frees those only when
+  the side stream has read them (`record_stream`), so how many are alive
+  depends on how far the host runs ahead of the GPU, not on tensor sizes.
 """
 
 from __future__ import annotations
@@ -54,6 +76,7 @@ from dataclasses import replace
 from typing import NamedTuple, Sequence
 
 from labml_zero.neox.finetuners import finetuner
+from labml_zero.neox.kernels import ModelKernels
 from labml_zero.neox.lora import TARGETS
 from labml_zero.neox.model import NeoXConfig, build_layers
 
@@ -62,6 +85,7 @@ __all__ = [
     "ReadoutLoss",
     "activation_bytes",
     "layer_activation_bytes",
+    "chunked_loss_bytes",
     "readout_loss_bytes",
 ]
 
@@ -175,7 +199,7 @@ def _check(config: NeoXConfig, batch: int, seq: int, dtype_bytes: int) -> None:
 
 def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
                  input_requires_grad: bool, dtype_bytes: int,
-                 lora_rank: int = 0) -> int:
+                 lora_rank: int = 0, fused_norms: bool = False) -> int:
     r"""
     #### Bytes a layer saves without recomputation
 
@@ -249,7 +273,12 @@ def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
     total = 0
     if ln1 or ln2:
         total += nd  # x, one storage for both norms
-    total += (int(ln1) + int(ln2)) * 2 * n * FP32  # mean, 1/σ: [B, T, 1] fp32
+    if fused_norms and (ln1 or ln2):
+        # `two_layer_norms`: one mean and 1/σ serve both norms (its compiled
+        # backward recomputes x̂ from x and them)
+        total += 2 * n * FP32
+    else:
+        total += (int(ln1) + int(ln2)) * 2 * n * FP32  # mean, 1/σ: [B, T, 1] fp32
     if input_saved("attention.query_key_value"):
         total += nd  # LN1(x)
     if attn:
@@ -287,7 +316,8 @@ def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
                            lora_targets: Sequence[str] = tuple(TARGETS),
                            checkpointing: bool = False,
                            input_requires_grad: bool = True,
-                           dtype_bytes: int = 2) -> int:
+                           dtype_bytes: int = 2,
+                           kernels: ModelKernels | None = None) -> int:
     r"""
     ### Bytes one transformer layer keeps from forward to backward
 
@@ -301,6 +331,11 @@ def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
     * `input_requires_grad`: `False` for the first layer behind a frozen
       embedding (see the intro).
     * `dtype_bytes`: bytes per activation element, 2 for bf16.
+    * `kernels`: the model's [fused kernels](kernels.html); of a layer's, only
+      `norms` changes what it saves (one mean and $1/\sigma$ for both norms,
+      $2 \cdot 4n$ bytes less). The compiled rotation saves only the shared
+      tables, as its plain twin does, and `bias_gelu` saves $h$ as `F.gelu`
+      does.
 
     On the benchmark's {{see: W3}}, GPT-NeoX-20B trained bias-only at
     {{py: workloads.workloads()["W3"].batch}} ×
@@ -331,7 +366,8 @@ def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
         return batch * seq * config.d_model * dtype_bytes
     return _layer_bytes(config, trains, batch=batch, seq=seq,
                         input_requires_grad=input_requires_grad,
-                        dtype_bytes=dtype_bytes, lora_rank=lora_rank)
+                        dtype_bytes=dtype_bytes, lora_rank=lora_rank,
+                        fused_norms=(kernels or ModelKernels()).norms)
 
 
 # ## Readout and loss
@@ -339,7 +375,8 @@ def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
 
 def readout_loss_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
                        checkpointing: bool = False, logits_held: bool = True,
-                       dtype_bytes: int = 2) -> ReadoutLoss:
+                       dtype_bytes: int = 2,
+                       kernels: ModelKernels | None = None) -> ReadoutLoss:
     r"""
     ### Bytes of the final norm, the readout and the fp32 cross-entropy
 
@@ -384,9 +421,15 @@ def readout_loss_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: st
     of its {{py: neox_model.pythia_1_4b().n_layers}} layers keep.
 
     The int64 targets (`targets.flatten()` copies a strided slice: $8n$ bytes)
-    and the loss's scalars are not counted.
+    and the loss's scalars are not counted. With the `loss` kernel
+    (`kernels.loss`) the count is `chunked_loss_bytes`'.
     """
     _check(config, batch, seq, dtype_bytes)
+    if kernels is not None and kernels.loss:
+        return chunked_loss_bytes(config, batch=batch, seq=seq,
+                                  chunk_rows=kernels.loss_chunk_rows,
+                                  checkpointing=checkpointing,
+                                  dtype_bytes=dtype_bytes)
     _, trains = _trainable(config, finetune)
     n = batch * seq
     nd = n * config.d_model * dtype_bytes
@@ -408,12 +451,61 @@ def readout_loss_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: st
                        backward_peak=backward_peak)
 
 
+def chunked_loss_bytes(config: NeoXConfig, *, batch: int, seq: int,
+                       chunk_rows: int, checkpointing: bool = False,
+                       dtype_bytes: int = 2) -> ReadoutLoss:
+    r"""
+    ### The same, with the chunked readout loss
+
+    The [`loss` kernel](kernels.html) (`ChunkedReadoutLoss`) computes both
+    gradients in the forward pass, $c$ = `chunk_rows` rows at a time
+    ($c \le n$), and never holds the logits `[n, V]`. What it keeps from
+    forward to backward is $\partial L / \partial x$ `[n, d]` in bf16 and
+    $\partial L / \partial W$ `[V, d]` in fp32: $2nd + 4Vd$ bytes, the second
+    whether $W$ trains or not. The readout is the loss head, so the engine
+    runs it without recomputation (`Zero3Sequential.forward`) and it keeps
+    no input; the final norm keeps $x_L$ and its statistics, or under
+    recomputation $x_L$ alone.
+
+    * forward: besides `saved`'s norm part, the norm's output $x$ (the
+      readout's input, $2nd$), $\partial L / \partial x$ being written ($2nd$),
+      and one chunk's work, the larger of two moments: the next chunk's bf16
+      logits made while this chunk's logits and gradient are still referenced
+      ($3 \cdot 2cV$, beside the fp32 $\partial L / \partial W$), and the
+      fp32 product that adds a chunk to $\partial L / \partial W$, which is a
+      new `[V, d]` beside the old one ($2 \cdot 2cV + 2 \cdot 4Vd$);
+    * backward: both stored gradients scaled by $\partial \text{out} /
+      \partial L$, new tensors ($2nd + 4Vd$), and the weight's cast to bf16
+      ($2Vd$).
+
+    The compiled loss of a chunk (`chunk_loss_and_grad`) writes its bf16
+    gradient and keeps no fp32 `[c, V]` tensor; these are the CUDA path's
+    sizes. On a CPU the chunk's loss runs eagerly, with its fp32 temporaries,
+    and only `saved` is the same.
+    """
+    n = batch * seq
+    d, V = config.d_model, config.n_vocab
+    nd = n * d * dtype_bytes
+    c = min(chunk_rows, n)
+    chunk = c * V * dtype_bytes  # one chunk's logits or gradient, [c, V] bf16
+    grad_w = V * d * FP32  # [V, d] fp32
+    # x_L (and, without recomputation, the final norm's mean and 1/σ)
+    norm = nd if checkpointing else nd + 2 * n * FP32
+    saved = norm + nd + grad_w
+    work = max(3 * chunk + grad_w, 2 * chunk + 2 * grad_w)
+    forward_peak = norm + nd + nd + work
+    backward_peak = saved + nd + grad_w + V * d * dtype_bytes
+    return ReadoutLoss(saved=saved, logits=0, forward_peak=forward_peak,
+                       backward_peak=backward_peak)
+
+
 # ## The whole model
 
 
 def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
                      lora_rank: int = 8, lora_targets: Sequence[str] = tuple(TARGETS),
-                     checkpointing: bool = False) -> ActivationMemory:
+                     checkpointing: bool = False,
+                     kernels: ModelKernels | None = None) -> ActivationMemory:
     r"""
     ### Activation bytes of the whole model per rank
 
@@ -426,8 +518,9 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
     biases, $9nd$ for ffn). Gradients in flight during backward (the residual
     stream's, a layer's intermediate ones, at most a few $nd$), the attention
     kernels' workspaces and the allocator's rounding and fragmentation are not
-    counted. `lora_rank` and `lora_targets` are as in
-    `layer_activation_bytes`.
+    counted. `lora_rank`, `lora_targets` and `kernels` are as in
+    `layer_activation_bytes`; with the `loss` kernel the last part is
+    `chunked_loss_bytes`, which holds no logits.
 
     Per rank, for the five jobs of the benchmark ({{see: W1}}, {{see: W2}},
     {{see: W3}}, {{see: W4}} and {{see: W5}}), computed by this function when the
@@ -493,11 +586,13 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
     """
     _check(config, batch, seq, 2)
     block, others = _trainable(config, finetune, lora_rank, lora_targets)
-    size = {"batch": batch, "seq": seq, "dtype_bytes": 2, "lora_rank": lora_rank}
+    kernels = kernels or ModelKernels()
+    size = {"batch": batch, "seq": seq, "dtype_bytes": 2, "lora_rank": lora_rank,
+            "fused_norms": kernels.norms}
     full = _layer_bytes(config, block, input_requires_grad=True, **size)
     readout_loss = readout_loss_bytes(config, batch=batch, seq=seq,
                                       finetune=finetune,
-                                      checkpointing=checkpointing)
+                                      checkpointing=checkpointing, kernels=kernels)
     L = config.n_layers
     if checkpointing:
         per_layer = batch * seq * config.d_model * 2  # the input, [B, T, d] bf16

@@ -58,6 +58,7 @@ import torch
 
 from labml_zero.neox.activation_memory import activation_bytes
 from labml_zero.neox.finetuners import finetuner
+from labml_zero.neox.kernels import ModelKernels
 from labml_zero.neox.lora import TARGETS
 from labml_zero.neox.model import NeoXConfig, build_layers, pythia_1_4b
 from labml_zero.zero3.chunk_layout import plan_chunks
@@ -113,6 +114,9 @@ class BudgetInputs:
     """$d$, units gathered ahead of the running one."""
     checkpointing: bool = False
     """Activation checkpointing (recomputation) of every unit."""
+    kernels: ModelKernels = ModelKernels()
+    r"""The model's [fused kernels](kernels.html); the chunked `loss` holds no
+    logits, fused `norms` one mean and $1/\sigma$ for both norms."""
     batch: int = 1
     """Sequences per micro-batch and rank."""
     seq: int = 2048
@@ -248,7 +252,7 @@ def budget(inputs: BudgetInputs) -> Budget:
     activations = activation_bytes(
         inputs.model, batch=inputs.batch, seq=inputs.seq, finetune=inputs.finetune,
         lora_rank=inputs.lora_rank, lora_targets=inputs.lora_targets,
-        checkpointing=inputs.checkpointing).total
+        checkpointing=inputs.checkpointing, kernels=inputs.kernels).total
 
     # The peak less the optimizer state on the device, which offload moves.
     nothing = resident_bytes(StaticPlacement().place(shards), shards, param_bytes=p)

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from docsite.calculator import PRESETS
 from labml_zero.neox import config as neox_config
+from labml_zero.neox.kernels import ModelKernels
 from labml_zero.neox.lora import TARGETS
 from labml_zero.neox.memory_budget import BudgetInputs
 
@@ -18,6 +19,10 @@ OFFLOADS = (0.0, 0.35, 1.0, None)
 # fixed chunk sizes in elements, odd ones included (the granule rounds them)
 CHUNKS = (2**20, 3 * 2**20 + 17, 5_000_000, 2**24, 40_000_000)
 GIB = 2**30
+# plain, the bench's usual set, and the loss alone in chunks longer than some
+# sequences (c = min(chunk rows, BT))
+KERNELS = (ModelKernels(), ModelKernels.from_names("loss,rotary,norms"),
+           ModelKernels(loss=True, loss_chunk_rows=3000))
 
 # The tiny model on two CPU ranks, whose real bytes tests/neox/test_memory_budget.py
 # counts: the end-to-end case, in the grid like any other.
@@ -53,7 +58,7 @@ def grid_inputs(count: int = 224) -> list[BudgetInputs]:
             chunk_numel=CHUNKS[i % len(CHUNKS)], prefetch_depth=(0, 1, 2)[i % 3],
             checkpointing=i % 2 == 1, batch=(1, 2, 4, 8)[(i // 5) % 4],
             seq=(128, 512, 2048)[(i // 4) % 3], micro_batches=(1, 1, 4)[i % 3],
-            update_during_backward=i % 4 == 3,
+            update_during_backward=i % 4 == 3, kernels=KERNELS[(i // 2) % 3],
             offload_fraction=OFFLOADS[(i // 6) % 4],
             device_bytes=(80 * GIB, 150_109_880_320)[i % 2]))
     return cases + list(ENGINE_CASES)

@@ -499,3 +499,108 @@ def test_figures_in_the_notes():
     assert f"{loss / GiB:.2f}" == "10.75"
     layer = A.layer_activation_bytes(config, batch=8, seq=2048, finetune="all")
     assert f"{loss / layer:.1f}" == "10.7"
+
+
+# ## With the fused kernels
+
+
+@pytest.mark.parametrize("finetune", FINETUNES)
+@pytest.mark.parametrize("rows", [16, 48, 1000])
+def test_chunked_loss_keeps_its_two_gradients(finetune, rows):
+    """The `loss` kernel: forward keeps $\\partial L / \\partial x$ (bf16) and
+    $\\partial L / \\partial W$ (fp32, whether $W$ trains or not) besides the
+    final norm's; no logits. Its backward makes both anew, scaled, and the
+    weight's in bf16. (The forward's chunk work is the CUDA path's, compiled;
+    on a CPU the chunk's loss runs eagerly and only these two are the same.)"""
+    config = M.NeoXConfig(n_vocab=1000, d_model=64, n_heads=4, n_layers=1)
+    kernels = M.ModelKernels(loss=True, loss_chunk_rows=rows)
+    B, T = 2, 24
+    torch.manual_seed(0)
+    layers = M.build_layers(config, dtype=BF16, kernels=kernels)
+    finetuner(finetune)(layers)
+    norm, readout = layers[2], layers[3]
+    x_last = torch.randn(B, T, config.d_model, dtype=BF16, requires_grad=True)
+    targets = torch.randint(0, config.n_vocab, (B, T))
+    params = list(norm.parameters()) + list(readout.parameters())
+    forward = LiveStorages()
+    with forward:
+        loss, saved, storages = saved_bytes(
+            lambda: readout(norm(x_last), targets), exclude=params)
+    count = A.readout_loss_bytes(config, batch=B, seq=T, finetune=finetune,
+                                 kernels=kernels)
+    assert count == A.chunked_loss_bytes(config, batch=B, seq=T, chunk_rows=rows)
+    cpu_stats = ln_stats_on_cpu(storages, B, T)
+    x_bytes = x_last.untyped_storage().nbytes()
+    n, d, V = B * T, config.d_model, config.n_vocab
+    assert count.logits == 0
+    # x_L, the statistics, and the Function's two gradients
+    grads = [t for t in storages.values() if t.shape in ((n, d), (V, d))]
+    assert {t.dtype for t in grads} == {BF16, torch.float32}
+    assert sum(t.untyped_storage().nbytes() for t in grads) == 2 * n * d + 4 * V * d
+    assert saved + cpu_stats == count.saved
+    assert forward.live() + x_bytes + cpu_stats == count.saved
+    backward = LiveStorages()
+    with backward:
+        loss.backward()
+    assert (backward.peak + forward.live() + x_bytes + cpu_stats
+            == count.backward_peak)
+
+
+def test_chunked_loss_peaks_by_hand():
+    """Pythia-1.4B's readout at the benchmark's W1 (8 × 2048 tokens, chunks of
+    2048 rows): the forward's larger moment is the fp32 weight gradient's new
+    copy beside the old; the plain loss holds 14nV at its peak."""
+    config = M.pythia_1_4b()
+    n, d, V = 8 * 2048, config.d_model, config.n_vocab
+    nd, chunk, grad_w = 2 * n * d, 2 * 2048 * V, 4 * V * d
+    fused = A.readout_loss_bytes(config, batch=8, seq=2048, finetune="all",
+                                 kernels=M.ModelKernels(loss=True))
+    norm = nd + 2 * n * A.FP32
+    assert fused.forward_peak == norm + 2 * nd + 2 * chunk + 2 * grad_w
+    assert fused.backward_peak == norm + 2 * nd + 2 * grad_w + 2 * V * d
+    assert fused.peak == fused.forward_peak
+    plain = A.readout_loss_bytes(config, batch=8, seq=2048, finetune="all")
+    assert plain.peak == plain.saved + plain.logits + 3 * 4 * n * V
+
+
+def test_fused_norms_save_one_pair_of_statistics():
+    """`two_layer_norms` compiled (the CUDA path; here by the partitioner
+    Inductor uses, on the CPU) saves x and one mean and 1/σ, `[B, T, 1]` fp32,
+    for both norms: the layer's count is $2 \\cdot 4n$ bytes less than with
+    the plain norms, which save a pair each."""
+    from labml_zero.neox import kernels as K
+
+    B, T, d = 2, 24, 64
+    x = torch.randn(B, T, d, dtype=BF16, requires_grad=True)
+    weights = [torch.randn(d, requires_grad=True) for _ in range(4)]
+    fused = torch.compile(K.two_layer_norms, backend="aot_eager_decomp_partition")
+    _, saved, storages = saved_bytes(lambda: fused(x, *weights, 1e-5),
+                                     exclude=weights)
+    stats = [t for t in storages.values() if tuple(t.shape) == (B, T, 1)]
+    assert [t.dtype for t in stats] == [torch.float32] * 2
+    assert saved == x.untyped_storage().nbytes() + 2 * B * T * A.FP32
+    config = M.NeoXConfig(n_vocab=512, d_model=d, n_heads=4, n_layers=1)
+    plain = A.layer_activation_bytes(config, batch=B, seq=T, finetune="all")
+    norms = A.layer_activation_bytes(config, batch=B, seq=T, finetune="all",
+                                     kernels=M.ModelKernels(norms=True))
+    assert plain - norms == 2 * B * T * A.FP32
+
+
+def test_whole_model_with_the_kernels():
+    """The loss kernel changes only the last part; under recomputation the
+    readout holds no logits beside the recomputed layer."""
+    config = M.NeoXConfig(n_vocab=1000, d_model=64, n_heads=4, n_layers=3)
+    kernels = M.ModelKernels(loss=True, norms=True, loss_chunk_rows=16)
+    for checkpointing in (False, True):
+        a = A.activation_bytes(config, batch=2, seq=24, finetune="all",
+                               checkpointing=checkpointing, kernels=kernels)
+        loss = A.chunked_loss_bytes(config, batch=2, seq=24, chunk_rows=16,
+                                    checkpointing=checkpointing)
+        assert a.readout_loss == loss
+        layer = A.layer_activation_bytes(config, batch=2, seq=24, finetune="all",
+                                         kernels=kernels)
+        n, nd = 48, 48 * 64 * 2
+        if checkpointing:
+            assert a.total == 3 * nd + max(loss.peak, layer - nd)
+        else:
+            assert a.total == 3 * layer + loss.peak

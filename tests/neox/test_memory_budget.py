@@ -141,3 +141,16 @@ def test_fitting_the_device_offloads_the_fewest_chunks():
         budget(BudgetInputs(world_size=8, shard_group_size=3))
     with pytest.raises(ValueError, match="param_dtype must be one of"):
         BudgetInputs(param_dtype="int8")
+
+
+def test_the_kernels_reach_the_activations():
+    """The budget's activations are the activation page's count for the kernels
+    of the job: the chunked loss holds no logits, so the peak drops."""
+    kernels = neox_model.ModelKernels.from_names("loss,rotary,norms")
+    plain = BudgetInputs(world_size=1, batch=8, seq=2048)
+    fused = replace(plain, kernels=kernels)
+    expected = activation_bytes(plain.model, batch=8, seq=2048, finetune="all",
+                                kernels=kernels).total
+    assert budget(fused).activations == expected
+    assert budget(plain).peak - budget(fused).peak == (
+        budget(plain).activations - expected)
