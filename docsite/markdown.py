@@ -100,6 +100,17 @@ def raw_tex_left(page_html: str) -> str:
     return " ".join(text[max(0, m.start() - 30):m.end() + 30].split()) if m else ""
 
 
+# `2^20`, `β2^t`, `b^(-2i)`: a power typed as text on a site that sets math.
+ASCII_POWER = re.compile(r"(?<![\w/.])[\w\u0370-\u03ff)]+\^[\w(-]+")
+
+
+def ascii_math(page_html: str) -> str:
+    """The first power written as text (`2^20`) in rendered HTML, or ''."""
+    text = visible_text(page_html)
+    m = ASCII_POWER.search(text)
+    return " ".join(text[max(0, m.start() - 30):m.end() + 30].split()) if m else ""
+
+
 def inline_svg(data: bytes) -> str:
     """An SVG file's markup without its XML prolog, to sit inside HTML."""
     text = data.decode("utf-8")
@@ -153,13 +164,24 @@ class Renderer:
             text = outside_code(text, lambda p: self.directives.expand(p, page))
         text = outside_code(text, join_inline_math)
         out = self.md.render(self.link_notes(text, markdown=True))
-        # marks alone in their paragraph (after a display formula) sit at its right
-        out = re.sub(r'<p>(<sup class="tested">.*?</sup>)</p>',
-                     r'<p class="tested-alone">\1</p>', out)
+        # A mark alone in its paragraph (after a display formula) joins the
+        # formula's block, at its right; any other lone mark joins the block
+        # before it: a paragraph holding only "✓" reads as a stray tick.
+        out = re.sub(r'</math></div>\n<p>(<sup class="tested">.*?</sup>)</p>',
+                     r'</math>\1</div>', out)
+        out = re.sub(r'</(p|li)>\n(?:</[uo]l>\n)?<p>(<sup class="tested">.*?</sup>)'
+                     r'</p>', lambda m: m.group(0).replace(
+                         "<p>" + m.group(2) + "</p>", "").replace(
+                         f"</{m.group(1)}>", m.group(2) + f"</{m.group(1)}>", 1),
+                     out)
         left = raw_tex_left(out)
         if left:
             raise BuildError(f"{page}: TeX left as text in the page: {left!r} "
                              "(a formula the parser did not take as math)")
+        power = ascii_math(out)
+        if power:
+            raise BuildError(f"{page}: a power typed as text: {power!r}; write it "
+                             "as math ($2^{20}$, $\\beta_2^t$)")
         return out
 
     # `see Note: why storage resize` -> a link to the note's anchor; the name is the

@@ -104,8 +104,8 @@ def read_table(root: Path) -> list[Symbol]:
 def table_markdown(symbols: list[Symbol]) -> str:
     """The notation table of the glossary page."""
     rows = ["## Notation", "",
-            "One symbol per quantity across the book (`docs_src/notation.txt`; "
-            "`docsite/notation.py` checks that no page gives one another meaning).",
+            "One symbol per quantity across the book: no page gives a symbol of "
+            "this table another meaning.",
             "", "| symbol | meaning |", "| --- | --- |"]
     rows += [f"| ${s.tex}$ | {s.meaning} |" for s in symbols]
     return "\n".join(rows) + "\n"

@@ -27,7 +27,7 @@ directory may be replaced only if it is empty or holds a previous export of the
 symbolic link, nor `--out`, `--log-dir`, `--checkpoint`, `--resume` or a
 directory above any of them (`check_export_destination`). The sizes to find
 room for come from the model's shapes (`export_bytes`): the adapter is
-$4\Psi_{lora}$ bytes (fp32 masters), the merged model $p\Psi_f + 4\Psi_t$,
+$4\Psi_\text{lora}$ bytes (fp32 masters), the merged model $p\Psi_f + 4\Psi_t$,
 frozen weights in the chunk dtype and trainable ones from their fp32 masters.
 
 ## Limitations
@@ -171,7 +171,7 @@ def export_bytes(layers, kind: str, dtype: torch.dtype) -> int:
     ### Bytes an export writes, from the marked layers' shapes
 
     `layers` carry LoRA's adapters (on the meta device is enough); `dtype` is
-    the chunks' dtype. The adapter: $4\Psi_{lora}$; the merged model:
+    the chunks' dtype. The adapter: $4\Psi_\text{lora}$; the merged model:
     $p\Psi_f + 4\Psi_t$ without the adapters, which are folded in.
     """
     total = 0
@@ -272,7 +272,7 @@ def save_merged_checkpoint(out_dir: str | os.PathLike, model, lora: FineTuneLoRA
 # ## The PEFT adapter
 #
 # `adapter_config.json` (rank, $\alpha$, target module names) and
-# `adapter_model.safetensors` with only the $A$ and $B$ matrices ($\Psi_{lora}$
+# `adapter_model.safetensors` with only the $A$ and $B$ matrices ($\Psi_\text{lora}$
 # numbers, not $\Psi$), which `PeftModel.from_pretrained(base_model, directory)`
 # puts back on the base model. PEFT names each matrix after the module it adapts,
 # under its wrapper's prefix: our `attention.query_key_value.lora_A` of layer $i$

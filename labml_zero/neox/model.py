@@ -151,8 +151,6 @@ def init_parameter(config: NeoXConfig) -> Callable[[str, torch.Tensor], None]:
     return init
 
 
-# ## Embedding
-
 
 class Embedding(nn.Module):
     """
@@ -178,8 +176,6 @@ class Embedding(nn.Module):
                              f"max_position={self.config.max_position}")
         return self.embed_in(ids)  # [B, T, d]
 
-
-# ## Attention
 
 
 class Attention(nn.Module):
@@ -237,8 +233,6 @@ class Attention(nn.Module):
         return self.dense(y)
 
 
-# ## MLP
-
 
 class MLP(nn.Module):
     r"""
@@ -270,8 +264,6 @@ class MLP(nn.Module):
         h = self.up(x, self.dense_h_to_4h, self.approximate)  # [B, T, d_ff]
         return self.dense_4h_to_h(h)
 
-
-# ## Transformer layer
 
 
 class TransformerLayer(nn.Module):
@@ -342,8 +334,6 @@ class TransformerLayer(nn.Module):
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}"
 
-
-# ## Final norm and readout
 
 
 class FinalNorm(nn.Module):

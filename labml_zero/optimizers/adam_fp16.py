@@ -461,7 +461,7 @@ class AdamFP16(torch.optim.Optimizer):
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
         step_size = lr / (1 - beta1**step)
         bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-        # √v / √(1 − β2^t) + ε
+        # $\sqrt{v} / \sqrt{1 - \beta_2^t} + \epsilon$
         denom = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_div_(denom, bias_correction2_sqrt)
         torch._foreach_add_(denom, group["eps"])

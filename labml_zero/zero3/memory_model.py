@@ -385,7 +385,7 @@ def accumulated_grad_buffers(layout: ChunkLayout, grad_bytes: int) -> int:
 
     Inside `no_sync` no chunk reduces: each trainable chunk keeps its full-size
     buffer from one micro-batch to the next, all at once,
-    $g_r \sum_{k 	ext{ trainable}} C_k$ bytes per rank, about $g_r \Psi_t$: not
+    $g_r \sum_{k \text{ trainable}} C_k$ bytes per rank, about $g_r \Psi_t$: not
     divided by $N_d$.
     """
     _check_at_least("grad_bytes", grad_bytes, 1)
