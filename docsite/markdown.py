@@ -30,9 +30,13 @@ import re
 
 from .mathml import to_mathml
 from .paths import BuildError, module_page, rel_href, slugify
+from .references import link_references
 
 NOTE_HEADING = re.compile(r"^#{1,6}[ \t]+Note:[ \t]*(.+?)[ \t#]*$", re.M)
-NOTE_REF = re.compile(r"\b([Ss]ee) Note:[ \t]*((?:[\w'-]+[ \t\n]*){1,10})")
+# Any mention "Note: why storage resize" (after "see" or not) but a heading's own
+# or a link's text; the name is matched against the known notes in `note_href`.
+NOTE_REF = re.compile(r"(?<![\w\[])()Note:\s*((?:[\w'-]+[ \t\n]*){1,10})")
+HEADING_START = re.compile(r"(?:^|\n)[ \t]*#{1,6}[ \t]*$")
 CODE_PARTS = re.compile(r"(^```.*?^```[ \t]*$|^~~~.*?^~~~[ \t]*$|`+[^`]*`+)",
                         re.S | re.M)
 
@@ -134,6 +138,7 @@ class Renderer:
         self.directives = directives
         self.page = ""
         self.warnings: list[str] = []
+        self.unresolved: list[str] = []  # "Note: …" mentions that name no note
         self.figures: list[str] = []  # full-width figures of the last render
         md = MarkdownIt("commonmark", {"html": True}).enable("table")
         # allow_space off: "$ HOME" is not math. The plugin's own digit guard reads
@@ -155,6 +160,8 @@ class Renderer:
         self.md = md
 
     def render(self, text: str, page: str, local_notes: set[str]) -> str:
+        if page != self.page:
+            self.cited: set[str] = set()  # references linked on this page so far
         self.page = page
         self.local_notes = local_notes
         self.used_ids: set[str] = set()
@@ -163,6 +170,7 @@ class Renderer:
             text = self.directives.cite(text, page)
             text = outside_code(text, lambda p: self.directives.expand(p, page))
         text = outside_code(text, join_inline_math)
+        text = outside_code(text, lambda p: link_references(p, self.cited))
         out = self.md.render(self.link_notes(text, markdown=True))
         # A mark alone in its paragraph (after a display formula) joins the
         # formula's block, at its right; any other lone mark joins the block
@@ -200,9 +208,14 @@ class Renderer:
     def link_notes(self, text: str, *, markdown: bool) -> str:
         def replace(match: re.Match) -> str:
             words = match.group(2)
+            line_start = match.string.rfind("\n", 0, match.start()) + 1
+            if HEADING_START.search(match.string[line_start:match.start()]):
+                return match.group(0)  # the note's own heading
             found = self.note_href(words)
             if found is None:
-                self.warnings.append(f"{self.page}: unresolved 'Note: {words.strip()}'")
+                self.unresolved.append(
+                    f"{self.page}: 'Note: {' '.join(words.split()[:6])}' names no "
+                    "note of any page")
                 return match.group(0)
             n, href = found
             end = list(re.finditer(r"\S+", words))[n - 1].end()
@@ -211,7 +224,7 @@ class Renderer:
                 link = f"[Note: {name}]({href})"
             else:
                 link = f'<a href="{html.escape(href)}">Note: {name}</a>'
-            return f"{match.group(1)} {link}{words[end:]}"
+            return f"{link}{words[end:]}"
 
         if not markdown:
             return NOTE_REF.sub(replace, text)

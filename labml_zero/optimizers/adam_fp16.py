@@ -70,18 +70,22 @@ object the optimizer holds owns those updates, their stream and their flags.
 
 A step with a non-finite gradient must be skipped on every rank, or the ranks'
 shards would come from different steps, yet each rank sees only its own
-shards. The agreement costs no collective of its own: the global gradient norm
-is one all-reduce of each rank's sum of squares (explained in
-[clipping](clip_grad.html)), and a non-finite gradient anywhere makes that sum
-non-finite on every rank at once; the [loss scaler](grad_scaler.html) reads it
-and skips the step everywhere.
+shards. The [loss scaler](grad_scaler.html) (the object that scales the loss
+of fp16 training and skips a step that overflowed) computes the global gradient
+norm, one all-reduce of each rank's sum of squares (`global_grad_norm`, on the
+[clipping](clip_grad.html) page): a non-finite gradient anywhere makes that sum
+non-finite on every rank at once, so every rank skips the step. Clipping reuses
+the norm, so the agreement costs no collective of its own.
 
 ## Limitations
 
 * No AMSGrad, no `maximize`.
-* With a loss scaler or clipping an early update is impossible (see Note:
-  updating during the backward pass); passing
-  the scale to the kernel (`grad_scale=`) instead would allow it.
+* An early update reads the gradient as reduced: `step()` refuses one whose
+  gradient clipping or unscaling changed since (see Note: updating during the
+  backward pass), so a loss scaler rules early updates out (passing the scale
+  to the kernel, `grad_scale=`, would allow it), and clipping rules them out
+  whenever it clips. With `free_grads` clipping sees no gradient at all and
+  clips nothing, silently: use it without clipping.
 * The foreach fallback checks an early gradient's finiteness with a host sync.
 """
 

@@ -248,8 +248,7 @@ BACKWARD = "backward"
 # pre-forward hook gathers: $1 + d$ units are gathered at once. In backward both
 # hooks wait for the same gradient, that of the tensor between the two units
 # (the finished unit's input, the next unit's output). The engine releases the
-# finished unit first (see [hooks](hooks.html), Note: release before the next
-# gather), also when a layer returns several tensors, so backward too holds
+# finished unit first (see Note: release before the next gather), also when a layer returns several tensors, so backward too holds
 # $1 + d$ units and this constant is $0$; were the next unit gathered first, the
 # finished one would be held beside it, one unit more. The tests count the units
 # the engine really holds in each phase and assert `gathered_units`.
