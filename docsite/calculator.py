@@ -198,7 +198,7 @@ def render(page: str) -> str:
          + f'<span class="calc-targets">{targets}</span></span>'),
         ("Chunks", _number("chunk_numel", f"chunk size {_math('C', page)}",
                            example["chunk_numel"], minimum=1, hint="searched")
-         + _number("prefetch_depth", f"prefetch depth {_math('d', page)}",
+         + _number("prefetch_depth", f"prefetch depth {_math('D', page)}",
                    example["prefetch_depth"])),
         ("Activations", _number("batch", "sequences a micro-batch",
                                 example["batch"], minimum=1)

@@ -21,7 +21,7 @@ $$\frac{(2 + 4 + K)\,\Psi_t + 2\,\Psi_f}{N_d}$$
 bytes of model states
 (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step):
 a frozen parameter has no gradient and no optimizer state, only its bf16
-shard. The ZeRO paper's $P_{os+g+p}$ counts a bf16 gradient, $(2 + 2 + K)$;
+shard. The ZeRO paper's $P_{os+g+p}$ counts an fp16 gradient, $(2 + 2 + K)$;
 this engine keeps each rank's gradient shard in fp32, because the ranks'
 gradients are averaged in fp32 by default and the optimizer reads fp32, so
 nothing rounds the mean on its way. The memory model (page 2) adds what a rank
@@ -30,8 +30,9 @@ full-size gradient buffers (all of them at once under gradient
 accumulation).
 
 The parameters are packed, in execution order, into flat {{term: chunks |
-chunk}} of one size, so that each collective moves one large buffer; every
-rank keeps one shard of every chunk. A {{term: unit}} is a wrapped layer
+chunk}} of one size (but a group's last chunk, trimmed to what it holds, and a
+parameter larger than the size, which gets a chunk of its own), so that each
+collective moves one large buffer; every rank keeps one shard of every chunk. A {{term: unit}} is a wrapped layer
 whose chunks are gathered and released together; the parameters of no wrapped
 layer (embeddings, a tied readout; with `shard_model`) form the
 {{term: root unit}}, gathered for the whole step.

@@ -110,7 +110,7 @@ class BudgetInputs:
     chunk_numel: int | None = None
     """The chunk size in elements; `None` takes the search's choice."""
     prefetch_depth: int = 1
-    """$d$, units gathered ahead of the running one."""
+    """$D$, units gathered ahead of the running one."""
     checkpointing: bool = False
     """Activation checkpointing (recomputation) of every unit."""
     batch: int = 1

@@ -42,7 +42,7 @@ Then the optimizer updates each shard from its gradient shard
 with `update_during_backward`, as soon as hook 4 has reduced its chunk
 (`on_grad_ready`).
 
-At most $1 + \text{prefetch\_depth}$ units are gathered at a time, in the
+At most $1 + D$ units ($D$ the prefetch depth, `prefetch_depth`) are gathered at a time, in the
 forward and in the backward pass, whatever the layers return (a tuple of
 several tensors too), besides the root unit, which stays gathered for the
 whole step (see Note: release before the next gather;

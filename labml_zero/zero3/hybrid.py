@@ -34,7 +34,7 @@ below the replica group); `--shard-group-size K` in the fine-tune.
 A rank holds $\frac{(p + g + K)\Psi_t + p\Psi_f}{N_s}$ bytes of model states
 ($K$ the optimizer's bytes per element): what it would hold in a world of
 $N_s$ ranks, however many hosts join (`hybrid_memory.hybrid_model_states`). Per
-step it sends, for $\Psi$ trainable elements,
+step it sends, for a model of $\Psi$ elements that all train,
 
 $$T_{\text{hybrid}} = \frac{N_s - 1}{N_s} \cdot \frac{(2p + g_r)\,\Psi}{B_\text{in}}
 + 2\,\frac{R - 1}{R} \cdot \frac{g_r\,\Psi / N_s}{B_\text{out}}$$
