@@ -234,6 +234,8 @@ def html_words(fragment: str) -> int:
     for tag in ("svg", "pre", "style", "script", "figure"):
         text = re.sub(rf"<{tag}\b.*?</{tag}>", " ", text, flags=re.S)
     text = re.sub(r'<sup class="tested">.*?</sup>', " ", text, flags=re.S)
+    # the calculator is a tool, like a figure, not notes; it ends its row
+    text = re.sub(r'<div class="calc".*', " ", text, flags=re.S)
     text = html.unescape(re.sub(r"<[^>]+>", " ", text))
     return len(re.findall(r"[A-Za-z0-9][\w'’-]*", text))
 

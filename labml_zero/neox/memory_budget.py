@@ -343,5 +343,5 @@ def example() -> Budget:
 
 
 def with_inputs(inputs: BudgetInputs, **changes) -> BudgetInputs:
-    """`dataclasses.replace`, for the notes' `{{py: …}}` expressions."""
+    """`dataclasses.replace`, for the figures the notes compute."""
     return replace(inputs, **changes)

@@ -6,20 +6,19 @@ summary: Pick the chunk size that trades padding against gathered and gradient m
 
 # Chunk-size search
 
-The {{see: chunk layout}} (explained in [its page](chunk_layout.html)) packs
+The {{see: chunk layout}} packs
 parameters, in execution order, into flat *chunks* of one common size $c$ (in
 elements); a chunk never spans a *group* (one layer, the unit that the hooks
 gather and release), and the space a chunk holds but no parameter fills is
 *padding*. This page picks $c$. Like ColossalAI's
 Gemini (`search_chunk_configuration`), it tries every *candidate* size in a range
 and scores the layout each one gives; it departs from it in what it simulates and
-in what it scores (see `search_chunk_size`).
+in what it scores.
 
 For a candidate $c$, let $C_k$ be the size of chunk $k$ and $u_k$ the elements of
 parameters in it, $p$ the bytes of the parameter dtype, $g_r$ those of the reduce
 dtype (the dtype gradients are reduce-scattered in) and $D$ the prefetch depth
-(how many groups the engine gathers ahead of the running one). The search
-minimizes
+(groups gathered ahead of the running one). The search minimizes
 
 $$\text{score}(c) = W + \mu \, n_{\text{collectives}} + \lambda \, (G + B)$$
 
@@ -32,7 +31,7 @@ with
   most parameter bytes gathered at once ($C(\text{group})$ the elements of a
   group's chunks);
 * the *gradient buffer* $B = g_r \max_{k \text{ trainable}} C_k$, the largest
-  full-size gradient a chunk holds in backward;
+  full-size gradient buffer of backward (without the gradients copied into it);
 * $\lambda$ the price of a byte of peak memory in bytes of waste.
 
 `score_candidate` explains each term beside the line that computes it; Note: why

@@ -38,19 +38,19 @@ rank holds, of model states,
 $$M_{\text{ZeRO-3}} = \frac{(p + g + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 
 where $\Psi_t$ are the trainable and $\Psi_f$ the frozen parameters; a frozen
-parameter has neither gradient nor optimizer state. That is not all a rank holds
-during a step. Beside the model states it holds the gathered chunks of $1 + D$
-units ($D$ = `prefetch_depth`; `gathered_peak`), the root unit's gathered chunks
-for the whole step, beside every window (`root_unit_bytes`), and in backward the
-full-size gradient buffer of each chunk until it is reduced
-(`largest_grad_buffer`). Under gradient accumulation (`no_sync`, explained in
-[hooks](hooks.html)) no chunk reduces until the last micro-batch: every
-trainable chunk keeps its full-size buffer from one micro-batch to the next,
-$g_r \sum_k C_k \approx g_r \Psi_t$ bytes per rank ($g_r$ the bytes of the
-{{term: reduce dtype}}, the dtype gradients are reduce-scattered in), *not*
-divided by $N_d$; from $N_d > (p + g + K) / g_r$ ranks on, that is more than the
-model states themselves. The shard gradient then receives one reduction per
-step.
+parameter has neither gradient nor optimizer state.
+
+## Beside the model states
+
+During a step a rank also holds, each counted beside its code below:
+
+* the gathered chunks of $1 + D$ units ($D$ the {{see: prefetch depth}},
+  `prefetch_depth`; `gathered_peak`), and the root unit's for the whole step
+  (`root_unit_bytes`);
+* in backward, the full-size gradient buffer of a chunk until it is reduced
+  (`largest_grad_buffer`), all of them at once under gradient accumulation
+  (`accumulated_grad_buffers`), in the {{term: reduce dtype}} of $g_r$ bytes,
+  the dtype gradients are reduce-scattered in.
 
 GPT-NeoX-20B, with about
 20.6 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
@@ -59,13 +59,11 @@ billion parameters, needs about $370$
 GB per rank without sharding, and $46$
 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
 GB per rank with ZeRO-3 over $N_d = 8$ (`zero_model_states`).
+A step's traffic is counted by `zero3_step_comm` and `ring_wire_bytes`; the same
+counts for hybrid sharding have [their own page](hybrid_memory.html); a real
+{{see: chunk layout}}, padding included, is counted by `layout_model_states`.
 
-The rest of the page refines this formula for a real {{see: chunk
-layout}} (padding, `layout_model_states`), adds what is
-*gathered* for compute at once (`gathered_units`, `gathered_peak`) and the
-largest gradient buffer (`largest_grad_buffer`), counts the bytes one step
-communicates (`zero3_step_comm`, `ring_wire_bytes`); the same counts for hybrid
-sharding have [their own page](hybrid_memory.html).
+## Calculator
 
 {{calculator}}
 
@@ -391,7 +389,9 @@ def accumulated_grad_buffers(layout: ChunkLayout, grad_bytes: int) -> int:
     Inside `no_sync` no chunk reduces: each trainable chunk keeps its full-size
     buffer from one micro-batch to the next, all at once,
     $g_r \sum_{k \text{ trainable}} C_k$ bytes per rank, about $g_r \Psi_t$: not
-    divided by $N_d$.
+    divided by $N_d$. From $N_d > (p + g + K) / g_r$ ranks on, that is more than
+    the model states themselves. The shard gradient then receives one reduction
+    per step.
     """
     _check_at_least("grad_bytes", grad_bytes, 1)
     return layout.total_numel(trainable=True) * grad_bytes
