@@ -63,7 +63,7 @@ A step's traffic is counted by `zero3_step_comm` and `ring_wire_bytes`; the same
 counts for hybrid sharding have [their own page](hybrid_memory.html); a real
 {{see: chunk layout}}, padding included, is counted by `layout_model_states`.
 
-## Calculator
+## What a model costs: the calculator
 
 {{calculator}}
 
