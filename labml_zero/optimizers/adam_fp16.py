@@ -90,7 +90,7 @@ class AdamFP16(torch.optim.Optimizer):
     * `free_grads`: with it, free each shard's gradient once its early update
       has consumed it (see `EarlyUpdates.free_grad`).
 
-    It holds `homes` (each shard's [home](shard_home.html), device or host,
+    It holds `homes` (each shard's {{term: home}}, device or host,
     and the kernels' batches) and `early_updates` (the updates during the
     backward pass); `self.state` holds each shard's master and moments.
     Where each piece lives:
@@ -101,7 +101,7 @@ class AdamFP16(torch.optim.Optimizer):
       averaged over ranks by the reduce-scatter); an ordinary parameter's is its
       `.grad`.
     * Where a shard's master and moments live, device or host memory, is its
-      *home* ([where a shard's optimizer state lives](shard_home.html)): one
+      home ([where a shard's optimizer state lives](shard_home.html)): one
       object per shard, built at construction, that allocates the state, gives
       the gradient the update reads and writes the new master back into the
       shard. The optimizer asks the home and never where the shard is.

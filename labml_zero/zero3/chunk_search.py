@@ -10,7 +10,7 @@ The {{see: chunk layout}} packs
 parameters, in execution order, into flat *chunks* of one common size $c$ (in
 elements); a chunk never spans a *group* (one layer, the unit that the hooks
 gather and release), and the space a chunk holds but no parameter fills is
-*padding*. This page picks $c$. Like ColossalAI's
+{{term: padding}}. This page picks $c$. Like ColossalAI's
 Gemini (`search_chunk_configuration`), it tries every *candidate* size in a range
 and scores the layout each one gives; it departs from it in what it simulates and
 in what it scores.

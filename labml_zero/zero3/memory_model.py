@@ -61,7 +61,8 @@ GB per rank without sharding, and $46$
 GB per rank with ZeRO-3 over $N_d = 8$ (`zero_model_states`).
 A step's traffic is counted by `zero3_step_comm` and `ring_wire_bytes`; the same
 counts for hybrid sharding have [their own page](hybrid_memory.html); a real
-{{see: chunk layout}}, padding included, is counted by `layout_model_states`.
+{{see: chunk layout}}, {{see: padding}} included, is counted by
+`layout_model_states`.
 
 ## What a model costs: the calculator
 
@@ -113,7 +114,7 @@ __all__ = [
 ]
 
 
-# Bytes per element of the engine's model states, the one home of these
+# Bytes per element of the engine's model states, the one place of these
 # numbers: the {{see: placement}}, the benchmark and the fine-tune's checks count
 # with them.
 # $p$: a half-precision parameter shard (bf16 or fp16).
