@@ -82,14 +82,16 @@ def pythia_160m_shapes(
         g = layer + 1
         p = f"layers.{layer}."
         shapes += [
+            # the order `TransformerLayer` registers them in (both norms
+            # first), which is the chunks' order; a test holds it to the model
             (p + "input_layernorm.weight", (d,), g),
             (p + "input_layernorm.bias", (d,), g),
+            (p + "post_attention_layernorm.weight", (d,), g),
+            (p + "post_attention_layernorm.bias", (d,), g),
             (p + "attention.query_key_value.weight", (3 * d, d), g),
             (p + "attention.query_key_value.bias", (3 * d,), g),
             (p + "attention.dense.weight", (d, d), g),
             (p + "attention.dense.bias", (d,), g),
-            (p + "post_attention_layernorm.weight", (d,), g),
-            (p + "post_attention_layernorm.bias", (d,), g),
             (p + "mlp.dense_h_to_4h.weight", (4 * d, d), g),
             (p + "mlp.dense_h_to_4h.bias", (4 * d,), g),
             (p + "mlp.dense_4h_to_h.weight", (d, 4 * d), g),
@@ -102,6 +104,22 @@ def pythia_160m_shapes(
         ("embed_out.weight", (vocab, d), g),
     ]
     return shapes
+
+
+def model_layer_shapes(d_model: int) -> list[tuple[str, tuple[int, ...], int]]:
+    """
+    (name, shape, 1) of one GPT-NeoX layer of width `d_model`, built by the
+    model's own `build_layers` on the meta device: the names and the order in
+    which the layer registers its parameters, which is the order the engine
+    packs them into chunks.
+    """
+    from labml_zero.neox import config as neox_config
+    from labml_zero.neox import model as neox_model
+
+    config = neox_config.NeoXConfig(n_vocab=1, d_model=d_model, n_heads=1,
+                                    n_layers=1, d_ff=4 * d_model, rotary_pct=0.5)
+    layer = neox_model.build_layers(config, device="meta")[1]
+    return [(name, tuple(p.shape), 1) for name, p in layer.named_parameters()]
 
 
 def neox_group_shapes(*, n_layers: int, d_model: int, vocab: int):

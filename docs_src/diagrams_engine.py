@@ -26,7 +26,7 @@ _c = _load_common()
 FONT, WIDTH, _esc, _f, _numel = _c.FONT, _c.WIDTH, _c._esc, _c._f, _c._numel
 _text, _svg, _load_module = _c._text, _c._svg, _c._load_module
 _load_chunk_layout, pythia_160m_shapes = _c._load_chunk_layout, _c.pythia_160m_shapes
-neox_group_shapes = _c.neox_group_shapes
+neox_group_shapes, model_layer_shapes = _c.neox_group_shapes, _c.model_layer_shapes
 
 
 RANK_COLOURS = ("#3d7cc9", "#e69a3d", "#2e9c6a", "#c45c8e")
@@ -71,14 +71,14 @@ def shard_collectives_svg(
     root: Path, *, world_sizes: tuple[int, ...] = (2, 3, 4), d_model: int = 4
 ) -> str:
     """
-    One GPT-NeoX layer of width `d_model` packed into one chunk by `plan_chunks`,
+    One GPT-NeoX layer of width `d_model`, its parameters as the model registers
+    them (`model_layer_shapes`), packed into one chunk by `plan_chunks`,
     for each world size: what each rank keeps (its shard), the all-gather that
     fills every rank's full buffer, and the reduce-scatter that sums the ranks'
     full gradients and leaves each rank its own slice.
     """
     layout_mod = _load_chunk_layout(root)
-    shapes = [s for s in pythia_160m_shapes(n_layers=1, d_model=d_model, vocab=1)
-              if s[2] == 1]
+    shapes = model_layer_shapes(d_model)
     numel = sum(_numel(s) for _, s, _ in shapes)
     specs = [layout_mod.ParamSpec(n, s, True, 0) for n, s, _ in shapes]
     label_w, gap, bar_h = 70, 120, 20

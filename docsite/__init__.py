@@ -31,6 +31,8 @@ they explain on the right. The builder is this package, run by
     page, and the check that no page gives a listed symbol another meaning.
 15. `notes_beside_code.py`: how many note words sit in rows with no code beside
     them, and code rows with no note.
+16. `references.py`: the first mention of a cited paper or project on a page
+    links to it.
 """
 
 from .cli import main, stale_files, write_site

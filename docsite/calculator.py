@@ -43,17 +43,19 @@ PRESETS = ("tiny", "pythia_70m", "pythia_160m", "pythia_410m", "pythia_1b",
 
 # (key, unit, symbol in TeX, name): the table's rows, in the page's notation
 ROWS = (
-    ("psi_trainable", "count", r"\Psi_t", "trainable parameters"),
-    ("psi_frozen", "count", r"\Psi_f", "frozen parameters"),
+    ("psi_trainable", "count", r"\Psi_t", "trainable parameters of the model"),
+    ("psi_frozen", "count", r"\Psi_f", "frozen parameters of the model"),
     ("chunk_numel", "count", r"C", "chunk size (elements)"),
-    ("chunks", "count", r"n_c", "chunks"),
-    ("padding", "count", r"\sum_k (C_k - u_k)", "padding (elements)"),
+    ("chunks", "count", r"n_c", "chunks of the model"),
+    ("padding", "count", r"\sum_k (C_k - u_k)", "padding of the model (elements)"),
     ("params", "bytes", r"p \sum_k S_k", "parameter shards"),
     ("grad_shards", "bytes", r"g\,S_t", "fp32 gradient shards"),
     ("optimizer_device", "bytes", r"K_d\,(1 - x)\,S_t",
      "master and moments on the device"),
     ("optimizer_host", "bytes", r"(K + 4)\,x\,S_t",
      "master, moments and staging on the host"),
+    ("model_states", "bytes", r"M_{\text{states}}",
+     "model states on the device, in total (the three rows above it but one)"),
     ("offloaded_fraction", "fraction", r"x", "optimizer state offloaded"),
     ("gathered", "bytes", r"G", "gathered chunks at the peak"),
     ("activations", "bytes", r"A", "activations"),
@@ -74,7 +76,30 @@ ROWS = (
     ("host_down", "bytes", r"4\,x\,S_t", "over the host link per step, down"),
     ("host_up", "bytes", r"p\,x\,S_t", "over the host link per step, up"),
 )
-"""What each row shows; the chart's parts reuse the names."""
+"""What each row shows; the chart's parts reuse the names. `model_states` is
+the page's own total, `params + grad_shards + optimizer_device`."""
+
+# The symbols the table shows that the memory model's page does not define.
+LEGEND = (
+    r"$S_k$ a rank's shard of chunk $k$ and $S_t$ its trainable shards together, "
+    r"in elements; $C_k$ chunk $k$'s size and $u_k$ the parameter elements in it; "
+    r"$n_c$ the number of chunks; $x$ the share of the optimizer state offloaded to "
+    r"the host and $K_d$ the optimizer bytes per element kept on the device; $G$ "
+    r"the gathered chunks at the peak, $A$ the activations, $B$ the largest "
+    r"gradient buffer; $N_s$ the GPUs of one shard group and $R = N_d / N_s$ the "
+    r"groups (1 without hybrid sharding)."
+)
+
+
+def total(result: dict, key: str):
+    """A row's value: the budget's, or the page's total of the model states."""
+    if key == "model_states":
+        return result["params"] + result["grad_shards"] + result["optimizer_device"]
+    return result[key]
+
+
+def _legend(page: str) -> str:
+    return re.sub(r"\$([^$]+)\$", lambda m: _math(m.group(1), page), LEGEND)
 
 
 def inputs_json(inputs) -> dict:
@@ -134,6 +159,14 @@ def calculator_data() -> dict:
     }
 
 
+@functools.cache
+def preset_names() -> dict[str, str]:
+    """Each preset function's name -> the name `--model` takes for it."""
+    from labml_zero.finetune.config import MODEL_PRESETS
+
+    return {fn.__name__: cli for cli, fn in MODEL_PRESETS.items()}
+
+
 def _math(tex: str, page: str) -> str:
     return to_mathml(tex, display=False, where=page)
 
@@ -166,7 +199,7 @@ def render(page: str) -> str:
     static = rel_href("static/calculator.js", page).rsplit("calculator.js", 1)[0]
     activation_page = rel_href("labml_zero/neox/activation_memory.html", page)
     budget_page = rel_href("labml_zero/neox/memory_budget.html", page)
-    presets = [(name, name.replace("_", "-")) for name in PRESETS]
+    presets = [(name, preset_names()[name]) for name in PRESETS]
     dtypes = [(name, name) for name in data["dtype_bytes"]]
     targets = "".join(
         f'<label class="calc-check"><input type="checkbox" name="lora_targets" '
@@ -198,7 +231,7 @@ def render(page: str) -> str:
          + f'<span class="calc-targets">{targets}</span></span>'),
         ("Chunks", _number("chunk_numel", f"chunk size {_math('C', page)}",
                            example["chunk_numel"], minimum=1, hint="searched")
-         + _number("prefetch_depth", f"prefetch depth {_math('d', page)}",
+         + _number("prefetch_depth", f"prefetch depth {_math('D', page)}",
                    example["prefetch_depth"])),
         ("Activations", _number("batch", "sequences a micro-batch",
                                 example["batch"], minimum=1)
@@ -225,7 +258,7 @@ def render(page: str) -> str:
                    for legend, body in fieldsets)
     rows = []
     for key, unit, tex, name in ROWS:
-        value = result[key]
+        value = total(result, key)
         if unit == "bytes":
             cells = (f'<td class="num">{_gib(value)}</td><td class="num">'
                      f'{value:,}</td>')
@@ -235,7 +268,8 @@ def render(page: str) -> str:
             cells = f'<td class="num">{"yes" if value else "no"}</td><td></td>'
         else:
             cells = f'<td class="num"></td><td class="num">{value:,}</td>'
-        rows.append(f'<tr data-key="{key}" data-unit="{unit}"><th scope="row">'
+        css = ' class="calc-total"' if key == "model_states" else ""
+        rows.append(f'<tr{css} data-key="{key}" data-unit="{unit}"><th scope="row">'
                     f"{_math(tex, page)}</th><td>{html.escape(name)}</td>{cells}</tr>")
     labels = "".join(f' data-label_{key}="{html.escape(name)}"'
                      for key, _, _, name in ROWS)
@@ -252,13 +286,16 @@ def render(page: str) -> str:
         'form and the table show the worked example, computed by '
         '<code>memory_budget.budget</code> when this page was built.</p></noscript>'
         f'<form class="calc-form" aria-label="calculator inputs">{form}</form>'
-        '<p class="calc-status" role="status" aria-live="polite"></p>'
+        '<p class="calc-status" role="status" aria-live="polite">The table shows '
+        'the worked example; change any field to compute another.</p>'
         '<div class="calc-out"><div class="calc-table-box">'
         '<table class="calc-table"><thead><tr>'
-        '<th scope="col">symbol</th><th scope="col">per rank</th>'
-        '<th scope="col">GiB</th><th scope="col">exact</th></tr></thead><tbody>'
+        '<th scope="col">symbol</th><th scope="col">what it counts (one rank\'s '
+        'bytes, unless it says the model)</th>'
+        '<th scope="col">GiB</th><th scope="col">bytes or count, exact</th></tr>'
+        '</thead><tbody>'
         + "".join(rows) +
-        f'</tbody></table></div><figure class="calc-chart"{labels}>'
+        f'</tbody></table><p class="calc-legend">{_legend(page)}</p></div><figure class="calc-chart"{labels}>'
         '<svg viewBox="0 0 1000 40" preserveAspectRatio="none" role="img" '
         'aria-label="the peak\'s parts"></svg><ol></ol>'
         '<figcaption>The peak\'s parts; the line is the device memory.</figcaption>'

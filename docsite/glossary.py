@@ -21,6 +21,12 @@ from .paths import BuildError, rel_href, slugify
 
 GLOSSARY_FILE = "docs_src/glossary.txt"
 
+# What the page says to its reader (the docstring above is for the builder's).
+READER_INTRO = (
+    "Each term of the notes, what it means in one line, and the page that "
+    "defines it: the link lands on the sentence that defines the term. Under the "
+    "terms, the notation: every symbol of the formulas, one meaning each.")
+
 
 @dataclass(frozen=True)
 class Definition:
@@ -58,7 +64,7 @@ def glossary_markdown(meanings: dict[str, tuple[str, str]],
     slugs = list(meanings) + sorted(s for s in defs if s not in meanings)
     slugs.sort(key=lambda s: (meanings.get(s, (defs[s].term if s in defs else s,))[0]
                               .lower()))
-    out = [__doc__.split("# The glossary", 1)[1].strip(), "",
+    out = [READER_INTRO, "",
            "| term | meaning | defined on |", "| --- | --- | --- |"]
     for slug in slugs:
         term, meaning = meanings.get(slug, (defs[slug].term if slug in defs else slug,

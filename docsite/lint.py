@@ -74,7 +74,7 @@ LAB_TRACES = [
     re.compile(r"ANCHORS\.md|\.\./shared"),
 ]
 FORMULA_BEFORE = re.compile(r"(\$\$(?:(?!\$\$).)+\$\$|\$[^$\n]+\$)[\s.,;:]*$", re.S)
-NUMBER = re.compile(r"(?<![\w.\-/\\^_])(\d+(?:[.,]\d+)*)(?![\w.]?\d)")
+NUMBER = re.compile(r"(?<![\w.\-/\\^_])(?<!\^\{)(?<!_\{)(\d+(?:[.,]\d+)*)(?![\w.]?\d)")
 
 
 def formulas(markdown: str) -> list[str]:

@@ -30,9 +30,13 @@ import re
 
 from .mathml import to_mathml
 from .paths import BuildError, module_page, rel_href, slugify
+from .references import link_references
 
 NOTE_HEADING = re.compile(r"^#{1,6}[ \t]+Note:[ \t]*(.+?)[ \t#]*$", re.M)
-NOTE_REF = re.compile(r"\b([Ss]ee) Note:[ \t]*((?:[\w'-]+[ \t\n]*){1,10})")
+# Any mention "Note: why storage resize" (after "see" or not) but a heading's own
+# or a link's text; the name is matched against the known notes in `note_href`.
+NOTE_REF = re.compile(r"(?<![\w\[])()Note:\s*((?:[\w'-]+[ \t\n]*){1,10})")
+HEADING_START = re.compile(r"(?:^|\n)[ \t]*#{1,6}[ \t]*$")
 CODE_PARTS = re.compile(r"(^```.*?^```[ \t]*$|^~~~.*?^~~~[ \t]*$|`+[^`]*`+)",
                         re.S | re.M)
 
@@ -100,6 +104,17 @@ def raw_tex_left(page_html: str) -> str:
     return " ".join(text[max(0, m.start() - 30):m.end() + 30].split()) if m else ""
 
 
+# `2^20`, `β2^t`, `b^(-2i)`: a power typed as text on a site that sets math.
+ASCII_POWER = re.compile(r"(?<![\w/.])[\w\u0370-\u03ff)]+\^[\w(-]+")
+
+
+def ascii_math(page_html: str) -> str:
+    """The first power written as text (`2^20`) in rendered HTML, or ''."""
+    text = visible_text(page_html)
+    m = ASCII_POWER.search(text)
+    return " ".join(text[max(0, m.start() - 30):m.end() + 30].split()) if m else ""
+
+
 def inline_svg(data: bytes) -> str:
     """An SVG file's markup without its XML prolog, to sit inside HTML."""
     text = data.decode("utf-8")
@@ -123,6 +138,7 @@ class Renderer:
         self.directives = directives
         self.page = ""
         self.warnings: list[str] = []
+        self.unresolved: list[str] = []  # "Note: …" mentions that name no note
         self.figures: list[str] = []  # full-width figures of the last render
         md = MarkdownIt("commonmark", {"html": True}).enable("table")
         # allow_space off: "$ HOME" is not math. The plugin's own digit guard reads
@@ -144,6 +160,8 @@ class Renderer:
         self.md = md
 
     def render(self, text: str, page: str, local_notes: set[str]) -> str:
+        if page != self.page:
+            self.cited: set[str] = set()  # references linked on this page so far
         self.page = page
         self.local_notes = local_notes
         self.used_ids: set[str] = set()
@@ -152,14 +170,26 @@ class Renderer:
             text = self.directives.cite(text, page)
             text = outside_code(text, lambda p: self.directives.expand(p, page))
         text = outside_code(text, join_inline_math)
+        text = outside_code(text, lambda p: link_references(p, self.cited))
         out = self.md.render(self.link_notes(text, markdown=True))
-        # marks alone in their paragraph (after a display formula) sit at its right
-        out = re.sub(r'<p>(<sup class="tested">.*?</sup>)</p>',
-                     r'<p class="tested-alone">\1</p>', out)
+        # A mark alone in its paragraph (after a display formula) joins the
+        # formula's block, at its right; any other lone mark joins the block
+        # before it: a paragraph holding only "✓" reads as a stray tick.
+        out = re.sub(r'</math></div>\n<p>(<sup class="tested">.*?</sup>)</p>',
+                     r'</math>\1</div>', out)
+        out = re.sub(r'</(p|li)>\n(?:</[uo]l>\n)?<p>(<sup class="tested">.*?</sup>)'
+                     r'</p>', lambda m: m.group(0).replace(
+                         "<p>" + m.group(2) + "</p>", "").replace(
+                         f"</{m.group(1)}>", m.group(2) + f"</{m.group(1)}>", 1),
+                     out)
         left = raw_tex_left(out)
         if left:
             raise BuildError(f"{page}: TeX left as text in the page: {left!r} "
                              "(a formula the parser did not take as math)")
+        power = ascii_math(out)
+        if power:
+            raise BuildError(f"{page}: a power typed as text: {power!r}; write it "
+                             "as math ($2^{20}$, $\\beta_2^t$)")
         return out
 
     # `see Note: why storage resize` -> a link to the note's anchor; the name is the
@@ -178,9 +208,14 @@ class Renderer:
     def link_notes(self, text: str, *, markdown: bool) -> str:
         def replace(match: re.Match) -> str:
             words = match.group(2)
+            line_start = match.string.rfind("\n", 0, match.start()) + 1
+            if HEADING_START.search(match.string[line_start:match.start()]):
+                return match.group(0)  # the note's own heading
             found = self.note_href(words)
             if found is None:
-                self.warnings.append(f"{self.page}: unresolved 'Note: {words.strip()}'")
+                self.unresolved.append(
+                    f"{self.page}: 'Note: {' '.join(words.split()[:6])}' names no "
+                    "note of any page")
                 return match.group(0)
             n, href = found
             end = list(re.finditer(r"\S+", words))[n - 1].end()
@@ -189,7 +224,7 @@ class Renderer:
                 link = f"[Note: {name}]({href})"
             else:
                 link = f'<a href="{html.escape(href)}">Note: {name}</a>'
-            return f"{match.group(1)} {link}{words[end:]}"
+            return f"{link}{words[end:]}"
 
         if not markdown:
             return NOTE_REF.sub(replace, text)

@@ -14,7 +14,13 @@ Aligned rows are written `$$\begin{aligned} a &= b \\ c &= d \end{aligned}$$`.
 Numbered environments (`align`, `equation`, `eqnarray`) are refused: a page has
 nothing to refer to by number. A formula latex2mathml does not understand, a
 command it passes through untranslated (`\foo` shown as "\foo"), or a stray `&`
-outside `aligned` stops the build with the page and the formula.
+outside `aligned` stops the build with the page and the formula. So do two
+slips that render without error but wrongly:
+
+* a control character (a tab, a backspace) in a formula: a docstring that is not
+  raw read `\text` as a tab and "ext" (make the docstring raw);
+* a name of three or more lower-case letters set as a product of italic letters
+  (`min` reads as m·i·n): write `\text{min}`, `\min` or `\operatorname{…}`.
 """
 
 from __future__ import annotations
@@ -37,12 +43,19 @@ COMMAND_WORDS = (
 )
 SPELLED = re.compile(rf"(?<![\\A-Za-z])({COMMAND_WORDS})(?![A-Za-z])")
 DOUBLE_BACKSLASH_WORD = re.compile(r"\\\\[A-Za-z]+")
+CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f]")
+# three or more single lower-case italic letters in a row: a word set as a product
+ITALIC_WORD = re.compile(r"(?:<mi>[a-z]</mi>){3,}")
 
 
 def to_mathml(latex: str, *, display: bool, where: str) -> str:
     """One formula -> MathML; `where` (the page) names it in errors."""
     from latex2mathml.converter import convert
 
+    if CONTROL.search(latex):
+        raise BuildError(
+            f"{where}: control character {CONTROL.search(latex).group(0)!r} in "
+            f"{latex!r}; a docstring that is not raw ate a backslash (make it raw)")
     if REFUSED_ENV.search(latex):
         raise BuildError(
             f"{where}: numbered environment in {latex} ; write "
@@ -59,6 +72,12 @@ def to_mathml(latex: str, *, display: bool, where: str) -> str:
     if bad:
         raise BuildError(
             f"{where}: unsupported TeX '{bad.group(0).split('>')[1]}' in {latex}")
+    word = ITALIC_WORD.search(mathml)
+    if word:
+        name = "".join(re.findall(r"<mi>([a-z])</mi>", word.group(0)))
+        raise BuildError(
+            f"{where}: '{name}' set as a product of italic letters in {latex}; "
+            rf"write \text{{{name}}} (or \{name} for a function like \min)")
     if STRAY_AMP.search(mathml):
         raise BuildError(f"{where}: '&' outside aligned rows in {latex}")
     # latex2mathml keeps the escapes of `\text{prefetch\_depth}` in its <mtext>.

@@ -54,7 +54,10 @@ _FORMULA = re.compile(r"\$\$.+?\$\$|(?<![\\$])\$[^$\n]+?\$", re.S)
 _VERB = re.compile(r"\s*(?:is|are|means|denotes|counts|stands for)\s+((?:the|a|an|its|"
                    r"their)\s[^.;:()$]{1,80})")
 _APPOSITION = re.compile(r"\s*(,|:|\()\s*((?:the|a|an|its|their)\s[^.;:()$]{1,80})")
-_UNIT = re.compile(rf"[ \t]+({'|'.join(UNITS)})\b")
+# a unit right after, or one or two qualifiers and a unit: "$\Psi$ trainable
+# parameters"; and "$D$ = `prefetch_depth`", a symbol equated with a name
+_UNIT = re.compile(rf"[ \t]+((?:[\w-]+[ \t]+){{0,2}}(?:{'|'.join(UNITS)}))\b")
+_EQUALS = re.compile(r"[ \t]*=[ \t]*([A-Za-z][\w ]{1,60}?)(?=[;,.)]|$)")
 _BEFORE = re.compile(r"\b(?:the|a|an|its|their|each|every)\s+((?:[\w-]+\s+){0,3}"
                      r"[\w-]+)\s*$", re.I)
 # A phrase with one of these before the symbol is not a name for it ("of the
@@ -104,8 +107,8 @@ def read_table(root: Path) -> list[Symbol]:
 def table_markdown(symbols: list[Symbol]) -> str:
     """The notation table of the glossary page."""
     rows = ["## Notation", "",
-            "One symbol per quantity across the book (`docs_src/notation.txt`; "
-            "`docsite/notation.py` checks that no page gives one another meaning).",
+            "One symbol per quantity across the book: no page gives a symbol of "
+            "this table another meaning.",
             "", "| symbol | meaning |", "| --- | --- |"]
     rows += [f"| ${s.tex}$ | {s.meaning} |" for s in symbols]
     return "\n".join(rows) + "\n"
@@ -129,7 +132,7 @@ def definitions(markdown: str) -> list[tuple[str, str]]:
         before = text[max(0, m.start() - 80):m.start()]
         where_is = re.search(r"\bwhere\s*$", before)
         line_start = re.search(r"(?:^|\n)[ \t]*(?:[*-][ \t]+)?$", before)
-        for rule in (_VERB, _APPOSITION, _UNIT):
+        for rule in (_VERB, _APPOSITION, _UNIT, _EQUALS):
             hit = rule.match(after)
             if not hit:
                 continue
@@ -139,7 +142,12 @@ def definitions(markdown: str) -> list[tuple[str, str]]:
             # "$g_r$: the reduce dtype's bytes" names it only at a line's start
             if rule is _APPOSITION and hit.group(1) == ":" and not line_start:
                 continue
-            out.append((tex, " ".join(hit.group(hit.lastindex).split())))
+            said = " ".join(hit.group(hit.lastindex).split())
+            if rule is _UNIT and _NOT_A_NAME.search(said):
+                continue  # "$p$ on one rank": a preposition, not a qualifier
+            if rule is _EQUALS:
+                said = said.replace("_", " ")  # `prefetch_depth` reads as words
+            out.append((tex, said))
             break
         # the phrase before, within its sentence and paragraph
         before = re.split(r"[.;:!?()]\s|\n\s*\n|\$", before)[-1]
@@ -154,6 +162,15 @@ def check(root: Path, notes: dict[str, str]) -> set[str]:
     """`page | finding` for each listed symbol given a meaning without its words."""
     table = {s.tex: s for s in read_table(root)}
     found = set()
+    # A symbol's siblings share its letter ($\Psi$, $\Psi_t$, $\Psi_f$): a word
+    # only a sibling has ("trainable") names the sibling, not this symbol.
+    foreign = {}
+    for s in table.values():
+        base = s.tex.split("_")[0]
+        others = {w for o in table.values() if o is not s
+                  and o.tex.split("_")[0] == base for w in o.words}
+        own = set(s.words) - others  # the words only this symbol has
+        foreign[s.tex] = (others - set(s.words), own)
     for page, markdown in notes.items():
         for tex, said in definitions(markdown):
             symbol = table.get(tex)
@@ -162,4 +179,9 @@ def check(root: Path, notes: dict[str, str]) -> set[str]:
             low = said.lower()
             if not any(re.search(rf"\b{re.escape(w)}", low) for w in symbol.words):
                 found.add(f'{page} | ${tex}$ "{said}" (notation: {symbol.meaning})')
+            elif any(re.search(rf"\b{re.escape(w)}", low) for w in foreign[tex][0]
+                     ) and not any(re.search(rf"\b{re.escape(w)}", low)
+                                   for w in foreign[tex][1]):
+                found.add(f'{page} | ${tex}$ "{said}" names another symbol '
+                          f"(notation: {symbol.meaning})")
     return found

@@ -34,6 +34,7 @@ page; `tests/docs/test_notes_beside_code.py` asserts the limits.
 from __future__ import annotations
 
 import ast
+import html
 import re
 import sys
 from dataclasses import dataclass, field
@@ -194,3 +195,81 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+# ## The rows of the built site
+#
+# The counts above read the modules; the reader reads the built pages, where the
+# glossary, the Results page and every folder's page are pages too. So the
+# limits of the book are counted on the built HTML of every page but the home
+# page: a row is a `<section class="row">`, beside code when it holds a code
+# column; on the prose pages (glossary, Results), which have no code column, each
+# heading's block and each table row is a row of its own. The first row of a page
+# is its *opening*, set full width above the two columns.
+
+MAX_SITE_SHARE = 0.15
+"""of all note words, at most this share in rows beside no code"""
+MAX_ROW_WORDS = 200
+"""words of any row beside no code, but a page's opening"""
+MAX_OPENING_WORDS = 250
+"""words of a page's opening, set full width above its two columns"""
+
+SECTION = re.compile(r'<section class="row([^"]*)"[^>]*>(.*?)</section>', re.S)
+BLOCK_START = re.compile(r"(?=<h[1-6][ >])|(?=<tr>)")
+
+
+@dataclass(frozen=True)
+class BuiltRow:
+    page: str
+    index: int
+    words: int
+    beside_code: bool
+    opening: bool
+
+
+def html_words(fragment: str) -> int:
+    """Words a reader reads in rendered notes: a formula is one word, code and
+    figures' drawings none but the names a `code` span shows."""
+    text = re.sub(r"<math\b.*?</math>", " x ", fragment, flags=re.S)
+    for tag in ("svg", "pre", "style", "script", "figure"):
+        text = re.sub(rf"<{tag}\b.*?</{tag}>", " ", text, flags=re.S)
+    text = re.sub(r'<sup class="tested">.*?</sup>', " ", text, flags=re.S)
+    # the calculator is a tool, like a figure, not notes; it ends its row
+    text = re.sub(r'<div class="calc".*', " ", text, flags=re.S)
+    text = html.unescape(re.sub(r"<[^>]+>", " ", text))
+    return len(re.findall(r"[A-Za-z0-9][\w'’-]*", text))
+
+
+def built_rows(files: dict[str, bytes]) -> list[BuiltRow]:
+    rows = []
+    for path, data in sorted(files.items()):
+        if (not path.endswith(".html") or path == "index.html"
+                or path.startswith("source/")):
+            continue
+        page = data.decode("utf-8")
+        prose = '<main class="prose">' in page
+        k = 0
+        for match in SECTION.finditer(page):
+            body = match.group(2)
+            beside_code = '<div class="code">' in body
+            doc = body.split('<div class="code">', 1)[0]
+            doc = doc.split('<div class="figures">', 1)[0]
+            blocks = BLOCK_START.split(doc) if prose else [doc]
+            for block in blocks:
+                words = html_words(block)
+                if not words:
+                    continue
+                rows.append(BuiltRow(path, k, words, beside_code, k == 0))
+                k += 1
+    return rows
+
+
+def site_share(rows: list[BuiltRow]) -> float:
+    total = sum(r.words for r in rows)
+    return sum(r.words for r in rows if not r.beside_code) / total if total else 0.0
+
+
+def rows_over(rows: list[BuiltRow]) -> list[BuiltRow]:
+    """Rows beside no code longer than their limit."""
+    return [r for r in rows if not r.beside_code and r.words > (
+        MAX_OPENING_WORDS if r.opening else MAX_ROW_WORDS)]

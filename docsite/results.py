@@ -299,9 +299,38 @@ LOSS_COLUMN = (
     "is a gap of start or of data, not of rounding.")
 
 
+# What the page says to its reader (the docstring above is for the builder's).
+READER_INTRO = """\
+Every measured figure of the notes comes from this page: one row per workload,
+engine and setting, the latest measurement of each, taken by the benchmark
+(`python -m bench.run`). A figure quoted on another page links to its row here.
+
+The columns of the measurements:
+
+* **workload**: the model and job measured (listed below the table's heading);
+* **engine**: what trains it: `labml_zero`, PyTorch's FSDP2, or one of the
+  two one-device bounds, `model_only` (the model's forward and backward passes
+  alone) and `update_floor` (the same with AdamW's update in one pass over fp32
+  masters and moments, the least step any engine with `AdamFP16`'s numerics can
+  take);
+* **compiled**: whether the layers ran through `torch.compile`;
+* **GPUs**: how many, and which;
+* **B × T**: sequences per GPU and tokens per sequence in one step;
+* **tokens/s**: tokens of all GPUs together per second of a timed step;
+* **step s (± std)**: the mean seconds of a timed step on the slowest GPU, and
+  the standard deviation of the timed steps;
+* **MFU**: model FLOPs utilisation, the model's FLOPs per second over the
+  GPUs' dense bf16 peak from the data sheet (989.4 TFLOP/s for an H100 or H200);
+* **peak GiB**: the most memory allocated on any one GPU, while building the
+  model or while training;
+* **loss**: the last timed step's training loss (what it can check is below);
+* **settings**: the engine's options that differ from its defaults.
+"""
+
+
 def results_markdown(results: dict[Key, Measurement]) -> str:
     """The Results page's body, in Markdown."""
-    out = [__doc__.split("# The Results page", 1)[1].strip(), ""]
+    out = [READER_INTRO.strip(), ""]
     if not results:
         return "\n".join(out + ["No measurements in `bench/results/` yet.", ""])
     out += ["## Workloads", ""]

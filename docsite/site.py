@@ -307,6 +307,9 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
     for rel in test_files(root):
         out[source_page(rel)] = _source_page(template, root, rel, None)
 
+    if renderer.unresolved:
+        # Every "Note: …" is a link to its anchor, or the build stops.
+        raise BuildError("\n".join(sorted(set(renderer.unresolved))))
     for warning in sorted(set(renderer.warnings)):
         print(f"warning: {warning}", file=sys.stderr)
     return dict(sorted(out.items()))

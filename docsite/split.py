@@ -180,6 +180,20 @@ def _headers(source: str, tree: ast.Module, lines: list[str]):
     return headers
 
 
+def _module_parts(text: str) -> list[str]:
+    """A module docstring cut before each `## ` heading outside code fences."""
+    parts, current, fence = [], [], False
+    for line in text.split("\n"):
+        if line.lstrip().startswith(("```", "~~~")):
+            fence = not fence
+        if not fence and line.startswith("## ") and any(x.strip() for x in current):
+            parts.append("\n".join(current).strip("\n"))
+            current = []
+        current.append(line)
+    parts.append("\n".join(current).strip("\n"))
+    return [p for p in parts if p.strip()] or [text]
+
+
 def split_source(source: str) -> SplitModule:
     """
     Split Python source into sections of (notes, code).
@@ -221,8 +235,15 @@ def split_source(source: str) -> SplitModule:
         first, last, text = module_doc
         # Shebang, encoding and licence lines above the docstring are shown as code.
         block.code = [(i, lines[i - 1]) for i in range(1, first)]
-        block.docs.append(text)
+        # The opening, up to the docstring's first `## ` heading, is a row of
+        # its own, and so is each `## ` part after it: each is set full width,
+        # and a reader (and the limits of notes_beside_code) sees the opening
+        # apart from the parts it introduces.
+        parts = _module_parts(text)
+        block.docs.append(parts[0])
         flush(block)
+        for part in parts[1:]:
+            sections.append(Section(part, "", 0))
         block = _Open()
         line = last + 1
     while line <= n_lines:

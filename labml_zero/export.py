@@ -20,7 +20,7 @@ each parameter is assembled from the ranks' files, cast to the export's dtype
 and handed to [the Hugging Face writer](neox/hf_checkpoint.html), which holds
 one output shard. So the host's memory is bounded by
 
-$$M \approx \max_p |p| + B_{shard},$$
+$$M \approx \max_p |p| + B_\text{shard},$$
 
 the largest tensor read (fp32 where the checkpoint keeps a master) plus one
 output shard of at most `--max-shard-size` bytes, whatever the model's size

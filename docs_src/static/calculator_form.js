@@ -86,7 +86,42 @@
   function gib(bytes) {
     return bytes === 0 ? "0" : (bytes / GIB).toPrecision(4);
   }
+  // The rows the page derives from the budget's: the model states' total.
+  function withTotals(result) {
+    return { ...result,
+             model_states: result.params + result.grad_shards + result.optimizer_device };
+  }
+  // An invalid input: no numbers at all (they would be another input's), and
+  // the reason beside the field.
+  function clearResults(root) {
+    for (const row of root.querySelectorAll("[data-key]")) {
+      const cells = row.querySelectorAll("td");
+      cells[1].textContent = "—";
+      cells[2].textContent = "";
+      row.classList.remove("calc-bad");
+    }
+    const chart = root.querySelector(".calc-chart");
+    chart.querySelector("svg").innerHTML = "";
+    chart.querySelector("ol").innerHTML = "";
+  }
+  function clearFieldErrors(form) {
+    form.querySelectorAll(".calc-field-error").forEach(e => e.remove());
+    form.querySelectorAll("[aria-invalid]").forEach(c => c.removeAttribute("aria-invalid"));
+  }
+  function markField(form, name, message) {
+    const c = name && control(form, name);
+    const field = c && (c.length !== undefined && !c.tagName ? c[0] : c);
+    if (!field) return "";
+    field.setAttribute("aria-invalid", "true");
+    const note = document.createElement("span");
+    note.className = "calc-field-error";
+    note.textContent = message;
+    (field.closest("label") || field).after(note);
+    const label = field.closest("label");
+    return label ? label.querySelector("span").textContent : name;
+  }
   function show(root, result, inputs) {
+    result = withTotals(result);
     for (const row of root.querySelectorAll("[data-key]")) {
       const key = row.dataset.key, value = result[key];
       const cells = row.querySelectorAll("td");
@@ -162,19 +197,26 @@
     const wrong = Object.keys(data.reference.budget)
       .filter(k => mine[k] !== data.reference.budget[k]);
     const agreement = wrong.length
-      ? `This script disagrees with the Python model on ${wrong.join(", ")}.`
-      : "This script agrees with the Python model on the worked example.";
+      ? `Careful: the numbers below come from your browser, and on the worked ` +
+        `example they differ from the Python model's (${wrong.join(", ")}).`
+      : "Computed in your browser as you type, by the Python model's formulas " +
+        "(both give the same bytes on the worked example).";
     function update(writeFragment) {
       form.querySelector(".calc-lora").hidden = control(form, "finetune").value !== "lora";
       const fit = form.querySelector('input[name="offload"]:checked').value === "fit";
       control(form, "offload_fraction").disabled = fit;
+      clearFieldErrors(form);
       try {
         const inputs = readForm(form, data);
         show(root, window.computeBudget(inputs, data), inputs);
         status.textContent = agreement;
         status.classList.toggle("calc-bad", wrong.length > 0);
       } catch (error) {
-        status.textContent = error.message;
+        clearResults(root);
+        const label = markField(form, error.field, error.message);
+        status.textContent = label
+          ? `No results: "${label}" ${error.message}.`
+          : `No results: ${error.message}.`;
         status.classList.add("calc-bad");
       }
       if (writeFragment) history.replaceState(null, "", fragmentOf(form));

@@ -135,7 +135,7 @@ class FinetuneConfig:
     steps see less than an epoch."""
     epochs: int = 1
     r"""Epochs when `steps` is `None`. An epoch is
-    $\lfloor n_{samples} / (B A N_d) \rfloor$ steps (leftovers dropped)."""
+    $\lfloor n_\text{samples} / (B A N_d) \rfloor$ steps (leftovers dropped)."""
     lr: float = field(default=3e-3, metadata=flag(metavar="LR"))
     """Adam's peak learning rate (after the warm-up). The default suits the
     random tiny model; pre-trained weights want about a tenth of it (as in

@@ -26,7 +26,7 @@ It decides, in order:
 3. **the steps**: one step trains on $G = B A N_d$ samples of $T + 1$ tokens,
    so the training split must hold at least $G$ samples, about $GT$ tokens,
    and validation at least one batch of $B N_d$; with `--epochs`, an epoch is
-   $\lfloor n_{samples} / G \rfloor$ steps; the warm-up must be shorter than
+   $\lfloor n_\text{samples} / G \rfloor$ steps; the warm-up must be shorter than
    the run.
 
 Each failure is a `DataError` of one line that says what the data has and what

@@ -10,15 +10,15 @@ summary: Linear warm-up, then constant, linear or cosine decay to a floor; the
 Fine-tuning from pretrained weights starts with Adam's moments at zero, so the
 first updates are sized by a few noisy gradients; a *warm-up* raises the rate
 from near 0 to its peak $\eta$ over $W$ steps while the moments settle. The rate
-then decays towards a floor $\eta_{min}$ over the rest of the $T_{\text{run}}$ steps, as
+then decays towards a floor $\eta_\text{min}$ over the rest of the $T_{\text{run}}$ steps, as
 Hugging Face's Trainer, torchtitan and DeepSpeed's examples do. With
 $p = \frac{s - W}{T_{\text{run}} - W}$ the fraction of the decay done at step $s$:
 
 $$\eta_s = \begin{cases}
   \eta \, \frac{s}{W} & s \le W \\
   \eta & \text{constant} \\
-  \eta_{min} + (\eta - \eta_{min})(1 - p) & \text{linear} \\
-  \eta_{min} + (\eta - \eta_{min}) \, \frac{1 + \cos \pi p}{2} & \text{cosine}
+  \eta_\text{min} + (\eta - \eta_\text{min})(1 - p) & \text{linear} \\
+  \eta_\text{min} + (\eta - \eta_\text{min}) \, \frac{1 + \cos \pi p}{2} & \text{cosine}
 \end{cases}$$
 
 Steps count from 1, so the first step trains at $\eta / W$, not at 0 (a step
@@ -56,13 +56,13 @@ class LRSchedule:
     lr: float
     r"""$\eta$, the peak rate (after the warm-up)."""
     total_steps: int
-    """$T_{\text{run}}$, the steps of the whole run; the decay ends at the last."""
+    r"""$T_{\text{run}}$, the steps of the whole run; the decay ends at the last."""
     kind: str = "constant"
     """One of `SCHEDULES`."""
     warmup_steps: int = 0
     """$W$; 0 starts at the peak."""
     min_lr: float = 0.0
-    r"""$\eta_{min}$, where linear and cosine decay end."""
+    r"""$\eta_\text{min}$, where linear and cosine decay end."""
 
     def __post_init__(self):
         if self.kind not in SCHEDULES:

@@ -16,7 +16,7 @@ for the memory budget. Both follow from the shapes alone.
 forward and $4N$ backward (the gradients of its input and of its weight),
 $6N$ in all. The products of a layer have
 
-$$N_{layer} = \underbrace{2 d\, n_h d_h}_{W_q,\ W_o}
+$$N_\text{layer} = \underbrace{2 d\, n_h d_h}_{W_q,\ W_o}
   + \underbrace{2 d\, n_{kv} d_h}_{W_k,\ W_v} + 3 d\, d_{ff},$$
 
 so grouped-query attention saves $2 d (n_h - n_{kv}) d_h$ per layer against
@@ -25,7 +25,7 @@ lookup, no product). Attention itself multiplies every query head with $T$
 keys and $T$ values, $4 n_h d_h T$ FLOPs a token forward, whatever $n_{kv}$
 is, since each query head still reads a whole key and value head:
 
-$$C = 6 \left(L\, N_{layer} + V d\right) + 12\, L\, n_h d_h T.$$
+$$C = 6 \left(L\, N_\text{layer} + V d\right) + 12\, L\, n_h d_h T.$$
 (tested: tests/llama/test_flops.py::test_flops_per_token_is_the_flop_counter)
 
 The attention term counts the whole $T \times T$ square, as PaLM's
@@ -52,7 +52,7 @@ __all__ = ["matmul_parameters", "flops_per_token", "activation_bytes"]
 
 
 def matmul_parameters(config: LlamaConfig) -> int:
-    r"""$L\, N_{layer} + V d$: the weights that multiply activations."""
+    r"""$L\, N_\text{layer} + V d$: the weights that multiply activations."""
     d, d_h, d_ff = config.d_model, config.head_width, config.d_ff
     attention = 2 * d * config.n_heads * d_h + 2 * d * config.n_kv_heads * d_h
     return config.n_layers * (attention + 3 * d * d_ff) + config.n_vocab * d
@@ -62,7 +62,7 @@ def flops_per_token(config: LlamaConfig, seq: int) -> int:
     r"""
     ### Training FLOPs a token, forward and backward, at sequence length $T$
 
-    $6 (L N_{layer} + V d) + 12 L n_h d_h T$
+    $6 (L N_\text{layer} + V d) + 12 L n_h d_h T$
     (tested: tests/llama/test_flops.py::test_flops_per_token_is_the_flop_counter);
     biases and the element-wise
     passes (norms, SiLU, rotation, softmax) are $O(d)$ a token and left out.

@@ -177,7 +177,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     r"""
-    ## SwiGLU: $W_{down}\,(\operatorname{SiLU}(W_{gate} x) \odot W_{up} x)$
+    ## SwiGLU: $W_\text{down}\,(\operatorname{SiLU}(W_\text{gate} x) \odot W_\text{up} x)$
 
     $\operatorname{SiLU}(z) = z\,\sigma(z)$. The gate makes the unit
     multiplicative; to keep the parameter count of a $4d$ GELU MLP, the hidden

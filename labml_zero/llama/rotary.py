@@ -50,7 +50,7 @@ def inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
     same numbers in both.
     """
     d_h = config.head_width
-    # [d_h / 2] fp32: θ_i = b^(-2i / d_h)
+    # [d_h / 2] fp32: $\theta_i = b^{-2i / d_h}$
     theta = 1.0 / config.rope_theta ** (
         torch.arange(0, d_h, 2, dtype=torch.int64).float() / d_h)
     scaling = config.rope_scaling

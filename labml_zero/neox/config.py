@@ -65,7 +65,7 @@ class NeoXConfig:
     d_model: int = 64
     """Width of the residual stream, $d$."""
     n_heads: int = 4
-    """Attention heads; the head width is $d_h = d / n_{heads}$."""
+    r"""Attention heads; the head width is $d_h = d / n_\text{heads}$."""
     n_layers: int = 2
     """Transformer layers."""
     d_ff: int | None = None

@@ -8,15 +8,15 @@ summary: Low-rank adapters on GPT-NeoX's four projections; the base weights stay
 # LoRA
 
 Low-rank adaptation ([Hu et al.](https://arxiv.org/abs/2106.09685)) freezes
-a pretrained weight $W \in \mathbb{R}^{d_{out} \times d_{in}}$ and learns a
+a pretrained weight $W \in \mathbb{R}^{d_\text{out} \times d_\text{in}}$ and learns a
 low-rank update $\Delta W = \frac{\alpha}{r} B A$ beside it, with
-$A \in \mathbb{R}^{r \times d_{in}}$, $B \in \mathbb{R}^{d_{out} \times r}$ and a
-rank $r \ll \min(d_{in}, d_{out})$. A linear layer then computes
+$A \in \mathbb{R}^{r \times d_\text{in}}$, $B \in \mathbb{R}^{d_\text{out} \times r}$ and a
+rank $r \ll \min(d_\text{in}, d_\text{out})$. A linear layer then computes
 
 $$y = W x + b + \frac{\alpha}{r} B A x$$
 
-and trains $r (d_{in} + d_{out})$ numbers instead of $d_{in} d_{out}$: for
-GPT-NeoX's fused QKV projection of width $d$ ($d_{out} = 3d$), $4rd$ instead of
+and trains $r (d_\text{in} + d_\text{out})$ numbers instead of $d_\text{in} d_\text{out}$: for
+GPT-NeoX's fused QKV projection of width $d$ ($d_\text{out} = 3d$), $4rd$ instead of
 $3d^2$.
 
 After training, $W' = W + \frac{\alpha}{r} B A$ is an ordinary weight of the
@@ -145,8 +145,8 @@ def init_adapter(name: str, param: torch.Tensor) -> None:
     r"""
     ### PEFT's initialisation
 
-    `lora_A`: Kaiming-uniform with $a = \sqrt{5}$ over its fan-in $d_{in}$,
-    bound $\sqrt{6 / ((1 + a^2) d_{in})} = 1 / \sqrt{d_{in}}$ (the default
+    `lora_A`: Kaiming-uniform with $a = \sqrt{5}$ over its fan-in $d_\text{in}$,
+    bound $\sqrt{6 / ((1 + a^2) d_\text{in})} = 1 / \sqrt{d_\text{in}}$ (the default
     initialisation of an `nn.Linear` weight); `lora_B`: zero, so that $BA = 0$.
 
     So step 0 is the base model: the first forward equals the pretrained model's
@@ -224,8 +224,8 @@ class FineTuneLoRA:
         r"""
         ### Add the adapters and freeze the rest
 
-        Returns the count: `trainable` is $\Psi_{lora}$, `total` is
-        $\Psi_{base} + \Psi_{lora}$. Raises if a layer already has an adapter
+        Returns the count: `trainable` is $\Psi_\text{lora}$, `total` is
+        $\Psi_\text{base} + \Psi_\text{lora}$. Raises if a layer already has an adapter
         (a second call would otherwise stack two).
         """
         for layer in layers:
@@ -307,10 +307,10 @@ def load_hf_layer(layer, checkpoint) -> None:
 # The engine packs trainable and frozen parameters into different chunks (see
 # [chunk layout](../zero3/chunk_layout.html)). A frozen chunk has only its
 # two-byte (bf16 or fp16) shard: no gradient, no fp32 master, no Adam moments. So
-# with $\Psi_{base}$ frozen elements (every base weight, the embedding and readout
-# included) and $\Psi_{lora}$ adapter elements, the model states of a rank are
+# with $\Psi_\text{base}$ frozen elements (every base weight, the embedding and readout
+# included) and $\Psi_\text{lora}$ adapter elements, the model states of a rank are
 #
-# $$M = \frac{2\,\Psi_{base} + (2 + 4 + 12)\,\Psi_{lora}}{N_d}$$
+# $$M = \frac{2\,\Psi_\text{base} + (2 + 4 + 12)\,\Psi_\text{lora}}{N_d}$$
 #
 # bytes (tested: tests/neox/test_lora.py::test_memory_model_matches_the_bytes_held):
 # the adapters' two-byte shard, their fp32 gradient shard (4 bytes, the reduce
@@ -350,13 +350,13 @@ def lora_model_states(count: TrainableCount, world_size: int, *,
     r"""
     ## Model-state bytes per rank of a LoRA fine-tune
 
-    $$\frac{p\,\Psi_{base} + (p + g + K)\,\Psi_{lora}}{N_d}$$
+    $$\frac{p\,\Psi_\text{base} + (p + g + K)\,\Psi_\text{lora}}{N_d}$$
 
     with $p = 2$ (two-byte chunks), $g = 4$ (fp32 gradient shards) and
     $K = 4 + 4 + 4$ (`AdamFP16`'s master and moments) by default.
 
-    * `count` is what `FineTuneLoRA` returns ($\Psi_{lora}$ trainable of
-      $\Psi_{base} + \Psi_{lora}$: the formula), or `sharded_count` of the
+    * `count` is what `FineTuneLoRA` returns ($\Psi_\text{lora}$ trainable of
+      $\Psi_\text{base} + \Psi_\text{lora}$: the formula), or `sharded_count` of the
       sharded layers (what they store, padding included).
     * With fp32 chunks ($p = 4$) the engine uses the parameter shard as the
       master, so pass `optimizer_bytes=8`.

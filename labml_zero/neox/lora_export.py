@@ -36,7 +36,7 @@ directory may be replaced only if it is empty or holds a previous export of the
 symbolic link, nor `--out`, `--log-dir`, `--checkpoint`, `--resume` or a
 directory above any of them (`check_export_destination`). The sizes to find
 room for come from the model's shapes (`export_bytes`): the adapter is
-$4\Psi_{lora}$ bytes (fp32 masters), the checkpoint $p\Psi$ in the export's
+$4\Psi_\text{lora}$ bytes (fp32 masters), the checkpoint $p\Psi$ in the export's
 dtype of $p$ bytes, adapters left out (they are folded in).
 
 ## Limitations
@@ -182,7 +182,7 @@ def export_bytes(layers, kind: str, dtype: torch.dtype) -> int:
     ### Bytes an export writes, from the marked layers' shapes
 
     `layers` may carry LoRA's adapters (on the meta device is enough); `dtype`
-    is the checkpoint's. The adapter: $4\Psi_{lora}$; the checkpoint: $p\Psi$
+    is the checkpoint's. The adapter: $4\Psi_\text{lora}$; the checkpoint: $p\Psi$
     without the adapters, which are folded in.
     """
     total = 0
@@ -287,7 +287,7 @@ def save_merged_checkpoint(out_dir: str | os.PathLike, model,
 # ## The PEFT adapter
 #
 # `adapter_config.json` (rank, $\alpha$, target module names) and
-# `adapter_model.safetensors` with only the $A$ and $B$ matrices ($\Psi_{lora}$
+# `adapter_model.safetensors` with only the $A$ and $B$ matrices ($\Psi_\text{lora}$
 # numbers, not $\Psi$), which `PeftModel.from_pretrained(base_model, directory)`
 # puts back on the base model. PEFT names each matrix after the module it adapts,
 # under its wrapper's prefix: our `attention.query_key_value.lora_A` of layer $i$

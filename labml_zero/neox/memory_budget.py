@@ -111,7 +111,7 @@ class BudgetInputs:
     chunk_numel: int | None = None
     """The chunk size in elements; `None` takes the search's choice."""
     prefetch_depth: int = 1
-    """$d$, units gathered ahead of the running one."""
+    """$D$, units gathered ahead of the running one."""
     checkpointing: bool = False
     """Activation checkpointing (recomputation) of every unit."""
     kernels: ModelKernels = ModelKernels()
@@ -347,5 +347,5 @@ def example() -> Budget:
 
 
 def with_inputs(inputs: BudgetInputs, **changes) -> BudgetInputs:
-    """`dataclasses.replace`, for the notes' `{{py: …}}` expressions."""
+    """`dataclasses.replace`, for the figures the notes compute."""
     return replace(inputs, **changes)

@@ -160,8 +160,6 @@ def init_parameter(config: NeoXConfig) -> Callable[[str, torch.Tensor], None]:
     return init
 
 
-# ## Embedding
-
 
 class Embedding(nn.Module):
     """
@@ -187,8 +185,6 @@ class Embedding(nn.Module):
                              f"max_position={self.config.max_position}")
         return self.embed_in(ids)  # [B, T, d]
 
-
-# ## Attention
 
 
 class Attention(nn.Module):
@@ -246,8 +242,6 @@ class Attention(nn.Module):
         return self.dense(y)
 
 
-# ## MLP
-
 
 class MLP(nn.Module):
     r"""
@@ -279,8 +273,6 @@ class MLP(nn.Module):
         h = self.up(x, self.dense_h_to_4h, self.approximate)  # [B, T, d_ff]
         return self.dense_4h_to_h(h)
 
-
-# ## Transformer layer
 
 
 class TransformerLayer(nn.Module):
@@ -357,8 +349,6 @@ class TransformerLayer(nn.Module):
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}"
 
-
-# ## Final norm and readout
 
 
 class FinalNorm(nn.Module):

@@ -60,7 +60,7 @@ def rotary_cos_sin(n_positions: int, config: NeoXConfig, *,
     so $m\theta_i$ computed in bf16 would put late tokens at the wrong angle.
     """
     d_r = config.rotary_dim
-    # [d_r / 2] fp32: θ_i = b^(-2i / d_r)
+    # [d_r / 2] fp32: $\theta_i = b^{-2i / d_r}$
     inv_freq = 1.0 / config.rotary_base ** (
         torch.arange(0, d_r, 2, device=device, dtype=torch.float32) / d_r)
     # [T, d_r / 2] fp32

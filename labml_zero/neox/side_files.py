@@ -10,7 +10,7 @@ summary: The tokenizer, its config and generation_config.json that a Hugging Fac
 A Hugging Face checkpoint is more than its tensors. `AutoTokenizer` needs
 `tokenizer.json` and `tokenizer_config.json`: without them it builds a
 2-token tokenizer that encodes any text to `[]`. `generate` needs
-`generation_config.json`'s end-of-text id, $t_{eot}$, to know where to stop.
+`generation_config.json`'s end-of-text id, $t_\text{eot}$, to know where to stop.
 An export (the [fine-tune's](lora_export.html) or [a saved
 checkpoint's](../export.html)) writes these beside the weights that
 [`save_hf_checkpoint`](hf_checkpoint.html) writes, inside the same rename.

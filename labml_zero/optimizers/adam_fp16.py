@@ -26,62 +26,26 @@ smaller than half a unit in the last place of a weight (below $2^{-8}$ for a
 weight of $1$) would be lost if it were applied to the bf16 parameter; the
 master keeps every update, and the parameter is its rounding.
 
-## Where each piece lives
-
-* The parameters handed to `AdamFP16` are the flat half-precision shards of the
-  trainable chunks (`model.get_trainable_chunk()`), or any parameters.
-* A shard's gradient is its [`LocalShard`](../zero3/shard.html)'s `grad` (fp32,
-  averaged over ranks by the reduce-scatter); an ordinary parameter's is its
-  `.grad`.
-* The master starts from the shard's `master_init` when the engine kept one
-  (the original fp32 weights of a half-precision chunk), otherwise from the
-  parameter itself; it is taken at the first step, or at construction for a
-  shard whose state is on the host. An fp32 parameter *is* its own master: no
-  copy, $K = 8$ extra bytes
-  (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
-  instead of {{py: memory_model.OPTIMIZER_BYTES}}.
-* Where a shard's master and moments live, device or host memory, is its
-  *home* ([where a shard's optimizer state lives](shard_home.html)): one
-  object per shard, built at construction, that allocates the state, gives
-  the gradient the update reads and writes the new master back into the
-  shard. The optimizer asks the home and never where the shard is.
-
-Each step is one pass over all shards, however many chunks there are: PyTorch's
-fused AdamW kernel (`torch._fused_adamw_`, which reads $\theta, g, m, v$ once and
-writes $\theta, m, v$ once; it exists for CPU and CUDA) when available, else the
-same update as a sequence of `foreach` multi-tensor kernels (about three times
-the memory traffic), one launch per batch of device homes (one param group,
-device and dtype). Both are tested against `torch.optim.AdamW`. On a GPU a
-half-precision shard takes [the update in one pass](rounded_update.html)
-instead, whose twin is the fused kernel and the copy. Every update, whenever
-and wherever it runs, goes through one method, `_apply`.
-
-`offload=` gives chosen shards a host home, whose master and moments are
-updated in host memory (explained in
-[optimizer state in host memory](host_offload.html)): the gradient shard is
-copied down, the update runs on the CPU, and the rounded shard goes back up.
-Which shards go is the {{see: placement}}'s decision.
-`update_during_backward=` updates each shard as soon as its gradient is final,
-while the backward pass goes on (explained in
-[updating during the backward pass](early_update.html)): an `EarlyUpdates`
-object the optimizer holds owns those updates, their stream and their flags.
-
 ## All ranks agree on an overflow
 
 A step with a non-finite gradient must be skipped on every rank, or the ranks'
 shards would come from different steps, yet each rank sees only its own
-shards. The agreement costs no collective of its own: the global gradient norm
-is one all-reduce of each rank's sum of squares (explained in
-[clipping](clip_grad.html)), and a non-finite gradient anywhere makes that sum
-non-finite on every rank at once; the [loss scaler](grad_scaler.html) reads it
-and skips the step everywhere.
+shards. The [loss scaler](grad_scaler.html) (the object that scales the loss
+of fp16 training and skips a step that overflowed) computes the global gradient
+norm, one all-reduce of each rank's sum of squares (`global_grad_norm`, on the
+[clipping](clip_grad.html) page): a non-finite gradient anywhere makes that sum
+non-finite on every rank at once, so every rank skips the step. Clipping reuses
+the norm, so the agreement costs no collective of its own.
 
 ## Limitations
 
 * No AMSGrad, no `maximize`.
-* With a loss scaler or clipping an early update is impossible (see Note:
-  updating during the backward pass); passing
-  the scale to the kernel (`grad_scale=`) instead would allow it.
+* An early update reads the gradient as reduced: `step()` refuses one whose
+  gradient clipping or unscaling changed since (see Note: updating during the
+  backward pass), so a loss scaler rules early updates out (passing the scale
+  to the kernel, `grad_scale=`, would allow it), and clipping rules them out
+  whenever it clips. With `free_grads` clipping sees no gradient at all and
+  clips nothing, silently: use it without clipping.
 * The foreach fallback checks an early gradient's finiteness with a host sync.
 """
 
@@ -119,16 +83,32 @@ class AdamFP16(torch.optim.Optimizer):
       in the list of all parameters, group after group (for
       `model.get_trainable_chunk()`, the trainable chunks in order;
       `Placement.optimizer_offload` gives them, explained in
-      [placement](../zero3/placement.html)), or a function
+      the {{see: placement}}), or a function
       `(position, param) -> bool`; `None` keeps everything on the device.
     * `update_during_backward`: update each shard as soon as `grad_ready` is
       called for it (see Note: updating during the backward pass).
     * `free_grads`: with it, free each shard's gradient once its early update
       has consumed it (see `EarlyUpdates.free_grad`).
 
-    It holds `homes` (each shard's [home](shard_home.html), device or host,
+    It holds `homes` (each shard's {{term: home}}, device or host,
     and the kernels' batches) and `early_updates` (the updates during the
     backward pass); `self.state` holds each shard's master and moments.
+    Where each piece lives:
+
+    * The parameters handed to `AdamFP16` are the flat half-precision shards of the
+      trainable chunks (`model.get_trainable_chunk()`), or any parameters.
+    * A shard's gradient is its [`LocalShard`](../zero3/shard.html)'s `grad` (fp32,
+      averaged over ranks by the reduce-scatter); an ordinary parameter's is its
+      `.grad`.
+    * Where a shard's master and moments live, device or host memory, is its
+      home ([where a shard's optimizer state lives](shard_home.html)): one
+      object per shard, built at construction, that allocates the state, gives
+      the gradient the update reads and writes the new master back into the
+      shard. The optimizer asks the home and never where the shard is.
+
+    An offloaded shard's update runs in host memory (explained in
+    [optimizer state in host memory](host_offload.html)); which shards go is the
+    placement's decision.
     """
 
     def __init__(
@@ -245,6 +225,14 @@ class AdamFP16(torch.optim.Optimizer):
         `master` [S] fp32, `exp_avg` [S] fp32, `exp_avg_sq` [S] fp32, `step`,
         allocated by its home at the first use (host tensors for a host home,
         whose master never aliases the shard).
+
+        The master starts from the shard's `master_init` when the engine
+        kept one (the original fp32 weights of a half-precision chunk),
+        otherwise from the parameter itself; it is taken at the first step,
+        or at construction for a shard whose state is on the host. An fp32
+        parameter *is* its own master: no copy, $K = 8$ extra bytes
+        (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
+        instead of {{py: memory_model.OPTIMIZER_BYTES}}.
         """
         return self._state(self._home(param))
 
@@ -348,6 +336,21 @@ class AdamFP16(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        r"""
+        ### One pass over all shards
+
+        Each step is one pass over all shards, however many chunks there
+        are: PyTorch's fused AdamW kernel (`torch._fused_adamw_`, which
+        reads $\theta, g, m, v$ once and writes $\theta, m, v$ once; it
+        exists for CPU and CUDA) when available, else the same update as a
+        sequence of `foreach` multi-tensor kernels (about three times the
+        memory traffic), one launch per batch of device homes (one param
+        group, device and dtype). Both are tested against
+        `torch.optim.AdamW`. On a GPU a half-precision shard takes [the
+        update in one pass](rounded_update.html) instead, whose twin is the
+        fused kernel and the copy. Every update, whenever and wherever it
+        runs, goes through one method, `_apply`.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -461,7 +464,7 @@ class AdamFP16(torch.optim.Optimizer):
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
         step_size = lr / (1 - beta1**step)
         bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-        # √v / √(1 − β2^t) + ε
+        # $\sqrt{v} / \sqrt{1 - \beta_2^t} + \epsilon$
         denom = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_div_(denom, bias_correction2_sqrt)
         torch._foreach_add_(denom, group["eps"])

@@ -305,7 +305,7 @@ class HostOffload:
     ### The worker
 
     def submit(self, update: Callable[[], None]) -> Future:
-        """
+        r"""
         ### Run `update` on the worker thread, in submission order
 
         #### Note: threads of the host update

@@ -153,7 +153,8 @@ def adamw_rounded_(shard: torch.Tensor, state: tuple[torch.Tensor, ...],
     # m ← β1·m + (1 − β1)·g ;  v ← β2·v + (1 − β2)·g²
     m = betas.beta1 * exp_avg + (1 - betas.beta1) * g
     v = betas.beta2 * exp_avg_sq + (1 - betas.beta2) * g * g
-    # θ ← θ(1 − αλ) − α/(1 − β1^t) · m / (√v / √(1 − β2^t) + ε)
+    # $\theta \leftarrow \theta (1 - \alpha\lambda) - \frac{\alpha}{1 - \beta_1^t}
+    # \cdot \frac{m}{\sqrt{v} / \sqrt{1 - \beta_2^t} + \epsilon}$
     theta = master * decay - step_size * m / (
         v.sqrt() / bias_correction2_sqrt + betas.eps)
     if found_inf is not None:

@@ -6,20 +6,19 @@ summary: Pick the chunk size that trades padding against gathered and gradient m
 
 # Chunk-size search
 
-The {{see: chunk layout}} (explained in [its page](chunk_layout.html)) packs
+The {{see: chunk layout}} packs
 parameters, in execution order, into flat *chunks* of one common size $c$ (in
 elements); a chunk never spans a *group* (one layer, the unit that the hooks
 gather and release), and the space a chunk holds but no parameter fills is
-*padding*. This page picks $c$. Like ColossalAI's
+{{term: padding}}. This page picks $c$. Like ColossalAI's
 Gemini (`search_chunk_configuration`), it tries every *candidate* size in a range
 and scores the layout each one gives; it departs from it in what it simulates and
-in what it scores (see `search_chunk_size`).
+in what it scores.
 
 For a candidate $c$, let $C_k$ be the size of chunk $k$ and $u_k$ the elements of
 parameters in it, $p$ the bytes of the parameter dtype, $g_r$ those of the reduce
-dtype (the dtype gradients are reduce-scattered in) and $d$ the prefetch depth
-(how many groups the engine gathers ahead of the running one). The search
-minimizes
+dtype (the dtype gradients are reduce-scattered in) and $D$ the prefetch depth
+(groups gathered ahead of the running one). The search minimizes
 
 $$\text{score}(c) = W + \mu \, n_{\text{collectives}} + \lambda \, (G + B)$$
 
@@ -28,11 +27,11 @@ with
 * the *waste* $W = p \sum_k (C_k - u_k)$, the padding in bytes;
 * $n_{\text{collectives}}$ the collectives of one training step, each at a
   fixed price $\mu$;
-* the *peak gathered* $G = p \max_i \sum_{j=i}^{i+d} C(\text{group}_j)$, the
+* the *peak gathered* $G = p \max_i \sum_{j=i}^{i+D} C(\text{group}_j)$, the
   most parameter bytes gathered at once ($C(\text{group})$ the elements of a
   group's chunks);
 * the *gradient buffer* $B = g_r \max_{k \text{ trainable}} C_k$, the largest
-  full-size gradient a chunk holds in backward;
+  full-size gradient buffer of backward (without the gradients copied into it);
 * $\lambda$ the price of a byte of peak memory in bytes of waste.
 
 `score_candidate` explains each term beside the line that computes it; Note: why
@@ -47,7 +46,7 @@ are needed; Note: GPT-NeoX-20B works the search through a real model.
 * Bandwidth enters only as the tie rule (see `search_chunk_size`) and the
   per-collective price $\mu$, one constant; overlap enters only through the
   size of the gradient buffer.
-* The peak terms count the window of $d + 1$ whole groups (the same in forward
+* The peak terms count the window of $D + 1$ whole groups (the same in forward
   and backward: the memory model's Note: backward holds no extra unit) and *one*
   gradient buffer: not the root unit held beside every window, the other live
   buffers (all of them under `no_sync`) or the activations. A
@@ -135,7 +134,7 @@ class ChunkSearchConfig:
 
     prefetch_depth: int = 1
     """
-    Groups gathered ahead of the running one, $d$: the peak window is $d + 1$
+    Groups gathered ahead of the running one, $D$: the peak window is $D + 1$
     groups. Use the engine's value.
     """
 
@@ -471,8 +470,8 @@ def score_candidate(
     # a step, $n_{\text{collectives}}$, which the term $\mu$ prices.
     #
     # *Peak gathered* is the memory model's `gathered_peak`: the engine gathers a
-    # group's chunks whole and prefetches the next $d$, so the largest sum over
-    # $d + 1$ consecutive groups is the parameter memory gathered at once in
+    # group's chunks whole and prefetches the next $D$, so the largest sum over
+    # $D + 1$ consecutive groups is the parameter memory gathered at once in
     # forward.
     group_numels = [plans[i].total_numel() for i in shape_of_group]
     peak = peak_window_numel(group_numels, config.prefetch_depth) * config.param_bytes
@@ -495,7 +494,7 @@ def score_candidate(
     # backward. With smaller chunks a chunk whose parameters are done (in backward,
     # the ones used last in forward) is reduced and freed while the rest of the
     # layer runs. A small case, which the tests score: layer 0 holds parameters of 2
-    # and 3 elements, layer 1 one of 1, $d = 0$, $p = 2$, $g_r = 4$, $\lambda = 1$,
+    # and 3 elements, layer 1 one of 1, $D = 0$, $p = 2$, $g_r = 4$, $\lambda = 1$,
     # $\mu = 0$; sizes in elements, the score in bytes (`[2.]` is a chunk holding a
     # parameter of 2 and one element of padding).
     #

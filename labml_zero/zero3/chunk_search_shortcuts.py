@@ -12,10 +12,10 @@ number of parameters. This page deepens that page with the two shortcuts that
 make the search cheap without changing its answer: `group_shapes` packs each
 distinct layer once, and `is_saturated` tells the search when a larger size can
 no longer change the packing. With $m$ the candidates in the range, $m'$ those
-left after the skips, $L$ the groups and $D$ their distinct shapes, the search
+left after the skips, $L$ the groups and $U$ their distinct shapes, the search
 plans
 
-$$m' \cdot D \;\le\; m \cdot L$$
+$$m' \cdot U \;\le\; m \cdot L$$
 
 group layouts instead of every group's layout at every candidate.
 """

@@ -14,13 +14,14 @@ PyTorch calls around each wrapped layer, a unit.
 
 ## One training step
 
-Each hook is explained beside its code below, numbered as here:
+Each hook is explained beside its code below.
 
 Forward, for each unit in execution order:
 
 1. **pre-forward hook**: gather the unit's chunks, queue the gathers of the next
-   `prefetch_depth` units (the {{term: prefetch depth}}) on a side stream, the
-   {{term: gather stream}}, and wait for this unit's; then the layer computes;
+   $D$ units ($D$ the {{term: prefetch depth}}, `prefetch_depth`) on a side
+   stream, the {{term: gather stream}}, and wait for this unit's; then the layer
+   computes;
 2. **post-forward hook**: release the chunks, and hook the output so that the
    backward pass announces when it reaches this unit.
 
@@ -37,16 +38,12 @@ Backward, for each unit in reverse:
 6. **end of backward**: reduce what was not (or, inside `no_sync`, end each
    chunk's backward pass), release what is still gathered.
 
-Then the optimizer updates each shard from its gradient shard
-([AdamFP16](../optimizers/adam_fp16.html), the next page), at `step()` or,
-with `update_during_backward`, as soon as hook 4 has reduced its chunk
-(`on_grad_ready`).
+Then [AdamFP16](../optimizers/adam_fp16.html), the next page, updates the
+shards.
 
-At most $1 + \text{prefetch\_depth}$ units are gathered at a time, in the
-forward and in the backward pass, whatever the layers return (a tuple of
-several tensors too), besides the root unit, which stays gathered for the
-whole step (see Note: release before the next gather;
-`tests/zero3/test_hooks.py` counts them).
+At most $1 + D$ units are gathered at a time in either
+pass, besides the root unit, gathered for the whole step (see Note: release
+before the next gather).
 
 ## One measured step
 

@@ -34,15 +34,15 @@ below the replica group); `--shard-group-size K` in the fine-tune.
 A rank holds $\frac{(p + g + K)\Psi_t + p\Psi_f}{N_s}$ bytes of model states
 ($K$ the optimizer's bytes per element): what it would hold in a world of
 $N_s$ ranks, however many hosts join (`hybrid_memory.hybrid_model_states`). Per
-step it sends, for $\Psi$ trainable elements,
+step it sends, for a model of $\Psi$ elements that all train,
 
-$$T_{\text{hybrid}} = \frac{N_s - 1}{N_s} \cdot \frac{(2p + g_r)\,\Psi}{B_{in}}
-+ 2\,\frac{R - 1}{R} \cdot \frac{g_r\,\Psi / N_s}{B_{out}}$$
+$$T_{\text{hybrid}} = \frac{N_s - 1}{N_s} \cdot \frac{(2p + g_r)\,\Psi}{B_\text{in}}
++ 2\,\frac{R - 1}{R} \cdot \frac{g_r\,\Psi / N_s}{B_\text{out}}$$
 
-seconds of communication, with $B_{in}$ a rank's bandwidth inside its host and
-$B_{out}$ its bandwidth to other hosts, against ZeRO-3 over all $N_d$ ranks,
+seconds of communication, with $B_\text{in}$ a rank's bandwidth inside its host and
+$B_\text{out}$ its bandwidth to other hosts, against ZeRO-3 over all $N_d$ ranks,
 
-$$T_{\text{flat}} = \frac{N_d - 1}{N_d} \cdot \frac{(2p + g_r)\,\Psi}{B_{out}}$$
+$$T_{\text{flat}} = \frac{N_d - 1}{N_d} \cdot \frac{(2p + g_r)\,\Psi}{B_\text{out}}$$
 
 (`hybrid_memory.hybrid_step_seconds` and `flat_step_seconds`). Across hosts,
 hybrid sends at most $2g_r\Psi / N_s$ bytes per rank, against nearly
@@ -62,9 +62,9 @@ A model of $\Psi =$ {{py: hybrid_memory.HYBRID_EXAMPLE.psi / 1e9 | .0f}} billion
 trainable elements, bf16 parameters ($p = 2$), an fp32 reduction ($g_r = 4$),
 Adam ($K = 12$
 (tested: tests/zero3/test_hybrid.py::test_prediction_table)), on hosts of
-{{py: hybrid_memory.HYBRID_EXAMPLE.ranks_per_host}} GPUs with nominal links of $B_{in} =$
+{{py: hybrid_memory.HYBRID_EXAMPLE.ranks_per_host}} GPUs with nominal links of $B_\text{in} =$
 {{py: hybrid_memory.HYBRID_EXAMPLE.bandwidth_in / 1e9 | .0f}} GB/s
-(NVLink, one direction) and $B_{out} =$
+(NVLink, one direction) and $B_\text{out} =$
 {{py: hybrid_memory.HYBRID_EXAMPLE.bandwidth_out / 1e9 | .0f}} GB/s (one
 network card per GPU), $N_s$ one host. Communication seconds per step and
 gigabytes of model states per rank (`hybrid_memory.hybrid_prediction`):

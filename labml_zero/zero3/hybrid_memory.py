@@ -168,7 +168,7 @@ def flat_step_seconds(psi: float, world_size: int, ranks_per_host: int, *,
 
     $$T_{\text{flat}} = \frac{N_d - 1}{N_d} \cdot \frac{(2p + g_r)\,\Psi}{B}$$
 
-    where $B$ is $B_{in}$ on one host and $B_{out}$ once the ring crosses hosts:
+    where $B$ is $B_\text{in}$ on one host and $B_\text{out}$ once the ring crosses hosts:
     every hop of a ring carries the same bytes, so its slowest hop sets the
     pace. All $\Psi$ trainable, gathered twice; bandwidths in bytes per second
     per rank.
@@ -186,8 +186,8 @@ def hybrid_step_seconds(psi: float, world_size: int, shard_group_size: int, *,
     r"""
     ### Communication time of a hybrid step, shard groups of one host
 
-    $$T_{\text{hybrid}} = \frac{N_s - 1}{N_s} \cdot \frac{(2p + g_r)\,\Psi}{B_{in}}
-    + 2\,\frac{R - 1}{R} \cdot \frac{g_r\,\Psi / N_s}{B_{out}}$$
+    $$T_{\text{hybrid}} = \frac{N_s - 1}{N_s} \cdot \frac{(2p + g_r)\,\Psi}{B_\text{in}}
+    + 2\,\frac{R - 1}{R} \cdot \frac{g_r\,\Psi / N_s}{B_\text{out}}$$
 
     the two terms in sequence (the all-reduce of a chunk waits for its
     reduce-scatter; overlap across chunks would only lower it).

@@ -13,15 +13,15 @@ tensors against it, the chunk-size search (explained in
 it, and the benchmark prints it beside what it measures.
 
 *Model states* are the tensors that live for the whole of training: for each of
-the $\Psi$ trainable parameters, mixed-precision Adam keeps
+the $\Psi_t$ trainable parameters, mixed-precision Adam keeps
 
 * $p = 2$ bytes of half-precision parameter (bf16 or fp16), used by forward and
   backward,
 * $g = 4$ bytes of gradient shard (`GRAD_BYTES`): this engine keeps it in fp32
   whatever the parameter dtype, because the ranks' gradients are averaged in
   fp32 by default and the optimizer reads fp32, so the mean is never rounded
-  on its way (the ZeRO paper counts a half-precision gradient instead,
-  $g = 2$),
+  on its way (the ZeRO paper counts an fp16 gradient instead, $g = 2$; one
+  exception here too: see Note: one rank keeps the parameter dtype),
 * $K = 12$
   (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
   bytes of optimizer state: an fp32 master copy of the parameter and Adam's two
@@ -38,19 +38,19 @@ rank holds, of model states,
 $$M_{\text{ZeRO-3}} = \frac{(p + g + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 
 where $\Psi_t$ are the trainable and $\Psi_f$ the frozen parameters; a frozen
-parameter has neither gradient nor optimizer state. That is not all a rank holds
-during a step. Beside the model states it holds the gathered chunks of $1 + d$
-units ($d$ = `prefetch_depth`; `gathered_peak`), the root unit's gathered chunks
-for the whole step, beside every window (`root_unit_bytes`), and in backward the
-full-size gradient buffer of each chunk until it is reduced
-(`largest_grad_buffer`). Under gradient accumulation (`no_sync`, explained in
-[hooks](hooks.html)) no chunk reduces until the last micro-batch: every
-trainable chunk keeps its full-size buffer from one micro-batch to the next,
-$g_r \sum_k C_k \approx g_r \Psi_t$ bytes per rank ($g_r$ the bytes of the
-{{term: reduce dtype}}, the dtype gradients are reduce-scattered in), *not*
-divided by $N_d$; from $N_d > (p + g + K) / g_r$ ranks on, that is more than the
-model states themselves. The shard gradient then receives one reduction per
-step.
+parameter has neither gradient nor optimizer state.
+
+## Beside the model states
+
+During a step a rank also holds, each counted beside its code below:
+
+* the gathered chunks of $1 + D$ units ($D$ the {{see: prefetch depth}},
+  `prefetch_depth`; `gathered_peak`), and the root unit's for the whole step
+  (`root_unit_bytes`);
+* in backward, the full-size gradient buffer of a chunk until it is reduced
+  (`largest_grad_buffer`), all of them at once under gradient accumulation
+  (`accumulated_grad_buffers`), in the {{term: reduce dtype}} of $g_r$ bytes,
+  the dtype gradients are reduce-scattered in.
 
 GPT-NeoX-20B, with about
 20.6 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
@@ -59,13 +59,12 @@ billion parameters, needs about $370$
 GB per rank without sharding, and $46$
 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
 GB per rank with ZeRO-3 over $N_d = 8$ (`zero_model_states`).
+A step's traffic is counted by `zero3_step_comm` and `ring_wire_bytes`; the same
+counts for hybrid sharding have [their own page](hybrid_memory.html); a real
+{{see: chunk layout}}, {{see: padding}} included, is counted by
+`layout_model_states`.
 
-The rest of the page refines this formula for a real {{see: chunk
-layout}} (padding, `layout_model_states`), adds what is
-*gathered* for compute at once (`gathered_units`, `gathered_peak`) and the
-largest gradient buffer (`largest_grad_buffer`), counts the bytes one step
-communicates (`zero3_step_comm`, `ring_wire_bytes`); the same counts for hybrid
-sharding have [their own page](hybrid_memory.html).
+## What a model costs: the calculator
 
 {{calculator}}
 
@@ -115,14 +114,16 @@ __all__ = [
 ]
 
 
-# Bytes per element of the engine's model states, the one home of these
+# Bytes per element of the engine's model states, the one place of these
 # numbers: the {{see: placement}}, the benchmark and the fine-tune's checks count
 # with them.
 # $p$: a half-precision parameter shard (bf16 or fp16).
 PARAM_BYTES = 2
-# $g$: the shard gradient (`LocalShard.grad`), always fp32 whatever the chunk
-# dtype: the optimizer reads it in fp32, and micro-batches reduced one by one
-# add into it without rounding.
+# $g$: the shard gradient (`LocalShard.grad`), fp32 whatever the chunk dtype:
+# the optimizer reads it in fp32, and micro-batches reduced one by one add into
+# it without rounding. The one exception, a gradient on one rank that only an
+# update during backward reads (see Note: one rank keeps the parameter dtype),
+# is not counted: the model gives the fp32 bound.
 GRAD_BYTES = 4
 # $g_r$: the bytes of the reduce dtype, the dtype of the full-size
 # gradient buffers and of the reduce-scatter; fp32 is `ZeroConfig`'s default
@@ -234,7 +235,7 @@ def layout_model_states(
 #
 # A *unit* is what the hooks gather and release together: one layer, whose
 # parameters form one *group* of the layout. Before a unit runs, its chunks are
-# gathered in full; the chunks of the next $d$ units (the
+# gathered in full; the chunks of the next $D$ units (the
 # {{see: prefetch depth}}, `prefetch_depth`, explained in [hooks](hooks.html))
 # are gathered ahead of time, so their all-gathers overlap the running unit's
 # compute; a unit's chunks are released when it is done.
@@ -245,12 +246,11 @@ BACKWARD = "backward"
 # ## Note: backward holds no extra unit
 #
 # In forward, a unit's post-forward hook releases it before the next unit's
-# pre-forward hook gathers: $1 + d$ units are gathered at once. In backward both
+# pre-forward hook gathers: $1 + D$ units are gathered at once. In backward both
 # hooks wait for the same gradient, that of the tensor between the two units
 # (the finished unit's input, the next unit's output). The engine releases the
-# finished unit first (see [hooks](hooks.html), Note: release before the next
-# gather), also when a layer returns several tensors, so backward too holds
-# $1 + d$ units and this constant is $0$; were the next unit gathered first, the
+# finished unit first (see Note: release before the next gather), also when a layer returns several tensors, so backward too holds
+# $1 + D$ units and this constant is $0$; were the next unit gathered first, the
 # finished one would be held beside it, one unit more. The tests count the units
 # the engine really holds in each phase and assert `gathered_units`.
 BACKWARD_EXTRA_UNITS = 0
@@ -260,9 +260,9 @@ def gathered_units(prefetch_depth: int, phase: str) -> int:
     r"""
     ## Units gathered at once
 
-    $$n_{\text{fwd}} = 1 + d, \qquad n_{\text{bwd}} = 1 + d + \beta$$
+    $$n_{\text{fwd}} = 1 + D, \qquad n_{\text{bwd}} = 1 + D + \beta$$
 
-    with $d$ = `prefetch_depth` and $\beta$ = `BACKWARD_EXTRA_UNITS`, which is
+    with $D$ = `prefetch_depth` and $\beta$ = `BACKWARD_EXTRA_UNITS`, which is
     $0$ (see Note: backward holds no extra unit). `phase` is `FORWARD` or `BACKWARD`.
     """
     _check_at_least("prefetch_depth", prefetch_depth, 0)
@@ -368,9 +368,13 @@ def largest_grad_buffer(layout: ChunkLayout, grad_bytes: int) -> int:
 
     $$B = g_r \cdot \max_{k \text{ trainable}} C_k,$$
 
-    is live at some moment of every backward pass ($g_r$ = `grad_bytes`, the
+    is live at some moment of every backward pass ($g_r$, the argument `grad_bytes`, the
     reduce dtype's bytes; oversized chunks count: an embedding's buffer is as real
-    as any); zero when nothing trains. Unlike the gathered peak it grows with the
+    as any); zero when nothing trains. $B$ counts the buffer alone: while the
+    gradients are copied into it, the chunk's held gradients ($p\,C_k$ bytes in
+    the parameter dtype, explained on [the chunk-gradient page](chunk_grads.html))
+    are still alive beside it, so the moment's true peak is $(p + g_r)\,C_k$,
+    $p\,C_k$ above $B$. Unlike the gathered peak it grows with the
     chunk size even when a group is gathered whole, because one chunk per layer
     holds the whole layer's gradient at once.
     """
@@ -385,8 +389,10 @@ def accumulated_grad_buffers(layout: ChunkLayout, grad_bytes: int) -> int:
 
     Inside `no_sync` no chunk reduces: each trainable chunk keeps its full-size
     buffer from one micro-batch to the next, all at once,
-    $g_r \sum_{k 	ext{ trainable}} C_k$ bytes per rank, about $g_r \Psi_t$: not
-    divided by $N_d$.
+    $g_r \sum_{k \text{ trainable}} C_k$ bytes per rank, about $g_r \Psi_t$: not
+    divided by $N_d$. From $N_d > (p + g + K) / g_r$ ranks on, that is more than
+    the model states themselves. The shard gradient then receives one reduction
+    per step.
     """
     _check_at_least("grad_bytes", grad_bytes, 1)
     return layout.total_numel(trainable=True) * grad_bytes

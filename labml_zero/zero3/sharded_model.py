@@ -48,7 +48,7 @@ the rest only while a hook has them gathered.
 
 ## Memory per rank
 
-With $\Psi_t$ trainable and $\Psi_f$ frozen elements (padding included),
+With $\Psi_t$ trainable and $\Psi_f$ frozen elements ({{see: padding}} included),
 parameter dtype of $p$ bytes, gradient shards of 4 bytes and
 $K$ = {{py: memory_model.OPTIMIZER_BYTES}} bytes of optimizer state (`AdamFP16`):
 

@@ -86,7 +86,7 @@ def choose_chunk_numel(
         return config.chunk_numel
     hidden_dim = hidden_size(specs)
     # ColossalAI's default range, `ChunkSearchConfig`'s too, is
-    # {{py: chunk_search.ChunkSearchConfig().search_range_m | .0f}}·2^20 elements. In
+    # {{py: chunk_search.ChunkSearchConfig().search_range_m | .0f}} × $2^{20}$ elements. In
     # steps of a small model's hidden size that is hundreds of thousands of
     # candidates, most of them far beyond any layer, so it is capped at 4096 steps;
     # and it is stretched to the largest layer, so that one chunk per layer is
@@ -94,8 +94,8 @@ def choose_chunk_numel(
     # (tested: tests/zero3/test_sharded_model.py::test_the_search_range_of_the_engine).
     # A layer of Pythia-1.4B is {{py: neox_model.count_parameters(
     # neox_model.build_layers(neox_model.pythia_1_4b(), device="meta")[1:2]) / 2**20
-    # | .0f}}·2^20 elements, beyond the cap at its hidden size,
-    # {{py: 4096 * neox_model.pythia_1_4b().d_model / 2**20 | .0f}}·2^20.
+    # | .0f}} × $2^{20}$ elements, beyond the cap at its hidden size,
+    # {{py: 4096 * neox_model.pythia_1_4b().d_model / 2**20 | .0f}} × $2^{20}$.
     largest_group: dict[int, int] = {}
     for spec in specs:
         largest_group[spec.group] = largest_group.get(spec.group, 0) + spec.numel

@@ -11,7 +11,13 @@
   // Integer helpers (bytes stay below 2^53, so Numbers are exact)
   function roundUp(value, multiple) { return Math.ceil(value / multiple) * multiple; }
   function sum(xs) { let s = 0; for (const x of xs) s += x; return s; }
-  function fail(message) { throw new Error(message); }
+  // `field`: the form control the reader must change (the page shows the message
+  // beside it)
+  function fail(message, field) {
+    const error = new Error(message);
+    error.field = field;
+    throw error;
+  }
 
   // ---------------------------------------------------------------------
   // neox/config.py, neox/model.py, neox/finetuners.py, neox/lora.py:
@@ -19,12 +25,12 @@
   function checkModel(m) {
     for (const name of ["n_vocab", "d_model", "n_heads", "n_layers", "max_position"]) {
       if (!(Number.isInteger(m[name]) && m[name] >= 1))
-        fail(`NeoXConfig.${name} must be >= 1, got ${m[name]}`);
+        fail(`must be a whole number of at least 1, got ${m[name]}`, name);
     }
     if (m.d_model % m.n_heads !== 0)
-      fail(`NeoXConfig.d_model=${m.d_model} is not divisible by n_heads=${m.n_heads}`);
+      fail(`the width ${m.d_model} must divide by the heads, ${m.n_heads}`, "n_heads");
     if (rotaryDim(m) % 2 !== 0)
-      fail(`NeoXConfig: rotary dims = ${rotaryDim(m)} must be even`);
+      fail(`the head width's rotary part, ${rotaryDim(m)}, must be even`, "n_heads");
   }
   function ffDim(m) { return m.d_ff == null ? 4 * m.d_model : m.d_ff; }
   function rotaryDim(m) { return Math.trunc((m.d_model / m.n_heads) * m.rotary_pct); }
@@ -262,8 +268,8 @@
     };
     const candidates = Math.floor(search.search_range / hidden) + 1;
     if (candidates > s.max_candidates)
-      fail(`search_range_m=${rangeM} in steps of hidden_dim=${hidden} gives ${candidates} ` +
-           `candidates, more than max_candidates=${s.max_candidates}`);
+      fail(`the search would try ${candidates} sizes, more than ` +
+           `${s.max_candidates}: give a chunk size`, "chunk_numel");
     return searchChunkSize(specs, worldSize, search);
   }
 
@@ -311,7 +317,7 @@
   function activationBytes(inputs, data) {
     const m = inputs.model, batch = inputs.batch, seq = inputs.seq;
     if (seq > m.max_position)
-      fail(`seq ${seq} exceeds the model's max_position ${m.max_position}`);
+      fail(`longer than the model's ${m.max_position} positions`, "seq");
     const [block, others] = trainableNames(inputs, data);
     const n = batch * seq, nd = n * m.d_model * 2;
     const k = inputs.kernels || {};
@@ -373,27 +379,29 @@
   function checkInputs(inputs, data) {
     for (const name of ["param_dtype", "reduce_dtype"]) {
       if (!(inputs[name] in data.dtype_bytes))
-        fail(`${name} must be one of ${Object.keys(data.dtype_bytes).join(", ")}, got ${inputs[name]}`);
+        fail(`must be one of ${Object.keys(data.dtype_bytes).join(", ")}`, name);
     }
     for (const [name, least] of [["world_size", 1], ["prefetch_depth", 0], ["batch", 1],
                                  ["seq", 1], ["micro_batches", 1], ["lora_rank", 1]]) {
       if (!(Number.isInteger(inputs[name]) && inputs[name] >= least))
-        fail(`${name} must be an integer >= ${least}, got ${inputs[name]}`);
+        fail(`must be a whole number of at least ${least}, got ${inputs[name]}`, name);
     }
     const f = inputs.offload_fraction;
-    if (f != null && !(f >= 0 && f <= 1)) fail(`offload_fraction must be in [0, 1], got ${f}`);
+    if (f != null && !(f >= 0 && f <= 1))
+      fail(`must be between 0 and 1, got ${f}`, "offload_fraction");
     if (!data.finetuners.includes(inputs.finetune))
-      fail(`unknown fine-tuner ${inputs.finetune}; expected one of ${data.finetuners.join(", ")}`);
+      fail(`must be one of ${data.finetuners.join(", ")}`, "finetune");
     if (inputs.finetune === "lora" && !inputs.lora_targets.length)
-      fail("LoRA targets must name at least one projection");
+      fail("tick at least one projection to adapt", "lora_rank");
     if (inputs.chunk_numel != null && !(Number.isInteger(inputs.chunk_numel) && inputs.chunk_numel >= 1))
-      fail(`chunk_numel must be at least 1, got ${inputs.chunk_numel}`);
+      fail(`must be a whole number of at least 1, got ${inputs.chunk_numel}`,
+           "chunk_numel");
     const group = inputs.shard_group_size || inputs.world_size;
     if (!(Number.isInteger(group) && group >= 1) || inputs.world_size % group)
-      fail(`shard_group_size ${group} does not divide the world size ${inputs.world_size}`);
+      fail(`${group} must divide the GPUs, ${inputs.world_size}`, "shard_group_size");
     checkModel(inputs.model);
     if (inputs.seq > inputs.model.max_position)
-      fail(`seq ${inputs.seq} exceeds the model's max_position ${inputs.model.max_position}`);
+      fail(`longer than the model's ${inputs.model.max_position} positions`, "seq");
   }
 
   function computeBudget(inputs, data) {

@@ -55,8 +55,7 @@ def test_figures_are_full_width_with_readable_labels(figures):
 def test_shards_follow_plan_chunks(diagrams, figures):
     layout_mod = diagrams._load_chunk_layout(REPO)
     svg = figures["figures/shard_collectives.svg"]
-    shapes = [s for s in diagrams.pythia_160m_shapes(n_layers=1, d_model=4, vocab=1)
-              if s[2] == 1]
+    shapes = diagrams.model_layer_shapes(4)
     specs = [layout_mod.ParamSpec(n, s, True, 0) for n, s, _ in shapes]
     numel = sum(spec.numel for spec in specs)
     for n in (2, 3, 4):
@@ -126,3 +125,25 @@ def test_what_a_figure_shows_on_hover_is_also_written_in_it(diagrams, figures):
     text = _visible(figures["figures/placement.svg"])
     assert text.count("optimizer state on the host:") == 2
     assert "parameter shards on the host: none" in text
+
+
+def test_the_shards_figure_lists_parameters_in_the_models_order(diagrams, figures):
+    """Each rank's hover names the parameters the real model puts in its shard:
+    the figure follows `TransformerLayer`'s registration order, and the
+    hand-written shapes of the other figures follow it too."""
+    from labml_zero.neox import config as neox_config
+    from labml_zero.neox import model as neox_model
+
+    config = neox_config.NeoXConfig(n_vocab=1, d_model=4, n_heads=1, n_layers=1,
+                                    d_ff=16, rotary_pct=0.5)
+    layer = neox_model.build_layers(config, device="meta")[1]
+    real = [(n, tuple(p.shape)) for n, p in layer.named_parameters()]
+    assert [(n, s) for n, s, _ in diagrams.model_layer_shapes(4)] == real
+    hand = [(n.split(".", 2)[2], s) for n, s, g in
+            diagrams.pythia_160m_shapes(n_layers=1, d_model=4, vocab=1) if g == 1]
+    assert hand == real
+    # rank 0's shard on 4 ranks starts with the layer's first parameter
+    svg = figures["figures/shard_collectives.svg"]
+    first = re.search(r"rank 0 keeps elements \[0, \d+\) of the chunk: ([^<]*)<",
+                      svg)
+    assert first and first.group(1).split(", ")[0] == real[0][0]

@@ -15,9 +15,9 @@ tests/zero3/test_checkpoint_digest.py::test_one_flipped_exponent_bit), load
 without complaint and train to NaN. So every file of a checkpoint has its
 digest in the manifest,
 
-$$d = \text{SHA-256}(\text{the file's bytes}),$$
+$$h = \text{SHA-256}(\text{the file's bytes}),$$
 
-written as `"sha256:<hex digits>"`, and a reader recomputes $d$ before it
+written as `"sha256:<hex digits>"`, and a reader recomputes $h$ before it
 uses a file.
 
 ## Limitations
