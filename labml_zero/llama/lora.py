@@ -30,7 +30,7 @@ into `DecoderLayer`s, and writes the two exports:
 ## Default targets: all seven
 
 PEFT's own default for Llama is `q_proj, v_proj` only (the LoRA paper's
-choice for GPT-3). The QLoRA paper (Dettmers et al., 2023) found that adapting
+choice for GPT-3). The QLoRA paper (Dettmers et al.) found that adapting
 *every* linear layer is what matches full fine-tuning, and the cost stays
 small: per layer $r(2d + 2(n_{kv} d_h + d) + 2 n_h d_h + 3(d + d_{ff}))$
 numbers against the frozen $d(2 n_h d_h + 2 n_{kv} d_h) + 3 d\, d_{ff}$. So
@@ -49,7 +49,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Iterable, Iterator, Sequence
+from typing import ClassVar, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -163,8 +163,8 @@ def base_layer(module: nn.Module) -> nn.Module:
 def save_merged_llama(out_dir: str | os.PathLike, config: LlamaConfig,
                       tensors: Iterable[tuple[str, torch.Tensor]],
                       lora: LlamaLoRA, **options) -> Path:
-    """
-    ### The merged model: $W' = W + \\frac{\\alpha}{r} B A$, then the writer
+    r"""
+    ### The merged model: $W' = W + \frac{\alpha}{r} B A$, then the writer
 
     `tensors` yields `(hf_name, tensor)` with the adapters
     (`hf_named_tensors(layers)`, or a sharded model's gathered tensors);

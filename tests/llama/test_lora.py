@@ -114,3 +114,16 @@ def test_counts_and_refusals(hf_case):
         LlamaLoRA(targets=("q_proj", "q_proj"))
     with pytest.raises(ValueError, match="rank"):
         LlamaLoRA(rank=0)
+
+
+def test_the_engines_initialiser_gives_adapters_peft_init():
+    """`init_param` (GPT-NeoX's, through `LlamaLoRA`) runs in each chunk: A
+    within 1/sqrt(d_in), B zero, every other parameter to the base init."""
+    seen = []
+    init = LlamaLoRA().init_param(lambda name, p: seen.append(name))
+    a, b, w = torch.full((4, 64), 9.0), torch.ones(32, 4), torch.ones(32, 64)
+    init("self_attn.q_proj.lora_A", a)
+    init("self_attn.q_proj.lora_B", b)
+    init("self_attn.q_proj.weight", w)
+    assert 0 < a.abs().max() <= 64 ** -0.5 and not b.any()
+    assert seen == ["self_attn.q_proj.weight"]
