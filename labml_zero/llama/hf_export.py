@@ -54,6 +54,7 @@ from labml_zero.llama.model import Readout, hf_prefix
 from labml_zero.neox.hf_checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
                                            _write_shards)
 from labml_zero.neox.side_files import hf_side_files
+from labml_zero.zero3.checkpoint import CheckpointError
 
 __all__ = ["hf_named_tensors", "save_llama_checkpoint"]
 
@@ -92,9 +93,9 @@ def save_llama_checkpoint(out_dir: str | os.PathLike, config: LlamaConfig,
       tokenizer is written (weights only).
     * `dtype` casts every tensor; `None` keeps each one's own.
 
-    Every input is checked before a byte is written: the tokenizer loads
-    (`hf_side_files` raises otherwise), the destination is new or `overwrite`
-    is given. Returns the directory.
+    Every input is checked before a byte is written: the destination is new
+    or `overwrite` is given, and the tokenizer loads (else one
+    `CheckpointError` line naming it). Returns the directory.
     """
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
@@ -102,7 +103,11 @@ def save_llama_checkpoint(out_dir: str | os.PathLike, config: LlamaConfig,
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"checkpoint directory exists: {out_dir} "
                               f"(pass overwrite=True)")
-    side = hf_side_files(tokenizer, snapshot) if tokenizer is not None else {}
+    try:
+        side = hf_side_files(tokenizer, snapshot) if tokenizer is not None else {}
+    except Exception as error:  # tokenizers raises a bare `Exception`
+        raise CheckpointError(f"tokenizer {tokenizer} does not load: "
+                              f"{str(error).splitlines()[0]}") from None
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(out_dir)
     tmp.mkdir()

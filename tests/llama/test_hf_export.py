@@ -12,6 +12,7 @@ from labml_zero.llama.hf_checkpoint import LlamaCheckpoint, load_layers
 from labml_zero.llama.hf_export import hf_named_tensors, save_llama_checkpoint
 from labml_zero.llama.model import LlamaChain, build_layers
 from labml_zero.llama.tokenizer import TOKENIZER_FILE
+from labml_zero.zero3.checkpoint import CheckpointError
 from tests import tolerance
 from tests.llama.test_model import llama_terms
 from tests.llama.test_tokenizer import TEXT, small_bpe
@@ -107,7 +108,7 @@ def test_an_existing_directory_or_a_bad_tokenizer_writes_nothing(tmp_path):
         save_llama_checkpoint(tmp_path / "taken", config, hf_named_tensors(layers))
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(Exception):
+    with pytest.raises(CheckpointError, match="tokenizer .*bad.json does not load"):
         save_llama_checkpoint(tmp_path / "new", config, hf_named_tensors(layers),
                               tokenizer=tmp_path / "bad.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.json", "taken"]
