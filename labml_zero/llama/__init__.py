@@ -4,7 +4,7 @@ title: The Llama family
 summary: Llama 3, Qwen2.5, Mistral and SmolLM2 as one package, beside GPT-NeoX:
   configuration and presets, RMSNorm, SwiGLU, grouped-query attention with
   scaled rotary embeddings, tied embeddings, checkpoints, tokenizer, FLOPs and
-  activations, and the family as one object.
+  activations, saving checkpoints, LoRA, and the family as one object.
 ---
 
 # The Llama family
@@ -32,6 +32,9 @@ and four parts differ, each for a reason a reader of the engine meets again:
   embedding in the chunk layout).
 
 Rotary embeddings turn the whole head, with a base per model and Llama 3's
-scaling of the slow frequencies. The package's last page gathers what the
-fine-tune job asks of a family into one object, `LLAMA`.
+scaling of the slow frequencies. A trained model leaves as a Hugging Face
+checkpoint again, its tied embedding written once, and LoRA adapts the
+seven projections of a layer, merged into the checkpoint or saved for PEFT.
+The package's last page gathers what the fine-tune job asks of a family into
+one object, `LLAMA`.
 """

@@ -26,7 +26,7 @@ file and the field, before any rank starts.
 
 ## Limitations
 
-* Safetensors only; no export yet (the job's step after this one).
+* Safetensors only. Writing a checkpoint is [its own page](hf_export.html).
 """
 
 from __future__ import annotations

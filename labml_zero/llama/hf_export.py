@@ -1,0 +1,141 @@
+r"""
+---
+title: Saving Llama checkpoints
+summary: Write a Llama, Qwen2 or Mistral model as a Hugging Face checkpoint,
+  one tensor at a time, in the weights' own dtype, a tied embedding once, with
+  config.json and the tokenizer beside it.
+---
+
+# Saving Llama checkpoints
+
+The reverse of [reading a snapshot](hf_checkpoint.html). Tensors stream into
+[GPT-NeoX's shard writer](../neox/hf_checkpoint.html), which holds one output
+shard: with at most $B_\text{shard}$ bytes a shard, the host's peak is
+
+$$M \approx \max_p |p| + B_\text{shard},$$
+
+whatever the model's size, and past one shard an index names each tensor's
+file, as `save_pretrained` does. Three things are the family's own:
+
+* the names, `hf_prefix(layer) + name`, and a tied readout, which is *not*
+  written: transformers' `tie_word_embeddings=True` reads `lm_head.weight`
+  from `model.embed_tokens.weight`, and a second copy would be $V d$ wasted
+  elements (and, after training the two apart, a silent disagreement);
+* `config.json`, from [the family's config writer](config.html), with the
+  `torch_dtype` of the tensors written, so a bf16 model stays bf16;
+* the files [beside the weights](../neox/side_files.html): the snapshot's own
+  `tokenizer_config.json` and `generation_config.json` copied as they are,
+  `tokenizer.json` from the file the job encoded with.
+
+The directory appears whole or not at all (GPT-NeoX's Note: atomic
+checkpoint directory).
+
+## Limitations
+
+* The writer that finishes the directory repeats GPT-NeoX's last steps
+  (names, index, extra files, rename) because that one writes GPT-NeoX's own
+  `config.json`; a config argument there would remove these lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from labml_zero.files import fsync_path, replace_directory, temporary_sibling
+from labml_zero.llama.config import LlamaConfig, to_hf_config
+from labml_zero.llama.model import Readout, hf_prefix
+from labml_zero.neox.hf_checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
+                                           _write_shards)
+from labml_zero.neox.side_files import hf_side_files
+from labml_zero.zero3.checkpoint import CheckpointError
+
+__all__ = ["hf_named_tensors", "save_llama_checkpoint"]
+
+
+def hf_named_tensors(layers: Iterable[nn.Module]
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """
+    ### `(hf_name, tensor)` for every tensor, in layer order
+
+    A tied readout yields nothing: its matrix was the embedding's, already
+    written.
+    """
+    for layer in layers:
+        if isinstance(layer, Readout) and layer.config.tie_embeddings:
+            continue
+        prefix = hf_prefix(layer)
+        for name, t in layer.state_dict().items():
+            yield prefix + name, t
+
+
+def save_llama_checkpoint(out_dir: str | os.PathLike, config: LlamaConfig,
+                          named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                          tokenizer: str | os.PathLike | None = None,
+                          snapshot: str | os.PathLike | None = None,
+                          dtype: torch.dtype | None = None,
+                          max_shard_bytes: int = 2 * 1024**3,
+                          overwrite: bool = False) -> Path:
+    """
+    ### Write a Hugging Face checkpoint of the family, atomically
+
+    * `named_tensors` yields `(hf_name, tensor)`: `hf_named_tensors(layers)`,
+      or a generator that gathers a sharded model one layer at a time (with
+      LoRA's adapters folded in by `merged`). It is consumed once.
+    * `tokenizer`: the `tokenizer.json` to ship; `snapshot`: the directory the
+      model came from, whose side files are copied. Without `tokenizer` no
+      tokenizer is written (weights only).
+    * `dtype` casts every tensor; `None` keeps each one's own.
+
+    Every input is checked before a byte is written: the destination is new
+    or `overwrite` is given, and the tokenizer loads (else one
+    `CheckpointError` line naming it). Returns the directory.
+    """
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"checkpoint directory exists: {out_dir} "
+                              f"(pass overwrite=True)")
+    try:
+        side = hf_side_files(tokenizer, snapshot) if tokenizer is not None else {}
+    except Exception as error:  # tokenizers raises a bare `Exception`
+        raise CheckpointError(f"tokenizer {tokenizer} does not load: "
+                              f"{str(error).splitlines()[0]}") from None
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_sibling(out_dir)
+    tmp.mkdir()
+    try:
+        written = _write_shards(tmp, named_tensors,
+                                max_shard_bytes=max_shard_bytes, dtype=dtype)
+        # Shards were written as part-K before their count was known.
+        n = len(written.files)
+        final = {part: SINGLE_FILE if n == 1 else
+                 f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+                 for k, part in enumerate(written.files)}
+        for part, name in final.items():
+            os.rename(tmp / part, tmp / name)
+        files = {CONFIG_FILE: json.dumps(
+            to_hf_config(config, dtype=written.dtype), indent=2), **side}
+        if n > 1:
+            files[INDEX_FILE] = json.dumps({
+                "metadata": {"total_size": written.total_bytes,
+                             "total_parameters": written.total_numel},
+                "weight_map": {k: final[v] for k, v in written.weight_map.items()}},
+                indent=2)
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+            fsync_path(tmp / name)
+        fsync_path(tmp)
+        # The only moment the target changes (Note: atomic checkpoint directory).
+        replace_directory(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
