@@ -71,6 +71,8 @@ from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
 
 __all__ = ["main", "ExportPlan", "plan_export", "parse_size"]
 
+# What `--dtype` may name. Without it the export writes the base snapshot's
+# dtype, else the training dtype (both in the manifest): bf16 stays bf16.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
 # decimal and binary multiples, as `--max-shard-size 2GB` or `2GiB`

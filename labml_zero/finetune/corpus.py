@@ -40,7 +40,8 @@ own. So a cut
 
 falls on a pre-token boundary, and tokenising the pieces one by one gives
 exactly the ids of the whole text (tested:
-tests/finetune/test_corpus.py::test_pieces_tokenize_like_the_whole_text and
+tests/finetune/test_corpus.py::test_pieces_tokenize_like_the_whole_text), a
+long line cut at its spaces included (tested:
 tests/finetune/test_corpus.py::test_a_long_line_is_cut_at_spaces). `best_cut`
 takes the last of 1 in the window of $P$ bytes, else the last of 2. A window
 with neither (a run of $P$ bytes without a space: a long URL, base64, text in

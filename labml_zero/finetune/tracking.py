@@ -297,7 +297,9 @@ class RunPageSetup(threading.Thread):
             while True:
                 last = self.exiting.is_set()
                 try:
-                    # see Note: a chart's series are positions in a list
+                    # the page is set up only once two looks agree: a new
+                    # series shifts every position after it (see Note: a
+                    # chart's series are positions in a list)
                     names = run_series_names(self.app_url, self.run_uuid,
                                              timeout_s=REQUEST_TIMEOUT_S)
                     settled = last or (names == seen and names is not None)
