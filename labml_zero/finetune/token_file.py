@@ -28,10 +28,15 @@ and any sample is one slice of it. It is built like this:
 
 The file is cached beside the data, as `.<name>.<path id>.<key>.tokens.u16`,
 hidden so a directory corpus never reads it back as text; where the data's
-directory is not writable, in `~/.cache/labml_zero/tokens/`. The launcher
-decides it once, before any rank starts, and hands the decision to the ranks
-(see Note: deciding once). Its key hashes each file's content, so a stale
-cache is never read, and the second run finds the file and starts at once.
+directory is not writable, in `~/.cache/labml_zero/tokens/`. Its key hashes
+each file's content, so a stale cache is never read, and the second run finds
+the file and starts at once. It is decided once (see Note: deciding once):
+
+* **spawn**: the launcher decides before any rank starts and hands the
+  decision, a `TokenCache`, to the ranks;
+* **torchrun**: every process is a launcher, so each decides; a lock beside
+  the cache lets one of a host's processes build it while the others wait,
+  then find it built (see Note: one builder per host).
 
 ## Note: why a memory map
 
@@ -51,15 +56,19 @@ width); all are checked before any rank starts.
 
 ## Limitations
 
-* Under torchrun every process runs the launcher's checks and builds the file
-  if it is missing; the atomic rename makes that safe, not cheap. Start one
-  process first, or build it with `prepare_token_file`, for a large corpus.
+* The lock is `flock(2)`: one builder per host. Hosts that share the cache's
+  filesystem each build it unless that filesystem carries `flock` between
+  hosts (Linux's NFS client does, as a whole-file lock; others may not); the
+  atomic rename keeps that safe, not cheap. Build it first with
+  `prepare_token_file` for a large corpus on several hosts.
+* POSIX only, as `fcntl` is.
 * The room check is a bound (see `check_room`); a disk that fills while the
   file is written still stops the build in one line, leaving no file.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -67,6 +76,7 @@ import re
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator, NamedTuple
 
@@ -393,6 +403,66 @@ def build_token_file(sources: list[Source], tokenizer: Tokenizer, path: Path, *,
 # ## Deciding once
 
 
+def lock_path(data: str | os.PathLike) -> Path:
+    """`.<name>.<path id>.tokens.lock`: the build lock of `data`'s caches."""
+    data = Path(data).resolve()
+    return cache_dir(data) / f"{cache_prefix(data)}tokens.lock"
+
+
+@contextmanager
+def build_lock(data: str | os.PathLike) -> Iterator[None]:
+    """
+    ### Hold `data`'s build lock: one builder per host
+
+    #### Note: one builder per host
+
+    Under torchrun every process runs the launcher's checks, so every process
+    of a host may find the token file missing at once. Each takes an exclusive
+    `flock(2)` on the lock file before looking again: the first builds, the
+    others wait in the kernel and then find the file built (their stamps and
+    key are their own, so `open_cache` checks the data as always).
+
+    * The lock file is a hidden name of this path's caches (`lock_path`), and
+      not one that `prune_caches` removes: the builder holds it while pruning.
+    * The holder removes the name before it lets go, so no lock file is left
+      behind. A waiter may then hold a lock on a file without a name, which
+      locks out no one; so after taking it, a process checks that the name
+      still points at the file it locked (same device and inode), and starts
+      again if not.
+    * A process that dies holding it, even by `SIGKILL`, releases it (the
+      kernel drops a lock when its last descriptor closes); the name it
+      leaves is locked and removed by the next builder. It leaves no partial
+      token file: the build renames a complete file into place, or none.
+    """
+    path = lock_path(data)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"waiting for another process tokenizing {data} ({path})",
+                      flush=True)
+                fcntl.flock(fd, fcntl.LOCK_EX)  # blocks; a signal interrupts it
+            locked = os.fstat(fd)
+            try:
+                named = os.stat(path)
+            except FileNotFoundError:
+                named = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if named and (named.st_dev, named.st_ino) == (locked.st_dev, locked.st_ino):
+            break
+        os.close(fd)  # the holder before removed that name: lock the new one
+    try:
+        yield
+    finally:
+        # still holding it: a process that opens the name now creates a new file
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
 def prepare_token_file(data: str | os.PathLike, tokenizer: Tokenizer, *, eot: int,
                        text_field: str = "text") -> TokenCache:
     """
@@ -413,6 +483,10 @@ def prepare_token_file(data: str | os.PathLike, tokenizer: Tokenizer, *, eot: in
        `open_cache` compares each file's size and time with its stamp and
        digests it again (from the page cache when the corpus fits), and a file
        changed since stops the rank in one line naming it, before any step.
+
+    Under torchrun each process is its own launcher and runs steps 1 to 3;
+    the build in step 3 is done under `build_lock` (see Note: one builder per
+    host), so one process of a host builds and the others find its file.
     """
     sources = find_sources(data)
     stamps = [stamp(s.path) for s in sources]
@@ -420,11 +494,16 @@ def prepare_token_file(data: str | os.PathLike, tokenizer: Tokenizer, *, eot: in
     key = sources_key(stamps, tokenizer, eot=eot, text_field=uses_field)
     dtype = token_dtype(tokenizer)
     path = cache_path(data, key, dtype)
+    # a token file appears whole (renamed into place), so one found needs no lock
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        check_room(data, sources, path, np.dtype(dtype).itemsize)
-        build_token_file(sources, tokenizer, path, eot=eot, text_field=text_field)
-        prune_caches(data, path)
+        with build_lock(data):
+            # another process may have built it while this one waited
+            if not path.is_file():
+                check_room(data, sources, path, np.dtype(dtype).itemsize)
+                build_token_file(sources, tokenizer, path, eot=eot,
+                                 text_field=text_field)
+                prune_caches(data, path)
     return TokenCache(str(data), path, key, tuple(stamps))
 
 

@@ -6,11 +6,13 @@ line, leaving no file."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -187,3 +189,125 @@ def test_a_rank_stops_in_one_line_when_the_data_changed(tmp_path, monkeypatch,
     assert status == 1
     assert err.count("\n") == 1, err
     assert f"--data {data}: changed since the launcher tokenised it" in err
+
+
+# A process of a torchrun host: it prepares `data`, writing `looked` to `log` as
+# it decides where the token file is and `built` as it starts building it. A
+# builder waits until all `n` processes have looked, so without the lock each
+# of them would find the file missing and build it.
+RACER = r"""
+import sys, time
+from pathlib import Path
+from labml_zero.finetune import token_file
+from labml_zero.neox.tokenizer import end_of_text_id, load_tokenizer
+
+data, log, n = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+decide, build = token_file.cache_path, token_file.build_token_file
+
+def write(line):
+    with open(log, "a") as f:
+        f.write(line + "\n")
+
+def looked(*args, **kwargs):
+    write("looked")
+    return decide(*args, **kwargs)
+
+def built(*args, **kwargs):
+    write("built")
+    deadline = time.monotonic() + 60
+    while log.read_text().count("looked") < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if sys.argv[4:] == ["hold"]:  # the builder that is killed while holding it
+        time.sleep(600)
+    return build(*args, **kwargs)
+
+token_file.cache_path, token_file.build_token_file = looked, built
+tokenizer = load_tokenizer()
+cache = token_file.prepare_token_file(data, tokenizer,
+                                      eot=end_of_text_id(tokenizer))
+print(cache.path, cache.key)
+"""
+
+
+def racers(data: Path, log: Path, n: int, *extra: str) -> list[subprocess.Popen]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return [subprocess.Popen([sys.executable, "-c", RACER, str(data), str(log),
+                              str(n), *extra], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+            for _ in range(n)]
+
+
+def test_processes_of_one_host_build_the_token_file_once(tokenizer, tmp_path):
+    (tmp_path / "data").mkdir()
+    data, log = tmp_path / "data" / "c.txt", tmp_path / "log"
+    data.write_text(load_text()[:20_000])
+    outs = []
+    for process in racers(data, log, 3):
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err
+        outs.append(out.splitlines()[-1])
+    # one build; every process got the same file and key
+    assert log.read_text().count("built") == 1
+    assert len(set(outs)) == 1
+    path = Path(outs[0].split()[0])
+    assert np.fromfile(path, dtype=np.uint16).tolist() == [
+        *encode(tokenizer, data.read_text()), end_of_text_id(tokenizer)]
+    # no lock file left behind: the data and its token file alone
+    assert sorted(data.parent.iterdir()) == sorted([data, path])
+
+
+def test_a_builder_killed_holding_the_lock_blocks_no_one(tokenizer, tmp_path):
+    (tmp_path / "data").mkdir()
+    data, log = tmp_path / "data" / "c.txt", tmp_path / "log"
+    data.write_text(load_text()[:20_000])
+    (holder,) = racers(data, log, 1, "hold")
+    deadline = time.monotonic() + 60
+    while not (log.is_file() and "built" in log.read_text()):
+        assert holder.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    lock = token_file.lock_path(data)
+    assert lock.is_file()
+    holder.kill()
+    holder.communicate(timeout=60)
+    # the kernel released the lock; its name is reused, then removed
+    cache = prepare(data, tokenizer)
+    assert open_cache(cache, vocab=1 << 16).tolist() == [
+        *encode(tokenizer, data.read_text()), end_of_text_id(tokenizer)]
+    assert sorted(data.parent.iterdir()) == sorted([data, cache.path])
+
+
+def test_a_waiter_locks_the_name_not_the_file_removed_under_it(tmp_path,
+                                                               monkeypatch):
+    # flock locks an open file, so two descriptors of one process contend as two
+    # processes would; the holder removes the name while a waiter is blocked
+    data = tmp_path / "c.txt"
+    data.write_text("text")
+    flock, blocking, entered, done = (fcntl.flock, threading.Event(),
+                                      threading.Event(), threading.Event())
+
+    def watched(fd, operation):
+        if not operation & fcntl.LOCK_NB:
+            blocking.set()
+        return flock(fd, operation)
+
+    def waiter():
+        with token_file.build_lock(data):
+            entered.set()
+            done.wait(60)
+
+    monkeypatch.setattr(token_file.fcntl, "flock", watched)
+    with token_file.build_lock(data):
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        assert blocking.wait(60)
+    assert entered.wait(60)
+    # the waiter holds the lock under the name: a newcomer cannot take it
+    probe = os.open(token_file.lock_path(data), os.O_RDWR | os.O_CREAT)
+    try:
+        with pytest.raises(BlockingIOError):
+            flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(probe)
+        done.set()
+        thread.join(60)
+    assert sorted(tmp_path.iterdir()) == [data]
