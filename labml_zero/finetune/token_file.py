@@ -436,7 +436,11 @@ def build_lock(data: str | os.PathLike) -> Iterator[None]:
     """
     path = lock_path(data)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise DataError(f"--data {data}: cannot open its token file's lock "
+                            f"{path} ({e.strerror or e})") from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

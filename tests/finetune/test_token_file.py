@@ -311,3 +311,16 @@ def test_a_waiter_locks_the_name_not_the_file_removed_under_it(tmp_path,
         done.set()
         thread.join(60)
     assert sorted(tmp_path.iterdir()) == [data]
+
+
+def test_a_lock_that_cannot_be_opened_is_one_line(tokenizer, tmp_path):
+    data = tmp_path / "c.txt"
+    data.write_text("text")
+    token_file.lock_path(data).mkdir()  # a directory cannot be locked as a file
+    with pytest.raises(DataError) as refused:
+        prepare(data, tokenizer)
+    line = str(refused.value)
+    assert "\n" not in line
+    assert line.startswith(f"--data {data}: cannot open its token file's lock")
+    assert os.strerror(errno.EISDIR) in line
+    assert not caches_of(tmp_path, "c.txt")
