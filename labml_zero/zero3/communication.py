@@ -16,20 +16,8 @@ place that calls them:
 * **all-reduce** a scalar: the squared gradient norm, whose sum over ranks is
   also how every rank learns that one of them overflowed (non-finite).
 
-Per training step a chunk is gathered for the forward pass and again for the
-backward pass, and every trainable chunk's gradient is reduce-scattered once:
-$3\Psi$ elements of collective volume against DDP's $2\Psi$ (its all-reduce is a
-reduce-scatter plus an all-gather), counted in elements
-(tested: tests/zero3/test_memory_model.py::test_zero3_is_three_psi_and_ddp_two_psi).
-That extra $\Psi$, half of DDP's volume again, is the price of holding
-$\frac{(p + 4 + K)\Psi}{N_d}$ bytes ($p$-byte parameters, fp32 gradient
-shards) instead of $(p + 4 + K)\Psi$; `CommCounter` counts it so the tests can
-check the claim. Less where the [hooks](hooks.html) skip the backward's gather:
-the root unit is gathered once for the whole step, a unit with no backward (a
-frozen layer at the input end) is not gathered again, and a resident chunk
-never is.
-
-The streams that let these overlap with computation are set up with the
+A step moves $3\Psi$ elements through them, against DDP's $2\Psi$ (see
+`CommCounter`). The streams that let these overlap with computation are set up with the
 `Communicator` below, its groups where it splits them; what runs over these
 groups, and how (collective, peer memory, hybrid), is chosen once per model by
 the [transports](transport.html).
@@ -56,6 +44,19 @@ class CommCounter:
     output of an all-gather and the input of a reduce-scatter, both the full chunk.
     The bytes a ring algorithm puts on each rank's wire are $\frac{N_d - 1}{N_d}$
     of these.
+
+    Per training step a chunk is gathered for the forward pass and again for the
+    backward pass, and every trainable chunk's gradient is reduce-scattered once:
+    $3\Psi$ elements of collective volume against DDP's $2\Psi$ (its all-reduce is a
+    reduce-scatter plus an all-gather), counted in elements
+    (tested: tests/zero3/test_memory_model.py::test_zero3_is_three_psi_and_ddp_two_psi).
+    That extra $\Psi$, half of DDP's volume again, is the price of holding
+    $\frac{(p + 4 + K)\Psi}{N_d}$ bytes ($p$-byte parameters, fp32 gradient
+    shards) instead of $(p + 4 + K)\Psi$; this counter counts it so the tests
+    can check the claim. Less where the [hooks](hooks.html) skip the backward's gather:
+    the root unit is gathered once for the whole step, a unit with no backward (a
+    frozen layer at the input end) is not gathered again, and a resident chunk
+    never is.
     """
 
     calls: dict[str, int] = field(default_factory=dict)

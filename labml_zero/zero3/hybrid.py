@@ -21,11 +21,7 @@ over its $N_s$ ranks. The ranks that hold the same shard in every group form a
 2. one all-reduce (mean) per trainable chunk across the replica group, of the
    $S = C / N_s$ elements of the shard only.
 
-The mean of $R$ group means, each over $N_s$ ranks, is the mean over all $N_d$:
-the gradient is the one ZeRO-3 over $N_d$ ranks computes, in another order of
-summation. After it every group holds the whole averaged gradient, so a sum
-over ranks of the shards, such as the gradient norm for clipping, runs over
-the shard group alone. `ZeroConfig(shard_group_size=K)` turns it on (the
+`ZeroConfig(shard_group_size=K)` turns it on (the
 [communicator](communication.html) makes the shard group, `ReplicaGroup`
 below the replica group); `--shard-group-size K` in the fine-tune.
 
@@ -162,6 +158,12 @@ class ReplicaGroup:
 
         Latency is not modelled: at many hosts an all-reduce of small shards is bound
         by it, not by bandwidth, and the hybrid column is then a lower bound.
+
+        The mean of $R$ group means, each over $N_s$ ranks, is the mean over all $N_d$:
+        the gradient is the one ZeRO-3 over $N_d$ ranks computes, in another order of
+        summation. After it every group holds the whole averaged gradient, so a sum
+        over ranks of the shards, such as the gradient norm for clipping, runs over
+        the shard group alone.
         """
         self.counter.add("replica_all_reduce", shard)
         dist.all_reduce(shard, op=dist.ReduceOp.SUM, group=self.group)
