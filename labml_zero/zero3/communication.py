@@ -219,14 +219,14 @@ class Communicator:
 
     Every attribute is set here, once: the device, the group with this rank's
     place in it, the two streams, what is held for the reduce stream, and the
-    counter. Peer memory and the replica
-    group are [the transports'](transport.html), which count into `counter`.
+    counter. Peer memory and the {{see: replica group}} are
+    [the transports'](transport.html), which count into `counter`.
     """
 
     def __init__(self, device: torch.device, *, group=None, side_streams: bool = True,
                  shard_group_size: int | None = None):
         if shard_group_size is not None and group is not None:
-            # one rule for the communicator and the replica group: hybrid
+            # one rule for the communicator and the {{see: replica group}}: hybrid
             # sharding is decided by `shard_group_size` against the default world
             raise ValueError("shard_group_size splits the default process group; "
                              "it cannot be combined with a process group")
@@ -259,8 +259,9 @@ class Communicator:
     def for_config(cls, device, config, *, group=None) -> "Communicator":
         """
         The communicator a [`ZeroConfig`](config.html) asks for: its side
-        streams and its shard group. Peer memory and the replica group are the
-        [transports'](transport.html), made from the same config.
+        streams and its shard group. Peer memory and the
+        {{see: replica group}} are the [transports'](transport.html), made from
+        the same config.
         """
         return cls(device, group=group, side_streams=config.side_streams,
                    shard_group_size=config.shard_group_size)

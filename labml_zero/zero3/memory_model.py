@@ -89,7 +89,7 @@ PARAM_BYTES = 2
 # update during backward reads (see Note: one rank keeps the parameter dtype),
 # is not counted: the model gives the fp32 bound.
 GRAD_BYTES = 4
-# $g_r$: the bytes of the reduce dtype, the dtype of the full-size
+# $g_r$: the bytes of the {{see: reduce dtype}}, the dtype of the full-size
 # gradient buffers and of the reduce-scatter; fp32 is `ZeroConfig`'s default
 # `reduce_dtype` (bf16 or fp16: 2).
 REDUCE_BYTES = 4
