@@ -277,8 +277,10 @@ def best_markdown(results: dict[Key, Measurement]) -> list[str]:
     return out
 
 
-# What the loss column says, under the table's introduction
+# What the loss column says, under the table's introduction: two blocks, the
+# first step's loss and the drift after it, each under its own heading
 LOSS_COLUMN = (
+    "### The loss column: one start\n\n"
     "The loss is the last timed step's, averaged over the ranks, after "
     "`warmup + steps` updates. Every engine starts from the same weights "
     "(`bench.engine.InitialWeights`: each layer drawn alone in fp32 from the "
@@ -287,8 +289,9 @@ LOSS_COLUMN = (
     "derived from bf16's unit roundoff, the layers and the tokens, which a "
     "model drawn from another seed misses (the test "
     "`test_engines_start_alike` in `tests/test_bench_start.py`). "
-    "Lines measured before that started each engine from its own draw. "
-    "After $k$ steps the engines drift apart no faster than their arithmetic "
+    "Lines measured before that started each engine from its own draw.\n\n"
+    "### The loss column after $k$ steps\n\n"
+    "The engines drift apart no faster than their arithmetic "
     "differs: labml_zero and FSDP2 compute in bf16 from fp32 masters with the "
     "same AdamW, while DDP under autocast keeps its embedding and residual "
     "stream in fp32. Adam moves a weight by about the learning rate whatever "
@@ -307,24 +310,25 @@ engine and setting, the latest measurement of each, taken by the benchmark
 
 The columns of the measurements:
 
-* **workload**: the model and job measured (listed below the table's heading);
-* **engine**: what trains it: `labml_zero`, PyTorch's FSDP2, or one of the
-  two one-device bounds, `model_only` (the model's forward and backward passes
-  alone) and `update_floor` (the same with AdamW's update in one pass over fp32
-  masters and moments, the least step any engine with `AdamFP16`'s numerics can
-  take);
-* **compiled**: whether the layers ran through `torch.compile`;
-* **GPUs**: how many, and which;
-* **B × T**: sequences per GPU and tokens per sequence in one step;
-* **tokens/s**: tokens of all GPUs together per second of a timed step;
-* **step s (± std)**: the mean seconds of a timed step on the slowest GPU, and
-  the standard deviation of the timed steps;
-* **MFU**: model FLOPs utilisation, the model's FLOPs per second over the
-  GPUs' dense bf16 peak from the data sheet (989.4 TFLOP/s for an H100 or H200);
-* **peak GiB**: the most memory allocated on any one GPU, while building the
-  model or while training;
-* **loss**: the last timed step's training loss (what it can check is below);
-* **settings**: the engine's options that differ from its defaults.
+| column | what it holds |
+| --- | --- |
+| workload | the model and job measured (listed below the table's heading) |
+| engine | what trains it: `labml_zero`, PyTorch's FSDP2, or one of the two \
+one-device bounds, `model_only` (the model's forward and backward passes alone) \
+and `update_floor` (the same with AdamW's update in one pass over fp32 masters \
+and moments, the least step any engine with `AdamFP16`'s numerics can take) |
+| compiled | whether the layers ran through `torch.compile` |
+| GPUs | how many, and which |
+| B × T | sequences per GPU and tokens per sequence in one step |
+| tokens/s | tokens of all GPUs together per second of a timed step |
+| step s (± std) | the mean seconds of a timed step on the slowest GPU, and \
+the standard deviation of the timed steps |
+| MFU | model FLOPs utilisation, the model's FLOPs per second over the GPUs' \
+dense bf16 peak from the data sheet (989.4 TFLOP/s for an H100 or H200) |
+| peak GiB | the most memory allocated on any one GPU, while building the \
+model or while training |
+| loss | the last timed step's training loss (what it can check is below) |
+| settings | the engine's options that differ from its defaults |
 """
 
 

@@ -25,17 +25,8 @@ Under ZeRO-3 each rank holds these for its own shards only: the optimizer sees o
 flat bf16 tensor per trainable chunk, with its fp32 gradient in its
 [shard](../zero3/shard.html).
 
-The pages follow in reading order: [AdamFP16](adam_fp16.html), the optimizer;
-[where a shard's optimizer state lives](shard_home.html), each shard's home,
-device or host; [its state in host memory](host_offload.html), what
-`offload=` moves;
-[updating during the backward pass](early_update.html), what
-`update_during_backward=` starts; [the update in one pass](rounded_update.html),
-the kernel a GPU runs it with; then the training features that act on the
-shards' gradients: the global gradient norm for clipping (one all-reduce over
-the shards) and fp16's dynamic
-loss scale, whose overflow all ranks agree on; last,
-[the optimizer's captured updates](captured_update.html) and
-[the whole step as one CUDA graph](graphed_step.html), which replays forward,
-backward and update without the host.
+The pages follow below in reading order: the optimizer, where each shard's
+state lives, the update's kernels, the training features that act on the
+shards' gradients (clipping's global norm, fp16's loss scale), and last the
+whole step as one CUDA graph.
 """

@@ -25,28 +25,6 @@ each step. The master is why: bf16 keeps 8 bits of mantissa, so an update
 smaller than half a unit in the last place of a weight (below $2^{-8}$ for a
 weight of $1$) would be lost if it were applied to the bf16 parameter; the
 master keeps every update, and the parameter is its rounding.
-
-## All ranks agree on an overflow
-
-A step with a non-finite gradient must be skipped on every rank, or the ranks'
-shards would come from different steps, yet each rank sees only its own
-shards. The [loss scaler](grad_scaler.html) (the object that scales the loss
-of fp16 training and skips a step that overflowed) computes the global gradient
-norm, one all-reduce of each rank's sum of squares (`global_grad_norm`, on the
-[clipping](clip_grad.html) page): a non-finite gradient anywhere makes that sum
-non-finite on every rank at once, so every rank skips the step. Clipping reuses
-the norm, so the agreement costs no collective of its own.
-
-## Limitations
-
-* No AMSGrad, no `maximize`.
-* An early update reads the gradient as reduced: `step()` refuses one whose
-  gradient clipping or unscaling changed since (see Note: updating during the
-  backward pass), so a loss scaler rules early updates out (passing the scale
-  to the kernel, `grad_scale=`, would allow it), and clipping rules them out
-  whenever it clips. With `free_grads` clipping sees no gradient at all and
-  clips nothing, silently: use it without clipping.
-* The foreach fallback checks an early gradient's finiteness with a host sync.
 """
 
 from __future__ import annotations
@@ -109,6 +87,8 @@ class AdamFP16(torch.optim.Optimizer):
     An offloaded shard's update runs in host memory (explained in
     [optimizer state in host memory](host_offload.html)); which shards go is the
     placement's decision.
+
+    No AMSGrad, no `maximize`.
     """
 
     def __init__(
@@ -310,6 +290,13 @@ class AdamFP16(torch.optim.Optimizer):
         that wrote the gradient. Its home moves it if it must (a host home
         starts the copy down); with `update_during_backward` the shard is
         updated now (see Note: updating during the backward pass).
+
+        An early update reads the gradient as reduced: `step()` refuses one whose
+        gradient clipping or unscaling changed since (see Note: updating during the
+        backward pass), so a loss scaler rules early updates out (passing the scale
+        to the kernel, `grad_scale=`, would allow it), and clipping rules them out
+        whenever it clips. With `free_grads` clipping sees no gradient at all and
+        clips nothing, silently: use it without clipping.
         """
         home = self.homes.of.get(param)
         if home is None:
@@ -350,6 +337,17 @@ class AdamFP16(torch.optim.Optimizer):
         update in one pass](rounded_update.html) instead, whose twin is the
         fused kernel and the copy. Every update, whenever and wherever it
         runs, goes through one method, `_apply`.
+
+        #### All ranks agree on an overflow
+
+        A step with a non-finite gradient must be skipped on every rank, or the ranks'
+        shards would come from different steps, yet each rank sees only its own
+        shards. The [loss scaler](grad_scaler.html) (the object that scales the loss
+        of fp16 training and skips a step that overflowed) computes the global gradient
+        norm, one all-reduce of each rank's sum of squares (`global_grad_norm`, on the
+        [clipping](clip_grad.html) page): a non-finite gradient anywhere makes that sum
+        non-finite on every rank at once, so every rank skips the step. Clipping reuses
+        the norm, so the agreement costs no collective of its own.
         """
         loss = None
         if closure is not None:
@@ -441,6 +439,8 @@ class AdamFP16(torch.optim.Optimizer):
         The foreach sequence is `torch.optim.AdamW`'s foreach path. In a
         captured step the fused kernel reads $t$ and $\alpha$ from device
         tensors ([the update inside a captured step](captured_update.html)).
+
+        The foreach fallback checks an early gradient's finiteness with a host sync.
         """
         group = self.param_groups[group_index]
         lr, (beta1, beta2) = group["lr"], group["betas"]

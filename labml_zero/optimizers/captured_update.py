@@ -25,22 +25,7 @@ capture and $r$ the replays done before this one, the step count of replay $r$ i
 
 $$t = t_c + r,$$
 
-computed on the device from one shared tensor $r$. The host's copy of each
-count, which checkpoints save, is set to the same $t_c + r$ after the replay
-(`replayed`): one owner, the optimizer's `state`, and one formula.
-
-$\beta_1$, $\beta_2$, $\epsilon$ and the weight decay stay frozen in the graph:
-`before_replay` refuses a change of them.
-
-The non-finite flags of the updates during the backward pass (see Note: a
-non-finite gradient in an early update) are device tensors of the graph; after
-each replay one copy brings them to a pinned host buffer, read after the next
-replay is queued, as the eager step reads them at the next `step()`.
-
-## Limitations
-
-* Only device homes and the fused kernel: a host home's update runs on a host
-  thread, and the `foreach` path computes the bias corrections on the host.
+computed on the device from one shared tensor $r$.
 """
 
 from __future__ import annotations
@@ -49,7 +34,8 @@ import torch
 
 from .early_update import EarlyUpdates
 
-# the hyperparameters a graph freezes at its capture
+# the hyperparameters a graph freezes at its capture: $\beta_1$, $\beta_2$,
+# $\epsilon$ and the weight decay; `before_replay` refuses a change of them
 FROZEN = ("betas", "eps", "weight_decay")
 
 
@@ -60,7 +46,9 @@ class CapturedUpdates:
     `param_groups` are the optimizer's; `device` the shards'. Made by
     [`GraphedStep`](graphed_step.html) just before its capture and
     installed as `AdamFP16.capture`; everything here is read or refilled
-    around each replay, never inside it.
+    around each replay, never inside it. Only device homes and the fused
+    kernel: a host home's update runs on a host thread, and the `foreach` path
+    computes the bias corrections on the host.
     """
 
     def __init__(self, param_groups: list[dict], device: torch.device):
@@ -116,7 +104,11 @@ class CapturedUpdates:
 
     def hold_flags(self, params: list, flags: torch.Tensor) -> None:
         """The early updates' flags of the captured step, copied down after
-        each replay instead of inside it."""
+        each replay instead of inside it. The non-finite flags of the updates
+        during the backward pass (see Note: a non-finite gradient in an early
+        update) are device tensors of the graph; after each replay one copy
+        brings them to a pinned host buffer, read after the next replay is
+        queued, as the eager step reads them at the next `step()`."""
         self.flags.append((params, flags))
 
     def end_recording(self) -> None:
@@ -150,7 +142,9 @@ class CapturedUpdates:
         r"""
         #### The host's bookkeeping of one replay
 
-        Each updated shard's count becomes $t_c + r$. The last replay's flags
+        Each updated shard's count becomes $t_c + r$: the host's copy, which
+        checkpoints save, follows the device's formula, one owner (the
+        optimizer's `state`) and one formula. The last replay's flags
         are read (the host waits for that replay, while this one runs on the
         device), then this replay's are queued for the next call.
         """

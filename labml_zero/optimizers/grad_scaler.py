@@ -14,23 +14,6 @@ optimizer divides by $\gamma$ again (in fp32, on the shard gradients). Too large
 $\gamma$ overflows to `inf`: then the step is skipped and $\gamma$ halved. After
 `growth_interval` steps without overflow $\gamma$ doubles, so it tracks the largest
 safe value.
-
-## Agreeing on overflow
-
-Under ZeRO each rank sees only its shards. An overflow in rank 0's shard must skip
-the step on every rank, or the ranks' shards would come from different steps. The
-overflow check is one all-reduce of the squared gradient norm (a non-finite
-gradient makes it non-finite, on every rank at once), which
-[clipping](clip_grad.html) reuses, and one host sync (`.item()`) to decide whether
-to step: one collective and one sync per step for both features. (labml-nn's
-scaler checked each rank alone.)
-
-## bf16
-
-bf16 has fp32's exponent range and needs no scaling: `LossScaler(dynamic=False)`
-keeps $\gamma = 1$ but still checks the gradients, skips a non-finite step on every rank
-and counts it in `skipped_steps`, so a diverging run is reported rather than
-silently corrupting the master weights.
 """
 
 from __future__ import annotations
@@ -56,6 +39,13 @@ class LossScaler:
     * `dynamic`: scale the loss (fp16) or keep $\gamma = 1$ (bf16, fp32).
     * `init_scale`, `growth_factor`, `backoff_factor`, `growth_interval`: as in
       `torch.amp.GradScaler`.
+
+    ### bf16
+
+    bf16 has fp32's exponent range and needs no scaling: `LossScaler(dynamic=False)`
+    keeps $\gamma = 1$ but still checks the gradients, skips a non-finite step on
+    every rank and counts it in `skipped_steps`, so a diverging run is reported
+    rather than silently corrupting the master weights.
     """
 
     def __init__(
@@ -97,6 +87,16 @@ class LossScaler:
 
         Returns the unscaled global gradient norm (pass it to `clip_grad_norm_` as
         `norm=` to clip without another all-reduce).
+
+        #### Agreeing on overflow
+
+        Under ZeRO each rank sees only its shards. An overflow in rank 0's shard must
+        skip the step on every rank, or the ranks' shards would come from different
+        steps. The overflow check is one all-reduce of the squared gradient norm (a
+        non-finite gradient makes it non-finite, on every rank at once), which
+        [clipping](clip_grad.html) reuses, and one host sync (`.item()`) to decide
+        whether to step: one collective and one sync per step for both features.
+        (labml-nn's scaler checked each rank alone.)
         """
         scaled_norm = global_grad_norm(shards, self.comm)
         # host sync: .item(), the one per step, to decide whether to step

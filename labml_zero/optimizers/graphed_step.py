@@ -25,52 +25,8 @@ $$T_\text{graph} \approx \sum_i d_i + k\,\delta,$$
 with $\delta$ the device's own gap between two kernels of a graph, about a
 microsecond.
 
-`GraphedStep(step, optimizer)` does this for a whole training step of the engine:
-the forward pass with its all-gathers, the backward pass with its
-reduce-scatters, the optimizer's updates, on every stream they use. A replay runs
-the same kernels on the same memory, so everything that changes between steps
-must be in device memory that the host refills before each replay:
-
-* the batch: each call copies it into the graph's own input tensor;
-* the learning rate and the step counts of the update: the optimizer reads them
-  from device tensors while the step is recorded ([the update inside a captured
-  step](captured_update.html));
-* the loss: the graph writes it to its own output tensor, copied out for the
-  caller.
-
-The memory a step allocates is the graph's for as long as it lives (a private
-pool of the caching allocator): the same bytes the eager step peaks at, kept.
-
-## When a step can be recorded
-
-A capture records kernels; it does not run them, and the host must not wait for
-the device while it records. So the step cannot contain a host sync (`.item()`,
-a loss scaler's overflow check, printing a tensor), an optimizer state in host
-memory (its update runs on a host thread), or a batch whose shape changes.
-`GraphedStep` refuses what it can tell before the capture (host homes, the
-`foreach` update); a capture that fails names its cause. The first `warmup`
-calls run eagerly: they allocate the optimizer's state, NCCL's communicators
-and cuBLAS's workspaces outside the graph, and the engine learns its prefetch
-order.
-
-## The CPU twin
-
-There is no graph on a CPU. There `GraphedStep` re-runs the step eagerly in the
-same mode: the optimizer reads $\alpha$ and $t$ from the same tensors, the host's
-step counts are set by the same bookkeeping, and the early updates' flags take
-the same path; only the kernels are launched again instead of replayed. The
-tests compare both with the plain step, bit for bit on CPU, and on a GPU when
-`LABML_ZERO_TEST_DEVICE=cuda`.
-
-## Limitations
-
-* Activation recomputation, host offload, loss scaling and clipping are not
-  captured (each waits on the host, or recomputes under a random state the
-  capture would have to own).
-* Collectives over NCCL only (gloo has no graphs); one device per process.
-* A capture that fails leaves CUDA's random number generator in its capture
-  state for the rest of the process (PyTorch cannot undo it): after
-  `CaptureFailed` the run ends, and is started again without the graph.
+`GraphedStep` below records a whole training step of the engine this way;
+what it needs of a step, and its twin on a CPU, sit beside its code.
 """
 
 from __future__ import annotations
@@ -105,11 +61,42 @@ class GraphedStep:
 
     Calls before the capture, the capture and each replay all train: every
     call is one step.
+
+    The graph holds the forward pass with its all-gathers, the backward pass
+    with its reduce-scatters, the optimizer's updates, on every stream they use.
+    A replay runs the same kernels on the same memory, so everything that
+    changes between steps must be in device memory that the host refills before
+    each replay:
+
+    * the batch: each call copies it into the graph's own input tensor;
+    * the learning rate and the step counts of the update: the optimizer reads
+      them from device tensors while the step is recorded ([the update inside a
+      captured step](captured_update.html));
+    * the loss: the graph writes it to its own output tensor, copied out for the
+      caller.
+
+    The memory a step allocates is the graph's for as long as it lives (a
+    private pool of the caching allocator): the same bytes the eager step peaks
+    at, kept.
     """
 
     def __init__(self, step: Callable[[torch.Tensor], torch.Tensor],
                  optimizer: AdamFP16, *, warmup: int = 2,
                  counter: CommCounter | None = None):
+        """
+        #### When a step can be recorded
+
+        A capture records kernels; it does not run them, and the host must not
+        wait for the device while it records. So the step cannot contain a host
+        sync (`.item()`, a loss scaler's overflow check, printing a tensor), an
+        optimizer state in host memory (its update runs on a host thread), or a
+        batch whose shape changes. What can be told before the capture is
+        refused here (host homes, the `foreach` update); a capture that fails
+        names its cause. Activation recomputation, host offload, loss scaling
+        and clipping are not captured (each waits on the host, or recomputes
+        under a random state the capture would have to own). Collectives over
+        NCCL only (gloo has no graphs); one device per process.
+        """
         if warmup < 1:
             raise ValueError(f"GraphedStep's warmup must be at least 1 (the "
                              f"optimizer's state is made outside the graph), "
@@ -141,6 +128,9 @@ class GraphedStep:
         return self.optimizer.capture is not None
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        """The first `warmup` calls run eagerly: they allocate the optimizer's
+        state, NCCL's communicators and cuBLAS's workspaces outside the graph,
+        and the engine learns its prefetch order."""
         if self.captured:
             return self._replay(batch)
         if self.eager_calls < self.warmup:
@@ -151,12 +141,21 @@ class GraphedStep:
     ### Recording
 
     def _capture(self, batch: torch.Tensor) -> torch.Tensor:
-        """
+        r"""
         ### Record the step, then run it once
 
         Last step's unread flags are read first (the capture must not wait on
         the device). On a GPU the step is recorded on the capture's stream and
         then replayed; on a CPU the twin runs it at once.
+
+        #### The CPU twin
+
+        There is no graph on a CPU. There the step is re-run eagerly in the same
+        mode: the optimizer reads $\alpha$ and $t$ from the same tensors, the
+        host's step counts are set by the same bookkeeping, and the early
+        updates' flags take the same path; only the kernels are launched again
+        instead of replayed. The tests compare both with the plain step, bit for
+        bit on CPU, and on a GPU when `LABML_ZERO_TEST_DEVICE=cuda`.
         """
         optimizer = self.optimizer
         optimizer.early_updates.raise_if_skipped(optimizer.state)
@@ -234,7 +233,10 @@ class GraphedStep:
 def capture_failed(failure: BaseException) -> CaptureFailed:
     """
     The error a failed capture raises: it names the first error of the chain,
-    not the invalidated capture's errors that followed it.
+    not the invalidated capture's errors that followed it. A failed capture
+    leaves CUDA's random number generator in its capture state for the rest of
+    the process (PyTorch cannot undo it): after `CaptureFailed` the run ends,
+    and is started again without the graph.
     """
     cause = failure
     while cause.__context__ is not None:

@@ -25,24 +25,6 @@ Per offloaded element and step:
   intra-op threads but one (`update_threads`);
 * **up** (host to device): the new master rounded on the host to the shard
   dtype, $p$ bytes (half the bytes of sending fp32 and casting on the device).
-
-The device saves $K$ bytes per element; the host holds $K + 4$: the state and a
-*staging buffer* of $4S$ bytes, which holds the gradient after its copy down
-and then, once the update has consumed it, the $pS$ bytes of the rounded master
-going up.
-
-Each offloaded shard has a host [home](shard_home.html), which holds its
-`HostShard` (the staging buffer and its events); `HostOffload` holds what they
-share, the copy streams and the worker, and moves the bytes.
-
-## Limitations
-
-* Device and host kernels need not round alike (FMA contraction, vector widths):
-  on a GPU an offloaded shard follows AdamW within fp32 rounding, not
-  necessarily bitwise like its device twin.
-* CI runs the CPU path, which shares everything but the copies; the CUDA path
-  (side streams, pinned staging, events) is tested on a GPU with
-  `LABML_ZERO_TEST_DEVICE=cuda`.
 """
 
 from __future__ import annotations
@@ -135,6 +117,11 @@ class HostShard:
     * `copied`: which gradient, at which version, `staging` holds.
     * `found_inf`: `[]` fp32 on the host, pinned like `staging`: the
       `non_finite_flag` of the gradient `staging` holds, copied down with it.
+
+    The device saves $K$ bytes per element; the host holds $K + 4$: the state and a
+    *staging buffer* of $4S$ bytes, which holds the gradient after its copy down
+    and then, once the update has consumed it, the $pS$ bytes of the rounded master
+    going up.
     """
 
     def __init__(self, param: torch.Tensor, *, pin: bool):
@@ -183,6 +170,18 @@ class HostOffload:
     the tensor and its version counter, which every in-place op bumps. On CPU
     (tests) "host" and "device" are the same memory, yet the same path is
     taken, with plain synchronous copies into separate tensors.
+
+    Each offloaded shard has a host [home](shard_home.html), which holds its
+    `HostShard` (the staging buffer and its events); `HostOffload` holds what they
+    share, the copy streams and the worker, and moves the bytes.
+
+    Device and host kernels need not round alike (FMA contraction, vector widths):
+    on a GPU an offloaded shard follows AdamW within fp32 rounding, not necessarily
+    bitwise like its device twin.
+
+    CI runs the CPU path, which shares everything but the copies; the CUDA path
+    (side streams, pinned staging, events) is tested on a GPU with
+    `LABML_ZERO_TEST_DEVICE=cuda`.
     """
 
     def __init__(self, devices: Iterable[torch.device], *, worker: bool):

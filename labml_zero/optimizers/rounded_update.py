@@ -15,62 +15,8 @@ pass that moves $b$ bytes per element over $S$ elements takes at least
 
 $$t \ge \frac{b\, S}{\beta},$$
 
-so the bytes per element are the update's cost. The twin, which a CPU runs,
-is two kernels:
-PyTorch's fused AdamW reads $\theta, g, m, v$ and writes $\theta, m, v$, all
-fp32 ({{py: rounded_update.twin_bytes(2) - rounded_update.write_back_bytes(2)}}
-bytes), then a copy rounds $\theta$ into the shard, reading 4 and writing $p$
-({{py: rounded_update.write_back_bytes(2)}} bytes for bf16):
-{{py: rounded_update.twin_bytes(2)}} bytes per element. One pass reads the
-gradient in whatever dtype it has, $g_b$ bytes, and writes the shard as it
-writes the master:
-
-$$b = \underbrace{3 \cdot 4 + g_b}_{\text{read } \theta, m, v, g}
-    + \underbrace{3 \cdot 4 + p}_{\text{write } \theta, m, v, \text{shard}},$$
-
-{{py: rounded_update.one_pass_bytes(2, 4)}} bytes with an fp32 gradient and
-{{py: rounded_update.one_pass_bytes(2, 2)}} with a bf16 one. The gradient is in
-bf16 where one rank holds a chunk alone and only its update reads the gradient
-(see the shard's Note: one rank keeps the parameter dtype): the
-[reduction](../zero3/chunk_grads.html) then copies autograd's bf16 gradients
-into it (read 2 and write 2 bytes, where the cast into fp32 writes 4) and the
-non-finite check reads 2 bytes where it read 4.
-
-`adamw_rounded_` is written with ordinary PyTorch operations and compiled
-by `torch.compile` into one Triton kernel, the first time it runs on a CUDA
-tensor of a given dtype. The arithmetic is `torch.optim.AdamW`'s (the
-formula on [AdamFP16's page](adam_fp16.html)), in fp32 like the fused kernel;
-it rounds in its own order, so it agrees with the twin within the fp32
-roundings of an update, not bit for bit
-(tested: tests/optimizers/test_rounded_update.py::test_one_pass_is_the_twin_within_rounding).
-Every update of a half-precision device shard with the fused kernel on a GPU
-takes it, in `step()`, during the backward pass and inside a captured step,
-so two ways of running the same training on a GPU still agree bit for bit.
-
-## The scalars of a step
-
-The bias corrections lose digits in fp32: at $t = 1$, $1 - \beta_2^t$ is
-$1 - \beta_2$, small for a $\beta_2$ near one, while the fp32 rounding of
-$\beta_2^t$ is up to $2^{-24}$; relative to $1 - \beta_2$ that is, for
-AdamW's default $\beta_2$, {{py: 2**-24 / (1 - 0.999) | .0e}}, hundreds of
-times an fp32 rounding. So the three scalars of a step,
-
-$$\frac{\alpha}{1 - \beta_1^t}, \qquad \sqrt{1 - \beta_2^t}, \qquad
-  1 - \alpha\lambda,$$
-
-are computed once per step in fp64 on the device (`step_coefficients`) from
-the device tensors $t$ and $\alpha$ and rounded to fp32: each carries one fp32
-rounding, like every other operand of the update. Because they are device tensors, a captured step computes
-them inside its graph from the tensors it refills before each replay (see
-[the update inside a captured step](captured_update.html)).
-
-## Limitations
-
-* CUDA only, and half-precision shards only: an fp32 shard is its own master
-  and the fused kernel already moves the least for it; on a CPU, and for a
-  host home, the twin runs.
-* One kernel launch per shard, where the fused kernel takes a whole batch of
-  shards in one: the host pays one compiled call per chunk.
+so the bytes per element are the update's cost: the twin of two kernels,
+which a CPU runs, against one pass, whose bytes are counted below.
 """
 
 from __future__ import annotations
@@ -85,8 +31,16 @@ STATE_BYTES = 3 * 4
 
 
 def twin_bytes(shard_bytes: int) -> int:
-    """Per element: the fused fp32 AdamW (an fp32 gradient) and the copy that
-    rounds the master into the shard."""
+    r"""Per element: the fused fp32 AdamW (an fp32 gradient) and the copy that
+    rounds the master into the shard.
+
+    The twin is two kernels:
+    PyTorch's fused AdamW reads $\theta, g, m, v$ and writes $\theta, m, v$, all
+    fp32 ({{py: rounded_update.twin_bytes(2) - rounded_update.write_back_bytes(2)}}
+    bytes), then a copy rounds $\theta$ into the shard, reading 4 and writing $p$
+    ({{py: rounded_update.write_back_bytes(2)}} bytes for bf16):
+    {{py: rounded_update.twin_bytes(2)}} bytes per element. 
+    """
     fused = STATE_BYTES + 4 + STATE_BYTES
     return fused + write_back_bytes(shard_bytes)
 
@@ -97,8 +51,24 @@ def write_back_bytes(shard_bytes: int) -> int:
 
 
 def one_pass_bytes(shard_bytes: int, grad_bytes: int) -> int:
-    """Per element: read master, moments and gradient; write master, moments
-    and shard."""
+    r"""Per element: read master, moments and gradient; write master, moments
+    and shard.
+
+    One pass reads the
+    gradient in whatever dtype it has, $g_b$ bytes, and writes the shard as it
+    writes the master:
+
+    $$b = \underbrace{3 \cdot 4 + g_b}_{\text{read } \theta, m, v, g}
+        + \underbrace{3 \cdot 4 + p}_{\text{write } \theta, m, v, \text{shard}},$$
+
+    {{py: rounded_update.one_pass_bytes(2, 4)}} bytes with an fp32 gradient and
+    {{py: rounded_update.one_pass_bytes(2, 2)}} with a bf16 one. The gradient is in
+    bf16 where one rank holds a chunk alone and only its update reads the gradient
+    (see the shard's Note: one rank keeps the parameter dtype): the
+    [reduction](../zero3/chunk_grads.html) then copies autograd's bf16 gradients
+    into it (read 2 and write 2 bytes, where the cast into fp32 writes 4) and the
+    non-finite check reads 2 bytes where it read 4.
+    """
     return STATE_BYTES + grad_bytes + STATE_BYTES + shard_bytes
 
 
@@ -113,7 +83,9 @@ class Betas(NamedTuple):
 
 def applies(param: torch.Tensor) -> bool:
     """Whether `param`'s update may take the one pass: a half-precision
-    shard on a GPU."""
+    shard on a GPU. An fp32 shard is its own master and the fused kernel
+    already moves the least for it; on a CPU, and for a host home, the twin
+    runs."""
     return param.is_cuda and param.dtype in (torch.bfloat16, torch.float16)
 
 
@@ -122,9 +94,23 @@ def step_coefficients(step: torch.Tensor, lr: torch.Tensor, *, beta1: float,
     r"""
     ### The three scalars of a step, in fp64, rounded to fp32
 
-    `step` and `lr` are 0-dim device tensors (see The scalars of a step);
-    returns `[3]` fp32: $\alpha / (1 - \beta_1^t)$, $\sqrt{1 - \beta_2^t}$,
-    $1 - \alpha\lambda$.
+    `step` and `lr` are 0-dim device tensors; returns `[3]` fp32.
+
+    The bias corrections lose digits in fp32: at $t = 1$, $1 - \beta_2^t$ is
+    $1 - \beta_2$, small for a $\beta_2$ near one, while the fp32 rounding of
+    $\beta_2^t$ is up to $2^{-24}$; relative to $1 - \beta_2$ that is, for
+    AdamW's default $\beta_2$, {{py: 2**-24 / (1 - 0.999) | .0e}}, hundreds of
+    times an fp32 rounding. So the three scalars of a step,
+
+    $$\frac{\alpha}{1 - \beta_1^t}, \qquad \sqrt{1 - \beta_2^t}, \qquad
+      1 - \alpha\lambda,$$
+
+    are computed once per step in fp64 on the device (`step_coefficients`) from
+    the device tensors $t$ and $\alpha$ and rounded to fp32: each carries one fp32
+    rounding, like every other operand of the update. Because they are device
+    tensors, a captured step computes them inside its graph from the tensors it
+    refills before each replay (see [the update inside a captured
+    step](captured_update.html)).
     """
     t, alpha = step.double(), lr.double()
     # [3] fp64, then fp32
@@ -146,6 +132,17 @@ def adamw_rounded_(shard: torch.Tensor, state: tuple[torch.Tensor, ...],
     * `found_inf`: 0-dim fp32, or `None`; when it is not zero nothing changes
       (an update during the backward pass whose gradient was not finite: see
       Note: a non-finite gradient in an early update).
+
+    `adamw_rounded_` is written with ordinary PyTorch operations and compiled
+    by `torch.compile` into one Triton kernel, the first time it runs on a CUDA
+    tensor of a given dtype. The arithmetic is `torch.optim.AdamW`'s (the
+    formula on [AdamFP16's page](adam_fp16.html)), in fp32 like the fused kernel;
+    it rounds in its own order, so it agrees with the twin within the fp32
+    roundings of an update, not bit for bit
+    (tested: tests/optimizers/test_rounded_update.py::test_one_pass_is_the_twin_within_rounding).
+    Every update of a half-precision device shard with the fused kernel on a GPU
+    takes it, in `step()`, during the backward pass and inside a captured step,
+    so two ways of running the same training on a GPU still agree bit for bit.
     """
     master, exp_avg, exp_avg_sq = state
     step_size, bias_correction2_sqrt, decay = coefficients.unbind()
@@ -185,6 +182,8 @@ def one_pass(shard: torch.Tensor, state: tuple[torch.Tensor, ...],
     ### `adamw_rounded_` compiled, on CUDA tensors
 
     Compiled at the first call; a new dtype, or a second shard size (which
-    Dynamo then compiles for any size), compiles again, once.
+    Dynamo then compiles for any size), compiles again, once. One kernel
+    launch per shard, where the fused kernel takes a whole batch of shards in
+    one: the host pays one compiled call per chunk.
     """
     compiled_update()(shard, state, grad, coefficients, found_inf, betas)

@@ -20,55 +20,6 @@ it with one all-gather (through the chunk's [transport](transport.html)),
 releasing takes the storage away again. The modules never
 notice: their `nn.Parameter` objects stay the same, only the memory behind them
 comes and goes.
-
-## Note: why storage resize
-
-Autograd keeps references to the tensors a layer used in its forward pass (the
-weight of a linear layer, for its backward). If releasing a chunk made new tensors,
-those saved references would pin the old memory and the release would free
-nothing; if it freed the memory under them, the backward would read garbage. So the
-chunk keeps one tensor and resizes its *storage*: `untyped_storage().resize_(0)`
-frees the memory while every view, saved or not, keeps its shape and offset;
-`resize_(nbytes)` before the backward pass gives the same views fresh memory, which
-the all-gather fills with the same values. A view is only read while its chunk is
-gathered, which the [hooks](hooks.html) guarantee.
-
-## Note: one rank gathers nothing
-
-With one rank (one process, or hybrid sharding with groups of one) the shard is
-the whole chunk, $S = C$, and an all-gather would copy it into a second buffer
-of $C \cdot p$ bytes, twice a step (the forward pass and the backward's). So
-when that shard is on the device and gathered by the plain collective
-(`full_is_shard`), `full` *is* the shard: gathering and releasing only move the
-state, and the gathered window's memory and $2 C p$ bytes of copies per gather
-are saved. The optimizer's writes into the shard are ordered before the next
-read (see `gather`). A shard moved to the host (`offload_shard`) leaves the
-device memory to `full`, gathered into from then on as on $N_d$ ranks.
-
-## Gradients
-
-A trainable chunk's gradients are an object of their own, `grads` (explained in
-[a chunk's gradients](chunk_grads.html)): it holds each parameter's gradient as
-autograd completes it, writes them into a full-size buffer in the reduce dtype,
-and reduce-scatters that into this rank's shard gradient `local.grad`. A frozen
-chunk has none. So a chunk runs two state machines, each on its own object:
-its parameters' (`ChunkState`, below) and its gradients' (held, written,
-reduced). They share no tensor: releasing the parameters' `full` after a
-unit's backward leaves the gradients where they are, whether or not the
-chunk has been reduced yet.
-
-## Memory per rank
-
-| tensor | elements | bytes per element | when |
-|---|---|---|---|
-| the [local shard](shard.html) | $S$ each | $p$, 4, 4 | see its page |
-| `full` | $C$ | $p$ | while gathered (with one rank, none: it is the shard) |
-| `grads` | up to $C$ | $p$, then $g_r$ | see [its page](chunk_grads.html) |
-
-## Limitations
-
-* Only frozen chunks can stay gathered between steps (`keep_resident`): a
-  trainable chunk's gathered copy would be stale after each optimizer step.
 """
 
 from __future__ import annotations
@@ -142,6 +93,26 @@ class Chunk:
       communicator (`comm`) knows the rank and the world size.
     * `dtype` is the parameter dtype; `reduce_dtype` the dtype of the reduction.
     * `names` are the parameters' qualified names in the model.
+
+    ### Gradients
+
+    A trainable chunk's gradients are an object of their own, `grads` (explained in
+    [a chunk's gradients](chunk_grads.html)): it holds each parameter's gradient as
+    autograd completes it, writes them into a full-size buffer in the reduce dtype,
+    and reduce-scatters that into this rank's shard gradient `local.grad`. A frozen
+    chunk has none. So a chunk runs two state machines, each on its own object:
+    its parameters' (`ChunkState`, below) and its gradients' (held, written,
+    reduced). They share no tensor: releasing the parameters' `full` after a
+    unit's backward leaves the gradients where they are, whether or not the
+    chunk has been reduced yet.
+
+    ### Memory per rank
+
+    | tensor | elements | bytes per element | when |
+    |---|---|---|---|
+    | the [local shard](shard.html) | $S$ each | $p$, 4, 4 | see its page |
+    | `full` | $C$ | $p$ | while gathered (with one rank, none: it is the shard) |
+    | `grads` | up to $C$ | $p$, then $g_r$ | see [its page](chunk_grads.html) |
     """
 
     def __init__(
@@ -201,8 +172,19 @@ class Chunk:
                                  reduce_dtype=reduce_dtype)
                       if self.trainable else None)
 
-        # One rank holds the whole chunk on its device ($S = C$): the full
-        # buffer *is* the shard, see Note: one rank gathers nothing.
+        # ### Note: one rank gathers nothing
+        #
+        # With one rank (one process, or hybrid sharding with groups of one)
+        # the shard is the whole chunk, $S = C$, and an all-gather would copy
+        # it into a second buffer of $C \cdot p$ bytes, twice a step (the
+        # forward pass and the backward's). So when that shard is on the
+        # device and gathered by the plain collective (`full_is_shard`),
+        # `full` *is* the shard: gathering and releasing only move the state,
+        # and the gathered window's memory and $2 C p$ bytes of copies per
+        # gather are saved. The optimizer's writes into the shard are ordered
+        # before the next read (see `gather`). A shard moved to the host
+        # (`offload_shard`) leaves the device memory to `full`, gathered into
+        # from then on as on $N_d$ ranks.
         self.full_is_shard = (comm.world_size == 1
                               and isinstance(self.transport, CollectiveGather))
         # [C] param dtype; views into it replace the parameters' data.
@@ -426,6 +408,19 @@ class Chunk:
         self.wait()
         self._free_full()
         self.state = ChunkState.SHARDED
+
+    # ### Note: why storage resize
+    #
+    # Autograd keeps references to the tensors a layer used in its forward pass
+    # (the weight of a linear layer, for its backward). If releasing a chunk made
+    # new tensors, those saved references would pin the old memory and the release
+    # would free nothing; if it freed the memory under them, the backward would
+    # read garbage. So the chunk keeps one tensor and resizes its *storage*:
+    # `untyped_storage().resize_(0)` frees the memory while every view, saved or
+    # not, keeps its shape and offset; `resize_(nbytes)` before the backward pass
+    # gives the same views fresh memory, which the all-gather fills with the same
+    # values. A view is only read while its chunk is gathered, which the
+    # [hooks](hooks.html) guarantee.
 
     def _allocate_full(self) -> None:
         """Give `full` its storage back (none to give when it is the shard)."""

@@ -17,44 +17,6 @@ their concatenation in the chunk's layout, $C$ elements, and one reduce-scatter
 averages it over the ranks into this rank's slice:
 
 $$g_{\text{shard}} \mathrel{+}= \frac{1}{N_d} \sum_r g^{(r)}_{\text{shard}}$$
-
-## Note: a gradient's three steps
-
-A slot (one parameter's place in the chunk) goes through three steps in each
-accumulation:
-
-1. **held**: autograd's gradient, a full-size tensor in the parameter dtype,
-   taken from `param.grad` as soon as it is complete and kept as is;
-2. **written**: when the chunk's last parameter has reported, every held
-   gradient is copied (a slot's first micro-batch) or added (a later one) into
-   `full`, the chunk's full-size buffer in the *reduce dtype*, in one
-   multi-tensor call;
-3. **reduced**: the buffer's padding and its unwritten slots are zero-filled,
-   one reduce-scatter averages it into `local.grad`, and the buffer is freed.
-
-Without `no_sync` the three follow each other inside one backward pass. Under
-`no_sync` a backward pass stops after step 2 (`end_backward`): the buffer stays
-for the next micro-batch, and the first backward outside `no_sync` reduces the
-sum once.
-
-## Memory per rank
-
-| tensor | elements | bytes per element | when |
-|---|---|---|---|
-| held gradients | up to $C$ | $p$ | a parameter's gradient to the chunk's last |
-| `full` | $C$ | $g_r$ (reduce dtype) | the first `flush` to `reduce` |
-| `local.grad` | $S$ | 4 ($p$ on one rank, see the shard's Note: one rank keeps the parameter dtype) | the first `reduce` to `zero_grad` |
-
-Under `no_sync`, `full` lives from the first micro-batch to the backward that
-reduces it, every trainable chunk's at once: about $g_r \Psi_t$ bytes per rank,
-not divided by $N_d$; the [memory model](memory_model.html) counts them.
-
-## Limitations
-
-* A parameter that gets no gradient in a backward pass counts as a zero gradient
-  (PyTorch's optimizers would skip it instead).
-* `zero_grad` frees `local.grad` only: an accumulation still inside `no_sync`
-  keeps its buffer, and the next reduction adds it in.
 """
 
 from __future__ import annotations
@@ -101,6 +63,37 @@ class ChunkGrads:
     * `reduction` is the chunk's reduction, which the chunk picked (explained in
       [transports](transport.html)).
     * `dtype` is the parameter dtype; `reduce_dtype` the dtype of `full`.
+
+    ### Note: a gradient's three steps
+
+    A slot (one parameter's place in the chunk) goes through three steps in each
+    accumulation:
+
+    1. **held**: autograd's gradient, a full-size tensor in the parameter dtype,
+       taken from `param.grad` as soon as it is complete and kept as is;
+    2. **written**: when the chunk's last parameter has reported, every held
+       gradient is copied (a slot's first micro-batch) or added (a later one) into
+       `full`, the chunk's full-size buffer in the *reduce dtype*, in one
+       multi-tensor call;
+    3. **reduced**: the buffer's padding and its unwritten slots are zero-filled,
+       one reduce-scatter averages it into `local.grad`, and the buffer is freed.
+
+    Without `no_sync` the three follow each other inside one backward pass. Under
+    `no_sync` a backward pass stops after step 2 (`end_backward`): the buffer stays
+    for the next micro-batch, and the first backward outside `no_sync` reduces the
+    sum once.
+
+    ### Memory per rank
+
+    | tensor | elements | bytes per element | when |
+    |---|---|---|---|
+    | held gradients | up to $C$ | $p$ | a parameter's gradient to the chunk's last |
+    | `full` | $C$ | $g_r$ (reduce dtype) | the first `flush` to `reduce` |
+    | `local.grad` | $S$ | 4 ($p$ on one rank, see the shard's Note: one rank keeps the parameter dtype) | the first `reduce` to `zero_grad` |
+
+    Under `no_sync`, `full` lives from the first micro-batch to the backward that
+    reduces it, every trainable chunk's at once: about $g_r \Psi_t$ bytes per rank,
+    not divided by $N_d$; the [memory model](memory_model.html) counts them.
     """
 
     def __init__(self, spec: ChunkSpec, local: LocalShard, comm: Communicator,
@@ -196,6 +189,9 @@ class ChunkGrads:
         The held gradients go into `full`, which stays for the next
         micro-batch with `written`; `seen` starts again from nothing, so that
         the next backward pass reports when all its gradients have arrived.
+
+        `zero_grad` frees `local.grad` only: an accumulation still inside `no_sync`
+        keeps its buffer, and the next reduction adds it in.
         """
         self.flush()
         self.seen.clear()
@@ -203,7 +199,11 @@ class ChunkGrads:
     ### Reduced
 
     def _zero_unwritten(self) -> None:
-        """Zero the padding and the slots without a gradient, before reducing."""
+        """Zero the padding and the slots without a gradient, before reducing.
+
+        A parameter that gets no gradient in a backward pass counts as a zero
+        gradient (PyTorch's optimizers would skip it instead).
+        """
         for start, end in self.gaps:
             self.full[start:end].zero_()
         for position, slot in enumerate(self.slots):

@@ -37,24 +37,6 @@ with
 `score_candidate` explains each term beside the line that computes it; Note: why
 not padding alone shows, on a model of three parameters, why the memory terms
 are needed; Note: GPT-NeoX-20B works the search through a real model.
-
-## Limitations
-
-* The score weighs trainable and frozen padding alike, though a trainable
-  element also costs a gradient and optimizer state (sharded);
-  `layout_model_states` on the result gives the exact bytes.
-* Bandwidth enters only as the tie rule (see `search_chunk_size`) and the
-  per-collective price $\mu$, one constant; overlap enters only through the
-  size of the gradient buffer.
-* The peak terms count the window of $D + 1$ whole groups (the same in forward
-  and backward: the memory model's Note: backward holds no extra unit) and *one*
-  gradient buffer: not the root unit held beside every window, the other live
-  buffers (all of them under `no_sync`) or the activations. A
-  trainable parameter larger than every candidate (a trainable embedding) sets
-  the gradient buffer alone, and then the term cannot tell candidates apart.
-* One common size for the regular chunks: a layer's chunks cannot each take the
-  size that its parameters fill exactly. The trim fixes only each group's last
-  chunk of a kind.
 """
 
 from __future__ import annotations
@@ -300,6 +282,15 @@ def search_chunk_size(
     * Excluded parameters (`excluded_params`) are still in the layout we score,
       in chunks of their own; ColossalAI leaves them out of the waste.
     * ColossalAI scores padding alone; we add the memory and collective terms.
+
+    What the search leaves out:
+
+    * Bandwidth enters only as the tie rule (see `search_chunk_size`) and the per-
+      collective price $\mu$, one constant; overlap enters only through the size of
+      the gradient buffer.
+    * One common size for the regular chunks: a layer's chunks cannot each take the
+      size that its parameters fill exactly. The trim fixes only each group's last
+      chunk of a kind.
     """
     if not params:
         raise ValueError("params is empty: there is nothing to pack")
@@ -455,6 +446,18 @@ def score_candidate(
 
     Plans each distinct group shape once and adds up the totals, weighted by
     the number of groups of each shape; returns the row and the plans.
+
+    What the score leaves out:
+
+    * The score weighs trainable and frozen padding alike, though a trainable
+      element also costs a gradient and optimizer state (sharded);
+      `layout_model_states` on the result gives the exact bytes.
+    * The peak terms count the window of $D + 1$ whole groups (the same in forward
+      and backward: the memory model's Note: backward holds no extra unit) and *one*
+      gradient buffer: not the root unit held beside every window, the other live
+      buffers (all of them under `no_sync`) or the activations. A trainable
+      parameter larger than every candidate (a trainable embedding) sets the
+      gradient buffer alone, and then the term cannot tell candidates apart.
     """
     plans = [
         plan_chunks(shape.params, chunk_numel, world_size, align=config.align)

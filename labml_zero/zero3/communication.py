@@ -16,59 +16,11 @@ place that calls them:
 * **all-reduce** a scalar: the squared gradient norm, whose sum over ranks is
   also how every rank learns that one of them overflowed (non-finite).
 
-Per training step a chunk is gathered for the forward pass and again for the
-backward pass, and every trainable chunk's gradient is reduce-scattered once:
-$3\Psi$ elements of collective volume against DDP's $2\Psi$ (its all-reduce is a
-reduce-scatter plus an all-gather), counted in elements
-(tested: tests/zero3/test_memory_model.py::test_zero3_is_three_psi_and_ddp_two_psi).
-That extra $\Psi$, half of DDP's volume again, is the price of holding
-$\frac{(p + 4 + K)\Psi}{N_d}$ bytes ($p$-byte parameters, fp32 gradient
-shards) instead of $(p + 4 + K)\Psi$; `CommCounter` counts it so the tests can
-check the claim. Less where the [hooks](hooks.html) skip the backward's gather:
-the root unit is gathered once for the whole step, a unit with no backward (a
-frozen layer at the input end) is not gathered again, and a resident chunk
-never is.
-
-## Streams
-
-On CUDA, gathers run on a *gather stream* and reductions on a *reduce stream*, so
-that they overlap with the computation on the current (*compute*) stream. Three
-orderings make this safe; each is marked where it is enforced:
-
-1. a gather waits for the compute stream, because the shard it reads may have just
-   been written by the optimizer, and its output buffer was allocated there;
-2. the compute stream waits for a gather's event before it reads the chunk;
-3. a reduction waits for the compute stream, which wrote the gradients, and the
-   compute stream waits for the reduce stream before the optimizer reads them.
-
-On GPUs of one host, gathers and reductions can also go through the other
-ranks' memory, with copies instead of NCCL's kernels
-([peer memory](peer_memory.html), which owns those buffers and counts its
-copies here); the streams and orderings are the same.
-
-On CPU (gloo) the collectives are synchronous and every stream is `None`: the same
-code runs with the waits turned into no-ops, which is how the tests exercise it.
-
-With one rank and no process group the collectives become local copies, so a
-model wrapped for ZeRO also runs in a plain single-process script.
-
-## Groups
-
-By default a chunk is sharded over every rank. With *hybrid sharding*
-(`ZeroConfig.shard_group_size` $= N_s$) the $N_d$ ranks form $N_d / N_s$ *shard
-groups* of $N_s$ consecutive ranks, each holding one whole copy of the model
-states, sharded over its $N_s$ ranks; rank $q$ of group $j$ is world rank
-$jN_s + q$. The ranks with the same $q$ in every group form a {{term: replica group}}
-of $N_d / N_s$ ranks that hold the same shard. All-gathers and reduce-scatters run
-inside the shard group, and one all-reduce per trainable chunk, of the shard
-only, runs across the replica group. The communicator makes and keeps its
-shard group; the replica group belongs to [hybrid sharding](hybrid.html),
-which makes it next and averages across it. Here `rank` and `world_size` are
-this rank's place in its shard group: the $N_d$ of every other page is $N_s$.
-
-What runs over these groups, and how (collective, peer memory, hybrid), is
-chosen once per model by the [transports](transport.html); this page holds
-only the groups, the streams, the plain collectives and the counter.
+A step moves $3\Psi$ elements through them, against DDP's $2\Psi$ (see
+`CommCounter`). The streams that let these overlap with computation are set up with the
+`Communicator` below, its groups where it splits them; what runs over these
+groups, and how (collective, peer memory, hybrid), is chosen once per model by
+the [transports](transport.html).
 """
 
 from __future__ import annotations
@@ -92,6 +44,19 @@ class CommCounter:
     output of an all-gather and the input of a reduce-scatter, both the full chunk.
     The bytes a ring algorithm puts on each rank's wire are $\frac{N_d - 1}{N_d}$
     of these.
+
+    Per training step a chunk is gathered for the forward pass and again for the
+    backward pass, and every trainable chunk's gradient is reduce-scattered once:
+    $3\Psi$ elements of collective volume against DDP's $2\Psi$ (its all-reduce is a
+    reduce-scatter plus an all-gather), counted in elements
+    (tested: tests/zero3/test_memory_model.py::test_zero3_is_three_psi_and_ddp_two_psi).
+    That extra $\Psi$, half of DDP's volume again, is the price of holding
+    $\frac{(p + 4 + K)\Psi}{N_d}$ bytes ($p$-byte parameters, fp32 gradient
+    shards) instead of $(p + 4 + K)\Psi$; this counter counts it so the tests
+    can check the claim. Less where the [hooks](hooks.html) skip the backward's gather:
+    the root unit is gathered once for the whole step, a unit with no backward (a
+    frozen layer at the input end) is not gathered again, and a resident chunk
+    never is.
     """
 
     calls: dict[str, int] = field(default_factory=dict)
@@ -249,18 +214,19 @@ class Communicator:
       CPU: no overlap, and no stream ordering to get wrong. A correctness oracle
       for the overlapped schedule (`ZeroConfig.side_streams`).
     * `shard_group_size` $N_s$ shards over groups of $N_s$ consecutive ranks of the
-      default group (see Groups above); `None` shards over all ranks of `group`.
+      default group (see `_split_into_shard_groups` below); `None` shards over
+      all ranks of `group`.
 
     Every attribute is set here, once: the device, the group with this rank's
     place in it, the two streams, what is held for the reduce stream, and the
-    counter. Peer memory and the replica
-    group are [the transports'](transport.html), which count into `counter`.
+    counter. Peer memory and the {{see: replica group}} are
+    [the transports'](transport.html), which count into `counter`.
     """
 
     def __init__(self, device: torch.device, *, group=None, side_streams: bool = True,
                  shard_group_size: int | None = None):
         if shard_group_size is not None and group is not None:
-            # one rule for the communicator and the replica group: hybrid
+            # one rule for the communicator and the {{see: replica group}}: hybrid
             # sharding is decided by `shard_group_size` against the default world
             raise ValueError("shard_group_size splits the default process group; "
                              "it cannot be combined with a process group")
@@ -293,8 +259,9 @@ class Communicator:
     def for_config(cls, device, config, *, group=None) -> "Communicator":
         """
         The communicator a [`ZeroConfig`](config.html) asks for: its side
-        streams and its shard group. Peer memory and the replica group are the
-        [transports'](transport.html), made from the same config.
+        streams and its shard group. Peer memory and the
+        {{see: replica group}} are the [transports'](transport.html), made from
+        the same config.
         """
         return cls(device, group=group, side_streams=config.side_streams,
                    shard_group_size=config.shard_group_size)
@@ -302,6 +269,18 @@ class Communicator:
     def _split_into_shard_groups(self, size: int) -> None:
         """
         #### This rank's shard group, out of the default group
+
+        By default a chunk is sharded over every rank. With *hybrid sharding*
+        (`ZeroConfig.shard_group_size` $= N_s$) the $N_d$ ranks form $N_d / N_s$
+        *shard groups* of $N_s$ consecutive ranks, each holding one whole copy
+        of the model states, sharded over its $N_s$ ranks; rank $q$ of group $j$
+        is world rank $jN_s + q$. The ranks with the same $q$ in every group form
+        a {{term: replica group}} of $N_d / N_s$ ranks that hold the same shard.
+        All-gathers and reduce-scatters run inside the shard group, and one
+        all-reduce per trainable chunk, of the shard only, runs across the
+        replica group, which belongs to [hybrid sharding](hybrid.html). After
+        this, `rank` and `world_size` are this rank's place in its shard group:
+        the $N_d$ of every other page is $N_s$.
 
         `torch.distributed.new_group` is itself a collective over the default
         group: every rank must create every group, in the same order, even the
@@ -318,6 +297,26 @@ class Communicator:
         self.rank, self.world_size = rank % size, size
 
     ### Stream helpers
+    #
+    # On CUDA, gathers run on a *gather stream* and reductions on a *reduce
+    # stream*, so that they overlap with the computation on the current
+    # (*compute*) stream. Three orderings make this safe; each is marked where
+    # it is enforced:
+    #
+    # 1. a gather waits for the compute stream, because the shard it reads may
+    #    have just been written by the optimizer, and its output buffer was
+    #    allocated there;
+    # 2. the compute stream waits for a gather's event before it reads the chunk;
+    # 3. a reduction waits for the compute stream, which wrote the gradients, and
+    #    the compute stream waits for the reduce stream before the optimizer
+    #    reads them.
+    #
+    # On GPUs of one host, gathers and reductions can also go through the other
+    # ranks' memory, with copies instead of NCCL's kernels
+    # ([peer memory](peer_memory.html), which owns those buffers and counts its
+    # copies here); the streams and orderings are the same. On CPU (gloo) the
+    # collectives are synchronous and every stream is `None`: the same code runs
+    # with the waits turned into no-ops, which is how the tests exercise it.
 
     def current_stream(self):
         """The stream the caller's kernels go to (`None` on CPU)."""
@@ -363,6 +362,9 @@ class Communicator:
             self.current_stream().wait_event(event)
 
     ### Collectives
+    #
+    # With one rank and no process group the collectives become local copies,
+    # so a model wrapped for ZeRO also runs in a plain single-process script.
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         """`full` [N_d·S] ← the shards [S] of every rank, in rank order."""

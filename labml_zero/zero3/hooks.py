@@ -12,62 +12,10 @@ A chunk knows *how* to gather, release and reduce (explained in
 [the chunk's page](chunk.html)); this page decides *when*, from hooks that
 PyTorch calls around each wrapped layer, a unit.
 
-## One training step
-
-Each hook is explained beside its code below.
-
-Forward, for each unit in execution order:
-
-1. **pre-forward hook**: gather the unit's chunks, queue the gathers of the next
-   $D$ units ($D$ the {{term: prefetch depth}}, `prefetch_depth`) on a side
-   stream, the {{term: gather stream}}, and wait for this unit's; then the layer
-   computes;
-2. **post-forward hook**: release the chunks, and hook the output so that the
-   backward pass announces when it reaches this unit.
-
-Backward, for each unit in reverse:
-
-3. **pre-backward hook**: gather the chunks again and prefetch the units below;
-   a unit whose output needs no gradient (frozen layers at the input end) is
-   never gathered again;
-4. **gradient hooks**, during the layer's backward: each parameter's gradient
-   goes to its chunk's [gradients](chunk_grads.html), and a chunk whose
-   parameters have all reported is reduce-scattered at once (inside `no_sync`
-   it only accumulates);
-5. **post-backward hook**: release;
-6. **end of backward**: reduce what was not (or, inside `no_sync`, end each
-   chunk's backward pass), release what is still gathered.
-
-Then [AdamFP16](../optimizers/adam_fp16.html), the next page, updates the
-shards.
-
-At most $1 + D$ units are gathered at a time in either
-pass, besides the root unit, gathered for the whole step (see Note: release
-before the next gather).
-
-## One measured step
-
-![training step timeline](figures/step_timeline.svg)
-
-A step of a Pythia-160M-shaped GPT-NeoX on two GPUs: rank 0's kernels from
-`torch.profiler` (converted by `bench/timeline.py`), one lane per CUDA stream,
-time from left to right. *gather* is the gather stream: each all-gather (hooks 1
-and 3) starts before the compute that needs it, so the compute lane rarely waits
-for one. *compute* is the layers, forward then backward; its long stretch
-without collectives in the middle is the readout and the loss over a
-{{py: neox_model.pythia_160m().n_vocab}}-token vocabulary. *reduce* holds the
-reduce-scatters of hook 4, each started when a chunk's last gradient arrives and
-running beside the backward of the layers below (this run updates during the
-backward pass: the optimizer's updates, queued as each chunk is reduced, are
-among the compute kernels there). The step ends at hook 6, when the compute
-stream has waited for the last reduction.
-
-## Limitations
-
-* A unit must run at most once per forward pass.
-* Ranks must run the same graph: a parameter that gets a gradient on one rank and
-  not on another changes the order of the collectives.
-* Reentrant checkpointing (`use_reentrant=True`) is not supported.
+At most $1 + D$ units ($D$ the {{see: prefetch depth}}) are gathered at a time
+in either pass, besides the root unit, gathered for the whole step (see Note:
+release before the next gather). The runtime below lists the step hook by hook;
+each hook is explained beside its code.
 """
 
 from __future__ import annotations
@@ -144,6 +92,50 @@ class Zero3Runtime:
     * `reshard_after_forward`: release a unit's chunks after its forward
       (ZeRO-3); `False` keeps them gathered until its backward is done, trading
       $C \cdot p$ bytes per unit for one all-gather per unit per step.
+
+    ### One training step
+
+    Forward, for each unit in execution order:
+
+    1. **pre-forward hook**: gather the unit's chunks, queue the gathers of the next
+       $D$ units ($D$ the {{term: prefetch depth}}, `prefetch_depth`) on a side
+       stream, the {{term: gather stream}}, and wait for this unit's; then the layer
+       computes;
+    2. **post-forward hook**: release the chunks, and hook the output so that the
+       backward pass announces when it reaches this unit.
+
+    Backward, for each unit in reverse:
+
+    3. **pre-backward hook**: gather the chunks again and prefetch the units below;
+       a unit whose output needs no gradient (frozen layers at the input end) is
+       never gathered again;
+    4. **gradient hooks**, during the layer's backward: each parameter's gradient
+       goes to its chunk's [gradients](chunk_grads.html), and a chunk whose
+       parameters have all reported is reduce-scattered at once (inside `no_sync`
+       it only accumulates);
+    5. **post-backward hook**: release;
+    6. **end of backward**: reduce what was not (or, inside `no_sync`, end each
+       chunk's backward pass), release what is still gathered.
+
+    Then [AdamFP16](../optimizers/adam_fp16.html), the next page, updates the
+    shards.
+
+    ### One measured step
+
+    ![training step timeline](figures/step_timeline.svg)
+
+    A step of a Pythia-160M-shaped GPT-NeoX on two GPUs: rank 0's kernels from
+    `torch.profiler` (converted by `bench/timeline.py`), one lane per CUDA stream,
+    time from left to right. *gather* is the gather stream: each all-gather (hooks 1
+    and 3) starts before the compute that needs it, so the compute lane rarely waits
+    for one. *compute* is the layers, forward then backward; its long stretch
+    without collectives in the middle is the readout and the loss over a
+    {{py: neox_model.pythia_160m().n_vocab}}-token vocabulary. *reduce* holds the
+    reduce-scatters of hook 4, each started when a chunk's last gradient arrives and
+    running beside the backward of the layers below (this run updates during the
+    backward pass: the optimizer's updates, queued as each chunk is reduced, are
+    among the compute kernels there). The step ends at hook 6, when the compute
+    stream has waited for the last reduction.
     """
 
     def __init__(
@@ -270,6 +262,9 @@ class Zero3Runtime:
         With `torch.utils.checkpoint` (non-reentrant), a unit's forward runs a
         second time during the backward. The pre-backward hook has gathered the
         chunks by then, so this hook finds them gathered: no second all-gather.
+
+        A unit must run at most once per forward pass, and reentrant checkpointing
+        (`use_reentrant=True`) is not supported.
         """
         def hook(module, args, kwargs):
             if self.phase is Phase.BACKWARD:
@@ -430,6 +425,9 @@ class Zero3Runtime:
         gradients end their backward pass instead, keeping their buffer. Then
         the compute stream waits for the reductions and whatever is still
         gathered is released.
+
+        So ranks must run the same graph: a parameter that gets a gradient on one
+        rank and not on another changes the order of the collectives.
         """
         for chunk in self.all_chunks():
             if not chunk.trainable:

@@ -40,45 +40,9 @@ $$M_{\text{ZeRO-3}} = \frac{(p + g + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 where $\Psi_t$ are the trainable and $\Psi_f$ the frozen parameters; a frozen
 parameter has neither gradient nor optimizer state.
 
-## Beside the model states
-
-During a step a rank also holds, each counted beside its code below:
-
-* the gathered chunks of $1 + D$ units ($D$ the {{see: prefetch depth}},
-  `prefetch_depth`; `gathered_peak`), and the root unit's for the whole step
-  (`root_unit_bytes`);
-* in backward, the full-size gradient buffer of a chunk until it is reduced
-  (`largest_grad_buffer`), all of them at once under gradient accumulation
-  (`accumulated_grad_buffers`), in the {{term: reduce dtype}} of $g_r$ bytes,
-  the dtype gradients are reduce-scattered in.
-
-GPT-NeoX-20B, with about
-20.6 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
-billion parameters, needs about $370$
-(tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
-GB per rank without sharding, and $46$
-(tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
-GB per rank with ZeRO-3 over $N_d = 8$ (`zero_model_states`).
-A step's traffic is counted by `zero3_step_comm` and `ring_wire_bytes`; the same
-counts for hybrid sharding have [their own page](hybrid_memory.html); a real
-{{see: chunk layout}}, {{see: padding}} included, is counted by
-`layout_model_states`.
-
 ## What a model costs: the calculator
 
 {{calculator}}
-
-## Limitations
-
-* Model states, gathered parameters and gradient buffers only: activations,
-  temporary buffers and the allocator's fragmentation are not counted, nor,
-  without accumulation, a second gradient buffer live beside the largest (a
-  chunk waiting for its reduce-scatter while the next one fills).
-* The peak assumes the engine's rule that a group is gathered and released whole;
-  a schedule that releases early or gathers chunk by chunk would need its own
-  count.
-* Bytes on the wire assume ring-like algorithms; tree and NVLS algorithms move
-  other amounts, and the latency of each collective is not modelled at all.
 """
 
 from __future__ import annotations
@@ -125,7 +89,7 @@ PARAM_BYTES = 2
 # update during backward reads (see Note: one rank keeps the parameter dtype),
 # is not counted: the model gives the fp32 bound.
 GRAD_BYTES = 4
-# $g_r$: the bytes of the reduce dtype, the dtype of the full-size
+# $g_r$: the bytes of the {{see: reduce dtype}}, the dtype of the full-size
 # gradient buffers and of the reduce-scatter; fp32 is `ZeroConfig`'s default
 # `reduce_dtype` (bf16 or fp16: 2).
 REDUCE_BYTES = 4
@@ -166,6 +130,17 @@ def zero_model_states(
 
     Each $\Psi / N_d$ is rounded up: a rank holds whole elements, and the largest
     shard is the one that decides whether a rank runs out of memory.
+
+    GPT-NeoX-20B, with about
+    20.6 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
+    billion parameters, needs about $370$
+    (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
+    GB per rank without sharding, and $46$
+    (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
+    GB per rank with ZeRO-3 over $N_d = 8$ (`zero_model_states`).
+    The same counts for hybrid sharding have [their own page](hybrid_memory.html);
+    a real {{see: chunk layout}}, {{see: padding}} included, is counted by
+    `layout_model_states`.
     """
     _check_at_least("psi_trainable", psi_trainable, 0)
     _check_at_least("psi_frozen", psi_frozen, 0)
@@ -239,6 +214,16 @@ def layout_model_states(
 # {{see: prefetch depth}}, `prefetch_depth`, explained in [hooks](hooks.html))
 # are gathered ahead of time, so their all-gathers overlap the running unit's
 # compute; a unit's chunks are released when it is done.
+#
+# During a step a rank also holds, each counted beside its code below:
+#
+# * the gathered chunks of $1 + D$ units ($D$ the {{see: prefetch depth}},
+#   `prefetch_depth`; `gathered_peak`), and the root unit's for the whole step
+#   (`root_unit_bytes`);
+# * in backward, the full-size gradient buffer of a chunk until it is reduced
+#   (`largest_grad_buffer`), all of them at once under gradient accumulation
+#   (`accumulated_grad_buffers`), in the {{term: reduce dtype}} of $g_r$ bytes,
+#   the dtype gradients are reduce-scattered in.
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -249,7 +234,8 @@ BACKWARD = "backward"
 # pre-forward hook gathers: $1 + D$ units are gathered at once. In backward both
 # hooks wait for the same gradient, that of the tensor between the two units
 # (the finished unit's input, the next unit's output). The engine releases the
-# finished unit first (see Note: release before the next gather), also when a layer returns several tensors, so backward too holds
+# finished unit first (see Note: release before the next gather), also when a
+# layer returns several tensors, so backward too holds
 # $1 + D$ units and this constant is $0$; were the next unit gathered first, the
 # finished one would be held beside it, one unit more. The tests count the units
 # the engine really holds in each phase and assert `gathered_units`.
@@ -291,6 +277,10 @@ def gathered_peak(
     (`shard_model`'s group 0) is held for the whole step, beside every window
     (`root_unit_bytes`); this window counts it only where it is one of $n$
     consecutive groups.
+
+    The peak assumes the engine's rule that a group is gathered and released whole;
+    a schedule that releases early or gathers chunk by chunk would need its own
+    count.
     """
     _check_at_least("param_bytes", param_bytes, 1)
     # `by_group` lists groups in the order of their chunks: execution order.
@@ -377,6 +367,11 @@ def largest_grad_buffer(layout: ChunkLayout, grad_bytes: int) -> int:
     $p\,C_k$ above $B$. Unlike the gathered peak it grows with the
     chunk size even when a group is gathered whole, because one chunk per layer
     holds the whole layer's gradient at once.
+
+    The model counts model states, gathered parameters and gradient buffers only:
+    activations, temporary buffers and the allocator's fragmentation are not
+    counted, nor, without accumulation, a second gradient buffer live beside the
+    largest (a chunk waiting for its reduce-scatter while the next one fills).
     """
     _check_at_least("grad_bytes", grad_bytes, 1)
     sizes = [chunk.chunk_numel for chunk in layout.chunks if chunk.trainable]
@@ -541,6 +536,9 @@ def ring_wire_bytes(nbytes: int, world_size: int) -> int:
     With a bf16 reduce ($g_r = p = 2$) it is $6\Psi$ against $4\Psi$, $1.5\times$
     in bytes as well
     (tested: tests/zero3/test_memory_model.py::test_zero3_is_three_psi_and_ddp_two_psi).
+
+    Bytes on the wire assume ring-like algorithms; tree and NVLS algorithms move
+    other amounts, and the latency of each collective is not modelled at all.
     """
     _check_at_least("nbytes", nbytes, 0)
     _check_at_least("world_size", world_size, 1)

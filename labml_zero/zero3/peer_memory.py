@@ -27,26 +27,6 @@ Each rank *pulls*: it reads the peers' shards and writes only its own `full`.
 Gathering (and reducing) this way is peer memory. What the copies
 cannot do, agree with the peers, is beside `pull_all_gather`; the reduction
 through the peers' memory beside `push_reduce_scatter_mean`.
-
-A model's peer memory is one object, `PeerMemory`, built once by its
-[transports](transport.html) when the config asks for it: it checks that
-every rank runs on one host, names the run's buffers, allocates and maps
-them (`PeerBuffer`), counts their bytes, keeps the reduction's workspace,
-and gathers and reduces through them. The transports `PeerGather` and
-`PeerReduce` each make one call to it.
-
-## Limitations
-
-* All ranks must be on one host (`check_one_host`).
-* CUDA's symmetric memory may come from an allocator that
-  `torch.cuda.max_memory_allocated` does not count (see `PeerBuffer`).
-* Shards kept in host memory (`offload_shard`) are gathered by NCCL as before.
-* The reduction workspace holds one chunk's full gradient on every rank, which
-  the [memory model](memory_model.html) does not count.
-* The reduction workspace is sized for the largest chunk reduced so far;
-  a larger chunk allocates a new one, and the old one is kept, because
-  reductions already queued may still use it.
-* A barrier waits without a time limit, as NCCL's kernels do.
 """
 
 from __future__ import annotations
@@ -165,6 +145,7 @@ class PeerBuffer:
         return self._peers[rank]
 
     def barrier(self) -> None:
+        """Wait for every rank, without a time limit, as NCCL's kernels do."""
         if hasattr(self, "_handle"):
             # queued on the current stream; it ends when every rank's has started
             self._handle.barrier(channel=0)
@@ -301,6 +282,9 @@ class PeerMemory:
       not count (`PeerBuffer.counted`), which the benchmark adds to its peaks;
     * `workspaces` are the reduction's workspaces, the last one the largest
       (see `workspace`).
+
+    The transports `PeerGather` and `PeerReduce` each make one call to it. Shards
+    kept in host memory (`offload_shard`) are gathered by NCCL as before.
     """
 
     def __init__(self, comm: Communicator):
@@ -339,6 +323,9 @@ class PeerMemory:
 
         A reduction already queued on the reduce stream may still read the
         old one, so it is kept (see Limitations).
+
+        Every rank holds one chunk's full gradient here, which the
+        [memory model](memory_model.html) does not count.
         """
         nbytes = full.numel() * full.element_size()
         if not self.workspaces or self.workspaces[-1].local.nbytes < nbytes:

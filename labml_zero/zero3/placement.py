@@ -35,28 +35,6 @@ keeping frozen chunks gathered, beside `auto_placement`. Everything here is a
 pure function of sizes and bytes; measuring a built model for the automatic
 placement, and applying a placement to it, are [the next
 page](placement_probe.html).
-
-## Which chunks first
-
-Both policies offload from the **output end** of the model (the last chunks in
-execution order) first:
-
-* in backward the last chunks' gradients are final first, so their copy down has
-  the rest of the backward pass to hide behind;
-* in the next forward their parameters are needed last, so the upload of the
-  updated masters has the most time to land before their all-gather.
-
-## Limitations
-
-* Parameter shards on the host are copied up synchronously with their gather
-  (on the gather stream, so the prefetch hides it behind the previous unit's
-  computation, but a chunk's copy and all-gather do not overlap each other),
-  and every gather copies again; keeping a device copy between the forward and
-  the backward pass would halve the traffic. Parameter offload has not been
-  measured on GPUs.
-* PyTorch's host caching allocator may round pinned blocks up (to powers of two
-  in many versions): the pinned staging buffers can take up to twice their
-  $4$ bytes per offloaded element.
 """
 
 from __future__ import annotations
@@ -170,6 +148,14 @@ def from_output_end(numels: Sequence[int], positions: Sequence[int],
     #### The fewest chunks, last first, holding at least `fraction` of the elements
 
     Rounding up: a fraction set to make a model fit must not be undershot.
+
+    Both policies offload from the **output end** of the model (the last chunks in
+    execution order) first:
+
+    * in backward the last chunks' gradients are final first, so their copy down has
+      the rest of the backward pass to hide behind;
+    * in the next forward their parameters are needed last, so the upload of the
+      updated masters has the most time to land before their all-gather.
     """
     target = fraction * sum(numels[i] for i in positions)
     chosen, moved = [], 0
@@ -298,6 +284,13 @@ def offload_traffic(placement: Placement, shards: Sequence[ShardSpec], *,
     backward pass ([`update_during_backward`](../optimizers/adam_fp16.html)); what
     of it does not fit in the backward pass adds to the step, and with many
     offloaded elements per rank it, not PCIe, is the first bottleneck.
+
+    Parameter shards on the host are copied up synchronously with their gather (on
+    the gather stream, so the prefetch hides it behind the previous unit's
+    computation, but a chunk's copy and all-gather do not overlap each other), and
+    every gather copies again; keeping a device copy between the forward and the
+    backward pass would halve the traffic. Parameter offload has not been measured
+    on GPUs.
     """
     placement.check(shards)
     down = up = 0
@@ -347,6 +340,10 @@ def resident_bytes(placement: Placement, shards: Sequence[ShardSpec], *,
     largest by the host memory the ranks can pin. `resident_bytes` computes the
     split for any placement; `auto_placement` chooses the chunks from a measured
     step instead of a fixed $x$.
+
+    PyTorch's host caching allocator may round pinned blocks up (to powers of two in
+    many versions): the pinned staging buffers can take up to twice their $4$ bytes
+    per offloaded element.
     """
     placement.check(shards)
     k_device = device_optimizer_bytes(param_bytes)

@@ -20,42 +20,6 @@ its own slice, and this page is the one object that owns it:
 so a trainable element costs $p + 4$ bytes here, beside the $K = 12$
 (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
 bytes of the optimizer's master and moments, and a frozen one $p$.
-
-The optimizer is handed `param` (an `nn.Parameter`, so any optimizer accepts it)
-and finds the rest through `LocalShard.of(param)`; `AdamFP16` works on ordinary
-parameters as well, which have no `LocalShard` and keep their gradient in
-`.grad`.
-
-## Note: why the gradient lives beside the parameter
-
-`param.grad` must have the parameter's dtype, and the shard's gradient is an fp32
-average over ranks (summing in bf16 would round every partial sum). So the
-gradient lives in `LocalShard.grad`. For an fp32 chunk the two dtypes agree and
-the same tensor is also set as `param.grad`, so plain `torch.optim` optimizers
-work on fp32 shards.
-
-## Note: one rank keeps the parameter dtype
-
-On one rank (or in shard groups of one) the mean over ranks is the gradient
-itself, and autograd's bf16 gradients are exact as they are: widening them to
-fp32 adds no digit, only 2 bytes per element written, and 2 more for each
-later read. So a shard keeps its gradient in the parameter dtype when two
-things hold: it is the first reduction of the step on one rank (the
-[gradient's](chunk_grads.html) `alone` path), and its only reader is an update
-during the backward pass that frees it at once (`grad_read_once`, which
-`AdamFP16(free_grads=True)` sets for its device homes: nothing else may read a
-freed gradient, no clipping, no loss scaler). Every other gradient shard is
-fp32, so that sums over ranks and micro-batches, clipping and unscaling round
-in fp32. A second backward pass before `step()` adds into the narrow gradient,
-but `step()` refuses that gradient anyway: it changed after its update began.
-
-## Note: how a parameter finds its shard
-
-`LocalShard.of(param)` looks the parameter up in a table keyed by the identity
-of the tensor, holding it weakly: the table never keeps a shard alive, and a
-shard is in it from its construction to its end. No attribute is added to the
-`nn.Parameter`, so `state_dict`, `copy.deepcopy` and `torch.compile` see an
-ordinary parameter.
 """
 
 from __future__ import annotations
@@ -116,7 +80,21 @@ class LocalShard:
 
     @staticmethod
     def of(param: torch.Tensor) -> "LocalShard | None":
-        """The shard that owns `param`, or `None` for an ordinary parameter."""
+        """The shard that owns `param`, or `None` for an ordinary parameter.
+
+        The optimizer is handed `param` (an `nn.Parameter`, so any optimizer accepts it)
+        and finds the rest through `LocalShard.of(param)`; `AdamFP16` works on ordinary
+        parameters as well, which have no `LocalShard` and keep their gradient in
+        `.grad`.
+
+        #### Note: how a parameter finds its shard
+
+        `LocalShard.of(param)` looks the parameter up in a table keyed by the identity
+        of the tensor, holding it weakly: the table never keeps a shard alive, and a
+        shard is in it from its construction to its end. No attribute is added to the
+        `nn.Parameter`, so `state_dict`, `copy.deepcopy` and `torch.compile` see an
+        ordinary parameter.
+        """
         return LocalShard._of.get(param)
 
     ### The first master
@@ -143,6 +121,14 @@ class LocalShard:
         return 0 if m is None else m.numel() * m.element_size()
 
     ### The gradient
+    #
+    # #### Note: why the gradient lives beside the parameter
+    #
+    # `param.grad` must have the parameter's dtype, and the shard's gradient is an fp32
+    # average over ranks (summing in bf16 would round every partial sum). So the
+    # gradient lives in `LocalShard.grad`. For an fp32 chunk the two dtypes agree and
+    # the same tensor is also set as `param.grad`, so plain `torch.optim` optimizers
+    # work on fp32 shards.
 
     def new_grad(self, *, zeroed: bool,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -151,6 +137,21 @@ class LocalShard:
 
         Uninitialised when the reduction writes all of it (`zeroed=False`).
         Allocated on the current stream, which the optimizer reads it on.
+
+        #### Note: one rank keeps the parameter dtype
+
+        On one rank (or in shard groups of one) the mean over ranks is the gradient
+        itself, and autograd's bf16 gradients are exact as they are: widening them to
+        fp32 adds no digit, only 2 bytes per element written, and 2 more for each
+        later read. So a shard keeps its gradient in the parameter dtype when two
+        things hold: it is the first reduction of the step on one rank (the
+        [gradient's](chunk_grads.html) `alone` path), and its only reader is an update
+        during the backward pass that frees it at once (`grad_read_once`, which
+        `AdamFP16(free_grads=True)` sets for its device homes: nothing else may read a
+        freed gradient, no clipping, no loss scaler). Every other gradient shard is
+        fp32, so that sums over ranks and micro-batches, clipping and unscaling round
+        in fp32. A second backward pass before `step()` adds into the narrow gradient,
+        but `step()` refuses that gradient anyway: it changed after its update began.
         """
         assert self.grad is None, "the gradient shard exists already"
         allocate = torch.zeros if zeroed else torch.empty
@@ -160,7 +161,8 @@ class LocalShard:
         return self.grad
 
     def expose_grad(self) -> None:
-        """For an fp32 shard, `param.grad` is `grad` too (see Note above)."""
+        """For an fp32 shard, `param.grad` is `grad` too (see Note: why the
+        gradient lives beside the parameter)."""
         if self.param.dtype == torch.float32:
             self.param.grad = self.grad
 

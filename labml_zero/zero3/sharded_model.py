@@ -30,44 +30,6 @@ from the shapes alone, and each layer is given weights and sharded one at a
 time, or even one chunk at a time, so that a rank never holds more than one
 layer (or one chunk) beyond its shards (see Lazy initialisation, beside
 `zero3_layers`).
-
-## Sharding a layer
-
-The steps, which every way in shares, are on
-[their own page](unit_chunks.html):
-
-1. List its parameters in execution order as `ParamSpec`s; frozen ones
-   (`requires_grad=False`) get frozen chunks.
-2. Plan the chunks for the chunk size.
-3. Build each chunk: copy this rank's slice of every parameter into the shard, and
-   turn the parameters into views of the chunk's (storage-less) full buffer.
-4. Move the module's buffers to the device; parameters are already there.
-
-After this the module holds $\frac{1}{N_d}$ of its parameters on this rank, and
-the rest only while a hook has them gathered.
-
-## Memory per rank
-
-With $\Psi_t$ trainable and $\Psi_f$ frozen elements ({{see: padding}} included),
-parameter dtype of $p$ bytes, gradient shards of 4 bytes and
-$K$ = {{py: memory_model.OPTIMIZER_BYTES}} bytes of optimizer state (`AdamFP16`):
-
-$$\frac{(p + 4 + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
-(tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
-
-of model states, plus what a step holds beside them (counted by the
-[memory model](memory_model.html)): the gathered chunks of at most
-$1 + \text{prefetch\_depth}$ units, the root unit's for the whole step, and
-the full-size gradient buffers of the chunks being reduced; under `no_sync`
-every trainable chunk's buffer at once, about $g_r \Psi_t$ bytes, not divided
-by $N_d$.
-
-## Limitations
-
-* With `shard_model`, a parameter of two wrapped layers (or of a layer and the
-  rest of the model) goes to the root unit, which stays gathered for the whole
-  step; `zero3_layers` refuses one shared by two layers, having no root.
-* Buffers (such as rotary tables) are not sharded: every rank keeps them whole.
 """
 
 from __future__ import annotations
@@ -121,7 +83,7 @@ def layer_config(config: ZeroConfig | None, *, dtype: torch.dtype,
 
 
 class Zero3Layer(nn.Module):
-    """
+    r"""
     ## A sharded layer
 
     labml-nn's signature, with the new capabilities as keyword arguments:
@@ -138,6 +100,38 @@ class Zero3Layer(nn.Module):
     * `transports`: the [transports](transport.html) to share with other
       layers (`zero3_layers` gives all its layers one), else made from `comm`
       (or a communicator of its own) and `config`.
+
+    ### Sharding a layer
+
+    The steps, which every way in shares, are on
+    [their own page](unit_chunks.html):
+
+    1. List its parameters in execution order as `ParamSpec`s; frozen ones
+       (`requires_grad=False`) get frozen chunks.
+    2. Plan the chunks for the chunk size.
+    3. Build each chunk: copy this rank's slice of every parameter into the shard, and
+       turn the parameters into views of the chunk's (storage-less) full buffer.
+    4. Move the module's buffers to the device; parameters are already there.
+
+    After this the module holds $\frac{1}{N_d}$ of its parameters on this rank, and
+    the rest only while a hook has them gathered.
+    Buffers (such as rotary tables) are not sharded: every rank keeps them whole.
+
+    ### Memory per rank
+
+    With $\Psi_t$ trainable and $\Psi_f$ frozen elements ({{see: padding}} included),
+    parameter dtype of $p$ bytes, gradient shards of 4 bytes and
+    $K$ = {{py: memory_model.OPTIMIZER_BYTES}} bytes of optimizer state (`AdamFP16`):
+
+    $$\frac{(p + 4 + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
+    (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
+
+    of model states, plus what a step holds beside them (counted by the
+    [memory model](memory_model.html)): the gathered chunks of at most
+    $1 + \text{prefetch\_depth}$ units, the root unit's for the whole step, and
+    the full-size gradient buffers of the chunks being reduced; under `no_sync`
+    every trainable chunk's buffer at once, about $g_r \Psi_t$ bytes, not divided
+    by $N_d$.
     """
 
     def __init__(
@@ -482,6 +476,10 @@ def shard_model(
 
     * `layers` are the submodules that become units, in execution order (e.g.
       `model.transformer.h` of a GPT-2). Everything else is the root unit.
+
+    A parameter of two wrapped layers (or of a layer and the rest of the model)
+    goes to the root unit, which stays gathered for the whole step;
+    `zero3_layers` refuses one shared by two layers, having no root.
     """
     config = config or ZeroConfig()
     device = torch.device(device)

@@ -7,46 +7,17 @@ summary: The ways a chunk's shards reach the full buffer and its gradients reach
 
 # Transports
 
-Gathering a chunk writes $\text{full}[qS, (q + 1)S) \leftarrow
-\text{shard}^{(q)}$ for every rank $q$. Where this rank's shard lives decides
-how:
+A chunk's shards reach its full buffer, and its full gradient reaches the
+shards, by one of a few transports:
 
-* **collective**: the shard is device memory; one all-gather (NCCL on GPUs,
-  gloo on CPU) reads it and writes `full`;
-* **peer**: the shard lies in memory that every rank of the host can read
-  ([peer memory](peer_memory.html)); each rank copies the peers' shards out,
-  and no collective kernel runs;
-* **host-staged**: the shard is in host memory (`Chunk.offload_shard`); it is
-  first copied up into its own slice of `full`, and the all-gather then runs in
-  place there (the in-place form of NCCL's all-gather: the input is the output's
-  slice of this rank).
+$$\text{full}[qS, (q + 1)S) \leftarrow \text{shard}^{(q)}, \qquad
+g_{\text{shard}}^{(q)} \leftarrow \frac{1}{N_d}\sum_{r} g^{(r)}[qS, (q + 1)S),$$
 
-A chunk picks its transport once, when it is built, as FSDP2 picks its
-all-gather; moving the shard to the host is the one event that picks again.
-`Chunk.gather` then makes one call, `transport.gather(full, shard)`, on the
-gather stream.
-
-Reducing writes $g_{\text{shard}}^{(q)} \leftarrow \frac{1}{N_d}\sum_{r}
-g^{(r)}[qS, (q + 1)S)$, the mean over all $N_d$ ranks of this rank's slice of the
-gradient. A chunk also picks its *reduction* once:
-
-* **collective**: one reduce-scatter with averaging over the shard group;
-* **peer**: the ranks push their gradients into a workspace in peer memory and
-  each averages its own slice there, in fp32 ([peer memory](peer_memory.html));
-* **hybrid**: either of the two inside the shard group of $N_s$ ranks, then an
-  all-reduce of the $S$-element result across the $N_d / N_s$ groups
-  (explained in [hybrid sharding](hybrid.html)): the mean of the $N_d / N_s$ group
-  means, each over $N_s$ ranks, is the mean over all $N_d$.
-
-`ChunkGrads.reduce` then makes one call, `reduction.reduce(shard_grad, full_grad)`,
-on the reduce stream.
-
-Each transport holds what it moves the bytes with, and nothing else: the
-[communicator](communication.html) for a collective, the model's
-[peer memory](peer_memory.html) (`PeerMemory`) for copies, the
-[replica group](hybrid.html) (`ReplicaGroup`) for hybrid sharding's second
-step. `Transports`, at the end, reads the config once per model, builds
-those owners, and hands each chunk its gather and its reduction.
+for every rank $q$, a gather and a reduction. A chunk picks each once, when
+it is built, as FSDP2 picks its all-gather; moving the shard to the host is the
+one event that picks again. `Chunk.gather` then makes one call,
+`transport.gather(full, shard)`, on the gather stream, and `ChunkGrads.reduce`
+one, `reduction.reduce(shard_grad, full_grad)`, on the reduce stream.
 """
 
 from __future__ import annotations
@@ -59,6 +30,18 @@ from .hybrid import ReplicaGroup
 from .peer_memory import PeerBuffer, PeerMemory
 
 # ## Gathers
+#
+# Where this rank's shard lives decides how a chunk is gathered:
+#
+# * **collective**: the shard is device memory; one all-gather (NCCL on GPUs,
+#   gloo on CPU) reads it and writes `full`;
+# * **peer**: the shard lies in memory that every rank of the host can read
+#   ([peer memory](peer_memory.html)); each rank copies the peers' shards out,
+#   and no collective kernel runs;
+# * **host-staged**: the shard is in host memory (`Chunk.offload_shard`); it is
+#   first copied up into its own slice of `full`, and the all-gather then runs in
+#   place there (the in-place form of NCCL's all-gather: the input is the output's
+#   slice of this rank).
 
 
 class CollectiveGather:
@@ -122,6 +105,17 @@ class HostStagedGather(CollectiveGather):
 
 
 # ## Reductions
+#
+# A reduction takes the mean over all $N_d$ ranks of this rank's slice of the
+# gradient. A chunk picks its *reduction* once:
+#
+# * **collective**: one reduce-scatter with averaging over the shard group;
+# * **peer**: the ranks push their gradients into a workspace in peer memory and
+#   each averages its own slice there, in fp32 ([peer memory](peer_memory.html));
+# * **hybrid**: either of the two inside the shard group of $N_s$ ranks, then an
+#   all-reduce of the $S$-element result across the $N_d / N_s$ groups
+#   (explained in [hybrid sharding](hybrid.html)): the mean of the $N_d / N_s$ group
+#   means, each over $N_s$ ranks, is the mean over all $N_d$.
 #
 # Each has two attributes besides its `reduce`, fixed when it is built, that
 # `ChunkGrads.reduce` reads instead of asking what kind it is:
@@ -229,6 +223,13 @@ class Transports:
     * the one gather and the one reduction the chunks share, since neither
       holds anything of a chunk's (a `PeerGather` holds its chunk's buffer,
       so each such chunk gets its own).
+
+    Each transport holds what it moves the bytes with, and nothing else: the
+    [communicator](communication.html) for a collective, the model's
+    [peer memory](peer_memory.html) (`PeerMemory`) for copies, the
+    [replica group](hybrid.html) (`ReplicaGroup`) for hybrid sharding's second
+    step. This class reads the config once per model, builds
+    those owners, and hands each chunk its gather and its reduction.
     """
 
     def __init__(self, comm: Communicator, *, peer_memory: PeerMemory | None = None,

@@ -14,25 +14,6 @@ parameter $p$*. Loading at the saved world size, loading at another one, and
 reading a whole tensor offline are all that operation with different ranges. It
 is pure file arithmetic, with no process group, so it also serves inspection,
 conversion and the checks a launcher makes before any process starts.
-
-## Finding elements: the resharding arithmetic
-
-A chunk of $C$ elements saved over $N_d$ ranks gave rank $k$ the elements
-$[kS, (k+1)S)$, $S = C / N_d$. A parameter at offset $o$ with $n$ elements is
-elements $[o, o + n)$ of its chunk, so its elements $[a, b)$ are chunk elements
-$[o + a, o + b)$, held by the saved ranks
-
-$$k = \left\lfloor \frac{o + a}{S} \right\rfloor, \ldots,
-\left\lfloor \frac{o + b - 1}{S} \right\rfloor,$$
-
-rank $k$ at local positions $[\max(o + a, kS) - kS,\ \min(o + b, (k+1)S) - kS)$.
-`read` copies exactly those slices (`safe_open(...).get_slice`) and concatenates
-them; every file is checked before it is used (see Note: checks on reading).
-
-## Limitations
-
-* A format-1 checkpoint has no digests (see `FORMAT_1` in [the
-  format](format.html)): a changed byte in its tensor data is not caught.
 """
 
 from __future__ import annotations
@@ -169,6 +150,9 @@ class CheckpointReader:
         file once before its slices are read: at the saved world size, one extra
         sequential read of the rank's own file. Does nothing for a format-1
         checkpoint.
+
+        A format-1 checkpoint has no digests (see `FORMAT_1` in [the
+        format](format.html)): a changed byte in its tensor data is not caught.
         """
         if name in self._verified or name not in self.digests:
             return
@@ -216,7 +200,21 @@ class CheckpointReader:
 
         `kind` is `param` (in the saved dtype), `master` (fp32: the saved master,
         else the parameter), `exp_avg` or `exp_avg_sq`; the saved ranks that hold
-        them are the intro's $k$.
+        them are the $k$ below.
+
+        #### Finding elements: the resharding arithmetic
+
+        A chunk of $C$ elements saved over $N_d$ ranks gave rank $k$ the elements
+        $[kS, (k+1)S)$, $S = C / N_d$. A parameter at offset $o$ with $n$ elements is
+        elements $[o, o + n)$ of its chunk, so its elements $[a, b)$ are chunk elements
+        $[o + a, o + b)$, held by the saved ranks
+
+        $$k = \left\lfloor \frac{o + a}{S} \right\rfloor, \ldots,
+        \left\lfloor \frac{o + b - 1}{S} \right\rfloor,$$
+
+        rank $k$ at local positions $[\max(o + a, kS) - kS,\ \min(o + b, (k+1)S) - kS)$.
+        `read` copies exactly those slices (`safe_open(...).get_slice`) and concatenates
+        them; every file is checked before it is used (see Note: checks on reading).
 
         This is all that resharding needs. A new model, at world size $N_d'$ and
         with its own chunk size, puts the same parameter at offset $o'$ of a chunk
