@@ -21,14 +21,17 @@ PACKAGE = "labml_zero"
 
 # Lowest first. The tools at the bottom (atomic files, processes, the app) import
 # nothing of the others; the engine, its optimizer, the one assembly path, the
-# model and the fine-tune job each import only what is listed before them.
+# family type, the models, the registry of families and the fine-tune job each
+# import only what is listed before them.
 LAYERS = (
     ("labml_zero", "labml_zero.files", "labml_zero.launch", "labml_zero.app"),
     ("labml_zero.zero3",),
     ("labml_zero.optimizers",),
     ("labml_zero.assembly",),
+    ("labml_zero.family",),
     ("labml_zero.neox",),
     ("labml_zero.llama",),
+    ("labml_zero.families",),
     ("labml_zero.finetune",),
     ("labml_zero.finetune_neox", "labml_zero.export"),
 )

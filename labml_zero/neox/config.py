@@ -31,6 +31,7 @@ from typing import Any, Mapping
 import torch
 
 __all__ = [
+    "PRESETS",
     "NeoXConfig",
     "from_hf_config",
     "to_hf_config",
@@ -195,6 +196,14 @@ def gpt_neox_20b() -> NeoXConfig:
     # Its config says "gelu_fast": the tanh approximation.
     return NeoXConfig(n_vocab=50432, d_model=6144, n_heads=64, n_layers=44,
                       gelu_approximate="tanh")
+
+
+# `--model` names to the preset functions; the job and the family read them here.
+PRESETS = {"tiny": tiny, "pythia-70m": pythia_70m, "pythia-160m": pythia_160m,
+           "pythia-410m": pythia_410m, "pythia-1b": pythia_1b,
+           "pythia-1.4b": pythia_1_4b, "pythia-2.8b": pythia_2_8b,
+           "pythia-6.9b": pythia_6_9b, "pythia-12b": pythia_12b,
+           "gpt-neox-20b": gpt_neox_20b}
 
 
 # ### Hugging Face `config.json`
