@@ -53,3 +53,14 @@ def test_a_preset_finds_its_family():
     with pytest.raises(UnknownFamily, match="unknown model preset 'gpt2'"):
         family_for_preset("gpt2")
 
+
+
+def test_the_job_asks_the_registrys_family():
+    from labml_zero.finetune.config import FAMILY, MODEL_PRESETS, FinetuneConfig
+
+    assert FAMILY is family_for_model_type("gpt_neox")
+    assert MODEL_PRESETS == dict(FAMILY.presets)
+    config = FinetuneConfig(finetune="lora", lora_rank=4, lora_alpha=8.0)
+    assert config.lora_targets == FAMILY.lora_targets
+    assert config.tuner() == FAMILY.finetuner("lora", rank=4, alpha=8.0,
+                                              targets=FAMILY.lora_targets)
