@@ -46,8 +46,8 @@ def family_for_model_type(model_type: str) -> ModelFamily:
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
-    raise UnknownFamily(f"config.json: model_type {model_type!r} is not supported; "
-                        f"supported: {', '.join(model_types())}")
+    raise UnknownFamily(f"config.json: no model family reads model_type "
+                        f"{model_type!r}; they read {', '.join(model_types())}")
 
 
 def family_for_preset(name: str) -> ModelFamily:
