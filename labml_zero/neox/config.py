@@ -31,7 +31,6 @@ from typing import Any, Mapping
 import torch
 
 __all__ = [
-    "PRESETS",
     "NeoXConfig",
     "from_hf_config",
     "to_hf_config",
