@@ -21,14 +21,17 @@ PACKAGE = "labml_zero"
 
 # Lowest first. The tools at the bottom (atomic files, processes, the app) import
 # nothing of the others; the engine, its optimizer, the one assembly path, the
-# model and the fine-tune job each import only what is listed before them.
+# family type, the models, the registry of families and the fine-tune job each
+# import only what is listed before them.
 LAYERS = (
     ("labml_zero", "labml_zero.files", "labml_zero.launch", "labml_zero.app"),
     ("labml_zero.zero3",),
     ("labml_zero.optimizers",),
     ("labml_zero.assembly",),
+    ("labml_zero.family",),
     ("labml_zero.neox",),
     ("labml_zero.llama",),
+    ("labml_zero.families",),
     ("labml_zero.finetune",),
     ("labml_zero.finetune_neox", "labml_zero.export"),
 )
@@ -185,6 +188,36 @@ def test_the_check_sees_a_circle_and_an_upward_import(tmp_path):
     assert found["cycles"] == ["labml_zero.neox.m <-> labml_zero.neox.n"]
     assert found["function-local"] == [
         "labml_zero.neox.n:2 imports labml_zero.neox.m inside a function"]
+
+
+# The job still imports GPT-NeoX where the family has no field for what it uses
+# (the sharded build and its kernels, the sharded exports, sampling, the data's
+# tokenizer helpers, the checks before start). The list may only shrink: a job
+# that asks the family for everything imports no model package.
+JOB_IMPORTS_OF_A_MODEL = {
+    "labml_zero.finetune.checkpoints": {"neox.model", "neox.tokenizer"},
+    "labml_zero.finetune.config": {"neox.build", "neox.config", "neox.finetuners",
+                                   "neox.hf_checkpoint", "neox.side_files"},
+    "labml_zero.finetune.data": {"neox.tokenizer"},
+    "labml_zero.finetune.dataset": {"neox.tokenizer"},
+    "labml_zero.finetune.job": {"neox.build", "neox.generate", "neox.lora",
+                                "neox.lora_export", "neox.model",
+                                "neox.side_files", "neox.tokenizer"},
+    "labml_zero.finetune.preflight": {"neox.hf_checkpoint", "neox.lora_export",
+                                      "neox.model"},
+    "labml_zero.finetune.token_file": {"neox.tokenizer"},
+}
+
+
+def test_the_job_imports_no_new_part_of_a_model_package():
+    models = ("labml_zero.neox", "labml_zero.llama")
+    found: dict[str, set[str]] = {}
+    for imp in import_graph():
+        if imp.source.startswith("labml_zero.finetune.") \
+                and imp.target.startswith(models):
+            found.setdefault(imp.source, set()).add(
+                imp.target.removeprefix("labml_zero."))
+    assert found == JOB_IMPORTS_OF_A_MODEL
 
 
 def test_every_module_is_in_a_layer():

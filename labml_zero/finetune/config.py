@@ -32,30 +32,24 @@ from dataclasses import dataclass, field
 import torch
 
 from labml_zero.app.client import check_app_url
+from labml_zero.families import family_for_model_type
 from labml_zero.finetune.lr_schedule import SCHEDULES, LRSchedule
-from labml_zero.neox import model as neox_model
 from labml_zero.neox.build import resolve_kernels
-from labml_zero.neox.finetuners import FINETUNERS, finetuner
+from labml_zero.neox.config import NeoXConfig
+from labml_zero.neox.finetuners import FINETUNERS
 from labml_zero.neox.hf_checkpoint import config_from_hf
-from labml_zero.neox.lora import TARGETS, FineTuneLoRA
 from labml_zero.neox.side_files import snapshot_dtype
 
-__all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "MODEL_PRESETS",
-           "DTYPES", "FINETUNERS"]
+__all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "FAMILY",
+           "MODEL_PRESETS", "DTYPES", "FINETUNERS"]
 
-# `--model` names → preset functions of [the model page](../neox/model.html).
-MODEL_PRESETS = {
-    "tiny": neox_model.tiny,
-    "pythia-70m": neox_model.pythia_70m,
-    "pythia-160m": neox_model.pythia_160m,
-    "pythia-410m": neox_model.pythia_410m,
-    "pythia-1b": neox_model.pythia_1b,
-    "pythia-1.4b": neox_model.pythia_1_4b,
-    "pythia-2.8b": neox_model.pythia_2_8b,
-    "pythia-6.9b": neox_model.pythia_6_9b,
-    "pythia-12b": neox_model.pythia_12b,
-    "gpt-neox-20b": neox_model.gpt_neox_20b,
-}
+# The job trains the GPT-NeoX family; what it asks of the model it asks this
+# object ([the family](../family.html)), as a later job of any family will.
+FAMILY = family_for_model_type("gpt_neox")
+
+# `--model` names → the family's preset functions (see
+# [the configuration page](../neox/config.html)).
+MODEL_PRESETS = dict(FAMILY.presets)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -94,7 +88,7 @@ class FinetuneConfig:
     """LoRA's rank $r$ (with `finetune='lora'` only)."""
     lora_alpha: float = field(default=16.0, metadata=flag(metavar="ALPHA"))
     r"""LoRA's $\alpha$: the adapters' update is scaled by $\alpha / r$."""
-    lora_targets: tuple[str, ...] = field(default=tuple(TARGETS),
+    lora_targets: tuple[str, ...] = field(default=FAMILY.lora_targets,
                                           metadata=flag(metavar="NAMES"))
     """The projections LoRA adapts, comma-separated on the command line: some of
     `query_key_value`, `dense`, `dense_h_to_4h`, `dense_4h_to_h`."""
@@ -383,11 +377,11 @@ class FinetuneConfig:
                              f"{self.lora_alpha}")
         if not self.lora_targets:
             raise ValueError("lora_targets must name at least one projection")
-        unknown = [t for t in self.lora_targets if t not in TARGETS]
+        unknown = [t for t in self.lora_targets if t not in FAMILY.lora_targets]
         if unknown:
             raise ValueError(f"lora_targets names an unknown projection "
                              f"{unknown[0]!r}; "
-                             f"expected some of {', '.join(TARGETS)}")
+                             f"expected some of {', '.join(FAMILY.lora_targets)}")
         if len(set(self.lora_targets)) != len(self.lora_targets):
             raise ValueError(f"lora_targets names a projection twice: "
                              f"{','.join(self.lora_targets)}")
@@ -418,11 +412,11 @@ class FinetuneConfig:
         options.
         """
         if self.finetune == "lora":
-            return FineTuneLoRA(rank=self.lora_rank, alpha=self.lora_alpha,
-                                targets=self.lora_targets)
-        return finetuner(self.finetune)
+            return FAMILY.finetuner("lora", rank=self.lora_rank,
+                                    alpha=self.lora_alpha, targets=self.lora_targets)
+        return FAMILY.finetuner(self.finetune)
 
-    def model_config(self) -> neox_model.NeoXConfig:
+    def model_config(self) -> NeoXConfig:
         """
         ### The model's shape
 

@@ -51,8 +51,8 @@ import torch.nn.functional as F
 
 from labml_zero.assembly import Assembled, Recipe
 from labml_zero.finetune.checkpoints import resume, save
-from labml_zero.finetune.config import (DTYPES, FINETUNERS, MODEL_PRESETS,
-                                        FinetuneConfig, laptop,
+from labml_zero.finetune.config import (DTYPES, FAMILY, FINETUNERS,
+                                        MODEL_PRESETS, FinetuneConfig, laptop,
                                         neox_20b_biases)
 from labml_zero.finetune.data import job_data
 from labml_zero.finetune.token_file import TokenCache
@@ -65,7 +65,6 @@ from labml_zero.launch import DistContext, ranks_text
 from labml_zero.neox import build as neox_build
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.generate import Sampling, generate
-from labml_zero.neox.hf_checkpoint import HFCheckpoint
 from labml_zero.neox.lora import FineTuneLoRA, load_hf_layer
 from labml_zero.neox.lora_export import save_merged_checkpoint, save_peft_adapter
 from labml_zero.neox.side_files import hf_side_files
@@ -162,7 +161,7 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
         # Random weights, drawn one chunk at a time into the chunk's buffer.
         init, load = neox_model.init_parameter(neox), None
     else:
-        hf = HFCheckpoint(config.checkpoint)
+        hf = FAMILY.open_checkpoint(config.checkpoint)
 
         # Pretrained weights are loaded after sharding; the chunks start at 0.
         def init(name: str, param: torch.Tensor) -> None:

@@ -36,5 +36,5 @@ scaling of the slow frequencies. A trained model leaves as a Hugging Face
 checkpoint again, its tied embedding written once, and LoRA adapts the
 seven projections of a layer, merged into the checkpoint or saved for PEFT.
 The package's last page gathers what the fine-tune job asks of a family into
-one object, `LLAMA`.
+one object, `LLAMA`, a [`ModelFamily`](../family.html).
 """

@@ -13,8 +13,8 @@ ModelSpec): one frozen object names its presets, how to read and check a
 snapshot, how to build the layers on the meta device and give them weights,
 how to load a layer from a checkpoint, its tokenizer, and its cost,
 $C$ FLOPs a token ([the FLOPs page](flops.html)) and the bytes a layer keeps.
-`ModelFamily` holds functions, not a base class to override; `LLAMA` is this
-package's one instance. The job, given a `--model` path, would
+[`ModelFamily`](../family.html) holds functions, not a base class to
+override; `LLAMA` is this package's one instance. The job, given a `--model` path, would
 
 1. call `check_snapshot(path)` before any rank starts (one-line refusals);
 2. on each rank, `build(config, device='meta')`, then `materialize(layers,
@@ -38,14 +38,12 @@ package's one instance. The job, given a `--model` path, would
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
-from tokenizers import Tokenizer
 from torch import nn
 
+from labml_zero.family import ModelFamily
 from labml_zero.llama import config as llama_config
 from labml_zero.llama.flops import activation_bytes, flops_per_token
 from labml_zero.llama.hf_checkpoint import LlamaCheckpoint, check_llama_snapshot
@@ -110,56 +108,10 @@ def finetuner(name: str, **options: Any) -> Any:
     return FINETUNERS[name](**options)
 
 
-@dataclass(frozen=True)
-class ModelFamily:
-    """
-    ## What the job asks of a model family
-
-    Each field is a function or a table; none holds state.
-    """
-
-    name: str
-    """The family's name on the command line and in records."""
-    presets: Mapping[str, Callable[[], Any]]
-    """Preset name to a function returning its config."""
-    check_snapshot: Callable[[str | os.PathLike], Any]
-    """A snapshot's config, every header checked; one-line `CheckpointError`."""
-    open_checkpoint: Callable[[str | os.PathLike], Any]
-    """A lazy reader of a snapshot, for `load_layer`."""
-    build: Callable[..., list[nn.Module]]
-    """`build(config, device=..., dtype=...)`: the list of layers."""
-    materialize: Callable[[list[nn.Module], torch.device | str], None]
-    """Meta layers to real, initialised ones."""
-    load_layer: Callable[..., dict[str, torch.Tensor]]
-    """`load_layer(checkpoint, layer, dtype=...)`: one layer's tensors."""
-    tokenizer: Callable[[str | os.PathLike, Any], tuple[Tokenizer, int]]
-    """`tokenizer(path, config)`: the tokenizer and its end-of-text id."""
-    count_parameters: Callable[[list[nn.Module]], int]
-    r"""$\Psi$, the model's parameters in elements, a tied matrix once."""
-    flops_per_token: Callable[[Any, int], int]
-    """`flops_per_token(config, seq)`: training FLOPs a token."""
-    activation_bytes: Callable[..., int]
-    """`activation_bytes(config, tokens, dtype_bytes=...)`: a layer's saved
-    bytes."""
-    finetuner: Callable[..., Any]
-    """`finetuner(name, **options)`: `all`, or `lora` with `rank`, `alpha`,
-    `targets`."""
-    lora_targets: tuple[str, ...]
-    """PEFT's names of the projections LoRA may adapt."""
-    named_tensors: Callable[[list[nn.Module]], Any]
-    """`(hf_name, tensor)` of unsharded layers, for the writers."""
-    save_hf: Callable[..., Any]
-    """`save_hf(dir, config, named_tensors, tokenizer=..., snapshot=...,
-    dtype=...)`: a Hugging Face checkpoint."""
-    save_merged: Callable[..., Any]
-    """`save_merged(dir, config, named_tensors, lora, ...)`: the same, each
-    adapter folded into its weight."""
-    save_adapter: Callable[..., Any]
-    """`save_adapter(dir, layers, lora)`: the adapter alone, for PEFT."""
-
-
 LLAMA = ModelFamily(
-    name="llama", presets=llama_config.PRESETS, check_snapshot=check_llama_snapshot,
+    name="llama", model_types=tuple(llama_config.FAMILIES),
+    presets=llama_config.PRESETS, read_config=llama_config.from_hf_config,
+    write_config=llama_config.to_hf_config, check_snapshot=check_llama_snapshot,
     open_checkpoint=LlamaCheckpoint, build=build_layers, materialize=materialize,
     load_layer=load_layer, tokenizer=checkpoint_tokenizer,
     count_parameters=count_parameters, flops_per_token=flops_per_token,

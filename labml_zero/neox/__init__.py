@@ -35,4 +35,6 @@ bytes a parameter, about 370
 GB: what ZeRO-3 spreads over the ranks. The model is a plain **list of layers**,
 the unit the engine gathers and releases; [the fine-tune](../finetune/index.html),
 a package above this one, builds it through [the assembly](../assembly.html).
+What the job asks of the family (presets, checkpoints, fine-tuners, cost)
+is one object, `NEOX`, on [its own page](family.html).
 """

@@ -197,6 +197,14 @@ def gpt_neox_20b() -> NeoXConfig:
                       gelu_approximate="tanh")
 
 
+# `--model` names to the preset functions; the job and the family read them here.
+PRESETS = {"tiny": tiny, "pythia-70m": pythia_70m, "pythia-160m": pythia_160m,
+           "pythia-410m": pythia_410m, "pythia-1b": pythia_1b,
+           "pythia-1.4b": pythia_1_4b, "pythia-2.8b": pythia_2_8b,
+           "pythia-6.9b": pythia_6_9b, "pythia-12b": pythia_12b,
+           "gpt-neox-20b": gpt_neox_20b}
+
+
 # ### Hugging Face `config.json`
 #
 # `from_hf_config` and `to_hf_config` translate a Hugging Face `config.json`, so

@@ -1,0 +1,112 @@
+r"""
+---
+title: A model family as one object
+summary: What the fine-tune job asks of a model family (presets, config.json,
+  the build on meta, checkpoints, fine-tuners, FLOPs, activations, tokenizer)
+  as one frozen object of functions, so the job need not import a model package.
+---
+
+# A model family as one object
+
+The job should ask a family, not import it (torchtitan's ModelSpec): one
+frozen object names a family's presets, how it reads and writes a Hugging
+Face `config.json`, how it checks and reads a snapshot, builds the layers on
+the meta device and gives them weights, its fine-tuners and LoRA's targets,
+its tokenizer, and its cost, training FLOPs a token
+
+$$C = 6\,\Psi_m + 12\, L\, d\, T$$
+(tested: tests/neox/test_family.py::test_flops_are_the_jobs_palm_count)
+
+for $\Psi_m$ parameters in matrix products, $L$ layers of width $d$ and $T$
+tokens of context (PaLM's count; a family may refine it), and the bytes a
+layer keeps for its backward.
+
+`ModelFamily` holds functions, not a base class to override: each family
+package (`neox/family.py`, `llama/family.py`) builds one instance from its own
+functions, and [the registry](families.html) lists them. This page imports
+only torch, so both families, and the registry above them, can import it.
+
+## Limitations
+
+* The fields' signatures are the Llama family's; GPT-NeoX's family adapts its
+  own functions to them. The sharded exports of the job (every rank gathers)
+  are not fields yet: `save_merged` and `save_adapter` take unsharded layers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from tokenizers import Tokenizer
+from torch import nn
+
+__all__ = ["ModelFamily"]
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """
+    ## What the job asks of a model family
+
+    Each field is a function or a table; none holds state. The job, given a
+    `--checkpoint` path, would
+
+    1. pick the family by `config.json`'s `model_type` (one of `model_types`)
+       and call `check_snapshot(path)` before any rank starts;
+    2. on each rank, `build(config, device='meta')`, then `materialize(layers,
+       device)` or, per layer, `load_layer(checkpoint, layer)` into the shards;
+    3. read `tokenizer(path, config)` for its data;
+    4. size its batch with `activation_bytes`, report MFU with
+       `flops_per_token`;
+    5. call `finetuner(name, ...)` on the layers before sharding;
+    6. at the end, write `save_hf`, `save_merged` or `save_adapter`.
+    """
+
+    name: str
+    """The family's name on the command line and in records."""
+    model_types: tuple[str, ...]
+    """The `model_type`s of Hugging Face's `config.json` the family reads."""
+    presets: Mapping[str, Callable[[], Any]]
+    """Preset name (`--model`) to a function returning its config."""
+    read_config: Callable[[Mapping[str, Any]], Any]
+    """A `config.json`, as a dict, to the family's config; `ValueError` on
+    what it cannot build."""
+    write_config: Callable[..., dict[str, Any]]
+    """`write_config(config, dtype=...)`: the `config.json` as a dict."""
+    check_snapshot: Callable[[str | os.PathLike], Any]
+    """A snapshot's config, every header checked; one-line `CheckpointError`."""
+    open_checkpoint: Callable[[str | os.PathLike], Any]
+    """A lazy reader of a snapshot, for `load_layer`."""
+    build: Callable[..., list[nn.Module]]
+    """`build(config, device=..., dtype=...)`: the list of layers."""
+    materialize: Callable[[list[nn.Module], torch.device | str], None]
+    """Meta layers to real, initialised ones."""
+    load_layer: Callable[..., dict[str, torch.Tensor]]
+    """`load_layer(checkpoint, layer, dtype=...)`: one layer's tensors."""
+    tokenizer: Callable[[str | os.PathLike | None, Any], tuple[Tokenizer, int]]
+    """`tokenizer(path, config)`: the tokenizer and its end-of-text id."""
+    count_parameters: Callable[[list[nn.Module]], int]
+    r"""$\Psi$, the model's parameters in elements, a tied matrix once."""
+    flops_per_token: Callable[[Any, int], float]
+    """`flops_per_token(config, seq)`: training FLOPs a token."""
+    activation_bytes: Callable[..., int]
+    """`activation_bytes(config, tokens, dtype_bytes=...)`: a layer's saved
+    bytes."""
+    finetuner: Callable[..., Any]
+    """`finetuner(name, **options)`: `all`, or `lora` with `rank`, `alpha`,
+    `targets`, and any others the family has."""
+    lora_targets: tuple[str, ...]
+    """The names of the projections LoRA may adapt."""
+    named_tensors: Callable[[list[nn.Module]], Any]
+    """`(hf_name, tensor)` of unsharded layers, for the writers."""
+    save_hf: Callable[..., Any]
+    """`save_hf(dir, config, named_tensors, tokenizer=..., snapshot=...,
+    dtype=...)`: a Hugging Face checkpoint."""
+    save_merged: Callable[..., Any]
+    """`save_merged(dir, config, named_tensors, lora, ...)`: the same, each
+    adapter folded into its weight."""
+    save_adapter: Callable[..., Any]
+    """`save_adapter(dir, layers, lora)`: the adapter alone, for PEFT."""

@@ -1,0 +1,152 @@
+r"""
+---
+title: The GPT-NeoX family as one object
+summary: GPT-NeoX's presets, config.json, build, checkpoints, fine-tuners,
+  LoRA's targets, FLOPs, activation bytes and tokenizer as one ModelFamily.
+---
+
+# The GPT-NeoX family as one object
+
+`NEOX` is this package's [`ModelFamily`](../family.html): the functions the
+other pages of the package define, each adapted to the family's signature
+where it differs. Its cost is PaLM's count,
+
+$$C = 6\,\Psi_m + 12\, L\, d\, T$$
+(tested: tests/neox/test_family.py::test_flops_are_the_jobs_palm_count)
+
+with $\Psi_m$ every parameter but the embedding (the readout is a product,
+the embedding a lookup), the job's MFU figure for a whole model.
+
+## Limitations
+
+* `save_merged` and `save_adapter` take unsharded layers; the job writes its
+  exports from the sharded model with [the export page](lora_export.html)'s
+  writers, which every rank calls.
+* `activation_bytes` is for a full fine-tune without checkpointing and with
+  the plain kernels; [activation memory](activation_memory.html) takes the
+  fine-tuner, checkpointing and kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+from tokenizers import Tokenizer
+from torch import nn
+
+from labml_zero.family import ModelFamily
+from labml_zero.neox import config as neox_config
+from labml_zero.neox.activation_memory import layer_activation_bytes
+from labml_zero.neox.finetuners import finetuner
+from labml_zero.neox.hf_checkpoint import (HFCheckpoint, check_hf_snapshot,
+                                           hf_named_tensors, save_hf_checkpoint)
+from labml_zero.neox.lora import (ADAPTER_NAMES, TARGETS, FineTuneLoRA,
+                                  LoRALinear, base_layer)
+from labml_zero.neox.lora_export import (merged, peft_adapter_config, peft_name,
+                                         write_adapter_dir)
+from labml_zero.neox.model import (TransformerLayer, build_layers,
+                                   count_parameters, hf_prefix)
+from labml_zero.neox.side_files import hf_side_files
+from labml_zero.neox.tokenizer import (end_of_text_id, job_tokenizer_path,
+                                       load_tokenizer)
+
+__all__ = ["NEOX", "flops_per_token", "materialize"]
+
+
+def materialize(layers: list[nn.Module], device: torch.device | str) -> None:
+    """
+    ### Meta-built layers to `device`, initialised
+
+    As Hugging Face initialises GPT-NeoX; LoRA's adapters, added on meta,
+    get their own init ($B = 0$), which the layer's does not touch.
+    """
+    for layer in layers:
+        layer.to_empty(device=device)
+        layer.reset_parameters()
+        for module in layer.modules():
+            if isinstance(module, LoRALinear):
+                module.reset_adapter()
+
+
+def load_layer(checkpoint: HFCheckpoint, layer: nn.Module, *,
+               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """One layer's `{name: tensor}`, shapes checked; a layer with adapters gets
+    its base tensors (load with `strict=False`)."""
+    return checkpoint.layer_state_dict(base_layer(layer), dtype=dtype)
+
+
+def tokenizer(path: str | os.PathLike | None, config: neox_config.NeoXConfig
+              ) -> tuple[Tokenizer, int]:
+    """The snapshot's own `tokenizer.json`, else the bundled GPT-NeoX-20B one,
+    and its end-of-text id."""
+    loaded = load_tokenizer(job_tokenizer_path(path))
+    return loaded, end_of_text_id(loaded)
+
+
+def flops_per_token(config: neox_config.NeoXConfig, seq: int) -> float:
+    r"""$C$ of the introduction; $\Psi_m$ counted on the meta device."""
+    psi = count_parameters(build_layers(config, device="meta"))
+    matmul = psi - config.n_vocab * config.d_model  # all but the embedding
+    return 6.0 * matmul + 12.0 * config.n_layers * config.d_model * seq
+
+
+def activation_bytes(config: neox_config.NeoXConfig, tokens: int, *,
+                     dtype_bytes: int = 2) -> int:
+    """A transformer layer's saved bytes for `tokens` tokens of one sequence,
+    a full fine-tune."""
+    return layer_activation_bytes(config, batch=1, seq=tokens, finetune="all",
+                                  dtype_bytes=dtype_bytes)
+
+
+def save_hf(out_dir: str | os.PathLike, config: neox_config.NeoXConfig,
+            named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+            tokenizer: str | os.PathLike | None = None,
+            snapshot: str | os.PathLike | None = None, **options) -> Path:
+    """`save_hf_checkpoint`, with the tokenizer and the snapshot's side files
+    beside the weights when `tokenizer` is given."""
+    extra = hf_side_files(tokenizer, snapshot) if tokenizer is not None else None
+    return save_hf_checkpoint(out_dir, config, named_tensors, extra_files=extra,
+                              **options)
+
+
+def save_merged(out_dir: str | os.PathLike, config: neox_config.NeoXConfig,
+                tensors: Iterable[tuple[str, torch.Tensor]], lora: FineTuneLoRA,
+                **options) -> Path:
+    r"""$W' = W + \frac{\alpha}{r} B A$ (`merged`), then `save_hf`."""
+    return save_hf(out_dir, config,
+                   merged(tensors, lora, dtype=options.get("dtype")), **options)
+
+
+def save_adapter(out_dir: str | os.PathLike, layers: Sequence[nn.Module],
+                 lora: FineTuneLoRA, *, base_model_name_or_path: str | None = None,
+                 overwrite: bool = False) -> Path:
+    """The adapters of unsharded layers in PEFT's format, each $A$ and $B$ in
+    its own dtype."""
+    blocks = [layer for layer in layers if isinstance(layer, TransformerLayer)]
+    adapter = {peft_name(hf_prefix(layer) + name): t.detach().cpu()
+               for layer in blocks for name, t in layer.state_dict().items()
+               if name.rpartition(".")[2] in ADAPTER_NAMES}
+    if not adapter:
+        raise ValueError("save_adapter: the layers have no LoRA adapters")
+    config = peft_adapter_config(lora, [layer.layer_idx for layer in blocks],
+                                 blocks[0].config.n_layers,
+                                 base_model_name_or_path=base_model_name_or_path)
+    out_dir = Path(out_dir)
+    write_adapter_dir(out_dir, config, adapter, overwrite=overwrite)
+    return out_dir
+
+
+NEOX = ModelFamily(
+    name="gpt-neox", model_types=("gpt_neox",), presets=neox_config.PRESETS,
+    read_config=neox_config.from_hf_config, write_config=neox_config.to_hf_config,
+    check_snapshot=check_hf_snapshot, open_checkpoint=HFCheckpoint,
+    build=build_layers, materialize=materialize, load_layer=load_layer,
+    tokenizer=tokenizer, count_parameters=count_parameters,
+    flops_per_token=flops_per_token, activation_bytes=activation_bytes,
+    finetuner=finetuner, lora_targets=tuple(TARGETS),
+    named_tensors=hf_named_tensors, save_hf=save_hf, save_merged=save_merged,
+    save_adapter=save_adapter)
+"""Pythia and GPT-NeoX-20B."""

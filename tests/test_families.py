@@ -1,0 +1,66 @@
+"""`labml_zero/families.py` and `labml_zero/family.py`: one registry line a
+family, each `model_type` and preset name belonging to exactly one family."""
+
+import dataclasses
+
+import pytest
+
+from labml_zero.families import (FAMILIES, UnknownFamily, family_for_model_type,
+                                 family_for_preset, model_types)
+from labml_zero.family import ModelFamily
+from labml_zero.llama.family import LLAMA
+from labml_zero.neox.family import NEOX
+
+
+def test_the_registry_lists_both_families_neox_first():
+    assert FAMILIES == (NEOX, LLAMA)
+    assert all(isinstance(f, ModelFamily) for f in FAMILIES)
+    # every field is filled: a new field without a value fails at construction
+    for family in FAMILIES:
+        for field in dataclasses.fields(ModelFamily):
+            assert getattr(family, field.name) is not None, (family.name, field.name)
+
+
+def test_no_two_families_share_a_name():
+    for key in ("presets", "model_types"):
+        names = [n for family in FAMILIES for n in getattr(family, key)]
+        assert len(names) == len(set(names)), key
+    assert len({family.name for family in FAMILIES}) == len(FAMILIES)
+
+
+def test_a_model_type_finds_its_family():
+    assert family_for_model_type("gpt_neox") is NEOX
+    for model_type in ("llama", "qwen2", "mistral"):
+        assert family_for_model_type(model_type) is LLAMA
+    assert model_types() == ("gpt_neox", "llama", "qwen2", "mistral")
+
+
+def test_an_unknown_model_type_gets_one_line_naming_the_supported():
+    with pytest.raises(UnknownFamily) as info:
+        family_for_model_type("gpt2")
+    message = str(info.value)
+    assert "\n" not in message and "'gpt2'" in message
+    assert all(t in message for t in model_types())
+
+
+def test_a_preset_finds_its_family():
+    assert family_for_preset("pythia-160m") is NEOX
+    assert family_for_preset("tiny") is NEOX
+    assert family_for_preset("smollm2-135m") is LLAMA
+    for family in FAMILIES:
+        for name in family.presets:
+            assert family_for_preset(name) is family
+    with pytest.raises(UnknownFamily, match="unknown model preset 'gpt2'"):
+        family_for_preset("gpt2")
+
+
+
+def test_the_job_asks_the_registrys_family():
+    from labml_zero.finetune.config import FAMILY, MODEL_PRESETS, FinetuneConfig
+
+    assert FAMILY is family_for_model_type("gpt_neox")
+    assert MODEL_PRESETS == dict(FAMILY.presets)
+    config = FinetuneConfig(finetune="lora", lora_rank=4, lora_alpha=8.0)
+    assert config.lora_targets == FAMILY.lora_targets
+    assert config.tuner() == FAMILY.finetuner("lora", rank=4, alpha=8.0,
+                                              targets=FAMILY.lora_targets)
