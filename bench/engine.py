@@ -226,8 +226,10 @@ class InitialWeights:
         module = copy.deepcopy(self.layers[index]).to_empty(device=self.device)
         cuda = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
-            # distinct for every (seed, index) below 2**20 layers
-            torch.manual_seed(self.seed * 2**20 + index)
+            # distinct for every (seed, index) below $2^{20}$ layers; a seed
+            # torch chose itself may fill 64 bits, so it is folded to 43 of
+            # them to keep the sum a seed `manual_seed` accepts
+            torch.manual_seed((self.seed % 2**43) * 2**20 + index)
             module.reset_parameters()
         self.drawn = (index, dict(module.named_parameters()))
         return self.drawn[1]
