@@ -123,6 +123,7 @@ from labml_zero.zero3.memory_model import (
     MASTER_INIT_BYTES,
     OPTIMIZER_BYTES,
     PARAM_BYTES,
+    early_update_grads,
     gathered_memory,
     layout_model_states,
     zero_model_states,
@@ -339,6 +340,10 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         "shard_grads": states - layout_model_states(layout,
                                                     **{**sizes, "grad_bytes": 0}),
         "gathered_peak": gathered_memory(layout, config.prefetch_depth, PARAM_BYTES),
+        # the freed gradients the queued early updates hold: bf16 on one rank
+        # (the shard's Note: one rank keeps the parameter dtype)
+        "early_update_grads": early_update_grads(
+            layout, PARAM_BYTES if ctx.world_size == 1 else GRAD_BYTES),
     }
     info = {"chunk_numel": layout.chunk_numel,
             "chunks": len(model.chunks)}
@@ -368,8 +373,8 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         memory_formula="(2+4+12)·Ψt/N + 2·Ψf/N; layout = same with padding; "
         "gathered_peak = bf16 chunks of 1 + prefetch_depth units (none with one rank); "
         "predicted_peak = device states - shard grads + gathered_peak "
-        "+ activations (of the line's kernels), or the automatic placement's "
-        "own prediction",
+        "+ activations (of the line's kernels) + early_update_grads, or the "
+        "automatic placement's own prediction",
         psi_trainable=psi_t,
         psi_frozen=psi_f,
         counter=model.runtime.comm.counter,
@@ -383,7 +388,7 @@ def predicted_peak(workload: Workload, memory: dict) -> dict[str, int]:
     r"""
     ### The peak the notes predict: states, gathered chunks, activations
 
-    $M_\text{states} - 4\Psi_t/N + G + A$, at the start of the backward pass:
+    $M_\text{states} - 4\Psi_t/N + G + A + E$, in the backward pass:
     the model states on the device (from the layout) but the fp32 shard
     gradients, which exist only
     from their chunk's reduce-scatter on, the gathered chunks of $1 +$
@@ -391,7 +396,9 @@ def predicted_peak(workload: Workload, memory: dict) -> dict[str, int]:
     and the activations alive then ([activation
     memory](../labml_zero/neox/activation_memory.html): every layer's saved
     tensors plus the readout's and the loss's peak, for the kernels the
-    workload runs: the chunked loss holds no logits). Eager PyTorch: compiled
+    workload runs: the chunked loss holds no logits), and the freed gradients
+    the early updates still queued hold ($E$, `early_update_grads`: at most
+    `EARLY_UPDATES_IN_FLIGHT` of them). Eager PyTorch: compiled
     layers choose what they save themselves. With the automatic offload the
     builder replaces it by the placement's own prediction, which stands on the
     probe's measured peak.
@@ -404,7 +411,8 @@ def predicted_peak(workload: Workload, memory: dict) -> dict[str, int]:
     states = memory.get("device_states", memory["layout_states"])
     return {"activations": activations,
             "predicted_peak": states - memory["shard_grads"]
-            + memory["gathered_peak"] + activations}
+            + memory["gathered_peak"] + activations
+            + memory["early_update_grads"]}
 
 
 def probe_step(ctx: DistContext, workload: Workload

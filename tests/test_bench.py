@@ -19,7 +19,7 @@ from bench.workloads import Workload, flops_per_token, matmul_params, mfu, shrin
 from bench.workloads import workloads as all_workloads
 from labml_zero.launch import DistContext
 from labml_zero.neox.kernels import ModelKernels
-from labml_zero.zero3.memory_model import zero_model_states
+from labml_zero.zero3.memory_model import EARLY_UPDATES_IN_FLIGHT, zero_model_states
 
 
 @pytest.mark.distributed
@@ -70,7 +70,10 @@ def test_tiny_run_of_each_engine(tmp_path):
     assert model["activations"] == activations / 2**30
     assert model["predicted_peak"] == pytest.approx(
         model["layout_states"] - model["shard_grads"] + model["gathered_peak"]
-        + model["activations"])
+        + model["activations"] + model["early_update_grads"])
+    # Q fp32 gradient shards (two ranks) wait for their early update
+    early = model["early_update_grads"] * 2**30
+    assert early > 0 and early % (4 * EARLY_UPDATES_IN_FLIGHT) == 0
     # 4 bytes per trainable element of this rank's shards, padding included
     assert model["shard_grads"] >= 4 * psi_t / 2 / 2**30
     # Forward gathers every chunk in bf16, backward gathers again all but the

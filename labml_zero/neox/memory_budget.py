@@ -26,7 +26,8 @@ $$M_{\text{peak}} = \max\left(M_{\text{dev}},\;
   M_{\text{dev}} - g\,S_t + G + A + B'\right)$$
 
 (the first term drops out when each shard is updated during the backward pass,
-`update_during_backward`)
+`update_during_backward`, and the second then adds $E$, the freed gradients
+that the updates still queued hold: `early_update_grads`)
 
 with $M_{\text{dev}}$ the model states on the device (the parameter shards,
 the fp32 gradient shards $g\,S_t$, the optimizer state not on the host), $G$ the
@@ -65,7 +66,8 @@ from labml_zero.zero3.chunk_layout import plan_chunks
 from labml_zero.zero3.config import ZeroConfig
 from labml_zero.zero3.hybrid_memory import hybrid_step_comm, hybrid_wire_bytes
 from labml_zero.zero3.memory_model import (GRAD_BYTES, accumulated_grad_buffers,
-                                           gathered_memory, largest_grad_buffer)
+                                           early_update_grads, gathered_memory,
+                                           largest_grad_buffer)
 from labml_zero.zero3.placement import (ShardSpec, StaticPlacement,
                                         auto_placement, device_optimizer_bytes,
                                         offload_traffic, resident_bytes)
@@ -180,6 +182,9 @@ class Budget:
     gathered: int
     grad_buffer: int
     accumulation: int
+    early_grads: int
+    """$E$, the gradients the early updates in flight hold
+    (`update_during_backward`)."""
     activations: int
     """$A$, with LoRA's adapters at their rank and targets."""
     offloaded_fraction: float
@@ -249,6 +254,11 @@ def budget(inputs: BudgetInputs) -> Budget:
     buffer = largest_grad_buffer(layout, g_r) if trainable and not alone else 0
     accumulation = (accumulated_grad_buffers(layout, g_r)
                     if inputs.micro_batches > 1 else 0)
+    # The freed gradients the queued updates hold: in the parameter dtype on
+    # one rank alone (the shard's Note: one rank keeps the parameter dtype).
+    held = p if alone and inputs.micro_batches == 1 else GRAD_BYTES
+    early = (early_update_grads(layout, held)
+             if inputs.update_during_backward else 0)
     activations = activation_bytes(
         inputs.model, batch=inputs.batch, seq=inputs.seq, finetune=inputs.finetune,
         lora_rank=inputs.lora_rank, lora_targets=inputs.lora_targets,
@@ -259,7 +269,7 @@ def budget(inputs: BudgetInputs) -> Budget:
     grads = GRAD_BYTES * trainable
     without_optimizer = nothing.device - k_device * trainable
     backward = (without_optimizer - grads + gathered + activations
-                + max(buffer, accumulation))
+                + max(buffer, accumulation) + early)
     other = backward if inputs.update_during_backward else max(without_optimizer,
                                                                 backward)
     if inputs.offload_fraction is None and other <= inputs.device_bytes:
@@ -292,6 +302,7 @@ def budget(inputs: BudgetInputs) -> Budget:
         optimizer_device=k_device * (trainable - offloaded),
         optimizer_host=split.host,
         gathered=gathered, grad_buffer=buffer, accumulation=accumulation,
+        early_grads=early,
         activations=activations,
         offloaded_fraction=offloaded / trainable if trainable else 0.0,
         peak=peak,

@@ -17,17 +17,25 @@ skip flags of gradients that were not finite, and the refusal of a gradient
 changed after its update began. `EarlyUpdates` owns all of it; the optimizer
 holds one and asks it. Where an update runs is its shard's
 [home](shard_home.html)'s answer: on the host worker for a host home, else on
-the side stream (GPU) or at once (CPU).
+the side stream (GPU) or at once (CPU). With `free_grads` at most
+$Q$ = `EARLY_UPDATES_IN_FLIGHT` of them are queued on the side stream at once
+(`UpdatesInFlight`), so at most $Q$ freed gradients wait for their update, the
+count the [memory model](../zero3/memory_model.html) holds them at
+(`early_update_grads`).
 
 ## Limitations
 
 * An early update cannot be undone: a loss scaler, whose skipped steps must
   skip every shard, is refused, and clipping must not change a gradient after
   its update began (see Note: updating during the backward pass).
+* While a step is captured as a CUDA graph the host cannot wait for an event,
+  so the cap does not hold there; the graph's memory pool keeps every freed
+  gradient until the capture ends instead.
 """
 
 from __future__ import annotations
 
+import collections
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
@@ -35,9 +43,15 @@ from typing import Callable
 import torch
 
 from labml_zero.zero3.communication import OnStream, current_cuda_stream
+from labml_zero.zero3.memory_model import EARLY_UPDATES_IN_FLIGHT
 
 from .host_offload import GradVersion
 from .shard_home import ShardHome
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether `device`'s current stream is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class NonFiniteGradient(RuntimeError):
@@ -78,6 +92,73 @@ class EarlyUpdate:
 Apply = Callable[..., None]
 
 
+class _Passed:
+    """The event of an update that ran at once (on the CPU): passed already."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+    @staticmethod
+    def synchronize() -> None:
+        pass
+
+
+PASSED = _Passed()
+
+
+class UpdatesInFlight:
+    r"""
+    ## At most $Q$ early updates queued on the side stream
+
+    #### Note: why the early updates in flight are capped
+
+    With `free_grads` a shard's gradient is freed as soon as its update is
+    queued on the side stream, but `record_stream` keeps the caching allocator
+    from handing its block out again until that stream has run the update. The
+    host queues the backward pass layer after layer, well ahead of the GPU, so
+    without a bound the freed gradients still waiting for their update grow
+    with how far the host runs ahead: a matter of timing, not of tensor sizes,
+    which no memory model can count. So before queueing another update the host
+    waits for the oldest one (a host sync) when $Q$ = `EARLY_UPDATES_IN_FLIGHT`
+    are queued: at most $Q$ freed gradients wait at any moment, and the [memory
+    model](../zero3/memory_model.html) counts $Q$ of the largest
+    (`early_update_grads`). With $Q = 2$ the host waits for an update queued
+    a whole layer earlier, which the GPU has mostly run while the host queued
+    the layer since, so the GPU's queue does not run dry.
+
+    `make_room()` before an update is queued, `issued(event)` after its
+    gradient was freed, with `event` recorded on the side stream behind it
+    (`PASSED` for an update that ran at once, on the CPU); `clear()` once the
+    compute stream has waited for the side stream. An event is anything with
+    `query()` and `synchronize()`, so the tests drive the cap on a CPU with a
+    stream that lags behind.
+    """
+
+    def __init__(self, cap: int = EARLY_UPDATES_IN_FLIGHT):
+        if cap < 1:
+            raise ValueError(f"cap must be at least 1, got {cap}")
+        self.cap = cap
+        # events behind the queued updates, oldest first; events on one
+        # stream pass in order
+        self.events: collections.deque = collections.deque()
+
+    def make_room(self) -> None:
+        """Wait until fewer than `cap` updates are queued."""
+        events = self.events
+        while events and events[0].query():
+            events.popleft()
+        while len(events) >= self.cap:
+            # host sync: the oldest queued update, and its freed gradient
+            events.popleft().synchronize()
+
+    def issued(self, event) -> None:
+        self.events.append(event)
+
+    def clear(self) -> None:
+        self.events.clear()
+
+
 class EarlyUpdates:
     """
     ## The early updates of one optimizer
@@ -101,6 +182,8 @@ class EarlyUpdates:
         self.unread_flags: list[tuple[list, torch.Tensor, object]] = []
         # the side stream of the device's early updates, made at the first one
         self.update_stream: torch.cuda.Stream | None = None
+        # with `free_grads`, the device updates queued and not yet passed
+        self.in_flight = UpdatesInFlight()
 
     def started(self, param: torch.Tensor) -> bool:
         """Whether `param`'s update already began in this backward pass."""
@@ -136,6 +219,15 @@ class EarlyUpdates:
         """
         param = home.param
         early = self.pending[param] = EarlyUpdate(home, GradVersion(grad))
+        # A device update that frees its gradient is capped, on the CPU too
+        # (trivially: it ran at once); not in a captured graph, whose events
+        # the host cannot wait for.
+        capped = (self.free_grads and home.worker is None
+                  and not _capturing(param.device))
+        if capped:
+            # see Note: why the early updates in flight are capped
+            self.in_flight.make_room()
+        stream = None
         if home.worker is not None:
             early.done = home.worker.submit(
                 lambda: self.apply([home], early=early))
@@ -155,6 +247,10 @@ class EarlyUpdates:
             # see `free_grad`; a host home's copy down was queued in
             # `grad_ready`, before this
             self.free_grad(home)
+        if capped:
+            # recorded behind the update and the free of its gradient
+            self.in_flight.issued(
+                PASSED if stream is None else stream.record_event())
 
     @staticmethod
     def free_grad(home: ShardHome) -> None:
@@ -169,7 +265,8 @@ class EarlyUpdates:
         `record_stream`; the host update then reads the staging buffer, which the
         copy down filled). The $4S$ bytes of fp32 gradient of all the shards,
         $4\Psi_t/N_d$, then never exist at once: only the chunks whose update is in
-        flight hold one. The update and its operands are the same, so the losses are
+        flight hold one, at most $Q$ (see Note: why the early updates in flight
+        are capped). The update and its operands are the same, so the losses are
         bit for bit those without it. The price: after `backward()` the gradients
         are gone, so nothing may read them before `step()`: no clipping (it would
         see no gradient and clip nothing, silently), no gradient accumulation (a
@@ -218,6 +315,7 @@ class EarlyUpdates:
             # compute stream waits: the next all-gather reads the new shards
             current_cuda_stream(self.update_stream.device_index).wait_stream(
                 self.update_stream)
+        self.in_flight.clear()
         flagged = [(p, e.found_inf) for p, e in pending.items()
                    if e.found_inf is not None]
         if not (check_finite and flagged):

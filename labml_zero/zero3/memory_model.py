@@ -70,6 +70,8 @@ __all__ = [
     "root_unit_bytes",
     "largest_grad_buffer",
     "accumulated_grad_buffers",
+    "EARLY_UPDATES_IN_FLIGHT",
+    "early_update_grads",
     "Traffic",
     "StepComm",
     "zero3_step_comm",
@@ -391,6 +393,35 @@ def accumulated_grad_buffers(layout: ChunkLayout, grad_bytes: int) -> int:
     """
     _check_at_least("grad_bytes", grad_bytes, 1)
     return layout.total_numel(trainable=True) * grad_bytes
+
+
+# $Q$: the early updates (`AdamFP16(update_during_backward=True,
+# free_grads=True)`) a rank lets queue on its update stream; the engine waits
+# for the oldest before queueing another, this model counts $Q$ gradients.
+EARLY_UPDATES_IN_FLIGHT = 2
+
+
+def early_update_grads(layout: ChunkLayout, grad_bytes: int) -> int:
+    r"""
+    ## Gradients held by the early updates in flight
+
+    With every shard updated during the backward pass and its gradient freed
+    then, the gradient shards are never all alive; but a freed gradient is
+    held until its update, queued on a side stream, has run. The engine lets
+    at most $Q$ = `EARLY_UPDATES_IN_FLIGHT` of them queue (see [the early
+    update](../optimizers/early_update.html), Note: why the early updates in
+    flight are capped), so they hold at most
+
+    $$E = Q\,g_e \max_{k \text{ trainable}} S_k$$
+
+    bytes, $S_k$ the shard of chunk $k$ and $g_e$ = `grad_bytes` its gradient's
+    bytes: fp32's 4, or the parameter dtype's on one rank (see Note: one rank
+    keeps the parameter dtype). Zero when nothing trains. Offloaded shards'
+    gradients go down to the host and are not counted.
+    """
+    _check_at_least("grad_bytes", grad_bytes, 1)
+    sizes = [layout.shard_numel(c) for c in layout.chunks if c.trainable]
+    return EARLY_UPDATES_IN_FLIGHT * grad_bytes * max(sizes, default=0)
 
 
 class Traffic(NamedTuple):

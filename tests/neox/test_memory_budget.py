@@ -15,6 +15,7 @@ from labml_zero.assembly import Recipe, assemble
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.activation_memory import activation_bytes
 from labml_zero.neox.finetuners import finetuner
+from labml_zero.neox import memory_budget
 from labml_zero.neox.memory_budget import TORCH_DTYPES, BudgetInputs, budget
 from labml_zero.zero3 import ZeroConfig
 from tests.distributed import run_distributed
@@ -154,3 +155,22 @@ def test_the_kernels_reach_the_activations():
     assert budget(fused).activations == expected
     assert budget(plain).peak - budget(fused).peak == (
         budget(plain).activations - expected)
+
+
+def test_early_updates_add_q_of_the_largest_gradient_shards():
+    """With `update_during_backward` the peak leaves the gradient shards out but
+    holds the engine's Q queued ones, each the largest trainable shard: in the
+    parameter dtype on one rank (its gradient stays narrow), fp32 on two."""
+    from labml_zero.zero3.memory_model import EARLY_UPDATES_IN_FLIGHT
+
+    for world_size, grad_bytes in ((1, 2), (2, 4)):
+        job = BudgetInputs(model=neox_model.pythia_160m(), world_size=world_size,
+                           batch=1, seq=256, chunk_numel=2**22)
+        kept, early = budget(job), budget(replace(job, update_during_backward=True))
+        _, layout = memory_budget._layout(job)
+        largest = max(layout.shard_numel(c) for c in layout.chunks if c.trainable)
+        assert kept.early_grads == 0
+        assert early.early_grads == EARLY_UPDATES_IN_FLIGHT * grad_bytes * largest
+        backward = (early.device_states - early.grad_shards + early.gathered
+                    + early.activations + early.grad_buffer)
+        assert early.peak == backward + early.early_grads
