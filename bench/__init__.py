@@ -16,5 +16,7 @@ Pages, in reading order:
 * [Engine](engine.html): what an engine hands the benchmark, and ours.
 * [Baselines](baselines.html): FSDP2, DDP and DeepSpeed ZeRO-3.
 * [Measure](measure.html): step time, memory, communication share.
-* [Run](run.html): processes, failures, the command line.
+* [One pair](pair.html): an engine and a workload in their own processes,
+  failures as lines.
+* [Run](run.html): the command line.
 """

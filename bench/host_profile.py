@@ -32,7 +32,7 @@ from labml_zero.neox.kernels import ModelKernels
 def profile_rank(ctx: launch.DistContext, args: argparse.Namespace) -> None:
     from .engine import random_batches
     from .measure import synchronize
-    from .run import builder
+    from .pair import builder
     from .workloads import shrink, workloads
 
     workload = workloads()[args.workload]

@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from bench import pair as bench_pair
 from bench import run as bench_run
 from bench.baselines import EngineUnavailable
 from bench.measure import (
@@ -86,8 +87,8 @@ def test_tiny_run_of_each_engine(tmp_path):
 
 def test_deepspeed_is_skipped_when_missing(monkeypatch):
     """No process is started for an engine whose module cannot be found."""
-    monkeypatch.setattr(bench_run.importlib.util, "find_spec", lambda name: None)
-    line = bench_run.run_pair(
+    monkeypatch.setattr(bench_pair.importlib.util, "find_spec", lambda name: None)
+    line = bench_pair.run_pair(
         "deepspeed", shrink(all_workloads()["W4"]), bench_run.RunConfig(),
         world_size=2, backend="gloo", timeout_s=10,
     )
@@ -107,18 +108,18 @@ def test_out_of_memory_is_reported_and_ends_the_process(monkeypatch, tmp_path):
     def fake_exit(code):
         raise SystemExit(code)
 
-    monkeypatch.setattr(bench_run, "builder", lambda engine: build_too_big)
+    monkeypatch.setattr(bench_pair, "builder", lambda engine: build_too_big)
     monkeypatch.setattr(os, "_exit", fake_exit)
     workload = shrink(all_workloads()["W4"])
     with pytest.raises(SystemExit) as exited:
-        bench_run.worker(cpu_context(), "ddp", workload, bench_run.RunConfig(),
+        bench_pair.worker(cpu_context(), "ddp", workload, bench_pair.RunConfig(),
                          str(tmp_path))
     assert exited.value.code == 1
     record = json.loads((tmp_path / "rank0.json").read_text())
     assert record["status"] == "oom" and record["phase"] == "build"
     assert "OutOfMemoryError" in record["error"]
 
-    line = bench_run.merge({"engine": "ddp"}, [record], workload, 2,
+    line = bench_pair.merge({"engine": "ddp"}, [record], workload, 2,
                            bench_run.RunConfig())
     assert line["status"] == "oom" and line["engine"] == "ddp"
 
@@ -127,8 +128,8 @@ def test_unavailable_engine_is_skipped_by_the_worker(monkeypatch, tmp_path):
     def unavailable(ctx, workload):
         raise EngineUnavailable("import deepspeed failed: ImportError('x')")
 
-    monkeypatch.setattr(bench_run, "builder", lambda engine: unavailable)
-    bench_run.worker(cpu_context(), "deepspeed", shrink(all_workloads()["W4"]),
+    monkeypatch.setattr(bench_pair, "builder", lambda engine: unavailable)
+    bench_pair.worker(cpu_context(), "deepspeed", shrink(all_workloads()["W4"]),
                      bench_run.RunConfig(), str(tmp_path))
     record = json.loads((tmp_path / "rank0.json").read_text())
     assert record == {"status": "skipped",

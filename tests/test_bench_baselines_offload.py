@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from bench import pair as bench_pair
 from bench import run as bench_run
 from bench.baselines import (
     EngineUnavailable,
@@ -111,7 +112,7 @@ def test_ddp_is_skipped_on_an_offload_workload(tmp_path):
     """DDP has nothing to offload to: the worker reports `skipped`, with why."""
     with pytest.raises(EngineUnavailable, match="DDP has no offload"):
         build_ddp(cpu_context(), tiny_w5())
-    bench_run.worker(cpu_context(), "ddp", tiny_w5(), bench_run.RunConfig(),
+    bench_pair.worker(cpu_context(), "ddp", tiny_w5(), bench_pair.RunConfig(),
                      str(tmp_path))
     record = json.loads((tmp_path / "rank0.json").read_text())
     assert record["status"] == "skipped" and "DDP has no offload" in record["reason"]
@@ -130,8 +131,8 @@ def test_deepspeed_offloads_its_whole_optimizer_to_the_host():
 
 def test_deepspeed_on_w5_is_skipped_when_missing(monkeypatch):
     """Not even found: no process. Found but broken: the builder says why."""
-    monkeypatch.setattr(bench_run.importlib.util, "find_spec", lambda name: None)
-    line = bench_run.run_pair(
+    monkeypatch.setattr(bench_pair.importlib.util, "find_spec", lambda name: None)
+    line = bench_pair.run_pair(
         "deepspeed", tiny_w5(), bench_run.RunConfig(), world_size=2,
         backend="gloo", timeout_s=10,
     )

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from bench import pair as bench_pair
 from bench import run as bench_run
 from bench.host_memory import HostMemoryWatch, exit_on_exhausted, meminfo, rss_peak
 
@@ -37,16 +38,16 @@ def test_a_rank_ends_itself_once_its_record_is_written(monkeypatch, tmp_path):
     def fake_exit(code):
         raise SystemExit(code)
 
-    monkeypatch.setattr(bench_run.os, "_exit", fake_exit)
+    monkeypatch.setattr(bench_pair.os, "_exit", fake_exit)
     # a spawned rank's process group, faked
     destroyed = []
-    monkeypatch.setattr(bench_run.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(bench_run.dist, "destroy_process_group",
+    monkeypatch.setattr(bench_pair.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(bench_pair.dist, "destroy_process_group",
                         lambda: destroyed.append(True))
-    monkeypatch.setattr(bench_run, "measure_rank",
+    monkeypatch.setattr(bench_pair, "measure_rank",
                         lambda ctx, engine, workload, run, progress: {"loss": 1.0})
     with pytest.raises(SystemExit) as ended:
-        bench_run.worker(SimpleNamespace(rank=0), "labml_zero",
+        bench_pair.worker(SimpleNamespace(rank=0), "labml_zero",
                          bench_run.workloads()["W3R"], bench_run.RunConfig(),
                          str(tmp_path))
     assert ended.value.code == 0 and destroyed == [True]
@@ -111,7 +112,7 @@ def test_exhausted_rank_writes_its_record_and_exits(monkeypatch, tmp_path):
     def fake_exit(code):
         raise SystemExit(code)
 
-    monkeypatch.setattr(bench_run.os, "_exit", fake_exit)
+    monkeypatch.setattr(bench_pair.os, "_exit", fake_exit)
     monkeypatch.setattr("bench.host_memory.os._exit", fake_exit)
     exhausted = exit_on_exhausted(lambda record: path.write_text(json.dumps(record)))
     with pytest.raises(SystemExit) as ended:
