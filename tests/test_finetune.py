@@ -121,8 +121,9 @@ def test_end_to_end(reference: Path):
     # The dead app URL was probed, reported in one line, and skipped.
     assert "no labml app answered" in stdout
     assert "randomly initialised" in stdout
-    # labml's .labml.yaml warning box is swallowed; the validation loss gets its
-    # own line where measured, and no screen line repeats it
+    # no labml warning box (the package holds labml's .labml.yaml); the
+    # validation loss gets its own line where measured, and no screen line
+    # repeats it
     assert "LABML WARNING" not in stdout
     assert "step 3: loss.valid" in stdout
     assert "Sample after 6 steps:" in stdout

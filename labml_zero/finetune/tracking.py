@@ -376,13 +376,16 @@ def start_labml(config: FinetuneConfig, ctx: DistContext, *, python_file: str
     # copy the swallowed set-up lines and never a training line; so first.
     import labml.internal.app.logs  # noqa: F401
 
-    # labml looks for a .labml.yaml above the project path and above the job's
-    # file, and prints a warning box for each that is missing; every setting is
-    # given here, so that warning is swallowed, with anything else labml prints
-    # while the run is set up (such as a notice that the directory is not a git
-    # repository).
-    with contextlib.redirect_stdout(io.StringIO()):
-        lab.configure(settings)
+    # labml looks for its project file, `.labml.yaml`, above the file that
+    # first calls it (this one) and above `python_file` (the job's), and warns
+    # for each lookup that finds none: the package's root holds one
+    # (`labml_zero/.labml.yaml`, empty: every setting is given here).
+    lab.configure(settings)
+    # Outside a git repository labml says it records no commit, in a warning
+    # box; expected for an installed job, so that notice alone is kept out.
+    quiet = (contextlib.nullcontext() if git_root(Path.cwd())
+             else contextlib.redirect_stdout(io.StringIO()))
+    with quiet:
         experiment.create(name=EXPERIMENT_NAME, uuid=run_uuid, writers=writers,
                           python_file=python_file, distributed_rank=ctx.rank,
                           distributed_world_size=ctx.world_size)

@@ -19,7 +19,7 @@ from labml_zero.app.client import app_url_if_running
 from labml_zero.app.server import AppConfig
 from labml_zero.finetune.tracking import MAX_PENDING, BoundedSender
 from labml_zero.finetune import tracking
-from tests.distributed import skip_job_without_gpus
+from tests.distributed import run_distributed, skip_job_without_gpus
 from tests.test_app import free_port, get_json, series, subprocess_env
 from tests.test_finetune import SMALL, closed_port_url, run_dirs, tracked
 
@@ -177,3 +177,39 @@ def test_the_run_page_setup_without_an_app_is_quiet_and_bounded(capsys):
     assert time.monotonic() - started < tracking.PAGE_EXIT_WAIT_S + 0.5
     assert not page.is_alive()
     assert capsys.readouterr().err == ""
+
+
+def labml_set_up_output(ctx, log_dir: str, cwd: str) -> str:
+    """What a rank prints while `start_labml` sets its run up, in a fresh
+    process (labml keeps its project settings in a process-wide object)."""
+    import contextlib
+    import io
+
+    from labml_zero.finetune import job
+    from labml_zero.finetune.config import FinetuneConfig
+
+    os.chdir(cwd)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        tracking.start_labml(FinetuneConfig(log_dir=log_dir), ctx,
+                             python_file=job.__file__)
+    return printed.getvalue()
+
+
+def test_labml_finds_the_packages_project_file_and_warns_of_nothing(tmp_path):
+    """labml looks for a `.labml.yaml` above the file that first calls it and
+    above the job's file, and prints a warning box where it finds none: both
+    lookups find the package's own, and setting a run up prints nothing. Run
+    from this repository, so that no notice about git is kept out either."""
+    from labml.internal.lab import Lab
+
+    from labml_zero.finetune import job
+
+    package = Path(tracking.__file__).resolve().parents[1]
+    assert (package / ".labml.yaml").is_file()
+    for source in (tracking.__file__, job.__file__):
+        configs = Lab(Path(source).resolve()).get_info()["configs"]
+        assert configs["config_file_path"] == package
+    (printed,) = run_distributed(labml_set_up_output, 1, str(tmp_path / "logs"),
+                                 str(REPO))
+    assert "LABML WARNING" not in printed and ".labml.yaml" not in printed, printed
