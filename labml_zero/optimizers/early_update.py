@@ -123,9 +123,9 @@ class UpdatesInFlight:
     waits for the oldest one (a host sync) when $Q$ = `EARLY_UPDATES_IN_FLIGHT`
     are queued: at most $Q$ freed gradients wait at any moment, and the [memory
     model](../zero3/memory_model.html) counts $Q$ of the largest
-    (`early_update_grads`). With $Q = 2$ the host waits for an update queued
-    a whole layer earlier, which the GPU has mostly run while the host queued
-    the layer since, so the GPU's queue does not run dry.
+    (`early_update_grads`). With $Q = 2$ the host waits for the update of
+    the chunk before the last one reduced, which the GPU has mostly run while
+    the host queued the backward since, so the GPU's queue does not run dry.
 
     `make_room()` before an update is queued, `issued(event)` after its
     gradient was freed, with `event` recorded on the side stream behind it
