@@ -135,8 +135,8 @@ def readout_loss_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: st
       never more.
 
     Besides, the final norm keeps its input $x_L$ and statistics, and the readout
-    keeps its input when its weight trains. On the benchmark's W1 (Pythia-1.4B
-    at {{py: workloads.workloads()["W1"].batch}} ×
+    keeps its input when its weight trains. On the benchmark's {{see: W1}}
+    (Pythia-1.4B at {{py: workloads.workloads()["W1"].batch}} ×
     {{py: workloads.workloads()["W1"].seq | d}} tokens) that backward peak, less
     `saved`, is 10.75
     (tested: tests/neox/test_activation_memory.py::test_figures_in_the_notes)

@@ -225,7 +225,8 @@ class EarlyUpdates:
         capped = (self.free_grads and home.worker is None
                   and not _capturing(param.device))
         if capped:
-            # see Note: why the early updates in flight are capped
+            # host sync while Q are queued: at most Q freed gradients wait
+            # (see Note: why the early updates in flight are capped)
             self.in_flight.make_room()
         stream = None
         if home.worker is not None:
