@@ -416,8 +416,9 @@ def early_update_grads(layout: ChunkLayout, grad_bytes: int) -> int:
 
     bytes, $S_k$ the shard of chunk $k$ and $g_e$ = `grad_bytes` its gradient's
     bytes: fp32's 4, or the parameter dtype's on one rank (see Note: one rank
-    keeps the parameter dtype). Zero when nothing trains. Offloaded shards'
-    gradients go down to the host and are not counted.
+    keeps the parameter dtype). Zero when nothing trains. The largest is
+    taken over every trainable shard, offloaded ones too (whose gradient waits
+    for its copy down instead, not capped): a bound.
     """
     _check_at_least("grad_bytes", grad_bytes, 1)
     sizes = [layout.shard_numel(c) for c in layout.chunks if c.trainable]
