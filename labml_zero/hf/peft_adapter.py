@@ -58,8 +58,9 @@ from labml_zero.hf.snapshot_layout import (ADAPTER_CONFIG, ADAPTER_WEIGHTS,
                                            EXPORT_MARKER)
 from labml_zero.layers.lora import ADAPTER_NAMES, LoRA, is_adapter
 
-__all__ = ["merged", "peft_name", "peft_adapter_config", "write_adapter_dir",
-           "save_layers_adapter", "PEFT_PREFIX"]
+__all__ = ["merged", "peft_name", "peft_adapter_config",
+           "blocks_adapter_config", "write_adapter_dir", "save_layers_adapter",
+           "PEFT_PREFIX"]
 
 # PEFT's prefix for the wrapped model's modules (`PeftModel.base_model.model`).
 PEFT_PREFIX = "base_model.model."
@@ -157,6 +158,17 @@ def peft_adapter_config(lora: LoRA, layer_indices: list[int],
     }
 
 
+def blocks_adapter_config(lora: LoRA, blocks: Sequence[nn.Module], *,
+                          base_model_name_or_path: str | None = None) -> dict:
+    """`peft_adapter_config` of the blocks built, each with its `layer_idx` in
+    a model of `config.n_layers` blocks."""
+    if not blocks:
+        raise ValueError("the model has no transformer blocks to adapt")
+    return peft_adapter_config(lora, [block.layer_idx for block in blocks],
+                               blocks[0].config.n_layers,
+                               base_model_name_or_path=base_model_name_or_path)
+
+
 def write_adapter_dir(out_dir: Path, config: dict,
                       tensors: dict[str, torch.Tensor], *, overwrite: bool) -> None:
     """
@@ -203,16 +215,13 @@ def save_layers_adapter(out_dir: str | os.PathLike, blocks: Sequence[nn.Module],
     dtype under PEFT's key. With only some layers built,
     `adapter_config.json`'s `layers_to_transform` names them.
     """
-    if not blocks:
-        raise ValueError("save_layers_adapter: no transformer blocks")
+    config = blocks_adapter_config(
+        lora, blocks, base_model_name_or_path=base_model_name_or_path)
     adapter = {peft_name(hf_prefix(block) + name): t.detach().cpu()
                for block in blocks for name, t in block.state_dict().items()
                if is_adapter(name)}
     if not adapter:
         raise ValueError("save_layers_adapter: the layers have no LoRA adapters")
-    config = peft_adapter_config(lora, [block.layer_idx for block in blocks],
-                                 blocks[0].config.n_layers,
-                                 base_model_name_or_path=base_model_name_or_path)
     out_dir = Path(out_dir)
     write_adapter_dir(out_dir, config, adapter, overwrite=overwrite)
     return out_dir

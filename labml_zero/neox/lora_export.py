@@ -61,6 +61,7 @@ from labml_zero.hf.export_destination import (  # noqa: F401
     marker_text,
 )
 from labml_zero.hf.peft_adapter import (  # noqa: F401
+    blocks_adapter_config,
     merged,
     peft_adapter_config,
     peft_name,
@@ -157,9 +158,8 @@ def save_peft_adapter(out_dir: str | os.PathLike, model, lora: FineTuneLoRA,
               if isinstance(layer.module, TransformerLayer)]
     if not layers:
         raise ValueError("save_peft_adapter: the model has no transformer layers")
-    config = peft_adapter_config(lora, [layer.layer_idx for layer in layers],
-                                 layers[0].config.n_layers,
-                                 base_model_name_or_path=base_model_name_or_path)
+    config = blocks_adapter_config(
+        lora, layers, base_model_name_or_path=base_model_name_or_path)
     out_dir = Path(out_dir)
 
     def write(tensors: Iterator[tuple[str, torch.Tensor]]) -> Path:
