@@ -8,12 +8,8 @@ summary: What every model family shares with the Hugging Face hub: the files
 
 # Hugging Face files
 
-A model comes in as a Hugging Face snapshot and leaves as one. What a
-snapshot *is* does not depend on the architecture: `config.json`, safetensors
-files whose headers hold every tensor's shape, an index above one shard, the
-tokenizer's files beside them, and for a LoRA fine-tune PEFT's two adapter
-files. So these pages serve every family; a family adds only its config keys
-and its tensor names, $\text{name} = \operatorname{prefix}(\text{layer}) +
-\text{local name}$ ([GPT-NeoX's](../neox/hf_checkpoint.html),
-[Llama's](../llama/hf_checkpoint.html)).
+A model comes in as a Hugging Face snapshot and leaves as one, whatever its
+architecture, so these pages serve every family; a family adds only its
+config keys and its tensor names, $\text{name} = \operatorname{prefix}(\text{layer}) +
+\text{local name}$.
 """

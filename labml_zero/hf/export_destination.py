@@ -9,17 +9,11 @@ summary: The one check before any export replaces a directory: a marker names
 # Where an export may go
 
 An export replaces its directory whole, once the new one is complete (see
-[atomic files](../files.html)). So that this never deletes anything else, each
-export writes a marker, `labml_zero_export.json` naming its kind, and a
-directory may be replaced only if it is empty or holds a previous export of the
-*same kind*: its marker and no file that kind does not write. Never a file, a
-symbolic link, nor `--out`, `--log-dir`, `--checkpoint`, `--resume` or a
-directory above any of them (`check_export_destination`). The sizes to find
-room for come from the model's shapes (`export_bytes`): the adapter is
-$4\Psi_\text{lora}$ bytes (fp32 masters), the checkpoint $p\Psi$ in the export's
-dtype of $p$ bytes, adapters left out (they are folded in). Every family's
-exports ([GPT-NeoX's](../neox/lora_export.html), [Llama's](../llama/lora.html))
-pass through here.
+[atomic files](../files.html)). So that this never deletes anything else, a
+directory may be replaced only if it is empty or holds a previous export of
+the *same kind*, and there must be room for the export's bytes: the adapter's
+$4\Psi_\text{lora}$ (fp32 masters), the checkpoint's $p\Psi$ in a dtype of $p$
+bytes.
 """
 
 from __future__ import annotations
@@ -42,7 +36,9 @@ from labml_zero.layers.lora import is_adapter
 __all__ = ["ADAPTER", "MERGED", "EXPORT_MARKER", "ExportDestinationError",
            "check_export_destination", "export_bytes", "marker_text"]
 
-# The two kinds of export, as their markers name them.
+# The two kinds of export, as their markers name them. Each export writes
+# `labml_zero_export.json` naming its kind; a directory that holds it and only
+# files that kind writes is a previous export, which may be replaced.
 ADAPTER, MERGED = "lora_adapter", "merged_checkpoint"
 # The names each kind writes; anything else in a directory is someone's data.
 EXPORT_FILES = {
@@ -87,8 +83,11 @@ def check_export_destination(path: str | os.PathLike, kind: str, *, flag: str,
       otherwise; the export may be below them, never them or above them;
     * `need_bytes`: room the export needs on its filesystem.
 
-    Returns the path; raises `ExportDestinationError` (see "Where an export may
-    go"). Nothing is created or changed.
+    Returns the path, or raises `ExportDestinationError` for a file, a
+    symbolic link, a directory that holds anything but a previous export of
+    this kind, one that is or holds a protected one (`--out`, `--log-dir`,
+    `--checkpoint`, `--resume`), or too little room. Nothing is created or
+    changed.
     """
     given = Path(path).expanduser()
     target = given.resolve()

@@ -8,27 +8,14 @@ summary: LoRA's adapters as PEFT loads them (names, adapter_config.json,
 
 # The PEFT adapter
 
-A [LoRA](../layers/lora.html) fine-tune leaves two things worth keeping. The
-first folds each adapter into its weight,
+A [LoRA](../layers/lora.html) fine-tune leaves two things worth keeping: **the
+merged model**, each adapted weight replaced by
 
 $$W' = W + \frac{\alpha}{r} B A,$$
 
-a matrix of $W$'s shape, so the result is an ordinary model again: **the
-merged model**, every adapted weight replaced by $W'$ (`merged`, then the
-family's [checkpoint writer](safetensors_writer.html)). The second is **the
-adapter alone**, in PEFT's format: `adapter_config.json` (rank, $\alpha$,
-target module names) and `adapter_model.safetensors` with only the $A$ and $B$
-matrices ($\Psi_\text{lora}$ numbers, not $\Psi$), which
-`PeftModel.from_pretrained(base_model, directory)` puts back on the base model.
-
-PEFT names each matrix after the module it adapts, under its wrapper's prefix:
-GPT-NeoX's `attention.query_key_value.lora_A` of layer $i$ is
-`base_model.model.gpt_neox.layers.`$i$`.attention.query_key_value.lora_A.weight`,
-Llama's `self_attn.q_proj.lora_A`
-`base_model.model.model.layers.`$i$`.self_attn.q_proj.lora_A.weight`. Only
-the family's name prefix differs, so this page serves both; the sharded
-exports, which gather the adapters one chunk at a time, are [GPT-NeoX's
-export page](../neox/lora_export.html).
+an ordinary checkpoint again, and **the adapter alone**, in the format
+`PeftModel.from_pretrained` loads. Only the family's name prefix differs
+between families, so this page serves both.
 
 ## Limitations
 
@@ -118,8 +105,16 @@ def merged(tensors: Iterable[tuple[str, torch.Tensor]], lora: LoRA, *,
 
 
 def peft_name(hf_name: str) -> str:
-    """`gpt_neox.layers.0.attention.dense.lora_A` → PEFT's
-    `base_model.model.gpt_neox.layers.0.attention.dense.lora_A.weight`."""
+    """
+    ## PEFT's name of an adapter matrix
+
+    PEFT names each matrix after the module it adapts, under its wrapper's
+    prefix: `gpt_neox.layers.0.attention.dense.lora_A` is
+    `base_model.model.gpt_neox.layers.0.attention.dense.lora_A.weight`, and
+    Llama's `model.layers.0.self_attn.q_proj.lora_A` likewise. The directory
+    holds `adapter_config.json` and `adapter_model.safetensors` with only the
+    $A$ and $B$ matrices, $\Psi_\text{lora}$ numbers, not $\Psi$.
+    """
     return PEFT_PREFIX + hf_name + ".weight"
 
 
@@ -181,7 +176,7 @@ def write_adapter_dir(out_dir: Path, config: dict,
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"adapter directory exists: {out_dir} "
                               f"(pass overwrite=True)")
-    if overwrite:  # only a previous adapter export (see "Where an export may go")
+    if overwrite:  # only a previous adapter export (see check_export_destination)
         check_export_destination(out_dir, ADAPTER, flag="export", protected={})
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_sibling(out_dir)

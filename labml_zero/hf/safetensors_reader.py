@@ -8,20 +8,12 @@ summary: A Hugging Face snapshot read one layer at a time, config.json and
 
 # Reading safetensors snapshots
 
-A ZeRO-3 rank should never hold a whole model's weights, so loading is
-**per layer**: `SafetensorsSnapshot.read_tensors` opens only
-the safetensors files that hold one layer's tensors and reads only those
-(`safe_open` maps the file; `get_tensor` copies one tensor out), so a rank's
-peak is one layer, $\max_l |l|$ bytes, whatever the model's size. The engine
-loads a layer, shards it into its chunks and drops it before the next.
-
-A snapshot is also an input someone hands the job, and a bad one should cost
-one line, not a traceback after the ranks started. Every shape is in the
-safetensors *header*, so each tensor is checked against the shape the model
-expects before a byte of it is read, and `config.json` is checked key by key
-before the family's config reads it. Each family's checkpoint page ([GPT-NeoX's](../neox/hf_checkpoint.html),
-[Llama's](../llama/hf_checkpoint.html)) adds its own names and keys; the
-files and their checks are this page's.
+A ZeRO-3 rank should never hold a whole model's weights, so loading is **per
+layer**: a rank's peak is one layer, $\max_l |l|$ bytes, whatever the model's
+size. Every tensor's shape is in its file's header, so each is checked before
+a byte of it is read. A family's checkpoint page
+([GPT-NeoX's](../neox/hf_checkpoint.html),
+[Llama's](../llama/hf_checkpoint.html)) adds its config keys and its names.
 
 ## Limitations
 
@@ -48,6 +40,8 @@ __all__ = ["SnapshotFileMissing", "ConfigKeys", "read_hf_config", "read_json",
            "describe", "open_safetensors", "check_tensor", "snapshot_directory",
            "SafetensorsSnapshot", "load_layers", "FLOAT_DTYPES"]
 
+# A family's config class, and the key a caller files each tensor under
+# (our name in a layer, or the checkpoint's own)
 Config = TypeVar("Config")
 Key = TypeVar("Key", bound=Hashable)
 
@@ -88,7 +82,7 @@ class ConfigKeys(NamedTuple):
     required_ints: tuple[str, ...]
     """Sizes that must be present, integers."""
     optional_ints: tuple[str, ...]
-    """Sizes that may be absent or `null`, else integers."""
+    """Sizes that may be absent or null, else integers."""
     optional_numbers: tuple[str, ...]
     """Integers or floats where present (a base, an epsilon)."""
 
@@ -103,11 +97,13 @@ def read_hf_config(path: str | os.PathLike, keys: ConfigKeys,
     """
     ### A checked config from a snapshot's `config.json`
 
-    `path` is the snapshot directory or the file itself; `from_hf_config` is
-    the family's reader of the parsed object. Every key of `keys` is checked
-    for presence and type first, and the family's own checks (heads that do
-    not divide, an odd rotary width) are reported with the file's name: one
-    `CheckpointError` line, never a `KeyError` or a `TypeError`.
+    A snapshot is an input someone hands the job, and a bad one should cost
+    one line, not a traceback after the ranks started. `path` is the snapshot
+    directory or the file itself; `from_hf_config` is the family's reader of the
+    parsed object. Every key of `keys` is checked for presence and type first,
+    and the family's own checks (heads that do not divide, an odd rotary width)
+    are reported with the file's name: one `CheckpointError` line, never a
+    `KeyError` or a `TypeError`.
     """
     file = Path(path)
     if file.is_dir():

@@ -8,19 +8,14 @@ summary: Any family's model as a Hugging Face snapshot, streamed one tensor at a
 
 # Writing safetensors snapshots
 
-The reverse of [reading a snapshot](safetensors_reader.html), for every family.
-Tensors arrive as a stream of `(hf_name, tensor)` (the unsharded layers, or a
-generator that gathers a ZeRO model one layer at a time) and the writer holds
-one output shard: with at most $B_\text{shard}$ bytes a shard, the host's peak is
+The reverse of [reading a snapshot](safetensors_reader.html), for every family:
+tensors stream in as `(hf_name, tensor)` and the writer holds one output
+shard, so with at most $B_\text{shard}$ bytes a shard the host's peak is
 
-$$M \approx \max_p |p| + B_\text{shard},$$
+$$M \approx \max_p |p| + B_\text{shard}.$$
 
-whatever the model's size. Past one shard an index names each tensor's file,
-as `save_pretrained` does ([the layout](snapshot_layout.html)). What is a
-family's own comes in as arguments: the `config.json` it writes (from the
-dtype the tensors were written in, so a bf16 model stays bf16) and the files
-[beside the weights](../neox/side_files.html). The directory appears whole or
-not at all (see Note: atomic checkpoint directory).
+The family brings its `config.json` and the files [beside the
+weights](../neox/side_files.html).
 """
 
 from __future__ import annotations
@@ -60,6 +55,11 @@ def save_safetensors_snapshot(out_dir: str | os.PathLike,
                               extra_files: dict[str, str] | None = None) -> Path:
     """
     ## Write a sharded Hugging Face snapshot atomically
+
+    The stream is the unsharded layers, or a generator that gathers a ZeRO
+    model one layer at a time; past one shard an index names each tensor's
+    file, as `save_pretrained` does, and the directory appears whole or not
+    at all (see Note: atomic checkpoint directory).
 
     * `named_tensors` yields `(hf_name, tensor)`; it is consumed once, and a
       shard is written as soon as the next tensor would push it past

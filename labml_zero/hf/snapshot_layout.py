@@ -8,22 +8,9 @@ summary: The names every family reads and writes in a Hugging Face model
 # The files of a Hugging Face snapshot
 
 A model on the hub is a directory, and `from_pretrained` finds each part of it
-by a fixed name. This page names them once, for [the
-reader](safetensors_reader.html), [the writer](safetensors_writer.html), [the
-adapter files](peft_adapter.html) and [the export check](export_destination.html);
-every family's pages import them from here.
-
-* `config.json`: the model's shape (the family's config page reads and writes
-  it);
-* the weights: one `model.safetensors`, or shards
-  `model-00001-of-0000N.safetensors` and `model.safetensors.index.json`, whose
-  `weight_map` names the file of each tensor. A model of $B$ bytes written
-  with at most $B_\text{shard}$ bytes a shard has
-  $N \ge \lceil B / B_\text{shard} \rceil$ shards (more where a tensor does not
-  fit the room left in one);
-* beside them, the tokenizer and generation files that make the weights a
-  whole model again;
-* a PEFT adapter's own two files, and the marker our exports leave.
+by a fixed name. This page names them once; a model of $B$ bytes written with
+at most $B_\text{shard}$ bytes a shard has $N \ge \lceil B / B_\text{shard}
+\rceil$ shard files.
 """
 
 from __future__ import annotations
@@ -34,20 +21,23 @@ __all__ = ["CONFIG_FILE", "SINGLE_FILE", "INDEX_FILE", "SHARD_PATTERN",
            "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "EXPORT_MARKER"]
 
 # ## The model's shape and weights
-
+#
+# `config.json` holds the model's shape (each family's config page reads and
+# writes it). The weights are one `model.safetensors`, or shards and an index,
+# `model.safetensors.index.json`, whose `weight_map` names the file of each
+# tensor.
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # A shard's name, as a regular expression: five digits each, as transformers
-# writes them.
+# writes them (the first of three is model-00001-of-00003.safetensors).
 SHARD_PATTERN = r"model-\d{5}-of-\d{5}\.safetensors"
 
 
 def shard_file_name(k: int, n: int) -> str:
     """
-    The name of shard `k` (from 0) of `n`: `model-00001-of-00003.safetensors`
-    for the first of three; with one shard, `model.safetensors` and no index,
-    as `save_pretrained` writes it.
+    The name of shard `k` (from 0) of `n`, five digits each; with one shard,
+    `model.safetensors` and no index, as `save_pretrained` writes it.
     """
     if not 0 <= k < n:
         raise ValueError(f"shard {k} of {n} does not exist")

@@ -9,17 +9,13 @@ summary: What every family's list of layers shares: which blocks to build,
 # A model as a list of layers
 
 The engine shards and gathers one *layer* at a time, so every family's model
-is not one module but a list,
+is a list,
 
 $$[\text{Embedding}, \text{Block}_i \text{ for } i \in I, \text{FinalNorm},
 \text{Readout}],$$
 
-where $I$ is every block index $0 \ldots L - 1$, or the few a test keeps
-(`layer_indices`). A block keeps its index in the *full* model, so its
-checkpoint names are known also when only some are built. The pieces of that
-list that do not depend on the architecture are here; each family's model
-page ([GPT-NeoX's](../neox/model.html), [Llama's](../llama/model.html)) builds
-its own layers, named as Hugging Face names them.
+named as Hugging Face names it; the pieces that do not depend on the
+architecture are here.
 """
 
 from __future__ import annotations

@@ -10,24 +10,16 @@ summary: Low-rank adapters for any family's projections; the base weights stay
 
 Low-rank adaptation ([Hu et al.](https://arxiv.org/abs/2106.09685)) freezes
 a pretrained weight $W \in \mathbb{R}^{d_\text{out} \times d_\text{in}}$ and learns a
-low-rank update $\Delta W = \frac{\alpha}{r} B A$ beside it, with
-$A \in \mathbb{R}^{r \times d_\text{in}}$, $B \in \mathbb{R}^{d_\text{out} \times r}$ and a
-rank $r \ll \min(d_\text{in}, d_\text{out})$. A linear layer then computes
+low-rank update beside it, with
+$A \in \mathbb{R}^{r \times d_\text{in}}$,
+$B \in \mathbb{R}^{d_\text{out} \times r}$ and
+$r \ll \min(d_\text{in}, d_\text{out})$:
 
-$$y = W x + b + \frac{\alpha}{r} B A x$$
+$$y = W x + b + \frac{\alpha}{r} B A x,$$
 
-and trains $r (d_\text{in} + d_\text{out})$ numbers instead of
-$d_\text{in} d_\text{out}$.
-
-After training, $W' = W + \frac{\alpha}{r} B A$ is an ordinary weight of the
-same shape: the merged model runs at the base model's cost and loads anywhere
-the base model does (see [the PEFT adapter](../hf/peft_adapter.html)).
-
-This page is the mechanism every family shares: the adapted linear, PEFT's
-initialisation, and `LoRA`, which swaps the chosen projections of every
-transformer block for adapted ones and freezes the rest. A family names its
-projections and its block class ([GPT-NeoX's four](../neox/lora.html),
-[Llama's seven](../llama/lora.html)); its memory is on GPT-NeoX's page.
+$r (d_\text{in} + d_\text{out})$ trained numbers instead of
+$d_\text{in} d_\text{out}$. A family names its projections and its block class
+([GPT-NeoX's four](../neox/lora.html), [Llama's seven](../llama/lora.html)).
 
 ## Limitations
 

@@ -14,29 +14,11 @@ seven projections instead of four:
 $$y = W x + \frac{\alpha}{r} B A x, \qquad
 W \in \{W_q, W_k, W_v, W_o, W_\text{gate}, W_\text{up}, W_\text{down}\},$$
 
-each adapted matrix of $d_\text{out} \times d_{in}$ gaining $r(d_{in} + d_\text{out})$
-trainable numbers. The adapted linear, its initialisation ($B = 0$, so step 0
-is the base model) and the swap are [the shared LoRA page's](../layers/lora.html);
-the merge $W' = W + \frac{\alpha}{r} B A$ and PEFT's file layout are [the PEFT
-adapter's](../hf/peft_adapter.html). This page names the targets and writes
-the two exports:
-
-* **merged**: every adapted $W$ replaced by $W'$, written by
-  [the family's checkpoint writer](hf_export.html);
-* **the adapter alone**, `adapter_config.json` and
-  `adapter_model.safetensors`, whose keys are PEFT's for
-  `LlamaForCausalLM`,
-  `base_model.model.model.layers.`$i$`.self_attn.q_proj.lora_A.weight`.
-
-## Default targets: all seven
-
-PEFT's own default for Llama is `q_proj, v_proj` only (the LoRA paper's
-choice for GPT-3). The QLoRA paper (Dettmers et al.) found that adapting
-*every* linear layer is what matches full fine-tuning, and the cost stays
-small: per layer $r(2d + 2(n_{kv} d_h + d) + 2 n_h d_h + 3(d + d_{ff}))$
-numbers against the frozen $d(2 n_h d_h + 2 n_{kv} d_h) + 3 d\, d_{ff}$. So
-the default is all seven, as GPT-NeoX's is all four; `targets=('q_proj',
-'v_proj')` gives PEFT's.
+each adapted matrix of $d_\text{out} \times d_\text{in}$ gaining
+$r(d_\text{in} + d_\text{out})$ trainable numbers. The adapted linear and the
+swap are [the shared LoRA page's](../layers/lora.html), the merge and PEFT's
+files [the PEFT adapter's](../hf/peft_adapter.html); this page names the
+targets and writes the merged model and the adapter alone.
 
 ## Limitations
 
@@ -79,11 +61,21 @@ TARGETS = {
 
 @dataclass(frozen=True)
 class LlamaLoRA(LoRA):
-    """
+    r"""
     ## Adapt the chosen projections of every decoder layer
 
     [`LoRA`](../layers/lora.html) on `DecoderLayer`s: any non-empty subset of
-    `TARGETS`; default all seven (see Default targets).
+    `TARGETS`; default all seven.
+
+    ### Default targets: all seven
+
+    PEFT's own default for Llama is `q_proj, v_proj` only (the LoRA paper's
+    choice for GPT-3). The QLoRA paper (Dettmers et al.) found that adapting
+    *every* linear layer is what matches full fine-tuning, and the cost stays
+    small: per layer $r(2d + 2(n_{kv} d_h + d) + 2 n_h d_h + 3(d + d_{ff}))$
+    numbers against the frozen $d(2 n_h d_h + 2 n_{kv} d_h) + 3 d\, d_{ff}$.
+    So the default is all seven, as GPT-NeoX's is all four;
+    `targets=('q_proj', 'v_proj')` gives PEFT's.
     """
 
     TARGETS: ClassVar[dict[str, str]] = TARGETS
@@ -113,7 +105,8 @@ def save_merged_llama(out_dir: str | os.PathLike, config: LlamaConfig,
     `tensors` yields `(hf_name, tensor)` with the adapters
     (`hf_named_tensors(layers)`, or a sharded model's gathered tensors);
     `merged` holds each adapted $W$ until its $A$ and $B$ have come
-    and rounds once, to the export's dtype. `options` are
+    and rounds once, to the export's dtype; [the family's
+    writer](hf_export.html) takes the rest. `options` are
     `save_llama_checkpoint`'s.
     """
     return save_llama_checkpoint(out_dir, config,
@@ -128,8 +121,10 @@ def save_llama_adapter(out_dir: str | os.PathLike, layers: Sequence[nn.Module],
     ### The adapter alone, in PEFT's format
 
     `layers` are unsharded layers with adapters; each $A$ and $B$ is written
-    in its own dtype under PEFT's key. With only some layers built,
-    `adapter_config.json`'s `layers_to_transform` names them.
+    in its own dtype under PEFT's key for `LlamaForCausalLM`,
+    `base_model.model.model.layers.`$i$`.self_attn.q_proj.lora_A.weight`.
+    With only some layers built, `adapter_config.json`'s
+    `layers_to_transform` names them.
     """
     decoders = [layer for layer in layers if isinstance(layer, DecoderLayer)]
     if not decoders:

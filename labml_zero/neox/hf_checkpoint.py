@@ -12,23 +12,12 @@ GPT-NeoX-20B in fp16 is
     neox_model.gpt_neox_20b(), device='meta')) / 1e9 | .0f}}
 GB; a ZeRO-3 rank should never hold all of it. So loading is **per layer**,
 by [the safetensors reader](../hf/safetensors_reader.html) every family
-shares: `HFCheckpoint.layer_state_dict(layer)` reads only that layer's
-tensors, each shape checked in its file's header first, so the peak is one
-layer. The engine loads a layer, shards it into its chunks and drops it
-before the next. Not the engine's [sharded
+shares, and writing streams through [its writer](../hf/safetensors_writer.html).
+This page adds GPT-NeoX's own: the `config.json` keys its config reads, the
+name of each of our tensors, `hf_prefix(layer) + name` ([the
+model](model.html)), and EleutherAI's original two-partition files of
+GPT-NeoX-20B. Not the engine's [sharded
 checkpoints](../zero3/checkpoint/index.html), which resume a run.
-
-What this page adds is GPT-NeoX's: the `config.json` keys its config reads,
-the checkpoint name of each of our tensors, `hf_prefix(layer) + name` (see
-[the model](model.html)), and EleutherAI's original two-partition files of
-GPT-NeoX-20B. Old checkpoints also store buffers (`attention.bias`,
-`attention.masked_bias`, `attention.rotary_emb.inv_freq`); we ask only for
-the names our layers have, so these are never read.
-
-Going back, `save_hf_checkpoint` writes the same layout from a stream of
-`(name, tensor)` with [the shared writer](../hf/safetensors_writer.html),
-holding one output shard; [beside the weights](side_files.html) are the files
-that make it a whole model again.
 
 ## Limitations
 
@@ -113,6 +102,9 @@ class HFCheckpoint(SafetensorsSnapshot):
         Returns `{our_name: tensor}` (CPU; cast to `dtype` if given) for every
         entry of `layer.state_dict()`, ready for `layer.load_state_dict`. The
         layer may be on the meta device: only its names and shapes are used.
+        Old checkpoints also store buffers (`attention.bias`,
+        `attention.masked_bias`, `attention.rotary_emb.inv_freq`); we ask only
+        for the names our layers have, so these are never read.
         """
         prefix = hf_prefix(layer)
         return self.read_tensors({name: Wanted(prefix + name, tuple(t.shape))

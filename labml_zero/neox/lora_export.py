@@ -9,36 +9,20 @@ summary: Any fine-tune out of the sharded model as a Hugging Face GPT-NeoX
 # Fine-tune exports
 
 Every fine-tune goes back to Hugging Face: `--export-hf` writes the model as a
-checkpoint that `AutoModelForCausalLM` and `AutoTokenizer` load alone. For
-`all`, `ffn` and `biases` that is every parameter as trained. A
-[LoRA](lora.html) fine-tune leaves two things worth keeping, and this page
-writes either. The first folds each adapter into its weight,
-
-$$W' = W + \frac{\alpha}{r} B A,$$
-
-a matrix of $W$'s shape, so the result is an ordinary model again: **the merged
-model**, every adapted weight replaced by $W'$ (`--export-hf`, or its older
-name `--export-merged`). The second is **the adapter alone**, in PEFT's format
-(`--export-adapter`).
-
-The checkpoint is written in one dtype, the base snapshot's (a bf16 base
-stays bf16 even when a CPU run trained it in fp32), else the training dtype;
-beside it go `config.json`, the tokenizer the job encoded with and
-`generation_config.json` ([beside the weights](side_files.html)).
-
-An export replaces its directory whole, and only an empty one or an earlier
-export of the same kind ([where an export may go](../hf/export_destination.html)).
-The merge and PEFT's names and files are [the PEFT adapter's](../hf/peft_adapter.html),
-shared with the Llama family; this page gathers a sharded GPT-NeoX model for
-them, one chunk at a time.
+checkpoint that `AutoModelForCausalLM` and `AutoTokenizer` load alone, every
+parameter as trained; after [LoRA](lora.html), each adapted weight is
+replaced by $W' = W + \frac{\alpha}{r} B A$ (`--export-hf`, or its older name
+`--export-merged`), or the adapter is written alone for PEFT
+(`--export-adapter`). The merge, PEFT's files and [where an export may
+go](../hf/export_destination.html) are [shared with the Llama
+family](../hf/peft_adapter.html); this page gathers a sharded GPT-NeoX model
+for them, one chunk at a time.
 
 ## Limitations
 
 * In a bf16 or fp16 checkpoint an update smaller than half a unit in the
   last place of $W$ is lost (see `merged`); the fp32 masters stay in the
   sharded checkpoint.
-* The adapter file has no `README.md` model card, which PEFT writes and does
-  not need.
 """
 
 from __future__ import annotations
@@ -105,8 +89,12 @@ def save_merged_checkpoint(out_dir: str | os.PathLike, model,
     layers, with adapters when `lora` is given, else any fine-tune); rank 0
     writes `out_dir` and returns it, the others return `None`. `config` is the
     model's shape (for `config.json`); `dtype` casts every tensor (the merge
-    itself is computed in higher precision); `side_files` (`{name: text}`,
-    `hf_side_files`) go in beside the weights, inside the same rename.
+    itself is computed in higher precision): the base snapshot's, so a bf16
+    base stays bf16 even when a CPU run trained it in fp32, else the training
+    dtype. `side_files` (`{name: text}`, `hf_side_files`: `config.json`'s
+    companions, the tokenizer the job encoded with and
+    `generation_config.json`) go in beside the weights, inside the same
+    rename.
 
     The checkpoint is written by [`save_hf_checkpoint`](hf_checkpoint.html); it
     loads with `GPTNeoXForCausalLM.from_pretrained` and runs at the base model's

@@ -13,9 +13,7 @@ A Hugging Face checkpoint is more than its tensors. `AutoTokenizer` needs
 `generation_config.json`'s end-of-text id, $t_\text{eot}$, to know where to stop.
 An export (the [fine-tune's](lora_export.html) or [a saved
 checkpoint's](../export.html)) writes these beside the weights that
-[`save_hf_checkpoint`](hf_checkpoint.html) writes, inside the same rename;
-their names are [the snapshot layout's](../hf/snapshot_layout.html). A
-snapshot's own copies are kept as they are; the others are written.
+[`save_hf_checkpoint`](hf_checkpoint.html) writes, inside the same rename.
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ from pathlib import Path
 import torch
 
 from labml_zero.hf.safetensors_reader import read_json
+# the files' names, [the snapshot layout's](../hf/snapshot_layout.html)
 from labml_zero.hf.snapshot_layout import (CONFIG_FILE, GENERATION_CONFIG,
                                            SIDE_FILES, SPECIAL_TOKENS,
                                            TOKENIZER_CONFIG, TOKENIZER_FILE)
