@@ -49,6 +49,8 @@ __all__ = ["LoRALinear", "FineTuneLoRA", "TARGETS", "ADAPTER_NAMES",
            "is_adapter", "init_adapter", "load_hf_layer", "base_layer",
            "sharded_count", "lora_model_states"]
 
+# ## GPT-NeoX's targets
+#
 # PEFT's name of each projection `FineTuneLoRA` may adapt -> its path inside a
 # `TransformerLayer`.
 TARGETS = {
@@ -57,9 +59,6 @@ TARGETS = {
     "dense_h_to_4h": "mlp.dense_h_to_4h",
     "dense_4h_to_h": "mlp.dense_4h_to_h",
 }
-
-
-# ## GPT-NeoX's targets
 
 
 @dataclass(frozen=True)
