@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from labml_zero.finetune.cli import main
-from labml_zero.neox import lora_export
+from labml_zero.hf import export_destination
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.hf_checkpoint import hf_named_tensors, save_hf_checkpoint
 from labml_zero.neox.lora_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS,
@@ -149,8 +149,8 @@ def test_a_destination_that_cannot_be_written_is_refused(tmp_path, snapshot,
 
 def test_a_destination_without_room_is_refused(tmp_path, snapshot, capsys,
                                                monkeypatch):
-    usage = lora_export.shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(lora_export.shutil, "disk_usage",
+    usage = export_destination.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(export_destination.shutil, "disk_usage",
                         lambda path: usage._replace(free=1000))
     err = refused(tmp_path, snapshot, "--export-merged", str(tmp_path / "m"),
                   capsys=capsys)

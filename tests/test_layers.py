@@ -21,7 +21,8 @@ PACKAGE = "labml_zero"
 
 # Lowest first. The tools at the bottom (atomic files, processes, the app) import
 # nothing of the others; the engine, its optimizer, the one assembly path, the
-# family type, the models, the registry of families and the fine-tune job each
+# family type, the layers and Hugging Face files every family shares, the
+# models, the registry of families and the fine-tune job each
 # import only what is listed before them.
 LAYERS = (
     ("labml_zero", "labml_zero.files", "labml_zero.launch", "labml_zero.app"),
@@ -29,6 +30,8 @@ LAYERS = (
     ("labml_zero.optimizers",),
     ("labml_zero.assembly",),
     ("labml_zero.family",),
+    ("labml_zero.layers",),
+    ("labml_zero.hf",),
     ("labml_zero.neox",),
     ("labml_zero.llama",),
     ("labml_zero.families",),

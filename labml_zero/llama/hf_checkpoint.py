@@ -8,8 +8,8 @@ summary: Read a Llama, Qwen2 or Mistral snapshot one layer at a time, every
 
 # Hugging Face Llama checkpoints
 
-Loading is per layer, as for [GPT-NeoX](../neox/hf_checkpoint.html), whose
-safetensors helpers this page reuses: `LlamaCheckpoint.layer_state_dict(layer)`
+Loading is per layer, by [the safetensors reader](../hf/safetensors_reader.html)
+that GPT-NeoX's checkpoints use too: `LlamaCheckpoint.layer_state_dict(layer)`
 opens only the files that hold that layer's tensors and reads only those, so
 a rank's peak is one layer. What is new is the family's config and its
 failures. A `config.json` is an input someone hands the job; the shapes it
@@ -32,28 +32,27 @@ file and the field, before any rank starts.
 from __future__ import annotations
 
 import os
-from collections import defaultdict
-from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
+from labml_zero.hf.safetensors_reader import (ConfigKeys, SafetensorsSnapshot,
+                                              Wanted, load_layers, read_hf_config,
+                                              snapshot_directory)
 from labml_zero.llama.config import LlamaConfig, from_hf_config
 from labml_zero.llama.model import Readout, build_layers, hf_prefix
-from labml_zero.neox.hf_checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
-                                           describe, open_safetensors, read_json)
-from labml_zero.zero3.checkpoint import CheckpointError
 
 __all__ = ["llama_config_from_hf", "LlamaCheckpoint", "check_llama_snapshot",
            "hf_name", "load_layers"]
 
-# `config.json` keys that must be integers (the first six must be present),
+# `config.json` keys that must be integers (all six required ones present),
 # and those that must be numbers
-REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size",
-                 "num_attention_heads", "num_key_value_heads", "num_hidden_layers")
-OPTIONAL_INTS = ("head_dim", "max_position_embeddings", "sliding_window")
-OPTIONAL_NUMBERS = ("rope_theta", "rms_norm_eps", "initializer_range")
+CONFIG_KEYS = ConfigKeys(
+    required_ints=("vocab_size", "hidden_size", "intermediate_size",
+                   "num_attention_heads", "num_key_value_heads",
+                   "num_hidden_layers"),
+    optional_ints=("head_dim", "max_position_embeddings", "sliding_window"),
+    optional_numbers=("rope_theta", "rms_norm_eps", "initializer_range"))
 
 # The tensor-name ending -> the `config.json` fields its shape comes from, so a
 # contradicted shape names the field to look at.
@@ -75,6 +74,12 @@ SHAPE_FIELDS = {
 }
 
 
+def shape_fields(name: str) -> str:
+    """The fields a tensor's shape comes from, by the end of its name."""
+    return next((v for k, v in SHAPE_FIELDS.items() if name.endswith(k)),
+                "sizes")
+
+
 def llama_config_from_hf(path: str | os.PathLike) -> LlamaConfig:
     """
     ### A checked `LlamaConfig` from a snapshot's `config.json`
@@ -83,40 +88,7 @@ def llama_config_from_hf(path: str | os.PathLike) -> LlamaConfig:
     checks (heads that do not divide, an odd head width) are reported with the
     file's name: one line, never a `KeyError`.
     """
-    file = Path(path)
-    if file.is_dir():
-        file = file / CONFIG_FILE
-    if not file.is_file():
-        raise CheckpointError(f"checkpoint config not found: {file}")
-    hf = read_json(file)
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{file}: expected a JSON object, got a "
-                              f"{type(hf).__name__}")
-
-    def integer(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    for key in REQUIRED_INTS:
-        if key not in hf:
-            raise CheckpointError(f"{file}: no {key!r}")
-    for key in REQUIRED_INTS + OPTIONAL_INTS:
-        if hf.get(key) is not None and not integer(hf[key]):
-            raise CheckpointError(f"{file}: {key!r} must be an integer, got "
-                                  f"{describe(hf[key])}")
-    for key in OPTIONAL_NUMBERS:
-        value = hf.get(key)
-        if value is not None and not (integer(value) or isinstance(value, float)):
-            raise CheckpointError(f"{file}: {key!r} must be a number, got "
-                                  f"{describe(value)}")
-    for key in ("rope_parameters", "rope_scaling"):
-        if hf.get(key) is not None and not isinstance(hf[key], dict):
-            raise CheckpointError(f"{file}: {key!r} must be an object, got "
-                                  f"{describe(hf[key])}")
-    try:
-        return from_hf_config(hf)
-    except (ValueError, TypeError) as error:
-        reason = str(error).removeprefix("config.json: ")
-        raise CheckpointError(f"{file}: {reason}") from None
+    return read_hf_config(path, CONFIG_KEYS, from_hf_config)
 
 
 def hf_name(layer: nn.Module, name: str) -> str:
@@ -127,26 +99,7 @@ def hf_name(layer: nn.Module, name: str) -> str:
     return hf_prefix(layer) + name
 
 
-def check_shape(f, file: Path, name: str, shape: tuple[int, ...]) -> None:
-    """One header entry against the shape `config.json` implies; refuses with
-    the fields that shape comes from."""
-    try:
-        sliced = f.get_slice(name)
-    except Exception:
-        raise CheckpointError(f"{file}: no tensor {name!r}, which the index "
-                              "places there") from None
-    found = tuple(sliced.get_shape())
-    if found != shape:
-        fields = next((v for k, v in SHAPE_FIELDS.items() if name.endswith(k)),
-                      "the sizes")
-        raise CheckpointError(f"{file}: tensor {name!r} has shape {found}, but "
-                              f"config.json's {fields} imply {shape}")
-    if sliced.get_dtype() not in ("F64", "F32", "F16", "BF16"):
-        raise CheckpointError(f"{file}: tensor {name!r} is {sliced.get_dtype()}, "
-                              f"not floating point")
-
-
-class LlamaCheckpoint:
+class LlamaCheckpoint(SafetensorsSnapshot):
     """
     ## A Hugging Face Llama-family snapshot, read lazily
 
@@ -155,41 +108,8 @@ class LlamaCheckpoint:
     """
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
-        if not self.path.is_dir():
-            raise CheckpointError(f"checkpoint directory not found: {self.path}")
-        self.config_file = self.path / CONFIG_FILE
-        self.config = llama_config_from_hf(self.config_file)
-        self.weight_map = self.read_weight_map()  # tensor name -> file name
-
-    def read_weight_map(self) -> dict[str, str]:
-        index = self.path / INDEX_FILE
-        if index.is_file():
-            value = read_json(index)
-            weight_map = value.get("weight_map") if isinstance(value, dict) else None
-            if not isinstance(weight_map, dict) or not all(
-                    isinstance(v, str) for v in weight_map.values()):
-                raise CheckpointError(f"{index}: no 'weight_map' object of files")
-            return dict(weight_map)
-        single = self.path / SINGLE_FILE
-        if single.is_file():
-            with open_safetensors(single) as f:
-                return {name: SINGLE_FILE for name in f.keys()}
-        raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}")
-
-    def files_of(self, wanted: dict[str, tuple[str, tuple[int, ...]]]
-                 ) -> dict[Path, list[str]]:
-        """Our keys grouped by the file that holds their tensor."""
-        by_file: dict[Path, list[str]] = defaultdict(list)
-        for key, (name, _) in wanted.items():
-            if name not in self.weight_map:
-                raise CheckpointError(f"checkpoint {self.path} has no tensor "
-                                      f"{name!r}, which {self.config_file} implies")
-            file = self.path / self.weight_map[name]
-            if not file.is_file():
-                raise CheckpointError(f"checkpoint shard not found: {file}")
-            by_file[file].append(key)
-        return by_file
+        self.config = llama_config_from_hf(snapshot_directory(path))
+        super().__init__(path)
 
     def layer_state_dict(self, layer: nn.Module, *,
                          dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -199,17 +119,9 @@ class LlamaCheckpoint:
         `{our name: tensor}` on the CPU, each shape checked in the header
         before its data is read; the layer may be on the meta device.
         """
-        wanted = {n: (hf_name(layer, n), tuple(t.shape))
-                  for n, t in layer.state_dict().items()}
-        out = {}
-        for file, keys in self.files_of(wanted).items():
-            with open_safetensors(file) as f:
-                for key in keys:
-                    name, shape = wanted[key]
-                    check_shape(f, file, name, shape)
-                    t = f.get_tensor(name)
-                    out[key] = t if dtype is None else t.to(dtype)
-        return out
+        return self.read_tensors({n: Wanted(hf_name(layer, n), tuple(t.shape))
+                                  for n, t in layer.state_dict().items()},
+                                 dtype=dtype, shape_from=shape_fields)
 
 
 def check_llama_snapshot(path: str | os.PathLike) -> LlamaConfig:
@@ -221,19 +133,10 @@ def check_llama_snapshot(path: str | os.PathLike) -> LlamaConfig:
     rank starts. Returns the config, or raises one `CheckpointError` line.
     """
     checkpoint = LlamaCheckpoint(path)
-    wanted = {}
-    for layer in build_layers(checkpoint.config, device="meta"):
-        for n, t in layer.state_dict().items():
-            name = hf_name(layer, n)
-            wanted[name] = (name, tuple(t.shape))
-    for file, names in checkpoint.files_of(wanted).items():
-        with open_safetensors(file) as f:
-            for name in names:
-                check_shape(f, file, name, wanted[name][1])
+    # a tied readout's name is the embedding's: one entry for both
+    checkpoint.check_tensors({hf_name(layer, n): tuple(t.shape)
+                              for layer in build_layers(checkpoint.config,
+                                                        device="meta")
+                              for n, t in layer.state_dict().items()},
+                             shape_from=shape_fields)
     return checkpoint.config
-
-
-def load_layers(checkpoint: LlamaCheckpoint, layers: list[nn.Module]) -> None:
-    """Load every layer, one at a time (an unsharded model: tests, sampling)."""
-    for layer in layers:
-        layer.load_state_dict(checkpoint.layer_state_dict(layer))

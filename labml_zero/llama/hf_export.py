@@ -9,8 +9,8 @@ summary: Write a Llama, Qwen2 or Mistral model as a Hugging Face checkpoint,
 # Saving Llama checkpoints
 
 The reverse of [reading a snapshot](hf_checkpoint.html). Tensors stream into
-[GPT-NeoX's shard writer](../neox/hf_checkpoint.html), which holds one output
-shard: with at most $B_\text{shard}$ bytes a shard, the host's peak is
+[the shared safetensors writer](../hf/safetensors_writer.html), which holds one
+output shard: with at most $B_\text{shard}$ bytes a shard, the host's peak is
 
 $$M \approx \max_p |p| + B_\text{shard},$$
 
@@ -27,32 +27,23 @@ file, as `save_pretrained` does. Three things are the family's own:
   `tokenizer_config.json` and `generation_config.json` copied as they are,
   `tokenizer.json` from the file the job encoded with.
 
-The directory appears whole or not at all (GPT-NeoX's Note: atomic
+The directory appears whole or not at all (the writer's Note: atomic
 checkpoint directory).
-
-## Limitations
-
-* The writer that finishes the directory repeats GPT-NeoX's last steps
-  (names, index, extra files, rename) because that one writes GPT-NeoX's own
-  `config.json`; a config argument there would remove these lines.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 
-from labml_zero.files import fsync_path, replace_directory, temporary_sibling
+from labml_zero.hf.safetensors_writer import (refuse_existing,
+                                              save_safetensors_snapshot)
 from labml_zero.llama.config import LlamaConfig, to_hf_config
 from labml_zero.llama.model import Readout, hf_prefix
-from labml_zero.neox.hf_checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE,
-                                           _write_shards)
 from labml_zero.neox.side_files import hf_side_files
 from labml_zero.zero3.checkpoint import CheckpointError
 
@@ -99,43 +90,14 @@ def save_llama_checkpoint(out_dir: str | os.PathLike, config: LlamaConfig,
     """
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"checkpoint directory exists: {out_dir} "
-                              f"(pass overwrite=True)")
+    refuse_existing(out_dir, overwrite=overwrite)  # before loading the tokenizer
     try:
         side = hf_side_files(tokenizer, snapshot) if tokenizer is not None else {}
     except Exception as error:  # tokenizers raises a bare `Exception`
         raise CheckpointError(f"tokenizer {tokenizer} does not load: "
                               f"{str(error).splitlines()[0]}") from None
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_sibling(out_dir)
-    tmp.mkdir()
-    try:
-        written = _write_shards(tmp, named_tensors,
-                                max_shard_bytes=max_shard_bytes, dtype=dtype)
-        # Shards were written as part-K before their count was known.
-        n = len(written.files)
-        final = {part: SINGLE_FILE if n == 1 else
-                 f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-                 for k, part in enumerate(written.files)}
-        for part, name in final.items():
-            os.rename(tmp / part, tmp / name)
-        files = {CONFIG_FILE: json.dumps(
-            to_hf_config(config, dtype=written.dtype), indent=2), **side}
-        if n > 1:
-            files[INDEX_FILE] = json.dumps({
-                "metadata": {"total_size": written.total_bytes,
-                             "total_parameters": written.total_numel},
-                "weight_map": {k: final[v] for k, v in written.weight_map.items()}},
-                indent=2)
-        for name, text in files.items():
-            (tmp / name).write_text(text)
-            fsync_path(tmp / name)
-        fsync_path(tmp)
-        # The only moment the target changes (Note: atomic checkpoint directory).
-        replace_directory(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return save_safetensors_snapshot(
+        out_dir, named_tensors,
+        hf_config=lambda written: to_hf_config(config, dtype=written),
+        max_shard_bytes=max_shard_bytes, dtype=dtype, overwrite=overwrite,
+        extra_files=side)

@@ -48,6 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labml_zero.layers.layer_list import (LayerChain, count_parameters,
+                                          init_like_hf, layer_indices)
 from labml_zero.llama.config import LlamaConfig
 from labml_zero.llama.rotary import LlamaRotary, apply_rotary
 from labml_zero.neox.kernels import plain_readout_loss
@@ -57,21 +59,15 @@ __all__ = ["RMSNorm", "Embedding", "Attention", "MLP", "DecoderLayer",
            "hf_prefix", "count_parameters"]
 
 
-def init_like_hf(module: nn.Module, std: float) -> None:
+def init_llama(module: nn.Module, std: float) -> None:
     r"""
     #### HF Llama init
 
+    [The shared one](../layers/layer_list.html) with RMSNorms:
     $\mathcal{N}(0, \sigma^2)$ for linear and embedding weights, zero biases,
     unit RMSNorm weights.
     """
-    with torch.no_grad():
-        for m in module.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                m.weight.normal_(0.0, std)
-                if getattr(m, "bias", None) is not None:
-                    m.bias.zero_()
-            elif isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
+    init_like_hf(module, std, norms=(RMSNorm,))
 
 
 # ## RMSNorm
@@ -115,7 +111,7 @@ class Embedding(nn.Module):
                                          device=device, dtype=dtype)
 
     def reset_parameters(self):
-        init_like_hf(self, self.config.init_std)
+        init_llama(self, self.config.init_std)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # Shapes are Python ints: no device sync.
@@ -222,7 +218,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, **factory)
 
     def reset_parameters(self):
-        init_like_hf(self, self.config.init_std)
+        init_llama(self, self.config.init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x))
@@ -245,7 +241,7 @@ class FinalNorm(nn.Module):
                             dtype=dtype)
 
     def reset_parameters(self):
-        init_like_hf(self, self.config.init_std)
+        init_llama(self, self.config.init_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x)
@@ -269,7 +265,7 @@ class Readout(nn.Module):
 
     def reset_parameters(self):
         if not self.config.tie_embeddings:
-            init_like_hf(self, self.config.init_std)
+            init_llama(self, self.config.init_std)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -322,14 +318,7 @@ def build_layers(config: LlamaConfig, *, filter_layers: Iterable[int] | None = N
       checkpoint.
     * Off meta, weights are initialised as Hugging Face does.
     """
-    if filter_layers is None:
-        indices = list(range(config.n_layers))
-    else:
-        indices = sorted(set(filter_layers))
-        bad = [i for i in indices if not 0 <= i < config.n_layers]
-        if bad:
-            raise ValueError(f"filter_layers {bad} out of range: the model has "
-                             f"{config.n_layers} layers (0..{config.n_layers - 1})")
+    indices = layer_indices(config.n_layers, filter_layers)
     factory = dict(device=device, dtype=dtype)
     rotary = LlamaRotary(config)
     layers: list[nn.Module] = [Embedding(config, **factory)]
@@ -343,20 +332,14 @@ def build_layers(config: LlamaConfig, *, filter_layers: Iterable[int] | None = N
     return layers
 
 
-class LlamaChain(nn.Sequential):
+class LlamaChain(LayerChain):
     """
     ## The layers in a chain, with the loss at its end
 
     `LlamaChain(*build_layers(config))(ids)` is the logits; `(ids, targets)`
-    hands the targets to the `Readout`, which returns the loss.
+    hands the targets to the `Readout`, which returns the loss ([the shared
+    chain](../layers/layer_list.html)).
     """
-
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None):
-        *body, last = self
-        x = ids
-        for layer in body:
-            x = layer(x)
-        return last(x) if targets is None else last(x, targets)
 
 
 def hf_prefix(layer: nn.Module) -> str:
@@ -376,10 +359,3 @@ def hf_prefix(layer: nn.Module) -> str:
     if isinstance(layer, Readout):
         return ""
     raise ValueError(f"hf_prefix: {type(layer).__name__} is not a Llama layer")
-
-
-def count_parameters(layers: Iterable[nn.Module]) -> int:
-    r"""Parameter count $\Psi$, the model's parameters in elements, a tied
-    matrix once (works on the meta device)."""
-    seen = {id(p): p.numel() for layer in layers for p in layer.parameters()}
-    return sum(seen.values())

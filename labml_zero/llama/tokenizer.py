@@ -29,15 +29,14 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+# `tokenizer.json`, beside `config.json` in every snapshot on the hub
+from labml_zero.hf.snapshot_layout import TOKENIZER_FILE
 from labml_zero.llama.config import LlamaConfig
 from labml_zero.neox.tokenizer import end_of_text_id, load_tokenizer, vocab_size
 from labml_zero.zero3.checkpoint import CheckpointError
 
 __all__ = ["TOKENIZER_FILE", "checkpoint_tokenizer"]
 
-# The file's name in every snapshot on the hub, beside `config.json`: the
-# `tokenizers` library's own format, vocabulary, merges and special tokens.
-TOKENIZER_FILE = "tokenizer.json"
 
 
 def checkpoint_tokenizer(path: str | os.PathLike, config: LlamaConfig

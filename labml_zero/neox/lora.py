@@ -1,265 +1,78 @@
 r"""
 ---
-title: LoRA
+title: LoRA for GPT-NeoX
 summary: Low-rank adapters on GPT-NeoX's four projections; the base weights stay
   frozen in two-byte chunks and only the adapters carry gradients and Adam state.
 ---
 
-# LoRA
+# LoRA for GPT-NeoX
 
-Low-rank adaptation ([Hu et al.](https://arxiv.org/abs/2106.09685)) freezes
-a pretrained weight $W \in \mathbb{R}^{d_\text{out} \times d_\text{in}}$ and learns a
-low-rank update $\Delta W = \frac{\alpha}{r} B A$ beside it, with
-$A \in \mathbb{R}^{r \times d_\text{in}}$, $B \in \mathbb{R}^{d_\text{out} \times r}$ and a
-rank $r \ll \min(d_\text{in}, d_\text{out})$. A linear layer then computes
+[LoRA](../layers/lora.html) freezes a pretrained weight $W$ and learns
+$\Delta W = \frac{\alpha}{r} B A$ beside it,
 
-$$y = W x + b + \frac{\alpha}{r} B A x$$
+$$y = W x + b + \frac{\alpha}{r} B A x,$$
 
-and trains $r (d_\text{in} + d_\text{out})$ numbers instead of $d_\text{in} d_\text{out}$: for
-GPT-NeoX's fused QKV projection of width $d$ ($d_\text{out} = 3d$), $4rd$ instead of
-$3d^2$.
-
-After training, $W' = W + \frac{\alpha}{r} B A$ is an ordinary weight of the
-same shape: the merged model runs at the base model's cost and loads anywhere the
-base model does (see [LoRA export](lora_export.html)). Frozen, the base costs only
-its two-byte shard (the memory per rank is the last section).
+training $r (d_\text{in} + d_\text{out})$ numbers instead of $d_\text{in} d_\text{out}$:
+for GPT-NeoX's fused QKV projection of width $d$ ($d_\text{out} = 3d$), $4rd$
+instead of $3d^2$. The adapted linear, PEFT's initialisation and the swap are
+the shared page's; this one names GPT-NeoX's four projections, loads the base
+weights under adapters, and counts the memory per rank (the last section).
+After training the adapters are merged or saved for PEFT ([LoRA
+export](lora_export.html)).
 
 ## Limitations
 
-* No dropout on the adapter's input (PEFT's `lora_dropout`), no rsLoRA or DoRA.
-* Adapters sit on every transformer layer alike; the embedding and readout
-  cannot be adapted.
-* Layers built for real (not on the meta device) get their adapters initialised
-  from the global random generator when `FineTuneLoRA` runs; a layer's own
-  `reset_parameters()` resets only the base weights.
+* As the shared page's: no dropout, rsLoRA or DoRA; the embedding and
+  readout cannot be adapted.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
+# The shared mechanism, re-exported where GPT-NeoX's code and tests import it.
+from labml_zero.layers.lora import (  # noqa: F401
+    ADAPTER_NAMES,
+    LoRA,
+    LoRALinear,
+    init_adapter,
+    is_adapter,
+)
 from labml_zero.neox.model import TransformerLayer
 from labml_zero.zero3.memory_model import zero_model_states
-from labml_zero.zero3.trainable import TrainableCount, mark_trainable
+from labml_zero.zero3.trainable import TrainableCount
 
 __all__ = ["LoRALinear", "FineTuneLoRA", "TARGETS", "ADAPTER_NAMES",
            "is_adapter", "init_adapter", "load_hf_layer", "base_layer",
            "sharded_count", "lora_model_states"]
 
-# `FineTuneLoRA` puts adapters on any subset of the four projections of every
-# transformer layer (`query_key_value`, `dense`, `dense_h_to_4h`, `dense_4h_to_h`,
-# PEFT's names for them) and freezes everything else. PEFT's name of each target
-# -> its path inside a `TransformerLayer`.
+# ## GPT-NeoX's targets
+#
+# PEFT's name of each projection `FineTuneLoRA` may adapt -> its path inside a
+# `TransformerLayer`.
 TARGETS = {
     "query_key_value": "attention.query_key_value",
     "dense": "attention.dense",
     "dense_h_to_4h": "mlp.dense_h_to_4h",
     "dense_4h_to_h": "mlp.dense_4h_to_h",
 }
-ADAPTER_NAMES = ("lora_A", "lora_B")
-
-
-def is_adapter(name: str) -> bool:
-    """Whether a parameter name (`...query_key_value.lora_A`) is an adapter's."""
-    return name.rpartition(".")[2] in ADAPTER_NAMES
-
-
-# ## The adapted linear
-
-
-class LoRALinear(nn.Linear):
-    r"""
-    ## A linear layer with a low-rank adapter
-
-    $y = W x + b + \frac{\alpha}{r} B A x$. A subclass of `nn.Linear`, so
-    `weight` and `bias` keep their names (checkpoints load into them by name)
-    and code that looks for linears still finds it; `lora_A` `[r, d_in]` and
-    `lora_B` `[d_out, r]` are added beside them.
-    """
-
-    def __init__(self, in_features: int, out_features: int, *, rank: int,
-                 alpha: float, bias: bool = True, device=None, dtype=None):
-        super().__init__(in_features, out_features, bias=bias, device=device,
-                         dtype=dtype)
-        self.rank = rank
-        self.alpha = alpha
-        factory = dict(device=device, dtype=dtype)
-        self.lora_A = nn.Parameter(torch.empty(rank, in_features, **factory))
-        self.lora_B = nn.Parameter(torch.empty(out_features, rank, **factory))
-        if self.lora_A.device.type != "meta":
-            self.reset_adapter()
-
-    @property
-    def scale(self) -> float:
-        r"""
-        $\alpha / r$. The update $B A x$ is a sum of $r$ terms, so its size grows
-        with $r$; dividing by $r$ keeps it about the same when $r$ changes, and
-        $\alpha$ sets it once, so a learning rate tuned at one rank serves another.
-        """
-        return self.alpha / self.rank
-
-    @classmethod
-    def wrap(cls, linear: nn.Linear, *, rank: int, alpha: float) -> "LoRALinear":
-        """
-        ### Adapt an existing linear, keeping its `weight` and `bias` objects
-
-        Built on the meta device (so nothing is allocated for a weight about to
-        be replaced), then given the original parameters; the adapters are
-        created where the weight is, in its dtype, and initialised unless that
-        is the meta device (then `init_adapter` runs chunk by chunk later).
-        """
-        new = cls(linear.in_features, linear.out_features, rank=rank, alpha=alpha,
-                  bias=linear.bias is not None, device="meta")
-        new.weight = linear.weight
-        new.bias = linear.bias
-        factory = dict(device=linear.weight.device, dtype=linear.weight.dtype)
-        new.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, **factory))
-        new.lora_B = nn.Parameter(torch.empty(linear.out_features, rank, **factory))
-        if linear.weight.device.type != "meta":
-            new.reset_adapter()
-        return new
-
-    def reset_adapter(self) -> None:
-        """`init_adapter` on both adapter matrices."""
-        init_adapter("lora_A", self.lora_A)
-        init_adapter("lora_B", self.lora_B)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # [..., d_out]: the frozen path; W gets no gradient, x still does.
-        y = F.linear(x, self.weight, self.bias)
-        # [..., r] then [..., d_out]: B (A x), never the d_out × d_in product B A,
-        # which would cost a full weight's memory and flops per forward.
-        return y + self.scale * F.linear(F.linear(x, self.lora_A), self.lora_B)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}"
-
-
-def init_adapter(name: str, param: torch.Tensor) -> None:
-    r"""
-    ### PEFT's initialisation
-
-    `lora_A`: Kaiming-uniform with $a = \sqrt{5}$ over its fan-in $d_\text{in}$,
-    bound $\sqrt{6 / ((1 + a^2) d_\text{in})} = 1 / \sqrt{d_\text{in}}$ (the default
-    initialisation of an `nn.Linear` weight); `lora_B`: zero, so that $BA = 0$.
-
-    So step 0 is the base model: the first forward equals the pretrained model's
-    exactly. $B$ still moves, since
-    $\partial \mathcal{L} / \partial B = \frac{\alpha}{r} g\, (A x)^\top$ with
-    $g = \partial \mathcal{L} / \partial y$ is not zero; $A$ follows once $B$ is.
-    (With both zero, neither would ever move.)
-
-    In place, under `no_grad`, so it also runs on views into a chunk's buffer.
-    """
-    with torch.no_grad():
-        if name.endswith("lora_A"):
-            nn.init.kaiming_uniform_(param, a=math.sqrt(5))
-        elif name.endswith("lora_B"):
-            param.zero_()
-        else:
-            raise ValueError(f"{name!r} is not an adapter parameter")
-
-
-# ## The fine-tuner
 
 
 @dataclass(frozen=True)
-class FineTuneLoRA:
+class FineTuneLoRA(LoRA):
     r"""
     ## Adapt the chosen projections of every transformer layer
 
-    Call it on the layers (on the meta device or real) **before** the engine
-    shards them: it swaps each target `nn.Linear` for a `LoRALinear` sharing its
-    weight and bias, and leaves only the adapters with `requires_grad`, so they
-    get trainable chunks of their own while every base weight goes to frozen
-    chunks.
+    [`LoRA`](../layers/lora.html) on `TransformerLayer`s: any non-empty subset
+    of `query_key_value`, `dense` (attention output), `dense_h_to_4h`,
+    `dense_4h_to_h`; default all four.
     """
 
-    name: ClassVar[str] = "lora"
-    rank: int = 8
-    r"""$r$. PEFT's default; in the LoRA paper's GPT-3 experiments very small
-    ranks did about as well as much larger ones."""
-    alpha: float = 16.0
-    r"""$\alpha$: the update is scaled by $\alpha / r$ (2 at the defaults, the
-    common $\alpha = 2r$)."""
-    targets: tuple[str, ...] = field(default_factory=lambda: tuple(TARGETS))
-    """PEFT's names of the adapted projections: any non-empty subset of
-    `query_key_value`, `dense` (attention output), `dense_h_to_4h`,
-    `dense_4h_to_h`; default all four."""
-
-    def __post_init__(self):
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) \
-                or self.rank < 1:
-            raise ValueError(f"LoRA rank must be an integer >= 1, got {self.rank!r}")
-        if not self.alpha > 0:
-            raise ValueError(f"LoRA alpha must be > 0, got {self.alpha!r}")
-        targets = ((self.targets,) if isinstance(self.targets, str)
-                   else tuple(self.targets))
-        if not targets:
-            raise ValueError("LoRA targets must name at least one projection")
-        unknown = [t for t in targets if t not in TARGETS]
-        if unknown:
-            raise ValueError(f"unknown LoRA target {unknown[0]!r}; expected some of "
-                             f"{', '.join(TARGETS)}")
-        if len(set(targets)) != len(targets):
-            raise ValueError(f"LoRA targets name a projection twice: {targets}")
-        object.__setattr__(self, "targets", targets)
-
-    @property
-    def scale(self) -> float:
-        r"""$\alpha / r$"""
-        return self.alpha / self.rank
-
-    def paths(self) -> list[str]:
-        """The targets' paths inside a `TransformerLayer`, e.g. `attention.dense`."""
-        return [TARGETS[t] for t in self.targets]
-
-    def __call__(self, layers: Sequence[nn.Module]) -> TrainableCount:
-        r"""
-        ### Add the adapters and freeze the rest
-
-        Returns the count: `trainable` is $\Psi_\text{lora}$, `total` is
-        $\Psi_\text{base} + \Psi_\text{lora}$. Raises if a layer already has an adapter
-        (a second call would otherwise stack two).
-        """
-        for layer in layers:
-            if isinstance(layer, TransformerLayer):
-                for path in self.paths():
-                    owner_name, _, leaf = path.rpartition(".")
-                    owner = layer.get_submodule(owner_name)
-                    linear = getattr(owner, leaf)
-                    if isinstance(linear, LoRALinear):
-                        raise ValueError(f"layer {layer.layer_idx} {path} already "
-                                         f"has a LoRA adapter")
-                    setattr(owner, leaf, LoRALinear.wrap(linear, rank=self.rank,
-                                                         alpha=self.alpha))
-        return mark_trainable(layers, lambda layer, name: is_adapter(name))
-
-    def init_param(self, base: Callable[[str, torch.Tensor], None]
-                   ) -> Callable[[str, torch.Tensor], None]:
-        """
-        ### The initialiser for `zero3_layers(..., init_param=...)`
-
-        Adapters get `init_adapter`, every other parameter `base(name, param)`
-        (the model's random initialiser, or a no-op when a checkpoint is loaded
-        afterwards). Runs inside each chunk's buffer, one chunk at a time; every
-        rank visits the chunks in the same order, so with the same seed all draw
-        the same $A$.
-        """
-
-        def init(name: str, param: torch.Tensor) -> None:
-            if is_adapter(name):
-                init_adapter(name, param)
-            else:
-                base(name, param)
-
-        return init
+    TARGETS: ClassVar[dict[str, str]] = TARGETS
+    BLOCK: ClassVar[type[nn.Module]] = TransformerLayer
 
 
 # ## Loading the base weights

@@ -53,6 +53,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from labml_zero.layers.layer_list import (LayerChain, count_parameters,
+                                          init_like_hf, layer_indices)
 from labml_zero.neox import kernels as K
 from labml_zero.neox.kernels import ModelKernels
 
@@ -122,21 +124,12 @@ def _init_like_hf(module: nn.Module, std: float):
     r"""
     #### HF GPT-NeoX init
 
-    $\mathcal{N}(0, \sigma^2)$ for linear and embedding weights, with $\sigma$ the
-    config's `init_std` (Hugging Face's `initializer_range`,
-    {{py: neox_model.NeoXConfig().init_std | .2f}} by default), zero biases,
-    unit/zero layer norms. Under `torch.no_grad` so it may run on leaf parameters
-    that require grad.
+    [The shared one](../layers/layer_list.html) with layer norms: $\mathcal{N}(0,
+    \sigma^2)$ for linear and embedding weights, $\sigma$ the config's
+    `init_std` ({{py: neox_model.NeoXConfig().init_std | .2f}} by default),
+    zero biases, unit/zero layer norms.
     """
-    with torch.no_grad():
-        for m in module.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                m.weight.normal_(0.0, std)
-                if getattr(m, "bias", None) is not None:
-                    m.bias.zero_()
-            elif isinstance(m, nn.LayerNorm):
-                m.weight.fill_(1.0)
-                m.bias.zero_()
+    init_like_hf(module, std, norms=(nn.LayerNorm,))
 
 
 def init_parameter(config: NeoXConfig) -> Callable[[str, torch.Tensor], None]:
@@ -429,14 +422,7 @@ def build_layers(config: NeoXConfig, *, filter_layers: Iterable[int] | None = No
     * `kernels` chooses the [fused kernels](kernels.html), once for every
       layer; by default none, the plain PyTorch model.
     """
-    if filter_layers is None:
-        indices = list(range(config.n_layers))
-    else:
-        indices = sorted(set(filter_layers))
-        bad = [i for i in indices if not 0 <= i < config.n_layers]
-        if bad:
-            raise ValueError(f"filter_layers {bad} out of range: the model has "
-                             f"{config.n_layers} layers (0..{config.n_layers - 1})")
+    indices = layer_indices(config.n_layers, filter_layers)
     factory = dict(device=device, dtype=dtype)
     kernels = kernels or ModelKernels()
     layers: list[nn.Module] = [Embedding(config, **factory)]
@@ -452,23 +438,14 @@ def build_layers(config: NeoXConfig, *, filter_layers: Iterable[int] | None = No
     return layers
 
 
-class NeoXChain(nn.Sequential):
+class NeoXChain(LayerChain):
     """
     ## The layers in a chain, with the loss at its end
 
-    `NeoXChain(*build_layers(config))(ids)` is the logits, as
-    `nn.Sequential` gives; `(ids, targets)` hands the targets to the last
-    layer, the `Readout`, which returns the loss. The engines' wrappers (DDP,
-    FSDP2, `Zero3Sequential` with its own `forward(x, *last_args)`) pass both
-    through.
+    `NeoXChain(*build_layers(config))(ids)` is the logits; `(ids, targets)`
+    hands the targets to the `Readout`, which returns the loss ([the shared
+    chain](../layers/layer_list.html)).
     """
-
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor | None = None):
-        *body, last = self
-        x = ids
-        for layer in body:
-            x = layer(x)
-        return last(x) if targets is None else last(x, targets)
 
 
 def hf_prefix(layer: nn.Module) -> str:
@@ -495,11 +472,6 @@ def hf_prefix(layer: nn.Module) -> str:
     if isinstance(layer, Readout):
         return ""
     raise ValueError(f"hf_prefix: {type(layer).__name__} is not a GPT-NeoX layer")
-
-
-def count_parameters(layers: Iterable[nn.Module]) -> int:
-    r"""Parameter count $\Psi$ (works on the meta device)."""
-    return sum(p.numel() for layer in layers for p in layer.parameters())
 
 
 # ## The plain path's launches, kernel by kernel

@@ -25,18 +25,15 @@ from pathlib import Path
 
 import torch
 
-from labml_zero.neox.hf_checkpoint import CONFIG_FILE, read_json
+from labml_zero.hf.safetensors_reader import read_json
+# the files' names, [the snapshot layout's](../hf/snapshot_layout.html)
+from labml_zero.hf.snapshot_layout import (CONFIG_FILE, GENERATION_CONFIG,
+                                           SIDE_FILES, SPECIAL_TOKENS,
+                                           TOKENIZER_CONFIG, TOKENIZER_FILE)
 from labml_zero.neox.tokenizer import end_of_text_id, load_tokenizer
 from labml_zero.zero3.checkpoint import CheckpointError
 
 __all__ = ["hf_side_files", "snapshot_dtype", "SIDE_FILES"]
-
-# A snapshot's own copies are kept as they are; the others are written.
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
-SPECIAL_TOKENS = "special_tokens_map.json"
-GENERATION_CONFIG = "generation_config.json"
-SIDE_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG, SPECIAL_TOKENS, GENERATION_CONFIG)
 
 
 def snapshot_dtype(path: str | os.PathLike) -> torch.dtype | None:

@@ -28,7 +28,7 @@ def ids():
 def test_layer_state_dict_reads_only_that_layer(hf_checkpoint_dir, monkeypatch):
     """Only the layer's tensors are read (get_tensor), and only from the files
     that hold them."""
-    from labml_zero.neox import hf_checkpoint as C
+    from labml_zero.hf import safetensors_reader as C
 
     opened, read = [], []
     real_safe_open = C.safe_open
@@ -292,7 +292,8 @@ def test_check_hf_snapshot_returns_the_config(hf_checkpoint_dir):
 
 
 def test_check_hf_snapshot_reads_no_tensor_data(hf_checkpoint_dir, monkeypatch):
-    from labml_zero.neox import hf_checkpoint as C
+    from labml_zero.hf import safetensors_reader as C
+    from labml_zero.neox.hf_checkpoint import check_hf_snapshot
 
     real_safe_open = C.safe_open
     read = []
@@ -319,7 +320,7 @@ def test_check_hf_snapshot_reads_no_tensor_data(hf_checkpoint_dir, monkeypatch):
             return self.inner.get_tensor(name)
 
     monkeypatch.setattr(C, "safe_open", HeadersOnly)
-    C.check_hf_snapshot(hf_checkpoint_dir)
+    check_hf_snapshot(hf_checkpoint_dir)
     assert read == []
 
 

@@ -31,42 +31,6 @@ def small_config() -> M.NeoXConfig:
                         max_position=64, gelu_approximate="none")
 
 
-# ## The adapted linear
-
-
-def test_linear_computes_the_low_rank_update():
-    torch.manual_seed(0)
-    base = nn.Linear(11, 7)
-    lora = LoRALinear.wrap(base, rank=3, alpha=6.0)
-    assert lora.weight is base.weight and lora.bias is base.bias
-    assert [n for n, _ in lora.named_parameters()] == [
-        "weight", "bias", "lora_A", "lora_B"]
-    assert lora.lora_A.shape == (3, 11) and lora.lora_B.shape == (7, 3)
-    x = torch.randn(5, 11)
-    # B = 0 at the start: exactly the base layer
-    assert torch.equal(lora(x), base(x))
-    with torch.no_grad():
-        lora.lora_B.normal_()
-    expected = x @ base.weight.T + base.bias + 2.0 * x @ lora.lora_A.T @ lora.lora_B.T
-    torch.testing.assert_close(lora(x), expected)
-
-
-def test_a_is_kaiming_uniform_like_peft():
-    torch.manual_seed(0)
-    lora = LoRALinear(400, 9, rank=64, alpha=1.0)
-    bound = 1 / math.sqrt(400)
-    a = lora.lora_A.detach()
-    assert a.abs().max() <= bound
-    # uniform on ±bound: the largest draw of 25,600 comes within 1% of it
-    assert a.abs().max() > 0.99 * bound
-    assert torch.count_nonzero(lora.lora_B) == 0
-
-
-def test_built_on_meta_allocates_nothing():
-    lora = LoRALinear.wrap(nn.Linear(5, 4, device="meta"), rank=2, alpha=2.0)
-    assert all(p.device.type == "meta" for p in lora.parameters())
-
-
 # ## The fine-tuner
 
 
