@@ -26,24 +26,63 @@ package (`neox/family.py`, `llama/family.py`) builds one instance from its own
 functions, and [the registry](families.html) lists them. This page imports
 only torch, so both families, and the registry above them, can import it.
 
+## What the job asks, and where
+
+The [fine-tune job](finetune/job.html) imports no model package: every
+question it has of the model goes to the family its configuration picked
+(`--model`'s preset or `--checkpoint`'s `model_type`). Before any rank
+starts it asks for the config (`snapshot_config`, or a preset), checks the
+snapshot (`check_snapshot`), builds on meta (`build`) to size checkpoints
+and exports, and reads the tokenizer (`tokenizer_file`, `tokenizer`). Each
+rank asks for the sharded model (`assemble`, with `resolve_kernels`' choice
+and `init_parameter` or `load_sharded`), and at the end for the exports of
+the sharded model (`export_hf`, `export_adapter`, collectives every rank
+calls) and a sample (`generate`). A checkpoint's manifest records
+`write_config` and `hf_prefix` of each layer, for an offline export.
+
 ## Limitations
 
 * The fields' signatures are the Llama family's; GPT-NeoX's family adapts its
-  own functions to them. The sharded exports of the job (every rank gathers)
-  are not fields yet: `save_merged` and `save_adapter` take unsharded layers.
+  own functions to them.
+* `save_merged` and `save_adapter` take unsharded layers (tests and small
+  models); the job's exports are `export_hf` and `export_adapter`.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-__all__ = ["ModelFamily"]
+from labml_zero.assembly import Assembled
+
+__all__ = ["ModelFamily", "TrainingBuild", "HF_EXPORT", "ADAPTER_EXPORT"]
+
+# The two kinds of export the job writes, as `check_export_destination` and
+# `export_bytes` name them (each export's marker file records its kind).
+HF_EXPORT, ADAPTER_EXPORT = "merged_checkpoint", "lora_adapter"
+
+
+@dataclass(frozen=True)
+class TrainingBuild:
+    """
+    ## What model the job asks `assemble` for
+    """
+
+    model: Any
+    """The family's config: the shape."""
+    kernels: str = "auto"
+    """The fused kernels by the job's flag: `auto`, `none` or names; the family
+    resolves them for the device (`resolve_kernels`)."""
+    compile: bool = False
+    """Compile each transformer layer's forward."""
+    filter_layers: Sequence[int] | None = None
+    """Keep only these transformer layers; `None` keeps all."""
 
 
 @dataclass(frozen=True)
@@ -104,9 +143,60 @@ class ModelFamily:
     """`(hf_name, tensor)` of unsharded layers, for the writers."""
     save_hf: Callable[..., Any]
     """`save_hf(dir, config, named_tensors, tokenizer=..., snapshot=...,
-    dtype=...)`: a Hugging Face checkpoint."""
+    dtype=..., marker=...)`: a Hugging Face checkpoint; `marker`, an export's
+    kind, lets a later export of that kind replace it."""
     save_merged: Callable[..., Any]
     """`save_merged(dir, config, named_tensors, lora, ...)`: the same, each
     adapter folded into its weight."""
     save_adapter: Callable[..., Any]
     """`save_adapter(dir, layers, lora)`: the adapter alone, for PEFT."""
+
+    # ### What the fine-tune job asks
+    title: str
+    """The family's name in the job's banner (`GPT-NeoX`, `Llama`)."""
+    snapshot_config: Callable[[str | os.PathLike], Any]
+    """A snapshot's `config.json`, checked, as the family's config (no tensor
+    read); one-line `CheckpointError` naming the file and the field."""
+    finetuners: tuple[str, ...]
+    """The names `finetuner` takes; `lora` alone takes options (`rank`,
+    `alpha`, `targets`)."""
+    resolve_kernels: Callable[[str, torch.device | str], Any]
+    """`resolve_kernels(spec, device)`: the job's `--kernels` (`auto`, `none` or
+    names) for `device`; the result's `loss` says whether the readout computes
+    the loss itself. `ValueError` naming an unknown kernel."""
+    assemble: Callable[..., Assembled]
+    """`assemble(build, recipe, *, device, init_param, load, probe)`: a
+    `TrainingBuild` built on meta and [assembled](assembly.html), sharded."""
+    init_parameter: Callable[[Any], Callable[[str, torch.Tensor], None]]
+    """`init_parameter(config)`: the initialiser of one parameter by its name in
+    its layer, for `assemble` (random weights, chunk by chunk)."""
+    load_sharded: Callable[[Any, nn.Module], None]
+    """`load_sharded(checkpoint, zero3_layer)`: a sharded layer's base weights
+    from `open_checkpoint`'s reader; LoRA's adapters keep their init."""
+    hf_prefix: Callable[[nn.Module], str]
+    """A layer's Hugging Face name prefix: `hf_prefix(layer) + name` is each
+    entry of its `state_dict()` in a checkpoint."""
+    tokenizer_file: Callable[[str | os.PathLike | None], Path]
+    """The `tokenizer.json` the job encodes with for a snapshot (or `None`:
+    random weights), and ships beside an export."""
+    snapshot_dtype: Callable[[str | os.PathLike], torch.dtype | None]
+    """The dtype a snapshot's `config.json` stores its weights in, or `None`."""
+    export_hf: Callable[..., Any]
+    """`export_hf(dir, model, lora, config, optimizer, *, dtype, overwrite,
+    tokenizer, snapshot)`: the sharded model as a Hugging Face checkpoint,
+    LoRA's adapters merged; every rank calls it, rank 0 writes."""
+    export_adapter: Callable[..., Any]
+    """`export_adapter(dir, model, lora, optimizer, *, base_model_name_or_path,
+    overwrite)`: the sharded model's adapters in PEFT's format; every rank
+    calls it."""
+    check_export_destination: Callable[..., Path]
+    """`check_export_destination(path, kind, *, flag, protected, need_bytes)`:
+    a directory an export of `kind` may replace (new, empty, or an earlier
+    export of that kind); `ValueError` in one line otherwise."""
+    export_bytes: Callable[[Sequence[nn.Module], str, torch.dtype], int]
+    """`export_bytes(layers, kind, dtype)`: the bytes an export writes."""
+    generate: Callable[..., str]
+    """`generate(model, tokenizer, prompt, *, n_tokens, sampling, generator,
+    device)`: a continuation of `prompt` through the sharded model."""
+    sampling: Callable[..., Any]
+    """`sampling(top_k=..., max_context=...)`: `generate`'s settings."""
