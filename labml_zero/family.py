@@ -26,20 +26,6 @@ package (`neox/family.py`, `llama/family.py`) builds one instance from its own
 functions, and [the registry](families.html) lists them. This page imports
 only torch, so both families, and the registry above them, can import it.
 
-## What the job asks, and where
-
-The [fine-tune job](finetune/job.html) imports no model package: every
-question it has of the model goes to the family its configuration picked
-(`--model`'s preset or `--checkpoint`'s `model_type`). Before any rank
-starts it asks for the config (`snapshot_config`, or a preset), checks the
-snapshot (`check_snapshot`), builds on meta (`build`) to size checkpoints
-and exports, and reads the tokenizer (`tokenizer_file`, `tokenizer`). Each
-rank asks for the sharded model (`assemble`, with `resolve_kernels`' choice
-and `init_parameter` or `load_sharded`), and at the end for the exports of
-the sharded model (`export_hf`, `export_adapter`, collectives every rank
-calls) and a sample (`generate`). A checkpoint's manifest records
-`write_config` and `hf_prefix` of each layer, for an offline export.
-
 ## Limitations
 
 * The fields' signatures are the Llama family's; GPT-NeoX's family adapts its

@@ -2,7 +2,8 @@ r"""
 ---
 title: The fine-tune's configuration
 summary: FinetuneConfig, one documented and checked field per setting of the
-  GPT-NeoX fine-tune, and presets as functions that return one.
+  fine-tune, the model's family it picks, and presets as functions that
+  return one.
 ---
 
 # The fine-tune's configuration
@@ -107,7 +108,8 @@ class FinetuneConfig:
     file's `model_type`. `None`: random weights."""
     finetune: str = field(default="all", metadata=flag(choices=FINETUNERS))
     """What trains: `'biases'` (labml-nn's BitFit-style job), `'ffn'`, `'all'` or
-    `'lora'` (low-rank adapters on a frozen base, see [LoRA](../neox/lora.html))."""
+    `'lora'` (low-rank adapters on a frozen base, see [LoRA](../neox/lora.html));
+    the Llama family has `'all'` and `'lora'`."""
     lora_rank: int = 8
     """LoRA's rank $r$ (with `finetune='lora'` only)."""
     lora_alpha: float = field(default=16.0, metadata=flag(metavar="ALPHA"))
@@ -192,7 +194,8 @@ class FinetuneConfig:
     """The model's [fused kernels](../neox/kernels.html): `auto` turns every
     fusion on with GPUs and none on CPU ([the model's
     build](../neox/build.html)); `none`; or names from `loss`, `rotary`,
-    `norms`, `bias_gelu`, comma-separated."""
+    `norms`, `bias_gelu`, comma-separated. The Llama family has none: `auto`
+    or `none`."""
     cuda_graph: bool = False
     """Record the whole training step as one CUDA graph after two eager steps
     and replay it ([the step as one CUDA

@@ -1,23 +1,35 @@
 r"""
 ---
-title: Fine-tuning GPT-NeoX with ZeRO-3
-summary: The experiment: a GPT-NeoX built layer by layer into ZeRO-3 shards, AdamFP16,
-  a scheduled learning rate, the user's data, labml tracking, sharded checkpoints
-  and a sample at the end.
+title: Fine-tuning a model family with ZeRO-3
+summary: The experiment: a model of any family (GPT-NeoX, Llama) built layer by
+  layer into ZeRO-3 shards, AdamFP16, a scheduled learning rate, the user's data,
+  labml tracking, sharded checkpoints and a sample at the end.
 ---
 
-# Fine-tuning GPT-NeoX with ZeRO-3
+# Fine-tuning a model family with ZeRO-3
 
-This page is the training job that puts the pieces together: the
-[GPT-NeoX layers](../neox/model.html), a [fine-tuner](../neox/finetuners.html)
-that decides what trains, the [ZeRO-3 engine](../zero3/index.html) that shards
-them over $N_d$ ranks, [AdamFP16](../optimizers/adam_fp16.html) on the shards at
-the rate of [the schedule](lr_schedule.html), and [the data](data.html). Its
-settings are [the configuration](config.html), its numbers ([what a step
+This page is the training job that puts the pieces together: a model's
+layers, a fine-tuner that decides what trains, the [ZeRO-3
+engine](../zero3/index.html) that shards them over $N_d$ ranks,
+[AdamFP16](../optimizers/adam_fp16.html) on the shards at the rate of [the
+schedule](lr_schedule.html), and [the data](data.html). Its settings are [the
+configuration](config.html), its numbers ([what a step
 shows](step_metrics.html)) go to [labml](tracking.html), and the command line is
 [`finetune_neox`](cli.html), which runs [the pre-flight checks](preflight.html)
 before it starts the ranks;
 `train(ctx, config)` below is what each rank runs.
+
+## The job asks the family
+
+The job imports no model package. The configuration picks a [model
+family](../family.html) (`--model`'s preset, or `--checkpoint`'s
+`config.json` `model_type`, from [the registry](../families.html)), and every
+model-specific question goes to that object: the config, the sharded model
+(`assemble`: [GPT-NeoX's layers](../neox/model.html) through
+[`build_neox`](../neox/build.html), or [Llama's](../llama/model.html)), its
+weights, the tokenizer, the exports and the sample. The step, the data
+order, the checkpoints and the tracking are the job's, the same for every
+family.
 
 ## One step
 
@@ -35,6 +47,9 @@ the mean over the whole global batch, as if one unsharded model had seen it.
 ## Limitations
 
 * Resuming needs the same global batch $B A N_d$ (the data order depends on it).
+* A model whose input and output embeddings are one matrix (tied) is
+  refused before start: `zero3_layers` has no root unit for a parameter of
+  two layers (see [the Llama family](../llama/family.html)).
 """
 
 from __future__ import annotations

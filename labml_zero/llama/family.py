@@ -28,14 +28,6 @@ override; `LLAMA` is this package's one instance. The job, given a `--model` pat
 6. at the end, write `save_hf` (LoRA's adapters folded in by `save_merged`)
    or `save_adapter` for PEFT ([saving](hf_export.html), [LoRA](lora.html)).
 
-For [the fine-tune job](../finetune/job.html) the family also assembles the
-sharded model (`assemble`: built on meta, then [`assemble`](../assembly.html)
-as GPT-NeoX's build does, with no fused kernels), initialises it one
-parameter at a time (`init_parameter`) or loads each sharded layer from the
-snapshot (`load_sharded`), and writes the job's exports of the sharded model,
-every rank gathering, rank 0 writing: `export_hf` (adapters merged) and
-`export_adapter` (PEFT's format).
-
 ## Limitations
 
 * A tied model must be sharded with `shard_model`, which keeps the tied

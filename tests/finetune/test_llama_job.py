@@ -251,3 +251,22 @@ def test_a_tied_model_is_refused_before_start(snapshots, tmp_path, capsys):
     tied = write_snapshot(tmp_path / "tied", "llama", tie_word_embeddings=True)
     err = refused(capsys, tmp_path, tied)
     assert "tie_word_embeddings" in err and "embed_tokens.weight" in err
+
+
+def test_the_offline_export_of_a_llama_checkpoint_is_the_jobs(trained):
+    """`python -m labml_zero.export` asks the family the manifest names."""
+    from safetensors.torch import load_file
+
+    from labml_zero.export import main as export_main
+
+    out = trained / "offline"
+    assert export_main([str(trained / "out" / "checkpoints" / "step-000006"),
+                        str(out)]) == 0
+    ours, jobs = (load_file(str(d / "model.safetensors"))
+                  for d in (out, trained / "export"))
+    assert ours.keys() == jobs.keys()
+    for name in ours:  # the same fp32 values, gathered two ways
+        assert torch.equal(ours[name], jobs[name]), name
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    assert (out / "tokenizer.json").read_text() == (
+        trained / "export" / "tokenizer.json").read_text()
