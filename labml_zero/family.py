@@ -76,18 +76,24 @@ class ModelFamily:
     """
     ## What the job asks of a model family
 
-    Each field is a function or a table; none holds state. The job, given a
-    `--checkpoint` path, would
+    Each field is a function or a table; none holds state. The [fine-tune
+    job](finetune/job.html), given a `--checkpoint` path,
 
-    1. pick the family by `config.json`'s `model_type` (one of `model_types`)
-       and call `check_snapshot(path)` before any rank starts;
-    2. on each rank, `build(config, device='meta')`, then `materialize(layers,
-       device)` or, per layer, `load_layer(checkpoint, layer)` into the shards;
-    3. read `tokenizer(path, config)` for its data;
-    4. size its batch with `activation_bytes`, report MFU with
-       `flops_per_token`;
-    5. call `finetuner(name, ...)` on the layers before sharding;
-    6. at the end, write `save_hf`, `save_merged` or `save_adapter`.
+    1. picks the family by `config.json`'s `model_type` (one of
+       `model_types`), reads it (`snapshot_config`) and calls
+       `check_snapshot(path)` before any rank starts;
+    2. builds on meta (`build`) to size its checkpoints and exports, and
+       reads `tokenizer(path, config)` for its data;
+    3. on each rank, `assemble`s the sharded model, marked by
+       `finetuner(name, ...)`, with `resolve_kernels`' choice, and gives it
+       weights: `init_parameter` one parameter at a time, or `load_sharded`
+       per layer from `open_checkpoint`;
+    4. at the end, writes `export_hf` and `export_adapter` from the sharded
+       model (every rank gathers) and samples with `generate`.
+
+    The other fields (`materialize`, `load_layer`, `save_hf`, `save_merged`,
+    `save_adapter`, `flops_per_token`, `activation_bytes`) serve unsharded
+    layers, the offline export and the memory budget.
     """
 
     name: str

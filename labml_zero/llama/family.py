@@ -8,25 +8,17 @@ summary: Everything the job asks of a model family (presets, config.json, build
 
 # The Llama family as one object
 
-The fine-tune job should ask a family, not import it (torchtitan's
+The fine-tune job asks a family, never imports it (torchtitan's
 ModelSpec): one frozen object names its presets, how to read and check a
 snapshot, how to build the layers on the meta device and give them weights,
-how to load a layer from a checkpoint, its tokenizer, and its cost,
-$C$ FLOPs a token ([the FLOPs page](flops.html)) and the bytes a layer keeps.
+its tokenizer, its cost ($C$ FLOPs a token, [the FLOPs page](flops.html))
+and the job's sharded build and exports.
 [`ModelFamily`](../family.html) holds functions, not a base class to
-override; `LLAMA` is this package's one instance. The job, given a `--model` path, would
-
-1. call `check_snapshot(path)` before any rank starts (one-line refusals);
-2. on each rank, `build(config, device='meta')`, then `materialize(layers,
-   device)` or, per layer, `load_layer(checkpoint, layer)` into the shards;
-3. read `tokenizer(path, config)` for its data;
-4. size its batch with `activation_bytes` and report MFU with
-   `flops_per_token`;
-5. pick its fine-tuner, `finetuner('lora', rank=..., targets=...)` (any of
-   `lora_targets`) or `finetuner('all')`, and call it on the layers before
-   sharding;
-6. at the end, write `save_hf` (LoRA's adapters folded in by `save_merged`)
-   or `save_adapter` for PEFT ([saving](hf_export.html), [LoRA](lora.html)).
+override; `LLAMA` is this package's one instance. What differs from
+GPT-NeoX's: two fine-tuners (`all`, and `lora` on any of `lora_targets`), no
+fused kernels, the tokenizer the snapshot's ([its page](tokenizer.html);
+random weights take the bundled GPT-NeoX one), and the exports' writers
+([saving](hf_export.html), [LoRA](lora.html)).
 
 ## Limitations
 

@@ -270,3 +270,21 @@ def test_the_offline_export_of_a_llama_checkpoint_is_the_jobs(trained):
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
     assert (out / "tokenizer.json").read_text() == (
         trained / "export" / "tokenizer.json").read_text()
+
+
+def test_random_weights_take_the_bundled_tokenizer_where_it_fits():
+    """A preset with random weights has no tokenizer of its own: the family
+    takes the bundled GPT-NeoX one (50,281 ids) where the embedding holds it,
+    and refuses in one line where it does not (Mistral's 32,000 rows)."""
+    from labml_zero.llama.config import llama_3_1_8b, mistral_7b
+    from labml_zero.llama.family import LLAMA
+    from labml_zero.neox.tokenizer import BUNDLED_TOKENIZER
+    from labml_zero.zero3.checkpoint import CheckpointError
+
+    assert LLAMA.tokenizer_file(None) == BUNDLED_TOKENIZER
+    tokenizer, eot = LLAMA.tokenizer(None, llama_3_1_8b())
+    assert tokenizer.id_to_token(eot) == "<|endoftext|>"
+    with pytest.raises(CheckpointError,
+                       match="more than the model's vocab_size=32000; give "
+                             "--checkpoint"):
+        LLAMA.tokenizer(None, mistral_7b())
