@@ -2,7 +2,7 @@ r"""
 ---
 title: A saved checkpoint to Hugging Face
 summary: python -m labml_zero.export CHECKPOINT DIR writes any sharded checkpoint
-  of the fine-tune as a Hugging Face GPT-NeoX checkpoint with its tokenizer,
+  of the fine-tune as a Hugging Face checkpoint of its family with its tokenizer,
   streamed one tensor at a time, with no process group.
 ---
 
@@ -14,10 +14,13 @@ python -m labml_zero.export out/checkpoints/step-000120 my-model
 
 The fine-tune's [exports](neox/lora_export.html) run at the end of a job; this
 command does the same for a [sharded checkpoint](zero3/checkpoint/index.html)
-already on disk, whatever was fine-tuned (`all`, `ffn`, `biases`, or LoRA,
-whose adapters are merged into their weights). It needs no GPU and no ranks:
+already on disk, of any [family](families.html) (the recorded `config.json`'s
+`model_type` names it, and the family writes it), whatever was fine-tuned
+(`all`, `ffn`, `biases`, or LoRA, whose adapters are merged into their
+weights). It needs no GPU and no ranks:
 each parameter is assembled from the ranks' files, cast to the export's dtype
-and handed to [the Hugging Face writer](neox/hf_checkpoint.html), which holds
+and handed to the family's Hugging Face writer (GPT-NeoX's is
+[its checkpoint page](neox/hf_checkpoint.html)), which holds
 one output shard. So the host's memory is bounded by
 
 $$M \approx \max_p |p| + B_\text{shard},$$
@@ -44,28 +47,26 @@ one is one line and exit status 2.
 
 * A checkpoint saved before the manifest recorded `export` cannot be exported
   here: its model's head count and rotary settings are not in its shapes.
-* Module buffers are not exported (the engine does not shard them); GPT-NeoX
-  has none that a checkpoint needs.
+* Module buffers are not exported (the engine does not shard them); neither
+  family has one that a checkpoint needs.
+* The Llama family's writer adds the export marker just after its rename (see
+  [its page](llama/family.html)).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import re
 import sys
 from pathlib import Path
 
 import torch
 
-from labml_zero.neox.config import from_hf_config
-from labml_zero.neox.hf_checkpoint import save_hf_checkpoint
-from labml_zero.neox.lora import ADAPTER_NAMES, FineTuneLoRA
-from labml_zero.neox.lora_export import (EXPORT_MARKER, MERGED,
-                                         ExportDestinationError,
-                                         check_export_destination, marker_text,
-                                         merged)
-from labml_zero.neox.model import build_layers, hf_prefix
-from labml_zero.neox.side_files import hf_side_files
+from tokenizers import Tokenizer
+
+from labml_zero.families import family_for_model_type
+from labml_zero.family import HF_EXPORT
 from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
                                          prefix_rename, saved_tensors)
 
@@ -111,14 +112,19 @@ class ExportPlan:
             raise ExportError(f"CHECKPOINT {args.checkpoint} records no model to "
                               f"export (saved before the manifest kept one)")
         try:
-            self.config = from_hf_config(record["hf_config"])
+            hf_config = record["hf_config"]
+            # the family the job asked: its `config.json`'s `model_type`
+            # (GPT-NeoX's writer has always named it)
+            self.family = family_for_model_type(hf_config["model_type"])
+            self.config = self.family.read_config(hf_config)
         except (KeyError, TypeError, ValueError) as error:
             raise ExportError(f"CHECKPOINT {args.checkpoint}: its recorded model "
                               f"config is not valid ({error})") from None
         self.rename = prefix_rename(record["prefixes"])
         lora = record.get("lora")
-        self.lora = FineTuneLoRA(rank=lora["rank"], alpha=lora["alpha"],
-                                 targets=tuple(lora["targets"])) if lora else None
+        self.lora = self.family.finetuner(
+            "lora", rank=lora["rank"], alpha=lora["alpha"],
+            targets=tuple(lora["targets"])) if lora else None
         self.dtype = DTYPES[args.dtype or record["dtype"]]
         self.check_whole_model(args.checkpoint)
         # every digest now, so a changed file is one line, not a failed write
@@ -127,17 +133,22 @@ class ExportPlan:
         if not tokenizer.is_file():
             raise ExportError(f"--tokenizer {tokenizer} not found (the job's "
                               f"tokenizer file; give its new place)")
-        snapshot = record.get("snapshot")
         try:
-            self.side_files = hf_side_files(
-                tokenizer, snapshot if snapshot and Path(snapshot).is_dir() else None)
+            text = (gzip.decompress(tokenizer.read_bytes()).decode()
+                    if tokenizer.suffix == ".gz" else tokenizer.read_text())
+            Tokenizer.from_str(text)
         except Exception as error:  # tokenizers raises a bare `Exception`
             raise ExportError(f"--tokenizer {tokenizer} does not load: "
                               f"{str(error).splitlines()[0]}") from None
-        need = sum(n * self.dtype.itemsize for n in self.numels.values())
-        self.out = check_export_destination(
-            args.out, MERGED, flag="DIR", need_bytes=need,
-            protected={"CHECKPOINT": args.checkpoint})
+        snapshot = record.get("snapshot")
+        self.tokenizer = tokenizer
+        self.snapshot = snapshot if snapshot and Path(snapshot).is_dir() else None
+        try:
+            self.out = self.family.check_export_destination(
+                args.out, HF_EXPORT, flag="DIR", need_bytes=self.need_bytes,
+                protected={"CHECKPOINT": args.checkpoint})
+        except ValueError as error:  # the exports' `ExportDestinationError`
+            raise ExportError(str(error)) from None
         self.max_shard_bytes = args.max_shard_size
 
     def check_whole_model(self, path) -> None:
@@ -147,11 +158,12 @@ class ExportPlan:
         From the manifest's names and shapes alone (no tensor is read). A run
         with `--filter-layers` saved only some layers: not a model to release.
         """
-        expected = {hf_prefix(layer) + name: tuple(t.shape)
-                    for layer in build_layers(self.config, device="meta")
-                    for name, t in layer.state_dict().items()}
-        saved = {self.rename(name): p.shape for name, p in self.reader.params.items()
-                 if name.rpartition(".")[2] not in ADAPTER_NAMES}
+        layers = self.family.build(self.config, device="meta")
+        if self.lora is not None:
+            self.lora(layers)  # the adapters were saved too
+        expected = {self.family.hf_prefix(layer) + name: tuple(t.shape)
+                    for layer in layers for name, t in layer.state_dict().items()}
+        saved = {self.rename(name): p.shape for name, p in self.reader.params.items()}
         missing = sorted(expected.keys() - saved.keys())
         if missing:
             raise ExportError(f"CHECKPOINT {path} has no {missing[0]!r} (and "
@@ -161,8 +173,8 @@ class ExportPlan:
             if expected.get(name) != shape:
                 raise ExportError(f"CHECKPOINT {path}: {name!r} has shape {shape}, "
                                   f"its config.json implies {expected.get(name)}")
-        self.numels = {name: torch.Size(shape).numel()
-                       for name, shape in expected.items()}
+        # $p\Psi$, adapters left out: they are folded into their weights
+        self.need_bytes = self.family.export_bytes(layers, HF_EXPORT, self.dtype)
 
     def run(self) -> Path:
         """
@@ -173,13 +185,13 @@ class ExportPlan:
         shard.
         """
         tensors = saved_tensors(self.reader, rename=self.rename)
+        options = dict(tokenizer=self.tokenizer, snapshot=self.snapshot,
+                       dtype=self.dtype, max_shard_bytes=self.max_shard_bytes,
+                       overwrite=True, marker=HF_EXPORT)
         if self.lora is not None:
-            tensors = merged(tensors, self.lora, dtype=self.dtype)
-        return save_hf_checkpoint(self.out, self.config, tensors, dtype=self.dtype,
-                                  max_shard_bytes=self.max_shard_bytes,
-                                  overwrite=True,
-                                  extra_files={**self.side_files,
-                                               EXPORT_MARKER: marker_text(MERGED)})
+            return self.family.save_merged(self.out, self.config, tensors,
+                                           self.lora, **options)
+        return self.family.save_hf(self.out, self.config, tensors, **options)
 
 
 def plan_export(argv: list[str] | None = None) -> ExportPlan:
@@ -191,7 +203,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m labml_zero.export",
         description="Write a sharded checkpoint of the fine-tune as a Hugging "
-                    "Face GPT-NeoX checkpoint (safetensors, config.json, "
+                    "Face checkpoint of its family (safetensors, config.json, "
                     "tokenizer), one tensor at a time.")
     p.add_argument("checkpoint", metavar="CHECKPOINT",
                    help="a sharded checkpoint directory (out/checkpoints/step-N)")
@@ -214,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status 0, or 2 with one line for bad input found before writing."""
     try:
         plan = plan_export(argv)
-    except (ExportError, CheckpointError, ExportDestinationError) as error:
+    except (ExportError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     out = plan.run()

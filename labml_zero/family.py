@@ -29,21 +29,46 @@ only torch, so both families, and the registry above them, can import it.
 ## Limitations
 
 * The fields' signatures are the Llama family's; GPT-NeoX's family adapts its
-  own functions to them. The sharded exports of the job (every rank gathers)
-  are not fields yet: `save_merged` and `save_adapter` take unsharded layers.
+  own functions to them.
+* `save_merged` and `save_adapter` take unsharded layers (tests and small
+  models); the job's exports are `export_hf` and `export_adapter`.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-__all__ = ["ModelFamily"]
+from labml_zero.assembly import Assembled
+
+__all__ = ["ModelFamily", "TrainingBuild", "HF_EXPORT", "ADAPTER_EXPORT"]
+
+# The two kinds of export the job writes, as `check_export_destination` and
+# `export_bytes` name them (each export's marker file records its kind).
+HF_EXPORT, ADAPTER_EXPORT = "merged_checkpoint", "lora_adapter"
+
+
+@dataclass(frozen=True)
+class TrainingBuild:
+    """
+    ## What model the job asks `assemble` for
+    """
+
+    model: Any
+    """The family's config: the shape."""
+    kernels: str = "auto"
+    """The fused kernels by the job's flag: `auto`, `none` or names; the family
+    resolves them for the device (`resolve_kernels`)."""
+    compile: bool = False
+    """Compile each transformer layer's forward."""
+    filter_layers: Sequence[int] | None = None
+    """Keep only these transformer layers; `None` keeps all."""
 
 
 @dataclass(frozen=True)
@@ -51,18 +76,24 @@ class ModelFamily:
     """
     ## What the job asks of a model family
 
-    Each field is a function or a table; none holds state. The job, given a
-    `--checkpoint` path, would
+    Each field is a function or a table; none holds state. The [fine-tune
+    job](finetune/job.html), given a `--checkpoint` path,
 
-    1. pick the family by `config.json`'s `model_type` (one of `model_types`)
-       and call `check_snapshot(path)` before any rank starts;
-    2. on each rank, `build(config, device='meta')`, then `materialize(layers,
-       device)` or, per layer, `load_layer(checkpoint, layer)` into the shards;
-    3. read `tokenizer(path, config)` for its data;
-    4. size its batch with `activation_bytes`, report MFU with
-       `flops_per_token`;
-    5. call `finetuner(name, ...)` on the layers before sharding;
-    6. at the end, write `save_hf`, `save_merged` or `save_adapter`.
+    1. picks the family by `config.json`'s `model_type` (one of
+       `model_types`), reads it (`snapshot_config`) and calls
+       `check_snapshot(path)` before any rank starts;
+    2. builds on meta (`build`) to size its checkpoints and exports, and
+       reads `tokenizer(path, config)` for its data;
+    3. on each rank, `assemble`s the sharded model, marked by
+       `finetuner(name, ...)`, with `resolve_kernels`' choice, and gives it
+       weights: `init_parameter` one parameter at a time, or `load_sharded`
+       per layer from `open_checkpoint`;
+    4. at the end, writes `export_hf` and `export_adapter` from the sharded
+       model (every rank gathers) and samples with `generate`.
+
+    The other fields (`materialize`, `load_layer`, `save_hf`, `save_merged`,
+    `save_adapter`, `flops_per_token`, `activation_bytes`) serve unsharded
+    layers, the offline export and the memory budget.
     """
 
     name: str
@@ -104,9 +135,60 @@ class ModelFamily:
     """`(hf_name, tensor)` of unsharded layers, for the writers."""
     save_hf: Callable[..., Any]
     """`save_hf(dir, config, named_tensors, tokenizer=..., snapshot=...,
-    dtype=...)`: a Hugging Face checkpoint."""
+    dtype=..., marker=...)`: a Hugging Face checkpoint; `marker`, an export's
+    kind, lets a later export of that kind replace it."""
     save_merged: Callable[..., Any]
     """`save_merged(dir, config, named_tensors, lora, ...)`: the same, each
     adapter folded into its weight."""
     save_adapter: Callable[..., Any]
     """`save_adapter(dir, layers, lora)`: the adapter alone, for PEFT."""
+
+    # ### What the fine-tune job asks
+    title: str
+    """The family's name in the job's banner (`GPT-NeoX`, `Llama`)."""
+    snapshot_config: Callable[[str | os.PathLike], Any]
+    """A snapshot's `config.json`, checked, as the family's config (no tensor
+    read); one-line `CheckpointError` naming the file and the field."""
+    finetuners: tuple[str, ...]
+    """The names `finetuner` takes; `lora` alone takes options (`rank`,
+    `alpha`, `targets`)."""
+    resolve_kernels: Callable[[str, torch.device | str], Any]
+    """`resolve_kernels(spec, device)`: the job's `--kernels` (`auto`, `none` or
+    names) for `device`; the result's `loss` says whether the readout computes
+    the loss itself. `ValueError` naming an unknown kernel."""
+    assemble: Callable[..., Assembled]
+    """`assemble(build, recipe, *, device, init_param, load, probe)`: a
+    `TrainingBuild` built on meta and [assembled](assembly.html), sharded."""
+    init_parameter: Callable[[Any], Callable[[str, torch.Tensor], None]]
+    """`init_parameter(config)`: the initialiser of one parameter by its name in
+    its layer, for `assemble` (random weights, chunk by chunk)."""
+    load_sharded: Callable[[Any, nn.Module], None]
+    """`load_sharded(checkpoint, zero3_layer)`: a sharded layer's base weights
+    from `open_checkpoint`'s reader; LoRA's adapters keep their init."""
+    hf_prefix: Callable[[nn.Module], str]
+    """A layer's Hugging Face name prefix: `hf_prefix(layer) + name` is each
+    entry of its `state_dict()` in a checkpoint."""
+    tokenizer_file: Callable[[str | os.PathLike | None], Path]
+    """The `tokenizer.json` the job encodes with for a snapshot (or `None`:
+    random weights), and ships beside an export."""
+    snapshot_dtype: Callable[[str | os.PathLike], torch.dtype | None]
+    """The dtype a snapshot's `config.json` stores its weights in, or `None`."""
+    export_hf: Callable[..., Any]
+    """`export_hf(dir, model, lora, config, optimizer, *, dtype, overwrite,
+    tokenizer, snapshot)`: the sharded model as a Hugging Face checkpoint,
+    LoRA's adapters merged; every rank calls it, rank 0 writes."""
+    export_adapter: Callable[..., Any]
+    """`export_adapter(dir, model, lora, optimizer, *, base_model_name_or_path,
+    overwrite)`: the sharded model's adapters in PEFT's format; every rank
+    calls it."""
+    check_export_destination: Callable[..., Path]
+    """`check_export_destination(path, kind, *, flag, protected, need_bytes)`:
+    a directory an export of `kind` may replace (new, empty, or an earlier
+    export of that kind); `ValueError` in one line otherwise."""
+    export_bytes: Callable[[Sequence[nn.Module], str, torch.dtype], int]
+    """`export_bytes(layers, kind, dtype)`: the bytes an export writes."""
+    generate: Callable[..., str]
+    """`generate(model, tokenizer, prompt, *, n_tokens, sampling, generator,
+    device)`: a continuation of `prompt` through the sharded model."""
+    sampling: Callable[..., Any]
+    """`sampling(top_k=..., max_context=...)`: `generate`'s settings."""

@@ -56,11 +56,39 @@ def test_a_preset_finds_its_family():
 
 
 def test_the_job_asks_the_registrys_family():
-    from labml_zero.finetune.config import FAMILY, MODEL_PRESETS, FinetuneConfig
+    from labml_zero.finetune.config import (FAMILY, FINETUNERS, MODEL_PRESETS,
+                                            FinetuneConfig)
 
     assert FAMILY is family_for_model_type("gpt_neox")
-    assert MODEL_PRESETS == dict(FAMILY.presets)
-    config = FinetuneConfig(finetune="lora", lora_rank=4, lora_alpha=8.0)
-    assert config.lora_targets == FAMILY.lora_targets
-    assert config.tuner() == FAMILY.finetuner("lora", rank=4, alpha=8.0,
-                                              targets=FAMILY.lora_targets)
+    # every family's presets, each picking its family
+    assert MODEL_PRESETS == {**NEOX.presets, **LLAMA.presets}
+    assert FINETUNERS == NEOX.finetuners
+    assert set(LLAMA.finetuners) <= set(FINETUNERS)
+    for family, model in ((NEOX, "tiny"), (LLAMA, "smollm2-135m")):
+        config = FinetuneConfig(model=model, finetune="lora", lora_rank=4,
+                                lora_alpha=8.0)
+        assert config.family is family
+        # no --lora-targets: every projection of the family
+        assert config.lora_targets == family.lora_targets
+        assert config.tuner() == family.finetuner("lora", rank=4, alpha=8.0,
+                                                  targets=family.lora_targets)
+
+
+def test_a_family_refuses_what_it_has_not_in_one_line():
+    from labml_zero.finetune.config import FinetuneConfig
+
+    with pytest.raises(ValueError, match="'biases' is not a fine-tuner of the "
+                                         "llama family; expected one of all, lora"):
+        FinetuneConfig(model="smollm2-135m", finetune="biases")
+    with pytest.raises(ValueError, match="unknown projection 'query_key_value'"):
+        FinetuneConfig(model="smollm2-135m", finetune="lora",
+                       lora_targets=("query_key_value",))
+    with pytest.raises(ValueError, match="kernels 'loss'.*no fused kernels"):
+        FinetuneConfig(model="smollm2-135m", kernels="loss")
+
+
+def test_the_export_kinds_are_the_export_pages():
+    from labml_zero.family import ADAPTER_EXPORT, HF_EXPORT
+    from labml_zero.neox.lora_export import ADAPTER, MERGED
+
+    assert (HF_EXPORT, ADAPTER_EXPORT) == (MERGED, ADAPTER)

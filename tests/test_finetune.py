@@ -27,6 +27,7 @@ from labml_zero.finetune.cli import make_parser, main, parse_config
 from labml_zero.finetune.job import (FinetuneConfig, NonFiniteLoss, Totals,
                                      check_loss, laptop, neox_20b_biases)
 from labml_zero.neox.model import tiny as neox_tiny
+from labml_zero.neox.tokenizer import load_tokenizer
 from tests import tolerance
 from tests.distributed import skip_job_without_gpus
 from tests.tolerance import neox_terms
@@ -225,7 +226,8 @@ def test_hugging_face_weights_are_loaded(tmp_path: Path):
         # ignored the checkpoint could not match it by chance.
         layers[-1].embed_out.weight.mul_(30.0)
     save_hf_checkpoint(tmp_path / "hf", config, hf_named_tensors(layers))
-    valid = load_datasets(seq_len=32).valid.batch(list(range(16)))
+    valid = load_datasets(seq_len=32, tokenizer=load_tokenizer()).valid.batch(
+        list(range(16)))
     with torch.no_grad():
         logits = torch.nn.Sequential(*layers)(valid.inputs)
         expected = F.cross_entropy(logits.flatten(0, 1), valid.targets.flatten())

@@ -11,48 +11,33 @@ summary: `python -m labml_zero.finetune` picks the model family from `--model`
 `python -m labml_zero.finetune` is [the fine-tune's command line](cli.html)
 with one question asked first: which [family](../families.html)? A `--model`
 preset names its family; a `--checkpoint` directory names it in its
-`config.json`'s `model_type`. A family the job trains goes on to the command
-line; any other, or a `model_type` no family reads, is one line and exit 2,
-before anything starts.
+`config.json`'s `model_type`. Every family goes on to the command line,
+whose job asks the family for everything model-specific; a `model_type` no
+family reads, or a `config.json` without one, is one line and exit 2, before
+anything starts.
 
 ## Limitations
 
-* The job trains GPT-NeoX only: a Llama-family preset or checkpoint is
-  refused (it would need the family's sharded build, exports and sampling).
+* Unlike `python -m labml_zero.finetune_neox`, which reads a `config.json`
+  without `model_type` as GPT-NeoX's, this command needs the field.
+* A tied model (`tie_word_embeddings`) is refused before start: the job
+  shards with `zero3_layers`, which has no root unit for a shared matrix.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from labml_zero.families import UnknownFamily, family_for_model_type, family_for_preset
 from labml_zero.finetune.cli import main as job_main
-from labml_zero.finetune.config import FAMILY
+from labml_zero.finetune.config import snapshot_model_type
 
 __all__ = ["main"]
 
 # Refusals name this command; what passes on prints the job's own usage.
 PROG = "python -m labml_zero.finetune"
-
-
-def model_type(checkpoint: str) -> str:
-    """`config.json`'s `model_type`; `ValueError` naming the file otherwise."""
-    path = Path(checkpoint) / "config.json"
-    try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"--checkpoint {checkpoint}: no config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"--checkpoint {checkpoint}: config.json does not read: "
-                         f"{' '.join(str(e).split())}") from None
-    if not isinstance(value, dict) or not isinstance(value.get("model_type"), str):
-        raise ValueError(f"--checkpoint {checkpoint}: config.json has no "
-                         f"'model_type' string")
-    return value["model_type"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,19 +55,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     known, _ = first.parse_known_args(argv)
     try:
         if known.checkpoint is not None:
-            kind = model_type(known.checkpoint)
-            family, source = family_for_model_type(kind), f"model_type {kind!r}"
+            family_for_model_type(snapshot_model_type(known.checkpoint))
         elif known.model is not None:
-            family, source = family_for_preset(known.model), f"--model {known.model}"
-        else:
-            family, source = FAMILY, ""
+            family_for_preset(known.model)
     except (ValueError, UnknownFamily) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    if family is not FAMILY:
-        print(f"{PROG}: error: {source} is the {family.name} family, not yet "
-              f"supported by the job; supported: {FAMILY.name}", file=sys.stderr)
-        return 2
+    # the job's configuration picks the same family again (`FinetuneConfig.family`)
     return job_main(argv)
 
 

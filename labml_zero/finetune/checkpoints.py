@@ -19,8 +19,8 @@ optimizer state, the job saves small global state as `extra` (rank 0 writes it):
 
 Its manifest's `meta` also holds `export`, what `python -m labml_zero.export`
 needs to write the checkpoint as a Hugging Face one with no other input
-(`export_meta`): the model's `config.json`, each layer's Hugging Face name
-prefix, LoRA's rank, $\alpha$ and targets, the tokenizer and the dtype.
+(`export_meta`): the model's `config.json` (which names its family),
+each layer's Hugging Face name prefix, LoRA's rank, $\alpha$ and targets, the tokenizer and the dtype.
 
 ## Flags override saved settings
 
@@ -53,8 +53,6 @@ import dataclasses
 from pathlib import Path
 
 from labml_zero.launch import ranks_text
-from labml_zero.neox.model import hf_prefix, to_hf_config
-from labml_zero.neox.tokenizer import job_tokenizer_path
 from labml_zero.zero3.checkpoint import (CheckpointReader, load_checkpoint,
                                          prune_checkpoints, save_checkpoint)
 
@@ -162,14 +160,15 @@ def export_meta(config, model) -> dict:
     `dtype` the export's (`FinetuneConfig.export_dtype`).
     """
     training = config.torch_dtype(model.runtime.comm.device)
+    family = config.family
     lora = None
     if config.finetune == "lora":
         lora = {"rank": config.lora_rank, "alpha": config.lora_alpha,
                 "targets": list(config.lora_targets)}
-    return {"hf_config": to_hf_config(config.model_config()),
-            "prefixes": [hf_prefix(layer.module) for layer in model.layers],
+    return {"hf_config": family.write_config(config.model_config()),
+            "prefixes": [family.hf_prefix(layer.module) for layer in model.layers],
             "lora": lora,
-            "tokenizer": str(job_tokenizer_path(config.checkpoint).resolve()),
+            "tokenizer": str(family.tokenizer_file(config.checkpoint).resolve()),
             "snapshot": (str(Path(config.checkpoint).resolve())
                          if config.checkpoint else None),
             "dtype": str(config.export_dtype(training)).removeprefix("torch.")}

@@ -2,7 +2,8 @@ r"""
 ---
 title: The fine-tune's configuration
 summary: FinetuneConfig, one documented and checked field per setting of the
-  GPT-NeoX fine-tune, and presets as functions that return one.
+  fine-tune, the model's family it picks, and presets as functions that
+  return one.
 ---
 
 # The fine-tune's configuration
@@ -26,32 +27,54 @@ the world size $N_d$, which is the launcher's, not the config's.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from labml_zero.app.client import check_app_url
-from labml_zero.families import family_for_model_type
+from labml_zero.families import (FAMILIES, family_for_model_type,
+                                 family_for_preset)
+from labml_zero.family import ModelFamily
 from labml_zero.finetune.lr_schedule import SCHEDULES, LRSchedule
-from labml_zero.neox.build import resolve_kernels
-from labml_zero.neox.config import NeoXConfig
-from labml_zero.neox.finetuners import FINETUNERS
-from labml_zero.neox.hf_checkpoint import config_from_hf
-from labml_zero.neox.side_files import snapshot_dtype
 
 __all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "FAMILY",
-           "MODEL_PRESETS", "DTYPES", "FINETUNERS"]
+           "MODEL_PRESETS", "DTYPES", "FINETUNERS", "snapshot_model_type"]
 
-# The job trains the GPT-NeoX family; what it asks of the model it asks this
-# object ([the family](../family.html)), as a later job of any family will.
+# The default family, GPT-NeoX: the laptop run's, and a snapshot's whose
+# `config.json` names no `model_type` (GPT-NeoX's reader defaults it).
 FAMILY = family_for_model_type("gpt_neox")
 
-# `--model` names → the family's preset functions (see
-# [the configuration page](../neox/config.html)).
-MODEL_PRESETS = dict(FAMILY.presets)
+# `--model` names → every family's preset functions, in registry order (see
+# [the registry](../families.html)); the name picks the family.
+MODEL_PRESETS = {name: preset for family in FAMILIES
+                 for name, preset in family.presets.items()}
+
+# Every family's fine-tuner names, in registry order; a family refuses those
+# it has not (`check_family`).
+FINETUNERS = tuple(dict.fromkeys(name for family in FAMILIES
+                                 for name in family.finetuners))
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def snapshot_model_type(checkpoint: str) -> str:
+    """`config.json`'s `model_type`; `ValueError` naming the file otherwise."""
+    path = Path(checkpoint) / "config.json"
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--checkpoint {checkpoint}: no config.json") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--checkpoint {checkpoint}: config.json does not read: "
+                         f"{' '.join(str(e).split())}") from None
+    if not isinstance(value, dict) or not isinstance(value.get("model_type"), str):
+        raise ValueError(f"--checkpoint {checkpoint}: config.json has no "
+                         f"'model_type' string")
+    return value["model_type"]
 
 
 def flag(**options) -> dict:
@@ -79,19 +102,24 @@ class FinetuneConfig:
     model: str = field(default="tiny", metadata=flag(choices=tuple(MODEL_PRESETS)))
     """A key of `MODEL_PRESETS`; ignored when `checkpoint` is given."""
     checkpoint: str | None = field(default=None, metadata=flag(metavar="DIR"))
-    """A Hugging Face GPT-NeoX/Pythia directory (`config.json` and safetensors);
-    the model's shape comes from its `config.json`. `None`: random weights."""
+    """A Hugging Face snapshot directory (`config.json` and safetensors) of any
+    family: GPT-NeoX/Pythia, Llama, Qwen 2, Mistral;
+    the model's shape comes from its `config.json`, and its family from that
+    file's `model_type`. `None`: random weights."""
     finetune: str = field(default="all", metadata=flag(choices=FINETUNERS))
     """What trains: `'biases'` (labml-nn's BitFit-style job), `'ffn'`, `'all'` or
-    `'lora'` (low-rank adapters on a frozen base, see [LoRA](../neox/lora.html))."""
+    `'lora'` (low-rank adapters on a frozen base, see [LoRA](../neox/lora.html));
+    the Llama family has `'all'` and `'lora'`."""
     lora_rank: int = 8
     """LoRA's rank $r$ (with `finetune='lora'` only)."""
     lora_alpha: float = field(default=16.0, metadata=flag(metavar="ALPHA"))
     r"""LoRA's $\alpha$: the adapters' update is scaled by $\alpha / r$."""
-    lora_targets: tuple[str, ...] = field(default=FAMILY.lora_targets,
-                                          metadata=flag(metavar="NAMES"))
-    """The projections LoRA adapts, comma-separated on the command line: some of
-    `query_key_value`, `dense`, `dense_h_to_4h`, `dense_4h_to_h`."""
+    lora_targets: tuple[str, ...] | None = field(default=None,
+                                                 metadata=flag(metavar="NAMES"))
+    """The projections LoRA adapts, comma-separated on the command line; `None`:
+    every one the family has. GPT-NeoX's are `query_key_value`, `dense`,
+    `dense_h_to_4h`, `dense_4h_to_h`; Llama's `q_proj`, `k_proj`, `v_proj`,
+    `o_proj`, `gate_proj`, `up_proj`, `down_proj`."""
     export_hf: str | None = field(default=None, metadata=flag(metavar="DIR"))
     """At the end, write the fine-tuned model here as a Hugging Face
     checkpoint with its tokenizer, for any `finetune` (LoRA's adapters merged
@@ -166,7 +194,8 @@ class FinetuneConfig:
     """The model's [fused kernels](../neox/kernels.html): `auto` turns every
     fusion on with GPUs and none on CPU ([the model's
     build](../neox/build.html)); `none`; or names from `loss`, `rotary`,
-    `norms`, `bias_gelu`, comma-separated."""
+    `norms`, `bias_gelu`, comma-separated. The Llama family has none: `auto`
+    or `none`."""
     cuda_graph: bool = False
     """Record the whole training step as one CUDA graph after two eager steps
     and replay it ([the step as one CUDA
@@ -285,9 +314,11 @@ class FinetuneConfig:
             raise ValueError("offload_params needs offload_optimizer=1 (a shard in "
                              "host memory is updated there)")
         try:
-            resolve_kernels(self.kernels, "cpu")  # the names, whatever the device
-        except ValueError as e:
-            raise ValueError(f"kernels {self.kernels!r}: {e}") from None
+            family = self.family
+        except ValueError:
+            family = None  # the snapshot's config.json: `model_config` says why
+        if family is not None:
+            self.check_family(family)
         if self.app_url is not None:
             try:
                 check_app_url(self.app_url)
@@ -375,16 +406,8 @@ class FinetuneConfig:
         if not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
             raise ValueError(f"lora_alpha must be a finite number > 0, got "
                              f"{self.lora_alpha}")
-        if not self.lora_targets:
+        if self.lora_targets is not None and not self.lora_targets:
             raise ValueError("lora_targets must name at least one projection")
-        unknown = [t for t in self.lora_targets if t not in FAMILY.lora_targets]
-        if unknown:
-            raise ValueError(f"lora_targets names an unknown projection "
-                             f"{unknown[0]!r}; "
-                             f"expected some of {', '.join(FAMILY.lora_targets)}")
-        if len(set(self.lora_targets)) != len(self.lora_targets):
-            raise ValueError(f"lora_targets names a projection twice: "
-                             f"{','.join(self.lora_targets)}")
         for name in ("export_merged", "export_adapter"):
             if getattr(self, name) is not None and self.finetune != "lora":
                 raise ValueError(f"{name} needs finetune 'lora' (only adapters "
@@ -404,29 +427,80 @@ class FinetuneConfig:
             raise ValueError(f"{name} and export_adapter must be different "
                              "directories")
 
+    @property
+    def family(self) -> ModelFamily:
+        """
+        ### The model's family: the job asks it, never a model package
+
+        `checkpoint`'s `config.json` names it by `model_type`; a file that
+        names none (or does not read) is the default family's to judge, as
+        GPT-NeoX's reader always has. Without a checkpoint, the `model`
+        preset's family. `ValueError` for a `model_type` no family reads.
+        """
+        if self.checkpoint is not None:
+            try:
+                model_type = snapshot_model_type(self.checkpoint)
+            except ValueError:
+                return FAMILY
+            return family_for_model_type(model_type)
+        return family_for_preset(self.model)
+
+    def check_family(self, family: ModelFamily) -> None:
+        """
+        #### The fields the family judges
+
+        The fine-tuner's name, LoRA's targets (`None` becomes every one the
+        family has) and the kernels' names, each in one line naming the family.
+        """
+        if self.finetune not in family.finetuners:
+            raise ValueError(f"finetune {self.finetune!r} is not a fine-tuner of "
+                             f"the {family.name} family; expected one of "
+                             f"{', '.join(family.finetuners)}")
+        if self.lora_targets is None:
+            object.__setattr__(self, "lora_targets", family.lora_targets)
+        unknown = [t for t in self.lora_targets if t not in family.lora_targets]
+        if unknown:
+            raise ValueError(f"lora_targets names an unknown projection "
+                             f"{unknown[0]!r}; "
+                             f"expected some of {', '.join(family.lora_targets)}")
+        if len(set(self.lora_targets)) != len(self.lora_targets):
+            raise ValueError(f"lora_targets names a projection twice: "
+                             f"{','.join(self.lora_targets)}")
+        try:
+            family.resolve_kernels(self.kernels, "cpu")  # names, whatever the device
+        except ValueError as e:
+            raise ValueError(f"kernels {self.kernels!r}: {e}") from None
+
     def tuner(self):
         """
         #### The fine-tuner of `finetune`
 
-        `FineTuneLoRA` with the `lora_*` fields for `'lora'`; the others take no
-        options.
+        The family's LoRA with the `lora_*` fields for `'lora'`; the others take
+        no options.
         """
+        family = self.family
         if self.finetune == "lora":
-            return FAMILY.finetuner("lora", rank=self.lora_rank,
+            if self.lora_targets is None:
+                self.check_family(family)
+            return family.finetuner("lora", rank=self.lora_rank,
                                     alpha=self.lora_alpha, targets=self.lora_targets)
-        return FAMILY.finetuner(self.finetune)
+        return family.finetuner(self.finetune)
 
-    def model_config(self) -> NeoXConfig:
+    def model_config(self) -> Any:
         """
         ### The model's shape
 
-        From the checkpoint's `config.json` or the preset; checks `filter_layers`
-        and `seq_len` against it (cheap: reads one small JSON file at most).
+        From the checkpoint's `config.json` (the family's `snapshot_config`,
+        one line naming the file and field it refuses) or the preset; checks
+        the family's fields, `filter_layers` and `seq_len` against it (cheap:
+        reads one small JSON file at most).
         """
+        family = self.family
         if self.checkpoint is not None:
-            config = config_from_hf(self.checkpoint)
+            config = family.snapshot_config(self.checkpoint)
         else:
             config = MODEL_PRESETS[self.model]()
+        self.check_family(family)
         if self.filter_layers is not None:
             bad = [i for i in self.filter_layers if i >= config.n_layers]
             if bad:
@@ -444,7 +518,8 @@ class FinetuneConfig:
 
     def export_dtype(self, training: torch.dtype) -> torch.dtype:
         """`export_hf`'s dtype: the base snapshot's, else `training`'s."""
-        base = snapshot_dtype(self.checkpoint) if self.checkpoint else None
+        base = (self.family.snapshot_dtype(self.checkpoint) if self.checkpoint
+                else None)
         return base or training
 
 

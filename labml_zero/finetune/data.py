@@ -17,8 +17,10 @@ only map the file, so they start in seconds whatever the corpus size.
 
 It decides, in order:
 
-1. **the tokenizer**: `--checkpoint`'s own `tokenizer.json` when it has one,
-   else the bundled GPT-NeoX-20B one, and refuses a vocabulary of $V$ ids that
+1. **the tokenizer**, the [family](../family.html)'s: `--checkpoint`'s own
+   `tokenizer.json` (GPT-NeoX's may lack one), else, for random weights, the
+   bundled GPT-NeoX-20B one, with its end-of-text id; it refuses a
+   vocabulary of $V$ ids that
    does not fit the model's embedding of $V_e$ rows ($V > V_e$: an id past the
    embedding would index outside it);
 2. **the datasets** (see [the dataset](dataset.html)): the corpus read, checked
@@ -46,9 +48,9 @@ from tokenizers import Tokenizer
 
 from labml_zero.finetune.corpus import DataError
 from labml_zero.finetune.dataset import TextDataset, load_datasets
-from labml_zero.finetune.token_file import TokenCache
+from labml_zero.finetune.token_file import TokenCache, vocab_size
 from labml_zero.launch import ranks_text
-from labml_zero.neox.tokenizer import job_tokenizer_path, load_tokenizer, vocab_size
+from labml_zero.zero3.checkpoint import CheckpointError
 
 __all__ = ["JobData", "job_data", "step_samples"]
 
@@ -92,9 +94,13 @@ def job_data(config, *, world_size: int, n_vocab: int, check_ids: bool = True,
     pre-flight checks do; the ranks need not again); `caches` are the
     launcher's token files, given on a rank, which then tokenises nothing.
     """
-    path = job_tokenizer_path(config.checkpoint)
+    # the family's: a snapshot's own, else the one it trains random weights with
+    family = config.family
+    path = family.tokenizer_file(config.checkpoint)
     try:
-        tokenizer = load_tokenizer(path)
+        tokenizer, eot = family.tokenizer(config.checkpoint, config.model_config())
+    except CheckpointError as e:  # its message names the file
+        raise DataError(str(e)) from None
     except Exception as e:  # tokenizers raises a bare `Exception` on a bad file
         if isinstance(e, OSError):
             raise
@@ -104,7 +110,8 @@ def job_data(config, *, world_size: int, n_vocab: int, check_ids: bool = True,
         raise DataError(f"the tokenizer {path} has {vocab_size(tokenizer):,} ids, "
                         f"more than the model's embedding of {n_vocab:,} rows")
     data = load_datasets(seq_len=config.seq_len, source=config.data,
-                         tokenizer=tokenizer, valid_fraction=config.valid_fraction,
+                         tokenizer=tokenizer, eot=eot,
+                         valid_fraction=config.valid_fraction,
                          valid_source=config.valid_data,
                          text_field=config.text_field, check_ids=check_ids,
                          caches=caches)

@@ -62,8 +62,8 @@ from tokenizers import Tokenizer
 
 from labml_zero.finetune.corpus import DataError
 from labml_zero.finetune.token_file import (TokenCache, corpus_tokens, is_token_file,
-                                           open_cache, prepare_token_file)
-from labml_zero.neox.tokenizer import end_of_text_id, load_tokenizer, vocab_size
+                                           open_cache, prepare_token_file,
+                                           vocab_size)
 
 __all__ = ["load_text", "tokenize", "split_tokens", "TextDataset", "RankSampler",
            "load_datasets", "BUNDLED_SHAKESPEARE"]
@@ -230,8 +230,9 @@ class DatasetSplits(NamedTuple):
     """The token files of `source` and `valid_source` that text was read from."""
 
 
-def load_datasets(*, seq_len: int, source: str | os.PathLike | None = None,
-                  tokenizer: Tokenizer | None = None, valid_fraction: float = 0.1,
+def load_datasets(*, seq_len: int, tokenizer: Tokenizer, eot: int | None = None,
+                  source: str | os.PathLike | None = None,
+                  valid_fraction: float = 0.1,
                   valid_source: str | os.PathLike | None = None,
                   text_field: str = "text", check_ids: bool = True,
                   caches: tuple[TokenCache, ...] = ()) -> DatasetSplits:
@@ -243,19 +244,18 @@ def load_datasets(*, seq_len: int, source: str | os.PathLike | None = None,
     validation text is that, and all of `source` trains; otherwise the last
     `valid_fraction` of it validates. `caches` are the launcher's decided token
     files, given on a rank: text is opened through them, never tokenised there.
+    `eot` is the tokenizer's end-of-text id (the model's family knows it), which
+    separates the documents of a file; `None` refuses a file.
     """
-    tokenizer = tokenizer or load_tokenizer()
     decided = {cache.data: cache for cache in caches}
     used = []
 
     def tokens_of(path, flag: str = "--data"):
         if path is None:
             return tokenize(load_text(), tokenizer)
-        try:
-            eot = end_of_text_id(tokenizer)
-        except ValueError as e:
-            raise DataError(f"{flag} {path}: {e}, so documents cannot be "
-                            f"separated") from None
+        if eot is None:
+            raise DataError(f"{flag} {path}: the tokenizer has no end-of-text "
+                            f"token, so documents cannot be separated")
         try:
             if is_token_file(path):
                 return corpus_tokens(path, tokenizer, eot=eot, check_ids=check_ids)

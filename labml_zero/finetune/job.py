@@ -1,23 +1,35 @@
 r"""
 ---
-title: Fine-tuning GPT-NeoX with ZeRO-3
-summary: The experiment: a GPT-NeoX built layer by layer into ZeRO-3 shards, AdamFP16,
-  a scheduled learning rate, the user's data, labml tracking, sharded checkpoints
-  and a sample at the end.
+title: Fine-tuning a model family with ZeRO-3
+summary: The experiment: a model of any family (GPT-NeoX, Llama) built layer by
+  layer into ZeRO-3 shards, AdamFP16, a scheduled learning rate, the user's data,
+  labml tracking, sharded checkpoints and a sample at the end.
 ---
 
-# Fine-tuning GPT-NeoX with ZeRO-3
+# Fine-tuning a model family with ZeRO-3
 
-This page is the training job that puts the pieces together: the
-[GPT-NeoX layers](../neox/model.html), a [fine-tuner](../neox/finetuners.html)
-that decides what trains, the [ZeRO-3 engine](../zero3/index.html) that shards
-them over $N_d$ ranks, [AdamFP16](../optimizers/adam_fp16.html) on the shards at
-the rate of [the schedule](lr_schedule.html), and [the data](data.html). Its
-settings are [the configuration](config.html), its numbers ([what a step
+This page is the training job that puts the pieces together: a model's
+layers, a fine-tuner that decides what trains, the [ZeRO-3
+engine](../zero3/index.html) that shards them over $N_d$ ranks,
+[AdamFP16](../optimizers/adam_fp16.html) on the shards at the rate of [the
+schedule](lr_schedule.html), and [the data](data.html). Its settings are [the
+configuration](config.html), its numbers ([what a step
 shows](step_metrics.html)) go to [labml](tracking.html), and the command line is
 [`finetune_neox`](cli.html), which runs [the pre-flight checks](preflight.html)
 before it starts the ranks;
 `train(ctx, config)` below is what each rank runs.
+
+## The job asks the family
+
+The job imports no model package. The configuration picks a [model
+family](../family.html) (`--model`'s preset, or `--checkpoint`'s
+`config.json` `model_type`, from [the registry](../families.html)), and every
+model-specific question goes to that object: the config, the sharded model
+(`assemble`: [GPT-NeoX's layers](../neox/model.html) through
+[`build_neox`](../neox/build.html), or [Llama's](../llama/model.html)), its
+weights, the tokenizer, the exports and the sample. The step, the data
+order, the checkpoints and the tracking are the job's, the same for every
+family.
 
 ## One step
 
@@ -35,6 +47,9 @@ the mean over the whole global batch, as if one unsharded model had seen it.
 ## Limitations
 
 * Resuming needs the same global batch $B A N_d$ (the data order depends on it).
+* A model whose input and output embeddings are one matrix (tied) is
+  refused before start: `zero3_layers` has no root unit for a parameter of
+  two layers (see [the Llama family](../llama/family.html)).
 """
 
 from __future__ import annotations
@@ -48,9 +63,8 @@ import torch.distributed as dist
 
 from labml_zero.assembly import Assembled, Recipe
 from labml_zero.finetune.checkpoints import resume, save
-from labml_zero.finetune.config import (DTYPES, FAMILY, FINETUNERS,
-                                        MODEL_PRESETS, FinetuneConfig, laptop,
-                                        neox_20b_biases)
+from labml_zero.finetune.config import (DTYPES, FINETUNERS, MODEL_PRESETS,
+                                        FinetuneConfig, laptop, neox_20b_biases)
 from labml_zero.finetune.data import job_data
 from labml_zero.finetune.token_file import TokenCache
 from labml_zero.finetune.dataset import RankSampler
@@ -61,14 +75,8 @@ from labml_zero.finetune.step_metrics import (StepMeter, flops_per_token,
                                               peak_flops)
 from labml_zero.finetune.tracking import (EXPERIMENT_NAME, labml_configs,
                                           local_log_written, start_labml)
+from labml_zero.family import TrainingBuild
 from labml_zero.launch import DistContext, ranks_text
-from labml_zero.neox import build as neox_build
-from labml_zero.neox import model as neox_model
-from labml_zero.neox.generate import Sampling, generate
-from labml_zero.neox.lora import FineTuneLoRA, load_hf_layer
-from labml_zero.neox.lora_export import save_merged_checkpoint, save_peft_adapter
-from labml_zero.neox.side_files import hf_side_files
-from labml_zero.neox.tokenizer import job_tokenizer_path
 from labml_zero.optimizers.adam_fp16 import NonFiniteGradient
 from labml_zero.optimizers.grad_scaler import LossScaler
 from labml_zero.optimizers.graphed_step import GraphedStep
@@ -121,10 +129,11 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
     ### Build on meta, mark, shard, initialise or load, place, optimizer
 
     GPT-NeoX-20B must never exist whole on one rank. The model is put together
-    by [`build_neox`](../neox/build.html), the benchmark's path too, with the
-    fused kernels of `kernels` (on GPUs all of them, by default) and, with
-    `compile`, compiled layers: the layers are built on the meta device (no
-    memory), marked by the
+    by its [family](../family.html)'s `assemble` (GPT-NeoX's is
+    [`build_neox`](../neox/build.html), the benchmark's path too), with the
+    fused kernels of `kernels` (on GPUs all of the family's, by default) and,
+    with `compile`, compiled layers: the layers are built on the meta device
+    (no memory), marked by the
     fine-tuner, and sharded while still on meta; each chunk is then initialised on
     its own (the seeded initialiser is the same on every rank, each keeps its
     slice), or, with a Hugging Face checkpoint, each layer's tensors are read on
@@ -135,10 +144,10 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
     `offload_optimizer='auto'`, which runs it `grad_accum` times, as `train_step`
     does.
     """
-    neox = config.model_config()
-    build = neox_build.NeoXBuild(
-        neox, kernels=neox_build.resolve_kernels(config.kernels, ctx.device),
-        compile=config.compile, filter_layers=config.filter_layers)
+    family = config.family
+    model = config.model_config()
+    build = TrainingBuild(model, kernels=config.kernels, compile=config.compile,
+                          filter_layers=config.filter_layers)
     dtype = config.torch_dtype(ctx.device)
     scaled = dtype == torch.float16
     tuner = config.tuner()
@@ -158,9 +167,9 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
         seed=config.seed)
     if config.checkpoint is None:
         # Random weights, drawn one chunk at a time into the chunk's buffer.
-        init, load = neox_model.init_parameter(neox), None
+        init, load = family.init_parameter(model), None
     else:
-        hf = FAMILY.open_checkpoint(config.checkpoint)
+        hf = family.open_checkpoint(config.checkpoint)
 
         # Pretrained weights are loaded after sharding; the chunks start at 0.
         def init(name: str, param: torch.Tensor) -> None:
@@ -171,15 +180,14 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
                 # [one layer] on the host, shapes checked before reading; each
                 # rank copies only its slices into its shards (and fp32 masters).
                 # LoRA's adapters are not in the checkpoint: they keep their init.
-                load_hf_layer(layer, hf)
+                family.load_sharded(hf, layer)
 
-    if isinstance(tuner, FineTuneLoRA):
+    if config.finetune == "lora":
         # adapters: $A$ drawn as PEFT draws it, $B = 0$, inside each chunk like
         # the rest; so the model at step 0 is the base model
         init = tuner.init_param(init)
-    # through the module, so that a test sees the job take the bench's path
-    return neox_build.build_neox(build, recipe, device=ctx.device,
-                                 init_param=init, load=load, probe=probe)
+    return family.assemble(build, recipe, device=ctx.device, init_param=init,
+                           load=load, probe=probe)
 
 
 def env_step(name: str, rank: int) -> int | None:
@@ -264,32 +272,32 @@ def weights_origin(config: FinetuneConfig, step: int) -> str:
     return "randomly initialised (no --checkpoint given)"
 
 
-def layers_kept(config: FinetuneConfig, neox: neox_model.NeoXConfig) -> int:
+def layers_kept(config: FinetuneConfig, model) -> int:
     """The transformer layers the run builds: `filter_layers`' or the model's."""
     if config.filter_layers is None:
-        return neox.n_layers
+        return model.n_layers
     return len(config.filter_layers)
 
 
-def token_flops(config: FinetuneConfig, neox: neox_model.NeoXConfig,
-                counts) -> float:
+def token_flops(config: FinetuneConfig, model, counts) -> float:
     """A token's FLOPs for the MFU, over the layers kept: the parameters in
-    matrix products (all but the embedding) and the kept layers' attention."""
-    return flops_per_token(matmul_params=counts.total - neox.n_vocab * neox.d_model,
-                           n_layers=layers_kept(config, neox), d_model=neox.d_model,
+    matrix products (all but the embedding) and the kept layers' attention.
+    `model` is the family's config; every family has these four fields."""
+    return flops_per_token(matmul_params=counts.total - model.n_vocab * model.d_model,
+                           n_layers=layers_kept(config, model), d_model=model.d_model,
                            seq_len=config.seq_len)
 
 
-def banner(config: FinetuneConfig, neox: neox_model.NeoXConfig, counts,
-           *, step: int, world_size: int) -> str:
+def banner(config: FinetuneConfig, model, counts, *, step: int,
+           world_size: int) -> str:
     """
     The line that opens a run: the layers it keeps (`filter_layers` may keep
     fewer than the model's), their parameters, the weights' origin, what
     trains and on how many ranks. `counts` is the fine-tuner's `TrainableCount`.
     """
-    kept = layers_kept(config, neox)
-    return (f"GPT-NeoX: {kept} layer{'s' if kept != 1 else ''} of width "
-            f"{neox.d_model}, {counts.total:,} parameters, "
+    kept = layers_kept(config, model)
+    return (f"{config.family.title}: {kept} layer{'s' if kept != 1 else ''} of "
+            f"width {model.d_model}, {counts.total:,} parameters, "
             f"{weights_origin(config, step)}; training {counts.trainable:,} "
             f"({config.finetune}) on {ranks_text(world_size)}")
 
@@ -318,10 +326,11 @@ def train(ctx: DistContext, config: FinetuneConfig,
     from labml import experiment, logger, monit, tracker
 
     start_labml(config, ctx, python_file=__file__)
-    neox = config.model_config()
+    family = config.family
+    shape = config.model_config()
     # checked before any rank started; `caches` are the token files the launcher
     # decided, so this checks the data is unchanged and maps them
-    data = job_data(config, world_size=ctx.world_size, n_vocab=neox.n_vocab,
+    data = job_data(config, world_size=ctx.world_size, n_vocab=shape.n_vocab,
                     check_ids=False, caches=caches)
     tokenizer, total_steps = data.tokenizer, data.total_steps
     sampler = RankSampler(len(data.train), batch_size=config.batch_size,
@@ -329,7 +338,7 @@ def train(ctx: DistContext, config: FinetuneConfig,
                           world_size=ctx.world_size, seed=config.seed)
     schedule = config.schedule(total_steps)
 
-    fused_loss = neox_build.resolve_kernels(config.kernels, ctx.device).loss
+    fused_loss = family.resolve_kernels(config.kernels, ctx.device).loss
 
     def probe(model: Zero3Sequential) -> None:
         # one micro-batch of the training split, without moving the sampler,
@@ -358,9 +367,10 @@ def train(ctx: DistContext, config: FinetuneConfig,
         config, ctx, total_steps=total_steps,
         chunk_numel=max(c.numel for c in model.chunks), n_chunks=len(model.chunks),
         params_total=built.counts.total, params_trainable=built.counts.trainable,
-        n_layers=neox.n_layers, d_model=neox.d_model, n_vocab=neox.n_vocab))
+        n_layers=shape.n_layers, d_model=shape.d_model,
+        n_vocab=shape.n_vocab))
     dtype = config.torch_dtype(ctx.device)
-    meter = StepMeter(token_flops=token_flops(config, neox, built.counts),
+    meter = StepMeter(token_flops=token_flops(config, shape, built.counts),
                       peak=peak_flops(ctx.device, dtype), world_size=ctx.world_size,
                       device=ctx.device, warmup=STEADY_AFTER)
     fail_at = env_step(FAIL_AT_STEP_ENV, ctx.rank)
@@ -378,7 +388,7 @@ def train(ctx: DistContext, config: FinetuneConfig,
     # the local log complete before the rank ends, whatever ends the run
     with local_log_written(), experiment.start():
         if ctx.rank == 0:
-            logger.log(banner(config, neox, built.counts, step=step,
+            logger.log(banner(config, shape, built.counts, step=step,
                               world_size=ctx.world_size))
         if step == 0:
             track_valid(0)
@@ -427,7 +437,7 @@ def train(ctx: DistContext, config: FinetuneConfig,
 
         if ctx.rank == 0 and (steady := meter.steady_line()) is not None:
             logger.log(steady)
-        export(config, built, neox, ctx.device)
+        export(config, built, shape, ctx.device)
         if config.sample_tokens:
             text = sample(model, tokenizer, config, ctx)
             if ctx.rank == 0:
@@ -435,8 +445,8 @@ def train(ctx: DistContext, config: FinetuneConfig,
                            f"{text}\n")
 
 
-def export(config: FinetuneConfig, built: Assembled,
-           neox: neox_model.NeoXConfig, device: torch.device) -> None:
+def export(config: FinetuneConfig, built: Assembled, model,
+           device: torch.device) -> None:
     """
     ### The exports, after the last step
 
@@ -446,23 +456,24 @@ def export(config: FinetuneConfig, built: Assembled,
     alone, with the tokenizer the job encoded with; the adapter in peft over the
     base checkpoint. A previous export of the same kind is replaced whole, once
     the new one is complete; preflight has refused any other destination (see
-    [fine-tune exports](../neox/lora_export.html)).
+    [fine-tune exports](../neox/lora_export.html)). The writers are the
+    family's: `model` is its config.
     """
     if config.export_hf is None and config.export_adapter is None:
         return
+    family = config.family
     tuner = config.tuner() if config.finetune == "lora" else None
     if config.export_hf is not None:
-        side = hf_side_files(job_tokenizer_path(config.checkpoint),
-                             config.checkpoint) if built.model.runtime.comm.rank == 0 \
-            else None
-        save_merged_checkpoint(config.export_hf, built.model, tuner, neox,
-                               built.optimizer, overwrite=True, side_files=side,
-                               dtype=config.export_dtype(config.torch_dtype(device)))
+        family.export_hf(config.export_hf, built.model, tuner, model,
+                         built.optimizer, overwrite=True,
+                         tokenizer=family.tokenizer_file(config.checkpoint),
+                         snapshot=config.checkpoint,
+                         dtype=config.export_dtype(config.torch_dtype(device)))
     if config.export_adapter is not None:
-        save_peft_adapter(config.export_adapter, built.model, tuner,
-                          built.optimizer,
-                          base_model_name_or_path=config.checkpoint,
-                          overwrite=True)
+        family.export_adapter(config.export_adapter, built.model, tuner,
+                              built.optimizer,
+                              base_model_name_or_path=config.checkpoint,
+                              overwrite=True)
 
 
 def sample(model: Zero3Sequential, tokenizer, config: FinetuneConfig,
@@ -475,7 +486,9 @@ def sample(model: Zero3Sequential, tokenizer, config: FinetuneConfig,
     seeded alike on every rank, so all draw the same tokens; even if rounding made
     them differ, only the text would, not the sequence of collectives.
     """
+    family = config.family
     generator = torch.Generator().manual_seed(config.seed)
-    sampling = Sampling(top_k=config.top_k, max_context=config.seq_len)
-    return generate(model, tokenizer, config.prompt, n_tokens=config.sample_tokens,
-                    sampling=sampling, generator=generator, device=ctx.device)
+    sampling = family.sampling(top_k=config.top_k, max_context=config.seq_len)
+    return family.generate(model, tokenizer, config.prompt,
+                           n_tokens=config.sample_tokens, sampling=sampling,
+                           generator=generator, device=ctx.device)

@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -42,16 +42,13 @@ from labml_zero.finetune.corpus import DataError
 from labml_zero.finetune.data import JobData, job_data
 from labml_zero.finetune.tracking import EXPERIMENT_NAME
 from labml_zero.files import size_text
+from labml_zero.family import ADAPTER_EXPORT, HF_EXPORT
 from labml_zero.launch import ranks_text
-from labml_zero.neox import model as neox_model
-from labml_zero.neox.hf_checkpoint import check_hf_snapshot
-from labml_zero.neox.lora_export import (ADAPTER, MERGED, ExportDestinationError,
-                                         check_export_destination, contains,
-                                         export_bytes)
 from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
                                          check_resumable, sequential_shapes)
 from labml_zero.zero3.checkpoint.pruning import checkpoint_dirs
 from labml_zero.zero3.memory_model import OPTIMIZER_BYTES
+from labml_zero.zero3.sharded_model import shared_parameters
 
 __all__ = ["PreflightError", "Preflight", "preflight", "check_writable_dir",
            "checkpoint_bytes", "saves_at_peak", "check_checkpoint_room",
@@ -71,13 +68,13 @@ class Preflight(NamedTuple):
     """
     ## What the checks found
 
-    * `neox`: the model's shape;
+    * `model`: the model's shape, its family's config;
     * `resumed_step`: the step the checkpoint to resume was saved after, or
       `None` when starting afresh;
     * `data`: the tokenizer, the datasets and the run's steps.
     """
 
-    neox: neox_model.NeoXConfig
+    model: Any
     resumed_step: int | None
     data: JobData | None = None
 
@@ -182,8 +179,9 @@ def check_exports(config, layers: list[nn.Module], dtype: torch.dtype) -> None:
     """
     # `--export-merged` is `--export-hf`'s older name: the message says the one given
     hf_flag = "--export-merged" if config.export_merged else "--export-hf"
-    flags = {"export_adapter": ("--export-adapter", ADAPTER),
-             "export_hf": (hf_flag, MERGED)}
+    flags = {"export_adapter": ("--export-adapter", ADAPTER_EXPORT),
+             "export_hf": (hf_flag, HF_EXPORT)}
+    family = config.family
     # Where the run itself writes, below the directories it is given. Empty now,
     # such a directory holds the run's checkpoints or logs by the end, and the
     # export, which may replace only an empty directory or an earlier export,
@@ -209,11 +207,34 @@ def check_exports(config, layers: list[nn.Module], dtype: torch.dtype) -> None:
         protected |= {f: getattr(config, n) for n, (f, _) in flags.items()
                       if n != name}
         try:
-            check_export_destination(path, kind, flag=flag, protected=protected,
-                                     need_bytes=export_bytes(
-                                         layers, kind, config.export_dtype(dtype)))
-        except ExportDestinationError as e:
+            family.check_export_destination(
+                path, kind, flag=flag, protected=protected,
+                need_bytes=family.export_bytes(layers, kind,
+                                               config.export_dtype(dtype)))
+        except ValueError as e:  # the export page's `ExportDestinationError`
             raise PreflightError(str(e)) from e
+
+
+def contains(outer: Path, inner: Path) -> bool:
+    """`inner` is `outer` or below it (both resolved)."""
+    return inner == outer or outer in inner.parents
+
+
+def check_one_parameter_per_layer(layers: list[nn.Module], family) -> None:
+    """
+    ### Every parameter belongs to one layer
+
+    The job shards with `zero3_layers`, which has no root unit for a matrix
+    that two layers share (tied input and output embeddings); refused here in
+    one line rather than on every rank.
+    """
+    shared = shared_parameters(layers, [f"layer {i}" for i in range(len(layers))])
+    if shared:
+        name, first, second = shared[0]
+        raise PreflightError(
+            f"the {family.name} model shares {name.partition('.')[2]} between "
+            f"{first} and {second} (tie_word_embeddings): the job cannot shard "
+            f"a parameter of two layers yet")
 
 
 def available_host_bytes() -> int | None:
@@ -315,23 +336,27 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
     decides the default dtype).
     """
     # **The Hugging Face snapshot** (`checkpoint`): `config.json` (through
-    # `model_config`) is a JSON object that describes a GPT-NeoX, `filter_layers`
-    # and `seq_len` fit it, and then the [checkpoint
-    # loader's](../neox/hf_checkpoint.html) `check_hf_snapshot`: every tensor the
-    # model needs is in the safetensors headers with the shape the config implies
-    # (headers only: no weights are read).
-    neox = config.model_config()
+    # `model_config`, the [family](../family.html)'s `snapshot_config`) is a JSON
+    # object that describes a model of a family, with every field it needs
+    # (a Llama's `num_key_value_heads` too: transformers would default it to
+    # `num_attention_heads`, a guess this job refuses to make) and heads that
+    # divide; `filter_layers` and `seq_len` fit it; then the family's
+    # `check_snapshot`: every tensor the model needs is in the safetensors
+    # headers with the shape the config implies (headers only: no weights are
+    # read). The model built on meta must have each parameter in one layer.
+    model = config.model_config()
+    family = config.family
     group = config.shard_group_size
     if group is not None and world_size % group:
         raise PreflightError(f"--shard-group-size {group} does not divide the "
                              f"world size {world_size}")
     if config.checkpoint is not None:
         try:
-            check_hf_snapshot(config.checkpoint)
+            family.check_snapshot(config.checkpoint)
         except CheckpointError as e:
             raise PreflightError(f"--checkpoint: {e}") from e
-    layers = neox_model.build_layers(neox, filter_layers=config.filter_layers,
-                                     device="meta")
+    layers = family.build(model, filter_layers=config.filter_layers, device="meta")
+    check_one_parameter_per_layer(layers, family)
     # the chunk layout a resume compares against: LoRA's options included
     config.tuner()(layers)
 
@@ -357,7 +382,7 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
     # the model, the corpus is read (and tokenised once, into its cached token
     # file) and holds at least one step.
     try:
-        data = job_data(config, world_size=world_size, n_vocab=neox.n_vocab)
+        data = job_data(config, world_size=world_size, n_vocab=model.n_vocab)
     except (DataError, OSError) as e:
         raise PreflightError(str(e)) from e
 
@@ -378,4 +403,4 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
     # itself then fails, and leaves the previous checkpoint in place.
     check_checkpoint_room(config, layers, config.torch_dtype(device),
                           first_step=step or 0, total_steps=data.total_steps)
-    return Preflight(neox, step, data)
+    return Preflight(model, step, data)

@@ -85,11 +85,11 @@ from tokenizers import Tokenizer
 
 from labml_zero.files import atomic_file
 from labml_zero.finetune.corpus import DataError, Source, find_sources, read_documents
-from labml_zero.neox.tokenizer import vocab_size
 
 __all__ = ["TOKEN_DTYPES", "is_token_file", "open_token_file", "cache_path",
            "build_token_file", "corpus_tokens", "token_dtype", "BATCH_BYTES",
-           "TokenCache", "FileStamp", "prepare_token_file", "open_cache"]
+           "TokenCache", "FileStamp", "prepare_token_file", "open_cache",
+           "vocab_size"]
 
 # Suffix → dtype of a pre-tokenised file.
 TOKEN_DTYPES = {".u16": np.uint16, ".uint16": np.uint16, ".bin": np.uint16,
@@ -103,6 +103,11 @@ DEFAULT_CACHE = Path.home() / ".cache" / "labml_zero" / "tokens"
 FORMAT_VERSION = 2
 # Bytes read at a time for a data file's digest.
 DIGEST_BLOCK = 1 << 20
+
+
+def vocab_size(tokenizer: Tokenizer) -> int:
+    """$V$, the ids the tokenizer can produce, its added tokens included."""
+    return tokenizer.get_vocab_size(with_added_tokens=True)
 
 
 def token_dtype(tokenizer: Tokenizer) -> type:

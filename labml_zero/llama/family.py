@@ -8,54 +8,71 @@ summary: Everything the job asks of a model family (presets, config.json, build
 
 # The Llama family as one object
 
-The fine-tune job should ask a family, not import it (torchtitan's
+The fine-tune job asks a family, never imports it (torchtitan's
 ModelSpec): one frozen object names its presets, how to read and check a
 snapshot, how to build the layers on the meta device and give them weights,
-how to load a layer from a checkpoint, its tokenizer, and its cost,
-$C$ FLOPs a token ([the FLOPs page](flops.html)) and the bytes a layer keeps.
+its tokenizer, its cost ($C$ FLOPs a token, [the FLOPs page](flops.html))
+and the job's sharded build and exports.
 [`ModelFamily`](../family.html) holds functions, not a base class to
-override; `LLAMA` is this package's one instance. The job, given a `--model` path, would
-
-1. call `check_snapshot(path)` before any rank starts (one-line refusals);
-2. on each rank, `build(config, device='meta')`, then `materialize(layers,
-   device)` or, per layer, `load_layer(checkpoint, layer)` into the shards;
-3. read `tokenizer(path, config)` for its data;
-4. size its batch with `activation_bytes` and report MFU with
-   `flops_per_token`;
-5. pick its fine-tuner, `finetuner('lora', rank=..., targets=...)` (any of
-   `lora_targets`) or `finetuner('all')`, and call it on the layers before
-   sharding;
-6. at the end, write `save_hf` (LoRA's adapters folded in by `save_merged`)
-   or `save_adapter` for PEFT ([saving](hf_export.html), [LoRA](lora.html)).
+override; `LLAMA` is this package's one instance. What differs from
+GPT-NeoX's: two fine-tuners (`all`, and `lora` on any of `lora_targets`), no
+fused kernels, the tokenizer the snapshot's ([its page](tokenizer.html);
+random weights take the bundled GPT-NeoX one), and the exports' writers
+([saving](hf_export.html), [LoRA](lora.html)).
 
 ## Limitations
 
 * A tied model must be sharded with `shard_model`, which keeps the tied
-  matrix in its root unit; `zero3_layers` refuses a parameter of two layers.
+  matrix in its root unit; `zero3_layers`, which the job shards with,
+  refuses a parameter of two layers, so the job refuses a tied model before
+  any rank starts.
 * Two fine-tuners, `all` and `lora`; GPT-NeoX's `biases` and `ffn` name
   GPT-NeoX's modules and are not offered here.
+* No fused kernels: `--kernels` is `auto` or `none`, both the plain model.
+* `export_hf` writes its export marker just after the checkpoint's rename: a
+  crash between the two leaves a directory a later export refuses to replace.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
+from tokenizers import Tokenizer
 from torch import nn
 
-from labml_zero.family import ModelFamily
+from labml_zero.assembly import Assembled, Recipe, assemble as assemble_layers
+from labml_zero.family import HF_EXPORT, ModelFamily, TrainingBuild
+from labml_zero.files import fsync_path
 from labml_zero.llama import config as llama_config
 from labml_zero.llama.flops import activation_bytes, flops_per_token
-from labml_zero.llama.hf_checkpoint import LlamaCheckpoint, check_llama_snapshot
+from labml_zero.llama.hf_checkpoint import (LlamaCheckpoint, check_llama_snapshot,
+                                            llama_config_from_hf)
 from labml_zero.llama.hf_export import hf_named_tensors, save_llama_checkpoint
 from labml_zero.llama.lora import (TARGETS, LlamaLoRA, base_layer,
-                                   save_llama_adapter, save_merged_llama)
-from labml_zero.llama.model import build_layers, count_parameters, tie_embeddings
-from labml_zero.llama.tokenizer import checkpoint_tokenizer
+                                   save_llama_adapter)
+from labml_zero.llama.model import (DecoderLayer, build_layers, count_parameters,
+                                    hf_prefix, tie_embeddings)
+from labml_zero.llama.tokenizer import TOKENIZER_FILE, checkpoint_tokenizer
 from labml_zero.neox.finetuners import FineTuneAll
-from labml_zero.neox.lora import LoRALinear
+from labml_zero.neox.generate import Sampling, generate
+from labml_zero.neox.kernels import ModelKernels
+from labml_zero.neox.lora import ADAPTER_NAMES, LoRALinear, is_adapter
+from labml_zero.neox.lora_export import (EXPORT_MARKER, TrainableOnly,
+                                         check_export_destination, export_bytes,
+                                         marker_text, merged, peft_adapter_config,
+                                         peft_name, write_adapter_dir)
+from labml_zero.neox.side_files import snapshot_dtype
+from labml_zero.neox.tokenizer import (BUNDLED_TOKENIZER, end_of_text_id,
+                                       load_tokenizer, vocab_size)
+from labml_zero.zero3.checkpoint import (CheckpointError, export_full_state_dict,
+                                         prefix_rename)
 
-__all__ = ["ModelFamily", "LLAMA", "materialize", "finetuner"]
+__all__ = ["ModelFamily", "LLAMA", "materialize", "finetuner", "assemble",
+           "init_parameter", "export_hf", "export_adapter"]
 
 
 def materialize(layers: list[nn.Module], device: torch.device | str) -> None:
@@ -108,15 +125,191 @@ def finetuner(name: str, **options: Any) -> Any:
     return FINETUNERS[name](**options)
 
 
+# ## What the fine-tune job asks
+
+
+def resolve_kernels(spec: str, device: torch.device | str) -> ModelKernels:
+    """`auto` and `none` are both the plain model: the family has no fused
+    kernels (see Limitations); any name is refused in one line."""
+    if spec.strip() in ("auto", "none"):
+        return ModelKernels()
+    raise ValueError("the Llama family has no fused kernels: give auto or none")
+
+
+def assemble(build: TrainingBuild, recipe: Recipe, *, device: torch.device,
+             init_param=None, load=None, probe=None) -> Assembled:
+    """
+    ### The sharded model: built on meta, then assembled
+
+    As GPT-NeoX's [build](../neox/build.html), without kernels; with
+    `compile`, each decoder layer's forward is compiled.
+    """
+    resolve_kernels(build.kernels, device)
+    layers = build_layers(build.model, filter_layers=build.filter_layers,
+                          device="meta")
+    compiled = (DecoderLayer,) if build.compile else ()
+    return assemble_layers(layers, dataclasses.replace(recipe, compile_types=compiled),
+                           device=device, init_param=init_param, load=load,
+                           probe=probe)
+
+
+def init_parameter(config: llama_config.LlamaConfig
+                   ) -> Callable[[str, torch.Tensor], None]:
+    r"""
+    ### Hugging Face's initialisation, one parameter at a time
+
+    RMSNorm weights 1 (`input_layernorm`, `post_attention_layernorm`, the
+    final `norm`), biases 0, every other weight $\mathcal{N}(0, \sigma^2)$ with
+    $\sigma$ `init_std`: the distributions of the model's `init_like_hf`,
+    drawn in chunk order.
+    """
+
+    def init(name: str, param: torch.Tensor) -> None:
+        if name.endswith(".bias"):
+            param.zero_()
+        elif name.endswith("layernorm.weight") or name == "norm.weight":
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, config.init_std)
+
+    return init
+
+
+def load_sharded(checkpoint: LlamaCheckpoint, layer) -> None:
+    """
+    ### A sharded layer's base weights from the snapshot
+
+    `layer` is a `Zero3Layer`; each rank copies only its slices. LoRA's
+    adapters are in no checkpoint: they keep `init_param`'s values, so the
+    model at step 0 is the snapshot's.
+    """
+    # [one layer] on the host, shapes checked before any tensor is read
+    state = checkpoint.layer_state_dict(base_layer(layer.module))
+    for chunk in layer.chunks:
+        for position, slot in enumerate(chunk.spec.slots):
+            name = layer.layout.params[slot.param_index].name
+            if is_adapter(name):
+                continue
+            chunk.load_param(position, state[name])
+
+
+def tokenizer_file(path: str | os.PathLike | None) -> Path:
+    """The snapshot's `tokenizer.json`; random weights (no snapshot) take the
+    bundled GPT-NeoX one, as any tokenizer that fits the embedding would do."""
+    return BUNDLED_TOKENIZER if path is None else Path(path) / TOKENIZER_FILE
+
+
+def tokenizer(path: str | os.PathLike | None, config: llama_config.LlamaConfig
+              ) -> tuple[Tokenizer, int]:
+    """`checkpoint_tokenizer`, or for random weights the bundled one, refused in
+    one line where it has more ids than the embedding has rows."""
+    if path is not None:
+        return checkpoint_tokenizer(path, config)
+    loaded = load_tokenizer()
+    if vocab_size(loaded) > config.n_vocab:
+        raise CheckpointError(f"{BUNDLED_TOKENIZER}: {vocab_size(loaded)} ids, "
+                              f"more than the model's vocab_size="
+                              f"{config.n_vocab}; give --checkpoint")
+    return loaded, end_of_text_id(loaded)
+
+
+def save_hf(out_dir: str | os.PathLike, config: llama_config.LlamaConfig,
+            named_tensors, *, marker: str | None = None, **options) -> Path:
+    """`save_llama_checkpoint`, then an export's `marker` (its kind), which
+    lets a later export of that kind replace the directory."""
+    path = save_llama_checkpoint(out_dir, config, named_tensors, **options)
+    if marker is not None:
+        (path / EXPORT_MARKER).write_text(marker_text(marker))
+        fsync_path(path / EXPORT_MARKER)
+    return path
+
+
+def save_merged(out_dir: str | os.PathLike, config: llama_config.LlamaConfig,
+                tensors, lora: LlamaLoRA, **options) -> Path:
+    r"""$W' = W + \frac{\alpha}{r} B A$ (`merged`), then `save_hf`."""
+    return save_hf(out_dir, config, merged(tensors, lora, dtype=options.get("dtype")),
+                   **options)
+
+
+def hf_names(model) -> Callable[[str], str]:
+    """`Zero3Sequential` names (`"3.self_attn.q_proj.weight"`) to Hugging
+    Face's (`"model.layers.2.self_attn.q_proj.weight"`)."""
+    return prefix_rename([hf_prefix(layer.module) for layer in model.layers])
+
+
+def export_hf(out_dir: str | os.PathLike, model, lora: LlamaLoRA | None,
+              config: llama_config.LlamaConfig, optimizer=None, *,
+              dtype: torch.dtype | None = None, overwrite: bool = False,
+              tokenizer: str | os.PathLike | None = None,
+              snapshot: str | os.PathLike | None = None) -> Path | None:
+    r"""
+    ### The sharded model as a Hugging Face checkpoint, adapters merged
+
+    Every rank calls it; the tensors come to rank 0 one chunk at a time, from
+    the fp32 masters when `optimizer` is given, each adapted $W$ folded into
+    $W + \frac{\alpha}{r} B A$ by `merged`, and `save_llama_checkpoint`
+    writes them; rank 0 returns the directory, the others `None`.
+    """
+    def write(tensors: Iterator[tuple[str, torch.Tensor]]) -> Path:
+        if overwrite:  # again at the end: the directory may have changed since
+            check_export_destination(out_dir, HF_EXPORT, flag="export",
+                                     protected={})
+        whole = merged(tensors, lora, dtype=dtype) if lora is not None else tensors
+        return save_hf(out_dir, config, whole, tokenizer=tokenizer,
+                       snapshot=snapshot, dtype=dtype, overwrite=overwrite,
+                       marker=HF_EXPORT)
+
+    return export_full_state_dict(write, model, optimizer, rename=hf_names(model))
+
+
+def export_adapter(out_dir: str | os.PathLike, model, lora: LlamaLoRA,
+                   optimizer=None, *, base_model_name_or_path: str | None = None,
+                   overwrite: bool = False) -> Path | None:
+    """
+    ### The sharded model's adapters, in PEFT's format
+
+    Every rank calls it; only the trainable chunks, which hold every adapter
+    and nothing else, are gathered, from the fp32 masters when `optimizer` is
+    given; rank 0 writes `out_dir` in one rename.
+    """
+    decoders = [layer.module for layer in model.layers
+                if isinstance(layer.module, DecoderLayer)]
+    if not decoders:
+        raise ValueError("export_adapter: the model has no decoder layers")
+    config = peft_adapter_config(lora, [layer.layer_idx for layer in decoders],
+                                 decoders[0].config.n_layers,
+                                 base_model_name_or_path=base_model_name_or_path)
+    out_dir = Path(out_dir)
+
+    def write(tensors: Iterator[tuple[str, torch.Tensor]]) -> Path:
+        adapter = {peft_name(name): tensor for name, tensor in tensors
+                   if name.rpartition(".")[2] in ADAPTER_NAMES}
+        if not adapter:
+            raise ValueError("export_adapter: the model has no LoRA adapters")
+        write_adapter_dir(out_dir, config, adapter, overwrite=overwrite)
+        return out_dir
+
+    trainable = TrainableOnly(model.runtime, [c for c in model.chunks if c.trainable])
+    return export_full_state_dict(write, trainable, optimizer,
+                                  rename=hf_names(model))
+
+
 LLAMA = ModelFamily(
     name="llama", model_types=tuple(llama_config.FAMILIES),
     presets=llama_config.PRESETS, read_config=llama_config.from_hf_config,
     write_config=llama_config.to_hf_config, check_snapshot=check_llama_snapshot,
     open_checkpoint=LlamaCheckpoint, build=build_layers, materialize=materialize,
-    load_layer=load_layer, tokenizer=checkpoint_tokenizer,
+    load_layer=load_layer, tokenizer=tokenizer,
     count_parameters=count_parameters, flops_per_token=flops_per_token,
     activation_bytes=activation_bytes, finetuner=finetuner,
     lora_targets=tuple(TARGETS), named_tensors=hf_named_tensors,
-    save_hf=save_llama_checkpoint, save_merged=save_merged_llama,
-    save_adapter=save_llama_adapter)
+    save_hf=save_hf, save_merged=save_merged,
+    save_adapter=save_llama_adapter, title="Llama",
+    snapshot_config=llama_config_from_hf, finetuners=tuple(FINETUNERS),
+    resolve_kernels=resolve_kernels, assemble=assemble,
+    init_parameter=init_parameter, load_sharded=load_sharded, hf_prefix=hf_prefix,
+    tokenizer_file=tokenizer_file, snapshot_dtype=snapshot_dtype,
+    export_hf=export_hf, export_adapter=export_adapter,
+    check_export_destination=check_export_destination, export_bytes=export_bytes,
+    generate=generate, sampling=Sampling)
 """Llama 3, Qwen2.5, Mistral and SmolLM2."""

@@ -19,9 +19,9 @@ the embedding a lookup), the job's MFU figure for a whole model.
 
 ## Limitations
 
-* `save_merged` and `save_adapter` take unsharded layers; the job writes its
-  exports from the sharded model with [the export page](lora_export.html)'s
-  writers, which every rank calls.
+* `save_merged` and `save_adapter` take unsharded layers; the job's exports
+  of the sharded model, `export_hf` and `export_adapter`, are [the export
+  page](lora_export.html)'s writers, which every rank calls.
 * `activation_bytes` is for a full fine-tune without checkpointing and with
   the plain kernels; [activation memory](activation_memory.html) takes the
   fine-tuner, checkpointing and kernels.
@@ -37,23 +37,30 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from labml_zero.family import ModelFamily
+from labml_zero.assembly import Assembled, Recipe
+from labml_zero.family import ModelFamily, TrainingBuild
+from labml_zero.neox import build as neox_build
 from labml_zero.neox import config as neox_config
 from labml_zero.neox.activation_memory import layer_activation_bytes
-from labml_zero.neox.finetuners import finetuner
+from labml_zero.neox.finetuners import FINETUNERS, finetuner
+from labml_zero.neox.generate import Sampling, generate
 from labml_zero.neox.hf_checkpoint import (HFCheckpoint, check_hf_snapshot,
-                                           hf_named_tensors, save_hf_checkpoint)
+                                           config_from_hf, hf_named_tensors,
+                                           save_hf_checkpoint)
 from labml_zero.neox.lora import (ADAPTER_NAMES, TARGETS, FineTuneLoRA,
-                                  LoRALinear, base_layer)
-from labml_zero.neox.lora_export import (merged, peft_adapter_config, peft_name,
-                                         write_adapter_dir)
+                                  LoRALinear, base_layer, load_hf_layer)
+from labml_zero.neox.lora_export import (EXPORT_MARKER, check_export_destination,
+                                         export_bytes, marker_text, merged,
+                                         peft_adapter_config,
+                                         peft_name, save_merged_checkpoint,
+                                         save_peft_adapter, write_adapter_dir)
 from labml_zero.neox.model import (TransformerLayer, build_layers,
-                                   count_parameters, hf_prefix)
-from labml_zero.neox.side_files import hf_side_files
+                                   count_parameters, hf_prefix, init_parameter)
+from labml_zero.neox.side_files import hf_side_files, snapshot_dtype
 from labml_zero.neox.tokenizer import (end_of_text_id, job_tokenizer_path,
                                        load_tokenizer)
 
-__all__ = ["NEOX", "flops_per_token", "materialize"]
+__all__ = ["NEOX", "flops_per_token", "materialize", "assemble", "export_hf"]
 
 
 def materialize(layers: list[nn.Module], device: torch.device | str) -> None:
@@ -104,12 +111,16 @@ def activation_bytes(config: neox_config.NeoXConfig, tokens: int, *,
 def save_hf(out_dir: str | os.PathLike, config: neox_config.NeoXConfig,
             named_tensors: Iterable[tuple[str, torch.Tensor]], *,
             tokenizer: str | os.PathLike | None = None,
-            snapshot: str | os.PathLike | None = None, **options) -> Path:
+            snapshot: str | os.PathLike | None = None, marker: str | None = None,
+            **options) -> Path:
     """`save_hf_checkpoint`, with the tokenizer and the snapshot's side files
-    beside the weights when `tokenizer` is given."""
-    extra = hf_side_files(tokenizer, snapshot) if tokenizer is not None else None
-    return save_hf_checkpoint(out_dir, config, named_tensors, extra_files=extra,
-                              **options)
+    beside the weights when `tokenizer` is given, and an export's `marker`
+    (its kind) inside the same rename."""
+    extra = hf_side_files(tokenizer, snapshot) if tokenizer is not None else {}
+    if marker is not None:
+        extra[EXPORT_MARKER] = marker_text(marker)
+    return save_hf_checkpoint(out_dir, config, named_tensors,
+                              extra_files=extra or None, **options)
 
 
 def save_merged(out_dir: str | os.PathLike, config: neox_config.NeoXConfig,
@@ -139,6 +150,38 @@ def save_adapter(out_dir: str | os.PathLike, layers: Sequence[nn.Module],
     return out_dir
 
 
+def assemble(build: TrainingBuild, recipe: Recipe, *, device: torch.device,
+             init_param=None, load=None, probe=None) -> Assembled:
+    """
+    ### The job's sharded model: [`build_neox`](build.html), the bench's path
+
+    `build.kernels` resolved for `device`; looked up in its module when
+    called, so that a test sees the job take the benchmark's path.
+    """
+    neox = neox_build.NeoXBuild(
+        build.model, kernels=neox_build.resolve_kernels(build.kernels, device),
+        compile=build.compile, filter_layers=build.filter_layers)
+    return neox_build.build_neox(neox, recipe, device=device, init_param=init_param,
+                                 load=load, probe=probe)
+
+
+def load_sharded(checkpoint: HFCheckpoint, layer) -> None:
+    """`load_hf_layer`: a `Zero3Layer`'s base weights, each rank its slices."""
+    load_hf_layer(layer, checkpoint)
+
+
+def export_hf(out_dir: str | os.PathLike, model, lora: FineTuneLoRA | None,
+              config: neox_config.NeoXConfig, optimizer=None, *,
+              tokenizer: str | os.PathLike | None = None,
+              snapshot: str | os.PathLike | None = None, **options) -> Path | None:
+    """`save_merged_checkpoint` with the tokenizer and the snapshot's side
+    files, read on rank 0 only (the one that writes)."""
+    side = (hf_side_files(tokenizer, snapshot)
+            if tokenizer is not None and model.runtime.comm.rank == 0 else None)
+    return save_merged_checkpoint(out_dir, model, lora, config, optimizer,
+                                  side_files=side, **options)
+
+
 NEOX = ModelFamily(
     name="gpt-neox", model_types=("gpt_neox",), presets=neox_config.PRESETS,
     read_config=neox_config.from_hf_config, write_config=neox_config.to_hf_config,
@@ -148,5 +191,12 @@ NEOX = ModelFamily(
     flops_per_token=flops_per_token, activation_bytes=activation_bytes,
     finetuner=finetuner, lora_targets=tuple(TARGETS),
     named_tensors=hf_named_tensors, save_hf=save_hf, save_merged=save_merged,
-    save_adapter=save_adapter)
+    save_adapter=save_adapter, title="GPT-NeoX", snapshot_config=config_from_hf,
+    finetuners=FINETUNERS, resolve_kernels=neox_build.resolve_kernels,
+    assemble=assemble, init_parameter=init_parameter, load_sharded=load_sharded,
+    hf_prefix=hf_prefix, tokenizer_file=job_tokenizer_path,
+    snapshot_dtype=snapshot_dtype, export_hf=export_hf,
+    export_adapter=save_peft_adapter,
+    check_export_destination=check_export_destination, export_bytes=export_bytes,
+    generate=generate, sampling=Sampling)
 """Pythia and GPT-NeoX-20B."""

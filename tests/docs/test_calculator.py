@@ -224,7 +224,8 @@ def test_an_invalid_input_clears_the_results_and_names_its_field(built_site,
 
 def test_the_table_totals_the_model_states_and_names_presets_as_the_cli(
         built_site):
-    from labml_zero.finetune.config import MODEL_PRESETS
+    # the calculator sizes GPT-NeoX: its presets are the CLI's of that family
+    from labml_zero.neox.family import NEOX
 
     text = (built_site / PAGE).read_text(encoding="utf-8")
     example = budget_json(budget(BudgetInputs()))
@@ -232,5 +233,5 @@ def test_the_table_totals_the_model_states_and_names_presets_as_the_cli(
     total = example["params"] + example["grad_shards"] + example["optimizer_device"]
     assert row and f"{total:,}" in row.group(0)
     shown = re.findall(r'<option value="[^"]*"[^>]*>([^<]*)</option>', text)
-    assert set(MODEL_PRESETS) <= set(shown)
+    assert set(NEOX.presets) <= set(shown)
     assert "per rank</th>" not in text

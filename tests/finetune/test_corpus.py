@@ -181,7 +181,7 @@ def test_valid_data_is_read_apart_and_all_of_data_trains(tokenizer, tmp_path):
     train.write_text("Train on these words, all of them. " * 20)
     valid.write_bytes(gzip.compress(b"Validate on these. " * 10))
     data = load_datasets(seq_len=8, source=train, valid_source=valid,
-                         tokenizer=tokenizer)
+                         tokenizer=tokenizer, eot=end_of_text_id(tokenizer))
     eot = end_of_text_id(tokenizer)
     assert len(data.train.tokens) == len(encode(tokenizer, train.read_text())) + 1
     assert data.valid.tokens[-1] == eot

@@ -1,6 +1,6 @@
 """`labml_zero/finetune/__main__.py`: `python -m labml_zero.finetune` asks the
-registry for the family first, and refuses in one line, exit 2, what the job
-cannot train."""
+registry for the family first, and refuses in one line, exit 2, a family it
+does not know; any family goes on to the job."""
 
 import json
 import os
@@ -37,14 +37,23 @@ def test_an_unknown_model_type_names_the_families(tmp_path, capsys):
     assert all(t in err for t in ("gpt_neox", "llama", "qwen2", "mistral"))
 
 
-def test_a_llama_checkpoint_or_preset_is_not_yet_the_jobs(tmp_path, capsys):
+def test_a_llama_checkpoint_or_preset_goes_on_to_the_job(tmp_path, capsys):
+    # the job's own checks answer: here a snapshot with no weights, refused by
+    # the Llama family's check before any rank starts
     hf = llama_config.to_hf_config(llama_config.qwen2_5_0_5b())
     path = snapshot(tmp_path / "qwen", hf)
-    err = refusal(capsys, ["--checkpoint", path, "--steps", "1"])
-    assert "model_type 'qwen2' is the llama family, not yet supported by the " \
-           "job; supported: gpt-neox" in err
-    err = refusal(capsys, ["--model", "smollm2-135m"])
-    assert "--model smollm2-135m is the llama family" in err
+    with pytest.raises(SystemExit) as info:
+        main(["--checkpoint", path, "--steps", "1", "--out", str(tmp_path / "o"),
+              "--log-dir", str(tmp_path / "l")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no model.safetensors" in err
+    for argv in (["--model", "smollm2-135m", "--help"],
+                 ["--checkpoint", path, "--help"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 0
+        assert "--checkpoint" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("text, says", [

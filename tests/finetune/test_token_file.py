@@ -76,17 +76,18 @@ def test_a_rank_refuses_data_changed_after_the_launcher(tokenizer, tmp_path,
                                                         message):
     data = tmp_path / "c.txt"
     data.write_text(load_text()[:20_000])
-    splits = load_datasets(seq_len=16, source=data, tokenizer=tokenizer)
+    splits = load_datasets(seq_len=16, source=data, tokenizer=tokenizer,
+                           eot=end_of_text_id(tokenizer))
     (cache,) = splits.caches
     # a rank given the launcher's decision maps it and tokenises nothing
     monkeypatch.setattr(token_file, "build_token_file", None)
     again = load_datasets(seq_len=16, source=data, tokenizer=tokenizer,
-                          caches=splits.caches)
+                          eot=end_of_text_id(tokenizer), caches=splits.caches)
     assert np.array_equal(again.train.tokens, splits.train.tokens)
     change(data)
     with pytest.raises(DataError) as refused:
         load_datasets(seq_len=16, source=data, tokenizer=tokenizer,
-                      caches=splits.caches)
+                      eot=end_of_text_id(tokenizer), caches=splits.caches)
     line = str(refused.value)
     assert "\n" not in line and str(data) in line and message in line
     assert "changed since the launcher tokenised it" in line
