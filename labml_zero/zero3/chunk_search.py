@@ -432,7 +432,7 @@ def score_candidate(
     world_size: int,
     config: ChunkSearchConfig,
 ) -> tuple[CandidateScore, list[ChunkLayout]]:
-    """
+    r"""
     ### Score one candidate size
 
     $\text{score}(c) = W + \mu \, n_{\text{collectives}} + \lambda \, (G + B)$
