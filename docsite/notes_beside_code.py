@@ -205,7 +205,11 @@ if __name__ == "__main__":
 # page: a row is a `<section class="row">`, beside code when it holds a code
 # column; on the prose pages (glossary, Results), which have no code column, each
 # heading's block and each table row is a row of its own. The first row of a page
-# is its *opening*, set full width above the two columns.
+# is its *opening*, set full width above the two columns. A figure is not notes:
+# a drawing, and the Results page's tables of measured figures (each row a
+# measurement a note links to, looked up rather than read), count no words;
+# the Results page's notes (what each column holds, what the loss can check)
+# count as any notes do.
 
 MAX_SITE_SHARE = 0.15
 """of all note words, at most this share in rows beside no code"""
@@ -254,6 +258,9 @@ def built_rows(files: dict[str, bytes]) -> list[BuiltRow]:
             beside_code = '<div class="code">' in body
             doc = body.split('<div class="code">', 1)[0]
             doc = doc.split('<div class="figures">', 1)[0]
+            # a figure (a drawing, or the Results page's tables of measured
+            # figures) is looked at, not read through: none of it is notes
+            doc = re.sub(r"<figure\b.*?</figure>", " ", doc, flags=re.S)
             blocks = BLOCK_START.split(doc) if prose else [doc]
             for block in blocks:
                 words = html_words(block)

@@ -16,8 +16,9 @@ renders
 
 * the previous/next chain (home page first, then every entry in order),
 * the home page's list (where `index.md` says `{{reading_order}}`), by part,
-* each folder index's list of its own pages (where the package docstring says
-  `{{contents}}`, or else appended after the docstring's introduction).
+* each folder index's list of its own pages, by title (where the package
+  docstring says `{{contents}}`, or else appended after the docstring's
+  introduction).
 
 The build stops when a module of `labml_zero/` is missing from the file, listed
 twice, or listed but gone, so that no page drops out of the chain unseen.
@@ -26,6 +27,7 @@ twice, or listed but gone, so that no page drops out of the chain unseen.
 from __future__ import annotations
 
 import posixpath
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,6 +116,21 @@ def _item(entry: str, from_page: str, titles: dict[str, tuple[str, str]]) -> str
     return f"1. [{title}]({href})" + (f": {summary}" if summary else "")
 
 
+def _hover(summary: str) -> str:
+    """A summary as a link's title: plain text, no Markdown, no quotes."""
+    text = re.sub(r"[`*$]", "", " ".join(summary.split()))
+    return text.replace("\\", "").replace('"', "'")
+
+
+def _title_item(entry: str, from_page: str,
+                titles: dict[str, tuple[str, str]]) -> str:
+    """A page's title alone, its summary shown when the pointer rests on it."""
+    title, summary = titles[entry]
+    href = rel_href(page_of(entry), from_page)
+    hover = f' "{_hover(summary)}"' if summary else ""
+    return f"1. [{title}]({href}{hover})"
+
+
 def home_list(parts: list[Part], titles: dict[str, tuple[str, str]]) -> str:
     """The home page's reading order, in Markdown, one numbered list per part."""
     out = []
@@ -130,7 +147,9 @@ def folder_list(
 ) -> str:
     """
     A folder index's list: the pages directly in the folder and the index pages
-    of its sub-folders, in reading order.
+    of its sub-folders, in reading order, by title. The home page lists every
+    page with its summary; a folder page is read to find a page, and a list of
+    titles is one screen where titles with their summaries were several.
     """
     folder = posixpath.dirname(package_init)
     children = []
@@ -143,4 +162,4 @@ def folder_list(
         if parent == folder or is_sub_index:
             children.append(entry)
     page = module_page(package_init)
-    return "\n".join(_item(e, page, titles) for e in children) + "\n"
+    return "\n".join(_title_item(e, page, titles) for e in children) + "\n"

@@ -259,6 +259,7 @@ def best_markdown(results: dict[Key, Measurement]) -> list[str]:
     out = ["", "## Best settings", "",
            "Each engine's fastest configuration of a workload at one batch size; "
            "`× labml_zero` is its tokens per second over labml_zero's best.", "",
+           DATA_OPEN, "",
            "| workload | GPUs | B | engine | best setting | tokens/s | MFU "
            "| × labml_zero |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (workload, gpus, batch), engines in best_settings(results).items():
@@ -274,7 +275,16 @@ def best_markdown(results: dict[Key, Measurement]) -> list[str]:
                        f"[{setting(m.key)}](#{m.key.anchor}), kernels {kernels} | "
                        f"{m.line['tokens_per_s']:,.0f} | {_mfu_cell(m.line)} "
                        f"| {ratio} |")
-    return out
+    return out + ["", DATA_CLOSE]
+
+
+# The tables of measured figures are figures, not notes: a reader looks a row up
+# (its anchor is what a note's `{{bench: …}}` links to) rather than reads the
+# table through, and the notes' counter (`docsite/notes_beside_code.py`) counts
+# no figure's content as note words. The blank lines let the Markdown table
+# inside the HTML block be parsed as a table.
+DATA_OPEN = '<figure class="data">'
+DATA_CLOSE = "</figure>"
 
 
 # What the loss column says, under the table's introduction: two blocks, the
@@ -349,7 +359,7 @@ def results_markdown(results: dict[Key, Measurement]) -> str:
             "share of the GPUs' dense bf16 peak (the data sheet's) that the "
             "model's matrix products reach.",
             "", LOSS_COLUMN,
-            "", "| workload | engine | compiled | GPUs | B × T | tokens/s "
+            "", DATA_OPEN, "", "| workload | engine | compiled | GPUs | B × T | tokens/s "
             "| step s (± std) | MFU | peak GiB | loss | settings |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, m in results.items():
@@ -384,9 +394,12 @@ def results_markdown(results: dict[Key, Measurement]) -> str:
                    _mfu_cell(line), _cell(line.get("peak_mem_gib"), ".1f"),
                    _cell(line.get("loss"), ".2f"), ", ".join(settings)]
         out.append("| " + " | ".join(row) + " |")
+    out += ["", DATA_CLOSE]
     out += best_markdown(results)
     out += ["", "## Where each row comes from", "",
-            "| workload | engine | compiled | GPUs | B | date | PyTorch | file "
+            "The date of the file each row was read from, the PyTorch it ran on "
+            "and the command that measures it again.", "",
+            DATA_OPEN, "", "| workload | engine | compiled | GPUs | B | date | PyTorch | file "
             "| command |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, m in results.items():
@@ -395,4 +408,4 @@ def results_markdown(results: dict[Key, Measurement]) -> str:
             f"| {key.gpus} | {key.batch} | {m.date} | {m.line.get('torch', '')} "
             f"| `{m.file}` "
             f"| `{command(m)}` |")
-    return "\n".join(out) + "\n"
+    return "\n".join(out + ["", DATA_CLOSE]) + "\n"

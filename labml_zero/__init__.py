@@ -25,9 +25,10 @@ engine keeps the gradient shard in fp32, so the mean over ranks is never
 rounded on its way to the optimizer.
 
 The parameters are packed, in execution order, into flat {{term: chunks |
-chunk}} of one size (but a group's last chunk, trimmed to what it holds, and a
-parameter larger than the size, which gets a chunk of its own), so that each
-collective moves one large buffer; every rank keeps one shard of every chunk. A
+chunk}} of one size, each layer's into chunks of their own, its {{term: group}}
+(but a group's last chunk, trimmed to what it holds, and a parameter larger
+than the size, which gets a chunk of its own), so that each collective moves
+one large buffer; every rank keeps one shard of every chunk. A
 {{term: unit}} is a wrapped layer whose chunks are gathered and released
 together; the parameters of no wrapped layer form the {{term: root unit}},
 gathered for the whole step.

@@ -30,9 +30,6 @@ Once the run is in the app, `show_run_health` puts what the run page hides by
 default in view: a chart for each health series beside labml-app's loss chart,
 and the run's configuration in its configurations card.
 
-This file imports nothing beyond the standard library, so the core install (without
-the `app` extra) can call it.
-
 ## Limitations
 
 * The probe happens once, before the run. An app that stops answering in the
@@ -43,6 +40,8 @@ the `app` extra) can call it.
   one with MongoDB; a different server that happens to return JSON there would pass.
 """
 
+# The standard library only, so the core install (without the `app` extra) can
+# call this file.
 import json
 import urllib.error
 import urllib.parse

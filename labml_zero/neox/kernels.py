@@ -18,45 +18,15 @@ $$t \ge \frac{(r + w)\, n}{\beta},$$
 so a fused kernel wins by touching each element fewer times, and, where the
 host sets the pace, by launching fewer kernels. `ModelKernels` names four such
 fusions; `build_layers(config, kernels=...)` hands the choice to every layer
-once, and a layer calls the function the choice resolved to. Each fused
-function has its plain PyTorch twin beside it: the twin runs on a CPU and is
-the reference the tests compare against
+once. Each fused function has its plain PyTorch twin beside it: the twin runs
+on a CPU and is the reference the tests compare against
 (tested: tests/neox/test_kernels.py::test_model_with_every_kernel_is_the_plain_model).
-The figures are for Pythia-1.4B at {{py: 8 * 2048 | ,}} tokens a step
+The figures below are for Pythia-1.4B at {{py: 8 * 2048 | ,}} tokens a step
 ($d$ = {{py: neox_model.pythia_1_4b().d_model}}, $V$ = {{py:
 neox_model.pythia_1_4b().n_vocab | ,}}, $d_r$ = {{py:
 neox_model.pythia_1_4b().rotary_dim}}); launches are counted by running the
-twin on the meta device (the model's `plain_launches`).
-
-* **`loss`**: the readout and the cross-entropy in chunks of rows. The plain
-  path writes the logits in bf16, an fp32 copy, the fp32 log-softmax it saves
-  and, in the backward pass, an fp32 and a bf16 gradient: {{py:
-  (neox_model.K.plain_loss_bytes_per_row(neox_model.pythia_1_4b().n_vocab)
-  * 8 * 2048 / 2**30) | .1f}} GiB for the step, most of it held at once. The
-  chunked loss keeps one chunk's fp32 logits, {{py:
-  (neox_model.ModelKernels().loss_chunk_rows * neox_model.pythia_1_4b().n_vocab
-  * 4 / 2**20) | .0f}} MiB (`chunked_readout_loss`).
-* **`rotary`**: the rotation of q and k, the plain path's formula compiled
-  into one pass over both (`rotary.apply_rotary_fused`), where the plain path
-  is {{py: neox_model.plain_launches('rotary', neox_model.pythia_1_4b())}}
-  launches per layer forward. Both read the angle tables that the model builds
-  once for all layers ({{py: neox_model.plain_launches('rotary_tables',
-  neox_model.pythia_1_4b())}} launches, the model's `RotaryTables`), so the
-  pass moves bytes and computes no cosine; it lives on the
-  [rotary page](rotary.html), beside the formula it compiles.
-* **`norms`**: both layer norms of the parallel residual read $x$ once and
-  compute its mean and variance once (`two_layer_norms`).
-* **`bias_gelu`**: the bias and the GELU in one pass after the product, their
-  derivatives and the bias gradient's sum in one pass in the backward pass
-  (`linear_bias_gelu`).
-
-The compiled kernels are `torch.compile` of small functions, compiled once per
-shape at their first GPU call. Each call of a compiled function with gradients
-goes through its autograd wrapper on the host, which costs more than the plain
-path's launches where the host already sets the pace (a small model). The
-attention is PyTorch's `scaled_dot_product_attention`, which picks its backend
-(cuDNN's on Hopper); `ModelKernels.attention` can pin one. The benchmark's
-README has each kernel's measured gain alone and in the step.
+twin on the meta device (`forward_launches`). The benchmark's README has each
+kernel's measured gain alone and in the step.
 
 ## Limitations
 
@@ -94,6 +64,16 @@ class ModelKernels:
     Every field off is the plain PyTorch model; `all_fused()` turns every
     fusion on. `from_names("loss,rotary")` builds one from the field names,
     which is also how the benchmark's `--kernels` flag reads.
+
+    Three fusions are on this page, each beside its twin. The fourth, `rotary`,
+    lives on the [rotary page](rotary.html) beside the formula it compiles:
+    the rotation of q and k in one pass over both (`rotary.apply_rotary_fused`),
+    where the plain path is {{py: neox_model.plain_launches('rotary',
+    neox_model.pythia_1_4b())}} launches per layer forward. Both read the angle
+    tables that the model builds once for all layers ({{py:
+    neox_model.plain_launches('rotary_tables', neox_model.pythia_1_4b())}}
+    launches, the model's `RotaryTables`), so the pass moves bytes and computes
+    no cosine.
     """
 
     loss: bool = False
@@ -154,6 +134,11 @@ class ModelKernels:
 
 
 # ## Compiled on the GPU, the twin elsewhere
+#
+# The compiled kernels are `torch.compile` of small functions, compiled once per
+# shape at their first GPU call. Each call of a compiled function with gradients
+# goes through its autograd wrapper on the host, which costs more than the plain
+# path's launches where the host already sets the pace (a small model).
 
 
 @functools.cache
@@ -181,6 +166,14 @@ def on_gpu_compiled(fn: Callable) -> Callable:
 
 
 # ## The chunked readout and cross-entropy
+#
+# The plain path writes the logits in bf16, an fp32 copy, the fp32 log-softmax
+# it saves and, in the backward pass, an fp32 and a bf16 gradient: {{py:
+# (neox_model.K.plain_loss_bytes_per_row(neox_model.pythia_1_4b().n_vocab)
+# * 8 * 2048 / 2**30) | .1f}} GiB for the step, most of it held at once. The
+# chunked loss keeps one chunk's fp32 logits, {{py:
+# (neox_model.ModelKernels().loss_chunk_rows * neox_model.pythia_1_4b().n_vocab
+# * 4 / 2**20) | .0f}} MiB (`chunked_readout_loss`).
 
 
 def plain_loss_bytes_per_row(n_vocab: int) -> int:
@@ -455,6 +448,9 @@ def up_fused(x: torch.Tensor, linear: nn.Linear, approximate: str) -> torch.Tens
 
 
 # ## Attention backends
+#
+# The attention is PyTorch's `scaled_dot_product_attention`, which picks its
+# backend (cuDNN's on Hopper); `ModelKernels.attention` pins one.
 
 ATTENTION_BACKENDS = ("cudnn", "flash", "efficient", "math")
 

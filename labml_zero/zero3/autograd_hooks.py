@@ -11,8 +11,7 @@ summary: How the runtime learns that the backward pass has reached a layer or
 The functions that find the tensors in a layer's inputs and outputs and attach
 the callbacks that start [the schedule's](hooks.html) backward hooks: the
 pre-backward at the output's autograd node, the post-backward at the inputs'
-gradients, the end of backward on the autograd engine. This page deepens
-[Hooks and schedule](hooks.html).
+gradients, the end of backward on the autograd engine.
 
 The parameters' gradient hooks need none of this: PyTorch's
 `register_post_accumulate_grad_hook` on each parameter, registered once by the

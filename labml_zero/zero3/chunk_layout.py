@@ -1,7 +1,7 @@
 r"""
 ---
 title: Chunk layout
-summary: Packing parameters, in execution order, into flat chunks of one size.
+summary: Packing parameters, in execution order, into flat chunks of one common size, a group's last chunk trimmed.
 ---
 
 # Chunk layout
@@ -12,17 +12,6 @@ takes from PatrickStar: one all-gather moves a whole chunk, so the collectives a
 few and large (a collective's bandwidth grows with its message size), and a rank's
 share of a chunk is one contiguous slice, so the optimizer updates it with a
 handful of kernels.
-
-A chunk of $C$ elements is split over the $N_d$ data-parallel ranks into equal
-*shards* of
-
-$$S = \frac{C}{N_d}$$
-
-elements; rank $r$ keeps elements $[rS, (r+1)S)$. A *group* is one layer, the
-unit that the hooks gather and release. Space in a chunk that no parameter fills
-is *padding*: memory that every rank stores (sharded) and every collective
-moves, so the layout reports it and the [chunk-size search](chunk_search.html)
-trades it against the size of the gathered chunks.
 
 This page is pure arithmetic: the {{term: chunk layout}} it computes decides
 *where* every parameter lives and touches no tensor, so the search can simulate
@@ -109,6 +98,10 @@ class ChunkSpec:
 
     @property
     def padding(self) -> int:
+        """Space no parameter fills: every rank stores its share of it and every
+        collective moves it, so the layout reports it and the
+        [chunk-size search](chunk_search.html) trades it against the size of
+        the gathered chunks."""
         return self.chunk_numel - self.used_numel
 
 
@@ -147,6 +140,9 @@ class ChunkLayout:
         )
 
     def shard_numel(self, chunk: ChunkSpec) -> int:
+        r"""A chunk of $C$ elements is split over the $N_d$ data-parallel ranks
+        into equal shards of $S = C / N_d$ elements; rank $r$ keeps elements
+        $[rS, (r+1)S)$."""
         return chunk.chunk_numel // self.world_size
 
     def group_numel(self, group: int) -> int:

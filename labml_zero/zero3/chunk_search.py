@@ -22,21 +22,12 @@ dtype (the dtype gradients are reduce-scattered in) and $D$ the prefetch depth
 
 $$\text{score}(c) = W + \mu \, n_{\text{collectives}} + \lambda \, (G + B)$$
 
-with
-
-* the *waste* $W = p \sum_k (C_k - u_k)$, the padding in bytes;
-* $n_{\text{collectives}}$ the collectives of one training step, each at a
-  fixed price $\mu$;
-* the *peak gathered* $G = p \max_i \sum_{j=i}^{i+D} C(\text{group}_j)$, the
-  most parameter bytes gathered at once ($C(\text{group})$ the elements of a
-  group's chunks);
-* the *gradient buffer* $B = g_r \max_{k \text{ trainable}} C_k$, the largest
-  full-size gradient buffer of backward (without the gradients copied into it);
-* $\lambda$ the price of a byte of peak memory in bytes of waste.
-
-`score_candidate` explains each term beside the line that computes it; Note: why
-not padding alone shows, on a model of three parameters, why the memory terms
-are needed; Note: GPT-NeoX-20B works the search through a real model.
+of the padding $W$, the collectives $n_{\text{collectives}}$ at a price $\mu$
+each, and the peak gathered $G$ and gradient buffer $B$ at a price $\lambda$ per
+byte; `score_candidate` defines each term beside the line that computes it.
+Note: why not padding alone shows, on a model of three parameters, why the
+memory terms are needed; Note: GPT-NeoX-20B works the search through a real
+model.
 """
 
 from __future__ import annotations
@@ -441,8 +432,22 @@ def score_candidate(
     world_size: int,
     config: ChunkSearchConfig,
 ) -> tuple[CandidateScore, list[ChunkLayout]]:
-    """
+    r"""
     ### Score one candidate size
+
+    $\text{score}(c) = W + \mu \, n_{\text{collectives}} + \lambda \, (G + B)$
+    with
+
+    * the *waste* $W = p \sum_k (C_k - u_k)$, the padding in bytes;
+    * $n_{\text{collectives}}$ the collectives of one training step, each at a
+      fixed price $\mu$;
+    * the *peak gathered* $G = p \max_i \sum_{j=i}^{i+D} C(\text{group}_j)$, the
+      most parameter bytes gathered at once ($C(\text{group})$ the elements of a
+      group's chunks);
+    * the *gradient buffer* $B = g_r \max_{k \text{ trainable}} C_k$, the largest
+      full-size gradient buffer of backward; the gradients held until they are
+      copied into it, $p\,C_k$ bytes more at that moment, are not counted;
+    * $\lambda$ the price of a byte of peak memory in bytes of waste.
 
     Plans each distinct group shape once and adds up the totals, weighted by
     the number of groups of each shape; returns the row and the plans.

@@ -8,8 +8,8 @@ summary: Two shortcuts that keep the chunk-size search to seconds of pure Python
 
 The [chunk-size search](chunk_search.html) scores every candidate size of its
 range by planning the layout that size gives, and planning is linear in the
-number of parameters. This page deepens that page with the two shortcuts that
-make the search cheap without changing its answer: `group_shapes` packs each
+number of parameters. Two shortcuts make the search cheap without changing its
+answer: `group_shapes` packs each
 distinct layer once, and `is_saturated` tells the search when a larger size can
 no longer change the packing. With $m$ the candidates in the range, $m'$ those
 left after the skips, $L$ the groups and $U$ their distinct shapes, the search

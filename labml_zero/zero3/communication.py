@@ -6,19 +6,12 @@ summary: The three collectives ZeRO-3 needs, their side streams, and a byte coun
 
 # Communication
 
-ZeRO-3 needs three collectives over a shard group, and this page is the only
-place that calls them:
-
-* **all-gather** a chunk: every rank contributes its shard of $S = C / N_d$
-  elements and receives the whole chunk of $C$ elements;
-* **reduce-scatter** a chunk's gradient: every rank contributes a full-size
-  gradient of $C$ elements and receives the *average* over ranks of its own shard;
-* **all-reduce** a scalar: the squared gradient norm, whose sum over ranks is
-  also how every rank learns that one of them overflowed (non-finite).
-
-A step moves $3\Psi$ elements through them, against DDP's $2\Psi$ (see
-`CommCounter`). The streams that let these overlap with computation are set up with the
-`Communicator` below, its groups where it splits them; what runs over these
+ZeRO-3 needs three collectives over a shard group, an all-gather of a chunk, a
+reduce-scatter of its gradient and an all-reduce of a scalar, and this page is
+the only place that calls them (the `Communicator`'s last three methods). A
+step moves $3\Psi$ elements through them, against DDP's $2\Psi$ (see
+`CommCounter`). The streams that let these overlap with computation are set up
+with the `Communicator` below, its groups where it splits them; what runs over these
 groups, and how (collective, peer memory, hybrid), is chosen once per model by
 the [transports](transport.html).
 """
@@ -367,7 +360,9 @@ class Communicator:
     # so a model wrapped for ZeRO also runs in a plain single-process script.
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
-        """`full` [N_d·S] ← the shards [S] of every rank, in rank order."""
+        """`full` [N_d·S] ← the shards [S] of every rank, in rank order: every
+        rank contributes its shard of $S = C / N_d$ elements and receives the
+        whole chunk of $C$ elements."""
         self.counter.add("all_gather", full)
         if self.world_size == 1:
             # A shard group of one rank (one process, or hybrid sharding with
@@ -384,7 +379,9 @@ class Communicator:
     def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         """
         `shard` [S] ← this rank's slice of the mean over the shard group of
-        `full`; a collective, which needs both in one dtype.
+        `full`: every rank contributes a full-size gradient of $C$ elements and
+        receives the *average* over ranks of its own shard; a collective, which
+        needs both in one dtype.
         """
         self.counter.add("reduce_scatter", full)
         if self.world_size == 1:
@@ -393,7 +390,9 @@ class Communicator:
         _reduce_scatter(shard, full, op=dist.ReduceOp.AVG, group=self.group)
 
     def all_reduce(self, tensor: torch.Tensor, *, op=None) -> None:
-        """Sum (or `op`) `tensor` over ranks, in place."""
+        """Sum (or `op`) `tensor` over ranks, in place; the step's use is the
+        squared gradient norm, whose sum over ranks is also how every rank
+        learns that one of them overflowed (non-finite)."""
         self.counter.add("all_reduce", tensor)
         if not self.distributed:
             return

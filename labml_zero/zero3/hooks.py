@@ -111,8 +111,8 @@ class Zero3Runtime:
        never gathered again;
     4. **gradient hooks**, during the layer's backward: each parameter's gradient
        goes to its chunk's [gradients](chunk_grads.html), and a chunk whose
-       parameters have all reported is reduce-scattered at once (inside `no_sync`
-       it only accumulates);
+       parameters have all reported is reduce-scattered at once on a second side
+       stream, the {{term: reduce stream}} (inside `no_sync` it only accumulates);
     5. **post-backward hook**: release;
     6. **end of backward**: reduce what was not (or, inside `no_sync`, end each
        chunk's backward pass), release what is still gathered.

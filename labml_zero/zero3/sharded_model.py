@@ -22,14 +22,9 @@ pages, after the core path):
   and the parameters outside them as a *root unit* that stays gathered for the
   whole step (embeddings, final norms, tied readouts).
 
-Either way the model has one layout, `model.layout`, with a group per unit.
-
-A model larger than one GPU is built without any rank holding it: its layers
-are made on the meta device (shapes, no memory), the chunk size is chosen
-from the shapes alone, and each layer is given weights and sharded one at a
-time, or even one chunk at a time, so that a rank never holds more than one
-layer (or one chunk) beyond its shards (see Lazy initialisation, beside
-`zero3_layers`).
+Either way the model has one layout, `model.layout`, with a group per unit,
+and a model larger than one GPU is built without any rank holding it (Lazy
+initialisation, beside `zero3_layers`).
 """
 
 from __future__ import annotations
@@ -392,7 +387,10 @@ def zero3_layers(
 
     ### Lazy initialisation
 
-    Layers built on the meta device hold no memory. Two ways to give them weights:
+    A model larger than one GPU is built without any rank holding it: its layers
+    are made on the meta device (shapes, no memory), the chunk size is chosen
+    from the shapes alone, and each layer is given weights and sharded one at a
+    time, or even one chunk at a time. Two ways to give them weights:
 
     * `init_param(name, param)`, a per-parameter initialiser: the layer is sharded
       while still on meta, then initialised **one chunk at a time** (see

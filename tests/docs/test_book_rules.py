@@ -47,6 +47,30 @@ def test_the_core_path_sets_each_idea_beside_its_code(site_files):
     assert sum(r.words for r in rows) <= CORE_PATH_WORDS
 
 
+SITE_SHARE_NOW = 0.25
+"""the whole site's share of words beside no code, a ratchet on the way to
+`MAX_SITE_SHARE`: lower it as pages move their notes beside their code"""
+
+
+def test_the_whole_site_does_not_slide_back(site_files):
+    rows = nbc.built_rows(site_files)
+    assert nbc.site_share(rows) <= SITE_SHARE_NOW, (
+        f"{nbc.site_share(rows):.1%} of the site's note words sit beside no code")
+
+
+def test_measured_tables_are_figures_and_folder_lists_are_titles(site_files):
+    results = site_files["results.html"].decode()
+    # every measurement row is inside a figure, so the counter reads none of it
+    assert '<figure class="data">' in results
+    outside = re.sub(r"<figure\b.*?</figure>", " ", results, flags=re.S)
+    assert 'id="result-' not in outside
+    folder = site_files["labml_zero/zero3/index.html"].decode()
+    listing = folder.split("Pages in this folder", 1)[1].split("</ol>", 1)[0]
+    # a title a line, its summary on hover, not in the text
+    assert re.search(r'<li><a href="[^"]+" title="[^"]+">[^<]+</a></li>', listing)
+    assert not re.search(r"</a>\s*:", listing)
+
+
 def test_no_row_sits_beside_an_empty_code_column(site_files):
     for path, page in pages(site_files):
         assert 'class="code empty"' not in page, path

@@ -77,6 +77,9 @@ def test_reading_order_refuses_missing_twice_and_gone(tmp_path):
     assert order.folder_list(parts, "labml_zero/__init__.py", titles) == (
         "1. [labml_zero/b/__init__.py](b/index.html)\n"
         "1. [labml_zero/a.py](a.html)\n")
+    titles["labml_zero/a.py"] = ("A", 'What "a" does, `a()` and $N_d$.')
+    assert order.folder_list(parts, "labml_zero/__init__.py", titles).endswith(
+        "1. [A](a.html \"What 'a' does, a() and N_d.\")\n")
 
 
 def _chain(files: dict[str, bytes]) -> list[str]:
