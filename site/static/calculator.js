@@ -425,10 +425,16 @@
     const gradBuffer = trainable && !alone ? largestGradBuffer(layout, gR) : 0;
     const accumulation = inputs.micro_batches > 1 ? totalNumel(layout, true) * gR : 0;
     const activations = activationBytes(inputs, data);
+    // the freed gradients the queued early updates hold: the parameter
+    // dtype's on one rank alone, else fp32
+    const largestTrainable = Math.max(0, ...shards.filter(s => s.trainable).map(s => s.numel));
+    const earlyGrads = inputs.update_during_backward
+      ? data.early_updates_in_flight * (alone && inputs.micro_batches === 1 ? p : data.grad_bytes)
+        * largestTrainable : 0;
     const grads = data.grad_bytes * trainable;
     const withoutOptimizer = p * all + grads;
     const backward = withoutOptimizer - grads + gathered + activations
-      + Math.max(gradBuffer, accumulation);
+      + Math.max(gradBuffer, accumulation) + earlyGrads;
     const other = inputs.update_during_backward ? backward
       : Math.max(withoutOptimizer, backward);
     const trainablePositions = [];
@@ -457,7 +463,7 @@
       params: p * all, grad_shards: grads,
       optimizer_device: kDevice * (trainable - offloaded),
       optimizer_host: (data.optimizer_bytes + data.staging_bytes) * offloaded,
-      gathered, grad_buffer: gradBuffer, accumulation, activations,
+      gathered, grad_buffer: gradBuffer, accumulation, early_grads: earlyGrads, activations,
       offloaded_fraction: trainable ? offloaded / trainable : 0,
       peak, fits: peak <= inputs.device_bytes,
       all_gather: nD === 1 ? 0 : fwd + bwd, reduce_scatter: alone ? 0 : rs,

@@ -144,11 +144,13 @@
   }
   function peakParts(r, inputs) {
     const buffers = Math.max(r.grad_buffer, r.accumulation);
-    const backward = r.params + r.optimizer_device + r.gathered + (r.activations || 0) + buffers;
+    const backward = r.params + r.optimizer_device + r.gathered + (r.activations || 0) + buffers
+      + r.early_grads;
     if (inputs.update_during_backward || backward >= r.params + r.grad_shards + r.optimizer_device) {
-      return [["params", r.params], ["optimizer_device", r.optimizer_device],
-              ["gathered", r.gathered], ["activations", r.activations || 0],
-              [r.accumulation > r.grad_buffer ? "accumulation" : "grad_buffer", buffers]];
+      const parts = [["params", r.params], ["optimizer_device", r.optimizer_device],
+                     ["gathered", r.gathered], ["activations", r.activations || 0],
+                     [r.accumulation > r.grad_buffer ? "accumulation" : "grad_buffer", buffers]];
+      return r.early_grads ? [...parts, ["early_grads", r.early_grads]] : parts;
     }
     return [["params", r.params], ["grad_shards", r.grad_shards],
             ["optimizer_device", r.optimizer_device]];
