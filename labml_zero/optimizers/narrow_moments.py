@@ -9,8 +9,8 @@ summary: AdamW with an fp32 master and bf16 moments, computed in fp32 and
 
 This page deepens [AdamFP16](adam_fp16.html) for the `"bf16-moments"`
 [state layout](../zero3/state_layout.html): the master stays fp32, and Adam's
-moments $m$ and $v$ are kept in bf16, $K = 4 + 2 + 2 = 8$ bytes per element
-instead of 12. A step reads the stored moments, widens them to fp32 (exact),
+moments $m$ and $v$ are kept in bf16, $K = 4 + 2 + 2$ bytes per element.
+A step reads the stored moments, widens them to fp32 (exact),
 runs the fp32 update, and rounds the new moments as it stores them:
 
 $$\hat m_t = \operatorname{bf16}\big(\beta_1 \hat m_{t-1} + (1 - \beta_1) g_t\big),
@@ -23,13 +23,12 @@ every step, bit for bit with the same kernel
 (tested: tests/optimizers/test_narrow_moments.py::test_bf16_moments_are_adamw_with_moments_rounded_each_step).
 Each store rounds to 8 bits of mantissa, a relative error of at most $2^{-9}$ in
 $m$ and $v$; the master, where the small updates add up, keeps all of fp32's.
-The [one-pass kernel](rounded_update.html) computes the same thing in one kernel
-on a GPU: it reads the bf16 moments, computes in fp32 and rounds on the store.
+On a GPU the [one-pass kernel](rounded_update.html) does the same in one kernel.
 
 ## Limitations
 
-* The twin widens the moments slice by slice: $8 \cdot 2^{22}$ bytes of fp32
-  temporaries per slice (`WIDE_NUMEL`), beside the kernel's own traffic.
+* The twin widens the moments slice by slice, into fp32 temporaries
+  (`WIDE_NUMEL`), beside the kernel's own traffic.
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ from typing import Callable, Sequence
 import torch
 
 # Elements widened at once: bounds the fp32 temporaries of the twin to
-# $2 \cdot 4 \cdot 2^{22}$ bytes (32 MiB) whatever the shard's size; a multiple
-# of every vector width, so a slice ends where a whole shard's loop would.
+# $2 \cdot 4 \cdot 2^{22}$ bytes whatever the shard's size; a multiple of
+# every vector width, so a slice ends where a whole shard's loop would.
 WIDE_NUMEL = 2**22
 
 Kernel = Callable[[list, list, list, list], None]

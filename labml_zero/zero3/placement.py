@@ -353,7 +353,7 @@ def resident_bytes(placement: Placement, shards: Sequence[ShardSpec], *,
     """
     placement.check(shards)
     k_device = device_optimizer_bytes(param_bytes, states)
-    # a host home's master never aliases the shard: the whole $K$
+    # a host home's master never aliases the shard: all $K$ bytes
     k_host = states.bytes_per_element()
     device = host = 0
     for i, shard in enumerate(shards):

@@ -14,24 +14,12 @@ Their bytes per element are the memory model's $K$,
 
 $$K = \sum_{s \in \text{layout}} b_s,$$
 
-$b_s$ the bytes of state $s$'s dtype: $4 + 4 + 4 = 12$ with fp32 moments and
-$4 + 2 + 2 = 8$ with bf16 ones
-(tested: tests/zero3/test_state_layout.py::test_bytes_per_element_of_each_layout).
-Where the shard is fp32 it is its own master, and $K$ loses the master's 4.
-
-A layout is declared once, here, as a frozen `StateLayout`; the optimizer
-allocates and updates its state from it, the [checkpoint](checkpoint/index.html)
-saves each state under its name and dtype, and the
-[memory model](memory_model.html), the {{see: placement}} and the calculator
-count $K$ from it. Adding a state, or a choice of dtypes, is one entry below.
-
-Every state of a shard lives in the shard's {{term: home}}, device or host,
-together: the update reads and writes all of them at once, so a state split
-from the others would cross the host link at every step.
-
-The second half of the page is the contract itself, `ShardOptimizer`: what the
-engine and its checkpoint call on an optimizer, typed, where they used to probe
-it with `hasattr`.
+$b_s$ the bytes of state $s$'s dtype: {{py: state_layout.FP32_STATES.bytes_per_element()}}
+with fp32 moments and {{py: state_layout.BF16_MOMENTS.bytes_per_element()}} with
+bf16 ones. Each layout is declared once, here; the optimizer, the
+[checkpoint](checkpoint/index.html), the [memory model](memory_model.html),
+the {{see: placement}} and the calculator read it. Adding a state is one entry
+below. Last comes `ShardOptimizer`, the typed contract the engine calls.
 """
 
 from __future__ import annotations
@@ -57,6 +45,11 @@ class StateTensor:
     * `master`: whether it is the master copy of the weights, the one the update
       writes and the shard is the rounding of; a shard of the master's dtype
       is its own master.
+
+    Every state of a shard lives in the shard's
+    [home](../optimizers/shard_home.html), device or host, together: the
+    update reads and writes all of them at once, so a state kept apart would
+    cross the host link at every step.
     """
 
     name: str
@@ -110,7 +103,7 @@ class StateLayout:
 
     @property
     def dtypes(self) -> dict[str, str]:
-        """Each state's dtype by name, as a checkpoint's manifest records it."""
+        """Each state's dtype by name, as a checkpoint records it."""
         return {t.name: str(t.dtype).removeprefix("torch.") for t in self.tensors}
 
     def bytes_per_element(self, *, shard_is_master: bool = False) -> int:
@@ -172,7 +165,8 @@ class ShardOptimizer(Protocol):
     """
     ## What the engine and its checkpoint call on an optimizer
 
-    `AdamFP16` implements it; a checkpoint, the placement probe and the engine's
+    Typed, where they used to probe the optimizer with `hasattr`. `AdamFP16`
+    implements it; a checkpoint, the placement probe and the engine's
     gradient callbacks take a `ShardOptimizer` and call these, nothing else.
 
     * `layout`: its `StateLayout`.
