@@ -19,9 +19,8 @@ is why ZeRO shards the optimizer state first: it is
 $$\frac{K}{2 + 4 + K} = \frac{2}{3}$$
 
 of the model states here, and $\frac{3}{4}$ in the paper, which counts a
-half-precision gradient. The states and their dtypes are declared once, as the
-optimizer's [state layout](../zero3/state_layout.html); a second choice keeps
-the moments in bf16 ([narrow moments](narrow_moments.html)).
+half-precision gradient. The [state layout](../zero3/state_layout.html)
+declares these states, and other choices.
 
 Under ZeRO-3 each rank holds these for its own shards only: the optimizer sees one
 flat bf16 tensor per trainable chunk, with its fp32 gradient in its

@@ -17,18 +17,9 @@ $$\hat m_t = \operatorname{bf16}\big(\beta_1 \hat m_{t-1} + (1 - \beta_1) g_t\bi
   \qquad
   \hat v_t = \operatorname{bf16}\big(\beta_2 \hat v_{t-1} + (1 - \beta_2) g_t^2\big),$$
 
-while the master's step uses the unrounded fp32 values of the same step. So it is
-`torch.optim.AdamW` on the fp32 master whose moments are rounded to bf16 after
-every step, bit for bit with the same kernel
+while the master's step uses the unrounded fp32 values: `torch.optim.AdamW`
+whose moments are rounded to bf16 after every step, bit for bit
 (tested: tests/optimizers/test_narrow_moments.py::test_bf16_moments_are_adamw_with_moments_rounded_each_step).
-Each store rounds to 8 bits of mantissa, a relative error of at most $2^{-9}$ in
-$m$ and $v$; the master, where the small updates add up, keeps all of fp32's.
-On a GPU the [one-pass kernel](rounded_update.html) does the same in one kernel.
-
-## Limitations
-
-* The twin widens the moments slice by slice, into fp32 temporaries
-  (`WIDE_NUMEL`), beside the kernel's own traffic.
 """
 
 from __future__ import annotations
@@ -58,6 +49,12 @@ def update(kernel: Kernel, masters: Sequence[torch.Tensor],
     are then rounded back into place: a skipped update (a non-finite
     gradient, `found_inf`) leaves the copies as they were, and a bf16 value
     widened and rounded back is itself.
+
+    Each store rounds to 8 bits of mantissa, a relative error of at most
+    $2^{-9}$ in $m$ and $v$; the master, where the small updates add up,
+    keeps all of fp32's. On a GPU the [one-pass kernel](rounded_update.html)
+    does the same in one kernel; here the widening costs fp32 temporaries
+    (`WIDE_NUMEL`) beside the kernel's own traffic.
     """
     if all(m.dtype == torch.float32 for m in (*exp_avgs, *exp_avg_sqs)):
         kernel(list(masters), list(grads), list(exp_avgs), list(exp_avg_sqs))

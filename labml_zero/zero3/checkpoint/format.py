@@ -54,9 +54,9 @@ __all__ = ["CheckpointError", "FORMAT", "MANIFEST"]
 # * `meta`: small JSON values the job chose to record (its step, batch size,
 #   seed), which a launcher reads [before any process starts](preflight.html);
 # * `states`, when an optimizer was saved: its
-#   [state layout](../state_layout.html), the name and each state's dtype
-#   (`{"name": "bf16-moments", "dtypes": {"exp_avg": "bfloat16", ...}}`). A
-#   manifest without it was saved with fp32 states, the only layout there was.
+#   [state layout](../state_layout.html): its `name` (`"bf16-moments"`) and
+#   `dtypes`, each state's dtype by name. A manifest without it was saved with
+#   fp32 states, the only layout there was.
 #
 # `master` is written only when it is not the parameter itself: for a bf16/fp16 chunk
 # with an optimizer state, or whose exact fp32 initial weights the engine kept
