@@ -25,8 +25,8 @@ the $\Psi_t$ trainable parameters, mixed-precision Adam keeps
 * $K = 12$
   (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
   bytes of optimizer state: an fp32 master copy of the parameter and Adam's two
-  fp32 moments, $4 + 4 + 4$ (other [state layouts](state_layout.html) have
-  their own $K$).
+  fp32 moments, $4 + 4 + 4$ (other [state layouts](state_layout.html)
+  keep fewer bytes).
 
 That is $p + g + K = 18$
 (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
