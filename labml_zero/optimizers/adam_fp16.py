@@ -38,7 +38,7 @@ import torch
 from labml_zero.zero3.communication import current_cuda_stream
 from labml_zero.zero3.state_layout import StateLayout, state_layout
 
-from . import narrow_moments, rounded_update
+from . import narrow_moments, rounded_update, stochastic_rounding
 from .captured_update import CapturedUpdates
 from .early_update import EarlyUpdate, EarlyUpdates, NonFiniteGradient
 from .host_offload import HostShard
@@ -71,8 +71,10 @@ class AdamFP16(torch.optim.Optimizer):
       has consumed it (see `EarlyUpdates.free_grad`).
     * `states`: the [state layout](../zero3/state_layout.html), by name or
       as a `StateLayout`: `"fp32"` (master and moments in fp32, the
-      default) or `"bf16-moments"` (an fp32 master, the moments rounded to
-      bf16 when stored: [narrow moments](narrow_moments.html)).
+      default), `"bf16-moments"` (an fp32 master, the moments rounded to
+      bf16 when stored: [narrow moments](narrow_moments.html)) or
+      `"bf16-stochastic"` (bf16 moments, no master: [stochastic
+      rounding](stochastic_rounding.html)).
 
     It holds `homes` (each shard's {{term: home}}, device or host,
     and the kernels' batches) and `early_updates` (the updates during the
@@ -123,11 +125,10 @@ class AdamFP16(torch.optim.Optimizer):
             raise ValueError("free_grads needs update_during_backward=True (the "
                              "gradient is freed after its early update)")
         self.layout = state_layout(states)
-        if self.layout.master is None:
-            raise ValueError(f"states {self.layout.name!r} has no master; "
-                             "AdamFP16 updates an fp32 master")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
+        if self.layout.master is None:
+            self._check_no_master(offload)
         # None: the fused kernel where this PyTorch has it
         self.fused = hasattr(torch, "_fused_adamw_") if fused is None else fused
         if self.fused and not hasattr(torch, "_fused_adamw_"):
@@ -157,6 +158,18 @@ class AdamFP16(torch.optim.Optimizer):
         # set while the step is captured as a CUDA graph and replayed (see
         # [the update inside a captured step](captured_update.html))
         self.capture: CapturedUpdates | None = None
+
+    def _check_no_master(self, offload) -> None:
+        """A layout without a master: bf16 (rounded stochastically) or fp32
+        (its own master) shards, on the device."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype not in (torch.bfloat16, torch.float32):
+                    raise ValueError(f"states {self.layout.name!r} rounds into "
+                                     f"bf16 or fp32 parameters, got {p.dtype}")
+        if offload is not None and self._offloaded(offload):
+            raise ValueError(f"states {self.layout.name!r} keeps no master "
+                             "for a host update to work on: no offload")
 
     def add_param_group(self, param_group: dict) -> None:
         """A group added after construction: its homes on the device."""
@@ -426,7 +439,6 @@ class AdamFP16(torch.optim.Optimizer):
             by_step.setdefault(step, []).append(home)
         for step, same in by_step.items():
             states = [self.state[h.param] for h in same]
-            masters = [s["master"] for s in states]
             grads = lead.gradients(same)
             found_inf = None
             if early is not None:
@@ -447,6 +459,14 @@ class AdamFP16(torch.optim.Optimizer):
             kernel = functools.partial(self._kernel, step=step,
                                        group_index=lead.group_index,
                                        found_inf=found_inf)
+            if self.layout.master is None:
+                # the shards are the weights, rounded into stochastically
+                stochastic_rounding.update(
+                    kernel, [h.param.detach() for h in same], grads, *moments,
+                    step=self._step_tensor(lead.param.device, step),
+                    salts=[h.position for h in same])
+                continue
+            masters = [s[self.layout.master.name] for s in states]
             # moments narrower than fp32 are widened slice by slice around
             # the fp32 kernel and rounded as they are stored
             narrow_moments.update(kernel, masters, grads, *moments)

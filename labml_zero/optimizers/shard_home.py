@@ -82,6 +82,9 @@ class ShardHome:
                  layout: StateLayout):
         self.param = param
         self.layout = layout
+        # the shard's position among all homes, a salt of its random bits
+        # under stochastic rounding (set by `add_group_homes`)
+        self.position = 0
         # looked up once: a parameter keeps its shard for life (see the shard's
         # Note: how a parameter finds its shard)
         self.shard: LocalShard | None = LocalShard.of(param)
@@ -113,8 +116,11 @@ class ShardHome:
 
     def state_of(self, master: torch.Tensor) -> dict:
         """`step`, `master` and zero moments in the layout's dtypes, in the
-        layout's order."""
-        return {"step": 0, self.layout.master.name: master,
+        layout's order; a layout without a master keeps only the moments,
+        shaped like `master` (then the shard)."""
+        kept = {} if self.layout.master is None else {self.layout.master.name:
+                                                      master}
+        return {"step": 0, **kept,
                 **{t.name: torch.zeros_like(master, dtype=t.dtype)
                    for t in self.layout.moments}}
 
@@ -136,7 +142,9 @@ class DeviceHome(ShardHome):
 
     @property
     def one_pass(self) -> bool:
-        return rounded_update.applies(self.param)
+        # the one pass writes a master; without one the widened twin runs
+        return (self.layout.master is not None
+                and rounded_update.applies(self.param))
 
     @property
     def state_device(self) -> torch.device:
@@ -146,6 +154,10 @@ class DeviceHome(ShardHome):
         """`master` [S] fp32 and the moments (layout dtypes) on the shard's
         device."""
         master = self.first_master()
+        if self.layout.master is None:
+            # no master kept: the engine's fp32 copy is dropped, the shard
+            # is the weight
+            return self.state_of(self.param.detach())
         if master is None:
             dtype = self.layout.master.dtype
             master = (self.param.data if self.param.dtype == dtype
@@ -302,5 +314,6 @@ def add_group_homes(homes: Homes, index: int, group: dict,
         else:
             home = DeviceHome(param, index, homes.layout)
             batches.setdefault((param.device, param.dtype), []).append(home)
+        home.position = len(homes.of)
         homes.of[param] = home
     homes.device_batches.extend(batches.values())

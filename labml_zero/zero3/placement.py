@@ -352,6 +352,9 @@ def resident_bytes(placement: Placement, shards: Sequence[ShardSpec], *,
     per offloaded element.
     """
     placement.check(shards)
+    if states.master is None and placement.optimizer_on_host:
+        raise ValueError(f"states {states.name!r} keeps no master: its "
+                         "optimizer state cannot go to the host")
     k_device = device_optimizer_bytes(param_bytes, states)
     # a host home's master never aliases the shard: all $K$ bytes
     k_host = states.bytes_per_element()
@@ -459,6 +462,10 @@ def auto_placement(
             f"{budget / GIB:.2f} GiB usable, short by "
             f"{(measured_peak_other - budget) / GIB:.2f} GiB"
         )
+    if states.master is None and peak > budget:
+        raise ValueError(f"does not fit: {(peak - budget) / GIB:.2f} GiB short, "
+                         f"and states {states.name!r} keeps no master, so no "
+                         "optimizer state can go to the host")
     chosen = []
     # largest first; equal sizes, the later chunk first
     for i in sorted(saving, key=lambda i: (-saving[i], -i)):

@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 
 __all__ = ["StateTensor", "StateLayout", "FP32_STATES", "BF16_MOMENTS",
-           "LAYOUTS", "state_layout", "ShardOptimizer"]
+           "BF16_STOCHASTIC", "LAYOUTS", "state_layout", "ShardOptimizer"]
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,9 @@ class StateLayout:
 # every small step to it) and rounds $m$ and $v$ to bf16 each time they are
 # stored: the update itself computes in fp32 from the rounded moments it
 # read, and a bf16 moment carries 8 bits of mantissa, a relative error of at
-# most $2^{-9}$ per store (see the optimizer's page).
+# most $2^{-9}$ per store (see the optimizer's page). `BF16_STOCHASTIC` keeps
+# no master at all: the bf16 shard is the weight, and each update is rounded
+# into it stochastically, so that small updates survive on average.
 
 FP32_STATES = StateLayout("fp32", (
     StateTensor("master", torch.float32, master=True),
@@ -145,7 +147,12 @@ BF16_MOMENTS = StateLayout("bf16-moments", (
     StateTensor("exp_avg", torch.bfloat16),
     StateTensor("exp_avg_sq", torch.bfloat16),
 ))
-LAYOUTS = {layout.name: layout for layout in (FP32_STATES, BF16_MOMENTS)}
+BF16_STOCHASTIC = StateLayout("bf16-stochastic", (
+    StateTensor("exp_avg", torch.bfloat16),
+    StateTensor("exp_avg_sq", torch.bfloat16),
+))
+LAYOUTS = {layout.name: layout
+           for layout in (FP32_STATES, BF16_MOMENTS, BF16_STOCHASTIC)}
 """Every choice by name; the first is the default."""
 
 

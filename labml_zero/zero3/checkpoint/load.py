@@ -130,8 +130,10 @@ def read_shard(reader: CheckpointReader, chunk: Chunk, with_state: bool) -> Shar
     has_state = step is not None
 
     def gather(kind: str) -> torch.Tensor:
-        # [S] the saved dtype: a conversion is the optimizer's, once
-        dtype = DTYPES[reader.states["dtypes"][kind]]
+        # [S] fp32 for the master (the saved one, else the parameter
+        # widened), else the saved dtype: a conversion is the optimizer's, once
+        dtype = (torch.float32 if kind == "master"
+                 else DTYPES[reader.states["dtypes"][kind]])
         out = torch.zeros(chunk.shard_numel, dtype=dtype)
         for name, a, b, at in overlaps:
             out[at : at + b - a] = reader.read(name, kind, a, b)
@@ -220,7 +222,8 @@ def states_conversion(reader: CheckpointReader,
         return None
     if all(chunk["step"] is None for chunk in reader.chunks):
         return None
-    missing = set(optimizer.layout.names) - set(saved["dtypes"])
+    # a master is always there to read: the saved one, else the parameter
+    missing = {t.name for t in optimizer.layout.moments} - set(saved["dtypes"])
     if missing:
         raise CheckpointError(
             f"checkpoint {reader.path} has optimizer states "

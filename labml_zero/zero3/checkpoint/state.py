@@ -85,7 +85,8 @@ def master_of(optimizer: ShardOptimizer | None, chunk: Chunk) -> torch.Tensor | 
         return None
     state = optimizer_state(optimizer, chunk)
     if state is not None:
-        return state["master"]
+        # `None` for a layout without a master: the shard is the weight
+        return state.get("master")
     return chunk.local.master_init
 
 
