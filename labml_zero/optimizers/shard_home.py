@@ -10,8 +10,8 @@ summary: One home object per shard, device or host, chosen once when AdamFP16 is
 
 This page deepens [AdamFP16](adam_fp16.html). Each shard's states (the fp32
 master and two moments, in the dtypes of the optimizer's
-[state layout](../zero3/state_layout.html)) live in one place, its *home*: device memory (`DeviceHome`) or host
-memory (`HostHome`, the {{see: offload}} of
+[state layout](../zero3/state_layout.html)) live in one place, its *home*:
+device memory (`DeviceHome`) or host memory (`HostHome`, the {{see: offload}} of
 [optimizer state in host memory](host_offload.html)). Of the $p + 4 + K$
 bytes a trainable element costs a rank, a shard of $S$ elements keeps on its
 device

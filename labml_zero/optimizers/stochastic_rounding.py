@@ -29,23 +29,21 @@ survives on average
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from .narrow_moments import WIDE_NUMEL
+from .narrow_moments import WIDE_NUMEL, Kernel
 
-Kernel = Callable[[list, list, list, list], None]
-
-# Odd 32-bit constants of the hash (those of xxHash32 and of the
-# golden ratio): any odd multiplier is a bijection mod $2^{32}$.
+# Odd constants of the hash (xxHash's and the golden ratio's): any odd
+# multiplier is a bijection mod $2^{32}$.
 MIX = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)
 LOW_32 = 0xFFFFFFFF
 
 
 def noise(start: int, numel: int, step: torch.Tensor, salt: int) -> torch.Tensor:
     r"""
-    ### 16 random bits per element, from a hash
+    ### Random bits per element, from a hash
 
     From the element's position, the shard and the step count, not from a
     generator: there is no state to save, a resume draws the same bits, and
@@ -53,8 +51,8 @@ def noise(start: int, numel: int, step: torch.Tensor, salt: int) -> torch.Tensor
     `[numel]` int32 in $[0, 2^{16})$ for the elements `start` to
     `start + numel` of shard `salt` at step `step` (a 0-dim device tensor,
     so a captured step hashes each replay's own count). The hash mixes the
-    three with multiplications and xor-shifts mod $2^{32}$ (xxHash32's
-    finaliser), in int64: every product's low 32 bits are exact.
+    three with multiplications and xor-shifts mod $2^{32}$ (xxHash's
+    finaliser), in int64: every product's low half of bits is exact.
     """
     device = step.device
     # [numel] int64
@@ -72,14 +70,14 @@ def stochastic_round(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     r"""
     ### $\operatorname{sr}(x)$: fp32 to bf16, up or down at random
 
-    A bf16 value is an fp32 value whose low 16 bits are zero. Adding a
+    A bf16 value is an fp32 value whose low half of bits is zero. Adding a
     uniform $r \in [0, 2^{16})$ to those bits of $|x|$ (the sign sits apart,
     so the magnitude's bits carry into the next bf16 step) and dropping them
     rounds up exactly when $r \ge 2^{16} - \text{low}$, with probability
     $\text{low} / 2^{16}$, the fraction of the step that $x$ has gone.
     A bf16 value has nothing to round and stays itself.
     """
-    # [n] int32 view of fp32 bits; -65536 keeps the high 16
+    # [n] int32 view of fp32 bits; $-2^{16}$ keeps the high half
     rounded = (x.view(torch.int32) + bits) & -65536
     return rounded.view(torch.float32).to(torch.bfloat16)
 
@@ -94,8 +92,9 @@ def update(kernel: Kernel, shards: Sequence[torch.Tensor],
     `kernel` is the fp32 update of [narrow moments](narrow_moments.html);
     per shard and slice the weight and the moments are widened, updated in
     fp32, and stored: the moments rounded to nearest, a bf16 weight
-    stochastically (an fp32 one is its own master, updated in place). A skipped update (`found_inf`) leaves the widened
-    values as they were, which round back to themselves.
+    stochastically (an fp32 one is its own master, updated in place). A
+    skipped update (`found_inf`) leaves the widened values as they were,
+    which round back to themselves.
     """
     for shard, grad, exp_avg, exp_avg_sq, salt in zip(shards, grads, exp_avgs,
                                                       exp_avg_sqs, salts):
