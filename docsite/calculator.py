@@ -13,7 +13,8 @@ the fields of `memory_budget.BudgetInputs`, a table of every part of the
 `docs_src/static/calculator.js`, a line-by-line port of the Python functions;
 this module writes into the page, as JSON, everything that port must not
 restate: the presets of `neox/config.py`, the bytes per element of the memory
-model, the search's knobs, the fine-tuners' choices, and the worked example's
+model and of each optimizer state layout (`zero3/state_layout.py`), the
+search's knobs, the fine-tuners' choices, and the worked example's
 inputs with the bytes `memory_budget.budget` computes for them. The script
 recomputes that example when the page loads and says whether it agrees.
 
@@ -129,6 +130,7 @@ def calculator_data() -> dict:
     from labml_zero.zero3 import memory_model
     from labml_zero.zero3.chunk_search import MEBI, ChunkSearchConfig
     from labml_zero.zero3.config import ZeroConfig
+    from labml_zero.zero3.state_layout import FP32_STATES, LAYOUTS
 
     search = ChunkSearchConfig()
     example = memory_budget.BudgetInputs()
@@ -141,7 +143,13 @@ def calculator_data() -> dict:
         "default_preset": "pythia_1_4b",
         "dtype_bytes": memory_budget.DTYPE_BYTES,
         "grad_bytes": memory_model.GRAD_BYTES,
-        "optimizer_bytes": memory_model.OPTIMIZER_BYTES,
+        # K and the master's bytes of each layout: the script counts K_d, and
+        # the host's K, from these
+        "state_layouts": {
+            name: {"bytes": layout.bytes_per_element(),
+                   "master_bytes": layout.master.nbytes if layout.master else 0}
+            for name, layout in LAYOUTS.items()},
+        "default_states": FP32_STATES.name,
         "staging_bytes": memory_model.STAGING_BYTES,
         "backward_extra_units": memory_model.BACKWARD_EXTRA_UNITS,
         "early_updates_in_flight": memory_model.EARLY_UPDATES_IN_FLIGHT,

@@ -19,14 +19,16 @@ is why ZeRO shards the optimizer state first: it is
 $$\frac{K}{2 + 4 + K} = \frac{2}{3}$$
 
 of the model states here, and $\frac{3}{4}$ in the paper, which counts a
-half-precision gradient.
+half-precision gradient. The [state layout](../zero3/state_layout.html)
+declares these states, and other choices.
 
 Under ZeRO-3 each rank holds these for its own shards only: the optimizer sees one
 flat bf16 tensor per trainable chunk, with its fp32 gradient in its
 [shard](../zero3/shard.html).
 
-The pages follow below in reading order: the optimizer, where each shard's
-state lives, the update's kernels, the training features that act on the
+The pages follow below in reading order: the optimizer, its state layout,
+where each shard's state lives, the update's kernels (bf16 moments and
+stochastic rounding among them), the training features that act on the
 shards' gradients (clipping's global norm, fp16's loss scale), and last the
 whole step as one CUDA graph.
 """

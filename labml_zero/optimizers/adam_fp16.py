@@ -29,18 +29,20 @@ master keeps every update, and the parameter is its rounding.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Collection, Iterable
 
 import torch
 
 from labml_zero.zero3.communication import current_cuda_stream
+from labml_zero.zero3.state_layout import StateLayout, state_layout
 
-from . import rounded_update
+from . import narrow_moments, rounded_update, stochastic_rounding
 from .captured_update import CapturedUpdates
 from .early_update import EarlyUpdate, EarlyUpdates, NonFiniteGradient
 from .host_offload import HostShard
-from .shard_home import MOMENTS, ShardHome, add_group_homes, build_homes
+from .shard_home import ShardHome, add_group_homes, build_homes
 
 __all__ = ["AdamFP16", "NonFiniteGradient"]
 
@@ -67,6 +69,12 @@ class AdamFP16(torch.optim.Optimizer):
       called for it (see Note: updating during the backward pass).
     * `free_grads`: with it, free each shard's gradient once its early update
       has consumed it (see `EarlyUpdates.free_grad`).
+    * `states`: the [state layout](../zero3/state_layout.html), by name or
+      as a `StateLayout`: `"fp32"` (master and moments in fp32, the
+      default), `"bf16-moments"` (an fp32 master, the moments rounded to
+      bf16 when stored: [narrow moments](narrow_moments.html)) or
+      `"bf16-stochastic"` (bf16 moments, no master: [stochastic
+      rounding](stochastic_rounding.html)).
 
     It holds `homes` (each shard's {{term: home}}, device or host,
     and the kernels' batches) and `early_updates` (the updates during the
@@ -103,6 +111,7 @@ class AdamFP16(torch.optim.Optimizer):
         offload: Collection[int] | OffloadRule | None = None,
         update_during_backward: bool = False,
         free_grads: bool = False,
+        states: str | StateLayout = "fp32",
     ):
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -115,8 +124,11 @@ class AdamFP16(torch.optim.Optimizer):
         if free_grads and not update_during_backward:
             raise ValueError("free_grads needs update_during_backward=True (the "
                              "gradient is freed after its early update)")
+        self.layout = state_layout(states)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
+        if self.layout.master is None:
+            self._check_no_master(offload)
         # None: the fused kernel where this PyTorch has it
         self.fused = hasattr(torch, "_fused_adamw_") if fused is None else fused
         if self.fused and not hasattr(torch, "_fused_adamw_"):
@@ -124,7 +136,8 @@ class AdamFP16(torch.optim.Optimizer):
         self.update_during_backward = update_during_backward
         # Each shard's home, its kind decided here, once, by `offload`.
         self.homes = build_homes(self.param_groups, self._offloaded(offload),
-                                 worker=update_during_backward)
+                                 worker=update_during_backward,
+                                 layout=self.layout)
         # with `free_grads` only the early update reads a gradient: on one
         # rank it may then stay in the parameter dtype (the shard's Note: one
         # rank keeps the parameter dtype); a later optimizer decides anew
@@ -145,6 +158,18 @@ class AdamFP16(torch.optim.Optimizer):
         # set while the step is captured as a CUDA graph and replayed (see
         # [the update inside a captured step](captured_update.html))
         self.capture: CapturedUpdates | None = None
+
+    def _check_no_master(self, offload) -> None:
+        """A layout without a master: bf16 (rounded stochastically) or fp32
+        (its own master) shards, on the device."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype not in (torch.bfloat16, torch.float32):
+                    raise ValueError(f"states {self.layout.name!r} rounds into "
+                                     f"bf16 or fp32 parameters, got {p.dtype}")
+        if offload is not None and self._offloaded(offload):
+            raise ValueError(f"states {self.layout.name!r} keeps no master "
+                             "for a host update to work on: no offload")
 
     def add_param_group(self, param_group: dict) -> None:
         """A group added after construction: its homes on the device."""
@@ -202,8 +227,9 @@ class AdamFP16(torch.optim.Optimizer):
         """
         ### The state of one shard
 
-        `master` [S] fp32, `exp_avg` [S] fp32, `exp_avg_sq` [S] fp32, `step`,
-        allocated by its home at the first use (host tensors for a host home,
+        `step` and each state of the layout (`master` [S] fp32, `exp_avg` and
+        `exp_avg_sq` [S] in the layout's dtype), allocated by its home at the
+        first use (host tensors for a host home,
         whose master never aliases the shard).
 
         The master starts from the shard's `master_init` when the engine
@@ -212,7 +238,7 @@ class AdamFP16(torch.optim.Optimizer):
         or at construction for a shard whose state is on the host. An fp32
         parameter *is* its own master: no copy, $K = 8$ extra bytes
         (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
-        instead of {{py: memory_model.OPTIMIZER_BYTES}}.
+        instead of {{py: memory_model.OPTIMIZER_BYTES}} with fp32 states.
         """
         return self._state(self._home(param))
 
@@ -226,8 +252,8 @@ class AdamFP16(torch.optim.Optimizer):
         """
         ### `param`'s state, for a checkpoint
 
-        `{"step": int, "master", "exp_avg", "exp_avg_sq"}` ([S] fp32 each), or
-        `None` before its first step.
+        `{"step": int, "master", "exp_avg", "exp_avg_sq"}` ([S] each, in the
+        layout's dtypes), or `None` before its first step.
         """
         # a checkpoint must not hold a step whose early update was skipped
         self.early_updates.raise_if_skipped(self.state)
@@ -235,26 +261,27 @@ class AdamFP16(torch.optim.Optimizer):
         state = self.state.get(param)
         if not state:
             return None
-        return {"step": int(state["step"]), "master": state["master"],
-                **{kind: state[kind] for kind in MOMENTS}}
+        return {"step": int(state["step"]),
+                **{name: state[name] for name in self.layout.names}}
 
     def load_shard_state(self, param: torch.Tensor, state: dict | None) -> None:
         """
         ### Install a checkpoint's state for `param`, or forget it (`None`)
 
-        The tensors are used as given (put them on `state_device(param)`); an
-        fp32 shard's `master` may be the shard itself, which a host home
-        copies (`HostHome.adopt`).
+        The tensors are used as given (put them on `state_device(param)`), cast
+        to the layout's dtypes where they differ (a state saved with another
+        choice); an fp32 shard's `master` may be the shard itself, which a host
+        home copies (`HostHome.adopt`).
         """
         home = self._home(param)
         if state is None:
             self.state.pop(param, None)
             return
-        missing = {"step", "master", *MOMENTS} - set(state)
+        missing = {"step", *self.layout.names} - set(state)
         if missing:
             raise ValueError(f"shard state lacks {sorted(missing)}")
-        self.state[param] = {"step": int(state["step"]), "master": state["master"],
-                             **{kind: state[kind] for kind in MOMENTS}}
+        self.state[param] = {"step": int(state["step"]),
+                             **{name: state[name] for name in self.layout.names}}
         home.adopt(self.state[param])
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -263,9 +290,10 @@ class AdamFP16(torch.optim.Optimizer):
 
         `torch.optim`'s loader casts every floating-point state to its parameter's
         dtype: for a bf16 shard it would round the fp32 master and moments to bf16,
-        losing what they exist to keep. The saved tensors are put back as saved
-        (fp32), straight on their home's device (`state_device`): a host home's
-        state never passes through the GPU.
+        losing what they exist to keep. The saved tensors are put back in the
+        layout's dtypes (as saved, for a state of the same layout), straight on
+        their home's device (`state_device`): a host home's state never passes
+        through the GPU.
         """
         super().load_state_dict(state_dict)
         saved = state_dict["state"]
@@ -274,8 +302,10 @@ class AdamFP16(torch.optim.Optimizer):
         for position, param in zip(positions, params):
             for key, value in saved.get(position, {}).items():
                 if key != "step" and torch.is_tensor(value):
+                    dtype = (self.layout.dtype(key) if key in self.layout.names
+                             else value.dtype)
                     self.state[param][key] = value.to(self.state_device(param),
-                                                      copy=True)
+                                                      dtype, copy=True)
         for param, home in self.homes.of.items():
             if self.state.get(param):
                 home.adopt(self.state[param])
@@ -409,7 +439,6 @@ class AdamFP16(torch.optim.Optimizer):
             by_step.setdefault(step, []).append(home)
         for step, same in by_step.items():
             states = [self.state[h.param] for h in same]
-            masters = [s["master"] for s in states]
             grads = lead.gradients(same)
             found_inf = None
             if early is not None:
@@ -426,13 +455,25 @@ class AdamFP16(torch.optim.Optimizer):
             # the twin: fp32 gradients (one rank may hand its own dtype, see
             # the shard's Note: one rank keeps the parameter dtype)
             grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
-            self._kernel(masters, grads, [s["exp_avg"] for s in states],
-                         [s["exp_avg_sq"] for s in states], step,
-                         lead.group_index, found_inf=found_inf)
+            moments = [[s[t.name] for s in states] for t in self.layout.moments]
+            kernel = functools.partial(self._kernel, step=step,
+                                       group_index=lead.group_index,
+                                       found_inf=found_inf)
+            if self.layout.master is None:
+                # the shards are the weights, rounded into stochastically
+                stochastic_rounding.update(
+                    kernel, [h.param.detach() for h in same], grads, *moments,
+                    step=self._step_tensor(lead.param.device, step),
+                    salts=[h.position for h in same])
+                continue
+            masters = [s[self.layout.master.name] for s in states]
+            # moments narrower than fp32 are widened slice by slice around
+            # the fp32 kernel and rounded as they are stored
+            narrow_moments.update(kernel, masters, grads, *moments)
             lead.write_back(same, masters)
 
-    def _kernel(self, masters, grads, exp_avgs, exp_avg_sqs, step: int,
-                group_index: int, *, found_inf: torch.Tensor | None) -> None:
+    def _kernel(self, masters, grads, exp_avgs, exp_avg_sqs, *, step: int,
+                group_index: int, found_inf: torch.Tensor | None) -> None:
         r"""
         #### The update of master and moments, fused or with `foreach` kernels
 
@@ -482,7 +523,7 @@ class AdamFP16(torch.optim.Optimizer):
             state = self.state[home.param]
             rounded_update.one_pass(
                 home.param.detach(),
-                (state["master"], state["exp_avg"], state["exp_avg_sq"]),
+                tuple(state[name] for name in self.layout.names),
                 grad, coefficients, found_inf, betas)
 
     def _coefficients(self, device: torch.device, group_index: int,

@@ -10,7 +10,7 @@ summary: Staging buffers, copy streams and the host worker that let AdamFP16 kee
 Of the $p + 4 + K$ bytes a trainable element costs a ZeRO-3 rank ($p$ of
 bf16 shard, 4 of fp32 gradient, $K = 12$
 (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
-of master and moments), the
+of master and moments with fp32 [states](../zero3/state_layout.html)), the
 optimizer's $K$ are touched once per step and by the update alone. This page
 moves them, shard by shard, to host memory and runs the update there
 ({{term: offload}}), as ColossalAI's Gemini and ZeRO-Offload do; where each

@@ -26,8 +26,11 @@ from typing import NamedTuple
 
 import torch
 
-# fp32 master, exp_avg and exp_avg_sq
-STATE_BYTES = 3 * 4
+from labml_zero.zero3.state_layout import FP32_STATES, StateLayout
+
+# fp32 master, exp_avg and exp_avg_sq: $K$ of the fp32 layout, which the twin
+# (the fused fp32 kernel) reads and writes
+STATE_BYTES = FP32_STATES.bytes_per_element()
 
 
 def twin_bytes(shard_bytes: int) -> int:
@@ -50,7 +53,8 @@ def write_back_bytes(shard_bytes: int) -> int:
     return 4 + shard_bytes
 
 
-def one_pass_bytes(shard_bytes: int, grad_bytes: int) -> int:
+def one_pass_bytes(shard_bytes: int, grad_bytes: int,
+                   layout: StateLayout = FP32_STATES) -> int:
     r"""Per element: read master, moments and gradient; write master, moments
     and shard.
 
@@ -58,18 +62,22 @@ def one_pass_bytes(shard_bytes: int, grad_bytes: int) -> int:
     gradient in whatever dtype it has, $g_b$ bytes, and writes the shard as it
     writes the master:
 
-    $$b = \underbrace{3 \cdot 4 + g_b}_{\text{read } \theta, m, v, g}
-        + \underbrace{3 \cdot 4 + p}_{\text{write } \theta, m, v, \text{shard}},$$
+    $$b = \underbrace{K + g_b}_{\text{read } \theta, m, v, g}
+        + \underbrace{K + p}_{\text{write } \theta, m, v, \text{shard}},$$
 
-    {{py: rounded_update.one_pass_bytes(2, 4)}} bytes with an fp32 gradient and
-    {{py: rounded_update.one_pass_bytes(2, 2)}} with a bf16 one. The gradient is in
+    with $K$ the bytes of the [state layout](../zero3/state_layout.html):
+    {{py: rounded_update.one_pass_bytes(2, 4)}} bytes with fp32 states and an
+    fp32 gradient, {{py: rounded_update.one_pass_bytes(2, 2)}} with a bf16
+    gradient, and {{py: rounded_update.one_pass_bytes(2, 4, state_layout.BF16_MOMENTS)}}
+    with bf16 moments and an fp32 gradient. The gradient is in
     bf16 where one rank holds a chunk alone and only its update reads the gradient
     (see the shard's Note: one rank keeps the parameter dtype): the
     [reduction](../zero3/chunk_grads.html) then copies autograd's bf16 gradients
     into it (read 2 and write 2 bytes, where the cast into fp32 writes 4) and the
     non-finite check reads 2 bytes where it read 4.
     """
-    return STATE_BYTES + grad_bytes + STATE_BYTES + shard_bytes
+    k = layout.bytes_per_element()
+    return k + grad_bytes + k + shard_bytes
 
 
 class Betas(NamedTuple):
@@ -125,8 +133,9 @@ def adamw_rounded_(shard: torch.Tensor, state: tuple[torch.Tensor, ...],
     ### One AdamW step of a shard, and its rounding, in one pass
 
     * `shard`: `[S]` bf16 or fp16, written with the new master rounded.
-    * `state`: `(master, exp_avg, exp_avg_sq)`, `[S]` fp32 each, updated in
-      place.
+    * `state`: `(master, exp_avg, exp_avg_sq)`, `[S]` each, the master fp32
+      and the moments fp32 or bf16 (read widened, rounded when stored: see
+      [narrow moments](narrow_moments.html)), updated in place.
     * `grad`: `[S]`, any floating dtype; read once, in fp32 arithmetic.
     * `coefficients`: `step_coefficients` of this step.
     * `found_inf`: 0-dim fp32, or `None`; when it is not zero nothing changes
@@ -147,17 +156,19 @@ def adamw_rounded_(shard: torch.Tensor, state: tuple[torch.Tensor, ...],
     master, exp_avg, exp_avg_sq = state
     step_size, bias_correction2_sqrt, decay = coefficients.unbind()
     g = grad.float()
+    # widened first: a bf16 moment times a Python float would round in bf16
+    m0, v0 = exp_avg.float(), exp_avg_sq.float()
     # m ← β1·m + (1 − β1)·g ;  v ← β2·v + (1 − β2)·g²
-    m = betas.beta1 * exp_avg + (1 - betas.beta1) * g
-    v = betas.beta2 * exp_avg_sq + (1 - betas.beta2) * g * g
+    m = betas.beta1 * m0 + (1 - betas.beta1) * g
+    v = betas.beta2 * v0 + (1 - betas.beta2) * g * g
     # $\theta \leftarrow \theta (1 - \alpha\lambda) - \frac{\alpha}{1 - \beta_1^t}
     # \cdot \frac{m}{\sqrt{v} / \sqrt{1 - \beta_2^t} + \epsilon}$
     theta = master * decay - step_size * m / (
         v.sqrt() / bias_correction2_sqrt + betas.eps)
     if found_inf is not None:
         skip = found_inf != 0
-        m = torch.where(skip, exp_avg, m)
-        v = torch.where(skip, exp_avg_sq, v)
+        m = torch.where(skip, m0, m)
+        v = torch.where(skip, v0, v)
         # skipped, the shard is written with the rounding it already holds
         theta = torch.where(skip, master, theta)
     exp_avg.copy_(m)

@@ -8,9 +8,10 @@ summary: One home object per shard, device or host, chosen once when AdamFP16 is
 
 # Where a shard's optimizer state lives
 
-This page deepens [AdamFP16](adam_fp16.html). Each shard's fp32 master and two
-moments live in one place, its *home*: device memory (`DeviceHome`) or host
-memory (`HostHome`, the {{see: offload}} of
+This page deepens [AdamFP16](adam_fp16.html). Each shard's states (the fp32
+master and two moments, in the dtypes of the optimizer's
+[state layout](../zero3/state_layout.html)) live in one place, its *home*:
+device memory (`DeviceHome`) or host memory (`HostHome`, the {{see: offload}} of
 [optimizer state in host memory](host_offload.html)). Of the $p + 4 + K$
 bytes a trainable element costs a rank, a shard of $S$ elements keeps on its
 device
@@ -39,13 +40,10 @@ from typing import Iterable, NamedTuple
 import torch
 
 from labml_zero.zero3.shard import LocalShard, grad_device
+from labml_zero.zero3.state_layout import StateLayout
 
 from . import rounded_update
 from .host_offload import HostOffload, HostShard, non_finite_flag
-
-# the two moments, named as in `torch.optim.AdamW`'s state, so that a state
-# dict reads the same
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class ShardHome:
@@ -55,6 +53,7 @@ class ShardHome:
     * `param`: the shard (or any parameter) the home belongs to.
     * `group_index`: its param group's position in `optimizer.param_groups`
       (an index, not the group: `load_state_dict` replaces the groups).
+    * `layout`: the optimizer's `StateLayout`, the states the home allocates.
 
     Set by each kind, once:
 
@@ -79,8 +78,13 @@ class ShardHome:
     reads_narrow_gradient: bool = False
     worker: HostOffload | None = None
 
-    def __init__(self, param: torch.Tensor, group_index: int):
+    def __init__(self, param: torch.Tensor, group_index: int,
+                 layout: StateLayout):
         self.param = param
+        self.layout = layout
+        # the shard's position among all homes, a salt of its random bits
+        # under stochastic rounding (set by `add_group_homes`)
+        self.position = 0
         # looked up once: a parameter keeps its shard for life (see the shard's
         # Note: how a parameter finds its shard)
         self.shard: LocalShard | None = LocalShard.of(param)
@@ -110,18 +114,22 @@ class ShardHome:
         """The exact fp32 weights the engine kept, taken (once) from the shard."""
         return self.shard.take_master_init() if self.shard is not None else None
 
-    @staticmethod
-    def state_of(master: torch.Tensor) -> dict:
-        """`step`, `master` and zero moments, in the order checkpoints read."""
-        return {"step": 0, "master": master,
-                **{kind: torch.zeros_like(master) for kind in MOMENTS}}
+    def state_of(self, master: torch.Tensor) -> dict:
+        """`step`, `master` and zero moments in the layout's dtypes, in the
+        layout's order; a layout without a master keeps only the moments,
+        shaped like `master` (then the shard)."""
+        kept = {} if self.layout.master is None else {self.layout.master.name:
+                                                      master}
+        return {"step": 0, **kept,
+                **{t.name: torch.zeros_like(master, dtype=t.dtype)
+                   for t in self.layout.moments}}
 
 
 class DeviceHome(ShardHome):
     """
     ## Master and moments in the shard's own memory
 
-    An fp32 shard *is* its own master (no copy, $K = 8$ bytes of moments); a
+    An fp32 shard *is* its own master (no copy: $K$ less the master's 4); a
     half-precision one gets an fp32 master of its own. The gradient the update reads
     is the shard's, and the new master is copied into the shard in place.
     """
@@ -134,22 +142,34 @@ class DeviceHome(ShardHome):
 
     @property
     def one_pass(self) -> bool:
-        return rounded_update.applies(self.param)
+        # the one pass writes a master; without one the widened twin runs
+        return (self.layout.master is not None
+                and rounded_update.applies(self.param))
 
     @property
     def state_device(self) -> torch.device:
         return self.param.device
 
     def new_state(self) -> dict:
-        """`master` [S] fp32 and both moments on the shard's device."""
+        """`master` [S] fp32 and the moments (layout dtypes) on the shard's
+        device."""
         master = self.first_master()
+        if self.layout.master is None:
+            # no master kept: the engine's fp32 copy is dropped, the shard
+            # is the weight
+            return self.state_of(self.param.detach())
         if master is None:
-            master = (self.param.data if self.param.dtype == torch.float32
-                      else self.param.detach().float())
+            dtype = self.layout.master.dtype
+            master = (self.param.data if self.param.dtype == dtype
+                      else self.param.detach().to(dtype))
         return self.state_of(master)
 
     def adopt(self, state: dict) -> None:
-        """A loaded state is used as given (an fp32 master may be the shard)."""
+        """A loaded state is used as given (an fp32 master may be the shard),
+        each state in its layout dtype (a load from another layout converts)."""
+        for t in self.layout.tensors:
+            if state[t.name].dtype != t.dtype:
+                state[t.name] = state[t.name].to(t.dtype)
 
     def grad_ready(self, grad: torch.Tensor, *, after=None) -> None:
         """Nothing to move: the update reads the gradient where it is."""
@@ -190,9 +210,9 @@ class HostHome(ShardHome):
     # flag came down with the gradient)
     skip_in_kernel = False
 
-    def __init__(self, param: torch.Tensor, group_index: int, *,
-                 offload: HostOffload):
-        super().__init__(param, group_index)
+    def __init__(self, param: torch.Tensor, group_index: int,
+                 layout: StateLayout, *, offload: HostOffload):
+        super().__init__(param, group_index, layout)
         self.offload = offload
         self.worker = offload if offload.worker is not None else None
         # pinned only where a DMA engine will read or write it
@@ -206,16 +226,18 @@ class HostHome(ShardHome):
         master = self.first_master()
         if master is None:
             master = self.param.detach()
-        return self.state_of(master.to("cpu", torch.float32, copy=True))
+        dtype = self.layout.master.dtype
+        return self.state_of(master.to("cpu", dtype, copy=True))
 
     def adopt(self, state: dict) -> None:
         """A state loaded onto the device (an fp32 shard's master as the shard
         itself) is copied home, so the device memory is freed and the master
-        does not alias the shard."""
-        for key in ("master", *MOMENTS):
-            t = state[key]
-            if t.device.type != "cpu" or t.data_ptr() == self.param.data_ptr():
-                state[key] = t.to("cpu", torch.float32, copy=True)
+        does not alias the shard; each in its layout dtype."""
+        for spec in self.layout.tensors:
+            t = state[spec.name]
+            if (t.device.type != "cpu" or t.dtype != spec.dtype
+                    or t.data_ptr() == self.param.data_ptr()):
+                state[spec.name] = t.to("cpu", spec.dtype, copy=True)
 
     def grad_ready(self, grad: torch.Tensor, *, after=None) -> None:
         """Start the copy down as soon as `after` (the reduce stream) wrote it."""
@@ -254,16 +276,18 @@ class Homes(NamedTuple):
     * `host`: the host homes in parameter order; each is updated alone, so
       its copy up starts as soon as its update ends.
     * `offload`: the streams and worker the host homes share.
+    * `layout`: the states every home allocates.
     """
 
     of: dict[torch.Tensor, ShardHome]
     device_batches: list[list[DeviceHome]]
     host: list[HostHome]
     offload: HostOffload
+    layout: StateLayout
 
 
 def build_homes(param_groups: list[dict], offloaded: Iterable[torch.Tensor], *,
-                worker: bool) -> Homes:
+                worker: bool, layout: StateLayout) -> Homes:
     """
     ### One home per parameter, the offloaded ones on the host
 
@@ -273,7 +297,7 @@ def build_homes(param_groups: list[dict], offloaded: Iterable[torch.Tensor], *,
     offloaded = set(offloaded)
     gpus = {d for d in map(grad_device, offloaded) if d.type == "cuda"}
     offload = HostOffload(gpus, worker=worker and bool(offloaded))
-    homes = Homes({}, [], [], offload)
+    homes = Homes({}, [], [], offload, layout)
     for index, group in enumerate(param_groups):
         add_group_homes(homes, index, group, offloaded)
     return homes
@@ -285,10 +309,11 @@ def add_group_homes(homes: Homes, index: int, group: dict,
     batches: dict[tuple, list[DeviceHome]] = {}
     for param in group["params"]:
         if param in offloaded:
-            home = HostHome(param, index, offload=homes.offload)
+            home = HostHome(param, index, homes.layout, offload=homes.offload)
             homes.host.append(home)
         else:
-            home = DeviceHome(param, index)
+            home = DeviceHome(param, index, homes.layout)
             batches.setdefault((param.device, param.dtype), []).append(home)
+        home.position = len(homes.of)
         homes.of[param] = home
     homes.device_batches.extend(batches.values())

@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Iterable, NamedTuple
 
 from labml_zero.zero3.chunk_layout import ChunkLayout
-from labml_zero.zero3.memory_model import (PARAM_BYTES, REDUCE_BYTES, StepComm,
+from labml_zero.zero3.memory_model import (OPTIMIZER_BYTES, PARAM_BYTES,
+                                           REDUCE_BYTES, StepComm,
                                            Traffic, _check_at_least,
                                            ring_wire_bytes, zero3_step_comm,
                                            zero_model_states)
@@ -248,7 +249,7 @@ class HybridPrediction(NamedTuple):
 
 def hybrid_prediction(hosts: int, example: HybridExample = HYBRID_EXAMPLE, *,
                       param_bytes: int = 2, grad_bytes: int = 4,
-                      optimizer_bytes: int = 12) -> HybridPrediction:
+                      optimizer_bytes: int = OPTIMIZER_BYTES) -> HybridPrediction:
     """The example's figures on `hosts` hosts (bf16, fp32 reduction, Adam)."""
     if hosts < 1:
         raise ValueError(f"hosts must be at least 1, got {hosts}")

@@ -25,7 +25,8 @@ the $\Psi_t$ trainable parameters, mixed-precision Adam keeps
 * $K = 12$
   (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
   bytes of optimizer state: an fp32 master copy of the parameter and Adam's two
-  fp32 moments, $4 + 4 + 4$.
+  fp32 moments, $4 + 4 + 4$ (other [state layouts](state_layout.html)
+  keep fewer bytes).
 
 That is $p + g + K = 18$
 (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
@@ -50,6 +51,7 @@ from __future__ import annotations
 from typing import Iterable, NamedTuple, Sequence
 
 from labml_zero.zero3.chunk_layout import ChunkLayout
+from labml_zero.zero3.state_layout import FP32_STATES
 
 __all__ = [
     "PARAM_BYTES",
@@ -95,8 +97,9 @@ GRAD_BYTES = 4
 # gradient buffers and of the reduce-scatter; fp32 is `ZeroConfig`'s default
 # `reduce_dtype` (bf16 or fp16: 2).
 REDUCE_BYTES = 4
-# $K$: AdamW's fp32 master copy and two fp32 moments.
-OPTIMIZER_BYTES = 12
+# $K$ of the default state layout: AdamW's fp32 master copy and two fp32
+# moments. Another layout's is `StateLayout.bytes_per_element()`.
+OPTIMIZER_BYTES = FP32_STATES.bytes_per_element()
 # the pinned fp32 staging buffer of a shard whose optimizer state is on the host
 STAGING_BYTES = 4
 # the fp32 copy of a trainable shard's initial values, held until the first step

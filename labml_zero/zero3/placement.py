@@ -11,7 +11,7 @@ summary: Which chunks keep their optimizer state (and parameter shard) in host
 A ZeRO-3 rank holds, per element of a trainable shard, $p$ bytes of bf16 (or
 fp16) parameter, $4$ of fp32 gradient (`LocalShard.grad`) and
 $K$ = {{py: memory_model.OPTIMIZER_BYTES}} of optimizer state (fp32 master and two
-moments). For GPT-NeoX-20B on $N_d = 2$ ranks, with
+moments; the optimizer's [state layout](state_layout.html) declares $K$). For GPT-NeoX-20B on $N_d = 2$ ranks, with
 $S = \Psi / 2 = 10.3 \cdot 10^9$
 (tested: tests/zero3/test_placement.py::test_gpt_neox_20b_memory_figures_of_the_page)
 elements per rank, that is
@@ -42,9 +42,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-# bytes per element: the memory model is their one home
-from labml_zero.zero3.memory_model import (GRAD_BYTES, OPTIMIZER_BYTES,
-                                           PARAM_BYTES, STAGING_BYTES)
+# bytes per element: the memory model is their one home, the optimizer's
+# $K$ its state layout
+from labml_zero.zero3.memory_model import GRAD_BYTES, PARAM_BYTES, STAGING_BYTES
+from labml_zero.zero3.state_layout import FP32_STATES, StateLayout
 
 __all__ = [
     "ShardSpec",
@@ -62,9 +63,12 @@ __all__ = [
 GIB = 1024**3
 
 
-def device_optimizer_bytes(param_bytes: int) -> int:
-    r"""$K_d$, optimizer bytes per element on the device (fp32: shard = master)."""
-    return OPTIMIZER_BYTES - 4 if param_bytes == 4 else OPTIMIZER_BYTES
+def device_optimizer_bytes(param_bytes: int,
+                           states: StateLayout = FP32_STATES) -> int:
+    r"""$K_d$, optimizer bytes per element on the device: the layout's $K$,
+    less the master's where the shard is its own master (fp32)."""
+    return states.bytes_per_element(
+        shard_is_master=states.shard_is_master(param_bytes))
 
 
 class ShardSpec(NamedTuple):
@@ -312,7 +316,8 @@ class MemorySplit(NamedTuple):
 
 
 def resident_bytes(placement: Placement, shards: Sequence[ShardSpec], *,
-                   param_bytes: int = PARAM_BYTES) -> MemorySplit:
+                   param_bytes: int = PARAM_BYTES,
+                   states: StateLayout = FP32_STATES) -> MemorySplit:
     r"""
     ### Model-state bytes per rank on the device and on the host
 
@@ -320,7 +325,8 @@ def resident_bytes(placement: Placement, shards: Sequence[ShardSpec], *,
     optimizer state moves $K_d$ off it and puts $K + 4$ (state and staging) on
     the host; a parameter shard on the host moves $p$. Frozen chunks hold $p$.
     Gathered chunks and activations are not model states (see the
-    [memory model](memory_model.html)).
+    [memory model](memory_model.html)). $K$ is the `states` layout's
+    ([the optimizer's state layout](state_layout.html)).
 
     #### Memory for the GPT-NeoX-20B example
 
@@ -346,7 +352,12 @@ def resident_bytes(placement: Placement, shards: Sequence[ShardSpec], *,
     per offloaded element.
     """
     placement.check(shards)
-    k_device = device_optimizer_bytes(param_bytes)
+    if states.master is None and placement.optimizer_on_host:
+        raise ValueError(f"states {states.name!r} keeps no master: its "
+                         "optimizer state cannot go to the host")
+    k_device = device_optimizer_bytes(param_bytes, states)
+    # a host home's master never aliases the shard: all $K$ bytes
+    k_host = states.bytes_per_element()
     device = host = 0
     for i, shard in enumerate(shards):
         n = shard.numel
@@ -358,7 +369,7 @@ def resident_bytes(placement: Placement, shards: Sequence[ShardSpec], *,
             continue
         device += GRAD_BYTES * n
         if i in placement.optimizer_on_host:
-            host += (OPTIMIZER_BYTES + STAGING_BYTES) * n
+            host += (k_host + STAGING_BYTES) * n
         else:
             device += k_device * n
     return MemorySplit(device, host)
@@ -386,6 +397,7 @@ def auto_placement(
     margin: int = 0,
     param_bytes: int = PARAM_BYTES,
     resident_world_size: int | None = None,
+    states: StateLayout = FP32_STATES,
 ) -> AutoPlacement:
     r"""
     ## Offload the fewest optimizer states that make the step fit
@@ -403,6 +415,7 @@ def auto_placement(
     * `shards`: `model.chunks` as `ShardSpec`s.
     * `device_capacity`: the device's usable bytes.
     * `margin`: bytes kept free (fragmentation, variation between steps).
+    * `states`: the optimizer's state layout, whose $K_d$ each offload saves.
 
     Chunks are offloaded largest first (fewest chunks), equal sizes from the
     output end (see Which chunks first). Raises `ValueError` when even
@@ -438,7 +451,7 @@ def auto_placement(
                         ("margin", margin)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0 bytes, got {value}")
-    k_device = device_optimizer_bytes(param_bytes)
+    k_device = device_optimizer_bytes(param_bytes, states)
     saving = {i: k_device * s.numel for i, s in enumerate(shards) if s.trainable}
     budget = device_capacity - margin
     peak = measured_peak_other + sum(saving.values())
@@ -449,6 +462,10 @@ def auto_placement(
             f"{budget / GIB:.2f} GiB usable, short by "
             f"{(measured_peak_other - budget) / GIB:.2f} GiB"
         )
+    if states.master is None and peak > budget:
+        raise ValueError(f"does not fit: {(peak - budget) / GIB:.2f} GiB short, "
+                         f"and states {states.name!r} keeps no master, so no "
+                         "optimizer state can go to the host")
     chosen = []
     # largest first; equal sizes, the later chunk first
     for i in sorted(saving, key=lambda i: (-saving[i], -i)):

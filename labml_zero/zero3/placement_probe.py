@@ -45,6 +45,7 @@ import torch
 
 from labml_zero.zero3.placement import (AutoPlacement, Placement, auto_placement,
                                         shard_specs)
+from labml_zero.zero3.state_layout import FP32_STATES, StateLayout
 
 __all__ = ["accumulated_step", "first_step_placement", "apply_placement",
            "cuda_peak", "cuda_capacity"]
@@ -103,6 +104,7 @@ def first_step_placement(
     device_capacity: int | None = None,
     measure_peak: Callable[[Callable[[], None]], int] | None = None,
     resident: bool = True,
+    states: StateLayout = FP32_STATES,
 ) -> AutoPlacement:
     r"""
     ## The automatic placement, from one measured forward and backward
@@ -126,6 +128,8 @@ def first_step_placement(
       the CUDA allocator's statistics. CPU memory has no such statistics, so on
       CPU (the tests) both must be given.
     * `resident`: also keep frozen chunks resident in the memory left over.
+    * `states`: the [state layout](state_layout.html) the optimizer will be
+      built with (`AdamFP16(states=...)`): its $K_d$ is what an offload saves.
 
     Then `apply_placement(model, result.placement)` and
     `AdamFP16(model.get_trainable_chunk(), ...,
@@ -176,7 +180,7 @@ def first_step_placement(
     param_bytes = shards[0].element_size() if shards else 2
     return auto_placement(shard_specs(model), device_capacity=device_capacity,
                           measured_peak_other=max(peak - master_bytes, 0),
-                          margin=margin, param_bytes=param_bytes,
+                          margin=margin, param_bytes=param_bytes, states=states,
                           resident_world_size=(model.runtime.comm.world_size
                                                if resident else None))
 

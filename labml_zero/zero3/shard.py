@@ -19,7 +19,8 @@ its own slice, and this page is the one object that owns it:
 
 so a trainable element costs $p + 4$ bytes here, beside the $K = 12$
 (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
-bytes of the optimizer's master and moments, and a frozen one $p$.
+bytes of the optimizer's master and moments (with fp32 states: their
+[layout](state_layout.html) declares them), and a frozen one $p$.
 """
 
 from __future__ import annotations

@@ -56,14 +56,14 @@ def held_bytes(model, optimizer) -> int:
     return total
 
 
-def one_step(ctx, dtype_name: str, reduce_name: str):
+def one_step(ctx, dtype_name: str, reduce_name: str, states: str = "fp32"):
     dtype, reduce_dtype = getattr(torch, dtype_name), getattr(torch, reduce_name)
     layers = tiny_layers()
     config = ZeroConfig(dtype=dtype, reduce_dtype=reduce_dtype, chunk_numel=96, align=4)
     model = shard_model(
         nn.Sequential(*layers), layers[1:4], device=ctx.device, config=config
     )
-    optimizer = AdamFP16(model.get_trainable_chunk(), lr=1e-3)
+    optimizer = AdamFP16(model.get_trainable_chunk(), lr=1e-3, states=states)
     comm = model.runtime.comm
     x, y = batch(0, 2 * ctx.world_size)
     mine = slice(2 * ctx.rank, 2 * ctx.rank + 2)
@@ -153,6 +153,40 @@ def test_memory_per_rank_and_bytes_per_step(world_size, dtype, reduce_dtype):
         root = sum(c.chunk_numel for c in layout.chunks_of_group(0))
         assert elements["all_gather"] == 2 * total - root
         assert elements["reduce_scatter"] == layout.total_numel(trainable=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("states", ["bf16-moments", "bf16-stochastic"])
+@pytest.mark.parametrize("world_size,dtype", [(2, "bfloat16"), (1, "float32")])
+def test_bf16_moments_hold_the_layouts_bytes(world_size, dtype, states):
+    """With bf16 moments the engine and the optimizer hold exactly the
+    layout's $K$ per trainable element, $4 + 2 + 2$ ($2 + 2$ where the fp32
+    shard is its own master) or, without a master, $2 + 2$, as the memory
+    model and placement count it."""
+    from labml_zero.zero3.placement import (ShardSpec, StaticPlacement,
+                                            device_optimizer_bytes,
+                                            resident_bytes)
+    from labml_zero.zero3.state_layout import LAYOUTS
+
+    chosen = LAYOUTS[states]
+    p = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    for r in run_distributed(one_step, world_size, dtype, "float32", states):
+        layout = r["layout"]
+        aliased = chosen.shard_is_master(p)
+        expected = layout_model_states(
+            layout, param_bytes=p, grad_bytes=4,
+            optimizer_bytes=chosen.bytes_per_element(shard_is_master=aliased))
+        assert r["held"] == expected
+        # placement's device split counts the same bytes, from the same layout
+        shards = [ShardSpec(layout.shard_numel(c), c.trainable)
+                  for c in layout.chunks]
+        split = resident_bytes(StaticPlacement().place(shards), shards,
+                               param_bytes=p, states=chosen)
+        assert split == (expected, 0)
+        assert device_optimizer_bytes(p, chosen) == {
+            ("bf16-moments", 2): 4 + 2 + 2, ("bf16-moments", 4): 2 + 2,
+            ("bf16-stochastic", 2): 2 + 2, ("bf16-stochastic", 4): 2 + 2,
+        }[states, p]
 
 
 def test_figures_in_the_chunk_notes():

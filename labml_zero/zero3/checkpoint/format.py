@@ -14,6 +14,7 @@ manifest.json             rank 0: world size, chunks, parameters, optimizer
                             groups, every file's size and digest
 rank-00000.safetensors    rank r's shards: "<chunk>.param" [S] in the chunk dtype,
 rank-00001.safetensors      "<chunk>.master", "<chunk>.exp_avg", "<chunk>.exp_avg_sq"
+                            in the dtypes of the optimizer's state layout
 rank-00000.pt             rank r's RNG states and its `rank_extra`
 extra.pt                  rank 0: the global `extra` (a loss scaler's state, say)
 ```
@@ -33,6 +34,8 @@ import json
 
 import torch
 
+from ..state_layout import FP32_STATES, StateLayout
+
 __all__ = ["CheckpointError", "FORMAT", "MANIFEST"]
 
 # ## The manifest
@@ -49,7 +52,11 @@ __all__ = ["CheckpointError", "FORMAT", "MANIFEST"]
 # * a *save id* that every shard file repeats in its header, so a stray file from
 #   another save is refused too;
 # * `meta`: small JSON values the job chose to record (its step, batch size,
-#   seed), which a launcher reads [before any process starts](preflight.html).
+#   seed), which a launcher reads [before any process starts](preflight.html);
+# * `states`, when an optimizer was saved: its
+#   [state layout](../state_layout.html): its `name` (`"bf16-moments"`) and
+#   `dtypes`, each state's dtype by name. A manifest without it was saved with
+#   fp32 states, the only layout there was.
 #
 # `master` is written only when it is not the parameter itself: for a bf16/fp16 chunk
 # with an optimizer state, or whose exact fp32 initial weights the engine kept
@@ -67,7 +74,6 @@ without `digests` is refused as corrupted.
 """
 MANIFEST = "manifest.json"
 EXTRA = "extra.pt"
-MOMENTS = ("exp_avg", "exp_avg_sq")
 # What every version's manifest must have, and what format 2 adds
 MANIFEST_KEYS = ("save_id", "world_size", "fingerprint", "chunks", "param_groups",
                  "files")
@@ -97,6 +103,22 @@ def rank_state_file(rank: int) -> str:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def states_entry(layout: StateLayout) -> dict:
+    """The manifest's `states`: what a reader needs to read the states back."""
+    return {"name": layout.name, "dtypes": layout.dtypes}
+
+
+def saved_states(manifest: dict) -> dict:
+    """The manifest's `states`, or the fp32 layout's for a manifest from before
+    there was a choice."""
+    states = manifest.get("states") or states_entry(FP32_STATES)
+    unknown = [d for d in states["dtypes"].values() if d not in DTYPES]
+    if unknown:
+        raise CheckpointError(f"corrupted manifest: optimizer state dtype "
+                              f"{unknown[0]!r} is none of {', '.join(DTYPES)}")
+    return states
 
 
 def fingerprint(shapes: dict[str, tuple[int, ...]]) -> str:

@@ -29,6 +29,7 @@ every rank has read everything it needs.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -37,8 +38,9 @@ from torch import nn
 
 from ..chunk import Chunk
 from ..communication import Communicator
+from ..state_layout import ShardOptimizer
 from .agreement import run_agreed
-from .format import MOMENTS, CheckpointError
+from .format import DTYPES, CheckpointError
 from .reader import CheckpointReader
 from .state import model_shapes, restore_groups, set_rng_state
 
@@ -54,12 +56,15 @@ class LoadedCheckpoint:
     * `rank_extra`: this rank's, or `None` when the world size changed.
     * `world_size`: the world size at save time.
     * `resharded`: whether the layout (world size or chunks) changed.
+    * `converted`: the line that said the optimizer's states were converted
+      from another [state layout](../state_layout.html), or `None`.
     """
 
     extra: dict | None
     rank_extra: Any
     world_size: int
     resharded: bool
+    converted: str | None = None
 
 
 @dataclass
@@ -71,7 +76,8 @@ class ShardState:
     master: torch.Tensor | None
     """[S] fp32, when the chunk is trainable and not fp32"""
     moments: dict[str, torch.Tensor] | None
-    """`exp_avg`, `exp_avg_sq`: [S] fp32, when the checkpoint has a state"""
+    """`exp_avg`, `exp_avg_sq`: [S] in the saved dtype, when the checkpoint has
+    a state"""
     step: int | None
 
 
@@ -124,8 +130,11 @@ def read_shard(reader: CheckpointReader, chunk: Chunk, with_state: bool) -> Shar
     has_state = step is not None
 
     def gather(kind: str) -> torch.Tensor:
-        # [S] fp32
-        out = torch.zeros(chunk.shard_numel, dtype=torch.float32)
+        # [S] fp32 for the master (the saved one, else the parameter
+        # widened), else the saved dtype: a conversion is the optimizer's, once
+        dtype = (torch.float32 if kind == "master"
+                 else DTYPES[reader.states["dtypes"][kind]])
+        out = torch.zeros(chunk.shard_numel, dtype=dtype)
         for name, a, b, at in overlaps:
             out[at : at + b - a] = reader.read(name, kind, a, b)
         return out
@@ -133,15 +142,16 @@ def read_shard(reader: CheckpointReader, chunk: Chunk, with_state: bool) -> Shar
     master = None
     if chunk.trainable and chunk.dtype != torch.float32:
         master = gather("master")
-    moments = {kind: gather(kind) for kind in MOMENTS} if has_state else None
+    moments = ({kind: gather(kind) for kind in reader.moments} if has_state
+               else None)
     return ShardState(param, master, moments, step)
 
 
 # ## Installing it
 
 
-def install_shard(chunk: Chunk, state: ShardState, optimizer,
-                  optimized: set[int]) -> None:
+def install_shard(chunk: Chunk, state: ShardState,
+                  optimizer: ShardOptimizer | None, optimized: set[int]) -> None:
     """
     ### Put a read shard into the model and the optimizer
 
@@ -151,8 +161,8 @@ def install_shard(chunk: Chunk, state: ShardState, optimizer,
     the tensors the optimizer updates.
     """
     # where the optimizer keeps this shard's state: host memory when offloaded
-    device = (optimizer.state_device(chunk.shard)
-              if hasattr(optimizer, "state_device") else chunk.comm.device)
+    device = (chunk.comm.device if optimizer is None
+              else optimizer.state_device(chunk.shard))
     # a resident chunk's gathered copy would no longer match the loaded shard
     chunk.release(force=True)
     with torch.no_grad():
@@ -165,10 +175,13 @@ def install_shard(chunk: Chunk, state: ShardState, optimizer,
               else state.master.to(device))
     in_optimizer = id(chunk.shard) in optimized
     if state.moments is not None and in_optimizer:
+        # each moment in the optimizer's dtype (a no-op when it was saved so)
+        layout = optimizer.layout
         optimizer.load_shard_state(chunk.shard, {
             "step": state.step,
             "master": master,
-            **{kind: t.to(device) for kind, t in state.moments.items()},
+            **{kind: t.to(device, layout.dtype(kind))
+               for kind, t in state.moments.items()},
         })
         return
     if in_optimizer:
@@ -194,7 +207,34 @@ def same_layout(reader: CheckpointReader, chunks: Sequence[Chunk],
 # ## Loading
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *,
+def states_conversion(reader: CheckpointReader,
+                      optimizer: ShardOptimizer | None) -> str | None:
+    """
+    #### The line that says a load converts the optimizer's states, or `None`
+
+    A checkpoint saved with one [state layout](../state_layout.html) resumes
+    an optimizer built with another: each state is cast once, as it is
+    installed (fp32 to bf16 rounds to nearest even; bf16 to fp32 is exact).
+    The resume is then not bit-exact with a run that kept either layout.
+    """
+    saved = reader.states
+    if optimizer is None or saved["dtypes"] == optimizer.layout.dtypes:
+        return None
+    if all(chunk["step"] is None for chunk in reader.chunks):
+        return None
+    # a master is always there to read: the saved one, else the parameter
+    missing = {t.name for t in optimizer.layout.moments} - set(saved["dtypes"])
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {reader.path} has optimizer states "
+            f"{', '.join(saved['dtypes'])}; the optimizer's {optimizer.layout.name!r}"
+            f" layout also needs {', '.join(sorted(missing))}")
+    return (f"checkpoint {reader.path}: optimizer states saved as "
+            f"{saved['name']!r}, converted once to {optimizer.layout.name!r}")
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module,
+                    optimizer: ShardOptimizer | None = None, *,
                     restore_rng: bool = True) -> LoadedCheckpoint:
     """
     ## Load a sharded checkpoint, at any world size
@@ -231,6 +271,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
             raise CheckpointError(f"checkpoint {reader.path} has {len(groups)} "
                                   f"optimizer param groups, the optimizer "
                                   f"{len(optimizer.param_groups)}")
+        small["converted"] = states_conversion(reader, optimizer)
         read.extend(read_shard(reader, chunk, optimizer is not None)
                     for chunk in chunks)
         small["extra"] = reader.extra()
@@ -249,6 +290,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
         restore_groups(optimizer, groups)
     # RNG states and `rank_extra` are restored only at the saved world size: at
     # another one there is no rank they belong to.
+    converted = small["converted"]
+    if converted is not None and comm.rank == 0:
+        # the one line a resume across layouts says, once per job
+        print(converted, file=sys.stderr, flush=True)
     rank_state = small.get("rank")
     if rank_state is not None and restore_rng:
         set_rng_state(rank_state["rng"], comm.device)
@@ -257,4 +302,5 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
         rank_extra=None if rank_state is None else rank_state["extra"],
         world_size=reader.world_size,
         resharded=not same_layout(reader, chunks, comm.world_size),
+        converted=converted,
     )

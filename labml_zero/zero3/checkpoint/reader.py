@@ -30,8 +30,9 @@ from safetensors import safe_open
 
 from .digest import file_digest
 from .format import (DTYPES, EXTRA, FORMAT, FORMAT_1, MANIFEST, MANIFEST_KEYS,
-                     MANIFEST_KEYS_2, MOMENTS, SAFETENSORS_DTYPES, CheckpointError,
-                     first_difference, fingerprint, rank_state_file, tensors_file)
+                     MANIFEST_KEYS_2, SAFETENSORS_DTYPES, CheckpointError,
+                     first_difference, fingerprint, rank_state_file, saved_states,
+                     tensors_file)
 
 __all__ = ["CheckpointReader", "SavedParam"]
 
@@ -191,6 +192,17 @@ class CheckpointReader:
     def dtype(self, name: str) -> torch.dtype:
         return DTYPES[self.chunk_of(name)["dtype"]]
 
+    @property
+    def states(self) -> dict:
+        """The saved state layout: `{"name", "dtypes"}` (see the format's
+        manifest)."""
+        return saved_states(self.manifest)
+
+    @property
+    def moments(self) -> tuple[str, ...]:
+        """The saved states other than the master, in the saved order."""
+        return tuple(n for n in self.states["dtypes"] if n != "master")
+
     ### Reading elements
 
     def read(self, name: str, kind: str = "master", start: int = 0,
@@ -199,8 +211,9 @@ class CheckpointReader:
         ### Elements `[start, end)` of a saved parameter, flat, on the host
 
         `kind` is `param` (in the saved dtype), `master` (fp32: the saved master,
-        else the parameter), `exp_avg` or `exp_avg_sq`; the saved ranks that hold
-        them are the $k$ below.
+        else the parameter) or a moment of the saved layout (`exp_avg`,
+        `exp_avg_sq`, in its saved dtype); the saved ranks that hold them are
+        the $k$ below.
 
         #### Finding elements: the resharding arithmetic
 
@@ -227,8 +240,9 @@ class CheckpointReader:
         and both moments. Padding needs nothing: it is zero in all four (its
         gradient is zero, so Adam never moves it) and a new shard starts as zeros.
         """
-        if kind not in ("param", "master", *MOMENTS):
-            raise ValueError(f"kind must be param, master, exp_avg or exp_avg_sq, "
+        kinds = ("param", "master", *self.moments)
+        if kind not in kinds:
+            raise ValueError(f"kind must be one of {', '.join(kinds)}, "
                              f"got {kind!r}")
         if name not in self.params:
             raise CheckpointError(f"no parameter {name!r} in checkpoint {self.path}")
@@ -241,10 +255,11 @@ class CheckpointReader:
         stored = kind
         if kind == "master" and not chunk["has_master"]:
             stored = "param"
-        if kind in MOMENTS and chunk["step"] is None:
+        if kind in self.moments and chunk["step"] is None:
             raise CheckpointError(f"parameter {name!r} has no optimizer state in "
                                   f"{self.path}")
-        dtype = DTYPES[chunk["dtype"]] if stored == "param" else torch.float32
+        dtype = DTYPES[chunk["dtype"] if stored == "param"
+                       else self.states["dtypes"][stored]]
         shard_numel = chunk["numel"] // self.world_size
         lo, hi = saved.offset + start, saved.offset + end
         pieces = []
@@ -255,7 +270,7 @@ class CheckpointReader:
             first, last = max(lo, base), min(hi, base + shard_numel)
             pieces.append(self._slice(rank, key, shard_numel, dtype,
                                       first - base, last - base))
-        # [end − start] saved dtype (fp32 for masters and moments)
+        # [end − start] saved dtype (fp32 for masters, the layout's for moments)
         out = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
         return out.float() if kind == "master" else out
 

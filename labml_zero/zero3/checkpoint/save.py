@@ -11,7 +11,9 @@ A ZeRO-3 rank holds $\frac{1}{N_d}$ of every chunk: its bf16/fp16 parameter shar
 and, for trainable chunks, the fp32 master and the two Adam moments. A checkpoint
 is those shards, one file per rank, written in parallel and never gathered.
 With $\Psi_t$ trainable and $\Psi_f$ frozen elements, $p$ bytes per parameter
-and $K = 3 \cdot 4$ bytes of optimizer state, each rank writes
+and $K$ bytes of optimizer state (the optimizer's
+[state layout](../state_layout.html)'s, each state saved in its own dtype:
+$K = 3 \cdot 4$ with fp32 states), each rank writes
 
 $$\frac{(p + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 
@@ -47,8 +49,8 @@ from ..chunk import Chunk
 from ..communication import Communicator
 from .agreement import agree_save_id, gather_digests, run_agreed
 from .digest import file_digest
-from .format import (EXTRA, FORMAT, MANIFEST, MOMENTS, CheckpointError, dtype_name,
-                     fingerprint, rank_state_file, tensors_file)
+from .format import (EXTRA, FORMAT, MANIFEST, CheckpointError, dtype_name,
+                     fingerprint, rank_state_file, states_entry, tensors_file)
 from .state import (group_hyperparameters, master_of, model_shapes, optimizer_state,
                     rng_state)
 
@@ -126,9 +128,9 @@ def rank_tensors(chunks: Sequence[Chunk], optimizer) -> dict[str, torch.Tensor]:
             tensors[f"{i}.master"] = master.detach().cpu()
         state = optimizer_state(optimizer, chunk)
         if state is not None:
-            for kind in MOMENTS:
-                # [S] fp32
-                tensors[f"{i}.{kind}"] = state[kind].detach().cpu()
+            for moment in optimizer.layout.moments:
+                # [S] the layout's dtype (fp32, or bf16 moments)
+                tensors[f"{i}.{moment.name}"] = state[moment.name].detach().cpu()
     return tensors
 
 
@@ -158,6 +160,7 @@ def manifest_of(chunks: Sequence[Chunk], optimizer, world_size: int,
         "fingerprint": fingerprint(shapes),
         "chunks": described,
         "param_groups": group_hyperparameters(optimizer),
+        **({} if optimizer is None else {"states": states_entry(optimizer.layout)}),
     }
 
 
@@ -184,7 +187,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
     Called by every rank, between training steps.
 
     * `model` is a `Zero3Sequential` or `ShardedModel`.
-    * `optimizer` is the `AdamFP16` over its shards, or `None` for the weights only.
+    * `optimizer` is the `AdamFP16` over its shards (any `ShardOptimizer`), or
+      `None` for the weights only.
     * `extra` is global state, passed by every rank and written by rank 0 (a loss
       scaler's `state_dict()`, the data position); `rank_extra` is this rank's own.
     * `meta` is a dict of JSON values written into the manifest (the job's step,

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ..chunk import Chunk
+from ..state_layout import ShardOptimizer
 from .format import CheckpointError
 
 __all__ = ["master_of", "model_shapes", "optimizer_state"]
@@ -65,14 +66,15 @@ def model_shapes(chunks: Sequence[Chunk]) -> dict[str, tuple[int, ...]]:
 # bias correction $1 - \beta^t$).
 
 
-def optimizer_state(optimizer, chunk: Chunk) -> dict | None:
-    """AdamFP16's state of a chunk's shard, or `None` before its first step."""
+def optimizer_state(optimizer: ShardOptimizer | None, chunk: Chunk) -> dict | None:
+    """The optimizer's state of a chunk's shard (each state of its
+    [layout](../state_layout.html) by name), or `None` before its first step."""
     if optimizer is None or not chunk.trainable:
         return None
     return optimizer.shard_state(chunk.shard)
 
 
-def master_of(optimizer, chunk: Chunk) -> torch.Tensor | None:
+def master_of(optimizer: ShardOptimizer | None, chunk: Chunk) -> torch.Tensor | None:
     """
     #### The fp32 master of a shard, when it is not the shard itself
 
@@ -83,7 +85,8 @@ def master_of(optimizer, chunk: Chunk) -> torch.Tensor | None:
         return None
     state = optimizer_state(optimizer, chunk)
     if state is not None:
-        return state["master"]
+        # `None` for a layout without a master: the shard is the weight
+        return state.get("master")
     return chunk.local.master_init
 
 

@@ -1,0 +1,72 @@
+r"""
+---
+title: Moments narrower than the master
+summary: AdamW with an fp32 master and bf16 moments, computed in fp32 and
+  rounded as the moments are stored, slice by slice around the fp32 kernel.
+---
+
+# Moments narrower than the master
+
+This page deepens [AdamFP16](adam_fp16.html) for the `"bf16-moments"`
+[state layout](../zero3/state_layout.html): the master stays fp32, and Adam's
+moments $m$ and $v$ are kept in bf16, $K = 4 + 2 + 2$ bytes per element.
+A step reads the stored moments, widens them to fp32 (exact),
+runs the fp32 update, and rounds the new moments as it stores them:
+
+$$\hat m_t = \operatorname{bf16}\big(\beta_1 \hat m_{t-1} + (1 - \beta_1) g_t\big),
+  \qquad
+  \hat v_t = \operatorname{bf16}\big(\beta_2 \hat v_{t-1} + (1 - \beta_2) g_t^2\big),$$
+
+while the master's step uses the unrounded fp32 values: `torch.optim.AdamW`
+whose moments are rounded to bf16 after every step, bit for bit
+(tested: tests/optimizers/test_narrow_moments.py::test_bf16_moments_are_adamw_with_moments_rounded_each_step).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+# Elements widened at once: bounds the fp32 temporaries of the twin to
+# $2 \cdot 4 \cdot 2^{22}$ bytes whatever the shard's size; a multiple of
+# every vector width, so a slice ends where a whole shard's loop would.
+WIDE_NUMEL = 2**22
+
+Kernel = Callable[[list, list, list, list], None]
+
+
+def update(kernel: Kernel, masters: Sequence[torch.Tensor],
+           grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+           exp_avg_sqs: Sequence[torch.Tensor]) -> None:
+    """
+    ### One update of fp32 masters, whatever the moments' dtype
+
+    `kernel(masters, grads, exp_avgs, exp_avg_sqs)` is the fp32 update
+    (`AdamFP16._kernel`, fused or `foreach`), all lists of `[S]` fp32. With
+    fp32 moments it runs once on the whole batch. With narrower moments it
+    runs per shard and slice, on fp32 copies of the slice's moments, which
+    are then rounded back into place: a skipped update (a non-finite
+    gradient, `found_inf`) leaves the copies as they were, and a bf16 value
+    widened and rounded back is itself.
+
+    Each store rounds to 8 bits of mantissa, a relative error of at most
+    $2^{-9}$ in $m$ and $v$; the master, where the small updates add up,
+    keeps all of fp32's. On a GPU the [one-pass kernel](rounded_update.html)
+    does the same in one kernel; here the widening costs fp32 temporaries
+    (`WIDE_NUMEL`) beside the kernel's own traffic.
+    """
+    if all(m.dtype == torch.float32 for m in (*exp_avgs, *exp_avg_sqs)):
+        kernel(list(masters), list(grads), list(exp_avgs), list(exp_avg_sqs))
+        return
+    for master, grad, exp_avg, exp_avg_sq in zip(masters, grads, exp_avgs,
+                                                 exp_avg_sqs):
+        for start in range(0, master.numel(), WIDE_NUMEL):
+            piece = slice(start, start + WIDE_NUMEL)
+            # [min(S - start, WIDE_NUMEL)] fp32, exact copies of the stored
+            wide_avg = exp_avg[piece].float()
+            wide_avg_sq = exp_avg_sq[piece].float()
+            kernel([master[piece]], [grad[piece]], [wide_avg], [wide_avg_sq])
+            # round to nearest even, as every cast to bf16
+            exp_avg[piece].copy_(wide_avg)
+            exp_avg_sq[piece].copy_(wide_avg_sq)

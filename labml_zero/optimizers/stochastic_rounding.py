@@ -1,0 +1,113 @@
+r"""
+---
+title: bf16 weights without a master, by stochastic rounding
+summary: The "bf16-stochastic" choice keeps no fp32 master; each update is
+  computed in fp32 from the bf16 weight and rounded back up or down at random,
+  in proportion, so small updates survive on average.
+---
+
+# bf16 weights without a master
+
+This page deepens [AdamFP16](adam_fp16.html) for the `"bf16-stochastic"`
+[state layout](../zero3/state_layout.html): bf16 moments and no master,
+$K = 2 + 2$ bytes per element. The update widens the bf16 weight to fp32, runs
+the fp32 update of [narrow moments](narrow_moments.html) on it, and rounds the
+result $x$ back to a neighbour $x_\downarrow \le x \le x_\uparrow$ at random:
+
+$$\operatorname{sr}(x) = x_\uparrow \text{ with probability }
+  \frac{x - x_\downarrow}{x_\uparrow - x_\downarrow}, \text{ else }
+  x_\downarrow; \qquad \mathbb{E}[\operatorname{sr}(x)] = x,$$
+
+so an update smaller than half a bf16 step, which rounding to nearest loses,
+survives on average
+(tested: tests/optimizers/test_stochastic_rounding.py::test_small_updates_survive_on_average).
+
+## Limitations
+
+* No host offload, and on a GPU the twin runs, not the one-pass kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .narrow_moments import WIDE_NUMEL, Kernel
+
+# Odd constants of the hash (xxHash's and the golden ratio's): any odd
+# multiplier is a bijection mod $2^{32}$.
+MIX = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)
+LOW_32 = 0xFFFFFFFF
+
+
+def noise(start: int, numel: int, step: torch.Tensor, salt: int) -> torch.Tensor:
+    r"""
+    ### Random bits per element, from a hash
+
+    From the element's position, the shard and the step count, not from a
+    generator: there is no state to save, a resume draws the same bits, and
+    a captured step reads its count from the device tensor it refills.
+    `[numel]` int32 in $[0, 2^{16})$ for the elements `start` to
+    `start + numel` of shard `salt` at step `step` (a 0-dim device tensor,
+    so a captured step hashes each replay's own count). The hash mixes the
+    three with multiplications and xor-shifts mod $2^{32}$ (xxHash's
+    finaliser), in int64: every product's low half of bits is exact.
+    """
+    device = step.device
+    # [numel] int64
+    x = torch.arange(start, start + numel, dtype=torch.int64, device=device)
+    x = x * MIX[0] + step.to(torch.int64) * MIX[1] + salt * MIX[2]
+    x &= LOW_32
+    for multiplier in MIX[3:]:
+        x ^= x >> 15
+        x = (x * multiplier) & LOW_32
+    x ^= x >> 16
+    return (x & 0xFFFF).to(torch.int32)
+
+
+def stochastic_round(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    r"""
+    ### $\operatorname{sr}(x)$: fp32 to bf16, up or down at random
+
+    A bf16 value is an fp32 value whose low half of bits is zero. Adding a
+    uniform $r \in [0, 2^{16})$ to those bits of $|x|$ (the sign sits apart,
+    so the magnitude's bits carry into the next bf16 step) and dropping them
+    rounds up exactly when $r \ge 2^{16} - \text{low}$, with probability
+    $\text{low} / 2^{16}$, the fraction of the step that $x$ has gone.
+    A bf16 value has nothing to round and stays itself.
+    """
+    # [n] int32 view of fp32 bits; $-2^{16}$ keeps the high half
+    rounded = (x.view(torch.int32) + bits) & -65536
+    return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+def update(kernel: Kernel, shards: Sequence[torch.Tensor],
+           grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
+           exp_avg_sqs: Sequence[torch.Tensor], *, step: torch.Tensor,
+           salts: Sequence[int]) -> None:
+    """
+    ### One update of bf16 shards that are their own weights
+
+    `kernel` is the fp32 update of [narrow moments](narrow_moments.html);
+    per shard and slice the weight and the moments are widened, updated in
+    fp32, and stored: the moments rounded to nearest, a bf16 weight
+    stochastically (an fp32 one is its own master, updated in place). A
+    skipped update (`found_inf`) leaves the widened values as they were,
+    which round back to themselves.
+    """
+    for shard, grad, exp_avg, exp_avg_sq, salt in zip(shards, grads, exp_avgs,
+                                                      exp_avg_sqs, salts):
+        for start in range(0, shard.numel(), WIDE_NUMEL):
+            piece = slice(start, start + WIDE_NUMEL)
+            # [n] fp32 each, exact copies of the stored bf16
+            weight = shard[piece].float()
+            wide_avg = exp_avg[piece].float()
+            wide_avg_sq = exp_avg_sq[piece].float()
+            kernel([weight], [grad[piece]], [wide_avg], [wide_avg_sq])
+            exp_avg[piece].copy_(wide_avg)
+            exp_avg_sq[piece].copy_(wide_avg_sq)
+            # an fp32 shard was updated in place (`.float()` is itself)
+            if shard.dtype == torch.bfloat16:
+                shard[piece].copy_(stochastic_round(
+                    weight, noise(start, weight.numel(), step, salt)))

@@ -1,0 +1,200 @@
+r"""
+---
+title: The optimizer's state layout
+summary: The tensors an optimizer keeps per shard element (name, dtype, bytes),
+  declared once, and the typed contract between the engine and its optimizer;
+  the checkpoint, the memory model, placement and the calculator read them here.
+---
+
+# The optimizer's state layout
+
+For every trainable element a shard optimizer keeps a few tensors of its own
+beside the shard: with AdamW an fp32 master and the two moments $m$ and $v$.
+Their bytes per element are the memory model's $K$,
+
+$$K = \sum_{s \in \text{layout}} b_s,$$
+
+$b_s$ the bytes of state $s$'s dtype:
+{{py: state_layout.FP32_STATES.bytes_per_element()}} with fp32 moments,
+{{py: state_layout.BF16_MOMENTS.bytes_per_element()}} with bf16 ones and
+{{py: state_layout.BF16_STOCHASTIC.bytes_per_element()}} without a master. Each layout is declared once, here; the optimizer, the
+[checkpoint](checkpoint/index.html), the [memory model](memory_model.html),
+the {{see: placement}} and the calculator read it. Adding a state is one entry
+below. Last comes `ShardOptimizer`, the typed contract the engine calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+__all__ = ["StateTensor", "StateLayout", "FP32_STATES", "BF16_MOMENTS",
+           "BF16_STOCHASTIC", "LAYOUTS", "state_layout", "ShardOptimizer"]
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """
+    ## One state, per shard element
+
+    * `name`: its key in the optimizer's state and in a checkpoint
+      (`exp_avg`, as in `torch.optim.AdamW`'s state, so a state dict reads the
+      same).
+    * `dtype`: the dtype it is kept and saved in.
+    * `master`: whether it is the master copy of the weights, the one the update
+      writes and the shard is the rounding of; a shard of the master's dtype
+      is its own master.
+
+    Every state of a shard lives in the shard's
+    [home](../optimizers/shard_home.html), device or host, together: the
+    update reads and writes all of them at once, so a state kept apart would
+    cross the host link at every step.
+    """
+
+    name: str
+    dtype: torch.dtype
+    master: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """$b_s$, bytes per element."""
+        return self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """
+    ## A choice of states
+
+    * `name`: the choice as a user names it (`states="bf16-moments"`).
+    * `tensors`: its states, the master first; at most one master.
+    """
+
+    name: str
+    tensors: tuple[StateTensor, ...]
+
+    def __post_init__(self):
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"layout {self.name!r} names a state twice: {names}")
+        if sum(t.master for t in self.tensors) > 1:
+            raise ValueError(f"layout {self.name!r} has more than one master")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tensors)
+
+    @property
+    def master(self) -> StateTensor | None:
+        return next((t for t in self.tensors if t.master), None)
+
+    @property
+    def moments(self) -> tuple[StateTensor, ...]:
+        """Every state but the master, in order."""
+        return tuple(t for t in self.tensors if not t.master)
+
+    def dtype(self, name: str) -> torch.dtype:
+        for t in self.tensors:
+            if t.name == name:
+                return t.dtype
+        raise ValueError(f"layout {self.name!r} has no state {name!r}; it has "
+                         f"{', '.join(self.names)}")
+
+    @property
+    def dtypes(self) -> dict[str, str]:
+        """Each state's dtype by name, as a checkpoint records it."""
+        return {t.name: str(t.dtype).removeprefix("torch.") for t in self.tensors}
+
+    def bytes_per_element(self, *, shard_is_master: bool = False) -> int:
+        r"""
+        ### $K$, the bytes per trainable element
+
+        $\sum_s b_s$; with `shard_is_master` (an fp32 shard on the device,
+        see `shard_is_master`) less the master's bytes: the shard itself is
+        the master.
+        """
+        master = self.master
+        drop = master.nbytes if shard_is_master and master is not None else 0
+        return sum(t.nbytes for t in self.tensors) - drop
+
+    def shard_is_master(self, param_bytes: int) -> bool:
+        """Whether a device shard of `param_bytes` per element is its own master:
+        the master is fp32, and fp32 is the only dtype of 4 bytes the engine
+        shards."""
+        master = self.master
+        return master is not None and master.nbytes == param_bytes
+
+
+# ## The choices
+#
+# `FP32_STATES` is AdamW's state as `torch.optim.AdamW` keeps it for an fp32
+# parameter. `BF16_MOMENTS` keeps the master in fp32 (the update still adds
+# every small step to it) and rounds $m$ and $v$ to bf16 each time they are
+# stored: the update itself computes in fp32 from the rounded moments it
+# read, and a bf16 moment carries 8 bits of mantissa, a relative error of at
+# most $2^{-9}$ per store (see the optimizer's page). `BF16_STOCHASTIC` keeps
+# no master at all: the bf16 shard is the weight, and each update is rounded
+# into it stochastically, so that small updates survive on average.
+
+FP32_STATES = StateLayout("fp32", (
+    StateTensor("master", torch.float32, master=True),
+    StateTensor("exp_avg", torch.float32),
+    StateTensor("exp_avg_sq", torch.float32),
+))
+BF16_MOMENTS = StateLayout("bf16-moments", (
+    StateTensor("master", torch.float32, master=True),
+    StateTensor("exp_avg", torch.bfloat16),
+    StateTensor("exp_avg_sq", torch.bfloat16),
+))
+BF16_STOCHASTIC = StateLayout("bf16-stochastic", (
+    StateTensor("exp_avg", torch.bfloat16),
+    StateTensor("exp_avg_sq", torch.bfloat16),
+))
+LAYOUTS = {layout.name: layout
+           for layout in (FP32_STATES, BF16_MOMENTS, BF16_STOCHASTIC)}
+"""Every choice by name; the first is the default."""
+
+
+def state_layout(choice: str | StateLayout) -> StateLayout:
+    """A layout by name (a layout is returned as it is); a clear error names
+    the choices."""
+    if isinstance(choice, StateLayout):
+        return choice
+    layout = LAYOUTS.get(choice)
+    if layout is None:
+        raise ValueError(f"states must be one of {', '.join(LAYOUTS)}; "
+                         f"got {choice!r}")
+    return layout
+
+
+class ShardOptimizer(Protocol):
+    """
+    ## What the engine and its checkpoint call on an optimizer
+
+    Typed, where they used to probe the optimizer with `hasattr`. `AdamFP16`
+    implements it; a checkpoint, the placement probe and the engine's
+    gradient callbacks take a `ShardOptimizer` and call these, nothing else.
+
+    * `layout`: its `StateLayout`.
+    * `update_during_backward`: whether `grad_ready` may update the shard.
+    * `state_device(param)`: where `param`'s states belong (its home's device;
+      a parameter not updated here, its own).
+    * `shard_state(param)`: `{"step": int, <each state>: [S] tensor}` in the
+      layout's dtypes, or `None` before the first step.
+    * `load_shard_state(param, state)`: install such a dict (converted to the
+      layout's dtypes), or forget the state (`None`).
+    * `grad_ready(param, after=...)`: the shard's gradient is final.
+    """
+
+    layout: StateLayout
+    update_during_backward: bool
+
+    def state_device(self, param: torch.Tensor) -> torch.device: ...
+
+    def shard_state(self, param: torch.Tensor) -> dict | None: ...
+
+    def load_shard_state(self, param: torch.Tensor, state: dict | None) -> None: ...
+
+    def grad_ready(self, param: torch.Tensor, *, after=None) -> None: ...

@@ -1,0 +1,179 @@
+"""
+`states="bf16-stochastic"`: no master, bf16 moments, each update rounded into
+the bf16 shard stochastically.
+
+The reference is `torch.optim.AdamW` on the bf16 weight widened to fp32, its
+moments rounded to bf16 and its result rounded with `stochastic_round` and the
+same bits after every step: the same kernel on the same operands, so the
+tolerance is zero (see tests/optimizers/test_narrow_moments.py). The rounding
+itself is tested on its own: unbiased, within the spread of its draws.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from labml_zero.optimizers.adam_fp16 import AdamFP16
+from labml_zero.optimizers.stochastic_rounding import noise, stochastic_round
+from labml_zero.zero3.shard import LocalShard
+from labml_zero.zero3.state_layout import BF16_STOCHASTIC
+from tests.optimizers.test_narrow_moments import MOMENTS, round_moments, sharded
+from tests.optimizers.test_offload import HYPER, gradients, run_steps, set_grad, shards
+
+STEPS = 20
+# a draw is one of two neighbours a step $h$ apart: its spread is at most
+# $h / 2$, and the mean of $n$ independent draws is within $Z h / (2\sqrt{n})$
+# of $x$ but for a chance below $10^{-9}$ per value at $Z = 6$
+Z = 6
+
+
+def neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values just below and above fp32 `x` (x > 0)."""
+    down = (x.view(torch.int32) & -65536).view(torch.float32)
+    up = ((down.view(torch.int32) + 65536)).view(torch.float32)
+    return down, up
+
+
+def test_stochastic_round_is_unbiased_and_picks_a_neighbour():
+    torch.manual_seed(0)
+    x = torch.rand(64) + 0.5  # [64] fp32 in [0.5, 1.5)
+    draws = 4096
+    down, up = neighbours(x)
+    total = torch.zeros(64, dtype=torch.float64)
+    for step in range(draws):
+        r = stochastic_round(x, noise(0, 64, torch.tensor(float(step)), salt=3))
+        assert r.dtype == torch.bfloat16
+        assert bool(((r.float() == down) | (r.float() == up)).all())
+        total += r.double()
+    spread = (up - down).double() / 2
+    assert bool(((total / draws - x.double()).abs()
+                 <= Z * spread / math.sqrt(draws)).all())
+    # a bf16 value has nothing to round
+    exact = x.bfloat16()
+    assert torch.equal(stochastic_round(exact.float(), noise(0, 64, torch.tensor(1.0),
+                                                             salt=0)), exact)
+    # negative values round by magnitude, symmetrically
+    assert torch.equal(stochastic_round(-x, noise(0, 64, torch.tensor(5.0), salt=1)),
+                       -stochastic_round(x, noise(0, 64, torch.tensor(5.0), salt=1)))
+
+
+def test_small_updates_survive_on_average():
+    """Weights of 1 in bf16 (a step of $2^{-7}$ above 1) each get 1,000 updates
+    of $10^{-4}$, below half a step: rounded to nearest nothing moves; rounded
+    stochastically the mean over the weights moves by the sum, $0.1$."""
+    n, updates, delta = 4096, 1000, 1e-4
+    nearest = torch.ones(n, dtype=torch.bfloat16)
+    stochastic = nearest.clone()
+    for step in range(updates):
+        nearest = (nearest.float() + delta).bfloat16()
+        bits = noise(0, n, torch.tensor(float(step)), salt=7)
+        stochastic = stochastic_round(stochastic.float() + delta, bits)
+    assert torch.equal(nearest, torch.ones(n, dtype=torch.bfloat16))
+    # each update's draw spreads by at most half a step, 2^-8; independent
+    # over updates and weights
+    spread = 2**-8 * math.sqrt(updates) / math.sqrt(n)
+    assert abs(stochastic.double().mean().item() - (1 + updates * delta)) <= Z * spread
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("bug", [None, "rounded to nearest", "moments kept fp32",
+                                 "lr x 1.001"])
+def test_the_update_is_adamw_rounded_stochastically(fused, bug):
+    ours = shards(torch.bfloat16)
+    theirs = [torch.nn.Parameter(p.detach().float()) for p in ours]
+    opt = AdamFP16(ours, **HYPER, fused=fused, states="bf16-stochastic")
+    lr = HYPER["lr"] * (1.001 if bug == "lr x 1.001" else 1)
+    ref = torch.optim.AdamW(theirs, **{**HYPER, "lr": lr}, fused=fused or None,
+                            foreach=not fused)
+    for step in range(STEPS):
+        for p, q, g in zip(ours, theirs, gradients(step)):
+            set_grad(p, g.clone())
+            q.grad = g.clone()
+        opt.step()
+        ref.step()
+        round_moments(ref, None if bug != "moments kept fp32" else bug)
+        with torch.no_grad():
+            for salt, q in enumerate(theirs):
+                # the step count the kernel saw, as a tensor (as the optimizer's)
+                bits = noise(0, q.numel(), torch.tensor(float(step + 1)), salt)
+                rounded = (q.bfloat16() if bug == "rounded to nearest"
+                           else stochastic_round(q, bits))
+                q.copy_(rounded.float())
+        opt.zero_grad()
+    equal = all(torch.equal(p.detach().float(), q.detach())
+                for p, q in zip(ours, theirs))
+    assert equal == (bug is None)
+    for p in ours:
+        assert list(opt.state[p]) == ["step", *MOMENTS]
+        assert LocalShard.of(p).master_init is None  # dropped, not kept
+
+
+def test_an_early_update_is_the_same_update():
+    after, during = shards(torch.bfloat16), shards(torch.bfloat16)
+    after_opt = AdamFP16(after, **HYPER, states="bf16-stochastic")
+    during_opt = AdamFP16(during, **HYPER, update_during_backward=True,
+                          states="bf16-stochastic")
+    for step in range(5):
+        for a, b, g in zip(after, during, gradients(step)):
+            set_grad(a, g.clone())
+            set_grad(b, g.clone())
+            during_opt.grad_ready(b)
+        after_opt.step()
+        during_opt.step()
+        after_opt.zero_grad()
+        during_opt.zero_grad()
+    for a, b in zip(after, during):
+        assert torch.equal(a, b)
+        for key in MOMENTS:
+            assert torch.equal(after_opt.state[a][key], during_opt.state[b][key])
+
+
+def test_what_cannot_go_without_a_master_is_refused():
+    half = [LocalShard(torch.ones(4).half(), trainable=True).param]
+    with pytest.raises(ValueError, match="bf16 or fp32 parameters, got torch.float16"):
+        AdamFP16(half, states="bf16-stochastic")
+    with pytest.raises(ValueError, match="keeps no master .* no offload"):
+        AdamFP16(shards(torch.bfloat16), states="bf16-stochastic", offload={0})
+
+
+def test_resume_is_bit_exact_and_converts_from_fp32(tmp_path, capsys):
+    from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
+
+    model, opt = sharded(torch.bfloat16, "bf16-stochastic")
+    run_steps(model, opt, range(3))
+    save_checkpoint(tmp_path / "ckpt", model, opt)
+    run_steps(model, opt, range(3, 6))
+    fresh, fresh_opt = sharded(torch.bfloat16, "bf16-stochastic")
+    assert load_checkpoint(tmp_path / "ckpt", fresh, fresh_opt).converted is None
+    run_steps(fresh, fresh_opt, range(3, 6))
+    for a, b in zip(model.chunks, fresh.chunks):
+        assert torch.equal(a.shard, b.shard)
+    # from fp32 states: the master dropped, the shard (its nearest rounding)
+    # kept, the moments rounded
+    full, full_opt = sharded(torch.bfloat16, "fp32")
+    run_steps(full, full_opt, range(3))
+    save_checkpoint(tmp_path / "fp32", full, full_opt)
+    capsys.readouterr()
+    fresh, fresh_opt = sharded(torch.bfloat16, "bf16-stochastic")
+    loaded = load_checkpoint(tmp_path / "fp32", fresh, fresh_opt)
+    assert loaded.converted.endswith("saved as 'fp32', converted once to "
+                                     "'bf16-stochastic'")
+    assert capsys.readouterr().err == loaded.converted + "\n"
+    for a, b in zip(full.chunks, fresh.chunks):
+        assert torch.equal(a.shard, b.shard)
+    for p, q in zip(full_opt.param_groups[0]["params"],
+                    fresh_opt.param_groups[0]["params"]):
+        assert set(fresh_opt.state[q]) == {"step", *MOMENTS}
+        assert torch.equal(fresh_opt.state[q]["exp_avg"],
+                           full_opt.state[p]["exp_avg"].bfloat16())
+    # and back: the master is the shard widened, exactly
+    save_checkpoint(tmp_path / "back", fresh, fresh_opt)
+    again, again_opt = sharded(torch.bfloat16, "fp32")
+    load_checkpoint(tmp_path / "back", again, again_opt)
+    for q in again_opt.param_groups[0]["params"]:
+        # each optimized parameter is a trainable chunk's shard
+        assert torch.equal(again_opt.state[q]["master"], q.detach().float())
+    assert BF16_STOCHASTIC.bytes_per_element() == 2 + 2
