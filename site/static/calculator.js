@@ -415,7 +415,11 @@
     const shards = layout.chunks.map(c => ({ numel: c.chunk_numel / nD, trainable: c.trainable }));
     const trainable = sum(shards.filter(s => s.trainable).map(s => s.numel));
     const all = sum(shards.map(s => s.numel));
-    const kDevice = p === 4 ? data.optimizer_bytes - 4 : data.optimizer_bytes;
+    // K of the optimizer's state layout; K_d less the master where the shard
+    // (fp32, as many bytes as the master) is its own master
+    const states = data.state_layouts[data.default_states];
+    const kDevice = p === states.master_bytes ? states.bytes - states.master_bytes
+      : states.bytes;
     const sizes = groupNumels(layout);
     // one rank: the full buffers are the shards, nothing is gathered
     const gathered = nD === 1 ? 0 :
@@ -462,7 +466,7 @@
       padding: totalNumel(layout) - usedNumel(layout),
       params: p * all, grad_shards: grads,
       optimizer_device: kDevice * (trainable - offloaded),
-      optimizer_host: (data.optimizer_bytes + data.staging_bytes) * offloaded,
+      optimizer_host: (states.bytes + data.staging_bytes) * offloaded,
       gathered, grad_buffer: gradBuffer, accumulation, early_grads: earlyGrads, activations,
       offloaded_fraction: trainable ? offloaded / trainable : 0,
       peak, fits: peak <= inputs.device_bytes,
