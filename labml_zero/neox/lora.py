@@ -42,7 +42,7 @@ from labml_zero.layers.lora import (  # noqa: F401
     is_adapter,
 )
 from labml_zero.neox.model import TransformerLayer
-from labml_zero.zero3.memory_model import zero_model_states
+from labml_zero.zero3.memory_model import OPTIMIZER_BYTES, zero_model_states
 from labml_zero.zero3.trainable import TrainableCount
 
 __all__ = ["LoRALinear", "FineTuneLoRA", "TARGETS", "ADAPTER_NAMES",
@@ -159,20 +159,21 @@ def sharded_count(layers: Sequence) -> TrainableCount:
 
 def lora_model_states(count: TrainableCount, world_size: int, *,
                       param_bytes: int = 2, grad_bytes: int = 4,
-                      optimizer_bytes: int = 12) -> int:
+                      optimizer_bytes: int = OPTIMIZER_BYTES) -> int:
     r"""
     ## Model-state bytes per rank of a LoRA fine-tune
 
     $$\frac{p\,\Psi_\text{base} + (p + g + K)\,\Psi_\text{lora}}{N_d}$$
 
     with $p = 2$ (two-byte chunks), $g = 4$ (fp32 gradient shards) and
-    $K = 4 + 4 + 4$ (`AdamFP16`'s master and moments) by default.
+    $K$ the [state layout](../zero3/state_layout.html)'s bytes per element
+    (`OPTIMIZER_BYTES`: `AdamFP16`'s fp32 master and moments) by default.
 
     * `count` is what `FineTuneLoRA` returns ($\Psi_\text{lora}$ trainable of
       $\Psi_\text{base} + \Psi_\text{lora}$: the formula), or `sharded_count` of the
       sharded layers (what they store, padding included).
     * With fp32 chunks ($p = 4$) the engine uses the parameter shard as the
-      master, so pass `optimizer_bytes=8`.
+      master, so pass placement's `device_optimizer_bytes(4)`.
     """
     return zero_model_states(count.trainable, count.total - count.trainable,
                              world_size,
