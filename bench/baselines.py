@@ -153,7 +153,8 @@ from torch.utils.checkpoint import checkpoint
 
 from labml_zero.launch import DistContext
 from labml_zero.neox.finetuners import finetuner
-from labml_zero.neox.model import NeoXChain, TransformerLayer, build_layers
+from labml_zero.layers.layer_list import LayerChain
+from labml_zero.neox.model import TransformerLayer
 from labml_zero.zero3.compiled import default_compile_backend
 from labml_zero.zero3.memory_model import zero_model_states
 
@@ -165,7 +166,7 @@ from .engine import (
     lm_loss,
     meta_layers,
 )
-from .workloads import Workload
+from .workloads import DECODER_LAYERS, Workload, model_layers
 
 
 class EngineUnavailable(Exception):
@@ -238,10 +239,14 @@ def compile_calls(layers: list[nn.Module], workload: Workload,
     ours does rather than computing the angles for every element.
     """
     for layer in layers:
-        if isinstance(layer, TransformerLayer):
-            if workload.model.rotary_dim > 0:
-                layer.attention.rotary_tables.prepare(workload.seq, device,
-                                                      torch.bfloat16)
+        if isinstance(layer, TransformerLayer) and workload.model.rotary_dim > 0:
+            layer.attention.rotary_tables.prepare(workload.seq, device,
+                                                  torch.bfloat16)
+        elif isinstance(layer, DECODER_LAYERS):
+            # Llama's `LlamaRotary`: the first call at a length builds the
+            # tables, later calls (the traced one) read them
+            layer.self_attn.rotary(workload.seq, device, torch.bfloat16)
+        if isinstance(layer, DECODER_LAYERS):
             layer.compile(backend=default_compile_backend(device))
 
 
@@ -249,7 +254,7 @@ def with_recompute(layers: list[nn.Module], workload: Workload) -> list[nn.Modul
     """The layers, each transformer layer wrapped in `Recomputed` if asked for."""
     if not workload.activation_checkpointing:
         return list(layers)
-    return [Recomputed(m) if isinstance(m, TransformerLayer) else m for m in layers]
+    return [Recomputed(m) if isinstance(m, DECODER_LAYERS) else m for m in layers]
 
 
 # ## Memory models
@@ -310,7 +315,7 @@ def build_fsdp2(ctx: DistContext, workload: Workload) -> Engine:
     seed = torch.initial_seed()
     layers, psi_t, psi_f = meta_layers(workload)
     modules = with_recompute(layers, workload)
-    model = NeoXChain(*modules)
+    model = LayerChain(*modules)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     offload = workload.offload is not None
     # Pinned host memory makes the copies to and from the GPU asynchronous;
@@ -328,7 +333,7 @@ def build_fsdp2(ctx: DistContext, workload: Workload) -> Engine:
     # 1. one FSDP group per transformer layer (or its Recomputed wrapper), in
     #    execution order
     for module in modules:
-        if isinstance(module, (TransformerLayer, Recomputed)):
+        if isinstance(module, (*DECODER_LAYERS, Recomputed)):
             fully_shard(module, **shard)
     # 2. the root group: embedding, final norm, readout
     fully_shard(model, **shard)
@@ -362,7 +367,7 @@ def build_ddp(ctx: DistContext, workload: Workload) -> Engine:
             f"{workload.offload!r}): it replicates every model state on each GPU"
         )
     # fp32 on the device, with every engine's initial weights
-    layers = build_layers(workload.model, device="meta", kernels=workload.kernels)
+    layers = model_layers(workload, device="meta")
     count = finetuner(workload.finetune)(layers)
     for layer in layers:
         layer.to_empty(device=ctx.device)
@@ -374,7 +379,7 @@ def build_ddp(ctx: DistContext, workload: Workload) -> Engine:
     if workload.compile:
         compile_calls(layers, workload, ctx.device)
     model = DistributedDataParallel(
-        NeoXChain(*with_recompute(layers, workload)),
+        LayerChain(*with_recompute(layers, workload)),
         device_ids=[ctx.device] if ctx.device.type == "cuda" else None,
         gradient_as_bucket_view=True,
     )
@@ -439,12 +444,12 @@ def build_deepspeed(ctx: DistContext, workload: Workload) -> Engine:
     config = deepspeed_config(workload, ctx.device)
     # the plain model (see `Workload.kernels`)
     with deepspeed.zero.Init(config_dict_or_path=config, dtype=torch.bfloat16):
-        layers = build_layers(workload.model, device=ctx.device)
+        layers = model_layers(workload, device=ctx.device, plain=True)
     finetuner(workload.finetune)(layers)
     # Partitioned parameters report numel() 0: count on a meta copy instead.
     _, psi_t, psi_f = meta_layers(workload)
     # The wrappers own no parameters, so they need not be built under Init.
-    model = NeoXChain(*with_recompute(layers, workload))
+    model = LayerChain(*with_recompute(layers, workload))
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=trainable(model), config=config
     )

@@ -48,7 +48,7 @@ from torch import nn
 
 from labml_zero.launch import DistContext
 from labml_zero.neox.finetuners import finetuner
-from labml_zero.neox.model import NeoXChain, build_layers
+from labml_zero.layers.layer_list import LayerChain
 from labml_zero.optimizers.rounded_update import (
     Betas,
     adamw_rounded_,
@@ -59,7 +59,7 @@ from labml_zero.zero3.memory_model import zero_model_states
 
 from .baselines import with_recompute
 from .engine import LEARNING_RATE, WEIGHT_DECAY, Engine, InitialWeights, lm_loss
-from .workloads import Workload
+from .workloads import Workload, model_layers
 
 BOUNDS = ("model_only", "update_floor")
 """The reference steps `bench.run --engines` accepts beside the engines."""
@@ -87,13 +87,12 @@ def bare_model(ctx: DistContext, workload: Workload) -> tuple[nn.Module, int, in
     the workload says.
     Returns the model, $\Psi_t$ and $\Psi_f$.
     """
-    layers = build_layers(workload.model, device=ctx.device, dtype=torch.bfloat16,
-                          kernels=workload.kernels)
+    layers = model_layers(workload, device=ctx.device, dtype=torch.bfloat16)
     count = finetuner(workload.finetune)(layers)
     # every engine's initial weights, rounded to bf16 as ours are
     InitialWeights(workload, seed=torch.initial_seed(),
                    device=ctx.device).copy_into(layers)
-    model = NeoXChain(*with_recompute(layers, workload))
+    model = LayerChain(*with_recompute(layers, workload))
     return model, count.trainable, count.total - count.trainable
 
 

@@ -95,18 +95,20 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 from torch import nn
 
-from labml_zero.assembly import AutoLimits, Recipe
+from labml_zero.assembly import AutoLimits, Recipe, assemble
 from labml_zero.neox import build as neox_build
 from labml_zero.launch import DistContext
 from labml_zero.neox.finetuners import finetuner
+from labml_zero.llama import flops as llama_flops
+from labml_zero.llama.config import LlamaConfig
 from labml_zero.neox.activation_memory import activation_bytes
-from labml_zero.neox.model import build_layers
+from labml_zero.neox.kernels import plain_loss_bytes_per_row
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.communication import CommCounter
 from labml_zero.optimizers.graphed_step import GraphedStep
@@ -129,7 +131,7 @@ from labml_zero.zero3.memory_model import (
     zero_model_states,
 )
 
-from .workloads import GRAPH_WARMUP, Workload
+from .workloads import DECODER_LAYERS, GRAPH_WARMUP, Workload, model_layers
 
 LEARNING_RATE = 1e-4
 WEIGHT_DECAY = 0.01
@@ -168,7 +170,7 @@ class Engine:
 def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """
     Mean next-token cross-entropy in fp32 of `batch` `[B, T + 1]`: the model's
-    readout computes it from the targets (a `NeoXChain`'s `(ids, targets)`),
+    readout computes it from the targets (a `LayerChain`'s `(ids, targets)`),
     by the workload's loss kernel.
     """
     return model(batch[:, :-1], batch[:, 1:])
@@ -213,8 +215,7 @@ class InitialWeights:
 
     def __init__(self, workload: Workload, *, seed: int, device: torch.device):
         # the engines' layers on meta, marked as theirs (LoRA adds adapters)
-        self.layers = build_layers(workload.model, device="meta",
-                                   kernels=workload.kernels)
+        self.layers = model_layers(workload, device="meta")
         finetuner(workload.finetune)(self.layers)
         self.seed, self.device = seed, device
         self.drawn: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -267,7 +268,7 @@ def meta_layers(workload: Workload) -> tuple[list[nn.Module], int, int]:
 
     Returns the layers, $\Psi_t$ and $\Psi_f$.
     """
-    layers = build_layers(workload.model, device="meta", kernels=workload.kernels)
+    layers = model_layers(workload, device="meta")
     count = finetuner(workload.finetune)(layers)
     return layers, count.trainable, count.total - count.trainable
 
@@ -317,13 +318,21 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     # the run's seed, which `bench.run` set just before building
     weights = InitialWeights(workload, seed=torch.initial_seed(),
                              device=ctx.device)
-    build = neox_build.NeoXBuild(workload.model, kernels=workload.kernels,
-                                 compile=workload.compile)
-    built = neox_build.build_neox(build, recipe, device=ctx.device,
-                                  load=weights.load_sharded,
-                                  probe=probe_step(ctx, workload),
-                                  auto_limits=None if ctx.device.type == "cuda"
-                                  else simulated_limits(ctx, workload))
+    callbacks = dict(load=weights.load_sharded, probe=probe_step(ctx, workload),
+                     auto_limits=None if ctx.device.type == "cuda"
+                     else simulated_limits(ctx, workload))
+    if isinstance(workload.model, LlamaConfig):
+        # `build_neox`'s steps for Llama's layers: on meta with the kernels,
+        # then the same assembly, the decoder layers compiled if asked
+        compiled = DECODER_LAYERS if workload.compile else ()
+        built = assemble(model_layers(workload, device="meta"),
+                         replace(recipe, compile_types=compiled),
+                         device=ctx.device, **callbacks)
+    else:
+        build = neox_build.NeoXBuild(workload.model, kernels=workload.kernels,
+                                     compile=workload.compile)
+        built = neox_build.build_neox(build, recipe, device=ctx.device,
+                                      **callbacks)
     model = built.model
     psi_t = built.counts.trainable
     psi_f = built.counts.total - psi_t
@@ -403,16 +412,40 @@ def predicted_peak(workload: Workload, memory: dict) -> dict[str, int]:
     builder replaces it by the placement's own prediction, which stands on the
     probe's measured peak.
     """
-    activations = activation_bytes(
-        workload.model, batch=workload.batch, seq=workload.seq,
-        finetune=workload.finetune,
-        checkpointing=workload.activation_checkpointing,
-        kernels=workload.kernels).total
+    if isinstance(workload.model, LlamaConfig):
+        activations = llama_activations(workload)
+    else:
+        activations = activation_bytes(
+            workload.model, batch=workload.batch, seq=workload.seq,
+            finetune=workload.finetune,
+            checkpointing=workload.activation_checkpointing,
+            kernels=workload.kernels).total
     states = memory.get("device_states", memory["layout_states"])
     return {"activations": activations,
             "predicted_peak": states - memory["shard_grads"]
             + memory["gathered_peak"] + activations
             + memory["early_update_grads"]}
+
+
+def llama_activations(workload: Workload) -> int:
+    r"""
+    ### A Llama workload's activations at the backward pass's start
+
+    Every layer's saved tensors ([its FLOPs page](../labml_zero/llama/flops.html)'s
+    `activation_bytes`, plain kernels), or, recomputed, every layer's bf16
+    input and one layer's saved tensors; then the plain readout's logits and
+    loss (`plain_loss_bytes_per_row`), none with the chunked loss. An
+    estimate: the fused SwiGLU and RMSNorm save less than counted.
+    """
+    config, tokens = workload.model, workload.batch * workload.seq
+    one_layer = llama_flops.activation_bytes(config, tokens)
+    if workload.activation_checkpointing:
+        body = config.n_layers * tokens * config.d_model * 2 + one_layer
+    else:
+        body = config.n_layers * one_layer
+    readout = (0 if workload.kernels.loss
+               else tokens * plain_loss_bytes_per_row(config.n_vocab))
+    return body + readout
 
 
 def probe_step(ctx: DistContext, workload: Workload

@@ -302,7 +302,7 @@ def describe(engine: str, workload: Workload, world_size: int, backend: str) -> 
         "peer_gather": workload.peer_gather,
         "peer_reduce": workload.peer_reduce,
         "kernels": ("none" if engine == "deepspeed" else workload.kernels.names()),
-        "attention": workload.kernels.attention,
+        "attention": getattr(workload.kernels, "attention", None),
         "model": {"n_layers": model.n_layers, "d_model": model.d_model,
                   "n_heads": model.n_heads, "n_vocab": model.n_vocab},
     }

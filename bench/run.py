@@ -47,6 +47,8 @@ from dataclasses import replace
 
 import torch
 
+from labml_zero.llama.config import LlamaConfig
+from labml_zero.llama.kernels import LlamaKernels, resolve_llama_kernels
 from labml_zero.neox.build import resolve_kernels
 from labml_zero.neox.kernels import ATTENTION_BACKENDS, ModelKernels
 
@@ -66,10 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench.run",
         description="Tokens/s, MFU, memory and communication share of labml_zero "
-        "and its baselines on GPT-NeoX workloads.",
+        "and its baselines on GPT-NeoX and Llama workloads.",
     )
     parser.add_argument("--workloads", default="W1,W2,W3,W4",
-                        help="comma-separated subset of W1,W2,W3,W4,W5,W3R,W6,W2-1")
+                        help="comma-separated subset of W1,W2,W3,W4,W5,W3R,W6,W2-1,W2-1O,L1,L2")
     parser.add_argument("--engines", default=",".join(ENGINES),
                         help=f"comma-separated subset of {','.join(ENGINES)}, "
                         f"or the one-device bounds {','.join(BOUNDS)} "
@@ -114,8 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "host memory")
     parser.add_argument("--kernels", default="none",
                         help="the model's fused kernels, comma-separated from "
-                        f"{','.join(ModelKernels.fusions())}, or all, none, or "
-                        "auto (all on the GPUs, none on CPU, as the job)")
+                        f"{','.join(ModelKernels.fusions())} (GPT-NeoX) or "
+                        f"{','.join(LlamaKernels.fusions())} (Llama), or all, "
+                        "none, or auto (all on the GPUs, none on CPU, as the job)")
     parser.add_argument("--attention", default=None,
                         help="pin the attention backend: "
                         f"{', '.join(ATTENTION_BACKENDS)} (default: PyTorch's choice)")
@@ -152,8 +155,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         # `auto` as the job resolves it: every fusion on the GPUs, none on CPU
         device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-        args.model_kernels = replace(resolve_kernels(args.kernels, device),
-                                     attention=args.attention)
+        # each family's kernels, resolved for the workloads listed of it
+        listed = [known[name].model for name in args.workload_list]
+        args.model_kernels = args.llama_kernels = None
+        if any(not isinstance(m, LlamaConfig) for m in listed):
+            args.model_kernels = replace(resolve_kernels(args.kernels, device),
+                                         attention=args.attention)
+        if any(isinstance(m, LlamaConfig) for m in listed):
+            if args.attention is not None:
+                raise ValueError("Llama's attention backend is PyTorch's choice")
+            args.llama_kernels = resolve_llama_kernels(args.kernels, device)
     except ValueError as error:
         raise SystemExit(f"--kernels/--attention: {error}")
     return args
@@ -238,7 +249,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                            prefetch_depth=args.prefetch_depth,
                            peer_gather=args.peer_gather,
                            peer_reduce=args.peer_reduce,
-                           kernels=args.model_kernels,
+                           kernels=(args.llama_kernels
+                                    if isinstance(workload.model, LlamaConfig)
+                                    else args.model_kernels),
                            batch=workload.batch if batch is None else batch)
         result = run_pair(engine, workload, run, world_size=world_size,
                           backend=backend, timeout_s=args.timeout)

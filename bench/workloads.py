@@ -1,14 +1,15 @@
 r"""
 ---
 title: Benchmark workloads
-summary: The four GPT-NeoX training jobs every engine runs, and the FLOPs a token costs.
+summary: The GPT-NeoX and Llama training jobs every engine runs, and the FLOPs a token costs.
 ---
 
 # Benchmark workloads
 
 Each workload is a model shape, a per-GPU micro-batch and a fine-tuner, the same
-for every engine: GPT-NeoX layers, random initialisation, random tokens, bf16
-computation, AdamW with fp32 master weights.
+for every engine: GPT-NeoX or Llama layers (`model_layers`), random
+initialisation, random tokens, bf16 computation, AdamW with fp32 master
+weights.
 
 | name | model | per-GPU batch × sequence | trains |
 | --- | --- | --- | --- |
@@ -21,6 +22,8 @@ computation, AdamW with fp32 master weights.
 | W6 | Pythia-12B | 2 × 2048 | everything; recomputation, offload; one GPU |
 | W2-1 | Pythia-6.9B | 2 × 2048 | everything; recomputation; one GPU |
 | W2-1O | Pythia-6.9B | 2 × 2048 | everything; recomputation, offload; one GPU |
+| L1 | Llama-3.2-1B, untied | 8 × 2048 | everything |
+| L2 | Llama-3.1-8B | 2 × 2048 | everything; recomputation |
 
 W5 is the capability job of heterogeneous memory: its model states alone,
 $(2 + 4 + 12) \cdot 20.6 \cdot 10^9 / 2 = 185$ GB per rank, do not fit an H200
@@ -40,10 +43,19 @@ of model states, on one GPU with recomputation and no offload, every engine
 as it is; W2-1O is the same with each engine's offload, for the engines that do
 not fit without it.
 
+L1 and L2 are the [Llama model](../labml_zero/llama/model.html), built from
+its presets by every engine. Llama-3.2-1B ties its readout to its embedding;
+labml_zero's assembly shards layer by layer (`zero3_layers`), which refuses a
+parameter of two layers, so L1 runs the same shape with the readout a matrix
+of its own, $V d$ = {{py: workloads.workloads()['L1'].model.n_vocab *
+workloads.workloads()['L1'].model.d_model | ,}} parameters more. L2's $18 \cdot 8
+\cdot 10^9$ bytes of model states are spread over the GPUs.
+
 ## FLOPs per token
 
 For model FLOPs utilisation (MFU) we count, as the peers do, the matrix products
-only. With $N$ the parameters of the matrix products (the four weight matrices
+only (for Llama, [its FLOPs page](../labml_zero/llama/flops.html)'s count,
+the same formula with its three MLP matrices and grouped K and V). With $N$ the parameters of the matrix products (the four weight matrices
 of every layer and the readout; the embedding is a lookup), $L$ layers, sequence
 length $T$ and width $d$, a token costs
 
@@ -69,8 +81,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 
 from labml_zero.finetune import step_metrics
+from labml_zero.llama import flops as llama_flops
+from labml_zero.llama import model as llama_model
+from labml_zero.llama.config import LlamaConfig, llama_3_1_8b, llama_3_2_1b
+from labml_zero.llama.kernels import LlamaKernels
+from labml_zero.neox import model as neox_model
 from labml_zero.neox.model import (
     ModelKernels,
     NeoXConfig,
@@ -95,8 +113,8 @@ class Workload:
 
     name: str
     """Short name, `W1`..`W6`; `tiny` workloads keep it."""
-    model: NeoXConfig
-    """The model shape; initialised at random."""
+    model: NeoXConfig | LlamaConfig
+    """The model shape, GPT-NeoX's or Llama's; initialised at random."""
     batch: int
     """Sequences per GPU per step (the micro-batch; no gradient accumulation)."""
     seq: int
@@ -132,13 +150,30 @@ class Workload:
     peer_reduce: bool = False
     """labml_zero reduce-scatters through a workspace in the other GPUs' memory,
     bf16 gradients sent in bf16 and averaged in fp32 (`--peer-reduce`)."""
-    kernels: ModelKernels = ModelKernels()
-    """The model's [fused kernels](../labml_zero/neox/kernels.html)
-    (`--kernels`), the same for every engine but DeepSpeed, whose hooks gather
-    a submodule's weights only when that submodule is called: it runs the
-    plain model."""
+    kernels: ModelKernels | LlamaKernels | None = None
+    """The model's fused kernels ([GPT-NeoX's](../labml_zero/neox/kernels.html),
+    [Llama's](../labml_zero/llama/kernels.html)) (`--kernels`), the same for
+    every engine but DeepSpeed, whose hooks gather a submodule's weights only
+    when that submodule is called: it runs the plain model. `None` is the
+    plain model of the workload's family."""
 
     def __post_init__(self):
+        llama = isinstance(self.model, LlamaConfig)
+        if self.kernels is None:
+            object.__setattr__(self, "kernels",
+                               LlamaKernels() if llama else ModelKernels())
+        if isinstance(self.kernels, LlamaKernels) != llama:
+            raise ValueError(
+                f"Workload {self.name}: kernels {type(self.kernels).__name__} "
+                f"do not fit a {type(self.model).__name__} model")
+        if llama and self.model.tie_embeddings:
+            raise ValueError(
+                f"Workload {self.name}: a tied Llama model has a parameter in "
+                f"two layers, which zero3_layers refuses; untie it")
+        if llama and self.finetune != "all":
+            raise ValueError(
+                f"Workload {self.name}: Llama workloads train everything, "
+                f"got finetune={self.finetune!r}")
         if self.batch < 1 or self.seq < 1:
             raise ValueError(
                 f"Workload {self.name}: batch and seq must be >= 1, "
@@ -185,6 +220,8 @@ def matmul_params(config: NeoXConfig) -> int:
 def flops_per_token(workload: Workload) -> float:
     """$F = 6N + 12LTd$, or $4N + 12LTd$ when only biases train."""
     config = workload.model
+    if isinstance(config, LlamaConfig):
+        return float(llama_flops.flops_per_token(config, workload.seq))
     n = matmul_params(config)
     weight_passes = 6 if workload.finetune == "all" else 4
     attention = 12 * config.n_layers * workload.seq * config.d_model
@@ -206,7 +243,7 @@ def mfu(workload: Workload, tokens_per_s: float, world_size: int,
 
 def workloads() -> dict[str, Workload]:
     """W1..W4, the capability job W5, W3 with resident frozen chunks (W3R),
-    and the one-GPU jobs W6, W2-1 and W2-1O."""
+    the one-GPU jobs W6, W2-1 and W2-1O, and the Llama jobs L1 and L2."""
     return {
         "W1": Workload("W1", pythia_1_4b(), batch=8, seq=2048),
         "W2": Workload("W2", pythia_6_9b(), batch=2, seq=2048),
@@ -222,6 +259,10 @@ def workloads() -> dict[str, Workload]:
                          activation_checkpointing=True),
         "W2-1O": Workload("W2-1O", pythia_6_9b(), batch=2, seq=2048,
                           activation_checkpointing=True, offload="auto"),
+        "L1": Workload("L1", replace(llama_3_2_1b(), tie_embeddings=False),
+                       batch=8, seq=2048),
+        "L2": Workload("L2", llama_3_1_8b(), batch=2, seq=2048,
+                       activation_checkpointing=True),
     }
 
 
@@ -234,5 +275,34 @@ def shrink(workload: Workload) -> Workload:
     full workload still runs. The chunk size is fixed (8192 elements, several
     chunks per model): the search's candidate grid is made for real widths.
     """
-    model = replace(workload.model, n_vocab=512, d_model=64, n_heads=4, n_layers=2)
+    if isinstance(workload.model, LlamaConfig):
+        # grouped-query attention kept: 4 query heads over 2 key-value heads
+        model = replace(workload.model, n_vocab=512, d_model=64, n_heads=4,
+                        n_kv_heads=2, head_dim=None, d_ff=172, n_layers=2)
+    else:
+        model = replace(workload.model, n_vocab=512, d_model=64, n_heads=4,
+                        n_layers=2)
     return replace(workload, model=model, batch=2, seq=32, chunk_numel=8192)
+
+
+# ## The model of a workload, whichever its family
+
+DECODER_LAYERS = (neox_model.TransformerLayer, llama_model.DecoderLayer)
+"""The layer types that repeat: the units each engine wraps, recomputes or
+compiles; the embedding, final norm and readout are the rest."""
+
+
+def model_layers(workload: Workload, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None, plain: bool = False
+                 ) -> list[nn.Module]:
+    """
+    ### The workload's layers, `[embedding, layers..., final norm, readout]`
+
+    Both families' `build_layers` take the same arguments; `plain` builds
+    without the fused kernels (DeepSpeed's model).
+    """
+    family = (llama_model if isinstance(workload.model, LlamaConfig)
+              else neox_model)
+    kernels = None if plain else workload.kernels
+    return family.build_layers(workload.model, device=device, dtype=dtype,
+                               kernels=kernels)

@@ -11,9 +11,9 @@ import torch
 
 from bench import run as bench_run
 from bench.engine import InitialWeights, lm_loss, random_batches
-from bench.workloads import shrink, workloads
+from bench.workloads import model_layers, shrink, workloads
 from labml_zero.launch import DistContext
-from labml_zero.neox.model import NeoXChain, build_layers
+from labml_zero.layers.layer_list import LayerChain
 
 CPU = torch.device("cpu")
 RANKS = 2  # the bench's --cpu runs two gloo ranks
@@ -24,11 +24,11 @@ def reference_loss(workload, *, seed: int, dtype: torch.dtype,
     """The first step's loss as the bench reports it (the mean over the ranks'
     batches, those of the bench's seed 0) of the unsharded model in one
     process, in `dtype`, its weights drawn with `seed`."""
-    layers = build_layers(workload.model, device="meta")
+    layers = model_layers(workload, device="meta", plain=True)
     for layer in layers:
         layer.to_empty(device=CPU)
     InitialWeights(workload, seed=seed, device=CPU).copy_into(layers)
-    model = NeoXChain(*layers).to(dtype)
+    model = LayerChain(*layers).to(dtype)
     losses = []
     for rank in range(ranks):
         ctx = DistContext(rank, ranks, rank, CPU, "gloo")
@@ -89,9 +89,23 @@ def test_engines_start_alike(tmp_path):
     update. labml_zero, FSDP2 and DDP agree with each other and with the
     unsharded model within the bf16 tolerance, and a model drawn from another
     seed lies outside it."""
-    tiny = shrink(workloads()["W1"])
+    engines_start_alike("W1", tmp_path)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name,kernels", [("L1", "all"), ("L2", "none")])
+def test_llama_engines_start_alike(name, kernels, tmp_path):
+    """The same for the Llama workloads: every engine builds the same Llama
+    model from the preset, shrunk, with the same weights; L1 with every fused
+    kernel (their twins on a CPU, the chunked loss), L2 recomputing its
+    layers, against the plain unsharded model."""
+    engines_start_alike(name, tmp_path, kernels=kernels)
+
+
+def engines_start_alike(name: str, tmp_path, *, kernels: str = "none"):
+    tiny = shrink(workloads()[name])
     lines = bench_run.main([
-        "--tiny", "--cpu", "--workloads", "W1",
+        "--tiny", "--cpu", "--workloads", name, "--kernels", kernels,
         "--engines", "labml_zero,fsdp2,ddp", "--steps", "1", "--warmup", "0",
         "--no-profile", "--out", str(tmp_path / "start.jsonl")])
     losses = {line["engine"]: line["loss"] for line in lines}

@@ -36,12 +36,14 @@ the unit the engine gathers and releases, built by `build_layers`.
 ## Limitations
 
 * No KV cache, no attention mask other than causal, no dropout.
-* Plain PyTorch only: GPT-NeoX's [fused kernels](../neox/kernels.html) are not
-  wired in, and the rotary tables are not prepared for `torch.compile`.
+* The fused kernels ([their page](kernels.html)) are off unless
+  `build_layers(config, kernels=...)` turns them on; the rotary tables are
+  built outside any compiled function.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Iterable
 
 import torch
@@ -51,8 +53,10 @@ from torch import nn
 from labml_zero.layers.layer_list import (LayerChain, count_parameters,
                                           init_like_hf, layer_indices)
 from labml_zero.llama.config import LlamaConfig
-from labml_zero.llama.rotary import LlamaRotary, apply_rotary
-from labml_zero.neox.kernels import plain_readout_loss
+from labml_zero.llama import kernels as K
+from labml_zero.llama.kernels import LlamaKernels
+from labml_zero.llama.rotary import LlamaRotary, rotate_qk, rotate_qk_fused
+from labml_zero.neox.kernels import fused_readout_loss, plain_readout_loss
 
 __all__ = ["RMSNorm", "Embedding", "Attention", "MLP", "DecoderLayer",
            "FinalNorm", "Readout", "build_layers", "tie_embeddings", "LlamaChain",
@@ -80,17 +84,18 @@ class RMSNorm(nn.Module):
     The mean of the squares over the $d$ features, in fp32 whatever the
     activations' dtype; the normalised value is cast back before the weight
     multiplies it, in Hugging Face's order, so bf16 results agree bit for bit.
+    The formula is `kernels.rms_norm`; `fused` runs it compiled on the GPU.
     """
 
-    def __init__(self, d: int, eps: float, *, device=None, dtype=None):
+    def __init__(self, d: int, eps: float, *, fused: bool = False, device=None,
+                 dtype=None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
+        self.normalize = K.rms_norm_fused if fused else K.rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()  # [B, T, d] fp32; a copy only when x is 16-bit
-        rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)  # [B, T, 1]
-        return self.weight * (x32 * rms).to(x.dtype)
+        return self.normalize(x, self.weight, self.eps)  # [B, T, d]
 
 
 # ## Embedding
@@ -136,10 +141,12 @@ class Attention(nn.Module):
     """
 
     def __init__(self, config: LlamaConfig, rotary: LlamaRotary, *,
-                 device=None, dtype=None):
+                 kernels: LlamaKernels | None = None, device=None, dtype=None):
         super().__init__()
         self.config = config
         self.rotary = rotary
+        self.rotate = (rotate_qk_fused if (kernels or LlamaKernels()).rotary
+                       else rotate_qk)
         d, d_h = config.d_model, config.head_width
         n_h, n_kv = config.n_heads, config.n_kv_heads
         factory = dict(device=device, dtype=dtype)
@@ -160,7 +167,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, c.n_kv_heads, d_h).transpose(1, 2)
         v = self.v_proj(x).view(B, T, c.n_kv_heads, d_h).transpose(1, 2)
         cos, sin = self.rotary(T, x.device, q.dtype)  # each [T, d_h]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.rotate(q, k, cos, sin)
         # softmax(q kᵀ / √d_h + causal mask) v, each query head on its group's k, v
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            enable_gqa=c.n_kv_heads != c.n_heads)
@@ -181,16 +188,19 @@ class MLP(nn.Module):
     freely).
     """
 
-    def __init__(self, config: LlamaConfig, *, device=None, dtype=None):
+    def __init__(self, config: LlamaConfig, *, kernels: LlamaKernels | None = None,
+                 device=None, dtype=None):
         super().__init__()
         d, d_ff = config.d_model, config.d_ff
         factory = dict(device=device, dtype=dtype, bias=False)
         self.gate_proj = nn.Linear(d, d_ff, **factory)
         self.up_proj = nn.Linear(d, d_ff, **factory)
         self.down_proj = nn.Linear(d_ff, d, **factory)
+        self.gate = (K.swiglu_fused if (kernels or LlamaKernels()).swiglu
+                     else K.swiglu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(self.gate_proj(x)) * self.up_proj(x)  # [B, T, d_ff]
+        h = self.gate(self.gate_proj(x), self.up_proj(x))  # [B, T, d_ff]
         return self.down_proj(h)
 
 
@@ -206,16 +216,18 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(self, config: LlamaConfig, layer_idx: int, rotary: LlamaRotary, *,
-                 device=None, dtype=None):
+                 kernels: LlamaKernels | None = None, device=None, dtype=None):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
         factory = dict(device=device, dtype=dtype)
+        kernels = kernels or LlamaKernels()
         d, eps = config.d_model, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(d, eps, **factory)
-        self.self_attn = Attention(config, rotary, **factory)
-        self.post_attention_layernorm = RMSNorm(d, eps, **factory)
-        self.mlp = MLP(config, **factory)
+        norm = dict(fused=kernels.rms_norm, **factory)
+        self.input_layernorm = RMSNorm(d, eps, **norm)
+        self.self_attn = Attention(config, rotary, kernels=kernels, **factory)
+        self.post_attention_layernorm = RMSNorm(d, eps, **norm)
+        self.mlp = MLP(config, kernels=kernels, **factory)
 
     def reset_parameters(self):
         init_llama(self, self.config.init_std)
@@ -234,11 +246,13 @@ class DecoderLayer(nn.Module):
 class FinalNorm(nn.Module):
     """## The last RMSNorm, before the readout"""
 
-    def __init__(self, config: LlamaConfig, *, device=None, dtype=None):
+    def __init__(self, config: LlamaConfig, *, kernels: LlamaKernels | None = None,
+                 device=None, dtype=None):
         super().__init__()
         self.config = config
-        self.norm = RMSNorm(config.d_model, config.rms_norm_eps, device=device,
-                            dtype=dtype)
+        self.norm = RMSNorm(config.d_model, config.rms_norm_eps,
+                            fused=(kernels or LlamaKernels()).rms_norm,
+                            device=device, dtype=dtype)
 
     def reset_parameters(self):
         init_llama(self, self.config.init_std)
@@ -252,16 +266,22 @@ class Readout(nn.Module):
     ## Readout: `[B, T, d]` to logits `[B, T, n_vocab]`, or the loss
 
     Given `targets` `[B, T]` it returns the mean next-token cross-entropy in
-    fp32, as GPT-NeoX's plain readout does. With tied embeddings `lm_head`'s
-    weight is the embedding's parameter, and `reset_parameters` leaves it to
-    the embedding.
+    fp32, as GPT-NeoX's plain readout does, or, with the `loss` kernel, its
+    chunked readout and loss that never holds the logits. With tied
+    embeddings `lm_head`'s weight is the embedding's parameter, and
+    `reset_parameters` leaves it to the embedding.
     """
 
-    def __init__(self, config: LlamaConfig, *, device=None, dtype=None):
+    def __init__(self, config: LlamaConfig, *, kernels: LlamaKernels | None = None,
+                 device=None, dtype=None):
         super().__init__()
         self.config = config
         self.lm_head = nn.Linear(config.d_model, config.n_vocab, bias=False,
                                  device=device, dtype=dtype)
+        kernels = kernels or LlamaKernels()
+        self.loss = (partial(fused_readout_loss,
+                             chunk_rows=kernels.loss_chunk_rows)
+                     if kernels.loss else plain_readout_loss)
 
     def reset_parameters(self):
         if not self.config.tie_embeddings:
@@ -271,7 +291,7 @@ class Readout(nn.Module):
                 ) -> torch.Tensor:
         if targets is None:
             return self.lm_head(x)  # [B, T, n_vocab]
-        return plain_readout_loss(x, self.lm_head, targets)  # [] fp32
+        return self.loss(x, self.lm_head, targets)  # [] fp32
 
 
 # ## Building the list
@@ -308,7 +328,8 @@ def tie_embeddings(layers: list[nn.Module]) -> None:
 
 def build_layers(config: LlamaConfig, *, filter_layers: Iterable[int] | None = None,
                  device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> list[nn.Module]:
+                 dtype: torch.dtype | None = None,
+                 kernels: LlamaKernels | None = None) -> list[nn.Module]:
     """
     ### Build `[Embedding, DecoderLayer × n, FinalNorm, Readout]`
 
@@ -317,13 +338,18 @@ def build_layers(config: LlamaConfig, *, filter_layers: Iterable[int] | None = N
       `tie_embeddings` again (tied models) and `reset_parameters` or load a
       checkpoint.
     * Off meta, weights are initialised as Hugging Face does.
+    * `kernels` chooses the [fused kernels](kernels.html) once for every
+      layer; `None` is the plain model.
     """
     indices = layer_indices(config.n_layers, filter_layers)
     factory = dict(device=device, dtype=dtype)
+    kernels = kernels or LlamaKernels()
     rotary = LlamaRotary(config)
     layers: list[nn.Module] = [Embedding(config, **factory)]
-    layers += [DecoderLayer(config, i, rotary, **factory) for i in indices]
-    layers += [FinalNorm(config, **factory), Readout(config, **factory)]
+    layers += [DecoderLayer(config, i, rotary, kernels=kernels, **factory)
+               for i in indices]
+    layers += [FinalNorm(config, kernels=kernels, **factory),
+               Readout(config, kernels=kernels, **factory)]
     if config.tie_embeddings:
         tie_embeddings(layers)
     if torch.device(device or "cpu").type != "meta":

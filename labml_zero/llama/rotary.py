@@ -37,9 +37,11 @@ from collections import OrderedDict
 import torch
 
 from labml_zero.llama.config import LlamaConfig
+from labml_zero.neox.kernels import on_gpu_compiled
 from labml_zero.neox.rotary import rotate_half
 
-__all__ = ["inverse_frequencies", "LlamaRotary", "apply_rotary"]
+__all__ = ["inverse_frequencies", "LlamaRotary", "apply_rotary", "rotate_qk",
+           "rotate_qk_fused"]
 
 
 def inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
@@ -106,3 +108,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> torch.Tensor:
     """`x` `[B, heads, T, d_h]` rotated; `cos`, `sin` `[T, d_h]` broadcast."""
     return x * cos + rotate_half(x) * sin
+
+
+# ### Rotating q and k in one pass
+#
+# The attention calls one of this pair, chosen by `LlamaKernels.rotary`. The
+# plain twin is two rotations, each five elementwise passes (two products,
+# the halves' negation and concatenation, the sum) that write a `[B, heads, T,
+# d_h]` tensor; compiled, one kernel reads q, k and the tables and writes the
+# rotated q and k, and its backward pass, the same rotation by $-m\theta_i'$,
+# is one kernel too. q and k stay two tensors: their head counts differ under
+# grouped-query attention.
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`q` `[B, n_h, T, d_h]` and `k` `[B, n_kv, T, d_h]`, each rotated."""
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+rotate_qk_fused = on_gpu_compiled(rotate_qk)
