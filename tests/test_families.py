@@ -83,8 +83,21 @@ def test_a_family_refuses_what_it_has_not_in_one_line():
     with pytest.raises(ValueError, match="unknown projection 'query_key_value'"):
         FinetuneConfig(model="smollm2-135m", finetune="lora",
                        lora_targets=("query_key_value",))
-    with pytest.raises(ValueError, match="kernels 'loss'.*no fused kernels"):
-        FinetuneConfig(model="smollm2-135m", kernels="loss")
+    # a kernel of the other family's (GPT-NeoX's bias + GELU) is not Llama's
+    with pytest.raises(ValueError, match="bias_gelu"):
+        FinetuneConfig(model="smollm2-135m", kernels="bias_gelu")
+
+
+def test_each_family_resolves_its_own_kernels():
+    """`--kernels` names are the family's: Llama's four fusions by name,
+    `auto` every one on CUDA and none on a CPU."""
+    from labml_zero.llama.kernels import LlamaKernels
+
+    resolve = LLAMA.resolve_kernels
+    assert resolve("rms_norm,swiglu,rotary,loss", "cpu") == LlamaKernels.all_fused()
+    assert resolve("auto", "cpu") == LlamaKernels()
+    assert resolve("auto", "cuda") == LlamaKernels.all_fused()
+    assert resolve("none", "cuda") == LlamaKernels()
 
 
 def test_the_export_kinds_are_the_export_pages():

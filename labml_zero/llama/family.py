@@ -15,8 +15,9 @@ its tokenizer, its cost ($C$ FLOPs a token, [the FLOPs page](flops.html))
 and the job's sharded build and exports.
 [`ModelFamily`](../family.html) holds functions, not a base class to
 override; `LLAMA` is this package's one instance. What differs from
-GPT-NeoX's: two fine-tuners (`all`, and `lora` on any of `lora_targets`), no
-fused kernels, the tokenizer the snapshot's ([its page](tokenizer.html);
+GPT-NeoX's: two fine-tuners (`all`, and `lora` on any of `lora_targets`),
+its own [fused kernels](kernels.html) (RMSNorm, SwiGLU, rotary, the chunked
+loss), the tokenizer the snapshot's ([its page](tokenizer.html);
 random weights take the bundled GPT-NeoX one), and the exports' writers
 ([saving](hf_export.html), [LoRA](lora.html)).
 
@@ -28,7 +29,6 @@ random weights take the bundled GPT-NeoX one), and the exports' writers
   any rank starts.
 * Two fine-tuners, `all` and `lora`; GPT-NeoX's `biases` and `ffn` name
   GPT-NeoX's modules and are not offered here.
-* No fused kernels: `--kernels` is `auto` or `none`, both the plain model.
 * `export_hf` writes its export marker just after the checkpoint's rename: a
   crash between the two leaves a directory a later export refuses to replace.
 """
@@ -59,7 +59,7 @@ from labml_zero.llama.model import (DecoderLayer, build_layers, count_parameters
 from labml_zero.llama.tokenizer import TOKENIZER_FILE, checkpoint_tokenizer
 from labml_zero.neox.finetuners import FineTuneAll
 from labml_zero.neox.generate import Sampling, generate
-from labml_zero.neox.kernels import ModelKernels
+from labml_zero.llama.kernels import resolve_llama_kernels
 from labml_zero.neox.lora import ADAPTER_NAMES, LoRALinear, is_adapter
 from labml_zero.neox.lora_export import (EXPORT_MARKER, TrainableOnly,
                                          check_export_destination, export_bytes,
@@ -128,25 +128,19 @@ def finetuner(name: str, **options: Any) -> Any:
 # ## What the fine-tune job asks
 
 
-def resolve_kernels(spec: str, device: torch.device | str) -> ModelKernels:
-    """`auto` and `none` are both the plain model: the family has no fused
-    kernels (see Limitations); any name is refused in one line."""
-    if spec.strip() in ("auto", "none"):
-        return ModelKernels()
-    raise ValueError("the Llama family has no fused kernels: give auto or none")
-
-
 def assemble(build: TrainingBuild, recipe: Recipe, *, device: torch.device,
              init_param=None, load=None, probe=None) -> Assembled:
     """
     ### The sharded model: built on meta, then assembled
 
-    As GPT-NeoX's [build](../neox/build.html), without kernels; with
-    `compile`, each decoder layer's forward is compiled.
+    As GPT-NeoX's [build](../neox/build.html): the job's `--kernels` resolved
+    for the device ([the family's kernels](kernels.html): `auto` is every
+    fusion on CUDA, none elsewhere); with `compile`, each decoder layer's
+    forward is compiled.
     """
-    resolve_kernels(build.kernels, device)
     layers = build_layers(build.model, filter_layers=build.filter_layers,
-                          device="meta")
+                          device="meta",
+                          kernels=resolve_llama_kernels(build.kernels, device))
     compiled = (DecoderLayer,) if build.compile else ()
     return assemble_layers(layers, dataclasses.replace(recipe, compile_types=compiled),
                            device=device, init_param=init_param, load=load,
@@ -306,7 +300,7 @@ LLAMA = ModelFamily(
     save_hf=save_hf, save_merged=save_merged,
     save_adapter=save_llama_adapter, title="Llama",
     snapshot_config=llama_config_from_hf, finetuners=tuple(FINETUNERS),
-    resolve_kernels=resolve_kernels, assemble=assemble,
+    resolve_kernels=resolve_llama_kernels, assemble=assemble,
     init_parameter=init_parameter, load_sharded=load_sharded, hf_prefix=hf_prefix,
     tokenizer_file=tokenizer_file, snapshot_dtype=snapshot_dtype,
     export_hf=export_hf, export_adapter=export_adapter,
