@@ -194,8 +194,9 @@ class FinetuneConfig:
     """The model's [fused kernels](../neox/kernels.html): `auto` turns every
     fusion on with GPUs and none on CPU ([the model's
     build](../neox/build.html)); `none`; or names from `loss`, `rotary`,
-    `norms`, `bias_gelu`, comma-separated. The Llama family has none: `auto`
-    or `none`."""
+    `norms`, `bias_gelu`, comma-separated, for GPT-NeoX; the Llama family's
+    are [its own](../llama/kernels.html): `rms_norm`, `swiglu`, `rotary`,
+    `loss`."""
     cuda_graph: bool = False
     """Record the whole training step as one CUDA graph after two eager steps
     and replay it ([the step as one CUDA
