@@ -43,7 +43,8 @@ from torch import nn
 
 from labml_zero.zero3.trainable import TrainableCount, mark_trainable
 
-__all__ = ["ADAPTER_NAMES", "is_adapter", "LoRALinear", "init_adapter", "LoRA"]
+__all__ = ["ADAPTER_NAMES", "is_adapter", "LoRALinear", "init_adapter",
+           "load_base_weights", "LoRA"]
 
 # The adapter matrices' names, as PEFT has them, beside `weight` and `bias`.
 ADAPTER_NAMES = ("lora_A", "lora_B")
@@ -148,6 +149,27 @@ def init_adapter(name: str, param: torch.Tensor) -> None:
             param.zero_()
         else:
             raise ValueError(f"{name!r} is not an adapter parameter")
+
+
+def load_base_weights(layer, state: dict[str, torch.Tensor]) -> None:
+    """
+    ### A sharded layer's base weights, its adapters left as initialised
+
+    `layer` is a `Zero3Layer`, `state` its base tensors by name, read from a
+    checkpoint with shapes checked. Each rank copies only its slices, as
+    `Zero3Layer.load_sharded` does; the adapters are in no base checkpoint
+    and keep the values `init_param` gave them ($B = 0$), so the model loaded
+    is the checkpoint's model at step 0. Without adapters this is
+    `load_sharded` itself.
+    """
+    for chunk in layer.chunks:
+        for position, slot in enumerate(chunk.spec.slots):
+            name = layer.layout.params[slot.param_index].name
+            if is_adapter(name):
+                continue
+            if name not in state:
+                raise KeyError(f"no tensor for parameter {name!r} in the checkpoint")
+            chunk.load_param(position, state[name])
 
 
 # ## The fine-tuner

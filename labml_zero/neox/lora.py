@@ -40,6 +40,7 @@ from labml_zero.layers.lora import (  # noqa: F401
     LoRALinear,
     init_adapter,
     is_adapter,
+    load_base_weights,
 )
 from labml_zero.neox.model import TransformerLayer
 from labml_zero.zero3.memory_model import OPTIMIZER_BYTES, zero_model_states
@@ -97,22 +98,11 @@ def load_hf_layer(layer, checkpoint) -> None:
     ### Load a sharded layer's base weights from a Hugging Face checkpoint
 
     `layer` is a `Zero3Layer`, with or without adapters; `checkpoint` an
-    `HFCheckpoint` or a `NeoX20BCheckpoint` (anything with `layer_state_dict`).
-    Every parameter but the adapters is loaded, each rank copying only its
-    slices, as `Zero3Layer.load_sharded` does; the adapters keep the values
-    `init_param` gave them, so a model loaded this way is the checkpoint's model
-    at step 0. Without adapters it is `load_sharded` itself.
+    `HFCheckpoint` or a `NeoX20BCheckpoint` (anything with `layer_state_dict`),
+    read for the layer's twin without adapters (`base_layer`).
     """
     # [one layer] on the host, shapes checked before any tensor is read
-    state = checkpoint.layer_state_dict(base_layer(layer.module))
-    for chunk in layer.chunks:
-        for position, slot in enumerate(chunk.spec.slots):
-            name = layer.layout.params[slot.param_index].name
-            if is_adapter(name):
-                continue
-            if name not in state:
-                raise KeyError(f"no tensor for parameter {name!r} in the checkpoint")
-            chunk.load_param(position, state[name])
+    load_base_weights(layer, checkpoint.layer_state_dict(base_layer(layer.module)))
 
 
 # ## Memory
