@@ -130,7 +130,7 @@ def calculator_data() -> dict:
     from labml_zero.zero3 import memory_model
     from labml_zero.zero3.chunk_search import MEBI, ChunkSearchConfig
     from labml_zero.zero3.config import ZeroConfig
-    from labml_zero.zero3.state_layout import FP32_STATES, LAYOUTS
+    from labml_zero.zero3.state_layout import LAYOUTS
 
     search = ChunkSearchConfig()
     example = memory_budget.BudgetInputs()
@@ -149,7 +149,6 @@ def calculator_data() -> dict:
             name: {"bytes": layout.bytes_per_element(),
                    "master_bytes": layout.master.nbytes if layout.master else 0}
             for name, layout in LAYOUTS.items()},
-        "default_states": FP32_STATES.name,
         "staging_bytes": memory_model.STAGING_BYTES,
         "backward_extra_units": memory_model.BACKWARD_EXTRA_UNITS,
         "early_updates_in_flight": memory_model.EARLY_UPDATES_IN_FLIGHT,
@@ -231,7 +230,10 @@ def render(page: str) -> str:
         ("Precision", _select("param_dtype", f"parameters {_math('p', page)}", dtypes,
                               example["param_dtype"])
          + _select("reduce_dtype", f"reduction {_math('g_r', page)}", dtypes,
-                   example["reduce_dtype"])),
+                   example["reduce_dtype"])
+         + _select("states", f"optimizer states {_math('K', page)}",
+                   [(name, name) for name in data["state_layouts"]],
+                   example["states"])),
         ("What trains", _select("finetune", "fine-tuner",
                                 [(f, f) for f in data["finetuners"]],
                                 example["finetune"])

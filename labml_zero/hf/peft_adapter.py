@@ -105,7 +105,7 @@ def merged(tensors: Iterable[tuple[str, torch.Tensor]], lora: LoRA, *,
 
 
 def peft_name(hf_name: str) -> str:
-    """
+    r"""
     ## PEFT's name of an adapter matrix
 
     PEFT names each matrix after the module it adapts, under its wrapper's

@@ -71,6 +71,7 @@ from labml_zero.zero3.memory_model import (GRAD_BYTES, accumulated_grad_buffers,
 from labml_zero.zero3.placement import (ShardSpec, StaticPlacement,
                                         auto_placement, device_optimizer_bytes,
                                         offload_traffic, resident_bytes)
+from labml_zero.zero3.state_layout import state_layout
 from labml_zero.zero3.unit_chunks import choose_chunk_numel, param_specs
 
 __all__ = ["DTYPE_BYTES", "H200_BYTES", "BudgetInputs", "Budget", "budget"]
@@ -104,6 +105,10 @@ class BudgetInputs:
     """The chunk dtype: $p$ = 2 for `bf16`, `fp16`, 4 for `fp32`."""
     reduce_dtype: str = "fp32"
     """The dtype of the gradient buffers and the reduction, $g_r$."""
+    states: str = "fp32"
+    """The optimizer's [state layout](../zero3/state_layout.html), its $K$:
+    `fp32` (master and moments), `bf16-moments`, or `bf16-stochastic` (no
+    master, so nothing can be offloaded)."""
     finetune: str = "all"
     """What trains: `all`, `biases`, `ffn` or `lora`."""
     lora_rank: int = 8
@@ -139,6 +144,10 @@ class BudgetInputs:
     """The device memory the peak must fit in."""
 
     def __post_init__(self) -> None:
+        layout = state_layout(self.states)  # one line naming the choices
+        if layout.master is None and self.offload_fraction:
+            raise ValueError(f"offload_fraction must be 0 with states "
+                             f"{self.states!r}: no master, nothing to offload")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPE_BYTES:
                 raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, "
@@ -245,7 +254,8 @@ def budget(inputs: BudgetInputs) -> Budget:
     counts, layout = _layout(inputs)
     shards = [ShardSpec(layout.shard_numel(c), c.trainable) for c in layout.chunks]
     trainable = sum(s.numel for s in shards if s.trainable)
-    k_device = device_optimizer_bytes(p)
+    states = state_layout(inputs.states)
+    k_device = device_optimizer_bytes(p, states)
     gathered = gathered_memory(layout, inputs.prefetch_depth, p)
     replicas = inputs.world_size // inputs.group_size
     # One rank and an fp32 reduction: the gradients are cast straight into the
@@ -265,22 +275,25 @@ def budget(inputs: BudgetInputs) -> Budget:
         checkpointing=inputs.checkpointing, kernels=inputs.kernels).total
 
     # The peak less the optimizer state on the device, which offload moves.
-    nothing = resident_bytes(StaticPlacement().place(shards), shards, param_bytes=p)
+    nothing = resident_bytes(StaticPlacement().place(shards), shards, param_bytes=p,
+                             states=states)
     grads = GRAD_BYTES * trainable
     without_optimizer = nothing.device - k_device * trainable
     backward = (without_optimizer - grads + gathered + activations
                 + max(buffer, accumulation) + early)
     other = backward if inputs.update_during_backward else max(without_optimizer,
                                                                 backward)
-    if inputs.offload_fraction is None and other <= inputs.device_bytes:
+    if states.master is None:
+        placement = StaticPlacement().place(shards)  # no master: all resident
+    elif inputs.offload_fraction is None and other <= inputs.device_bytes:
         placement = auto_placement(shards, device_capacity=inputs.device_bytes,
                                    measured_peak_other=other,
-                                   param_bytes=p).placement
+                                   param_bytes=p, states=states).placement
     else:
         # a fixed fraction; or, when even all of it offloaded does not fit, all
         fraction = 1.0 if inputs.offload_fraction is None else inputs.offload_fraction
         placement = StaticPlacement(fraction).place(shards)
-    split = resident_bytes(placement, shards, param_bytes=p)
+    split = resident_bytes(placement, shards, param_bytes=p, states=states)
     offloaded = sum(shards[i].numel for i in placement.optimizer_on_host)
     peak = other + k_device * (trainable - offloaded)
     traffic = offload_traffic(placement, shards, param_bytes=p)

@@ -51,15 +51,21 @@ def grid_inputs(count: int = 224) -> list[BudgetInputs]:
         # all four projections, two of them, or the attention output alone
         targets = (("query_key_value", "dense_4h_to_h"), ("dense",))[i % 5] \
             if i % 5 < 2 else tuple(TARGETS)
+        # every state layout; the one without a master offloads nothing
+        states = ("fp32", "bf16-moments", "bf16-stochastic")[(i // 11) % 3]
+        offload = OFFLOADS[(i // 6) % 4]
+        if states == "bf16-stochastic" and offload:
+            offload = 0.0
         cases.append(BudgetInputs(
             model=model, world_size=world, shard_group_size=group,
-            param_dtype=param_dtype, reduce_dtype=reduce_dtype, finetune=finetune,
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, states=states,
+            finetune=finetune,
             lora_rank=(4, 8, 16, 64)[i % 4], lora_targets=targets,
             chunk_numel=CHUNKS[i % len(CHUNKS)], prefetch_depth=(0, 1, 2)[i % 3],
             checkpointing=i % 2 == 1, batch=(1, 2, 4, 8)[(i // 5) % 4],
             seq=(128, 512, 2048)[(i // 4) % 3], micro_batches=(1, 1, 4)[i % 3],
             update_during_backward=i % 4 == 3, kernels=KERNELS[(i // 2) % 3],
-            offload_fraction=OFFLOADS[(i // 6) % 4],
+            offload_fraction=offload,
             device_bytes=(80 * GIB, 150_109_880_320)[i % 2]))
     return cases + list(ENGINE_CASES)
 

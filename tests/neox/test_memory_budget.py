@@ -174,3 +174,30 @@ def test_early_updates_add_q_of_the_largest_gradient_shards():
         backward = (early.device_states - early.grad_shards + early.gathered
                     + early.activations + early.grad_buffer)
         assert early.peak == backward + early.early_grads
+
+
+def test_the_state_layout_sets_k_on_the_device_and_the_host():
+    """Each layout's $K$ scales the optimizer's bytes, on the device and, where
+    offloaded, on the host; the layout without a master offloads nothing."""
+    from labml_zero.zero3.state_layout import LAYOUTS
+
+    def run(states, offload):
+        return budget(BudgetInputs(states=states, offload_fraction=offload))
+
+    for offload in (0.0, 0.5):
+        base = run("fp32", offload)
+        for name in ("bf16-moments",):
+            other = run(name, offload)
+            ratio = LAYOUTS[name].bytes_per_element() / LAYOUTS["fp32"].bytes_per_element()
+            assert other.optimizer_device == base.optimizer_device * ratio
+            assert other.peak - base.peak == other.optimizer_device - base.optimizer_device
+            assert other.offloaded_fraction == base.offloaded_fraction
+    fitted = run("bf16-stochastic", None)
+    assert fitted.offloaded_fraction == 0.0 and fitted.optimizer_host == 0
+    assert fitted.optimizer_device == (LAYOUTS["bf16-stochastic"].bytes_per_element()
+                                       * fitted.grad_shards // 4)
+    with pytest.raises(ValueError, match="offload_fraction must be 0 with states "
+                                         "'bf16-stochastic'"):
+        BudgetInputs(states="bf16-stochastic", offload_fraction=0.5)
+    with pytest.raises(ValueError, match="states must be one of fp32"):
+        BudgetInputs(states="int8")
