@@ -60,11 +60,14 @@ from labml_zero.llama.tokenizer import TOKENIZER_FILE, checkpoint_tokenizer
 from labml_zero.neox.finetuners import FineTuneAll
 from labml_zero.neox.generate import Sampling, generate
 from labml_zero.llama.kernels import resolve_llama_kernels
-from labml_zero.neox.lora import ADAPTER_NAMES, LoRALinear, is_adapter
-from labml_zero.neox.lora_export import (EXPORT_MARKER, TrainableOnly,
-                                         check_export_destination, export_bytes,
-                                         marker_text, merged, peft_adapter_config,
-                                         peft_name, write_adapter_dir)
+from labml_zero.layers.lora import (ADAPTER_NAMES, LoRALinear,
+                                   load_base_weights)
+from labml_zero.hf.export_destination import (check_export_destination,
+                                              export_bytes, marker_text)
+from labml_zero.hf.peft_adapter import (merged, peft_adapter_config, peft_name,
+                                        write_adapter_dir)
+from labml_zero.hf.snapshot_layout import EXPORT_MARKER
+from labml_zero.neox.lora_export import TrainableOnly
 from labml_zero.neox.side_files import snapshot_dtype
 from labml_zero.neox.tokenizer import (BUNDLED_TOKENIZER, end_of_text_id,
                                        load_tokenizer, vocab_size)
@@ -178,13 +181,7 @@ def load_sharded(checkpoint: LlamaCheckpoint, layer) -> None:
     model at step 0 is the snapshot's.
     """
     # [one layer] on the host, shapes checked before any tensor is read
-    state = checkpoint.layer_state_dict(base_layer(layer.module))
-    for chunk in layer.chunks:
-        for position, slot in enumerate(chunk.spec.slots):
-            name = layer.layout.params[slot.param_index].name
-            if is_adapter(name):
-                continue
-            chunk.load_param(position, state[name])
+    load_base_weights(layer, checkpoint.layer_state_dict(base_layer(layer.module)))
 
 
 def tokenizer_file(path: str | os.PathLike | None) -> Path:
