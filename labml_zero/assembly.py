@@ -116,6 +116,9 @@ class Recipe:
     update has consumed it (`AdamFP16(free_grads=True)`), so the $4\Psi_t/N_d$
     bytes of them never exist at once; `'auto'`'s probe frees them the same way,
     so the measured peak, and the placement, know it."""
+    states: str = "fp32"
+    """The optimizer's [state layout](zero3/state_layout.html) by name
+    (`AdamFP16(states=...)`)."""
     seed: int | None = None
     """Seed the initialisation with this (inside a forked RNG, so the caller's
     random state is untouched); `None`: use the current random state."""
@@ -214,7 +217,7 @@ def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=recipe.lr,
                          weight_decay=recipe.weight_decay, offload=offload,
                          update_during_backward=recipe.update_during_backward,
-                         free_grads=recipe.free_grads)
+                         free_grads=recipe.free_grads, states=recipe.states)
 
     # 6. **wire** the optimizer's gradient-ready callback to the runtime: as each
     # chunk is reduced, an offloaded gradient starts its copy to the host and

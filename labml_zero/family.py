@@ -24,7 +24,9 @@ layer keeps for its backward.
 `ModelFamily` holds functions, not a base class to override: each family
 package (`neox/family.py`, `llama/family.py`) builds one instance from its own
 functions, and [the registry](families.html) lists them. This page imports
-only torch, so both families, and the registry above them, can import it.
+torch and [the assembly](assembly.html) (what a family's build returns), both
+below the model packages, so both families, and the registry above them, can
+import it.
 
 ## Limitations
 

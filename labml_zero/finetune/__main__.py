@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     # the job's configuration picks the same family again (`FinetuneConfig.family`)
-    return job_main(argv)
+    return job_main(argv, prog=PROG)
 
 
 if __name__ == "__main__":

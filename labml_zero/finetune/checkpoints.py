@@ -62,7 +62,7 @@ __all__ = ["SETTINGS", "saved_settings", "override_settings", "resume_settings",
 
 # The hyperparameters a checkpoint keeps and a flag on `--resume` overrides.
 SETTINGS = ("lr", "weight_decay", "clip_grad", "lr_schedule", "warmup_steps",
-            "min_lr", "steps", "epochs")
+            "min_lr", "steps", "epochs", "optimizer_states")
 LENGTH = ("steps", "epochs")
 
 

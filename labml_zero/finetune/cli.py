@@ -223,8 +223,8 @@ def add_field_flags(parser: Parser) -> None:
         target.add_argument("--" + f.name.replace("_", "-"), **options)
 
 
-def make_parser() -> Parser:
-    p = Parser(prog=PROG, description="Fine-tune GPT-NeoX with ZeRO-3 "
+def make_parser(prog: str = PROG) -> Parser:
+    p = Parser(prog=prog, description="Fine-tune a GPT-NeoX or Llama-family model with ZeRO-3 "
                "(labml_zero). With no arguments: the tiny model, random weights, "
                "Tiny Shakespeare, a few minutes on a laptop CPU.")
     add_field_flags(p)
@@ -319,11 +319,11 @@ def check_before_start(config: FinetuneConfig, parser: Parser, *,
     except (PreflightError, FileNotFoundError) as e:
         parser.error(str(e))
     except KeyboardInterrupt as e:  # launch.Interrupted: SIGINT, SIGTERM or SIGHUP
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
         sys.exit(getattr(e, "exit_status", 130))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     """
     ## Parse, check, launch; returns the exit status
 
@@ -332,9 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     one line saying which rank failed and why; the exit status is 1. SIGINT,
     SIGTERM or SIGHUP prints `interrupted` and exits with the shell's status for
     that signal. Under torchrun, each rank prints its own traceback and cause,
-    and torchrun ends the others.
+    and torchrun ends the others. Every line names `prog`, the command the user
+    ran.
     """
-    parser = make_parser()
+    parser = make_parser(prog)
     config, world_size = parse_config(argv, parser)
     backend = launch.default_backend()
     if config.offload_optimizer == "auto" and backend != "nccl":
@@ -373,14 +374,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         before = [text for text in (e.traceback.strip(), *e.others) if text]
         if before:
             print(*before, sep="\n", file=sys.stderr)
-        print(f"{PROG}: error: {failure_line(e)}", file=sys.stderr)
+        print(f"{prog}: error: {failure_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # launch.Interrupted: SIGINT, SIGTERM or SIGHUP
-        print(f"{PROG}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return getattr(e, "exit_status", 130)
     except Exception as e:  # the parent's own failure (e.g. the spawn itself)
         traceback.print_exc()
-        print(f"{PROG}: error: {failure_line(e)}", file=sys.stderr)
+        print(f"{prog}: error: {failure_line(e)}", file=sys.stderr)
         return 1
     return 0
 

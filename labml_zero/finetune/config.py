@@ -40,6 +40,7 @@ from labml_zero.families import (FAMILIES, family_for_model_type,
                                  family_for_preset)
 from labml_zero.family import ModelFamily
 from labml_zero.finetune.lr_schedule import SCHEDULES, LRSchedule
+from labml_zero.zero3.state_layout import LAYOUTS as STATE_LAYOUTS
 
 __all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "FAMILY",
            "MODEL_PRESETS", "DTYPES", "FINETUNERS", "snapshot_model_type"]
@@ -184,6 +185,13 @@ class FinetuneConfig:
     offload_params: float = field(default=0.0, metadata=flag(metavar="FRACTION"))
     """Fraction of the parameter shards (all chunks, from the output end) kept in
     host memory and copied up at each gather; needs `offload_optimizer=1`."""
+    optimizer_states: str = field(default="fp32",
+                                  metadata=flag(choices=tuple(STATE_LAYOUTS)))
+    """The optimizer's [state layout](../zero3/state_layout.html): `fp32` (an
+    fp32 master and fp32 moments), `bf16-moments` (the moments in bf16), or
+    `bf16-stochastic` (no master: the bf16 parameters updated with stochastic
+    rounding, bf16 moments; nothing offloaded, no fp16). A `--resume` from a
+    checkpoint of another layout converts its states once and says so."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass."""
     compile: bool = False
@@ -311,6 +319,17 @@ class FinetuneConfig:
         if not 0.0 <= self.offload_params <= 1.0:  # NaN fails too
             raise ValueError(f"offload_params must be in [0, 1], got "
                              f"{self.offload_params}")
+        if self.optimizer_states not in STATE_LAYOUTS:
+            raise ValueError(f"unknown optimizer_states {self.optimizer_states!r}; "
+                             f"expected one of {', '.join(STATE_LAYOUTS)}")
+        layout = STATE_LAYOUTS[self.optimizer_states]
+        if layout.master is None and self.offload_optimizer != 0:
+            raise ValueError(f"--optimizer-states {self.optimizer_states} keeps no "
+                             f"master for the host to update: --offload-optimizer "
+                             f"must be 0, got {self.offload_optimizer!r}")
+        if layout.master is None and self.dtype == "fp16":
+            raise ValueError(f"--optimizer-states {self.optimizer_states} rounds "
+                             f"into bf16 or fp32 parameters, not --dtype fp16")
         if self.offload_params > 0 and self.offload_optimizer != 1:
             raise ValueError("offload_params needs offload_optimizer=1 (a shard in "
                              "host memory is updated there)")

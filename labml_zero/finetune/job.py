@@ -164,7 +164,7 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
         # updates overlap the backward pass unless clipping or unscaling
         # changes the gradients after it
         update_during_backward=config.clip_grad is None and not scaled,
-        seed=config.seed)
+        states=config.optimizer_states, seed=config.seed)
     if config.checkpoint is None:
         # Random weights, drawn one chunk at a time into the chunk's buffer.
         init, load = family.init_parameter(model), None

@@ -47,7 +47,8 @@ from labml_zero.launch import ranks_text
 from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
                                          check_resumable, sequential_shapes)
 from labml_zero.zero3.checkpoint.pruning import checkpoint_dirs
-from labml_zero.zero3.memory_model import OPTIMIZER_BYTES
+from labml_zero.zero3.placement import device_optimizer_bytes
+from labml_zero.zero3.state_layout import FP32_STATES, StateLayout, state_layout
 from labml_zero.zero3.sharded_model import shared_parameters
 
 __all__ = ["PreflightError", "Preflight", "preflight", "check_writable_dir",
@@ -99,17 +100,19 @@ def check_writable_dir(path: str | os.PathLike, what: str) -> Path:
     return directory
 
 
-def checkpoint_bytes(layers: list[nn.Module], dtype: torch.dtype) -> int:
+def checkpoint_bytes(layers: list[nn.Module], dtype: torch.dtype,
+                     states: StateLayout = FP32_STATES) -> int:
     r"""
     ### Bytes of one checkpoint, over all ranks
 
     $p\Psi + K\Psi_t$: every parameter shard in the chunk dtype ($p$ bytes),
-    and for trainable ones the fp32 master and two moments ($K$ is the memory
-    model's `OPTIMIZER_BYTES`, less the master when the fp32 shard is its own).
+    and for trainable ones the optimizer's states ($K$ bytes an element, those of
+    the run's [state layout](../zero3/state_layout.html), less the master when
+    the fp32 shard is its own: placement's `device_optimizer_bytes`).
     `layers` are marked by the fine-tuner.
     """
     p = dtype.itemsize
-    k = OPTIMIZER_BYTES - 4 if p == 4 else OPTIMIZER_BYTES
+    k = device_optimizer_bytes(p, states)
     total = trainable = 0
     for param in (q for layer in layers for q in layer.parameters()):
         total += param.numel()
@@ -155,7 +158,7 @@ def check_checkpoint_room(config, layers: list[nn.Module], dtype: torch.dtype, *
     existing = len(checkpoint_dirs(out / "checkpoints"))
     saves = saves_at_peak(config, first_step=first_step, total_steps=total_steps,
                           existing=existing)
-    one = checkpoint_bytes(layers, dtype)
+    one = checkpoint_bytes(layers, dtype, state_layout(config.optimizer_states))
     free = shutil.disk_usage(out).free
     if free < saves * one:
         kept = (f"--keep-checkpoints {config.keep_checkpoints}"
@@ -266,7 +269,8 @@ def check_host_memory(config, layers: list[nn.Module], *, world_size: int,
     available = available_host_bytes()
     if available is None:
         return
-    states = checkpoint_bytes(layers, config.torch_dtype(device))
+    layout = state_layout(config.optimizer_states)
+    states = checkpoint_bytes(layers, config.torch_dtype(device), layout)
     trainable = sum(q.numel() for layer in layers for q in layer.parameters()
                     if q.requires_grad)
     if device.type == "cpu":
@@ -274,7 +278,7 @@ def check_host_memory(config, layers: list[nn.Module], *, world_size: int,
     else:
         offload = config.offload_optimizer
         held = (offload if isinstance(offload, float) else 0.0) * \
-            OPTIMIZER_BYTES * trainable
+            layout.bytes_per_element() * trainable
     rank = RANK_BASE_BYTES + held / world_size
     need = ranks_here * rank
     if need > available:

@@ -91,3 +91,14 @@ def test_the_module_runs(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert run.returncode == 2 and "model_type 'gpt2'" in run.stderr
     assert run.stdout == "" and run.stderr.count("\n") == 1
+
+
+def test_the_jobs_lines_name_the_command_the_user_ran(capsys):
+    """The job's own refusals (here a bad `--lr`, found by its parser) start
+    with `python -m labml_zero.finetune`, not the GPT-NeoX entry point's name."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["--lr", "-1"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["python -m labml_zero.finetune: error: --lr: lr must be > 0, "
+                   "got -1.0 (see --help)"]

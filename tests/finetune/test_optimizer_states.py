@@ -1,0 +1,58 @@
+"""`--optimizer-states` in the job: each state layout trains, is refused in
+one line where it cannot apply, is kept by a `--resume` that does not name it,
+and converts once, saying so, when a resume names another."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from labml_zero.finetune.config import FinetuneConfig
+from tests.test_finetune import check_ok, finetune, run_dirs, tracked
+
+RUN = ["--steps", "4", "--checkpoint-every", "2", "--sample-tokens", "0"]
+
+
+def test_a_layout_that_cannot_apply_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="bf16-stochastic keeps no master.*"
+                                         "--offload-optimizer must be 0"):
+        FinetuneConfig(optimizer_states="bf16-stochastic", offload_optimizer=0.5)
+    with pytest.raises(ValueError, match="not --dtype fp16"):
+        FinetuneConfig(optimizer_states="bf16-stochastic", dtype="fp16")
+    with pytest.raises(ValueError, match="unknown optimizer_states 'int8'; "
+                                         "expected one of fp32, bf16-moments"):
+        FinetuneConfig(optimizer_states="int8")
+
+
+def losses(tmp) -> dict[int, float]:
+    return tracked(run_dirs(tmp)[0])["loss.train"]
+
+
+def test_each_layout_trains_and_a_resume_keeps_or_converts_it(tmp_path):
+    moments = tmp_path / "moments"
+    check_ok(finetune(moments, *RUN, "--optimizer-states", "bf16-moments"))
+    trained = losses(moments)
+    assert sorted(trained) == [1, 2, 3, 4]
+    assert all(math.isfinite(v) for v in trained.values())
+    assert trained[4] < trained[1]
+    saved = moments / "out" / "checkpoints" / "step-000002"
+
+    # no flag: the saved layout, nothing converted, the same losses
+    kept = finetune(tmp_path / "kept", *RUN, "--resume", str(saved))
+    check_ok(kept)
+    assert "converted" not in kept.stderr
+    again = losses(tmp_path / "kept")
+    assert {s: again[s] for s in (3, 4)} == {s: trained[s] for s in (3, 4)}
+
+    # another layout named: converted once, in one line, and it trains on
+    changed = finetune(tmp_path / "changed", *RUN, "--resume", str(saved),
+                       "--optimizer-states", "fp32")
+    check_ok(changed)
+    lines = [line for line in changed.stderr.splitlines() if "converted" in line]
+    assert len(lines) == 1 and "'bf16-moments'" in lines[0] and "'fp32'" in lines[0]
+    assert "optimizer_states bf16-moments → fp32" in changed.stdout + changed.stderr
+
+    stochastic = tmp_path / "stochastic"
+    check_ok(finetune(stochastic, *RUN, "--optimizer-states", "bf16-stochastic"))
+    assert losses(stochastic)[4] < losses(stochastic)[1]
