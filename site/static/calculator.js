@@ -389,6 +389,11 @@
     const f = inputs.offload_fraction;
     if (f != null && !(f >= 0 && f <= 1))
       fail(`must be between 0 and 1, got ${f}`, "offload_fraction");
+    if (!(inputs.states in data.state_layouts))
+      fail(`must be one of ${Object.keys(data.state_layouts).join(", ")}`, "states");
+    if (data.state_layouts[inputs.states].master_bytes === 0 && f)
+      fail(`must be 0 with states ${inputs.states}: no master, nothing to offload`,
+           "offload_fraction");
     if (!data.finetuners.includes(inputs.finetune))
       fail(`must be one of ${data.finetuners.join(", ")}`, "finetune");
     if (inputs.finetune === "lora" && !inputs.lora_targets.length)
@@ -417,7 +422,7 @@
     const all = sum(shards.map(s => s.numel));
     // K of the optimizer's state layout; K_d less the master where the shard
     // (fp32, as many bytes as the master) is its own master
-    const states = data.state_layouts[data.default_states];
+    const states = data.state_layouts[inputs.states];
     const kDevice = p === states.master_bytes ? states.bytes - states.master_bytes
       : states.bytes;
     const sizes = groupNumels(layout);
@@ -444,7 +449,9 @@
     const trainablePositions = [];
     shards.forEach((s, i) => { if (s.trainable) trainablePositions.push(i); });
     let onHost;
-    if (inputs.offload_fraction == null && other <= inputs.device_bytes) {
+    if (states.master_bytes === 0) {
+      onHost = new Set();  // no master: every state stays on the device
+    } else if (inputs.offload_fraction == null && other <= inputs.device_bytes) {
       onHost = autoPlacement(shards, inputs.device_bytes, other, kDevice);
     } else {
       const fraction = inputs.offload_fraction == null ? 1 : inputs.offload_fraction;

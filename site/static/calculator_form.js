@@ -8,7 +8,7 @@
   // fragment holds the same names, so a result can be linked.
   const GIB = 2 ** 30;
   const FIELDS = ["preset", "n_layers", "d_model", "n_heads", "n_vocab", "world_size",
-                  "shard_group_size", "param_dtype", "reduce_dtype", "finetune", "lora_rank",
+                  "shard_group_size", "param_dtype", "reduce_dtype", "states", "finetune", "lora_rank",
                   "lora_targets", "chunk_numel", "prefetch_depth", "checkpointing", "batch",
                   "seq", "micro_batches", "update_during_backward", "offload", "offload_fraction", "device_gib"];
 
@@ -25,6 +25,7 @@
     return {
       model, world_size: integer("world_size"), shard_group_size: integer("shard_group_size", null),
       param_dtype: value("param_dtype"), reduce_dtype: value("reduce_dtype"),
+      states: value("states"),
       finetune: value("finetune"), lora_rank: integer("lora_rank"), lora_targets: targets,
       chunk_numel: integer("chunk_numel", null), prefetch_depth: integer("prefetch_depth"),
       checkpointing: control(form, "checkpointing").checked, batch: integer("batch"),
