@@ -15,55 +15,8 @@ tokens is a file of $2N$ or $4N$ bytes with no header, so
 
 $$\text{token}_i = \text{file}[\,i \cdot s : (i + 1) \cdot s\,], \qquad s \in \{2, 4\}$$
 
-and any sample is one slice of it. It is built like this:
-
-1. the [corpus](corpus.html) is read as documents, in pieces;
-2. pieces are gathered into batches of about `BATCH_BYTES` and tokenised with
-   the `tokenizers` batch API (`encode_batch`), which spreads a batch over all
-   cores in Rust;
-3. after each document's last piece comes the tokenizer's end-of-text token, so
-   the packed samples (see [the dataset](dataset.html)) know where one document
-   ends and the next begins;
-4. the ids are appended to a temporary file, renamed into place when complete.
-
-The file is cached beside the data, as `.<name>.<path id>.<key>.tokens.u16`,
-hidden so a directory corpus never reads it back as text; where the data's
-directory is not writable, in `~/.cache/labml_zero/tokens/`. Its key hashes
-each file's content, so a stale cache is never read, and the second run finds
-the file and starts at once. It is decided once (see Note: deciding once):
-
-* **spawn**: the launcher decides before any rank starts and hands the
-  decision, a `TokenCache`, to the ranks;
-* **torchrun**: every process is a launcher, so each decides; a lock beside
-  the cache lets one of a host's processes build it while the others wait,
-  then find it built (see Note: one builder per host).
-
-## Note: why a memory map
-
-`np.memmap` maps the file into the process's address space without reading it:
-a page (4 KiB) is read from disk when a sample first touches it, and the kernel
-may drop it again when memory is short, since it can always be read back. So
-each rank holds only the pages of the samples it reads, the loader's resident
-memory does not grow with the corpus, ranks on one host share the page cache
-(one copy of a hot page for all of them), and opening a corpus larger than
-memory costs nothing.
-
-A file written by another tool (nanoGPT's train.bin, say) is used as it is:
-`.u16`, `.uint16` and `.bin` are read as `uint16`, `.u32` and `.uint32` as
-`uint32`. Its size must be a whole number of tokens, every id below the
-vocabulary size, and its width plausible (see Note: a token file of the wrong
-width); all are checked before any rank starts.
-
-## Limitations
-
-* The lock is `flock(2)`: one builder per host. Hosts that share the cache's
-  filesystem each build it unless that filesystem carries `flock` between
-  hosts (Linux's NFS client does, as a whole-file lock; others may not); the
-  atomic rename keeps that safe, not cheap. Build it first with
-  `prepare_token_file` for a large corpus on several hosts.
-* POSIX only, as `fcntl` is.
-* The room check is a bound (see `check_room`); a disk that fills while the
-  file is written still stops the build in one line, leaving no file.
+and any sample is one slice of it. The file is built once per corpus and
+tokenizer, cached beside the data, and read memory-mapped by every rank.
 """
 
 from __future__ import annotations
@@ -91,7 +44,10 @@ __all__ = ["TOKEN_DTYPES", "is_token_file", "open_token_file", "cache_path",
            "TokenCache", "FileStamp", "prepare_token_file", "open_cache",
            "vocab_size"]
 
-# Suffix → dtype of a pre-tokenised file.
+# Suffix → dtype of a pre-tokenised file. A file written by another tool
+# (nanoGPT's train.bin, say) is used as it is; its size must be a whole number
+# of tokens, every id below the vocabulary size, and its width plausible (see
+# Note: a token file of the wrong width), all checked before any rank starts.
 TOKEN_DTYPES = {".u16": np.uint16, ".uint16": np.uint16, ".bin": np.uint16,
                 ".u32": np.uint32, ".uint32": np.uint32}
 # Text per `encode_batch` call: enough pieces to keep every core busy.
@@ -129,6 +85,16 @@ def open_token_file(path: str | os.PathLike, *, vocab: int,
     Refuses a file that is empty, not a whole number of tokens, or (with
     `check_ids`) holds an id of at least `vocab` or looks twice as wide; the
     scan reads the file once, in blocks of `SCAN_TOKENS` ids.
+
+    #### Note: why a memory map
+
+    `np.memmap` maps the file into the process's address space without reading
+    it: a page (4 KiB) is read from disk when a sample first touches it, and the
+    kernel may drop it again when memory is short, since it can always be read
+    back. So each rank holds only the pages of the samples it reads, the
+    loader's resident memory does not grow with the corpus, ranks on one host
+    share the page cache (one copy of a hot page for all of them), and opening a
+    corpus larger than memory costs nothing.
 
     #### Note: a token file of the wrong width
 
@@ -238,7 +204,14 @@ def cache_prefix(data: Path) -> str:
 
 
 def cache_path(data: str | os.PathLike, key: str, dtype: type) -> Path:
-    """`.<name>.<path id>.<key>.tokens.u16` beside `data`, or in `DEFAULT_CACHE`."""
+    """
+    #### `.<name>.<path id>.<key>.tokens.u16` beside `data`, or in `DEFAULT_CACHE`
+
+    Hidden, so a directory corpus never reads it back as text; in
+    `~/.cache/labml_zero/tokens/` where the data's directory is not writable.
+    The key hashes each file's content, so a stale cache is never read, and the
+    second run finds the file and starts at once.
+    """
     data = Path(data).resolve()
     suffix = ".u16" if dtype == np.uint16 else ".u32"
     return cache_dir(data) / f"{cache_prefix(data)}{key}.tokens{suffix}"
@@ -286,6 +259,8 @@ def check_room(data: str | os.PathLike, sources: list[Source], path: Path,
     Lines line more: its braces and quotes), so a corpus of $b$ bytes in $f$
     files is at most $(b + f)$ tokens, $(b + f)\,s$ bytes. That bound is about
     four times the usual size of English text, so the check is cautious.
+    It is a bound only: a disk that fills while the file is written still
+    stops the build in one line, leaving no file.
     """
     need = (sum(uncompressed_bytes(s) for s in sources) + len(sources)) * itemsize
     free = shutil.disk_usage(path.parent).free
@@ -367,6 +342,14 @@ def build_token_file(sources: list[Source], tokenizer: Tokenizer, path: Path, *,
     """
     ### Tokenise `sources` into the token file at `path`; returns its length
 
+    1. the [corpus](corpus.html) is read as documents, in pieces;
+    2. pieces are gathered into batches of about `BATCH_BYTES` and tokenised
+       with `encode_batch`, which spreads a batch over all cores in Rust;
+    3. after each document's last piece comes the end-of-text token, so the
+       packed samples (see [the dataset](dataset.html)) know where one
+       document ends and the next begins;
+    4. the ids are appended to a temporary file, renamed when complete.
+
     Written to a temporary sibling and renamed when complete, so an interrupted
     or refused build (a `DataError`, an `Interrupted` signal, a full disk)
     leaves no file that a later run would trust, nor any other.
@@ -406,6 +389,11 @@ def build_token_file(sources: list[Source], tokenizer: Tokenizer, path: Path, *,
 
 
 # ## Deciding once
+#
+# Under spawn the launcher decides before any rank starts and hands the
+# decision, a `TokenCache`, to the ranks. Under torchrun every process is a
+# launcher, so each decides; a lock beside the cache lets one of a host's
+# processes build it while the others wait, then find it built.
 
 
 def lock_path(data: str | os.PathLike) -> Path:
@@ -420,6 +408,13 @@ def build_lock(data: str | os.PathLike) -> Iterator[None]:
     ### Hold `data`'s build lock: one builder per host
 
     #### Note: one builder per host
+
+    Limitations: `flock(2)` is one builder per host. Hosts that share the
+    cache's filesystem each build it unless that filesystem carries `flock`
+    between hosts (Linux's NFS client does, as a whole-file lock; others may
+    not); the atomic rename keeps that safe, not cheap. Build it first with
+    `prepare_token_file` for a large corpus on several hosts. POSIX only, as
+    `fcntl` is.
 
     Under torchrun every process runs the launcher's checks, so every process
     of a host may find the token file missing at once. Each takes an exclusive
