@@ -13,7 +13,8 @@ A chunk knows *how* to gather, release and reduce (explained in
 PyTorch calls around each wrapped layer, a unit.
 
 At most $1 + D$ units ($D$ the {{see: prefetch depth}}) are gathered at a time
-in either pass, besides the root unit, gathered for the whole step (see Note:
+in either pass, besides the root unit and the held units, gathered for the
+whole step (see Note:
 release before the next gather). The runtime below lists the step hook by hook;
 each hook is explained beside its code.
 """
@@ -59,12 +60,18 @@ class Unit:
     * `module`: the layer, or `None` for the root unit, which holds the parameters of
       no wrapped layer and stays gathered for the whole step.
     * `chunks`: its chunks in execution order.
+    * `held`: the unit owns a parameter a later unit reads too, so it stays
+      gathered from its pre-forward hook to the end of the backward pass, as
+      the root unit does (see Note: a parameter of two layers, in
+      [sharding a model](sharded_model.html)); its chunks count as gathered
+      for the whole step.
     * `expects_backward`: whether a pre-backward hook is registered in this step.
     """
 
     index: int
     module: nn.Module | None
     chunks: list[Chunk]
+    held: bool = False
     expects_backward: bool = False
     handles: list = field(default_factory=list)
 
@@ -187,8 +194,10 @@ class Zero3Runtime:
 
     ### Registration
 
-    def add_unit(self, module: nn.Module | None, chunks: list[Chunk]) -> Unit:
-        unit = Unit(len(self.units) if module is not None else -1, module, chunks)
+    def add_unit(self, module: nn.Module | None, chunks: list[Chunk], *,
+                 held: bool = False) -> Unit:
+        unit = Unit(len(self.units) if module is not None else -1, module, chunks,
+                    held=held)
         if module is None:
             self.root = unit
         else:
@@ -295,7 +304,7 @@ class Zero3Runtime:
         ### 2. Post-forward: release, and hook the output
 
         Releases the chunks (unless `reshard_after_forward` is off and a backward
-        will follow). If the output needs a gradient, `before_backward_of` calls
+        will follow, or the unit is held). If the output needs a gradient, `before_backward_of` calls
         the pre-backward hook (3) when the backward pass reaches this unit, and
         `expects_backward` remembers it, so that the backward prefetches only
         units that will run a backward: a frozen embedding at the bottom is never
@@ -304,7 +313,9 @@ class Zero3Runtime:
         def hook(module, args, kwargs, output):
             if self.phase is Phase.BACKWARD:
                 return None
-            if self.reshard_after_forward or not torch.is_grad_enabled():
+            # a held unit is released with the rest at the end of the step
+            if not unit.held and (self.reshard_after_forward
+                                  or not torch.is_grad_enabled()):
                 unit.release()
             outputs = needing_grad(output) if torch.is_grad_enabled() else []
             unit.expects_backward = bool(outputs)
@@ -410,9 +421,10 @@ class Zero3Runtime:
         ### 5. Post-backward: release
 
         Called when the gradients of the unit's inputs are computed: its
-        backward is done, its gathered chunks can go.
+        backward is done, its gathered chunks can go, unless the unit is held
+        (the end of backward releases it).
         """
-        if self.phase is Phase.BACKWARD:
+        if self.phase is Phase.BACKWARD and not unit.held:
             unit.release()
 
     def _end_backward(self) -> None:

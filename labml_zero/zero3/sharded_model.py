@@ -47,6 +47,12 @@ from .unit_chunks import (build_chunks, chain_layouts, choose_chunk_numel,
                           move_buffers, one_chunk_per_kind, param_specs)
 
 
+def set_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Register `param` as `module`'s parameter `name` (a dotted path)."""
+    owner_name, _, leaf = name.rpartition(".")
+    setattr(module.get_submodule(owner_name), leaf, param)
+
+
 def check_rank(rank: int, world_size: int, comm: Communicator) -> None:
     """labml-nn's `rank, world_size` must agree with the process group, which
     decides the slices each rank keeps."""
@@ -95,6 +101,11 @@ class Zero3Layer(nn.Module):
     * `transports`: the [transports](transport.html) to share with other
       layers (`zero3_layers` gives all its layers one), else made from `comm`
       (or a communicator of its own) and `config`.
+    * `borrowed`: `{name: parameter}` of an earlier layer that this one reads
+      too (a tied readout's weight); registered on `module` under `name`, not
+      laid out in this layer's chunks (see Note: a parameter of two layers).
+    * `held`: this layer owns such a parameter, so its chunks stay gathered
+      from its forward to the end of the backward pass.
 
     ### Sharding a layer
 
@@ -143,6 +154,8 @@ class Zero3Layer(nn.Module):
         comm: Communicator | None = None,
         transports: Transports | None = None,
         name_prefix: str = "",
+        borrowed: dict[str, nn.Parameter] | None = None,
+        held: bool = False,
     ):
         super().__init__()
         device = torch.device(device)
@@ -157,7 +170,15 @@ class Zero3Layer(nn.Module):
         self.module = module
         self.comm, self.transports = comm, transports
         self.config = config
-        specs, params = param_specs([module.named_parameters()])
+        # A parameter an earlier layer owns (see Note: a parameter of two
+        # layers): registered here under its name, laid out there.
+        self.borrowed = dict(borrowed or {})
+        for name, param in self.borrowed.items():
+            set_parameter(module, name, param)
+        lent = {id(p) for p in self.borrowed.values()}
+        self.held = held
+        specs, params = param_specs([[(n, p) for n, p in module.named_parameters()
+                                      if id(p) not in lent]])
         chunk_numel = config.chunk_numel or one_chunk_per_kind(specs, config.align)
         self.layout = plan_chunks(specs, chunk_numel, world_size, align=config.align)
         self.chunks: list[Chunk] = build_chunks(
@@ -175,9 +196,7 @@ class Zero3Layer(nn.Module):
         for chunk in self.chunks:
             for position, new in chunk.replaced:
                 name = self.layout.params[chunk.spec.slots[position].param_index].name
-                owner_name, _, leaf = name.rpartition(".")
-                owner = self.module.get_submodule(owner_name)
-                setattr(owner, leaf, new)
+                set_parameter(self.module, name, new)
         if on_meta(self.module):
             raise ValueError(
                 "a meta parameter is registered twice (tied weights), which lazy "
@@ -199,7 +218,7 @@ class Zero3Layer(nn.Module):
         if self.runtime is not None:
             raise ValueError("this Zero3Layer already belongs to a model")
         self.runtime = runtime
-        runtime.add_unit(self.module, self.chunks)
+        runtime.add_unit(self.module, self.chunks, held=self.held)
 
     def forward(self, *args, **kwargs):
         if self.runtime is None:
@@ -351,24 +370,6 @@ def on_meta(module: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in module.parameters())
 
 
-def shared_parameters(modules: Sequence[nn.Module],
-                      names: Sequence[str]) -> list[tuple[str, str, str]]:
-    """
-    #### Parameters that belong to two of `modules`
-
-    `(parameter name in the first, first module's name, second module's name)`
-    for each tensor met in a second module.
-    """
-    owner: dict[int, tuple[str, str]] = {}
-    shared = []
-    for module, module_name in zip(modules, names):
-        for name, param in module.named_parameters():
-            first = owner.setdefault(id(param), (name, module_name))
-            if first[1] != module_name:
-                shared.append((f"{first[1]}.{first[0]}", first[1], module_name))
-    return shared
-
-
 def zero3_layers(
     modules: Sequence[nn.Module],
     *,
@@ -401,27 +402,49 @@ def zero3_layers(
       which may load pretrained weights, else by the layer's
       `reset_parameters()`), sharded, and freed before the next one: at most one
       whole layer beyond the shards.
+
+    ### Note: a parameter of two layers
+
+    A parameter registered in layers $i < j$ (a readout tied to the
+    embedding) is laid out once, in layer $i$, its *owner*: layer $j$
+    borrows it (`Zero3Layer`'s `borrowed`) and lays out only the rest, which
+    may be nothing (a tied readout then has no chunks). Layer $j$ reads the
+    parameter long after layer $i$'s forward, and in the backward pass before
+    layer $i$'s, so the owner is *held*: gathered from its forward until the
+    end of the backward pass, as `shard_model`'s root unit is; $V d$ elements
+    gathered for the whole step for a tied embedding, instead of the second
+    matrix of an untied model. Its gradient needs nothing more: the one
+    parameter has one `AccumulateGrad` node in the autograd graph, whose
+    inputs from both uses are summed before it runs, so its gradient hook
+    (4 in [the runtime](hooks.html)) fires once a backward pass, after layer
+    $i$'s backward, with the sum, and the chunk is reduced once.
     """
     config = config or ZeroConfig()
     device = torch.device(device)
     comm = Communicator.for_config(device, config, group=group)
     transports = Transports.for_config(comm, config)
-    shared = shared_parameters(modules, [f"modules[{i}]" for i in range(len(modules))])
-    if shared:
-        name, first, second = shared[0]
-        raise ValueError(f"parameter {name} is shared by {first} and {second}: "
-                         "Zero3Sequential has no root unit to hold it; use "
-                         "shard_model, which keeps shared parameters in its root")
+    # see Note: a parameter of two layers
+    owners = parameter_owners(modules)
+    held = {owner for owner, _ in owners.values()}
+    # `param_specs` lays a parameter out in the first group that has it
     specs, _ = param_specs([m.named_parameters() for m in modules])
     # one chunk size for every layer, in the config each layer gets
     config = replace(config, chunk_numel=choose_chunk_numel(specs, comm.world_size,
                                                             config))
-    layers = []
+    layers: list[Zero3Layer] = []
     for i, module in enumerate(modules):
-        def shard(module=module, i=i) -> Zero3Layer:
+        # names here of the parameters an earlier layer owns, and the owner's
+        # parameter now (a meta one was replaced when the owner was sharded)
+        lent = {name: owners[id(p)] for name, p in module.named_parameters()
+                if id(p) in owners and owners[id(p)][0] != i}
+
+        def shard(module=module, i=i, lent=lent) -> Zero3Layer:
+            borrowed = {name: layers[owner].module.get_parameter(owner_name)
+                        for name, (owner, owner_name) in lent.items()}
             return Zero3Layer(module, comm.rank, comm.world_size, device,
                               config.dtype, config=config,
-                              transports=transports, name_prefix=f"{i}.")
+                              transports=transports, name_prefix=f"{i}.",
+                              borrowed=borrowed, held=i in held)
 
         if on_meta(module) and init_param is not None:
             layer = shard()
@@ -429,6 +452,8 @@ def zero3_layers(
             layers.append(layer)
             continue
         if on_meta(module):
+            # A borrowed parameter gets a throwaway tensor here, replaced by
+            # the owner's when the layer is sharded.
             if init is None:
                 materialize_on(module, device)
             else:
@@ -437,6 +462,23 @@ def zero3_layers(
                     init(module)
         layers.append(shard())
     return layers
+
+
+def parameter_owners(modules: Sequence[nn.Module]) -> dict[int, tuple[int, str]]:
+    """
+    #### The owner of each parameter of two modules
+
+    `{id(parameter): (index of the first module that has it, its name
+    there)}`, for the parameters met in more than one of `modules`.
+    """
+    first: dict[int, tuple[int, str]] = {}
+    shared: dict[int, tuple[int, str]] = {}
+    for i, module in enumerate(modules):
+        for name, param in module.named_parameters():
+            owner = first.setdefault(id(param), (i, name))
+            if owner[0] != i:
+                shared[id(param)] = owner
+    return shared
 
 
 class ShardedModel(ShardedRoot):
@@ -477,7 +519,8 @@ def shard_model(
 
     A parameter of two wrapped layers (or of a layer and the rest of the model)
     goes to the root unit, which stays gathered for the whole step;
-    `zero3_layers` refuses one shared by two layers, having no root.
+    `zero3_layers`, having no root, leaves it to the first layer that has it,
+    held gathered for the step (see Note: a parameter of two layers).
     """
     config = config or ZeroConfig()
     device = torch.device(device)

@@ -1,6 +1,7 @@
-"""A Llama-family model under `shard_model` at world sizes 2 and 3, with odd
-sizes (every chunk padded), trains as the unsharded model with
-`torch.optim.AdamW`; a tied embedding lives in the root unit."""
+"""A Llama-family model under `shard_model` or `zero3_layers` at world sizes 2
+and 3, with odd sizes (every chunk padded), trains as the unsharded model with
+`torch.optim.AdamW`; a tied embedding lives in `shard_model`'s root unit, or in
+`zero3_layers`' embedding layer, held gathered for the step."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from labml_zero.llama.config import LlamaConfig, RopeScaling
 from labml_zero.llama.model import LlamaChain, build_layers
 from labml_zero.optimizers.adam_fp16 import AdamFP16
-from labml_zero.zero3 import ZeroConfig, shard_model
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential, shard_model, zero3_layers
 from labml_zero.zero3.shard import LocalShard
 from tests import tolerance
 from tests.distributed import run_distributed
@@ -54,18 +55,37 @@ def batch(step: int, rows: int, config: LlamaConfig):
     return ids[:, :-1], ids[:, 1:]
 
 
-def train_both(ctx, name: str):
-    """The sharded model and an unsharded copy, trained side by side."""
+def untie(chain: LlamaChain) -> LlamaChain:
+    """The wrong program for a tied model: the readout a copy of the embedding,
+    so each matrix learns from one use's gradient only."""
+    readout = chain[-1].lm_head
+    readout.weight = torch.nn.Parameter(readout.weight.detach().clone())
+    return chain
+
+
+def train_both(ctx, name: str, api: str = "generic"):
+    """The sharded model and an unsharded copy, trained side by side; for a
+    tied model also an untied copy, the wrong program the tolerance rejects."""
     config = CONFIGS[name]
     torch.manual_seed(0)
     layers = build_layers(config)
     reference = LlamaChain(*copy.deepcopy(layers)).to(ctx.device)
+    wrong = untie(copy.deepcopy(reference)) if config.tie_embeddings else None
     zero = ZeroConfig(dtype=torch.float32, chunk_numel=1000, align=4)
-    # Every layer a unit: a tied matrix, in two of them, goes to the root unit.
-    model = shard_model(LlamaChain(*layers), layers, device=ctx.device, config=zero)
+    if api == "generic":
+        # Every layer a unit: a tied matrix, in two of them, goes to the root.
+        model = shard_model(LlamaChain(*layers), layers, device=ctx.device,
+                            config=zero)
+    else:
+        # The layer list: a tied matrix is the embedding layer's, held.
+        model = Zero3Sequential(zero3_layers(layers, device=ctx.device,
+                                             config=zero))
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=LR, weight_decay=0.01)
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR,
-                                      weight_decay=0.01)
+    references = [(reference, torch.optim.AdamW(reference.parameters(), lr=LR,
+                                                weight_decay=0.01))]
+    if wrong is not None:
+        references.append((wrong, torch.optim.AdamW(wrong.parameters(), lr=LR,
+                                                    weight_decay=0.01)))
     initial = [p.detach().clone() for p in reference.parameters()]
     mine = slice(ctx.rank * ROWS_PER_RANK, (ctx.rank + 1) * ROWS_PER_RANK)
     report = {"losses": [], "ref_losses": [], "missing_grads": 0}
@@ -79,47 +99,69 @@ def train_both(ctx, name: str):
         # gradient over the tokens in another order, and where that sum nearly
         # cancels, Adam (which divides by the gradient's size) turns the
         # rounding into a visible update in any two programs, sharded or not.
-        ref_loss = 0.0
-        for r in range(ctx.world_size):
-            rows = slice(r * ROWS_PER_RANK, (r + 1) * ROWS_PER_RANK)
-            part = reference(x[rows], y[rows]) / ctx.world_size
-            part.backward()
-            ref_loss += part.item()
+        for net, net_optimizer in references:
+            ref_loss = 0.0
+            for r in range(ctx.world_size):
+                rows = slice(r * ROWS_PER_RANK, (r + 1) * ROWS_PER_RANK)
+                part = net(x[rows], y[rows]) / ctx.world_size
+                part.backward()
+                ref_loss += part.item()
+            net_optimizer.step()
+            net_optimizer.zero_grad()
+            if net is reference:
+                report["ref_losses"].append(ref_loss)
         report["missing_grads"] += sum(LocalShard.of(s).grad is None
                                        for s in model.get_trainable_chunk())
         report["losses"].append(loss.item())
-        report["ref_losses"].append(ref_loss)
         optimizer.step()
         optimizer.zero_grad()
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
     with model.runtime.gathered():
         ours = [p.detach().clone() for p in LlamaChain(*layers).parameters()]
     theirs = [p.detach() for p in reference.parameters()]
     report["n_params"] = (len(ours), len(theirs))
     report["max_diff"] = max((a - b).abs().max().item() for a, b in zip(ours, theirs))
+    if wrong is not None:
+        # the embedding first in both: the untied copy's extra readout is last
+        report["wrong_diff"] = max((a - b).abs().max().item()
+                                   for a, b in zip(ours, wrong.parameters()))
     report["moved"] = max((a - b).abs().max().item()
                           for a, b in zip(theirs, initial))
-    root = [s for c in model.layout.chunks_of_group(0) for s in c.slots]
-    report["root_numel"] = sum(s.numel for s in root)
+    # the matrix held for the whole step: the root's, or the held layers'
+    held = ([c for c in model.layout.chunks_of_group(0)] if api == "generic" else
+            [c for i, layer in enumerate(model.layers) if layer.held
+             for c in model.layout.chunks_of_group(i)])
+    report["held_numel"] = sum(s.numel for c in held for s in c.slots)
+    report["readout_chunks"] = (len(model.layers[-1].chunks)
+                                if api == "layers" else None)
     return report
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world_size,name", [(2, "tied"), (3, "untied")])
-def test_parity_with_unsharded_adamw(world_size, name):
+@pytest.mark.parametrize("world_size,name,api", [
+    (2, "tied", "generic"), (3, "untied", "generic"),
+    (2, "tied", "layers"), (3, "tied", "layers")])
+def test_parity_with_unsharded_adamw(world_size, name, api):
     config = CONFIGS[name]
     tokens = ROWS_PER_RANK * world_size * SEQ
     terms = llama_terms(config, seq=SEQ, tokens=tokens)
     # parameters of size about 1 after STEPS updates (tests/tolerance.py)
     param_error = tolerance.max_error(tolerance.parity(
         torch.float32, terms=terms, steps=STEPS, lr=LR), 1.5)
-    for report in run_distributed(train_both, world_size, name):
+    for report in run_distributed(train_both, world_size, name, api):
         assert report["missing_grads"] == 0
         assert report["n_params"][0] == report["n_params"][1]
         # the updates moved the weights far beyond the tolerance
         assert report["moved"] > 100 * param_error
         assert report["max_diff"] <= param_error, report["max_diff"]
-        # the tied matrix, and only it, is the root unit's
         tied = config.n_vocab * config.d_model if config.tie_embeddings else 0
-        assert report["root_numel"] == tied
+        if api == "generic":
+            # the tied matrix, and only it, is the root unit's
+            assert report["held_numel"] == tied
+        else:
+            # the embedding layer, its one matrix, is held; the readout
+            # borrows it and has no chunks of its own
+            assert report["held_numel"] == tied
+            assert report["readout_chunks"] == 0
+        if config.tie_embeddings:
+            # one use's gradient per matrix fails the same tolerance
+            assert report["wrong_diff"] > param_error, report["wrong_diff"]

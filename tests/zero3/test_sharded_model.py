@@ -236,13 +236,37 @@ def test_parameter_shared_by_two_layers_goes_to_the_root():
         assert abs(losses[0] - losses[1]) <= VALUE_ERROR
 
 
-def test_zero3_layers_refuses_a_parameter_shared_by_two_layers():
+def test_zero3_layers_lends_a_shared_parameter_to_the_later_layer():
+    """Laid out in the first layer that has it, which stays gathered for the
+    step; the later layer borrows it, and the model trains as the unsharded
+    one (the sum of both uses' gradients, reduced once)."""
+    torch.manual_seed(3)
     blocks = [Block(13, 29), Block(13, 29)]
     blocks[1].up = blocks[0].up
+    reference = nn.Sequential(*copy.deepcopy(blocks))
     config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4)
-    with pytest.raises(ValueError, match=r"parameter modules\[0\]\.up\.weight is "
-                       r"shared by modules\[0\] and modules\[1\]"):
-        zero3_layers(blocks, device="cpu", config=config)
+    layers = zero3_layers(blocks, device="cpu", config=config)
+    assert [layer.held for layer in layers] == [True, False]
+    assert sorted(layers[1].borrowed) == ["up.bias", "up.weight"]
+    assert layers[1].module.up is layers[0].module.up
+    names = [name for c in layers[1].chunks for name in c.names]
+    assert not any(".up." in name for name in names)
+    model = Zero3Sequential(layers)
+    optimizer = AdamFP16(model.get_trainable_chunk(), lr=1e-2)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2,
+                                      weight_decay=0.0)
+    x = torch.randn(4, 13, generator=torch.Generator().manual_seed(0))
+    for step in range(3):
+        losses = []
+        for net, opt in ((model, optimizer), (reference, ref_optimizer)):
+            loss = net(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= VALUE_ERROR
+        # the held layer is released with the rest at the end of the step
+        assert not model.runtime.gathered_chunks()
 
 
 def test_zero3_layer_follows_its_config():
