@@ -49,7 +49,6 @@ from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
 from labml_zero.zero3.checkpoint.pruning import checkpoint_dirs
 from labml_zero.zero3.placement import device_optimizer_bytes
 from labml_zero.zero3.state_layout import FP32_STATES, StateLayout, state_layout
-from labml_zero.zero3.sharded_model import shared_parameters
 
 __all__ = ["PreflightError", "Preflight", "preflight", "check_writable_dir",
            "checkpoint_bytes", "saves_at_peak", "check_checkpoint_room",
@@ -109,15 +108,21 @@ def checkpoint_bytes(layers: list[nn.Module], dtype: torch.dtype,
     and for trainable ones the optimizer's states ($K$ bytes an element, those of
     the run's [state layout](../zero3/state_layout.html), less the master when
     the fp32 shard is its own: placement's `device_optimizer_bytes`).
-    `layers` are marked by the fine-tuner.
+    `layers` are marked by the fine-tuner; a matrix tied into two layers is
+    saved once, by the layer that owns it.
     """
     p = dtype.itemsize
     k = device_optimizer_bytes(p, states)
     total = trainable = 0
-    for param in (q for layer in layers for q in layer.parameters()):
+    for param in unique_parameters(layers):
         total += param.numel()
         trainable += param.numel() if param.requires_grad else 0
     return p * total + k * trainable
+
+
+def unique_parameters(layers: list[nn.Module]) -> list[nn.Parameter]:
+    """The layers' parameters, a tied one once."""
+    return list({id(q): q for layer in layers for q in layer.parameters()}.values())
 
 
 def saves_at_peak(config, *, first_step: int, total_steps: int,
@@ -223,23 +228,6 @@ def contains(outer: Path, inner: Path) -> bool:
     return inner == outer or outer in inner.parents
 
 
-def check_one_parameter_per_layer(layers: list[nn.Module], family) -> None:
-    """
-    ### Every parameter belongs to one layer
-
-    The job shards with `zero3_layers`, which has no root unit for a matrix
-    that two layers share (tied input and output embeddings); refused here in
-    one line rather than on every rank.
-    """
-    shared = shared_parameters(layers, [f"layer {i}" for i in range(len(layers))])
-    if shared:
-        name, first, second = shared[0]
-        raise PreflightError(
-            f"the {family.name} model shares {name.partition('.')[2]} between "
-            f"{first} and {second} (tie_word_embeddings): the job cannot shard "
-            f"a parameter of two layers yet")
-
-
 def available_host_bytes() -> int | None:
     """`MemAvailable` from `/proc/meminfo` (Linux), else free pages; `None` if
     neither can be read."""
@@ -271,7 +259,7 @@ def check_host_memory(config, layers: list[nn.Module], *, world_size: int,
         return
     layout = state_layout(config.optimizer_states)
     states = checkpoint_bytes(layers, config.torch_dtype(device), layout)
-    trainable = sum(q.numel() for layer in layers for q in layer.parameters()
+    trainable = sum(q.numel() for q in unique_parameters(layers)
                     if q.requires_grad)
     if device.type == "cpu":
         held = states + 4 * trainable
@@ -360,7 +348,6 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
         except CheckpointError as e:
             raise PreflightError(f"--checkpoint: {e}") from e
     layers = family.build(model, filter_layers=config.filter_layers, device="meta")
-    check_one_parameter_per_layer(layers, family)
     # the chunk layout a resume compares against: LoRA's options included
     config.tuner()(layers)
 

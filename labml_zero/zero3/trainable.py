@@ -39,11 +39,18 @@ def mark_trainable(layers: Sequence[nn.Module],
     ### Set `requires_grad` on every parameter of every layer
 
     `is_trainable(layer, name)` decides, with `name` relative to the layer
-    (e.g. `attention.dense.bias`). Works on meta-device layers too.
+    (e.g. `attention.dense.bias`). Works on meta-device layers too. A
+    parameter of two layers (a tied embedding) is decided and counted once, by
+    the first layer that has it, which owns it in `zero3_layers` (see Note: a
+    parameter of two layers, in [sharding a model](sharded_model.html)).
     """
     trainable = total = 0
+    seen: set[int] = set()
     for layer in layers:
         for name, p in layer.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
             p.requires_grad_(is_trainable(layer, name))
             total += p.numel()
             trainable += p.numel() if p.requires_grad else 0

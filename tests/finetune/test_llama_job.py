@@ -3,7 +3,8 @@ family for the build, the weights, the tokenizer, the exports and the sample.
 A random snapshot that transformers writes, with a small BPE `tokenizer.json`
 built by `tokenizers`, trains at world sizes 1 and 2 with `--finetune all`
 and `lora`; its exports load in transformers and PEFT with our logits; a
-checkpoint resumes; bad `config.json`s are refused in one line before start."""
+checkpoint resumes; a tied snapshot trains, exports, resumes and takes LoRA;
+bad `config.json`s are refused in one line before start."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from labml_zero.finetune.__main__ import main
 from labml_zero.finetune.dataset import load_text
 from labml_zero.llama.hf_checkpoint import LlamaCheckpoint, load_layers
-from labml_zero.llama.model import LlamaChain, build_layers
+from labml_zero.llama.model import LlamaChain, build_layers, count_parameters
 from tests import tolerance
 from tests.llama.test_model import llama_terms
 from tests.test_finetune import run_dirs, tracked
@@ -247,10 +248,84 @@ def test_heads_that_do_not_divide(snapshots, tmp_path, capsys):
     assert "num_attention_heads=6 is not divisible by num_key_value_heads=4" in err
 
 
-def test_a_tied_model_is_refused_before_start(snapshots, tmp_path, capsys):
-    tied = write_snapshot(tmp_path / "tied", "llama", tie_word_embeddings=True)
-    err = refused(capsys, tmp_path, tied)
-    assert "tie_word_embeddings" in err and "embed_tokens.weight" in err
+# ## A tied snapshot (SmolLM2, Llama 3.2): the embedding layer owns the matrix
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory) -> Path:
+    """A full fine-tune of a tied Llama snapshot at world size 2, checkpointing
+    every 3 steps, exporting at the end."""
+    tmp = tmp_path_factory.mktemp("llama_tied")
+    write_snapshot(tmp / "snapshot", "llama", tie_word_embeddings=True)
+    result = job(tmp, "--checkpoint", str(tmp / "snapshot"), "--steps", "6",
+                 "--checkpoint-every", "3", "--sample-tokens", "0",
+                 "--export-hf", str(tmp / "export"), world=2)
+    check_ok(result)
+    (tmp / "stdout.txt").write_text(result.stdout)
+    return tmp
+
+
+def test_a_tied_snapshot_trains_and_exports_its_matrix_once(tied):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config = LlamaCheckpoint(tied / "snapshot").config
+    assert config.tie_embeddings
+    # the tied matrix counted once
+    n = count_parameters(build_layers(config, device="meta"))
+    assert f"{n:,} parameters" in (tied / "stdout.txt").read_text()
+    losses = tracked(run_dirs(tied)[0])["loss.train"]
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    assert losses[6] < losses[1] - 0.1, losses
+    out = tied / "export"
+    saved = load_file(str(out / "model.safetensors"))
+    assert "lm_head.weight" not in saved and "model.embed_tokens.weight" in saved
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.config.tie_word_embeddings
+    ids = probe(config.n_vocab)
+    with torch.no_grad():
+        theirs = model(ids).logits
+    ours = our_logits(out, ids)
+    torch.testing.assert_close(theirs, ours, **tolerance.parity(
+        torch.float32, terms=llama_terms(config, seq=ids.shape[1])))
+    assert not torch.equal(ours, our_logits(tied / "snapshot", ids))
+
+
+def test_a_tied_checkpoint_resumes_to_the_same_losses(tied, tmp_path):
+    saved = tied / "out" / "checkpoints" / "step-000003"
+    result = job(tmp_path, "--checkpoint", str(tied / "snapshot"), "--steps", "6",
+                 "--resume", str(saved), "--sample-tokens", "0", world=2)
+    check_ok(result)
+    full = tracked(run_dirs(tied)[0])
+    resumed = tracked(run_dirs(tmp_path)[0])
+    assert sorted(resumed["loss.train"]) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed["loss.train"][step] == full["loss.train"][step]
+
+
+def test_lora_on_a_tied_model_exports_a_peft_adapter(tied, tmp_path):
+    """The tied matrix frozen in the embedding layer, read by the readout;
+    `lm_head` is no target, so the adapter holds the projections' only."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = tied / "snapshot"
+    adapter = tmp_path / "adapter"
+    result = job(tmp_path, "--checkpoint", str(base), "--finetune", "lora",
+                 "--lora-rank", "4", "--lora-alpha", "8",
+                 "--lora-targets", "q_proj,v_proj", "--steps", "3",
+                 "--lr", "3e-2", "--sample-tokens", "0",
+                 "--export-adapter", str(adapter), world=2)
+    check_ok(result)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["q_proj", "v_proj"]
+    ids = probe(COMMON["vocab_size"])
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(base).eval()
+        base_logits = plain(ids).logits
+        adapted = PeftModel.from_pretrained(plain, adapter).eval()
+        adapted_logits = adapted(ids).logits
+    assert (adapted_logits - base_logits).abs().max() > 1e-3
 
 
 def test_the_offline_export_of_a_llama_checkpoint_is_the_jobs(trained):

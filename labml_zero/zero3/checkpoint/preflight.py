@@ -68,11 +68,18 @@ def sequential_shapes(layers: Iterable[nn.Module]) -> dict[str, tuple[int, ...]]
     ### The parameter shapes of `Zero3Sequential(zero3_layers(layers))`
 
     Named `"<layer index>.<name in layer>"`, as `zero3_layers` names them; the
-    layers may be on the meta device.
+    layers may be on the meta device. A parameter of two layers (a tied
+    embedding) is named once, in the first, which owns it (see Note: a
+    parameter of two layers, in [sharding a model](../sharded_model.html)).
     """
-    return {f"{i}.{name}": tuple(p.shape)
-            for i, layer in enumerate(layers)
-            for name, p in layer.named_parameters()}
+    shapes: dict[str, tuple[int, ...]] = {}
+    seen: set[int] = set()
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                shapes[f"{i}.{name}"] = tuple(p.shape)
+    return shapes
 
 
 def check_resumable(path: str | os.PathLike, *, world_size: int,
