@@ -380,7 +380,8 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         step=step,
         memory_model=memory,
         memory_formula="(2+4+12)·Ψt/N + 2·Ψf/N; layout = same with padding; "
-        "gathered_peak = bf16 chunks of 1 + prefetch_depth units (none with one rank); "
+        "gathered_peak = bf16 chunks of 1 + prefetch_depth units and of the held "
+        "units (none with one rank); "
         "predicted_peak = device states - shard grads + gathered_peak "
         "+ activations (of the line's kernels) + early_update_grads, or the "
         "automatic placement's own prediction",

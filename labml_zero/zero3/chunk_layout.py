@@ -122,6 +122,9 @@ class ChunkLayout:
     params: tuple[ParamSpec, ...] = field(compare=False, repr=False)
     # chunk indices of each group, in order; derived, so kept out of `__eq__`
     by_group: dict[int, tuple[int, ...]] = field(compare=False, repr=False)
+    # groups gathered for the whole step: a layer that owns a parameter a
+    # later layer reads (`zero3_layers`' tied embedding)
+    held: frozenset[int] = field(default=frozenset(), compare=False)
 
     def chunks_of_group(self, group: int) -> list[ChunkSpec]:
         return [self.chunks[i] for i in self.by_group.get(group, ())]

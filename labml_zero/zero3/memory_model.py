@@ -223,8 +223,8 @@ def layout_model_states(
 # During a step a rank also holds, each counted beside its code below:
 #
 # * the gathered chunks of $1 + D$ units ($D$ the {{see: prefetch depth}},
-#   `prefetch_depth`; `gathered_peak`), and the root unit's for the whole step
-#   (`root_unit_bytes`);
+#   `prefetch_depth`; `gathered_peak`), and those of the root unit and the
+#   held units for the whole step (`root_unit_bytes`, `gathered_peak`);
 # * in backward, the full-size gradient buffer of a chunk until it is reduced
 #   (`largest_grad_buffer`), all of them at once under gradient accumulation
 #   (`accumulated_grad_buffers`), in the {{term: reduce dtype}} of $g_r$ bytes,
@@ -271,12 +271,17 @@ def gathered_peak(
     ## Peak bytes of gathered chunks
 
     With $n$ = `gathered_units(prefetch_depth, phase)` consecutive groups gathered
-    at once,
+    at once, beside the layout's held groups $H$, gathered for the whole step,
 
-    $$G = p \cdot \max_i \sum_{j=i}^{i+n-1} C(\text{group}_j)$$
+    $$G = p \left(\sum_{h \in H} C(\text{group}_h)
+      + \max_i \sum_{j=i}^{i+n-1} C(\text{group}'_j)\right)$$
 
-    with $C(\text{group})$ the elements of a group's chunks and $p$ =
-    `param_bytes`. With fewer than $n$ groups, all of them. Backward's windows are
+    with $C(\text{group})$ the elements of a group's chunks, $\text{group}'$
+    the groups not held, in order, and $p$ = `param_bytes`. With fewer than
+    $n$ groups, all of them. A held group is a layer that owns a parameter a
+    later layer reads ([sharding a model](sharded_model.html), Note: a
+    parameter of two layers): its gather is not one of the $n$ (the prefetch
+    finds it gathered and moves on), so it adds to every window. Backward's windows are
     the same runs of consecutive groups taken in the other order, as wide as
     forward's ($\beta = 0$), so both phases have the same peak. The root unit
     (`shard_model`'s group 0) is held for the whole step, beside every window
@@ -289,8 +294,10 @@ def gathered_peak(
     """
     _check_at_least("param_bytes", param_bytes, 1)
     # `by_group` lists groups in the order of their chunks: execution order.
-    sizes = [layout.group_numel(group) for group in layout.by_group]
-    return peak_window_numel(sizes, prefetch_depth, phase=phase) * param_bytes
+    sizes = [layout.group_numel(group) for group in layout.by_group
+             if group not in layout.held]
+    held = sum(layout.group_numel(group) for group in layout.held)
+    return (held + peak_window_numel(sizes, prefetch_depth, phase=phase)) * param_bytes
 
 
 def gathered_memory(layout: ChunkLayout, prefetch_depth: int, param_bytes: int) -> int:

@@ -295,7 +295,8 @@ class Zero3Sequential(ShardedRoot):
     Prefetch follows the chain. The layers share one config (as `zero3_layers`
     builds them), which decides for the chain too: `prefetch_depth`, when given,
     replaces its `prefetch_depth`. The layout is the layers' layouts chained,
-    layer $i$ its group $i$ (`chain_layouts`).
+    layer $i$ its group $i$ (`chain_layouts`), the held layers its `held`
+    groups.
     """
 
     def __init__(self, modules: list[Zero3Layer], *, prefetch_depth: int | None = None):
@@ -314,7 +315,9 @@ class Zero3Sequential(ShardedRoot):
             # validated by the config, the one place that checks it
             config = replace(config, prefetch_depth=prefetch_depth)
         self.config = config
-        self.layout = chain_layouts([layer.layout for layer in modules])
+        self.layout = chain_layouts([layer.layout for layer in modules],
+                                    held=[i for i, layer in enumerate(modules)
+                                          if layer.held])
         # the first layer's, whose communicator the runtime takes too;
         # `zero3_layers` gives every layer the same ones
         self.transports = modules[0].transports

@@ -138,10 +138,12 @@ def build_chunks(
     return by_group
 
 
-def chain_layouts(layouts: Sequence[ChunkLayout]) -> ChunkLayout:
+def chain_layouts(layouts: Sequence[ChunkLayout], *,
+                  held: Iterable[int] = ()) -> ChunkLayout:
     """
     #### The layouts of a chain of layers as one layout, layer $i$ its group $i$
 
+    `held` are the layers gathered for the whole step (the layout's `held`).
     The layout `plan_chunks` gives all the layers' parameters at once, group by
     group: chunks never span groups, so planning the groups one at a time gives
     the same chunks. Its `chunk_numel` is the largest of the layers' (labml-nn's
@@ -161,7 +163,8 @@ def chain_layouts(layouts: Sequence[ChunkLayout]) -> ChunkLayout:
     first = layouts[0]
     return ChunkLayout(max(layout.chunk_numel for layout in layouts),
                        first.world_size, first.align, tuple(chunks), tuple(params),
-                       {g: ix for g, ix in by_group.items() if ix})
+                       {g: ix for g, ix in by_group.items() if ix},
+                       frozenset(held))
 
 
 def move_buffers(module: nn.Module, device: torch.device) -> None:

@@ -9,7 +9,7 @@ from torch import nn
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential, shard_model, zero3_layers
 from labml_zero.zero3.chunk import ChunkState
 from labml_zero.zero3.hooks import Phase
-from labml_zero.zero3.memory_model import root_unit_bytes
+from labml_zero.zero3.memory_model import gathered_peak, root_unit_bytes
 from tests.zero3.models import batch, tiny_layers
 from tests.zero3.test_sharded_model import gradient_mismatch
 
@@ -125,6 +125,63 @@ def test_the_root_unit_is_gathered_for_the_whole_step_as_the_model_counts():
     gathered = sum(c.numel * c.full.element_size() for c in root.chunks)
     assert root_unit_bytes(model.layout, param_bytes=4) == gathered > 0
     assert not any(c.is_gathered for c in root.chunks)  # released at the end
+
+
+class Tokens(nn.Module):
+    """A tiny embedding whose matrix the readout reads too (tied)."""
+
+    def __init__(self, vocab: int, d: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+
+    def forward(self, ids):
+        return self.embed(ids)
+
+
+def tied_layers() -> list[nn.Module]:
+    from tests.zero3.models import Block
+
+    torch.manual_seed(0)
+    layers = [Tokens(11, 13), Block(13, 29), Block(13, 17),
+              nn.Linear(13, 11, bias=False)]
+    layers[-1].weight = layers[0].embed.weight
+    return layers
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_a_held_unit_is_gathered_for_the_whole_step_as_the_model_counts(depth):
+    """`zero3_layers`' owner of a tied matrix: gathered at every gather of
+    both passes, beside at most $1 + D$ other units, and the bytes gathered
+    at once are the memory model's `gathered_peak` (held groups included)."""
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4,
+                        prefetch_depth=depth)
+    model = Zero3Sequential(zero3_layers(tied_layers(), device="cpu",
+                                         config=config))
+    runtime = model.runtime
+    held = [u for u in runtime.units if u.held]
+    assert [u.index for u in held] == [0] and model.layout.held == {0}
+    peaks = {Phase.FORWARD: 0, Phase.BACKWARD: 0}
+    seen = {"held": True, "bytes": 0}
+    for unit in runtime.units:
+        def gather(original=unit.gather) -> None:
+            original()
+            gathered = [c for u in runtime.units for c in u.chunks
+                        if c.state is not ChunkState.SHARDED]
+            seen["bytes"] = max(seen["bytes"], sum(c.numel * 4 for c in gathered))
+            if runtime.phase is not Phase.IDLE:
+                seen["held"] &= all(c.is_gathered for c in held[0].chunks)
+            others = sum(any(c.state is not ChunkState.SHARDED for c in u.chunks)
+                         for u in runtime.units if not u.held)
+            peaks[runtime.phase] = max(peaks[runtime.phase], others)
+
+        unit.gather = gather
+    ids = torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(ids).square().mean().backward()
+        assert not runtime.gathered_chunks()
+    assert seen["held"]
+    assert peaks == {Phase.FORWARD: 1 + depth, Phase.BACKWARD: 1 + depth}
+    assert seen["bytes"] == gathered_peak(model.layout, depth, 4)
 
 
 def test_grad_ready_callbacks_run_in_registration_order():

@@ -1,5 +1,7 @@
 """Analytic bytes, checked against numbers worked out by hand."""
 
+import dataclasses
+
 import pytest
 
 from labml_zero.zero3.chunk_layout import ParamSpec, plan_chunks
@@ -145,6 +147,19 @@ def test_gathered_peak_over_prefetch_windows():
     # In bf16, twice the elements.
     assert gathered_peak(layout, 1, 2) == 24
     assert peak_window_numel([4, 8, 2, 6], 1) == 12
+
+
+def test_a_held_group_adds_to_every_window():
+    """A group gathered for the whole step (a tied embedding's owner) is not
+    one of the window's $n$: it adds its size to the widest window of the
+    others."""
+    params = [ParamSpec(f"p{g}", (n,), True, g) for g, n in enumerate([4, 8, 2, 6])]
+    layout = dataclasses.replace(plan_chunks(params, 1, 1), held=frozenset({0}))
+    # d = 0: 4 + 8; d = 1: 4 + (8 + 2); d >= 2: all
+    assert gathered_peak(layout, 0, 1) == 12
+    assert gathered_peak(layout, 1, 1) == 14
+    assert gathered_peak(layout, 2, 1) == 20
+    assert gathered_peak(layout, 1, 1, phase=BACKWARD) == 14
 
 
 def test_gathered_peak_rejects_negative_depth():
