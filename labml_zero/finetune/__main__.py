@@ -20,8 +20,6 @@ anything starts.
 
 * Unlike `python -m labml_zero.finetune_neox`, which reads a `config.json`
   without `model_type` as GPT-NeoX's, this command needs the field.
-* A tied model (`tie_word_embeddings`) is refused before start: the job
-  shards with `zero3_layers`, which has no root unit for a shared matrix.
 """
 
 from __future__ import annotations

@@ -47,9 +47,6 @@ the mean over the whole global batch, as if one unsharded model had seen it.
 ## Limitations
 
 * Resuming needs the same global batch $B A N_d$ (the data order depends on it).
-* A model whose input and output embeddings are one matrix (tied) is
-  refused before start: `zero3_layers` has no root unit for a parameter of
-  two layers (see [the Llama family](../llama/family.html)).
 """
 
 from __future__ import annotations

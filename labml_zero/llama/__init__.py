@@ -28,8 +28,8 @@ and four parts differ, each for a reason a reader of the engine meets again:
   not, since every query head still reads a whole key head.
 * **Tied embeddings** (SmolLM2, the small Qwen2.5 and Llama-3.2): the readout
   is the embedding's matrix, one parameter in the first and the last layer,
-  which the engine keeps in its root unit (the model page's Note: a tied
-  embedding in the chunk layout).
+  which the engine lays out in the embedding layer, gathered for the whole
+  step (the model page's Note: a tied embedding in the chunk layout).
 
 Rotary embeddings turn the whole head, with a base per model and Llama 3's
 scaling of the slow frequencies. A trained model leaves as a Hugging Face

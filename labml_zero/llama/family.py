@@ -23,10 +23,6 @@ random weights take the bundled GPT-NeoX one), and the exports' writers
 
 ## Limitations
 
-* A tied model must be sharded with `shard_model`, which keeps the tied
-  matrix in its root unit; `zero3_layers`, which the job shards with,
-  refuses a parameter of two layers, so the job refuses a tied model before
-  any rank starts.
 * Two fine-tuners, `all` and `lora`; GPT-NeoX's `biases` and `ffn` name
   GPT-NeoX's modules and are not offered here.
 * `export_hf` writes its export marker just after the checkpoint's rename: a

@@ -298,9 +298,8 @@ class Readout(nn.Module):
 #
 # As for GPT-NeoX, `[Embedding, DecoderLayer × L, FinalNorm, Readout]`, with
 # one `LlamaRotary` for all layers. A tied model has one parameter in two
-# layers; [`shard_model`](../zero3/sharded_model.html) puts such a parameter
-# in its root unit, gathered for the whole step, since both the first and the
-# last layer read it (see Note: a tied embedding in the chunk layout).
+# layers, which both the first and the last layer read (see Note: a tied
+# embedding in the chunk layout).
 
 
 def tie_embeddings(layers: list[nn.Module]) -> None:
@@ -310,14 +309,17 @@ def tie_embeddings(layers: list[nn.Module]) -> None:
     #### Note: a tied embedding in the chunk layout
 
     Tying is one `nn.Parameter` registered in two modules. The engine lays
-    every parameter out once, in the first unit that meets it; a parameter
-    met in two units would be gathered by one and read by the other after its
-    release. So `shard_model` moves it to the root unit, which stays gathered
-    for the whole step and takes the sum of both uses' gradients, $V d$
-    elements that every rank holds gathered during the step instead of twice
-    that held by two untied matrices. `zero3_layers`, having no root, refuses
-    it. Building on the meta device and then calling `to_empty` layer by layer
-    gives each layer its own tensor: call this again after `to_empty`.
+    every parameter out once; the readout reads it long after the embedding's
+    forward, so whichever unit holds it must stay gathered until the end of
+    the backward pass. [`zero3_layers`](../zero3/sharded_model.html), which
+    the fine-tune job shards with, lays it out in the embedding layer, held
+    gathered for the whole step, and the readout borrows it, left with no
+    chunks of its own; `shard_model` puts it in its root unit, gathered as
+    long. Either way the matrix takes the sum of both uses' gradients, reduced
+    once, and costs $V d$ elements that every rank holds gathered during the
+    step, instead of the second matrix of an untied model. Building on the
+    meta device and then calling `to_empty` layer by layer gives each layer
+    its own tensor: call this again after `to_empty`.
     """
     embedding, readout = layers[0], layers[-1]
     if not (isinstance(embedding, Embedding) and isinstance(readout, Readout)):

@@ -16,7 +16,9 @@ pages, after the core path):
   `Zero3Sequential([...])` runs a chain of them, as in labml-nn;
 * `zero3_layers(modules, device=..., config=...)` builds those layers with one
   chunk size for all of them (searched unless the config fixes it; the search
-  is explained in [its page](chunk_search.html));
+  is explained in [its page](chunk_search.html)); a parameter of two layers
+  (a tied readout) is the first one's, which stays gathered for the whole
+  step;
 * `shard_model(model, layers, device=..., config=...)` wraps any `nn.Module`,
   sharding the chosen submodules (each block of a Hugging Face model, say) as units
   and the parameters outside them as a *root unit* that stays gathered for the
@@ -134,7 +136,8 @@ class Zero3Layer(nn.Module):
 
     of model states, plus what a step holds beside them (counted by the
     [memory model](memory_model.html)): the gathered chunks of at most
-    $1 + \text{prefetch\_depth}$ units, the root unit's for the whole step, and
+    $1 + \text{prefetch\_depth}$ units, the root unit's and the held layers'
+    for the whole step, and
     the full-size gradient buffers of the chunks being reduced; under `no_sync`
     every trainable chunk's buffer at once, about $g_r \Psi_t$ bytes, not divided
     by $N_d$.
@@ -417,7 +420,7 @@ def zero3_layers(
     end of the backward pass, as `shard_model`'s root unit is; $V d$ elements
     gathered for the whole step for a tied embedding, instead of the second
     matrix of an untied model. Its gradient needs nothing more: the one
-    parameter has one `AccumulateGrad` node in the autograd graph, whose
+    parameter has one gradient accumulator node in the autograd graph, whose
     inputs from both uses are summed before it runs, so its gradient hook
     (4 in [the runtime](hooks.html)) fires once a backward pass, after layer
     $i$'s backward, with the sum, and the chunk is reduced once.
@@ -426,7 +429,8 @@ def zero3_layers(
     device = torch.device(device)
     comm = Communicator.for_config(device, config, group=group)
     transports = Transports.for_config(comm, config)
-    # see Note: a parameter of two layers
+    # each parameter of two layers goes to its first, which is held (see
+    # Note: a parameter of two layers)
     owners = parameter_owners(modules)
     held = {owner for owner, _ in owners.values()}
     # `param_specs` lays a parameter out in the first group that has it
