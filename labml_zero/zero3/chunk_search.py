@@ -480,7 +480,10 @@ def score_candidate(
     # *Peak gathered* is the memory model's `gathered_peak`: the engine gathers a
     # group's chunks whole and prefetches the next $D$, so the largest sum over
     # $D + 1$ consecutive groups is the parameter memory gathered at once in
-    # forward.
+    # forward. A group held for the whole step (`zero3_layers`' owner of a
+    # tied matrix) counts here as one of the window's, not beside every
+    # window as `gathered_peak` counts it: the search only ranks candidates,
+    # and the held matrix is nearly the same size under all of them.
     group_numels = [plans[i].total_numel() for i in shape_of_group]
     peak = peak_window_numel(group_numels, config.prefetch_depth) * config.param_bytes
     # #### Note: why not padding alone
