@@ -16,7 +16,8 @@ a vocabulary of $V$ has about
 $$12 L d^2 + 2 V d$$
 
 parameters
-(tested: tests/neox/test_model.py::test_parameter_count_formula): {{py: neox_model.count_parameters(neox_model.build_layers(
+(tested: tests/neox/test_model.py::test_parameter_count_formula):
+{{py: neox_model.count_parameters(neox_model.build_layers(
     neox_model.gpt_neox_20b(), device='meta')) / 1e9 | .2f}}
 billion for GPT-NeoX-20B, whose model states for training, at
 $2 + 4 + 12 = 18$
