@@ -9,8 +9,9 @@ summary: What is sharded and what a rank holds, one step in one picture, and the
 
 Data parallelism over $N_d$ ranks keeps a full copy of the {{term: model
 states}} on every rank: for each parameter trained with mixed-precision Adam,
-$2$ bytes of bf16 parameter, $4$ of fp32 gradient and $K = 12$ bytes of
-optimizer state (the fp32 {{see: master weights}} and Adam's two moments).
+$2$ bytes of bf16 parameter, $4$ of fp32 gradient and $K = 12$
+(tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
+bytes of optimizer state (the fp32 {{see: master weights}} and Adam's two moments).
 ZeRO-3 cuts all three into $N_d$ {{term: shards | shard}}, one per rank, and
 gathers a layer's parameters only while it computes. With $\Psi_t$ trainable
 and $\Psi_f$ frozen parameters a rank holds

@@ -14,9 +14,9 @@ GPT-NeoX-20B and of the Pythia suite. A model with $L$ layers of width $d$ and
 a vocabulary of $V$ has about
 
 $$12 L d^2 + 2 V d$$
+(tested: tests/neox/test_model.py::test_parameter_count_formula)
 
-parameters
-(tested: tests/neox/test_model.py::test_parameter_count_formula):
+parameters:
 {{py: neox_model.count_parameters(neox_model.build_layers(
     neox_model.gpt_neox_20b(), device='meta')) / 1e9 | .2f}}
 billion for GPT-NeoX-20B, whose model states for training, at

@@ -362,7 +362,7 @@ def held_grads(layout: ChunkLayout, param_bytes: int) -> int:
     A trainable chunk keeps each parameter's gradient as autograd made it, in
     the parameter dtype, until the chunk's last one arrives and all of them are
     copied into its buffer in one call (explained on [the chunk-gradient
-    page](chunk_grads.html)); the copy runs on the reduce stream, which holds
+    page](chunk_grads.html)); the copy runs on a side stream, which holds
     them until it is done. The largest chunk's, at most
 
     $$H = p \cdot \max_{k \text{ trainable}} C_k$$
