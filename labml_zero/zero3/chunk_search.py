@@ -10,24 +10,15 @@ The {{see: chunk layout}} packs
 parameters, in execution order, into flat *chunks* of one common size $c$ (in
 elements); a chunk never spans a *group* (one layer, the unit that the hooks
 gather and release), and the space a chunk holds but no parameter fills is
-{{term: padding}}. This page picks $c$. Like ColossalAI's
-Gemini (`search_chunk_configuration`), it tries every *candidate* size in a range
-and scores the layout each one gives; it departs from it in what it simulates and
-in what it scores.
-
-For a candidate $c$, let $C_k$ be the size of chunk $k$ and $u_k$ the elements of
-parameters in it, $p$ the bytes of the parameter dtype, $g_r$ those of the reduce
-dtype (the dtype gradients are reduce-scattered in) and $D$ the prefetch depth
-(groups gathered ahead of the running one). The search minimizes
+{{term: padding}}. This page picks $c$: like ColossalAI's Gemini
+(`search_chunk_configuration`), it tries every *candidate* size in a range and
+scores the layout each one gives,
 
 $$\text{score}(c) = W + \mu \, n_{\text{collectives}} + \lambda \, (G + B)$$
 
 of the padding $W$, the collectives $n_{\text{collectives}}$ at a price $\mu$
 each, and the peak gathered $G$ and gradient buffer $B$ at a price $\lambda$ per
-byte; `score_candidate` defines each term beside the line that computes it.
-Note: why not padding alone shows, on a model of three parameters, why the
-memory terms are needed; Note: GPT-NeoX-20B works the search through a real
-model.
+byte, each term beside the line of `score_candidate` that computes it.
 """
 
 from __future__ import annotations
@@ -437,7 +428,9 @@ def score_candidate(
     ### Score one candidate size
 
     $\text{score}(c) = W + \mu \, n_{\text{collectives}} + \lambda \, (G + B)$
-    with
+    with $C_k$ the size of chunk $k$ and $u_k$ the elements of parameters in it,
+    $p$ the bytes of the parameter dtype, $g_r$ those of the reduce dtype and $D$
+    the prefetch depth (groups gathered ahead of the running one), and
 
     * the *waste* $W = p \sum_k (C_k - u_k)$, the padding in bytes;
     * $n_{\text{collectives}}$ the collectives of one training step, each at a
