@@ -149,8 +149,9 @@ def plain(note: str) -> str:
     """
     #### A note's first paragraph as one line of plain text, for `--help`
 
-    Links keep their text, code and math lose their marks, and `%` is doubled
-    (argparse formats help strings with it).
+    Links keep their text, code and math lose their marks (so math reads as
+    source there), and `%` is doubled (argparse formats help strings with
+    it).
     """
     text = inspect.cleandoc(note).split("\n\n")[0]
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
