@@ -49,7 +49,5 @@ $\frac{1}{N_d}$ of the memory.
 5. [sharding a model](zero3/sharded_model.html): the ways into the engine;
 6. [the chunk-size search](zero3/chunk_search.html).
 
-Every later page says which of these it deepens. The project grew from
-labml-nn's annotated ZeRO-3 and GPT-NeoX pages, whose names (`Zero3Layer`,
-`AdamFP16`) keep working here.
+Every later page says which of these it deepens.
 """

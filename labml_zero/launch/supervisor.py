@@ -17,10 +17,7 @@ between `SIGTERM` and `SIGKILL`, every rank has ended at most
 
 $$t_{\text{end}} \le t_{\text{first failure}} + t_p + t_w + t_g$$
 
-after the first failure (`POLL_S`, `REPORT_WINDOW_S`, `GRACE_S` below). A failure
-is told from its echoes by the reports the ranks send (`report`), a hang by their
-heartbeats (`HangWatch`), a death by a signal by the rank's last lines on stderr
-(`StderrTail`), and no rank outlives the launcher (`die_with_parent`).
+after the first failure (`POLL_S`, `REPORT_WINDOW_S`, `GRACE_S` below).
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ $2 + 4 + 12 = 18$
 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
 bytes a parameter, take about 370
 (tested: tests/zero3/test_memory_model.py::test_figures_in_the_memory_notes)
-GB: what ZeRO-3 spreads over the ranks. The model is a plain list of layers,
-the unit the engine gathers and releases; what the job asks of the family is
+GB: what ZeRO-3 spreads over the ranks. What the job asks of the family is
 one object, `NEOX`, on [its own page](family.html).
 """
