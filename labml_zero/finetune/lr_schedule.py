@@ -36,7 +36,7 @@ SCHEDULES = ("constant", "linear", "cosine")
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """
+    r"""
     ## A schedule: the peak, its shape, the warm-up and the floor
 
     A frozen dataclass, and `rate(step)` a pure function of the step: nothing

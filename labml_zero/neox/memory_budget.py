@@ -160,7 +160,12 @@ class Budget:
     """Master and moments on the host, with their pinned staging buffer."""
     gathered: int
     grad_buffer: int
+    r"""$B$, the largest chunk's gradient buffer beside the gradients held for it
+    (`largest_grad_buffer`); on one rank with an fp32 reduction, which needs no
+    buffer, the held gradients alone."""
     accumulation: int
+    r"""Every trainable chunk's buffer under accumulation, $g_r \sum_k C_k$; in
+    the peak one chunk's held gradients come on top."""
     early_grads: int
     """$E$, the gradients the early updates in flight hold
     (`update_during_backward`)."""
@@ -345,7 +350,7 @@ def example() -> Budget:
     memory_budget.example().gathered / 2**30 | .3f}} |
     | activations | $A$ | {{py:
     memory_budget.example().activations / 2**30 | .3f}} |
-    | largest gradient buffer | $B$ | {{py:
+    | largest gradient buffer, with its held gradients | $B$ | {{py:
     memory_budget.example().grad_buffer / 2**30 | .3f}} |
     | peak | $M_{\text{peak}}$ | {{py:
     memory_budget.example().peak / 2**30 | .3f}} |
