@@ -51,10 +51,11 @@ class ReplicaGroup:
     * `counter` is the communicator's, into which the all-reduces count.
 
     Built by `for_config`, once per model, right after the
-    [communicator](communication.html) has made its shard group. The shard group is $N_s$ consecutive ranks, so a host's
-    ranks must be consecutive, as `torchrun` numbers them. Checkpoints are
-    written by the first shard group alone (every group holds the same shards);
-    the per-rank state saved, the RNG and `rank_extra`, is that group's.
+    [communicator](communication.html) has made its shard group. The shard group is
+    $N_s$ consecutive ranks, so a host's ranks must be consecutive, as `torchrun`
+    numbers them. Checkpoints are written by the first shard group alone (every
+    group holds the same shards); the per-rank state saved, the RNG and
+    `rank_extra`, is that group's.
     """
 
     def __init__(self, group, *, size: int, rank: int, counter: CommCounter):
