@@ -60,7 +60,8 @@ ROWS = (
     ("offloaded_fraction", "fraction", r"x", "optimizer state offloaded"),
     ("gathered", "bytes", r"G", "gathered chunks at the peak"),
     ("activations", "bytes", r"A", "activations"),
-    ("grad_buffer", "bytes", r"B", "largest full-size gradient buffer"),
+    ("grad_buffer", "bytes", r"B",
+     "largest full-size gradient buffer, with its held gradients"),
     ("accumulation", "bytes", r"g_r \sum_{k\,\text{trainable}} C_k",
      "gradient buffers held under accumulation"),
     ("early_grads", "bytes", r"E", "gradients held by the early updates in flight"),
@@ -88,8 +89,8 @@ LEGEND = (
     r"$n_c$ the number of chunks; $x$ the share of the optimizer state offloaded to "
     r"the host and $K_d$ the optimizer bytes per element kept on the device; $G$ "
     r"the gathered chunks at the peak, $A$ the activations, $B$ the largest "
-    r"gradient buffer; $N_s$ the GPUs of one shard group and $R = N_d / N_s$ the "
-    r"groups (1 without hybrid sharding)."
+    r"gradient buffer with the gradients held for it; $N_s$ the GPUs of one "
+    r"shard group and $R = N_d / N_s$ the groups (1 without hybrid sharding)."
 )
 
 

@@ -293,23 +293,16 @@ LOSS_COLUMN = (
     "### The loss column: one start\n\n"
     "The loss is the last timed step's, averaged over the ranks, after "
     "`warmup + steps` updates. Every engine starts from the same weights "
-    "(`bench.engine.InitialWeights`: each layer drawn alone in fp32 from the "
-    "run's seed and its index) and reads the same batches, so the first "
-    "step's loss is one number up to bf16 roundings, within a tolerance "
-    "derived from bf16's unit roundoff, the layers and the tokens, which a "
-    "model drawn from another seed misses (the test "
+    "(`bench.engine.InitialWeights`) and reads the same batches, so the first "
+    "step's loss is one number up to bf16 roundings (the test "
     "`test_engines_start_alike` in `tests/test_bench_start.py`). "
     "Lines measured before that started each engine from its own draw.\n\n"
     "### The loss column after $k$ steps\n\n"
-    "The engines drift apart no faster than their arithmetic "
-    "differs: labml_zero and FSDP2 compute in bf16 from fp32 masters with the "
-    "same AdamW, while DDP under autocast keeps its embedding and residual "
-    "stream in fp32. Adam moves a weight by about the learning rate whatever "
-    "the gradient's scale, so a relative rounding difference $\\rho$ in a "
-    "gradient changes an update by about $\\rho$ of it, and the loss after "
-    "$k$ steps by at most $(k + 1)\\rho$ of itself (the rule of "
-    "`tests/tolerance.py`). A gap in the second decimal after a dozen steps "
-    "is a gap of start or of data, not of rounding.")
+    "Adam moves a weight by about the learning rate whatever the gradient's "
+    "scale, so a relative rounding difference $\\rho$ between two engines' "
+    "arithmetic changes the loss after $k$ steps by at most $(k + 1)\\rho$ of "
+    "itself (the rule of `tests/tolerance.py`). A gap in the second decimal "
+    "after a dozen steps is a gap of start or of data, not of rounding.")
 
 
 # What the page says to its reader (the docstring above is for the builder's).
@@ -354,11 +347,7 @@ def results_markdown(results: dict[Key, Measurement]) -> str:
             continue
         seen.add(key.workload)
         out.append(f"* {{{{term: {key.workload}}}}}: {_workload(m.line)}.")
-    out += ["", "## Measurements", "",
-            "Tokens per second of all GPUs together; peak memory per GPU; MFU the "
-            "share of the GPUs' dense bf16 peak (the data sheet's) that the "
-            "model's matrix products reach.",
-            "", LOSS_COLUMN,
+    out += ["", "## Measurements", "", LOSS_COLUMN,
             "", DATA_OPEN, "", "| workload | engine | compiled | GPUs | B × T | tokens/s "
             "| step s (± std) | MFU | peak GiB | loss | settings |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

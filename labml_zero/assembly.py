@@ -16,12 +16,6 @@ it allocates its fp32 masters and moments on the device or the host according to
 the placement. `assemble` is that order written once, as six numbered steps
 beside its code: **mark** what trains, **shard**, **compile**, **place**, build
 the **optimizer**, and **wire** it to the gradients.
-
-## Limitations
-
-* The layers come in on the meta device, already built; loading pretrained
-  weights is the caller's `load` callback.
-* `'auto'` needs allocator statistics (CUDA) or a stand-in (`AutoLimits`).
 """
 
 from __future__ import annotations
@@ -56,6 +50,8 @@ __all__ = ["Recipe", "AutoLimits", "Assembled", "assemble"]
 class AutoLimits(NamedTuple):
     """
     ## A stand-in for the allocator, for `'auto'` placement off a GPU
+
+    `'auto'` needs the allocator's statistics (CUDA) or this.
 
     * `measure_peak(run)` runs `run` and returns the bytes it peaked at;
     * `device_capacity`: the bytes the device may hold;

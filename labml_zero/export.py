@@ -14,43 +14,14 @@ python -m labml_zero.export out/checkpoints/step-000120 my-model
 
 The fine-tune's [exports](neox/lora_export.html) run at the end of a job; this
 command does the same for a [sharded checkpoint](zero3/checkpoint/index.html)
-already on disk, of any [family](families.html) (the recorded `config.json`'s
-`model_type` names it, and the family writes it), whatever was fine-tuned
-(`all`, `ffn`, `biases`, or LoRA, whose adapters are merged into their
-weights). It needs no GPU and no ranks:
-each parameter is assembled from the ranks' files, cast to the export's dtype
-and handed to the family's Hugging Face writer (GPT-NeoX's is
-[its checkpoint page](neox/hf_checkpoint.html)), which holds
-one output shard. So the host's memory is bounded by
+already on disk, of any [family](families.html), whatever was fine-tuned (LoRA's
+adapters are merged into their weights). It needs no GPU and no ranks, and
+streams one tensor at a time, so the host's memory is bounded by
 
 $$M \approx \max_p |p| + B_\text{shard},$$
 
-the largest tensor read (fp32 where the checkpoint keeps a master) plus one
-output shard of at most `--max-shard-size` bytes, whatever the model's size
-(safetensors copies a shard once more while it writes it).
-
-The checkpoint's manifest says everything else (`export` in its `meta`, see
-[the job's checkpoints](finetune/checkpoints.html)): the model's
-`config.json`, each layer's Hugging Face prefix, LoRA's settings, the tokenizer
-the job encoded with (`--tokenizer` replaces it, e.g. once the snapshot has
-moved) and the dtype: the base snapshot's, else the training one (`--dtype`
-replaces it). The destination follows the exports' rules: a new or empty
-directory or a previous export, replaced whole once the new one is complete;
-never the checkpoint, nor a directory of other files.
-
-Every input is checked before a byte is written: the manifest, every file's
-size and digest, that the checkpoint holds a whole model of the recorded shape (not a
-`--filter-layers` run's subset), the tokenizer and the destination; each bad
-one is one line and exit status 2.
-
-## Limitations
-
-* A checkpoint saved before the manifest recorded `export` cannot be exported
-  here: its model's head count and rotary settings are not in its shapes.
-* Module buffers are not exported (the engine does not shard them); neither
-  family has one that a checkpoint needs.
-* The Llama family's writer adds the export marker just after its rename (see
-  [its page](llama/family.html)).
+the largest tensor read plus one output shard of at most `--max-shard-size`
+bytes, whatever the model's size.
 """
 
 from __future__ import annotations
@@ -99,10 +70,23 @@ class ExportPlan:
     r"""
     ## What one export will do, checked before anything is written
 
-    1. the checkpoint's manifest and `export` record;
+    1. the checkpoint's manifest and `export` record (`export` in its `meta`,
+       see [the job's checkpoints](finetune/checkpoints.html)): the model's
+       `config.json`, whose `model_type` names the family that writes it, each
+       layer's Hugging Face prefix, LoRA's settings, the tokenizer the job
+       encoded with and the dtype. A checkpoint saved before the manifest
+       recorded `export` cannot be exported: its model's head count and rotary
+       settings are not in its shapes;
     2. the model: its `config.json`, the names the saved parameters take, and
        that they are a whole model of that shape;
-    3. the dtype, the tokenizer and the destination, with room for $p\Psi$.
+    3. the dtype (`--dtype` replaces the recorded one: the base snapshot's, else
+       the training one), the tokenizer (`--tokenizer` replaces it, e.g. once the
+       snapshot has moved) and the destination, with room for $p\Psi$: a new
+       or empty directory or a previous export, replaced whole once the new one
+       is complete; never the checkpoint, nor a directory of other files.
+
+    Every file's size and digest is checked too, before a byte is written; each
+    bad input is one line and exit status 2.
     """
 
     def __init__(self, args: argparse.Namespace):
@@ -180,9 +164,14 @@ class ExportPlan:
         """
         ### Stream the tensors into the Hugging Face writer
 
-        `saved_tensors` yields one parameter at a time; `merged` holds a LoRA
-        layer's $W$, $A$, $B$ until all three have come; the writer holds one
-        shard.
+        `saved_tensors` yields one parameter at a time, assembled from the
+        ranks' files (fp32 where the checkpoint keeps a master), cast to the
+        export's dtype; `merged` holds a LoRA layer's $W$, $A$, $B$ until all
+        three have come; the family's writer (GPT-NeoX's is [its checkpoint
+        page](neox/hf_checkpoint.html)) holds one shard, which safetensors
+        copies once more while it writes it: the formula above. Module buffers
+        are not exported (the engine does not shard them); neither family has
+        one that a checkpoint needs.
         """
         tensors = saved_tensors(self.reader, rename=self.rename)
         options = dict(tokenizer=self.tokenizer, snapshot=self.snapshot,

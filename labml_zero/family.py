@@ -9,31 +9,15 @@ summary: What the fine-tune job asks of a model family (presets, config.json,
 # A model family as one object
 
 The job should ask a family, not import it (torchtitan's ModelSpec): one
-frozen object names a family's presets, how it reads and writes a Hugging
-Face `config.json`, how it checks and reads a snapshot, builds the layers on
-the meta device and gives them weights, its fine-tuners and LoRA's targets,
-its tokenizer, and its cost, training FLOPs a token
+frozen object names a family's presets, its `config.json`, its snapshots, its
+build on the meta device and its weights, its fine-tuners, its tokenizer, and
+its cost, training FLOPs a token
 
 $$C = 6\,\Psi_m + 12\, L\, d\, T$$
 (tested: tests/neox/test_family.py::test_flops_are_the_jobs_palm_count)
 
 for $\Psi_m$ parameters in matrix products, $L$ layers of width $d$ and $T$
-tokens of context (PaLM's count; a family may refine it), and the bytes a
-layer keeps for its backward.
-
-`ModelFamily` holds functions, not a base class to override: each family
-package (`neox/family.py`, `llama/family.py`) builds one instance from its own
-functions, and [the registry](families.html) lists them. This page imports
-torch and [the assembly](assembly.html) (what a family's build returns), both
-below the model packages, so both families, and the registry above them, can
-import it.
-
-## Limitations
-
-* The fields' signatures are the Llama family's; GPT-NeoX's family adapts its
-  own functions to them.
-* `save_merged` and `save_adapter` take unsharded layers (tests and small
-  models); the job's exports are `export_hf` and `export_adapter`.
+tokens of context (PaLM's count; a family may refine it).
 """
 
 from __future__ import annotations
@@ -95,7 +79,16 @@ class ModelFamily:
 
     The other fields (`materialize`, `load_layer`, `save_hf`, `save_merged`,
     `save_adapter`, `flops_per_token`, `activation_bytes`) serve unsharded
-    layers, the offline export and the memory budget.
+    layers (tests and small models), the offline export and the memory budget.
+
+    It holds functions, not a base class to override: each family package
+    (`neox/family.py`, `llama/family.py`) builds one instance from its own
+    functions, and [the registry](families.html) lists them. The fields'
+    signatures are the Llama family's; GPT-NeoX's family adapts its own
+    functions to them. This page imports torch and [the
+    assembly](assembly.html) (what a family's build returns), both below the
+    model packages, so both families, and the registry above them, can import
+    it.
     """
 
     name: str

@@ -17,11 +17,6 @@ goes through this page, in the same four steps:
    data too);
 3. `rename` the temporary name to the target;
 4. `fsync` the parent directory, so the rename itself survives a power cut.
-
-## Limitations
-
-* A process killed between steps 1 and 3 leaves its `.tmp-` sibling behind.
-* Durability is what `fsync` gives (see `fsync_path`).
 """
 
 from __future__ import annotations

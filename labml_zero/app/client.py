@@ -26,18 +26,8 @@ if url is not None:
 experiment.create(name="run", writers=writers)
 ```
 
-Once the run is in the app, `show_run_health` puts what the run page hides by
-default in view: a chart for each health series beside labml-app's loss chart,
-and the run's configuration in its configurations card.
-
-## Limitations
-
-* The probe happens once, before the run. An app that stops answering in the
-  middle of a run is handled by the fine-tune's own sender, whose every wait is
-  bounded ([tracking](../finetune/tracking.html)); a plain labml run like the one
-  above still has labml's, which retries when the run ends.
-* Any labml app answers the probe the same way (a JSON body from its API), ours or
-  one with MongoDB; a different server that happens to return JSON there would pass.
+Once the run is in the app, `show_run_health` puts its health charts and its
+configuration in view.
 """
 
 # The standard library only, so the core install (without the `app` extra) can
@@ -105,7 +95,13 @@ def app_url_if_running(url: str, *, timeout_s: float = 2.0) -> str | None:
     and the JSON body `{}`, and creates nothing, unlike a `POST .../track`, which
     would make a run and which the app answers only after a 3 s pause. Anything
     else (refused, timed out, HTML, a server error) means no app. Any labml app
-    answers the same way, ours or one with MongoDB.
+    answers the same way, ours or one with MongoDB; a different server that
+    happens to return JSON there would pass.
+
+    The probe happens once, before the run. An app that stops answering in the
+    middle of a run is handled by the fine-tune's own sender, whose every wait
+    is bounded ([tracking](../finetune/tracking.html)); a plain labml run like
+    the one above still has labml's, which retries when the run ends.
     """
     url = check_app_url(url)
     if timeout_s <= 0:

@@ -16,13 +16,6 @@ file per index under `indexes/`. This page is what it plugs in: a serializer
 that writes JSON, that driver with clearer errors, and their registration for
 every model labml-app has. No record is ever unpickled (see Note: records are
 JSON).
-
-## Limitations
-
-* One writer: the file drivers keep each index in memory and rewrite its file on
-  every change, which is only safe with a single process on a data directory.
-* A data directory written by the earlier pickle storage is not read.
-* A record of a type `encode` does not know fails on its first write.
 """
 
 import base64
@@ -61,7 +54,8 @@ def encode(value):
     ## A record's value as JSON-ready data
 
     JSON's own types pass through; each other type labml-app keeps becomes a
-    tagged object (see Note: records are JSON):
+    tagged object (see Note: records are JSON); a type it does not know fails
+    on its first write:
 
     * `{"__ndarray__": [dtype, shape, base64]}`, an array or numpy scalar (a 0-d
       array), of a numeric dtype only: an `object` array's bytes are pointers;
@@ -211,6 +205,10 @@ def init_file_db(data_dir: Path) -> None:
 
     The same model and index lists as labml-app's `init_mongo_db`; records are
     JSON (see Note: records are JSON), and so are the indexes, as in `labml_db`.
+    One writer: the file drivers keep each index in memory and rewrite its file
+    on every change, which is only safe with a single process on a data
+    directory. A data directory written by the earlier pickle storage is not
+    read.
     """
     from labml_app import db
     from labml_db import Index, Model

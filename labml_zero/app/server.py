@@ -20,15 +20,9 @@ single-page web app that charts it. Two things keep its own `labml app-server` f
 working on an offline machine: it connects to MongoDB when it is imported, and its
 page loads its scripts from CDNs. This app replaces those two (see `create_app`)
 and keeps everything else, the API handlers and the bundled page, labml-app's own,
-so its page looks and behaves as on app.labml.ai. Around them, a guard answers bad
-input with a short 4xx (see Note: every request passes one guard), and the app
-stays on the loopback address unless told otherwise (see Note: no authentication).
-
-## Limitations
-
-* labml-app answers each `track` request after a fixed 3 s pause (its way to batch
-  a client's sends), so a run shows up a few seconds after it starts.
-* The guard checks a body's syntax and outer shape, not each field's type.
+so its page looks and behaves as on app.labml.ai. labml-app answers each
+`track` request after a fixed 3 s pause (its way to batch a client's sends), so
+a run shows up a few seconds after it starts.
 """
 
 import argparse
@@ -230,7 +224,10 @@ class RequestGuard:
     ## The guard in front of every route
 
     A plain ASGI middleware, so it sees the body as it arrives, before any
-    handler has read it, and can refuse it without reading it.
+    handler has read it, and can refuse it without reading it: bad input gets a
+    short 4xx. It checks a body's syntax and outer shape, not each field's type.
+    The app stays on the loopback address unless told otherwise (see Note: no
+    authentication).
 
     ### Note: every request passes one guard
 

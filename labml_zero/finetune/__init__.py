@@ -8,12 +8,9 @@ summary: The fine-tune job of any model family, above the models - its command
 
 # The fine-tune
 
-The job that trains a model of any [family](../families.html),
-[GPT-NeoX](../neox/index.html) or [Llama](../llama/index.html), with the
+The job that trains a model of any [family](../families.html) with the
 engine. It sits above the models and imports none of them: it asks [the
 family](../family.html) for the model, feeds it data and records what
-happens, and nothing below imports it.
-`python -m labml_zero.finetune_neox` runs [its command line](cli.html).
-`python -m labml_zero.finetune` asks [which family](__main__.html) first, from
-`--model` or the checkpoint's `config.json`.
+happens. `python -m labml_zero.finetune` asks [which family](__main__.html)
+first, then runs [its command line](cli.html).
 """

@@ -15,11 +15,6 @@ preset names its family; a `--checkpoint` directory names it in its
 whose job asks the family for everything model-specific; a `model_type` no
 family reads, or a `config.json` without one, is one line and exit 2, before
 anything starts.
-
-## Limitations
-
-* Unlike `python -m labml_zero.finetune_neox`, which reads a `config.json`
-  without `model_type` as GPT-NeoX's, this command needs the field.
 """
 
 from __future__ import annotations
@@ -44,6 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Only `--checkpoint` and `--model` are read here (`--checkpoint` wins, as
     in the job); everything else, `--help` included, is the job's to parse.
+    Unlike `python -m labml_zero.finetune_neox`, which reads a `config.json`
+    without `model_type` as GPT-NeoX's, this command needs the field.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     # exact flags only: the job's parser, not this one, judges abbreviations

@@ -9,42 +9,12 @@ summary: What a checkpoint of the fine-tune holds beside the shards, flags that
 # The fine-tune's checkpoints and resuming
 
 Beside the [sharded checkpoint](../zero3/checkpoint/index.html)'s shards and
-optimizer state, the job saves small global state as `extra` (rank 0 writes it):
+optimizer state, the job saves the small global state that a resume needs to
+continue the same run: its step, its [data order](dataset.html)'s position, the
+loss scale and its settings. A run may resume at another world size $N_d'$ as
+long as it keeps the global batch:
 
-* `step`, the last step trained;
-* `sampler`, the [data order](dataset.html)'s position (epoch, step), with its
-  seed, the number of training samples and the global batch $G = B A N_d$;
-* `scaler`, the fp16 loss scale, agreed by all ranks;
-* `settings`, the run's hyperparameters: `SETTINGS`.
-
-Its manifest's `meta` also holds `export`, what `python -m labml_zero.export`
-needs to write the checkpoint as a Hugging Face one with no other input
-(`export_meta`): the model's `config.json` (which names its family),
-each layer's Hugging Face name prefix, LoRA's rank, $\alpha$ and targets, the tokenizer and the dtype.
-
-## Flags override saved settings
-
-On `--resume`, each of `SETTINGS` keeps its saved value unless its flag is
-given; a flag that changes one is reported in one line before any rank starts
-(`--resume: lr 0.003 → 1.0`). So a resumed run continues the same learning-rate
-curve by default (the [schedule](lr_schedule.html) is a pure function of the
-step and these settings), and a user can still lower the rate of a run going
-badly. `--steps` and `--epochs` are one setting, the run's length: giving
-either replaces both.
-
-## Resuming at another world size
-
-A step's samples depend on $G$ alone (see the data order's class), so a run
-may resume at another world size $N_d'$ with $B' A' N_d' = G$: the same
-samples in each step, the same mean loss and gradient up to the order of the
-sums, the shards resharded on load. A resume that cannot keep $G$ is refused
-before any rank starts, in one line that says the layout to use, or that $G$
-does not split over $N_d'$ ranks.
-
-## Limitations
-
-* The model's own settings (shape, fine-tuner, LoRA, dtype) are not
-  overridable: a checkpoint holds their chunks.
+$$B' A' N_d' = G = B A N_d$$
 """
 
 from __future__ import annotations
@@ -61,6 +31,8 @@ __all__ = ["SETTINGS", "saved_settings", "override_settings", "resume_settings",
            "resume"]
 
 # The hyperparameters a checkpoint keeps and a flag on `--resume` overrides.
+# The model's own settings (shape, fine-tuner, LoRA, dtype) are not among them:
+# a checkpoint holds their chunks.
 SETTINGS = ("lr", "weight_decay", "clip_grad", "lr_schedule", "warmup_steps",
             "min_lr", "steps", "epochs", "optimizer_states")
 LENGTH = ("steps", "epochs")
@@ -80,7 +52,12 @@ def override_settings(config, given: set[str], saved: dict):
     ### The saved settings, but those whose flag is `given`
 
     Returns the config to run and the line that says what the flags changed
-    (`None` when nothing did). The result is checked again by the config's
+    (`None` when nothing did), reported before any rank starts (`--resume: lr
+    0.003 → 1.0`). So a resumed run continues the same learning-rate curve by
+    default (the [schedule](lr_schedule.html) is a pure function of the step
+    and these settings), and a user can still lower the rate of a run going
+    badly. `--steps` and `--epochs` are one setting, the run's length: giving
+    either replaces both. The result is checked again by the config's
     `__post_init__` (a saved warm-up may not fit a shorter `--steps`).
     """
     length_given = bool(given & set(LENGTH))
@@ -121,8 +98,13 @@ def check_global_batch(path: Path, sampler: dict, config, world_size: int
     """
     ### Why this run cannot continue the checkpoint's data order, or `None`
 
-    The samples of a step are those of the global batch $G$; a run with another
-    $G$ would train on others. The advice keeps `--batch-size` where it can.
+    A step's samples depend on $G$ alone (see the data order's class), so a run
+    at another world size with the same $G$ trains on the same samples in each
+    step, the same mean loss and gradient up to the order of the sums, the
+    shards resharded on load. A run with another $G$ would train on others: it
+    is refused before any rank starts, in one line that says the layout to use
+    (keeping `--batch-size` where it can), or that $G$ does not split over the
+    ranks.
     """
     b, a = config.batch_size, config.grad_accum
     g, saved = b * a * world_size, sampler.get("global_batch")
@@ -154,6 +136,9 @@ def export_meta(config, model) -> dict:
     """
     ### What an offline export needs, as JSON values
 
+    Saved in the manifest's `meta` as `export`, so that `python -m
+    labml_zero.export` writes the checkpoint as a Hugging Face one with no other
+    input: `hf_config` is the model's `config.json` (which names its family);
     `prefixes[i]` is the Hugging Face prefix of the sharded model's layer $i$
     (its parameters are saved as `"i.<name>"`); `lora` is `None` unless the
     adapters are to be merged; `tokenizer` is the file the job encoded with;
@@ -179,8 +164,10 @@ def save(config, step: int, training, sampler) -> Path:
     ### A sharded checkpoint after `step`, then the older ones pruned
 
     `training` is the job's `Training`. `extra` is global state (rank 0 writes
-    it): the sampler's position is the same on every rank, and so is the loss
-    scale, agreed by an all-reduce.
+    it): `step`, the last step trained; `sampler`, the data order's position
+    (epoch, step) with its seed, the number of training samples and $G$, the
+    same on every rank; `scaler`, the fp16 loss scale, agreed by an all-reduce;
+    `settings`, the run's `SETTINGS`.
     """
     extra = {"step": step, "sampler": sampler.state_dict(),
              "settings": saved_settings(config)}

@@ -20,12 +20,6 @@ is [the fine-tune page](job.html); this page turns flags into a
 
 Every flag is generated from a field of the config, everything is checked before
 a process starts, and a failure ends in one line naming the rank and its cause.
-
-## Limitations
-
-* `--world-size` larger than the GPU count is refused on CUDA; on CPU the
-  processes share the cores (one thread each).
-* A boolean field's flag can only switch it on: every such default is off.
 """
 
 from __future__ import annotations
@@ -155,8 +149,9 @@ def plain(note: str) -> str:
     """
     #### A note's first paragraph as one line of plain text, for `--help`
 
-    Links keep their text, code and math lose their marks, and `%` is doubled
-    (argparse formats help strings with it).
+    Links keep their text, code and math lose their marks (so math reads as
+    source there), and `%` is doubled (argparse formats help strings with
+    it).
     """
     text = inspect.cleandoc(note).split("\n\n")[0]
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
@@ -197,7 +192,8 @@ def add_field_flags(parser: Parser) -> None:
     `seq_len: int = 64` becomes `--seq-len N`, its type from the annotation, its
     help the field's note and `(default: 64)`; a `bool` becomes a switch. Only
     flags given on the command line reach the config (`SUPPRESS`), so a default
-    lives in the dataclass alone. `--steps` and `--epochs` exclude each other:
+    lives in the dataclass alone; a switch can only turn a field on, so every
+    such default is off. `--steps` and `--epochs` exclude each other:
     `--epochs` runs whole epochs instead of a step count.
     """
     notes = field_notes(FinetuneConfig)
@@ -228,7 +224,9 @@ def make_parser(prog: str = PROG) -> Parser:
                "(labml_zero). With no arguments: the tiny model, random weights, "
                "Tiny Shakespeare, a few minutes on a laptop CPU.")
     add_field_flags(p)
-    # the one flag that is not the job's: how many processes run it
+    # the one flag that is not the job's: how many processes run it; more than
+    # the GPUs is refused on CUDA, on CPU the processes share the cores (one
+    # thread each)
     p.add_argument("--world-size", type=positive_int, metavar="N",
                    default=argparse.SUPPRESS,
                    help="processes (default: every GPU, or 2 on CPU)")

@@ -9,20 +9,14 @@ summary: FinetuneConfig, one documented and checked field per setting of the
 # The fine-tune's configuration
 
 Every setting of [the fine-tune](job.html) is one field of `FinetuneConfig`,
-written once: its type, its default and, under it, its note. The
-[command line](cli.html) is generated from these fields (a field
-`seq_len: int` becomes `--seq-len N`, its note the flag's help and its default
-shown beside it), and labml records them as the run's configuration. The
-defaults are the laptop run; presets are functions that return a config.
+written once: its type, its default and, under it, its note; the [command
+line](cli.html) is generated from these fields. One optimizer step sees
 
-One optimizer step sees $B \cdot A \cdot N_d$ sequences of $T$ tokens: the
-micro-batch $B$ (`batch_size`, per rank), the accumulation $A$ (`grad_accum`) and
-the world size $N_d$, which is the launcher's, not the config's.
+$$B \cdot A \cdot N_d$$
 
-## Limitations
-
-* A field's note is Markdown for the page; the command line's help is its first
-  paragraph with the Markdown marks taken off, so math there reads as source.
+sequences of $T$ tokens: the micro-batch $B$ (`batch_size`, per rank), the
+accumulation $A$ (`grad_accum`) and the world size $N_d$, which is the
+launcher's, not the config's.
 """
 
 from __future__ import annotations

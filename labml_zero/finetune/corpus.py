@@ -8,60 +8,11 @@ summary: A fine-tuning corpus as a stream of documents, from a text file, a gzip
 
 # Reading a corpus
 
-`--data` names the text to fine-tune on. This page turns it into a stream of
-*documents*, each a stream of text *pieces* that the
-[token file](token_file.html) tokenises in parallel batches:
-
-* a text file (`.txt`, anything not recognised below), or a gzip of one (`.gz`):
-  one document;
-* a JSON Lines file (`.jsonl`, `.jsonl.gz`): one document per line, its text in
-  the field `text_field` (`--text-field`, default `text`), of at most
-  `MAX_RECORD_BYTES`;
-* a directory: every file under it that is not hidden, in sorted path order, each
-  read by its suffix as above.
-
-A file is read in blocks of `BLOCK_BYTES`, and every document, a text file's
-or a JSON Lines record's, is cut into pieces of at most $P$ = `PIECE_BYTES`
-bytes. The tokenizer's memory grows with the piece it is given (each token of
-an encoding carries its string and offsets, well over a hundred bytes for a
-byte of text), so bounded pieces bound the preparation's memory whatever the
-length of a line: a block, the carry after the last cut, and a batch of pieces.
-
-## Note: where a piece may be cut
-
-Byte-level BPE tokenises each *pre-token* on its own, and GPT-NeoX's
-pre-tokenizer (GPT-2's pattern) never lets a pre-token run across a space or
-a newline that has a non-space on both sides: a space may only *start* a
-pre-token (` word`), a newline between two printable characters is one of its
-own. So a cut
-
-1. after a newline between two printable ASCII characters, or
-2. before a space between two printable ASCII characters
-
-falls on a pre-token boundary, and tokenising the pieces one by one gives
-exactly the ids of the whole text (tested:
-tests/finetune/test_corpus.py::test_pieces_tokenize_like_the_whole_text), a
-long line cut at its spaces included (tested:
-tests/finetune/test_corpus.py::test_a_long_line_is_cut_at_spaces). `best_cut`
-takes the last of 1 in the window of $P$ bytes, else the last of 2. A window
-with neither (a run of $P$ bytes without a space: a long URL, base64, text in
-a script without spaces) is cut at $P$ bytes, moved back to the start of a
-UTF-8 character. That cut splits the one pre-token it falls in, so only that
-pre-token's tokens change: the ids before it and after it are those of the
-whole text (tested:
-tests/finetune/test_corpus.py::test_a_byte_cut_changes_one_pre_token).
-
-Every way the input can be wrong is a `DataError` with one line naming the file
-and, where it has one, the line: a missing or empty file, a directory with no
-text, a binary file (a NUL byte), invalid UTF-8 (the byte offset and the line), a
-JSON Lines line that is not JSON, not an object, or without a text field.
-
-## Limitations
-
-* A JSON Lines record is parsed whole: a line longer than `MAX_RECORD_BYTES`
-  is refused (parsing holds about twice its size).
-* A cut without whitespace changes the tokens of the pre-token it splits.
-* Only UTF-8; no other encodings are guessed.
+`--data` names the text to fine-tune on: a text file, a gzip of one, a
+directory, or a JSON Lines file. This page turns it into a stream of
+*documents*, each a stream of text *pieces* of at most $P$ = `PIECE_BYTES`
+bytes that the [token file](token_file.html) tokenises in parallel batches, and
+refuses every malformed input in one line that says where.
 """
 
 from __future__ import annotations
@@ -77,13 +28,37 @@ __all__ = ["DataError", "Source", "find_sources", "read_documents", "BLOCK_BYTES
 
 # Read this many bytes at a time.
 BLOCK_BYTES = 1 << 20
-# Pieces of at most this many bytes: many per batch, so every core gets some,
-# and small encodings (each holds its tokens' strings and offsets too).
+# Pieces of at most this many bytes: many per batch, so every core gets some.
+# The tokenizer's memory grows with the piece it is given (each token of an
+# encoding carries its string and offsets, well over a hundred bytes for a byte
+# of text), so bounded pieces bound the preparation's memory whatever the
+# length of a line: a block, the carry after the last cut, and a batch of
+# pieces.
 PIECE_BYTES = 1 << 16
-# A JSON Lines record is parsed whole; a longer line is refused.
+# A JSON Lines record is parsed whole (parsing holds about twice its size); a
+# longer line is refused.
 MAX_RECORD_BYTES = 64 << 20
-# Safe cuts (see Note: where a piece may be cut): after a newline between two
-# printable ASCII characters, or before a space between two.
+
+# ## Note: where a piece may be cut
+#
+# Byte-level BPE tokenises each *pre-token* on its own, and GPT-NeoX's
+# pre-tokenizer (GPT-2's pattern) never lets a pre-token run across a space or
+# a newline that has a non-space on both sides: a space may only *start* a
+# pre-token (` word`), a newline between two printable characters is one of its
+# own. So a cut
+#
+# 1. after a newline between two printable ASCII characters, or
+# 2. before a space between two printable ASCII characters
+#
+# falls on a pre-token boundary, and tokenising the pieces one by one gives
+# exactly the ids of the whole text (tested:
+# tests/finetune/test_corpus.py::test_pieces_tokenize_like_the_whole_text), a
+# long line cut at its spaces included (tested:
+# tests/finetune/test_corpus.py::test_a_long_line_is_cut_at_spaces). A window
+# with neither (a run of $P$ bytes without a space: a long URL, base64, text in
+# a script without spaces) is cut at $P$ bytes (`best_cut`): only the one
+# pre-token it splits changes its tokens (tested:
+# tests/finetune/test_corpus.py::test_a_byte_cut_changes_one_pre_token).
 SAFE_CUT = re.compile(rb"(?<=[!-~])\n(?=[!-~])")
 SAFE_SPACE = re.compile(rb"(?<=[!-~])(?= [!-~])")
 # Where a cut is looked for first: the last this many bytes of a window.
@@ -93,7 +68,11 @@ NEWLINE = b"\n"
 
 
 class DataError(ValueError):
-    """Malformed or missing data; the message is one line naming where."""
+    """Malformed or missing data; the message is one line naming the file and,
+    where it has one, the line: a missing or empty file, a directory with no
+    text, a binary file (a NUL byte), invalid UTF-8 (only UTF-8 is read; no other
+    encoding is guessed), a JSON Lines line that is not JSON, not an object, or
+    without a text field."""
 
     # a rank that raises it is reported in that line alone, no traceback
     user_error = True
@@ -108,6 +87,9 @@ class Source(NamedTuple):
 
 
 def source_of(path: Path) -> Source:
+    """A JSON Lines file (`.jsonl`, `.jsonl.gz`) is one document per line, its
+    text in the field `--text-field`; any other file is one text document; a
+    `.gz` is read through gzip."""
     name = path.name.lower()
     return Source(path, name.endswith(JSONL_SUFFIXES), name.endswith(".gz"))
 
@@ -116,8 +98,9 @@ def find_sources(data: str | os.PathLike) -> list[Source]:
     """
     ### The files of `--data`, checked to exist and hold something
 
-    A directory's files are listed sorted by path, so the corpus (and its
-    token file's key) does not depend on the order the filesystem lists them in.
+    A directory's files, every one under it that is not hidden, are listed
+    sorted by path, so the corpus (and its token file's key) does not depend on
+    the order the filesystem lists them in; each is read by its suffix.
     """
     path = Path(data)
     if path.is_dir():
@@ -174,7 +157,8 @@ def best_cut(buf: bytes, start: int, end: int) -> tuple[int, bool]:
     Returns the position and whether it is exact (changes no token): the last
     safe line break, else the last safe space, in `buf[start:end]` (see Note:
     where a piece may be cut); with neither, `end` moved back to the start of
-    a UTF-8 character (at most 3 bytes: a character is at most 4).
+    a UTF-8 character (at most 3 bytes: a character is at most 4), which
+    changes the tokens of the one pre-token it splits and no others.
     """
     for pattern in (SAFE_CUT, SAFE_SPACE):
         # the window's tail first: in ordinary text a cut is near its end

@@ -8,36 +8,15 @@ summary: The tokenizer, the training and validation datasets and the run's
 
 # The fine-tune's data
 
-[The pre-flight checks](preflight.html) call `job_data` on the launcher's host
-before any rank starts, and each rank calls it again when it starts. The first
-call does the slow part, tokenising `--data` into its [token
-file](token_file.html), and returns that decision (`JobData.caches`); the
-launcher hands it to the ranks, whose calls check the data is unchanged and
-only map the file, so they start in seconds whatever the corpus size.
+`job_data` decides the tokenizer, the training and validation datasets and the
+run's length, once on the launcher's host before any rank starts ([the
+pre-flight checks](preflight.html)) and again on each rank. One step trains on
 
-It decides, in order:
+$$G = B A N_d$$
 
-1. **the tokenizer**, the [family](../family.html)'s: `--checkpoint`'s own
-   `tokenizer.json` (GPT-NeoX's may lack one), else, for random weights, the
-   bundled GPT-NeoX-20B one, with its end-of-text id; it refuses a
-   vocabulary of $V$ ids that
-   does not fit the model's embedding of $V_e$ rows ($V > V_e$: an id past the
-   embedding would index outside it);
-2. **the datasets** (see [the dataset](dataset.html)): the corpus read, checked
-   and packed; the validation text or fraction;
-3. **the steps**: one step trains on $G = B A N_d$ samples of $T + 1$ tokens,
-   so the training split must hold at least $G$ samples, about $GT$ tokens,
-   and validation at least one batch of $B N_d$; with `--epochs`, an epoch is
-   $\lfloor n_\text{samples} / G \rfloor$ steps; the warm-up must be shorter than
-   the run.
-
-Each failure is a `DataError` of one line that says what the data has and what
-the settings need, so `--batch-size 100000` or `--grad-accum 100000` is refused
-before a rank starts, not found by a rank that would run for ever at step 0.
-
-## Limitations
-
-* The whole training split is one stream: no weighting or mixing of sources.
+samples of $T + 1$ tokens, so the training split must hold at least $G$
+samples; each failure is a `DataError` of one line that says what the data has
+and what the settings need.
 """
 
 from __future__ import annotations
@@ -92,9 +71,15 @@ def job_data(config, *, world_size: int, n_vocab: int, check_ids: bool = True,
     `config` is a `FinetuneConfig`, `n_vocab` the model's embedding rows;
     `check_ids` scans a pre-tokenised file for ids past the vocabulary (the
     pre-flight checks do; the ranks need not again); `caches` are the
-    launcher's token files, given on a rank, which then tokenises nothing.
+    launcher's token files, given on a rank, which then tokenises nothing. The
+    launcher's call does the slow part, tokenising `--data` into its [token
+    file](token_file.html), and returns that decision (`JobData.caches`); the
+    ranks' calls check the data is unchanged and only map the file, so they
+    start in seconds whatever the corpus size.
     """
-    # the family's: a snapshot's own, else the one it trains random weights with
+    # 1. The tokenizer, the [family](../family.html)'s: `--checkpoint`'s own
+    # `tokenizer.json` (GPT-NeoX's may lack one), else, for random weights, the
+    # bundled GPT-NeoX-20B one, with its end-of-text id.
     family = config.family
     path = family.tokenizer_file(config.checkpoint)
     try:
@@ -106,15 +91,25 @@ def job_data(config, *, world_size: int, n_vocab: int, check_ids: bool = True,
             raise
         raise DataError(f"the tokenizer {path} does not load: "
                         f"{' '.join(str(e).split())}") from e
+    # A vocabulary of $V$ ids that does not fit the model's embedding of $V_e$
+    # rows ($V > V_e$) is refused: an id past the embedding would index outside.
     if vocab_size(tokenizer) > n_vocab:
         raise DataError(f"the tokenizer {path} has {vocab_size(tokenizer):,} ids, "
                         f"more than the model's embedding of {n_vocab:,} rows")
+    # 2. The datasets (see [the dataset](dataset.html)): the corpus read,
+    # checked and packed into one stream (no weighting or mixing of sources);
+    # the validation text or fraction.
     data = load_datasets(seq_len=config.seq_len, source=config.data,
                          tokenizer=tokenizer, eot=eot,
                          valid_fraction=config.valid_fraction,
                          valid_source=config.valid_data,
                          text_field=config.text_field, check_ids=check_ids,
                          caches=caches)
+    # 3. The steps: the training split must hold $G$ samples, about $GT$ tokens,
+    # and validation one batch of $B N_d$, so `--batch-size 100000` is refused
+    # before a rank starts, not found by a rank that would run for ever at step
+    # 0; with `--epochs`, an epoch is $\lfloor n_\text{samples} / G \rfloor$
+    # steps; the warm-up must be shorter than the run.
     b, a = config.batch_size, config.grad_accum
     check_fits(data.train, step_samples(config, world_size), what="training",
                layout=f"one step of --batch-size {b} × --grad-accum {a} × "

@@ -8,42 +8,17 @@ summary: Documents packed into fixed-length samples of one token array, split in
 
 # Text dataset
 
-The fine-tune trains on one array of $N$ token ids: by default the bundled Tiny
-Shakespeare (1.1 (tested: tests/finetune/test_dataset.py::test_figures_in_the_notes)
-MB, about 340 (tested: tests/finetune/test_dataset.py::test_figures_in_the_notes)
-thousand GPT-NeoX tokens), tokenised in memory on each start, one `int64` array
-of 2.7 (tested: tests/finetune/test_dataset.py::test_figures_in_the_notes) MB; with
-`--data`, the [token file](token_file.html) of the user's corpus, memory-mapped.
-
-## Packing
-
-A corpus is many documents of any length, and a step wants $B$ sequences of
-exactly $T$ tokens. Padding each document to $T$ would waste the tokens of the
-pad; cutting each one into its own windows would waste its tail. *Packing*
-concatenates the documents instead, each followed by the tokenizer's
-end-of-text token, and cuts the whole stream into windows: sample $i$ is tokens
-$[iT, iT + T]$ (its input the first $T$, its target the last $T$), so a split of
-$N$ tokens holds
+The fine-tune trains on one array of $N$ token ids: the bundled Tiny
+Shakespeare, or with `--data` the [token file](token_file.html) of the user's
+corpus. A step wants $B$ sequences of exactly $T$ tokens; *packing*
+concatenates the documents, each followed by the tokenizer's end-of-text token,
+and cuts the whole stream into windows of $T + 1$ tokens, so a split of $N$
+tokens holds
 
 $$n_{\text{samples}} = \left\lfloor \frac{N - 1}{T} \right\rfloor$$
 
-samples and every token except the first is a target exactly once. A window
-may hold the end of one document and the start of the next; the end-of-text
-token between them tells the model that what follows does not continue what
-came before, the way GPT-NeoX and Pythia were pre-trained.
-
-The array is split contiguously into training and validation text
-(`split_tokens`; or `--valid-data` gives the validation text apart), and in
-data-parallel training each of the $N_d$ ranks takes different samples in each
-step, in an order that a resumed run repeats exactly (`RankSampler`), at any
+samples, in an order that a resumed run repeats exactly (`RankSampler`), at any
 world size that keeps the global batch.
-
-## Limitations
-
-* Attention is not masked at document boundaries inside a window: the
-  end-of-text token is the only separator, as in pre-training.
-* Resuming needs the same seed, global batch and training split;
-  `load_state_dict` refuses others instead of silently changing the order.
 """
 
 from __future__ import annotations
@@ -69,7 +44,11 @@ __all__ = ["load_text", "tokenize", "split_tokens", "TextDataset", "RankSampler"
            "load_datasets", "BUNDLED_SHAKESPEARE"]
 
 # Tiny Shakespeare ships gzipped in the package, so the default run downloads
-# nothing; a corpus given by URL is kept in `DEFAULT_CACHE` after its first read.
+# nothing: 1.1 (tested: tests/finetune/test_dataset.py::test_figures_in_the_notes)
+# MB, about 340 (tested: tests/finetune/test_dataset.py::test_figures_in_the_notes)
+# thousand GPT-NeoX tokens, tokenised in memory on each start into one `int64`
+# array of 2.7 (tested: tests/finetune/test_dataset.py::test_figures_in_the_notes)
+# MB. A corpus given by URL is kept in `DEFAULT_CACHE` after its first read.
 BUNDLED_SHAKESPEARE = (Path(__file__).resolve().parent.parent / "data"
                        / "tiny_shakespeare.txt.gz")
 DEFAULT_CACHE = Path.home() / ".cache" / "labml_zero"
@@ -191,6 +170,14 @@ class TextDataset:
     Consecutive samples share one boundary token, so every token except the
     first is a target exactly once. `tokens` is a tensor or a NumPy array (a
     memory map of a token file: a sample reads only its own pages).
+
+    Padding each document to $T$ would waste the tokens of the pad; cutting
+    each one into its own windows would waste its tail. So a window may hold
+    the end of one document and the start of the next; the end-of-text token
+    between them tells the model that what follows does not continue what came
+    before, the way GPT-NeoX and Pythia were pre-trained. Attention is not
+    masked at that boundary: the token is the only separator, as in
+    pre-training.
     """
 
     def __init__(self, tokens: torch.Tensor | np.ndarray, *, seq_len: int):
@@ -384,6 +371,8 @@ class RankSampler:
                 "shuffle": int(self.shuffle)}
 
     def load_state_dict(self, state: dict[str, int]):
+        # Another seed, global batch or training split would silently change
+        # the order: refused.
         for key in ("seed", "n_samples", "global_batch", "shuffle"):
             if state.get(key) != int(getattr(self, key)):
                 raise ValueError(f"RankSampler state has {key}={state.get(key)}, "

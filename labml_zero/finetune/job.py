@@ -12,41 +12,16 @@ This page is the training job that puts the pieces together: a model's
 layers, a fine-tuner that decides what trains, the [ZeRO-3
 engine](../zero3/index.html) that shards them over $N_d$ ranks,
 [AdamFP16](../optimizers/adam_fp16.html) on the shards at the rate of [the
-schedule](lr_schedule.html), and [the data](data.html). Its settings are [the
-configuration](config.html), its numbers ([what a step
-shows](step_metrics.html)) go to [labml](tracking.html), and the command line is
-[`finetune_neox`](cli.html), which runs [the pre-flight checks](preflight.html)
-before it starts the ranks;
-`train(ctx, config)` below is what each rank runs.
-
-## The job asks the family
-
-The job imports no model package. The configuration picks a [model
-family](../family.html) (`--model`'s preset, or `--checkpoint`'s
-`config.json` `model_type`, from [the registry](../families.html)), and every
-model-specific question goes to that object: the config, the sharded model
-(`assemble`: [GPT-NeoX's layers](../neox/model.html) through
-[`build_neox`](../neox/build.html), or [Llama's](../llama/model.html)), its
-weights, the tokenizer, the exports and the sample. The step, the data
-order, the checkpoints and the tracking are the job's, the same for every
-family.
-
-## One step
-
-With a micro-batch of $B$ sequences of $T$ tokens per rank, $A$ micro-batches
-accumulated per step and $N_d$ ranks, one optimizer step sees $B \cdot A \cdot N_d$
-sequences. Each micro-batch's loss is the mean cross-entropy over its $BT$ tokens,
-divided by $A$; the engine's reduce-scatter averages over ranks, so the shard
-gradients are those of
+schedule](lr_schedule.html), and [the data](data.html); `train(ctx, config)`
+below is what each rank runs. With $B$ sequences of $T$ tokens per micro-batch,
+$A$ micro-batches per step and $N_d$ ranks, each micro-batch's loss is divided
+by $A$ and the reduce-scatter averages over ranks, so the shard gradients are
+those of
 
 $$\mathcal{L} = \frac{1}{A N_d} \sum_{a, r} \frac{1}{BT} \sum_{b, t}
-  -\log p_\theta\left(x^{(a,r)}_{b,t+1} \mid x^{(a,r)}_{b, \le t}\right)$$
+  -\log p_\theta\left(x^{(a,r)}_{b,t+1} \mid x^{(a,r)}_{b, \le t}\right),$$
 
 the mean over the whole global batch, as if one unsharded model had seen it.
-
-## Limitations
-
-* Resuming needs the same global batch $B A N_d$ (the data order depends on it).
 """
 
 from __future__ import annotations
@@ -125,8 +100,18 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
     """
     ### Build on meta, mark, shard, initialise or load, place, optimizer
 
+    The job imports no model package: the configuration picks a [model
+    family](../family.html) (`--model`'s preset, or `--checkpoint`'s
+    `config.json` `model_type`, from [the registry](../families.html)), and
+    every model-specific question goes to that object: the config, the sharded
+    model, its weights, the tokenizer, the exports and the sample. The step, the
+    data order, the checkpoints and the tracking are the job's, the same for
+    every family. A model whose input and output embeddings are one matrix
+    (tied) is refused before start: `zero3_layers` has no root unit for a
+    parameter of two layers.
+
     GPT-NeoX-20B must never exist whole on one rank. The model is put together
-    by its [family](../family.html)'s `assemble` (GPT-NeoX's is
+    by its family's `assemble` (GPT-NeoX's is
     [`build_neox`](../neox/build.html), the benchmark's path too), with the
     fused kernels of `kernels` (on GPUs all of the family's, by default) and,
     with `compile`, compiled layers: the layers are built on the meta device
@@ -319,6 +304,11 @@ def train(ctx: DistContext, config: FinetuneConfig,
     3. the loop: step, track, stop on a non-finite loss, evaluate, checkpoint;
     4. the Hugging Face checkpoint and LoRA's adapter, if asked for;
     5. a sample from the fine-tuned model.
+
+    Its settings are [the configuration](config.html), its numbers ([what a
+    step shows](step_metrics.html)) go to [labml](tracking.html), and the
+    command line is [`finetune_neox`](cli.html), which runs [the pre-flight
+    checks](preflight.html) before it starts the ranks.
     """
     from labml import experiment, logger, monit, tracker
 

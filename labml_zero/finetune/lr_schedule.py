@@ -21,19 +21,6 @@ $$\eta_s = \begin{cases}
   \eta_\text{min} + (\eta - \eta_\text{min}) \, \frac{1 + \cos \pi p}{2} & \text{cosine}
 \end{cases}$$
 
-Steps count from 1, so the first step trains at $\eta / W$, not at 0 (a step
-at rate 0 would only move Adam's moments).
-
-`LRSchedule` is a frozen dataclass and `rate(step)` a pure function of the
-step: nothing is stepped, so a run resumed after step $s$ computes the same
-$\eta_{s+1}$ as the uninterrupted one, bit for bit, at any world size (tested:
-tests/finetune/test_lr_schedule.py::test_the_rate_depends_on_the_step_alone). The
-fine-tune saves the schedule's fields in each checkpoint (see [the job's
-checkpoints](checkpoints.html)).
-
-## Limitations
-
-* One rate for all parameters (AdamFP16's parameter groups share it).
 """
 
 from __future__ import annotations
@@ -49,8 +36,18 @@ SCHEDULES = ("constant", "linear", "cosine")
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """
+    r"""
     ## A schedule: the peak, its shape, the warm-up and the floor
+
+    A frozen dataclass, and `rate(step)` a pure function of the step: nothing
+    is stepped, so a run resumed after step $s$ computes the same
+    $\eta_{s+1}$ as the uninterrupted one, bit for bit, at any world size
+    (tested: tests/finetune/test_lr_schedule.py::test_the_rate_depends_on_the_step_alone).
+    The fine-tune saves its fields in each checkpoint (see [the job's
+    checkpoints](checkpoints.html)). Steps count from 1, so the first step
+    trains at $\eta / W$, not at 0 (a step at rate 0 would only move Adam's
+    moments). One rate for all parameters (AdamFP16's parameter groups share
+    it).
     """
 
     lr: float

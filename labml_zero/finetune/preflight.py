@@ -17,13 +17,6 @@ beside its lines in `preflight`).
 
 Each failure is a `PreflightError` whose message names the file or the setting;
 the command line prints it as one line and exits with status 2.
-
-## Limitations
-
-* A filesystem can fill up between this check and the save; the save itself
-  then fails, and leaves the previous checkpoint in place.
-* Resuming with another global batch is refused: it would train on other
-  samples than the interrupted run.
 """
 
 from __future__ import annotations
@@ -152,6 +145,9 @@ def check_checkpoint_room(config, layers: list[nn.Module], dtype: torch.dtype, *
                           first_step: int, total_steps: int) -> None:
     """
     ### `--out` has room for the checkpoints the run keeps, plus the one it writes
+
+    A filesystem can still fill up between this check and the save; the save
+    itself then fails, and leaves the previous checkpoint in place.
 
     `saves_at_peak` checkpoints of `checkpoint_bytes` each, from the model's
     shapes on the meta device (no memory); the checkpoints already under `out`
@@ -285,7 +281,8 @@ def check_resume(path: Path, layers: list[nn.Module], config, world_size: int,
     `check_resumable` reads the manifest, checks every file's size and the
     model's parameter names and shapes (`layers` on the meta device); then the
     small `extra` state must hold the step and a data order of the same seed,
-    training split and global batch. No shard is read.
+    training split and global batch (another would train on other samples
+    than the interrupted run). No shard is read.
     """
     try:
         check_resumable(path, world_size=world_size,

@@ -8,43 +8,14 @@ summary: The numbers a fine-tuning user watches beside the loss: the learning
 # What a step shows
 
 The loss says whether a run learns; these say whether it is healthy. Each is
-printed on the step's line and recorded by [labml](tracking.html):
+printed on the step's line and recorded by [labml](tracking.html): `lr`, the
+[schedule](lr_schedule.html)'s rate at this step; `grad_norm`, the global
+gradient norm before clipping; `tokens_per_s`; `mfu`, model FLOPs utilisation,
 
-* `lr`: the [schedule](lr_schedule.html)'s rate at this step;
-* `grad_norm`: the global gradient norm $\lVert g \rVert_2$ before clipping,
-  over all ranks' shards. With fp16 or clipping the engine reduces it already
-  (the [loss scaler](../optimizers/grad_scaler.html)'s overflow check, the
-  [clip](../optimizers/clip_grad.html)); otherwise each rank's $\sum_i g_i^2$
-  rides in the job's one all-reduce of the step's totals, so it costs no
-  collective of its own either way. With hybrid sharding every shard is held by
-  $N_d / K$ ranks, so that sum is divided by $N_d / K$;
-* `tokens_per_s`: the step's tokens over all ranks, $B A N_d T$, over its wall
-  time (the all-reduce of the totals syncs the host with the device, so the
-  time is the device's);
-* `mfu` (GPUs whose peak is known): model FLOPs utilisation, the model's FLOPs
-  per second over the dense peak of all $N_d$ devices,
-  $\text{MFU} = \frac{F \cdot \text{tokens/s}}{N_d \, P}$, with $P$ the data
-  sheet's dense bf16/fp16 figure (TF32 for fp32), as PaLM, Megatron-LM,
-  torchtitan and LLM Foundry count it. `mfu` below is the one function the
-  job, the benchmark and the results page use. A token costs about
-  $6\Psi_m + 12 L d T$
-  (tested: tests/finetune/test_step_metrics.py::test_flops_per_token)
-  FLOPs in a forward and backward (PaLM's count): $2\Psi_m$
-  forward and $4\Psi_m$ backward for the $\Psi_m$ weights of its matmuls (all
-  but the input embedding, a lookup), plus attention's scores and values;
-* `memory.peak`: this rank's peak device memory in GiB (the CUDA allocator's);
-  on CPU, the process's peak resident memory;
-* `loss_scale` (fp16): the loss scale after the step.
+$$\text{MFU} = \frac{F \cdot \text{tokens/s}}{N_d \, P}$$
 
-## Limitations
-
-* MFU counts every weight's gradient, as PaLM does; with frozen weights (biases,
-  LoRA) the hardware does about $4/6$ of those FLOPs, so MFU understates its use.
-* Peak FLOPs are a table of dense bf16/fp16 and TF32 figures from the vendors'
-  data sheets (`PEAK_FLOPS`); another GPU gets no MFU. A large matrix product
-  measured on the GPU reaches less than the data sheet's figure, so a share of
-  that measured peak reads higher; it may be shown beside MFU, named as such,
-  never instead of it.
+with $F$ a token's FLOPs and $P$ one device's dense peak; `memory.peak`; and
+`loss_scale` with fp16, the loss scale after the step.
 """
 
 from __future__ import annotations
@@ -63,13 +34,26 @@ __all__ = ["PEAK_FLOPS", "flops_per_token", "peak_flops", "peak_flops_of", "mfu"
 # Dense (not 2:4 sparse) peak FLOP/s per GPU from the vendors' data sheets:
 # name fragment → (bf16/fp16 tensor cores, fp32 through TF32). The first
 # fragment in the device's name wins, so a PCIe part precedes its SXM twin.
+# Another GPU gets no MFU. A large matrix product measured on the GPU reaches
+# less than the data sheet's figure, so a share of that measured peak reads
+# higher; it may be shown beside MFU, named as such, never instead of it.
 PEAK_FLOPS = {"H200": (989.4e12, 494.7e12), "H100 PCIe": (756e12, 378e12),
               "H100": (989.4e12, 494.7e12), "A100": (312e12, 156e12)}
 
 
 def flops_per_token(*, matmul_params: int, n_layers: int, d_model: int,
                     seq_len: int) -> float:
-    r"""A token's forward and backward FLOPs, as in the introduction."""
+    r"""
+    #### A token's forward and backward FLOPs
+
+    About $6\Psi_m + 12 L d T$
+    (tested: tests/finetune/test_step_metrics.py::test_flops_per_token), PaLM's
+    count: $2\Psi_m$ forward and $4\Psi_m$ backward for the $\Psi_m$ weights of
+    its matmuls (all but the input embedding, a lookup), plus attention's
+    scores and values. Every weight's gradient counts, as PaLM counts it; with
+    frozen weights (biases, LoRA) the hardware does about $4/6$ of those FLOPs,
+    so MFU understates its use.
+    """
     return 6.0 * matmul_params + 12.0 * n_layers * d_model * seq_len
 
 
@@ -98,14 +82,32 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 def mfu(*, token_flops: float, tokens_per_s: float, world_size: int,
         peak: float | None) -> float | None:
-    r"""$\frac{F \cdot \text{tokens/s}}{N_d P}$; `None` where the peak is unknown."""
+    r"""
+    ### Model FLOPs utilisation
+
+    The formula above: the model's FLOPs per second over the dense peak of all
+    $N_d$ devices, $P$ the data sheet's bf16/fp16 figure (TF32 for fp32), as
+    PaLM, Megatron-LM, torchtitan and LLM Foundry count it; the one function the
+    job, the benchmark and the results page use. `None` where the peak is
+    unknown.
+    """
     if peak is None:
         return None
     return token_flops * tokens_per_s / (world_size * peak)
 
 
 def local_grad_squares(shards: list[torch.Tensor]) -> torch.Tensor:
-    r"""$\sum_i g_i^2$ over this rank's shard gradients, 0-dim fp64, no sync."""
+    r"""
+    ### This rank's share of `grad_norm`
+
+    $\sum_i g_i^2$ over this rank's shard gradients, 0-dim fp64, no sync. With
+    fp16 or clipping the engine reduces the norm already (the [loss
+    scaler](../optimizers/grad_scaler.html)'s overflow check, the
+    [clip](../optimizers/clip_grad.html)); otherwise this sum rides in the job's
+    one all-reduce of the step's totals, so the norm costs no collective of its
+    own either way. With hybrid sharding every shard is held by $N_d / K$ ranks,
+    so the sum is divided by $N_d / K$.
+    """
     grads = shard_grads(shards)
     if not grads:
         return torch.zeros((), dtype=torch.float64)
@@ -113,7 +115,8 @@ def local_grad_squares(shards: list[torch.Tensor]) -> torch.Tensor:
 
 
 def peak_memory_gib(device: torch.device) -> float:
-    """This rank's peak memory: the CUDA allocator's, or the process's RSS."""
+    """`memory.peak`: this rank's peak memory in GiB, the CUDA allocator's, or
+    on CPU the process's peak resident memory."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -127,7 +130,9 @@ class StepClock:
 
     `lap()` returns the seconds since the previous call (or since creation);
     a validation or a save in between is excluded by calling `restart()` after
-    it.
+    it. `tokens_per_s` is the step's tokens over all ranks, $B A N_d T$, over
+    this time; the all-reduce of the totals syncs the host with the device, so
+    the time is the device's.
     """
 
     def __init__(self):

@@ -11,16 +11,8 @@ Each rank creates the same labml run (one uuid, agreed by a broadcast) with its 
 rank, so labml keeps a directory per rank (`<log_dir>/zero3_neox/<uuid>.<rank>/`)
 and the labml app merges them. The tracked numbers are already means over all
 ranks (one all-reduce of three scalars per step, see [the job](job.html)), so
-every rank's log agrees; only rank 0 prints. The app writer is on only when
-`app_url` answered a probe; otherwise nothing touches the network.
-
-On rank 0 a daemon thread sets up the run's page in the app (`RunPageSetup`):
-a chart for each health series beside the loss, and the configuration listed.
-
-Tracking never decides a run's outcome: labml's own sender thread is not a
-daemon and retries a failed request forever, so this page gives labml a sender
-with every wait bounded (`BoundedSender`, below), and every rank's records are
-on disk under `log_dir` whatever the app does.
+every rank's log agrees; only rank 0 prints. Tracking never decides a run's
+outcome: every rank's records are on disk under `log_dir` whatever the app does.
 """
 
 from __future__ import annotations
@@ -90,6 +82,10 @@ def local_log_written(timeout_s: float = LOG_WRITE_WAIT_S):
 
 
 # ## Sending to the app, bounded
+#
+# labml's own sender thread is not a daemon and retries a failed request
+# forever, so this page gives labml a sender with every wait bounded
+# (`BoundedSender`).
 
 # One request; labml's own waits minutes.
 REQUEST_TIMEOUT_S = 5.0
@@ -345,6 +341,8 @@ def start_labml(config: FinetuneConfig, ctx: DistContext, *, python_file: str
     client](../app/client.html)); a broadcast tells the others, so every rank
     agrees without each probing (and under torchrun, where no parent process
     could pick for them). `python_file` is the job's source, which labml records.
+    The app writer is on only when `app_url` answered the probe; otherwise
+    nothing touches the network.
     """
     from labml import experiment, lab, logger, tracker
 

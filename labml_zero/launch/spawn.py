@@ -19,14 +19,7 @@ creates or destroys the process group:
 
 Either way `fn(ctx)` receives a `DistContext` with the rank, the world size and the
 device, and `ctx.heartbeat(step)` to call once per step. How the launcher watches the
-ranks, names the one that failed or hung and keeps none alive after itself is
-[the next page](supervisor.html); `spawn` raises its `RankFailed`. A Ctrl-C, a
-`SIGTERM` or a `SIGHUP` ends every rank within $p + g$ (see `Signals`).
-
-## Limitations
-
-* On one host every rank must see the same number of GPUs (`CUDA_VISIBLE_DEVICES`).
-* Signals are handled only when `spawn` runs in the main thread (Python's rule).
+ranks is [the next page](supervisor.html).
 """
 
 from __future__ import annotations
@@ -336,7 +329,9 @@ def spawn(
     started with `spawn`, not `fork` (CUDA cannot be forked). Raises `RankFailed`
     if a rank fails or stops beating for `hang_timeout` seconds, `Interrupted` on
     `SIGINT`/`SIGTERM`; either way every rank has ended when it returns.
-    `timeout_s` is the process group's (`collective_timeout` by default).
+    `timeout_s` is the process group's (`collective_timeout` by default). Every
+    rank must see the same number of GPUs (`CUDA_VISIBLE_DEVICES`); signals are
+    handled only when `spawn` runs in the main thread (Python's rule).
     """
     backend = backend or default_backend()
     if world_size < 1:

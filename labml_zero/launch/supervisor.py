@@ -8,25 +8,16 @@ summary: How the launcher tells a rank's own failure from its echoes, names a ra
 # Watching the ranks
 
 [The launcher](spawn.html) starts the ranks; this page is how it watches them.
-The ranks of a ZeRO-3 job move in lockstep: every step is a chain of collectives
-that all $N_d$ ranks must join. So when one rank stops, by an exception, a signal or a
-hang, every other rank stops at its next collective, and each of them then reports
-an error of its own, an *echo*. The launcher's job is to tell the first failure
+Every step of a ZeRO-3 job is a chain of collectives that all $N_d$ ranks must
+join, so when one rank stops, every other rank stops at its next collective and
+reports an error of its own, an *echo*. The launcher's job is to tell the first failure
 from its echoes, end every process within a bounded time, and say in one line what
 happened. With a poll period $t_p$, a report window $t_w$ and a grace period $t_g$
 between `SIGTERM` and `SIGKILL`, every rank has ended at most
 
 $$t_{\text{end}} \le t_{\text{first failure}} + t_p + t_w + t_g$$
 
-after the first failure (`POLL_S`, `REPORT_WINDOW_S`, `GRACE_S` below). A failure
-is told from its echoes by the reports the ranks send (`report`), a hang by their
-heartbeats (`HangWatch`), a death by a signal by the rank's last lines on stderr
-(`StderrTail`), and no rank outlives the launcher (`die_with_parent`).
-
-## Limitations
-
-* Under torchrun each rank watches only its own heartbeat (see `self_watch`).
-* With NCCL a hung rank is named by its beats alone (see `main_thread_where`).
+after the first failure (`POLL_S`, `REPORT_WINDOW_S`, `GRACE_S` below).
 """
 
 from __future__ import annotations

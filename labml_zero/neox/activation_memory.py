@@ -17,17 +17,7 @@ norm, readout and loss, whose peak comes on top,
 
 $$A = \sum_{l=1}^{L} M_{\text{layer}, l} + M_{\text{loss}}$$
 
-(without recomputation; `activation_bytes`). The tests check each count tensor
-by tensor against what PyTorch saves
-(`torch.autograd.graph.saved_tensors_hooks`) on CPU.
-
-## Limitations
-
-* Eager PyTorch only. `torch.compile` (the bench's `--compile`) lets the
-  partitioner choose what to save and what to recompute, e.g. the GELU output
-  from $h$, which this count does not know.
-* Gradients in flight, kernel workspaces and the allocator's rounding are not
-  counted (see `activation_bytes`).
+(without recomputation; `activation_bytes`).
 """
 
 from __future__ import annotations
@@ -257,7 +247,11 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
     kernels' workspaces and the allocator's rounding and fragmentation are not
     counted. `lora_rank`, `lora_targets` and `kernels` are as in
     `layer_activation_bytes`; with the `loss` kernel the last part is
-    `chunked_loss_bytes`, which holds no logits.
+    `chunked_loss_bytes`, which holds no logits. Eager PyTorch only:
+    `torch.compile` (the bench's `--compile`) lets the partitioner choose what
+    to save and what to recompute, e.g. the GELU output from $h$, which this
+    count does not know. The tests check each count tensor by tensor against
+    what PyTorch saves (`torch.autograd.graph.saved_tensors_hooks`) on CPU.
 
     Per rank, for the five jobs of the benchmark ({{see: W1}}, {{see: W2}},
     {{see: W3}}, {{see: W4}} and {{see: W5}}), computed by this function when the

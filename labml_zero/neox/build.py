@@ -10,30 +10,14 @@ summary: The one function that builds a sharded GPT-NeoX with its optimizer, its
 
 The fine-tune job and the benchmark's labml_zero engine build the model through
 `build_neox`, so a figure the benchmark measures is the speed of the model the
-job trains. It does three things, in order:
+job trains. Its [fused kernels](kernels.html) are resolved for the device,
+`'auto'` being
 
-1. resolve the [fused kernels](kernels.html): `'auto'` is
+$$K(\text{device}) = \begin{cases} \text{every fusion} &
+\text{on CUDA} \\ \text{none} & \text{elsewhere} \end{cases}$$
 
-   $$K(\text{device}) = \begin{cases} \text{every fusion} &
-   \text{on CUDA} \\ \text{none} & \text{elsewhere} \end{cases}$$
-
-   every fusion being those that match their plain twin in the tests
-   (tested: tests/neox/test_kernels.py::test_model_with_every_kernel_is_the_plain_model);
-   on a CPU the fused functions would run as their twins anyway, so `'auto'`
-   builds the plain model there;
-2. build the layers on the meta device with those kernels (no memory);
-3. [`assemble`](../assembly.html) them: mark, shard, compile the transformer
-   layers if asked, place, optimizer, wire.
-
-What differs between the job and the benchmark (the recipe's learning rate,
-clipping, the initialiser, pretrained weights, the probe of the automatic
-offload) is the caller's, passed through.
-
-## Limitations
-
-* `'auto'` follows the device's type, not its speed: on a GPU where a fused
-  kernel is slower than its twin (a small model whose step the host sets the
-  pace of), name the kernels instead.
+every fusion being those that match their plain twin in the tests
+(tested: tests/neox/test_kernels.py::test_model_with_every_kernel_is_the_plain_model).
 """
 
 from __future__ import annotations
@@ -59,7 +43,11 @@ def resolve_kernels(spec: str, device: torch.device | str) -> ModelKernels:
     """
     ## `'auto'`, `'none'` or fusion names, to `ModelKernels` for `device`
 
-    An unknown name is a `ValueError` naming it (`ModelKernels.from_names`).
+    An unknown name is a `ValueError` naming it (`ModelKernels.from_names`). On
+    a CPU the fused functions would run as their twins anyway, so `'auto'`
+    builds the plain model there. `'auto'` follows the device's type, not its
+    speed: on a GPU where a fused kernel is slower than its twin (a small model
+    whose step the host sets the pace of), name the kernels instead.
     """
     if spec.strip() == AUTO:
         on_gpu = torch.device(device).type == "cuda"
@@ -93,7 +81,12 @@ def build_neox(build: NeoXBuild, recipe: Recipe, *, device: torch.device,
     """
     ## Build on meta with the kernels, then assemble
 
-    The callbacks are `assemble`'s, passed through. `recipe.compile_types` is
+    The layers are built on the meta device with the resolved kernels (no
+    memory), then [`assemble`](../assembly.html)d: marked, sharded, compiled if
+    asked, placed, given their optimizer, wired. What differs between the job
+    and the benchmark (the recipe's learning rate, clipping, the initialiser,
+    pretrained weights, the probe of the automatic offload) is the caller's:
+    the callbacks are `assemble`'s, passed through. `recipe.compile_types` is
     set here from `build.compile`, so no caller compiles another set of layers.
     """
     layers = build_layers(build.model, filter_layers=build.filter_layers,

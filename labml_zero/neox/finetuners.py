@@ -15,15 +15,6 @@ only trainable chunks carry gradients, fp32 masters and Adam moments, so with
 $\Psi_t$ trainable parameters out of $\Psi$ the model states cost
 $\frac{2\Psi + (4 + K)\Psi_t}{N_d}$ bytes per rank (bf16 parameters, the
 engine's fp32 gradient shard) instead of $\frac{(2 + 4 + K)\Psi}{N_d}$.
-
-There are four: the biases, the MLPs, everything, and [LoRA](lora.html)'s
-low-rank adapters, each built on the engine's
-[`mark_trainable`](../zero3/trainable.html). The embedding, final norm and readout are frozen
-by all but `FineTuneAll`.
-
-## Limitations
-
-* The first three choose by parameter name; only `FineTuneLoRA` adds parameters.
 """
 
 from __future__ import annotations
@@ -88,8 +79,12 @@ def finetuner(name: str, **options: Any
     """
     ### The fine-tuner called `name`: `'biases'`, `'ffn'`, `'all'` or `'lora'`
 
-    `options` are `FineTuneLoRA`'s fields (`rank`, `alpha`, `targets`); the
-    other fine-tuners take none. Callers that take a name (the job, the
+    Four, each built on the engine's [`mark_trainable`](../zero3/trainable.html):
+    the biases, the MLPs, everything, and [LoRA](lora.html)'s low-rank adapters.
+    The first three choose by parameter name; only `FineTuneLoRA` adds
+    parameters. The embedding, final norm and readout are frozen by all but
+    `FineTuneAll`. `options` are `FineTuneLoRA`'s fields (`rank`, `alpha`,
+    `targets`); the other fine-tuners take none. Callers that take a name (the job, the
     benchmark) resolve it here: the assembly takes the fine-tuner itself.
     """
     if name == "lora":

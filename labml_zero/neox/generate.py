@@ -14,12 +14,6 @@ gibberish). The model is any callable `ids [1, T] -> logits [1, T, V]`: our
 
 Each new token is greedy, $x_{t+1} = \arg\max_v \ell_v$, or drawn from the top
 $k$ logits (see `generate_ids`).
-
-## Limitations
-
-* Batch size one, no KV cache, no stop tokens other than the length limit.
-* When the text outgrows `max_context`, only the last `max_context` tokens are
-  fed, as a sliding window.
 """
 
 from __future__ import annotations
@@ -72,7 +66,10 @@ def generate_ids(model: Model, ids: list[int], *, n_tokens: int, n_vocab: int,
     ### Extend `ids` by `n_tokens` tokens
 
     `n_vocab` is the number of valid ids (the tokenizer's size); `generator`
-    seeds top-$k$ sampling (a CPU generator: sampling runs on the host).
+    seeds top-$k$ sampling (a CPU generator: sampling runs on the host). Batch
+    size one, no stop tokens other than the length limit; when the text
+    outgrows `max_context`, only the last `max_context` tokens are fed, as a
+    sliding window.
 
     Each new token re-runs the whole prefix (no KV cache): $O(n^2)$ forward
     tokens for $n$ new ones, negligible for the few dozen tokens of a sanity

@@ -16,26 +16,9 @@ a tensor of $n$ elements, at bandwidth $\beta$, the floor is
 $$t \ge \frac{(r + w)\, n}{\beta},$$
 
 so a fused kernel wins by touching each element fewer times, and, where the
-host sets the pace, by launching fewer kernels. `ModelKernels` names four such
-fusions; `build_layers(config, kernels=...)` hands the choice to every layer
-once. Each fused function has its plain PyTorch twin beside it: the twin runs
-on a CPU and is the reference the tests compare against
+host sets the pace, by launching fewer kernels. Each fused function has its
+plain PyTorch twin beside it, the reference the tests compare against
 (tested: tests/neox/test_kernels.py::test_model_with_every_kernel_is_the_plain_model).
-The figures below are for Pythia-1.4B at {{py: 8 * 2048 | ,}} tokens a step
-($d$ = {{py: neox_model.pythia_1_4b().d_model}}, $V$ = {{py:
-neox_model.pythia_1_4b().n_vocab | ,}}, $d_r$ = {{py:
-neox_model.pythia_1_4b().rotary_dim}}); launches are counted by running the
-twin on the meta device (`forward_launches`). The benchmark's README has each
-kernel's measured gain alone and in the step.
-
-## Limitations
-
-* The compiled kernels run only on CUDA tensors; elsewhere (and inside a
-  `torch.compile` of the whole layer, where Inductor fuses by itself) the same
-  functions run uncompiled or are traced inline.
-* The chunked loss computes its gradient in the forward pass, so a forward with
-  gradients enabled costs the backward's matrix products even if no backward
-  follows; under `torch.no_grad` it computes the loss alone.
 """
 
 from __future__ import annotations
@@ -63,7 +46,14 @@ class ModelKernels:
 
     Every field off is the plain PyTorch model; `all_fused()` turns every
     fusion on. `from_names("loss,rotary")` builds one from the field names,
-    which is also how the benchmark's `--kernels` flag reads.
+    which is also how the benchmark's `--kernels` flag reads;
+    `build_layers(config, kernels=...)` hands the choice to every layer once.
+    The figures on this page are for Pythia-1.4B at {{py: 8 * 2048 | ,}} tokens
+    a step ($d$ = {{py: neox_model.pythia_1_4b().d_model}}, $V$ = {{py:
+    neox_model.pythia_1_4b().n_vocab | ,}}, $d_r$ = {{py:
+    neox_model.pythia_1_4b().rotary_dim}}); launches are counted by running the
+    twin on the meta device (`forward_launches`). The benchmark's README has
+    each kernel's measured gain alone and in the step.
 
     Three fusions are on this page, each beside its twin. The fourth, `rotary`,
     lives on the [rotary page](rotary.html) beside the formula it compiles:
@@ -152,7 +142,8 @@ def on_gpu_compiled(fn: Callable) -> Callable:
     #### Run `fn` compiled on CUDA tensors, as written elsewhere
 
     Inside a compiled layer (`torch.compiler.is_compiling()`) `fn` is traced
-    inline like any other code, so the layer's compilation sees through it.
+    inline like any other code, so the layer's compilation sees through it
+    (Inductor fuses by itself there); on a CPU it runs uncompiled.
     """
 
     @functools.wraps(fn)
@@ -314,7 +305,10 @@ def chunked_readout_loss(x: torch.Tensor, weight: torch.Tensor,
     `plain_readout_loss`. What it holds: $\partial L / \partial x$
     (`[BT, d]`, the size of the input), $\partial L / \partial W$ in fp32
     ($4Vd$ bytes) and one chunk's logits and gradient at a time, instead of
-    `plain_loss_bytes_per_row` bytes for every token.
+    `plain_loss_bytes_per_row` bytes for every token. It computes its gradient
+    in the forward pass, so a forward with gradients enabled costs the
+    backward's matrix products even if no backward follows; under
+    `torch.no_grad` it computes the loss alone.
     """
     if torch.is_autocast_enabled(x.device.type):
         # what autocast would give `F.linear`: both operands in its dtype (a

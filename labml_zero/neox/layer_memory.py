@@ -21,13 +21,6 @@ $d_{ff} = 4d$ its bf16 tensors add up to $c\,nd$ elements, and a layer keeps
 $$M_{\text{layer}} = 2 c\, nd + 4 \cdot 4n + 4 n_h n
 \text{ bytes}, \qquad c = 16, 14, 9 \text{ for all, ffn, biases}.$$
 (tested: tests/neox/test_activation_memory.py::test_layer_counts_by_finetuner)
-
-## Limitations
-
-* Eager PyTorch only: under `torch.compile` the partitioner chooses what a
-  layer saves.
-* CUDA's memory-efficient attention backend saves $nd$ less under the full
-  fine-tune (see Note: the attention output is copied).
 """
 
 from __future__ import annotations
@@ -231,6 +224,10 @@ def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
                            kernels: ModelKernels | None = None) -> int:
     r"""
     ### Bytes one transformer layer keeps from forward to backward
+
+    Eager PyTorch only: under `torch.compile` the partitioner chooses what a
+    layer saves. CUDA's memory-efficient attention backend saves $nd$ less
+    under the full fine-tune (see Note: the attention output is copied).
 
     * `batch`, `seq` are $B$ and $T$ per rank; everything scales with
       $n = BT$.

@@ -17,12 +17,6 @@ replaced by $W' = W + \frac{\alpha}{r} B A$ (`--export-hf`, or its older name
 go](../hf/export_destination.html) are [shared with the Llama
 family](../hf/peft_adapter.html); this page gathers a sharded GPT-NeoX model
 for them, one chunk at a time.
-
-## Limitations
-
-* In a bf16 or fp16 checkpoint an update smaller than half a unit in the
-  last place of $W$ is lost (see `merged`); the fp32 masters stay in the
-  sharded checkpoint.
 """
 
 from __future__ import annotations
@@ -89,7 +83,9 @@ def save_merged_checkpoint(out_dir: str | os.PathLike, model,
     layers, with adapters when `lora` is given, else any fine-tune); rank 0
     writes `out_dir` and returns it, the others return `None`. `config` is the
     model's shape (for `config.json`); `dtype` casts every tensor (the merge
-    itself is computed in higher precision): the base snapshot's, so a bf16
+    itself is computed in higher precision; in a bf16 or fp16 checkpoint an
+    update smaller than half a unit in the last place of $W$ is lost, while the
+    fp32 masters stay in the sharded checkpoint): the base snapshot's, so a bf16
     base stays bf16 even when a CPU run trained it in fp32, else the training
     dtype. `side_files` (`{name: text}`, `hf_side_files`: `config.json`'s
     companions, the tokenizer the job encoded with and

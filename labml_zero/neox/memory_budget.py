@@ -10,44 +10,14 @@ summary: Every byte a rank holds and moves for one GPT-NeoX fine-tune, from the
 # Memory budget of a fine-tune
 
 The [memory model](../zero3/memory_model.html) counts each kind of byte alone;
-this page, beside the model it budgets, adds them up for one concrete job, a
-GPT-NeoX model fine-tuned by this engine
-(`assembly.assemble`: the layers as units, a searched or fixed chunk size, an
-optimizer state partly on the host). `budget(BudgetInputs(...))` returns every
-part as a `Budget`, and the calculator on the memory model's page computes the
-same parts in the reader's browser; a test in headless Chromium compares the two
-on hundreds of inputs.
-
-A rank's device memory peaks either at the start of the last backward pass of a
-step, when every activation is alive, or at the optimizer step, when every
-gradient shard is:
+this page adds them up for one GPT-NeoX fine-tune of this engine, the sum the
+calculator on the memory model's page computes in the reader's browser. A
+rank's device memory peaks at the start of the last backward pass of a step,
+when every activation is alive, or at the optimizer step, when every gradient
+shard is:
 
 $$M_{\text{peak}} = \max\left(M_{\text{dev}},\;
   M_{\text{dev}} - g\,S_t + G + A + B'\right)$$
-
-(the first term drops out when each shard is updated during the backward pass,
-`update_during_backward`, and the second then adds $E$, the freed gradients
-that the updates still queued hold: `early_update_grads`)
-
-with $M_{\text{dev}}$ the model states on the device (the parameter shards,
-the fp32 gradient shards $g\,S_t$, the optimizer state not on the host), $G$ the
-gathered chunks of the widest window (`gathered_memory`; none with one rank), $A$ the activations
-(`activation_bytes`, for every fine-tuner: LoRA's with each target's input and
-each adapter's $A x$ at its rank) and $B'$ the gradient buffers: the largest one
-(`largest_grad_buffer`), or under gradient accumulation all of them
-(`accumulated_grad_buffers`). The gradient shards are made by the reduction,
-while the activations are being freed, so the second term leaves them out.
-
-## Limitations
-
-* The same as its parts': eager activations, no allocator fragmentation, no
-  temporaries of the optimizer step, ring traffic.
-* No root unit: the fine-tune's `Zero3Sequential` puts every parameter in a
-  unit. A model wrapped by `shard_model` keeps the rest of its parameters
-  gathered for the whole step, $p$ times their elements beside every window.
-* The automatic {{see: placement}} of the engine measures its probe step;
-  `offload_fraction=None` predicts it from the formula instead, and keeps no
-  chunk resident.
 """
 
 from __future__ import annotations
@@ -67,7 +37,7 @@ from labml_zero.zero3.config import ZeroConfig
 from labml_zero.zero3.hybrid_memory import hybrid_step_comm, hybrid_wire_bytes
 from labml_zero.zero3.memory_model import (GRAD_BYTES, accumulated_grad_buffers,
                                            early_update_grads, gathered_memory,
-                                           largest_grad_buffer)
+                                           held_grads, largest_grad_buffer)
 from labml_zero.zero3.placement import (ShardSpec, StaticPlacement,
                                         auto_placement, device_optimizer_bytes,
                                         offload_traffic, resident_bytes)
@@ -190,7 +160,12 @@ class Budget:
     """Master and moments on the host, with their pinned staging buffer."""
     gathered: int
     grad_buffer: int
+    r"""$B$, the largest chunk's gradient buffer beside the gradients held for it
+    (`largest_grad_buffer`); on one rank with an fp32 reduction, which needs no
+    buffer, the held gradients alone."""
     accumulation: int
+    r"""Every trainable chunk's buffer under accumulation, $g_r \sum_k C_k$; in
+    the peak one chunk's held gradients come on top."""
     early_grads: int
     """$E$, the gradients the early updates in flight hold
     (`update_during_backward`)."""
@@ -241,10 +216,27 @@ def _cached_layout(model, finetune, lora_rank, lora_targets, group_size, param_d
 
 
 def budget(inputs: BudgetInputs) -> Budget:
-    """
+    r"""
     ## Every part of the budget of one job
 
     Each part is the function of its own page; only the sum is new.
+    $M_{\text{dev}}$ is the model states on the device (the parameter shards,
+    the fp32 gradient shards $g\,S_t$, the optimizer state not on the host), $G$
+    the gathered chunks of the widest window (none with one rank), $A$ the
+    activations (LoRA's with each target's input and each adapter's $A x$) and
+    $B'$ the gradient buffers with the gradients held for them: the largest
+    chunk's (`largest_grad_buffer`), or under accumulation all the buffers and
+    one chunk's held gradients. The gradient shards are made by the reduction,
+    while the activations are being freed, so the backward term leaves them out;
+    with `update_during_backward` the first term drops out and the second adds
+    $E$, the freed gradients that the queued updates still hold.
+
+    What it leaves out: what its parts leave out (eager activations, no
+    allocator fragmentation, no temporaries of the optimizer step, ring
+    traffic); a root unit (the fine-tune's `Zero3Sequential` puts every
+    parameter in a unit); the engine's measured probe step, which
+    `offload_fraction=None` predicts from the formula instead, keeping no chunk
+    resident.
     """
     if inputs.world_size % inputs.group_size:
         raise ValueError(f"shard_group_size {inputs.group_size} does not divide "
@@ -261,13 +253,16 @@ def budget(inputs: BudgetInputs) -> Budget:
     # One rank and an fp32 reduction: the gradients are cast straight into the
     # shard, no buffer and no collective (the chunk's `reduce`).
     alone = inputs.group_size == 1 and replicas == 1 and g_r == 4
-    buffer = largest_grad_buffer(layout, g_r) if trainable and not alone else 0
+    # The held gradients are alive either way: beside the buffer they are
+    # copied into, or, alone, while they are cast into the shard.
+    held = held_grads(layout, p)
+    buffer = largest_grad_buffer(layout, g_r, p) if not alone else held
     accumulation = (accumulated_grad_buffers(layout, g_r)
                     if inputs.micro_batches > 1 else 0)
     # The freed gradients the queued updates hold: in the parameter dtype on
     # one rank alone (the shard's Note: one rank keeps the parameter dtype).
-    held = p if alone and inputs.micro_batches == 1 else GRAD_BYTES
-    early = (early_update_grads(layout, held)
+    queued = p if alone and inputs.micro_batches == 1 else GRAD_BYTES
+    early = (early_update_grads(layout, queued)
              if inputs.update_during_backward else 0)
     activations = activation_bytes(
         inputs.model, batch=inputs.batch, seq=inputs.seq, finetune=inputs.finetune,
@@ -280,7 +275,7 @@ def budget(inputs: BudgetInputs) -> Budget:
     grads = GRAD_BYTES * trainable
     without_optimizer = nothing.device - k_device * trainable
     backward = (without_optimizer - grads + gathered + activations
-                + max(buffer, accumulation) + early)
+                + max(buffer, accumulation + held) + early)
     other = backward if inputs.update_during_backward else max(without_optimizer,
                                                                 backward)
     if states.master is None:
@@ -355,7 +350,7 @@ def example() -> Budget:
     memory_budget.example().gathered / 2**30 | .3f}} |
     | activations | $A$ | {{py:
     memory_budget.example().activations / 2**30 | .3f}} |
-    | largest gradient buffer | $B$ | {{py:
+    | largest gradient buffer, with its held gradients | $B$ | {{py:
     memory_budget.example().grad_buffer / 2**30 | .3f}} |
     | peak | $M_{\text{peak}}$ | {{py:
     memory_budget.example().peak / 2**30 | .3f}} |

@@ -11,38 +11,17 @@ summary: GPT-NeoX as a list of layers (embedding, transformer layers, final norm
 
 GPT-NeoX ([Black et al.](https://arxiv.org/abs/2204.06745)) and the Pythia
 suite ([Biderman et al.](https://arxiv.org/abs/2304.01373)) are decoder-only
-transformers with two departures from GPT-2. The first is the **parallel
-residual**: attention and the MLP both read the *same* input $x_l$, each through
-its own layer norm, and both outputs are added to the residual stream,
+transformers with two departures from GPT-2: **partial rotary embeddings**
+(see [rotary embeddings](rotary.html)) and the **parallel residual**, attention
+and the MLP both reading the *same* input $x_l$, each through its own layer
+norm:
 
 $$x_{l+1} = x_l + \operatorname{Attn}(\operatorname{LN}_1(x_l))
                 + \operatorname{MLP}(\operatorname{LN}_2(x_l)).$$
 
-The two branches are independent, so they could run at the same time. A
-checkpoint with `use_parallel_residual=False` (none of the released ones) has
-GPT-2's **sequential residual** instead, the MLP reading the attention's sum,
-
-$$y_l = x_l + \operatorname{Attn}(\operatorname{LN}_1(x_l)), \qquad
-x_{l+1} = y_l + \operatorname{MLP}(\operatorname{LN}_2(y_l)),$$
-
-with the same parameters under the same names. The second
-is **partial rotary embeddings** (see [rotary embeddings](rotary.html)). The model is a list of
-layers, since the ZeRO engine shards and gathers one layer at a time
-(`build_layers`). The shapes come from a `NeoXConfig` (see [GPT-NeoX
-configuration](config.html)), re-exported here.
-The passes between the matrix products (readout and loss, rotary embeddings,
-the two layer norms, bias and GELU) are either plain PyTorch or [fused
-kernels](kernels.html), chosen once by `build_layers(config, kernels=...)`;
-the fused kernels page says what each saves, in bytes and launches.
-
-## Limitations
-
-* No KV cache and no attention mask other than causal: every forward sees whole
-  sequences of equal length (training and the simple sampler of `generate.py`).
-* No dropout (the released models use none).
-* The fused `norms` kernel reads one $x$ for both norms, so it serves the
-  parallel residual only; a sequential layer runs its two norms in turn.
-* Input and output embeddings are never tied, as in every released GPT-NeoX.
+The model is a list of layers, since the ZeRO engine shards and gathers one
+layer at a time (`build_layers`), with shapes from a `NeoXConfig` (see
+[GPT-NeoX configuration](config.html)).
 """
 
 from __future__ import annotations
@@ -159,7 +138,8 @@ class Embedding(nn.Module):
     ## Token embedding
 
     `embed_in`: `[B, T]` long ids to `[B, T, d]` vectors. There are no position
-    embeddings; positions enter only through the rotary angles.
+    embeddings; positions enter only through the rotary angles. Input and
+    output embeddings are never tied, as in every released GPT-NeoX.
     """
 
     def __init__(self, config: NeoXConfig, *, device=None, dtype=None):
@@ -187,7 +167,10 @@ class Attention(nn.Module):
     `query_key_value` is one `d → 3d` linear whose output is laid out
     **head-major**: for each head, its $q$, $k$ and $v$ are adjacent
     (`[n_h, 3, d_h]`), not `[3, n_h, d_h]` as in GPT-2. Reading it in the wrong
-    order still runs, and silently gives nonsense.
+    order still runs, and silently gives nonsense. Causal, with no other mask
+    and no KV cache: every forward sees whole sequences of equal length
+    (training and the simple sampler of `generate.py`); no dropout (the
+    released models use none).
     """
 
     def __init__(self, config: NeoXConfig, *, kernels: ModelKernels | None = None,
@@ -275,7 +258,16 @@ class TransformerLayer(nn.Module):
     $x + \operatorname{Attn}(\operatorname{LN}_1(x))
        + \operatorname{MLP}(\operatorname{LN}_2(x))$, or, with
     `config.use_parallel_residual=False`, the sequential $y + \operatorname{MLP}(
-    \operatorname{LN}_2(y))$ of $y = x + \operatorname{Attn}(\operatorname{LN}_1(x))$.
+    \operatorname{LN}_2(y))$ of $y = x + \operatorname{Attn}(\operatorname{LN}_1(x))$,
+    GPT-2's sequential residual, with the same parameters under the same names
+    (none of the released checkpoints has it). The parallel branches are
+    independent, so they could run at the same time.
+
+    The passes between the matrix products (rotary embeddings, the two layer
+    norms, bias and GELU) are plain PyTorch or [fused kernels](kernels.html),
+    chosen once by `build_layers(config, kernels=...)`. The fused `norms`
+    kernel reads one $x$ for both norms, so it serves the parallel residual
+    only; a sequential layer runs its two norms in turn.
 
     `layer_idx` is the index in the *full* model, also when `build_layers` keeps
     only some layers, so the checkpoint name of every parameter is known.

@@ -8,15 +8,13 @@ summary: The ZeRO-3 engine's package, its pages in reading order.
 
 The engine's overview is the first page of the core path,
 [ZeRO-3 in six pages](../index.html); this package holds the engine itself,
-and its pages follow below in reading order: the configuration, the
-{{see: chunk layout}}, the chunk, [its gradients](chunk_grads.html) and
-[the shard](shard.html), communication and
-[its transports](transport.html), then {{see: placement}}, other transports and compiled
-layers. [The step as one CUDA graph](../optimizers/graphed_step.html) needs the
-optimizer's captured updates, so its page is with the optimizers'. `ZeroConfig`, `shard_model`, `Zero3Sequential`, `save_checkpoint` and
-`load_checkpoint` are re-exported here.
+its pages below in reading order. [The step as one CUDA
+graph](../optimizers/graphed_step.html) needs the optimizer's captured updates,
+so its page is with the optimizers'.
 """
 
+# The engine's public API, re-exported here: `ZeroConfig`, `shard_model`,
+# `Zero3Sequential`, `save_checkpoint` and `load_checkpoint` above all.
 from .checkpoint import (CheckpointError, export_full_state_dict, load_checkpoint,
                          save_checkpoint)
 from .config import ZeroConfig

@@ -6,20 +6,17 @@ summary: One flat buffer of parameters, sharded over ranks; gather, release, red
 
 # Chunk
 
-A chunk is the unit of memory and of communication in this engine. The
-[layout](chunk_layout.html) decided which parameters it holds and where; this page
-owns the tensors.
+A chunk is the unit of memory and of communication in this engine; the
+[layout](chunk_layout.html) decided which parameters it holds, this page owns
+the tensors. Every rank keeps its *shard* (its [local shard](shard.html),
+`chunk.local`), a flat slice of
 
-Every rank keeps its *shard*, a flat slice of $S = C / N_d$ elements of the
-chunk's $C$ elements, in the parameter dtype (bf16, fp16 or fp32); that and the
-rest of the rank's state of the chunk belong to its
-[local shard](shard.html) (`chunk.local`). The parameters
-of the module are **views into one full-size buffer** `full` of $C$ elements. Most
-of the time that buffer has no storage at all; gathering gives it storage and fills
-it with one all-gather (through the chunk's [transport](transport.html)),
-releasing takes the storage away again. The modules never
-notice: their `nn.Parameter` objects stay the same, only the memory behind them
-comes and goes.
+$$S = \frac{C}{N_d}$$
+
+of the chunk's $C$ elements. The parameters of the module are **views into one
+full-size buffer** `full` of $C$ elements, which has storage only while
+gathered: the modules never notice, their `nn.Parameter` objects stay the
+same, only the memory behind them comes and goes.
 """
 
 from __future__ import annotations

@@ -91,9 +91,13 @@ class ChunkGrads:
     | `full` | $C$ | $g_r$ (reduce dtype) | the first `flush` to `reduce` |
     | `local.grad` | $S$ | 4 ($p$ on one rank, see the shard's Note: one rank keeps the parameter dtype) | the first `reduce` to `zero_grad` |
 
-    Under `no_sync`, `full` lives from the first micro-batch to the backward that
-    reduces it, every trainable chunk's at once: about $g_r \Psi_t$ bytes per rank,
-    not divided by $N_d$; the [memory model](memory_model.html) counts them.
+    The held gradients and `full` are alive together at the copy, and the reduce
+    stream holds the gradients until it has read them: $(p + g_r)\,C$ bytes for
+    the largest chunk, the [memory model](memory_model.html)'s
+    `largest_grad_buffer`. Under `no_sync`, `full` lives from the first
+    micro-batch to the backward that reduces it, every trainable chunk's at once:
+    about $g_r \Psi_t$ bytes per rank, not divided by $N_d$, with one chunk's
+    held gradients beside them; the memory model counts both.
     """
 
     def __init__(self, spec: ChunkSpec, local: LocalShard, comm: Communicator,

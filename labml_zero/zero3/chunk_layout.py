@@ -15,18 +15,12 @@ handful of kernels.
 
 This page is pure arithmetic: the {{term: chunk layout}} it computes decides
 *where* every parameter lives and touches no tensor, so the search can simulate
-thousands of layouts and the tests can check layouts by hand. `plan_chunks` states
-each packing rule beside the line that applies it.
+thousands of layouts and the tests can check layouts by hand.
 
 The layout of a Pythia-160M-shaped model on two ranks, at two chunk sizes,
 computed by `plan_chunks` itself (hover a box for its parameter):
 
 ![chunk layout](figures/chunk_layout.svg)
-
-## Limitations
-
-* A parameter shared by two groups (tied weights) must belong to one group only;
-  the wrapper that builds the specs puts it in the group it meets first.
 """
 
 from __future__ import annotations
@@ -45,6 +39,9 @@ class ParamSpec:
     * `shape` is its shape; only the number of elements matters for packing.
     * `trainable` says whether it gets gradients and optimizer state.
     * `group` is the index of the layer (the unit of gather and release) it belongs to.
+      A parameter shared by two groups (tied weights) must belong to one group
+      only; the wrapper that builds the specs puts it in the group it meets
+      first.
     """
 
     name: str

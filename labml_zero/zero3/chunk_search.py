@@ -10,24 +10,15 @@ The {{see: chunk layout}} packs
 parameters, in execution order, into flat *chunks* of one common size $c$ (in
 elements); a chunk never spans a *group* (one layer, the unit that the hooks
 gather and release), and the space a chunk holds but no parameter fills is
-{{term: padding}}. This page picks $c$. Like ColossalAI's
-Gemini (`search_chunk_configuration`), it tries every *candidate* size in a range
-and scores the layout each one gives; it departs from it in what it simulates and
-in what it scores.
-
-For a candidate $c$, let $C_k$ be the size of chunk $k$ and $u_k$ the elements of
-parameters in it, $p$ the bytes of the parameter dtype, $g_r$ those of the reduce
-dtype (the dtype gradients are reduce-scattered in) and $D$ the prefetch depth
-(groups gathered ahead of the running one). The search minimizes
+{{term: padding}}. This page picks $c$: like ColossalAI's Gemini
+(`search_chunk_configuration`), it tries every *candidate* size in a range and
+scores the layout each one gives,
 
 $$\text{score}(c) = W + \mu \, n_{\text{collectives}} + \lambda \, (G + B)$$
 
 of the padding $W$, the collectives $n_{\text{collectives}}$ at a price $\mu$
 each, and the peak gathered $G$ and gradient buffer $B$ at a price $\lambda$ per
-byte; `score_candidate` defines each term beside the line that computes it.
-Note: why not padding alone shows, on a model of three parameters, why the
-memory terms are needed; Note: GPT-NeoX-20B works the search through a real
-model.
+byte, each term beside the line of `score_candidate` that computes it.
 """
 
 from __future__ import annotations
@@ -335,7 +326,8 @@ def search_chunk_size(
     # chunks instead of one cost $3 \cdot 3 - 3 = 6$ more collectives per layer per
     # step, $192$
     # (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
-    # MiB, against a gradient buffer $8h^2 \cdot 4$ bytes smaller ($1.2$
+    # MiB, against a gradient buffer and its held gradients
+    # $8h^2 \cdot (4 + 2)$ bytes smaller ($1.8$
     # (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
     # GB at GPT-NeoX-20B's $h$, but the embedding's buffer is larger still and sets the
     # term): one chunk per layer, $12h^2 + 13h$
@@ -436,7 +428,9 @@ def score_candidate(
     ### Score one candidate size
 
     $\text{score}(c) = W + \mu \, n_{\text{collectives}} + \lambda \, (G + B)$
-    with
+    with $C_k$ the size of chunk $k$ and $u_k$ the elements of parameters in it,
+    $p$ the bytes of the parameter dtype, $g_r$ those of the reduce dtype and $D$
+    the prefetch depth (groups gathered ahead of the running one), and
 
     * the *waste* $W = p \sum_k (C_k - u_k)$, the padding in bytes;
     * $n_{\text{collectives}}$ the collectives of one training step, each at a
@@ -444,9 +438,9 @@ def score_candidate(
     * the *peak gathered* $G = p \max_i \sum_{j=i}^{i+D} C(\text{group}_j)$, the
       most parameter bytes gathered at once ($C(\text{group})$ the elements of a
       group's chunks);
-    * the *gradient buffer* $B = g_r \max_{k \text{ trainable}} C_k$, the largest
-      full-size gradient buffer of backward; the gradients held until they are
-      copied into it, $p\,C_k$ bytes more at that moment, are not counted;
+    * the *gradient buffer* $B = (p + g_r) \max_{k \text{ trainable}} C_k$, the
+      largest full-size gradient buffer of backward with the gradients held
+      until they are copied into it;
     * $\lambda$ the price of a byte of peak memory in bytes of waste.
 
     Plans each distinct group shape once and adds up the totals, weighted by
@@ -511,30 +505,31 @@ def score_candidate(
     #
     # | $c$ | chunks | padding | peak | gradient buffer | score |
     # |---|---|---|---|---|---|
-    # | 3 | `[2.] [3]`, `[1]` | 1 | 6 | 3 | $2 \cdot 1 + 2 \cdot 6 + 4 \cdot 3$ |
-    # | 4 | `[2..] [3]`, `[1]` | 2 | 7 | 4 | $2 \cdot 2 + 2 \cdot 7 + 4 \cdot 4$ |
-    # | 5 | `[2 3]`, `[1]` | 0 | 5 | 5 | $2 \cdot 0 + 2 \cdot 5 + 4 \cdot 5$ |
+    # | 3 | `[2.] [3]`, `[1]` | 1 | 6 | 3 | $2 \cdot 1 + 2 \cdot 6 + 6 \cdot 3$ |
+    # | 4 | `[2..] [3]`, `[1]` | 2 | 7 | 4 | $2 \cdot 2 + 2 \cdot 7 + 6 \cdot 4$ |
+    # | 5 | `[2 3]`, `[1]` | 0 | 5 | 5 | $2 \cdot 0 + 2 \cdot 5 + 6 \cdot 5$ |
     #
-    # The scores, $2 \cdot$ padding $+ \; 2 \cdot$ peak $+ \; 4 \cdot$ gradient
-    # buffer, are 26 (tested:
+    # The scores, $2 \cdot$ padding $+ \; 2 \cdot$ peak $+ \; (2 + 4) \cdot$
+    # gradient buffer, are 32 (tested:
     # tests/zero3/test_chunk_search.py::test_the_gradient_buffer_picks_a_smaller_chunk),
-    # 34 (tested:
+    # 42 (tested:
     # tests/zero3/test_chunk_search.py::test_the_gradient_buffer_picks_a_smaller_chunk)
-    # and 30 (tested:
+    # and 40 (tested:
     # tests/zero3/test_chunk_search.py::test_the_gradient_buffer_picks_a_smaller_chunk).
     # Padding alone picks $c = 5$, one chunk per layer. The score picks $c = 3$: one
     # element of padding and one more gathered, but layer 0's gradient is reduced in
     # two pieces of at most 3, the first as soon as the second parameter's gradient
-    # is in. A price of $\mu = 2$ bytes per collective (9 collectives a step at
+    # is in. A price of $\mu = 3$ bytes per collective (9 collectives a step at
     # $c = 3$, 6 at $c = 5$) turns it back to $c = 5$. In a real model the same
     # trades set how many chunks a layer gets.
     #
     # *Gradient buffer* is the memory model's `largest_grad_buffer`: in backward
-    # each trainable chunk adds its parameters' gradients into a full-size
-    # buffer of $C_k$ elements in the reduce dtype, and reduce-scatters and frees
-    # it only once all of them have arrived. A maximum, not a sum: one shape's
-    # plan stands for all its groups.
-    grad_buffer = max(largest_grad_buffer(plan, config.grad_bytes) for plan in plans)
+    # each trainable chunk holds its parameters' gradients ($p$ bytes an element)
+    # until all of them have arrived, copies them into a full-size buffer of
+    # $C_k$ elements in the reduce dtype, and reduce-scatters and frees it. A
+    # maximum, not a sum: one shape's plan stands for all its groups.
+    grad_buffer = max(largest_grad_buffer(plan, config.grad_bytes, config.param_bytes)
+                      for plan in plans)
     # *Waste* is the padding of all chunks in bytes. Every rank stores its share
     # of it (summed over ranks, the whole of it), every all-gather moves it and
     # every reduce-scatter reduces it. It is what ColossalAI minimizes (in

@@ -21,14 +21,7 @@ So this page compiles a layer's `forward`, not its call:
 $$\texttt{module.forward} \leftarrow \texttt{torch.compile}(\texttt{module.forward})$$
 
 and the call around it, with every hook, collective, side stream and event, stays
-eager. `compile_layers` says why that is enough for one compilation to serve
-every layer of a shape and every step, and `default_compile_backend` which
-backend runs where.
-
-## Limitations
-
-* On CPU the compiled path is checked for correctness, not speed.
-* The first step pays for the compilation (tens of seconds on a GPU).
+eager.
 """
 
 from __future__ import annotations
@@ -70,7 +63,8 @@ def compile_layers(
       embedding and the readout gain nothing).
     * `backend`: default `default_compile_backend(device)`.
 
-    Returns how many layers were compiled.
+    Returns how many layers were compiled. The first step pays for the
+    compilation (tens of seconds on a GPU).
 
     *Why one compilation serves every layer and step.* Inside the compiled code
     the parameters are views into the gathered chunk buffer. Dynamo guards on

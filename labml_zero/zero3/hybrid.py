@@ -21,9 +21,8 @@ over its $N_s$ ranks. The ranks that hold the same shard in every group form a
 2. one all-reduce (mean) per trainable chunk across the replica group, of the
    $S = C / N_s$ elements of the shard only.
 
-`ZeroConfig(shard_group_size=K)` turns it on (the
-[communicator](communication.html) makes the shard group, `ReplicaGroup`
-below the replica group); `--shard-group-size K` in the fine-tune.
+`ZeroConfig(shard_group_size=K)` turns it on; `--shard-group-size K` in the
+fine-tune.
 
 """
 
@@ -51,11 +50,12 @@ class ReplicaGroup:
       world rank $jN_s + q$. The group with `rank` 0 writes the checkpoints.
     * `counter` is the communicator's, into which the all-reduces count.
 
-    Built by `for_config`, once per model, right after the communicator has made
-    its shard group. The shard group is $N_s$ consecutive ranks, so a host's
-    ranks must be consecutive, as `torchrun` numbers them. Checkpoints are
-    written by the first shard group alone (every group holds the same shards);
-    the per-rank state saved, the RNG and `rank_extra`, is that group's.
+    Built by `for_config`, once per model, right after the
+    [communicator](communication.html) has made its shard group. The shard group is
+    $N_s$ consecutive ranks, so a host's ranks must be consecutive, as `torchrun`
+    numbers them. Checkpoints are written by the first shard group alone (every
+    group holds the same shards); the per-rank state saved, the RNG and
+    `rank_extra`, is that group's.
     """
 
     def __init__(self, group, *, size: int, rank: int, counter: CommCounter):

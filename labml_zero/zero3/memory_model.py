@@ -70,6 +70,7 @@ __all__ = [
     "peak_window_numel",
     "ROOT_GROUP",
     "root_unit_bytes",
+    "held_grads",
     "largest_grad_buffer",
     "accumulated_grad_buffers",
     "EARLY_UPDATES_IN_FLIGHT",
@@ -225,10 +226,12 @@ def layout_model_states(
 # * the gathered chunks of $1 + D$ units ($D$ the {{see: prefetch depth}},
 #   `prefetch_depth`; `gathered_peak`), and those of the root unit and the
 #   held units for the whole step (`root_unit_bytes`, `gathered_peak`);
-# * in backward, the full-size gradient buffer of a chunk until it is reduced
-#   (`largest_grad_buffer`), all of them at once under gradient accumulation
-#   (`accumulated_grad_buffers`), in the {{term: reduce dtype}} of $g_r$ bytes,
-#   the dtype gradients are reduce-scattered in.
+# * in backward, a chunk's gradients, held until they are copied into its
+#   full-size gradient buffer (`held_grads`), and that buffer until it is
+#   reduced (`largest_grad_buffer` counts both), all the buffers at once under
+#   gradient accumulation (`accumulated_grad_buffers`), in the
+#   {{term: reduce dtype}} of $g_r$ bytes, the dtype gradients are
+#   reduce-scattered in.
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -359,26 +362,44 @@ def root_unit_bytes(layout: ChunkLayout, param_bytes: int = PARAM_BYTES) -> int:
     return layout.group_numel(ROOT_GROUP) * param_bytes
 
 
-def largest_grad_buffer(layout: ChunkLayout, grad_bytes: int) -> int:
+def held_grads(layout: ChunkLayout, param_bytes: int) -> int:
     r"""
-    ## Largest full-size gradient buffer
+    ## Gradients held until their chunk's copy
+
+    A trainable chunk keeps each parameter's gradient as autograd made it, in
+    the parameter dtype, until the chunk's last one arrives and all of them are
+    copied into its buffer in one call (explained on [the chunk-gradient
+    page](chunk_grads.html)); the copy runs on a side stream, which holds
+    them until it is done. The largest chunk's, at most
+
+    $$H = p \cdot \max_{k \text{ trainable}} C_k$$
+
+    bytes ($p$ = `param_bytes`; padding has no gradient, so this bounds them),
+    are alive at the moment its buffer is written, and on one rank, which
+    needs no buffer, while they are cast into the gradient shard.
+    """
+    _check_at_least("param_bytes", param_bytes, 1)
+    sizes = [chunk.chunk_numel for chunk in layout.chunks if chunk.trainable]
+    return max(sizes, default=0) * param_bytes
+
+
+def largest_grad_buffer(layout: ChunkLayout, grad_bytes: int, param_bytes: int) -> int:
+    r"""
+    ## Largest full-size gradient buffer, with the gradients copied into it
 
     During backward a trainable chunk holds each parameter's gradient until the
     last one arrives, copies them all into a full-size buffer of $C_k$ elements
-    in the reduce dtype (fp32 by default), reduce-scatters it and frees it. The
-    largest of these buffers,
+    in the reduce dtype (fp32 by default), reduce-scatters it and frees it. At
+    the copy both are alive, the held gradients ($H$ of `held_grads`) and the
+    buffer, so the largest chunk adds
 
-    $$B = g_r \cdot \max_{k \text{ trainable}} C_k,$$
+    $$B = (p + g_r) \cdot \max_{k \text{ trainable}} C_k$$
 
-    is live at some moment of every backward pass ($g_r$, the argument `grad_bytes`, the
-    reduce dtype's bytes; oversized chunks count: an embedding's buffer is as real
-    as any); zero when nothing trains. $B$ counts the buffer alone: while the
-    gradients are copied into it, the chunk's held gradients ($p\,C_k$ bytes in
-    the parameter dtype, explained on [the chunk-gradient page](chunk_grads.html))
-    are still alive beside it, so the moment's true peak is $(p + g_r)\,C_k$,
-    $p\,C_k$ above $B$. Unlike the gathered peak it grows with the
-    chunk size even when a group is gathered whole, because one chunk per layer
-    holds the whole layer's gradient at once.
+    at some moment of every backward pass ($g_r$, the argument `grad_bytes`, the
+    reduce dtype's bytes; $p$ = `param_bytes`; oversized chunks count: an
+    embedding's buffer is as real as any); zero when nothing trains. Unlike the gathered
+    peak it grows with the chunk size even when a group is gathered whole,
+    because one chunk per layer holds the whole layer's gradient at once.
 
     The model counts model states, gathered parameters and gradient buffers only:
     activations, temporary buffers and the allocator's fragmentation are not
@@ -387,7 +408,7 @@ def largest_grad_buffer(layout: ChunkLayout, grad_bytes: int) -> int:
     """
     _check_at_least("grad_bytes", grad_bytes, 1)
     sizes = [chunk.chunk_numel for chunk in layout.chunks if chunk.trainable]
-    return max(sizes, default=0) * grad_bytes
+    return held_grads(layout, param_bytes) + max(sizes, default=0) * grad_bytes
 
 
 def accumulated_grad_buffers(layout: ChunkLayout, grad_bytes: int) -> int:
@@ -399,7 +420,8 @@ def accumulated_grad_buffers(layout: ChunkLayout, grad_bytes: int) -> int:
     $g_r \sum_{k \text{ trainable}} C_k$ bytes per rank, about $g_r \Psi_t$: not
     divided by $N_d$. From $N_d > (p + g + K) / g_r$ ranks on, that is more than
     the model states themselves. The shard gradient then receives one reduction
-    per step.
+    per step. A chunk's held gradients are alive beside all of these buffers
+    until its copy, so the backward pass holds $g_r \sum_k C_k + H$.
     """
     _check_at_least("grad_bytes", grad_bytes, 1)
     return layout.total_numel(trainable=True) * grad_bytes

@@ -7,10 +7,9 @@ summary: An all-gather without a kernel. Every rank copies the other ranks' shar
 
 # Gathering from the peers' memory
 
-NCCL's all-gather is a *kernel*. Thread blocks on every GPU move the bytes over
-NVLink. While a gather runs beside a layer's matrix products, those blocks hold
-streaming multiprocessors (SMs) that the products would use, and the products
-slow down.
+NCCL's all-gather is a *kernel*: while it runs beside a layer's matrix
+products, its thread blocks hold streaming multiprocessors (SMs) that the
+products would use, and the products slow down.
 
 The GPUs of one host can read each other's memory:
 
@@ -24,9 +23,6 @@ one per rank $q$:
 $$\text{full}[qS, (q + 1)S) \leftarrow \text{shard}^{(q)}.$$
 
 Each rank *pulls*: it reads the peers' shards and writes only its own `full`.
-Gathering (and reducing) this way is peer memory. What the copies
-cannot do, agree with the peers, is beside `pull_all_gather`; the reduction
-through the peers' memory beside `push_reduce_scatter_mean`.
 """
 
 from __future__ import annotations

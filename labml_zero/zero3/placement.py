@@ -27,14 +27,9 @@ host, and, when memory is plentiful, which frozen chunks stay gathered instead.
 The mechanisms are [AdamFP16](../optimizers/adam_fp16.html)'s `offload=` and the
 [chunk](chunk.html)'s `offload_shard` and `keep_resident`.
 
-A placement says, for each chunk, where its optimizer state and its
-parameter shard live; offload is keeping them in host memory. What
-offloading moves over the host link and when the link becomes the bottleneck
-are beside `offload_traffic`; the memory it frees, beside `resident_bytes`;
-keeping frozen chunks gathered, beside `auto_placement`. Everything here is a
-pure function of sizes and bytes; measuring a built model for the automatic
-placement, and applying a placement to it, are [the next
-page](placement_probe.html).
+Everything here is a pure function of sizes and bytes; measuring a built
+model for the automatic placement, and applying a placement to it, are [the
+next page](placement_probe.html).
 """
 
 from __future__ import annotations

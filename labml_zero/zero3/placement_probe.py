@@ -13,27 +13,10 @@ sizes, the device's capacity and the step's peak without optimizer state.
 This page gets those numbers from a built model and applies the decision to
 it: `first_step_placement` runs the first step's forward and backward passes
 before the optimizer exists and measures their peak, and `apply_placement`
-moves the chosen chunks.
+moves the chosen chunks. The probe must hold what the real step holds; under
+gradient accumulation that includes every trainable chunk's buffer at once,
 
-The probe must hold what the real step holds. With gradient accumulation over
-$A$ micro-batches, the first $A - 1$ backward passes run under `no_sync`
-([hooks](hooks.html)): every trainable chunk keeps its full-size gradient
-buffer, $C_c$ elements of $g$ bytes, from one micro-batch to the next, and the
-last micro-batch's forward and backward run on top of them, so the step's peak
-includes
-
-$$g \sum_{c \text{ trainable}} C_c \approx g\,\Psi_t \text{ bytes per rank}$$
-
-that one micro-batch without `no_sync` never holds at once (each chunk's buffer
-goes at its reduce-scatter). So the probe runs all $A$ micro-batches as the
-step runs them (`accumulated_step`): a probe of one micro-batch would
-under-offload by that much and the first real step would run out of memory.
-
-## Limitations
-
-* `first_step_placement` predicts the peak from one step; a job whose memory
-  use varies (longer sequences later) needs a larger `margin`.
-* The probe's micro-batches cost one step's compute, spent before training.
+$$g \sum_{c \text{ trainable}} C_c \approx g\,\Psi_t \text{ bytes per rank.}$$
 """
 
 from __future__ import annotations
@@ -58,8 +41,14 @@ def accumulated_step(model, micro_batch: Callable[[], None],
 
     `micro_batch()` runs one micro-batch's forward and backward pass; the
     returned function runs it `micro_batches` times, the first
-    `micro_batches - 1` under `model.no_sync()`, so the full-size gradient
-    buffers stay held until the last backward reduces them (see above).
+    `micro_batches - 1` under `model.no_sync()` ([hooks](hooks.html)), so every
+    trainable chunk keeps its full-size gradient buffer, $C_c$ elements of $g$
+    bytes, until the last backward reduces them, and the last micro-batch runs
+    on top of them: the formula above, which one micro-batch without `no_sync`
+    never holds at once (each chunk's buffer goes at its reduce-scatter). A
+    probe of one micro-batch would under-offload by that much and the first
+    real step would run out of memory. The probe's micro-batches cost one
+    step's compute, spent before training.
     """
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
@@ -121,7 +110,9 @@ def first_step_placement(
        and `auto_placement` picks the chunks to offload.
 
     * `margin`: bytes kept free; default 5% of the capacity, for the
-      allocator's fragmentation and steps that use a little more.
+      allocator's fragmentation and steps that use a little more. The peak is
+      predicted from one step: a job whose memory use varies (longer sequences
+      later) needs a larger margin.
     * `device_capacity`: default, on a GPU, what PyTorch can allocate there
       (free plus reserved).
     * `measure_peak(run)`: runs `run` and returns its peak; default, on a GPU,

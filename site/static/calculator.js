@@ -142,10 +142,15 @@
   function groupNumels(layout) {
     return [...layout.byGroup.values()].map(cs => sum(cs.map(c => c.chunk_numel)));
   }
-  function largestGradBuffer(layout, gradBytes) {
+  function heldGrads(layout, paramBytes) {
     let largest = 0;
     for (const c of layout.chunks) if (c.trainable) largest = Math.max(largest, c.chunk_numel);
-    return largest * gradBytes;
+    return largest * paramBytes;
+  }
+  function largestGradBuffer(layout, gradBytes, paramBytes) {
+    let largest = 0;
+    for (const c of layout.chunks) if (c.trainable) largest = Math.max(largest, c.chunk_numel);
+    return heldGrads(layout, paramBytes) + largest * gradBytes;
   }
   function ringWireBytes(nbytes, worldSize) {
     return Math.floor(nbytes * (worldSize - 1) / worldSize);
@@ -212,7 +217,8 @@
       padding += (totalNumel(plan) - usedNumel(plan)) * count;
       const trainable = plan.chunks.filter(c => c.trainable).length;
       collectives += (2 * plan.chunks.length + trainable) * count;
-      gradBuffer = Math.max(gradBuffer, largestGradBuffer(plan, search.grad_bytes));
+      gradBuffer = Math.max(gradBuffer, largestGradBuffer(plan, search.grad_bytes,
+        search.param_bytes));
     });
     const sizes = shapeOfGroup.map(i => totalNumel(plans[i]));
     const peak = peakWindowNumel(sizes, search.prefetch_depth, "forward", search.data)
@@ -431,7 +437,9 @@
       Math.max(peakWindowNumel(sizes, inputs.prefetch_depth, "forward", data),
                peakWindowNumel(sizes, inputs.prefetch_depth, "backward", data)) * p;
     const alone = nD === 1 && replicas === 1 && gR === 4;
-    const gradBuffer = trainable && !alone ? largestGradBuffer(layout, gR) : 0;
+    // the held gradients: beside their buffer, or alone while cast into the shard
+    const held = heldGrads(layout, p);
+    const gradBuffer = alone ? held : largestGradBuffer(layout, gR, p);
     const accumulation = inputs.micro_batches > 1 ? totalNumel(layout, true) * gR : 0;
     const activations = activationBytes(inputs, data);
     // the freed gradients the queued early updates hold: the parameter
@@ -443,7 +451,7 @@
     const grads = data.grad_bytes * trainable;
     const withoutOptimizer = p * all + grads;
     const backward = withoutOptimizer - grads + gathered + activations
-      + Math.max(gradBuffer, accumulation) + earlyGrads;
+      + Math.max(gradBuffer, accumulation + held) + earlyGrads;
     const other = inputs.update_during_backward ? backward
       : Math.max(withoutOptimizer, backward);
     const trainablePositions = [];

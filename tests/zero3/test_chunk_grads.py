@@ -121,3 +121,42 @@ def test_no_sync_keeps_the_buffer_and_a_reduction_starts_the_next_from_zero():
         for slot in chunk.spec.slots:
             assert torch.equal(chunk.grads.full[slot.offset:slot.end],
                                once[slot.offset:slot.end])
+
+
+def test_the_held_gradients_live_beside_the_buffer_they_are_copied_into(monkeypatch):
+    """What the memory model's `largest_grad_buffer` counts: at a chunk's copy its
+    held gradients (the parameter dtype, its parameters' elements) and its
+    full-size buffer (the reduce dtype, all $C$ elements) are alive at once."""
+    from labml_zero.zero3.chunk_grads import ChunkGrads
+    from labml_zero.zero3.memory_model import held_grads, largest_grad_buffer
+
+    alive = {}
+    flush = ChunkGrads.flush
+
+    def recording(grads, *args, **kwargs):
+        held = sum(g.untyped_storage().nbytes() for _, g in grads.held)
+        flush(grads, *args, **kwargs)
+        if held:  # a call with nothing held returns at once
+            # the held list is cleared only after the copy has read it
+            alive[grads.numel, grads.slots] = (
+                held + grads.full.untyped_storage().nbytes())
+
+    # on the class: the hooks bind `flush` when they are registered
+    monkeypatch.setattr(ChunkGrads, "flush", recording)
+    config = ZeroConfig(dtype=torch.bfloat16, chunk_numel=96, align=4)
+    model = Zero3Sequential(zero3_layers(tiny_layers(0), device="cpu", config=config))
+    x, y = batch(0, 4)
+    with model.no_sync():  # one rank: only an accumulation writes a buffer
+        nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+    p, g_r = 2, 4
+    for chunk in trainable(model):
+        used = sum(slot.end - slot.offset for slot in chunk.spec.slots)
+        assert alive[chunk.numel, chunk.spec.slots] == p * used + g_r * chunk.numel
+    layout = model.layout
+    largest = max(alive.values())
+    padding = max(c.chunk_numel - sum(s.end - s.offset for s in c.slots)
+                  for c in layout.chunks if c.trainable)
+    # the term bounds the moment, above it by at most the padding's p bytes
+    assert largest <= largest_grad_buffer(layout, g_r, p) <= largest + p * padding
+    assert largest_grad_buffer(layout, g_r, p) - held_grads(layout, p) == (
+        g_r * max(c.chunk_numel for c in layout.chunks if c.trainable))

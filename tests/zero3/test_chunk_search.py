@@ -67,8 +67,10 @@ def two_groups():
 # * c = 3: [a|.] [b] | [c]     padding 1, group 0 gathers 6, largest chunk 3
 # * c = 4: [a|..] [b] | [c]    padding 2, group 0 gathers 7, largest chunk 4
 # * c = 5: [a b] | [c]         padding 0, group 0 gathers 5, largest chunk 5
-# ([b] and [c] are their group's last chunks, so trimmed to 3 and 1.)
-TWO_GROUPS_TABLE = [(3, 1, 6, 3), (4, 2, 7, 4), (5, 0, 5, 5)]
+# ([b] and [c] are their group's last chunks, so trimmed to 3 and 1.) The
+# gradient buffer term is the largest chunk's held gradients (p = 1) and its
+# buffer (g = 1): twice its size.
+TWO_GROUPS_TABLE = [(3, 1, 6, 2 * 3), (4, 2, 7, 2 * 4), (5, 0, 5, 2 * 5)]
 
 
 def test_padding_alone_picks_the_giant_chunk():
@@ -84,16 +86,17 @@ def test_padding_alone_picks_the_giant_chunk():
 
 def test_the_gradient_buffer_picks_a_smaller_chunk():
     # bf16 parameters (p = 2), fp32 gradients (g = 4), lambda = 1:
-    # waste 2 * padding + (2 * peak + 4 * largest trainable chunk)
-    # * c = 3: 2 * 1 + (2 * 6 + 4 * 3) = 2 + 12 + 12 = 26
-    # * c = 4: 2 * 2 + (2 * 7 + 4 * 4) = 4 + 14 + 16 = 34
-    # * c = 5: 2 * 0 + (2 * 5 + 4 * 5) = 0 + 10 + 20 = 30
+    # waste 2 * padding + (2 * peak + (2 + 4) * largest trainable chunk), the
+    # chunk's held bf16 gradients beside its fp32 buffer
+    # * c = 3: 2 * 1 + (2 * 6 + 6 * 3) = 2 + 12 + 18 = 32
+    # * c = 4: 2 * 2 + (2 * 7 + 6 * 4) = 4 + 14 + 24 = 42
+    # * c = 5: 2 * 0 + (2 * 5 + 6 * 5) = 0 + 10 + 30 = 40
     cfg = config(search_range=2, param_bytes=2, grad_bytes=4, memory_weight=1.0)
     result = search_chunk_size(two_groups(), 1, config=cfg)
-    assert [r.score for r in result.candidates] == [26, 34, 30]
+    assert [r.score for r in result.candidates] == [32, 42, 40]
     assert result.chunk_numel == 3
     assert (result.waste_bytes, result.peak_gathered_bytes) == (2, 12)
-    assert result.grad_buffer_bytes == 12
+    assert result.grad_buffer_bytes == 18
     # Layer 0 is split: its gradient is reduced in two pieces, at one more
     # collective each way (3 chunks, all trainable: 3 + 3 + 3).
     assert result.collectives == 3 + 3 + 3
@@ -102,12 +105,12 @@ def test_the_gradient_buffer_picks_a_smaller_chunk():
 
 
 def test_ties_go_to_the_larger_chunk():
-    # p = g = 1, lambda = 1: 1 + (6 + 3) = 10, 2 + (7 + 4) = 13, 0 + (5 + 5) = 10.
-    # c = 3 and c = 5 tie; c = 5 needs 2 + 2 + 2 collectives against 3 + 3 + 3.
-    result = search_chunk_size(
-        two_groups(), 1, config=config(search_range=2, memory_weight=1.0)
-    )
-    assert [r.score for r in result.candidates] == [10, 13, 10]
+    # p = 2, g = 1, lambda = 1/2: 2 + (12 + 9) / 2 = 12.5, 4 + (14 + 12) / 2 = 17,
+    # 0 + (10 + 15) / 2 = 12.5. c = 3 and c = 5 tie; c = 5 needs 2 + 2 + 2
+    # collectives against 3 + 3 + 3.
+    cfg = config(search_range=2, param_bytes=2, grad_bytes=1, memory_weight=0.5)
+    result = search_chunk_size(two_groups(), 1, config=cfg)
+    assert [r.score for r in result.candidates] == [12.5, 17, 12.5]
     assert result.chunk_numel == 5
     assert result.collectives == 2 + 2 + 2
 
@@ -128,12 +131,13 @@ def test_oversized_parameters_are_left_out_of_the_range():
     assert result.excluded == ("embed",)
     # Candidates start at the largest kept parameter, 4:
     # * c = 4: every layer [4] [4], the embedding alone: no padding, peak 1000,
-    #   and the embedding's chunk is the largest gradient buffer, 1000
-    # * c = 8: every layer [4 4]: the same terms, 0 + (1000 + 1000)
+    #   and the embedding's chunk is the largest gradient buffer, 1000 held
+    #   and 1000 in the buffer
+    # * c = 8: every layer [4 4]: the same terms, 0 + (1000 + 2000)
     # A tie between two layouts, so c = 8, with 11 chunks instead of 21.
     # c = 12 is never scored: at c = 8 every layer is one chunk already, so a
     # larger size packs the same chunks (see the next test).
-    assert table(result) == [(4, 0, 1000, 1000), (8, 0, 1000, 1000)]
+    assert table(result) == [(4, 0, 1000, 2000), (8, 0, 1000, 2000)]
     assert result.chunk_numel == 8
     assert [r.chunks for r in result.candidates] == [21, 11]
     # The embedding still has its own chunk, sized to fit.
@@ -169,7 +173,7 @@ def exhaustive(params, world_size, cfg):
         layout = plan_chunks(params, c, world_size, align=cfg.align)
         score = cfg.param_bytes * layout.padding() + cfg.memory_weight * (
             gathered_peak(layout, cfg.prefetch_depth, cfg.param_bytes)
-            + largest_grad_buffer(layout, cfg.grad_bytes)
+            + largest_grad_buffer(layout, cfg.grad_bytes, cfg.param_bytes)
         )
         if best is None or score < best[0] or (
             score == best[0] and layout.chunks != best[1].chunks
@@ -238,7 +242,7 @@ def test_result_agrees_with_the_memory_model():
         assert row.waste_bytes == 2 * layout.padding()
         assert row.chunks == len(layout.chunks)
         assert row.peak_gathered_bytes == gathered_peak(layout, 1, 2)
-        assert row.grad_buffer_bytes == largest_grad_buffer(layout, 1)
+        assert row.grad_buffer_bytes == largest_grad_buffer(layout, 1, 2)
         assert row.collectives == zero3_step_comm(layout).collectives
     assert result.layout == plan_chunks(params, result.chunk_numel, 2, align=2)
     assert result.padding == result.layout.padding()
@@ -260,16 +264,16 @@ def test_candidates_are_rounded_to_the_granule():
     # is 2 * 2 = 4. In steps of 2 from 4, requested 4, 6, 8 become 4, 8, 8 (6
     # would split over 2 ranks, but into shards of 3, not aligned); the
     # duplicate 8 is scored once. Offsets are even, so a 3 skips one element:
-    # * c = 4: [3.] [3.] [3.] | [2..]   padding 3 + 2 = 5, peak 12, buffer 4
-    # * c = 8: [3. 3.] [3.] | [2..]     padding 3 + 2 = 5, peak 12, buffer 8
+    # * c = 4: [3.] [3.] [3.] | [2..]   padding 3 + 2 = 5, peak 12, buffer 2 * 4
+    # * c = 8: [3. 3.] [3.] | [2..]     padding 3 + 2 = 5, peak 12, buffer 2 * 8
     # ([3.] and [2..] are trimmed tails: 3 and 2 rounded up to 4.)
-    # Scores, p = g = 1: 5 + (12 + 4) = 21 and 5 + (12 + 8) = 25.
+    # Scores, p = g = 1: 5 + (12 + 8) = 25 and 5 + (12 + 16) = 33.
     params = [ParamSpec(f"w{k}", (3,), True, 0) for k in range(3)]
     params.append(ParamSpec("b", (2,), True, 1))
     cfg = config(search_range=4, hidden_dim=2, align=2)
     result = search_chunk_size(params, 2, config=cfg)
-    assert table(result) == [(4, 5, 12, 4), (8, 5, 12, 8)]
-    assert [r.score for r in result.candidates] == [21, 25]
+    assert table(result) == [(4, 5, 12, 8), (8, 5, 12, 16)]
+    assert [r.score for r in result.candidates] == [25, 33]
     assert result.candidates_in_range == 3
     assert result.chunk_numel == 4
     assert all(c.chunk_numel % 4 == 0 for c in result.layout.chunks)
@@ -336,8 +340,9 @@ def test_gpt_neox_20b_is_fast_and_packs_a_layer_into_three_chunks():
     assert per_layer == 2 * H
     # The final layer norm's group is one trimmed chunk with no padding.
     assert result.padding == 44 * per_layer
-    # The largest gradient buffer is the trainable embedding's, in fp32.
-    assert result.grad_buffer_bytes == 4 * VOCAB * H
+    # The largest gradient buffer is the trainable embedding's, in fp32, beside
+    # its held bf16 gradients.
+    assert result.grad_buffer_bytes == (4 + 2) * VOCAB * H
 
 
 def test_gpt_neox_20b_bias_only_has_no_trainable_padding():
@@ -401,17 +406,17 @@ def test_bad_parameter_lists():
 
 
 def test_collective_cost_favours_fewer_chunks():
-    # The notes' example (p = 2, g = 4, lambda = 1) scores 26, 34, 30 and picks
+    # The notes' example (p = 2, g = 4, lambda = 1) scores 32, 42, 40 and picks
     # c = 3 (three chunks: 9 collectives a step) over c = 5 (two: 6). A fixed
-    # cost of mu = 2 bytes per collective adds 18, 18, 12: 44, 52, 42, so c = 5.
+    # cost of mu = 3 bytes per collective adds 27, 27, 18: 59, 69, 58, so c = 5.
     base = dict(param_bytes=2, grad_bytes=4, memory_weight=1.0)
     free = search_chunk_size(two_groups(), 1, config=config(search_range=2, **base))
     assert [r.collectives for r in free.candidates] == [9, 9, 6]
     assert free.chunk_numel == 3
     priced = search_chunk_size(
-        two_groups(), 1, config=config(search_range=2, collective_bytes=2, **base)
+        two_groups(), 1, config=config(search_range=2, collective_bytes=3, **base)
     )
-    assert [r.score for r in priced.candidates] == [44, 52, 42]
+    assert [r.score for r in priced.candidates] == [59, 69, 58]
     assert priced.chunk_numel == 5
     with pytest.raises(ValueError, match="collective_bytes"):
         ChunkSearchConfig(collective_bytes=-1)
@@ -439,7 +444,7 @@ def test_figures_in_the_search_notes():
     """Note: GPT-NeoX-20B's numbers: 47 groups and 5462 candidates for the default
     range; at c_0 = 4h^2 six chunks per layer, 40% of them padding; the 6 extra
     collectives per layer of three chunks cost 192 MiB at mu = 32 MiB, against a
-    gradient buffer 8h^2 * 4 bytes (1.2 GB) smaller."""
+    gradient buffer and held gradients 8h^2 * (4 + 2) bytes (1.8 GB) smaller."""
     from labml_zero.zero3.chunk_search_shortcuts import group_shapes
 
     params = neox_20b(lambda name: True)
@@ -457,9 +462,9 @@ def test_figures_in_the_search_notes():
     assert extra == 3 * 3 - 3 == 6
     mu = ChunkSearchConfig().collective_bytes
     assert extra * mu == 192 * MEBI
-    assert round(8 * H * H * 4 / 1e9, 1) == 1.2
-    assert (largest_grad_buffer(one, 4) - largest_grad_buffer(three, 4)
-            == 4 * (12 * H * H + 13 * H - (4 * H * H + 7 * H)))
+    assert round(8 * H * H * (4 + 2) / 1e9, 1) == 1.8
+    assert (largest_grad_buffer(one, 4, 2) - largest_grad_buffer(three, 4, 2)
+            == (2 + 4) * (12 * H * H + 13 * H - (4 * H * H + 7 * H)))
 
 
 def test_sizes_in_m_are_mebi_elements():

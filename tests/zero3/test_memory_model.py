@@ -16,6 +16,7 @@ from labml_zero.zero3.memory_model import (
     ddp_step_comm,
     gathered_peak,
     gathered_units,
+    held_grads,
     largest_grad_buffer,
     layout_model_states,
     peak_window_numel,
@@ -172,14 +173,17 @@ def test_gathered_peak_rejects_negative_depth():
 
 def test_largest_grad_buffer_is_the_largest_trainable_chunk():
     layout = mixed_layout()
-    # Trainable chunks of 8, 4 and 4 (the frozen 6 has no gradient): in fp32,
-    # 4 * 8 bytes.
-    assert largest_grad_buffer(layout, 4) == 32
-    # Nothing trains: no buffer.
+    # Trainable chunks of 8, 4 and 4 (the frozen 6 has no gradient): its bf16
+    # gradients held, 2 * 8 bytes, beside its fp32 buffer, 4 * 8 bytes.
+    assert held_grads(layout, 2) == 16
+    assert largest_grad_buffer(layout, 4, 2) == 16 + 32
+    # Nothing trains: nothing held, no buffer.
     frozen = plan_chunks([ParamSpec("f", (5,), False, 0)], 8, 1)
-    assert largest_grad_buffer(frozen, 4) == 0
+    assert largest_grad_buffer(frozen, 4, 2) == held_grads(frozen, 2) == 0
     with pytest.raises(ValueError, match="grad_bytes"):
-        largest_grad_buffer(layout, 0)
+        largest_grad_buffer(layout, 0, 2)
+    with pytest.raises(ValueError, match="param_bytes"):
+        largest_grad_buffer(layout, 4, 0)
 
 
 # Communication

@@ -16,11 +16,10 @@ $$\frac{(p + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 
 bytes, for $\Psi_t$ trainable and $\Psi_f$ frozen elements, $p$ bytes per
 parameter and $K = 3 \cdot 4$ bytes of Adam state (an fp32 master and two fp32
-moments). A checkpoint must give a {{term: bit-exact resume}} (every step
-after the load computes what the uninterrupted run computed, to the last bit),
-load at any world size or chunk size ({{term: resharding}}), and never be half
-written or silently changed: what is on disk either loads exactly or is refused
-with one line naming the file.
+moments). It must give a {{term: bit-exact resume}} (every step after the
+load computes what the uninterrupted run computed, to the last bit), load at
+any world size or chunk size ({{term: resharding}}), and either load exactly or
+be refused with one line naming the file.
 """
 
 # ## Pages in this folder

@@ -20,10 +20,6 @@ whose flag is set. A load reads everything into host memory *before* that
 agreement and changes the model only after it, so a refused checkpoint changes
 nothing. The same collective carries the two other things ranks must share:
 the save id and the digests.
-
-## Limitations
-
-* The other ranks learn *that* rank $k$ failed, not why (see `agree`).
 """
 
 from __future__ import annotations

@@ -19,13 +19,6 @@ $$h = \text{SHA-256}(\text{the file's bytes}),$$
 
 written as `"sha256:<hex digits>"`, and a reader recomputes $h$ before it
 uses a file.
-
-## Limitations
-
-* A digest tells *that* a file changed, not *where*: the reader then looks at
-  the file's header and save id to say more when it can.
-* The manifest itself has no digest: it is JSON that is parsed and checked key
-  by key, and a changed manifest changes what every file is checked against.
 """
 
 from __future__ import annotations
@@ -54,7 +47,11 @@ def file_digest(file: str | os.PathLike) -> str:
     read and no memory beyond one block. Each rank hashes the files it wrote,
     after they are flushed, so it hashes what is on disk and the ranks hash in
     parallel; rank 0 collects the digests into the manifest
-    ([saving](save.html)).
+    ([saving](save.html)). A digest tells *that* a file changed, not *where*:
+    the reader then looks at the file's header and save id to say more when it
+    can. The manifest itself has no digest: it is JSON that is parsed and
+    checked key by key, and a changed manifest changes what every file is
+    checked against.
     """
     with open(file, "rb") as f:
         digest = hashlib.file_digest(f, ALGORITHM)

@@ -18,13 +18,6 @@ A checkpoint already saved needs no ranks: `saved_tensors` streams the same
 `(name, tensor)` pairs out of the ranks' files, one parameter at a time, so
 an offline converter holds one tensor plus what its consumer keeps (see Note:
 why not map the files).
-
-## Limitations
-
-* Every rank must run the stream to its end (each chunk is a collective);
-  `export_full_state_dict` does so even when the consumer stops early or fails.
-* A slow consumer keeps the other ranks waiting in the next all-gather.
-* Module buffers are not exported (the engine does not shard them).
 """
 
 from __future__ import annotations
@@ -58,7 +51,9 @@ def consolidated_tensors(model: nn.Module, optimizer=None, *,
     ## Every parameter, whole, one chunk at a time
 
     Every rank must run the iterator to its end (each chunk is an all-gather);
-    only rank 0 gets the `(name, tensor)` pairs, on the host, in chunk order.
+    only rank 0 gets the `(name, tensor)` pairs, on the host, in chunk order,
+    and a slow consumer keeps the other ranks waiting in the next all-gather.
+    Module buffers are not exported (the engine does not shard them).
 
     * `optimizer`: where the fp32 masters are; without it, bf16/fp16 chunks
       export their own values (or `master_init`, before the first step).

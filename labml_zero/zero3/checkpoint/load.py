@@ -16,14 +16,6 @@ arithmetic. Either way a trained element is copied, never recomputed, so the
 resume is bit-exact at the saved world size (see [what a resume
 needs](state.html)); at another one the next steps differ only by the order in
 which gradients are summed over ranks.
-
-The load is in three phases (see `load_checkpoint`), and nothing changes until
-every rank has read everything it needs.
-
-## Limitations
-
-* RNG states and `rank_extra` are restored only at the saved world size.
-* A chunk of the new layout must hold parameters saved at one optimizer step.
 """
 
 from __future__ import annotations

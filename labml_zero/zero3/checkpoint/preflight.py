@@ -15,12 +15,6 @@ manifest and the files' sizes (and, when asked, every file's
 the model's parameter shapes, which a model built on the meta device gives for
 free. It refuses, with one line naming the path, a checkpoint this job cannot
 resume from.
-
-## Limitations
-
-* Without `verify=True` a changed byte in a file is found only when a rank
-  reads it.
-* A key of `expect` that the checkpoint's `meta` does not have is not compared.
 """
 
 from __future__ import annotations
@@ -93,7 +87,7 @@ def check_resumable(path: str | os.PathLike, *, world_size: int,
     * `shapes` maps every parameter name of the job's model to its shape (see
       `sequential_shapes`); `None` skips the model check.
     * `expect` maps `meta` keys to the job's values; a saved value that differs
-      is refused.
+      is refused, a key the checkpoint's `meta` does not have is not compared.
     * `verify` checks every file's digest (reads the whole checkpoint once);
       without it a changed byte in a file is found only when a rank reads it.
 

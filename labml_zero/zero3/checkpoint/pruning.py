@@ -16,12 +16,6 @@ leftovers go.
 
 With $k$ = `keep`, the disk holds at most $k + 1$ checkpoints: the $k$ kept ones
 and, during a save, the new one being written.
-
-## Limitations
-
-* "Complete" is checked from the manifest and the files' sizes, not their
-  digests (see `is_complete`).
-* Call it on one rank (rank 0), after `save_checkpoint` returned on every rank.
 """
 
 from __future__ import annotations
@@ -80,6 +74,9 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int, *,
                       just_saved: str | os.PathLike | None = None) -> list[Path]:
     r"""
     ## Remove all but the `keep` newest complete checkpoints
+
+    Call it on one rank (rank 0), after `save_checkpoint` returned on every
+    rank.
 
     * `directory` holds the `step-NNNNNN` checkpoints.
     * `keep` $\geq 1$ is how many to keep, counting the newest.

@@ -19,15 +19,7 @@ $$\frac{(p + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 
 bytes (for fp32, $K = 2 \cdot 4$: the master is the parameter) and the ranks exchange
 nothing but a few flags and their files' digests; the checkpoint appears at its
-path complete or not at all (see Note: atomic save). What the files hold is
-[the format](format.html); why those pieces, [what a resume needs](state.html).
-Saving draws from no RNG (its temporary name comes from `secrets`), so the
-states it saves are those the next step would have used.
-
-## Limitations
-
-* All ranks must see one filesystem: rank 0 sizes and renames every rank's file.
-* Hashing reads each file once more after it is written (see `write_tensors`).
+path complete or not at all (see Note: atomic save).
 """
 
 from __future__ import annotations
@@ -67,7 +59,8 @@ __all__ = ["save_checkpoint"]
 
 def write_tensors(tensors: dict[str, torch.Tensor], file: Path, *,
                   metadata: dict[str, str]) -> None:
-    """One safetensors file, flushed; the tests replace it to simulate a crash."""
+    """One safetensors file, flushed; the tests replace it to simulate a crash.
+    Hashing reads the file once more after it is written."""
     save_file(tensors, str(file), metadata=metadata)
     give_default_mode(file)  # safetensors makes it owner-only (see atomic files)
     fsync_path(file)
@@ -194,8 +187,12 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
     * `meta` is a dict of JSON values written into the manifest (the job's step,
       batch size, seed), for `check_resumable` to read without loading anything.
 
-    Returns `path` once the checkpoint is complete there on every rank. See
-    Note: atomic save.
+    Returns `path` once the checkpoint is complete there on every rank (see
+    Note: atomic save); all ranks must see one filesystem: rank 0 sizes and
+    renames every rank's file. What the files hold is [the format](format.html);
+    why those pieces, [what a resume needs](state.html). Saving draws from no RNG
+    (its temporary name comes from `secrets`), so the states it saves are those
+    the next step would have used.
 
     With hybrid sharding every shard group holds the same shards, so only the
     first group writes: the checkpoint is the one a world of $N_s$ ranks would

@@ -14,18 +14,8 @@ was never interrupted, to the last bit. That needs every input of a step: the
 shards with their optimizer state, the hyperparameters and the RNG states (each
 beside the code that reads it out below), and whatever else the loop keeps: a
 loss scaler's state and the data position go into `extra` (global) or
-`rank_extra` (per rank).
-
-This page reads those pieces out of a model and an optimizer, and puts the
-small ones back; the shards themselves are [saved](save.html) and
-[loaded](load.html) on their own pages.
-
-## Limitations
-
-* The optimizer must be built the same way (same param groups, in order); its
-  hyperparameters are restored from the manifest.
-* Module buffers are not saved (the engine does not shard them); a model whose
-  buffers are state (batch-norm statistics) must put them into `extra`.
+`rank_extra` (per rank). This page reads those pieces out of a model and an
+optimizer, and puts the small ones back.
 """
 
 from __future__ import annotations
@@ -48,7 +38,9 @@ __all__ = ["master_of", "model_shapes", "optimizer_state"]
 
 
 def model_shapes(chunks: Sequence[Chunk]) -> dict[str, tuple[int, ...]]:
-    """Every parameter's qualified name and shape, in chunk order."""
+    """Every parameter's qualified name and shape, in chunk order. Module
+    buffers are not saved (the engine does not shard them); a model whose
+    buffers are state (batch-norm statistics) must put them into `extra`."""
     shapes: dict[str, tuple[int, ...]] = {}
     for chunk in chunks:
         for name, param in zip(chunk.names, chunk.params):
@@ -122,7 +114,8 @@ def group_hyperparameters(optimizer) -> list[dict] | None:
 
 
 def restore_groups(optimizer, groups: list[dict]) -> None:
-    """Put saved hyperparameters back; JSON lists become tuples where they were."""
+    """Put saved hyperparameters back; JSON lists become tuples where they were.
+    The optimizer must be built the same way (same param groups, in order)."""
     for group, saved in zip(optimizer.param_groups, groups):
         for key, value in saved.items():
             if key in group:
