@@ -38,7 +38,8 @@ import torch
 from labml_zero.zero3.communication import current_cuda_stream
 from labml_zero.zero3.state_layout import StateLayout, state_layout
 
-from . import narrow_moments, rounded_update, stochastic_rounding
+from . import (blockwise_moments, narrow_moments, rounded_update,
+               stochastic_rounding)
 from .captured_update import CapturedUpdates
 from .early_update import EarlyUpdate, EarlyUpdates, NonFiniteGradient
 from .host_offload import HostShard
@@ -467,6 +468,11 @@ class AdamFP16(torch.optim.Optimizer):
                     salts=[h.position for h in same])
                 continue
             masters = [s[self.layout.master.name] for s in states]
+            if self.layout.blockwise:
+                # 8-bit moments: decoded block by block around the kernel
+                blockwise_moments.update(kernel, masters, grads, moments)
+                lead.write_back(same, masters)
+                continue
             # moments narrower than fp32 are widened slice by slice around
             # the fp32 kernel and rounded as they are stored
             narrow_moments.update(kernel, masters, grads, *moments)

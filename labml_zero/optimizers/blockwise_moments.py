@@ -1,0 +1,159 @@
+r"""
+---
+title: Moments in 8 bits, block by block
+summary: AdamW with an fp32 master and both moments stored as 8-bit codes,
+  one fp32 absmax scale per block of 256 elements and a square-root code map.
+---
+
+# Moments in 8 bits, block by block
+
+This page deepens [narrow moments](narrow_moments.html) for the
+`"8bit-moments"` [state layout](../zero3/state_layout.html): the master stays
+fp32, and each moment is kept as one byte per element plus one fp32 scale per
+block of $B = 256$ elements (as bitsandbytes' and torchao's 8-bit Adam do),
+
+$$K = 4 + 1 + 1 + 2 \cdot \frac{4}{B} = 6.03125$$
+
+bytes per element, against $8$ with bf16 moments and $12$ with fp32 ones. A
+block $j$ of a moment $x$ is stored as its absmax $a_j = \max_{i \in j}|x_i|$
+and codes $q_i$ of $r_i = x_i / a_j \in [-1, 1]$:
+
+$$\hat x_i = a_j \, \phi(q_i).$$
+
+A step decodes each block to fp32, runs the fp32 update, and encodes the new
+moments as it stores them; the master's step uses the undecoded fp32 values.
+It is `torch.optim.AdamW` whose moments are encoded and decoded after every
+step, bit for bit
+(tested: tests/optimizers/test_blockwise_moments.py::test_8bit_moments_are_adamw_with_moments_coded_each_step).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+BLOCK = 256
+"""$B$, elements per scale: a scale costs $4 / B$ bytes per element."""
+
+# Elements decoded at once, as `narrow_moments.WIDE_NUMEL`; a multiple of
+# `BLOCK`, so a slice never splits a block.
+WIDE_NUMEL = 2**22
+
+# Levels of each map: the signed one spends codes $0 \dots 254$ on
+# $-127 \dots 127$ (zero exact), the unsigned one all $256$.
+SIGNED_LEVELS = 127
+UNSIGNED_LEVELS = 255
+
+Kernel = Callable[[list, list, list, list], None]
+
+
+def n_blocks(numel: int) -> int:
+    """Scales of a shard of `numel` elements: the last block may be partial."""
+    return -(-numel // BLOCK)
+
+
+# ## The code maps
+#
+# A linear map would give every block $2^8$ equal steps of $a_j / 127$: in a
+# block whose largest $v$ is $10^4$ times its smallest (common: $v$ is a
+# squared gradient), most elements would decode to $\hat v = 0$ and take a
+# step $\hat m / \epsilon$. Both maps here are square-root maps, fine near
+# zero and coarse near $a_j$:
+#
+# * $m$, signed: $q = \operatorname{round}(127 \operatorname{sign}(r)\sqrt{|r|})$,
+#   $\phi(q) = \operatorname{sign}(q)(q/127)^2$.
+# * $v$, unsigned, in the fourth root: $q = \operatorname{round}(255\,r^{1/4})$,
+#   $\phi(q) = (q/255)^4$. The update divides by $\sqrt{v}$, which has the
+#   units of $m$: $\sqrt{\hat v}$ is then $\sqrt{a_j}\,(q/255)^2$, the same
+#   square-root map as $m$'s, with twice the levels. An element decodes to
+#   zero only below $a_j / 510^4$, where $\sqrt{v}$ is $2.6 \cdot 10^5$
+#   times smaller than the block's largest.
+#
+# The error bound follows from rounding in the root: with $s = |r|^{1/p}$
+# ($p = 2$ or $4$) and $L$ levels, $|s - \hat s| \le \frac{1}{2L}$, and
+# since $s, \hat s \le 1$, $|s^p - \hat s^p| \le p \, |s - \hat s|$, so
+#
+# $$|x - \hat x| \le \frac{p}{2L} \, a_j,$$
+#
+# $a_j/127$ for $m$ and $2 a_j/255$ for $v$ (tested:
+# tests/optimizers/test_blockwise_moments.py::test_round_trip_error_is_bounded_by_the_map_step).
+# bitsandbytes' dynamic tree map is finer still near zero; the root maps are
+# two lines each, and Adam stays stable with them (see the tests' training).
+
+
+def _power(signed: bool) -> int:
+    return 2 if signed else 4
+
+
+def _levels(signed: bool) -> int:
+    return SIGNED_LEVELS if signed else UNSIGNED_LEVELS
+
+
+def encode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *,
+           signed: bool) -> None:
+    """
+    ### Store fp32 `x` [n] as uint8 `codes` [n] and fp32 `scales` [n_blocks(n)]
+
+    Torch ops only, no host sync: the same code runs in a captured step. The
+    last block may be partial: it is padded with zeros, which leave its
+    absmax as it is.
+    """
+    n = x.numel()
+    pad = n_blocks(n) * BLOCK - n
+    # [n_blocks, B] fp32
+    blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, BLOCK)
+    absmax = blocks.abs().amax(dim=1)
+    scales.copy_(absmax)
+    # an all-zero block: any scale decodes its zero codes to zero
+    r = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
+    levels = _levels(signed)
+    root = r.abs().pow(1.0 / _power(signed))
+    q = torch.round(root * levels)
+    if signed:
+        # [−127, 127] stored as [0, 254]
+        q = q * torch.sign(r) + SIGNED_LEVELS
+    codes.copy_(q.view(-1)[:n])
+
+
+def decode(codes: torch.Tensor, scales: torch.Tensor, *,
+           signed: bool) -> torch.Tensor:
+    """### $\\hat x = a_j \\phi(q)$: fp32 [n] from `codes` [n] and `scales`"""
+    n = codes.numel()
+    q = codes.float()
+    if signed:
+        q = q - SIGNED_LEVELS
+    levels = _levels(signed)
+    phi = (q.abs() / levels).pow(_power(signed))
+    if signed:
+        phi = phi * torch.sign(q)
+    return phi * scales.repeat_interleave(BLOCK)[:n]
+
+
+def update(kernel: Kernel, masters: Sequence[torch.Tensor],
+           grads: Sequence[torch.Tensor],
+           moments: Sequence[Sequence[torch.Tensor]]) -> None:
+    """
+    ### One update of fp32 masters with 8-bit moments
+
+    `moments` is `[exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg_sq_scales]`
+    in the layout's order, each a list over the shards. Per shard and slice
+    the moments are decoded to fp32, `kernel` (the fp32 update) runs on them,
+    and they are encoded back. A skipped update (`found_inf`) leaves the
+    decoded copies as they were, and re-encoding a decoded block gives its
+    codes back up to one level's rounding: unlike bf16's, this round trip is
+    not exact, so a skipped step may move a moment by at most one step of
+    its map.
+    """
+    exp_avgs, avg_scales, exp_avg_sqs, sq_scales = moments
+    for master, grad, m, m_scale, v, v_scale in zip(
+            masters, grads, exp_avgs, avg_scales, exp_avg_sqs, sq_scales):
+        for start in range(0, master.numel(), WIDE_NUMEL):
+            piece = slice(start, start + WIDE_NUMEL)
+            blocks = slice(start // BLOCK, (start + WIDE_NUMEL) // BLOCK)
+            # [min(S - start, WIDE_NUMEL)] fp32
+            wide_m = decode(m[piece], m_scale[blocks], signed=True)
+            wide_v = decode(v[piece], v_scale[blocks], signed=False)
+            kernel([master[piece]], [grad[piece]], [wide_m], [wide_v])
+            encode(wide_m, m[piece], m_scale[blocks], signed=True)
+            encode(wide_v, v[piece], v_scale[blocks], signed=False)

@@ -1,0 +1,147 @@
+r"""
+`states="8bit-moments"`: an fp32 master with block-wise 8-bit moments, on
+device and host shards, in the early update and in checkpoints.
+
+The reference is `torch.optim.AdamW` on the fp32 master whose moments are
+encoded and decoded after every step with the same functions. The kernel
+reads the same operands in the same order in both, so the tolerance is zero.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labml_zero.optimizers import blockwise_moments as bw
+from labml_zero.optimizers.adam_fp16 import AdamFP16
+from labml_zero.zero3.shard import LocalShard
+from labml_zero.zero3.state_layout import EIGHT_BIT_MOMENTS, LAYOUTS
+from tests.optimizers import test_offload
+from tests.optimizers.test_offload import (HYPER, gradients, set_grad, shards,
+                                           train)
+
+CODED = ("exp_avg", "exp_avg_sq")
+STEPS = 20
+
+
+def code_moments(reference: torch.optim.AdamW, bug: str | None) -> None:
+    """The reference's moments after a step: encoded and decoded in place, or
+    a deliberately wrong variant."""
+    for state in reference.state.values():
+        for key, signed in zip(CODED, (True, False)):
+            if bug == "moments kept fp32":
+                continue
+            x = state[key]
+            codes = torch.empty_like(x, dtype=torch.uint8)
+            scales = torch.empty(bw.n_blocks(x.numel()))
+            # the wrong map: v coded with m's (signed, square root)
+            bw.encode(x, codes, scales, signed=signed or bug == "v with m's map")
+            x.copy_(bw.decode(codes, scales,
+                              signed=signed or bug == "v with m's map"))
+
+
+# Shards of several blocks, whole and partial, and of less than one.
+SIZES = (37, 600, 256, 513)
+
+
+@pytest.fixture(autouse=True)
+def several_blocks(monkeypatch):
+    """`shards` and `gradients` of `test_offload`, at these sizes."""
+    monkeypatch.setattr(test_offload, "SIZES", SIZES)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("offload", [None, {1, 2}])
+@pytest.mark.parametrize("bug", [None, "moments kept fp32", "v with m's map",
+                                 "lr x 1.001"])
+def test_8bit_moments_are_adamw_with_moments_coded_each_step(fused, offload, bug):
+    ours = shards(torch.bfloat16)
+    theirs = [torch.nn.Parameter(LocalShard.of(p).master_init.clone())
+              for p in ours]
+    opt = AdamFP16(ours, **HYPER, fused=fused, offload=offload,
+                   states="8bit-moments")
+    lr = HYPER["lr"] * (1.001 if bug == "lr x 1.001" else 1)
+    ref = torch.optim.AdamW(theirs, **{**HYPER, "lr": lr}, fused=fused or None,
+                            foreach=not fused)
+    for step in range(STEPS):
+        for p, q, g in zip(ours, theirs, gradients(step)):
+            set_grad(p, g.clone())
+            q.grad = g.clone()
+        opt.step()
+        ref.step()
+        code_moments(ref, bug)
+        opt.zero_grad()
+    equal = all(torch.equal(opt.state[p]["master"], q.detach())
+                for p, q in zip(ours, theirs))
+    assert equal == (bug is None)
+    for p, q in zip(ours, theirs):
+        state = opt.state[p]
+        assert [state[k].dtype for k in CODED] == [torch.uint8] * 2
+        assert state["exp_avg_absmax"].shape == (bw.n_blocks(p.numel()),)
+        assert torch.equal(p.detach(), state["master"].bfloat16())
+        if bug is None:
+            assert torch.equal(bw.decode(state["exp_avg"], state["exp_avg_absmax"],
+                                         signed=True), ref.state[q]["exp_avg"])
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("n", [1, 255, 256, 1000])
+def test_round_trip_error_is_bounded_by_the_map_step(signed, n):
+    r"""$|x - \hat x| \le \frac{p}{2L} a_j$ (the page's bound), per block; and
+    the bound is not loose by more than a factor of a few: some element of a
+    random block comes within half of it."""
+    g = torch.Generator().manual_seed(n)
+    # values over six orders of magnitude, as squared gradients are
+    x = torch.randn(n, generator=g) * 10 ** (3 * torch.rand(n, generator=g))
+    x = x if signed else x * x
+    codes = torch.empty(n, dtype=torch.uint8)
+    scales = torch.empty(bw.n_blocks(n))
+    bw.encode(x, codes, scales, signed=signed)
+    back = bw.decode(codes, scales, signed=signed)
+    p, levels = (2, 127) if signed else (4, 255)
+    absmax = torch.nn.functional.pad(x.abs(), (0, -n % bw.BLOCK)).view(
+        -1, bw.BLOCK).amax(1).repeat_interleave(bw.BLOCK)[:n]
+    assert torch.equal(scales, absmax[::bw.BLOCK])
+    # the bound, plus fp32's rounding of the decode (a few ulps of a_j)
+    bound = absmax * (p / (2 * levels) + 8 * torch.finfo(torch.float32).eps)
+    assert bool(((x - back).abs() <= bound).all())
+    assert (x.abs() == absmax).any() and torch.equal(
+        back[x.abs() == absmax], x[x.abs() == absmax])
+    # re-encoding a decoded block gives the same codes
+    again = torch.empty_like(codes)
+    bw.encode(back, again, torch.empty_like(scales), signed=signed)
+    assert torch.equal(again, codes)
+
+
+def test_an_all_zero_block_decodes_to_zero():
+    x = torch.zeros(300)
+    codes, scales = torch.empty(300, dtype=torch.uint8), torch.empty(2)
+    for signed in (True, False):
+        bw.encode(x, codes, scales, signed=signed)
+        assert torch.equal(bw.decode(codes, scales, signed=signed), x)
+
+
+def test_the_layout_counts_its_scales():
+    assert EIGHT_BIT_MOMENTS.bytes_per_element() == 4 + 1 + 1 + 2 * 4 / bw.BLOCK
+    assert EIGHT_BIT_MOMENTS.bytes_per_element(shard_is_master=True) == \
+        2 + 2 * 4 / bw.BLOCK
+    assert "8bit-moments" in LAYOUTS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_early_and_host_updates_are_the_same_update(dtype):
+    after, during = shards(dtype), shards(dtype)
+    after_opt = AdamFP16(after, **HYPER, states="8bit-moments")
+    during_opt = AdamFP16(during, **HYPER, offload={0, 2, 3},
+                          update_during_backward=True, states="8bit-moments")
+    train(after_opt, after, 5)
+    for step in range(5):
+        for p, g in zip(during, gradients(step)):
+            set_grad(p, g)
+            during_opt.grad_ready(p)
+        during_opt.step()
+        during_opt.zero_grad()
+    for a, b in zip(after, during):
+        assert torch.equal(a, b)
+        for key in EIGHT_BIT_MOMENTS.names:
+            assert torch.equal(after_opt.state[a][key], during_opt.state[b][key])
