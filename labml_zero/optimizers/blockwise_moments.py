@@ -118,7 +118,11 @@ def encode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *,
 
 def decode(codes: torch.Tensor, scales: torch.Tensor, *,
            signed: bool) -> torch.Tensor:
-    """### $\\hat x = a_j \\phi(q)$: fp32 [n] from `codes` [n] and `scales`"""
+    r"""### $\hat x = a_j \phi(q)$: fp32 [n] from `codes` [n] and `scales`
+
+    `scales` holds one value per block ($\lceil n / B \rceil$) or, read
+    from a checkpoint, one per element (each its block's).
+    """
     n = codes.numel()
     q = codes.float()
     if signed:
@@ -127,7 +131,10 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, *,
     phi = (q.abs() / levels).pow(_power(signed))
     if signed:
         phi = phi * torch.sign(q)
-    return phi * scales.repeat_interleave(BLOCK)[:n]
+    if scales.numel() != n:
+        # one scale per block, the last block partial
+        scales = scales.repeat_interleave(BLOCK)[:n]
+    return phi * scales
 
 
 def update(kernel: Kernel, masters: Sequence[torch.Tensor],
@@ -141,9 +148,8 @@ def update(kernel: Kernel, masters: Sequence[torch.Tensor],
     the moments are decoded to fp32, `kernel` (the fp32 update) runs on them,
     and they are encoded back. A skipped update (`found_inf`) leaves the
     decoded copies as they were, and re-encoding a decoded block gives its
-    codes back up to one level's rounding: unlike bf16's, this round trip is
-    not exact, so a skipped step may move a moment by at most one step of
-    its map.
+    codes and scales back (see the loading section below), so a skipped step
+    leaves the moments as they were.
     """
     exp_avgs, avg_scales, exp_avg_sqs, sq_scales = moments
     for master, grad, m, m_scale, v, v_scale in zip(
@@ -157,3 +163,49 @@ def update(kernel: Kernel, masters: Sequence[torch.Tensor],
             kernel([master[piece]], [grad[piece]], [wide_m], [wide_v])
             encode(wide_m, m[piece], m_scale[blocks], signed=True)
             encode(wide_v, v[piece], v_scale[blocks], signed=False)
+
+
+# ## Loading a state of another layout
+#
+# A checkpoint reader gives an 8-bit moment's scales per element, each
+# element's own block's (the saved shard's blocks need not be the new
+# shard's). Decoding with those is exact arithmetic on what was saved, and
+# re-encoding a decoded block gives back its codes and scale (its absmax
+# element decodes to $a_j \cdot 1$), so a resume within `"8bit-moments"` at
+# the same shards is bit-exact; at other shards the blocks are new ones,
+# encoded once.
+
+CODED = (("exp_avg", True), ("exp_avg_sq", False))
+"""Each coded moment and whether its map is signed; its scales are
+`<name>_absmax`."""
+
+
+def convert(state: dict, *, blockwise: bool) -> dict:
+    """
+    ### A shard's state, its moments converted for a layout
+
+    `state` holds each moment as saved: fp32 or bf16, or codes with scales
+    per block or per element. With `blockwise` the moments come back coded
+    with scales per block; without, decoded to fp32 (the home then casts them
+    to its dtype) and without scales.
+    """
+    state = dict(state)
+    for name, signed in CODED:
+        scale = f"{name}_absmax"
+        codes = state[name]
+        if scale in state:
+            if blockwise and state[scale].numel() == n_blocks(codes.numel()):
+                continue
+            # [S] fp32, from per-element scales
+            wide = decode(codes, state.pop(scale), signed=signed)
+        elif blockwise:
+            wide = codes.float()
+        else:
+            continue
+        if not blockwise:
+            state[name] = wide
+            continue
+        state[name] = torch.empty_like(wide, dtype=torch.uint8)
+        state[scale] = wide.new_empty(n_blocks(wide.numel()))
+        encode(wide, state[name], state[scale], signed=signed)
+    return state

@@ -145,3 +145,73 @@ def test_early_and_host_updates_are_the_same_update(dtype):
         assert torch.equal(a, b)
         for key in EIGHT_BIT_MOMENTS.names:
             assert torch.equal(after_opt.state[a][key], during_opt.state[b][key])
+
+
+# ## Checkpoints, with the engine on one local rank
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resume_is_bit_exact_with_8bit_moments(tmp_path, dtype, offload, capsys):
+    from labml_zero.zero3.checkpoint import (CheckpointReader, load_checkpoint,
+                                             save_checkpoint)
+    from tests.optimizers.test_narrow_moments import run_steps, sharded
+
+    model, opt = sharded(dtype, "8bit-moments", offload=offload)
+    run_steps(model, opt, range(3))
+    save_checkpoint(tmp_path / "ckpt", model, opt)
+    run_steps(model, opt, range(3, 6))
+    fresh, fresh_opt = sharded(dtype, "8bit-moments", offload=offload)
+    loaded = load_checkpoint(tmp_path / "ckpt", fresh, fresh_opt)
+    assert loaded.converted is None and capsys.readouterr().err == ""
+    run_steps(fresh, fresh_opt, range(3, 6))
+    for a, b in zip(model.chunks, fresh.chunks):
+        assert torch.equal(a.shard, b.shard)
+    for p, q in zip(opt.param_groups[0]["params"],
+                    fresh_opt.param_groups[0]["params"]):
+        for key in EIGHT_BIT_MOMENTS.names:
+            assert torch.equal(opt.state[p][key], fresh_opt.state[q][key])
+    # saved as kept: one byte a moment, its scales per block
+    reader = CheckpointReader(tmp_path / "ckpt")
+    assert reader.states["dtypes"] == EIGHT_BIT_MOMENTS.dtypes
+    assert reader.states["blocks"] == {"exp_avg_absmax": bw.BLOCK,
+                                       "exp_avg_sq_absmax": bw.BLOCK}
+    name = model.chunks[-1].names[0]
+    assert reader.read(name, "exp_avg").dtype == torch.uint8
+
+
+@pytest.mark.parametrize("saved,resumed", [("fp32", "8bit-moments"),
+                                           ("8bit-moments", "fp32"),
+                                           ("8bit-moments", "bf16-moments")])
+def test_a_resume_with_another_choice_converts_once(tmp_path, saved, resumed,
+                                                    capsys):
+    from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
+    from tests.optimizers.test_narrow_moments import run_steps, sharded
+
+    model, opt = sharded(torch.bfloat16, saved)
+    run_steps(model, opt, range(3))
+    save_checkpoint(tmp_path / "ckpt", model, opt)
+    fresh, fresh_opt = sharded(torch.bfloat16, resumed)
+    loaded = load_checkpoint(tmp_path / "ckpt", fresh, fresh_opt)
+    line = (f"checkpoint {tmp_path / 'ckpt'}: optimizer states saved as "
+            f"{saved!r}, converted once to {resumed!r}")
+    assert loaded.converted == line
+    assert capsys.readouterr().err == line + "\n"
+    layout = fresh_opt.layout
+    for p, q in zip(opt.param_groups[0]["params"],
+                    fresh_opt.param_groups[0]["params"]):
+        assert torch.equal(fresh_opt.state[q]["master"], opt.state[p]["master"])
+        old, new = opt.state[p], fresh_opt.state[q]
+        for key, signed in bw.CODED:
+            if saved == "8bit-moments":
+                # decoded (exact), then cast to the new dtype
+                wide = bw.decode(old[key], old[f"{key}_absmax"], signed=signed)
+                assert torch.equal(new[key], wide.to(layout.dtype(key)))
+            else:
+                codes = torch.empty_like(old[key], dtype=torch.uint8)
+                scales = old[key].new_empty(bw.n_blocks(old[key].numel()))
+                bw.encode(old[key], codes, scales, signed=signed)
+                assert torch.equal(new[key], codes)
+                assert torch.equal(new[f"{key}_absmax"], scales)
+    run_steps(fresh, fresh_opt, range(3, 5))
+    assert fresh_opt.state[q]["exp_avg"].dtype == layout.dtype("exp_avg")

@@ -79,10 +79,10 @@ MANIFEST_KEYS = ("save_id", "world_size", "fingerprint", "chunks", "param_groups
                  "files")
 MANIFEST_KEYS_2 = ("digests", "meta")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
+          "float16": torch.float16, "uint8": torch.uint8}
 # safetensors' dtype names, as `get_slice(...).get_dtype()` reports them
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16",
-                      torch.float16: "F16"}
+                      torch.float16: "F16", torch.uint8: "U8"}
 
 
 class CheckpointError(ValueError):
@@ -106,8 +106,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def states_entry(layout: StateLayout) -> dict:
-    """The manifest's `states`: what a reader needs to read the states back."""
-    return {"name": layout.name, "dtypes": layout.dtypes}
+    """The manifest's `states`: what a reader needs to read the states back;
+    `blocks` names the states kept per block (8-bit moments' scales) and $B$."""
+    blocks = {t.name: t.block for t in layout.tensors if t.block is not None}
+    return {"name": layout.name, "dtypes": layout.dtypes,
+            **({"blocks": blocks} if blocks else {})}
 
 
 def saved_states(manifest: dict) -> dict:
