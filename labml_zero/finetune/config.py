@@ -191,7 +191,7 @@ class FinetuneConfig:
     fp32 master and fp32 moments), `bf16-moments` (the moments in bf16),
     `bf16-stochastic` (no master: the bf16 parameters updated with stochastic
     rounding, bf16 moments; nothing offloaded, no fp16) or `8bit-moments` (the
-    moments coded in 8 bits, one fp32 scale per block of 256). A `--resume` from a
+    moments coded in 8 bits, one fp32 scale per block). A `--resume` from a
     checkpoint of another layout converts its states once and says so."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass."""

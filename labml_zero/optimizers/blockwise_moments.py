@@ -2,7 +2,7 @@ r"""
 ---
 title: Moments in 8 bits, block by block
 summary: AdamW with an fp32 master and both moments stored as 8-bit codes,
-  one fp32 absmax scale per block of 256 elements and a square-root code map.
+  one fp32 absmax scale per block and a square-root code map.
 ---
 
 # Moments in 8 bits, block by block
@@ -10,11 +10,15 @@ summary: AdamW with an fp32 master and both moments stored as 8-bit codes,
 This page deepens [narrow moments](narrow_moments.html) for the
 `"8bit-moments"` [state layout](../zero3/state_layout.html): the master stays
 fp32, and each moment is kept as one byte per element plus one fp32 scale per
-block of $B = 256$ elements (as bitsandbytes' and torchao's 8-bit Adam do),
+block of $B$ elements (as bitsandbytes' and torchao's 8-bit Adam do),
 
-$$K = 4 + 1 + 1 + 2 \cdot \frac{4}{B} = 6.03125$$
+$$K = 4 + 1 + 1 + 2 \cdot \frac{4}{B}$$
 
-bytes per element, against $8$ with bf16 moments and $12$ with fp32 ones. A
+(tested: tests/optimizers/test_blockwise_moments.py::test_the_layout_counts_its_scales)
+bytes per element, {{py: state_layout.EIGHT_BIT_MOMENTS.bytes_per_element() | .5g}}
+at {{const: BLOCK}}, against
+{{py: state_layout.BF16_MOMENTS.bytes_per_element()}} with bf16 moments and
+{{py: state_layout.FP32_STATES.bytes_per_element()}} with fp32 ones. A
 block $j$ of a moment $x$ is stored as its absmax $a_j = \max_{i \in j}|x_i|$
 and codes $q_i$ of $r_i = x_i / a_j \in [-1, 1]$:
 
@@ -33,15 +37,17 @@ from typing import Callable, Sequence
 
 import torch
 
-BLOCK = 256
+from labml_zero.zero3.state_layout import EIGHT_BIT_BLOCK
+
+BLOCK = EIGHT_BIT_BLOCK
 """$B$, elements per scale: a scale costs $4 / B$ bytes per element."""
 
 # Elements decoded at once, as `narrow_moments.WIDE_NUMEL`; a multiple of
 # `BLOCK`, so a slice never splits a block.
 WIDE_NUMEL = 2**22
 
-# Levels of each map: the signed one spends codes $0 \dots 254$ on
-# $-127 \dots 127$ (zero exact), the unsigned one all $256$.
+# $L_m$ and $L_v$, the levels of each map: the signed one spends the codes
+# $0 \dots 2 L_m$ on $-L_m \dots L_m$, the unsigned one all of a byte's.
 SIGNED_LEVELS = 127
 UNSIGNED_LEVELS = 255
 
@@ -55,31 +61,36 @@ def n_blocks(numel: int) -> int:
 
 # ## The code maps
 #
-# A linear map would give every block $2^8$ equal steps of $a_j / 127$: in a
-# block whose largest $v$ is $10^4$ times its smallest (common: $v$ is a
-# squared gradient), most elements would decode to $\hat v = 0$ and take a
-# step $\hat m / \epsilon$. Both maps here are square-root maps, fine near
-# zero and coarse near $a_j$:
+# A linear map would give every block equal steps of $a_j / L$: in a block
+# whose largest $v$ is orders of magnitude above its smallest (common: $v$ is
+# a squared gradient), most elements would decode to $\hat v = 0$ and take a
+# step $\hat m / \epsilon$. Both maps here are root maps, fine near zero and
+# coarse near $a_j$, with $L_m$ levels each side of zero for $m$
+# (`SIGNED_LEVELS`, zero exact) and $L_v$ for $v$ (`UNSIGNED_LEVELS`, all of
+# a byte):
 #
-# * $m$, signed: $q = \operatorname{round}(127 \operatorname{sign}(r)\sqrt{|r|})$,
-#   $\phi(q) = \operatorname{sign}(q)(q/127)^2$.
-# * $v$, unsigned, in the fourth root: $q = \operatorname{round}(255\,r^{1/4})$,
-#   $\phi(q) = (q/255)^4$. The update divides by $\sqrt{v}$, which has the
-#   units of $m$: $\sqrt{\hat v}$ is then $\sqrt{a_j}\,(q/255)^2$, the same
+# * $m$, signed, in the square root:
+#   $q = \operatorname{round}(L_m \operatorname{sign}(r)\sqrt{|r|})$,
+#   $\phi(q) = \operatorname{sign}(q)(q/L_m)^2$.
+# * $v$, unsigned, in the fourth root: $q = \operatorname{round}(L_v\,r^{1/4})$,
+#   $\phi(q) = (q/L_v)^4$. The update divides by $\sqrt{v}$, which has the
+#   units of $m$: $\sqrt{\hat v} = \sqrt{a_j}\,(q/L_v)^2$ is the same
 #   square-root map as $m$'s, with twice the levels. An element decodes to
-#   zero only below $a_j / 510^4$, where $\sqrt{v}$ is $2.6 \cdot 10^5$
-#   times smaller than the block's largest.
+#   zero only below $a_j / (2 L_v)^4$, where $\sqrt{v}$ is $(2 L_v)^2$ times
+#   below the block's largest.
 #
-# The error bound follows from rounding in the root: with $s = |r|^{1/p}$
-# ($p = 2$ or $4$) and $L$ levels, $|s - \hat s| \le \frac{1}{2L}$, and
-# since $s, \hat s \le 1$, $|s^p - \hat s^p| \le p \, |s - \hat s|$, so
+# The error bound follows from rounding in the root: with $s = |r|^{1/e}$
+# ($e = 2$ for $m$, $e = 4$ for $v$) and $L$ levels,
+# $|s - \hat s| \le \frac{1}{2L}$, and since $s, \hat s \le 1$,
+# $|s^e - \hat s^e| \le e \, |s - \hat s|$, so
 #
-# $$|x - \hat x| \le \frac{p}{2L} \, a_j,$$
+# $$|x - \hat x| \le \frac{e}{2L} \, a_j,$$
 #
-# $a_j/127$ for $m$ and $2 a_j/255$ for $v$ (tested:
-# tests/optimizers/test_blockwise_moments.py::test_round_trip_error_is_bounded_by_the_map_step).
+# $a_j / L_m$ for $m$ and $2 a_j / L_v$ for $v$
+# (tested: tests/optimizers/test_blockwise_moments.py::test_round_trip_error_is_bounded_by_the_map_step).
 # bitsandbytes' dynamic tree map is finer still near zero; the root maps are
-# two lines each, and Adam stays stable with them (see the tests' training).
+# a line each, and Adam stays stable with them
+# (tested: tests/optimizers/test_blockwise_moments.py::test_a_tiny_model_trains_as_with_fp32_moments).
 
 
 def _power(signed: bool) -> int:
@@ -111,7 +122,7 @@ def encode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *,
     root = r.abs().pow(1.0 / _power(signed))
     q = torch.round(root * levels)
     if signed:
-        # [−127, 127] stored as [0, 254]
+        # $[-L_m, L_m]$ stored as $[0, 2 L_m]$
         q = q * torch.sign(r) + SIGNED_LEVELS
     codes.copy_(q.view(-1)[:n])
 
@@ -154,6 +165,9 @@ def update(kernel: Kernel, masters: Sequence[torch.Tensor],
     exp_avgs, avg_scales, exp_avg_sqs, sq_scales = moments
     for master, grad, m, m_scale, v, v_scale in zip(
             masters, grads, exp_avgs, avg_scales, exp_avg_sqs, sq_scales):
+        # flat views: a plain parameter's master may have any shape
+        master, m, v = (t.view(-1) for t in (master, m, v))
+        grad = grad.reshape(-1)
         for start in range(0, master.numel(), WIDE_NUMEL):
             piece = slice(start, start + WIDE_NUMEL)
             blocks = slice(start // BLOCK, (start + WIDE_NUMEL) // BLOCK)

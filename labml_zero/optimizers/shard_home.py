@@ -122,7 +122,9 @@ class ShardHome:
         kept = {} if self.layout.master is None else {self.layout.master.name:
                                                       master}
         return {"step": 0, **kept,
-                **{t.name: master.new_zeros(t.numel(master.numel()), dtype=t.dtype)
+                **{t.name: (torch.zeros_like(master, dtype=t.dtype)
+                            if t.block is None else
+                            master.new_zeros(t.numel(master.numel()), dtype=t.dtype))
                    for t in self.layout.moments}}
 
 

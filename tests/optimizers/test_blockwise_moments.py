@@ -215,3 +215,48 @@ def test_a_resume_with_another_choice_converts_once(tmp_path, saved, resumed,
                 assert torch.equal(new[f"{key}_absmax"], scales)
     run_steps(fresh, fresh_opt, range(3, 5))
     assert fresh_opt.state[q]["exp_avg"].dtype == layout.dtype("exp_avg")
+
+
+# ## Training a tiny model
+
+
+def tiny_training(states: str, *, lr: float = 1e-2, steps: int = 60) -> list[float]:
+    """A two-layer MLP regressing a fixed random target on fp32 parameters
+    (each its own master), with AdamFP16's foreach kernel."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 300), torch.nn.Tanh(),
+                                torch.nn.Linear(300, 4))
+    x, y = torch.randn(256, 16), torch.randn(256, 4)
+    opt = AdamFP16(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                   fused=False, states=states)
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def test_a_tiny_model_trains_as_with_fp32_moments():
+    r"""The loss tracks fp32 moments' within a tolerance from the maps' bound.
+
+    A step moves each weight by $\alpha \hat m / \sqrt{\hat v}$; to first
+    order its relative error is that of $\hat m$ plus half that of $\hat v$,
+    at most $\frac{1}{L_m} + \frac{1}{L_v}$ for the elements near their
+    block's absmax, which make the largest steps. The loss falls by the sum
+    of the steps times the gradients, so after $t$ steps the two curves may
+    part by that fraction of the fall so far, twice over (both moments' errors
+    also steer later gradients). Learning rate $\times 1.1$, a wrong update of
+    about that size, falls outside it."""
+    ref = tiny_training("fp32")
+    coded = tiny_training("8bit-moments")
+    wrong = tiny_training("fp32", lr=1.1e-2)
+    fraction = 2 * (1 / bw.SIGNED_LEVELS + 1 / bw.UNSIGNED_LEVELS)
+    assert ref[-1] < 0.5 * ref[0]
+    parts = [abs(a - b) <= fraction * (ref[0] - a) + 1e-6
+             for a, b in zip(ref, coded)]
+    assert all(parts), [(a, b) for a, b in zip(ref, coded)][-5:]
+    assert not all(abs(a - b) <= fraction * (ref[0] - a) + 1e-6
+                   for a, b in zip(ref, wrong))
