@@ -28,6 +28,7 @@ the command line prints it as one line and exits with status 2.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -117,7 +118,8 @@ def checkpoint_bytes(layers: list[nn.Module], dtype: torch.dtype,
     for param in (q for layer in layers for q in layer.parameters()):
         total += param.numel()
         trainable += param.numel() if param.requires_grad else 0
-    return p * total + k * trainable
+    # rounded up: 8-bit moments' $K$ counts a fraction of a scale per element
+    return math.ceil(p * total + k * trainable)
 
 
 def saves_at_peak(config, *, first_step: int, total_steps: int,

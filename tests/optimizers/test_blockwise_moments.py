@@ -260,3 +260,84 @@ def test_a_tiny_model_trains_as_with_fp32_moments():
     assert all(parts), [(a, b) for a, b in zip(ref, coded)][-5:]
     assert not all(abs(a - b) <= fraction * (ref[0] - a) + 1e-6
                    for a, b in zip(ref, wrong))
+
+
+@pytest.mark.parametrize("offload", [None, {0, 1}])
+def test_a_non_finite_early_gradient_leaves_8bit_moments_as_they_were(offload):
+    params = shards(torch.bfloat16)[:2]
+    opt = AdamFP16(params, lr=1e-2, offload=offload, update_during_backward=True,
+                   states="8bit-moments")
+    for step in range(2):
+        for p, g in zip(params, gradients(step)):
+            set_grad(p, g)
+            opt.grad_ready(p)
+        opt.step()
+        opt.zero_grad()
+    before = {k: opt.state[params[1]][k].clone()
+              for k in EIGHT_BIT_MOMENTS.names}
+    finite, overflowed = gradients(2)[:2]
+    overflowed[3] = float("inf")
+    for p, g in zip(params, (finite, overflowed)):
+        set_grad(p, g)
+        opt.grad_ready(p)
+    with pytest.raises(RuntimeError, match="non-finite gradient"):
+        opt.step()
+    for key, value in before.items():
+        assert torch.equal(opt.state[params[1]][key], value)
+
+
+def chunked(chunk_numel: int):
+    """The tiny engine model of `sharded`, at a chosen chunk size."""
+    from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+    from tests.zero3.models import tiny_layers
+
+    config = ZeroConfig(dtype=torch.bfloat16, chunk_numel=chunk_numel, align=4)
+    model = Zero3Sequential(zero3_layers(tiny_layers(0), device="cpu",
+                                         config=config))
+    optimizer = AdamFP16(model.get_trainable_chunk(), lr=3e-3,
+                         states="8bit-moments")
+    model.runtime.on_grad_ready(optimizer.grad_ready)
+    return model, optimizer
+
+
+def full_moments(model, opt) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's decoded moments and their blocks' scales, per element."""
+    out = {}
+    for chunk in model.chunks:
+        state = opt.state.get(chunk.shard)
+        if not state:
+            continue
+        for key, signed in bw.CODED:
+            wide = bw.decode(state[key], state[f"{key}_absmax"], signed=signed)
+            scale = state[f"{key}_absmax"].repeat_interleave(bw.BLOCK)
+            for name, slot, param in zip(chunk.names, chunk.spec.slots,
+                                         chunk.params):
+                piece = slice(slot.offset, slot.offset + param.numel())
+                out.setdefault(name, {})[key] = (wide[piece], scale[piece])
+    return out
+
+
+def test_a_resume_at_other_chunks_codes_the_new_blocks_once(tmp_path):
+    """Saved with shards of several blocks, resumed with shards of one
+    partial block: each element read with its own saved block's scale, the
+    new blocks coded once, within the map's bound of the new block's absmax."""
+    from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
+    from tests.optimizers.test_narrow_moments import run_steps
+
+    model, opt = chunked(2000)
+    assert max(c.shard.numel() for c in model.chunks) > 2 * bw.BLOCK
+    run_steps(model, opt, range(3))
+    save_checkpoint(tmp_path / "ckpt", model, opt)
+    fresh, fresh_opt = chunked(200)
+    load_checkpoint(tmp_path / "ckpt", fresh, fresh_opt)
+    old, new = full_moments(model, opt), full_moments(fresh, fresh_opt)
+    assert old.keys() == new.keys()
+    eps = torch.finfo(torch.float32).eps
+    for name in old:
+        for (key, signed), levels, e in zip(bw.CODED, (bw.SIGNED_LEVELS,
+                                                       bw.UNSIGNED_LEVELS), (2, 4)):
+            was, _ = old[name][key]
+            now, scale = new[name][key]
+            bound = scale * (e / (2 * levels) + 8 * eps)
+            assert bool(((was - now).abs() <= bound).all()), (name, key)
+    run_steps(fresh, fresh_opt, range(3, 5))
