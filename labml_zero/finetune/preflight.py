@@ -118,7 +118,8 @@ def checkpoint_bytes(layers: list[nn.Module], dtype: torch.dtype,
     for param in (q for layer in layers for q in layer.parameters()):
         total += param.numel()
         trainable += param.numel() if param.requires_grad else 0
-    # rounded up: 8-bit moments' $K$ counts a fraction of a scale per element
+    # rounded up: with 8-bit moments the optimizer's $K$ holds a fraction of
+    # a byte per element, each block's scale shared by its elements
     return math.ceil(p * total + k * trainable)
 
 

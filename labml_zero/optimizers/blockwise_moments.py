@@ -29,6 +29,17 @@ moments as it stores them; the master's step uses the undecoded fp32 values.
 It is `torch.optim.AdamW` whose moments are encoded and decoded after every
 step, bit for bit
 (tested: tests/optimizers/test_blockwise_moments.py::test_8bit_moments_are_adamw_with_moments_coded_each_step).
+
+## Limitations
+
+* No one-pass kernel: decoding, the fp32 kernel and encoding are separate
+  passes over fp32 temporaries (`WIDE_NUMEL` elements at a time), so a step
+  moves more bytes than with bf16 moments on a GPU.
+* A skipped step and a resume are exact because re-encoding a decoded block
+  gives its codes back; that holds while $a_j \phi(q)$ is a normal fp32
+  number, not for a block whose absmax is near fp32's subnormal range.
+* The square-root maps are coarser near zero than bitsandbytes' dynamic
+  tree map.
 """
 
 from __future__ import annotations
@@ -154,13 +165,17 @@ def update(kernel: Kernel, masters: Sequence[torch.Tensor],
     """
     ### One update of fp32 masters with 8-bit moments
 
-    `moments` is `[exp_avgs, exp_avg_scales, exp_avg_sqs, exp_avg_sq_scales]`
-    in the layout's order, each a list over the shards. Per shard and slice
+    `moments` is the layout's `exp_avg`, `exp_avg_absmax`, `exp_avg_sq` and
+    `exp_avg_sq_absmax`, each a list over the shards. Per shard and slice
     the moments are decoded to fp32, `kernel` (the fp32 update) runs on them,
     and they are encoded back. A skipped update (`found_inf`) leaves the
     decoded copies as they were, and re-encoding a decoded block gives its
     codes and scales back (see the loading section below), so a skipped step
     leaves the moments as they were.
+
+    Every size here is the shard's, never the data's, and nothing reads a
+    value on the host: a [captured step](captured_update.html) records these
+    ops as they are, its temporaries taken from the graph's pool.
     """
     exp_avgs, avg_scales, exp_avg_sqs, sq_scales = moments
     for master, grad, m, m_scale, v, v_scale in zip(
