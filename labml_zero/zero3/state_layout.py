@@ -18,7 +18,8 @@ $b_s$ the bytes of state $s$'s dtype:
 {{py: state_layout.FP32_STATES.bytes_per_element()}} with fp32 moments,
 {{py: state_layout.BF16_MOMENTS.bytes_per_element()}} with bf16 ones and
 {{py: state_layout.BF16_STOCHASTIC.bytes_per_element()}} without a master and
-{{py: state_layout.EIGHT_BIT_MOMENTS.bytes_per_element() | .5g}} with 8-bit ones. Each layout is declared once, here; the optimizer, the
+{{py: state_layout.EIGHT_BIT_MOMENTS.bytes_per_element() | .5g}} with 8-bit
+ones. Each layout is declared once, here; the optimizer, the
 [checkpoint](checkpoint/index.html), the [memory model](memory_model.html),
 the {{see: placement}} and the calculator read it. Adding a state is one entry
 below. Last comes `ShardOptimizer`, the typed contract the engine calls.
@@ -130,7 +131,8 @@ class StateLayout:
         r"""
         ### $K$, the bytes per trainable element
 
-        $\sum_s b_s$ (an int unless a state is per block); with `shard_is_master` (an fp32 shard on the device,
+        $\sum_s b_s$ (whole unless a state is kept per block); with
+        `shard_is_master` (an fp32 shard on the device,
         see `shard_is_master`) less the master's bytes: the shard itself is
         the master.
         """
