@@ -217,7 +217,8 @@ class ShardOptimizer(Protocol):
     * `state_device(param)`: where `param`'s states belong (its home's device;
       a parameter not updated here, its own).
     * `shard_state(param)`: `{"step": int, <each state>: [S] tensor}` in the
-      layout's dtypes, or `None` before the first step.
+      layout's dtypes (a per-block state: one value per block), or `None`
+      before the first step.
     * `load_shard_state(param, state)`: install such a dict (converted to the
       layout's dtypes), or forget the state (`None`).
     * `grad_ready(param, after=...)`: the shard's gradient is final.

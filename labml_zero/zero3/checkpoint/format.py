@@ -55,8 +55,10 @@ __all__ = ["CheckpointError", "FORMAT", "MANIFEST"]
 #   seed), which a launcher reads [before any process starts](preflight.html);
 # * `states`, when an optimizer was saved: its
 #   [state layout](../state_layout.html): its `name` (`"bf16-moments"`) and
-#   `dtypes`, each state's dtype by name. A manifest without it was saved with
-#   fp32 states, the only layout there was.
+#   `dtypes`, each state's dtype by name; with 8-bit moments also `blocks`,
+#   the states kept one value per block of $B$ elements (their scales) and
+#   $B$. A manifest without `states` was saved with fp32 states, the only
+#   layout there was.
 #
 # `master` is written only when it is not the parameter itself: for a bf16/fp16 chunk
 # with an optimizer state, or whose exact fp32 initial weights the engine kept
