@@ -21,6 +21,7 @@ the command line prints it as one line and exits with status 2.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -110,7 +111,9 @@ def checkpoint_bytes(layers: list[nn.Module], dtype: torch.dtype,
     for param in unique_parameters(layers):
         total += param.numel()
         trainable += param.numel() if param.requires_grad else 0
-    return p * total + k * trainable
+    # rounded up: with 8-bit moments the optimizer's $K$ holds a fraction of
+    # a byte per element, each block's scale shared by its elements
+    return math.ceil(p * total + k * trainable)
 
 
 def unique_parameters(layers: list[nn.Module]) -> list[nn.Parameter]:

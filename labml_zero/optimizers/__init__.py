@@ -27,7 +27,7 @@ flat bf16 tensor per trainable chunk, with its fp32 gradient in its
 [shard](../zero3/shard.html).
 
 The pages follow below in reading order: the optimizer, its state layout,
-where each shard's state lives, the update's kernels (bf16 moments and
+where each shard's state lives, the update's kernels (bf16 and 8-bit moments and
 stochastic rounding among them), the training features that act on the
 shards' gradients (clipping's global norm, fp16's loss scale), and last the
 whole step as one CUDA graph.

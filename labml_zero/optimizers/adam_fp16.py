@@ -38,7 +38,8 @@ import torch
 from labml_zero.zero3.communication import current_cuda_stream
 from labml_zero.zero3.state_layout import StateLayout, state_layout
 
-from . import narrow_moments, rounded_update, stochastic_rounding
+from . import (blockwise_moments, narrow_moments, rounded_update,
+               stochastic_rounding)
 from .captured_update import CapturedUpdates
 from .early_update import EarlyUpdate, EarlyUpdates, NonFiniteGradient
 from .host_offload import HostShard
@@ -74,7 +75,9 @@ class AdamFP16(torch.optim.Optimizer):
       default), `"bf16-moments"` (an fp32 master, the moments rounded to
       bf16 when stored: [narrow moments](narrow_moments.html)) or
       `"bf16-stochastic"` (bf16 moments, no master: [stochastic
-      rounding](stochastic_rounding.html)).
+      rounding](stochastic_rounding.html)) or `"8bit-moments"` (an fp32
+      master, the moments coded in 8 bits per block: [8-bit
+      moments](blockwise_moments.html)).
 
     It holds `homes` (each shard's {{term: home}}, device or host,
     and the kernels' batches) and `early_updates` (the updates during the
@@ -270,16 +273,22 @@ class AdamFP16(torch.optim.Optimizer):
 
         The tensors are used as given (put them on `state_device(param)`), cast
         to the layout's dtypes where they differ (a state saved with another
-        choice); an fp32 shard's `master` may be the shard itself, which a host
-        home copies (`HostHome.adopt`).
+        choice; 8-bit moments are encoded or decoded:
+        [`convert`](blockwise_moments.html)); an fp32 shard's `master` may be
+        the shard itself, which a host home copies (`HostHome.adopt`).
         """
         home = self._home(param)
         if state is None:
             self.state.pop(param, None)
             return
-        missing = {"step", *self.layout.names} - set(state)
+        missing = {"step", *(t.name for t in self.layout.tensors
+                             if t.block is None)} - set(state)
         if missing:
             raise ValueError(f"shard state lacks {sorted(missing)}")
+        if self.layout.blockwise or "exp_avg_absmax" in state:
+            # 8-bit moments, kept or saved: encoded or decoded here, once
+            state = blockwise_moments.convert(state,
+                                              blockwise=self.layout.blockwise)
         self.state[param] = {"step": int(state["step"]),
                              **{name: state[name] for name in self.layout.names}}
         home.adopt(self.state[param])
@@ -467,6 +476,11 @@ class AdamFP16(torch.optim.Optimizer):
                     salts=[h.position for h in same])
                 continue
             masters = [s[self.layout.master.name] for s in states]
+            if self.layout.blockwise:
+                # 8-bit moments: decoded block by block around the kernel
+                blockwise_moments.update(kernel, masters, grads, moments)
+                lead.write_back(same, masters)
+                continue
             # moments narrower than fp32 are widened slice by slice around
             # the fp32 kernel and rounded as they are stored
             narrow_moments.update(kernel, masters, grads, *moments)

@@ -117,11 +117,14 @@ class ShardHome:
     def state_of(self, master: torch.Tensor) -> dict:
         """`step`, `master` and zero moments in the layout's dtypes, in the
         layout's order; a layout without a master keeps only the moments,
-        shaped like `master` (then the shard)."""
+        shaped like `master` (then the shard); a per-block state (an 8-bit
+        moment's scales) has one value per block."""
         kept = {} if self.layout.master is None else {self.layout.master.name:
                                                       master}
         return {"step": 0, **kept,
-                **{t.name: torch.zeros_like(master, dtype=t.dtype)
+                **{t.name: (torch.zeros_like(master, dtype=t.dtype)
+                            if t.block is None else
+                            master.new_zeros(t.numel(master.numel()), dtype=t.dtype))
                    for t in self.layout.moments}}
 
 
@@ -143,7 +146,8 @@ class DeviceHome(ShardHome):
     @property
     def one_pass(self) -> bool:
         # the one pass writes a master; without one the widened twin runs
-        return (self.layout.master is not None
+        # (8-bit moments: the coded twin runs)
+        return (self.layout.master is not None and not self.layout.blockwise
                 and rounded_update.applies(self.param))
 
     @property

@@ -99,7 +99,9 @@ GRAD_BYTES = 4
 # `reduce_dtype` (bf16 or fp16: 2).
 REDUCE_BYTES = 4
 # $K$ of the default state layout: AdamW's fp32 master copy and two fp32
-# moments. Another layout's is `StateLayout.bytes_per_element()`.
+# moments. Another layout's is `StateLayout.bytes_per_element()`, not always
+# whole: 8-bit moments count each block's scale as $4/B$ bytes per element
+# (a shard's partial last block holds a whole scale, a few bytes more).
 OPTIMIZER_BYTES = FP32_STATES.bytes_per_element()
 # the pinned fp32 staging buffer of a shard whose optimizer state is on the host
 STAGING_BYTES = 4

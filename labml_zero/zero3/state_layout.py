@@ -17,7 +17,9 @@ $$K = \sum_{s \in \text{layout}} b_s,$$
 $b_s$ the bytes of state $s$'s dtype:
 {{py: state_layout.FP32_STATES.bytes_per_element()}} with fp32 moments,
 {{py: state_layout.BF16_MOMENTS.bytes_per_element()}} with bf16 ones and
-{{py: state_layout.BF16_STOCHASTIC.bytes_per_element()}} without a master. Each layout is declared once, here; the optimizer, the
+{{py: state_layout.BF16_STOCHASTIC.bytes_per_element()}} without a master and
+{{py: state_layout.EIGHT_BIT_MOMENTS.bytes_per_element() | .5g}} with 8-bit
+ones. Each layout is declared once, here; the optimizer, the
 [checkpoint](checkpoint/index.html), the [memory model](memory_model.html),
 the {{see: placement}} and the calculator read it. Adding a state is one entry
 below. Last comes `ShardOptimizer`, the typed contract the engine calls.
@@ -31,12 +33,13 @@ from typing import Protocol
 import torch
 
 __all__ = ["StateTensor", "StateLayout", "FP32_STATES", "BF16_MOMENTS",
-           "BF16_STOCHASTIC", "LAYOUTS", "state_layout", "ShardOptimizer"]
+           "BF16_STOCHASTIC", "EIGHT_BIT_MOMENTS", "EIGHT_BIT_BLOCK",
+           "LAYOUTS", "state_layout", "ShardOptimizer"]
 
 
 @dataclass(frozen=True)
 class StateTensor:
-    """
+    r"""
     ## One state, per shard element
 
     * `name`: its key in the optimizer's state and in a checkpoint
@@ -46,6 +49,9 @@ class StateTensor:
     * `master`: whether it is the master copy of the weights, the one the update
       writes and the shard is the rounding of; a shard of the master's dtype
       is its own master.
+    * `block`: `None` for one value per element; $B$ for one value per block
+      of $B$ elements (an 8-bit moment's scales), $\lceil S / B \rceil$ values
+      per shard, the last block partial.
 
     Every state of a shard lives in the shard's
     [home](../optimizers/shard_home.html), device or host, together: the
@@ -56,11 +62,20 @@ class StateTensor:
     name: str
     dtype: torch.dtype
     master: bool = False
+    block: int | None = None
 
     @property
-    def nbytes(self) -> int:
-        """$b_s$, bytes per element."""
-        return self.dtype.itemsize
+    def nbytes(self) -> float:
+        """$b_s$, bytes per element: a per-block value's bytes over $B$."""
+        if self.block is None:
+            return self.dtype.itemsize
+        return self.dtype.itemsize / self.block
+
+    def numel(self, shard_numel: int) -> int:
+        """Its values for a shard of `shard_numel` elements."""
+        if self.block is None:
+            return shard_numel
+        return -(-shard_numel // self.block)
 
 
 @dataclass(frozen=True)
@@ -107,11 +122,17 @@ class StateLayout:
         """Each state's dtype by name, as a checkpoint records it."""
         return {t.name: str(t.dtype).removeprefix("torch.") for t in self.tensors}
 
-    def bytes_per_element(self, *, shard_is_master: bool = False) -> int:
+    @property
+    def blockwise(self) -> bool:
+        """Whether some state is kept per block (8-bit moments)."""
+        return any(t.block is not None for t in self.tensors)
+
+    def bytes_per_element(self, *, shard_is_master: bool = False) -> float:
         r"""
         ### $K$, the bytes per trainable element
 
-        $\sum_s b_s$; with `shard_is_master` (an fp32 shard on the device,
+        $\sum_s b_s$ (whole unless a state is kept per block); with
+        `shard_is_master` (an fp32 shard on the device,
         see `shard_is_master`) less the master's bytes: the shard itself is
         the master.
         """
@@ -137,6 +158,12 @@ class StateLayout:
 # most $2^{-9}$ per store (see the optimizer's page). `BF16_STOCHASTIC` keeps
 # no master at all: the bf16 shard is the weight, and each update is rounded
 # into it stochastically, so that small updates survive on average.
+# `EIGHT_BIT_MOMENTS` keeps the fp32 master and stores each moment as uint8
+# codes with one fp32 absmax scale per block of `EIGHT_BIT_BLOCK` elements
+# ([8-bit moments](../optimizers/blockwise_moments.html)).
+
+EIGHT_BIT_BLOCK = 256
+"""$B$, elements per scale of an 8-bit moment."""
 
 FP32_STATES = StateLayout("fp32", (
     StateTensor("master", torch.float32, master=True),
@@ -152,8 +179,16 @@ BF16_STOCHASTIC = StateLayout("bf16-stochastic", (
     StateTensor("exp_avg", torch.bfloat16),
     StateTensor("exp_avg_sq", torch.bfloat16),
 ))
+EIGHT_BIT_MOMENTS = StateLayout("8bit-moments", (
+    StateTensor("master", torch.float32, master=True),
+    StateTensor("exp_avg", torch.uint8),
+    StateTensor("exp_avg_absmax", torch.float32, block=EIGHT_BIT_BLOCK),
+    StateTensor("exp_avg_sq", torch.uint8),
+    StateTensor("exp_avg_sq_absmax", torch.float32, block=EIGHT_BIT_BLOCK),
+))
 LAYOUTS = {layout.name: layout
-           for layout in (FP32_STATES, BF16_MOMENTS, BF16_STOCHASTIC)}
+           for layout in (FP32_STATES, BF16_MOMENTS, BF16_STOCHASTIC,
+                          EIGHT_BIT_MOMENTS)}
 """Every choice by name; the first is the default."""
 
 
@@ -182,7 +217,8 @@ class ShardOptimizer(Protocol):
     * `state_device(param)`: where `param`'s states belong (its home's device;
       a parameter not updated here, its own).
     * `shard_state(param)`: `{"step": int, <each state>: [S] tensor}` in the
-      layout's dtypes, or `None` before the first step.
+      layout's dtypes (a per-block state: one value per block), or `None`
+      before the first step.
     * `load_shard_state(param, state)`: install such a dict (converted to the
       layout's dtypes), or forget the state (`None`).
     * `grad_ready(param, after=...)`: the shard's gradient is final.

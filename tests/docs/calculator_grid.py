@@ -52,7 +52,8 @@ def grid_inputs(count: int = 224) -> list[BudgetInputs]:
         targets = (("query_key_value", "dense_4h_to_h"), ("dense",))[i % 5] \
             if i % 5 < 2 else tuple(TARGETS)
         # every state layout; the one without a master offloads nothing
-        states = ("fp32", "bf16-moments", "bf16-stochastic")[(i // 11) % 3]
+        states = ("fp32", "bf16-moments", "bf16-stochastic",
+                  "8bit-moments")[(i // 11) % 4]
         offload = OFFLOADS[(i // 6) % 4]
         if states == "bf16-stochastic" and offload:
             offload = 0.0

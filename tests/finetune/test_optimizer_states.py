@@ -56,3 +56,17 @@ def test_each_layout_trains_and_a_resume_keeps_or_converts_it(tmp_path):
     stochastic = tmp_path / "stochastic"
     check_ok(finetune(stochastic, *RUN, "--optimizer-states", "bf16-stochastic"))
     assert losses(stochastic)[4] < losses(stochastic)[1]
+
+
+def test_8bit_moments_train_and_a_resume_keeps_them(tmp_path):
+    coded = tmp_path / "coded"
+    check_ok(finetune(coded, *RUN, "--optimizer-states", "8bit-moments"))
+    trained = losses(coded)
+    assert sorted(trained) == [1, 2, 3, 4]
+    assert trained[4] < trained[1]
+    saved = coded / "out" / "checkpoints" / "step-000002"
+    kept = finetune(tmp_path / "kept", *RUN, "--resume", str(saved))
+    check_ok(kept)
+    assert "converted" not in kept.stderr
+    again = losses(tmp_path / "kept")
+    assert {s: again[s] for s in (3, 4)} == {s: trained[s] for s in (3, 4)}

@@ -156,7 +156,8 @@ def test_memory_per_rank_and_bytes_per_step(world_size, dtype, reduce_dtype):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("states", ["bf16-moments", "bf16-stochastic"])
+@pytest.mark.parametrize("states", ["bf16-moments", "bf16-stochastic",
+                                    "8bit-moments"])
 @pytest.mark.parametrize("world_size,dtype", [(2, "bfloat16"), (1, "float32")])
 def test_bf16_moments_hold_the_layouts_bytes(world_size, dtype, states):
     """With bf16 moments the engine and the optimizer hold exactly the
@@ -176,8 +177,15 @@ def test_bf16_moments_hold_the_layouts_bytes(world_size, dtype, states):
         expected = layout_model_states(
             layout, param_bytes=p, grad_bytes=4,
             optimizer_bytes=chosen.bytes_per_element(shard_is_master=aliased))
-        assert r["held"] == expected
-        # placement's device split counts the same bytes, from the same layout
+        # per-block scales: the model counts $4/B$ bytes per element, a
+        # shard holds whole blocks, its last one partial
+        partial = sum(
+            t.nbytes * (t.numel(layout.shard_numel(c)) * t.block
+                        - layout.shard_numel(c))
+            for c in layout.chunks if c.trainable
+            for t in chosen.tensors if t.block is not None)
+        assert r["held"] == expected + partial
+        # placement's device split counts the model's bytes, from the same layout
         shards = [ShardSpec(layout.shard_numel(c), c.trainable)
                   for c in layout.chunks]
         split = resident_bytes(StaticPlacement().place(shards), shards,
@@ -186,6 +194,8 @@ def test_bf16_moments_hold_the_layouts_bytes(world_size, dtype, states):
         assert device_optimizer_bytes(p, chosen) == {
             ("bf16-moments", 2): 4 + 2 + 2, ("bf16-moments", 4): 2 + 2,
             ("bf16-stochastic", 2): 2 + 2, ("bf16-stochastic", 4): 2 + 2,
+            ("8bit-moments", 2): 4 + 1 + 1 + 8 / 256,
+            ("8bit-moments", 4): 1 + 1 + 8 / 256,
         }[states, p]
 
 

@@ -14,6 +14,7 @@ from labml_zero.zero3.placement import (Placement, ShardSpec,
                                         device_optimizer_bytes, resident_bytes)
 from labml_zero.zero3.shard import LocalShard
 from labml_zero.zero3.state_layout import (BF16_MOMENTS, BF16_STOCHASTIC,
+                                           EIGHT_BIT_BLOCK, EIGHT_BIT_MOMENTS,
                                            FP32_STATES, LAYOUTS,
                                            ShardOptimizer, StateLayout,
                                            StateTensor, state_layout)
@@ -28,7 +29,13 @@ def test_bytes_per_element_of_each_layout():
     assert [FP32_STATES.shard_is_master(p) for p in (2, 4)] == [False, True]
     # the memory model's default K is the default layout's
     assert memory_model.OPTIMIZER_BYTES == FP32_STATES.bytes_per_element()
-    assert list(LAYOUTS) == ["fp32", "bf16-moments", "bf16-stochastic"]
+    assert list(LAYOUTS) == ["fp32", "bf16-moments", "bf16-stochastic",
+                             "8bit-moments"]
+    # one byte per moment and one fp32 scale per block of each
+    assert EIGHT_BIT_MOMENTS.bytes_per_element() == \
+        4 + 1 + 1 + 2 * 4 / EIGHT_BIT_BLOCK
+    assert EIGHT_BIT_MOMENTS.bytes_per_element(shard_is_master=True) == \
+        1 + 1 + 2 * 4 / EIGHT_BIT_BLOCK
     # no master: the bf16 shard is the weight, and nothing is dropped for an
     # fp32 shard, which has no copy to drop
     assert BF16_STOCHASTIC.bytes_per_element() == 2 + 2
@@ -43,7 +50,8 @@ def test_placement_counts_each_layouts_bytes():
     shards = [ShardSpec(100, True), ShardSpec(40, True), ShardSpec(60, False)]
     on_host = Placement(optimizer_on_host=frozenset({1}))
     for p in (2, 4):
-        for layout in (FP32_STATES, BF16_MOMENTS, BF16_STOCHASTIC):
+        for layout in (FP32_STATES, BF16_MOMENTS, BF16_STOCHASTIC,
+                       EIGHT_BIT_MOMENTS):
             k = layout.bytes_per_element()
             k_device = device_optimizer_bytes(p, layout)
             assert k_device == (k - 4 if p == 4 and layout.master else k)
@@ -66,7 +74,8 @@ def test_a_layout_is_checked_when_declared_and_chosen():
         StateLayout("two", (StateTensor("a", torch.float32, master=True),
                             StateTensor("b", torch.float32, master=True)))
     with pytest.raises(ValueError, match="states must be one of fp32, "
-                                         "bf16-moments, bf16-stochastic"):
+                                         "bf16-moments, bf16-stochastic, "
+                                         "8bit-moments"):
         state_layout("int8")
     assert state_layout(BF16_MOMENTS) is BF16_MOMENTS
     with pytest.raises(ValueError, match="has no state 'v'"):
@@ -77,7 +86,8 @@ def test_a_layout_is_checked_when_declared_and_chosen():
 # tests/optimizers/test_stochastic_rounding.py)
 @pytest.mark.parametrize("layout,offload", [
     (FP32_STATES, None), (FP32_STATES, {0}), (BF16_MOMENTS, None),
-    (BF16_MOMENTS, {0}), (BF16_STOCHASTIC, None)])
+    (BF16_MOMENTS, {0}), (BF16_STOCHASTIC, None), (EIGHT_BIT_MOMENTS, None),
+    (EIGHT_BIT_MOMENTS, {0})])
 def test_adam_fp16_is_a_shard_optimizer_of_its_layout(layout, offload):
     shard = LocalShard(torch.randn(8).bfloat16(), trainable=True).param
     opt = AdamFP16([shard], lr=0.1, states=layout.name, offload=offload)

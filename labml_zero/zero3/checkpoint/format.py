@@ -55,8 +55,10 @@ __all__ = ["CheckpointError", "FORMAT", "MANIFEST"]
 #   seed), which a launcher reads [before any process starts](preflight.html);
 # * `states`, when an optimizer was saved: its
 #   [state layout](../state_layout.html): its `name` (`"bf16-moments"`) and
-#   `dtypes`, each state's dtype by name. A manifest without it was saved with
-#   fp32 states, the only layout there was.
+#   `dtypes`, each state's dtype by name; with 8-bit moments also `blocks`,
+#   the states kept one value per block of $B$ elements (their scales) and
+#   $B$. A manifest without `states` was saved with fp32 states, the only
+#   layout there was.
 #
 # `master` is written only when it is not the parameter itself: for a bf16/fp16 chunk
 # with an optimizer state, or whose exact fp32 initial weights the engine kept
@@ -79,10 +81,10 @@ MANIFEST_KEYS = ("save_id", "world_size", "fingerprint", "chunks", "param_groups
                  "files")
 MANIFEST_KEYS_2 = ("digests", "meta")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-          "float16": torch.float16}
+          "float16": torch.float16, "uint8": torch.uint8}
 # safetensors' dtype names, as `get_slice(...).get_dtype()` reports them
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16",
-                      torch.float16: "F16"}
+                      torch.float16: "F16", torch.uint8: "U8"}
 
 
 class CheckpointError(ValueError):
@@ -106,8 +108,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def states_entry(layout: StateLayout) -> dict:
-    """The manifest's `states`: what a reader needs to read the states back."""
-    return {"name": layout.name, "dtypes": layout.dtypes}
+    """The manifest's `states`: what a reader needs to read the states back;
+    `blocks` names the states kept per block (8-bit moments' scales) and $B$."""
+    blocks = {t.name: t.block for t in layout.tensors if t.block is not None}
+    return {"name": layout.name, "dtypes": layout.dtypes,
+            **({"blocks": blocks} if blocks else {})}
 
 
 def saved_states(manifest: dict) -> dict:

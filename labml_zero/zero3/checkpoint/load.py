@@ -167,13 +167,12 @@ def install_shard(chunk: Chunk, state: ShardState,
               else state.master.to(device))
     in_optimizer = id(chunk.shard) in optimized
     if state.moments is not None and in_optimizer:
-        # each moment in the optimizer's dtype (a no-op when it was saved so)
-        layout = optimizer.layout
+        # each moment as saved; the optimizer converts it to its layout (a
+        # cast, or 8-bit codes decoded or encoded, see `load_shard_state`)
         optimizer.load_shard_state(chunk.shard, {
             "step": state.step,
             "master": master,
-            **{kind: t.to(device, layout.dtype(kind))
-               for kind, t in state.moments.items()},
+            **{kind: t.to(device) for kind, t in state.moments.items()},
         })
         return
     if in_optimizer:
@@ -206,7 +205,8 @@ def states_conversion(reader: CheckpointReader,
 
     A checkpoint saved with one [state layout](../state_layout.html) resumes
     an optimizer built with another: each state is cast once, as it is
-    installed (fp32 to bf16 rounds to nearest even; bf16 to fp32 is exact).
+    installed (fp32 to bf16 rounds to nearest even; bf16 to fp32 is exact;
+    8-bit moments are decoded, or encoded block by block).
     The resume is then not bit-exact with a run that kept either layout.
     """
     saved = reader.states
@@ -215,7 +215,9 @@ def states_conversion(reader: CheckpointReader,
     if all(chunk["step"] is None for chunk in reader.chunks):
         return None
     # a master is always there to read: the saved one, else the parameter
-    missing = {t.name for t in optimizer.layout.moments} - set(saved["dtypes"])
+    # (an 8-bit moment's scales are made when it is encoded)
+    missing = ({t.name for t in optimizer.layout.moments if t.block is None}
+               - set(saved["dtypes"]))
     if missing:
         raise CheckpointError(
             f"checkpoint {reader.path} has optimizer states "

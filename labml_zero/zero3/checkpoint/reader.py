@@ -212,7 +212,8 @@ class CheckpointReader:
 
         `kind` is `param` (in the saved dtype), `master` (fp32: the saved master,
         else the parameter) or a moment of the saved layout (`exp_avg`,
-        `exp_avg_sq`, in its saved dtype); the saved ranks that hold them are
+        `exp_avg_sq`, in its saved dtype; an 8-bit moment's scale, per
+        element: `_per_block`); the saved ranks that hold them are
         the $k$ below.
 
         #### Finding elements: the resharding arithmetic
@@ -265,14 +266,39 @@ class CheckpointReader:
         pieces = []
         # old ranks ⌊lo / S⌋ … ⌊(hi − 1) / S⌋ hold chunk elements [lo, hi)
         key = f"{saved.chunk}.{stored}"
+        block = self.states.get("blocks", {}).get(stored)
         for rank in range(lo // shard_numel, (hi - 1) // shard_numel + 1):
             base = rank * shard_numel
             first, last = max(lo, base), min(hi, base + shard_numel)
-            pieces.append(self._slice(rank, key, shard_numel, dtype,
-                                      first - base, last - base))
+            if block is None:
+                pieces.append(self._slice(rank, key, shard_numel, dtype,
+                                          first - base, last - base))
+            else:
+                pieces.append(self._per_block(rank, key, shard_numel, block,
+                                              first - base, last - base))
         # [end − start] saved dtype (fp32 for masters, the layout's for moments)
         out = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
         return out.float() if kind == "master" else out
+
+    def _per_block(self, rank: int, key: str, shard_numel: int, block: int,
+                   start: int, end: int) -> torch.Tensor:
+        r"""
+        #### A per-block state, one value per element
+
+        An 8-bit moment's scales, $\lceil S / B \rceil$ per saved shard: the
+        blocks holding local elements `[start, end)` are read, and each
+        value repeated for its block's elements. Each element then reads with
+        the scale it was coded with, whatever the new shard's blocks.
+        """
+        if start == end:
+            return torch.empty(0)
+        first, last = start // block, (end - 1) // block + 1
+        # [last - first] fp32
+        scales = self._slice(rank, key, -(-shard_numel // block), torch.float32,
+                             first, last)
+        # [end − start] fp32
+        return scales.repeat_interleave(block)[start - first * block:
+                                               end - first * block]
 
     def _slice(self, rank: int, key: str, shard_numel: int, dtype: torch.dtype,
                start: int, end: int) -> torch.Tensor:

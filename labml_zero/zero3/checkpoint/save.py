@@ -122,7 +122,8 @@ def rank_tensors(chunks: Sequence[Chunk], optimizer) -> dict[str, torch.Tensor]:
         state = optimizer_state(optimizer, chunk)
         if state is not None:
             for moment in optimizer.layout.moments:
-                # [S] the layout's dtype (fp32, or bf16 moments)
+                # [S] the layout's dtype (fp32, bf16 or uint8 moments);
+                # an 8-bit moment's scales [⌈S / B⌉] fp32
                 tensors[f"{i}.{moment.name}"] = state[moment.name].detach().cpu()
     return tensors
 
