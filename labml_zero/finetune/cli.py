@@ -287,8 +287,9 @@ def parse_config(argv: Sequence[str] | None, parser: Parser
             config = settle(config, request, given, world_size=world_size)
         except ValueError as e:
             parser.error(str(e))
-        if isinstance(config, str):
-            parser.exit(0, config + "\n")
+        if isinstance(config, str):  # --plan: printed, exit 0, as --help does
+            print(config, flush=True)
+            parser.exit(0)
     return config, world_size
 
 

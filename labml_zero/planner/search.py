@@ -22,7 +22,8 @@ $$M_{\text{peak}} \le (1 - m)\,(M - M_{\text{ctx}})
 its [budget](../neox/memory_budget.html)'s peak under the device's memory less
 the CUDA context, with a margin $m$, and its ranks' host state under the
 node's host memory $H$; the kept setting with the shortest
-[step](step_time.html) wins, the fewer micro-batches on a tie.
+[step](step_time.html) wins; on a tie, the simplest (fewer micro-batches, no
+recomputation, the shallower prefetch, less offload, no compilation).
 
 Flags the user gave keep their value: the search varies only the others.
 
@@ -147,7 +148,7 @@ def with_offload(job: Job, setting: Setting, cluster: Cluster, *,
     if state_layout(job.states).master is None:
         return None  # no master: nothing can live on the host
     auto = budget(budget_inputs(job, setting, world_size=world,
-                                device_bytes=limit, offload=None))
+                                device_bytes=limit, auto_offload=True))
     if not auto.fits:
         return None
     fraction = auto.offloaded_fraction
@@ -222,18 +223,22 @@ def plan(job: Job, cluster: Cluster, pinned: Pinned = Pinned()) -> Plan:
                                need))
     if not found:
         raise NoFit(no_fit_line(job, cluster, pinned))
-    # fastest; then the fewest micro-batches, then the lowest peak
-    best = min(found, key=lambda c: (round(c.time.total, 9),
-                                     c.setting.micro_batches, c.budget.peak))
+    # fastest; on a tie (a step bound by its link) the simplest: the fewest
+    # micro-batches, no recomputation, the shallowest prefetch, the least
+    # offload, no compilation
+    best = min(found, key=lambda c: (
+        round(c.time.total, 9), c.setting.micro_batches, c.setting.checkpointing,
+        c.setting.prefetch_depth, c.setting.offload_fraction, c.setting.compile))
     return Plan(job, cluster, best, tried=tried, fitting=len(found))
 
 
-def smallest(job: Job, cluster: Cluster) -> tuple[Budget, bool]:
+def smallest(job: Job, cluster: Cluster, *, micro_batches: int
+             ) -> tuple[Budget, bool]:
     """The least memory a rank can run with: one sequence a micro-batch,
     recomputation, all the optimizer state on the host (if it has a master).
     Returns its budget and whether the host holds it."""
     has_master = state_layout(job.states).master is not None
-    setting = Setting(1, 1, checkpointing=True,
+    setting = Setting(1, micro_batches, checkpointing=True,
                       offload_fraction=1.0 if has_master else 0.0)
     b = budget_of(job, setting, world_size=cluster.world_size,
                   device_bytes=device_limit(cluster))
@@ -244,45 +249,52 @@ def no_fit_line(job: Job, cluster: Cluster, pinned: Pinned) -> str:
     """
     ### Why nothing fits, and the smallest change that would
 
-    The least a rank can hold (`smallest`) against the device; then the fewest
+    The least a rank can hold (`smallest`) against the device and the host.
+    When even that does not fit: one sequence a step on each rank (no
+    accumulation, whose gradient buffers hold the whole model's), the fewest
     GPUs (doubling, up to 64 times as many) and the longest sequence (halving)
-    at which it fits. With pins, the pins may be the cause, and the line says
-    so first.
+    at which it would. When it does fit, the user's pins are the cause.
     """
     limit = device_limit(cluster)
-    least, host_ok = smallest(job, cluster)
-    gpu = cluster.gpu.name
+    per_rank = job.global_batch // cluster.world_size
+    least, host_ok = smallest(job, cluster, micro_batches=per_rank)
+    gpu, world = cluster.gpu.name, cluster.world_size
     if least.peak <= limit and host_ok:
         flags = ", ".join(f"--{k.replace('_', '-')}" for k, v
                           in pinned._asdict().items() if v is not None)
         return (f"no setting fits with {flags or 'these flags'} given: leave "
-                f"them out and --auto chooses them")
+                f"them out and the planner chooses them")
     if least.peak <= limit:
-        need = host_need(least, cluster)
-        return (f"nothing fits: the optimizer state offloaded to fit the "
-                f"{gpu} needs {need / GIB:,.0f} GiB of host memory a node, "
-                f"{(1 - HOST_MARGIN) * cluster.host_bytes / GIB:,.0f} GiB usable "
-                f"(--host-gib)")
+        return (f"nothing fits: the optimizer state offloaded to fit the {gpu} "
+                f"needs {host_need(least, cluster) / GIB:,.0f} GiB of host "
+                f"memory a node, {(1 - HOST_MARGIN) * cluster.host_bytes / GIB:,.0f}"
+                f" GiB usable (--host-gib)")
     fixes = []
-    for factor in (2, 4, 8, 16, 32, 64):
-        bigger = replace(cluster, nodes=cluster.nodes * factor)
-        b, ok = smallest(job, bigger)
+    if per_rank > 1:
+        b, ok = smallest(job, cluster, micro_batches=1)
         if b.peak <= limit and ok:
-            fixes.append(f"on {bigger.world_size} {gpu} GPUs")
-            break
-    seq = job.seq // 2
-    while seq >= 64:
-        b, ok = smallest(replace(job, seq=seq, global_batch=cluster.world_size),
-                         cluster)
-        if b.peak <= limit and ok:
-            fixes.append(f"with --seq-len {seq}")
-            break
-        seq //= 2
-    fix = " or ".join(fixes) if fixes else "on no cluster tried"
-    return (f"nothing fits: even micro-batch 1, recomputation and all optimizer "
-            f"state on the host peak at {least.peak / GIB:.1f} GiB a rank, "
-            f"{limit / GIB:.1f} GiB usable on {cluster.world_size} x {gpu}; it "
-            f"would fit {fix}")
+            fixes.append(f"with --global-batch {world} (no accumulation)")
+    if not fixes:
+        for factor in (2, 4, 8, 16, 32, 64):
+            bigger = replace(cluster, nodes=cluster.nodes * factor)
+            b, ok = smallest(job, bigger, micro_batches=1)
+            if b.peak <= limit and ok:
+                fixes.append(f"on {bigger.world_size} {gpu} GPUs")
+                break
+        seq = job.seq // 2
+        while seq >= 64:
+            b, ok = smallest(replace(job, seq=seq), cluster, micro_batches=1)
+            if b.peak <= limit and ok:
+                fixes.append(f"with --seq-len {seq}")
+                break
+            seq //= 2
+    fix = " or ".join(fixes) if fixes else "on none of the clusters tried"
+    offload = ("all optimizer state on the host"
+               if state_layout(job.states).master is not None
+               else f"states {job.states} (no master to offload)")
+    return (f"nothing fits: even micro-batch 1, recomputation and {offload} "
+            f"peak at {least.peak / GIB:.1f} GiB a rank, "
+            f"{limit / GIB:.1f} GiB usable on {world} x {gpu}; it would fit {fix}")
 
 
 def gib(n: float) -> str:
@@ -309,8 +321,8 @@ def describe(result: Plan, *, model_name: str) -> str:
         f"gradient shards {gib(b.grad_shards)} + optimizer "
         f"{gib(b.optimizer_device)} + gathered {gib(b.gathered)} + activations "
         f"{gib(b.activations)} + gradient buffers "
-        f"{gib(max(b.grad_buffer, b.accumulation))} (at the peak's moment, "
-        f"not all of these are alive)",
+        f"{gib(max(b.grad_buffer, b.accumulation))} (the parts; the peak holds "
+        f"those alive at its moment)",
         f"host memory a rank: optimizer {gib(b.optimizer_host)} + process "
         f"{gib(HOST_PROCESS_BYTES)}; a node {gib(best.host_bytes)}, {host}",
         f"step time: {t.total:.3f} s = compute {t.compute:.3f} (matrix products "

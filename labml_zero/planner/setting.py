@@ -111,9 +111,9 @@ class Setting:
 
 
 def budget_inputs(job: Job, setting: Setting, *, world_size: int,
-                  device_bytes: int, offload: float | None = None) -> BudgetInputs:
-    """The memory budget's inputs for `setting`; `offload` overrides its
-    fraction (`None`: the fewest chunks that fit `device_bytes`)."""
+                  device_bytes: int, auto_offload: bool = False) -> BudgetInputs:
+    """The memory budget's inputs for `setting`; `auto_offload` replaces its
+    fraction by the fewest chunks that fit `device_bytes`."""
     return BudgetInputs(
         model=job.model, world_size=world_size,
         shard_group_size=job.shard_group_size, param_dtype=job.param_dtype,
@@ -122,7 +122,7 @@ def budget_inputs(job: Job, setting: Setting, *, world_size: int,
         checkpointing=setting.checkpointing, kernels=job.kernels,
         batch=setting.batch, seq=job.seq, micro_batches=setting.micro_batches,
         update_during_backward=job.update_during_backward,
-        offload_fraction=setting.offload_fraction if offload is None else offload,
+        offload_fraction=None if auto_offload else setting.offload_fraction,
         device_bytes=device_bytes)
 
 

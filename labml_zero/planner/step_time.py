@@ -156,16 +156,23 @@ def exposed_collectives(comm: float, compute: float, *, units: int,
     r"""
     ### The collectives that compute does not hide
 
-    Per micro-batch, each of the $U$ units waits for its own gather, $g$ of link
-    time, while $D$ units ahead compute, $c$ each: $\max(0, g - Dc)$ shows,
-    and the first unit's gather shows whole,
-    $$t_{\text{comm}}^{\text{exposed}} = A\left(U \max(0, g - D c) + g\right).$$
+    Per micro-batch, each of the $U$ units needs its gather, $g$ of link time,
+    done while the $D$ units before it compute, $c$ each: $\max(0, g - Dc)$
+    shows after them. The link is one, so a micro-batch takes at least $Ug$;
+    the first unit's gather has nothing to hide behind:
+    $$t_{\text{mb}} = \max\big(U c + U \max(0, g - D c),\; U g\big) + g,
+    \qquad t_{\text{comm}}^{\text{exposed}} = A\, t_{\text{mb}} - t_{\text{compute}}.$$
+    With equal units a deeper prefetch gains nothing here ($Ug$ binds first
+    once $g > c$); it pays for unequal units and uneven timing, which this
+    roofline does not see, so the search keeps $D = 1$ unless it is pinned.
     """
     if comm == 0:
         return 0.0
     g = comm / (micro_batches * units)
     c = compute / (micro_batches * units)
-    return micro_batches * (units * max(0.0, g - depth * c) + g)
+    behind_compute = units * c + units * max(0.0, g - depth * c)
+    per_micro_batch = max(behind_compute, units * g) + g
+    return max(0.0, micro_batches * per_micro_batch - compute)
 
 
 def step_time(job: Job, setting: Setting, cluster: Cluster,
