@@ -20,6 +20,9 @@ is [the fine-tune page](job.html); this page turns flags into a
 
 Every flag is generated from a field of the config, everything is checked before
 a process starts, and a failure ends in one line naming the rank and its cause.
+Beside them, [the plan](planning.html)'s flags: `--plan` prints the fastest
+setting that fits the named GPUs (`--gpu h200 --gpus 8`) with its memory and
+step time and starts nothing; `--auto` runs with it.
 
 ## Limitations
 

@@ -50,10 +50,10 @@ import torch
 
 from labml_zero import launch
 from labml_zero.finetune.config import FinetuneConfig
-from labml_zero.neox.kernels import ModelKernels
 from labml_zero.planner import (Cluster, Job, NoFit, Pinned, describe,
                                 gpu_by_name, plan, this_machine)
 from labml_zero.planner.devices import GIB, GPUS
+from labml_zero.planner.setting import gpu_kernels
 
 __all__ = ["add_plan_flags", "FLAG_DESTS", "Request", "pop_request", "settle"]
 
@@ -176,14 +176,13 @@ def job_of(config: FinetuneConfig, *, global_batch: int) -> Job:
     model = config.model_config()
     if config.filter_layers is not None:
         model = dataclasses.replace(model, n_layers=len(config.filter_layers))
-    kernels = (ModelKernels.all_fused() if config.kernels == "auto"
-               else ModelKernels.from_names(config.kernels))
     fp16 = config.dtype == "fp16"
     return Job(model=model, seq=config.seq_len, global_batch=global_batch,
                finetune=config.finetune, lora_rank=config.lora_rank,
                lora_targets=tuple(config.lora_targets),
                states=config.optimizer_states,
-               param_dtype="fp16" if fp16 else "bf16", kernels=kernels,
+               param_dtype="fp16" if fp16 else "bf16",
+               kernels=gpu_kernels(config.kernels),
                update_during_backward=config.clip_grad is None and not fp16,
                shard_group_size=config.shard_group_size, steps=config.steps)
 

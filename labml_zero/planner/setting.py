@@ -36,7 +36,13 @@ from labml_zero.neox.lora import TARGETS
 from labml_zero.neox.memory_budget import Budget, BudgetInputs, budget
 from labml_zero.neox.model import NeoXConfig
 
-__all__ = ["Job", "Setting", "budget_of"]
+__all__ = ["Job", "Setting", "budget_of", "gpu_kernels"]
+
+
+def gpu_kernels(names: str) -> ModelKernels:
+    """The fine-tune's `--kernels` on a GPU: `auto` is every fusion."""
+    return ModelKernels.all_fused() if names == "auto" else ModelKernels.from_names(
+        names)
 
 
 @dataclass(frozen=True)
