@@ -89,14 +89,14 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
                             "given win (default: off)")
     group.add_argument("--gpu", choices=tuple(GPUS), default=argparse.SUPPRESS,
                        help="the GPU to plan for (default: this machine's)")
-    for name, what in (
-            ("gpus", "GPUs a node (default: --world-size, this machine's, or 1)"),
-            ("nodes", "nodes (default: 1)"),
-            ("host-gib", "GiB of host memory a node (default: this machine's "
-                         "for its own GPUs, unchecked for --gpu)"),
-            ("global-batch", "sequences a step over all ranks (default: "
-                             "--batch-size x --grad-accum x ranks)")):
-        group.add_argument(f"--{name}", type=positive, metavar="N",
+    for flag, what in (
+            ("--gpus", "GPUs a node (default: --world-size, this machine's, or 1)"),
+            ("--nodes", "nodes (default: 1)"),
+            ("--host-gib", "GiB of host memory a node (default: this machine's "
+                           "for its own GPUs, unchecked for --gpu)"),
+            ("--global-batch", "sequences a step over all ranks (default: "
+                               "--batch-size x --grad-accum x ranks)")):
+        group.add_argument(flag, type=positive, metavar="N",
                            default=argparse.SUPPRESS, help=what)
 
 

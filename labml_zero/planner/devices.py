@@ -42,6 +42,7 @@ import torch
 
 __all__ = ["GPU", "GPUS", "Cluster", "gpu_by_name", "this_machine", "GIB"]
 
+# binary units, as PyTorch's memory figures and `--host-gib` count them
 GIB = 1024**3
 
 
@@ -74,17 +75,13 @@ class GPU:
 
 # ## The table
 #
-# Peaks and HBM from NVIDIA's data sheets: H100 SXM 989.4 TFLOP/s dense bf16,
-# 3.35 TB/s; H200 SXM the same peak, 4.8 TB/s; A100 SXM 80 GB 312 TFLOP/s,
-# 2.04 TB/s. Memory as PyTorch reports it (the out-of-memory message's
-# "total capacity"): 79.1 GiB, 139.8 GiB, 79.15 GiB. The host link is PCIe 5
-# x16 (64 GB/s each way signalled) for H100 and H200, PCIe 4 x16 (32 GB/s) for
-# the A100; a pinned copy reaches about 55 and 26 GB/s. NVLink 4 carries
-# 450 GB/s each way per H100 or H200 and nccl-tests' all-gather reaches about
-# 360 GB/s of bus bandwidth over the 8 GPUs of an HGX board at large sizes
-# (NVLink 3, A100: 300 GB/s each way, about 230). Across nodes, DGX H100/H200
-# and A100 give each GPU one 400 Gb/s (NDR) or 200 Gb/s (HDR) InfiniBand NIC:
-# 50 or 25 GB/s, of which a ring's bus bandwidth reaches about 90%.
+# Each figure's source: peaks and HBM bandwidths from NVIDIA's data sheets
+# (SXM parts); memory as PyTorch reports it (the out-of-memory message's
+# "total capacity"); the host link is PCIe 5 (PCIe 4 for the A100) at the rate
+# a pinned copy reaches, below the signalling rate; the bus bandwidth within a
+# node is what nccl-tests' all-gather reaches over an HGX board's GPUs at large
+# sizes, below NVLink's rate each way; across nodes each GPU has one InfiniBand
+# NIC (NDR, HDR for the A100), of which a ring reaches about nine tenths.
 
 GPUS = {
     "h100": GPU("h100", "H100", peak_flops=989.4e12,

@@ -252,7 +252,7 @@ def no_fit_line(job: Job, cluster: Cluster, pinned: Pinned) -> str:
     The least a rank can hold (`smallest`) against the device and the host.
     When even that does not fit: one sequence a step on each rank (no
     accumulation, whose gradient buffers hold the whole model's), the fewest
-    GPUs (doubling, up to 64 times as many) and the longest sequence (halving)
+    GPUs (up to six doublings) and the longest sequence (halving)
     at which it would. When it does fit, the user's pins are the cause.
     """
     limit = device_limit(cluster)

@@ -64,9 +64,9 @@ __all__ = ["MATMUL_EFFICIENCY", "ELEMENTWISE_BYTES", "UPDATE_BANDWIDTH_SHARE",
 #
 # `MATMUL_EFFICIENCY` and `ELEMENTWISE_BYTES` are the least-squares solution of
 # $t_{\text{tok}}$ above for the benchmark's model-only bound (the model's
-# forward and backward with no engine: no collectives, no update) of W1
-# (Pythia-1.4B, 8 × 2048) and W2-1 (Pythia-6.9B, 8 × 2048, recomputed) on one
-# H200: two workloads of different width, two unknowns.
+# forward and backward with no engine: no collectives, no update) of {{see: W1}}
+# and {{see: W2-1}} (recomputed) on one H200: two workloads of different width,
+# two unknowns.
 MATMUL_EFFICIENCY = 0.858
 """$e$: the share of the data sheet's peak that the products reach."""
 ELEMENTWISE_BYTES = 176
@@ -79,8 +79,7 @@ UPDATE_BANDWIDTH_SHARE = 0.79
 # as a factor on the element-wise term (the products are the same kernels).
 COMPILED_ELEMENTWISE = 0.90
 # The host's AdamW and the rounding of the master to bf16, one chunk of
-# W6 timed alone on the benchmark's 16-core host: 120.4 ms for 314,639,360
-# elements.
+# {{see: W6}} timed alone on the benchmark's host (the test holds the figures).
 HOST_UPDATE_RATE = 2.6e9
 """Offloaded elements the host updates per second and rank."""
 
@@ -93,7 +92,9 @@ def matmul_params(model: NeoXConfig) -> int:
 
 
 def model_flops_per_token(model: NeoXConfig, seq: int) -> float:
-    r"""$6N + 12 L T d$: PaLM's count, the job's and the benchmark's MFU."""
+    r"""$6N + 12 L T d$
+    (tested: tests/planner/test_step_time.py::test_flops_are_palm_count_and_the_hardwares):
+    PaLM's count, the job's and the benchmark's MFU."""
     return 6.0 * matmul_params(model) + 12.0 * model.n_layers * seq * model.d_model
 
 
