@@ -20,9 +20,6 @@ is [the fine-tune page](job.html); this page turns flags into a
 
 Every flag is generated from a field of the config, everything is checked before
 a process starts, and a failure ends in one line naming the rank and its cause.
-Beside them, [the plan](planning.html)'s flags: `--plan` prints the fastest
-setting that fits the named GPUs (`--gpu h200 --gpus 8`) with its memory and
-step time and starts nothing; `--auto` runs with it.
 
 ## Limitations
 
@@ -237,7 +234,9 @@ def make_parser(prog: str = PROG) -> Parser:
     p.add_argument("--world-size", type=positive_int, metavar="N",
                    default=argparse.SUPPRESS,
                    help="processes (default: every GPU, or 2 on CPU)")
-    add_plan_flags(p)  # --plan, --auto and the cluster's flags
+    # [the plan](planning.html): `--plan` prints the fastest setting that fits
+    # the GPUs (`--gpu h200 --gpus 8`) and starts nothing; `--auto` runs it
+    add_plan_flags(p)
     return p
 
 

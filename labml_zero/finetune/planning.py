@@ -15,28 +15,11 @@ memory, the step time term by term, the tokens per second and the MFU, and
 exits 0 before any process starts: seconds, on any machine, no GPU needed.
 `--auto` runs the job with the chosen setting instead of printing it.
 
-The flags of the cluster:
-
-* `--gpu h100|h200|a100`: the GPU planned for; without it, this machine's
-  GPUs (read from CUDA);
-* `--gpus N`, `--nodes N`: $n$ GPUs on each of $h$ nodes (default: the
-  `--world-size`, else this machine's GPUs, else 1, on one node);
-* `--host-gib N`: a node's host memory (default: this machine's when its GPUs
-  are planned for; unchecked for a named GPU);
-* `--global-batch G`: sequences per optimizer step over all ranks (default
-  `--batch-size` × `--grad-accum` × the world size).
-
-The setting's own flags (`--batch-size`, `--grad-accum`,
-`--activation-checkpointing`, `--offload-optimizer`, `--prefetch-depth`,
-`--compile`), when given, win: the search keeps their value and chooses the
-others.
-
 ## Limitations
 
-* GPT-NeoX only: [the memory budget](../neox/memory_budget.html) counts
-  GPT-NeoX's layers. Another family is refused in one line.
-* `--auto` on a machine without GPUs plans for the named `--gpu` and runs the
-  setting on the CPU processes: a way to try the setting, not its speed.
+* GPT-NeoX only: [the memory budget](../neox/memory_budget.html) counts its
+  layers.
+* `--auto` without GPUs plans for `--gpu` and runs on CPU processes.
 """
 
 from __future__ import annotations
@@ -79,7 +62,17 @@ positive.__name__ = "positive integer"
 
 
 def add_plan_flags(parser: argparse.ArgumentParser) -> None:
-    """`--plan`, `--auto` and the cluster's flags; none is a field of the job."""
+    """
+    ## The plan's flags; none is a field of the job
+
+    * `--gpu`: the GPU planned for; without it, this machine's (from CUDA);
+    * `--gpus`, `--nodes`: $n$ GPUs on each of $h$ nodes;
+    * `--host-gib`: a node's host memory, this machine's for its own GPUs;
+    * `--global-batch`: sequences a step over all ranks.
+
+    The setting's own flags, when given, win: the search keeps their value
+    and chooses the rest.
+    """
     group = parser.add_argument_group("planner (GPT-NeoX)")
     group.add_argument("--plan", action="store_true", default=argparse.SUPPRESS,
                        help="print the fastest setting that fits, its memory "
@@ -218,8 +211,10 @@ def settle(config: FinetuneConfig, request: Request, given: dict[str, Any], *,
     if request.mode == "plan":
         return describe(result, model_name=name)
     s = result.best.setting
+    kept = [f"--{name.replace('_', '-')}" for name in SETTING_FIELDS if name in given]
     print(f"--auto: {s.flags()} (predicted {result.best.time.total:.3f} s a "
-          f"step on {cluster.describe()})", flush=True)
+          f"step on {cluster.describe()}"
+          + (f"; kept as given: {', '.join(kept)})" if kept else ")"), flush=True)
     return dataclasses.replace(
         config, batch_size=s.batch, grad_accum=s.micro_batches,
         activation_checkpointing=s.checkpointing,

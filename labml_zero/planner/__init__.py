@@ -8,21 +8,11 @@ summary: Name the model and the GPUs; the planner predicts the memory and the
 
 # The planner
 
-Which micro-batch, whether to recompute, how much optimizer state to offload:
-the planner answers from the engine's own quantities, in seconds and on any
-machine. It sits above the models and below the fine-tune, and the engine
-imports none of it. Its pages, in reading order:
-
-* [the machines](devices.html): a GPU's rooflines and a cluster of them;
-* [a job and its settings](setting.html): what is fixed, what is chosen, and
-  the [memory budget](../neox/memory_budget.html) of a choice;
-* [the time of a step](step_time.html): compute, update, collectives and the
-  host link, with constants measured by the benchmark;
-* [the search](search.html): the fastest setting that fits, or the smallest
-  change that would.
-
-The fine-tune's `--plan` prints the plan and `--auto` runs it
-([the fine-tune's plan](../finetune/planning.html)).
+The fastest setting that fits, from the engine's own quantities, before
+anything runs; above the models, below [the fine-tune](../finetune/planning.html).
+Its pages: [the machines](devices.html), [a job and its
+settings](setting.html), [the time of a step](step_time.html), [the
+search](search.html).
 """
 
 from .devices import GPUS, Cluster, gpu_by_name, this_machine

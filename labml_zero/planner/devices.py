@@ -19,18 +19,10 @@ $$N_d = n\,h,$$
 
 and the host memory of a node, which holds the offloaded state of its $n$ ranks.
 
-The figures are the vendors' data sheets, except $M$, which is the memory as
-PyTorch sees it (`torch.cuda.get_device_properties(0).total_memory`, the
-figure the allocator's out-of-memory message calls "total capacity"), and the
-link bandwidths, which are what NCCL's tests and pinned copies reach, not the
-signalling rate.
-
 ## Limitations
 
-* Three GPUs are named (SXM parts). Any other GPU read from this machine gets
-  its memory from CUDA, but no peak: it cannot be planned for.
-* The collective bandwidths are one figure per link at large messages; small
-  chunks reach less.
+* Three GPUs are named; another GPU has no known peak to plan with.
+* One bandwidth per link, at large messages.
 """
 
 from __future__ import annotations

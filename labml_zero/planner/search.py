@@ -9,30 +9,19 @@ summary: Every setting of a job on a cluster, its memory budget and its step
 # The search for the fastest setting that fits
 
 For a [job](setting.html) on a [cluster](devices.html) the planner tries every
-setting: each micro-batch $B$ that divides the rank's $G / N_d$ sequences
-(with $A = G / (N_d B)$), recomputation off and on, the prefetch depth 1 or 2
-(several ranks only), compiled layers off and on, and for each the optimizer
-state on the device, or else the fewest chunks on the host that make it fit
-([automatic placement](../zero3/placement.html)'s choice, applied as its
-fraction). A setting is kept when
+setting (`settings`) and keeps one when
 
 $$M_{\text{peak}} \le (1 - m)\,(M - M_{\text{ctx}})
   \quad\text{and}\quad n\,(H_{\text{opt}} + H_{\text{proc}}) \le (1 - m_h)\,H,$$
 
 its [budget](../neox/memory_budget.html)'s peak under the device's memory less
 the CUDA context, with a margin $m$, and its ranks' host state under the
-node's host memory $H$; the kept setting with the shortest
-[step](step_time.html) wins; on a tie, the simplest (fewer micro-batches, no
-recomputation, the shallower prefetch, less offload, no compilation).
-
-Flags the user gave keep their value: the search varies only the others.
+node's host memory $H$; the shortest [step](step_time.html) wins.
 
 ## Limitations
 
-* The margins are round numbers, not fitted: the budget leaves out the
-  allocator's fragmentation and the kernels' workspaces, and the host the
-  pinned buffers of the data loader and the checkpoint.
-* Hybrid sharding's group and peer memory are taken as given, not searched.
+* The margins are round numbers, not fitted.
+* Hybrid sharding's group and peer memory are given, not searched.
 """
 
 from __future__ import annotations
@@ -162,7 +151,14 @@ def divisors(n: int) -> list[int]:
 
 
 def settings(job: Job, cluster: Cluster, pinned: Pinned) -> Iterator[Setting]:
-    """Every setting the pins allow, largest micro-batch first."""
+    """
+    ### Every setting the pins allow, largest micro-batch first
+
+    Each micro-batch $B$ that divides the rank's $G / N_d$ sequences, with
+    $A = G / (N_d B)$; recomputation off and on; the prefetch depth 1 or 2
+    (several ranks only); compiled layers off and on. Flags the user gave
+    keep their value.
+    """
     per_rank = job.global_batch // cluster.world_size
     batches = ([pinned.batch] if pinned.batch is not None
                else sorted(divisors(per_rank), reverse=True))

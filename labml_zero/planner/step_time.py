@@ -16,33 +16,13 @@ $$t = t_{\text{compute}} + t_{\text{update}} + t_{\text{comm}}^{\text{exposed}}
       + t_{\text{host}}^{\text{exposed}},$$
 
 each term the engine's own bytes or FLOPs over the rate of the unit that
-serves them ([the machines](devices.html)):
-
-* **compute**, per token: the matrix products' FLOPs over the peak at the
-  efficiency $e$ they reach, and the element-wise work (norms, GELU,
-  residuals, rotary, the softmax's passes) as bytes over the memory bandwidth,
-  $$t_{\text{tok}} = \frac{F_{\text{hw}}}{e P} + \frac{b_e L d\, m}{W};$$
-* **update**: the optimizer's pass over its device-resident shard, every state
-  read and written once, at the share $u$ of $W$ it reaches;
-* **collectives** (several ranks): the all-gathers of every micro-batch and
-  the step's reduce-scatter, overlapped with compute up to the prefetch depth;
-* **host** (offloaded optimizer state): the gradients down, the masters up and
-  the host's own update, overlapped with the backward pass of the step's last
-  micro-batch.
-
-$e$, $b_e$, $u$ and the compiled layers' saving are the constants below,
-measured on one H200 by the benchmark; the test beside this page derives
-them from its result lines and checks that this model reproduces the measured
-steps (tested: tests/planner/test_step_time.py::test_constants_are_the_bench_fit).
+serves them ([the machines](devices.html)), with constants the benchmark
+measured on one H200.
 
 ## Limitations
 
-* The constants come from one H200 and bf16; an H100 or A100 is predicted with
-  the same efficiencies at its own peak and bandwidth.
-* The collectives' rate is one bus bandwidth at large sizes, ring traffic; small
-  chunks, hybrid sharding's all-reduce and peer memory are not modelled apart.
-* A micro-batch's fixed costs (kernel launches, the host's Python) are not
-  counted: they matter for micro-batches much smaller than the benchmark's.
+* The constants are an H200's in bf16; other GPUs get them at their own rates.
+* One bus bandwidth at large sizes; micro-batches' fixed costs are not counted.
 """
 
 from __future__ import annotations
@@ -62,8 +42,11 @@ __all__ = ["MATMUL_EFFICIENCY", "ELEMENTWISE_BYTES", "UPDATE_BANDWIDTH_SHARE",
 
 # ## The measured constants
 #
+# The test beside this page derives each of them again from the benchmark's
+# result lines and checks that the model reproduces the measured steps
+# (tested: tests/planner/test_step_time.py::test_constants_are_the_bench_fit).
 # `MATMUL_EFFICIENCY` and `ELEMENTWISE_BYTES` are the least-squares solution of
-# $t_{\text{tok}}$ above for the benchmark's model-only bound (the model's
+# $t_{\text{tok}}$ (`step_time`) for the benchmark's model-only bound (the model's
 # forward and backward with no engine: no collectives, no update) of {{see: W1}}
 # and {{see: W2-1}} (recomputed) on one H200: two workloads of different width,
 # two unknowns.
@@ -178,11 +161,22 @@ def exposed_collectives(comm: float, compute: float, *, units: int,
 
 def step_time(job: Job, setting: Setting, cluster: Cluster,
               budget: Budget) -> StepTime:
-    """
+    r"""
     ## The step's time for one setting
 
     `budget` is `setting`'s memory budget: its shards, its collectives and
-    its host traffic are the ones timed.
+    its host traffic are the ones timed. Term by term:
+
+    * **compute**, per token: the products' FLOPs over the peak at their
+      efficiency $e$, and the element-wise work (norms, GELU, residuals,
+      rotary, the softmax's passes) as bytes over the memory bandwidth,
+      $t_{\text{tok}} = \frac{F_{\text{hw}}}{e P} + \frac{b_e L d\, m}{W}$;
+    * **update**: one pass over the device-resident shard's states at the
+      share $u$ of $W$ it reaches;
+    * **collectives** (several ranks): every micro-batch's all-gathers and the
+      step's reduce-scatter, behind compute up to the prefetch depth;
+    * **host** (offloaded state): gradients down, masters up and the host's
+      update, behind the last micro-batch's backward pass.
     """
     gpu, world = cluster.gpu, cluster.world_size
     model, a = job.model, setting.micro_batches

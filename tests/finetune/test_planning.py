@@ -112,3 +112,18 @@ def test_auto_runs_the_planned_setting_on_cpu(tmp_path):
     assert ("--auto: --batch-size 8 --grad-accum 1 --prefetch-depth 1 "
             "(predicted") in done.stdout
     assert "loss.valid" in done.stdout
+
+
+def test_auto_plans_the_ranks_it_runs(capsys, nothing_starts):
+    # on CPU the command starts 2 processes: a plan for 4 GPUs is another job
+    err = refused(capsys, ["--gpu", "h200", "--gpus", "4", "--auto"])
+    assert "--auto runs 2 ranks here; --gpus 4 x --nodes 1 plans 4" in err
+
+
+def test_prefetch_depth_is_a_flag_of_the_job():
+    from labml_zero.finetune.cli import make_parser, parse_config
+
+    config, _ = parse_config(["--prefetch-depth", "2"], make_parser())
+    assert config.prefetch_depth == 2
+    config, _ = parse_config(["--prefetch-depth", "0"], make_parser())
+    assert config.prefetch_depth == 0
