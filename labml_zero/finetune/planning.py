@@ -187,6 +187,9 @@ def pinned_of(config: FinetuneConfig, given: dict[str, Any]) -> Pinned:
                          "the offload: give one")
     pins = {pin: getattr(config, name) for name, pin in SETTING_FIELDS.items()
             if name in given}
+    if config.cuda_graph:
+        # a recorded step: one micro-batch, nothing recomputed or offloaded
+        pins.update(micro_batches=1, checkpointing=False, offload_fraction=0.0)
     if "offload_fraction" in pins:
         pins["offload_fraction"] = float(pins["offload_fraction"])
     return Pinned(**pins)
@@ -206,7 +209,9 @@ def settle(config: FinetuneConfig, request: Request, given: dict[str, Any], *,
     try:
         result = plan(job, cluster, pinned_of(config, given))
     except NoFit as e:
-        raise ValueError(str(e)) from None
+        why = (" (--cuda-graph records one micro-batch, nothing recomputed or "
+               "offloaded)" if config.cuda_graph else "")
+        raise ValueError(f"{e}{why}") from None
     name = config.checkpoint or config.model
     if request.mode == "plan":
         return describe(result, model_name=name)

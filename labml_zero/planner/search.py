@@ -66,6 +66,13 @@ class Pinned(NamedTuple):
     compile: bool | None = None
 
 
+# each pin as the fine-tune's flag that sets it, for the messages
+PIN_FLAGS = {"batch": "--batch-size", "micro_batches": "--grad-accum",
+             "checkpointing": "--activation-checkpointing",
+             "offload_fraction": "--offload-optimizer",
+             "prefetch_depth": "--prefetch-depth", "compile": "--compile"}
+
+
 class Candidate(NamedTuple):
     setting: Setting
     budget: Budget
@@ -256,8 +263,8 @@ def no_fit_line(job: Job, cluster: Cluster, pinned: Pinned) -> str:
     least, host_ok = smallest(job, cluster, micro_batches=per_rank)
     gpu, world = cluster.gpu.name, cluster.world_size
     if least.peak <= limit and host_ok:
-        flags = ", ".join(f"--{k.replace('_', '-')}" for k, v
-                          in pinned._asdict().items() if v is not None)
+        flags = ", ".join(PIN_FLAGS[k] for k, v in pinned._asdict().items()
+                          if v is not None)
         return (f"no setting fits with {flags or 'these flags'} given: leave "
                 f"them out and the planner chooses them")
     if least.peak <= limit:
@@ -313,12 +320,11 @@ def describe(result: Plan, *, model_name: str) -> str:
         f"setting: {s.flags()} (kernels {job.kernels.names()}); "
         f"{result.fitting} of {result.tried} settings fit",
         f"device memory a rank: peak {gib(b.peak)} of "
-        f"{gib(device_limit(cluster))} usable = parameters {gib(b.params)} + "
-        f"gradient shards {gib(b.grad_shards)} + optimizer "
-        f"{gib(b.optimizer_device)} + gathered {gib(b.gathered)} + activations "
-        f"{gib(b.activations)} + gradient buffers "
-        f"{gib(max(b.grad_buffer, b.accumulation))} (the parts; the peak holds "
-        f"those alive at its moment)",
+        f"{gib(device_limit(cluster))} usable; its parts: parameters "
+        f"{gib(b.params)}, gradient shards {gib(b.grad_shards)}, optimizer "
+        f"{gib(b.optimizer_device)}, gathered {gib(b.gathered)}, activations "
+        f"{gib(b.activations)}, gradient buffers "
+        f"{gib(max(b.grad_buffer, b.accumulation))} (not all alive at once)",
         f"host memory a rank: optimizer {gib(b.optimizer_host)} + process "
         f"{gib(HOST_PROCESS_BYTES)}; a node {gib(best.host_bytes)}, {host}",
         f"step time: {t.total:.3f} s = compute {t.compute:.3f} (matrix products "
