@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from labml_zero.finetune.cli import make_parser, main, parse_config
+from labml_zero.finetune.planning import FLAG_DESTS
 from labml_zero.finetune.job import (FinetuneConfig, NonFiniteLoss, Totals,
                                      check_loss, laptop, neox_20b_biases)
 from labml_zero.neox.model import tiny as neox_tiny
@@ -334,8 +335,9 @@ def test_every_flag_has_help_and_shows_its_default():
     parser = make_parser()
     flags = {a.dest: a for a in parser._actions if a.dest != "help"}
     fields = {f.name for f in dataclasses.fields(FinetuneConfig)}
-    # one flag per field, written nowhere but in the dataclass, and the launcher's
-    assert set(flags) == fields | {"world_size"}
+    # one flag per field, written nowhere but in the dataclass, the launcher's
+    # and the planner's
+    assert set(flags) == fields | {"world_size"} | set(FLAG_DESTS)
     for name, action in flags.items():
         assert action.help and "(default: " in action.help, name
     for name in ("lr", "seq_len", "seed", "valid_every"):

@@ -22,7 +22,7 @@ PACKAGE = "labml_zero"
 # Lowest first. The tools at the bottom (atomic files, processes, the app) import
 # nothing of the others; the engine, its optimizer, the one assembly path, the
 # family type, the layers and Hugging Face files every family shares, the
-# models, the registry of families and the fine-tune job each
+# models, the registry of families, the planner and the fine-tune job each
 # import only what is listed before them.
 LAYERS = (
     ("labml_zero", "labml_zero.files", "labml_zero.launch", "labml_zero.app"),
@@ -35,6 +35,7 @@ LAYERS = (
     ("labml_zero.neox",),
     ("labml_zero.llama",),
     ("labml_zero.families",),
+    ("labml_zero.planner",),
     ("labml_zero.finetune",),
     ("labml_zero.finetune_neox", "labml_zero.export"),
 )

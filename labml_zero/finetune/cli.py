@@ -42,6 +42,7 @@ import torch
 from labml_zero import launch
 from labml_zero.finetune.checkpoints import resume_settings
 from labml_zero.finetune.job import FinetuneConfig, train
+from labml_zero.finetune.planning import add_plan_flags, pop_request, settle
 from labml_zero.finetune.preflight import Preflight, PreflightError, preflight
 from labml_zero.launch.spawn import Signals
 from labml_zero.zero3.checkpoint import CheckpointError
@@ -112,7 +113,8 @@ def layer_list(text: str) -> tuple[int, ...]:
 layer_list.__name__ = "comma-separated layer list"
 
 # Integers that may be 0, and any integer; every other one is at least 1.
-MAY_BE_ZERO = ("sample_tokens", "keep_checkpoints", "warmup_steps")
+MAY_BE_ZERO = ("sample_tokens", "keep_checkpoints", "warmup_steps",
+               "prefetch_depth")
 ANY_INT = ("seed",)
 # LaTeX in the notes, as the terminal can show it
 SYMBOLS = {r"\cdot": "·", r"\times": "×", r"\lfloor": "⌊", r"\rfloor": "⌋",
@@ -230,6 +232,9 @@ def make_parser(prog: str = PROG) -> Parser:
     p.add_argument("--world-size", type=positive_int, metavar="N",
                    default=argparse.SUPPRESS,
                    help="processes (default: every GPU, or 2 on CPU)")
+    # [the plan](planning.html): `--plan` prints the fastest setting that fits
+    # the GPUs (`--gpu h200 --gpus 8`) and starts nothing; `--auto` runs it
+    add_plan_flags(p)
     return p
 
 
@@ -245,6 +250,10 @@ def parse_config(argv: Sequence[str] | None, parser: Parser
     """Flags → a checked config and the requested world size; exits 2 on bad input."""
     given = vars(parser.parse_args(argv))
     world_size = given.pop("world_size", None)
+    try:
+        request = pop_request(given)
+    except ValueError as e:
+        parser.error(str(e))
     if "checkpoint" in given and "model" in given:
         parser.error("give --model or --checkpoint, not both (the checkpoint's "
                      "config.json sets the shape)")
@@ -272,6 +281,15 @@ def parse_config(argv: Sequence[str] | None, parser: Parser
     if lora_flags and config.finetune != "lora":
         parser.error(f"--{lora_flags[0].replace('_', '-')} needs --finetune lora "
                      f"(this run fine-tunes {config.finetune!r})")
+    if request.mode is not None:
+        # [the plan](planning.html): printed, and nothing starts; or applied
+        try:
+            config = settle(config, request, given, world_size=world_size)
+        except ValueError as e:
+            parser.error(str(e))
+        if isinstance(config, str):  # --plan: printed, exit 0, as --help does
+            print(config, flush=True)
+            parser.exit(0)
     return config, world_size
 
 

@@ -189,6 +189,9 @@ class FinetuneConfig:
     checkpoint of another layout converts its states once and says so."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass."""
+    prefetch_depth: int = 1
+    """Units gathered ahead of the one that computes (`ZeroConfig`'s): more
+    hides more of the gathers, and holds more gathered chunks."""
     compile: bool = False
     """`torch.compile` each transformer layer's forward ([compiled
     layers](../zero3/compiled.html)): Inductor on GPUs, `aot_eager` on CPU."""
@@ -297,6 +300,8 @@ class FinetuneConfig:
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         self.check_data_and_schedule()
+        if self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
         if self.keep_checkpoints < 0:
             raise ValueError(f"keep_checkpoints must be >= 0, got "
                              f"{self.keep_checkpoints}")

@@ -136,6 +136,7 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
     recipe = Recipe(
         zero=ZeroConfig(dtype=dtype,
                         activation_checkpointing=config.activation_checkpointing,
+                        prefetch_depth=config.prefetch_depth,
                         peer_gather=config.peer_memory,
                         peer_reduce=config.peer_memory,
                         shard_group_size=config.shard_group_size),

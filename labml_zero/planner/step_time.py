@@ -1,0 +1,222 @@
+r"""
+---
+title: The time of a step
+summary: A roofline of one optimizer step from the engine's own quantities:
+  the FLOPs of the matrix products, the bytes of the element-wise work and of
+  the update, the host link's bytes, the collectives' bytes, each over its
+  rate; which of them overlap and which are exposed.
+---
+
+# The time of a step
+
+A step of $A$ micro-batches of $B$ sequences of $T$ tokens on each of $N_d$ ranks
+is the sum of what cannot overlap,
+
+$$t = t_{\text{compute}} + t_{\text{update}} + t_{\text{comm}}^{\text{exposed}}
+      + t_{\text{host}}^{\text{exposed}},$$
+
+each term the engine's own bytes or FLOPs over the rate of the unit that
+serves them ([the machines](devices.html)), with constants the benchmark
+measured on one H200.
+
+## Limitations
+
+* The constants are an H200's in bf16; other GPUs get them at their own rates.
+* One bus bandwidth at large sizes; micro-batches' fixed costs are not counted.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from labml_zero.neox.memory_budget import DTYPE_BYTES, Budget
+from labml_zero.neox.model import NeoXConfig
+from labml_zero.planner.devices import Cluster
+from labml_zero.planner.setting import Job, Setting
+from labml_zero.zero3.memory_model import GRAD_BYTES
+from labml_zero.zero3.state_layout import state_layout
+
+__all__ = ["MATMUL_EFFICIENCY", "ELEMENTWISE_BYTES", "UPDATE_BANDWIDTH_SHARE",
+           "COMPILED_ELEMENTWISE", "HOST_UPDATE_RATE", "StepTime", "step_time",
+           "matmul_params", "model_flops_per_token", "hardware_flops_per_token"]
+
+# ## The measured constants
+#
+# The test beside this page derives each of them again from the benchmark's
+# result lines and checks that the model reproduces the measured steps
+# (tested: tests/planner/test_step_time.py::test_constants_are_the_bench_fit).
+# `MATMUL_EFFICIENCY` and `ELEMENTWISE_BYTES` are the least-squares solution of
+# $t_{\text{tok}}$ (`step_time`) for the benchmark's model-only bound (the model's
+# forward and backward with no engine: no collectives, no update) of {{see: W1}}
+# and {{see: W2-1}} (recomputed) on one H200: two workloads of different width,
+# two unknowns.
+MATMUL_EFFICIENCY = 0.858
+"""$e$: the share of the data sheet's peak that the products reach."""
+ELEMENTWISE_BYTES = 176
+"""$b_e$: element-wise bytes per token, layer, unit of width and pass."""
+# The engine's whole step less that bound, on the same lines, over the
+# update's bytes: the share of the memory bandwidth the update pass reaches.
+UPDATE_BANDWIDTH_SHARE = 0.79
+"""$u$."""
+# Compiled against eager W1 steps on one H200, the same kernels: the saving,
+# as a factor on the element-wise term (the products are the same kernels).
+COMPILED_ELEMENTWISE = 0.90
+# The host's AdamW and the rounding of the master to bf16, one chunk of
+# {{see: W6}} timed alone on the benchmark's host (the test holds the figures).
+HOST_UPDATE_RATE = 2.6e9
+"""Offloaded elements the host updates per second and rank."""
+
+
+def matmul_params(model: NeoXConfig) -> int:
+    r"""$N$: the weights of the matrix products, the four of every layer
+    ($3d^2 + d^2 + 2 d\, d_{ff}$) and the readout ($d V$)."""
+    d = model.d_model
+    return model.n_layers * (4 * d * d + 2 * d * model.ff_dim) + d * model.n_vocab
+
+
+def model_flops_per_token(model: NeoXConfig, seq: int) -> float:
+    r"""$6N + 12 L T d$
+    (tested: tests/planner/test_step_time.py::test_flops_are_palm_count_and_the_hardwares):
+    PaLM's count, the job's and the benchmark's MFU."""
+    return 6.0 * matmul_params(model) + 12.0 * model.n_layers * seq * model.d_model
+
+
+def hardware_flops_per_token(model: NeoXConfig, seq: int, *, finetune: str,
+                             checkpointing: bool) -> float:
+    r"""
+    ### The FLOPs the GPU runs per token
+
+    $2N$ forward and $2N$ for the activations' gradients always; $2N$ more for
+    the weights' gradients of the matrices that train (all of them, or the MLP's
+    for `ffn`; a bias or a LoRA adapter adds nothing worth counting); the
+    attention products $4LTd$ forward, twice that backward. Recomputation runs
+    the forward once more: $2N + 4LTd$.
+    """
+    n, d, L = matmul_params(model), model.d_model, model.n_layers
+    weights = {"all": n, "ffn": L * 2 * d * model.ff_dim}.get(finetune, 0)
+    attention = 4.0 * L * seq * d
+    flops = 4.0 * n + 2.0 * weights + 3 * attention
+    if checkpointing:
+        flops += 2.0 * n + attention
+    return flops
+
+
+def update_bytes_per_element(job: Job, *, alone: bool, micro_batches: int) -> int:
+    """
+    #### Bytes the update moves per trainable element
+
+    It reads the gradient (in the parameter's dtype on one rank alone, as the
+    budget counts it, else fp32), reads and writes every state, and writes
+    the parameter, which it also reads when there is no master.
+    """
+    p = DTYPE_BYTES[job.param_dtype]
+    states = state_layout(job.states)
+    grad = p if alone and micro_batches == 1 else GRAD_BYTES
+    param = p if states.master is not None else 2 * p
+    return grad + 2 * states.bytes_per_element() + param
+
+
+class StepTime(NamedTuple):
+    """
+    ## One step's seconds, term by term
+    """
+
+    matmul: float
+    elementwise: float
+    compute: float
+    """Both, over the step's micro-batches, compiled or not."""
+    update: float
+    comm: float
+    """The collectives' whole time on the link."""
+    comm_exposed: float
+    host: float
+    """The host link's and the host update's time."""
+    host_exposed: float
+    total: float
+
+
+def exposed_collectives(comm: float, compute: float, *, units: int,
+                        micro_batches: int, depth: int) -> float:
+    r"""
+    ### The collectives that compute does not hide
+
+    Per micro-batch, each of the $U$ units needs its gather, $g$ of link time,
+    done while the $D$ units before it compute, $c$ each: $\max(0, g - Dc)$
+    shows after them. The link is one, so a micro-batch takes at least $Ug$;
+    the first unit's gather has nothing to hide behind:
+    $$t_{\text{mb}} = \max\big(U c + U \max(0, g - D c),\; U g\big) + g,
+    \qquad t_{\text{comm}}^{\text{exposed}} = A\, t_{\text{mb}} - t_{\text{compute}}.$$
+    With equal units a deeper prefetch gains nothing here ($Ug$ binds first
+    once $g > c$); it pays for unequal units and uneven timing, which this
+    roofline does not see, so the search keeps $D = 1$ unless it is pinned.
+    """
+    if comm == 0:
+        return 0.0
+    g = comm / (micro_batches * units)
+    c = compute / (micro_batches * units)
+    behind_compute = units * c + units * max(0.0, g - depth * c)
+    per_micro_batch = max(behind_compute, units * g) + g
+    return max(0.0, micro_batches * per_micro_batch - compute)
+
+
+def step_time(job: Job, setting: Setting, cluster: Cluster,
+              budget: Budget) -> StepTime:
+    r"""
+    ## The step's time for one setting
+
+    `budget` is `setting`'s memory budget: its shards, its collectives and
+    its host traffic are the ones timed. Term by term:
+
+    * **compute**, per token: the products' FLOPs over the peak at their
+      efficiency $e$, and the element-wise work (norms, GELU, residuals,
+      rotary, the softmax's passes) as bytes over the memory bandwidth,
+      $t_{\text{tok}} = \frac{F_{\text{hw}}}{e P} + \frac{b_e L d\, m}{W}$;
+    * **update**: one pass over the device-resident shard's states at the
+      share $u$ of $W$ it reaches;
+    * **collectives** (several ranks): every micro-batch's all-gathers and the
+      step's reduce-scatter, behind compute up to the prefetch depth;
+    * **host** (offloaded state): gradients down, masters up and the host's
+      update, behind the last micro-batch's backward pass.
+    """
+    gpu, world = cluster.gpu, cluster.world_size
+    model, a = job.model, setting.micro_batches
+    tokens = setting.batch * a * job.seq  # per rank and step
+    flops = hardware_flops_per_token(model, job.seq, finetune=job.finetune,
+                                     checkpointing=setting.checkpointing)
+    matmul = tokens * flops / (MATMUL_EFFICIENCY * gpu.peak_flops)
+    passes = 3 + setting.checkpointing  # forward, backward as two, recompute
+    elementwise = (tokens * ELEMENTWISE_BYTES * model.n_layers * model.d_model
+                   * passes / gpu.memory_bandwidth)
+    if setting.compile:
+        elementwise *= COMPILED_ELEMENTWISE
+    compute = matmul + elementwise
+
+    # the update of the device-resident shard, a pass over its states
+    trainable = budget.grad_shards // GRAD_BYTES  # S_t, this rank's elements
+    offloaded = round(trainable * budget.offloaded_fraction)
+    alone = world == 1 and budget.reduce_scatter == 0
+    per_element = update_bytes_per_element(job, alone=alone, micro_batches=a)
+    update = ((trainable - offloaded) * per_element
+              / (UPDATE_BANDWIDTH_SHARE * gpu.memory_bandwidth))
+
+    # ring collectives: each rank moves (n - 1)/n of the full size
+    share = (world - 1) / world
+    comm = (share * (a * budget.all_gather + budget.reduce_scatter)
+            / cluster.bus_bandwidth)
+    if budget.all_reduce:
+        comm += share * budget.all_reduce / cluster.gpu.node_bus_bandwidth
+    units = model.n_layers + 2  # embedding, layers, final norm with readout
+    comm_exposed = exposed_collectives(comm, compute, units=units,
+                                       micro_batches=a,
+                                       depth=setting.prefetch_depth)
+
+    # offloaded shards: the link and the host's update run beside the last
+    # micro-batch's backward (the chunks from the output end reduce first)
+    host = (max(budget.host_down, budget.host_up) / gpu.host_link
+            + offloaded / HOST_UPDATE_RATE) if offloaded else 0.0
+    backward = compute / a * (3 if setting.checkpointing else 2) / passes
+    host_exposed = max(0.0, host - backward)
+    total = compute + update + comm_exposed + host_exposed
+    return StepTime(matmul=matmul, elementwise=elementwise, compute=compute,
+                    update=update, comm=comm, comm_exposed=comm_exposed,
+                    host=host, host_exposed=host_exposed, total=total)

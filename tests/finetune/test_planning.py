@@ -1,0 +1,129 @@
+"""`labml_zero/finetune/planning.py`: `--plan` prints the plan and starts
+nothing, on a machine without GPUs; its W1 step is the benchmark's; a refusal
+is one line; `--auto` runs the planned setting."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from labml_zero import launch
+from labml_zero.finetune import cli
+from labml_zero.finetune.__main__ import main as family_main
+from labml_zero.finetune.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+W1_LINES = REPO / "bench" / "results" / "2026-12-04-run51-1xH200-job-vs-bench-W1.jsonl"
+# issue 49: the predicted step within 10% of the measured one
+STEP_TOLERANCE = 0.10
+W1 = ["--model", "pythia-1.4b", "--gpu", "h200", "--gpus", "1", "--seq-len",
+      "2048", "--batch-size", "8"]
+
+
+@pytest.fixture
+def nothing_starts(monkeypatch):
+    """A plan must not spawn, nor read the data (the pre-flight checks)."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process or the pre-flight checks started")
+    monkeypatch.setattr(launch, "spawn", refuse)
+    monkeypatch.setattr(launch, "run_torchrun", refuse)
+    monkeypatch.setattr(cli, "preflight", refuse)
+
+
+def planned(capsys, argv, entry=main) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        entry(argv)
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def refused(capsys, argv, entry=main) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        entry(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err
+
+
+def test_plan_prints_w1_and_its_step_is_the_benchmarks(capsys, nothing_starts):
+    out = planned(capsys, [*W1, "--plan"])
+    for part in ("setting: --batch-size 8 --grad-accum 1", "device memory a rank",
+                 "host memory a rank", "step time:", "tokens/s, MFU"):
+        assert part in out, out
+    step = float(re.search(r"step time: ([0-9.]+) s", out).group(1))
+    compiled = "--compile" in out.splitlines()[1]
+    measured = [json.loads(x) for x in W1_LINES.read_text().splitlines()]
+    line = next(x for x in measured if x["compiled"] == compiled)
+    assert (line["workload"], line["batch_per_gpu"], line["seq"]) == ("W1", 8, 2048)
+    assert step == pytest.approx(line["step_time_mean_s"], rel=STEP_TOLERANCE)
+    # the same through the command of any family
+    assert planned(capsys, [*W1, "--plan"], family_main) == out
+
+
+def test_plan_keeps_the_flags_given(capsys, nothing_starts):
+    out = planned(capsys, [*W1, "--activation-checkpointing", "--plan"])
+    assert "--activation-checkpointing" in out.splitlines()[1]
+
+
+def test_refusals_are_one_line(capsys, nothing_starts):
+    # a global batch the ranks cannot split
+    err = refused(capsys, [*W1, "--gpus", "2", "--global-batch", "7", "--plan"])
+    assert "--global-batch 7 is not a multiple of the 2 ranks" in err
+    # a job that fits no setting
+    err = refused(capsys, ["--model", "gpt-neox-20b", "--gpu", "h100",
+                           "--seq-len", "2048", "--optimizer-states",
+                           "bf16-stochastic", "--plan"])
+    assert "nothing fits" in err and "would fit on 2 h100 GPUs" in err
+    # another family: the memory budget is GPT-NeoX's
+    err = refused(capsys, ["--model", "llama-3.2-1b", "--gpu", "h200", "--plan"],
+                  family_main)
+    assert "GPT-NeoX only" in err
+    # the cluster's flags mean nothing without a plan
+    assert "--gpu needs --plan or --auto" in refused(capsys, ["--gpu", "h200"])
+    assert "not both" in refused(capsys, ["--gpu", "h200", "--plan", "--auto"])
+    err = refused(capsys, ["--gpu", "h200", "--offload-optimizer", "auto",
+                           "--auto"])
+    assert "give one" in err
+
+
+def test_without_gpus_a_plan_needs_a_named_gpu(capsys, nothing_starts,
+                                               monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    err = refused(capsys, ["--plan"])
+    assert "name one with --gpu" in err
+
+
+def test_auto_runs_the_planned_setting_on_cpu(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "labml_zero.finetune_neox", "--auto", "--gpu",
+         "h200", "--world-size", "2", "--seq-len", "32", "--steps", "2",
+         "--valid-every", "2", "--sample-tokens", "0", "--out",
+         str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # the tiny model fits whole: the laptop's 8 sequences a rank, one
+    # micro-batch, nothing recomputed or offloaded
+    assert ("--auto: --batch-size 8 --grad-accum 1 --prefetch-depth 1 "
+            "(predicted") in done.stdout
+    assert "loss.valid" in done.stdout
+
+
+def test_auto_plans_the_ranks_it_runs(capsys, nothing_starts):
+    # on CPU the command starts 2 processes: a plan for 4 GPUs is another job
+    err = refused(capsys, ["--gpu", "h200", "--gpus", "4", "--auto"])
+    assert "--auto runs 2 ranks here; --gpus 4 x --nodes 1 plans 4" in err
+
+
+def test_prefetch_depth_is_a_flag_of_the_job():
+    from labml_zero.finetune.cli import make_parser, parse_config
+
+    config, _ = parse_config(["--prefetch-depth", "2"], make_parser())
+    assert config.prefetch_depth == 2
+    config, _ = parse_config(["--prefetch-depth", "0"], make_parser())
+    assert config.prefetch_depth == 0
