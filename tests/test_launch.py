@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from labml_zero import launch
+from labml_zero.launch.spawn import Signals
 from tests.distributed import skip_job_without_gpus
 
 REPO = Path(__file__).resolve().parent.parent
@@ -480,3 +481,35 @@ def test_a_hang_watchdog_stays_silent_while_its_rank_reports(capsys, monkeypatch
     assert "stopped making progress" not in capsys.readouterr().err
     # the second voice of a main thread waits at most `wait_s`, then gives up
     assert supervisor.speak_once(wait_s=0.05) is False
+
+
+class _StartsSlowly:
+    """A rank whose start takes long enough for a signal to arrive meanwhile."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+
+    def start(self) -> None:
+        os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_while_a_rank_starts_is_raised_once_it_is_listed(signum: int):
+    # Ignoring the signal meanwhile (so that the rank inherits it ignored)
+    # would lose it: the job would train on after a Ctrl-C.
+    started: list = []
+    rank = _StartsSlowly(signum)
+    with pytest.raises(launch.Interrupted) as stop, Signals() as signals:
+        signals.start(rank, started)
+    assert stop.value.exit_status == 128 + signum and started == [rank]
+
+
+def test_a_signal_ignored_at_launch_stays_ignored_while_a_rank_starts():
+    started: list = []
+    saved = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with Signals() as signals:
+            signals.start(_StartsSlowly(signal.SIGHUP), started)
+    finally:
+        signal.signal(signal.SIGHUP, saved)
+    assert len(started) == 1

@@ -377,14 +377,18 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     if backend == "nccl" and world_size > torch.cuda.device_count():
         parser.error(f"--world-size {world_size} needs {world_size} GPUs, found "
                      f"{torch.cuda.device_count()}")
-    checked = check_before_start(config, parser, world_size=world_size,
-                                 backend=backend)
-    machine_facts(backend, world_size)
     try:
-        # the ranks get the token files decided here (see [deciding
-        # once](token_file.html)), not the task of deciding again
-        launch.spawn(train, world_size, config, checked.data.caches, backend=backend,
-                     hang_timeout=config.hang_timeout)
+        # one handler from the checks to the ranks' end: a signal between the
+        # token file's build and the ranks' start ends the job like one during
+        # either
+        with Signals():
+            checked = check_before_start(config, parser, world_size=world_size,
+                                         backend=backend)
+            machine_facts(backend, world_size)
+            # the ranks get the token files decided here (see [deciding
+            # once](token_file.html)), not the task of deciding again
+            launch.spawn(train, world_size, config, checked.data.caches,
+                         backend=backend, hang_timeout=config.hang_timeout)
     except launch.RankFailed as e:
         # the failing rank's traceback, what the others hit after it, its cause
         before = [text for text in (e.traceback.strip(), *e.others) if text]

@@ -280,17 +280,31 @@ class Signals:
                 signal.signal(signum, _raise_interrupted)
         return self
 
-    def start(self, process: Any) -> None:
-        """Start a rank that inherits ignored `SIGINT`, `SIGHUP` from its first
-        instant."""
+    def start(self, process: Any, started: list[Any]) -> None:
+        """
+        Start a rank and list it in `started`. A rank's interpreter takes a
+        while to start (the launcher waits for it to read its arguments), and
+        a signal then must neither be lost nor cut the start in half, leaving
+        a process the launcher does not know: it is kept, and
+        raised as `Interrupted` once the rank is listed, so that it is ended
+        with the others. The rank ignores `SIGINT` and `SIGHUP` from the first
+        line of `_worker` on.
+        """
         if not self.saved:
-            return process.start()
-        handlers = {s: signal.signal(s, signal.SIG_IGN) for s in HANDED_TO_LAUNCHER}
+            process.start()
+            started.append(process)
+            return
+        arrived: list[int] = []
+        handlers = {s: signal.signal(s, lambda signum, _: arrived.append(signum))
+                    for s, saved in self.saved.items() if saved is not signal.SIG_IGN}
         try:
             process.start()
+            started.append(process)
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
+        if arrived:
+            raise Interrupted(arrived[0])
 
     def __exit__(self, *exc: Any) -> None:
         for signum, handler in self.saved.items():
@@ -356,8 +370,7 @@ def spawn(
                     target=_worker, name=f"rank {rank}", args=(
                         rank, fn, world_size, backend, port, timeout_s, args, shared,
                         writer))
-                signals.start(process)
-                processes.append(process)
+                signals.start(process, processes)
                 writer.close()  # the rank holds the only write end: EOF at its end
                 tails.append(StderrTail(os.dup(reader.fileno())))
                 reader.close()
