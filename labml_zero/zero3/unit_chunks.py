@@ -102,8 +102,14 @@ def choose_chunk_numel(
     search_range_m = max(
         min(32.0, hidden_dim * 4096 / 2**20), max(largest_group.values()) / 2**20
     )
+    # A group as large as a 128k-word embedding stretches the range past the
+    # search's cap on candidates (`max_candidates`); the step then grows by
+    # whole multiples of $d$, so candidates still end on whole rows
+    # (tested: tests/zero3/test_sharded_model.py::test_a_huge_group_coarsens_the_steps).
+    cap = ChunkSearchConfig().max_candidates
+    rows_per_step = -(-(round(search_range_m * 2**20) // hidden_dim + 1) // cap)
     search = ChunkSearchConfig(
-        hidden_dim=hidden_dim,
+        hidden_dim=hidden_dim * rows_per_step,
         search_range_m=search_range_m,
         prefetch_depth=config.prefetch_depth,
         align=config.align,

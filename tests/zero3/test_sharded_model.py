@@ -395,3 +395,20 @@ def test_the_search_range_of_the_engine(monkeypatch):
     # A layer larger than either: the range reaches it.
     large = search_range([(4, 64), (2 * 4096, 64)])
     assert large.search_range == 2 * 4096 * 64
+
+
+def test_a_huge_group_coarsens_the_steps():
+    """Llama-3.2-1B's embedding (128,256 × 2,048) stretches the range to 250.5 ×
+    2^20 elements: 128,257 steps of 2,048, over the search's cap; the engine
+    steps by 4,096 instead and the search runs."""
+    from labml_zero.zero3 import chunk_search
+    from labml_zero.zero3.chunk_layout import ParamSpec
+    from labml_zero.zero3.unit_chunks import choose_chunk_numel
+
+    d, vocab = 2048, 128_256
+    specs = [ParamSpec("embed", (vocab, d), True, 0)] + [
+        ParamSpec(f"w{g}", (d, d), True, g) for g in range(1, 5)]
+    chunk = choose_chunk_numel(specs, 1, ZeroConfig())
+    cap = chunk_search.ChunkSearchConfig().max_candidates
+    assert vocab * d // d + 1 > cap  # the range at steps of d is over the cap
+    assert chunk % (2 * d) == 0 and chunk > 0
