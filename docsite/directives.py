@@ -174,7 +174,7 @@ class Directives:
                 raise BuildError(f"{page}: {match.group(0)}: no page defines "
                                  f"{(match.group(2) or shown)!r} with {{{{term: …}}}}")
             href = html.escape(f"{rel_href(d.page, page)}#term-{slug}")
-            meaning = self.meanings.get(slug, ("", "", ""))[1].replace("$", "")
+            meaning = self.meanings.get(slug, ("", ""))[1].replace("$", "")
             title = f' title="{html.escape(meaning)}"' if meaning else ""
             return f'<a class="term-ref" href="{href}"{title}>{html.escape(shown)}</a>'
 

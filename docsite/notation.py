@@ -74,7 +74,6 @@ class Symbol:
     tex: str       # as written between the dollars, normalised
     meaning: str   # what the glossary page shows
     words: tuple[str, ...]
-    code: str = ""  # `file.py:name`, the code that holds the quantity (glossary)
 
 
 def normalise(tex: str) -> str:
@@ -92,19 +91,27 @@ def read_table(root: Path) -> list[Symbol]:
         if not line.strip() or line.startswith("#"):
             continue
         fields = [f.strip() for f in line.split(" | ")]
-        if (len(fields) not in (3, 4) or not re.fullmatch(r"\$[^$]+\$", fields[0])
-                or (len(fields) == 4 and not fields[3].startswith("@ "))):
+        if len(fields) != 3 or not re.fullmatch(r"\$[^$]+\$", fields[0]):
             raise BuildError(f"{NOTATION_FILE}:{n}: write '$symbol$ | meaning | "
-                             "word, word' and optionally ' | @ file.py:name'")
+                             "word, word'")
         tex = normalise(fields[0][1:-1])
         if tex in seen:
             raise BuildError(f"{NOTATION_FILE}:{n}: ${tex}$ is listed twice; a "
                              "symbol has one meaning")
         seen.add(tex)
         words = tuple(w.strip().lower() for w in fields[2].split(",") if w.strip())
-        code = fields[3][2:].strip() if len(fields) == 4 else ""
-        out.append(Symbol(tex, fields[1], words, code))
+        out.append(Symbol(tex, fields[1], words))
     return out
+
+
+def table_markdown(symbols: list[Symbol]) -> str:
+    """The notation table of the glossary page."""
+    rows = ["## Notation", "",
+            "One symbol per quantity across the book: no page gives a symbol of "
+            "this table another meaning.",
+            "", "| symbol | meaning |", "| --- | --- |"]
+    rows += [f"| ${s.tex}$ | {s.meaning} |" for s in symbols]
+    return "\n".join(rows) + "\n"
 
 
 def definitions(markdown: str) -> list[tuple[str, str]]:

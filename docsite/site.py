@@ -248,18 +248,16 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
                 slugs.add(slugify(name))
             for shown, slug in term_definitions(section.doc):
                 glossary.add_definition(
-                    defs, slug, glossary.Definition(
-                        shown, page.out, page.title, section.code, section.lineno,
-                        page.rel_py))
+                    defs, slug, glossary.Definition(shown, page.out, page.title))
         page_notes[page.out] = slugs
         for slug in sorted(slugs):
             notes.setdefault(slug, []).append(page.out)
     meanings = glossary.read_meanings(root)
     for page in pages:
         if page.out == "glossary.html":
-            page.sections = glossary.glossary_sections(
-                root, meanings, defs, page.out,
-                notation.read_table(root))
+            page.sections = [Section("# Glossary\n\n" + glossary.glossary_markdown(
+                meanings, defs, page.out) + "\n" + notation.table_markdown(
+                notation.read_table(root)), "", 0)]
 
     directives = Directives(root, results, definitions=defs, meanings=meanings)
     renderer = Renderer(files, notes, figures=figures, directives=directives)
@@ -278,9 +276,8 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
             code_html = src = ""
             if section.code:
                 code_html = link_code_notes(highlight(section.code), renderer)
-            quoted_from = section.source or page.rel_py
-            if section.code and quoted_from and source_page(quoted_from) in files:
-                src_page = rel_href(source_page(quoted_from), page.out)
+            if section.code and page.rel_py:
+                src_page = rel_href(source_page(page.rel_py), page.out)
                 src = f"{src_page}#L{section.lineno}"
             rows.append({"id": f"section-{k}", "doc": doc_html, "code": code_html,
                          "lineno": section.lineno, "src": src,
@@ -290,9 +287,7 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
             "title": page.title,
             "summary": page.summary,
             "home": page.out == "index.html",
-            # a page the builder makes is prose unless it quotes code (the
-            # glossary sets each term beside its code)
-            "prose": page.rel_py is None and not any(s.code for s in page.sections),
+            "prose": page.rel_py is None,
             "root": rel_href("index.html", page.out).rsplit("index.html", 1)[0],
             "crumbs": _crumbs(page, by_py),
             "prev": link(prev_page),

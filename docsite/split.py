@@ -44,8 +44,6 @@ class Section:
     doc: str
     code: str
     lineno: int  # 1-based line of the first code line; 0 when there is no code
-    source: str | None = None
-    """the module the code is quoted from, when not the page's own (the glossary)"""
 
 
 @dataclass

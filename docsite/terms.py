@@ -106,7 +106,7 @@ def without_headings(markdown: str) -> str:
     return re.sub(r"^[ \t]*#{1,6}[ \t].*$", _blank, markdown, flags=re.M)
 
 
-def definitions(pages: list[Notes], meanings: dict[str, tuple[str, str, str]]):
+def definitions(pages: list[Notes], meanings: dict[str, tuple[str, str]]):
     """slug -> (term, index of the defining page, offset of the marker)."""
     out: dict[str, tuple[str, int, int]] = {}
     for i, page in enumerate(pages):
@@ -126,10 +126,10 @@ def first_see(markdown: str, slug: str) -> int:
     return len(markdown)
 
 
-def findings(pages: list[Notes], meanings: dict[str, tuple[str, str, str]]) -> list[str]:
+def findings(pages: list[Notes], meanings: dict[str, tuple[str, str]]) -> list[str]:
     """`page | term` for every use of a term before its definition (see above)."""
     defined = definitions(pages, meanings)
-    found = {f"{GLOSSARY_FILE} | {term}" for slug, (term, *_) in meanings.items()
+    found = {f"{GLOSSARY_FILE} | {term}" for slug, (term, _) in meanings.items()
              if slug not in defined}
     for slug, (term, where, marker) in defined.items():
         for i, page in enumerate(pages[:where + 1]):

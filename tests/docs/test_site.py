@@ -17,7 +17,6 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import build_docs  # noqa: E402
-from tests.docs.trees import without_code_quotes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +178,6 @@ def _fake_tree(root: Path) -> None:
     """A tiny package whose pages cite each other's notes."""
     shutil.copytree(REPO / "docs_src", root / "docs_src",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    without_code_quotes(root / "docs_src")
     # the real home page links terms this tiny package does not define
     (root / "docs_src" / "index.md").write_text("# Home\n\n{{reading_order}}\n")
     shutil.copytree(REPO / "bench" / "results", root / "bench" / "results")
