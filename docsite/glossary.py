@@ -117,8 +117,7 @@ def glossary_rows(root: Path, meanings: dict[str, tuple[str, str]],
                f"{meaning}{'.' if meaning else ''} {where}")
         if d and d.code:
             rows.append((Section(doc, head(d.code, CODE_LINES), d.lineno), d.file))
-        elif slug in named:
-            snippet = code_of(root, *named[slug])
+        elif slug in named and (snippet := code_of(root, *named[slug])):
             rows.append((Section(doc, head(snippet.code, CODE_LINES),
                                  snippet.lineno), snippet.file))
         else:

@@ -223,10 +223,10 @@ def _results_beside_code(root: Path, page: Page, results) -> None:
     page.sections = [Section("# Results\n\n" + RESULTS_INTRO, "", 0)]
     page.code_files = {}
     for doc, file, name, lines, start in results_rows(results):
-        if not file:
+        snippet = code_of(root, file, name, lines, start) if file else None
+        if snippet is None:
             page.sections.append(Section(doc, "", 0))
             continue
-        snippet = code_of(root, file, name, lines, start)
         page.code_files[len(page.sections)] = file
         page.sections.append(Section(doc, snippet.code, snippet.lineno))
 

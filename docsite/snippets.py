@@ -10,7 +10,9 @@ The glossary and the Results page are built, not written beside code; their
 notes are about code elsewhere (the note that defines a term, the function that
 computes a column). `code_of(root, file, name)` finds that code by name, so a
 generated row shows the lines it explains and links to them, and a renamed
-function stops the build instead of showing stale lines.
+function stops the build instead of showing stale lines. A file absent from
+the tree built (a test builds a few files of the repository) gives no code: the
+row sits beside none.
 """
 
 from __future__ import annotations
@@ -30,15 +32,16 @@ class Snippet:
 
 
 def code_of(root: Path, file: str, name: str, max_lines: int = 0,
-            start: str = "") -> Snippet:
+            start: str = "") -> Snippet | None:
     """
     The source of `name` (`f`, `Class` or `Class.method`) in `file`, decorators
     included, or from its first line that contains `start` when that is given;
-    at most `max_lines` lines when that is positive.
+    at most `max_lines` lines when that is positive; `None` when the tree has
+    no `file`.
     """
     path = root / file
     if not path.is_file():
-        raise BuildError(f"{file}: no such file (asked for {name!r})")
+        return None
     source = path.read_text(encoding="utf-8")
     body = ast.parse(source).body
     node = None
