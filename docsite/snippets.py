@@ -1,4 +1,4 @@
-"""
+r"""
 ---
 title: Code beside a generated page's notes
 summary: The lines of one function or class of any file, to set beside a note that is not in that file.
