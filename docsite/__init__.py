@@ -19,7 +19,8 @@ they explain on the right. The builder is this package, run by
    the test's line on the source pages of `tests/`.
 6. `mathml.py`: TeX -> MathML, and what stops the build.
 7. `markdown.py`: notes -> HTML, links, note anchors, figures, code highlighting.
-8. `glossary.py`: the glossary page.
+8. `glossary.py`: the glossary page; `snippets.py`: the lines of code set
+   beside the glossary's terms and the Results page's columns.
 9. `site.py`: every page into the template, deterministically.
 10. `cli.py`: writing `site/` and `--check`.
 11. `lint.py`: the checks of the notes' text that the tests run (raw TeX,

@@ -203,13 +203,14 @@ if __name__ == "__main__":
 # glossary, the Results page and every folder's page are pages too. So the
 # limits of the book are counted on the built HTML of every page but the home
 # page: a row is a `<section class="row">`, beside code when it holds a code
-# column; on the prose pages (glossary, Results), which have no code column, each
-# heading's block and each table row is a row of its own. The first row of a page
-# is its *opening*, set full width above the two columns. A figure is not notes:
-# a drawing, and the Results page's tables of measured figures (each row a
-# measurement a note links to, looked up rather than read), count no words;
-# the Results page's notes (what each column holds, what the loss can check)
-# count as any notes do.
+# column. The glossary and the Results page are built as such rows too, each
+# term and each column's note beside the code it is about; on a page with no
+# code column at all (a prose page) each heading's block and each table row is
+# a row of its own. The first row of a page is its *opening*, set full width
+# above the two columns. A figure is not notes: a drawing, and the tables a
+# reader looks a row up in rather than reads through (the Results page's
+# measurements, each row one a note links to, and the glossary's notation
+# table, each row one symbol) count no words.
 
 MAX_SITE_SHARE = 0.15
 """of all note words, at most this share in rows beside no code"""

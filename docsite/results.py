@@ -43,6 +43,7 @@ moments, the least step any engine with `AdamFP16`'s numerics can take.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -287,68 +288,137 @@ DATA_OPEN = '<figure class="data">'
 DATA_CLOSE = "</figure>"
 
 
-# What the loss column says, under the table's introduction: two blocks, the
-# first step's loss and the drift after it, each under its own heading
-LOSS_COLUMN = (
-    "### The loss column: one start\n\n"
-    "The loss is the last timed step's, averaged over the ranks, after "
-    "`warmup + steps` updates. Every engine starts from the same weights "
-    "(`bench.engine.InitialWeights`) and reads the same batches, so the first "
-    "step's loss is one number up to bf16 roundings (the test "
-    "`test_engines_start_alike` in `tests/test_bench_start.py`). "
-    "Lines measured before that started each engine from its own draw.\n\n"
-    "### The loss column after $k$ steps\n\n"
-    "Adam moves a weight by about the learning rate whatever the gradient's "
-    "scale, so a relative rounding difference $\\rho$ between two engines' "
-    "arithmetic changes the loss after $k$ steps by at most $(k + 1)\\rho$ of "
-    "itself (the rule of `tests/tolerance.py`). A gap in the second decimal "
-    "after a dozen steps is a gap of start or of data, not of rounding.")
+# The page's notes, each beside the code that computes what it explains: a
+# list of (Markdown, file, function or class, lines shown, first line shown).
+Row = tuple[str, str, str, int, str]
 
-
-# What the page says to its reader (the docstring above is for the builder's).
+# What the page says to its reader first (the docstring above is for the
+# builder's), full width above its rows
 READER_INTRO = """\
 Every measured figure of the notes comes from this page: one row per workload,
 engine and setting, the latest measurement of each, taken by the benchmark
 (`python -m bench.run`). A figure quoted on another page links to its row here.
-
-The columns of the measurements:
-
-| column | what it holds |
-| --- | --- |
-| workload | the model and job measured (listed below the table's heading) |
-| engine | what trains it: `labml_zero`, PyTorch's FSDP2, or one of the two \
-one-device bounds, `model_only` (the model's forward and backward passes alone) \
-and `update_floor` (the same with AdamW's update in one pass over fp32 masters \
-and moments, the least step any engine with `AdamFP16`'s numerics can take) |
-| compiled | whether the layers ran through `torch.compile` |
-| GPUs | how many, and which |
-| B × T | sequences per GPU and tokens per sequence in one step |
-| tokens/s | tokens of all GPUs together per second of a timed step |
-| step s (± std) | the mean seconds of a timed step on the slowest GPU, and \
-the standard deviation of the timed steps |
-| MFU | model FLOPs utilisation, the model's FLOPs per second over the GPUs' \
-dense bf16 peak from the data sheet (989.4 TFLOP/s for an H100 or H200) |
-| peak GiB | the most memory allocated on any one GPU, while building the \
-model or while training |
-| loss | the last timed step's training loss (what it can check is below) |
-| settings | the engine's options that differ from its defaults |
+First each column of the tables, beside the code that computes it; then the
+tables.
 """
+
+COLUMN_ROWS: list[Row] = [
+    ("### workload and B × T\n\n"
+     "The model and job measured: the model's shape, the sequences per GPU $B$ "
+     "and the tokens per sequence $T$ of one step, and which parameters train "
+     "(every one, only the biases, or adapters). Each workload of the tables:",
+     "bench/workloads.py", "workloads", 0, ""),
+    ("### engine\n\n"
+     "What trains the workload: `labml_zero`, PyTorch's FSDP2 or DDP, or "
+     "DeepSpeed; or one of the two one-device bounds of `bench/bounds.py`, "
+     "`model_only` (the model's forward and backward passes alone, no update) "
+     "and `update_floor` (the same with AdamW's update in one pass over fp32 "
+     "masters and moments, the least step any engine with `AdamFP16`'s numerics "
+     "can take).",
+     "bench/pair.py", "builder", 0, ""),
+    ("### compiled, GPUs and settings\n\n"
+     "Each line records how it ran: whether the layers ran through "
+     "`torch.compile`, how many GPUs of which kind, and the engine's options; "
+     "*settings* lists those that differ from labml_zero's defaults (peer "
+     "gather, peer reduce, the prefetch depth, the step replayed as one CUDA "
+     "graph). The other engines ignore these options.",
+     "bench/pair.py", "describe", 0, ""),
+    ("### step s (± std)\n\n"
+     "Each rank runs `warmup` untimed steps, then `steps` timed ones, and "
+     "times each on the device's clock. The column is the mean step time of the "
+     "slowest rank (every rank waits for it at the next collective) and the "
+     "largest standard deviation of the ranks' timed steps.",
+     "bench/measure.py", "time_steps", 0, ""),
+    ("### tokens/s\n\n"
+     "The tokens of all GPUs together, $N_d \\cdot B \\cdot T$, over the mean "
+     "step time of the slowest rank.",
+     "bench/pair.py", "merge", 2, "step_s = max"),
+    ("### MFU\n\n"
+     "Model FLOPs utilisation: the model's FLOPs per token times the tokens per "
+     "second, over the GPUs' dense bf16 peak from the data sheet (the same peak "
+     "for an H100 and an H200). The page computes it again from each line's "
+     "tokens per second, so lines written over another peak read alike.",
+     "docsite/results.py", "line_mfu", 0, ""),
+    ("The FLOPs per token count the matrix products only: $6N + 12LTd$ with $N$ "
+     "the weights of the matrix products, $L$ the layers and $T$ the sequence "
+     "length, and $4N$ in place of $6N$ when only the biases train (no weight "
+     "gradient is computed).",
+     "bench/workloads.py", "flops_per_token", 0, ""),
+    ("### peak GiB\n\n"
+     "The most memory the caching allocator held for tensors on any one GPU, "
+     "while building the model or while training, whichever is higher; memory "
+     "the allocator does not see (peer buffers) is added.",
+     "bench/measure.py", "peak_memory", 0, ""),
+    ("### loss\n\n"
+     "The training loss of the last timed step, averaged over the ranks, after "
+     "`warmup + steps` updates. The tokens are random, so the loss starts near "
+     "$\\ln V$ for a vocabulary of $V$ tokens ({vocab_loss} for GPT-NeoX's "
+     "{vocab:,}) and falls only "
+     "as the model learns the tokens' flat distribution; it checks that training "
+     "ran, not how well a model learns.",
+     "bench/engine.py", "random_batches", 0, ""),
+    ("### Why engines' losses differ on one workload\n\n"
+     "Every engine now starts from the same weights, drawn here layer by layer, "
+     "and reads the same batches, so the first step's loss is one number up to "
+     "bf16 roundings (the test `test_engines_start_alike` in "
+     "`tests/test_bench_start.py`). Lines measured before this existed started "
+     "each engine from its own draw of the weights: their losses differ by their "
+     "start, not by their arithmetic. Rows of one workload differ too where they "
+     "ran a different batch or number of steps (the command of each row is in "
+     "the last table), and `model_only` never updates, so its loss stays at its "
+     "start.\n\n"
+     "From one start, Adam moves a weight by about the learning rate whatever "
+     "the gradient's scale, so a relative rounding difference $\\rho$ between "
+     "two engines' arithmetic changes the loss after $k$ steps by at most "
+     "$(k + 1)\\rho$ of itself (the rule of `tests/tolerance.py`). A gap in the "
+     "second decimal after a dozen steps is a gap of start or of data, not of "
+     "rounding.",
+     "bench/engine.py", "InitialWeights", 24, ""),
+]
+
+
+def results_rows(results: dict[Key, Measurement]) -> list[Row]:
+    """The Results page's rows after its opening, each (Markdown, file,
+    function, lines, start) of the code it sits beside ("" for none)."""
+    if not results:
+        return [("No measurements in `bench/results/` yet.", "", "", 0, "")]
+    workloads, seen = [], set()
+    for key, m in results.items():
+        if key.workload not in seen:
+            seen.add(key.workload)
+            workloads.append(f"* {{{{term: {key.workload}}}}}: {_workload(m.line)}.")
+    from bench.workloads import workloads as known
+
+    vocab = known()["W1"].model.n_vocab
+    doc, *rest = COLUMN_ROWS[0]
+    rows: list[Row] = [(doc + "\n\n" + "\n".join(workloads), *rest)]
+    rows += [(doc.format(vocab_loss=f"{math.log(vocab):.1f}", vocab=vocab)
+              if "{vocab" in doc else doc, *rest) for doc, *rest in COLUMN_ROWS[1:]]
+    # each table full width in a row of its own, under its heading and what it
+    # holds, which sit beside the code that makes the table where there is one
+    tables = _tables_markdown(results).split("\n## ")[1:]
+    beside = [("", ""), ("docsite/results.py", "best_settings"),
+              ("docsite/results.py", "command")]
+    for table, (file, name) in zip(tables, beside):
+        words, figure = table.split(DATA_OPEN, 1)
+        if file:
+            rows += [("## " + words.strip(), file, name, 0, ""),
+                     (DATA_OPEN + figure, "", "", 0, "")]
+        else:
+            rows.append(("## " + words.strip() + "\n\n" + DATA_OPEN + figure,
+                         "", "", 0, ""))
+    return rows
 
 
 def results_markdown(results: dict[Key, Measurement]) -> str:
-    """The Results page's body, in Markdown."""
-    out = [READER_INTRO.strip(), ""]
-    if not results:
-        return "\n".join(out + ["No measurements in `bench/results/` yet.", ""])
-    out += ["## Workloads", ""]
-    seen = set()
-    for key, m in results.items():
-        if key.workload in seen:
-            continue
-        seen.add(key.workload)
-        out.append(f"* {{{{term: {key.workload}}}}}: {_workload(m.line)}.")
-    out += ["", "## Measurements", "", LOSS_COLUMN,
-            "", DATA_OPEN, "", "| workload | engine | compiled | GPUs | B × T | tokens/s "
+    """The Results page's body, in Markdown, its rows one after another."""
+    return "\n\n".join([READER_INTRO.strip()] + [
+        row[0] for row in results_rows(results)]) + "\n"
+
+
+def _tables_markdown(results: dict[Key, Measurement]) -> str:
+    out = [""]
+    out += ["## Measurements", "", DATA_OPEN, "", "| workload | engine | compiled | GPUs | B × T | tokens/s "
             "| step s (± std) | MFU | peak GiB | loss | settings |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for key, m in results.items():

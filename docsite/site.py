@@ -20,7 +20,7 @@ import importlib.util
 import json
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import glossary, notation, order
@@ -29,7 +29,9 @@ from .directives import Directives, term_definitions
 from .markdown import NOTE_HEADING, Renderer, highlight, link_code_notes, source_html
 from .paths import (PACKAGE, REPO, BuildError, discover_modules, module_page,
                     rel_href, slugify, source_page)
-from .results import load_results, results_markdown
+from .results import READER_INTRO as RESULTS_INTRO
+from .results import load_results, results_markdown, results_rows
+from .snippets import code_of
 from .split import Section, SplitModule, parse_front_matter, split_source
 
 
@@ -41,6 +43,9 @@ class Page:
     summary: str
     sections: list[Section]
     error: str = ""
+    code_files: dict[int, str] = field(default_factory=dict)
+    """A generated page's rows' code: row index -> the file it comes from (a
+    module page's code is its own file's)."""
 
 
 def load_module_page(root: Path, rel_py: str) -> Page:
@@ -213,6 +218,19 @@ def _source_page(template, root: Path, rel: str, notes_page: str | None) -> byte
     return template.render(kind="source", **context).encode()
 
 
+def _results_beside_code(root: Path, page: Page, results) -> None:
+    """The Results page as rows, each note beside the code it explains."""
+    page.sections = [Section("# Results\n\n" + RESULTS_INTRO, "", 0)]
+    page.code_files = {}
+    for doc, file, name, lines, start in results_rows(results):
+        snippet = code_of(root, file, name, lines, start) if file else None
+        if snippet is None:
+            page.sections.append(Section(doc, "", 0))
+            continue
+        page.code_files[len(page.sections)] = file
+        page.sections.append(Section(doc, snippet.code, snippet.lineno))
+
+
 def build_site(root: Path = REPO) -> dict[str, bytes]:
     """Every file of the site, by site-relative path."""
     import jinja2
@@ -234,6 +252,9 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
     results = load_results(root)
     pages = load_pages(root, modules, parts, results_markdown(results))
     by_py = {p.rel_py: p for p in pages if p.rel_py}
+    for page in pages:
+        if page.out == "results.html":
+            _results_beside_code(root, page, results)
 
     files = set(out) | {p.out for p in pages}
     files |= {source_page(m) for m in modules + test_files(root)}
@@ -243,21 +264,32 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
     defs: dict[str, glossary.Definition] = {}
     for page in pages:
         slugs = set()
-        for section in page.sections:
+        for k, section in enumerate(page.sections):
             for name in NOTE_HEADING.findall(section.doc):
                 slugs.add(slugify(name))
             for shown, slug in term_definitions(section.doc):
-                glossary.add_definition(
-                    defs, slug, glossary.Definition(shown, page.out, page.title))
+                glossary.add_definition(defs, slug, glossary.Definition(
+                    shown, page.out, page.title,
+                    page.code_files.get(k, page.rel_py or "") if section.code
+                    else "", section.code, section.lineno))
         page_notes[page.out] = slugs
         for slug in sorted(slugs):
             notes.setdefault(slug, []).append(page.out)
     meanings = glossary.read_meanings(root)
     for page in pages:
         if page.out == "glossary.html":
-            page.sections = [Section("# Glossary\n\n" + glossary.glossary_markdown(
-                meanings, defs, page.out) + "\n" + notation.table_markdown(
-                notation.read_table(root)), "", 0)]
+            rows = glossary.glossary_rows(root, meanings, defs, page.out)
+            # the notation is a table a reader looks a symbol up in, like the
+            # Results page's tables: a figure, not notes
+            table = ("<figure class=\"data\">\n\n" + notation.table_markdown(
+                notation.read_table(root)) + "\n</figure>")
+            page.sections = ([Section("# Glossary\n\n" + glossary.READER_INTRO,
+                                      "", 0)] + [row for row, _ in rows]
+                             + [Section(table, "", 0)])
+            page.code_files = {k: f for k, (_, f) in enumerate(rows, 1) if f}
+    code_files = sorted({f for p in pages for f in p.code_files.values()}
+                        - set(modules) - set(test_files(root)))
+    files |= {source_page(f) for f in code_files}
 
     directives = Directives(root, results, definitions=defs, meanings=meanings)
     renderer = Renderer(files, notes, figures=figures, directives=directives)
@@ -276,18 +308,21 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
             code_html = src = ""
             if section.code:
                 code_html = link_code_notes(highlight(section.code), renderer)
-            if section.code and page.rel_py:
-                src_page = rel_href(source_page(page.rel_py), page.out)
+            code_file = page.code_files.get(k, page.rel_py)
+            if section.code and code_file:
+                src_page = rel_href(source_page(code_file), page.out)
                 src = f"{src_page}#L{section.lineno}"
             rows.append({"id": f"section-{k}", "doc": doc_html, "code": code_html,
                          "lineno": section.lineno, "src": src,
+                         "file": code_file or "",
                          "figures": list(renderer.figures)})
 
         context = {
             "title": page.title,
             "summary": page.summary,
             "home": page.out == "index.html",
-            "prose": page.rel_py is None,
+            # a generated page whose rows sit beside code is laid out as notes
+            "prose": page.rel_py is None and not page.code_files,
             "root": rel_href("index.html", page.out).rsplit("index.html", 1)[0],
             "crumbs": _crumbs(page, by_py),
             "prev": link(prev_page),
@@ -303,8 +338,9 @@ def build_site(root: Path = REPO) -> dict[str, bytes]:
 
     for rel in modules:
         out[source_page(rel)] = _source_page(template, root, rel, module_page(rel))
-    # The tests, which the notes' check marks link to, outside the reading order.
-    for rel in test_files(root):
+    # The tests, which the notes' check marks link to, outside the reading order,
+    # and the files whose code the generated pages show.
+    for rel in test_files(root) + code_files:
         out[source_page(rel)] = _source_page(template, root, rel, None)
 
     if renderer.unresolved:
