@@ -143,25 +143,55 @@ def budget_json(budget) -> dict:
     return dataclasses.asdict(budget)
 
 
+def _cluster(inputs, gpu: str, nodes: int):
+    from labml_zero.planner.devices import GPUS, Cluster
+
+    if inputs.world_size % nodes:
+        raise ValueError(f"{nodes} nodes do not divide {inputs.world_size} GPUs")
+    return Cluster(GPUS[gpu], gpus_per_node=inputs.world_size // nodes, nodes=nodes)
+
+
+def _job(inputs, **kernels):
+    """The planner's job of a `BudgetInputs`: its sequences a step are
+    $G = B A N_d$."""
+    from labml_zero.planner.setting import Job
+
+    return Job(model=inputs.model, seq=inputs.seq,
+               global_batch=inputs.batch * inputs.micro_batches * inputs.world_size,
+               finetune=inputs.finetune, lora_rank=inputs.lora_rank,
+               lora_targets=inputs.lora_targets, states=inputs.states,
+               param_dtype=inputs.param_dtype,
+               update_during_backward=inputs.update_during_backward,
+               shard_group_size=inputs.shard_group_size, **kernels)
+
+
+def plan_json(inputs, *, gpu: str = DEFAULT_GPU, nodes: int = 1) -> dict | None:
+    """`search.plan` for the job of `inputs` (nothing pinned, host memory not
+    checked), as `computePlan` returns it; `None` where no setting fits."""
+    from labml_zero.planner.search import NoFit, plan
+
+    try:
+        chosen = plan(_job(inputs), _cluster(inputs, gpu, nodes))
+    except NoFit:
+        return None
+    best = chosen.best
+    return {"setting": dataclasses.asdict(best.setting), "flags": best.setting.flags(),
+            "budget": budget_json(best.budget), "time": best.time._asdict(),
+            "tokens_per_s": chosen.tokens_per_s, "mfu": chosen.mfu,
+            "tried": chosen.tried, "fitting": chosen.fitting}
+
+
 def step_time_json(inputs, *, gpu: str = DEFAULT_GPU, nodes: int = 1,
                    compile: bool = False) -> dict:
     """`step_time.step_time` of a `BudgetInputs` on `nodes` nodes of `gpu`s,
     with tokens/s and MFU as the planner's `Plan` counts them: what
     `computeStepTime` returns."""
     from labml_zero.neox.memory_budget import budget
-    from labml_zero.planner.devices import GPUS, Cluster
-    from labml_zero.planner.setting import Job, Setting
+    from labml_zero.planner.setting import Setting
     from labml_zero.planner.step_time import model_flops_per_token, step_time
 
-    if inputs.world_size % nodes:
-        raise ValueError(f"{nodes} nodes do not divide {inputs.world_size} GPUs")
-    cluster = Cluster(GPUS[gpu], gpus_per_node=inputs.world_size // nodes,
-                      nodes=nodes)
-    job = Job(model=inputs.model, seq=inputs.seq,
-              global_batch=inputs.batch * inputs.micro_batches * inputs.world_size,
-              finetune=inputs.finetune, lora_rank=inputs.lora_rank,
-              lora_targets=inputs.lora_targets, states=inputs.states,
-              param_dtype=inputs.param_dtype)
+    cluster = _cluster(inputs, gpu, nodes)
+    job = _job(inputs, kernels=inputs.kernels)
     setting = Setting(batch=inputs.batch, micro_batches=inputs.micro_batches,
                       checkpointing=inputs.checkpointing,
                       prefetch_depth=inputs.prefetch_depth, compile=compile)
@@ -179,7 +209,8 @@ def calculator_data() -> dict:
     from labml_zero.neox.finetuners import FINETUNERS, FineTuneBiases
     from labml_zero.neox.lora import TARGETS
     from labml_zero.neox import memory_budget
-    from labml_zero.planner import step_time
+    from labml_zero.neox.kernels import ModelKernels
+    from labml_zero.planner import search as planner_search, step_time
     from labml_zero.planner.devices import GPUS
     from labml_zero.zero3 import memory_model
     from labml_zero.zero3.chunk_search import MEBI, ChunkSearchConfig
@@ -224,11 +255,16 @@ def calculator_data() -> dict:
                       "compiled_elementwise": step_time.COMPILED_ELEMENTWISE,
                       "host_update_rate": step_time.HOST_UPDATE_RATE},
         "gpus": {name: dataclasses.asdict(gpu) for name, gpu in GPUS.items()},
+        # the planner's search: its margins and the job's kernels (`auto`)
+        "planner": {"device_margin": planner_search.DEVICE_MARGIN,
+                    "cuda_context_bytes": planner_search.CUDA_CONTEXT_BYTES,
+                    "kernels": dataclasses.asdict(ModelKernels.all_fused())},
         "default_gpu": DEFAULT_GPU,
         "reference": {"inputs": {**inputs_json(example), "gpu": DEFAULT_GPU,
                                  "nodes": 1, "compile": False},
                       "budget": budget_json(memory_budget.example()),
-                      "step_time": step_time_json(example)},
+                      "step_time": step_time_json(example),
+                      "plan": plan_json(example)},
     }
 
 
@@ -270,6 +306,19 @@ def _time_text(value: float, unit: str) -> str:
     if unit == "fraction":
         return f"{100 * value:.1f}%"
     return f"{value:,.0f}"
+
+
+def _plan_text(chosen: dict | None) -> str:
+    """The planner's choice in a sentence, as the script writes it."""
+    lead = ("The planner's choice for these sequences a step, on this GPU's "
+            "memory (host memory not checked): ")
+    if chosen is None:
+        return lead + "no setting fits."
+    return (lead + f'<code>{chosen["flags"]}</code>, '
+            f'{_time_text(chosen["time"]["total"], "s")} a step, '
+            f'{_time_text(chosen["tokens_per_s"], "tokens/s")} tokens/s, MFU '
+            f'{_time_text(chosen["mfu"], "fraction")}; {chosen["fitting"]} of '
+            f'{chosen["tried"]} settings fit.')
 
 
 def render(page: str) -> str:
@@ -399,6 +448,7 @@ def render(page: str) -> str:
         'nodes of the form</caption><thead><tr><th scope="col">symbol</th>'
         '<th scope="col">what it is</th><th scope="col">value</th></tr></thead>'
         f'<tbody>{time_rows}</tbody></table>'
+        f'<p class="calc-plan">{_plan_text(data["reference"]["plan"])}</p>'
         f'<p class="calc-legend">{_legend(page)}</p></div><figure class="calc-chart"{labels}>'
         '<svg viewBox="0 0 1000 40" preserveAspectRatio="none" role="img" '
         'aria-label="the peak\'s parts"></svg><ol></ol>'

@@ -259,8 +259,17 @@
     }
     return best.chunk_numel;
   }
+  // The search's answer depends on the parameters, the ranks, the prefetch
+  // depth and the dtypes alone; the planner asks it again for every setting.
+  const searched = new Map();
   function chooseChunkNumel(specs, worldSize, inputs, data) {
     if (inputs.chunk_numel != null) return inputs.chunk_numel;
+    const key = JSON.stringify([specs.map(s => [s.numel, s.trainable, s.group]), worldSize,
+      inputs.prefetch_depth, inputs.param_dtype, inputs.reduce_dtype]);
+    if (!searched.has(key)) searched.set(key, chooseSearchedNumel(specs, worldSize, inputs, data));
+    return searched.get(key);
+  }
+  function chooseSearchedNumel(specs, worldSize, inputs, data) {
     const s = data.search, hidden = hiddenSize(specs);
     const largestGroup = new Map();
     for (const spec of specs) largestGroup.set(spec.group, (largestGroup.get(spec.group) || 0) + spec.numel);
@@ -527,7 +536,8 @@
     const perMicroBatch = Math.max(behindCompute, units * g) + g;
     return Math.max(0.0, microBatches * perMicroBatch - compute);
   }
-  function computeStepTime(inputs, result, data) {
+  // devices.py's Cluster: `nodes` nodes of equal GPUs; the GPU's rates
+  function gpuOf(inputs, data) {
     const gpu = data.gpus[inputs.gpu];
     if (!gpu) fail(`is not a GPU the planner knows`, "gpu");
     const world = inputs.world_size, nodes = inputs.nodes;
@@ -535,6 +545,10 @@
       fail(`must be a whole number of at least 1, got ${nodes}`, "nodes");
     if (world % nodes !== 0)
       fail(`must divide the ${world} GPUs into equal nodes`, "nodes");
+    return gpu;
+  }
+  function computeStepTime(inputs, result, data) {
+    const gpu = gpuOf(inputs, data), world = inputs.world_size, nodes = inputs.nodes;
     const k = data.step_time, m = inputs.model, a = inputs.micro_batches;
     const tokens = inputs.batch * a * inputs.seq;  // per rank and step
     const flops = hardwareFlopsPerToken(m, inputs.seq, inputs.finetune, inputs.checkpointing);
@@ -570,5 +584,66 @@
     };
   }
   window.computeStepTime = computeStepTime;
+
+  // ---------------------------------------------------------------------
+  // planner/search.py: plan, with nothing pinned and the host not checked.
+  // The job keeps the form's model, what trains, T, states and its
+  // G = B A N_d sequences a step; the planner chooses B, A, recomputation,
+  // offload, prefetch depth and compilation, on the GPU's own memory.
+  function flagsOf(s) {
+    const out = [`--batch-size ${s.batch}`, `--grad-accum ${s.micro_batches}`];
+    if (s.checkpointing) out.push("--activation-checkpointing");
+    if (s.offload_fraction) out.push(`--offload-optimizer ${Number(s.offload_fraction.toPrecision(4))}`);
+    out.push(`--prefetch-depth ${s.prefetch_depth}`);
+    if (s.compile) out.push("--compile");
+    return out.join(" ");
+  }
+  function computePlan(inputs, data) {
+    const gpu = gpuOf(inputs, data), pl = data.planner, world = inputs.world_size;
+    const limit = Math.floor((1 - pl.device_margin) * (gpu.memory_bytes - pl.cuda_context_bytes));
+    const job = { ...inputs, reduce_dtype: "fp32", chunk_numel: null, kernels: pl.kernels,
+                  device_bytes: limit };
+    const perRank = inputs.batch * inputs.micro_batches;
+    const batches = [];
+    for (let d = perRank; d >= 1; d--) if (perRank % d === 0) batches.push(d);
+    const depths = world > 1 ? [1, 2] : [1];
+    const hasMaster = data.state_layouts[inputs.states].master_bytes !== 0;
+    let tried = 0, best = null, bestKey = null, fitting = 0;
+    for (const batch of batches) for (const checkpointing of [false, true])
+      for (const prefetch_depth of depths) for (const compile of [false, true]) {
+        tried += 1;
+        let setting = { batch, micro_batches: perRank / batch, checkpointing,
+                        offload_fraction: 0.0, prefetch_depth, compile };
+        // with_offload: as it is, else the fewest chunks from the output end
+        let b = computeBudget({ ...job, ...setting }, data);
+        if (b.peak > limit) {
+          if (!hasMaster) continue;
+          const auto = computeBudget({ ...job, ...setting, offload_fraction: null }, data);
+          if (!auto.fits) continue;
+          setting = { ...setting, offload_fraction: auto.offloaded_fraction };
+          b = computeBudget({ ...job, ...setting }, data);
+          if (b.peak > limit) continue;
+        }
+        fitting += 1;
+        const time = computeStepTime({ ...job, ...setting }, b, data);
+        // fastest; on a tie the fewest micro-batches, no recomputation, the
+        // shallowest prefetch, the least offload, no compilation
+        const key = [Math.round(time.total * 1e9) / 1e9, setting.micro_batches,
+                     Number(checkpointing), prefetch_depth, setting.offload_fraction,
+                     Number(compile)];
+        let better = best === null;
+        for (let i = 0; !better && i < key.length; i++) {
+          if (key[i] !== bestKey[i]) { better = key[i] < bestKey[i]; break; }
+        }
+        if (better) { best = { setting, budget: b, time }; bestKey = key; }
+      }
+    if (best === null) return null;
+    const tokensPerS = perRank * world * inputs.seq / best.time.total;
+    return { ...best, flags: flagsOf(best.setting), tokens_per_s: tokensPerS,
+             mfu: modelFlopsPerToken(inputs.model, inputs.seq) * tokensPerS
+               / (world * gpu.peak_flops),
+             tried, fitting };
+  }
+  window.computePlan = computePlan;
 
 })();

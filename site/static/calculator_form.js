@@ -107,6 +107,7 @@
     }
     for (const row of root.querySelectorAll("[data-time-key]"))
       row.querySelectorAll("td")[1].textContent = "—";
+    root.querySelector(".calc-plan").textContent = "—";
     const chart = root.querySelector(".calc-chart");
     chart.querySelector("svg").innerHTML = "";
     chart.querySelector("ol").innerHTML = "";
@@ -137,6 +138,18 @@
     for (const row of root.querySelectorAll("[data-time-key]"))
       row.querySelectorAll("td")[1].textContent =
         timeText(time[row.dataset.timeKey], row.dataset.unit);
+  }
+  // The planner's choice, as docsite/calculator.py's _plan_text writes it.
+  function showPlan(root, chosen) {
+    const box = root.querySelector(".calc-plan");
+    box.replaceChildren("The planner's choice for these sequences a step, on this GPU's " +
+                        "memory (host memory not checked): ");
+    if (chosen === null) { box.append("no setting fits."); return; }
+    const code = document.createElement("code");
+    code.textContent = chosen.flags;
+    box.append(code, `, ${timeText(chosen.time.total, "s")} a step, ` +
+      `${timeText(chosen.tokens_per_s, "tokens/s")} tokens/s, MFU ` +
+      `${timeText(chosen.mfu, "fraction")}; ${chosen.fitting} of ${chosen.tried} settings fit.`);
   }
   function show(root, result, inputs) {
     result = withTotals(result);
@@ -236,6 +249,7 @@
         const time = window.computeStepTime(inputs, result, data);
         show(root, result, inputs);
         showTime(root, time);
+        showPlan(root, window.computePlan(inputs, data));
         status.textContent = (result.fits
           ? `Fits: a rank's peak is ${gib(result.peak)} GiB of the device's ` +
             `${gib(inputs.device_bytes)} GiB`

@@ -8,7 +8,8 @@ from __future__ import annotations
 import html
 import json
 import re
-from docsite.calculator import budget_json, inputs_json, step_time_json, total
+from docsite.calculator import (budget_json, inputs_json, plan_json, step_time_json,
+                                total)
 from labml_zero.neox import config as neox_config
 from labml_zero.neox.memory_budget import BudgetInputs, budget
 from tests.docs.calculator_grid import (GPU_NAMES, cluster_of, grid_inputs,
@@ -78,6 +79,16 @@ def test_the_script_computes_the_python_budget_on_the_grid(built_site, tmp_path)
     assert {k["compile"] for k in clusters} == {True, False}
     assert sum(t["comm_exposed"] > 0 for t in times) >= 20
     assert sum(t["host_exposed"] > 0 for t in times) >= 5
+    # the planner's search on a slice of the grid (each plan is tens of
+    # budgets): choices with and without offload, recomputation, accumulation
+    planned = [(c, {"gpu": k["gpu"], "nodes": k["nodes"]})
+               for c, k in zip(cases[::16], clusters[::16])]
+    expected_plans = [plan_json(c, **k) for c, k in planned]
+    chosen = [p["setting"] for p in expected_plans if p is not None]
+    assert len(chosen) >= 8
+    assert {s["offload_fraction"] > 0 for s in chosen} == {True, False}
+    assert {s["micro_batches"] > 1 for s in chosen} == {True, False}
+    assert {s["checkpointing"] for s in chosen} == {True, False}
     # LoRA's activations are counted (its rows of the activation model), so they
     # are compared like every other part
     lora = [e for c, e in zip(cases, expected) if c.finetune == "lora"]
@@ -97,9 +108,25 @@ def test_the_script_computes_the_python_budget_on_the_grid(built_site, tmp_path)
         return [budget, computeStepTime(c, budget, data)];
       }} catch (e) {{ return [{{error: e.message}}, null]; }}
     }});
-    document.getElementById("out").textContent = JSON.stringify(out);
+    const planned = {json.dumps([{**inputs_json(c), **k} for c, k in planned])};
+    document.getElementById("out").textContent = JSON.stringify(
+      {{out, plans: planned.map(c => computePlan(c, data))}});
     """
     got = run_harness(tmp_path, body, script)
+    plans, got = got["plans"], got["out"]
+    for (case, cluster), want, have in zip(planned, expected_plans, plans):
+        where = f"plan of {case!r} on {cluster}"
+        assert (want is None) == (have is None), where
+        if want is not None:
+            assert have["flags"] == want["flags"], where
+            assert_same(want["setting"], have["setting"], where)
+            assert_same(want["budget"], have["budget"], where)
+            # the script's step time also carries tokens/s and MFU
+            assert_same(want["time"], {k: have["time"][k] for k in want["time"]},
+                        where)
+            assert_same({k: want[k] for k in ("tokens_per_s", "mfu", "tried", "fitting")},
+                        {k: have[k] for k in ("tokens_per_s", "mfu", "tried", "fitting")},
+                        where)
     assert len(got) == len(cases)
     for case, want, time, (have, have_time) in zip(cases, expected, times, got):
         assert_same(want, have, repr(case))
@@ -156,7 +183,7 @@ function read(frame) {
     time[row.dataset.timeKey] = row.querySelectorAll("td")[1].textContent;
   const controls = [...doc.querySelectorAll(
     "#calculator form input, #calculator form select")];
-  return {table, time, hash: frame.contentWindow.location.hash,
+  return {table, time, plan: doc.querySelector(".calc-plan").textContent, hash: frame.contentWindow.location.hash,
           status: doc.querySelector(".calc-status").textContent,
           unlabelled: controls.filter(c => !c.labels.length).map(c => c.name),
           untabbable: controls.filter(c => c.tabIndex !== 0 || c.disabled)
@@ -220,6 +247,11 @@ def test_the_page_through_its_fragment_and_its_form(built_site, tmp_path):
             "Updated as you type."), frame["status"]
         assert "Python" not in frame["status"]
         check_time(frame["time"], step_time_json(inputs, **clusters[name]), name)
+        # the planner's choice for the same job, from the same search
+        cluster = {k: v for k, v in clusters[name].items() if k != "compile"}
+        chosen = plan_json(inputs, **cluster)
+        assert (chosen["flags"] if chosen else "no setting fits") in frame["plan"], (
+            frame["plan"])
         assert not frame["unlabelled"], frame["unlabelled"]
         # keyboard: every control is in the tab order, in the page's order (no
         # tabindex), but the fraction while the device is to be fitted
@@ -277,6 +309,7 @@ def test_an_invalid_input_clears_the_results_and_names_its_field(built_site,
     assert "must divide by the heads" in got["errors"][0][0]
     assert all(cells == ["—", ""] for cells in got["got"]["table"].values())
     assert set(got["got"]["time"].values()) == {"—"}
+    assert got["got"]["plan"] == "—"
     # nodes that do not divide the GPUs: the step time has no cluster
     assert got["nodes"]["status"].startswith('No results: "nodes'), got["nodes"]["status"]
     assert [name for _, name in got["nodeErrors"]] == ["nodes"]
@@ -313,3 +346,5 @@ def test_the_page_shows_the_step_time_without_scripts(built_site):
                         text, re.S)
         assert row and _time_text(time[key], row.group(1)) in row.group(0), key
     assert 0 < time["mfu"] < 1
+    chosen = plan_json(BudgetInputs())
+    assert f'<code>{chosen["flags"]}</code>' in text
