@@ -333,6 +333,13 @@ def test_the_table_totals_the_model_states_and_names_presets_as_the_cli(
     # every column says what it holds
     heads = re.findall(r'<th scope="col">([^<]*)', text)
     assert "symbol" in heads and "GiB" in heads and "value" in heads
+    # the symbols of the rows and labels that the page's text does not define
+    # are defined in the legend beside the table
+    legend = re.search(r'<p class="calc-legend">(.*?)</p>', text, re.S).group(1)
+    for words in ("the bytes of an element in the parameters", "the optimizer state",
+                  "dense bf16 peak from its data sheet", "the model FLOPs of a token",
+                  "the sequences of a step"):
+        assert words in legend, words
 
 
 def test_the_page_shows_the_step_time_without_scripts(built_site):
