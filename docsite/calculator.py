@@ -14,8 +14,9 @@ the fields of `memory_budget.BudgetInputs`, a table of every part of the
 this module writes into the page, as JSON, everything that port must not
 restate: the presets of `neox/config.py`, the bytes per element of the memory
 model and of each optimizer state layout (`zero3/state_layout.py`), the
-search's knobs, the fine-tuners' choices, and the worked example's
-inputs with the bytes `memory_budget.budget` computes for them. The script
+search's knobs, the fine-tuners' choices, the step-time roofline's constants
+and GPUs (`planner/step_time.py`, `planner/devices.py`), and the worked
+example's inputs with the bytes `memory_budget.budget` computes for them. The script
 recomputes that example when the page loads and says whether it agrees.
 
 With scripting off the block is still a page: the form shows the example's
@@ -82,6 +83,22 @@ ROWS = (
 """What each row shows; the chart's parts reuse the names. `model_states` is
 the page's own total, `params + grad_shards + optimizer_device`."""
 
+# (key, unit, symbol in TeX, name): the step time's rows, `planner/step_time.py`
+TIME_ROWS = (
+    ("total", "s", r"t", "predicted time of one optimizer step"),
+    ("compute", "s", r"t_{\text{compute}}",
+     "matrix products and element-wise work, every micro-batch"),
+    ("update", "s", r"t_{\text{update}}", "the optimizer's pass on the device"),
+    ("comm_exposed", "s", r"t_{\text{comm}}^{\text{exposed}}",
+     "collectives that compute does not hide"),
+    ("host_exposed", "s", r"t_{\text{host}}^{\text{exposed}}",
+     "host link and host update that the backward pass does not hide"),
+    ("tokens_per_s", "tokens/s", r"G\,T / t", "tokens a second, all GPUs"),
+    ("mfu", "fraction", r"\frac{F \cdot G T / t}{N_d P}",
+     "model FLOPs utilization, of the data sheet's dense bf16 peak"),
+)
+DEFAULT_GPU = "h200"
+
 # The symbols the table shows that the memory model's page does not define.
 LEGEND = (
     r"$S_k$ a rank's shard of chunk $k$ and $S_t$ its trainable shards together, "
@@ -90,7 +107,12 @@ LEGEND = (
     r"the host and $K_d$ the optimizer bytes per element kept on the device; $G$ "
     r"the gathered chunks at the peak, $A$ the activations, $B$ the largest "
     r"gradient buffer with the gradients held for it; $N_s$ the GPUs of one "
-    r"shard group and $R = N_d / N_s$ the groups (1 without hybrid sharding)."
+    r"shard group and $R = N_d / N_s$ the groups (1 without hybrid sharding); "
+    r"$p$ and $g_r$ the bytes of an element in the parameters' and the "
+    r"reduction's dtype, $g = 4$ an fp32 gradient's, $K$ the optimizer state's "
+    r"bytes per element. Step time: $G = B A N_d$ the sequences of a step, $P$ "
+    r"the GPU's dense bf16 peak from its data sheet and $F = 6N + 12LTd$ the "
+    r"model FLOPs of a token ($N$ the weights of the matrix products)."
 )
 
 
@@ -121,6 +143,65 @@ def budget_json(budget) -> dict:
     return dataclasses.asdict(budget)
 
 
+def _cluster(inputs, gpu: str, nodes: int):
+    from labml_zero.planner.devices import GPUS, Cluster
+
+    if inputs.world_size % nodes:
+        raise ValueError(f"{nodes} nodes do not divide {inputs.world_size} GPUs")
+    return Cluster(GPUS[gpu], gpus_per_node=inputs.world_size // nodes, nodes=nodes)
+
+
+def _job(inputs, **kernels):
+    """The planner's job of a `BudgetInputs`: its sequences a step are
+    $G = B A N_d$."""
+    from labml_zero.planner.setting import Job
+
+    return Job(model=inputs.model, seq=inputs.seq,
+               global_batch=inputs.batch * inputs.micro_batches * inputs.world_size,
+               finetune=inputs.finetune, lora_rank=inputs.lora_rank,
+               lora_targets=inputs.lora_targets, states=inputs.states,
+               param_dtype=inputs.param_dtype,
+               update_during_backward=inputs.update_during_backward,
+               shard_group_size=inputs.shard_group_size, **kernels)
+
+
+def plan_json(inputs, *, gpu: str = DEFAULT_GPU, nodes: int = 1) -> dict | None:
+    """`search.plan` for the job of `inputs` (nothing pinned, host memory not
+    checked), as `computePlan` returns it; `None` where no setting fits."""
+    from labml_zero.planner.search import NoFit, plan
+
+    try:
+        chosen = plan(_job(inputs), _cluster(inputs, gpu, nodes))
+    except NoFit:
+        return None
+    best = chosen.best
+    return {"setting": dataclasses.asdict(best.setting), "flags": best.setting.flags(),
+            "budget": budget_json(best.budget), "time": best.time._asdict(),
+            "tokens_per_s": chosen.tokens_per_s, "mfu": chosen.mfu,
+            "tried": chosen.tried, "fitting": chosen.fitting}
+
+
+def step_time_json(inputs, *, gpu: str = DEFAULT_GPU, nodes: int = 1,
+                   compile: bool = False) -> dict:
+    """`step_time.step_time` of a `BudgetInputs` on `nodes` nodes of `gpu`s,
+    with tokens/s and MFU as the planner's `Plan` counts them: what
+    `computeStepTime` returns."""
+    from labml_zero.neox.memory_budget import budget
+    from labml_zero.planner.setting import Setting
+    from labml_zero.planner.step_time import model_flops_per_token, step_time
+
+    cluster = _cluster(inputs, gpu, nodes)
+    job = _job(inputs, kernels=inputs.kernels)
+    setting = Setting(batch=inputs.batch, micro_batches=inputs.micro_batches,
+                      checkpointing=inputs.checkpointing,
+                      prefetch_depth=inputs.prefetch_depth, compile=compile)
+    time = step_time(job, setting, cluster, budget(inputs))._asdict()
+    time["tokens_per_s"] = job.global_batch * job.seq / time["total"]
+    time["mfu"] = (model_flops_per_token(job.model, job.seq) * time["tokens_per_s"]
+                   / (cluster.world_size * cluster.gpu.peak_flops))
+    return time
+
+
 @functools.cache
 def calculator_data() -> dict:
     """Everything the script takes from the Python model, as JSON."""
@@ -128,6 +209,9 @@ def calculator_data() -> dict:
     from labml_zero.neox.finetuners import FINETUNERS, FineTuneBiases
     from labml_zero.neox.lora import TARGETS
     from labml_zero.neox import memory_budget
+    from labml_zero.neox.kernels import ModelKernels
+    from labml_zero.planner import search as planner_search, step_time
+    from labml_zero.planner.devices import GPUS
     from labml_zero.zero3 import memory_model
     from labml_zero.zero3.chunk_search import MEBI, ChunkSearchConfig
     from labml_zero.zero3.config import ZeroConfig
@@ -164,8 +248,23 @@ def calculator_data() -> dict:
                    "min_chunk_size": search.min_chunk_size,
                    "filter_exlarge_params": search.filter_exlarge_params,
                    "max_candidates": search.max_candidates},
-        "reference": {"inputs": inputs_json(example),
-                      "budget": budget_json(memory_budget.example())},
+        # the roofline of a step: its constants and the GPUs' rates
+        "step_time": {"matmul_efficiency": step_time.MATMUL_EFFICIENCY,
+                      "elementwise_bytes": step_time.ELEMENTWISE_BYTES,
+                      "update_bandwidth_share": step_time.UPDATE_BANDWIDTH_SHARE,
+                      "compiled_elementwise": step_time.COMPILED_ELEMENTWISE,
+                      "host_update_rate": step_time.HOST_UPDATE_RATE},
+        "gpus": {name: dataclasses.asdict(gpu) for name, gpu in GPUS.items()},
+        # the planner's search: its margins and the job's kernels (`auto`)
+        "planner": {"device_margin": planner_search.DEVICE_MARGIN,
+                    "cuda_context_bytes": planner_search.CUDA_CONTEXT_BYTES,
+                    "kernels": dataclasses.asdict(ModelKernels.all_fused())},
+        "default_gpu": DEFAULT_GPU,
+        "reference": {"inputs": {**inputs_json(example), "gpu": DEFAULT_GPU,
+                                 "nodes": 1, "compile": False},
+                      "budget": budget_json(memory_budget.example()),
+                      "step_time": step_time_json(example),
+                      "plan": plan_json(example)},
     }
 
 
@@ -198,6 +297,28 @@ def _select(name: str, label: str, options, value) -> str:
 
 def _gib(value) -> str:
     return "0" if value == 0 else f"{value / 2**30:.4g}"
+
+
+def _time_text(value: float, unit: str) -> str:
+    """A step-time row's figure, as the script writes it."""
+    if unit == "s":
+        return f"{value:.4g} s"
+    if unit == "fraction":
+        return f"{100 * value:.1f}%"
+    return f"{value:,.0f}"
+
+
+def _plan_text(chosen: dict | None) -> str:
+    """The planner's choice in a sentence, as the script writes it."""
+    lead = ("The planner's choice for these sequences a step, on this GPU's "
+            "memory (host memory not checked): ")
+    if chosen is None:
+        return lead + "no setting fits."
+    return (lead + f'<code>{chosen["flags"]}</code>, '
+            f'{_time_text(chosen["time"]["total"], "s")} a step, '
+            f'{_time_text(chosen["tokens_per_s"], "tokens/s")} tokens/s, MFU '
+            f'{_time_text(chosen["mfu"], "fraction")}; {chosen["fitting"]} of '
+            f'{chosen["tried"]} settings fit.')
 
 
 def render(page: str) -> str:
@@ -266,6 +387,12 @@ def render(page: str) -> str:
          'disabled> fit this device</label>'
          + _number("device_gib", "device memory, GiB",
                    round(example["device_bytes"] / 2**30, 2), minimum=1)),
+        ("Step time", _select("gpu", "GPU", [(name, gpu["cuda_name"])
+                                             for name, gpu in data["gpus"].items()],
+                              data["default_gpu"])
+         + _number("nodes", f"nodes {_math('h', page)}", 1, minimum=1)
+         + '<label class="calc-check"><input type="checkbox" name="compile" '
+         'disabled> compiled layers</label>'),
     ]
     form = "".join(f"<fieldset><legend>{legend}</legend>{body}</fieldset>"
                    for legend, body in fieldsets)
@@ -284,6 +411,13 @@ def render(page: str) -> str:
         css = ' class="calc-total"' if key == "model_states" else ""
         rows.append(f'<tr{css} data-key="{key}" data-unit="{unit}"><th scope="row">'
                     f"{_math(tex, page)}</th><td>{html.escape(name)}</td>{cells}</tr>")
+    timed = data["reference"]["step_time"]
+    time_rows = "".join(
+        f'<tr data-time-key="{key}" data-unit="{unit}"><th scope="row">'
+        f"{_math(tex, page)}</th><td>{html.escape(name)}</td>"
+        f'<td class="num">{_time_text(timed[key], unit)}</td></tr>'
+        for key, unit, tex, name in TIME_ROWS)
+    step_page = rel_href("labml_zero/planner/step_time.html", page)
     labels = "".join(f' data-label_{key}="{html.escape(name)}"'
                      for key, _, _, name in ROWS)
     payload = json.dumps(data, sort_keys=True).replace("</", "<\\/")
@@ -308,7 +442,14 @@ def render(page: str) -> str:
         '<th scope="col">GiB</th><th scope="col">bytes or count, exact</th></tr>'
         '</thead><tbody>'
         + "".join(rows) +
-        f'</tbody></table><p class="calc-legend">{_legend(page)}</p></div><figure class="calc-chart"{labels}>'
+        '</tbody></table>'
+        f'<table class="calc-table calc-time"><caption>The step\'s predicted time, '
+        f'from <a href="{step_page}">the planner\'s roofline</a>, on the GPU and '
+        'nodes of the form</caption><thead><tr><th scope="col">symbol</th>'
+        '<th scope="col">what it is</th><th scope="col">value</th></tr></thead>'
+        f'<tbody>{time_rows}</tbody></table>'
+        f'<p class="calc-plan">{_plan_text(data["reference"]["plan"])}</p>'
+        f'<p class="calc-legend">{_legend(page)}</p></div><figure class="calc-chart"{labels}>'
         '<svg viewBox="0 0 1000 40" preserveAspectRatio="none" role="img" '
         'aria-label="the peak\'s parts"></svg><ol></ol>'
         '<figcaption>The peak\'s parts; the line is the device memory.</figcaption>'

@@ -2,8 +2,9 @@
    browser. Each function below is the Python function of the same name (its
    module in the comment); the constants come from the Python at build time (the
    JSON block "calc-data" that docsite/calculator.py writes into the page), and
-   tests/docs/test_calculator.py compares computeBudget with budget() on a grid
-   of inputs in headless Chromium. No network, no library. */
+   tests/docs/test_calculator.py compares computeBudget with budget(), and
+   computeStepTime with planner/step_time.py's step_time, on a grid of inputs
+   in headless Chromium. No network, no library. */
 (function () {
   "use strict";
 
@@ -258,8 +259,17 @@
     }
     return best.chunk_numel;
   }
+  // The search's answer depends on the parameters, the ranks, the prefetch
+  // depth and the dtypes alone; the planner asks it again for every setting.
+  const searched = new Map();
   function chooseChunkNumel(specs, worldSize, inputs, data) {
     if (inputs.chunk_numel != null) return inputs.chunk_numel;
+    const key = JSON.stringify([specs.map(s => [s.numel, s.trainable, s.group]), worldSize,
+      inputs.prefetch_depth, inputs.param_dtype, inputs.reduce_dtype]);
+    if (!searched.has(key)) searched.set(key, chooseSearchedNumel(specs, worldSize, inputs, data));
+    return searched.get(key);
+  }
+  function chooseSearchedNumel(specs, worldSize, inputs, data) {
     const s = data.search, hidden = hiddenSize(specs);
     const largestGroup = new Map();
     for (const spec of specs) largestGroup.set(spec.group, (largestGroup.get(spec.group) || 0) + spec.numel);
@@ -493,5 +503,147 @@
     };
   }
   window.computeBudget = computeBudget;
+
+  // ---------------------------------------------------------------------
+  // planner/step_time.py: the roofline of one step, on `inputs.nodes` nodes
+  // of `inputs.gpu`s, for the budget `result` of the same inputs
+  function matmulParams(m) {
+    const d = m.d_model;
+    return m.n_layers * (4 * d * d + 2 * d * ffDim(m)) + d * m.n_vocab;
+  }
+  function modelFlopsPerToken(m, seq) {
+    return 6.0 * matmulParams(m) + 12.0 * m.n_layers * seq * m.d_model;
+  }
+  function hardwareFlopsPerToken(m, seq, finetune, checkpointing) {
+    const n = matmulParams(m), d = m.d_model, L = m.n_layers;
+    const weights = finetune === "all" ? n : finetune === "ffn" ? L * 2 * d * ffDim(m) : 0;
+    const attention = 4.0 * L * seq * d;
+    let flops = 4.0 * n + 2.0 * weights + 3 * attention;
+    if (checkpointing) flops += 2.0 * n + attention;
+    return flops;
+  }
+  function updateBytesPerElement(inputs, data, alone) {
+    const p = data.dtype_bytes[inputs.param_dtype];
+    const states = data.state_layouts[inputs.states];
+    const grad = alone && inputs.micro_batches === 1 ? p : data.grad_bytes;
+    const param = states.master_bytes !== 0 ? p : 2 * p;
+    return grad + 2 * states.bytes + param;
+  }
+  function exposedCollectives(comm, compute, units, microBatches, depth) {
+    if (comm === 0) return 0.0;
+    const g = comm / (microBatches * units), c = compute / (microBatches * units);
+    const behindCompute = units * c + units * Math.max(0.0, g - depth * c);
+    const perMicroBatch = Math.max(behindCompute, units * g) + g;
+    return Math.max(0.0, microBatches * perMicroBatch - compute);
+  }
+  // devices.py's Cluster: `nodes` nodes of equal GPUs; the GPU's rates
+  function gpuOf(inputs, data) {
+    const gpu = data.gpus[inputs.gpu];
+    if (!gpu) fail(`is not a GPU the planner knows`, "gpu");
+    const world = inputs.world_size, nodes = inputs.nodes;
+    if (!(Number.isInteger(nodes) && nodes >= 1))
+      fail(`must be a whole number of at least 1, got ${nodes}`, "nodes");
+    if (world % nodes !== 0)
+      fail(`must divide the ${world} GPUs into equal nodes`, "nodes");
+    return gpu;
+  }
+  function computeStepTime(inputs, result, data) {
+    const gpu = gpuOf(inputs, data), world = inputs.world_size, nodes = inputs.nodes;
+    const k = data.step_time, m = inputs.model, a = inputs.micro_batches;
+    const tokens = inputs.batch * a * inputs.seq;  // per rank and step
+    const flops = hardwareFlopsPerToken(m, inputs.seq, inputs.finetune, inputs.checkpointing);
+    const matmul = tokens * flops / (k.matmul_efficiency * gpu.peak_flops);
+    const passes = 3 + Number(inputs.checkpointing);  // forward, backward as two, recompute
+    let elementwise = (tokens * k.elementwise_bytes * m.n_layers * m.d_model
+                       * passes / gpu.memory_bandwidth);
+    if (inputs.compile) elementwise *= k.compiled_elementwise;
+    const compute = matmul + elementwise;
+    const trainable = Math.floor(result.grad_shards / data.grad_bytes);
+    const offloaded = Math.round(trainable * result.offloaded_fraction);
+    const alone = world === 1 && result.reduce_scatter === 0;
+    const update = ((trainable - offloaded) * updateBytesPerElement(inputs, data, alone)
+                    / (k.update_bandwidth_share * gpu.memory_bandwidth));
+    // ring collectives: each rank moves (n - 1)/n of the full size
+    const bus = nodes === 1 ? gpu.peer_bus_bandwidth : gpu.node_bus_bandwidth;
+    const share = (world - 1) / world;
+    let comm = share * (a * result.all_gather + result.reduce_scatter) / bus;
+    if (result.all_reduce) comm += share * result.all_reduce / gpu.node_bus_bandwidth;
+    const commExposed = exposedCollectives(comm, compute, m.n_layers + 2, a,
+                                           inputs.prefetch_depth);
+    const host = offloaded
+      ? Math.max(result.host_down, result.host_up) / gpu.host_link + offloaded / k.host_update_rate
+      : 0.0;
+    const backward = compute / a * (inputs.checkpointing ? 3 : 2) / passes;
+    const hostExposed = Math.max(0.0, host - backward);
+    const total = compute + update + commExposed + hostExposed;
+    const tokensPerS = inputs.batch * a * world * inputs.seq / total;
+    return {
+      matmul, elementwise, compute, update, comm, comm_exposed: commExposed, host,
+      host_exposed: hostExposed, total, tokens_per_s: tokensPerS,
+      mfu: modelFlopsPerToken(m, inputs.seq) * tokensPerS / (world * gpu.peak_flops),
+    };
+  }
+  window.computeStepTime = computeStepTime;
+
+  // ---------------------------------------------------------------------
+  // planner/search.py: plan, with nothing pinned and the host not checked.
+  // The job keeps the form's model, what trains, T, states and its
+  // G = B A N_d sequences a step; the planner chooses B, A, recomputation,
+  // offload, prefetch depth and compilation, on the GPU's own memory.
+  function flagsOf(s) {
+    const out = [`--batch-size ${s.batch}`, `--grad-accum ${s.micro_batches}`];
+    if (s.checkpointing) out.push("--activation-checkpointing");
+    if (s.offload_fraction) out.push(`--offload-optimizer ${Number(s.offload_fraction.toPrecision(4))}`);
+    out.push(`--prefetch-depth ${s.prefetch_depth}`);
+    if (s.compile) out.push("--compile");
+    return out.join(" ");
+  }
+  function computePlan(inputs, data) {
+    const gpu = gpuOf(inputs, data), pl = data.planner, world = inputs.world_size;
+    const limit = Math.floor((1 - pl.device_margin) * (gpu.memory_bytes - pl.cuda_context_bytes));
+    const job = { ...inputs, reduce_dtype: "fp32", chunk_numel: null, kernels: pl.kernels,
+                  device_bytes: limit };
+    const perRank = inputs.batch * inputs.micro_batches;
+    const batches = [];
+    for (let d = perRank; d >= 1; d--) if (perRank % d === 0) batches.push(d);
+    const depths = world > 1 ? [1, 2] : [1];
+    const hasMaster = data.state_layouts[inputs.states].master_bytes !== 0;
+    let tried = 0, best = null, bestKey = null, fitting = 0;
+    for (const batch of batches) for (const checkpointing of [false, true])
+      for (const prefetch_depth of depths) for (const compile of [false, true]) {
+        tried += 1;
+        let setting = { batch, micro_batches: perRank / batch, checkpointing,
+                        offload_fraction: 0.0, prefetch_depth, compile };
+        // with_offload: as it is, else the fewest chunks from the output end
+        let b = computeBudget({ ...job, ...setting }, data);
+        if (b.peak > limit) {
+          if (!hasMaster) continue;
+          const auto = computeBudget({ ...job, ...setting, offload_fraction: null }, data);
+          if (!auto.fits) continue;
+          setting = { ...setting, offload_fraction: auto.offloaded_fraction };
+          b = computeBudget({ ...job, ...setting }, data);
+          if (b.peak > limit) continue;
+        }
+        fitting += 1;
+        const time = computeStepTime({ ...job, ...setting }, b, data);
+        // fastest; on a tie the fewest micro-batches, no recomputation, the
+        // shallowest prefetch, the least offload, no compilation
+        const key = [Math.round(time.total * 1e9) / 1e9, setting.micro_batches,
+                     Number(checkpointing), prefetch_depth, setting.offload_fraction,
+                     Number(compile)];
+        let better = best === null;
+        for (let i = 0; !better && i < key.length; i++) {
+          if (key[i] !== bestKey[i]) { better = key[i] < bestKey[i]; break; }
+        }
+        if (better) { best = { setting, budget: b, time }; bestKey = key; }
+      }
+    if (best === null) return null;
+    const tokensPerS = perRank * world * inputs.seq / best.time.total;
+    return { ...best, flags: flagsOf(best.setting), tokens_per_s: tokensPerS,
+             mfu: modelFlopsPerToken(inputs.model, inputs.seq) * tokensPerS
+               / (world * gpu.peak_flops),
+             tried, fitting };
+  }
+  window.computePlan = computePlan;
 
 })();

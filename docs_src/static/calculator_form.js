@@ -10,7 +10,10 @@
   const FIELDS = ["preset", "n_layers", "d_model", "n_heads", "n_vocab", "world_size",
                   "shard_group_size", "param_dtype", "reduce_dtype", "states", "finetune", "lora_rank",
                   "lora_targets", "chunk_numel", "prefetch_depth", "checkpointing", "batch",
-                  "seq", "micro_batches", "update_during_backward", "offload", "offload_fraction", "device_gib"];
+                  "seq", "micro_batches", "update_during_backward", "offload", "offload_fraction", "device_gib",
+                  "gpu", "nodes", "compile"];
+
+  const CHECKBOXES = ["checkpointing", "update_during_backward", "compile"];
 
   function control(form, name) { return form.elements.namedItem(name); }
   function readForm(form, data) {
@@ -33,6 +36,7 @@
       seq: integer("seq"), micro_batches: integer("micro_batches"),
       offload_fraction: fit ? null : Number(value("offload_fraction")),
       device_bytes: Math.round(Number(value("device_gib")) * GIB),
+      gpu: value("gpu"), nodes: integer("nodes"), compile: control(form, "compile").checked,
     };
   }
   function fragmentOf(form) {
@@ -43,7 +47,7 @@
           .map(box => box.value).join(","));
       } else if (name === "offload") {
         params.set(name, form.querySelector('input[name="offload"]:checked').value);
-      } else if (name === "checkpointing" || name === "update_during_backward") {
+      } else if (CHECKBOXES.includes(name)) {
         params.set(name, control(form, name).checked ? "1" : "0");
       } else params.set(name, control(form, name).value.trim());
     }
@@ -62,7 +66,7 @@
       } else if (name === "offload") {
         form.querySelectorAll('input[name="offload"]')
           .forEach(radio => { radio.checked = radio.value === text; });
-      } else if (name === "checkpointing" || name === "update_during_backward") {
+      } else if (CHECKBOXES.includes(name)) {
         control(form, name).checked = text === "1";
       }
       else control(form, name).value = text;
@@ -101,6 +105,9 @@
       cells[2].textContent = "";
       row.classList.remove("calc-bad");
     }
+    for (const row of root.querySelectorAll("[data-time-key]"))
+      row.querySelectorAll("td")[1].textContent = "—";
+    root.querySelector(".calc-plan").textContent = "—";
     const chart = root.querySelector(".calc-chart");
     chart.querySelector("svg").innerHTML = "";
     chart.querySelector("ol").innerHTML = "";
@@ -120,6 +127,29 @@
     (field.closest("label") || field).after(note);
     const label = field.closest("label");
     return label ? label.querySelector("span").textContent : name;
+  }
+  // A step-time row's figure, as docsite/calculator.py's _time_text writes it.
+  function timeText(value, unit) {
+    if (unit === "s") return Number(value.toPrecision(4)) + " s";
+    if (unit === "fraction") return (100 * value).toFixed(1) + "%";
+    return Math.round(value).toLocaleString("en-US");
+  }
+  function showTime(root, time) {
+    for (const row of root.querySelectorAll("[data-time-key]"))
+      row.querySelectorAll("td")[1].textContent =
+        timeText(time[row.dataset.timeKey], row.dataset.unit);
+  }
+  // The planner's choice, as docsite/calculator.py's _plan_text writes it.
+  function showPlan(root, chosen) {
+    const box = root.querySelector(".calc-plan");
+    box.replaceChildren("The planner's choice for these sequences a step, on this GPU's " +
+                        "memory (host memory not checked): ");
+    if (chosen === null) { box.append("no setting fits."); return; }
+    const code = document.createElement("code");
+    code.textContent = chosen.flags;
+    box.append(code, `, ${timeText(chosen.time.total, "s")} a step, ` +
+      `${timeText(chosen.tokens_per_s, "tokens/s")} tokens/s, MFU ` +
+      `${timeText(chosen.mfu, "fraction")}; ${chosen.fitting} of ${chosen.tried} settings fit.`);
   }
   function show(root, result, inputs) {
     result = withTotals(result);
@@ -199,11 +229,15 @@
     const mine = window.computeBudget(data.reference.inputs, data);
     const wrong = Object.keys(data.reference.budget)
       .filter(k => mine[k] !== data.reference.budget[k]);
+    const myTime = window.computeStepTime(data.reference.inputs, mine, data);
+    const wrongTime = Object.keys(data.reference.step_time)
+      .filter(k => Math.abs(myTime[k] - data.reference.step_time[k])
+                   > 1e-12 * Math.abs(data.reference.step_time[k]));
+    wrong.push(...wrongTime);
     const agreement = wrong.length
-      ? `Careful: the numbers below come from your browser, and on the worked ` +
-        `example they differ from the Python model's (${wrong.join(", ")}).`
-      : "Computed in your browser as you type, by the Python model's formulas " +
-        "(both give the same bytes on the worked example).";
+      ? `Careful: this browser's figures differ from the library's on the ` +
+        `worked example (${wrong.join(", ")}); trust the command line's.`
+      : "Updated as you type.";
     function update(writeFragment) {
       form.querySelector(".calc-lora").hidden = control(form, "finetune").value !== "lora";
       const fit = form.querySelector('input[name="offload"]:checked').value === "fit";
@@ -211,8 +245,17 @@
       clearFieldErrors(form);
       try {
         const inputs = readForm(form, data);
-        show(root, window.computeBudget(inputs, data), inputs);
-        status.textContent = agreement;
+        const result = window.computeBudget(inputs, data);
+        const time = window.computeStepTime(inputs, result, data);
+        show(root, result, inputs);
+        showTime(root, time);
+        showPlan(root, window.computePlan(inputs, data));
+        status.textContent = (result.fits
+          ? `Fits: a rank's peak is ${gib(result.peak)} GiB of the device's ` +
+            `${gib(inputs.device_bytes)} GiB`
+          : `Does not fit: a rank's peak is ${gib(result.peak)} GiB, more than the ` +
+            `device's ${gib(inputs.device_bytes)} GiB`) +
+          `; a step takes ${timeText(time.total, "s")}. ` + agreement;
         status.classList.toggle("calc-bad", wrong.length > 0);
       } catch (error) {
         clearResults(root);
@@ -227,6 +270,11 @@
     if (applyFragment(form, location.hash)) matchPreset(form, data);
     form.addEventListener("change", event => {
       if (event.target.name === "preset") fillPreset(form, data);
+      else if (event.target.name === "gpu") {
+        // a GPU brings its memory, which the reader may still change
+        const gpu = data.gpus[event.target.value];
+        if (gpu) control(form, "device_gib").value = Math.round(gpu.memory_bytes / GIB * 100) / 100;
+      }
       else matchPreset(form, data);
       update(true);
     });

@@ -1,6 +1,7 @@
 """The inputs on which the calculator's script is compared with the Python model:
 every preset, N from 1 to 1,024, each dtype and fine-tuner, with and without
-offload, checkpointing and accumulation, fixed and searched chunk sizes."""
+offload, checkpointing and accumulation, fixed and searched chunk sizes; and the
+step time's cluster of each (GPU, nodes, compiled layers)."""
 
 from __future__ import annotations
 
@@ -86,3 +87,16 @@ def searched_inputs() -> list[BudgetInputs]:
               BudgetInputs(model=neox_config.gpt_neox_20b(), world_size=8, batch=4,
                            checkpointing=True)]
     return cases + list(ENGINE_CASES)
+
+
+GPU_NAMES = ("h100", "h200", "a100")
+
+
+def cluster_of(index: int, case: BudgetInputs) -> dict:
+    """The step time's GPU, nodes and compilation for the grid's `index`th case:
+    every GPU, one node or several (the NIC's bus), compiled or not."""
+    nodes = (1, 2, 4)[index % 3]
+    while case.world_size % nodes:
+        nodes //= 2
+    return {"gpu": GPU_NAMES[(index // 3) % 3], "nodes": nodes,
+            "compile": index % 5 in (1, 3)}

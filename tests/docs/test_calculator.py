@@ -8,10 +8,12 @@ from __future__ import annotations
 import html
 import json
 import re
-from docsite.calculator import budget_json, inputs_json, total
+from docsite.calculator import (budget_json, inputs_json, plan_json, step_time_json,
+                                total)
 from labml_zero.neox import config as neox_config
 from labml_zero.neox.memory_budget import BudgetInputs, budget
-from tests.docs.calculator_grid import grid_inputs, searched_inputs
+from tests.docs.calculator_grid import (GPU_NAMES, cluster_of, grid_inputs,
+                                        searched_inputs)
 from tests.docs.test_browser import chromium
 
 PAGE = "labml_zero/zero3/memory_model.html"
@@ -41,10 +43,14 @@ def page_data(site) -> str:
 
 
 def assert_same(expected: dict, got: dict, where: str) -> None:
+    """Integers exactly; floats to a few units in the last place of a double
+    (the port runs the Python's operations in its order, so only a
+    different rounding of one operation could move them)."""
     assert set(got) == set(expected), where
     for key, value in expected.items():
         if isinstance(value, float):
-            assert abs(got[key] - value) <= 1e-12, f"{where}: {key}"
+            assert abs(got[key] - value) <= 4 * 2**-52 * max(abs(value), 1e-300), (
+                f"{where}: {key} {got[key]} != {value}")
         else:
             assert got[key] == value, f"{where}: {key} {got[key]} != {value}"
 
@@ -64,6 +70,25 @@ def test_the_script_computes_the_python_budget_on_the_grid(built_site, tmp_path)
     assert {c.micro_batches > 1 for c in cases} == {True, False}
     assert {c.update_during_backward for c in cases} == {True, False}
     expected = [budget_json(budget(c)) for c in cases]
+    clusters = [cluster_of(i, c) for i, c in enumerate(cases)]
+    times = [step_time_json(c, **k) for c, k in zip(cases, clusters)]
+    # the step time's spread: every GPU, one node and several, compiled or
+    # not, with exposed collectives and an exposed host link among them
+    assert {k["gpu"] for k in clusters} == set(GPU_NAMES)
+    assert {k["nodes"] > 1 for k in clusters} == {True, False}
+    assert {k["compile"] for k in clusters} == {True, False}
+    assert sum(t["comm_exposed"] > 0 for t in times) >= 20
+    assert sum(t["host_exposed"] > 0 for t in times) >= 5
+    # the planner's search on a slice of the grid (each plan is tens of
+    # budgets): choices with and without offload, recomputation, accumulation
+    planned = [(c, {"gpu": k["gpu"], "nodes": k["nodes"]})
+               for c, k in zip(cases[::16], clusters[::16])]
+    expected_plans = [plan_json(c, **k) for c, k in planned]
+    chosen = [p["setting"] for p in expected_plans if p is not None]
+    assert len(chosen) >= 8
+    assert {s["offload_fraction"] > 0 for s in chosen} == {True, False}
+    assert {s["micro_batches"] > 1 for s in chosen} == {True, False}
+    assert {s["checkpointing"] for s in chosen} == {True, False}
     # LoRA's activations are counted (its rows of the activation model), so they
     # are compared like every other part
     lora = [e for c, e in zip(cases, expected) if c.finetune == "lora"]
@@ -75,22 +100,57 @@ def test_the_script_computes_the_python_budget_on_the_grid(built_site, tmp_path)
             f'</script><script src="{static}"></script>')
     script = f"""
     const data = JSON.parse(document.getElementById("calc-data").textContent);
-    const cases = {json.dumps([inputs_json(c) for c in cases])};
+    const cases = {json.dumps([{**inputs_json(c), **k}
+                               for c, k in zip(cases, clusters)])};
     const out = cases.map(c => {{
-      try {{ return computeBudget(c, data); }}
-      catch (e) {{ return {{error: e.message}}; }}
+      try {{
+        const budget = computeBudget(c, data);
+        return [budget, computeStepTime(c, budget, data)];
+      }} catch (e) {{ return [{{error: e.message}}, null]; }}
     }});
-    document.getElementById("out").textContent = JSON.stringify(out);
+    const planned = {json.dumps([{**inputs_json(c), **k} for c, k in planned])};
+    document.getElementById("out").textContent = JSON.stringify(
+      {{out, plans: planned.map(c => computePlan(c, data))}});
     """
     got = run_harness(tmp_path, body, script)
+    plans, got = got["plans"], got["out"]
+    for (case, cluster), want, have in zip(planned, expected_plans, plans):
+        where = f"plan of {case!r} on {cluster}"
+        assert (want is None) == (have is None), where
+        if want is not None:
+            assert have["flags"] == want["flags"], where
+            assert_same(want["setting"], have["setting"], where)
+            assert_same(want["budget"], have["budget"], where)
+            # the script's step time also carries tokens/s and MFU
+            assert_same(want["time"], {k: have["time"][k] for k in want["time"]},
+                        where)
+            assert_same({k: want[k] for k in ("tokens_per_s", "mfu", "tried", "fitting")},
+                        {k: have[k] for k in ("tokens_per_s", "mfu", "tried", "fitting")},
+                        where)
     assert len(got) == len(cases)
-    for case, want, have in zip(cases, expected, got):
+    for case, want, time, (have, have_time) in zip(cases, expected, times, got):
         assert_same(want, have, repr(case))
+        assert_same(time, have_time, f"step time of {case!r}")
 
 
 def shown(row: dict) -> dict:
     """The table's text of one row as numbers: GiB and bytes."""
     return {k: v.replace(",", "") for k, v in row.items()}
+
+
+def check_time(shown_time: dict, expected: dict, where: str) -> None:
+    """The step-time rows as shown: seconds to 4 digits, tokens/s to the
+    token, MFU to 0.1%."""
+    assert set(shown_time) == {"total", "compute", "update", "comm_exposed",
+                               "host_exposed", "tokens_per_s", "mfu"}, where
+    for key, text in shown_time.items():
+        value = expected[key]
+        if text.endswith(" s"):
+            assert abs(float(text[:-2]) - value) <= 5e-4 * value, f"{where}: {key}"
+        elif text.endswith("%"):
+            assert abs(float(text[:-1]) / 100 - value) <= 1e-3, f"{where}: {key}"
+        else:
+            assert abs(int(text.replace(",", "")) - value) <= 0.5, f"{where}: {key}"
 
 
 def check_table(table: dict, expected: dict, where: str) -> None:
@@ -118,9 +178,12 @@ function read(frame) {
     const cells = row.querySelectorAll("td");
     table[row.dataset.key] = [cells[1].textContent, cells[2].textContent];
   }
+  const time = {};
+  for (const row of doc.querySelectorAll("#calculator tr[data-time-key]"))
+    time[row.dataset.timeKey] = row.querySelectorAll("td")[1].textContent;
   const controls = [...doc.querySelectorAll(
     "#calculator form input, #calculator form select")];
-  return {table, hash: frame.contentWindow.location.hash,
+  return {table, time, plan: doc.querySelector(".calc-plan").textContent, hash: frame.contentWindow.location.hash,
           status: doc.querySelector(".calc-status").textContent,
           unlabelled: controls.filter(c => !c.labels.length).map(c => c.name),
           untabbable: controls.filter(c => c.tabIndex !== 0 || c.disabled)
@@ -164,16 +227,31 @@ def test_the_page_through_its_fragment_and_its_form(built_site, tmp_path):
       set("preset", "gpt_neox_20b"); set("world_size", "8"); set("finetune", "biases");
       set("checkpointing", true); set("batch", "4");
       form.querySelector('input[name="offload"][value="fit"]').checked = true;
-      set("device_gib", "80");
+      set("gpu", "h100");
+      const gpuMemory = form.elements.namedItem("device_gib").value;
+      set("device_gib", "80"); set("nodes", "2"); set("compile", true);
       document.getElementById("out").textContent = JSON.stringify({
-        linked: read(document.getElementById("linked")), driven: read(frame)});
+        linked: read(document.getElementById("linked")), driven: read(frame),
+        gpuMemory});
     });
     """
     got = run_harness(tmp_path, body, script)
+    clusters = {"linked": {}, "driven": {"gpu": "h100", "nodes": 2, "compile": True}}
     for name, inputs in (("linked", linked), ("driven", driven)):
         frame = got[name]
-        assert "the same bytes on the worked example" in frame["status"], (
+        # the status line is for the reader: whether it fits, and the step's time
+        result = budget(inputs)
+        assert frame["status"].startswith("Fits" if result.fits else "Does not fit"), (
             frame["status"])
+        assert "a step takes" in frame["status"] and frame["status"].endswith(
+            "Updated as you type."), frame["status"]
+        assert "Python" not in frame["status"]
+        check_time(frame["time"], step_time_json(inputs, **clusters[name]), name)
+        # the planner's choice for the same job, from the same search
+        cluster = {k: v for k, v in clusters[name].items() if k != "compile"}
+        chosen = plan_json(inputs, **cluster)
+        assert (chosen["flags"] if chosen else "no setting fits") in frame["plan"], (
+            frame["plan"])
         assert not frame["unlabelled"], frame["unlabelled"]
         # keyboard: every control is in the tab order, in the page's order (no
         # tabindex), but the fraction while the device is to be fitted
@@ -183,6 +261,10 @@ def test_the_page_through_its_fragment_and_its_form(built_site, tmp_path):
     # the form wrote its inputs into the fragment, so the result can be linked
     assert "preset=gpt_neox_20b" in got["driven"]["hash"]
     assert "offload=fit" in got["driven"]["hash"]
+    assert "gpu=h100&nodes=2&compile=1" in got["driven"]["hash"]
+    # choosing a GPU brings its memory into the device's field
+    from labml_zero.planner.devices import GPUS
+    assert abs(float(got["gpuMemory"]) * 2**30 - GPUS["h100"].memory_bytes) <= 0.01 * 2**30
     assert got["driven"]["hash"].count("finetune=biases") == 1
 
 
@@ -209,10 +291,16 @@ def test_an_invalid_input_clears_the_results_and_names_its_field(built_site,
       const c = form.elements.namedItem("n_heads");
       c.value = "7";
       c.dispatchEvent(new Event("change", {bubbles: true}));
-      const errors = [...doc.querySelectorAll(".calc-field-error")].map(e => [
+      const errorsOf = () => [...doc.querySelectorAll(".calc-field-error")].map(e => [
         e.textContent, e.previousElementSibling.querySelector("input").name]);
+      const errors = errorsOf(), heads = read(frame);
+      c.value = "16";
+      c.dispatchEvent(new Event("change", {bubbles: true}));
+      const nodes = form.elements.namedItem("nodes");
+      nodes.value = "3";
+      nodes.dispatchEvent(new Event("change", {bubbles: true}));
       document.getElementById("out").textContent = JSON.stringify({
-        got: read(frame), errors});
+        got: heads, errors, nodes: read(frame), nodeErrors: errorsOf()});
     });
     """
     got = run_harness(tmp_path, body, script)
@@ -220,6 +308,13 @@ def test_an_invalid_input_clears_the_results_and_names_its_field(built_site,
     assert [name for _, name in got["errors"]] == ["n_heads"]
     assert "must divide by the heads" in got["errors"][0][0]
     assert all(cells == ["—", ""] for cells in got["got"]["table"].values())
+    assert set(got["got"]["time"].values()) == {"—"}
+    assert got["got"]["plan"] == "—"
+    # nodes that do not divide the GPUs: the step time has no cluster
+    assert got["nodes"]["status"].startswith('No results: "nodes'), got["nodes"]["status"]
+    assert [name for _, name in got["nodeErrors"]] == ["nodes"]
+    assert "must divide the 8 GPUs" in got["nodeErrors"][0][0]
+    assert set(got["nodes"]["time"].values()) == {"—"}
 
 
 def test_the_table_totals_the_model_states_and_names_presets_as_the_cli(
@@ -235,3 +330,28 @@ def test_the_table_totals_the_model_states_and_names_presets_as_the_cli(
     shown = re.findall(r'<option value="[^"]*"[^>]*>([^<]*)</option>', text)
     assert set(NEOX.presets) <= set(shown)
     assert "per rank</th>" not in text
+    # every column says what it holds
+    heads = re.findall(r'<th scope="col">([^<]*)', text)
+    assert "symbol" in heads and "GiB" in heads and "value" in heads
+    # the symbols of the rows and labels that the page's text does not define
+    # are defined in the legend beside the table
+    legend = re.search(r'<p class="calc-legend">(.*?)</p>', text, re.S).group(1)
+    for words in ("the bytes of an element in the parameters", "the optimizer state",
+                  "dense bf16 peak from its data sheet", "the model FLOPs of a token",
+                  "the sequences of a step"):
+        assert words in legend, words
+
+
+def test_the_page_shows_the_step_time_without_scripts(built_site):
+    """The time table as built: `step_time` of the worked example on one H200."""
+    from docsite.calculator import _time_text
+
+    text = (built_site / PAGE).read_text(encoding="utf-8")
+    time = step_time_json(BudgetInputs(), gpu="h200")
+    for key in ("total", "tokens_per_s", "mfu"):
+        row = re.search(rf'<tr data-time-key="{key}" data-unit="([^"]*)".*?</tr>',
+                        text, re.S)
+        assert row and _time_text(time[key], row.group(1)) in row.group(0), key
+    assert 0 < time["mfu"] < 1
+    chosen = plan_json(BudgetInputs())
+    assert f'<code>{chosen["flags"]}</code>' in text
