@@ -88,9 +88,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def job_command(args: argparse.Namespace, choice: str, workdir: Path) -> list[str]:
-    """The fine-tune job's command line for one choice; its outputs in `workdir`."""
+    """The fine-tune job's command line for one choice; its outputs in `workdir`.
+    A `--checkpoint` among the job's flags gives the model itself (the job takes
+    one of the two), and `--model` then only names the lines."""
+    from_checkpoint = any(a == "--checkpoint" or a.startswith("--checkpoint=")
+                          for a in args.job_args)
+    model = [] if from_checkpoint else ["--model", args.model]
     return [sys.executable, "-m", "labml_zero.finetune_neox",
-            "--model", args.model, "--steps", str(args.steps),
+            *model, "--steps", str(args.steps),
             "--valid-every", str(args.valid_every), "--seed", str(args.seed),
             "--sample-tokens", "0", "--optimizer-states", choice,
             "--out", str(workdir / "out"), "--log-dir", str(workdir / "logs"),

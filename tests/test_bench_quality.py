@@ -86,3 +86,11 @@ def test_bad_flags_are_refused_in_one_line(argv, message, capsys):
 def test_the_baseline_always_runs_first():
     assert quality.parse_args(["--choices", "8bit-moments"]).choices == \
         ["fp32", "8bit-moments"]
+
+
+def test_a_checkpoint_gives_the_model(tmp_path):
+    args = quality.parse_args(["--model", "pythia-160m", "--", "--checkpoint", "ckpt"])
+    command = quality.job_command(args, "fp32", tmp_path)
+    assert "--model" not in command and command[-2:] == ["--checkpoint", "ckpt"]
+    plain = quality.job_command(quality.parse_args(["--model", "tiny"]), "fp32", tmp_path)
+    assert plain[plain.index("--model") + 1] == "tiny"
