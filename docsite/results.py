@@ -48,7 +48,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .paths import BuildError
+from .paths import REPO, BuildError
+from .quality_curves import quality_markdown
 
 RESULTS_DIR = "bench/results"
 FILE_NAME = re.compile(r"^(\d{4}-\d{2}-\d{2})-(?:run(\d+)-)?")
@@ -467,4 +468,4 @@ def _tables_markdown(results: dict[Key, Measurement]) -> str:
             f"| {key.gpus} | {key.batch} | {m.date} | {m.line.get('torch', '')} "
             f"| `{m.file}` "
             f"| `{command(m)}` |")
-    return "\n".join(out + ["", DATA_CLOSE]) + "\n"
+    return "\n".join(out + ["", DATA_CLOSE]) + "\n" + quality_markdown(REPO)

@@ -22,7 +22,7 @@ $b_s$ the bytes of state $s$'s dtype:
 ones. Each layout is declared once, here; the optimizer, the
 [checkpoint](checkpoint/index.html), the [memory model](memory_model.html),
 the {{see: placement}} and the calculator read it. Adding a state is one entry
-below. Last comes `ShardOptimizer`, the typed contract the engine calls.
+below, and `bytes_table` sets them side by side. Last comes `ShardOptimizer`, the typed contract the engine calls.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import torch
 
 __all__ = ["StateTensor", "StateLayout", "FP32_STATES", "BF16_MOMENTS",
            "BF16_STOCHASTIC", "EIGHT_BIT_MOMENTS", "EIGHT_BIT_BLOCK",
-           "LAYOUTS", "state_layout", "ShardOptimizer"]
+           "LAYOUTS", "state_layout", "BF16_WEIGHT_BYTES", "bytes_table",
+           "ShardOptimizer"]
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,41 @@ def state_layout(choice: str | StateLayout) -> StateLayout:
         raise ValueError(f"states must be one of {', '.join(LAYOUTS)}; "
                          f"got {choice!r}")
     return layout
+
+
+# The parameter's own bytes beside its states: a bf16 weight in the chunk.
+BF16_WEIGHT_BYTES = torch.bfloat16.itemsize
+
+
+def bytes_table() -> str:
+    r"""
+    ## Bytes per parameter, by choice
+
+    {{py: state_layout.bytes_table()}}
+
+    Each row is read from its layout: $K$ its states' bytes per trainable
+    element, and beside it $2 + K$ with the bf16 weight the chunk holds (the
+    gradient's bytes depend on the engine's settings and are the memory
+    model's). `bf16-moments` halves the moments and keeps the fp32 master,
+    which still adds every small step. `8bit-moments` pays a fraction of a
+    byte per element for its per-block scales. `bf16-stochastic` drops the
+    master: the bf16 weight is the only copy, and an update smaller than half
+    a bf16 step survives only on average, by [stochastic
+    rounding](../optimizers/stochastic_rounding.html).
+    """
+    rows = ["| choice | master | moments | $K$ (bytes) | with the bf16 weight |",
+            "| --- | --- | --- | --- | --- |"]
+    for layout in LAYOUTS.values():
+        master = layout.master
+        moments = sorted({str(t.dtype).removeprefix("torch.")
+                          for t in layout.moments if t.block is None})
+        moments += sorted({f"{str(t.dtype).removeprefix('torch.')} scale per {t.block}"
+                           for t in layout.moments if t.block is not None})
+        k = layout.bytes_per_element()
+        rows.append(f"| `{layout.name}` | "
+                    f"{str(master.dtype).removeprefix('torch.') if master else 'none'} | "
+                    f"{', '.join(moments)} | {k:.6g} | {BF16_WEIGHT_BYTES + k:.6g} |")
+    return "\n".join(rows)
 
 
 class ShardOptimizer(Protocol):

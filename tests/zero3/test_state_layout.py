@@ -106,3 +106,20 @@ def test_adam_fp16_is_a_shard_optimizer_of_its_layout(layout, offload):
     for spec in layout.tensors:
         assert state[spec.name].dtype == spec.dtype
         assert state[spec.name].device == opt.state_device(shard)
+
+
+def test_the_bytes_table_is_read_from_the_layouts():
+    from labml_zero.zero3.state_layout import BF16_WEIGHT_BYTES, LAYOUTS, bytes_table
+
+    rows = bytes_table().splitlines()[2:]
+    assert len(rows) == len(LAYOUTS)
+    for row, layout in zip(rows, LAYOUTS.values()):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[0] == f"`{layout.name}`"
+        assert cells[1] == ("none" if layout.master is None else "float32")
+        # exact: every K is a sum of powers of two
+        assert float(cells[3]) == layout.bytes_per_element()
+        assert float(cells[4]) == BF16_WEIGHT_BYTES + layout.bytes_per_element()
+    # the four choices' K from first principles: 4 + 4 + 4, 4 + 2 + 2, 2 + 2,
+    # and 4 + 1 + 1 with an fp32 scale per 256 elements for each moment
+    assert [float(r.split("|")[4]) for r in rows] == [12, 8, 4, 6 + 8 / 256]

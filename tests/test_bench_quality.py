@@ -1,0 +1,96 @@
+"""`bench/quality.py` and `docsite/quality_curves.py`: one command trains the
+tiny model once per optimizer-state choice and writes each run's curves and its
+difference to the fp32 states; the results page draws them, and says plainly
+when no quality run is recorded."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import quality
+from docsite.quality_curves import load_quality, quality_markdown
+from labml_zero.zero3.state_layout import LAYOUTS
+
+STEPS, VALID_EVERY = 3, 2
+JOB = ["--world-size", "1", "--batch-size", "2", "--seq-len", "32"]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> tuple[Path, list[dict]]:
+    root = tmp_path_factory.mktemp("root")
+    out = root / "bench" / "results" / "2026-01-01-quality-tiny-1xCPU.jsonl"
+    returned = quality.main(["--model", "tiny", "--steps", str(STEPS),
+                             "--valid-every", str(VALID_EVERY), "--out", str(out),
+                             "--", *JOB])
+    return root, returned
+
+
+def test_every_choice_is_recorded_against_fp32(written):
+    root, returned = written
+    lines = [json.loads(t) for t in
+             (root / "bench/results/2026-01-01-quality-tiny-1xCPU.jsonl")
+             .read_text().splitlines()]
+    assert lines == returned
+    assert [l["optimizer_states"] for l in lines] == list(LAYOUTS)
+    for line in lines:
+        assert [s for s, _ in line["train_loss"]] == list(range(1, STEPS + 1))
+        # at step 0, every valid_every steps, and at the last
+        assert [s for s, _ in line["valid_loss"]] == [0, 2, 3]
+        assert line["final_valid_loss"] == line["valid_loss"][-1][1]
+        assert all(math.isfinite(v) for _, v in line["train_loss"] + line["valid_loss"])
+    base = lines[0]["final_valid_loss"]
+    assert lines[0]["valid_loss_rel_diff"] == 0.0
+    for line in lines[1:]:
+        assert line["valid_loss_rel_diff"] == pytest.approx(
+            (line["final_valid_loss"] - base) / base, rel=1e-12)
+    # the same start: every choice's first validation loss is the same number
+    assert len({l["valid_loss"][0][1] for l in lines}) == 1
+
+
+def test_the_results_page_draws_the_runs(written):
+    root, lines = written
+    assert list(load_quality(root)) == ["tiny"]
+    page = quality_markdown(root)
+    assert page.count("<polyline") == len(LAYOUTS)
+    for line in lines:
+        assert (f"| {line['optimizer_states']} | {line['final_valid_loss']:.4f} | "
+                f"{line['valid_loss_rel_diff']:+.2%} |") in page
+    assert "No quality run" not in page
+
+
+def test_no_quality_run_is_said_plainly(tmp_path):
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "results" / "2026-01-01-run1-W4.jsonl").write_text(
+        '{"workload": "W4", "engine": "fsdp2", "status": "ok"}\n')
+    page = quality_markdown(tmp_path)
+    assert "No quality run is recorded" in page
+    assert "<svg" not in page and "|" not in page
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--choices", "int4"], "--choices: unknown int4"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--valid-every", "0"], "--valid-every must be at least 1"),
+])
+def test_bad_flags_are_refused_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        quality.parse_args(argv)
+    assert exit_.value.code != 0
+    assert message in capsys.readouterr().err
+
+
+def test_the_baseline_always_runs_first():
+    assert quality.parse_args(["--choices", "8bit-moments"]).choices == \
+        ["fp32", "8bit-moments"]
+
+
+def test_a_checkpoint_gives_the_model(tmp_path):
+    args = quality.parse_args(["--model", "pythia-160m", "--", "--checkpoint", "ckpt"])
+    command = quality.job_command(args, "fp32", tmp_path)
+    assert "--model" not in command and command[-2:] == ["--checkpoint", "ckpt"]
+    plain = quality.job_command(quality.parse_args(["--model", "tiny"]), "fp32", tmp_path)
+    assert plain[plain.index("--model") + 1] == "tiny"
