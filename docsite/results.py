@@ -399,8 +399,13 @@ def results_rows(results: dict[Key, Measurement]) -> list[Row]:
     # holds, which sit beside the code that makes the table where there is one
     tables = _tables_markdown(results).split("\n## ")[1:]
     beside = [("", ""), ("docsite/results.py", "best_settings"),
-              ("docsite/results.py", "command")]
+              ("docsite/results.py", "command"),
+              ("docsite/quality_curves.py", "quality_markdown")]
+    assert len(tables) == len(beside), "a table of the page has no row"
     for table, (file, name) in zip(tables, beside):
+        if DATA_OPEN not in table:  # the quality curves: drawings, not a table
+            rows.append(("## " + table.strip(), file, name, 0, ""))
+            continue
         words, figure = table.split(DATA_OPEN, 1)
         if file:
             rows += [("## " + words.strip(), file, name, 0, ""),
