@@ -102,7 +102,7 @@ def choose_chunk_numel(
     search_range_m = max(
         min(32.0, hidden_dim * 4096 / 2**20), max(largest_group.values()) / 2**20
     )
-    # A group as large as a large-vocabulary embedding (Llama-3's) stretches the range past the
+    # A group as large as Llama 3's embedding stretches the range past the
     # search's cap on candidates (`max_candidates`); the step then grows by
     # whole multiples of $d$, so candidates still end on whole rows
     # (tested: tests/zero3/test_sharded_model.py::test_a_huge_group_coarsens_the_steps).
