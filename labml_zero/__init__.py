@@ -30,7 +30,10 @@ released together; the parameters of no wrapped layer form the
 ## A step in one picture
 
 Before a unit computes, an {{term: all-gather}} fills its chunks' full buffers
-from the ranks' shards, freed again after it (see Note: why storage resize).
+from the ranks' shards, freed again after it. Freeing resizes the buffer's
+storage to zero bytes, and gathering resizes it back: the parameters are views
+into that buffer, so they stay the tensors the modules and autograd hold while
+their memory comes and goes (see Note: why storage resize).
 In the backward pass the unit is gathered again, and once a chunk's last
 gradient exists a {{term: reduce-scatter}} averages the ranks' gradients and
 leaves each rank its shard's slice:

@@ -175,9 +175,10 @@ def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
     # so it must be set before the layout is cut.
     counts = recipe.finetune(layers)
 
-    # 2. **shard**: `zero3_layers` cuts the layers into chunks of one size and
-    # gives each rank its $\frac{1}{N_d}$ slice, initialising (or loading) one
-    # chunk or one layer at a time, so that no rank ever holds the whole model.
+    # 2. **shard**: `zero3_layers` cuts the layers into chunks of one common size
+    # (a group's last chunk may be shorter) and gives each rank its
+    # $\frac{1}{N_d}$ slice, initialising (or loading) one chunk or one layer at
+    # a time, so that no rank ever holds the whole model.
     # Every rank seeds alike and visits the chunks in the same order, so all draw
     # the same weights and each keeps only its slice of them.
     seeded = contextlib.nullcontext()

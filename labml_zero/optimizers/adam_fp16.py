@@ -332,7 +332,8 @@ class AdamFP16(torch.optim.Optimizer):
 
         An early update reads the gradient as reduced: `step()` refuses one whose
         gradient clipping or unscaling changed since (see Note: updating during the
-        backward pass), so a loss scaler rules early updates out (passing the scale
+        backward pass), so a [loss scaler](grad_scaler.html) (the object that scales
+        the loss of fp16 training) rules early updates out (passing the scale
         to the kernel, `grad_scale=`, would allow it), and clipping rules them out
         whenever it clips. With `free_grads` clipping sees no gradient at all and
         clips nothing, silently: use it without clipping.
@@ -381,8 +382,7 @@ class AdamFP16(torch.optim.Optimizer):
 
         A step with a non-finite gradient must be skipped on every rank, or the ranks'
         shards would come from different steps, yet each rank sees only its own
-        shards. The [loss scaler](grad_scaler.html) (the object that scales the loss
-        of fp16 training and skips a step that overflowed) computes the global gradient
+        shards. The loss scaler (which also skips a step that overflowed) computes the global gradient
         norm, one all-reduce of each rank's sum of squares (`global_grad_norm`, on the
         [clipping](clip_grad.html) page): a non-finite gradient anywhere makes that sum
         non-finite on every rank at once, so every rank skips the step. Clipping reuses

@@ -13,7 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from docsite import order  # noqa: E402
+from docsite import order, terms  # noqa: E402
+from docsite.glossary import read_meanings  # noqa: E402
 from docsite.paths import BuildError, discover_modules  # noqa: E402
 
 CORE_PAGES = 6
@@ -67,3 +68,59 @@ def test_pages_say_what_they_deepen_and_the_home_page_lists_the_core_first(
     for entry, core in order.deepens(parts).items():
         page = (built_site / order.page_of(entry)).read_text(encoding="utf-8")
         assert re.search(r"Deepens the core path's <a href=\"[^\"]+\">", page), entry
+
+
+def core_notes() -> list[terms.Notes]:
+    """The home page and the core pages' notes, in reading order."""
+    notes = terms.load_notes(REPO)
+    return notes[:1 + len(repository_order()[0].entries)]
+
+
+def test_the_core_path_explains_why_a_chunk_frees_by_resizing_its_storage():
+    """The engine's central trick, on the path and not only on the chunk page:
+    a paragraph of a core page says that freeing resizes the storage."""
+    paragraphs = [p for n in core_notes() for p in re.split(r"\n\s*\n", n.text)]
+    assert [p for p in paragraphs if re.search(r"resiz", p)
+            and re.search(r"\bstorage\b", p) and "zero bytes" in p]
+
+
+def test_the_core_path_uses_no_glossary_term_before_the_page_defining_it():
+    """The book-wide check (docsite/terms.py), on the core path alone: a core
+    page may not lean on a term the reader meets only pages later."""
+    assert terms.findings(terms.load_notes(REPO), read_meanings(REPO)) == []
+    assert [f for f in terms.findings(core_notes(), read_meanings(REPO))
+            if not f.startswith("docs_src/glossary.txt")] == []
+
+
+NAMES_NOT_IN_THE_GLOSSARY = ("loss scaler", "LocalShard", "DDP")
+"""names a core page once used before any page said what they are"""
+
+
+def introduced(markdown: str, at: int) -> bool:
+    """Whether the mention at `at` is a link's words, or an abbreviation in
+    parentheses right after what it abbreviates ("data parallelism (DDP)")."""
+    before = markdown[:at]
+    in_link = before.rfind("[") > before.rfind("]") and re.match(
+        r"[^\[\]]*\]\(", markdown[at:])
+    return bool(in_link) or (before.endswith("(") and markdown[at:].split(")")[0]
+                             .isupper())
+
+
+def test_the_core_path_introduces_names_the_glossary_does_not_list():
+    """The first mention of each such name on the core path links to its page
+    or follows what it stands for."""
+    for name in NAMES_NOT_IN_THE_GLOSSARY:
+        first = next(((n, m[0]) for n in core_notes()
+                      for m in [terms.mentions(n.text, name)] if m), None)
+        if first is not None:
+            notes, at = first
+            assert introduced(notes.text, at), (notes.name, name,
+                                                notes.text[at - 80:at + 40])
+
+
+def test_a_mention_is_introduced_by_a_link_or_an_expansion():
+    text = "a [loss scaler](s.html); data parallelism (DDP); DDP; a loss scaler"
+    assert introduced(text, text.index("loss"))
+    assert introduced(text, text.index("DDP"))
+    assert not introduced(text, text.rindex("DDP"))
+    assert not introduced(text, text.rindex("loss"))

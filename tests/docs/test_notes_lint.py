@@ -96,3 +96,19 @@ def test_a_listed_symbol_keeps_its_one_meaning(tmp_path):
 def test_the_glossary_page_shows_the_notation_table(site_files):
     page = site_files["glossary.html"].decode()
     assert 'id="notation"' in page and page.count("<math") >= 10
+
+
+def test_the_repository_table_catches_the_two_symbols_it_once_missed():
+    """`d` meant the prefetch depth on some pages and the hidden size on others,
+    and $\\Psi$ all parameters in one place and the trainable ones in another: the
+    book's own table now gives each one meaning, and the check refuses the
+    second."""
+    from docsite import notation
+
+    notes = {"bad": "Units are gathered to the prefetch depth $d$.\n\n"
+                    "A model of $\\Psi$ trainable parameters.",
+             "ok": "The hidden size $d$; a model of $\\Psi$ parameters; where $D$ "
+                   "is the prefetch depth, and $\\Psi_t$ trainable parameters."}
+    found = sorted(f.split(" (notation")[0] for f in notation.check(REPO, notes))
+    assert found == ['bad | $\\Psi$ "trainable parameters" names another symbol',
+                     'bad | $d$ "prefetch depth"']
