@@ -177,8 +177,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
     ## Save a sharded checkpoint
 
     Called by every rank, between training steps. The ranks exchange nothing
-    but a few flags and their files' digests; the checkpoint appears at its
-    path complete or not at all (see Note: atomic save).
+    but a few flags and their files' digests.
 
     * `model` is a `Zero3Sequential` or `ShardedModel`.
     * `optimizer` is the `AdamFP16` over its shards (any `ShardOptimizer`), or
