@@ -96,7 +96,7 @@ def _levels(signed: bool) -> int:
 
 def encode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *,
            signed: bool) -> None:
-    """
+    r"""
     ### Store fp32 `x` [n] as uint8 `codes` [n] and fp32 `scales` [n_blocks(n)]
 
     A block $j$ of a moment $x$ is stored as its absmax
@@ -148,7 +148,7 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, *,
 def update(kernel: Kernel, masters: Sequence[torch.Tensor],
            grads: Sequence[torch.Tensor],
            moments: Sequence[Sequence[torch.Tensor]]) -> None:
-    """
+    r"""
     ### One update of fp32 masters with 8-bit moments
 
     `moments` is the layout's `exp_avg`, `exp_avg_absmax`, `exp_avg_sq` and

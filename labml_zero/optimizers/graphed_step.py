@@ -39,7 +39,7 @@ class CaptureFailed(RuntimeError):
 
 
 class GraphedStep:
-    """
+    r"""
     ## A training step recorded once and replayed
 
     A CUDA graph records the kernels of one step, with their arguments and the
