@@ -8,14 +8,10 @@ summary: The one path from layers on the meta device to a sharded, placed, compi
 
 # Assembling a sharded model and its optimizer
 
-Every job that trains with the engine builds the same thing in the same order, and
-the order matters: what trains must be known before the chunks are cut (a chunk is
-trainable or frozen, never both), the chunks must exist before anyone can decide
-where they live, and the optimizer can only be built once that is decided, because
-it allocates its fp32 masters and moments on the device or the host according to
-the placement. `assemble` is that order written once, as six numbered steps
-beside its code: **mark** what trains, **shard**, **compile**, **place**, build
-the **optimizer**, and **wire** it to the gradients.
+Every job that trains with the engine builds the same thing in the same order,
+and the order matters. `assemble` is that order written once, as six numbered
+steps beside its code: **mark** what trains, **shard**, **compile**, **place**,
+build the **optimizer**, and **wire** it to the gradients.
 """
 
 from __future__ import annotations
@@ -155,6 +151,12 @@ def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
              ) -> Assembled:
     """
     ## Build the sharded model and its optimizer, in order
+
+    What trains must be known before the chunks are cut (a chunk is trainable
+    or frozen, never both), the chunks must exist before anyone can decide
+    where they live, and the optimizer can only be built once that is decided,
+    because it allocates its fp32 masters and moments on the device or the
+    host according to the placement.
 
     * `layers`: the model's layers on the meta device, input end first;
     * `init_param(name, param)`: the per-parameter initialiser, run chunk by

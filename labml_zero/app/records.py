@@ -10,12 +10,10 @@ summary: How the offline labml app stores labml-app's records - tagged JSON that
 labml-app keeps what a run sends (its status, configs, each tracked series) and its
 own bookkeeping (projects, users, folders) as `labml_db` *models*: dicts of plain
 values with a key such as `Run:<uuid>`. `labml_db` turns a model into text with a
-*serializer* and stores the text with a *driver*. [The offline app](server.html) uses
-`labml_db`'s file driver, one file per record under `models/<Model>/` and one JSON
-file per index under `indexes/`. This page is what it plugs in: a serializer
-that writes JSON, that driver with clearer errors, and their registration for
-every model labml-app has. No record is ever unpickled (see Note: records are
-JSON).
+*serializer* and stores the text with a *driver*. This page is what
+[the offline app](server.html) plugs in: a serializer that writes JSON, the
+file driver, and their registration. No record is ever unpickled (see Note:
+records are JSON).
 """
 
 import base64
@@ -203,7 +201,9 @@ def init_file_db(data_dir: Path) -> None:
     """
     ## Register the file drivers for every labml-app model and index
 
-    The same model and index lists as labml-app's `init_mongo_db`; records are
+    `labml_db`'s file driver, with clearer errors: one file per record under
+    `models/<Model>/` and one JSON file per index under `indexes/`. The same
+    model and index lists as labml-app's `init_mongo_db`; records are
     JSON (see Note: records are JSON), and so are the indexes, as in `labml_db`.
     One writer: the file drivers keep each index in memory and rewrite its file
     on every change, which is only safe with a single process on a data

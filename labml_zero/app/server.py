@@ -19,10 +19,7 @@ that receives what labml's client tracks (configs, status, the loss series) and 
 single-page web app that charts it. Two things keep its own `labml app-server` from
 working on an offline machine: it connects to MongoDB when it is imported, and its
 page loads its scripts from CDNs. This app replaces those two (see `create_app`)
-and keeps everything else, the API handlers and the bundled page, labml-app's own,
-so its page looks and behaves as on app.labml.ai. labml-app answers each
-`track` request after a fixed 3 s pause (its way to batch a client's sends), so
-a run shows up a few seconds after it starts.
+and keeps everything else labml-app's own.
 """
 
 import argparse
@@ -354,6 +351,11 @@ async def reply(send, status: int, message: str) -> None:
 def create_app(config: AppConfig):
     """
     ## Build the FastAPI app
+
+    The API handlers and the bundled page are labml-app's own, so its page
+    looks and behaves as on app.labml.ai. labml-app answers each `track`
+    request after a fixed 3 s pause (its way to batch a client's sends), so a
+    run shows up a few seconds after it starts.
 
     1. labml-app's settings from the environment, then the file storage and
        projects.

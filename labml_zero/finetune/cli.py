@@ -11,15 +11,9 @@ With no arguments it fine-tunes the tiny GPT-NeoX (random weights: nothing is
 downloaded) on the bundled Tiny Shakespeare, on every GPU with NCCL, or without a
 GPU on 2 CPU processes with gloo, and prints a sample at the end. The job itself
 is [the fine-tune page](job.html); this page turns flags into a
-`FinetuneConfig` and starts the processes:
-
-* **one host**: `launch.spawn` starts `--world-size` processes (default: every
-  GPU, or 2 on CPU);
-* **torchrun**: when `RANK`, `WORLD_SIZE` and `LOCAL_RANK` are set, this process
-  is one rank and joins the others (`launch.run_torchrun`).
-
-Every flag is generated from a field of the config, everything is checked before
-a process starts, and a failure ends in one line naming the rank and its cause.
+`FinetuneConfig` and starts the processes. Every flag is generated from a field
+of the config, everything is checked before a process starts, and a failure
+ends in one line naming the rank and its cause.
 """
 
 from __future__ import annotations
@@ -342,6 +336,11 @@ def check_before_start(config: FinetuneConfig, parser: Parser, *,
 def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     """
     ## Parse, check, launch; returns the exit status
+
+    On one host `launch.spawn` starts `--world-size` processes (default: every
+    GPU, or 2 on CPU); under torchrun (`RANK`, `WORLD_SIZE` and `LOCAL_RANK`
+    set) this process is one rank and joins the others
+    (`launch.run_torchrun`).
 
     If any rank raises, dies or hangs, [the launcher](../launch/spawn.html) ends
     the others and this process prints the failing rank's traceback and, last,

@@ -14,12 +14,6 @@ that fits, prints it with the predicted peak memory of a rank, the host
 memory, the step time term by term, the tokens per second and the MFU, and
 exits 0 before any process starts: seconds, on any machine, no GPU needed.
 `--auto` runs the job with the chosen setting instead of printing it.
-
-## Limitations
-
-* GPT-NeoX only: [the memory budget](../neox/memory_budget.html) counts its
-  layers.
-* `--auto` without GPUs plans for `--gpu` and runs on CPU processes.
 """
 
 from __future__ import annotations
@@ -69,6 +63,9 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
     * `--gpus`, `--nodes`: $n$ GPUs on each of $h$ nodes;
     * `--host-gib`: a node's host memory, this machine's for its own GPUs;
     * `--global-batch`: sequences a step over all ranks.
+
+    GPT-NeoX only: [the memory budget](../neox/memory_budget.html) counts its
+    layers. `--auto` without GPUs plans for `--gpu` and runs on CPU processes.
 
     The setting's own flags, when given, win: the search keeps their value
     and chooses the rest.

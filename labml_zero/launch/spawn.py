@@ -7,19 +7,10 @@ summary: One process per GPU (NCCL) or several CPU processes (gloo), or torchrun
 
 # Launching processes
 
-ZeRO runs one process per rank. This page starts them and is the only place that
-creates or destroys the process group:
-
-* **one host**: `spawn(fn, world_size)` starts `world_size` processes,
-  rendezvous on loopback at a free port; with CUDA each process takes GPU `rank`
-  and NCCL, without it gloo on CPU;
-* **torchrun** (several hosts): the processes already exist and `RANK`,
-  `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` say who they are;
-  `run_torchrun(fn)` reads them.
-
-Either way `fn(ctx)` receives a `DistContext` with the rank, the world size and the
-device, and `ctx.heartbeat(step)` to call once per step. How the launcher watches the
-ranks is [the next page](supervisor.html).
+ZeRO runs one process per rank. This page starts them, on one host (`spawn`)
+or under torchrun (`run_torchrun`), and is the only place that creates or
+destroys the process group. Either way `fn(ctx)` receives a `DistContext`.
+How the launcher watches the ranks is [the next page](supervisor.html).
 """
 
 from __future__ import annotations
@@ -339,7 +330,9 @@ def spawn(
     """
     ## Run `fn(ctx, *args)` in `world_size` processes on this host
 
-    `fn` must be importable (a module-level function) because the processes are
+    They rendezvous on loopback at a free port; with CUDA each process takes
+    GPU `rank` and NCCL, without it gloo on CPU. `fn` must be importable (a
+    module-level function) because the processes are
     started with `spawn`, not `fork` (CUDA cannot be forked). Raises `RankFailed`
     if a rank fails or stops beating for `hang_timeout` seconds, `Interrupted` on
     `SIGINT`/`SIGTERM`; either way every rank has ended when it returns.
@@ -405,7 +398,9 @@ def run_torchrun(
     """
     ## Run `fn(ctx, *args)` in a process started by torchrun
 
-    torchrun is the launcher here: it ends the other ranks when one exits non-zero.
+    For several hosts: the processes already exist and `RANK`, `WORLD_SIZE`,
+    `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` say who they are. torchrun
+    is the launcher here: it ends the other ranks when one exits non-zero.
     This rank dies with its node agent, turns `SIGINT`/`SIGTERM` into a silent exit
     (with `Interrupted.exit_status`), and on failure prints its traceback and one line
     `rank r failed: …` (an echo: only `rank r stopped: …`), then exits with 1.

@@ -20,15 +20,6 @@ $$y = W x + b + \frac{\alpha}{r} B A x,$$
 $r (d_\text{in} + d_\text{out})$ trained numbers instead of
 $d_\text{in} d_\text{out}$. A family names its projections and its block class
 ([GPT-NeoX's four](../neox/lora.html), [Llama's seven](../llama/lora.html)).
-
-## Limitations
-
-* No dropout on the adapter's input (PEFT's `lora_dropout`), no rsLoRA or DoRA.
-* Adapters sit on every transformer block alike; the embedding and readout
-  cannot be adapted.
-* Layers built for real (not on the meta device) get their adapters initialised
-  from the global random generator when the fine-tuner runs; a layer's own
-  `reset_parameters()` resets only the base weights.
 """
 
 from __future__ import annotations
@@ -65,7 +56,8 @@ class LoRALinear(nn.Linear):
     $y = W x + b + \frac{\alpha}{r} B A x$. A subclass of `nn.Linear`, so
     `weight` and `bias` keep their names (checkpoints load into them by name)
     and code that looks for linears still finds it; `lora_A` `[r, d_in]` and
-    `lora_B` `[d_out, r]` are added beside them.
+    `lora_B` `[d_out, r]` are added beside them. No dropout on the adapter's
+    input (PEFT's `lora_dropout`), no rsLoRA or DoRA.
     """
 
     def __init__(self, in_features: int, out_features: int, *, rank: int,
@@ -133,6 +125,9 @@ def init_adapter(name: str, param: torch.Tensor) -> None:
     `lora_A`: Kaiming-uniform with $a = \sqrt{5}$ over its fan-in $d_\text{in}$,
     bound $\sqrt{6 / ((1 + a^2) d_\text{in})} = 1 / \sqrt{d_\text{in}}$ (the default
     initialisation of an `nn.Linear` weight); `lora_B`: zero, so that $BA = 0$.
+    Layers built for real (not on the meta device) get their adapters
+    initialised from the global random generator when the fine-tuner runs; a
+    layer's own `reset_parameters()` resets only the base weights.
 
     So step 0 is the base model: the first forward equals the pretrained model's
     exactly. $B$ still moves, since
@@ -179,6 +174,8 @@ def load_base_weights(layer, state: dict[str, torch.Tensor]) -> None:
 class LoRA:
     r"""
     ## Adapt the chosen projections of every transformer block
+
+    Every block alike; the embedding and readout cannot be adapted.
 
     Call it on the layers (on the meta device or real) **before** the engine
     shards them: it swaps each target `nn.Linear` of every `BLOCK` for a

@@ -18,13 +18,6 @@ field of its own (most models have $d_h = d / n_h$), and the projections are
 
 $$W_q \in \mathbb{R}^{n_h d_h \times d}, \qquad
 W_k, W_v \in \mathbb{R}^{n_{kv} d_h \times d}.$$
-
-## Limitations
-
-* Only what the four families' released checkpoints use: no attention bias on
-  the output projection, no MLP biases, no sliding window inside a sequence
-  (a sequence longer than the window is refused), rotary scaling `default` or
-  `llama3` only; any other value is refused with the field's name.
 """
 
 from __future__ import annotations
@@ -253,7 +246,15 @@ PRESETS = {"smollm2-135m": smollm2_135m, "qwen2.5-0.5b": qwen2_5_0_5b,
 
 
 def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
-    """### Read a Hugging Face `config.json` (as a dict)"""
+    """
+    ### Read a Hugging Face `config.json` (as a dict)
+
+    Only what the four families' released checkpoints use: no attention bias
+    on the output projection, no MLP biases, no sliding window inside a
+    sequence (a sequence longer than the window is refused), rotary scaling
+    `default` or `llama3` only; any other value is refused with the field's
+    name.
+    """
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"config.json: model_type {model_type!r} is not one of "

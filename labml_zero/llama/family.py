@@ -14,19 +14,7 @@ snapshot, how to build the layers on the meta device and give them weights,
 its tokenizer, its cost ($C$ FLOPs a token, [the FLOPs page](flops.html))
 and the job's sharded build and exports.
 [`ModelFamily`](../family.html) holds functions, not a base class to
-override; `LLAMA` is this package's one instance. What differs from
-GPT-NeoX's: two fine-tuners (`all`, and `lora` on any of `lora_targets`),
-its own [fused kernels](kernels.html) (RMSNorm, SwiGLU, rotary, the chunked
-loss), the tokenizer the snapshot's ([its page](tokenizer.html);
-random weights take the bundled GPT-NeoX one), and the exports' writers
-([saving](hf_export.html), [LoRA](lora.html)).
-
-## Limitations
-
-* Two fine-tuners, `all` and `lora`; GPT-NeoX's `biases` and `ffn` name
-  GPT-NeoX's modules and are not offered here.
-* `export_hf` writes its export marker just after the checkpoint's rename: a
-  crash between the two leaves a directory a later export refuses to replace.
+override; `LLAMA` is this package's one instance, at the bottom of the page.
 """
 
 from __future__ import annotations
@@ -112,6 +100,8 @@ def finetuner(name: str, **options: Any) -> Any:
     """
     ### The fine-tuner called `name`
 
+    Two fine-tuners, `all` and `lora` (on any of `lora_targets`); GPT-NeoX's
+    `biases` and `ffn` name GPT-NeoX's modules and are not offered here.
     Refuses an unknown name, and options given to `all`, in one line, so a
     misspelt flag never trains something else.
     """
@@ -203,7 +193,9 @@ def tokenizer(path: str | os.PathLike | None, config: llama_config.LlamaConfig
 def save_hf(out_dir: str | os.PathLike, config: llama_config.LlamaConfig,
             named_tensors, *, marker: str | None = None, **options) -> Path:
     """`save_llama_checkpoint`, then an export's `marker` (its kind), which
-    lets a later export of that kind replace the directory."""
+    lets a later export of that kind replace the directory. The marker is
+    written just after the checkpoint's rename: a crash between the two leaves
+    a directory a later export refuses to replace."""
     path = save_llama_checkpoint(out_dir, config, named_tensors, **options)
     if marker is not None:
         (path / EXPORT_MARKER).write_text(marker_text(marker))
@@ -299,4 +291,7 @@ LLAMA = ModelFamily(
     export_hf=export_hf, export_adapter=export_adapter,
     check_export_destination=check_export_destination, export_bytes=export_bytes,
     generate=generate, sampling=Sampling)
-"""Llama 3, Qwen2.5, Mistral and SmolLM2."""
+"""Llama 3, Qwen2.5, Mistral and SmolLM2. What differs from GPT-NeoX's: its
+own [fused kernels](kernels.html), the snapshot's tokenizer
+([its page](tokenizer.html); random weights take the bundled GPT-NeoX one),
+and the exports' writers ([saving](hf_export.html), [LoRA](lora.html))."""

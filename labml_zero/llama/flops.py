@@ -12,36 +12,6 @@ Two numbers the job needs of a model: its FLOPs per token, for the model
 FLOPs utilisation (MFU), and the bytes a layer keeps for its backward pass,
 for the memory budget. Both follow from the shapes alone.
 
-**FLOPs.** A matrix product with $N$ weights costs $2N$ FLOPs a token
-forward and $4N$ backward (the gradients of its input and of its weight),
-$6N$ in all. The products of a layer have
-
-$$N_\text{layer} = \underbrace{2 d\, n_h d_h}_{W_q,\ W_o}
-  + \underbrace{2 d\, n_{kv} d_h}_{W_k,\ W_v} + 3 d\, d_{ff},$$
-
-so grouped-query attention saves $2 d (n_h - n_{kv}) d_h$ per layer against
-multi-head attention; the readout adds $V d$, tied or not (the embedding is a
-lookup, no product). Attention itself multiplies every query head with $T$
-keys and $T$ values, $4 n_h d_h T$ FLOPs a token forward, whatever $n_{kv}$
-is, since each query head still reads a whole key and value head:
-
-$$C = 6 \left(L\, N_\text{layer} + V d\right) + 12\, L\, n_h d_h T.$$
-(tested: tests/llama/test_flops.py::test_flops_per_token_is_the_flop_counter)
-
-The attention term counts the whole $T \times T$ square, as PaLM's
-([Chowdhery et al.](https://arxiv.org/abs/2204.02311), appendix B) and
-`torch.utils.flop_counter` do; a causal kernel skips about half of it.
-
-**Activations.** What one layer keeps for its backward pass, per token, with
-activations of $p$ bytes (see `activation_bytes`). GQA's smaller K and V
-heads are $2 p\, n_{kv} d_h$ of it, against $2 p\, n_h d_h$ without grouping.
-
-## Limitations
-
-* Counts the plain model of [the model page](model.html): no fused kernels,
-  no activation checkpointing, and an attention kernel that keeps its
-  log-sum-exp rather than its $T \times T$ probabilities (flash-style
-  kernels, CPU and CUDA; PyTorch's math fallback keeps the square).
 """
 
 from __future__ import annotations
@@ -52,7 +22,18 @@ __all__ = ["matmul_parameters", "flops_per_token", "activation_bytes"]
 
 
 def matmul_parameters(config: LlamaConfig) -> int:
-    r"""$L\, N_\text{layer} + V d$: the weights that multiply activations."""
+    r"""
+    ### $L\, N_\text{layer} + V d$: the weights that multiply activations
+
+    The products of a layer have
+
+    $$N_\text{layer} = \underbrace{2 d\, n_h d_h}_{W_q,\ W_o}
+      + \underbrace{2 d\, n_{kv} d_h}_{W_k,\ W_v} + 3 d\, d_{ff},$$
+
+    so grouped-query attention saves $2 d (n_h - n_{kv}) d_h$ per layer
+    against multi-head attention; the readout adds $V d$, tied or not (the
+    embedding is a lookup, no product).
+    """
     d, d_h, d_ff = config.d_model, config.head_width, config.d_ff
     attention = 2 * d * config.n_heads * d_h + 2 * d * config.n_kv_heads * d_h
     return config.n_layers * (attention + 3 * d * d_ff) + config.n_vocab * d
@@ -62,9 +43,19 @@ def flops_per_token(config: LlamaConfig, seq: int) -> int:
     r"""
     ### Training FLOPs a token, forward and backward, at sequence length $T$
 
-    $6 (L N_\text{layer} + V d) + 12 L n_h d_h T$
-    (tested: tests/llama/test_flops.py::test_flops_per_token_is_the_flop_counter);
-    biases and the element-wise
+    A product with $N$ weights costs $2N$ FLOPs a token forward and $4N$
+    backward (the gradients of its input and of its weight). Attention itself
+    multiplies every query head with $T$ keys and $T$ values, $4 n_h d_h T$
+    FLOPs a token forward, whatever $n_{kv}$ is, since each query head still
+    reads a whole key and value head:
+
+    $$C = 6 \left(L\, N_\text{layer} + V d\right) + 12\, L\, n_h d_h T$$
+    (tested: tests/llama/test_flops.py::test_flops_per_token_is_the_flop_counter).
+
+    The attention term counts the whole $T \times T$ square, as PaLM's
+    ([Chowdhery et al.](https://arxiv.org/abs/2204.02311), appendix B) and
+    `torch.utils.flop_counter` do; a causal kernel skips about half of it.
+    The plain model is counted, no fused kernels; biases and the element-wise
     passes (norms, SiLU, rotation, softmax) are $O(d)$ a token and left out.
     """
     attention = 12 * config.n_layers * config.n_heads * config.head_width * seq
@@ -76,7 +67,10 @@ def activation_bytes(config: LlamaConfig, tokens: int, *, dtype_bytes: int = 2
     r"""
     ### Bytes one layer keeps for its backward pass, for `tokens` tokens
 
-    Per token, with $p$ = `dtype_bytes`:
+    Per token, with $p$ = `dtype_bytes`, for the plain model with no
+    activation checkpointing and an attention kernel that keeps its
+    log-sum-exp rather than its $T \times T$ probabilities (flash-style
+    kernels, CPU and CUDA; PyTorch's math fallback keeps the square):
 
     * each of the two RMSNorms keeps its input in fp32 (a copy, or the input
       itself when it is fp32), $4d$; the $\frac{1}{\mathrm{rms}}$ factor, 4;
@@ -89,6 +83,9 @@ def activation_bytes(config: LlamaConfig, tokens: int, *, dtype_bytes: int = 2
       the tables, once for all layers, not q and k before it;
     * SwiGLU keeps the gate's output, its SiLU, the up projection's output
       and their product, $4 p\, d_{ff}$.
+
+    GQA's smaller K and V heads are $2 p\, n_{kv} d_h$ of it, against
+    $2 p\, n_h d_h$ without grouping.
     """
     d, d_h, p = config.d_model, config.head_width, dtype_bytes
     norms = 2 * (4 * d + 4 + 2 * p * d)

@@ -9,24 +9,11 @@ summary: Read a Llama, Qwen2 or Mistral snapshot one layer at a time, every
 # Hugging Face Llama checkpoints
 
 Loading is per layer, by [the safetensors reader](../hf/safetensors_reader.html)
-that GPT-NeoX's checkpoints use too: `LlamaCheckpoint.layer_state_dict(layer)`
-opens only the files that hold that layer's tensors and reads only those, so
-a rank's peak is one layer. What is new is the family's config and its
-failures. A `config.json` is an input someone hands the job; the shapes it
-implies are
+that GPT-NeoX's checkpoints use too, so a rank's peak is one layer. What is new
+is the family's config and its failures: a `config.json` is an input someone
+hands the job, and the shapes it implies are
 
-$$W_q: (n_h d_h) \times d, \qquad W_k, W_v: (n_{kv} d_h) \times d,$$
-
-and a wrong `num_key_value_heads` (or none: transformers would quietly take
-$n_{kv} = n_h$) yields K and V projections of the wrong size that a loader
-without checks would fail on deep inside a rank, or, where the sizes happen to
-fit, train on garbage. So `check_llama_snapshot` reads the config and every
-safetensors *header* and refuses, in one `CheckpointError` line naming the
-file and the field, before any rank starts.
-
-## Limitations
-
-* Safetensors only. Writing a checkpoint is [its own page](hf_export.html).
+$$W_q: (n_h d_h) \times d, \qquad W_k, W_v: (n_{kv} d_h) \times d.$$
 """
 
 from __future__ import annotations
@@ -103,8 +90,10 @@ class LlamaCheckpoint(SafetensorsSnapshot):
     """
     ## A Hugging Face Llama-family snapshot, read lazily
 
-    Construction reads `config.json` and the index (or the single file's
-    header); `layer_state_dict` reads one layer's tensors.
+    Safetensors only. Construction reads `config.json` and the index (or the
+    single file's header); `layer_state_dict(layer)` opens only the files that
+    hold that layer's tensors and reads only those. Writing a checkpoint is
+    [its own page](hf_export.html).
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -130,7 +119,11 @@ def check_llama_snapshot(path: str | os.PathLike) -> LlamaConfig:
 
     `config.json` and every header the model needs, against the shapes the
     config implies (the model built on meta); the launcher calls it before any
-    rank starts. Returns the config, or raises one `CheckpointError` line.
+    rank starts. Returns the config, or raises one `CheckpointError` line
+    naming the file and the field. A wrong `num_key_value_heads` (or none:
+    transformers would quietly take $n_{kv} = n_h$) yields K and V projections
+    of the wrong size that a loader without checks would fail on deep inside
+    a rank, or, where the sizes happen to fit, train on garbage.
     """
     checkpoint = LlamaCheckpoint(path)
     # a tied readout's name is the embedding's: one entry for both

@@ -15,20 +15,8 @@ output shard: with at most $B_\text{shard}$ bytes a shard, the host's peak is
 $$M \approx \max_p |p| + B_\text{shard},$$
 
 whatever the model's size, and past one shard an index names each tensor's
-file, as `save_pretrained` does. Three things are the family's own:
-
-* the names, `hf_prefix(layer) + name`, and a tied readout, which is *not*
-  written: transformers' `tie_word_embeddings=True` reads `lm_head.weight`
-  from `model.embed_tokens.weight`, and a second copy would be $V d$ wasted
-  elements (and, after training the two apart, a silent disagreement);
-* `config.json`, from [the family's config writer](config.html), with the
-  `torch_dtype` of the tensors written, so a bf16 model stays bf16;
-* the files [beside the weights](../neox/side_files.html): the snapshot's own
-  `tokenizer_config.json` and `generation_config.json` copied as they are,
-  `tokenizer.json` from the file the job encoded with.
-
-The directory appears whole or not at all (the writer's Note: atomic
-checkpoint directory).
+file, as `save_pretrained` does. The directory appears whole or not at all
+(the writer's Note: atomic checkpoint directory).
 """
 
 from __future__ import annotations
@@ -55,8 +43,10 @@ def hf_named_tensors(layers: Iterable[nn.Module]
     """
     ### `(hf_name, tensor)` for every tensor, in layer order
 
-    A tied readout yields nothing: its matrix was the embedding's, already
-    written.
+    The names are `hf_prefix(layer) + name`. A tied readout yields nothing:
+    transformers' `tie_word_embeddings=True` reads `lm_head.weight` from
+    `model.embed_tokens.weight`, and a second copy would be $V d$ wasted
+    elements (and, after training the two apart, a silent disagreement).
     """
     for layer in layers:
         if isinstance(layer, Readout) and layer.config.tie_embeddings:
@@ -81,8 +71,13 @@ def save_llama_checkpoint(out_dir: str | os.PathLike, config: LlamaConfig,
       LoRA's adapters folded in by `merged`). It is consumed once.
     * `tokenizer`: the `tokenizer.json` to ship; `snapshot`: the directory the
       model came from, whose side files are copied. Without `tokenizer` no
-      tokenizer is written (weights only).
-    * `dtype` casts every tensor; `None` keeps each one's own.
+      tokenizer is written (weights only). The snapshot's own
+      `tokenizer_config.json` and `generation_config.json` are copied as they
+      are ([side files](../neox/side_files.html)), `tokenizer.json` from the
+      file the job encoded with.
+    * `dtype` casts every tensor; `None` keeps each one's own. `config.json`
+      comes from [the family's config writer](config.html), with the
+      `torch_dtype` of the tensors written, so a bf16 model stays bf16.
 
     Every input is checked before a byte is written: the destination is new
     or `overwrite` is given, and the tokenizer loads (else one

@@ -12,34 +12,8 @@ What GPT-NeoX's [fused kernels page](../neox/kernels.html) says holds here: the
 matrix products run near the GPU's rate, and the passes between them are
 bound by the bytes they move, at least $(r + w)\,n / \beta$ for a pass that
 reads $r$ and writes $w$ bytes per element of $n$. A fusion wins by touching
-each element fewer times. `LlamaKernels` names four fusions;
-`build_layers(config, kernels=...)` hands the choice to every layer once, and
-a layer calls the function the choice resolved to. Each fused function is its
-plain twin compiled (`torch.compile` of the same Python function, through
-GPT-NeoX's `on_gpu_compiled`), so on a CPU, or inside a compiled layer, the
-twin runs (tested: tests/llama/test_kernels.py::test_model_with_every_kernel_is_the_plain_model).
-
-* **`rms_norm`**: the mean of the squares in fp32, the scale and the weight
-  in one pass over $x$, where the plain path writes an fp32 copy of $x$, its
-  square, the scaled copy and its cast, each a pass (`rms_norm`).
-* **`swiglu`**: $\operatorname{SiLU}(g) \odot u$ in one pass, and in the
-  backward pass both gradients from one read of $g$, $u$ and the incoming
-  gradient, where the plain path saves and rereads $\operatorname{SiLU}(g)$,
-  a `[B, T, d_ff]` tensor (`swiglu`).
-* **`rotary`**: the rotation of q and k in one compiled pass over both,
-  reading the tables `LlamaRotary` built once for every layer
-  (`rotate_qk_fused` on the [rotary page](rotary.html)).
-* **`loss`**: the readout and the cross-entropy in chunks of rows, never
-  holding the `[B T, V]` logits: GPT-NeoX's `chunked_readout_loss`, with the
-  readout's weight, which in a tied model is the embedding's matrix; autograd
-  sums the gradients of its two uses.
-
-## Limitations
-
-* The compiled kernels run only on CUDA tensors; elsewhere the same functions
-  run uncompiled.
-* The attention is PyTorch's `scaled_dot_product_attention`, whose backend
-  PyTorch picks.
+each element fewer times. `LlamaKernels` names four fusions, each beside its
+field below.
 """
 
 from __future__ import annotations
@@ -67,16 +41,28 @@ class LlamaKernels:
     `ModelKernels` reads its own: `from_names("loss,rotary")`, `'all'`,
     `'none'`; its class methods look only at the fields of the class they are
     called on, so they are shared, not copied.
+    `build_layers(config, kernels=...)` hands the choice to every layer once,
+    and a layer calls the function the choice resolved to. Attention is not
+    among them: it is PyTorch's `scaled_dot_product_attention`, whose backend
+    PyTorch picks.
     """
 
     rms_norm: bool = False
-    """Every RMSNorm in one pass (`rms_norm_fused`)."""
+    """Every RMSNorm in one pass (`rms_norm_fused`), where the plain path
+    writes an fp32 copy of $x$, its square, the scaled copy and its cast."""
     swiglu: bool = False
-    r"""$\operatorname{SiLU}(g) \odot u$ and its backward in one pass each."""
+    r"""$\operatorname{SiLU}(g) \odot u$ and its backward in one pass each,
+    where the plain path saves and rereads $\operatorname{SiLU}(g)$, a
+    `[B, T, d_ff]` tensor."""
     rotary: bool = False
-    """The rotation of q and k in one compiled pass."""
+    """The rotation of q and k in one compiled pass over both, reading the
+    tables `LlamaRotary` built once for every layer (`rotate_qk_fused` on the
+    [rotary page](rotary.html))."""
     loss: bool = False
-    """The readout and the cross-entropy in chunks of `loss_chunk_rows`."""
+    """The readout and the cross-entropy in chunks of `loss_chunk_rows`,
+    never holding the `[B T, V]` logits: GPT-NeoX's `chunked_readout_loss`
+    with the readout's weight, which in a tied model is the embedding's
+    matrix; autograd sums the gradients of its two uses."""
     loss_chunk_rows: int = 2048
     """Rows (tokens) per chunk of the chunked loss: one chunk's fp32 logits are
     `loss_chunk_rows` × $V$ × 4 bytes."""
@@ -125,6 +111,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x32 * rms).to(x.dtype)
 
 
+# Each fused function is its plain twin compiled (`torch.compile` of the same
+# Python function), and only on CUDA tensors: on a CPU, or inside a compiled
+# layer, the twin runs
+# (tested: tests/llama/test_kernels.py::test_model_with_every_kernel_is_the_plain_model).
 rms_norm_fused = on_gpu_compiled(rms_norm)
 
 

@@ -15,30 +15,8 @@ attention,
 $$h = x + \operatorname{Attn}(\operatorname{RMS}_1(x)), \qquad
 x_{l+1} = h + \operatorname{MLP}(\operatorname{RMS}_2(h)).$$
 
-Three parts differ from GPT-NeoX. **RMSNorm** ([Zhang and
-Sennrich](https://arxiv.org/abs/1910.07467)) scales by the root mean square and
-has no mean and no bias: one weight vector of $d$ per norm, not two. The MLP is
-**SwiGLU** ([Shazeer](https://arxiv.org/abs/2002.05202)), a gated unit with
-three matrices instead of two, $3 d\, d_{ff}$ parameters. Attention is
-**grouped-query**: $n_{kv}$ key-value heads serve $n_h$ query heads, so $W_k$
-and $W_v$ have $n_{kv} d_h$ rows instead of $n_h d_h$, and a layer's attention
-holds
-
-$$2 d \cdot n_h d_h + 2 d \cdot n_{kv} d_h$$
-
-parameters (plus $(n_h + 2 n_{kv}) d_h$ biases in Qwen2): for Llama-3.1-8B,
-with four query heads to a key-value head, the K and V projections are a
-quarter of the Q projection each
-(tested: tests/llama/test_flops.py::test_gqa_saves_the_kv_projections_share).
-The model is a list, `[Embedding, DecoderLayer × L, FinalNorm, Readout]`,
-the unit the engine gathers and releases, built by `build_layers`.
-
-## Limitations
-
-* No KV cache, no attention mask other than causal, no dropout.
-* The fused kernels ([their page](kernels.html)) are off unless
-  `build_layers(config, kernels=...)` turns them on; the rotary tables are
-  built outside any compiled function.
+Three parts differ from GPT-NeoX, each beside its class below: RMSNorm,
+grouped-query attention and SwiGLU.
 """
 
 from __future__ import annotations
@@ -81,6 +59,8 @@ class RMSNorm(nn.Module):
     r"""
     ## RMSNorm: $w \odot x / \sqrt{\overline{x^2} + \epsilon}$
 
+    [Zhang and Sennrich](https://arxiv.org/abs/1910.07467): no mean and no
+    bias, so one weight vector of $d$ per norm where LayerNorm has two.
     The mean of the squares over the $d$ features, in fp32 whatever the
     activations' dtype; the normalised value is cast back before the weight
     multiplies it, in Hugging Face's order, so bf16 results agree bit for bit.
@@ -138,6 +118,17 @@ class Attention(nn.Module):
     head $\lfloor j / (n_h / n_{kv}) \rfloor$; `scaled_dot_product_attention`
     with `enable_gqa` does that indexing itself, without copying K and V out
     to $n_h$ heads as Hugging Face's eager path does.
+
+    $W_k$ and $W_v$ have $n_{kv} d_h$ rows instead of $n_h d_h$, so a layer's
+    attention holds
+
+    $$2 d \cdot n_h d_h + 2 d \cdot n_{kv} d_h$$
+
+    parameters (plus $(n_h + 2 n_{kv}) d_h$ biases in Qwen2): for Llama-3.1-8B,
+    with four query heads to a key-value head, the K and V projections are a
+    quarter of the Q projection each
+    (tested: tests/llama/test_flops.py::test_gqa_saves_the_kv_projections_share).
+    No KV cache, no mask other than causal, no dropout.
     """
 
     def __init__(self, config: LlamaConfig, rotary: LlamaRotary, *,
@@ -182,7 +173,8 @@ class MLP(nn.Module):
     r"""
     ## SwiGLU: $W_\text{down}\,(\operatorname{SiLU}(W_\text{gate} x) \odot W_\text{up} x)$
 
-    $\operatorname{SiLU}(z) = z\,\sigma(z)$. The gate makes the unit
+    [Shazeer](https://arxiv.org/abs/2002.05202): three matrices instead of
+    two, $3 d\, d_{ff}$ parameters. $\operatorname{SiLU}(z) = z\,\sigma(z)$. The gate makes the unit
     multiplicative; to keep the parameter count of a $4d$ GELU MLP, the hidden
     width is about $\frac{2}{3} \cdot 4d$ (Llama rounds it up; others choose
     freely).
@@ -335,13 +327,16 @@ def build_layers(config: LlamaConfig, *, filter_layers: Iterable[int] | None = N
     """
     ### Build `[Embedding, DecoderLayer × n, FinalNorm, Readout]`
 
+    The model is this list: the unit the engine gathers and releases.
+
     * `filter_layers` keeps only the decoder layers with these indices.
     * `device='meta'` allocates nothing; after `to_empty`, call
       `tie_embeddings` again (tied models) and `reset_parameters` or load a
       checkpoint.
     * Off meta, weights are initialised as Hugging Face does.
     * `kernels` chooses the [fused kernels](kernels.html) once for every
-      layer; `None` is the plain model.
+      layer; `None` is the plain model (no fused kernel). The rotary tables
+      are built here, outside any compiled function.
     """
     indices = layer_indices(config.n_layers, filter_layers)
     factory = dict(device=device, dtype=dtype)

@@ -10,23 +10,10 @@ summary: Rotary embeddings over the whole head, with a base per model and Llama
 The rotation is GPT-NeoX's ([its page](../neox/rotary.html)), with three
 differences. It turns **every** dimension of a head ($d_r = d_h$, where
 GPT-NeoX turns a quarter); its base $b$ is a field of the model
-(`rope_theta`, far larger in Llama 3 and Qwen2.5 than in GPT-NeoX), and
+(`rope_theta`, far larger in Llama 3 and Qwen2.5 than in GPT-NeoX); and
 Llama-3.1 and Llama-3.2 **scale** the frequencies $\theta_i = b^{-2i/d_h}$
-so that a model pretrained on $L_0$ positions reaches $s L_0$. With the wavelength
-$\lambda_i = 2\pi / \theta_i$,
-
-$$\theta_i' = \begin{cases}
-  \theta_i & \lambda_i < L_0 / \beta \\
-  \theta_i / s & \lambda_i > L_0 / \alpha \\
-  (1 - \sigma_i)\,\theta_i / s + \sigma_i\,\theta_i & \text{otherwise,}
-\end{cases} \qquad \sigma_i = \frac{L_0 / \lambda_i - \alpha}{\beta - \alpha}$$
-
-(`RopeScaling`: $s$ its `factor`, $\alpha$ and $\beta$ its low and high
-frequency factors). Fast frequencies, which resolve nearby tokens, are kept;
-slow ones, whose period exceeds the pretraining context, are slowed down by
-$s$, and those between are blended. Query heads and key heads differ in number
-under grouped-query attention, so q and k are rotated as two tensors, not as
-one stacked view as GPT-NeoX does.
+so that a model pretrained on $L_0$ positions reaches $s L_0$
+(`inverse_frequencies`).
 """
 
 from __future__ import annotations
@@ -47,6 +34,19 @@ __all__ = ["inverse_frequencies", "LlamaRotary", "apply_rotary", "rotate_qk",
 def inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
     r"""
     ### $\theta_i'$ for $i < d_h / 2$, fp32, on the CPU
+
+    With the wavelength $\lambda_i = 2\pi / \theta_i$,
+
+    $$\theta_i' = \begin{cases}
+      \theta_i & \lambda_i < L_0 / \beta \\
+      \theta_i / s & \lambda_i > L_0 / \alpha \\
+      (1 - \sigma_i)\,\theta_i / s + \sigma_i\,\theta_i & \text{otherwise,}
+    \end{cases} \qquad \sigma_i = \frac{L_0 / \lambda_i - \alpha}{\beta - \alpha}$$
+
+    (`RopeScaling`: $s$ its `factor`, $\alpha$ and $\beta$ its low and high
+    frequency factors). Fast frequencies, which resolve nearby tokens, are
+    kept; slow ones, whose period exceeds the pretraining context, are slowed
+    down by $s$, and those between are blended.
 
     Computed in fp32 as Hugging Face does, so the angles $m \theta_i'$ are the
     same numbers in both.
@@ -123,7 +123,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`q` `[B, n_h, T, d_h]` and `k` `[B, n_kv, T, d_h]`, each rotated."""
+    """`q` `[B, n_h, T, d_h]` and `k` `[B, n_kv, T, d_h]`, each rotated: query
+    and key heads differ in number under grouped-query attention, so they are
+    two tensors, not one stacked view as in GPT-NeoX."""
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 

@@ -16,15 +16,6 @@ $$C = 6\,\Psi_m + 12\, L\, d\, T$$
 
 with $\Psi_m$ every parameter but the embedding (the readout is a product,
 the embedding a lookup), the job's MFU figure for a whole model.
-
-## Limitations
-
-* `save_merged` and `save_adapter` take unsharded layers; the job's exports
-  of the sharded model, `export_hf` and `export_adapter`, are [the export
-  page](lora_export.html)'s writers, which every rank calls.
-* `activation_bytes` is for a full fine-tune without checkpointing and with
-  the plain kernels; [activation memory](activation_memory.html) takes the
-  fine-tuner, checkpointing and kernels.
 """
 
 from __future__ import annotations
@@ -199,4 +190,10 @@ NEOX = ModelFamily(
     export_adapter=save_peft_adapter,
     check_export_destination=check_export_destination, export_bytes=export_bytes,
     generate=generate, sampling=Sampling)
-"""Pythia and GPT-NeoX-20B."""
+"""Pythia and GPT-NeoX-20B. `save_merged` and `save_adapter` take unsharded
+layers; the job's exports of the sharded model, `export_hf` and
+`export_adapter`, are [the export page](lora_export.html)'s writers, which
+every rank calls. `activation_bytes` is for a full fine-tune without
+checkpointing and with the plain kernels; [activation
+memory](activation_memory.html) takes the fine-tuner, checkpointing and
+kernels."""

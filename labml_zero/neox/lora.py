@@ -15,15 +15,7 @@ $$y = W x + b + \frac{\alpha}{r} B A x,$$
 training $r (d_\text{in} + d_\text{out})$ numbers instead of $d_\text{in} d_\text{out}$:
 for GPT-NeoX's fused QKV projection of width $d$ ($d_\text{out} = 3d$), $4rd$
 instead of $3d^2$. The adapted linear, PEFT's initialisation and the swap are
-the shared page's; this one names GPT-NeoX's four projections, loads the base
-weights under adapters, and counts the memory per rank (the last section).
-After training the adapters are merged or saved for PEFT ([LoRA
-export](lora_export.html)).
-
-## Limitations
-
-* As the shared page's: no dropout, rsLoRA or DoRA; the embedding and
-  readout cannot be adapted.
+the shared page's; this one names GPT-NeoX's four projections.
 """
 
 from __future__ import annotations

@@ -18,28 +18,7 @@ $$K = 4 + 1 + 1 + 2 \cdot \frac{4}{B}$$
 bytes per element, {{py: state_layout.EIGHT_BIT_MOMENTS.bytes_per_element() | .5g}}
 at {{const: BLOCK}}, against
 {{py: state_layout.BF16_MOMENTS.bytes_per_element()}} with bf16 moments and
-{{py: state_layout.FP32_STATES.bytes_per_element()}} with fp32 ones. A
-block $j$ of a moment $x$ is stored as its absmax $a_j = \max_{i \in j}|x_i|$
-and codes $q_i$ of $r_i = x_i / a_j \in [-1, 1]$:
-
-$$\hat x_i = a_j \, \phi(q_i).$$
-
-A step decodes each block to fp32, runs the fp32 update, and encodes the new
-moments as it stores them; the master's step uses the undecoded fp32 values.
-It is `torch.optim.AdamW` whose moments are encoded and decoded after every
-step, bit for bit
-(tested: tests/optimizers/test_blockwise_moments.py::test_8bit_moments_are_adamw_with_moments_coded_each_step).
-
-## Limitations
-
-* No one-pass kernel: decoding, the fp32 kernel and encoding are separate
-  passes over fp32 temporaries (`WIDE_NUMEL` elements at a time), so a step
-  moves more bytes than with bf16 moments on a GPU.
-* A skipped step and a resume are exact because re-encoding a decoded block
-  gives its codes back; that holds while $a_j \phi(q)$ is a normal fp32
-  number, not for a block whose absmax is near fp32's subnormal range.
-* The square-root maps are coarser near zero than bitsandbytes' dynamic
-  tree map.
+{{py: state_layout.FP32_STATES.bytes_per_element()}} with fp32 ones.
 """
 
 from __future__ import annotations
@@ -54,11 +33,14 @@ BLOCK = EIGHT_BIT_BLOCK
 """$B$, elements per scale: a scale costs $4 / B$ bytes per element."""
 
 # Elements decoded at once, as `narrow_moments.WIDE_NUMEL`; a multiple of
-# `BLOCK`, so a slice never splits a block.
+# `BLOCK`, so a slice never splits a block. There is no one-pass kernel:
+# decoding, the fp32 kernel and encoding are separate passes over fp32
+# temporaries of this size, so a step moves more bytes than with bf16 moments.
 WIDE_NUMEL = 2**22
 
 # $L_m$ and $L_v$, the levels of each map: the signed one spends the codes
 # $0 \dots 2 L_m$ on $-L_m \dots L_m$, the unsigned one all of a byte's.
+# Square-root maps are coarser near zero than bitsandbytes' dynamic tree map.
 SIGNED_LEVELS = 127
 UNSIGNED_LEVELS = 255
 
@@ -114,8 +96,12 @@ def _levels(signed: bool) -> int:
 
 def encode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *,
            signed: bool) -> None:
-    """
+    r"""
     ### Store fp32 `x` [n] as uint8 `codes` [n] and fp32 `scales` [n_blocks(n)]
+
+    A block $j$ of a moment $x$ is stored as its absmax
+    $a_j = \max_{i \in j}|x_i|$ and codes $q_i$ of
+    $r_i = x_i / a_j \in [-1, 1]$, decoded as $\hat x_i = a_j \, \phi(q_i)$.
 
     Torch ops only, no host sync: the same code runs in a captured step. The
     last block may be partial: it is padded with zeros, which leave its
@@ -162,7 +148,7 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, *,
 def update(kernel: Kernel, masters: Sequence[torch.Tensor],
            grads: Sequence[torch.Tensor],
            moments: Sequence[Sequence[torch.Tensor]]) -> None:
-    """
+    r"""
     ### One update of fp32 masters with 8-bit moments
 
     `moments` is the layout's `exp_avg`, `exp_avg_absmax`, `exp_avg_sq` and
@@ -171,7 +157,12 @@ def update(kernel: Kernel, masters: Sequence[torch.Tensor],
     and they are encoded back. A skipped update (`found_inf`) leaves the
     decoded copies as they were, and re-encoding a decoded block gives its
     codes and scales back (see the loading section below), so a skipped step
-    leaves the moments as they were.
+    leaves the moments as they were. That holds while $a_j \phi(q)$ is a
+    normal fp32 number, not for a block whose absmax is near fp32's subnormal
+    range. The master's step uses the undecoded fp32 values: this is
+    `torch.optim.AdamW` whose moments are encoded and decoded after every
+    step, bit for bit
+    (tested: tests/optimizers/test_blockwise_moments.py::test_8bit_moments_are_adamw_with_moments_coded_each_step).
 
     Every size here is the shard's, never the data's, and nothing reads a
     value on the host: a [captured step](captured_update.html) records these

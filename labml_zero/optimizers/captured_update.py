@@ -9,23 +9,15 @@ summary: What AdamFP16 reads from device tensors instead of Python numbers while
 # The update inside a captured step
 
 This page deepens [AdamFP16](adam_fp16.html) for [the step as one CUDA
-graph](graphed_step.html). A CUDA graph records the kernels a step
-launches, with their arguments, once; a replay runs the same kernels on the same
-memory, and no Python code runs. Every argument that is a Python number is frozen
-at its value during the capture. Two of the update's arguments change from step
-to step:
+graph](graphed_step.html). A replay runs the captured kernels on the same
+memory, with every Python-number argument frozen at its capture value, yet the
+step count $t$ of each shard (in the bias corrections $1 - \beta_1^t$ and
+$1 - \beta_2^t$) and the learning rate $\alpha$ (a schedule's) change from step
+to step. So the update reads both from device tensors the host refills before
+every replay; with $t_c$ a shard's step count during the capture and $r$ the
+replays done before this one, replay $r$ uses
 
-* the step count $t$ of each shard, which the fused kernel reads for the bias
-  corrections $1 - \beta_1^t$ and $1 - \beta_2^t$;
-* the learning rate $\alpha$, which a schedule changes between steps.
-
-So while a capture records, the update reads both from device tensors that the
-host refills before every replay. With $t_c$ a shard's step count during the
-capture and $r$ the replays done before this one, the step count of replay $r$ is
-
-$$t = t_c + r,$$
-
-computed on the device from one shared tensor $r$.
+$$t = t_c + r.$$
 """
 
 from __future__ import annotations

@@ -13,22 +13,7 @@ $$\mathbf{g} \leftarrow \mathbf{g} \cdot \min\left(1, \frac{c}{\lVert \mathbf{g}
 
 exactly as `torch.nn.utils.clip_grad_norm_` does on an unsharded model
 (tested: tests/optimizers/test_clip_grad.py::test_clipping_is_torchs_on_one_rank).
-The norm is over *all* parameters; each rank holds a disjoint shard of every
-trainable chunk, so the squared norm is a sum over ranks of the local sums of
-squares:
-
-$$\lVert \mathbf{g} \rVert_2^2 = \sum_{r=1}^{N_d} \sum_{i \in \text{shard}_r} g_i^2$$
-
-one all-reduce of one scalar. Padding is zero, so it adds nothing.
-
-The gradients scaled are the shards' fp32 gradients
-([`LocalShard.grad`](../zero3/shard.html)), the very tensors `AdamFP16`
-consumes. (labml-nn clipped the module's parameters, whose gradients the engine
-had already moved away: the clipping did nothing.)
-
-A non-finite gradient makes the squared norm non-finite, so the same all-reduce
-also tells every rank whether any rank overflowed: the
-[loss scaler](grad_scaler.html) uses it instead of a collective of its own.
+The norm is over *all* parameters, while each rank holds a shard of each.
 """
 
 from __future__ import annotations
@@ -43,7 +28,10 @@ from labml_zero.zero3.shard import shard_grad
 
 def shard_grads(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The gradients of the shards that have one (a shard's fp32 `grad`, or an
-    ordinary parameter's `.grad`): the tensors themselves, scaled in place."""
+    ordinary parameter's `.grad`): the tensors themselves, scaled in place, the
+    very tensors `AdamFP16` consumes ([`LocalShard.grad`](../zero3/shard.html)).
+    (labml-nn clipped the module's parameters, whose gradients the engine had
+    already moved away: the clipping did nothing.)"""
     grads = [shard_grad(s) for s in shards]
     return [g for g in grads if g is not None]
 
@@ -54,6 +42,15 @@ def global_grad_norm(
     r"""
     ### $\lVert \mathbf{g} \rVert_2$ over every rank's shards
 
+    Each rank holds a disjoint shard of every trainable chunk, so the squared
+    norm is a sum over ranks of the local sums of squares,
+
+    $$\lVert \mathbf{g} \rVert_2^2 = \sum_{r=1}^{N_d} \sum_{i \in \text{shard}_r} g_i^2,$$
+
+    one all-reduce of one scalar; padding is zero, so it adds nothing. A
+    non-finite gradient makes the sum non-finite, so the same all-reduce also
+    tells every rank whether any rank overflowed: the
+    [loss scaler](grad_scaler.html) uses it instead of a collective of its own.
     A 0-dim fp32 tensor on the device; no host sync.
     """
     grads = shard_grads(shards)

@@ -10,27 +10,9 @@ summary: AdamFP16's update of each shard as soon as its gradient is final, on a
 This page deepens [AdamFP16](adam_fp16.html): with
 `AdamFP16(update_during_backward=True)` a shard is updated as soon as its
 chunk is reduced, while the backward pass goes on with the layers below, and
-`step()` only waits for those updates. The update is `AdamFP16._apply`, the
-same path and operands as in `step()`; what this page holds is the
-bookkeeping around it: the updates in flight, the side stream they run on, the
-skip flags of gradients that were not finite, and the refusal of a gradient
-changed after its update began. `EarlyUpdates` owns all of it; the optimizer
-holds one and asks it. Where an update runs is its shard's
-[home](shard_home.html)'s answer: on the host worker for a host home, else on
-the side stream (GPU) or at once (CPU). With `free_grads` at most
-$Q$ = `EARLY_UPDATES_IN_FLIGHT` of them are queued on the side stream at once
-(`UpdatesInFlight`), so at most $Q$ freed gradients wait for their update, the
-count the [memory model](../zero3/memory_model.html) holds them at
-(`early_update_grads`).
-
-## Limitations
-
-* An early update cannot be undone: a loss scaler, whose skipped steps must
-  skip every shard, is refused, and clipping must not change a gradient after
-  its update began (see Note: updating during the backward pass).
-* While a step is captured as a CUDA graph the host cannot wait for an event,
-  so the cap does not hold there; the graph's memory pool keeps every freed
-  gradient until the capture ends instead.
+`step()` only waits for those updates. An early update cannot be undone, so a
+gradient must not change after its update began (see Note: updating during
+the backward pass).
 """
 
 from __future__ import annotations
@@ -133,6 +115,10 @@ class UpdatesInFlight:
     compute stream has waited for the side stream. An event is anything with
     `query()` and `synchronize()`, so the tests drive the cap on a CPU with a
     stream that lags behind.
+
+    While a step is captured as a CUDA graph the host cannot wait for an
+    event, so the cap does not hold there; the graph's memory pool keeps every
+    freed gradient until the capture ends instead.
     """
 
     def __init__(self, cap: int = EARLY_UPDATES_IN_FLIGHT):
@@ -162,6 +148,14 @@ class UpdatesInFlight:
 class EarlyUpdates:
     """
     ## The early updates of one optimizer
+
+    The update itself is `AdamFP16._apply`, the same path and operands as in
+    `step()`; this class owns the bookkeeping around it, and the optimizer
+    holds one and asks it: the updates in flight, the side stream they run on,
+    the skip flags of gradients that were not finite, and the refusal of a
+    gradient changed after its update began. Where an update runs is its
+    shard's [home](shard_home.html)'s answer: on the host worker for a host
+    home, else on the side stream (GPU) or at once (CPU).
 
     * `apply`: the optimizer's `_apply`, the one path every update takes.
     * `free_grads`: free each shard's gradient once its early update has

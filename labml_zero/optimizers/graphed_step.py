@@ -9,24 +9,14 @@ summary: Record a training step's kernels once and replay them, so that the host
 
 A GPU runs what the host queues. For a small model each kernel is short, and the
 host's work per kernel (Python, the engine's hooks, autograd, the launch itself)
-can take as long as the kernel: the GPU then waits between kernels, and the step
-takes the host's time, not the device's. With $k$ kernels a step, host time
-$h$ per kernel and device time $d_i$ for kernel $i$, an eager step takes about
+can take as long as the kernel: the GPU then waits between kernels. With $k$
+kernels a step, host time $h$ per kernel and device time $d_i$ for kernel $i$,
+an eager step takes about
 
 $$T_\text{eager} \approx \max\Big(k\,h,\ \sum_i d_i\Big),$$
 
 plus the time the host runs ahead of the device at the start of the step (the
-bench starts every step on an idle device). A CUDA graph records the kernels of one
-step, with their arguments and the memory they use, and launches them all with one
-call (`CUDAGraph.replay`): the host's share falls to one launch, and
-
-$$T_\text{graph} \approx \sum_i d_i + k\,\delta,$$
-
-with $\delta$ the device's own gap between two kernels of a graph, about a
-microsecond.
-
-`GraphedStep` below records a whole training step of the engine this way;
-what it needs of a step, and its twin on a CPU, sit beside its code.
+bench starts every step on an idle device).
 """
 
 from __future__ import annotations
@@ -49,8 +39,17 @@ class CaptureFailed(RuntimeError):
 
 
 class GraphedStep:
-    """
+    r"""
     ## A training step recorded once and replayed
+
+    A CUDA graph records the kernels of one step, with their arguments and the
+    memory they use, and launches them all with one call
+    (`CUDAGraph.replay`): the host's share falls to one launch, and
+
+    $$T_\text{graph} \approx \sum_i d_i + k\,\delta,$$
+
+    with $\delta$ the device's own gap between two kernels of a graph, about a
+    microsecond.
 
     * `step(batch) -> loss`: one whole training step (forward, backward,
       `optimizer.step()`, `zero_grad()`), returning the 0-dim loss;

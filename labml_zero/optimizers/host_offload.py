@@ -15,16 +15,8 @@ optimizer's $K$ are touched once per step and by the update alone. This page
 moves them, shard by shard, to host memory and runs the update there
 ({{term: offload}}), as ColossalAI's Gemini and ZeRO-Offload do; where each
 chunk keeps its states is the model's {{term: placement}}
-([its page](../zero3/placement.html)).
-Per offloaded element and step:
-
-* **down** (device to host): the fp32 gradient, 4 bytes, with its
-  non-finite flag computed on the device (`non_finite_flag`);
-* **the update** on the host: the same kernel as on the device
-  (`torch._fused_adamw_` has a CPU implementation), spread over torch's
-  intra-op threads but one (`update_threads`);
-* **up** (host to device): the new master rounded on the host to the shard
-  dtype, $p$ bytes (half the bytes of sending fp32 and casting on the device).
+([its page](../zero3/placement.html)). An offloaded element moves $4 + p$
+bytes a step: its fp32 gradient down, its new master up in the shard's dtype.
 """
 
 from __future__ import annotations
@@ -41,6 +33,8 @@ from labml_zero.zero3.communication import OnStream, current_cuda_stream
 def non_finite_flag(grad: torch.Tensor) -> torch.Tensor:
     r"""
     ## `found_inf`: 0-dim fp32, one when `grad` has an inf or a nan
+
+    Computed on the device, sent down with the gradient.
 
     An update during the backward pass skips a non-finite gradient (see the
     [early updates](early_update.html)); this is its flag. The largest
@@ -68,6 +62,9 @@ def non_finite_flag(grad: torch.Tensor) -> torch.Tensor:
 def update_threads(share: int) -> int:
     """
     ## The host update's intra-op threads
+
+    The host runs the same kernel as the device (`torch._fused_adamw_` has a
+    CPU implementation), spread over these threads.
 
     The rank's share of the cores but one, for the thread that runs the
     backward pass beside it (see Note: threads of the host update); at least
@@ -141,6 +138,10 @@ class HostShard:
 class HostOffload:
     """
     ## The copy streams and the worker that the offloaded shards share
+
+    Down go the fp32 gradient, 4 bytes an element; up goes the new master
+    rounded on the host to the shard dtype, $p$ bytes (half the bytes of
+    sending fp32 and casting on the device).
 
     * `devices`: the GPUs of the offloaded shards' gradients (at most one;
       none on CPU, where the copies are plain ones).

@@ -20,17 +20,7 @@ $$\underbrace{(p + 4 + K)\,S}_{\texttt{DeviceHome}} \quad\text{or}\quad
   \underbrace{(p + 4)\,S}_{\texttt{HostHome}},$$
 
 and a host home holds the $K S$ bytes and a $4 S$-byte staging buffer in host
-memory instead. `AdamFP16` builds one home per shard at construction, the
-`offload=` positions deciding which kind, once; every later question about the
-shard (where its state is allocated, which gradient the update reads, whether
-the fused kernel may skip a non-finite gradient on the device, how the new
-master reaches the shard) is a call on its home. `build_homes` also groups the
-device homes for the multi-tensor kernels, once.
-
-## Limitations
-
-* A param group added after construction (`add_param_group`) keeps its state
-  on the device: `offload=` positions are resolved once, at construction.
+memory instead.
 """
 
 from __future__ import annotations
@@ -294,6 +284,14 @@ def build_homes(param_groups: list[dict], offloaded: Iterable[torch.Tensor], *,
                 worker: bool, layout: StateLayout) -> Homes:
     """
     ### One home per parameter, the offloaded ones on the host
+
+    `AdamFP16` calls this once, at construction, the `offload=` positions
+    deciding which kind; every later question about a shard (where its state
+    is allocated, which gradient the update reads, whether the fused kernel may
+    skip a non-finite gradient on the device, how the new master reaches the
+    shard) is a call on its home. The device homes are grouped here for the
+    multi-tensor kernels, once. A param group added later (`add_param_group`)
+    keeps its state on the device.
 
     `worker`: whether host updates may run during the backward pass (on the
     offload's worker thread).

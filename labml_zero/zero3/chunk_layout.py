@@ -13,9 +13,8 @@ few and large (a collective's bandwidth grows with its message size), and a rank
 share of a chunk is one contiguous slice, so the optimizer updates it with a
 handful of kernels.
 
-This page is pure arithmetic: the {{term: chunk layout}} it computes decides
-*where* every parameter lives and touches no tensor, so the search can simulate
-thousands of layouts and the tests can check layouts by hand.
+This page is pure arithmetic: the {{term: chunk layout}} decides *where*
+every parameter lives and touches no tensor.
 
 The layout of a Pythia-160M-shaped model on two ranks, at two chunk sizes,
 computed by `plan_chunks` itself (hover a box for its parameter):
@@ -108,7 +107,8 @@ class ChunkLayout:
     ## A whole layout
 
     `chunk_numel` is the common chunk size (oversized parameters aside) and
-    `world_size` is $N_d$.
+    `world_size` is $N_d$. No tensor is touched, so the search can simulate
+    thousands of layouts and the tests can check layouts by hand.
     """
 
     chunk_numel: int

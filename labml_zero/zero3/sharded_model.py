@@ -9,24 +9,13 @@ summary: Zero3Layer, Zero3Sequential and shard_model, the public ways into the
 
 Three ways to put a model under ZeRO-3, all built from the same pieces (a
 [layout](chunk_layout.html), [chunks](chunk.html) and the
-[runtime's hooks](hooks.html); the layout and the chunk are explained in their
-pages, after the core path):
-
-* `Zero3Layer(module, rank, world_size, device, dtype)` shards one layer, and
-  `Zero3Sequential([...])` runs a chain of them, as in labml-nn;
-* `zero3_layers(modules, device=..., config=...)` builds those layers with one
-  chunk size for all of them (searched unless the config fixes it; the search
-  is explained in [its page](chunk_search.html)); a parameter of two layers
-  (a tied readout) is the first one's, which stays gathered for the whole
-  step;
-* `shard_model(model, layers, device=..., config=...)` wraps any `nn.Module`,
-  sharding the chosen submodules (each block of a Hugging Face model, say) as units
-  and the parameters outside them as a *root unit* that stays gathered for the
-  whole step (embeddings, final norms, tied readouts).
-
-Either way the model has one layout, `model.layout`, with a group per unit,
-and a model larger than one GPU is built without any rank holding it (Lazy
-initialisation, beside `zero3_layers`).
+[runtime's hooks](hooks.html)), each beside its code below:
+`Zero3Layer` shards one layer and `Zero3Sequential` runs a chain of them, as in
+labml-nn; `zero3_layers` builds those layers with one chunk size (the
+[search](chunk_search.html)'s, unless the config fixes it); `shard_model` wraps
+any `nn.Module`. Either way the model has one layout, `model.layout`, with a
+group per unit, and a model larger than one GPU is built without any rank
+holding it (Lazy initialisation, beside `zero3_layers`).
 """
 
 from __future__ import annotations
@@ -522,7 +511,9 @@ def shard_model(
     ## Shard any model
 
     * `layers` are the submodules that become units, in execution order (e.g.
-      `model.transformer.h` of a GPT-2). Everything else is the root unit.
+      `model.transformer.h` of a GPT-2, each block of a Hugging Face model).
+      Everything else (embeddings, final norms, tied readouts) is the root
+      unit, gathered for the whole step.
 
     A parameter of two wrapped layers (or of a layer and the rest of the model)
     goes to the root unit, which stays gathered for the whole step;

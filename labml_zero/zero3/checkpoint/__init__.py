@@ -9,15 +9,9 @@ summary: Each rank saves its own shards in parallel, with digests; resume is
 # Sharded checkpoints
 
 A ZeRO-3 rank holds $\frac{1}{N_d}$ of every chunk, so a checkpoint is those
-shards, one file per rank, written in parallel and never gathered: each rank
-writes about
-
-$$\frac{(p + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
-
-bytes, for $\Psi_t$ trainable and $\Psi_f$ frozen elements, $p$ bytes per
-parameter and $K = 3 \cdot 4$ bytes of Adam state (an fp32 master and two fp32
-moments). It must give a {{term: bit-exact resume}} (every step after the
-load computes what the uninterrupted run computed, to the last bit), load at
+shards, one file per rank, written in parallel and never gathered
+([saving](save.html) counts its bytes). It must give a
+{{term: bit-exact resume}} (every step after the load computes what the uninterrupted run computed, to the last bit), load at
 any world size or chunk size ({{term: resharding}}), and either load exactly or
 be refused with one line naming the file.
 """

@@ -14,12 +14,7 @@ one failure flag per rank,
 
 $$f = \sum_{r} f_r \, e_r, \qquad f_r = 1 \text{ if rank } r \text{ failed},$$
 
-($e_r$ the $r$-th unit vector) and if any flag is set, every rank raises: the
-failing one its own error, the others "failed on rank $k$", $k$ the first rank
-whose flag is set. A load reads everything into host memory *before* that
-agreement and changes the model only after it, so a refused checkpoint changes
-nothing. The same collective carries the two other things ranks must share:
-the save id and the digests.
+($e_r$ the $r$-th unit vector), and if any flag is set, every rank raises.
 """
 
 from __future__ import annotations
@@ -40,8 +35,10 @@ def agree(comm: Communicator, error: BaseException | None, what: str) -> None:
     """
     ### Raise on every rank if any rank failed; `error` is this rank's
 
-    The other ranks learn *that* rank $k$ failed, not why: its own error is
-    raised on rank $k$ only. Each agreement is an all-reduce, counted by the
+    The failing rank raises its own error, the others "failed on rank $k$",
+    $k$ the first rank whose flag is set: they learn *that* it failed, not why.
+    A load reads everything into host memory *before* this agreement and
+    changes the model only after it, so a refused checkpoint changes nothing. Each agreement is an all-reduce, counted by the
     communicator's `CommCounter` like the training collectives.
     """
     # [N_d] int32, one flag per rank
@@ -57,7 +54,9 @@ def agree(comm: Communicator, error: BaseException | None, what: str) -> None:
 
 
 def run_agreed(comm: Communicator, fn: Callable[[], None], what: str) -> None:
-    """Run one phase on this rank, then agree on the outcome."""
+    """Run one phase on this rank, then agree on the outcome. Collectives
+    of the same kind carry the two other things ranks must share, below: the save
+    id and the digests."""
     error = None
     try:
         fn()

@@ -15,9 +15,7 @@ ZeRO-3 exists to avoid, so the export goes **one chunk at a time**, and the
 consumer sees a stream of `(name, tensor)`.
 
 A checkpoint already saved needs no ranks: `saved_tensors` streams the same
-`(name, tensor)` pairs out of the ranks' files, one parameter at a time, so
-an offline converter holds one tensor plus what its consumer keeps (see Note:
-why not map the files).
+pairs out of the ranks' files.
 """
 
 from __future__ import annotations
@@ -196,6 +194,9 @@ def saved_tensors(reader: CheckpointReader, *,
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     r"""
     ## Every saved parameter, whole, one at a time
+
+    No ranks are needed, and an offline converter holds one tensor plus what
+    its consumer keeps (see Note: why not map the files).
 
     Yields `(name, tensor)` in chunk order, each in the chunk's dtype or, where
     the checkpoint has one, from its fp32 master (the values training would

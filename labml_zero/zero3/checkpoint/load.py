@@ -9,13 +9,9 @@ summary: Every rank reads its new shards from the saved ranks' files, at any wor
 
 A load fills each chunk's new shard, on each new rank, with exactly the
 elements it held when saved: the bf16/fp16 parameter, the fp32 master and both
-moments. At the saved world size and layout that is each rank's own file; at
-another world size $N_d'$ (or another chunk size) each new shard overlaps parts
-of the old ones, and [the reader](reader.html) finds them with one piece of
-arithmetic. Either way a trained element is copied, never recomputed, so the
-resume is bit-exact at the saved world size (see [what a resume
-needs](state.html)); at another one the next steps differ only by the order in
-which gradients are summed over ranks.
+moments, copied, never recomputed: the resume is bit-exact at the saved world
+size (see [what a resume needs](state.html)); at another one the next steps
+differ only by the order in which gradients are summed over ranks.
 """
 
 from __future__ import annotations
@@ -84,7 +80,10 @@ def shard_overlaps(chunk: Chunk) -> Iterator[tuple[str, int, int, int]]:
     #### The part of each parameter in this rank's shard
 
     Yields `(name, a, b, at)`: parameter elements $[a, b)$ go to shard position
-    `at`.
+    `at`. At the saved world size and layout the elements are each rank's own
+    file's; at another world size $N_d'$ (or another chunk size) each new shard
+    overlaps parts of the old ones, and [the reader](reader.html) finds them
+    with one piece of arithmetic.
     """
     lo, hi = chunk.shard_offset, chunk.shard_offset + chunk.shard_numel
     for name, slot in zip(chunk.names, chunk.spec.slots):

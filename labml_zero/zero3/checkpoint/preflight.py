@@ -9,12 +9,7 @@ summary: What a launcher can learn from a checkpoint's manifest alone, so a
 
 A resume that is refused only after the ranks started has cost the time to
 start them, build the model and, on a GPU job, place it: minutes, for an error
-that the manifest could have told. `check_resumable` is that check. It reads the
-manifest and the files' sizes (and, when asked, every file's
-[digest](digest.html)); it needs no process group, no device and no model, only
-the model's parameter shapes, which a model built on the meta device gives for
-free. It refuses, with one line naming the path, a checkpoint this job cannot
-resume from.
+that the manifest could have told. `check_resumable` is that check.
 """
 
 from __future__ import annotations
@@ -91,7 +86,11 @@ def check_resumable(path: str | os.PathLike, *, world_size: int,
     * `verify` checks every file's digest (reads the whole checkpoint once);
       without it a changed byte in a file is found only when a rank reads it.
 
-    Raises `CheckpointError` with one line; returns a `CheckpointInfo`.
+    It reads the manifest and the files' sizes (and, with `verify`, every
+    file's [digest](digest.html)); it needs no process group, no device and no
+    model, only the parameter shapes, which a model built on the meta device
+    gives for free. Raises `CheckpointError` with one line naming the path;
+    returns a `CheckpointInfo`.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

@@ -17,9 +17,7 @@ $K = 3 \cdot 4$ with fp32 states), each rank writes
 
 $$\frac{(p + K)\,\Psi_t + p\,\Psi_f}{N_d}$$
 
-bytes (for fp32, $K = 2 \cdot 4$: the master is the parameter) and the ranks exchange
-nothing but a few flags and their files' digests; the checkpoint appears at its
-path complete or not at all (see Note: atomic save).
+bytes (for fp32, $K = 2 \cdot 4$: the master is the parameter).
 """
 
 from __future__ import annotations
@@ -178,7 +176,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer=None, *
     """
     ## Save a sharded checkpoint
 
-    Called by every rank, between training steps.
+    Called by every rank, between training steps. The ranks exchange nothing
+    but a few flags and their files' digests.
 
     * `model` is a `Zero3Sequential` or `ShardedModel`.
     * `optimizer` is the `AdamFP16` over its shards (any `ShardOptimizer`), or

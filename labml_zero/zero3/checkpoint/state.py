@@ -7,15 +7,11 @@ summary: The training state a checkpoint must hold for the next step after a loa
 
 # What a resume needs
 
-The next step after a load must compute exactly what the next step after the
-save would have computed: a resume is *bit-exact* when, for every step $t$ after
-the save, the weights $\theta_t$ of the resumed run equal those of the run that
-was never interrupted, to the last bit. That needs every input of a step: the
-shards with their optimizer state, the hyperparameters and the RNG states (each
-beside the code that reads it out below), and whatever else the loop keeps: a
-loss scaler's state and the data position go into `extra` (global) or
-`rank_extra` (per rank). This page reads those pieces out of a model and an
-optimizer, and puts the small ones back.
+A resume is *bit-exact* when, for every step $t$ after the save, the weights
+$\theta_t$ of the resumed run equal those of the run that was never
+interrupted, to the last bit. That needs every input of a step, each read out
+beside its code below; whatever else the loop keeps (a loss scaler's state, the
+data position) goes into `extra` (global) or `rank_extra` (per rank).
 """
 
 from __future__ import annotations
