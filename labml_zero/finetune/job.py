@@ -45,8 +45,8 @@ from labml_zero.finetune.steps import (GRAPH_WARMUP, Totals, Training,
                                        micro_batch, train_step)
 from labml_zero.finetune.step_metrics import (StepMeter, flops_per_token,
                                               peak_flops)
-from labml_zero.finetune.tracking import (EXPERIMENT_NAME, labml_configs,
-                                          local_log_written, start_labml)
+from labml_zero.finetune.tracking import (labml_configs, local_log_written,
+                                          start_labml)
 from labml_zero.family import TrainingBuild
 from labml_zero.launch import DistContext, ranks_text
 from labml_zero.optimizers.adam_fp16 import NonFiniteGradient
@@ -58,7 +58,7 @@ from labml_zero.zero3.placement_report import measured_lines
 from labml_zero.zero3.sharded_model import Zero3Sequential
 
 __all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "MODEL_PRESETS",
-           "DTYPES", "FINETUNERS", "EXPERIMENT_NAME", "train", "build_model",
+           "DTYPES", "FINETUNERS", "train", "build_model",
            "NonFiniteLoss"]
 
 # Test-only fault injection: `rank:step` makes that rank raise after that step.

@@ -291,7 +291,7 @@ LLAMA = ModelFamily(
     activation_bytes=activation_bytes, finetuner=finetuner,
     lora_targets=tuple(TARGETS), named_tensors=hf_named_tensors,
     save_hf=save_hf, save_merged=save_merged,
-    save_adapter=save_llama_adapter, title="Llama",
+    save_adapter=save_llama_adapter, title="Llama", experiment="zero3_llama",
     snapshot_config=llama_config_from_hf, finetuners=tuple(FINETUNERS),
     resolve_kernels=resolve_llama_kernels, assemble=assemble,
     init_parameter=init_parameter, load_sharded=load_sharded, hf_prefix=hf_prefix,
