@@ -39,6 +39,7 @@ from torch import nn
 
 from labml_zero.assembly import Assembled, Recipe
 from labml_zero.family import ModelFamily, TrainingBuild
+from labml_zero.hf.peft_adapter import save_layers_adapter
 from labml_zero.neox import build as neox_build
 from labml_zero.neox import config as neox_config
 from labml_zero.neox.activation_memory import layer_activation_bytes
@@ -47,13 +48,12 @@ from labml_zero.neox.generate import Sampling, generate
 from labml_zero.neox.hf_checkpoint import (HFCheckpoint, check_hf_snapshot,
                                            config_from_hf, hf_named_tensors,
                                            save_hf_checkpoint)
-from labml_zero.neox.lora import (ADAPTER_NAMES, TARGETS, FineTuneLoRA,
+from labml_zero.neox.lora import (TARGETS, FineTuneLoRA,
                                   LoRALinear, base_layer, load_hf_layer)
 from labml_zero.neox.lora_export import (EXPORT_MARKER, check_export_destination,
                                          export_bytes, marker_text, merged,
-                                         peft_adapter_config,
-                                         peft_name, save_merged_checkpoint,
-                                         save_peft_adapter, write_adapter_dir)
+                                         save_merged_checkpoint,
+                                         save_peft_adapter)
 from labml_zero.neox.model import (TransformerLayer, build_layers,
                                    count_parameters, hf_prefix, init_parameter)
 from labml_zero.neox.side_files import hf_side_files, snapshot_dtype
@@ -135,19 +135,12 @@ def save_adapter(out_dir: str | os.PathLike, layers: Sequence[nn.Module],
                  lora: FineTuneLoRA, *, base_model_name_or_path: str | None = None,
                  overwrite: bool = False) -> Path:
     """The adapters of unsharded layers in PEFT's format, each $A$ and $B$ in
-    its own dtype."""
+    its own dtype ([`save_layers_adapter`](../hf/peft_adapter.html), given
+    the transformer layers)."""
     blocks = [layer for layer in layers if isinstance(layer, TransformerLayer)]
-    adapter = {peft_name(hf_prefix(layer) + name): t.detach().cpu()
-               for layer in blocks for name, t in layer.state_dict().items()
-               if name.rpartition(".")[2] in ADAPTER_NAMES}
-    if not adapter:
-        raise ValueError("save_adapter: the layers have no LoRA adapters")
-    config = peft_adapter_config(lora, [layer.layer_idx for layer in blocks],
-                                 blocks[0].config.n_layers,
-                                 base_model_name_or_path=base_model_name_or_path)
-    out_dir = Path(out_dir)
-    write_adapter_dir(out_dir, config, adapter, overwrite=overwrite)
-    return out_dir
+    return save_layers_adapter(out_dir, blocks, lora, hf_prefix=hf_prefix,
+                               base_model_name_or_path=base_model_name_or_path,
+                               overwrite=overwrite)
 
 
 def assemble(build: TrainingBuild, recipe: Recipe, *, device: torch.device,
