@@ -107,8 +107,10 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
     model, its weights, the tokenizer, the exports and the sample. The step, the
     data order, the checkpoints and the tracking are the job's, the same for
     every family. A model whose input and output embeddings are one matrix
-    (tied) is refused before start: `zero3_layers` has no root unit for a
-    parameter of two layers.
+    (tied: SmolLM2, Llama-3.2) trains too: `zero3_layers` lays the matrix out
+    once, in the embedding layer, gathered for the whole step (the Llama
+    model's [Note: a tied embedding in the chunk
+    layout](../llama/model.html)).
 
     GPT-NeoX-20B must never exist whole on one rank. The model is put together
     by its family's `assemble` (GPT-NeoX's is

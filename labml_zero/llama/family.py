@@ -56,7 +56,7 @@ from labml_zero.llama.tokenizer import TOKENIZER_FILE, checkpoint_tokenizer
 from labml_zero.neox.finetuners import FineTuneAll
 from labml_zero.neox.generate import Sampling, generate
 from labml_zero.llama.kernels import resolve_llama_kernels
-from labml_zero.layers.lora import LoRALinear, load_base_weights
+from labml_zero.layers.lora import load_base_weights, reset_adapters
 from labml_zero.hf.export_destination import (check_export_destination,
                                               export_bytes, marker_text)
 from labml_zero.hf.peft_adapter import export_blocks_adapter, hf_names, merged
@@ -85,11 +85,8 @@ def materialize(layers: list[nn.Module], device: torch.device | str) -> None:
         tie_embeddings(layers)
     for layer in layers:
         layer.reset_parameters()
-        # LoRA's adapters, added on meta, came back as uninitialised memory
-        # that the layer's own init does not touch: PEFT's init, B = 0.
-        for module in layer.modules():
-            if isinstance(module, LoRALinear):
-                module.reset_adapter()
+        # LoRA's adapters, added on meta: PEFT's init, B = 0
+        reset_adapters(layer)
 
 
 def load_layer(checkpoint: LlamaCheckpoint, layer: nn.Module, *,

@@ -40,6 +40,7 @@ from torch import nn
 from labml_zero.assembly import Assembled, Recipe
 from labml_zero.family import ModelFamily, TrainingBuild
 from labml_zero.hf.peft_adapter import save_layers_adapter
+from labml_zero.layers.lora import reset_adapters
 from labml_zero.neox import build as neox_build
 from labml_zero.neox import config as neox_config
 from labml_zero.neox.activation_memory import layer_activation_bytes
@@ -48,8 +49,7 @@ from labml_zero.neox.generate import Sampling, generate
 from labml_zero.neox.hf_checkpoint import (HFCheckpoint, check_hf_snapshot,
                                            config_from_hf, hf_named_tensors,
                                            save_hf_checkpoint)
-from labml_zero.neox.lora import (TARGETS, FineTuneLoRA,
-                                  LoRALinear, base_layer, load_hf_layer)
+from labml_zero.neox.lora import TARGETS, FineTuneLoRA, base_layer, load_hf_layer
 from labml_zero.neox.lora_export import (EXPORT_MARKER, check_export_destination,
                                          export_bytes, marker_text, merged,
                                          save_merged_checkpoint,
@@ -73,9 +73,7 @@ def materialize(layers: list[nn.Module], device: torch.device | str) -> None:
     for layer in layers:
         layer.to_empty(device=device)
         layer.reset_parameters()
-        for module in layer.modules():
-            if isinstance(module, LoRALinear):
-                module.reset_adapter()
+        reset_adapters(layer)
 
 
 def load_layer(checkpoint: HFCheckpoint, layer: nn.Module, *,
