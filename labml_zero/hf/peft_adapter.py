@@ -14,8 +14,9 @@ merged model**, each adapted weight replaced by
 $$W' = W + \frac{\alpha}{r} B A,$$
 
 an ordinary checkpoint again, and **the adapter alone**, in the format
-`PeftModel.from_pretrained` loads. Only the family's name prefix differs
-between families, so this page serves both.
+`PeftModel.from_pretrained` loads, from unsharded layers or gathered from a
+sharded model. Only the family's name prefix differs between families, so
+this page serves both.
 
 ## Limitations
 
@@ -251,15 +252,16 @@ def export_blocks_adapter(out_dir: str | os.PathLike, model,
                           hf_prefix: Callable[[nn.Module], str],
                           base_model_name_or_path: str | None = None,
                           overwrite: bool = False) -> Path | None:
-    """
+    r"""
     ## The adapters of a sharded model, in PEFT's format
 
     Called by every rank of the sharded `model`; `blocks` are its family's
     transformer blocks (the modules inside its layers) and `hf_prefix` the
     family's checkpoint prefix of a layer. Only the trainable chunks are
-    gathered, since with LoRA they hold every adapter and nothing else: $2 r
-    (d_{in} + d_{out})$ elements an adapted projection rather than the whole
-    model. They come to rank 0 [one chunk at a
+    gathered, since with LoRA they hold every adapter and nothing else:
+    $r (d_\text{in} + d_\text{out})$ elements an adapted projection ($A$ is
+    $r \times d_\text{in}$, $B$ is $d_\text{out} \times r$) rather than the
+    whole model. They come to rank 0 [one chunk at a
     time](../zero3/checkpoint/export.html), from the fp32 masters when
     `optimizer` is given, and are written in the dtype they are gathered in;
     rank 0 writes `out_dir` in one rename (`write_adapter_dir`) and returns

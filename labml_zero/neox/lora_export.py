@@ -15,8 +15,9 @@ replaced by $W' = W + \frac{\alpha}{r} B A$ (`--export-hf`, or its older name
 `--export-merged`), or the adapter is written alone for PEFT
 (`--export-adapter`). The merge, PEFT's files and [where an export may
 go](../hf/export_destination.html) are [shared with the Llama
-family](../hf/peft_adapter.html); this page gathers a sharded GPT-NeoX model
-for them, one chunk at a time.
+family](../hf/peft_adapter.html), and so is gathering a sharded model's
+adapters; this page gathers a sharded GPT-NeoX model for the merged
+checkpoint, one chunk at a time, and names its layers for the adapter.
 """
 
 from __future__ import annotations
