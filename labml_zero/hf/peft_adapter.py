@@ -199,19 +199,21 @@ def write_adapter_dir(out_dir: Path, config: dict,
         raise
 
 
-def save_layers_adapter(out_dir: str | os.PathLike, blocks: Sequence[nn.Module],
+def save_layers_adapter(out_dir: str | os.PathLike, layers: Sequence[nn.Module],
                         lora: LoRA, *, hf_prefix: Callable[[nn.Module], str],
                         base_model_name_or_path: str | None = None,
                         overwrite: bool = False) -> Path:
     """
     ## The adapters of unsharded blocks, in PEFT's format
 
-    `blocks` are a family's transformer blocks with adapters (each with
-    `layer_idx` and `config.n_layers`); `hf_prefix(block)` is the family's
-    checkpoint prefix of a block. Each $A$ and $B$ is written in its own
+    `layers` are a family's unsharded layers; its transformer blocks
+    (`lora.BLOCK`, each with `layer_idx` and `config.n_layers`) hold the
+    adapters; `hf_prefix(block)` is the family's checkpoint prefix of a
+    block. Each $A$ and $B$ is written in its own
     dtype under PEFT's key. With only some layers built,
     `adapter_config.json`'s `layers_to_transform` names them.
     """
+    blocks = [layer for layer in layers if isinstance(layer, lora.BLOCK)]
     config = blocks_adapter_config(
         lora, blocks, base_model_name_or_path=base_model_name_or_path)
     adapter = {peft_name(hf_prefix(block) + name): t.detach().cpu()
@@ -246,8 +248,7 @@ class TrainableOnly(NamedTuple):
     chunks: list
 
 
-def export_blocks_adapter(out_dir: str | os.PathLike, model,
-                          blocks: Sequence[nn.Module], lora: LoRA,
+def export_blocks_adapter(out_dir: str | os.PathLike, model, lora: LoRA,
                           optimizer=None, *,
                           hf_prefix: Callable[[nn.Module], str],
                           base_model_name_or_path: str | None = None,
@@ -255,8 +256,8 @@ def export_blocks_adapter(out_dir: str | os.PathLike, model,
     r"""
     ## The adapters of a sharded model, in PEFT's format
 
-    Called by every rank of the sharded `model`; `blocks` are its family's
-    transformer blocks (the modules inside its layers) and `hf_prefix` the
+    Called by every rank of the sharded `model`, whose layers include
+    `lora.BLOCK`s, the family's transformer blocks; `hf_prefix` is the
     family's checkpoint prefix of a layer. Only the trainable chunks are
     gathered, since with LoRA they hold every adapter and nothing else:
     $r (d_\text{in} + d_\text{out})$ elements an adapted projection ($A$ is
@@ -267,6 +268,11 @@ def export_blocks_adapter(out_dir: str | os.PathLike, model,
     rank 0 writes `out_dir` in one rename (`write_adapter_dir`) and returns
     it, the others `None`.
     """
+    blocks = [layer.module for layer in model.layers
+              if isinstance(layer.module, lora.BLOCK)]
+    if not blocks:
+        raise ValueError(f"export_blocks_adapter: the model has no "
+                         f"{lora.BLOCK.__name__} layers")
     config = blocks_adapter_config(
         lora, blocks, base_model_name_or_path=base_model_name_or_path)
     out_dir = Path(out_dir)

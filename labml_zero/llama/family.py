@@ -245,11 +245,7 @@ def export_adapter(out_dir: str | os.PathLike, model, lora: LlamaLoRA,
     Every rank calls it: [the shared export](../hf/peft_adapter.html) of its
     decoder layers' adapters, under PEFT's keys for `LlamaForCausalLM`.
     """
-    decoders = [layer.module for layer in model.layers
-                if isinstance(layer.module, DecoderLayer)]
-    if not decoders:
-        raise ValueError("export_adapter: the model has no decoder layers")
-    return export_blocks_adapter(out_dir, model, decoders, lora, optimizer,
+    return export_blocks_adapter(out_dir, model, lora, optimizer,
                                  hf_prefix=hf_prefix,
                                  base_model_name_or_path=base_model_name_or_path,
                                  overwrite=overwrite)

@@ -54,8 +54,8 @@ from labml_zero.neox.lora_export import (EXPORT_MARKER, check_export_destination
                                          export_bytes, marker_text, merged,
                                          save_merged_checkpoint,
                                          save_peft_adapter)
-from labml_zero.neox.model import (TransformerLayer, build_layers,
-                                   count_parameters, hf_prefix, init_parameter)
+from labml_zero.neox.model import (build_layers, count_parameters, hf_prefix,
+                                   init_parameter)
 from labml_zero.neox.side_files import hf_side_files, snapshot_dtype
 from labml_zero.neox.tokenizer import (end_of_text_id, job_tokenizer_path,
                                        load_tokenizer)
@@ -133,10 +133,8 @@ def save_adapter(out_dir: str | os.PathLike, layers: Sequence[nn.Module],
                  lora: FineTuneLoRA, *, base_model_name_or_path: str | None = None,
                  overwrite: bool = False) -> Path:
     """The adapters of unsharded layers in PEFT's format, each $A$ and $B$ in
-    its own dtype ([`save_layers_adapter`](../hf/peft_adapter.html), given
-    the transformer layers)."""
-    blocks = [layer for layer in layers if isinstance(layer, TransformerLayer)]
-    return save_layers_adapter(out_dir, blocks, lora, hf_prefix=hf_prefix,
+    its own dtype ([`save_layers_adapter`](../hf/peft_adapter.html))."""
+    return save_layers_adapter(out_dir, layers, lora, hf_prefix=hf_prefix,
                                base_model_name_or_path=base_model_name_or_path,
                                overwrite=overwrite)
 

@@ -56,7 +56,7 @@ from labml_zero.hf.snapshot_layout import (  # noqa: F401
 )
 from labml_zero.neox.hf_checkpoint import save_hf_checkpoint
 from labml_zero.neox.lora import FineTuneLoRA
-from labml_zero.neox.model import NeoXConfig, TransformerLayer, hf_prefix
+from labml_zero.neox.model import NeoXConfig, hf_prefix
 from labml_zero.zero3.checkpoint import export_full_state_dict
 
 __all__ = ["merged", "save_merged_checkpoint", "peft_adapter_config",
@@ -124,11 +124,7 @@ def save_peft_adapter(out_dir: str | os.PathLike, model, lora: FineTuneLoRA,
     PEFT's keys for `GPTNeoXForCausalLM`
     (`base_model.model.gpt_neox.layers.`$i$`.attention.query_key_value.lora_A.weight`).
     """
-    layers = [layer.module for layer in model.layers
-              if isinstance(layer.module, TransformerLayer)]
-    if not layers:
-        raise ValueError("save_peft_adapter: the model has no transformer layers")
-    return export_blocks_adapter(out_dir, model, layers, lora, optimizer,
+    return export_blocks_adapter(out_dir, model, lora, optimizer,
                                  hf_prefix=hf_prefix,
                                  base_model_name_or_path=base_model_name_or_path,
                                  overwrite=overwrite)
