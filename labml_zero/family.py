@@ -141,6 +141,10 @@ class ModelFamily:
     # ### What the fine-tune job asks
     title: str
     """The family's name in the job's banner (`GPT-NeoX`, `Llama`)."""
+    experiment: str
+    """labml's experiment name for the family's fine-tunes: runs go to
+    `<log_dir>/<experiment>/`, so one family's runs are listed apart from
+    another's (`zero3_neox`, `zero3_llama`)."""
     snapshot_config: Callable[[str | os.PathLike], Any]
     """A snapshot's `config.json`, checked, as the family's config (no tensor
     read); one-line `CheckpointError` naming the file and the field."""

@@ -43,7 +43,7 @@ from labml_zero.app.client import (DEFAULT_APP_URL, app_url_if_running,
                                    check_app_url, labml_app_settings,
                                    show_run_health)
 from labml_zero.app.server import ASSETS, AppConfig, main, static_dir
-from labml_zero.finetune.job import EXPERIMENT_NAME
+from labml_zero.neox.family import NEOX
 from labml_zero.finetune.tracking import HEALTH_CHARTS, HEALTH_READY
 from tests.distributed import skip_job_without_gpus
 from tests.test_finetune import tracked
@@ -170,7 +170,7 @@ def runs(app: AppConfig, tmp_path_factory) -> Runs:
     for name, proc in procs.items():
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"{name}:\n{out[-3000:]}"
-    run_dirs = sorted((tmp / "logs" / EXPERIMENT_NAME).iterdir())
+    run_dirs = sorted((tmp / "logs" / NEOX.experiment).iterdir())
     # labml's directories are `<uuid>.<rank>`.
     assert [d.suffix for d in run_dirs] == [".0", ".1"], run_dirs
     return Runs(finetune_uuid=run_dirs[0].stem, finetune_log=labml_log(run_dirs[0]),
@@ -246,7 +246,7 @@ def test_the_finetune_is_one_run_with_its_logged_losses(app, runs):
     listed = [r for r in get_json(app.web_url + "api/v1/runs/null")["runs"]
               if r["run_uuid"].startswith(runs.finetune_uuid)]
     assert [(r["run_uuid"], r["name"], r["world_size"]) for r in listed] == \
-        [(runs.finetune_uuid, EXPERIMENT_NAME, WORLD)]
+        [(runs.finetune_uuid, NEOX.experiment, WORLD)]
     assert listed[0]["run_status"]["status"] == "completed"
     run = get_json(app.web_url + f"api/v1/run/{runs.finetune_uuid}")
     assert any(c["key"] == "finetune" for c in run["configs"]), run["configs"]

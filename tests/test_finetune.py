@@ -27,6 +27,7 @@ from labml_zero.finetune.cli import make_parser, main, parse_config
 from labml_zero.finetune.planning import FLAG_DESTS
 from labml_zero.finetune.job import (FinetuneConfig, NonFiniteLoss, Totals,
                                      check_loss, laptop, neox_20b_biases)
+from labml_zero.neox.family import NEOX
 from labml_zero.neox.model import tiny as neox_tiny
 from labml_zero.neox.tokenizer import load_tokenizer
 from tests import tolerance
@@ -70,9 +71,10 @@ def finetune(tmp: Path, *args: str, env: dict | None = None,
         cwd=tmp, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
-def run_dirs(tmp: Path) -> dict[int, Path]:
-    """labml's per-rank run directories, `<uuid>.<rank>`, by rank."""
-    dirs = list((tmp / "logs" / "zero3_neox").iterdir())
+def run_dirs(tmp: Path, experiment: str = NEOX.experiment) -> dict[int, Path]:
+    """labml's per-rank run directories, `<uuid>.<rank>`, by rank, under the
+    family's experiment (GPT-NeoX's unless told)."""
+    dirs = list((tmp / "logs" / experiment).iterdir())
     assert len({d.name.split(".")[0] for d in dirs}) == 1, dirs  # one uuid
     return {int(d.name.split(".")[1]): d for d in dirs}
 

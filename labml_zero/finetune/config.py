@@ -241,7 +241,8 @@ class FinetuneConfig:
     out: str = field(default="runs/zero3_neox", metadata=flag(metavar="DIR"))
     """Run outputs: `checkpoints/step-NNNNNN/` under it."""
     log_dir: str = field(default="logs", metadata=flag(metavar="DIR"))
-    """labml's experiments directory: runs go to `<log_dir>/zero3_neox/`."""
+    """labml's experiments directory: runs go to `<log_dir>/<experiment>/`,
+    the experiment named by the model's family (`zero3_neox`, `zero3_llama`)."""
     app_url: str | None = field(default=None, metadata=flag(metavar="URL"))
     """A labml app's API URL (`http://127.0.0.1:5005/api/v1/default/` for
     `python -m labml_zero.app`); used only if an app answers there."""

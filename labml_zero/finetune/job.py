@@ -45,8 +45,8 @@ from labml_zero.finetune.steps import (GRAPH_WARMUP, Totals, Training,
                                        micro_batch, train_step)
 from labml_zero.finetune.step_metrics import (StepMeter, flops_per_token,
                                               peak_flops)
-from labml_zero.finetune.tracking import (EXPERIMENT_NAME, labml_configs,
-                                          local_log_written, start_labml)
+from labml_zero.finetune.tracking import (labml_configs, local_log_written,
+                                          start_labml)
 from labml_zero.family import TrainingBuild
 from labml_zero.launch import DistContext, ranks_text
 from labml_zero.optimizers.adam_fp16 import NonFiniteGradient
@@ -58,7 +58,7 @@ from labml_zero.zero3.placement_report import measured_lines
 from labml_zero.zero3.sharded_model import Zero3Sequential
 
 __all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "MODEL_PRESETS",
-           "DTYPES", "FINETUNERS", "EXPERIMENT_NAME", "train", "build_model",
+           "DTYPES", "FINETUNERS", "train", "build_model",
            "NonFiniteLoss"]
 
 # Test-only fault injection: `rank:step` makes that rank raise after that step.
@@ -107,8 +107,10 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
     model, its weights, the tokenizer, the exports and the sample. The step, the
     data order, the checkpoints and the tracking are the job's, the same for
     every family. A model whose input and output embeddings are one matrix
-    (tied) is refused before start: `zero3_layers` has no root unit for a
-    parameter of two layers.
+    (tied: SmolLM2, Llama-3.2) trains too: `zero3_layers` lays the matrix out
+    once, in the embedding layer, gathered for the whole step (the Llama
+    model's [Note: a tied embedding in the chunk
+    layout](../llama/model.html)).
 
     GPT-NeoX-20B must never exist whole on one rank. The model is put together
     by its family's `assemble` (GPT-NeoX's is

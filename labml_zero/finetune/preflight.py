@@ -34,7 +34,6 @@ from torch import nn
 from labml_zero.finetune.checkpoints import check_global_batch
 from labml_zero.finetune.corpus import DataError
 from labml_zero.finetune.data import JobData, job_data
-from labml_zero.finetune.tracking import EXPERIMENT_NAME
 from labml_zero.files import size_text
 from labml_zero.family import ADAPTER_EXPORT, HF_EXPORT
 from labml_zero.launch import ranks_text
@@ -194,7 +193,7 @@ def check_exports(config, layers: list[nn.Module], dtype: torch.dtype) -> None:
     # export, which may replace only an empty directory or an earlier export,
     # would be refused then, after the training.
     written = {"--out": Path(config.out) / "checkpoints",
-               "--log-dir": Path(config.log_dir) / EXPERIMENT_NAME}
+               "--log-dir": Path(config.log_dir) / family.experiment}
     if config.export_adapter is not None and config.checkpoint is None:
         raise PreflightError("--export-adapter needs --checkpoint: an adapter "
                              "trained on random weights has no base model to load "

@@ -8,8 +8,9 @@ summary: One labml run over all ranks (one uuid, a directory per rank), the app
 # Tracking the fine-tune with labml
 
 Each rank creates the same labml run (one uuid, agreed by a broadcast) with its own
-rank, so labml keeps a directory per rank (`<log_dir>/zero3_neox/<uuid>.<rank>/`)
-and the labml app merges them. The tracked numbers are already means over all
+rank, so labml keeps a directory per rank (`<log_dir>/<experiment>/<uuid>.<rank>/`,
+the experiment named by the model's [family](../family.html): `zero3_neox`,
+`zero3_llama`) and the labml app merges them. The tracked numbers are already means over all
 ranks (one all-reduce of three scalars per step, see [the job](job.html)), so
 every rank's log agrees; only rank 0 prints. Tracking never decides a run's
 outcome: every rank's records are on disk under `log_dir` whatever the app does.
@@ -36,7 +37,7 @@ from labml_zero.app.client import (app_url_if_running, labml_app_settings,
 from labml_zero.finetune.config import FinetuneConfig
 from labml_zero.launch import DistContext
 
-__all__ = ["EXPERIMENT_NAME", "start_labml", "labml_configs", "VALID_INDICATORS",
+__all__ = ["start_labml", "labml_configs", "VALID_INDICATORS",
            "local_log_written", "BoundedSender", "install_bounded_sender",
            "HEALTH_CHARTS", "RunPageSetup"]
 
@@ -46,7 +47,6 @@ __all__ = ["EXPERIMENT_NAME", "start_labml", "labml_configs", "VALID_INDICATORS"
 # where they are measured (every `valid_every`). labml's screen line would repeat
 # the last value of an indicator on every later line, so these two are kept off
 # it and printed on their own line when measured.
-EXPERIMENT_NAME = "zero3_neox"
 VALID_INDICATORS = ("loss.valid", "acc.valid")
 
 
@@ -384,7 +384,7 @@ def start_labml(config: FinetuneConfig, ctx: DistContext, *, python_file: str
     quiet = (contextlib.nullcontext() if git_root(Path.cwd())
              else contextlib.redirect_stdout(io.StringIO()))
     with quiet:
-        experiment.create(name=EXPERIMENT_NAME, uuid=run_uuid, writers=writers,
+        experiment.create(name=config.family.experiment, uuid=run_uuid, writers=writers,
                           python_file=python_file, distributed_rank=ctx.rank,
                           distributed_world_size=ctx.world_size)
     for name in VALID_INDICATORS:

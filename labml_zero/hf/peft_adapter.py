@@ -14,8 +14,9 @@ merged model**, each adapted weight replaced by
 $$W' = W + \frac{\alpha}{r} B A,$$
 
 an ordinary checkpoint again, and **the adapter alone**, in the format
-`PeftModel.from_pretrained` loads. Only the family's name prefix differs
-between families, so this page serves both.
+`PeftModel.from_pretrained` loads, from unsharded layers or gathered from a
+sharded model. Only the family's name prefix differs between families, so
+this page serves both.
 
 ## Limitations
 
@@ -31,7 +32,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -44,10 +45,11 @@ from labml_zero.hf.export_destination import (ADAPTER, check_export_destination,
 from labml_zero.hf.snapshot_layout import (ADAPTER_CONFIG, ADAPTER_WEIGHTS,
                                            EXPORT_MARKER)
 from labml_zero.layers.lora import ADAPTER_NAMES, LoRA, is_adapter
+from labml_zero.zero3.checkpoint import export_full_state_dict, prefix_rename
 
 __all__ = ["merged", "peft_name", "peft_adapter_config",
            "blocks_adapter_config", "write_adapter_dir", "save_layers_adapter",
-           "PEFT_PREFIX"]
+           "hf_names", "TrainableOnly", "export_blocks_adapter", "PEFT_PREFIX"]
 
 # PEFT's prefix for the wrapped model's modules (`PeftModel.base_model.model`).
 PEFT_PREFIX = "base_model.model."
@@ -197,19 +199,21 @@ def write_adapter_dir(out_dir: Path, config: dict,
         raise
 
 
-def save_layers_adapter(out_dir: str | os.PathLike, blocks: Sequence[nn.Module],
+def save_layers_adapter(out_dir: str | os.PathLike, layers: Sequence[nn.Module],
                         lora: LoRA, *, hf_prefix: Callable[[nn.Module], str],
                         base_model_name_or_path: str | None = None,
                         overwrite: bool = False) -> Path:
     """
     ## The adapters of unsharded blocks, in PEFT's format
 
-    `blocks` are a family's transformer blocks with adapters (each with
-    `layer_idx` and `config.n_layers`); `hf_prefix(block)` is the family's
-    checkpoint prefix of a block. Each $A$ and $B$ is written in its own
+    `layers` are a family's unsharded layers; its transformer blocks
+    (`lora.BLOCK`, each with `layer_idx` and `config.n_layers`) hold the
+    adapters; `hf_prefix(block)` is the family's checkpoint prefix of a
+    block. Each $A$ and $B$ is written in its own
     dtype under PEFT's key. With only some layers built,
     `adapter_config.json`'s `layers_to_transform` names them.
     """
+    blocks = [layer for layer in layers if isinstance(layer, lora.BLOCK)]
     config = blocks_adapter_config(
         lora, blocks, base_model_name_or_path=base_model_name_or_path)
     adapter = {peft_name(hf_prefix(block) + name): t.detach().cpu()
@@ -220,3 +224,69 @@ def save_layers_adapter(out_dir: str | os.PathLike, blocks: Sequence[nn.Module],
     out_dir = Path(out_dir)
     write_adapter_dir(out_dir, config, adapter, overwrite=overwrite)
     return out_dir
+
+
+# ## The adapters of a sharded model
+
+
+def hf_names(model, hf_prefix: Callable[[nn.Module], str]) -> Callable[[str], str]:
+    """`Zero3Sequential` names (`"3.self_attn.q_proj.weight"`) to the family's
+    Hugging Face ones (`"model.layers.2.self_attn.q_proj.weight"`):
+    `hf_prefix(layer)` replaces each layer's position."""
+    return prefix_rename([hf_prefix(layer.module) for layer in model.layers])
+
+
+class TrainableOnly(NamedTuple):
+    """
+    #### The trainable chunks of a sharded model, for `export_full_state_dict`
+
+    It gathers `model.chunks` through `model.runtime`; given this, it gathers
+    only the chunks that hold adapters.
+    """
+
+    runtime: object
+    chunks: list
+
+
+def export_blocks_adapter(out_dir: str | os.PathLike, model, lora: LoRA,
+                          optimizer=None, *,
+                          hf_prefix: Callable[[nn.Module], str],
+                          base_model_name_or_path: str | None = None,
+                          overwrite: bool = False) -> Path | None:
+    r"""
+    ## The adapters of a sharded model, in PEFT's format
+
+    Called by every rank of the sharded `model`, whose layers include
+    `lora.BLOCK`s, the family's transformer blocks; `hf_prefix` is the
+    family's checkpoint prefix of a layer. Only the trainable chunks are
+    gathered, since with LoRA they hold every adapter and nothing else:
+    $r (d_\text{in} + d_\text{out})$ elements an adapted projection ($A$ is
+    $r \times d_\text{in}$, $B$ is $d_\text{out} \times r$) rather than the
+    whole model. They come to rank 0 [one chunk at a
+    time](../zero3/checkpoint/export.html), from the fp32 masters when
+    `optimizer` is given, and are written in the dtype they are gathered in;
+    rank 0 writes `out_dir` in one rename (`write_adapter_dir`) and returns
+    it, the others `None`.
+    """
+    blocks = [layer.module for layer in model.layers
+              if isinstance(layer.module, lora.BLOCK)]
+    if not blocks:
+        raise ValueError(f"export_blocks_adapter: the model has no "
+                         f"{lora.BLOCK.__name__} layers")
+    config = blocks_adapter_config(
+        lora, blocks, base_model_name_or_path=base_model_name_or_path)
+    out_dir = Path(out_dir)
+
+    def write(tensors: Iterator[tuple[str, torch.Tensor]]) -> Path:
+        adapter = {peft_name(name): tensor for name, tensor in tensors
+                   if is_adapter(name)}
+        if not adapter:
+            raise ValueError("export_blocks_adapter: the model has no LoRA "
+                             "adapters")
+        write_adapter_dir(out_dir, config, adapter, overwrite=overwrite)
+        return out_dir
+
+    trainable = TrainableOnly(model.runtime,
+                              [c for c in model.chunks if c.trainable])
+    return export_full_state_dict(write, trainable, optimizer,
+                                  rename=hf_names(model, hf_prefix))

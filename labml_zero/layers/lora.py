@@ -35,7 +35,7 @@ from torch import nn
 from labml_zero.zero3.trainable import TrainableCount, mark_trainable
 
 __all__ = ["ADAPTER_NAMES", "is_adapter", "LoRALinear", "init_adapter",
-           "load_base_weights", "LoRA"]
+           "reset_adapters", "load_base_weights", "LoRA"]
 
 # The adapter matrices' names, as PEFT has them, beside `weight` and `bias`.
 ADAPTER_NAMES = ("lora_A", "lora_B")
@@ -144,6 +144,15 @@ def init_adapter(name: str, param: torch.Tensor) -> None:
             param.zero_()
         else:
             raise ValueError(f"{name!r} is not an adapter parameter")
+
+
+def reset_adapters(layer: nn.Module) -> None:
+    """Every adapter inside `layer` to PEFT's init. A layer built on meta and
+    moved with `to_empty` holds uninitialised memory, which its own
+    `reset_parameters` does not touch in the adapters."""
+    for module in layer.modules():
+        if isinstance(module, LoRALinear):
+            module.reset_adapter()
 
 
 def load_base_weights(layer, state: dict[str, torch.Tensor]) -> None:

@@ -44,19 +44,15 @@ from labml_zero.llama.tokenizer import TOKENIZER_FILE, checkpoint_tokenizer
 from labml_zero.neox.finetuners import FineTuneAll
 from labml_zero.neox.generate import Sampling, generate
 from labml_zero.llama.kernels import resolve_llama_kernels
-from labml_zero.layers.lora import (ADAPTER_NAMES, LoRALinear,
-                                   load_base_weights)
+from labml_zero.layers.lora import load_base_weights, reset_adapters
 from labml_zero.hf.export_destination import (check_export_destination,
                                               export_bytes, marker_text)
-from labml_zero.hf.peft_adapter import (merged, peft_adapter_config, peft_name,
-                                        write_adapter_dir)
+from labml_zero.hf.peft_adapter import export_blocks_adapter, hf_names, merged
 from labml_zero.hf.snapshot_layout import EXPORT_MARKER
-from labml_zero.neox.lora_export import TrainableOnly
 from labml_zero.neox.side_files import snapshot_dtype
 from labml_zero.neox.tokenizer import (BUNDLED_TOKENIZER, end_of_text_id,
                                        load_tokenizer, vocab_size)
-from labml_zero.zero3.checkpoint import (CheckpointError, export_full_state_dict,
-                                         prefix_rename)
+from labml_zero.zero3.checkpoint import CheckpointError, export_full_state_dict
 
 __all__ = ["ModelFamily", "LLAMA", "materialize", "finetuner", "assemble",
            "init_parameter", "export_hf", "export_adapter"]
@@ -77,11 +73,8 @@ def materialize(layers: list[nn.Module], device: torch.device | str) -> None:
         tie_embeddings(layers)
     for layer in layers:
         layer.reset_parameters()
-        # LoRA's adapters, added on meta, came back as uninitialised memory
-        # that the layer's own init does not touch: PEFT's init, B = 0.
-        for module in layer.modules():
-            if isinstance(module, LoRALinear):
-                module.reset_adapter()
+        # LoRA's adapters, added on meta: PEFT's init, B = 0
+        reset_adapters(layer)
 
 
 def load_layer(checkpoint: LlamaCheckpoint, layer: nn.Module, *,
@@ -210,12 +203,6 @@ def save_merged(out_dir: str | os.PathLike, config: llama_config.LlamaConfig,
                    **options)
 
 
-def hf_names(model) -> Callable[[str], str]:
-    """`Zero3Sequential` names (`"3.self_attn.q_proj.weight"`) to Hugging
-    Face's (`"model.layers.2.self_attn.q_proj.weight"`)."""
-    return prefix_rename([hf_prefix(layer.module) for layer in model.layers])
-
-
 def export_hf(out_dir: str | os.PathLike, model, lora: LlamaLoRA | None,
               config: llama_config.LlamaConfig, optimizer=None, *,
               dtype: torch.dtype | None = None, overwrite: bool = False,
@@ -238,7 +225,7 @@ def export_hf(out_dir: str | os.PathLike, model, lora: LlamaLoRA | None,
                        snapshot=snapshot, dtype=dtype, overwrite=overwrite,
                        marker=HF_EXPORT)
 
-    return export_full_state_dict(write, model, optimizer, rename=hf_names(model))
+    return export_full_state_dict(write, model, optimizer, rename=hf_names(model, hf_prefix))
 
 
 def export_adapter(out_dir: str | os.PathLike, model, lora: LlamaLoRA,
@@ -247,30 +234,13 @@ def export_adapter(out_dir: str | os.PathLike, model, lora: LlamaLoRA,
     """
     ### The sharded model's adapters, in PEFT's format
 
-    Every rank calls it; only the trainable chunks, which hold every adapter
-    and nothing else, are gathered, from the fp32 masters when `optimizer` is
-    given; rank 0 writes `out_dir` in one rename.
+    Every rank calls it: [the shared export](../hf/peft_adapter.html) of its
+    decoder layers' adapters, under PEFT's keys for `LlamaForCausalLM`.
     """
-    decoders = [layer.module for layer in model.layers
-                if isinstance(layer.module, DecoderLayer)]
-    if not decoders:
-        raise ValueError("export_adapter: the model has no decoder layers")
-    config = peft_adapter_config(lora, [layer.layer_idx for layer in decoders],
-                                 decoders[0].config.n_layers,
-                                 base_model_name_or_path=base_model_name_or_path)
-    out_dir = Path(out_dir)
-
-    def write(tensors: Iterator[tuple[str, torch.Tensor]]) -> Path:
-        adapter = {peft_name(name): tensor for name, tensor in tensors
-                   if name.rpartition(".")[2] in ADAPTER_NAMES}
-        if not adapter:
-            raise ValueError("export_adapter: the model has no LoRA adapters")
-        write_adapter_dir(out_dir, config, adapter, overwrite=overwrite)
-        return out_dir
-
-    trainable = TrainableOnly(model.runtime, [c for c in model.chunks if c.trainable])
-    return export_full_state_dict(write, trainable, optimizer,
-                                  rename=hf_names(model))
+    return export_blocks_adapter(out_dir, model, lora, optimizer,
+                                 hf_prefix=hf_prefix,
+                                 base_model_name_or_path=base_model_name_or_path,
+                                 overwrite=overwrite)
 
 
 LLAMA = ModelFamily(
@@ -283,7 +253,7 @@ LLAMA = ModelFamily(
     activation_bytes=activation_bytes, finetuner=finetuner,
     lora_targets=tuple(TARGETS), named_tensors=hf_named_tensors,
     save_hf=save_hf, save_merged=save_merged,
-    save_adapter=save_llama_adapter, title="Llama",
+    save_adapter=save_llama_adapter, title="Llama", experiment="zero3_llama",
     snapshot_config=llama_config_from_hf, finetuners=tuple(FINETUNERS),
     resolve_kernels=resolve_llama_kernels, assemble=assemble,
     init_parameter=init_parameter, load_sharded=load_sharded, hf_prefix=hf_prefix,

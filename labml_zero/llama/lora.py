@@ -126,9 +126,6 @@ def save_llama_adapter(out_dir: str | os.PathLike, layers: Sequence[nn.Module],
     With only some layers built, `adapter_config.json`'s
     `layers_to_transform` names them.
     """
-    decoders = [layer for layer in layers if isinstance(layer, DecoderLayer)]
-    if not decoders:
-        raise ValueError("save_llama_adapter: no decoder layers")
-    return save_layers_adapter(out_dir, decoders, lora, hf_prefix=hf_prefix,
+    return save_layers_adapter(out_dir, layers, lora, hf_prefix=hf_prefix,
                                base_model_name_or_path=base_model_name_or_path,
                                overwrite=overwrite)

@@ -30,6 +30,8 @@ from torch import nn
 
 from labml_zero.assembly import Assembled, Recipe
 from labml_zero.family import ModelFamily, TrainingBuild
+from labml_zero.hf.peft_adapter import save_layers_adapter
+from labml_zero.layers.lora import reset_adapters
 from labml_zero.neox import build as neox_build
 from labml_zero.neox import config as neox_config
 from labml_zero.neox.activation_memory import layer_activation_bytes
@@ -38,15 +40,13 @@ from labml_zero.neox.generate import Sampling, generate
 from labml_zero.neox.hf_checkpoint import (HFCheckpoint, check_hf_snapshot,
                                            config_from_hf, hf_named_tensors,
                                            save_hf_checkpoint)
-from labml_zero.neox.lora import (ADAPTER_NAMES, TARGETS, FineTuneLoRA,
-                                  LoRALinear, base_layer, load_hf_layer)
+from labml_zero.neox.lora import TARGETS, FineTuneLoRA, base_layer, load_hf_layer
 from labml_zero.neox.lora_export import (EXPORT_MARKER, check_export_destination,
                                          export_bytes, marker_text, merged,
-                                         peft_adapter_config,
-                                         peft_name, save_merged_checkpoint,
-                                         save_peft_adapter, write_adapter_dir)
-from labml_zero.neox.model import (TransformerLayer, build_layers,
-                                   count_parameters, hf_prefix, init_parameter)
+                                         save_merged_checkpoint,
+                                         save_peft_adapter)
+from labml_zero.neox.model import (build_layers, count_parameters, hf_prefix,
+                                   init_parameter)
 from labml_zero.neox.side_files import hf_side_files, snapshot_dtype
 from labml_zero.neox.tokenizer import (end_of_text_id, job_tokenizer_path,
                                        load_tokenizer)
@@ -64,9 +64,7 @@ def materialize(layers: list[nn.Module], device: torch.device | str) -> None:
     for layer in layers:
         layer.to_empty(device=device)
         layer.reset_parameters()
-        for module in layer.modules():
-            if isinstance(module, LoRALinear):
-                module.reset_adapter()
+        reset_adapters(layer)
 
 
 def load_layer(checkpoint: HFCheckpoint, layer: nn.Module, *,
@@ -126,19 +124,10 @@ def save_adapter(out_dir: str | os.PathLike, layers: Sequence[nn.Module],
                  lora: FineTuneLoRA, *, base_model_name_or_path: str | None = None,
                  overwrite: bool = False) -> Path:
     """The adapters of unsharded layers in PEFT's format, each $A$ and $B$ in
-    its own dtype."""
-    blocks = [layer for layer in layers if isinstance(layer, TransformerLayer)]
-    adapter = {peft_name(hf_prefix(layer) + name): t.detach().cpu()
-               for layer in blocks for name, t in layer.state_dict().items()
-               if name.rpartition(".")[2] in ADAPTER_NAMES}
-    if not adapter:
-        raise ValueError("save_adapter: the layers have no LoRA adapters")
-    config = peft_adapter_config(lora, [layer.layer_idx for layer in blocks],
-                                 blocks[0].config.n_layers,
-                                 base_model_name_or_path=base_model_name_or_path)
-    out_dir = Path(out_dir)
-    write_adapter_dir(out_dir, config, adapter, overwrite=overwrite)
-    return out_dir
+    its own dtype ([`save_layers_adapter`](../hf/peft_adapter.html))."""
+    return save_layers_adapter(out_dir, layers, lora, hf_prefix=hf_prefix,
+                               base_model_name_or_path=base_model_name_or_path,
+                               overwrite=overwrite)
 
 
 def assemble(build: TrainingBuild, recipe: Recipe, *, device: torch.device,
@@ -182,7 +171,8 @@ NEOX = ModelFamily(
     flops_per_token=flops_per_token, activation_bytes=activation_bytes,
     finetuner=finetuner, lora_targets=tuple(TARGETS),
     named_tensors=hf_named_tensors, save_hf=save_hf, save_merged=save_merged,
-    save_adapter=save_adapter, title="GPT-NeoX", snapshot_config=config_from_hf,
+    save_adapter=save_adapter, title="GPT-NeoX", experiment="zero3_neox",
+    snapshot_config=config_from_hf,
     finetuners=FINETUNERS, resolve_kernels=neox_build.resolve_kernels,
     assemble=assemble, init_parameter=init_parameter, load_sharded=load_sharded,
     hf_prefix=hf_prefix, tokenizer_file=job_tokenizer_path,

@@ -15,15 +15,16 @@ replaced by $W' = W + \frac{\alpha}{r} B A$ (`--export-hf`, or its older name
 `--export-merged`), or the adapter is written alone for PEFT
 (`--export-adapter`). The merge, PEFT's files and [where an export may
 go](../hf/export_destination.html) are [shared with the Llama
-family](../hf/peft_adapter.html); this page gathers a sharded GPT-NeoX model
-for them, one chunk at a time.
+family](../hf/peft_adapter.html), and so is gathering a sharded model's
+adapters; this page gathers a sharded GPT-NeoX model for the merged
+checkpoint, one chunk at a time, and names its layers for the adapter.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Iterator
 
 import torch
 
@@ -39,7 +40,10 @@ from labml_zero.hf.export_destination import (  # noqa: F401
     marker_text,
 )
 from labml_zero.hf.peft_adapter import (  # noqa: F401
+    TrainableOnly,
     blocks_adapter_config,
+    export_blocks_adapter,
+    hf_names,
     merged,
     peft_adapter_config,
     peft_name,
@@ -50,21 +54,15 @@ from labml_zero.hf.snapshot_layout import (  # noqa: F401
     ADAPTER_WEIGHTS,
     EXPORT_MARKER,
 )
-from labml_zero.layers.lora import is_adapter
 from labml_zero.neox.hf_checkpoint import save_hf_checkpoint
 from labml_zero.neox.lora import FineTuneLoRA
-from labml_zero.neox.model import NeoXConfig, TransformerLayer, hf_prefix
-from labml_zero.zero3.checkpoint import export_full_state_dict, prefix_rename
+from labml_zero.neox.model import NeoXConfig, hf_prefix
+from labml_zero.zero3.checkpoint import export_full_state_dict
 
 __all__ = ["merged", "save_merged_checkpoint", "peft_adapter_config",
            "peft_name", "save_peft_adapter", "ADAPTER_CONFIG", "ADAPTER_WEIGHTS",
            "EXPORT_MARKER", "ExportDestinationError", "check_export_destination",
            "export_bytes"]
-
-
-def hf_names(model):
-    """`Zero3Sequential` names (`"3.attention.dense.weight"`) to Hugging Face ones."""
-    return prefix_rename([hf_prefix(layer.module) for layer in model.layers])
 
 
 # ## The merged checkpoint
@@ -108,22 +106,11 @@ def save_merged_checkpoint(out_dir: str | os.PathLike, model,
                                   extra_files={**(side_files or {}),
                                                EXPORT_MARKER: marker_text(MERGED)})
 
-    return export_full_state_dict(write, model, optimizer, rename=hf_names(model))
+    return export_full_state_dict(write, model, optimizer,
+                                  rename=hf_names(model, hf_prefix))
 
 
 # ## The PEFT adapter
-
-
-class TrainableOnly(NamedTuple):
-    """
-    #### The trainable chunks of a sharded model, for `export_full_state_dict`
-
-    It gathers `model.chunks` through `model.runtime`; given this, it gathers
-    only the chunks that hold adapters.
-    """
-
-    runtime: object
-    chunks: list
 
 
 def save_peft_adapter(out_dir: str | os.PathLike, model, lora: FineTuneLoRA,
@@ -132,30 +119,12 @@ def save_peft_adapter(out_dir: str | os.PathLike, model, lora: FineTuneLoRA,
     """
     ### Write the adapter in PEFT's format
 
-    Called by every rank of the sharded `model`; rank 0 writes `out_dir`
-    (atomically, see `write_adapter_dir`) and returns it, the
-    others return `None`. The matrices are written in the dtype they are
-    gathered in: fp32 from the optimizer's masters. Only the trainable chunks
-    are gathered, since they hold every adapter and nothing else.
+    Called by every rank of the sharded `model`: [the shared
+    export](../hf/peft_adapter.html) of its GPT-NeoX layers' adapters, under
+    PEFT's keys for `GPTNeoXForCausalLM`
+    (`base_model.model.gpt_neox.layers.`$i$`.attention.query_key_value.lora_A.weight`).
     """
-    layers = [layer.module for layer in model.layers
-              if isinstance(layer.module, TransformerLayer)]
-    if not layers:
-        raise ValueError("save_peft_adapter: the model has no transformer layers")
-    config = blocks_adapter_config(
-        lora, layers, base_model_name_or_path=base_model_name_or_path)
-    out_dir = Path(out_dir)
-
-    def write(tensors: Iterator[tuple[str, torch.Tensor]]) -> Path:
-        adapter = {peft_name(name): tensor for name, tensor in tensors
-                   if is_adapter(name)}
-        if not adapter:
-            raise ValueError("save_peft_adapter: the model has no LoRA adapters")
-        write_adapter_dir(out_dir, config, adapter, overwrite=overwrite)
-        return out_dir
-
-    trainable = TrainableOnly(model.runtime,
-                              [c for c in model.chunks if c.trainable])
-    return export_full_state_dict(write, trainable, optimizer,
-                                  rename=hf_names(model))
-
+    return export_blocks_adapter(out_dir, model, lora, optimizer,
+                                 hf_prefix=hf_prefix,
+                                 base_model_name_or_path=base_model_name_or_path,
+                                 overwrite=overwrite)

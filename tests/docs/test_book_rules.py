@@ -40,9 +40,8 @@ def test_the_core_path_sets_each_idea_beside_its_code(site_files):
     rows = [r for r in nbc.built_rows(site_files) if r.page in core_pages()]
     assert {r.page for r in rows} == set(core_pages())
     assert not nbc.rows_over(rows), nbc.rows_over(rows)
-    # The core path holds the book's target, MAX_SITE_SHARE, already; the rest
-    # of the site holds the module pages' limit so far
-    # (`python -m docsite.notes_beside_code` prints the module figures).
+    # the core path on its own holds the whole site's rule, MAX_SITE_SHARE
+    # (`python -m docsite.notes_beside_code` prints the figures page by page)
     assert nbc.site_share(rows) <= nbc.MAX_SITE_SHARE
     assert sum(r.words for r in rows) <= CORE_PATH_WORDS
 

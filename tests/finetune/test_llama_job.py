@@ -21,8 +21,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from labml_zero.finetune.__main__ import main
 from labml_zero.finetune.dataset import load_text
+from labml_zero.llama.family import LLAMA
 from labml_zero.llama.hf_checkpoint import LlamaCheckpoint, load_layers
 from labml_zero.llama.model import LlamaChain, build_layers, count_parameters
+from labml_zero.neox.family import NEOX
 from tests import tolerance
 from tests.llama.test_model import llama_terms
 from tests.test_finetune import run_dirs, tracked
@@ -118,11 +120,14 @@ def test_a_llama_snapshot_trains_at_world_2(trained):
     stdout = (trained / "stdout.txt").read_text()
     assert "Llama: 2 layers of width 48" in stdout
     assert "Sample after 6 steps" in stdout
-    losses = tracked(run_dirs(trained)[0])["loss.train"]
+    losses = tracked(run_dirs(trained, LLAMA.experiment)[0])["loss.train"]
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
     # from near ln 320 of a random model, six steps at 3e-3 bring it down
     assert losses[6] < losses[1] - 0.1, losses
+    # a Llama run is its family's labml experiment, not GPT-NeoX's
+    assert [d.name for d in (trained / "logs").iterdir()] == [LLAMA.experiment]
+    assert LLAMA.experiment != NEOX.experiment
 
 
 def test_the_export_loads_in_transformers_with_our_logits(trained, snapshots):
@@ -152,8 +157,8 @@ def test_a_llama_checkpoint_resumes_to_the_same_losses(trained, snapshots,
     result = job(tmp_path, "--checkpoint", str(snapshots["llama"]), "--steps", "6",
                  "--resume", str(saved), "--sample-tokens", "0", world=2)
     check_ok(result)
-    full = tracked(run_dirs(trained)[0])
-    resumed = tracked(run_dirs(tmp_path)[0])
+    full = tracked(run_dirs(trained, LLAMA.experiment)[0])
+    resumed = tracked(run_dirs(tmp_path, LLAMA.experiment)[0])
     assert sorted(resumed["loss.train"]) == [4, 5, 6]
     # the same ranks summing in the same order: the same numbers
     for step in (4, 5, 6):
@@ -174,7 +179,7 @@ def test_lora_on_qwen2_at_world_1_exports_for_peft_and_transformers(snapshots,
                  "--export-hf", str(merged), "--export-adapter", str(adapter),
                  world=1)
     check_ok(result)
-    losses = tracked(run_dirs(tmp_path)[0])["loss.train"]
+    losses = tracked(run_dirs(tmp_path, LLAMA.experiment)[0])["loss.train"]
     assert sorted(losses) == [1, 2, 3, 4]
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8
@@ -274,7 +279,7 @@ def test_a_tied_snapshot_trains_and_exports_its_matrix_once(tied):
     # the tied matrix counted once
     n = count_parameters(build_layers(config, device="meta"))
     assert f"{n:,} parameters" in (tied / "stdout.txt").read_text()
-    losses = tracked(run_dirs(tied)[0])["loss.train"]
+    losses = tracked(run_dirs(tied, LLAMA.experiment)[0])["loss.train"]
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     assert losses[6] < losses[1] - 0.1, losses
     out = tied / "export"
@@ -296,8 +301,8 @@ def test_a_tied_checkpoint_resumes_to_the_same_losses(tied, tmp_path):
     result = job(tmp_path, "--checkpoint", str(tied / "snapshot"), "--steps", "6",
                  "--resume", str(saved), "--sample-tokens", "0", world=2)
     check_ok(result)
-    full = tracked(run_dirs(tied)[0])
-    resumed = tracked(run_dirs(tmp_path)[0])
+    full = tracked(run_dirs(tied, LLAMA.experiment)[0])
+    resumed = tracked(run_dirs(tmp_path, LLAMA.experiment)[0])
     assert sorted(resumed["loss.train"]) == [4, 5, 6]
     for step in (4, 5, 6):
         assert resumed["loss.train"][step] == full["loss.train"][step]
@@ -352,7 +357,6 @@ def test_random_weights_take_the_bundled_tokenizer_where_it_fits():
     takes the bundled GPT-NeoX one (50,281 ids) where the embedding holds it,
     and refuses in one line where it does not (Mistral's 32,000 rows)."""
     from labml_zero.llama.config import llama_3_1_8b, mistral_7b
-    from labml_zero.llama.family import LLAMA
     from labml_zero.neox.tokenizer import BUNDLED_TOKENIZER
     from labml_zero.zero3.checkpoint import CheckpointError
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from labml_zero.llama.family import LLAMA
 from labml_zero.llama.hf_checkpoint import LlamaCheckpoint
 from tests import tolerance
 from tests.finetune.test_llama_job import check_ok, job, snapshots  # noqa: F401
@@ -21,7 +22,7 @@ def losses(tmp, snapshot, kernels: str) -> dict[int, float]:
     result = job(tmp, "--checkpoint", str(snapshot), "--steps", str(STEPS),
                  "--kernels", kernels, "--sample-tokens", "0", world=1)
     check_ok(result)
-    return tracked(run_dirs(tmp)[0])["loss.train"]
+    return tracked(run_dirs(tmp, LLAMA.experiment)[0])["loss.train"]
 
 
 def test_every_llama_kernel_trains_the_plain_models_losses(snapshots, tmp_path):
