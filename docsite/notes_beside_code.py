@@ -47,7 +47,7 @@ from .prose import intro_words
 from .site import load_pages
 from .split import Section
 
-MAX_SHARE = 0.23
+MAX_SHARE = 0.15
 MAX_PAGE_WORDS = 600
 
 CODE_SPAN = re.compile(r"(`+)(?!`).+?(?<!`)\1(?!`)", re.S)
