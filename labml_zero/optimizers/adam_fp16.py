@@ -335,8 +335,8 @@ class AdamFP16(torch.optim.Optimizer):
         backward pass), so a [loss scaler](grad_scaler.html) (the object that scales
         the loss of fp16 training) rules early updates out (passing the scale
         to the kernel, `grad_scale=`, would allow it), and clipping rules them out
-        whenever it clips. With `free_grads` clipping sees no gradient at all and
-        clips nothing, silently: use it without clipping.
+        whenever it clips. With `free_grads` the gradients are gone after
+        `backward()`, so clipping and the loss scaler refuse them in one line.
         """
         home = self.homes.of.get(param)
         if home is None:

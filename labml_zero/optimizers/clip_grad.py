@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from labml_zero.zero3.communication import Communicator
-from labml_zero.zero3.shard import shard_grad
+from labml_zero.zero3.shard import LocalShard, shard_grad
 
 
 def shard_grads(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -34,6 +34,17 @@ def shard_grads(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     already moved away: the clipping did nothing.)"""
     grads = [shard_grad(s) for s in shards]
     return [g for g in grads if g is not None]
+
+
+def check_readable(shards: Sequence[torch.Tensor], reader: str) -> None:
+    """Refuse to read gradients that an update during the backward pass takes
+    and frees (`AdamFP16(free_grads=True)`): after `backward()` most of them are
+    gone, so a norm would count some shards and clipping would scale nothing."""
+    if any((shard := LocalShard.of(s)) is not None and shard.grad_taken
+           for s in shards):
+        raise ValueError(f"{reader} reads the gradients after backward(), but "
+                         "AdamFP16(free_grads=True) frees them during it: use "
+                         "free_grads=False to clip or scale the loss")
 
 
 def global_grad_norm(
@@ -53,6 +64,7 @@ def global_grad_norm(
     [loss scaler](grad_scaler.html) uses it instead of a collective of its own.
     A 0-dim fp32 tensor on the device; no host sync.
     """
+    check_readable(shards, "the gradient norm (clipping, the loss scaler)")
     grads = shard_grads(shards)
     if grads:
         # [n_shards] fp32 per-shard norms, squared and summed: Σ_i g_i² on this rank
@@ -78,6 +90,7 @@ def clip_grad_norm_(
     """
     if max_norm <= 0:
         raise ValueError(f"max_norm must be positive, got {max_norm}")
+    check_readable(shards, "clipping")
     if norm is None:
         norm = global_grad_norm(shards, comm)
     # min(1, c / (‖g‖ + 1e-6)) on the device: no host sync

@@ -263,8 +263,9 @@ class EarlyUpdates:
         flight hold one, at most $Q$ (see Note: why the early updates in flight
         are capped). The update and its operands are the same, so the losses are
         bit for bit those without it. The price: after `backward()` the gradients
-        are gone, so nothing may read them before `step()`: no clipping (it would
-        see no gradient and clip nothing, silently), no gradient accumulation (a
+        are gone, so nothing may read them before `step()`: no clipping and no
+        loss scaler (they refuse, as their norm would count only the shards not
+        yet freed), no gradient accumulation (a
         second backward makes new gradients, which `step()` refuses as for a changed
         one).
         """

@@ -93,6 +93,7 @@ class ShardHome:
         during the backward pass that then frees it (`free_grads`)."""
         if self.shard is not None:
             self.shard.grad_read_once = once and self.reads_narrow_gradient
+            self.shard.grad_taken = once
 
     def free_grad(self) -> None:
         """Drop the gradient: the shard's, and `.grad`."""

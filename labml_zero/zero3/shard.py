@@ -71,6 +71,10 @@ class LocalShard:
         # whether `grad`'s only reader is an early update that frees it, set
         # by the optimizer (see Note: one rank keeps the parameter dtype)
         self.grad_read_once = False
+        # whether an update during the backward pass takes the gradient and
+        # frees it (`AdamFP16(free_grads=True)`): nothing after `backward()`
+        # may read it, and clipping or unscaling refuse to
+        self.grad_taken = False
         self._master_init = master_init
         # where `grad` is allocated: the chunk's device, also once `param` is
         # on the host (the reduce-scatter runs there)

@@ -152,3 +152,24 @@ def test_a_second_backward_into_a_narrow_gradient_is_refused():
             model(x.to(DEVICE, torch.bfloat16)).float(), y.to(DEVICE)).backward()
     with pytest.raises(RuntimeError, match="changed after its update"):
         opt.step()
+
+
+def test_clipping_and_the_loss_scaler_refuse_freed_gradients():
+    """Without the refusal clipping would scale nothing and the norm would count
+    only the shards whose update had not yet freed them: silently wrong."""
+    from labml_zero.optimizers.clip_grad import clip_grad_norm_, global_grad_norm
+    from labml_zero.zero3.communication import Communicator
+
+    model, optimizer = sharded(torch.float32, offload=False, free=True)
+    train(model, optimizer, range(1))
+    shards = model.get_trainable_chunk()
+    comm = Communicator(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^clipping reads the gradients after "
+                       r"backward\(\), but AdamFP16\(free_grads=True\) frees"):
+        clip_grad_norm_(shards, 1.0, comm)
+    with pytest.raises(ValueError, match="the gradient norm"):
+        global_grad_norm(shards, comm)
+    # kept gradients are read as before
+    kept, kept_opt = sharded(torch.float32, offload=False, free=False)
+    train(kept, kept_opt, range(1))
+    clip_grad_norm_(kept.get_trainable_chunk(), 1.0, comm)
