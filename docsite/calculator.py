@@ -128,8 +128,9 @@ def calculator_data() -> dict:
     from labml_zero.neox.finetuners import FINETUNERS, FineTuneBiases
     from labml_zero.neox.lora import TARGETS
     from labml_zero.neox import memory_budget
-    from labml_zero.zero3 import memory_model
-    from labml_zero.zero3.chunk_search import MEBI, ChunkSearchConfig
+    from labml_zero.optimizers import early_update
+    from labml_zero.planner import memory_model
+    from labml_zero.planner.chunk_search import MEBI, ChunkSearchConfig
     from labml_zero.zero3.config import ZeroConfig
     from labml_zero.zero3.state_layout import LAYOUTS
 
@@ -152,7 +153,7 @@ def calculator_data() -> dict:
             for name, layout in LAYOUTS.items()},
         "staging_bytes": memory_model.STAGING_BYTES,
         "backward_extra_units": memory_model.BACKWARD_EXTRA_UNITS,
-        "early_updates_in_flight": memory_model.EARLY_UPDATES_IN_FLIGHT,
+        "early_updates_in_flight": early_update.EARLY_UPDATES_IN_FLIGHT,
         "align": ZeroConfig().align,
         "finetuners": list(FINETUNERS),
         "biases": list(FineTuneBiases.BIASES),

@@ -20,7 +20,7 @@ holds one and asks it. Where an update runs is its shard's
 the side stream (GPU) or at once (CPU). With `free_grads` at most
 $Q$ = `EARLY_UPDATES_IN_FLIGHT` of them are queued on the side stream at once
 (`UpdatesInFlight`), so at most $Q$ freed gradients wait for their update, the
-count the [memory model](../zero3/memory_model.html) holds them at
+count the [memory model](../planner/grad_buffers.html) holds them at
 (`early_update_grads`).
 
 ## Limitations
@@ -43,10 +43,15 @@ from typing import Callable
 import torch
 
 from labml_zero.zero3.communication import OnStream, current_cuda_stream
-from labml_zero.zero3.memory_model import EARLY_UPDATES_IN_FLIGHT
 
 from .host_offload import GradVersion
 from .shard_home import ShardHome
+
+# $Q$: the early updates (`AdamFP16(update_during_backward=True,
+# free_grads=True)`) a rank lets queue on its update stream; `EarlyUpdates`
+# waits for the oldest before queueing another, and [the memory
+# model](../planner/memory_model.html) counts $Q$ gradients.
+EARLY_UPDATES_IN_FLIGHT = 2
 
 
 def _capturing(device: torch.device) -> bool:
@@ -122,7 +127,7 @@ class UpdatesInFlight:
     which no memory model can count. So before queueing another update the host
     waits for the oldest one (a host sync) when $Q$ = `EARLY_UPDATES_IN_FLIGHT`
     are queued: at most $Q$ freed gradients wait at any moment, and the [memory
-    model](../zero3/memory_model.html) counts $Q$ of the largest
+    model](../planner/grad_buffers.html) counts $Q$ of the largest
     (`early_update_grads`). With $Q = 2$ the host waits for the update of
     the chunk before the last one reduced, which the GPU has mostly run while
     the host queued the backward since, so the GPU's queue does not run dry.

@@ -15,7 +15,7 @@ optimizer's $K$ are touched once per step and by the update alone. This page
 moves them, shard by shard, to host memory and runs the update there
 ({{term: offload}}), as ColossalAI's Gemini and ZeRO-Offload do; where each
 chunk keeps its states is the model's {{term: placement}}
-([its page](../zero3/placement.html)).
+([its page](../planner/placement.html)).
 Per offloaded element and step:
 
 * **down** (device to host): the fp32 gradient, 4 bytes, with its

@@ -14,7 +14,7 @@ from labml_zero.neox.memory_budget import BudgetInputs, budget
 from tests.docs.calculator_grid import grid_inputs, searched_inputs
 from tests.docs.test_browser import chromium
 
-PAGE = "labml_zero/zero3/memory_model.html"
+PAGE = "labml_zero/planner/memory_model.html"
 COUNTS = {"psi_trainable", "psi_frozen", "chunk_numel", "chunks", "padding"}
 
 

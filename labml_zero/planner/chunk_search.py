@@ -36,16 +36,13 @@ from labml_zero.zero3.chunk_layout import (
     plan_chunks,
     round_up,
 )
-from labml_zero.zero3.chunk_search_shortcuts import (
+from labml_zero.planner.chunk_search_shortcuts import (
     GroupShape,
     group_shapes,
     is_saturated,
 )
-from labml_zero.zero3.memory_model import (
-    largest_grad_buffer,
-    peak_window_numel,
-    zero3_step_comm,
-)
+from labml_zero.planner.grad_buffers import largest_grad_buffer
+from labml_zero.planner.memory_model import peak_window_numel, zero3_step_comm
 
 __all__ = [
     "ChunkSearchConfig",
