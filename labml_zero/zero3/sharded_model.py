@@ -15,8 +15,9 @@ pages, after the core path):
 * `Zero3Layer(module, rank, world_size, device, dtype)` shards one layer, and
   `Zero3Sequential([...])` runs a chain of them, as in labml-nn;
 * `zero3_layers(modules, device=..., config=...)` builds those layers with one
-  chunk size for all of them (searched unless the config fixes it; the search
-  is explained in [its page](../planner/chunk_search.html)); a parameter of two layers
+  chunk size for all of them (the config's, or a chooser's: [the
+  planner's](../planner/sharding.html) passes [the
+  search](../planner/chunk_search.html)); a parameter of two layers
   (a tied readout) is the first one's, which stays gathered for the whole
   step;
 * `shard_model(model, layers, device=..., config=...)` wraps any `nn.Module`,
