@@ -13,6 +13,7 @@ from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.planner.sharding import shard_model, zero3_layers
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.shard import LocalShard
+from labml_zero.zero3.unit_chunks import param_specs
 from tests import tolerance
 from tests.distributed import run_distributed
 from tests.zero3.models import TINY_TERMS, Block, batch, tiny_layers
@@ -413,3 +414,26 @@ def test_a_huge_group_coarsens_the_steps():
     cap = chunk_search.ChunkSearchConfig().max_candidates
     assert vocab * d // d + 1 > cap  # the range at steps of d is over the cap
     assert chunk % (2 * d) == 0 and chunk > 0
+
+
+def test_the_engine_takes_the_chunk_size_or_refuses():
+    """The engine's `zero3_layers` and `shard_model` choose no size themselves:
+    given neither `chunk_numel` nor a chooser they refuse in one line; the
+    planner's pass its search, and a chooser's size is the one used."""
+    from labml_zero.planner import sharding
+    from labml_zero.zero3 import sharded_model
+
+    with pytest.raises(ValueError, match="no chunk size"):
+        sharded_model.zero3_layers(tiny_layers(), device="cpu", config=ZeroConfig())
+    with pytest.raises(ValueError, match="no chunk size"):
+        model = torch.nn.Sequential(*tiny_layers())
+        sharded_model.shard_model(model, list(model), device="cpu",
+                                  config=ZeroConfig())
+    searched = sharding.zero3_layers(tiny_layers(), device="cpu", config=ZeroConfig())
+    specs, _ = param_specs([layer.named_parameters() for layer in tiny_layers()])
+    assert searched[0].config.chunk_numel == sharding.choose_chunk_numel(
+        specs, 1, ZeroConfig())
+    chosen = sharded_model.zero3_layers(tiny_layers(), device="cpu",
+                                        config=ZeroConfig(),
+                                        choose_chunk_numel=lambda *_: 4096)
+    assert {layer.config.chunk_numel for layer in chosen} == {4096}
