@@ -38,7 +38,7 @@ from labml_zero.planner.placement import (
     shard_specs,
 )
 from labml_zero.planner.placement_probe import (accumulated_step, apply_placement,
-                                              first_step_placement)
+                                                first_step_placement)
 from labml_zero.planner.placement_report import decision_lines
 from labml_zero.planner.sharding import zero3_layers
 from labml_zero.zero3.sharded_model import Zero3Layer, Zero3Sequential
@@ -99,7 +99,8 @@ class Recipe:
     """Micro-batches per optimizer step, as the caller's training step runs
     them (the first `grad_accum - 1` under `no_sync`). `'auto'`'s probe runs
     as many, so the measured peak holds the full-size gradient buffers of every
-    trainable chunk between micro-batches ([the probe](planner/placement_probe.html))."""
+    trainable chunk between micro-batches ([the
+    probe](planner/placement_probe.html))."""
     lr: float = 1e-3
     """AdamW's learning rate."""
     weight_decay: float = 0.0

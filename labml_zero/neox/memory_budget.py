@@ -32,21 +32,21 @@ from labml_zero.neox.finetuners import finetuner
 from labml_zero.neox.kernels import ModelKernels
 from labml_zero.neox.lora import TARGETS
 from labml_zero.neox.model import NeoXConfig, build_layers, pythia_1_4b
-from labml_zero.zero3.chunk_layout import plan_chunks
-from labml_zero.zero3.config import ZeroConfig
-from labml_zero.planner.hybrid_memory import hybrid_step_comm, hybrid_wire_bytes
 from labml_zero.planner.grad_buffers import (
     accumulated_grad_buffers,
     early_update_grads,
     held_grads,
     largest_grad_buffer,
 )
+from labml_zero.planner.hybrid_memory import hybrid_step_comm, hybrid_wire_bytes
 from labml_zero.planner.memory_model import GRAD_BYTES, gathered_memory
 from labml_zero.planner.placement import (ShardSpec, StaticPlacement,
-                                        auto_placement, device_optimizer_bytes,
-                                        offload_traffic, resident_bytes)
-from labml_zero.zero3.state_layout import state_layout
+                                          auto_placement, device_optimizer_bytes,
+                                          offload_traffic, resident_bytes)
 from labml_zero.planner.sharding import choose_chunk_numel
+from labml_zero.zero3.chunk_layout import plan_chunks
+from labml_zero.zero3.config import ZeroConfig
+from labml_zero.zero3.state_layout import state_layout
 from labml_zero.zero3.unit_chunks import param_specs
 
 __all__ = ["DTYPE_BYTES", "H200_BYTES", "BudgetInputs", "Budget", "budget"]

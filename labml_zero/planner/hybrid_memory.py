@@ -25,10 +25,10 @@ from typing import Iterable, NamedTuple
 from labml_zero.zero3.chunk_layout import ChunkLayout
 from labml_zero.zero3.group_ranks import check_shard_group_size
 from labml_zero.planner.memory_model import (OPTIMIZER_BYTES, PARAM_BYTES,
-                                           REDUCE_BYTES, StepComm,
-                                           Traffic, _check_at_least,
-                                           ring_wire_bytes, zero3_step_comm,
-                                           zero_model_states)
+                                             REDUCE_BYTES, StepComm,
+                                             Traffic, _check_at_least,
+                                             ring_wire_bytes, zero3_step_comm,
+                                             zero_model_states)
 
 __all__ = [
     "hybrid_model_states",
@@ -45,8 +45,8 @@ __all__ = [
 
 # ## Hybrid sharding
 #
-# With hybrid sharding (explained in [its page](../zero3/hybrid.html)) the $N_d$ ranks form
-# $R = N_d / N_s$
+# With hybrid sharding (explained in [its page](../zero3/hybrid.html)) the $N_d$
+# ranks form $R = N_d / N_s$
 # {{term: shard groups | shard group}} of $N_s$ ranks. Each group holds one copy of
 # the model states, so a rank holds ZeRO-3's share of a world of $N_s$, and a step
 # adds to ZeRO-3's collectives inside the group one all-reduce, across the $R$

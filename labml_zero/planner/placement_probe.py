@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from labml_zero.planner.placement import (AutoPlacement, Placement, auto_placement,
-                                        shard_specs)
+                                          shard_specs)
 from labml_zero.zero3.state_layout import FP32_STATES, StateLayout
 
 __all__ = ["accumulated_step", "first_step_placement", "apply_placement",

@@ -166,8 +166,8 @@ def test_bf16_moments_hold_the_layouts_bytes(world_size, dtype, states):
     shard is its own master) or, without a master, $2 + 2$, as the memory
     model and placement count it."""
     from labml_zero.planner.placement import (ShardSpec, StaticPlacement,
-                                            device_optimizer_bytes,
-                                            resident_bytes)
+                                              device_optimizer_bytes,
+                                              resident_bytes)
     from labml_zero.zero3.state_layout import LAYOUTS
 
     chosen = LAYOUTS[states]

@@ -10,8 +10,8 @@ import torch
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.planner.memory_model import zero_model_states
 from labml_zero.planner.placement import (GIB, OffloadTraffic, Placement, ShardSpec,
-                                        StaticPlacement, auto_placement,
-                                        offload_traffic, resident_bytes)
+                                          StaticPlacement, auto_placement,
+                                          offload_traffic, resident_bytes)
 
 # model.chunks of a small model: embedding, a frozen chunk, two blocks, the head
 SHARDS = [ShardSpec(100, True), ShardSpec(50, False), ShardSpec(100, True),
