@@ -317,8 +317,8 @@ def search_chunk_size(
     # Bias-only (three biases trainable per layer) picks $c_0 + 4h$, and each layer's
     # biases share one trimmed chunk with no padding.
     #
-    # *With the engine's defaults* (`unit_chunks.choose_chunk_numel`): the range is
-    # stretched to the largest layer and each collective costs $\mu$ =
+    # *With the engine's defaults* ([`sharding.choose_chunk_numel`](sharding.html)):
+    # the range is stretched to the largest layer and each collective costs $\mu$ =
     # `collective_bytes`. Three
     # chunks instead of one cost $3 \cdot 3 - 3 = 6$ more collectives per layer per
     # step, $192$
