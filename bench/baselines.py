@@ -156,7 +156,7 @@ from labml_zero.neox.finetuners import finetuner
 from labml_zero.layers.layer_list import LayerChain
 from labml_zero.neox.model import TransformerLayer
 from labml_zero.zero3.compiled import default_compile_backend
-from labml_zero.zero3.memory_model import zero_model_states
+from labml_zero.planner.memory_model import zero_model_states
 
 from .engine import (
     LEARNING_RATE,

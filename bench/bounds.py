@@ -55,7 +55,7 @@ from labml_zero.optimizers.rounded_update import (
     one_pass,
     step_coefficients,
 )
-from labml_zero.zero3.memory_model import zero_model_states
+from labml_zero.planner.memory_model import zero_model_states
 
 from .baselines import with_recompute
 from .engine import LEARNING_RATE, WEIGHT_DECAY, Engine, InitialWeights, lm_loss

@@ -27,7 +27,7 @@ GPT-NeoX-20B is 82 GB in fp32: building it on one GPU and then sharding it would
 need that much free memory on every rank, and building it on the CPU takes
 minutes. The build is [`assemble`](../labml_zero/assembly.html), the fine-tune's
 path too, and the memory predictions count with the [memory
-model](../labml_zero/zero3/memory_model.html)'s byte constants. The layers are
+model](../labml_zero/planner/memory_model.html)'s byte constants. The layers are
 first built on the **meta device** (shapes, no memory), the fine-tuner marks
 them, the chunk size is searched over all their shapes, and then, one layer at a
 time:
@@ -51,7 +51,7 @@ weights and moments, gradients reduce-scattered in fp32.
 With `workload.offload == "auto"` (or `workload.resident`, W3R) the
 optimizer is built only after a probe:
 one forward and backward on a batch of its own, measured, then
-[`first_step_placement`](../labml_zero/zero3/placement_probe.html) puts the
+[`first_step_placement`](../labml_zero/planner/placement_probe.html) puts the
 optimizer states of as few chunks as needed in host memory, from the output
 end. Offloaded gradients start their copy to the host as their chunk is
 reduced (the runtime's `grad_ready` hook), their host update starts then too
@@ -66,7 +66,7 @@ placement's.
 
 With `workload.resident` the same decision also keeps frozen chunks gathered
 in the device memory left over ([keeping chunks
-resident](../labml_zero/zero3/placement.html)): on W3R, GPT-NeoX-20B's frozen
+resident](../labml_zero/planner/placement.html)): on W3R, GPT-NeoX-20B's frozen
 weights, whole on each GPU, are gathered once, in the first step.
 
 On CPU (the smoke test) there are no allocator statistics: the probe's "peak"
@@ -112,20 +112,20 @@ from labml_zero.neox.kernels import plain_loss_bytes_per_row
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.communication import CommCounter
 from labml_zero.optimizers.graphed_step import GraphedStep
-from labml_zero.zero3.placement import (
+from labml_zero.planner.placement import (
     AutoPlacement,
     Placement,
     ShardSpec,
     resident_bytes,
     shard_specs,
 )
-from labml_zero.zero3.placement_report import measured_lines
-from labml_zero.zero3.memory_model import (
+from labml_zero.planner.placement_report import measured_lines
+from labml_zero.planner.grad_buffers import early_update_grads
+from labml_zero.planner.memory_model import (
     GRAD_BYTES,
     MASTER_INIT_BYTES,
     OPTIMIZER_BYTES,
     PARAM_BYTES,
-    early_update_grads,
     gathered_memory,
     layout_model_states,
     zero_model_states,
@@ -153,7 +153,7 @@ class Engine:
     * `measured_report(steps)`: with the automatic offload, the lines that put
       the measured device and host peaks after `steps` steps beside the
       predicted ones ([the placement's
-      report](../labml_zero/zero3/placement_report.html)).
+      report](../labml_zero/planner/placement_report.html)).
     """
 
     step: Callable[[torch.Tensor], torch.Tensor]

@@ -45,7 +45,8 @@ from labml_zero.finetune.checkpoints import export_meta
 from labml_zero.finetune.config import MODEL_PRESETS, FinetuneConfig
 from labml_zero.launch import spawn
 from labml_zero.neox.model import build_layers, init_parameter
-from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+from labml_zero.planner.sharding import zero3_layers
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.checkpoint import CheckpointReader, save_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent

@@ -29,7 +29,7 @@ W5 is the capability job of heterogeneous memory: its model states alone,
 $(2 + 4 + 12) \cdot 20.6 \cdot 10^9 / 2 = 185$ GB per rank, do not fit an H200
 (149 GB), so each engine runs it with its own offload: labml_zero places the
 optimizer states of whole chunks in host memory by the
-[automatic placement](../labml_zero/zero3/placement.html) (the first step
+[automatic placement](../labml_zero/planner/placement.html) (the first step
 measured, then as few chunks offloaded as make it fit), PyTorch FSDP2 with
 `CPUOffloadPolicy` (parameters, gradients and optimizer all on the host),
 DeepSpeed ZeRO-3 with `offload_optimizer` to the CPU. DDP is not run on it.

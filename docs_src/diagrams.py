@@ -15,7 +15,7 @@ code) or from measured data:
   picture) and `zero3/communication`.
 * `placement.svg` (`placement_svg`): where each chunk's parameter shard,
   gradient and optimizer state live for GPT-NeoX-20B's shape under two static
-  placements, from `placement.py`'s own functions. Page: `zero3/placement`.
+  placements, from `placement.py`'s own functions. Page: `planner/placement`.
 * `step_timeline.svg` (`timeline_svg(trace)`): one measured training step as
   lanes of streams, from `docs_src/figures/step_timeline.json`
   (`{"source": str, "events": [{"name", "stream", "start", "end"}, ...]}`,
@@ -445,7 +445,7 @@ def figures(
     }
     # drawn from placement.py's own functions: a tree without it (the builder's
     # tests build small ones) has no placement figure
-    if (root / "labml_zero" / "zero3" / "placement.py").exists():
+    if (root / "labml_zero" / "planner" / "placement.py").exists():
         out["figures/placement.svg"] = placement_svg(root)
     if trace is not None:
         out["figures/step_timeline.svg"] = timeline_svg(trace, where=where)

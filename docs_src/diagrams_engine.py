@@ -230,7 +230,7 @@ def placement_svg(
     (`offload_traffic`).
     """
     layout_mod = _load_chunk_layout(root)
-    placement = _load_module(root, "labml_zero/zero3/placement.py",
+    placement = _load_module(root, "labml_zero/planner/placement.py",
                              "_labml_zero_placement_for_docs")
     shapes = neox_group_shapes(n_layers=n_layers, d_model=d_model, vocab=vocab)
     specs = [layout_mod.ParamSpec(n, s, True, g) for n, s, g in shapes]

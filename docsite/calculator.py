@@ -36,7 +36,7 @@ from .paths import rel_href
 
 CALCULATOR = re.compile(r"\{\{calculator\}\}")
 
-# unit_chunks.choose_chunk_numel caps the search at this many steps of the
+# planner.sharding.choose_chunk_numel caps the search at this many steps of the
 # hidden size (before stretching it to the largest layer)
 RANGE_STEPS = 4096
 
@@ -210,10 +210,11 @@ def calculator_data() -> dict:
     from labml_zero.neox.lora import TARGETS
     from labml_zero.neox import memory_budget
     from labml_zero.neox.kernels import ModelKernels
+    from labml_zero.optimizers import early_update
+    from labml_zero.planner import memory_model
     from labml_zero.planner import search as planner_search, step_time
+    from labml_zero.planner.chunk_search import MEBI, ChunkSearchConfig
     from labml_zero.planner.devices import GPUS
-    from labml_zero.zero3 import memory_model
-    from labml_zero.zero3.chunk_search import MEBI, ChunkSearchConfig
     from labml_zero.zero3.config import ZeroConfig
     from labml_zero.zero3.state_layout import LAYOUTS
 
@@ -236,7 +237,7 @@ def calculator_data() -> dict:
             for name, layout in LAYOUTS.items()},
         "staging_bytes": memory_model.STAGING_BYTES,
         "backward_extra_units": memory_model.BACKWARD_EXTRA_UNITS,
-        "early_updates_in_flight": memory_model.EARLY_UPDATES_IN_FLIGHT,
+        "early_updates_in_flight": early_update.EARLY_UPDATES_IN_FLIGHT,
         "align": ZeroConfig().align,
         "finetuners": list(FINETUNERS),
         "biases": list(FineTuneBiases.BIASES),

@@ -55,11 +55,11 @@ from .paths import BuildError, rel_href, slugify
 from .results import lookup
 
 PY_NAMESPACE = {
-    "memory_model": "labml_zero.zero3.memory_model",
+    "memory_model": "labml_zero.planner.memory_model",
     "memory_budget": "labml_zero.neox.memory_budget",
-    "hybrid_memory": "labml_zero.zero3.hybrid_memory",
+    "hybrid_memory": "labml_zero.planner.hybrid_memory",
     "chunk_layout": "labml_zero.zero3.chunk_layout",
-    "chunk_search": "labml_zero.zero3.chunk_search",
+    "chunk_search": "labml_zero.planner.chunk_search",
     "zero_config": "labml_zero.zero3.config",
     "neox_model": "labml_zero.neox.model",
     "activation_memory": "labml_zero.neox.activation_memory",

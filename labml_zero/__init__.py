@@ -46,11 +46,11 @@ $\frac{1}{N_d}$ of the memory.
 ## The core path
 
 1. this page: what is sharded, chunks and units;
-2. [the memory and communication model](zero3/memory_model.html);
+2. [the memory and communication model](planner/memory_model.html);
 3. [hooks and schedule](zero3/hooks.html): one training step, hook by hook;
 4. [AdamFP16](optimizers/adam_fp16.html): the update on the shards;
 5. [sharding a model](zero3/sharded_model.html): the ways into the engine;
-6. [the chunk-size search](zero3/chunk_search.html).
+6. [the chunk-size search](planner/chunk_search.html).
 
 Every later page says which of these it deepens.
 """

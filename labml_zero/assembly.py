@@ -26,17 +26,18 @@ from torch import nn
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3.compiled import compile_layers
 from labml_zero.zero3.config import ZeroConfig
-from labml_zero.zero3.placement import (
+from labml_zero.planner.placement import (
     AutoPlacement,
     Placement,
     ShardSpec,
     StaticPlacement,
     shard_specs,
 )
-from labml_zero.zero3.placement_probe import (accumulated_step, apply_placement,
-                                              first_step_placement)
-from labml_zero.zero3.placement_report import decision_lines
-from labml_zero.zero3.sharded_model import Zero3Layer, Zero3Sequential, zero3_layers
+from labml_zero.planner.placement_probe import (accumulated_step, apply_placement,
+                                                first_step_placement)
+from labml_zero.planner.placement_report import decision_lines
+from labml_zero.planner.sharding import zero3_layers
+from labml_zero.zero3.sharded_model import Zero3Layer, Zero3Sequential
 from labml_zero.zero3.shard import LocalShard
 from labml_zero.zero3.trainable import TrainableCount, train_all
 
@@ -94,7 +95,8 @@ class Recipe:
     """Micro-batches per optimizer step, as the caller's training step runs
     them (the first `grad_accum - 1` under `no_sync`). `'auto'`'s probe runs
     as many, so the measured peak holds the full-size gradient buffers of every
-    trainable chunk between micro-batches ([the probe](zero3/placement_probe.html))."""
+    trainable chunk between micro-batches ([the
+    probe](planner/placement_probe.html))."""
     lr: float = 1e-3
     """AdamW's learning rate."""
     weight_decay: float = 0.0
@@ -122,7 +124,7 @@ class Assembled(NamedTuple):
 
     The benchmark reports it and the fine-tune's tracker records it; with
     `'auto'` rank 0 prints the decision ([its
-    report](zero3/placement_report.html)).
+    report](planner/placement_report.html)).
 
     * `model`: the `Zero3Sequential` of the sharded layers; its `layout`, one
       for the whole model with a group per layer, feeds the memory model;

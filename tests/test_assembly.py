@@ -10,7 +10,7 @@ from labml_zero.assembly import Assembled, AutoLimits, Recipe, assemble
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.finetuners import finetuner
 from labml_zero.zero3 import ZeroConfig
-from labml_zero.zero3.placement import shard_specs
+from labml_zero.planner.placement import shard_specs
 
 CPU = torch.device("cpu")
 

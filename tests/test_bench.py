@@ -20,7 +20,8 @@ from bench.workloads import Workload, flops_per_token, matmul_params, mfu, shrin
 from bench.workloads import workloads as all_workloads
 from labml_zero.launch import DistContext
 from labml_zero.neox.kernels import ModelKernels
-from labml_zero.zero3.memory_model import EARLY_UPDATES_IN_FLIGHT, zero_model_states
+from labml_zero.optimizers.early_update import EARLY_UPDATES_IN_FLIGHT
+from labml_zero.planner.memory_model import zero_model_states
 
 
 @pytest.mark.distributed

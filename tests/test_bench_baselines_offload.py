@@ -29,7 +29,7 @@ from bench.engine import meta_layers, random_batches
 from bench.workloads import shrink, workloads
 from labml_zero.launch import DistContext
 from labml_zero.neox.model import TransformerLayer
-from labml_zero.zero3.memory_model import zero_model_states
+from labml_zero.planner.memory_model import zero_model_states
 from tests.distributed import run_distributed
 
 STEPS = 3

@@ -13,7 +13,7 @@ import torch
 from bench import run as bench_run
 from bench.bounds import STATE_BYTES, FloorUpdate
 from labml_zero.optimizers.rounded_update import one_pass_bytes
-from labml_zero.zero3.memory_model import zero_model_states
+from labml_zero.planner.memory_model import zero_model_states
 from tests import tolerance
 from tests.optimizers.test_offload import DEVICE
 

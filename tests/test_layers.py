@@ -21,13 +21,22 @@ PACKAGE = "labml_zero"
 
 # Lowest first. The tools at the bottom (atomic files, processes, the app) import
 # nothing of the others; the engine, its optimizer, the one assembly path, the
-# family type, the layers and Hugging Face files every family shares, the
-# models, the registry of families, the planner and the fine-tune job each
-# import only what is listed before them.
+# policy (the memory model, the chunk-size search, placement: the planner's
+# folder), the one assembly path, the family type, the layers and Hugging Face
+# files every family shares, the models, the registry of families, the
+# planner's search and the fine-tune job each import only what is listed
+# before them.
+# The planner's pages that still read GPT-NeoX's memory budget, each its own
+# layer in the order they import each other: above the models until the budget
+# asks a family instead.
+PLANNER_ON_NEOX = (("labml_zero.planner.setting",), ("labml_zero.planner.step_time",),
+                   ("labml_zero.planner.search",))
+
 LAYERS = (
     ("labml_zero", "labml_zero.files", "labml_zero.launch", "labml_zero.app"),
     ("labml_zero.zero3",),
     ("labml_zero.optimizers",),
+    ("labml_zero.planner",),
     ("labml_zero.assembly",),
     ("labml_zero.family",),
     ("labml_zero.layers",),
@@ -35,7 +44,7 @@ LAYERS = (
     ("labml_zero.neox",),
     ("labml_zero.llama",),
     ("labml_zero.families",),
-    ("labml_zero.planner",),
+    *PLANNER_ON_NEOX,
     ("labml_zero.finetune",),
     ("labml_zero.finetune_neox", "labml_zero.export"),
 )
@@ -226,6 +235,36 @@ def test_the_rule_sees_a_job_that_imports_a_model(tmp_path):
         "from labml_zero.llama.model import x\n")
     assert model_imports(import_graph(tmp_path)) == {
         "labml_zero.finetune.job": {"llama.model"}}
+
+
+# The mechanism (`zero3/`: what a step runs) takes its sizes and placements as
+# arguments; the policy that chooses them (`planner/`) imports the mechanism,
+# never the other way.
+MECHANISM, POLICY = "labml_zero.zero3", "labml_zero.planner"
+
+
+def policy_imports(graph) -> list[str]:
+    """Every import of the policy by the mechanism, as `source:line -> target`."""
+    return [f"{imp.source}:{imp.line} -> {imp.target}" for imp in graph
+            if (imp.source == MECHANISM or imp.source.startswith(MECHANISM + "."))
+            and (imp.target == POLICY or imp.target.startswith(POLICY + "."))]
+
+
+def test_the_mechanism_imports_nothing_from_the_policy():
+    assert policy_imports(import_graph()) == []
+
+
+def test_the_rule_sees_the_mechanism_import_the_policy(tmp_path):
+    pkg = tmp_path / "labml_zero"
+    for sub in ("zero3", "planner"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "planner" / "memory_model.py").write_text("x = 1\n")
+    (pkg / "zero3" / "hybrid.py").write_text(
+        "\n\ndef f():\n    from labml_zero.planner.memory_model import x\n")
+    assert policy_imports(import_graph(tmp_path)) == [
+        "labml_zero.zero3.hybrid:4 -> labml_zero.planner.memory_model"]
 
 
 def test_every_module_is_in_a_layer():

@@ -127,7 +127,7 @@
   }
 
   // ---------------------------------------------------------------------
-  // zero3/memory_model.py
+  // planner/memory_model.py
   function gatheredUnits(depth, phase, data) {
     return 1 + depth + (phase === "backward" ? data.backward_extra_units : 0);
   }
@@ -158,7 +158,7 @@
   }
 
   // ---------------------------------------------------------------------
-  // zero3/chunk_search.py and unit_chunks.choose_chunk_numel
+  // planner/chunk_search.py and planner/sharding.choose_chunk_numel
   function hiddenSize(specs) {
     const counts = new Map();
     for (const s of specs) if (s.shape.length >= 2) {
@@ -366,7 +366,7 @@
   }
 
   // ---------------------------------------------------------------------
-  // zero3/placement.py
+  // planner/placement.py
   function fromOutputEnd(numels, positions, fraction) {
     const target = fraction * sum(positions.map(i => numels[i]));
     const chosen = new Set();

@@ -173,7 +173,7 @@ class FinetuneConfig:
         default=0.0, metadata=flag(metavar="FRACTION|auto"))
     """Fraction of the trainable elements whose fp32 master and Adam moments
     live in host memory (whole chunks, from the output end; see
-    [placement](../zero3/placement.html)): 0 keeps all on the device.
+    [placement](../planner/placement.html)): 0 keeps all on the device.
     `'auto'` (GPUs only): as few chunks as make the step fit, decided from a
     measured forward and backward before the first step."""
     offload_params: float = field(default=0.0, metadata=flag(metavar="FRACTION"))

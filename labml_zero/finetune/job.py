@@ -53,8 +53,8 @@ from labml_zero.optimizers.adam_fp16 import NonFiniteGradient
 from labml_zero.optimizers.grad_scaler import LossScaler
 from labml_zero.optimizers.graphed_step import GraphedStep
 from labml_zero.zero3.config import ZeroConfig
-from labml_zero.zero3.placement import shard_specs
-from labml_zero.zero3.placement_report import measured_lines
+from labml_zero.planner.placement import shard_specs
+from labml_zero.planner.placement_report import measured_lines
 from labml_zero.zero3.sharded_model import Zero3Sequential
 
 __all__ = ["FinetuneConfig", "laptop", "neox_20b_biases", "MODEL_PRESETS",

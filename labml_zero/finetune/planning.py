@@ -27,10 +27,9 @@ import torch
 
 from labml_zero import launch
 from labml_zero.finetune.config import FinetuneConfig
-from labml_zero.planner import (Cluster, Job, NoFit, Pinned, describe,
-                                gpu_by_name, plan, this_machine)
-from labml_zero.planner.devices import GIB, GPUS
-from labml_zero.planner.setting import gpu_kernels
+from labml_zero.planner.devices import GIB, GPUS, Cluster, gpu_by_name, this_machine
+from labml_zero.planner.search import NoFit, Pinned, describe, plan
+from labml_zero.planner.setting import Job, gpu_kernels
 
 __all__ = ["add_plan_flags", "FLAG_DESTS", "Request", "pop_request", "settle"]
 

@@ -40,7 +40,7 @@ from labml_zero.launch import ranks_text
 from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
                                          check_resumable, sequential_shapes)
 from labml_zero.zero3.checkpoint.pruning import checkpoint_dirs
-from labml_zero.zero3.placement import device_optimizer_bytes
+from labml_zero.planner.placement import device_optimizer_bytes
 from labml_zero.zero3.state_layout import FP32_STATES, StateLayout, state_layout
 
 __all__ = ["PreflightError", "Preflight", "preflight", "check_writable_dir",

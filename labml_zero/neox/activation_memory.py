@@ -8,7 +8,7 @@ summary: Bytes that autograd keeps for backward in the whole GPT-NeoX model, in
 
 # Activation memory
 
-The [memory model](../zero3/memory_model.html) counts model states and gathered
+The [memory model](../planner/memory_model.html) counts model states and gathered
 chunks; at long sequences most of a rank's peak is neither, but the tensors that
 autograd keeps from the forward pass for the backward pass. This page adds them
 up for the whole model per rank, without allocating any, for eager PyTorch and

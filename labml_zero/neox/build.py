@@ -30,7 +30,7 @@ import torch
 from labml_zero.assembly import Assembled, AutoLimits, Recipe, assemble
 from labml_zero.neox.kernels import ModelKernels
 from labml_zero.neox.model import NeoXConfig, TransformerLayer, build_layers
-from labml_zero.zero3.placement import ShardSpec
+from labml_zero.planner.placement import ShardSpec
 from labml_zero.zero3.sharded_model import Zero3Layer, Zero3Sequential
 
 __all__ = ["AUTO", "resolve_kernels", "NeoXBuild", "build_neox"]

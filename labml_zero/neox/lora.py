@@ -35,7 +35,7 @@ from labml_zero.layers.lora import (  # noqa: F401
     load_base_weights,
 )
 from labml_zero.neox.model import TransformerLayer
-from labml_zero.zero3.memory_model import OPTIMIZER_BYTES, zero_model_states
+from labml_zero.planner.memory_model import OPTIMIZER_BYTES, zero_model_states
 from labml_zero.zero3.trainable import TrainableCount
 
 __all__ = ["LoRALinear", "FineTuneLoRA", "TARGETS", "ADAPTER_NAMES",

@@ -9,7 +9,7 @@ summary: Every byte a rank holds and moves for one GPT-NeoX fine-tune, from the
 
 # Memory budget of a fine-tune
 
-The [memory model](../zero3/memory_model.html) counts each kind of byte alone;
+The [memory model](../planner/memory_model.html) counts each kind of byte alone;
 this page adds them up for one GPT-NeoX fine-tune of this engine, the sum the
 calculator on the memory model's page computes in the reader's browser. A
 rank's device memory peaks at the start of the last backward pass of a step,
@@ -32,17 +32,22 @@ from labml_zero.neox.finetuners import finetuner
 from labml_zero.neox.kernels import ModelKernels
 from labml_zero.neox.lora import TARGETS
 from labml_zero.neox.model import NeoXConfig, build_layers, pythia_1_4b
+from labml_zero.planner.grad_buffers import (
+    accumulated_grad_buffers,
+    early_update_grads,
+    held_grads,
+    largest_grad_buffer,
+)
+from labml_zero.planner.hybrid_memory import hybrid_step_comm, hybrid_wire_bytes
+from labml_zero.planner.memory_model import GRAD_BYTES, gathered_memory
+from labml_zero.planner.placement import (ShardSpec, StaticPlacement,
+                                          auto_placement, device_optimizer_bytes,
+                                          offload_traffic, resident_bytes)
+from labml_zero.planner.sharding import choose_chunk_numel
 from labml_zero.zero3.chunk_layout import plan_chunks
 from labml_zero.zero3.config import ZeroConfig
-from labml_zero.zero3.hybrid_memory import hybrid_step_comm, hybrid_wire_bytes
-from labml_zero.zero3.memory_model import (GRAD_BYTES, accumulated_grad_buffers,
-                                           early_update_grads, gathered_memory,
-                                           held_grads, largest_grad_buffer)
-from labml_zero.zero3.placement import (ShardSpec, StaticPlacement,
-                                        auto_placement, device_optimizer_bytes,
-                                        offload_traffic, resident_bytes)
 from labml_zero.zero3.state_layout import state_layout
-from labml_zero.zero3.unit_chunks import choose_chunk_numel, param_specs
+from labml_zero.zero3.unit_chunks import param_specs
 
 __all__ = ["DTYPE_BYTES", "H200_BYTES", "BudgetInputs", "Budget", "budget"]
 

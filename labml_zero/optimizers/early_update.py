@@ -25,10 +25,15 @@ from typing import Callable
 import torch
 
 from labml_zero.zero3.communication import OnStream, current_cuda_stream
-from labml_zero.zero3.memory_model import EARLY_UPDATES_IN_FLIGHT
 
 from .host_offload import GradVersion
 from .shard_home import ShardHome
+
+# $Q$: the early updates (`AdamFP16(update_during_backward=True,
+# free_grads=True)`) a rank lets queue on its update stream; `EarlyUpdates`
+# waits for the oldest before queueing another, and [the memory
+# model](../planner/memory_model.html) counts $Q$ gradients.
+EARLY_UPDATES_IN_FLIGHT = 2
 
 
 def _capturing(device: torch.device) -> bool:
@@ -104,7 +109,7 @@ class UpdatesInFlight:
     which no memory model can count. So before queueing another update the host
     waits for the oldest one (a host sync) when $Q$ = `EARLY_UPDATES_IN_FLIGHT`
     are queued: at most $Q$ freed gradients wait at any moment, and the [memory
-    model](../zero3/memory_model.html) counts $Q$ of the largest
+    model](../planner/grad_buffers.html) counts $Q$ of the largest
     (`early_update_grads`). With $Q = 2$ the host waits for the update of
     the chunk before the last one reduced, which the GPU has mostly run while
     the host queued the backward since, so the GPU's queue does not run dry.

@@ -15,7 +15,7 @@ optimizer's $K$ are touched once per step and by the update alone. This page
 moves them, shard by shard, to host memory and runs the update there
 ({{term: offload}}), as ColossalAI's Gemini and ZeRO-Offload do; where each
 chunk keeps its states is the model's {{term: placement}}
-([its page](../zero3/placement.html)). An offloaded element moves $4 + p$
+([its page](../planner/placement.html)). An offloaded element moves $4 + p$
 bytes a step: its fp32 gradient down, its new master up in the shard's dtype.
 """
 

@@ -8,16 +8,20 @@ summary: Name the model and the GPUs; the planner predicts the memory and the
 
 # The planner
 
-The fastest setting that fits, from the engine's own quantities, before
-anything runs; above the models, below [the fine-tune](../finetune/planning.html).
-Its pages: [the machines](devices.html), [a job and its
-settings](setting.html), [the time of a step](step_time.html), [the
-search](search.html).
+The policy above the engine's mechanism: what a setting costs and which
+setting to run, before anything runs. The engine in [zero3](../zero3/index.html)
+runs a step with the sizes it is given and imports nothing from here. The
+pages: [the memory model](memory_model.html) and [the gradient
+buffers](grad_buffers.html), [hybrid sharding's memory](hybrid_memory.html),
+[the chunk-size search](chunk_search.html) and [its
+shortcuts](chunk_search_shortcuts.html), [sharding with the searched
+size](sharding.html), [placement in device and host memory](placement.html)
+with [its probe](placement_probe.html) and [its
+report](placement_report.html); then the planner: [the
+machines](devices.html), [a job and its settings](setting.html), [the time of
+a step](step_time.html), [the search](search.html).
+
+The planner's pages that still read GPT-NeoX's memory budget (`setting`,
+`step_time`, `search`) sit above the models (`tests/test_layers.py`), so this
+package page names them but does not import them.
 """
-
-from .devices import GPUS, Cluster, gpu_by_name, this_machine
-from .search import NoFit, Pinned, Plan, describe, plan
-from .setting import Job, Setting
-
-__all__ = ["GPUS", "Cluster", "gpu_by_name", "this_machine", "Job", "Setting",
-           "Pinned", "Plan", "NoFit", "plan", "describe"]

@@ -33,7 +33,7 @@ from labml_zero.neox.memory_budget import DTYPE_BYTES, Budget
 from labml_zero.neox.model import NeoXConfig
 from labml_zero.planner.devices import Cluster
 from labml_zero.planner.setting import Job, Setting
-from labml_zero.zero3.memory_model import GRAD_BYTES
+from labml_zero.planner.memory_model import GRAD_BYTES
 from labml_zero.zero3.state_layout import state_layout
 
 __all__ = ["MATMUL_EFFICIENCY", "ELEMENTWISE_BYTES", "UPDATE_BANDWIDTH_SHARE",

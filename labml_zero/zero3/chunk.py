@@ -213,7 +213,7 @@ class Chunk:
         self.state = ChunkState.UNINITIALISED if on_meta else ChunkState.SHARDED
         self._gathered_event = None
         # The placement's decision (`keep_resident`; the placement is explained
-        # in [its page](placement.html)), not a state: it outlives a forced
+        # in [its page](../planner/placement.html)), not a state: it outlives a forced
         # release (new weights loaded), after which the next gather makes the
         # chunk `RESIDENT` again.
         self.stays_gathered = False

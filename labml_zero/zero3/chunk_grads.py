@@ -93,7 +93,7 @@ class ChunkGrads:
 
     The held gradients and `full` are alive together at the copy, and the reduce
     stream holds the gradients until it has read them: $(p + g_r)\,C$ bytes for
-    the largest chunk, the [memory model](memory_model.html)'s
+    the largest chunk, the [memory model](../planner/grad_buffers.html)'s
     `largest_grad_buffer`. Under `no_sync`, `full` lives from the first
     micro-batch to the backward that reduces it, every trainable chunk's at once:
     about $g_r \Psi_t$ bytes per rank, not divided by $N_d$, with one chunk's

@@ -96,7 +96,7 @@ class ChunkSpec:
     def padding(self) -> int:
         """Space no parameter fills: every rank stores its share of it and every
         collective moves it, so the layout reports it and the
-        [chunk-size search](chunk_search.html) trades it against the size of
+        [chunk-size search](../planner/chunk_search.html) trades it against the size of
         the gathered chunks."""
         return self.chunk_numel - self.used_numel
 

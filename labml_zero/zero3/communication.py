@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .hybrid_memory import shard_group_ranks
+from .group_ranks import shard_group_ranks
 
 
 @dataclass

@@ -7,7 +7,7 @@ summary: The knobs of the engine, with their defaults and what each one costs.
 # ZeRO-3 configuration
 
 Every knob of the engine, in one dataclass whose defaults run on a laptop. The
-memory each one costs is in the [memory model](memory_model.html).
+memory each one costs is in the [memory model](../planner/memory_model.html).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class ZeroConfig:
     chunk_numel: int | None = None
     """
     Elements per chunk. `None` searches for it (see the
-    [chunk-size search](chunk_search.html)); an integer fixes it.
+    [chunk-size search](../planner/chunk_search.html)); an integer fixes it.
     """
 
     prefetch_depth: int = 1

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .communication import CommCounter, Communicator
 from .config import ZeroConfig
-from .hybrid_memory import replica_group_ranks
+from .group_ranks import replica_group_ranks
 
 
 class ReplicaGroup:

@@ -222,7 +222,7 @@ def push_reduce_scatter_mean(shard: torch.Tensor, full: torch.Tensor,
     needed after the average; the next reduction's first one covers it.
 
     The workspace holds one chunk's full gradient on every rank, which the
-    [memory model](memory_model.html) does not count; a chunk whose gradients
+    [memory model](../planner/memory_model.html) does not count; a chunk whose gradients
     stay bf16 saves as much in its gradient buffer while it is reduced.
     """
     size, world, rank = shard.numel(), workspace.world_size, workspace.rank
@@ -321,7 +321,7 @@ class PeerMemory:
         old one, so it is kept (see Limitations).
 
         Every rank holds one chunk's full gradient here, which the
-        [memory model](memory_model.html) does not count.
+        [memory model](../planner/memory_model.html) does not count.
         """
         nbytes = full.numel() * full.element_size()
         if not self.workspaces or self.workspaces[-1].local.nbytes < nbytes:

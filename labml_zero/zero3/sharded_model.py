@@ -11,8 +11,9 @@ Three ways to put a model under ZeRO-3, all built from the same pieces (a
 [layout](chunk_layout.html), [chunks](chunk.html) and the
 [runtime's hooks](hooks.html)), each beside its code below:
 `Zero3Layer` shards one layer and `Zero3Sequential` runs a chain of them, as in
-labml-nn; `zero3_layers` builds those layers with one chunk size (the
-[search](chunk_search.html)'s, unless the config fixes it); `shard_model` wraps
+labml-nn; `zero3_layers` builds those layers with one chunk size (the config's, or a
+chooser's: [the planner's](../planner/sharding.html) passes [the
+search](../planner/chunk_search.html)); `shard_model` wraps
 any `nn.Module`. Either way the model has one layout, `model.layout`, with a
 group per unit, and a model larger than one GPU is built without any rank
 holding it (Lazy initialisation, beside `zero3_layers`).
@@ -34,7 +35,7 @@ from .communication import Communicator
 from .config import ZeroConfig
 from .hooks import Zero3Runtime
 from .transport import Transports
-from .unit_chunks import (build_chunks, chain_layouts, choose_chunk_numel,
+from .unit_chunks import (ChunkChooser, build_chunks, chain_layouts, chunk_numel_of,
                           move_buffers, one_chunk_per_kind, param_specs)
 
 
@@ -124,7 +125,7 @@ class Zero3Layer(nn.Module):
     (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
 
     of model states, plus what a step holds beside them (counted by the
-    [memory model](memory_model.html)): the gathered chunks of at most
+    [memory model](../planner/memory_model.html)): the gathered chunks of at most
     $1 + \text{prefetch\_depth}$ units, the root unit's and the held layers'
     for the whole step, and
     the full-size gradient buffers of the chunks being reduced; under `no_sync`
@@ -252,7 +253,7 @@ class ShardedRoot(nn.Module):
     [runtime](hooks.html), `config` their [`ZeroConfig`](config.html) and
     `layout` one {{see: chunk layout}} (explained in
     [its page](chunk_layout.html)) for the whole model, one group
-    per unit, which the [memory model](memory_model.html) reads, and
+    per unit, which the [memory model](../planner/memory_model.html) reads, and
     `transports` the ways its chunks are gathered and reduced, chosen once
     from the config ([transports](transport.html)).
     """
@@ -373,13 +374,15 @@ def zero3_layers(
     group: dist.ProcessGroup | None = None,
     init: Callable[[nn.Module], None] | None = None,
     init_param: Callable[[str, torch.Tensor], None] | None = None,
+    choose_chunk_numel: ChunkChooser | None = None,
 ) -> list[Zero3Layer]:
     """
     ## Shard a list of layers with one chunk size
 
-    The chunk size is the config's, or searched over all the layers' parameters
-    together (their shapes suffice: the layers may be on the meta device), so the
-    chunks of every layer have the same size.
+    The chunk size is the config's, or `choose_chunk_numel`'s over all the
+    layers' parameters together (their shapes suffice: the layers may be on the
+    meta device), so the chunks of every layer have the same size. The
+    [planner's `zero3_layers`](../planner/sharding.html) passes its search.
 
     ### Lazy initialisation
 
@@ -425,8 +428,8 @@ def zero3_layers(
     # `param_specs` lays a parameter out in the first group that has it
     specs, _ = param_specs([m.named_parameters() for m in modules])
     # one chunk size for every layer, in the config each layer gets
-    config = replace(config, chunk_numel=choose_chunk_numel(specs, comm.world_size,
-                                                            config))
+    config = replace(config, chunk_numel=chunk_numel_of(specs, comm.world_size,
+                                                        config, choose_chunk_numel))
     layers: list[Zero3Layer] = []
     for i, module in enumerate(modules):
         # names here of the parameters an earlier layer owns, and the owner's
@@ -506,14 +509,16 @@ def shard_model(
     device: torch.device | str,
     config: ZeroConfig | None = None,
     group: dist.ProcessGroup | None = None,
+    choose_chunk_numel: ChunkChooser | None = None,
 ) -> ShardedModel:
     """
     ## Shard any model
 
     * `layers` are the submodules that become units, in execution order (e.g.
-      `model.transformer.h` of a GPT-2, each block of a Hugging Face model).
-      Everything else (embeddings, final norms, tied readouts) is the root
-      unit, gathered for the whole step.
+      `model.transformer.h` of a GPT-2). Everything else is the root unit.
+    * `choose_chunk_numel` picks the chunk size when the config leaves it open,
+      as `zero3_layers`' does ([the planner's](../planner/sharding.html) passes
+      its search).
 
     A parameter of two wrapped layers (or of a layer and the rest of the model)
     goes to the root unit, which stays gathered for the whole step;
@@ -537,8 +542,8 @@ def shard_model(
     # Group 0 is the root; layer i is group i + 1.
     specs, params = param_specs([root, *(layer.named_parameters() for layer in layers)])
     # the chunk size chosen, in the config the model keeps (as `zero3_layers` does)
-    config = replace(config, chunk_numel=choose_chunk_numel(specs, comm.world_size,
-                                                            config))
+    config = replace(config, chunk_numel=chunk_numel_of(specs, comm.world_size,
+                                                        config, choose_chunk_numel))
     layout = plan_chunks(specs, config.chunk_numel, comm.world_size,
                          align=config.align)
     prefixes = {i + 1: qualified[id(layer)] + "." for i, layer in enumerate(layers)}

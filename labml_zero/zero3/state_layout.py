@@ -20,7 +20,7 @@ $b_s$ the bytes of state $s$'s dtype:
 {{py: state_layout.BF16_STOCHASTIC.bytes_per_element()}} without a master and
 {{py: state_layout.EIGHT_BIT_MOMENTS.bytes_per_element() | .5g}} with 8-bit
 ones. Each layout is declared once, here; the optimizer, the
-[checkpoint](checkpoint/index.html), the [memory model](memory_model.html),
+[checkpoint](checkpoint/index.html), the [memory model](../planner/memory_model.html),
 the {{see: placement}} and the calculator read it. Adding a state is one entry
 below, and `bytes_table` sets them side by side. Last comes `ShardOptimizer`, the typed contract the engine calls.
 """

@@ -10,8 +10,8 @@ summary: The steps every way into the engine shares, from a model's named parame
 The building blocks behind [sharding a model](sharded_model.html): `Zero3Layer`,
 `zero3_layers` and `shard_model` all list the parameters of their units as
 `ParamSpec`s (`param_specs`, unit $i$ its group $i$), choose one chunk size for
-them (`choose_chunk_numel`, the config's or the
-[search's](chunk_search.html); `one_chunk_per_kind`, labml-nn's), plan the
+them (`chunk_numel_of`: the config's, or a chooser's such as [the
+planner's search](../planner/sharding.html); `one_chunk_per_kind`, labml-nn's), plan the
 [layout](chunk_layout.html) and turn it into [chunks](chunk.html)
 (`build_chunks`). A chunk of $C$ elements holds $\frac{C}{N_d}$ of them on each
 rank; the parameters become views of its full buffer.
@@ -20,16 +20,19 @@ rank; the parameters become views of its full buffer.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from .chunk import Chunk
 from .chunk_layout import ChunkLayout, ChunkSpec, ParamSpec, round_up
-from .chunk_search import ChunkSearchConfig, search_chunk_size
 from .config import ZeroConfig
 from .transport import Transports
+
+ChunkChooser = Callable[[Sequence[ParamSpec], int, ZeroConfig], int]
+"""`(specs, world size, config) -> chunk size`: the policy that picks a size when
+the config leaves it open (`None`)."""
 
 
 def param_specs(
@@ -63,60 +66,22 @@ def one_chunk_per_kind(specs: Sequence[ParamSpec], align: int) -> int:
     return max(max(totals.values()), 1)
 
 
-def hidden_size(specs: Sequence[ParamSpec]) -> int:
+def chunk_numel_of(specs: Sequence[ParamSpec], world_size: int, config: ZeroConfig,
+                   choose: ChunkChooser | None) -> int:
     """
-    #### The model's hidden size, the step of the chunk-size search
+    #### The chunk size: the config's, else the chooser's
 
-    The most common last dimension of the matrices: in a transformer every
-    projection has $d$ columns or rows, so candidate sizes in steps of $d$ line up
-    with whole rows.
+    The engine takes the size; choosing one is policy, the
+    [planner's](../planner/sharding.html), passed in as `choose`. With
+    neither, one line says so: no silent default.
     """
-    counts: dict[int, int] = {}
-    for spec in specs:
-        if len(spec.shape) >= 2:
-            counts[spec.shape[-1]] = counts.get(spec.shape[-1], 0) + 1
-    return max(counts, key=lambda d: (counts[d], d)) if counts else 1024
-
-
-def choose_chunk_numel(
-    specs: Sequence[ParamSpec], world_size: int, config: ZeroConfig
-) -> int:
-    """The configured chunk size, or the one the search picks."""
     if config.chunk_numel is not None:
         return config.chunk_numel
-    hidden_dim = hidden_size(specs)
-    # ColossalAI's default range, `ChunkSearchConfig`'s too, is
-    # {{py: chunk_search.ChunkSearchConfig().search_range_m | .0f}} × $2^{20}$ elements. In
-    # steps of a small model's hidden size that is hundreds of thousands of
-    # candidates, most of them far beyond any layer, so it is capped at 4096 steps;
-    # and it is stretched to the largest layer, so that one chunk per layer is
-    # always a candidate
-    # (tested: tests/zero3/test_sharded_model.py::test_the_search_range_of_the_engine).
-    # A layer of Pythia-1.4B is {{py: neox_model.count_parameters(
-    # neox_model.build_layers(neox_model.pythia_1_4b(), device="meta")[1:2]) / 2**20
-    # | .0f}} × $2^{20}$ elements, beyond the cap at its hidden size,
-    # {{py: 4096 * neox_model.pythia_1_4b().d_model / 2**20 | .0f}} × $2^{20}$.
-    largest_group: dict[int, int] = {}
-    for spec in specs:
-        largest_group[spec.group] = largest_group.get(spec.group, 0) + spec.numel
-    search_range_m = max(
-        min(32.0, hidden_dim * 4096 / 2**20), max(largest_group.values()) / 2**20
-    )
-    # A group as large as Llama 3's embedding stretches the range past the
-    # search's cap on candidates (`max_candidates`); the step then grows by
-    # whole multiples of $d$, so candidates still end on whole rows
-    # (tested: tests/zero3/test_sharded_model.py::test_a_huge_group_coarsens_the_steps).
-    cap = ChunkSearchConfig().max_candidates
-    rows_per_step = -(-(round(search_range_m * 2**20) // hidden_dim + 1) // cap)
-    search = ChunkSearchConfig(
-        hidden_dim=hidden_dim * rows_per_step,
-        search_range_m=search_range_m,
-        prefetch_depth=config.prefetch_depth,
-        align=config.align,
-        param_bytes=torch.tensor([], dtype=config.dtype).element_size(),
-        grad_bytes=torch.tensor([], dtype=config.reduce_dtype).element_size(),
-    )
-    return search_chunk_size(specs, world_size, config=search).chunk_numel
+    if choose is None:
+        raise ValueError("no chunk size: set ZeroConfig(chunk_numel=...) or shard "
+                         "with labml_zero.planner.sharding's shard_model or "
+                         "zero3_layers, which search it")
+    return choose(specs, world_size, config)
 
 
 def build_chunks(

@@ -120,9 +120,9 @@ def test_one_reading_order_for_the_chain_the_home_page_and_the_folders(site_file
             and p not in ("results.html", "glossary.html")], page
     # Key chapters come in the order a learner needs them.
     pos = {e: i for i, e in enumerate(order.flat(parts))}
-    chain = ["__init__", "zero3/memory_model", "zero3/hooks", "optimizers/adam_fp16",
-             "zero3/sharded_model", "zero3/chunk_search", "zero3/chunk_layout",
-             "zero3/chunk", "zero3/communication", "zero3/placement",
+    chain = ["__init__", "planner/memory_model", "zero3/hooks", "optimizers/adam_fp16",
+             "zero3/sharded_model", "planner/chunk_search", "zero3/chunk_layout",
+             "zero3/chunk", "zero3/communication", "planner/placement",
              "zero3/peer_memory", "zero3/compiled", "zero3/checkpoint/__init__",
              "neox/model", "finetune/job", "launch/spawn", "app/server"]
     idx = [pos[f"labml_zero/{c}.py"] for c in chain]

@@ -16,7 +16,7 @@ from tests.docs.calculator_grid import (GPU_NAMES, cluster_of, grid_inputs,
                                         searched_inputs)
 from tests.docs.test_browser import chromium
 
-PAGE = "labml_zero/zero3/memory_model.html"
+PAGE = "labml_zero/planner/memory_model.html"
 COUNTS = {"psi_trainable", "psi_frozen", "chunk_numel", "chunks", "padding"}
 
 

@@ -73,7 +73,7 @@ def test_shards_follow_plan_chunks(diagrams, figures):
 
 
 def test_placement_follows_placement_py(diagrams, figures):
-    placement = diagrams._load_module(REPO, "labml_zero/zero3/placement.py",
+    placement = diagrams._load_module(REPO, "labml_zero/planner/placement.py",
                                       "_placement_under_test")
     layout_mod = diagrams._load_chunk_layout(REPO)
     shapes = diagrams.neox_group_shapes(n_layers=44, d_model=6144, vocab=50432)

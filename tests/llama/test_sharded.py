@@ -14,7 +14,8 @@ import torch
 from labml_zero.llama.config import LlamaConfig, RopeScaling
 from labml_zero.llama.model import LlamaChain, build_layers
 from labml_zero.optimizers.adam_fp16 import AdamFP16
-from labml_zero.zero3 import ZeroConfig, Zero3Sequential, shard_model, zero3_layers
+from labml_zero.planner.sharding import shard_model, zero3_layers
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.shard import LocalShard
 from tests import tolerance
 from tests.distributed import run_distributed

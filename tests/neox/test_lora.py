@@ -17,7 +17,8 @@ from labml_zero.neox.hf_checkpoint import HFCheckpoint
 from labml_zero.neox.lora import (TARGETS, FineTuneLoRA, LoRALinear, load_hf_layer,
                                   lora_model_states, sharded_count)
 from labml_zero.optimizers.adam_fp16 import AdamFP16
-from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+from labml_zero.planner.sharding import zero3_layers
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
 from labml_zero.zero3.trainable import TrainableCount
 from tests import tolerance

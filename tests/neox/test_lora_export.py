@@ -18,7 +18,8 @@ from labml_zero.neox.lora_export import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, EXPORT
                                          save_merged_checkpoint, save_peft_adapter,
                                          write_adapter_dir)
 from labml_zero.optimizers.adam_fp16 import AdamFP16
-from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+from labml_zero.planner.sharding import zero3_layers
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from tests import tolerance
 from tests.distributed import run_distributed
 

@@ -161,7 +161,7 @@ def test_early_updates_add_q_of_the_largest_gradient_shards():
     """With `update_during_backward` the peak leaves the gradient shards out but
     holds the engine's Q queued ones, each the largest trainable shard: in the
     parameter dtype on one rank (its gradient stays narrow), fp32 on two."""
-    from labml_zero.zero3.memory_model import EARLY_UPDATES_IN_FLIGHT
+    from labml_zero.optimizers.early_update import EARLY_UPDATES_IN_FLIGHT
 
     for world_size, grad_bytes in ((1, 2), (2, 4)):
         job = BudgetInputs(model=neox_model.pythia_160m(), world_size=world_size,

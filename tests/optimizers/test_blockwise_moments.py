@@ -288,7 +288,8 @@ def test_a_non_finite_early_gradient_leaves_8bit_moments_as_they_were(offload):
 
 def chunked(chunk_numel: int):
     """The tiny engine model of `sharded`, at a chosen chunk size."""
-    from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+    from labml_zero.planner.sharding import zero3_layers
+    from labml_zero.zero3 import ZeroConfig, Zero3Sequential
     from tests.zero3.models import tiny_layers
 
     config = ZeroConfig(dtype=torch.bfloat16, chunk_numel=chunk_numel, align=4)

@@ -102,7 +102,7 @@ def test_at_most_q_freed_gradients_wait_for_their_update():
     waiting gradients at exactly Q; a cap beyond the chunks (no cap) would let
     all of them wait, which is what the memory model could not count."""
     from labml_zero.optimizers.early_update import EarlyUpdates, UpdatesInFlight
-    from labml_zero.zero3.memory_model import EARLY_UPDATES_IN_FLIGHT
+    from labml_zero.optimizers.early_update import EARLY_UPDATES_IN_FLIGHT
 
     engine = EarlyUpdates(lambda homes, early: None, free_grads=True).in_flight
     assert most_gradients_waiting(engine, 12) == EARLY_UPDATES_IN_FLIGHT
@@ -118,7 +118,7 @@ def test_the_memory_model_counts_the_engines_q_gradients():
     each as large as the largest trainable shard, in the bytes given."""
     from labml_zero.optimizers.early_update import EarlyUpdates
     from labml_zero.zero3.chunk_layout import ParamSpec, plan_chunks
-    from labml_zero.zero3.memory_model import early_update_grads
+    from labml_zero.planner.grad_buffers import early_update_grads
 
     engine = EarlyUpdates(lambda homes, early: None, free_grads=True).in_flight
     waiting = most_gradients_waiting(engine, 12)

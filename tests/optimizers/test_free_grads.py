@@ -14,7 +14,8 @@ from tests.optimizers.test_offload import DEVICE, assert_same
 
 
 def sharded(dtype, *, offload: bool, free: bool, first=None):
-    from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+    from labml_zero.planner.sharding import zero3_layers
+    from labml_zero.zero3 import ZeroConfig, Zero3Sequential
     from tests.zero3.models import tiny_layers
 
     config = ZeroConfig(dtype=dtype, chunk_numel=200, align=4)
@@ -115,7 +116,8 @@ def test_one_rank_keeps_the_parameter_dtype_only_for_a_freed_gradient(free):
 
 
 def two_rank_gradient_dtypes(ctx) -> set:
-    from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+    from labml_zero.planner.sharding import zero3_layers
+    from labml_zero.zero3 import ZeroConfig, Zero3Sequential
     from tests.zero3.models import tiny_layers
 
     config = ZeroConfig(dtype=torch.bfloat16, chunk_numel=200, align=4)

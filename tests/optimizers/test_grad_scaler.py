@@ -7,7 +7,8 @@ import torch
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.optimizers.grad_scaler import LossScaler
-from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+from labml_zero.planner.sharding import zero3_layers
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from tests.zero3.models import batch, tiny_layers
 
 

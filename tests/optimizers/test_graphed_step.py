@@ -27,7 +27,8 @@ WARMUP = 2
 
 
 def built(dtype, *, early: bool, offload=None, device=DEVICE, states="fp32"):
-    from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+    from labml_zero.planner.sharding import zero3_layers
+    from labml_zero.zero3 import ZeroConfig, Zero3Sequential
     from tests.zero3.models import tiny_layers
 
     config = ZeroConfig(dtype=dtype, chunk_numel=200, align=4)

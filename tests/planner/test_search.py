@@ -4,8 +4,9 @@ it keeps, and the one line when nothing fits."""
 import pytest
 
 from labml_zero.neox.model import gpt_neox_20b, pythia_1_4b, pythia_6_9b, pythia_12b
-from labml_zero.planner import GPUS, Cluster, Job, NoFit, Pinned, plan
-from labml_zero.planner.devices import GIB
+from labml_zero.planner.devices import GIB, GPUS, Cluster
+from labml_zero.planner.search import NoFit, Pinned, plan
+from labml_zero.planner.setting import Job
 from labml_zero.planner.search import (HOST_MARGIN, HOST_PROCESS_BYTES,
                                        device_limit)
 

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16
-from labml_zero.zero3 import ZeroConfig, Zero3Sequential, shard_model, zero3_layers
+from labml_zero.planner.sharding import shard_model, zero3_layers
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.checkpoint import (
     CheckpointError,
     CheckpointReader,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+from labml_zero.planner.sharding import zero3_layers
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.chunk_grads import padding_ranges
 from tests.zero3.models import batch, tiny_layers
 
@@ -128,7 +129,7 @@ def test_the_held_gradients_live_beside_the_buffer_they_are_copied_into(monkeypa
     held gradients (the parameter dtype, its parameters' elements) and its
     full-size buffer (the reduce dtype, all $C$ elements) are alive at once."""
     from labml_zero.zero3.chunk_grads import ChunkGrads
-    from labml_zero.zero3.memory_model import held_grads, largest_grad_buffer
+    from labml_zero.planner.grad_buffers import held_grads, largest_grad_buffer
 
     alive = {}
     flush = ChunkGrads.flush

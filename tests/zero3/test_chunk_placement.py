@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16
-from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
-from labml_zero.zero3.placement import (
+from labml_zero.planner.sharding import zero3_layers
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential
+from labml_zero.planner.placement import (
     Placement,
     StaticPlacement,
     resident_bytes,
     shard_specs,
 )
-from labml_zero.zero3.placement_probe import apply_placement
+from labml_zero.planner.placement_probe import apply_placement
 from tests.distributed import run_distributed
 from tests.zero3.models import batch, tiny_layers
 
@@ -102,7 +103,7 @@ def test_resident_frozen_chunks_are_gathered_once():
 
 
 def test_only_frozen_chunks_stay_resident():
-    from labml_zero.zero3.placement import shard_specs as specs
+    from labml_zero.planner.placement import shard_specs as specs
 
     model = Zero3Sequential(zero3_layers(tiny_layers(0), device=torch.device("cpu"),
                                          config=ZeroConfig(chunk_numel=96, align=4)))

@@ -12,15 +12,15 @@ import time
 import pytest
 
 from labml_zero.zero3.chunk_layout import ParamSpec, plan_chunks, round_up
-from labml_zero.zero3.chunk_search import (
+from labml_zero.planner.chunk_search import (
     ChunkSearchConfig,
     excluded_params,
     search_chunk_size,
     start_size,
 )
-from labml_zero.zero3.memory_model import (
+from labml_zero.planner.grad_buffers import largest_grad_buffer
+from labml_zero.planner.memory_model import (
     gathered_peak,
-    largest_grad_buffer,
     layout_model_states,
     zero3_step_comm,
     zero_model_states,
@@ -427,7 +427,8 @@ def test_engine_defaults_give_gpt_neox_20b_one_chunk_per_layer():
     # collective, a 20B layer (12h² + 13h elements) is one chunk, unpadded.
     from labml_zero.neox.model import build_layers, gpt_neox_20b
     from labml_zero.zero3 import ZeroConfig
-    from labml_zero.zero3.unit_chunks import choose_chunk_numel, param_specs
+    from labml_zero.planner.sharding import choose_chunk_numel
+    from labml_zero.zero3.unit_chunks import param_specs
 
     config = gpt_neox_20b()
     h = config.d_model
@@ -445,7 +446,7 @@ def test_figures_in_the_search_notes():
     range; at c_0 = 4h^2 six chunks per layer, 40% of them padding; the 6 extra
     collectives per layer of three chunks cost 192 MiB at mu = 32 MiB, against a
     gradient buffer and held gradients 8h^2 * (4 + 2) bytes (1.8 GB) smaller."""
-    from labml_zero.zero3.chunk_search_shortcuts import group_shapes
+    from labml_zero.planner.chunk_search_shortcuts import group_shapes
 
     params = neox_20b(lambda name: True)
     _, shape_of_group = group_shapes(params)
@@ -469,7 +470,7 @@ def test_figures_in_the_search_notes():
 
 def test_sizes_in_m_are_mebi_elements():
     # The knobs ending in `_m` count ColossalAI's "m": 2^20 elements.
-    from labml_zero.zero3.chunk_search import MEBI as SEARCH_MEBI
+    from labml_zero.planner.chunk_search import MEBI as SEARCH_MEBI
 
     assert SEARCH_MEBI == 2**20
     knobs = ChunkSearchConfig(hidden_dim=64, min_chunk_size_m=1.5, search_range_m=2.0)

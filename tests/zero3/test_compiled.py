@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+from labml_zero.planner.sharding import zero3_layers
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.compiled import compile_layers, default_compile_backend
 from tests import tolerance
 from tests.zero3.models import TINY_TERMS, Block, batch, tiny_layers

@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from labml_zero.zero3 import ZeroConfig, Zero3Sequential, shard_model, zero3_layers
+from labml_zero.planner.sharding import shard_model, zero3_layers
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.chunk import ChunkState
 from labml_zero.zero3.hooks import Phase
-from labml_zero.zero3.memory_model import gathered_peak, root_unit_bytes
+from labml_zero.planner.memory_model import gathered_peak, root_unit_bytes
 from tests.zero3.models import batch, tiny_layers
 from tests.zero3.test_sharded_model import gradient_mismatch
 

@@ -17,10 +17,11 @@ from torch import nn
 
 from labml_zero.finetune.cli import main
 from labml_zero.optimizers.adam_fp16 import AdamFP16
-from labml_zero.zero3 import ZeroConfig, shard_model
+from labml_zero.planner.sharding import shard_model
+from labml_zero.zero3 import ZeroConfig
 from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
 from labml_zero.zero3.communication import Communicator
-from labml_zero.zero3.hybrid_memory import (
+from labml_zero.planner.hybrid_memory import (
     HYBRID_EXAMPLE,
     hybrid_prediction,
     flat_step_seconds,
@@ -29,7 +30,7 @@ from labml_zero.zero3.hybrid_memory import (
     hybrid_step_seconds,
     hybrid_wire_bytes,
 )
-from labml_zero.zero3.memory_model import (
+from labml_zero.planner.memory_model import (
     layout_model_states,
     ring_wire_bytes,
     zero_model_states,

@@ -7,10 +7,11 @@ import torch
 from torch import nn
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16
-from labml_zero.zero3 import ZeroConfig, shard_model
+from labml_zero.planner.sharding import shard_model
+from labml_zero.zero3 import ZeroConfig
 from labml_zero.zero3.chunk import ChunkState
 from labml_zero.zero3.hooks import Phase
-from labml_zero.zero3.memory_model import (
+from labml_zero.planner.memory_model import (
     BACKWARD,
     FORWARD,
     gathered_peak,
@@ -164,9 +165,9 @@ def test_bf16_moments_hold_the_layouts_bytes(world_size, dtype, states):
     layout's $K$ per trainable element, $4 + 2 + 2$ ($2 + 2$ where the fp32
     shard is its own master) or, without a master, $2 + 2$, as the memory
     model and placement count it."""
-    from labml_zero.zero3.placement import (ShardSpec, StaticPlacement,
-                                            device_optimizer_bytes,
-                                            resident_bytes)
+    from labml_zero.planner.placement import (ShardSpec, StaticPlacement,
+                                              device_optimizer_bytes,
+                                              resident_bytes)
     from labml_zero.zero3.state_layout import LAYOUTS
 
     chosen = LAYOUTS[states]

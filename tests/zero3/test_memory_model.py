@@ -6,7 +6,8 @@ import pytest
 
 from labml_zero.zero3.chunk_layout import ParamSpec, plan_chunks
 from labml_zero.zero3.config import ZeroConfig
-from labml_zero.zero3.memory_model import (
+from labml_zero.planner.grad_buffers import held_grads, largest_grad_buffer
+from labml_zero.planner.memory_model import (
     BACKWARD,
     BACKWARD_EXTRA_UNITS,
     FORWARD,
@@ -16,8 +17,6 @@ from labml_zero.zero3.memory_model import (
     ddp_step_comm,
     gathered_peak,
     gathered_units,
-    held_grads,
-    largest_grad_buffer,
     layout_model_states,
     peak_window_numel,
     ring_wire_bytes,

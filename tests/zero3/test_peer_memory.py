@@ -15,7 +15,8 @@ from torch import nn
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3.shard import LocalShard
-from labml_zero.zero3 import ZeroConfig, Zero3Sequential, shard_model, zero3_layers
+from labml_zero.planner.sharding import shard_model, zero3_layers
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.communication import Communicator
 from labml_zero.zero3.peer_memory import PeerMemory
 from labml_zero.zero3.transport import CollectiveGather, CollectiveReduce, Transports

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16
-from labml_zero.zero3.memory_model import zero_model_states
-from labml_zero.zero3.placement import (GIB, OffloadTraffic, Placement, ShardSpec,
-                                        StaticPlacement, auto_placement,
-                                        offload_traffic, resident_bytes)
+from labml_zero.planner.memory_model import zero_model_states
+from labml_zero.planner.placement import (GIB, OffloadTraffic, Placement, ShardSpec,
+                                          StaticPlacement, auto_placement,
+                                          offload_traffic, resident_bytes)
 
 # model.chunks of a small model: embedding, a frozen chunk, two blocks, the head
 SHARDS = [ShardSpec(100, True), ShardSpec(50, False), ShardSpec(100, True),
@@ -123,9 +123,10 @@ def test_auto_nothing_fits():
 
 
 def test_first_step_placement_probes_then_decides():
-    from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
-    from labml_zero.zero3.placement import shard_specs
-    from labml_zero.zero3.placement_probe import first_step_placement
+    from labml_zero.planner.sharding import zero3_layers
+    from labml_zero.zero3 import ZeroConfig, Zero3Sequential
+    from labml_zero.planner.placement import shard_specs
+    from labml_zero.planner.placement_probe import first_step_placement
     from tests.zero3.models import batch, tiny_layers
 
     config = ZeroConfig(dtype=torch.bfloat16, chunk_numel=200, align=4)
@@ -166,8 +167,9 @@ def test_first_step_placement_probes_then_decides():
 
 
 def test_first_step_placement_on_cpu_needs_measurements():
-    from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
-    from labml_zero.zero3.placement_probe import first_step_placement
+    from labml_zero.planner.sharding import zero3_layers
+    from labml_zero.zero3 import ZeroConfig, Zero3Sequential
+    from labml_zero.planner.placement_probe import first_step_placement
     from tests.zero3.models import tiny_layers
 
     model = Zero3Sequential(zero3_layers(tiny_layers(0), device=torch.device("cpu"),
@@ -185,7 +187,8 @@ def neox_20b_shards(world_size: int = 2) -> list[ShardSpec]:
     from labml_zero.neox.model import build_layers, gpt_neox_20b
     from labml_zero.zero3 import ZeroConfig
     from labml_zero.zero3.chunk_layout import plan_chunks
-    from labml_zero.zero3.unit_chunks import choose_chunk_numel, param_specs
+    from labml_zero.planner.sharding import choose_chunk_numel
+    from labml_zero.zero3.unit_chunks import param_specs
 
     layers = build_layers(gpt_neox_20b(), device="meta")
     specs, _ = param_specs([layer.named_parameters() for layer in layers])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from labml_zero.zero3.placement import ShardSpec, auto_placement, resident_bytes
-from labml_zero.zero3.placement_report import (
+from labml_zero.planner.placement import ShardSpec, auto_placement, resident_bytes
+from labml_zero.planner.placement_report import (
     decision_lines,
     host_rss_peak,
     measured_lines,

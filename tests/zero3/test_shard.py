@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+from labml_zero.planner.sharding import zero3_layers
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.shard import LocalShard, grad_device, param_on_host, shard_grad
 from tests.zero3.models import tiny_layers
 

@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16
-from labml_zero.zero3 import ZeroConfig, Zero3Sequential, shard_model, zero3_layers
+from labml_zero.planner.sharding import shard_model, zero3_layers
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.shard import LocalShard
+from labml_zero.zero3.unit_chunks import param_specs
 from tests import tolerance
 from tests.distributed import run_distributed
 from tests.zero3.models import TINY_TERMS, Block, batch, tiny_layers
@@ -306,7 +308,7 @@ def test_both_ways_build_one_layout_per_model(chunk_numel):
     """`Zero3Sequential(zero3_layers(...))` and `shard_model(...)` of the same
     layers: one layout each, a group per unit, the same chunks."""
     from labml_zero.zero3.chunk_layout import plan_chunks
-    from labml_zero.zero3.memory_model import gathered_peak, layout_model_states
+    from labml_zero.planner.memory_model import gathered_peak, layout_model_states
     from labml_zero.zero3.unit_chunks import param_specs
 
     config = ZeroConfig(dtype=torch.float32, chunk_numel=chunk_numel, align=4)
@@ -367,9 +369,9 @@ def test_the_search_range_of_the_engine(monkeypatch):
     """`choose_chunk_numel`'s range: ColossalAI's default width (the search's
     default too) at most, at most 4096 steps of the hidden size, and at least the
     largest layer."""
-    from labml_zero.zero3 import chunk_search, unit_chunks
+    from labml_zero.planner import chunk_search, sharding
+    from labml_zero.planner.sharding import choose_chunk_numel
     from labml_zero.zero3.chunk_layout import ParamSpec
-    from labml_zero.zero3.unit_chunks import choose_chunk_numel
 
     seen, original = [], chunk_search.search_chunk_size
 
@@ -377,7 +379,7 @@ def test_the_search_range_of_the_engine(monkeypatch):
         seen.append(config)
         return original(specs, world_size, config=config)
 
-    monkeypatch.setattr(unit_chunks, "search_chunk_size", search)
+    monkeypatch.setattr(sharding, "search_chunk_size", search)
 
     def search_range(layers: list[tuple[int, int]]) -> int:
         specs = [ParamSpec(f"w{g}", shape, True, g) for g, shape in enumerate(layers)]
@@ -401,9 +403,9 @@ def test_a_huge_group_coarsens_the_steps():
     """Llama-3.2-1B's embedding (128,256 × 2,048) stretches the range to 250.5 ×
     2^20 elements: 128,257 steps of 2,048, over the search's cap; the engine
     steps by 4,096 instead and the search runs."""
-    from labml_zero.zero3 import chunk_search
+    from labml_zero.planner import chunk_search
+    from labml_zero.planner.sharding import choose_chunk_numel
     from labml_zero.zero3.chunk_layout import ParamSpec
-    from labml_zero.zero3.unit_chunks import choose_chunk_numel
 
     d, vocab = 2048, 128_256
     specs = [ParamSpec("embed", (vocab, d), True, 0)] + [
@@ -412,3 +414,26 @@ def test_a_huge_group_coarsens_the_steps():
     cap = chunk_search.ChunkSearchConfig().max_candidates
     assert vocab * d // d + 1 > cap  # the range at steps of d is over the cap
     assert chunk % (2 * d) == 0 and chunk > 0
+
+
+def test_the_engine_takes_the_chunk_size_or_refuses():
+    """The engine's `zero3_layers` and `shard_model` choose no size themselves:
+    given neither `chunk_numel` nor a chooser they refuse in one line; the
+    planner's pass its search, and a chooser's size is the one used."""
+    from labml_zero.planner import sharding
+    from labml_zero.zero3 import sharded_model
+
+    with pytest.raises(ValueError, match="no chunk size"):
+        sharded_model.zero3_layers(tiny_layers(), device="cpu", config=ZeroConfig())
+    with pytest.raises(ValueError, match="no chunk size"):
+        model = torch.nn.Sequential(*tiny_layers())
+        sharded_model.shard_model(model, list(model), device="cpu",
+                                  config=ZeroConfig())
+    searched = sharding.zero3_layers(tiny_layers(), device="cpu", config=ZeroConfig())
+    specs, _ = param_specs([layer.named_parameters() for layer in tiny_layers()])
+    assert searched[0].config.chunk_numel == sharding.choose_chunk_numel(
+        specs, 1, ZeroConfig())
+    chosen = sharded_model.zero3_layers(tiny_layers(), device="cpu",
+                                        config=ZeroConfig(),
+                                        choose_chunk_numel=lambda *_: 4096)
+    assert {layer.config.chunk_numel for layer in chosen} == {4096}

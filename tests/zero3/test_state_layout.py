@@ -9,9 +9,9 @@ import torch
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.optimizers import rounded_update
-from labml_zero.zero3 import memory_model
-from labml_zero.zero3.placement import (Placement, ShardSpec,
-                                        device_optimizer_bytes, resident_bytes)
+from labml_zero.planner import memory_model
+from labml_zero.planner.placement import (Placement, ShardSpec,
+                                          device_optimizer_bytes, resident_bytes)
 from labml_zero.zero3.shard import LocalShard
 from labml_zero.zero3.state_layout import (BF16_MOMENTS, BF16_STOCHASTIC,
                                            EIGHT_BIT_BLOCK, EIGHT_BIT_MOMENTS,

@@ -15,7 +15,8 @@ from torch import nn
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.optimizers.clip_grad import clip_grad_norm_
 from labml_zero.optimizers.grad_scaler import LossScaler
-from labml_zero.zero3 import ZeroConfig, Zero3Sequential, zero3_layers
+from labml_zero.planner.sharding import zero3_layers
+from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.shard import LocalShard
 from tests import tolerance
 from tests.distributed import run_distributed

@@ -11,7 +11,7 @@ summary: Which chunks keep their optimizer state (and parameter shard) in host
 A ZeRO-3 rank holds, per element of a trainable shard, $p$ bytes of bf16 (or
 fp16) parameter, $4$ of fp32 gradient (`LocalShard.grad`) and
 $K$ = {{py: memory_model.OPTIMIZER_BYTES}} of optimizer state (fp32 master and two
-moments; the optimizer's [state layout](state_layout.html) declares $K$). For GPT-NeoX-20B on $N_d = 2$ ranks, with
+moments; the optimizer's [state layout](../zero3/state_layout.html) declares $K$). For GPT-NeoX-20B on $N_d = 2$ ranks, with
 $S = \Psi / 2 = 10.3 \cdot 10^9$
 (tested: tests/zero3/test_placement.py::test_gpt_neox_20b_memory_figures_of_the_page)
 elements per rank, that is
@@ -25,7 +25,7 @@ update alone; ColossalAI's Gemini and ZeRO-Offload keep part of it in host memor
 and run the update there. This page is the *policy*: which chunks go to the
 host, and, when memory is plentiful, which frozen chunks stay gathered instead.
 The mechanisms are [AdamFP16](../optimizers/adam_fp16.html)'s `offload=` and the
-[chunk](chunk.html)'s `offload_shard` and `keep_resident`.
+[chunk](../zero3/chunk.html)'s `offload_shard` and `keep_resident`.
 
 Everything here is a pure function of sizes and bytes; measuring a built
 model for the automatic placement, and applying a placement to it, are [the
@@ -39,7 +39,7 @@ from typing import NamedTuple, Sequence
 
 # bytes per element: the memory model is their one home, the optimizer's
 # $K$ its state layout
-from labml_zero.zero3.memory_model import GRAD_BYTES, PARAM_BYTES, STAGING_BYTES
+from labml_zero.planner.memory_model import GRAD_BYTES, PARAM_BYTES, STAGING_BYTES
 from labml_zero.zero3.state_layout import FP32_STATES, StateLayout
 
 __all__ = [
@@ -321,7 +321,7 @@ def resident_bytes(placement: Placement, shards: Sequence[ShardSpec], *,
     the host; a parameter shard on the host moves $p$. Frozen chunks hold $p$.
     Gathered chunks and activations are not model states (see the
     [memory model](memory_model.html)). $K$ is the `states` layout's
-    ([the optimizer's state layout](state_layout.html)).
+    ([the optimizer's state layout](../zero3/state_layout.html)).
 
     #### Memory for the GPT-NeoX-20B example
 

@@ -26,8 +26,8 @@ from typing import Callable
 
 import torch
 
-from labml_zero.zero3.placement import (AutoPlacement, Placement, auto_placement,
-                                        shard_specs)
+from labml_zero.planner.placement import (AutoPlacement, Placement, auto_placement,
+                                          shard_specs)
 from labml_zero.zero3.state_layout import FP32_STATES, StateLayout
 
 __all__ = ["accumulated_step", "first_step_placement", "apply_placement",
@@ -41,7 +41,7 @@ def accumulated_step(model, micro_batch: Callable[[], None],
 
     `micro_batch()` runs one micro-batch's forward and backward pass; the
     returned function runs it `micro_batches` times, the first
-    `micro_batches - 1` under `model.no_sync()` ([hooks](hooks.html)), so every
+    `micro_batches - 1` under `model.no_sync()` ([hooks](../zero3/hooks.html)), so every
     trainable chunk keeps its full-size gradient buffer, $C_c$ elements of $g$
     bytes, until the last backward reduces them, and the last micro-batch runs
     on top of them: the formula above, which one micro-batch without `no_sync`
@@ -119,7 +119,7 @@ def first_step_placement(
       the CUDA allocator's statistics. CPU memory has no such statistics, so on
       CPU (the tests) both must be given.
     * `resident`: also keep frozen chunks resident in the memory left over.
-    * `states`: the [state layout](state_layout.html) the optimizer will be
+    * `states`: the [state layout](../zero3/state_layout.html) the optimizer will be
       built with (`AdamFP16(states=...)`): its $K_d$ is what an offload saves.
 
     Then `apply_placement(model, result.placement)` and

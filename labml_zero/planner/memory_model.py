@@ -25,7 +25,7 @@ the $\Psi_t$ trainable parameters, mixed-precision Adam keeps
 * $K = 12$
   (tested: tests/zero3/test_memory_and_comm.py::test_memory_per_rank_and_bytes_per_step)
   bytes of optimizer state: an fp32 master copy of the parameter and Adam's two
-  fp32 moments, $4 + 4 + 4$ (other [state layouts](state_layout.html)
+  fp32 moments, $4 + 4 + 4$ (other [state layouts](../zero3/state_layout.html)
   keep fewer bytes).
 
 That is $p + g + K = 18$
@@ -70,11 +70,6 @@ __all__ = [
     "peak_window_numel",
     "ROOT_GROUP",
     "root_unit_bytes",
-    "held_grads",
-    "largest_grad_buffer",
-    "accumulated_grad_buffers",
-    "EARLY_UPDATES_IN_FLIGHT",
-    "early_update_grads",
     "Traffic",
     "StepComm",
     "zero3_step_comm",
@@ -219,7 +214,7 @@ def layout_model_states(
 # A *unit* is what the hooks gather and release together: one layer, whose
 # parameters form one *group* of the layout. Before a unit runs, its chunks are
 # gathered in full; the chunks of the next $D$ units (the
-# {{see: prefetch depth}}, `prefetch_depth`, explained in [hooks](hooks.html))
+# {{see: prefetch depth}}, `prefetch_depth`, explained in [hooks](../zero3/hooks.html))
 # are gathered ahead of time, so their all-gathers overlap the running unit's
 # compute; a unit's chunks are released when it is done.
 #
@@ -229,11 +224,10 @@ def layout_model_states(
 #   `prefetch_depth`; `gathered_peak`), and those of the root unit and the
 #   held units for the whole step (`root_unit_bytes`, `gathered_peak`);
 # * in backward, a chunk's gradients, held until they are copied into its
-#   full-size gradient buffer (`held_grads`), and that buffer until it is
-#   reduced (`largest_grad_buffer` counts both), all the buffers at once under
-#   gradient accumulation (`accumulated_grad_buffers`), in the
+#   full-size gradient buffer, and that buffer until it is reduced, all the
+#   buffers at once under gradient accumulation, in the
 #   {{term: reduce dtype}} of $g_r$ bytes, the dtype gradients are
-#   reduce-scattered in.
+#   reduce-scattered in: counted on [their own page](grad_buffers.html).
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -284,7 +278,7 @@ def gathered_peak(
     with $C(\text{group})$ the elements of a group's chunks, $\text{group}'$
     the groups not held, in order, and $p$ = `param_bytes`. With fewer than
     $n$ groups, all of them. A held group is a layer that owns a parameter a
-    later layer reads ([sharding a model](sharded_model.html), Note: a
+    later layer reads ([sharding a model](../zero3/sharded_model.html), Note: a
     parameter of two layers): its gather is not one of the $n$ (the prefetch
     finds it gathered and moves on), so it adds to every window. Backward's windows are
     the same runs of consecutive groups taken in the other order, as wide as
@@ -311,7 +305,7 @@ def gathered_memory(layout: ChunkLayout, prefetch_depth: int, param_bytes: int) 
 
     $G$ of `gathered_peak`, the larger of the two phases; $0$ with one rank
     (or groups of one under hybrid sharding), whose full buffers are its shards (see
-    [chunk](chunk.html), Note: one rank gathers nothing), so its gathered
+    [chunk](../zero3/chunk.html), Note: one rank gathers nothing), so its gathered
     chunks are already counted with the shards. A parameter shard that a
     placement puts in host memory (`param_on_host`, never chosen
     automatically) is gathered into a buffer of its own on one rank too; this
@@ -362,101 +356,6 @@ def root_unit_bytes(layout: ChunkLayout, param_bytes: int = PARAM_BYTES) -> int:
     """
     _check_at_least("param_bytes", param_bytes, 1)
     return layout.group_numel(ROOT_GROUP) * param_bytes
-
-
-def held_grads(layout: ChunkLayout, param_bytes: int) -> int:
-    r"""
-    ## Gradients held until their chunk's copy
-
-    A trainable chunk keeps each parameter's gradient as autograd made it, in
-    the parameter dtype, until the chunk's last one arrives and all of them are
-    copied into its buffer in one call (explained on [the chunk-gradient
-    page](chunk_grads.html)); the copy runs on a side stream, which holds
-    them until it is done. The largest chunk's, at most
-
-    $$H = p \cdot \max_{k \text{ trainable}} C_k$$
-
-    bytes ($p$ = `param_bytes`; padding has no gradient, so this bounds them),
-    are alive at the moment its buffer is written, and on one rank, which
-    needs no buffer, while they are cast into the gradient shard.
-    """
-    _check_at_least("param_bytes", param_bytes, 1)
-    sizes = [chunk.chunk_numel for chunk in layout.chunks if chunk.trainable]
-    return max(sizes, default=0) * param_bytes
-
-
-def largest_grad_buffer(layout: ChunkLayout, grad_bytes: int, param_bytes: int) -> int:
-    r"""
-    ## Largest full-size gradient buffer, with the gradients copied into it
-
-    During backward a trainable chunk holds each parameter's gradient until the
-    last one arrives, copies them all into a full-size buffer of $C_k$ elements
-    in the reduce dtype (fp32 by default), reduce-scatters it and frees it. At
-    the copy both are alive, the held gradients ($H$ of `held_grads`) and the
-    buffer, so the largest chunk adds
-
-    $$B = (p + g_r) \cdot \max_{k \text{ trainable}} C_k$$
-
-    at some moment of every backward pass ($g_r$, the argument `grad_bytes`, the
-    reduce dtype's bytes; $p$ = `param_bytes`; oversized chunks count: an
-    embedding's buffer is as real as any); zero when nothing trains. Unlike the gathered
-    peak it grows with the chunk size even when a group is gathered whole,
-    because one chunk per layer holds the whole layer's gradient at once.
-
-    The model counts model states, gathered parameters and gradient buffers only:
-    activations, temporary buffers and the allocator's fragmentation are not
-    counted, nor, without accumulation, a second gradient buffer live beside the
-    largest (a chunk waiting for its reduce-scatter while the next one fills).
-    """
-    _check_at_least("grad_bytes", grad_bytes, 1)
-    sizes = [chunk.chunk_numel for chunk in layout.chunks if chunk.trainable]
-    return held_grads(layout, param_bytes) + max(sizes, default=0) * grad_bytes
-
-
-def accumulated_grad_buffers(layout: ChunkLayout, grad_bytes: int) -> int:
-    r"""
-    ## Gradient buffers held under accumulation
-
-    Inside `no_sync` no chunk reduces: each trainable chunk keeps its full-size
-    buffer from one micro-batch to the next, all at once,
-    $g_r \sum_{k \text{ trainable}} C_k$ bytes per rank, about $g_r \Psi_t$: not
-    divided by $N_d$. From $N_d > (p + g + K) / g_r$ ranks on, that is more than
-    the model states themselves. The shard gradient then receives one reduction
-    per step. A chunk's held gradients are alive beside all of these buffers
-    until its copy, so the backward pass holds $g_r \sum_k C_k + H$.
-    """
-    _check_at_least("grad_bytes", grad_bytes, 1)
-    return layout.total_numel(trainable=True) * grad_bytes
-
-
-# $Q$: the early updates (`AdamFP16(update_during_backward=True,
-# free_grads=True)`) a rank lets queue on its update stream; the engine waits
-# for the oldest before queueing another, this model counts $Q$ gradients.
-EARLY_UPDATES_IN_FLIGHT = 2
-
-
-def early_update_grads(layout: ChunkLayout, grad_bytes: int) -> int:
-    r"""
-    ## Gradients held by the early updates in flight
-
-    With every shard updated during the backward pass and its gradient freed
-    then, the gradient shards are never all alive; but a freed gradient is
-    held until its update, queued on a side stream, has run. The engine lets
-    at most $Q$ = `EARLY_UPDATES_IN_FLIGHT` of them queue (see [the early
-    update](../optimizers/early_update.html), Note: why the early updates in
-    flight are capped), so they hold at most
-
-    $$E = Q\,g_e \max_{k \text{ trainable}} S_k$$
-
-    bytes, $S_k$ the shard of chunk $k$ and $g_e$ = `grad_bytes` its gradient's
-    bytes: fp32's 4, or the parameter dtype's on one rank (see Note: one rank
-    keeps the parameter dtype). Zero when nothing trains. The largest is
-    taken over every trainable shard, offloaded ones too (whose gradient waits
-    for its copy down instead, not capped): a bound.
-    """
-    _check_at_least("grad_bytes", grad_bytes, 1)
-    sizes = [layout.shard_numel(c) for c in layout.chunks if c.trainable]
-    return EARLY_UPDATES_IN_FLIGHT * grad_bytes * max(sizes, default=0)
 
 
 class Traffic(NamedTuple):

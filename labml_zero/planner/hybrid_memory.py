@@ -8,7 +8,7 @@ summary: The memory model's counts when each group of ranks holds a whole copy
 # Hybrid sharding's memory and communication
 
 This page deepens the [memory model](memory_model.html) for hybrid sharding
-(explained in [its page](hybrid.html)): a rank holds the model states of a
+(explained in [its page](../zero3/hybrid.html)): a rank holds the model states of a
 world of $N_s$ ranks, whatever the world size $N_d$,
 
 $$M_{\text{hybrid}} = \frac{(p + g + K)\,\Psi_t + p\,\Psi_f}{N_s},$$
@@ -23,16 +23,14 @@ from __future__ import annotations
 from typing import Iterable, NamedTuple
 
 from labml_zero.zero3.chunk_layout import ChunkLayout
-from labml_zero.zero3.memory_model import (OPTIMIZER_BYTES, PARAM_BYTES,
-                                           REDUCE_BYTES, StepComm,
-                                           Traffic, _check_at_least,
-                                           ring_wire_bytes, zero3_step_comm,
-                                           zero_model_states)
+from labml_zero.zero3.group_ranks import check_shard_group_size
+from labml_zero.planner.memory_model import (OPTIMIZER_BYTES, PARAM_BYTES,
+                                             REDUCE_BYTES, StepComm,
+                                             Traffic, _check_at_least,
+                                             ring_wire_bytes, zero3_step_comm,
+                                             zero_model_states)
 
 __all__ = [
-    "check_shard_group_size",
-    "shard_group_ranks",
-    "replica_group_ranks",
     "hybrid_model_states",
     "HybridStepComm",
     "hybrid_step_comm",
@@ -47,46 +45,13 @@ __all__ = [
 
 # ## Hybrid sharding
 #
-# With hybrid sharding (explained in [its page](hybrid.html)) the $N_d$ ranks form
-# $R = N_d / N_s$
+# With hybrid sharding (explained in [its page](../zero3/hybrid.html)) the $N_d$
+# ranks form $R = N_d / N_s$
 # {{term: shard groups | shard group}} of $N_s$ ranks. Each group holds one copy of
 # the model states, so a rank holds ZeRO-3's share of a world of $N_s$, and a step
 # adds to ZeRO-3's collectives inside the group one all-reduce, across the $R$
 # groups, of each trainable chunk's gradient shard. Which ranks form which
-# group is arithmetic, here; the [communicator](communication.html) makes its
-# shard group from it and [hybrid sharding](hybrid.html) its
-# {{see: replica group}}.
-
-
-def check_shard_group_size(world_size: int, shard_group_size: int) -> None:
-    """$N_s$ must divide the world size: one line naming both otherwise."""
-    if shard_group_size < 1 or world_size % shard_group_size:
-        raise ValueError(f"shard_group_size {shard_group_size} does not divide "
-                         f"the world size {world_size}")
-
-
-def shard_group_ranks(world_size: int, shard_group_size: int) -> list[list[int]]:
-    r"""
-    ### The shard groups
-
-    Group $j$ is world ranks $jN_s, \dots, jN_s + N_s - 1$: the ranks of one host
-    when each host runs $N_s$ consecutive ranks.
-    """
-    check_shard_group_size(world_size, shard_group_size)
-    size = shard_group_size
-    return [list(range(j * size, (j + 1) * size)) for j in range(world_size // size)]
-
-
-def replica_group_ranks(world_size: int, shard_group_size: int) -> list[list[int]]:
-    r"""
-    ### The replica groups
-
-    Group $q$ is the $q$-th rank of every shard group, $q, q + N_s, q + 2N_s, \dots$:
-    the ranks that hold the same shard, one per host.
-    """
-    check_shard_group_size(world_size, shard_group_size)
-    return [list(range(q, world_size, shard_group_size))
-            for q in range(shard_group_size)]
+# group is [rank arithmetic](../zero3/group_ranks.html), the engine's.
 
 
 def hybrid_model_states(psi_trainable: int, psi_frozen: int, world_size: int,
@@ -204,7 +169,7 @@ def hybrid_step_seconds(psi: float, world_size: int, shard_group_size: int, *,
 
 class HybridExample(NamedTuple):
     """
-    ### The example of the [hybrid sharding](hybrid.html) page
+    ### The example of the [hybrid sharding](../zero3/hybrid.html) page
 
     * `psi`: trainable elements, a model of seven billion;
     * `ranks_per_host`: GPUs per host, the shard group;

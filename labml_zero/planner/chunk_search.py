@@ -36,16 +36,13 @@ from labml_zero.zero3.chunk_layout import (
     plan_chunks,
     round_up,
 )
-from labml_zero.zero3.chunk_search_shortcuts import (
+from labml_zero.planner.chunk_search_shortcuts import (
     GroupShape,
     group_shapes,
     is_saturated,
 )
-from labml_zero.zero3.memory_model import (
-    largest_grad_buffer,
-    peak_window_numel,
-    zero3_step_comm,
-)
+from labml_zero.planner.grad_buffers import largest_grad_buffer
+from labml_zero.planner.memory_model import peak_window_numel, zero3_step_comm
 
 __all__ = [
     "ChunkSearchConfig",
@@ -320,8 +317,8 @@ def search_chunk_size(
     # Bias-only (three biases trainable per layer) picks $c_0 + 4h$, and each layer's
     # biases share one trimmed chunk with no padding.
     #
-    # *With the engine's defaults* (`unit_chunks.choose_chunk_numel`): the range is
-    # stretched to the largest layer and each collective costs $\mu$ =
+    # *With the engine's defaults* ([`sharding.choose_chunk_numel`](sharding.html)):
+    # the range is stretched to the largest layer and each collective costs $\mu$ =
     # `collective_bytes`. Three
     # chunks instead of one cost $3 \cdot 3 - 3 = 6$ more collectives per layer per
     # step, $192$
