@@ -67,7 +67,7 @@ class ChunkSearchConfig:
 
     hidden_dim: int = 1024
     """
-    Step between candidates, in elements: the model's hidden size $h$. The
+    Step between candidates, in elements: the model's hidden size $d$. The
     default suits no model in particular; pass the real one.
     """
 
@@ -82,7 +82,7 @@ class ChunkSearchConfig:
     search_range_m: float = 32.0
     r"""
     Width $R$ of the range of candidates, in units of `MEBI` elements (ColossalAI's
-    default too): $\lfloor R / h \rfloor + 1$ candidates, 5462
+    default too): $\lfloor R / d \rfloor + 1$ candidates, 5462
     (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
     at GPT-NeoX-20B's hidden size.
     """
@@ -243,9 +243,9 @@ def search_chunk_size(
     * `params` in execution order, as for `plan_chunks`.
     * `world_size` is $N_d$, the number of ranks a chunk is sharded over.
 
-    *Candidates* step by the hidden size $h$ (`hidden_dim`): transformer
-    parameters are multiples of $h$ (an $h \times 4h$ projection, a bias of $3h$),
-    so is any run of them, and steps of $h$ reach every size that a run fills
+    *Candidates* step by the hidden size $d$ (`hidden_dim`): transformer
+    parameters are multiples of $d$ (a $d \times 4d$ projection, a bias of $3d$),
+    so is any run of them, and steps of $d$ reach every size that a run fills
     exactly; finer steps would add sizes that only pad more. They run from $c_0$
     (`start_size`) to $c_0 + R$, $R$ = `search_range_m` $\times$ `MEBI`, which is
     ColossalAI's rule. Where we depart from ColossalAI:
@@ -294,27 +294,27 @@ def search_chunk_size(
     skip_below = 0
     # #### Note: GPT-NeoX-20B
     #
-    # A layer holds four layer-norm vectors of $h$, QKV ($3h \times h$ and $3h$), the
-    # attention output ($h \times h$, $h$) and the MLP ($4h \times h$, $4h$,
-    # $h \times 4h$, $h$): $12h^2 + 13h$
+    # A layer holds four layer-norm vectors of $d$, QKV ($3d \times d$ and $3d$), the
+    # attention output ($d \times d$, $d$) and the MLP ($4d \times d$, $4d$,
+    # $d \times 4d$, $d$): $12d^2 + 13d$
     # (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
     # elements. The embeddings are excluded, so
-    # the range starts at $c_0 = 4h^2$, the MLP weights.
+    # the range starts at $c_0 = 4d^2$, the MLP weights.
     #
     # *Without the collective term* ($\mu = 0$) and with a range of
     # $R = 2^{20}$ elements
     # (tested: tests/zero3/test_chunk_search.py::test_20b_without_mu_packs_three_chunks)
-    # (less than $h^2$), the giant chunk is out of reach. At $c_0$ the attention
+    # (less than $d^2$), the giant chunk is out of reach. At $c_0$ the attention
     # output does not fit next to QKV, nor a bias next to an MLP weight: six chunks
     # per layer, $40\%$
     # (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
-    # of their elements padding. At $c_0 + 7h$ the layer norms, QKV
+    # of their elements padding. At $c_0 + 7d$ the layer norms, QKV
     # and the attention output weight fill the first chunk exactly, the attention
-    # output bias and the first MLP half fill the second within $2h$, and the second
-    # MLP half is the trimmed third chunk: three all-gathers per layer and $2h$ of
+    # output bias and the first MLP half fill the second within $2d$, and the second
+    # MLP half is the trimmed third chunk: three all-gathers per layer and $2d$ of
     # padding per layer. The gradient buffer does not move it: the embedding,
     # trainable and in a chunk of its own, has the largest gradient buffer of all.
-    # Bias-only (three biases trainable per layer) picks $c_0 + 4h$, and each layer's
+    # Bias-only (three biases trainable per layer) picks $c_0 + 4d$, and each layer's
     # biases share one trimmed chunk with no padding.
     #
     # *With the engine's defaults* ([`sharding.choose_chunk_numel`](sharding.html)):
@@ -324,10 +324,10 @@ def search_chunk_size(
     # step, $192$
     # (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
     # MiB, against a gradient buffer and its held gradients
-    # $8h^2 \cdot (4 + 2)$ bytes smaller ($1.8$
+    # $8d^2 \cdot (4 + 2)$ bytes smaller ($1.8$
     # (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
-    # GB at GPT-NeoX-20B's $h$, but the embedding's buffer is larger still and sets the
-    # term): one chunk per layer, $12h^2 + 13h$
+    # GB at GPT-NeoX-20B's $d$, but the embedding's buffer is larger still and sets the
+    # term): one chunk per layer, $12d^2 + 13d$
     # (tested: tests/zero3/test_chunk_search.py::test_figures_in_the_search_notes)
     # elements, no padding, wins.
     for requested in range(start, start + config.search_range + 1, config.hidden_dim):
@@ -402,7 +402,7 @@ def start_size(
     r"""
     ### The first candidate, $c_0$
 
-    $$c_0 = h \left\lceil \frac{\max(c_{\min}, n_{\max})}{h} \right\rceil$$
+    $$c_0 = d \left\lceil \frac{\max(c_{\min}, n_{\max})}{d} \right\rceil$$
 
     with $c_{\min}$ = `min_chunk_size_m` $\times$ `MEBI` and $n_{\max}$ the largest
     parameter that is not excluded: a smaller chunk would leave that parameter
