@@ -105,10 +105,8 @@ from labml_zero.assembly import AutoLimits, Recipe, assemble
 from labml_zero.neox import build as neox_build
 from labml_zero.launch import DistContext
 from labml_zero.neox.finetuners import finetuner
-from labml_zero.llama import flops as llama_flops
 from labml_zero.llama.config import LlamaConfig
-from labml_zero.neox.activation_memory import activation_bytes
-from labml_zero.neox.kernels import plain_loss_bytes_per_row
+from labml_zero.families import family_for_config
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.communication import CommCounter
 from labml_zero.optimizers.graphed_step import GraphedStep
@@ -403,50 +401,25 @@ def predicted_peak(workload: Workload, memory: dict) -> dict[str, int]:
     gradients, which exist only
     from their chunk's reduce-scatter on, the gathered chunks of $1 +$
     prefetch units (none with one rank, whose full buffers are its shards),
-    and the activations alive then ([activation
-    memory](../labml_zero/neox/activation_memory.html): every layer's saved
-    tensors plus the readout's and the loss's peak, for the kernels the
-    workload runs: the chunked loss holds no logits), and the freed gradients
+    and the activations alive then (the family's `activation_memory`, e.g.
+    GPT-NeoX's [activation memory](../labml_zero/neox/activation_memory.html):
+    every layer's saved tensors plus the readout's and the loss's peak, for
+    the kernels the workload runs: the chunked loss holds no logits), and the freed gradients
     the early updates still queued hold ($E$, `early_update_grads`: at most
     `EARLY_UPDATES_IN_FLIGHT` of them). Eager PyTorch: compiled
     layers choose what they save themselves. With the automatic offload the
     builder replaces it by the placement's own prediction, which stands on the
     probe's measured peak.
     """
-    if isinstance(workload.model, LlamaConfig):
-        activations = llama_activations(workload)
-    else:
-        activations = activation_bytes(
-            workload.model, batch=workload.batch, seq=workload.seq,
-            finetune=workload.finetune,
-            checkpointing=workload.activation_checkpointing,
-            kernels=workload.kernels).total
+    activations = family_for_config(workload.model).activation_memory(
+        workload.model, batch=workload.batch, seq=workload.seq,
+        finetune=workload.finetune, checkpointing=workload.activation_checkpointing,
+        kernels=workload.kernels)
     states = memory.get("device_states", memory["layout_states"])
     return {"activations": activations,
             "predicted_peak": states - memory["shard_grads"]
             + memory["gathered_peak"] + activations
             + memory["early_update_grads"]}
-
-
-def llama_activations(workload: Workload) -> int:
-    r"""
-    ### A Llama workload's activations at the backward pass's start
-
-    Every layer's saved tensors ([its FLOPs page](../labml_zero/llama/flops.html)'s
-    `activation_bytes`, plain kernels), or, recomputed, every layer's bf16
-    input and one layer's saved tensors; then the plain readout's logits and
-    loss (`plain_loss_bytes_per_row`), none with the chunked loss. An
-    estimate: the fused SwiGLU and RMSNorm save less than counted.
-    """
-    config, tokens = workload.model, workload.batch * workload.seq
-    one_layer = llama_flops.activation_bytes(config, tokens)
-    if workload.activation_checkpointing:
-        body = config.n_layers * tokens * config.d_model * 2 + one_layer
-    else:
-        body = config.n_layers * one_layer
-    readout = (0 if workload.kernels.loss
-               else tokens * plain_loss_bytes_per_row(config.n_vocab))
-    return body + readout
 
 
 def probe_step(ctx: DistContext, workload: Workload

@@ -26,7 +26,7 @@ from labml_zero.llama.family import LLAMA
 from labml_zero.neox.family import NEOX
 
 __all__ = ["FAMILIES", "family_for_model_type", "family_for_preset",
-           "model_types", "UnknownFamily"]
+           "family_for_config", "model_types", "UnknownFamily"]
 
 # The one line a family adds; the first is the job's default.
 FAMILIES: tuple[ModelFamily, ...] = (NEOX, LLAMA)
@@ -59,3 +59,11 @@ def family_for_preset(name: str) -> ModelFamily:
     raise UnknownFamily(f"unknown model preset {name!r}; expected one of "
                         f"{', '.join(known)}")
 
+
+def family_for_config(config) -> ModelFamily:
+    """The family whose configs are of `config`'s class."""
+    for family in FAMILIES:
+        if isinstance(config, family.config_type):
+            return family
+    raise UnknownFamily(f"no model family has configs of type "
+                        f"{type(config).__name__}")

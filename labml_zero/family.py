@@ -78,7 +78,7 @@ class ModelFamily:
        model (every rank gathers) and samples with `generate`.
 
     The other fields (`materialize`, `load_layer`, `save_hf`, `save_merged`,
-    `save_adapter`, `flops_per_token`, `activation_bytes`) serve unsharded
+    `save_adapter`, `flops_per_token`, `activation_memory`) serve unsharded
     layers (tests and small models), the offline export and the memory budget.
 
     It holds functions, not a base class to override: each family package
@@ -95,6 +95,8 @@ class ModelFamily:
     """The family's name on the command line and in records."""
     model_types: tuple[str, ...]
     """The `model_type`s of Hugging Face's `config.json` the family reads."""
+    config_type: type
+    """The class of its configs (`read_config`'s result, every preset's)."""
     presets: Mapping[str, Callable[[], Any]]
     """Preset name (`--model`) to a function returning its config."""
     read_config: Callable[[Mapping[str, Any]], Any]
@@ -118,9 +120,11 @@ class ModelFamily:
     r"""$\Psi$, the model's parameters in elements, a tied matrix once."""
     flops_per_token: Callable[[Any, int], float]
     """`flops_per_token(config, seq)`: training FLOPs a token."""
-    activation_bytes: Callable[..., int]
-    """`activation_bytes(config, tokens, dtype_bytes=...)`: a layer's saved
-    bytes."""
+    activation_memory: Callable[..., int]
+    """`activation_memory(config, *, batch, seq, finetune, checkpointing,
+    kernels)`: the activation bytes a rank holds when its last backward pass
+    starts (every layer's saved tensors, or its checkpointed inputs, and the
+    readout's and loss's), for the kernels `resolve_kernels` gave."""
     finetuner: Callable[..., Any]
     """`finetuner(name, **options)`: `all`, or `lora` with `rank`, `alpha`,
     `targets`, and any others the family has."""

@@ -105,3 +105,13 @@ def test_the_export_kinds_are_the_export_pages():
     from labml_zero.neox.lora_export import ADAPTER, MERGED
 
     assert (HF_EXPORT, ADAPTER_EXPORT) == (MERGED, ADAPTER)
+
+
+def test_a_config_names_its_family():
+    from labml_zero.families import FAMILIES, UnknownFamily, family_for_config
+
+    for family in FAMILIES:
+        for preset in family.presets.values():
+            assert family_for_config(preset()) is family
+    with pytest.raises(UnknownFamily, match="no model family has configs of type dict"):
+        family_for_config({})

@@ -32,7 +32,7 @@ from labml_zero.assembly import Assembled, Recipe, assemble as assemble_layers
 from labml_zero.family import HF_EXPORT, ModelFamily, TrainingBuild
 from labml_zero.files import fsync_path
 from labml_zero.llama import config as llama_config
-from labml_zero.llama.flops import activation_bytes, flops_per_token
+from labml_zero.llama.flops import activation_memory, flops_per_token
 from labml_zero.llama.hf_checkpoint import (LlamaCheckpoint, check_llama_snapshot,
                                             llama_config_from_hf)
 from labml_zero.llama.hf_export import hf_named_tensors, save_llama_checkpoint
@@ -245,12 +245,13 @@ def export_adapter(out_dir: str | os.PathLike, model, lora: LlamaLoRA,
 
 LLAMA = ModelFamily(
     name="llama", model_types=tuple(llama_config.FAMILIES),
+    config_type=llama_config.LlamaConfig,
     presets=llama_config.PRESETS, read_config=llama_config.from_hf_config,
     write_config=llama_config.to_hf_config, check_snapshot=check_llama_snapshot,
     open_checkpoint=LlamaCheckpoint, build=build_layers, materialize=materialize,
     load_layer=load_layer, tokenizer=tokenizer,
     count_parameters=count_parameters, flops_per_token=flops_per_token,
-    activation_bytes=activation_bytes, finetuner=finetuner,
+    activation_memory=activation_memory, finetuner=finetuner,
     lora_targets=tuple(TARGETS), named_tensors=hf_named_tensors,
     save_hf=save_hf, save_merged=save_merged,
     save_adapter=save_llama_adapter, title="Llama", experiment="zero3_llama",

@@ -17,8 +17,10 @@ for the memory budget. Both follow from the shapes alone.
 from __future__ import annotations
 
 from labml_zero.llama.config import LlamaConfig
+from labml_zero.neox.kernels import plain_loss_bytes_per_row
 
-__all__ = ["matmul_parameters", "flops_per_token", "activation_bytes"]
+__all__ = ["matmul_parameters", "flops_per_token", "activation_bytes",
+           "activation_memory"]
 
 
 def matmul_parameters(config: LlamaConfig) -> int:
@@ -93,3 +95,26 @@ def activation_bytes(config: LlamaConfig, tokens: int, *, dtype_bytes: int = 2
                  + 4 * config.n_heads)
     mlp = 4 * p * config.d_ff
     return tokens * (norms + attention + mlp)
+
+
+def activation_memory(config: LlamaConfig, *, batch: int, seq: int,
+                      finetune: str = "all", checkpointing: bool = False,
+                      kernels=None) -> int:
+    r"""
+    ### The whole model's activations when the last backward pass starts
+
+    Every layer's saved tensors (`activation_bytes`, plain kernels), or,
+    recomputed, every layer's bf16 input and one layer's saved tensors; then
+    the plain readout's logits and loss (`plain_loss_bytes_per_row` a token),
+    none with the chunked loss. An estimate: the fused SwiGLU and RMSNorm save
+    less than counted, and the fine-tuner is not yet counted.
+    """
+    tokens = batch * seq
+    one_layer = activation_bytes(config, tokens)
+    if checkpointing:
+        body = config.n_layers * tokens * config.d_model * 2 + one_layer
+    else:
+        body = config.n_layers * one_layer
+    chunked_loss = kernels is not None and kernels.loss
+    readout = 0 if chunked_loss else tokens * plain_loss_bytes_per_row(config.n_vocab)
+    return body + readout

@@ -34,7 +34,7 @@ from labml_zero.hf.peft_adapter import save_layers_adapter
 from labml_zero.layers.lora import reset_adapters
 from labml_zero.neox import build as neox_build
 from labml_zero.neox import config as neox_config
-from labml_zero.neox.activation_memory import layer_activation_bytes
+from labml_zero.neox.activation_memory import activation_bytes
 from labml_zero.neox.finetuners import FINETUNERS, finetuner
 from labml_zero.neox.generate import Sampling, generate
 from labml_zero.neox.hf_checkpoint import (HFCheckpoint, check_hf_snapshot,
@@ -89,12 +89,13 @@ def flops_per_token(config: neox_config.NeoXConfig, seq: int) -> float:
     return 6.0 * matmul + 12.0 * config.n_layers * config.d_model * seq
 
 
-def activation_bytes(config: neox_config.NeoXConfig, tokens: int, *,
-                     dtype_bytes: int = 2) -> int:
-    """A transformer layer's saved bytes for `tokens` tokens of one sequence,
-    a full fine-tune."""
-    return layer_activation_bytes(config, batch=1, seq=tokens, finetune="all",
-                                  dtype_bytes=dtype_bytes)
+def activation_memory(config: neox_config.NeoXConfig, *, batch: int, seq: int,
+                      finetune: str = "all", checkpointing: bool = False,
+                      kernels=None) -> int:
+    """The whole model's activation bytes per rank, [activation
+    memory](activation_memory.html)'s total."""
+    return activation_bytes(config, batch=batch, seq=seq, finetune=finetune,
+                            checkpointing=checkpointing, kernels=kernels).total
 
 
 def save_hf(out_dir: str | os.PathLike, config: neox_config.NeoXConfig,
@@ -163,12 +164,13 @@ def export_hf(out_dir: str | os.PathLike, model, lora: FineTuneLoRA | None,
 
 
 NEOX = ModelFamily(
-    name="gpt-neox", model_types=("gpt_neox",), presets=neox_config.PRESETS,
+    name="gpt-neox", model_types=("gpt_neox",),
+    config_type=neox_config.NeoXConfig, presets=neox_config.PRESETS,
     read_config=neox_config.from_hf_config, write_config=neox_config.to_hf_config,
     check_snapshot=check_hf_snapshot, open_checkpoint=HFCheckpoint,
     build=build_layers, materialize=materialize, load_layer=load_layer,
     tokenizer=tokenizer, count_parameters=count_parameters,
-    flops_per_token=flops_per_token, activation_bytes=activation_bytes,
+    flops_per_token=flops_per_token, activation_memory=activation_memory,
     finetuner=finetuner, lora_targets=tuple(TARGETS),
     named_tensors=hf_named_tensors, save_hf=save_hf, save_merged=save_merged,
     save_adapter=save_adapter, title="GPT-NeoX", experiment="zero3_neox",
@@ -183,7 +185,4 @@ NEOX = ModelFamily(
 """Pythia and GPT-NeoX-20B. `save_merged` and `save_adapter` take unsharded
 layers; the job's exports of the sharded model, `export_hf` and
 `export_adapter`, are [the export page](lora_export.html)'s writers, which
-every rank calls. `activation_bytes` is for a full fine-tune without
-checkpointing and with the plain kernels; [activation
-memory](activation_memory.html) takes the fine-tuner, checkpointing and
-kernels."""
+every rank calls."""

@@ -7,7 +7,7 @@ from torch import nn
 
 from labml_zero.finetune.step_metrics import flops_per_token
 from labml_zero.neox import config as neox_config
-from labml_zero.neox.activation_memory import layer_activation_bytes
+from labml_zero.neox.activation_memory import activation_bytes
 from labml_zero.neox.family import NEOX
 from labml_zero.neox.lora import FineTuneLoRA
 from labml_zero.neox.tokenizer import BUNDLED_TOKENIZER, end_of_text_id
@@ -156,12 +156,13 @@ def test_flops_are_the_jobs_palm_count():
         assert NEOX.flops_per_token(config, 512) == want
 
 
-def test_activation_bytes_are_a_full_fine_tunes_layer():
+def test_activation_memory_is_the_activation_pages_total():
     config = neox_config.pythia_160m()
-    for dtype_bytes in (2, 4):
-        assert NEOX.activation_bytes(config, 1024, dtype_bytes=dtype_bytes) == \
-            layer_activation_bytes(config, batch=1, seq=1024, finetune="all",
-                                   dtype_bytes=dtype_bytes)
+    for checkpointing in (False, True):
+        assert NEOX.activation_memory(config, batch=2, seq=512, finetune="lora",
+                                      checkpointing=checkpointing) == \
+            activation_bytes(config, batch=2, seq=512, finetune="lora",
+                             checkpointing=checkpointing).total
 
 
 def test_the_finetuners_by_name():
