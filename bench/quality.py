@@ -41,12 +41,15 @@ from pathlib import Path
 from labml_zero.neox.config import PRESETS
 from labml_zero.zero3.state_layout import LAYOUTS
 
-__all__ = ["BASELINE", "QUALITY_KIND", "parse_args", "job_command", "tracked",
-           "quality_line", "relative_differences", "default_out", "main"]
+__all__ = ["BASELINE", "QUALITY_GOAL", "QUALITY_KIND", "parse_args", "job_command",
+           "tracked", "quality_line", "relative_differences", "default_out", "main"]
 
 REPO = Path(__file__).resolve().parent.parent
 # The choice every other is measured against: fp32 master and moments.
 BASELINE = "fp32"
+# The most a choice's final validation loss may differ from the fp32 states'
+# relatively, $|\delta|$, for the choice to cost nothing worth a user's notice.
+QUALITY_GOAL = 0.005
 # What marks a line of a result file as one of these runs.
 QUALITY_KIND = "quality"
 

@@ -22,6 +22,8 @@ import json
 from html import escape
 from pathlib import Path
 
+from bench.quality import QUALITY_GOAL
+
 __all__ = ["load_quality", "curves_svg", "quality_markdown"]
 
 RESULTS_DIR = "bench/results"
@@ -84,7 +86,10 @@ def quality_markdown(root: Path) -> str:
            "Each choice of optimizer states trains the same model on the same data "
            "and seed (`python -m bench.quality`); the figure draws the validation "
            "loss against the step, and the table gives the final validation loss "
-           "and its relative difference $\\delta$ to the fp32 states.", ""]
+           "and its relative difference $\\delta$ to the fp32 states. A choice "
+           f"meets the goal when $\\lvert\\delta\\rvert \\le$ {QUALITY_GOAL:.1%}. The runs "
+           "start from the preset's random weights, so the losses are those of "
+           "a model trained from scratch for these steps.", ""]
     runs = load_quality(root)
     if not runs:
         return "\n".join(out + ["No quality run is recorded in `bench/results/` yet.",
@@ -94,11 +99,15 @@ def quality_markdown(root: Path) -> str:
         out += [f"### {model}, {first['steps']} steps on {first['device']}", "",
                 '<figure class="data">', curves_svg(lines), "</figure>", "",
                 '<figure class="data">', "",
-                "| optimizer states | final validation loss | δ against fp32 |",
-                "| --- | --- | --- |"]
+                "| optimizer states | final validation loss | δ against fp32 | goal |",
+                "| --- | --- | --- | --- |"]
         for line in lines:
+            delta = line["valid_loss_rel_diff"]
             out.append(f"| {line['optimizer_states']} | "
-                       f"{line['final_valid_loss']:.4f} | "
-                       f"{line['valid_loss_rel_diff']:+.2%} |")
-        out += ["", "</figure>", "", f"From `{name}`.", ""]
+                       f"{line['final_valid_loss']:.4f} | {delta:+.2%} | "
+                       f"{'met' if abs(delta) <= QUALITY_GOAL else 'missed'} |")
+        command = " ".join(["python -m bench.quality --model", model, "--steps",
+                            str(first["steps"]), "--valid-every",
+                            str(first["valid_every"]), "--", *first["job_args"]])
+        out += ["", "</figure>", "", f"From `{name}`, measured by `{command}`.", ""]
     return "\n".join(out)
