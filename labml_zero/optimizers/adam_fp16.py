@@ -461,6 +461,10 @@ class AdamFP16(torch.optim.Optimizer):
             if self.fused and lead.one_pass:
                 self._one_pass(same, grads, step, found_inf=found_inf)
                 continue
+            if self.fused and self.layout.blockwise:
+                # 8-bit moments: decoded, updated and encoded in one pass
+                self._coded_pass(same, grads, step, found_inf=found_inf)
+                continue
             # the twin: fp32 gradients (one rank may hand its own dtype, see
             # the shard's Note: one rank keeps the parameter dtype)
             grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
@@ -477,7 +481,8 @@ class AdamFP16(torch.optim.Optimizer):
                 continue
             masters = [s[self.layout.master.name] for s in states]
             if self.layout.blockwise:
-                # 8-bit moments: decoded block by block around the kernel
+                # 8-bit moments with `foreach` kernels: decoded block by
+                # block around the kernel
                 blockwise_moments.update(kernel, masters, grads, moments)
                 lead.write_back(same, masters)
                 continue
@@ -540,6 +545,34 @@ class AdamFP16(torch.optim.Optimizer):
                 tuple(state[name] for name in self.layout.names),
                 grad, coefficients, found_inf, betas)
 
+    def _coded_pass(self, homes: list[ShardHome], grads: list[torch.Tensor],
+                    step: int, *, found_inf: torch.Tensor | None) -> None:
+        """
+        #### Steps 3 and 4 of `_apply` for 8-bit moments, in one pass per shard
+
+        [`blockwise_moments.one_pass`](blockwise_moments.html): compiled on a
+        GPU, eager on a CPU (a host home's state, or a CPU run). A device home
+        has it round the master into the shard as well; a host home's master
+        goes up as ever (`write_back`), and an fp32 shard is its own master.
+        """
+        lead = homes[0]
+        group = self.param_groups[lead.group_index]
+        masters = [self.state[h.param][self.layout.master.name] for h in homes]
+        coefficients = self._coefficients(masters[0].device, lead.group_index,
+                                          step)
+        betas = rounded_update.Betas(*group["betas"], group["eps"])
+        names = [t.name for t in self.layout.moments]
+        for home, grad, master in zip(homes, grads, masters):
+            state = self.state[home.param]
+            shard = home.param.detach()
+            writes = (lead.shard_beside_state
+                      and master.data_ptr() != shard.data_ptr())
+            blockwise_moments.one_pass(
+                master, grad, tuple(state[name] for name in names),
+                shard if writes else None, coefficients, found_inf, betas)
+        if not lead.shard_beside_state:
+            lead.write_back(homes, masters)
+
     def _coefficients(self, device: torch.device, group_index: int,
                       step: int) -> torch.Tensor:
         r"""
@@ -560,8 +593,11 @@ class AdamFP16(torch.optim.Optimizer):
         key = (step, group["lr"], *hyper.values())
         held = self._coefficient_cache.get((device, stream, group_index))
         if held is None or held[0] != key:
-            # fp32, as the GPU's fused kernel rounds $\alpha$
-            lr = torch.full((), float(group["lr"]), device=device)
+            # $\alpha$ as each fused kernel reads it: fp32 on a GPU, fp64
+            # on a CPU (as `CapturedUpdates.lrs`)
+            lr = torch.full((), float(group["lr"]), device=device,
+                            dtype=torch.float32 if device.type == "cuda"
+                            else torch.float64)
             held = (key, rounded_update.step_coefficients(steps, lr, **hyper))
             self._coefficient_cache[(device, stream, group_index)] = held
         return held[1]
