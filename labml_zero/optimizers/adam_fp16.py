@@ -375,7 +375,8 @@ class AdamFP16(torch.optim.Optimizer):
         group, device and dtype). Both are tested against
         `torch.optim.AdamW`. On a GPU a half-precision shard takes [the
         update in one pass](rounded_update.html) instead, whose twin is the
-        fused kernel and the copy. Every update, whenever and wherever it
+        fused kernel and the copy; 8-bit moments take [a one pass of their
+        own](blockwise_moments.html), compiled on a GPU and eager on a CPU. Every update, whenever and wherever it
         runs, goes through one method, `_apply`.
 
         #### All ranks agree on an overflow
@@ -430,7 +431,9 @@ class AdamFP16(torch.optim.Optimizer):
            device a copy, from the host an upload.
 
         A half-precision device home on a GPU does 3 and 4 in one kernel
-        ([the update in one pass](rounded_update.html)).
+        ([the update in one pass](rounded_update.html)); with 8-bit moments
+        and the fused setting every home does 3 in one pass, with 4 too on
+        the device ([8-bit moments](blockwise_moments.html)).
         """
         if not homes:
             return

@@ -2,7 +2,8 @@ r"""
 ---
 title: Moments in 8 bits, block by block
 summary: AdamW with an fp32 master and both moments stored as 8-bit codes,
-  one fp32 absmax scale per block and a square-root code map.
+  one fp32 absmax scale per block and a square-root code map, the update of
+  a shard one compiled pass on a GPU.
 ---
 
 # Moments in 8 bits, block by block
@@ -18,7 +19,8 @@ $$K = 4 + 1 + 1 + 2 \cdot \frac{4}{B}$$
 bytes per element, {{py: state_layout.EIGHT_BIT_MOMENTS.bytes_per_element() | .5g}}
 at {{const: BLOCK}}, against
 {{py: state_layout.BF16_MOMENTS.bytes_per_element()}} with bf16 moments and
-{{py: state_layout.FP32_STATES.bytes_per_element()}} with fp32 ones.
+{{py: state_layout.FP32_STATES.bytes_per_element()}} with fp32 ones. On a
+GPU a shard's update, decoding, AdamW's step and encoding, is one kernel.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ from . import rounded_update
 BLOCK = EIGHT_BIT_BLOCK
 """$B$, elements per scale: a scale costs $4 / B$ bytes per element."""
 
-# Elements decoded at once, as `narrow_moments.WIDE_NUMEL`; a multiple of
-# `BLOCK`, so a slice never splits a block. There is no one-pass kernel:
-# decoding, the fp32 kernel and encoding are separate passes over fp32
-# temporaries of this size, so a step moves more bytes than with bf16 moments.
+# Elements updated at once where the update runs eagerly (a CPU's one pass,
+# and the `foreach` twin), as `narrow_moments.WIDE_NUMEL`: it bounds their
+# fp32 temporaries whatever the shard's size; a multiple of `BLOCK`, so a
+# slice never splits a block. On a GPU the one pass is one kernel over the
+# whole shard, with no temporaries (see the update in one pass below).
 WIDE_NUMEL = 2**22
 
 # $L_m$ and $L_v$, the levels of each map: the signed one spends the codes
@@ -105,7 +108,7 @@ def _root(r: torch.Tensor, signed: bool) -> torch.Tensor:
 
 
 def _power(t: torch.Tensor, signed: bool) -> torch.Tensor:
-    """$t^e$ of $t \\ge 0$: one product for $m$, two for $v$."""
+    r"""$t^e$ of $t \ge 0$: one product for $m$, two for $v$."""
     square = t * t
     return square if signed else square * square
 
@@ -176,15 +179,16 @@ def update(kernel: Kernel, masters: Sequence[torch.Tensor],
            grads: Sequence[torch.Tensor],
            moments: Sequence[Sequence[torch.Tensor]]) -> None:
     r"""
-    ### One update of fp32 masters with 8-bit moments
+    ### The twin: one update of fp32 masters with 8-bit moments, in passes
 
-    `moments` is the layout's `exp_avg`, `exp_avg_absmax`, `exp_avg_sq` and
-    `exp_avg_sq_absmax`, each a list over the shards. Per shard and slice
-    the moments are decoded to fp32, `kernel` (the fp32 update) runs on them,
-    and they are encoded back. A skipped update (`found_inf`) leaves the
-    decoded copies as they were, and re-encoding a decoded block gives its
-    codes and scales back (see the loading section below), so a skipped step
-    leaves the moments as they were. That holds while $a_j \phi(q)$ is a
+    The update `AdamFP16(fused=False)` takes (its `foreach` kernel), and the
+    reference of the one pass below. `moments` is the layout's `exp_avg`,
+    `exp_avg_absmax`, `exp_avg_sq` and `exp_avg_sq_absmax`, each a list over
+    the shards. Per shard and slice the moments are decoded to fp32, `kernel`
+    (the fp32 update) runs on them, and they are encoded back. A skipped
+    update (`found_inf`) leaves the decoded copies as they were, and
+    re-encoding a decoded block gives its codes and scales back (see the
+    loading section below), so a skipped step leaves the moments as they were. That holds while $a_j \phi(q)$ is a
     normal fp32 number, not for a block whose absmax is near fp32's subnormal
     range. The master's step uses the undecoded fp32 values: this is
     `torch.optim.AdamW` whose moments are encoded and decoded after every
@@ -212,45 +216,47 @@ def update(kernel: Kernel, masters: Sequence[torch.Tensor],
             encode(wide_v, v[piece], v_scale[blocks], signed=False)
 
 
-
 # ## The update in one pass
 #
-# The twin above moves each element's bytes many times: decoding writes both
-# moments in fp32, the fp32 kernel reads and writes them again with the
-# master and the gradient, encoding reads them once more, and the
-# write-back reads the master to round it into the shard. Counting each of
-# those once, with each decode and encode a single pass (in eager PyTorch
-# every operation of them is a pass of its own), the twin moves at least
-# {{py: blockwise_moments.twin_bytes(2) | .5g}} bytes per element for a bf16
+# The twin moves each element's bytes many times: decoding writes both
+# moments in fp32, the fused fp32 kernel reads and writes them again with the
+# master and the gradient, encoding reads them once more, and the write-back
+# reads the master to round it into the shard. Counting each of those once
+# (in eager PyTorch each operation of a decode or an encode is a pass of its
+# own), the twin moves at least
+# {{py: blockwise_moments.twin_bytes(2) | .6g}} bytes per element for a bf16
 # shard and an fp32 gradient.
 #
-# `adamw_coded_` is the whole update of a shard, written once with ordinary
-# PyTorch operations: decode $m$ and $v$, AdamW's step of the master, encode
-# $m$ and $v$, round the master into the shard. On a GPU `torch.compile`
-# makes it one kernel: each row of $B$ elements is a block, whose new
-# absmax is a reduction over the row held in registers, and the codes follow
-# from it in the same program. The kernel reads the gradient ($g_b$ bytes),
-# the master, the codes and the scales once and writes the master, the
-# codes, the scales and the shard ($p$ bytes) once:
+# `adamw_coded_` is the whole update, written once with ordinary PyTorch
+# operations on a `[n, B]` view, one block a row: decode $m$ and $v$, AdamW's
+# step of the master, encode $m$ and $v$, round the master into the shard.
+# `torch.compile` makes it one kernel: a block's new absmax is a reduction
+# over its row, and the codes follow from it in the same program, the row
+# still at hand. That kernel reads the gradient ($g_b$ bytes), the master,
+# the codes and the scales once and writes the master, the codes, the
+# scales and the shard ($p$ bytes) once:
 #
 # $$b = \underbrace{K + g_b}_{\text{read}} + \underbrace{K + p}_{\text{write}},$$
 #
-# with $K$ this layout's, {{py: blockwise_moments.one_pass_bytes(2, 4) | .5g}}
+# with $K$ this layout's: {{py: blockwise_moments.one_pass_bytes(2, 4) | .6g}}
 # bytes per element for a bf16 shard and an fp32 gradient,
-# {{py: blockwise_moments.one_pass_bytes(2, 2) | .5g}} with a bf16 gradient.
-# On a CPU (a host home's update, or any update of a CPU run) the same
-# function runs eagerly, slice by slice, as the twin of the compiled kernel.
+# {{py: blockwise_moments.one_pass_bytes(2, 2) | .6g}} with a bf16 gradient;
+# the twin moves at least
+# {{py: blockwise_moments.twin_bytes(2) / blockwise_moments.one_pass_bytes(2, 4) | .2g}}
+# times as many. It is compiled on a GPU; on a CPU (a host home's update, or
+# any update of a CPU run) the same function runs eagerly, as the compiled
+# kernel's twin.
 
 
-def twin_bytes(shard_bytes: int, grad_bytes: int = 4) -> float:
-    """Per element, at least: decode (read codes and scales, write two fp32
-    moments), the fused fp32 kernel and its write-back
-    (`rounded_update.twin_bytes`), encode (read the two moments, write codes
-    and scales)."""
+def twin_bytes(shard_bytes: int) -> float:
+    """Per element, at least, with an fp32 gradient: decode (read codes and
+    scales, write two fp32 moments), the fused fp32 kernel and its
+    write-back (`rounded_update.twin_bytes`), encode (read the two moments,
+    write codes and scales)."""
     coded_bytes = EIGHT_BIT_MOMENTS.bytes_per_element() - 4
     wide = 2 * 4
     return (coded_bytes + wide + rounded_update.twin_bytes(shard_bytes)
-            + (grad_bytes - 4) + wide + coded_bytes)
+            + wide + coded_bytes)
 
 
 def one_pass_bytes(shard_bytes: int, grad_bytes: int) -> float:
