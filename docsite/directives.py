@@ -66,6 +66,7 @@ PY_NAMESPACE = {
     "app": "labml_zero.app.server",
     "finetuners": "labml_zero.neox.finetuners",
     "rounded_update": "labml_zero.optimizers.rounded_update",
+    "blockwise_moments": "labml_zero.optimizers.blockwise_moments",
     "state_layout": "labml_zero.zero3.state_layout",
     "workloads": "bench.workloads",
     "math": "math",

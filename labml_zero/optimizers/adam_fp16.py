@@ -375,7 +375,8 @@ class AdamFP16(torch.optim.Optimizer):
         group, device and dtype). Both are tested against
         `torch.optim.AdamW`. On a GPU a half-precision shard takes [the
         update in one pass](rounded_update.html) instead, whose twin is the
-        fused kernel and the copy. Every update, whenever and wherever it
+        fused kernel and the copy, and 8-bit moments [one of their
+        own](blockwise_moments.html). Every update, whenever and wherever it
         runs, goes through one method, `_apply`.
 
         #### All ranks agree on an overflow
@@ -430,7 +431,8 @@ class AdamFP16(torch.optim.Optimizer):
            device a copy, from the host an upload.
 
         A half-precision device home on a GPU does 3 and 4 in one kernel
-        ([the update in one pass](rounded_update.html)).
+        ([the update in one pass](rounded_update.html)); 8-bit moments do 3
+        in one pass, and 4 with it on the device.
         """
         if not homes:
             return
@@ -458,7 +460,7 @@ class AdamFP16(torch.optim.Optimizer):
                     if found_inf.item():
                         return
                     found_inf = None
-            if self.fused and lead.one_pass:
+            if self.fused and (lead.one_pass or self.layout.blockwise):
                 self._one_pass(same, grads, step, found_inf=found_inf)
                 continue
             # the twin: fp32 gradients (one rank may hand its own dtype, see
@@ -477,7 +479,8 @@ class AdamFP16(torch.optim.Optimizer):
                 continue
             masters = [s[self.layout.master.name] for s in states]
             if self.layout.blockwise:
-                # 8-bit moments: decoded block by block around the kernel
+                # 8-bit moments with `foreach` kernels: decoded block by
+                # block around the kernel
                 blockwise_moments.update(kernel, masters, grads, moments)
                 lead.write_back(same, masters)
                 continue
@@ -527,18 +530,36 @@ class AdamFP16(torch.optim.Optimizer):
 
     def _one_pass(self, homes: list[ShardHome], grads: list[torch.Tensor],
                   step: int, *, found_inf: torch.Tensor | None) -> None:
-        """#### Steps 3 and 4 of `_apply` in one kernel per shard"""
+        """
+        #### Steps 3 and 4 of `_apply` in one pass per shard
+
+        A half-precision device shard's on a GPU, or 8-bit moments'
+        ([`blockwise_moments.one_pass`](blockwise_moments.html), eager on a
+        CPU), which rounds into the shard beside its state; a host home's
+        master goes up by `write_back`.
+        """
         lead = homes[0]
         group = self.param_groups[lead.group_index]
-        coefficients = self._coefficients(lead.param.device, lead.group_index,
+        coefficients = self._coefficients(lead.state_device, lead.group_index,
                                           step)
         betas = rounded_update.Betas(*group["betas"], group["eps"])
-        for home, grad in zip(homes, grads):
-            state = self.state[home.param]
-            rounded_update.one_pass(
-                home.param.detach(),
-                tuple(state[name] for name in self.layout.names),
-                grad, coefficients, found_inf, betas)
+        states = [self.state[h.param] for h in homes]
+        for home, grad, state in zip(homes, grads, states):
+            shard, tensors = home.param.detach(), [state[name] for name in
+                                                   self.layout.names]
+            if not self.layout.blockwise:
+                rounded_update.one_pass(shard, tuple(tensors), grad,
+                                        coefficients, found_inf, betas)
+                continue
+            master, *moments = tensors
+            # an fp32 shard is its own master
+            writes = (lead.shard_beside_state
+                      and master.data_ptr() != shard.data_ptr())
+            blockwise_moments.one_pass(
+                master, grad, tuple(moments), shard if writes else None,
+                coefficients, found_inf, betas)
+        if self.layout.blockwise and not lead.shard_beside_state:
+            lead.write_back(homes, [s[self.layout.master.name] for s in states])
 
     def _coefficients(self, device: torch.device, group_index: int,
                       step: int) -> torch.Tensor:
@@ -560,8 +581,9 @@ class AdamFP16(torch.optim.Optimizer):
         key = (step, group["lr"], *hyper.values())
         held = self._coefficient_cache.get((device, stream, group_index))
         if held is None or held[0] != key:
-            # fp32, as the GPU's fused kernel rounds $\alpha$
-            lr = torch.full((), float(group["lr"]), device=device)
+            # $\alpha$ as each fused kernel reads it (`CapturedUpdates.lrs`)
+            dtype = torch.float32 if device.type == "cuda" else torch.float64
+            lr = torch.full((), float(group["lr"]), device=device, dtype=dtype)
             held = (key, rounded_update.step_coefficients(steps, lr, **hyper))
             self._coefficient_cache[(device, stream, group_index)] = held
         return held[1]

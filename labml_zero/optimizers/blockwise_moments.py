@@ -2,7 +2,8 @@ r"""
 ---
 title: Moments in 8 bits, block by block
 summary: AdamW with an fp32 master and both moments stored as 8-bit codes,
-  one fp32 absmax scale per block and a square-root code map.
+  one fp32 absmax scale per block and a square-root code map, the update of
+  a shard one compiled pass on a GPU.
 ---
 
 # Moments in 8 bits, block by block
@@ -18,24 +19,29 @@ $$K = 4 + 1 + 1 + 2 \cdot \frac{4}{B}$$
 bytes per element, {{py: state_layout.EIGHT_BIT_MOMENTS.bytes_per_element() | .5g}}
 at {{const: BLOCK}}, against
 {{py: state_layout.BF16_MOMENTS.bytes_per_element()}} with bf16 moments and
-{{py: state_layout.FP32_STATES.bytes_per_element()}} with fp32 ones.
+{{py: state_layout.FP32_STATES.bytes_per_element()}} with fp32 ones. On a
+GPU a shard's update, decoding, AdamW's step and encoding, is one kernel.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import torch
 
-from labml_zero.zero3.state_layout import EIGHT_BIT_BLOCK
+from labml_zero.zero3.state_layout import EIGHT_BIT_BLOCK, EIGHT_BIT_MOMENTS
+
+from . import rounded_update
 
 BLOCK = EIGHT_BIT_BLOCK
 """$B$, elements per scale: a scale costs $4 / B$ bytes per element."""
 
-# Elements decoded at once, as `narrow_moments.WIDE_NUMEL`; a multiple of
-# `BLOCK`, so a slice never splits a block. There is no one-pass kernel:
-# decoding, the fp32 kernel and encoding are separate passes over fp32
-# temporaries of this size, so a step moves more bytes than with bf16 moments.
+# Elements updated at once where the update runs eagerly (a CPU's one pass,
+# and the `foreach` twin), as `narrow_moments.WIDE_NUMEL`: it bounds their
+# fp32 temporaries whatever the shard's size; a multiple of `BLOCK`, so a
+# slice never splits a block. On a GPU the one pass is one kernel over the
+# whole shard, with no temporaries (see the update in one pass below).
 WIDE_NUMEL = 2**22
 
 # $L_m$ and $L_v$, the levels of each map: the signed one spends the codes
@@ -86,41 +92,72 @@ def n_blocks(numel: int) -> int:
 # (tested: tests/optimizers/test_blockwise_moments.py::test_a_tiny_model_trains_as_with_fp32_moments).
 
 
-def _power(signed: bool) -> int:
-    return 2 if signed else 4
-
-
 def _levels(signed: bool) -> int:
     return SIGNED_LEVELS if signed else UNSIGNED_LEVELS
 
 
-def encode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *,
-           signed: bool) -> None:
+# The roots and powers of the maps are written as square roots and products,
+# not `pow`: each is then one correctly rounded operation wherever it runs, so
+# the compiled kernel, the eager twin and a checkpoint's reader code and
+# decode alike.
+
+def _root(r: torch.Tensor, signed: bool) -> torch.Tensor:
+    """$|r|^{1/e}$: one square root for $m$, two for $v$."""
+    root = r.abs().sqrt()
+    return root if signed else root.sqrt()
+
+
+def _power(t: torch.Tensor, signed: bool) -> torch.Tensor:
+    r"""$t^e$ of $t \ge 0$: one product for $m$, two for $v$."""
+    square = t * t
+    return square if signed else square * square
+
+
+def coded_blocks(blocks: torch.Tensor, *,
+                 signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     r"""
-    ### Store fp32 `x` [n] as uint8 `codes` [n] and fp32 `scales` [n_blocks(n)]
+    ### The codes and scales of whole blocks: fp32 `blocks` [n_blocks, B]
 
     A block $j$ of a moment $x$ is stored as its absmax
     $a_j = \max_{i \in j}|x_i|$ and codes $q_i$ of
     $r_i = x_i / a_j \in [-1, 1]$, decoded as $\hat x_i = a_j \, \phi(q_i)$.
+    Returns the codes [n_blocks, B] (fp32, whole numbers) and the scales
+    [n_blocks]. Torch ops only, no host sync: the same code runs eagerly, in a
+    captured step and compiled.
+    """
+    absmax = blocks.abs().amax(dim=1)
+    # an all-zero block: any scale decodes its zero codes to zero
+    r = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
+    q = torch.round(_root(r, signed) * _levels(signed))
+    if signed:
+        # $[-L_m, L_m]$ stored as $[0, 2 L_m]$
+        q = q * torch.sign(r) + SIGNED_LEVELS
+    return q, absmax
 
-    Torch ops only, no host sync: the same code runs in a captured step. The
-    last block may be partial: it is padded with zeros, which leave its
+
+def phi(codes: torch.Tensor, *, signed: bool) -> torch.Tensor:
+    r"""$\phi(q)$ of uint8 `codes`, fp32 of the same shape."""
+    q = codes.float()
+    if signed:
+        q = q - SIGNED_LEVELS
+    unit = _power(q.abs() / _levels(signed), signed)
+    return unit * torch.sign(q) if signed else unit
+
+
+def encode(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *,
+           signed: bool) -> None:
+    """
+    ### Store fp32 `x` [n] as uint8 `codes` [n] and fp32 `scales` [n_blocks(n)]
+
+    The last block may be partial: it is padded with zeros, which leave its
     absmax as it is.
     """
     n = x.numel()
     pad = n_blocks(n) * BLOCK - n
     # [n_blocks, B] fp32
     blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, BLOCK)
-    absmax = blocks.abs().amax(dim=1)
+    q, absmax = coded_blocks(blocks, signed=signed)
     scales.copy_(absmax)
-    # an all-zero block: any scale decodes its zero codes to zero
-    r = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
-    levels = _levels(signed)
-    root = r.abs().pow(1.0 / _power(signed))
-    q = torch.round(root * levels)
-    if signed:
-        # $[-L_m, L_m]$ stored as $[0, 2 L_m]$
-        q = q * torch.sign(r) + SIGNED_LEVELS
     codes.copy_(q.view(-1)[:n])
 
 
@@ -132,32 +169,26 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, *,
     from a checkpoint, one per element (each its block's).
     """
     n = codes.numel()
-    q = codes.float()
-    if signed:
-        q = q - SIGNED_LEVELS
-    levels = _levels(signed)
-    phi = (q.abs() / levels).pow(_power(signed))
-    if signed:
-        phi = phi * torch.sign(q)
     if scales.numel() != n:
         # one scale per block, the last block partial
         scales = scales.repeat_interleave(BLOCK)[:n]
-    return phi * scales
+    return phi(codes, signed=signed) * scales
 
 
 def update(kernel: Kernel, masters: Sequence[torch.Tensor],
            grads: Sequence[torch.Tensor],
            moments: Sequence[Sequence[torch.Tensor]]) -> None:
     r"""
-    ### One update of fp32 masters with 8-bit moments
+    ### The twin: one update of fp32 masters with 8-bit moments, in passes
 
-    `moments` is the layout's `exp_avg`, `exp_avg_absmax`, `exp_avg_sq` and
-    `exp_avg_sq_absmax`, each a list over the shards. Per shard and slice
-    the moments are decoded to fp32, `kernel` (the fp32 update) runs on them,
-    and they are encoded back. A skipped update (`found_inf`) leaves the
-    decoded copies as they were, and re-encoding a decoded block gives its
-    codes and scales back (see the loading section below), so a skipped step
-    leaves the moments as they were. That holds while $a_j \phi(q)$ is a
+    The update `AdamFP16(fused=False)` takes (its `foreach` kernel), and the
+    reference of the one pass below. `moments` is the layout's `exp_avg`,
+    `exp_avg_absmax`, `exp_avg_sq` and `exp_avg_sq_absmax`, each a list over
+    the shards. Per shard and slice the moments are decoded to fp32, `kernel`
+    (the fp32 update) runs on them, and they are encoded back. A skipped
+    update (`found_inf`) leaves the decoded copies as they were, and
+    re-encoding a decoded block gives its codes and scales back (see the
+    loading section below), so a skipped step leaves the moments as they were. That holds while $a_j \phi(q)$ is a
     normal fp32 number, not for a block whose absmax is near fp32's subnormal
     range. The master's step uses the undecoded fp32 values: this is
     `torch.optim.AdamW` whose moments are encoded and decoded after every
@@ -184,6 +215,188 @@ def update(kernel: Kernel, masters: Sequence[torch.Tensor],
             encode(wide_m, m[piece], m_scale[blocks], signed=True)
             encode(wide_v, v[piece], v_scale[blocks], signed=False)
 
+
+# ## The update in one pass
+#
+# The twin moves each element's bytes many times: decoding writes both
+# moments in fp32, the fused fp32 kernel reads and writes them again with the
+# master and the gradient, encoding reads them once more, and the write-back
+# reads the master to round it into the shard. Counting each of those once
+# (in eager PyTorch each operation of a decode or an encode is a pass of its
+# own), the twin moves at least
+# {{py: blockwise_moments.twin_bytes(2) | .6g}} bytes per element for a bf16
+# shard and an fp32 gradient.
+#
+# `adamw_coded_` is the whole update, written once with ordinary PyTorch
+# operations on a `[n, B]` view, one block a row: decode $m$ and $v$, AdamW's
+# step of the master, encode $m$ and $v$, round the master into the shard.
+# `torch.compile` makes it one kernel: a block's new absmax is a reduction
+# over its row, and the codes follow from it in the same program, the row
+# still at hand. That kernel reads the gradient ($g_b$ bytes), the master,
+# the codes and the scales once and writes the master, the codes, the
+# scales and the shard ($p$ bytes) once:
+#
+# $$b = \underbrace{K + g_b}_{\text{read}} + \underbrace{K + p}_{\text{write}},$$
+#
+# with $K$ this layout's: {{py: blockwise_moments.one_pass_bytes(2, 4) | .6g}}
+# bytes per element for a bf16 shard and an fp32 gradient,
+# {{py: blockwise_moments.one_pass_bytes(2, 2) | .6g}} with a bf16 gradient;
+# the twin moves at least
+# {{py: blockwise_moments.twin_bytes(2) / blockwise_moments.one_pass_bytes(2, 4) | .2g}}
+# times as many. It is compiled on a GPU; on a CPU (a host home's update, or
+# any update of a CPU run) the same function runs eagerly, as the compiled
+# kernel's twin.
+
+
+def twin_bytes(shard_bytes: int) -> float:
+    """Per element, at least, with an fp32 gradient: decode (read codes and
+    scales, write two fp32 moments), the fused fp32 kernel and its
+    write-back (`rounded_update.twin_bytes`), encode (read the two moments,
+    write codes and scales)."""
+    coded_bytes = EIGHT_BIT_MOMENTS.bytes_per_element() - 4
+    wide = 2 * 4
+    return (coded_bytes + wide + rounded_update.twin_bytes(shard_bytes)
+            + wide + coded_bytes)
+
+
+def one_pass_bytes(shard_bytes: int, grad_bytes: int) -> float:
+    """Per element: $K + g_b + K + p$ (`rounded_update.one_pass_bytes` of this
+    layout)."""
+    return rounded_update.one_pass_bytes(shard_bytes, grad_bytes,
+                                         EIGHT_BIT_MOMENTS)
+
+
+def adamw_coded_(master: torch.Tensor, grad: torch.Tensor,
+                 moments: tuple[torch.Tensor, ...], shard: torch.Tensor | None,
+                 coefficients: torch.Tensor, found_inf: torch.Tensor | None,
+                 betas: rounded_update.Betas) -> None:
+    r"""
+    ### One AdamW step of whole blocks with 8-bit moments, in one pass
+
+    Every tensor of a block is a row of $B$ elements:
+
+    * `master`: `[n, B]` fp32, updated in place.
+    * `grad`: `[n, B]`, any floating dtype; read once, in fp32 arithmetic.
+    * `moments`: `(exp_avg, exp_avg_absmax, exp_avg_sq, exp_avg_sq_absmax)`,
+      codes `[n, B]` uint8 and scales `[n]` fp32, updated in place.
+    * `shard`: `[n, B]` bf16 or fp16, written with the new master rounded;
+      `None` when the update writes no shard (an fp32 shard that is its own
+      master, or a host home, which uploads it).
+    * `coefficients`: `rounded_update.step_coefficients` of this step.
+    * `found_inf`: 0-dim fp32, or `None`; when it is not zero nothing changes.
+
+    The arithmetic is the `foreach` kernel's, operation for operation
+    (`torch.lerp` for $m$, a product and `addcmul` for $v$), so on a CPU it is
+    the twin with that kernel bit for bit, codes, scales and master
+    (tested: tests/optimizers/test_blockwise_one_pass.py::test_one_pass_is_the_foreach_twin_bit_for_bit);
+    the fused fp32 kernel rounds $v$ in its own order, so with it the master
+    agrees within fp32's roundings of a step
+    (tested: tests/optimizers/test_blockwise_one_pass.py::test_one_pass_is_the_fused_twin_within_rounding).
+    Compiled, a kernel may contract a product and a sum into one rounding,
+    within the same roundings again.
+
+    A skipped step selects the old codes, scales and master over the new
+    ones, so it leaves them exactly as they were, whatever the block's
+    absmax
+    (tested: tests/optimizers/test_blockwise_one_pass.py::test_a_skipped_step_leaves_everything_as_it_was).
+    No `maximize`, as in `AdamFP16`.
+    """
+    m_codes, m_scales, v_codes, v_scales = moments
+    step_size, bias_correction2_sqrt, decay = coefficients.unbind()
+    g = grad.float()
+    # [n, B] fp32 each: the stored moments, decoded
+    m0 = phi(m_codes, signed=True) * m_scales[:, None]
+    v0 = phi(v_codes, signed=False) * v_scales[:, None]
+    # m ← β1·m + (1 − β1)·g, as `torch.lerp` rounds it
+    m = torch.lerp(m0, g, 1 - betas.beta1)
+    # v ← β2·v + (1 − β2)·g²
+    v = torch.addcmul(v0 * betas.beta2, g, g, value=1 - betas.beta2)
+    # $\theta \leftarrow \theta (1 - \alpha\lambda) - \frac{\alpha}{1 - \beta_1^t}
+    # \cdot \frac{m}{\sqrt{v} / \sqrt{1 - \beta_2^t} + \epsilon}$
+    theta = master * decay - step_size * m / (
+        v.sqrt() / bias_correction2_sqrt + betas.eps)
+    # the new codes and each block's new absmax: a reduction over the row
+    m_new, m_absmax = coded_blocks(m, signed=True)
+    v_new, v_absmax = coded_blocks(v, signed=False)
+    if found_inf is not None:
+        skip = found_inf != 0
+        m_new = torch.where(skip, m_codes.float(), m_new)
+        v_new = torch.where(skip, v_codes.float(), v_new)
+        m_absmax = torch.where(skip, m_scales, m_absmax)
+        v_absmax = torch.where(skip, v_scales, v_absmax)
+        # skipped, the shard is written with the rounding it already holds
+        theta = torch.where(skip, master, theta)
+    m_codes.copy_(m_new)
+    m_scales.copy_(m_absmax)
+    v_codes.copy_(v_new)
+    v_scales.copy_(v_absmax)
+    master.copy_(theta)
+    if shard is not None:
+        shard.copy_(theta)
+
+
+@functools.cache
+def compiled_update():
+    """`adamw_coded_` compiled, made once at its first GPU call; pointwise
+    autotuning off, as for `rounded_update.compiled_update` (it would time
+    kernels inside a CUDA graph's capture)."""
+    return torch.compile(adamw_coded_,
+                         options={"triton.autotune_pointwise": False})
+
+
+# Values a padded element takes: a zero gradient, master and moments (the
+# signed map codes zero as $L_m$), so its new $m$ and $v$ are zero and leave
+# its block's absmax as it is.
+_PAD = {"master": 0, "grad": 0, "m": SIGNED_LEVELS, "v": 0, "shard": 0}
+
+
+def one_pass(master: torch.Tensor, grad: torch.Tensor,
+             moments: tuple[torch.Tensor, ...], shard: torch.Tensor | None,
+             coefficients: torch.Tensor, found_inf: torch.Tensor | None,
+             betas: rounded_update.Betas) -> None:
+    """
+    ### `adamw_coded_` on a shard of $S$ elements
+
+    The same arguments with `[S]` tensors (any shape of $S$ elements). The
+    whole blocks go in one call, as `[S // B, B]` views: on CUDA compiled,
+    one kernel launch (a second shard size makes Dynamo compile it again for
+    any size, once); on a CPU eagerly, slice by slice of `WIDE_NUMEL`
+    elements, which bounds its fp32 temporaries. A partial last block is
+    copied into one padded row, updated by the same function and copied back.
+    Nothing reads a value on the host, so a [captured step](captured_update.html)
+    records it as it is.
+    """
+    run = compiled_update() if master.is_cuda else adamw_coded_
+    # elements per call: the whole shard compiled, a bounded slice eagerly
+    span = master.numel() if master.is_cuda else WIDE_NUMEL
+    # flat views: a plain parameter's master may have any shape
+    flat = {"master": master.view(-1), "grad": grad.reshape(-1),
+            "m": moments[0].view(-1), "v": moments[2].view(-1),
+            "shard": None if shard is None else shard.view(-1)}
+    m_scales, v_scales = moments[1], moments[3]
+    whole = master.numel() // BLOCK * BLOCK
+    for start in range(0, whole, max(span, BLOCK)):
+        end = min(start + span, whole)
+        rows = {k: None if t is None else t[start:end].view(-1, BLOCK)
+                for k, t in flat.items()}
+        blocks = slice(start // BLOCK, end // BLOCK)
+        run(rows["master"], rows["grad"],
+            (rows["m"], m_scales[blocks], rows["v"], v_scales[blocks]),
+            rows["shard"], coefficients, found_inf, betas)
+    if whole == master.numel():
+        return
+    # [1, B] each: the partial block, padded
+    tail = {}
+    for k, t in flat.items():
+        if t is not None:
+            tail[k] = t.new_full((1, BLOCK), _PAD[k])
+            tail[k][0, :t.numel() - whole].copy_(t[whole:])
+    run(tail["master"], tail["grad"],
+        (tail["m"], m_scales[-1:], tail["v"], v_scales[-1:]),
+        tail.get("shard"), coefficients, found_inf, betas)
+    for k in ("master", "m", "v", "shard"):
+        if flat[k] is not None:
+            flat[k][whole:].copy_(tail[k][0, :master.numel() - whole])
 
 # ## Loading a state of another layout
 #

@@ -56,6 +56,9 @@ class ShardHome:
       final (`grad_ready`);
     * `one_pass`: the fused update and the write-back may run as one kernel
       ([the update in one pass](rounded_update.html));
+    * `shard_beside_state`: the shard is in the state's memory, so an update
+      may round the master into it as it writes the master (8-bit moments'
+      [one pass](blockwise_moments.html)); otherwise `write_back` moves it;
     * `reads_narrow_gradient`: the update reads a gradient in the
       parameter's dtype with the same result as an fp32 one;
     * `worker`: where an update during the backward pass runs instead of the
@@ -65,6 +68,7 @@ class ShardHome:
     skip_in_kernel: bool
     copies_gradient: bool
     one_pass: bool = False
+    shard_beside_state: bool = False
     reads_narrow_gradient: bool = False
     worker: HostOffload | None = None
 
@@ -129,6 +133,7 @@ class DeviceHome(ShardHome):
     """
 
     copies_gradient = False
+    shard_beside_state = True
     # the fused kernel reads a found-inf flag on the device: no host sync
     skip_in_kernel = True
     # the one-pass kernel reads it as it is, the twin casts it (exactly)
@@ -137,7 +142,7 @@ class DeviceHome(ShardHome):
     @property
     def one_pass(self) -> bool:
         # the one pass writes a master; without one the widened twin runs
-        # (8-bit moments: the coded twin runs)
+        # (8-bit moments take a one pass of their own)
         return (self.layout.master is not None and not self.layout.blockwise
                 and rounded_update.applies(self.param))
 

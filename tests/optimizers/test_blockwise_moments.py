@@ -2,9 +2,12 @@ r"""
 `states="8bit-moments"`: an fp32 master with block-wise 8-bit moments, on
 device and host shards, in the early update and in checkpoints.
 
-The reference is `torch.optim.AdamW` on the fp32 master whose moments are
-encoded and decoded after every step with the same functions. The kernel
-reads the same operands in the same order in both, so the tolerance is zero.
+The reference is `torch.optim.AdamW` (its `foreach` update) on the fp32
+master whose moments are encoded and decoded after every step with the same
+functions. With `fused=False` the kernel is that `foreach` update; with
+`fused=True` the update runs in one pass (`blockwise_moments.adamw_coded_`),
+whose operations are the `foreach` update's. Both read the same operands in
+the same order as the reference, so the tolerance is zero.
 """
 
 from __future__ import annotations
@@ -61,8 +64,7 @@ def test_8bit_moments_are_adamw_with_moments_coded_each_step(fused, offload, bug
     opt = AdamFP16(ours, **HYPER, fused=fused, offload=offload,
                    states="8bit-moments")
     lr = HYPER["lr"] * (1.001 if bug == "lr x 1.001" else 1)
-    ref = torch.optim.AdamW(theirs, **{**HYPER, "lr": lr}, fused=fused or None,
-                            foreach=not fused)
+    ref = torch.optim.AdamW(theirs, **{**HYPER, "lr": lr}, foreach=True)
     for step in range(STEPS):
         for p, q, g in zip(ours, theirs, gradients(step)):
             set_grad(p, g.clone())
