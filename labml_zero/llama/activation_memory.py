@@ -144,12 +144,13 @@ def _layer_bytes(config: LlamaConfig, trains: set[str], *, n: int, p: int,
 
     | saved tensor | bytes | all | lora |
     | --- | --- | --- | --- |
-    | $\operatorname{RMS}_1$: $x$ and $1/\mathrm{rms}$ (`_rms_norm_bytes`) | $4d + 4 + pd$, fused $pd + 4$ | ✓ | ✓ |
+    | $\operatorname{RMS}_1$: $x$ in fp32 and $1/\mathrm{rms}$ (`_rms_norm_bytes`); fused, $x$ and $1/\mathrm{rms}$ | $4d + 4$, fused $pd + 4$ | ✓ | ✓ |
+    | $\operatorname{RMS}_1$, plain: $\hat x$, read by its weight's gradient | $pd$ | ✓ | |
     | $\operatorname{RMS}_1(x)$, input of $W_q$, $W_k$, $W_v$ | $pd$ | ✓ | q, k or v |
     | $q$ and $k$ rotated (new tensors), $v$ (a view of $W_v$'s output) | $p (n_h + 2 n_{kv}) d_h$ | ✓ | ✓ |
     | attention's output, also $W_o$'s input (a view) | $p\, n_h d_h$ | ✓ | ✓ |
     | attention's log-sum-exp | $4 n_h$ | ✓ | ✓ |
-    | $\operatorname{RMS}_2$: $h$ and $1/\mathrm{rms}$ | as $\operatorname{RMS}_1$ | ✓ | ✓ |
+    | $\operatorname{RMS}_2$: the same two rows for $h$ | as $\operatorname{RMS}_1$ | ✓ | as $\operatorname{RMS}_1$ |
     | $\operatorname{RMS}_2(h)$, input of $W_\text{gate}$, $W_\text{up}$ | $pd$ | ✓ | gate or up |
     | SwiGLU's $g$, $u$ and, plain, $\operatorname{SiLU}(g)$ (`_swiglu_bytes`) | $3 p d_{ff}$, fused $2 p d_{ff}$ | ✓ | ✓ |
     | $\operatorname{SiLU}(g) \odot u$, input of $W_\text{down}$ | $p\, d_{ff}$ | ✓ | down |
@@ -161,7 +162,8 @@ def _layer_bytes(config: LlamaConfig, trains: set[str], *, n: int, p: int,
     attention kernel keeps its inputs, its output and the log-sum-exp of each
     query's row, never the $T \times T$ probabilities (flash-style kernels;
     the CPU's and CUDA's): q, k and v of the grouped heads, $n_{kv}$ of them,
-    not copied out to $n_h$. q comes out of the rotation laid out
+    not copied out to $n_h$ (CUDA's flash and cuDNN kernels read the groups
+    themselves, as the CPU's does). q comes out of the rotation laid out
     `[B, T, n_h, d_h]`, and the kernel lays its output out as q, so the heads
     concatenated are a view of the output, not a copy.
 
