@@ -76,12 +76,13 @@ def probe(model: str, *, batch: int, seq: int, kernels: LlamaKernels,
                           dtype=torch.bfloat16, kernels=kernels)
     finetuner(finetune)(layers)
     layer, norm, readout = layers[1], layers[2], layers[3]
-    rotary = layer.self_attn.rotary(seq, device, torch.bfloat16)
     params = [p for module in layers for p in module.parameters()]
     on_cuda = device.type == "cuda"
     for _ in range(2):
         x = torch.randn(batch, seq, config.d_model, device=device,
                         dtype=torch.bfloat16, requires_grad=True)
+        # the tables the layer reads: keyed by the tensors' device, `cuda:0`
+        rotary = layer.self_attn.rotary(seq, x.device, x.dtype)
         out, layer_saved = saved_bytes(lambda: layer(x), exclude=[*params, *rotary])
         out.sum().backward()
         del out, x
@@ -105,14 +106,15 @@ def probe(model: str, *, batch: int, seq: int, kernels: LlamaKernels,
             p.grad = None
     size = dict(batch=batch, seq=seq, finetune=finetune, kernels=kernels)
     count = A.readout_loss_bytes(config, **size)
-    x_bytes = x_last.untyped_storage().nbytes()  # alive before it started
+    # x_L was made before the first reading; the count holds it only where the
+    # fused norm keeps it (the plain one keeps an fp32 copy, and x_L dies)
+    x_bytes = x_last.untyped_storage().nbytes() if kernels.rms_norm else 0
     line = {"model": model, "batch": batch, "seq": seq, "kernels": kernels.names(),
             "finetune": finetune, "device": str(device),
             "layer_saved": layer_saved,
             "layer_count": A.layer_activation_bytes(config, **size),
             "loss_saved": loss_saved, "loss_count": count.saved}
     if on_cuda:
-        # what the loss allocated beyond x_L, which the count includes
         line |= {"loss_forward_peak": forward_peak + x_bytes,
                  "loss_forward_count": count.forward_peak,
                  "loss_backward_peak": backward_peak + after - before + x_bytes,

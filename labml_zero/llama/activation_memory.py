@@ -163,7 +163,9 @@ def _layer_bytes(config: LlamaConfig, trains: set[str], *, n: int, p: int,
     query's row, never the $T \times T$ probabilities (flash-style kernels;
     the CPU's and CUDA's): q, k and v of the grouped heads, $n_{kv}$ of them,
     not copied out to $n_h$ (CUDA's flash and cuDNN kernels read the groups
-    themselves, as the CPU's does). q comes out of the rotation laid out
+    themselves, as the CPU's does; cuDNN's log-sum-exp is `[B, n_h, T, 1]`,
+    the same bytes, and its two 8-byte RNG scalars are not counted; the
+    probe `bench/activation_probe.py` counts a layer on the GPU). q comes out of the rotation laid out
     `[B, T, n_h, d_h]`, and the kernel lays its output out as q, so the heads
     concatenated are a view of the output, not a copy.
 
