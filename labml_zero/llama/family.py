@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 from tokenizers import Tokenizer
@@ -32,7 +32,9 @@ from labml_zero.assembly import Assembled, Recipe, assemble as assemble_layers
 from labml_zero.family import HF_EXPORT, ModelFamily, TrainingBuild
 from labml_zero.files import fsync_path
 from labml_zero.llama import config as llama_config
-from labml_zero.llama.flops import activation_memory, flops_per_token
+from labml_zero.llama.activation_memory import activation_memory
+from labml_zero.llama.finetuners import FINETUNERS, finetuner
+from labml_zero.llama.flops import flops_per_token
 from labml_zero.llama.hf_checkpoint import (LlamaCheckpoint, check_llama_snapshot,
                                             llama_config_from_hf)
 from labml_zero.llama.hf_export import hf_named_tensors, save_llama_checkpoint
@@ -41,7 +43,6 @@ from labml_zero.llama.lora import (TARGETS, LlamaLoRA, base_layer,
 from labml_zero.llama.model import (DecoderLayer, build_layers, count_parameters,
                                     hf_prefix, tie_embeddings)
 from labml_zero.llama.tokenizer import TOKENIZER_FILE, checkpoint_tokenizer
-from labml_zero.neox.finetuners import FineTuneAll
 from labml_zero.neox.generate import Sampling, generate
 from labml_zero.llama.kernels import resolve_llama_kernels
 from labml_zero.layers.lora import load_base_weights, reset_adapters
@@ -83,28 +84,6 @@ def load_layer(checkpoint: LlamaCheckpoint, layer: nn.Module, *,
     with LoRA's adapters gets its base tensors (the adapters keep their
     initialisation: `load_state_dict(..., strict=False)`)."""
     return checkpoint.layer_state_dict(base_layer(layer), dtype=dtype)
-
-
-# The fine-tuners by name; `lora` takes `LlamaLoRA`'s fields as options.
-FINETUNERS: dict[str, Callable[..., Any]] = {"all": FineTuneAll, "lora": LlamaLoRA}
-
-
-def finetuner(name: str, **options: Any) -> Any:
-    """
-    ### The fine-tuner called `name`
-
-    Two fine-tuners, `all` and `lora` (on any of `lora_targets`); GPT-NeoX's
-    `biases` and `ffn` name GPT-NeoX's modules and are not offered here.
-    Refuses an unknown name, and options given to `all`, in one line, so a
-    misspelt flag never trains something else.
-    """
-    if name not in FINETUNERS:
-        raise ValueError(f"unknown fine-tuner {name!r} for the Llama family; "
-                         f"expected one of {', '.join(FINETUNERS)}")
-    if options and name != "lora":
-        raise ValueError(f"fine-tuner {name!r} takes no options, got "
-                         f"{', '.join(sorted(options))}")
-    return FINETUNERS[name](**options)
 
 
 # ## What the fine-tune job asks

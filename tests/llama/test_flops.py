@@ -1,6 +1,6 @@
 """`labml_zero/llama/flops.py` against independent counts: PyTorch's FLOP
-counter on a forward and backward pass, the parameters of the built model, and
-the tensors autograd saves in a layer."""
+counter on a forward and backward pass and the parameters of the built model
+(what a layer saves is tests/llama/test_activation_memory.py's)."""
 
 import dataclasses
 
@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from labml_zero.llama.config import LlamaConfig, llama_3_1_8b
-from labml_zero.llama.flops import activation_bytes, flops_per_token, matmul_parameters
+from labml_zero.llama.flops import flops_per_token, matmul_parameters
 from labml_zero.llama.model import LlamaChain, build_layers
 
 # GQA with odd sizes; the same with as many key-value heads as query heads;
@@ -55,32 +55,3 @@ def test_gqa_saves_the_kv_projections_share():
     d, d_h = config.d_model, config.head_width
     saved = 2 * d * (config.n_heads - config.n_kv_heads) * d_h * config.n_layers
     assert matmul_parameters(mha) - matmul_parameters(config) == saved
-
-
-def saved_bytes(layer, x) -> int:
-    """Bytes of the distinct storages autograd saves in `layer(x)`: the
-    layer's input when it is saved, not its parameters, not the rotary
-    tables (one for all layers)."""
-    tables = layer.self_attn.rotary(x.shape[1], x.device, x.dtype)
-    skip = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *tables)}
-    seen = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x)
-    return sum(seen.values())
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_activation_bytes_are_what_autograd_saves(name, dtype):
-    config = CONFIGS[name]
-    layer = build_layers(config, dtype=dtype)[1]
-    x = torch.randn(2, 13, config.d_model, dtype=dtype, requires_grad=True)
-    p = torch.finfo(dtype).bits // 8
-    assert saved_bytes(layer, x) == activation_bytes(config, 2 * 13, dtype_bytes=p)
