@@ -8,7 +8,7 @@ summary: The form, the table and the chart of the memory model's calculator,
 # The memory calculator's page block
 
 `{{calculator}}` in a note becomes the calculator: a form whose controls are
-the fields of `memory_budget.BudgetInputs`, a table of every part of the
+the fields of `planner/memory_budget.BudgetInputs`, a table of every part of the
 `Budget` and a bar chart of the peak. The arithmetic is
 `docs_src/static/calculator.js`, a line-by-line port of the Python functions;
 this module writes into the page, as JSON, everything that port must not
@@ -128,8 +128,11 @@ def _legend(page: str) -> str:
 
 
 def inputs_json(inputs) -> dict:
-    """A `BudgetInputs` as the object `computeBudget` takes."""
-    fields = dataclasses.asdict(inputs)
+    """A `BudgetInputs` as the object `computeBudget` takes (its family by
+    name)."""
+    fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)
+              if f.name not in ("family", "model", "kernels")}
+    fields["kernels"] = dataclasses.asdict(inputs.kernels)
     model = inputs.model
     fields["model"] = {"n_vocab": model.n_vocab, "d_model": model.d_model,
                        "n_heads": model.n_heads, "n_layers": model.n_layers,
@@ -156,7 +159,7 @@ def _job(inputs, **kernels):
     $G = B A N_d$."""
     from labml_zero.planner.setting import Job
 
-    return Job(model=inputs.model, seq=inputs.seq,
+    return Job(model=inputs.model, family=inputs.family, seq=inputs.seq,
                global_batch=inputs.batch * inputs.micro_batches * inputs.world_size,
                finetune=inputs.finetune, lora_rank=inputs.lora_rank,
                lora_targets=inputs.lora_targets, states=inputs.states,
@@ -186,7 +189,7 @@ def step_time_json(inputs, *, gpu: str = DEFAULT_GPU, nodes: int = 1,
     """`step_time.step_time` of a `BudgetInputs` on `nodes` nodes of `gpu`s,
     with tokens/s and MFU as the planner's `Plan` counts them: what
     `computeStepTime` returns."""
-    from labml_zero.neox.memory_budget import budget
+    from labml_zero.planner.memory_budget import budget
     from labml_zero.planner.setting import Setting
     from labml_zero.planner.step_time import model_flops_per_token, step_time
 
@@ -197,7 +200,8 @@ def step_time_json(inputs, *, gpu: str = DEFAULT_GPU, nodes: int = 1,
                       prefetch_depth=inputs.prefetch_depth, compile=compile)
     time = step_time(job, setting, cluster, budget(inputs))._asdict()
     time["tokens_per_s"] = job.global_batch * job.seq / time["total"]
-    time["mfu"] = (model_flops_per_token(job.model, job.seq) * time["tokens_per_s"]
+    time["mfu"] = (model_flops_per_token(job.family, job.model, job.seq)
+                   * time["tokens_per_s"]
                    / (cluster.world_size * cluster.gpu.peak_flops))
     return time
 
@@ -208,8 +212,9 @@ def calculator_data() -> dict:
     from labml_zero.neox import config as neox_config
     from labml_zero.neox.finetuners import FINETUNERS, FineTuneBiases
     from labml_zero.neox.lora import TARGETS
-    from labml_zero.neox import memory_budget
+    from labml_zero.neox.family import NEOX
     from labml_zero.neox.kernels import ModelKernels
+    from labml_zero.planner import memory_budget
     from labml_zero.optimizers import early_update
     from labml_zero.planner import memory_model
     from labml_zero.planner import search as planner_search, step_time
@@ -219,7 +224,7 @@ def calculator_data() -> dict:
     from labml_zero.zero3.state_layout import LAYOUTS
 
     search = ChunkSearchConfig()
-    example = memory_budget.BudgetInputs()
+    example = memory_budget.BudgetInputs(neox_config.pythia_1_4b(), family=NEOX)
     presets = {}
     for name in PRESETS:
         presets[name] = inputs_json(dataclasses.replace(
@@ -263,7 +268,7 @@ def calculator_data() -> dict:
         "default_gpu": DEFAULT_GPU,
         "reference": {"inputs": {**inputs_json(example), "gpu": DEFAULT_GPU,
                                  "nodes": 1, "compile": False},
-                      "budget": budget_json(memory_budget.example()),
+                      "budget": budget_json(memory_budget.budget(example)),
                       "step_time": step_time_json(example),
                       "plan": plan_json(example)},
     }
@@ -330,7 +335,7 @@ def render(page: str) -> str:
     model = example["model"]
     static = rel_href("static/calculator.js", page).rsplit("calculator.js", 1)[0]
     activation_page = rel_href("labml_zero/neox/activation_memory.html", page)
-    budget_page = rel_href("labml_zero/neox/memory_budget.html", page)
+    budget_page = rel_href("labml_zero/planner/memory_budget.html", page)
     presets = [(name, preset_names()[name]) for name in PRESETS]
     dtypes = [(name, name) for name in data["dtype_bytes"]]
     targets = "".join(

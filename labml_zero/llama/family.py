@@ -32,7 +32,8 @@ from labml_zero.assembly import Assembled, Recipe, assemble as assemble_layers
 from labml_zero.family import HF_EXPORT, ModelFamily, TrainingBuild
 from labml_zero.files import fsync_path
 from labml_zero.llama import config as llama_config
-from labml_zero.llama.flops import activation_memory, flops_per_token
+from labml_zero.llama import flops as llama_flops
+from labml_zero.llama.flops import flops_per_token
 from labml_zero.llama.hf_checkpoint import (LlamaCheckpoint, check_llama_snapshot,
                                             llama_config_from_hf)
 from labml_zero.llama.hf_export import hf_named_tensors, save_llama_checkpoint
@@ -83,6 +84,21 @@ def load_layer(checkpoint: LlamaCheckpoint, layer: nn.Module, *,
     with LoRA's adapters gets its base tensors (the adapters keep their
     initialisation: `load_state_dict(..., strict=False)`)."""
     return checkpoint.layer_state_dict(base_layer(layer), dtype=dtype)
+
+
+def matmul_parameters(config: llama_config.LlamaConfig, finetune: str | None = None
+                      ) -> int:
+    """$N$ of [the FLOPs page](flops.html) (`matmul_parameters`); `all`
+    trains every product, `lora` none of their weights."""
+    return llama_flops.matmul_parameters(config) if finetune in (None, "all") else 0
+
+
+def activation_memory(config: llama_config.LlamaConfig, *, lora_rank: int = 8,
+                      lora_targets=tuple(TARGETS), **counted) -> int:
+    """The whole model's activation bytes per rank, [the FLOPs
+    page](flops.html)'s count; LoRA's rank and targets are taken, as every
+    family's count takes them, but that count does not yet depend on them."""
+    return llama_flops.activation_memory(config, **counted)
 
 
 # The fine-tuners by name; `lora` takes `LlamaLoRA`'s fields as options.
@@ -251,6 +267,7 @@ LLAMA = ModelFamily(
     open_checkpoint=LlamaCheckpoint, build=build_layers, materialize=materialize,
     load_layer=load_layer, tokenizer=tokenizer,
     count_parameters=count_parameters, flops_per_token=flops_per_token,
+    matmul_parameters=matmul_parameters,
     activation_memory=activation_memory, finetuner=finetuner,
     lora_targets=tuple(TARGETS), named_tensors=hf_named_tensors,
     save_hf=save_hf, save_merged=save_merged,

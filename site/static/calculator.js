@@ -1,4 +1,4 @@
-/* The memory model page's calculator: labml_zero/neox/memory_budget.py in the
+/* The memory model page's calculator: labml_zero/planner/memory_budget.py in the
    browser. Each function below is the Python function of the same name (its
    module in the comment); the constants come from the Python at build time (the
    JSON block "calc-data" that docsite/calculator.py writes into the page), and
@@ -391,7 +391,7 @@
   }
 
   // ---------------------------------------------------------------------
-  // neox/memory_budget.py: budget
+  // planner/memory_budget.py: budget
   function checkInputs(inputs, data) {
     for (const name of ["param_dtype", "reduce_dtype"]) {
       if (!(inputs[name] in data.dtype_bytes))

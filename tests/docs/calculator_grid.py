@@ -9,9 +9,16 @@ from dataclasses import replace
 
 from docsite.calculator import PRESETS
 from labml_zero.neox import config as neox_config
+from labml_zero.neox.family import NEOX
 from labml_zero.neox.kernels import ModelKernels
 from labml_zero.neox.lora import TARGETS
-from labml_zero.neox.memory_budget import BudgetInputs
+from labml_zero.planner.memory_budget import BudgetInputs
+
+
+def neox_inputs(model=None, **fields) -> BudgetInputs:
+    """A GPT-NeoX job's inputs; the model Pythia-1.4B unless given."""
+    return BudgetInputs(neox_config.pythia_1_4b() if model is None else model,
+                        family=NEOX, **fields)
 
 WORLDS = (1, 2, 3, 8, 16, 64, 256, 1024)
 DTYPES = (("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "fp32"))
@@ -28,9 +35,9 @@ KERNELS = (ModelKernels(), ModelKernels.from_names("loss,rotary,norms"),
 # The tiny model on two CPU ranks, whose real bytes tests/neox/test_memory_budget.py
 # counts: the end-to-end case, in the grid like any other.
 ENGINE_CASES = (
-    BudgetInputs(model=neox_config.tiny(), world_size=2, batch=2, seq=16,
+    neox_inputs(model=neox_config.tiny(), world_size=2, batch=2, seq=16,
                  micro_batches=2),
-    BudgetInputs(model=neox_config.tiny(), world_size=2, batch=2, seq=16,
+    neox_inputs(model=neox_config.tiny(), world_size=2, batch=2, seq=16,
                  micro_batches=2, finetune="biases", reduce_dtype="bf16",
                  chunk_numel=20_000, prefetch_depth=0),
 )
@@ -58,7 +65,7 @@ def grid_inputs(count: int = 224) -> list[BudgetInputs]:
         offload = OFFLOADS[(i // 6) % 4]
         if states == "bf16-stochastic" and offload:
             offload = 0.0
-        cases.append(BudgetInputs(
+        cases.append(neox_inputs(
             model=model, world_size=world, shard_group_size=group,
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, states=states,
             finetune=finetune,
@@ -77,14 +84,14 @@ def searched_inputs() -> list[BudgetInputs]:
     Pythia-12B on one H200 with and without offload, GPT-NeoX-20B on 8 GPUs."""
     cases = []
     for i, name in enumerate(PRESETS):
-        cases.append(BudgetInputs(
+        cases.append(neox_inputs(
             model=getattr(neox_config, name)(), world_size=(1, 2, 8, 3, 64)[i % 5],
             finetune=FINETUNES[i % 4], checkpointing=i % 2 == 0, batch=2,
             prefetch_depth=(1, 2)[i % 2], chunk_numel=None))
-    w6 = BudgetInputs(model=neox_config.pythia_12b(), world_size=1, batch=4,
+    w6 = neox_inputs(model=neox_config.pythia_12b(), world_size=1, batch=4,
                       checkpointing=True, update_during_backward=True)
     cases += [w6, replace(w6, offload_fraction=None),
-              BudgetInputs(model=neox_config.gpt_neox_20b(), world_size=8, batch=4,
+              neox_inputs(model=neox_config.gpt_neox_20b(), world_size=8, batch=4,
                            checkpointing=True)]
     return cases + list(ENGINE_CASES)
 

@@ -1,5 +1,5 @@
 """The memory model page's calculator in headless Chromium against the Python
-model (`labml_zero/neox/memory_budget.py`): its `computeBudget` on a grid of
+model (`labml_zero/planner/memory_budget.py`): its `computeBudget` on a grid of
 inputs in one page load, exactly; then the real page through its URL fragment
 and its form controls, the rounded figures within 0.1%."""
 
@@ -11,9 +11,10 @@ import re
 from docsite.calculator import (budget_json, inputs_json, plan_json, step_time_json,
                                 total)
 from labml_zero.neox import config as neox_config
-from labml_zero.neox.memory_budget import BudgetInputs, budget
+from labml_zero.planner.memory_budget import budget
 from tests.docs.calculator_grid import (GPU_NAMES, cluster_of, grid_inputs,
                                         searched_inputs)
+from tests.docs.calculator_grid import neox_inputs as BudgetInputs
 from tests.docs.test_browser import chromium
 
 PAGE = "labml_zero/planner/memory_model.html"

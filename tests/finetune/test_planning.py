@@ -79,16 +79,59 @@ def test_refusals_are_one_line(capsys, nothing_starts):
                            "--seq-len", "2048", "--optimizer-states",
                            "bf16-stochastic", "--plan"])
     assert "nothing fits" in err and "would fit on 2 h100 GPUs" in err
-    # another family: the memory budget is GPT-NeoX's
-    err = refused(capsys, ["--model", "llama-3.2-1b", "--gpu", "h200", "--plan"],
-                  family_main)
-    assert "GPT-NeoX only" in err
     # the cluster's flags mean nothing without a plan
     assert "--gpu needs --plan or --auto" in refused(capsys, ["--gpu", "h200"])
     assert "not both" in refused(capsys, ["--gpu", "h200", "--plan", "--auto"])
     err = refused(capsys, ["--gpu", "h200", "--offload-optimizer", "auto",
                            "--auto"])
     assert "give one" in err
+
+
+def plan_lines(out: str) -> dict[str, str]:
+    """The plan's lines by their first word."""
+    return {line.split(":")[0]: line for line in out.splitlines()}
+
+
+def test_plan_of_a_llama_preset(capsys, nothing_starts):
+    """Another family plans as GPT-NeoX does: its budget's parameters are the
+    family's count, its kernels the family's `auto` on a GPU, and it starts
+    nothing."""
+    from labml_zero.llama.config import llama_3_2_1b
+    from labml_zero.llama.family import LLAMA
+    from labml_zero.planner.devices import GIB
+
+    out = planned(capsys, ["--model", "llama-3.2-1b", "--gpu", "h200", "--gpus",
+                           "8", "--seq-len", "2048", "--plan"], family_main)
+    lines = plan_lines(out)
+    assert lines["plan"].startswith("plan: llama-3.2-1b, finetune all")
+    kernels = LLAMA.resolve_kernels("auto", "cuda").names()
+    assert f"(kernels {kernels})" in lines["setting"]
+    # the bf16 parameter shards: the family's count over 8 ranks, padded by
+    # at most one chunk's alignment each
+    params = float(re.search(r"parameters ([0-9.]+) GiB", out).group(1)) * GIB
+    psi = LLAMA.count_parameters(LLAMA.build(llama_3_2_1b(), device="meta"))
+    assert abs(params - 2 * psi / 8) <= 0.01 * GIB
+    assert "tokens/s, MFU" in lines["throughput"]
+    # LoRA: a fine-tuner of the family, its targets the family's names
+    out = planned(capsys, ["--model", "llama-3.2-1b", "--gpu", "h100", "--finetune",
+                           "lora", "--lora-targets", "q_proj,v_proj", "--plan"],
+                  family_main)
+    assert "finetune lora" in plan_lines(out)["plan"]
+
+
+def test_plan_of_a_llama_checkpoint(capsys, nothing_starts, tmp_path):
+    """A snapshot that transformers wrote: the plan reads its config.json
+    alone (the shape, the family by model_type), no tensor."""
+    from tests.llama.conftest import hf_model
+
+    path = tmp_path / "snapshot"
+    hf_model("llama_tied").save_pretrained(path, safe_serialization=True)
+    out = planned(capsys, ["--checkpoint", str(path), "--gpu", "a100", "--seq-len",
+                           "64", "--plan"], family_main)
+    lines = plan_lines(out)
+    assert lines["plan"].startswith(f"plan: {path}, finetune all, 8 sequences "
+                                    f"of 64 tokens")
+    assert "setting: --batch-size" in lines["setting"]
 
 
 def test_without_gpus_a_plan_needs_a_named_gpu(capsys, nothing_starts,
