@@ -1,5 +1,5 @@
 """The inputs on which the calculator's script is compared with the Python model:
-every preset, N from 1 to 1,024, each dtype and fine-tuner, with and without
+every preset of both families, N from 1 to 1,024, each dtype and fine-tuner, with and without
 offload, checkpointing and accumulation, fixed and searched chunk sizes; and the
 step time's cluster of each (GPU, nodes, compiled layers)."""
 
@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from docsite.calculator import PRESETS
+from docsite.calculator import LLAMA_PRESETS, PRESETS
+from labml_zero.llama import config as llama_config
+from labml_zero.llama.family import LLAMA
 from labml_zero.neox import config as neox_config
 from labml_zero.neox.family import NEOX
 from labml_zero.neox.kernels import ModelKernels
@@ -77,6 +79,42 @@ def grid_inputs(count: int = 224) -> list[BudgetInputs]:
             offload_fraction=offload,
             device_bytes=(80 * GIB, 150_109_880_320)[i % 2]))
     return cases + list(ENGINE_CASES)
+
+
+# Llama's kernels as the calculator has its counts: none, and the job's `auto`
+# on a GPU (the planner's)
+LLAMA_KERNELS = (LLAMA.resolve_kernels("none", "cpu"),
+                 LLAMA.resolve_kernels("auto", "cuda"))
+
+
+def llama_inputs(count: int = 42) -> list[BudgetInputs]:
+    """The Llama family's presets on the same axes: every rank count, dtype,
+    state layout and offload, both fine-tuners (LoRA on some or all seven
+    projections), both kernels, fixed chunk sizes and, every sixth, searched."""
+    cases = []
+    for i in range(count):
+        world = WORLDS[(i // 2) % len(WORLDS)]
+        states = ("fp32", "bf16-moments", "bf16-stochastic",
+                  "8bit-moments")[(i // 5) % 4]
+        offload = OFFLOADS[(i // 4) % 4]
+        if states == "bf16-stochastic" and offload:
+            offload = 0.0
+        cases.append(BudgetInputs(
+            getattr(llama_config, LLAMA_PRESETS[i % len(LLAMA_PRESETS)])(),
+            family=LLAMA, world_size=world,
+            shard_group_size=2 if world > 1 and world % 2 == 0 and i % 3 == 0
+            else None,
+            param_dtype=DTYPES[i % 4][0], reduce_dtype=DTYPES[i % 4][1],
+            states=states, finetune=("all", "lora")[(i // 3) % 2],
+            lora_rank=(4, 8, 16, 64)[i % 4],
+            lora_targets=(("q_proj", "down_proj"), ("o_proj",), None)[i % 3],
+            chunk_numel=CHUNKS[i % len(CHUNKS)] if i % 6 else None,
+            prefetch_depth=(0, 1, 2)[i % 3], checkpointing=i % 2 == 1,
+            batch=(1, 2, 4, 8)[(i // 5) % 4], seq=(128, 512, 2048)[(i // 4) % 3],
+            micro_batches=(1, 1, 4)[i % 3], update_during_backward=i % 4 == 3,
+            kernels=LLAMA_KERNELS[(i // 2) % 2], offload_fraction=offload,
+            device_bytes=(80 * GIB, 150_109_880_320)[i % 2]))
+    return cases
 
 
 def searched_inputs() -> list[BudgetInputs]:
