@@ -394,10 +394,9 @@ def example(family, model) -> Budget:
 
     The calculator's default, computed by
     `budget(BudgetInputs(model, family=family))` when the site is built:
-    GPT-NeoX's Pythia-1.4B trained
-    whole on $N_d$ = {{py: memory_budget.BudgetInputs(
-    neox_model.pythia_1_4b(), family=families.NEOX).world_size}} ranks, bf16 chunks, an fp32
-    reduction, the searched chunk size ($C$ =
+    GPT-NeoX's Pythia-1.4B trained whole on $N_d$ =
+    {{py: memory_budget.BudgetInputs(neox_model.pythia_1_4b(),
+    family=families.NEOX).world_size}} ranks, bf16 chunks, an fp32 reduction, the searched chunk size ($C$ =
     {{py: memory_budget.example(families.NEOX,
     neox_model.pythia_1_4b()).chunk_numel}} elements), one sequence of
     {{py: memory_budget.BudgetInputs(

@@ -1,7 +1,8 @@
 """The inputs on which the calculator's script is compared with the Python model:
-every preset of both families, N from 1 to 1,024, each dtype and fine-tuner, with and without
-offload, checkpointing and accumulation, fixed and searched chunk sizes; and the
-step time's cluster of each (GPU, nodes, compiled layers)."""
+every preset of both families, N from 1 to 1,024, each dtype and fine-tuner,
+with and without offload, checkpointing and accumulation, fixed and searched
+chunk sizes; and the step time's cluster of each (GPU, nodes, compiled
+layers)."""
 
 from __future__ import annotations
 

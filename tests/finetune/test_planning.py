@@ -1,6 +1,7 @@
 """`labml_zero/finetune/planning.py`: `--plan` prints the plan and starts
-nothing, on a machine without GPUs; its W1 step is the benchmark's; a refusal
-is one line; `--auto` runs the planned setting."""
+nothing, on a machine without GPUs, for GPT-NeoX and for Llama presets and
+checkpoints; its W1 step is the benchmark's; a refusal is one line; `--auto`
+runs the planned setting."""
 
 import json
 import os
@@ -170,3 +171,26 @@ def test_prefetch_depth_is_a_flag_of_the_job():
     assert config.prefetch_depth == 2
     config, _ = parse_config(["--prefetch-depth", "0"], make_parser())
     assert config.prefetch_depth == 0
+
+
+def test_auto_runs_a_llama_checkpoint_on_cpu(tmp_path):
+    """`--auto` on another family's snapshot: the plan's setting runs on two
+    CPU processes, and with no `--out` its checkpoint lands under the
+    family's runs/zero3_llama."""
+    from tests.finetune.test_llama_job import write_snapshot
+
+    snapshot = write_snapshot(tmp_path / "snapshot", "llama")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "labml_zero.finetune", "--checkpoint", str(snapshot),
+         "--auto", "--gpu", "h200", "--world-size", "2", "--seq-len", "32",
+         "--batch-size", "2", "--steps", "2", "--valid-every", "2",
+         "--valid-batches", "1", "--checkpoint-every", "2", "--sample-tokens", "0",
+         "--log-dir", str(tmp_path / "logs")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # two sequences a rank fit whole: one micro-batch of both
+    assert ("--auto: --batch-size 2 --grad-accum 1 --prefetch-depth 1 "
+            "(predicted") in done.stdout
+    assert (tmp_path / "runs" / "zero3_llama" / "checkpoints" / "step-000002").is_dir()
+    assert not (tmp_path / "runs" / "zero3_neox").exists()

@@ -17,7 +17,8 @@ H100, H200 = GPUS["h100"], GPUS["h200"]
 def test_w1_runs_as_the_benchmark_does():
     # Pythia-1.4B, 8 x 2048 on one H200 fits whole: no recomputation, no
     # offload, one micro-batch, and compiled layers are predicted faster
-    result = plan(Job(pythia_1_4b(), family=NEOX, seq=2048, global_batch=8), Cluster(H200))
+    result = plan(Job(pythia_1_4b(), family=NEOX, seq=2048, global_batch=8),
+                  Cluster(H200))
     s = result.best.setting
     assert (s.batch, s.micro_batches, s.checkpointing, s.offload_fraction,
             s.compile) == (8, 1, False, 0.0, True)
@@ -70,7 +71,8 @@ def test_several_ranks_time_their_collectives_and_prefetch():
 def test_nothing_fits_is_one_line_with_the_smallest_fix():
     # states without a master cannot be offloaded: 20B on one H100 would fit
     # only sharded over more GPUs
-    job = Job(gpt_neox_20b(), family=NEOX, seq=2048, global_batch=8, states="bf16-stochastic")
+    job = Job(gpt_neox_20b(), family=NEOX, seq=2048, global_batch=8,
+              states="bf16-stochastic")
     with pytest.raises(NoFit) as error:
         plan(job, Cluster(H100))
     line = str(error.value)

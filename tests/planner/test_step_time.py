@@ -38,7 +38,8 @@ def lines(path: Path, engine: str) -> list[dict]:
 
 def job_setting(line: dict) -> tuple[Job, Setting]:
     workload = workloads()[line["workload"]]
-    job = Job(workload.model, family=NEOX, seq=line["seq"], global_batch=line["batch_per_gpu"],
+    job = Job(workload.model, family=NEOX, seq=line["seq"],
+              global_batch=line["batch_per_gpu"],
               finetune=line["finetune"],
               kernels=ModelKernels.from_names(line["kernels"]))
     offloaded = line.get("info", {}).get("offloaded_fraction", 0.0)
