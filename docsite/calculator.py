@@ -8,16 +8,23 @@ summary: The form, the table and the chart of the memory model's calculator,
 # The memory calculator's page block
 
 `{{calculator}}` in a note becomes the calculator: a form whose controls are
-the fields of `memory_budget.BudgetInputs`, a table of every part of the
+the fields of `planner/memory_budget.BudgetInputs`, a table of every part of the
 `Budget` and a bar chart of the peak. The arithmetic is
 `docs_src/static/calculator.js`, a line-by-line port of the Python functions;
 this module writes into the page, as JSON, everything that port must not
 restate: the presets of `neox/config.py`, the bytes per element of the memory
 model and of each optimizer state layout (`zero3/state_layout.py`), the
-search's knobs, the fine-tuners' choices, the step-time roofline's constants
-and GPUs (`planner/step_time.py`, `planner/devices.py`), and the worked
-example's inputs with the bytes `memory_budget.budget` computes for them. The script
-recomputes that example when the page loads and says whether it agrees.
+search's knobs, each family's fine-tuners, LoRA targets and kernels, the
+step-time roofline's constants and GPUs (`planner/step_time.py`,
+`planner/devices.py`), and the worked example's inputs with the bytes
+`memory_budget.budget` computes for them. The script recomputes that example
+when the page loads and says whether it agrees.
+
+The port is GPT-NeoX's layers and activation count; a Llama-family preset
+comes with its own numbers instead (`model_json`): its units' parameters as
+the engine lays them out, its family's activation count as a line in the
+tokens for each fine-tuner, recomputation and kernels, and its FLOPs. So the
+script sizes both families exactly, and restates no Llama formula.
 
 With scripting off the block is still a page: the form shows the example's
 inputs, and the table its outputs, computed when the site was built.
@@ -42,6 +49,13 @@ RANGE_STEPS = 4096
 
 PRESETS = ("tiny", "pythia_70m", "pythia_160m", "pythia_410m", "pythia_1b",
            "pythia_1_4b", "pythia_2_8b", "pythia_6_9b", "pythia_12b", "gpt_neox_20b")
+"""GPT-NeoX's presets (`neox/config.py`), whose shapes the script's own port
+of GPT-NeoX's layers and activation count sizes, custom shapes too."""
+LLAMA_PRESETS = ("smollm2_135m", "qwen2_5_0_5b", "llama_3_2_1b", "llama_3_2_3b",
+                 "qwen2_5_7b", "mistral_7b", "llama_3_1_8b")
+"""The Llama family's presets (`llama/config.py`): the script takes each one's
+parameters, activation count and FLOPs as numbers computed from the Python
+(`model_json`), not a port."""
 
 # (key, unit, symbol in TeX, name): the table's rows, in the page's notation
 ROWS = (
@@ -127,14 +141,88 @@ def _legend(page: str) -> str:
     return re.sub(r"\$([^$]+)\$", lambda m: _math(m.group(1), page), LEGEND)
 
 
+def kernels_key(kernels) -> str:
+    """A family's kernels as the script names them: `name=value` of each
+    field, sorted, the values as JSON writes them."""
+    return ",".join(f"{name}={json.dumps(value)}"
+                    for name, value in sorted(dataclasses.asdict(kernels).items()))
+
+
+def _affine_in_tokens(count, where: str) -> list[int]:
+    """`[a, b]` with `count(batch, seq) = a + b * batch * seq`, from two
+    points, checked at two more; the script evaluates the line."""
+    slope = count(1, 2) - count(1, 1)
+    intercept = count(1, 1) - slope
+    for batch, seq in ((3, 7), (2, 64)):
+        if count(batch, seq) != intercept + slope * batch * seq:
+            raise ValueError(f"{where}: the activation count is not a + b * "
+                             f"tokens; the calculator cannot carry it as a line")
+    return [intercept, slope]
+
+
+# `_family_numbers` computed so far, by the family's name and the model (a
+# family, a table of functions and presets, is not hashable)
+_NUMBERS: dict[tuple, dict] = {}
+
+
+def _family_numbers(family, model) -> dict:
+    """
+    ### A family's model as the script's numbers
+
+    The parameters of its four units (embedding, one transformer layer,
+    final norm, readout; a tied readout has none of its own) in the order
+    the engine lays them out; the activation count per fine-tuner,
+    recomputation and kernels (plain, or the job's `auto` on a GPU) as a line
+    in the tokens; $N$ and the attention's forward FLOPs per token of
+    sequence, for the step time.
+    """
+    from labml_zero.zero3.unit_chunks import param_specs
+
+    if (family.name, model) in _NUMBERS:
+        return _NUMBERS[family.name, model]
+    layers = family.build(dataclasses.replace(model, n_layers=1), device="meta")
+    specs, _ = param_specs([layer.named_parameters() for layer in layers])
+    units = [[] for _ in layers]
+    for spec in specs:
+        units[spec.group].append([spec.name, list(spec.shape)])
+    activations = {}
+    for finetune in family.finetuners:
+        for checkpointing in (False, True):
+            for kernels in (family.resolve_kernels("none", "cpu"),
+                            family.resolve_kernels("auto", "cuda")):
+                def count(batch, seq):
+                    return family.activation_memory(
+                        model, batch=batch, seq=seq, finetune=finetune,
+                        checkpointing=checkpointing, kernels=kernels)
+
+                key = f"{finetune}/{int(checkpointing)}/{kernels_key(kernels)}"
+                activations[key] = _affine_in_tokens(count, f"{family.name} {key}")
+    flops = family.flops_per_token
+    _NUMBERS[family.name, model] = {
+        "units": units, "activations": activations,
+        "matmul_params": family.matmul_parameters(model),
+        "attention_flops": (flops(model, 1) - flops(model, 0)) / 3}
+    return _NUMBERS[family.name, model]
+
+
+def model_json(family, model) -> dict:
+    """A model as the object the script takes: GPT-NeoX's shape, which the
+    script's port sizes, or another family's shape and `_family_numbers`."""
+    shape = {"family": family.name, "n_vocab": model.n_vocab,
+             "d_model": model.d_model, "n_heads": model.n_heads,
+             "n_layers": model.n_layers, "max_position": model.max_position}
+    if family.name == "gpt-neox":
+        return {**shape, "d_ff": model.d_ff, "rotary_pct": model.rotary_pct}
+    return {**shape, **_family_numbers(family, model)}
+
+
 def inputs_json(inputs) -> dict:
-    """A `BudgetInputs` as the object `computeBudget` takes."""
-    fields = dataclasses.asdict(inputs)
-    model = inputs.model
-    fields["model"] = {"n_vocab": model.n_vocab, "d_model": model.d_model,
-                       "n_heads": model.n_heads, "n_layers": model.n_layers,
-                       "d_ff": model.d_ff, "rotary_pct": model.rotary_pct,
-                       "max_position": model.max_position}
+    """A `BudgetInputs` as the object `computeBudget` takes (its family by
+    name, in its model)."""
+    fields = {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)
+              if f.name not in ("family", "model", "kernels")}
+    fields["kernels"] = dataclasses.asdict(inputs.kernels)
+    fields["model"] = model_json(inputs.family, inputs.model)
     fields["lora_targets"] = list(inputs.lora_targets)
     return fields
 
@@ -156,7 +244,7 @@ def _job(inputs, **kernels):
     $G = B A N_d$."""
     from labml_zero.planner.setting import Job
 
-    return Job(model=inputs.model, seq=inputs.seq,
+    return Job(model=inputs.model, family=inputs.family, seq=inputs.seq,
                global_batch=inputs.batch * inputs.micro_batches * inputs.world_size,
                finetune=inputs.finetune, lora_rank=inputs.lora_rank,
                lora_targets=inputs.lora_targets, states=inputs.states,
@@ -186,7 +274,7 @@ def step_time_json(inputs, *, gpu: str = DEFAULT_GPU, nodes: int = 1,
     """`step_time.step_time` of a `BudgetInputs` on `nodes` nodes of `gpu`s,
     with tokens/s and MFU as the planner's `Plan` counts them: what
     `computeStepTime` returns."""
-    from labml_zero.neox.memory_budget import budget
+    from labml_zero.planner.memory_budget import budget
     from labml_zero.planner.setting import Setting
     from labml_zero.planner.step_time import model_flops_per_token, step_time
 
@@ -197,7 +285,8 @@ def step_time_json(inputs, *, gpu: str = DEFAULT_GPU, nodes: int = 1,
                       prefetch_depth=inputs.prefetch_depth, compile=compile)
     time = step_time(job, setting, cluster, budget(inputs))._asdict()
     time["tokens_per_s"] = job.global_batch * job.seq / time["total"]
-    time["mfu"] = (model_flops_per_token(job.model, job.seq) * time["tokens_per_s"]
+    time["mfu"] = (model_flops_per_token(job.family, job.model, job.seq)
+                   * time["tokens_per_s"]
                    / (cluster.world_size * cluster.gpu.peak_flops))
     return time
 
@@ -205,11 +294,13 @@ def step_time_json(inputs, *, gpu: str = DEFAULT_GPU, nodes: int = 1,
 @functools.cache
 def calculator_data() -> dict:
     """Everything the script takes from the Python model, as JSON."""
+    from labml_zero.families import FAMILIES
+    from labml_zero.llama import config as llama_config
+    from labml_zero.llama.family import LLAMA
     from labml_zero.neox import config as neox_config
     from labml_zero.neox.finetuners import FINETUNERS, FineTuneBiases
-    from labml_zero.neox.lora import TARGETS
-    from labml_zero.neox import memory_budget
-    from labml_zero.neox.kernels import ModelKernels
+    from labml_zero.neox.family import NEOX
+    from labml_zero.planner import memory_budget
     from labml_zero.optimizers import early_update
     from labml_zero.planner import memory_model
     from labml_zero.planner import search as planner_search, step_time
@@ -219,11 +310,11 @@ def calculator_data() -> dict:
     from labml_zero.zero3.state_layout import LAYOUTS
 
     search = ChunkSearchConfig()
-    example = memory_budget.BudgetInputs()
-    presets = {}
-    for name in PRESETS:
-        presets[name] = inputs_json(dataclasses.replace(
-            example, model=getattr(neox_config, name)()))["model"]
+    example = memory_budget.BudgetInputs(neox_config.pythia_1_4b(), family=NEOX)
+    presets = {name: model_json(NEOX, getattr(neox_config, name)())
+               for name in PRESETS}
+    presets |= {name: model_json(LLAMA, getattr(llama_config, name)())
+                for name in LLAMA_PRESETS}
     return {
         "presets": presets,
         "default_preset": "pythia_1_4b",
@@ -241,7 +332,14 @@ def calculator_data() -> dict:
         "align": ZeroConfig().align,
         "finetuners": list(FINETUNERS),
         "biases": list(FineTuneBiases.BIASES),
-        "lora_targets": dict(TARGETS),
+        # each family's fine-tuners, LoRA's targets (name -> path in a layer),
+        # its plain kernels and the planner's (the job's `auto` on a GPU)
+        "families": {family.name: {
+            "title": family.title, "finetuners": list(family.finetuners),
+            "lora_targets": dict(zip(family.lora_targets, _target_paths(family))),
+            "plain_kernels": dataclasses.asdict(family.resolve_kernels("none", "cpu")),
+            "planner_kernels": dataclasses.asdict(
+                family.resolve_kernels("auto", "cuda"))} for family in FAMILIES},
         "device_bytes": memory_budget.H200_BYTES,
         "search": {"search_range_m": search.search_range_m, "range_steps": RANGE_STEPS,
                    "mebi": MEBI, "memory_weight": search.memory_weight,
@@ -258,15 +356,24 @@ def calculator_data() -> dict:
         "gpus": {name: dataclasses.asdict(gpu) for name, gpu in GPUS.items()},
         # the planner's search: its margins and the job's kernels (`auto`)
         "planner": {"device_margin": planner_search.DEVICE_MARGIN,
-                    "cuda_context_bytes": planner_search.CUDA_CONTEXT_BYTES,
-                    "kernels": dataclasses.asdict(ModelKernels.all_fused())},
+                    "cuda_context_bytes": planner_search.CUDA_CONTEXT_BYTES},
         "default_gpu": DEFAULT_GPU,
         "reference": {"inputs": {**inputs_json(example), "gpu": DEFAULT_GPU,
                                  "nodes": 1, "compile": False},
-                      "budget": budget_json(memory_budget.example()),
+                      "budget": budget_json(memory_budget.budget(example)),
                       "step_time": step_time_json(example),
                       "plan": plan_json(example)},
     }
+
+
+def _target_paths(family) -> list[str]:
+    """Each LoRA target's module path in a transformer layer: the target's
+    name is its last part (PEFT's match), found in one layer built on meta."""
+    layer = family.build(family.presets[next(iter(family.presets))](),
+                         device="meta")[1]
+    modules = [name for name, _ in layer.named_modules()]
+    return [next(m for m in modules if m.rsplit(".", 1)[-1] == target)
+            for target in family.lora_targets]
 
 
 @functools.cache
@@ -330,12 +437,18 @@ def render(page: str) -> str:
     model = example["model"]
     static = rel_href("static/calculator.js", page).rsplit("calculator.js", 1)[0]
     activation_page = rel_href("labml_zero/neox/activation_memory.html", page)
-    budget_page = rel_href("labml_zero/neox/memory_budget.html", page)
-    presets = [(name, preset_names()[name]) for name in PRESETS]
+    budget_page = rel_href("labml_zero/planner/memory_budget.html", page)
+    presets = [(name, preset_names()[name]) for name in PRESETS + LLAMA_PRESETS]
     dtypes = [(name, name) for name in data["dtype_bytes"]]
+    # each family's projections; the script shows the preset's family's
+    shown = data["presets"][data["default_preset"]]["family"]
     targets = "".join(
-        f'<label class="calc-check"><input type="checkbox" name="lora_targets" '
-        f'value="{t}" checked disabled> {t}</label>' for t in data["lora_targets"])
+        f'<span class="calc-targets" data-family="{name}"'
+        f'{"" if name == shown else " hidden"}>'
+        + "".join(f'<label class="calc-check"><input type="checkbox" '
+                  f'name="lora_targets" value="{t}" data-family="{name}" checked '
+                  f'disabled> {t}</label>' for t in family["lora_targets"])
+        + "</span>" for name, family in data["families"].items())
     fieldsets = [
         ("Model", _select("preset", "preset", presets + [("custom", "custom")],
                           data["default_preset"])
@@ -363,7 +476,7 @@ def render(page: str) -> str:
          + f'<span class="calc-lora">'
          + _number("lora_rank", f"rank {_math('r', page)}", example["lora_rank"],
                    minimum=1)
-         + f'<span class="calc-targets">{targets}</span></span>'),
+         + f'{targets}</span>'),
         ("Chunks", _number("chunk_numel", f"chunk size {_math('C', page)}",
                            example["chunk_numel"], minimum=1, hint="searched")
          + _number("prefetch_depth", f"prefetch depth {_math('D', page)}",
@@ -425,11 +538,14 @@ def render(page: str) -> str:
     block = (
         '<div class="calc" id="calculator">'
         '<h2 id="calculator-title">Calculator</h2><p>What one rank holds and moves '
-        f'for a GPT-NeoX fine-tune: the <a href="{budget_page}">memory '
-        'budget</a> of this page\'s parts, each row named by its symbol; the '
-        f'activations are the <a href="{activation_page}">'
-        'activation count</a>\'s for every fine-tuner, LoRA\'s adapters at their '
-        'rank and targets included.</p>'
+        'for a fine-tune of a GPT-NeoX or a Llama-family model: the '
+        f'<a href="{budget_page}">memory budget</a> of this page\'s parts, each '
+        'row named by its symbol. GPT-NeoX\'s activations are the '
+        f'<a href="{activation_page}">activation count</a>\'s for every '
+        'fine-tuner, LoRA\'s adapters at their rank and targets included; a '
+        'Llama-family preset brings its parameters, its family\'s activation '
+        'estimate and its FLOPs as numbers the library computed when this page '
+        'was built. A custom shape is a GPT-NeoX one.</p>'
         '<noscript><p>The calculator runs in the browser; with scripting off the '
         'form and the table show the worked example, computed by '
         '<code>memory_budget.budget</code> when this page was built.</p></noscript>'

@@ -56,7 +56,8 @@ from .results import lookup
 
 PY_NAMESPACE = {
     "memory_model": "labml_zero.planner.memory_model",
-    "memory_budget": "labml_zero.neox.memory_budget",
+    "memory_budget": "labml_zero.planner.memory_budget",
+    "families": "labml_zero.families",
     "hybrid_memory": "labml_zero.planner.hybrid_memory",
     "chunk_layout": "labml_zero.zero3.chunk_layout",
     "chunk_search": "labml_zero.planner.chunk_search",

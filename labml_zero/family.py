@@ -78,8 +78,9 @@ class ModelFamily:
        model (every rank gathers) and samples with `generate`.
 
     The other fields (`materialize`, `load_layer`, `save_hf`, `save_merged`,
-    `save_adapter`, `flops_per_token`, `activation_memory`) serve unsharded
-    layers (tests and small models), the offline export and the memory budget.
+    `save_adapter`, `flops_per_token`, `matmul_parameters`,
+    `activation_memory`) serve unsharded layers (tests and small models), the
+    offline export and [the planner](planner/index.html).
 
     It holds functions, not a base class to override: each family package
     (`neox/family.py`, `llama/family.py`) builds one instance from its own
@@ -120,11 +121,18 @@ class ModelFamily:
     r"""$\Psi$, the model's parameters in elements, a tied matrix once."""
     flops_per_token: Callable[[Any, int], float]
     """`flops_per_token(config, seq)`: training FLOPs a token."""
+    matmul_parameters: Callable[..., int]
+    r"""`matmul_parameters(config, finetune=None)`: $N$, the weights of the
+    matrix products a token passes (the readout's; the embedding is a
+    lookup); given a fine-tuner's name, those of the products whose weights
+    it trains, which alone cost a weight gradient."""
     activation_memory: Callable[..., int]
     """`activation_memory(config, *, batch, seq, finetune, checkpointing,
-    kernels)`: the activation bytes a rank holds when its last backward pass
-    starts (every layer's saved tensors, or its checkpointed inputs, and the
-    readout's and loss's), for the kernels `resolve_kernels` gave."""
+    kernels, lora_rank, lora_targets)`: the activation bytes a rank holds when
+    its last backward pass starts (every layer's saved tensors, or its
+    checkpointed inputs, and the readout's and loss's), for the kernels
+    `resolve_kernels` gave; `lora_*` (LoRA's adapters) are given with
+    `finetune='lora'` only."""
     finetuner: Callable[..., Any]
     """`finetuner(name, **options)`: `all`, or `lora` with `rank`, `alpha`,
     `targets`, and any others the family has."""

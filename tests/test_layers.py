@@ -20,18 +20,12 @@ REPO = Path(__file__).resolve().parent.parent
 PACKAGE = "labml_zero"
 
 # Lowest first. The tools at the bottom (atomic files, processes, the app) import
-# nothing of the others; the engine, its optimizer, the one assembly path, the
-# policy (the memory model, the chunk-size search, placement: the planner's
-# folder), the one assembly path, the family type, the layers and Hugging Face
-# files every family shares, the models, the registry of families, the
-# planner's search and the fine-tune job each import only what is listed
-# before them.
-# The planner's pages that still read GPT-NeoX's memory budget, each its own
-# layer in the order they import each other: above the models until the budget
-# asks a family instead.
-PLANNER_ON_NEOX = (("labml_zero.planner.setting",), ("labml_zero.planner.step_time",),
-                   ("labml_zero.planner.search",))
-
+# nothing of the others; the engine, its optimizer, the policy (the memory
+# model, the chunk-size search, placement, the memory budget and the search
+# for a setting: the planner's folder, given a model's family as an object),
+# the one assembly path, the family type, the layers and Hugging Face files
+# every family shares, the models, the registry of families and the fine-tune
+# job each import only what is listed before them.
 LAYERS = (
     ("labml_zero", "labml_zero.files", "labml_zero.launch", "labml_zero.app"),
     ("labml_zero.zero3",),
@@ -44,7 +38,6 @@ LAYERS = (
     ("labml_zero.neox",),
     ("labml_zero.llama",),
     ("labml_zero.families",),
-    *PLANNER_ON_NEOX,
     ("labml_zero.finetune",),
     ("labml_zero.finetune_neox", "labml_zero.export"),
 )
@@ -209,18 +202,23 @@ def test_the_check_sees_a_circle_and_an_upward_import(tmp_path):
 MODEL_PACKAGES = ("labml_zero.neox", "labml_zero.llama")
 
 
+# The planner is given the family as an object (`BudgetInputs.family`,
+# `Job.family`): it sizes every family's model and imports none.
+FAMILY_BLIND = ("labml_zero.finetune", "labml_zero.planner")
+
+
 def model_imports(graph) -> dict[str, set[str]]:
-    """`{finetune module: the model modules it imports}`."""
+    """`{job or planner module: the model modules it imports}`."""
     found: dict[str, set[str]] = {}
     for imp in graph:
-        if imp.source.startswith("labml_zero.finetune.") \
+        if imp.source.startswith(tuple(f"{p}." for p in FAMILY_BLIND)) \
                 and imp.target.startswith(MODEL_PACKAGES):
             found.setdefault(imp.source, set()).add(
                 imp.target.removeprefix("labml_zero."))
     return found
 
 
-def test_the_job_imports_no_model_package():
+def test_the_job_and_the_planner_import_no_model_package():
     assert model_imports(import_graph()) == {}
 
 
@@ -233,8 +231,14 @@ def test_the_rule_sees_a_job_that_imports_a_model(tmp_path):
     (pkg / "llama" / "model.py").write_text("x = 1\n")
     (pkg / "finetune" / "job.py").write_text(
         "from labml_zero.llama.model import x\n")
+    (pkg / "planner").mkdir()
+    (pkg / "planner" / "__init__.py").write_text("")
+    (pkg / "planner" / "setting.py").write_text(
+        "from labml_zero.neox import model\n")
+    (pkg / "neox" / "model.py").write_text("x = 1\n")
     assert model_imports(import_graph(tmp_path)) == {
-        "labml_zero.finetune.job": {"llama.model"}}
+        "labml_zero.finetune.job": {"llama.model"},
+        "labml_zero.planner.setting": {"neox.model"}}
 
 
 # The mechanism (`zero3/`: what a step runs) takes its sizes and placements as

@@ -129,7 +129,7 @@ def check_global_batch(path: Path, sampler: dict, config, world_size: int
 
 
 def checkpoint_path(config, step: int) -> Path:
-    return Path(config.out) / "checkpoints" / f"step-{step:06d}"
+    return config.out_dir / "checkpoints" / f"step-{step:06d}"
 
 
 def export_meta(config, model) -> dict:

@@ -238,8 +238,10 @@ class FinetuneConfig:
     `out` needs room for one more than are kept (checked before start)."""
     resume: str | None = field(default=None, metadata=flag(metavar="DIR"))
     """A checkpoint directory written by this job, to continue from."""
-    out: str = field(default="runs/zero3_neox", metadata=flag(metavar="DIR"))
-    """Run outputs: `checkpoints/step-NNNNNN/` under it."""
+    out: str | None = field(default=None, metadata=flag(metavar="DIR"))
+    """Run outputs: `checkpoints/step-NNNNNN/` under it; `None` is the
+    experiment's folder under runs/, the experiment named by the model's
+    family (zero3_neox, zero3_llama; read `out_dir`)."""
     log_dir: str = field(default="logs", metadata=flag(metavar="DIR"))
     """labml's experiments directory: runs go to `<log_dir>/<experiment>/`,
     the experiment named by the model's family (`zero3_neox`, `zero3_llama`)."""
@@ -465,6 +467,13 @@ class FinetuneConfig:
                 return FAMILY
             return family_for_model_type(model_type)
         return family_for_preset(self.model)
+
+    @property
+    def out_dir(self) -> Path:
+        """`out`, or the family's `runs/<experiment>`, so one family's
+        checkpoints never land among another's."""
+        return Path(self.out if self.out is not None
+                    else f"runs/{self.family.experiment}")
 
     def check_family(self, family: ModelFamily) -> None:
         """

@@ -8,7 +8,7 @@ summary: `--plan` prints the fastest setting that fits the named GPUs, with its
 
 # The fine-tune's plan
 
-`python -m labml_zero.finetune_neox --model pythia-1.4b --gpu h200 --plan`
+`python -m labml_zero.finetune --model pythia-1.4b --gpu h200 --plan`
 asks [the planner](../planner/index.html) for the fastest setting of this job
 that fits, prints it with the predicted peak memory of a rank, the host
 memory, the step time term by term, the tokens per second and the MFU, and
@@ -63,13 +63,14 @@ def add_plan_flags(parser: argparse.ArgumentParser) -> None:
     * `--host-gib`: a node's host memory, this machine's for its own GPUs;
     * `--global-batch`: sequences a step over all ranks.
 
-    GPT-NeoX only: [the memory budget](../neox/memory_budget.html) counts its
-    layers. `--auto` without GPUs plans for `--gpu` and runs on CPU processes.
+    Any family: [the memory budget](../planner/memory_budget.html) asks the
+    model's family for its layers and activations. `--auto` without GPUs
+    plans for `--gpu` and runs on CPU processes.
 
     The setting's own flags, when given, win: the search keeps their value
     and chooses the rest.
     """
-    group = parser.add_argument_group("planner (GPT-NeoX)")
+    group = parser.add_argument_group("planner")
     group.add_argument("--plan", action="store_true", default=argparse.SUPPRESS,
                        help="print the fastest setting that fits, its memory "
                             "and its step time; start nothing (default: off)")
@@ -154,24 +155,21 @@ def cluster_of(request: Request, world_size: int | None) -> Cluster:
 
 
 def job_of(config: FinetuneConfig, *, global_batch: int) -> Job:
-    """The planner's job from the fine-tune's config: GPT-NeoX, bf16 or fp16."""
-    family = config.family
-    if family.name != "gpt-neox":
-        raise ValueError(f"the planner plans GPT-NeoX only (the memory budget "
-                         f"counts GPT-NeoX's layers); this is the {family.name} "
-                         f"family")
+    """The planner's job from the fine-tune's config, for its model's family
+    (a preset's, or a checkpoint's `config.json`'s): bf16 or fp16."""
     if config.dtype == "fp32":
         raise ValueError("the planner plans bf16 or fp16 chunks, not --dtype fp32")
-    model = config.model_config()
+    family = config.family
+    model = config.model_config()  # also gives lora_targets the family's
     if config.filter_layers is not None:
         model = dataclasses.replace(model, n_layers=len(config.filter_layers))
     fp16 = config.dtype == "fp16"
-    return Job(model=model, seq=config.seq_len, global_batch=global_batch,
-               finetune=config.finetune, lora_rank=config.lora_rank,
-               lora_targets=tuple(config.lora_targets),
+    return Job(model=model, family=family, seq=config.seq_len,
+               global_batch=global_batch, finetune=config.finetune,
+               lora_rank=config.lora_rank, lora_targets=tuple(config.lora_targets),
                states=config.optimizer_states,
                param_dtype="fp16" if fp16 else "bf16",
-               kernels=gpu_kernels(config.kernels),
+               kernels=gpu_kernels(family, config.kernels),
                update_during_backward=config.clip_grad is None and not fp16,
                shard_group_size=config.shard_group_size, steps=config.steps)
 

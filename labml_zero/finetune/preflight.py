@@ -157,7 +157,7 @@ def check_checkpoint_room(config, layers: list[nn.Module], dtype: torch.dtype, *
     """
     if config.checkpoint_every is None:
         return
-    out = Path(config.out)
+    out = config.out_dir
     existing = len(checkpoint_dirs(out / "checkpoints"))
     saves = saves_at_peak(config, first_step=first_step, total_steps=total_steps,
                           existing=existing)
@@ -192,7 +192,7 @@ def check_exports(config, layers: list[nn.Module], dtype: torch.dtype) -> None:
     # such a directory holds the run's checkpoints or logs by the end, and the
     # export, which may replace only an empty directory or an earlier export,
     # would be refused then, after the training.
-    written = {"--out": Path(config.out) / "checkpoints",
+    written = {"--out": config.out_dir / "checkpoints",
                "--log-dir": Path(config.log_dir) / family.experiment}
     if config.export_adapter is not None and config.checkpoint is None:
         raise PreflightError("--export-adapter needs --checkpoint: an adapter "
@@ -208,7 +208,7 @@ def check_exports(config, layers: list[nn.Module], dtype: torch.dtype) -> None:
                 raise PreflightError(f"{flag} {path} is inside {inside}, where the run "
                                      f"writes its own files ({other}); give a "
                                      f"directory outside it")
-        protected = {"--out": config.out, "--log-dir": config.log_dir,
+        protected = {"--out": config.out_dir, "--log-dir": config.log_dir,
                      "--checkpoint": config.checkpoint, "--resume": config.resume}
         protected |= {f: getattr(config, n) for n, (f, _) in flags.items()
                       if n != name}
@@ -353,7 +353,7 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
     # **Outputs**: `out` and `log_dir` are directories (or can be made) that this
     # user can write; their room for checkpoints is checked once the run's steps
     # are known, below.
-    check_writable_dir(config.out, "--out")
+    check_writable_dir(config.out_dir, "--out")
     check_writable_dir(config.log_dir, "--log-dir")
 
     # **Exports** (`export_hf`, LoRA's `export_adapter`): each is a new or

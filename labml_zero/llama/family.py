@@ -32,6 +32,7 @@ from labml_zero.assembly import Assembled, Recipe, assemble as assemble_layers
 from labml_zero.family import HF_EXPORT, ModelFamily, TrainingBuild
 from labml_zero.files import fsync_path
 from labml_zero.llama import config as llama_config
+from labml_zero.llama import flops as llama_flops
 from labml_zero.llama.activation_memory import activation_memory
 from labml_zero.llama.finetuners import FINETUNERS, finetuner
 from labml_zero.llama.flops import flops_per_token
@@ -84,6 +85,13 @@ def load_layer(checkpoint: LlamaCheckpoint, layer: nn.Module, *,
     with LoRA's adapters gets its base tensors (the adapters keep their
     initialisation: `load_state_dict(..., strict=False)`)."""
     return checkpoint.layer_state_dict(base_layer(layer), dtype=dtype)
+
+
+def matmul_parameters(config: llama_config.LlamaConfig, finetune: str | None = None
+                      ) -> int:
+    """$N$ of [the FLOPs page](flops.html) (`matmul_parameters`); `all`
+    trains every product, `lora` none of their weights."""
+    return llama_flops.matmul_parameters(config) if finetune in (None, "all") else 0
 
 
 # ## What the fine-tune job asks
@@ -230,6 +238,7 @@ LLAMA = ModelFamily(
     open_checkpoint=LlamaCheckpoint, build=build_layers, materialize=materialize,
     load_layer=load_layer, tokenizer=tokenizer,
     count_parameters=count_parameters, flops_per_token=flops_per_token,
+    matmul_parameters=matmul_parameters,
     activation_memory=activation_memory, finetuner=finetuner,
     lora_targets=tuple(TARGETS), named_tensors=hf_named_tensors,
     save_hf=save_hf, save_merged=save_merged,

@@ -2,7 +2,7 @@ r"""
 ---
 title: GPT-NeoX
 summary: The GPT-NeoX / Pythia model as a list of layers, its kernels, Hugging
-  Face checkpoints, the tokenizer, fine-tuners, its memory budget and a sampler;
+  Face checkpoints, the tokenizer, fine-tuners, its activation count and a sampler;
   the fine-tune job is a package of its own, above it.
 ---
 

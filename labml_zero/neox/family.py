@@ -51,7 +51,8 @@ from labml_zero.neox.side_files import hf_side_files, snapshot_dtype
 from labml_zero.neox.tokenizer import (end_of_text_id, job_tokenizer_path,
                                        load_tokenizer)
 
-__all__ = ["NEOX", "flops_per_token", "materialize", "assemble", "export_hf"]
+__all__ = ["NEOX", "flops_per_token", "matmul_parameters", "materialize",
+           "assemble", "export_hf"]
 
 
 def materialize(layers: list[nn.Module], device: torch.device | str) -> None:
@@ -89,12 +90,27 @@ def flops_per_token(config: neox_config.NeoXConfig, seq: int) -> float:
     return 6.0 * matmul + 12.0 * config.n_layers * config.d_model * seq
 
 
+def matmul_parameters(config: neox_config.NeoXConfig, finetune: str | None = None
+                      ) -> int:
+    r"""$N$: the four products of every layer ($3d^2 + d^2 + 2 d\, d_{ff}$) and
+    the readout ($d V$); `ffn` trains the MLP's two, `biases` and `lora` none
+    of them (an adapter's weights are too few to count)."""
+    d, L = config.d_model, config.n_layers
+    mlp = 2 * d * config.ff_dim
+    if finetune in (None, "all"):
+        return L * (4 * d * d + mlp) + d * config.n_vocab
+    return L * mlp if finetune == "ffn" else 0
+
+
 def activation_memory(config: neox_config.NeoXConfig, *, batch: int, seq: int,
                       finetune: str = "all", checkpointing: bool = False,
-                      kernels=None) -> int:
+                      kernels=None, lora_rank: int = 8,
+                      lora_targets: Sequence[str] = tuple(TARGETS)) -> int:
     """The whole model's activation bytes per rank, [activation
-    memory](activation_memory.html)'s total."""
+    memory](activation_memory.html)'s total, LoRA's adapters at their rank and
+    targets."""
     return activation_bytes(config, batch=batch, seq=seq, finetune=finetune,
+                            lora_rank=lora_rank, lora_targets=lora_targets,
                             checkpointing=checkpointing, kernels=kernels).total
 
 
@@ -170,7 +186,8 @@ NEOX = ModelFamily(
     check_snapshot=check_hf_snapshot, open_checkpoint=HFCheckpoint,
     build=build_layers, materialize=materialize, load_layer=load_layer,
     tokenizer=tokenizer, count_parameters=count_parameters,
-    flops_per_token=flops_per_token, activation_memory=activation_memory,
+    flops_per_token=flops_per_token, matmul_parameters=matmul_parameters,
+    activation_memory=activation_memory,
     finetuner=finetuner, lora_targets=tuple(TARGETS),
     named_tensors=hf_named_tensors, save_hf=save_hf, save_merged=save_merged,
     save_adapter=save_adapter, title="GPT-NeoX", experiment="zero3_neox",

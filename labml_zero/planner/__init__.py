@@ -17,11 +17,12 @@ buffers](grad_buffers.html), [hybrid sharding's memory](hybrid_memory.html),
 shortcuts](chunk_search_shortcuts.html), [sharding with the searched
 size](sharding.html), [placement in device and host memory](placement.html)
 with [its probe](placement_probe.html) and [its
-report](placement_report.html); then the planner: [the
-machines](devices.html), [a job and its settings](setting.html), [the time of
-a step](step_time.html), [the search](search.html).
+report](placement_report.html); then the planner: [the memory
+budget](memory_budget.html) of one fine-tune, [the machines](devices.html), [a
+job and its settings](setting.html), [the time of a step](step_time.html),
+[the search](search.html).
 
-The planner's pages that still read GPT-NeoX's memory budget (`setting`,
-`step_time`, `search`) sit above the models (`tests/test_layers.py`), so this
-package page names them but does not import them.
+A model is asked of its [family](../family.html), an object the caller
+gives: no page here imports a model package (`tests/test_layers.py`), so the
+same planner sizes GPT-NeoX and Llama.
 """

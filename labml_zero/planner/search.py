@@ -14,7 +14,7 @@ setting (`settings`) and keeps one when
 $$M_{\text{peak}} \le (1 - m)\,(M - M_{\text{ctx}})
   \quad\text{and}\quad n\,(H_{\text{opt}} + H_{\text{proc}}) \le (1 - m_h)\,H,$$
 
-its [budget](../neox/memory_budget.html)'s peak under the device's memory less
+its [budget](memory_budget.html)'s peak under the device's memory less
 the CUDA context, with a margin $m$, and its ranks' host state under the
 node's host memory $H$; the shortest [step](step_time.html) wins.
 
@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterator, NamedTuple
 
-from labml_zero.neox.memory_budget import Budget, budget
 from labml_zero.planner.devices import GIB, Cluster
+from labml_zero.planner.memory_budget import Budget, budget
 from labml_zero.planner.setting import Job, Setting, budget_inputs, budget_of
 from labml_zero.planner.step_time import StepTime, model_flops_per_token, step_time
 from labml_zero.zero3.state_layout import state_layout
@@ -103,7 +103,8 @@ class Plan:
     def mfu(self) -> float:
         r"""$\frac{F \cdot \text{tokens/s}}{N_d P}$ with PaLM's $F$, as the job
         counts it."""
-        flops = model_flops_per_token(self.job.model, self.job.seq)
+        flops = model_flops_per_token(self.job.family, self.job.model,
+                                      self.job.seq)
         return flops * self.tokens_per_s / (self.cluster.world_size
                                              * self.cluster.gpu.peak_flops)
 

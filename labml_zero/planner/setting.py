@@ -18,31 +18,30 @@ $$G = B \cdot A \cdot N_d,$$
 
 whether each layer's activations are recomputed, how much of the optimizer
 state lives on the host, how many units are gathered ahead, and whether the
-layers are compiled. `budget_of` asks [the memory budget](../neox/memory_budget.html)
-what one setting holds on a rank.
+layers are compiled. `budget_of` asks [the memory budget](memory_budget.html)
+what one setting holds on a rank. The job names its model's
+[family](../family.html), an object the planner asks for the layers, the
+activations and the FLOPs, so no page of the planner imports a model package.
 
 ## Limitations
 
-* GPT-NeoX only: the memory budget counts GPT-NeoX's layers.
 * fp32 computation is not planned: the peaks and the fits are bf16's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from labml_zero.neox.kernels import ModelKernels
-from labml_zero.neox.lora import TARGETS
-from labml_zero.neox.memory_budget import Budget, BudgetInputs, budget
-from labml_zero.neox.model import NeoXConfig
+from labml_zero.planner.memory_budget import Budget, BudgetInputs, budget
 
 __all__ = ["Job", "Setting", "budget_of", "gpu_kernels"]
 
 
-def gpu_kernels(names: str) -> ModelKernels:
-    """The fine-tune's `--kernels` on a GPU: `auto` is every fusion."""
-    return ModelKernels.all_fused() if names == "auto" else ModelKernels.from_names(
-        names)
+def gpu_kernels(family, names: str):
+    """The fine-tune's `--kernels` on a GPU, as the family resolves them:
+    `auto` is every fusion."""
+    return family.resolve_kernels(names, "cuda")
 
 
 @dataclass(frozen=True)
@@ -51,22 +50,24 @@ class Job:
     ## What the plan keeps fixed
     """
 
-    model: NeoXConfig
-    """The model's shape."""
+    model: Any
+    """The model's shape, a config of `family`."""
     seq: int
     """$T$, tokens per sequence."""
     global_batch: int
     """$G$, sequences per optimizer step over all ranks."""
     finetune: str = "all"
-    """What trains: `all`, `biases`, `ffn` or `lora`."""
+    """What trains: one of the family's fine-tuners."""
     lora_rank: int = 8
-    lora_targets: tuple[str, ...] = tuple(TARGETS)
+    lora_targets: tuple[str, ...] | None = None
+    """`None`: every projection the family has."""
     states: str = "fp32"
     """The optimizer's state layout."""
     param_dtype: str = "bf16"
     """The chunks' dtype, `bf16` or `fp16`."""
-    kernels: ModelKernels = ModelKernels.all_fused()
-    """The fused kernels; on GPUs the job's `auto` turns all of them on."""
+    kernels: Any = None
+    """The family's fused kernels; `None` is the job's `auto` on a GPU, every
+    one of them."""
     update_during_backward: bool = True
     """The job updates each shard during the backward pass unless it clips or
     scales the loss (fp16)."""
@@ -74,8 +75,12 @@ class Job:
     """Hybrid sharding's group, as the job is given it."""
     steps: int | None = None
     """The run's optimizer steps, if known (for the run's time)."""
+    family: Any = field(kw_only=True, hash=False, repr=False)
+    """The model's [family](../family.html), by keyword."""
 
     def __post_init__(self):
+        if self.kernels is None:
+            object.__setattr__(self, "kernels", gpu_kernels(self.family, "auto"))
         for name in ("seq", "global_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -121,7 +126,7 @@ def budget_inputs(job: Job, setting: Setting, *, world_size: int,
     """The memory budget's inputs for `setting`; `auto_offload` replaces its
     fraction by the fewest chunks that fit `device_bytes`."""
     return BudgetInputs(
-        model=job.model, world_size=world_size,
+        job.model, family=job.family, world_size=world_size,
         shard_group_size=job.shard_group_size, param_dtype=job.param_dtype,
         states=job.states, finetune=job.finetune, lora_rank=job.lora_rank,
         lora_targets=job.lora_targets, prefetch_depth=setting.prefetch_depth,

@@ -29,16 +29,16 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from labml_zero.neox.memory_budget import DTYPE_BYTES, Budget
-from labml_zero.neox.model import NeoXConfig
 from labml_zero.planner.devices import Cluster
+from labml_zero.planner.memory_budget import DTYPE_BYTES, Budget
 from labml_zero.planner.setting import Job, Setting
 from labml_zero.planner.memory_model import GRAD_BYTES
 from labml_zero.zero3.state_layout import state_layout
 
 __all__ = ["MATMUL_EFFICIENCY", "ELEMENTWISE_BYTES", "UPDATE_BANDWIDTH_SHARE",
            "COMPILED_ELEMENTWISE", "HOST_UPDATE_RATE", "StepTime", "step_time",
-           "matmul_params", "model_flops_per_token", "hardware_flops_per_token"]
+           "matmul_params", "attention_flops", "model_flops_per_token",
+           "hardware_flops_per_token"]
 
 # ## The measured constants
 #
@@ -67,34 +67,49 @@ HOST_UPDATE_RATE = 2.6e9
 """Offloaded elements the host updates per second and rank."""
 
 
-def matmul_params(model: NeoXConfig) -> int:
-    r"""$N$: the weights of the matrix products, the four of every layer
-    ($3d^2 + d^2 + 2 d\, d_{ff}$) and the readout ($d V$)."""
-    d = model.d_model
-    return model.n_layers * (4 * d * d + 2 * d * model.ff_dim) + d * model.n_vocab
+def matmul_params(family, model) -> int:
+    r"""$N$: the weights of the matrix products, the family's count
+    (GPT-NeoX's four of every layer, $3d^2 + d^2 + 2 d\, d_{ff}$, and the
+    readout, $d V$)."""
+    return family.matmul_parameters(model)
 
 
-def model_flops_per_token(model: NeoXConfig, seq: int) -> float:
+def attention_flops(family, model, seq: int) -> float:
+    r"""
+    ### The attention products' forward FLOPs a token, $4 L T d$
+
+    The part of the family's training count that grows with $T$: the count
+    at $T$ less the count at 0 is the attention products' forward and
+    backward, three times the forward's
+    (tested: tests/planner/test_step_time.py::test_a_llama_models_flops_are_its_familys);
+    Llama's products are $n_h d_h$ wide instead of $d$.
+    """
+    flops = family.flops_per_token
+    return (flops(model, seq) - flops(model, 0)) / 3
+
+
+def model_flops_per_token(family, model, seq: int) -> float:
     r"""$6N + 12 L T d$
     (tested: tests/planner/test_step_time.py::test_flops_are_palm_count_and_the_hardwares):
     PaLM's count, the job's and the benchmark's MFU."""
-    return 6.0 * matmul_params(model) + 12.0 * model.n_layers * seq * model.d_model
+    return 6.0 * matmul_params(family, model) + 3 * attention_flops(family, model, seq)
 
 
-def hardware_flops_per_token(model: NeoXConfig, seq: int, *, finetune: str,
+def hardware_flops_per_token(family, model, seq: int, *, finetune: str,
                              checkpointing: bool) -> float:
     r"""
     ### The FLOPs the GPU runs per token
 
     $2N$ forward and $2N$ for the activations' gradients always; $2N$ more for
-    the weights' gradients of the matrices that train (all of them, or the MLP's
-    for `ffn`; a bias or a LoRA adapter adds nothing worth counting); the
+    the weights' gradients of the matrices that train (the family's
+    `matmul_parameters` for the fine-tuner: all of them, GPT-NeoX's MLP for
+    `ffn`; a bias or a LoRA adapter adds nothing worth counting); the
     attention products $4LTd$ forward, twice that backward. Recomputation runs
     the forward once more: $2N + 4LTd$.
     """
-    n, d, L = matmul_params(model), model.d_model, model.n_layers
-    weights = {"all": n, "ffn": L * 2 * d * model.ff_dim}.get(finetune, 0)
-    attention = 4.0 * L * seq * d
+    n = matmul_params(family, model)
+    weights = family.matmul_parameters(model, finetune)
+    attention = attention_flops(family, model, seq)
     flops = 4.0 * n + 2.0 * weights + 3 * attention
     if checkpointing:
         flops += 2.0 * n + attention
@@ -181,7 +196,8 @@ def step_time(job: Job, setting: Setting, cluster: Cluster,
     gpu, world = cluster.gpu, cluster.world_size
     model, a = job.model, setting.micro_batches
     tokens = setting.batch * a * job.seq  # per rank and step
-    flops = hardware_flops_per_token(model, job.seq, finetune=job.finetune,
+    flops = hardware_flops_per_token(job.family, model, job.seq,
+                                     finetune=job.finetune,
                                      checkpointing=setting.checkpointing)
     matmul = tokens * flops / (MATMUL_EFFICIENCY * gpu.peak_flops)
     passes = 3 + setting.checkpointing  # forward, backward as two, recompute

@@ -1,4 +1,4 @@
-/* The memory model page's calculator: labml_zero/neox/memory_budget.py in the
+/* The memory model page's calculator: labml_zero/planner/memory_budget.py in the
    browser. Each function below is the Python function of the same name (its
    module in the comment); the constants come from the Python at build time (the
    JSON block "calc-data" that docsite/calculator.py writes into the page), and
@@ -21,6 +21,13 @@
   }
 
   // ---------------------------------------------------------------------
+  // The model's family: GPT-NeoX's shapes are sized by the port below; another
+  // family's preset carries its numbers from the Python (docsite/calculator.py's
+  // model_json: its units' parameters, its activation count as a line in the
+  // tokens, its FLOPs), so the script restates none of its formulas.
+  const NEOX = "gpt-neox";
+  function familyOf(m) { return m.family || NEOX; }
+
   // neox/config.py, neox/model.py, neox/finetuners.py, neox/lora.py:
   // the parameters of [Embedding, TransformerLayer x L, FinalNorm, Readout]
   function checkModel(m) {
@@ -28,6 +35,7 @@
       if (!(Number.isInteger(m[name]) && m[name] >= 1))
         fail(`must be a whole number of at least 1, got ${m[name]}`, name);
     }
+    if (familyOf(m) !== NEOX) return;
     if (m.d_model % m.n_heads !== 0)
       fail(`the width ${m.d_model} must divide by the heads, ${m.n_heads}`, "n_heads");
     if (rotaryDim(m) % 2 !== 0)
@@ -44,11 +52,45 @@
     return data.biases.includes(name);  // "biases"
   }
 
+  // Another family's [Embedding, layer x L, FinalNorm, Readout] from its units'
+  // parameters (unit.py's param_specs of one layer, in the engine's order);
+  // LoRA's A [r, d_in] and B [d_out, r] follow each adapted module's own.
+  function familySpecs(inputs, data) {
+    const m = inputs.model, r = inputs.lora_rank;
+    const paths = data.families[familyOf(m)].lora_targets;
+    const targets = inputs.finetune === "lora" ? inputs.lora_targets.map(t => paths[t]) : [];
+    const [embed, block, norm, readout] = m.units;
+    const layer = [];
+    block.forEach(([name, shape], i) => {
+      layer.push([name, shape]);
+      const path = name.slice(0, name.lastIndexOf("."));
+      const next = block[i + 1];
+      const last = !next || next[0].slice(0, next[0].lastIndexOf(".")) !== path;
+      if (last && targets.includes(path)) {
+        const [dOut, dIn] = block.find(([n]) => n === path + ".weight")[1];
+        layer.push([path + ".lora_A", [r, dIn]], [path + ".lora_B", [dOut, r]]);
+      }
+    });
+    const units = [["embed", embed]];
+    for (let i = 0; i < m.n_layers; i++) units.push(["layer", layer]);
+    units.push(["norm", norm], ["readout", readout]);
+    const specs = [];
+    units.forEach(([unit, params], group) => {
+      for (const [name, shape] of params) {
+        specs.push({ name, shape, numel: shape.reduce((a, b) => a * b, 1),
+                     trainable: isTrainable(inputs.finetune, unit, name, data), group });
+      }
+    });
+    return specs;
+  }
+
   function paramSpecs(inputs, data) {
+    if (familyOf(inputs.model) !== NEOX) return familySpecs(inputs, data);
     const m = inputs.model, d = m.d_model, ff = ffDim(m), V = m.n_vocab;
     const r = inputs.lora_rank;
     const lora = inputs.finetune === "lora";
-    const targets = lora ? inputs.lora_targets.map(t => data.lora_targets[t]) : [];
+    const paths = data.families[NEOX].lora_targets;
+    const targets = lora ? inputs.lora_targets.map(t => paths[t]) : [];
     const layer = [
       ["input_layernorm.weight", [d]], ["input_layernorm.bias", [d]],
       ["post_attention_layernorm.weight", [d]], ["post_attention_layernorm.bias", [d]],
@@ -275,14 +317,18 @@
     for (const spec of specs) largestGroup.set(spec.group, (largestGroup.get(spec.group) || 0) + spec.numel);
     const rangeM = Math.max(Math.min(s.search_range_m, hidden * s.range_steps / s.mebi),
                             Math.max(...largestGroup.values()) / s.mebi);
+    // a group as large as a big vocabulary's embedding: the step grows by whole
+    // multiples of d, to stay within the cap on candidates
+    const range = Math.round(rangeM * s.mebi);
+    const rowsPerStep = Math.ceil((Math.floor(range / hidden) + 1) / s.max_candidates);
     const search = {
-      hidden_dim: hidden, search_range: Math.round(rangeM * s.mebi), align: data.align,
+      hidden_dim: hidden * rowsPerStep, search_range: range, align: data.align,
       prefetch_depth: inputs.prefetch_depth, param_bytes: data.dtype_bytes[inputs.param_dtype],
       grad_bytes: data.dtype_bytes[inputs.reduce_dtype], memory_weight: s.memory_weight,
       collective_bytes: s.collective_bytes, min_chunk_size: s.min_chunk_size,
       filter_exlarge_params: s.filter_exlarge_params, data,
     };
-    const candidates = Math.floor(search.search_range / hidden) + 1;
+    const candidates = Math.floor(search.search_range / search.hidden_dim) + 1;
     if (candidates > s.max_candidates)
       fail(`the search would try ${candidates} sizes, more than ` +
            `${s.max_candidates}: give a chunk size`, "chunk_numel");
@@ -330,10 +376,23 @@
     const adapters = [...trains].filter(name => name.endsWith(".lora_B")).length;
     return total + adapters * n * loraRank * dtypeBytes;
   }
+  // the family's count, a + b BT, for its fine-tuner, recomputation and kernels
+  function kernelsKey(kernels) {
+    return Object.keys(kernels).sort().map(n => `${n}=${JSON.stringify(kernels[n])}`).join(",");
+  }
+  function familyActivationBytes(inputs, data) {
+    const m = inputs.model, family = data.families[familyOf(m)];
+    const kernels = inputs.kernels || family.plain_kernels;
+    const line = m.activations[
+      `${inputs.finetune}/${Number(inputs.checkpointing)}/${kernelsKey(kernels)}`];
+    if (!line) fail(`has no activation count for these kernels`, "finetune");
+    return line[0] + line[1] * inputs.batch * inputs.seq;
+  }
   function activationBytes(inputs, data) {
     const m = inputs.model, batch = inputs.batch, seq = inputs.seq;
     if (seq > m.max_position)
       fail(`longer than the model's ${m.max_position} positions`, "seq");
+    if (familyOf(m) !== NEOX) return familyActivationBytes(inputs, data);
     const [block, others] = trainableNames(inputs, data);
     const n = batch * seq, nd = n * m.d_model * 2;
     const k = inputs.kernels || {};
@@ -391,7 +450,7 @@
   }
 
   // ---------------------------------------------------------------------
-  // neox/memory_budget.py: budget
+  // planner/memory_budget.py: budget
   function checkInputs(inputs, data) {
     for (const name of ["param_dtype", "reduce_dtype"]) {
       if (!(inputs[name] in data.dtype_bytes))
@@ -412,8 +471,14 @@
            "offload_fraction");
     if (!data.finetuners.includes(inputs.finetune))
       fail(`must be one of ${data.finetuners.join(", ")}`, "finetune");
+    const family = data.families[familyOf(inputs.model)];
+    if (!family.finetuners.includes(inputs.finetune))
+      fail(`must be one of ${family.finetuners.join(", ")} for ${family.title}`, "finetune");
     if (inputs.finetune === "lora" && !inputs.lora_targets.length)
       fail("tick at least one projection to adapt", "lora_rank");
+    for (const t of inputs.finetune === "lora" ? inputs.lora_targets : [])
+      if (!(t in family.lora_targets))
+        fail(`${t} is not a projection of ${family.title}`, "lora_rank");
     if (inputs.chunk_numel != null && !(Number.isInteger(inputs.chunk_numel) && inputs.chunk_numel >= 1))
       fail(`must be a whole number of at least 1, got ${inputs.chunk_numel}`,
            "chunk_numel");
@@ -507,17 +572,25 @@
   // ---------------------------------------------------------------------
   // planner/step_time.py: the roofline of one step, on `inputs.nodes` nodes
   // of `inputs.gpu`s, for the budget `result` of the same inputs
+  // the family's N (another family's from the Python), and the attention
+  // products' forward FLOPs a token, 4LTd (another family's a number times T)
   function matmulParams(m) {
+    if (familyOf(m) !== NEOX) return m.matmul_params;
     const d = m.d_model;
     return m.n_layers * (4 * d * d + 2 * d * ffDim(m)) + d * m.n_vocab;
   }
+  function attentionFlops(m, seq) {
+    return familyOf(m) !== NEOX ? m.attention_flops * seq : 4.0 * m.n_layers * seq * m.d_model;
+  }
   function modelFlopsPerToken(m, seq) {
-    return 6.0 * matmulParams(m) + 12.0 * m.n_layers * seq * m.d_model;
+    return 6.0 * matmulParams(m) + 3 * attentionFlops(m, seq);
   }
   function hardwareFlopsPerToken(m, seq, finetune, checkpointing) {
     const n = matmulParams(m), d = m.d_model, L = m.n_layers;
-    const weights = finetune === "all" ? n : finetune === "ffn" ? L * 2 * d * ffDim(m) : 0;
-    const attention = 4.0 * L * seq * d;
+    // the products whose weights train: every one, or GPT-NeoX's MLP for ffn
+    const weights = finetune === "all" ? n
+      : finetune === "ffn" && familyOf(m) === NEOX ? L * 2 * d * ffDim(m) : 0;
+    const attention = attentionFlops(m, seq);
     let flops = 4.0 * n + 2.0 * weights + 3 * attention;
     if (checkpointing) flops += 2.0 * n + attention;
     return flops;
@@ -601,7 +674,8 @@
   function computePlan(inputs, data) {
     const gpu = gpuOf(inputs, data), pl = data.planner, world = inputs.world_size;
     const limit = Math.floor((1 - pl.device_margin) * (gpu.memory_bytes - pl.cuda_context_bytes));
-    const job = { ...inputs, reduce_dtype: "fp32", chunk_numel: null, kernels: pl.kernels,
+    const job = { ...inputs, reduce_dtype: "fp32", chunk_numel: null,
+                  kernels: data.families[familyOf(inputs.model)].planner_kernels,
                   device_bytes: limit };
     const perRank = inputs.batch * inputs.micro_batches;
     const batches = [];

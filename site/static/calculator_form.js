@@ -19,11 +19,13 @@
   function readForm(form, data) {
     const value = name => control(form, name).value.trim();
     const integer = (name, blank) => value(name) === "" ? blank : Number(value(name));
+    // a custom shape is GPT-NeoX's: the default preset's, with the form's sizes
     const preset = data.presets[value("preset")] || data.presets[data.default_preset];
     const model = { ...preset, n_layers: integer("n_layers"), d_model: integer("d_model"),
                     n_heads: integer("n_heads"), n_vocab: integer("n_vocab") };
+    // the projections of the model's family
     const targets = [...form.querySelectorAll('input[name="lora_targets"]:checked')]
-      .map(box => box.value);
+      .filter(box => box.dataset.family === model.family).map(box => box.value);
     const fit = form.querySelector('input[name="offload"]:checked').value === "fit";
     return {
       model, world_size: integer("world_size"), shard_group_size: integer("shard_group_size", null),
@@ -240,6 +242,10 @@
       : "Updated as you type.";
     function update(writeFragment) {
       form.querySelector(".calc-lora").hidden = control(form, "finetune").value !== "lora";
+      const preset = data.presets[control(form, "preset").value]
+        || data.presets[data.default_preset];
+      form.querySelectorAll(".calc-targets")
+        .forEach(span => { span.hidden = span.dataset.family !== preset.family; });
       const fit = form.querySelector('input[name="offload"]:checked').value === "fit";
       control(form, "offload_fraction").disabled = fit;
       clearFieldErrors(form);

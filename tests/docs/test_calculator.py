@@ -1,5 +1,5 @@
 """The memory model page's calculator in headless Chromium against the Python
-model (`labml_zero/neox/memory_budget.py`): its `computeBudget` on a grid of
+model (`labml_zero/planner/memory_budget.py`): its `computeBudget` on a grid of
 inputs in one page load, exactly; then the real page through its URL fragment
 and its form controls, the rounded figures within 0.1%."""
 
@@ -11,9 +11,11 @@ import re
 from docsite.calculator import (budget_json, inputs_json, plan_json, step_time_json,
                                 total)
 from labml_zero.neox import config as neox_config
-from labml_zero.neox.memory_budget import BudgetInputs, budget
+from labml_zero.planner.memory_budget import budget
+from docsite.calculator import LLAMA_PRESETS, PRESETS
 from tests.docs.calculator_grid import (GPU_NAMES, cluster_of, grid_inputs,
-                                        searched_inputs)
+                                        llama_inputs, searched_inputs)
+from tests.docs.calculator_grid import neox_inputs as BudgetInputs
 from tests.docs.test_browser import chromium
 
 PAGE = "labml_zero/planner/memory_model.html"
@@ -56,11 +58,16 @@ def assert_same(expected: dict, got: dict, where: str) -> None:
 
 
 def test_the_script_computes_the_python_budget_on_the_grid(built_site, tmp_path):
-    cases = grid_inputs() + searched_inputs()
+    cases = grid_inputs() + searched_inputs() + llama_inputs()
     assert len(cases) >= 200
-    # the grid's spread: every preset, N from 1 to 1,024, every dtype pair,
-    # fine-tuner, offload mode, with and without checkpointing and accumulation
-    assert len({c.model for c in cases}) == 10
+    # the grid's spread: every preset of both families, N from 1 to 1,024,
+    # every dtype pair, fine-tuner, offload mode, with and without
+    # checkpointing and accumulation
+    assert len({c.model for c in cases}) == len(PRESETS) + len(LLAMA_PRESETS)
+    llama = [c for c in cases if c.family.name == "llama"]
+    assert {c.finetune for c in llama} == {"all", "lora"}
+    assert {c.kernels.loss for c in llama} == {True, False}
+    assert {c.chunk_numel is None for c in llama} == {True, False}
     assert {1, 1024} <= {c.world_size for c in cases}
     assert {(c.param_dtype, c.reduce_dtype) for c in cases} >= {
         ("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "fp32")}
@@ -268,6 +275,45 @@ def test_the_page_through_its_fragment_and_its_form(built_site, tmp_path):
     assert got["driven"]["hash"].count("finetune=biases") == 1
 
 
+def test_a_llama_preset_through_the_fragment(built_site, tmp_path):
+    """A Llama-family preset, linked: its own projections are the ones shown
+    and read, and the table is the Python budget of the same job."""
+    from labml_zero.llama import config as llama_config
+    from labml_zero.llama.family import LLAMA
+    from labml_zero.planner.memory_budget import BudgetInputs as Inputs
+
+    page = (built_site / PAGE).resolve().as_uri()
+    linked = Inputs(llama_config.qwen2_5_0_5b(), family=LLAMA, world_size=4,
+                    finetune="lora", lora_rank=16, lora_targets=("q_proj", "v_proj"),
+                    chunk_numel=3_000_000, micro_batches=2, seq=1024,
+                    checkpointing=True, device_bytes=round(80 * 2**30))
+    model = linked.model
+    fragment = (f"#preset=qwen2_5_0_5b&n_layers={model.n_layers}&d_model="
+                f"{model.d_model}&n_heads={model.n_heads}&n_vocab={model.n_vocab}"
+                "&world_size=4&shard_group_size=&param_dtype=bf16&reduce_dtype=fp32"
+                "&finetune=lora&lora_rank=16&lora_targets=q_proj,v_proj"
+                "&chunk_numel=3000000&prefetch_depth=1&checkpointing=1&batch=1"
+                "&seq=1024&micro_batches=2&update_during_backward=0"
+                "&offload=fraction&offload_fraction=0&device_gib=80")
+    body = (f'<iframe id="linked" width="1400" height="900" '
+            f'src="{html.escape(page + fragment)}"></iframe>')
+    script = READ + r"""
+    window.addEventListener("load", () => {
+      const frame = document.getElementById("linked"), doc = frame.contentDocument;
+      const shown = [...doc.querySelectorAll(".calc-targets")]
+        .filter(s => !s.hidden).map(s => s.dataset.family);
+      document.getElementById("out").textContent = JSON.stringify({
+        linked: read(frame), shown});
+    });
+    """
+    got = run_harness(tmp_path, body, script)
+    assert got["shown"] == ["llama"]
+    frame = got["linked"]
+    assert frame["status"].endswith("Updated as you type."), frame["status"]
+    check_table(frame["table"], budget_json(budget(linked)), "qwen2.5-0.5b")
+    check_time(frame["time"], step_time_json(linked), "qwen2.5-0.5b")
+
+
 def test_the_worked_example_is_in_the_page_without_scripts(built_site):
     """The block as built (before any script runs) shows the example's outputs."""
     text = (built_site / PAGE).read_text(encoding="utf-8")
@@ -319,7 +365,7 @@ def test_an_invalid_input_clears_the_results_and_names_its_field(built_site,
 
 def test_the_table_totals_the_model_states_and_names_presets_as_the_cli(
         built_site):
-    # the calculator sizes GPT-NeoX: its presets are the CLI's of that family
+    # the calculator's presets are the CLI's of each family
     from labml_zero.neox.family import NEOX
 
     text = (built_site / PAGE).read_text(encoding="utf-8")
@@ -329,6 +375,10 @@ def test_the_table_totals_the_model_states_and_names_presets_as_the_cli(
     assert row and f"{total:,}" in row.group(0)
     shown = re.findall(r'<option value="[^"]*"[^>]*>([^<]*)</option>', text)
     assert set(NEOX.presets) <= set(shown)
+    # and the Llama family's, Llama-3.2-1B, Llama-3.1-8B and Qwen2.5-7B among them
+    from labml_zero.llama.family import LLAMA
+    assert set(LLAMA.presets) <= set(shown)
+    assert {"llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b"} <= set(shown)
     assert "per rank</th>" not in text
     # every column says what it holds
     heads = re.findall(r'<th scope="col">([^<]*)', text)

@@ -1,6 +1,7 @@
 """`labml_zero/finetune/planning.py`: `--plan` prints the plan and starts
-nothing, on a machine without GPUs; its W1 step is the benchmark's; a refusal
-is one line; `--auto` runs the planned setting."""
+nothing, on a machine without GPUs, for GPT-NeoX and for Llama presets and
+checkpoints; its W1 step is the benchmark's; a refusal is one line; `--auto`
+runs the planned setting."""
 
 import json
 import os
@@ -79,16 +80,59 @@ def test_refusals_are_one_line(capsys, nothing_starts):
                            "--seq-len", "2048", "--optimizer-states",
                            "bf16-stochastic", "--plan"])
     assert "nothing fits" in err and "would fit on 2 h100 GPUs" in err
-    # another family: the memory budget is GPT-NeoX's
-    err = refused(capsys, ["--model", "llama-3.2-1b", "--gpu", "h200", "--plan"],
-                  family_main)
-    assert "GPT-NeoX only" in err
     # the cluster's flags mean nothing without a plan
     assert "--gpu needs --plan or --auto" in refused(capsys, ["--gpu", "h200"])
     assert "not both" in refused(capsys, ["--gpu", "h200", "--plan", "--auto"])
     err = refused(capsys, ["--gpu", "h200", "--offload-optimizer", "auto",
                            "--auto"])
     assert "give one" in err
+
+
+def plan_lines(out: str) -> dict[str, str]:
+    """The plan's lines by their first word."""
+    return {line.split(":")[0]: line for line in out.splitlines()}
+
+
+def test_plan_of_a_llama_preset(capsys, nothing_starts):
+    """Another family plans as GPT-NeoX does: its budget's parameters are the
+    family's count, its kernels the family's `auto` on a GPU, and it starts
+    nothing."""
+    from labml_zero.llama.config import llama_3_2_1b
+    from labml_zero.llama.family import LLAMA
+    from labml_zero.planner.devices import GIB
+
+    out = planned(capsys, ["--model", "llama-3.2-1b", "--gpu", "h200", "--gpus",
+                           "8", "--seq-len", "2048", "--plan"], family_main)
+    lines = plan_lines(out)
+    assert lines["plan"].startswith("plan: llama-3.2-1b, finetune all")
+    kernels = LLAMA.resolve_kernels("auto", "cuda").names()
+    assert f"(kernels {kernels})" in lines["setting"]
+    # the bf16 parameter shards: the family's count over 8 ranks, padded by
+    # at most one chunk's alignment each
+    params = float(re.search(r"parameters ([0-9.]+) GiB", out).group(1)) * GIB
+    psi = LLAMA.count_parameters(LLAMA.build(llama_3_2_1b(), device="meta"))
+    assert abs(params - 2 * psi / 8) <= 0.01 * GIB
+    assert "tokens/s, MFU" in lines["throughput"]
+    # LoRA: a fine-tuner of the family, its targets the family's names
+    out = planned(capsys, ["--model", "llama-3.2-1b", "--gpu", "h100", "--finetune",
+                           "lora", "--lora-targets", "q_proj,v_proj", "--plan"],
+                  family_main)
+    assert "finetune lora" in plan_lines(out)["plan"]
+
+
+def test_plan_of_a_llama_checkpoint(capsys, nothing_starts, tmp_path):
+    """A snapshot that transformers wrote: the plan reads its config.json
+    alone (the shape, the family by model_type), no tensor."""
+    from tests.llama.conftest import hf_model
+
+    path = tmp_path / "snapshot"
+    hf_model("llama_tied").save_pretrained(path, safe_serialization=True)
+    out = planned(capsys, ["--checkpoint", str(path), "--gpu", "a100", "--seq-len",
+                           "64", "--plan"], family_main)
+    lines = plan_lines(out)
+    assert lines["plan"].startswith(f"plan: {path}, finetune all, 8 sequences "
+                                    f"of 64 tokens")
+    assert "setting: --batch-size" in lines["setting"]
 
 
 def test_without_gpus_a_plan_needs_a_named_gpu(capsys, nothing_starts,
@@ -127,3 +171,26 @@ def test_prefetch_depth_is_a_flag_of_the_job():
     assert config.prefetch_depth == 2
     config, _ = parse_config(["--prefetch-depth", "0"], make_parser())
     assert config.prefetch_depth == 0
+
+
+def test_auto_runs_a_llama_checkpoint_on_cpu(tmp_path):
+    """`--auto` on another family's snapshot: the plan's setting runs on two
+    CPU processes, and with no `--out` its checkpoint lands under the
+    family's runs/zero3_llama."""
+    from tests.finetune.test_llama_job import write_snapshot
+
+    snapshot = write_snapshot(tmp_path / "snapshot", "llama")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "labml_zero.finetune", "--checkpoint", str(snapshot),
+         "--auto", "--gpu", "h200", "--world-size", "2", "--seq-len", "32",
+         "--batch-size", "2", "--steps", "2", "--valid-every", "2",
+         "--valid-batches", "1", "--checkpoint-every", "2", "--sample-tokens", "0",
+         "--log-dir", str(tmp_path / "logs")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # two sequences a rank fit whole: one micro-batch of both
+    assert ("--auto: --batch-size 2 --grad-accum 1 --prefetch-depth 1 "
+            "(predicted") in done.stdout
+    assert (tmp_path / "runs" / "zero3_llama" / "checkpoints" / "step-000002").is_dir()
+    assert not (tmp_path / "runs" / "zero3_neox").exists()

@@ -230,3 +230,25 @@ def test_a_global_batch_over_one_rank_says_1_rank():
 def test_a_bad_app_url_names_its_flag(capsys):
     err = run_main(["--app-url", "ftp://x"], capsys)
     assert "error: --app-url: app_url must start with http:// or https://" in err
+
+
+def test_out_defaults_to_the_familys_experiment(tmp_path, monkeypatch):
+    """Without `--out` a run writes under `runs/<experiment>` of its model's
+    family, a preset's or a checkpoint's, so one family's checkpoints never
+    land among another's; `--out` given wins."""
+    from labml_zero.families import FAMILIES
+    from labml_zero.finetune.checkpoints import checkpoint_path
+
+    for family in FAMILIES:
+        preset = next(iter(family.presets))
+        config = FinetuneConfig(model=preset)
+        assert config.family is family
+        assert config.out_dir == Path("runs") / family.experiment
+        assert checkpoint_path(config, 7) == (
+            Path("runs") / family.experiment / "checkpoints" / "step-000007")
+    assert {f.experiment for f in FAMILIES} == {"zero3_neox", "zero3_llama"}
+    given = FinetuneConfig(model="llama-3.2-1b", out=str(tmp_path / "mine"))
+    assert given.out_dir == tmp_path / "mine"
+    # parsed from the command line: the flag left out is the family's default
+    config, _ = parse_config(["--model", "llama-3.2-1b"], make_parser())
+    assert config.out_dir == Path("runs/zero3_llama")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from labml_zero.planner.devices import GIB, GPUS, Cluster, gpu_by_name, this_machine
-from labml_zero.neox.memory_budget import H200_BYTES
+from labml_zero.planner.memory_budget import H200_BYTES
 
 
 def test_the_table_names_each_gpu_and_its_rooflines():

@@ -3,6 +3,7 @@ it keeps, and the one line when nothing fits."""
 
 import pytest
 
+from labml_zero.neox.family import NEOX
 from labml_zero.neox.model import gpt_neox_20b, pythia_1_4b, pythia_6_9b, pythia_12b
 from labml_zero.planner.devices import GIB, GPUS, Cluster
 from labml_zero.planner.search import NoFit, Pinned, plan
@@ -16,7 +17,8 @@ H100, H200 = GPUS["h100"], GPUS["h200"]
 def test_w1_runs_as_the_benchmark_does():
     # Pythia-1.4B, 8 x 2048 on one H200 fits whole: no recomputation, no
     # offload, one micro-batch, and compiled layers are predicted faster
-    result = plan(Job(pythia_1_4b(), seq=2048, global_batch=8), Cluster(H200))
+    result = plan(Job(pythia_1_4b(), family=NEOX, seq=2048, global_batch=8),
+                  Cluster(H200))
     s = result.best.setting
     assert (s.batch, s.micro_batches, s.checkpointing, s.offload_fraction,
             s.compile) == (8, 1, False, 0.0, True)
@@ -24,7 +26,7 @@ def test_w1_runs_as_the_benchmark_does():
     assert result.fitting == result.tried == 4 * 2 * 2  # B, recomputation, compile
     assert 0.4 < result.mfu < 0.7
     # pinned eager, the search keeps the pin
-    eager = plan(Job(pythia_1_4b(), seq=2048, global_batch=8), Cluster(H200),
+    eager = plan(Job(pythia_1_4b(), family=NEOX, seq=2048, global_batch=8), Cluster(H200),
                  Pinned(compile=False))
     assert not eager.best.setting.compile
     assert eager.best.time.total > result.best.time.total
@@ -33,10 +35,10 @@ def test_w1_runs_as_the_benchmark_does():
 def test_recomputation_and_offload_only_when_needed():
     # Pythia-6.9B at 16 sequences of a rank does not fit an H200 without
     # recomputation; Pythia-12B needs part of its optimizer state on the host
-    big = plan(Job(pythia_6_9b(), seq=2048, global_batch=16), Cluster(H200))
+    big = plan(Job(pythia_6_9b(), family=NEOX, seq=2048, global_batch=16), Cluster(H200))
     assert big.best.setting.checkpointing or big.best.setting.micro_batches > 1
     assert big.best.setting.offload_fraction == 0
-    twelve = plan(Job(pythia_12b(), seq=2048, global_batch=8), Cluster(H200))
+    twelve = plan(Job(pythia_12b(), family=NEOX, seq=2048, global_batch=8), Cluster(H200))
     fraction = twelve.best.setting.offload_fraction
     assert 0 < fraction < 1
     assert twelve.best.time.host > 0
@@ -45,7 +47,7 @@ def test_recomputation_and_offload_only_when_needed():
 
 
 def test_host_memory_is_checked_when_known():
-    job = Job(pythia_12b(), seq=2048, global_batch=8)
+    job = Job(pythia_12b(), family=NEOX, seq=2048, global_batch=8)
     result = plan(job, Cluster(H200, host_bytes=1000 * GIB))
     need = result.best.host_bytes
     assert need == result.best.budget.optimizer_host + HOST_PROCESS_BYTES
@@ -57,7 +59,7 @@ def test_host_memory_is_checked_when_known():
 
 
 def test_several_ranks_time_their_collectives_and_prefetch():
-    job = Job(pythia_1_4b(), seq=2048, global_batch=64)
+    job = Job(pythia_1_4b(), family=NEOX, seq=2048, global_batch=64)
     one_node = plan(job, Cluster(H100, gpus_per_node=8))
     two_nodes = plan(job, Cluster(H100, gpus_per_node=4, nodes=2))
     assert one_node.best.time.comm > 0
@@ -69,7 +71,8 @@ def test_several_ranks_time_their_collectives_and_prefetch():
 def test_nothing_fits_is_one_line_with_the_smallest_fix():
     # states without a master cannot be offloaded: 20B on one H100 would fit
     # only sharded over more GPUs
-    job = Job(gpt_neox_20b(), seq=2048, global_batch=8, states="bf16-stochastic")
+    job = Job(gpt_neox_20b(), family=NEOX, seq=2048, global_batch=8,
+              states="bf16-stochastic")
     with pytest.raises(NoFit) as error:
         plan(job, Cluster(H100))
     line = str(error.value)
@@ -77,15 +80,15 @@ def test_nothing_fits_is_one_line_with_the_smallest_fix():
     assert "no master to offload" in line and "would fit on 2 h100 GPUs" in line
     # accumulation holds every chunk's gradient buffer: one sequence a step fits
     with pytest.raises(NoFit, match="with --global-batch 1 \\(no accumulation\\)"):
-        plan(Job(gpt_neox_20b(), seq=2048, global_batch=8), Cluster(H100),
+        plan(Job(gpt_neox_20b(), family=NEOX, seq=2048, global_batch=8), Cluster(H100),
              Pinned(batch=1))
 
 
 def test_a_global_batch_the_ranks_cannot_split_is_refused():
     with pytest.raises(NoFit, match="^--global-batch 7 is not a multiple of the "
                                     "2 ranks$"):
-        plan(Job(pythia_1_4b(), seq=2048, global_batch=7),
+        plan(Job(pythia_1_4b(), family=NEOX, seq=2048, global_batch=7),
              Cluster(H200, gpus_per_node=2))
     with pytest.raises(NoFit, match="--batch-size 3 does not divide"):
-        plan(Job(pythia_1_4b(), seq=2048, global_batch=8), Cluster(H200),
+        plan(Job(pythia_1_4b(), family=NEOX, seq=2048, global_batch=8), Cluster(H200),
              Pinned(batch=3))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bench.workloads import workloads
+from labml_zero.neox.family import NEOX
 from labml_zero.neox.kernels import ModelKernels
 from labml_zero.planner.devices import GPUS, Cluster
 from labml_zero.planner.setting import Job, Setting, budget_of
@@ -37,7 +38,8 @@ def lines(path: Path, engine: str) -> list[dict]:
 
 def job_setting(line: dict) -> tuple[Job, Setting]:
     workload = workloads()[line["workload"]]
-    job = Job(workload.model, seq=line["seq"], global_batch=line["batch_per_gpu"],
+    job = Job(workload.model, family=NEOX, seq=line["seq"],
+              global_batch=line["batch_per_gpu"],
               finetune=line["finetune"],
               kernels=ModelKernels.from_names(line["kernels"]))
     offloaded = line.get("info", {}).get("offloaded_fraction", 0.0)
@@ -54,15 +56,38 @@ def predicted(line: dict) -> float:
 
 def test_flops_are_palm_count_and_the_hardwares():
     model = workloads()["W1"].model
-    n, L, d, T = matmul_params(model), model.n_layers, model.d_model, 2048
-    assert model_flops_per_token(model, T) == 6 * n + 12 * L * T * d
-    assert hardware_flops_per_token(model, T, finetune="all",
+    n, L, d, T = matmul_params(NEOX, model), model.n_layers, model.d_model, 2048
+    assert n == L * (4 * d * d + 2 * d * model.ff_dim) + d * model.n_vocab
+    assert model_flops_per_token(NEOX, model, T) == 6 * n + 12 * L * T * d
+    assert hardware_flops_per_token(NEOX, model, T, finetune="all",
                                     checkpointing=False) == 6 * n + 12 * L * T * d
     # recomputation: one more forward; frozen matrices: no weight gradients
-    assert hardware_flops_per_token(model, T, finetune="all", checkpointing=True
-                                    ) == 8 * n + 16 * L * T * d
-    assert hardware_flops_per_token(model, T, finetune="biases",
+    assert hardware_flops_per_token(NEOX, model, T, finetune="all",
+                                    checkpointing=True) == 8 * n + 16 * L * T * d
+    assert hardware_flops_per_token(NEOX, model, T, finetune="biases",
                                     checkpointing=False) == 4 * n + 12 * L * T * d
+    # the ffn tuner's weight gradients: the MLP's two products
+    mlp = L * 2 * d * model.ff_dim
+    assert hardware_flops_per_token(NEOX, model, T, finetune="ffn",
+                                    checkpointing=False) == (4 * n + 2 * mlp
+                                                             + 12 * L * T * d)
+
+
+def test_a_llama_models_flops_are_its_familys():
+    """Llama's count: $N$ with grouped-query attention's narrower K and V,
+    the attention products $n_h d_h$ wide; the MFU's count is the family's
+    own, and LoRA trains no product's weight."""
+    from labml_zero.llama.config import llama_3_2_1b
+    from labml_zero.llama.family import LLAMA
+
+    model, T = llama_3_2_1b(), 2048
+    d, L, h = model.d_model, model.n_layers, model.n_heads * model.head_width
+    kv = model.n_kv_heads * model.head_width
+    n = L * (2 * d * h + 2 * d * kv + 3 * d * model.d_ff) + d * model.n_vocab
+    assert matmul_params(LLAMA, model) == n
+    assert model_flops_per_token(LLAMA, model, T) == LLAMA.flops_per_token(model, T)
+    assert hardware_flops_per_token(LLAMA, model, T, finetune="lora",
+                                    checkpointing=False) == 4 * n + 12 * L * T * h
 
 
 def test_constants_are_the_bench_fit():
@@ -75,7 +100,7 @@ def test_constants_are_the_bench_fit():
     for line in lines(BOUNDS, "model_only"):
         job, s = job_setting(line)
         m, tokens = job.model, s.batch * job.seq
-        flops = hardware_flops_per_token(m, job.seq, finetune=job.finetune,
+        flops = hardware_flops_per_token(NEOX, m, job.seq, finetune=job.finetune,
                                          checkpointing=s.checkpointing)
         passes = 3 + s.checkpointing
         rows.append([flops / H200.peak_flops,

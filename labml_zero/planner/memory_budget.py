@@ -1,16 +1,16 @@
 r"""
 ---
 title: Memory budget of a fine-tune
-summary: Every byte a rank holds and moves for one GPT-NeoX fine-tune, from the
-  memory model, the chunk layout, the activation count and the placement of the
-  states; what
-  the memory model page's calculator computes.
+summary: Every byte a rank holds and moves for one fine-tune of any model
+  family, from the memory model, the chunk layout, the family's activation
+  count and the placement of the states; what the memory model page's
+  calculator computes.
 ---
 
 # Memory budget of a fine-tune
 
-The [memory model](../planner/memory_model.html) counts each kind of byte alone;
-this page adds them up for one GPT-NeoX fine-tune of this engine, the sum the
+The [memory model](memory_model.html) counts each kind of byte alone;
+this page adds them up for one fine-tune of this engine, the sum the
 calculator on the memory model's page computes in the reader's browser. A
 rank's device memory peaks at the start of the last backward pass of a step,
 when every activation is alive, or at the optimizer step, when every gradient
@@ -18,20 +18,28 @@ shard is:
 
 $$M_{\text{peak}} = \max\left(M_{\text{dev}},\;
   M_{\text{dev}} - g\,S_t + G + A + B'\right)$$
+
+The model is asked of its [family](../family.html), given as an object: its
+layers built on the meta device, its fine-tuner, its LoRA targets, its kernels
+and its activation count $A$. This page imports no model package, so the same
+sum sizes GPT-NeoX and Llama.
+
+## Limitations
+
+* A tied embedding (Llama-3.2, Qwen2.5-0.5B) is laid out once, in the
+  embedding's unit, and stays gathered for the whole step; $G$ counts it
+  only while its unit is in the window.
+* $A$ is the family's count: GPT-NeoX's is checked tensor by tensor, Llama's
+  is an estimate (its FLOPs page says what it leaves out).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
-from labml_zero.neox.activation_memory import activation_bytes
-from labml_zero.neox.finetuners import finetuner
-from labml_zero.neox.kernels import ModelKernels
-from labml_zero.neox.lora import TARGETS
-from labml_zero.neox.model import NeoXConfig, build_layers, pythia_1_4b
 from labml_zero.planner.grad_buffers import (
     accumulated_grad_buffers,
     early_update_grads,
@@ -49,7 +57,8 @@ from labml_zero.zero3.config import ZeroConfig
 from labml_zero.zero3.state_layout import state_layout
 from labml_zero.zero3.unit_chunks import param_specs
 
-__all__ = ["DTYPE_BYTES", "H200_BYTES", "BudgetInputs", "Budget", "budget"]
+__all__ = ["DTYPE_BYTES", "H200_BYTES", "BudgetInputs", "Budget", "budget",
+           "activations_of", "example"]
 
 # bytes per element of the dtypes the engine takes
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -69,8 +78,13 @@ class BudgetInputs:
     Each field is a knob of the calculator, with the symbol of the notes.
     """
 
-    model: NeoXConfig = field(default_factory=pythia_1_4b)
-    """The model's shape (a preset of [the model's config](config.html))."""
+    model: Any
+    """The model's shape: a config of `family` (one of its presets, or a
+    snapshot's `config.json`)."""
+    family: Any = field(kw_only=True, hash=False, repr=False)
+    """The model's [family](../family.html) (`ModelFamily`), by keyword: its
+    `build`, `finetuner`, `finetuners`, `lora_targets`, `resolve_kernels` and
+    `activation_memory` are all this page asks of it."""
     world_size: int = 8
     """$N_d$, the data-parallel ranks."""
     shard_group_size: int | None = None
@@ -85,20 +99,23 @@ class BudgetInputs:
     `fp32` (master and moments), `bf16-moments`, or `bf16-stochastic` (no
     master, so nothing can be offloaded)."""
     finetune: str = "all"
-    """What trains: `all`, `biases`, `ffn` or `lora`."""
+    """What trains: one of the family's fine-tuners (`all` and `lora` in
+    every family; GPT-NeoX's `biases` and `ffn`)."""
     lora_rank: int = 8
     """$r$, for `lora`."""
-    lora_targets: tuple[str, ...] = tuple(TARGETS)
-    """The adapted projections, for `lora`."""
+    lora_targets: tuple[str, ...] | None = None
+    """The adapted projections, for `lora`; `None` is every one the family
+    has."""
     chunk_numel: int | None = None
     """The chunk size in elements; `None` takes the search's choice."""
     prefetch_depth: int = 1
     """$D$, units gathered ahead of the running one."""
     checkpointing: bool = False
     """Activation checkpointing (recomputation) of every unit."""
-    kernels: ModelKernels = ModelKernels()
-    r"""The model's [fused kernels](kernels.html); the chunked `loss` holds no
-    logits, fused `norms` one mean and $1/\sigma$ for both norms."""
+    kernels: Any = None
+    r"""The family's fused kernels (its `resolve_kernels` result); `None` is
+    none (`'none'`). GPT-NeoX's chunked `loss` holds no logits, its fused
+    `norms` one mean and $1/\sigma$ for both norms."""
     batch: int = 1
     """Sequences per micro-batch and rank."""
     seq: int = 2048
@@ -119,6 +136,26 @@ class BudgetInputs:
     """The device memory the peak must fit in."""
 
     def __post_init__(self) -> None:
+        family = self.family
+        if self.model is None or not isinstance(self.model, family.config_type):
+            raise ValueError(f"model must be a {family.config_type.__name__} of "
+                             f"the {family.name} family, got "
+                             f"{type(self.model).__name__}")
+        if self.finetune not in family.finetuners:
+            raise ValueError(f"finetune must be one of "
+                             f"{', '.join(family.finetuners)} for the "
+                             f"{family.name} family, got {self.finetune!r}")
+        # the family's defaults, resolved once: every target, no fused kernel
+        if self.lora_targets is None:
+            object.__setattr__(self, "lora_targets", tuple(family.lora_targets))
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        unknown = [t for t in self.lora_targets if t not in family.lora_targets]
+        if unknown:
+            raise ValueError(f"lora_targets: {unknown[0]!r} is not a projection "
+                             f"of the {family.name} family; expected some of "
+                             f"{', '.join(family.lora_targets)}")
+        if self.kernels is None:
+            object.__setattr__(self, "kernels", family.resolve_kernels("none", "cpu"))
         layout = state_layout(self.states)  # one line naming the choices
         if layout.master is None and self.offload_fraction:
             raise ValueError(f"offload_fraction must be 0 with states "
@@ -135,6 +172,9 @@ class BudgetInputs:
         if self.offload_fraction is not None and not 0 <= self.offload_fraction <= 1:
             raise ValueError(f"offload_fraction must be in [0, 1], "
                              f"got {self.offload_fraction}")
+        if self.seq > self.model.max_position:
+            raise ValueError(f"seq {self.seq} exceeds the model's max_position "
+                             f"{self.model.max_position}")
 
     @property
     def group_size(self) -> int:
@@ -195,29 +235,49 @@ class Budget:
         return self.params + self.grad_shards + self.optimizer_device
 
 
+# The layouts computed so far: the search takes seconds on the large presets,
+# and a layout is immutable. Keyed by the family's name, as a family (a table
+# of functions and presets) is not hashable.
+_LAYOUTS: dict[tuple, tuple] = {}
+
+
 def _layout(inputs: BudgetInputs):
-    """The engine's layout: the fine-tuner marks the layers on meta, the chunk size
-    is the config's or the search's, as `zero3_layers` does it."""
-    return _cached_layout(inputs.model, inputs.finetune, inputs.lora_rank,
-                          tuple(inputs.lora_targets), inputs.group_size,
-                          inputs.param_dtype, inputs.reduce_dtype, inputs.chunk_numel,
-                          inputs.prefetch_depth)
+    """The engine's layout: the family's fine-tuner marks its layers on meta,
+    the chunk size is the config's or the search's, as `zero3_layers` does it."""
+    key = (inputs.family.name, inputs.model, inputs.finetune, inputs.lora_rank,
+           inputs.lora_targets, inputs.group_size, inputs.param_dtype,
+           inputs.reduce_dtype, inputs.chunk_numel, inputs.prefetch_depth)
+    if key not in _LAYOUTS:
+        if len(_LAYOUTS) >= 32:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))  # the oldest
+        _LAYOUTS[key] = _new_layout(inputs)
+    return _LAYOUTS[key]
 
 
-@functools.lru_cache(maxsize=32)
-def _cached_layout(model, finetune, lora_rank, lora_targets, group_size, param_dtype,
-                   reduce_dtype, chunk_numel, prefetch_depth):
-    # the search takes seconds on the large presets; a layout is immutable
-    layers = build_layers(model, device="meta")
-    options = ({"rank": lora_rank, "targets": lora_targets}
-               if finetune == "lora" else {})
-    counts = finetuner(finetune, **options)(layers)
+def _new_layout(inputs: BudgetInputs):
+    family = inputs.family
+    layers = family.build(inputs.model, device="meta")
+    options = ({"rank": inputs.lora_rank, "targets": inputs.lora_targets}
+               if inputs.finetune == "lora" else {})
+    counts = family.finetuner(inputs.finetune, **options)(layers)
     specs, _ = param_specs([layer.named_parameters() for layer in layers])
-    config = ZeroConfig(dtype=TORCH_DTYPES[param_dtype],
-                        reduce_dtype=TORCH_DTYPES[reduce_dtype],
-                        chunk_numel=chunk_numel, prefetch_depth=prefetch_depth)
-    chunk_numel = choose_chunk_numel(specs, group_size, config)
-    return counts, plan_chunks(specs, chunk_numel, group_size, align=config.align)
+    config = ZeroConfig(dtype=TORCH_DTYPES[inputs.param_dtype],
+                        reduce_dtype=TORCH_DTYPES[inputs.reduce_dtype],
+                        chunk_numel=inputs.chunk_numel,
+                        prefetch_depth=inputs.prefetch_depth)
+    chunk_numel = choose_chunk_numel(specs, inputs.group_size, config)
+    return counts, plan_chunks(specs, chunk_numel, inputs.group_size,
+                               align=config.align)
+
+
+def activations_of(inputs: BudgetInputs) -> int:
+    """$A$: the family's count, LoRA's rank and targets given where it trains
+    adapters."""
+    lora = ({"lora_rank": inputs.lora_rank, "lora_targets": inputs.lora_targets}
+            if inputs.finetune == "lora" else {})
+    return inputs.family.activation_memory(
+        inputs.model, batch=inputs.batch, seq=inputs.seq, finetune=inputs.finetune,
+        checkpointing=inputs.checkpointing, kernels=inputs.kernels, **lora)
 
 
 def budget(inputs: BudgetInputs) -> Budget:
@@ -269,10 +329,7 @@ def budget(inputs: BudgetInputs) -> Budget:
     queued = p if alone and inputs.micro_batches == 1 else GRAD_BYTES
     early = (early_update_grads(layout, queued)
              if inputs.update_during_backward else 0)
-    activations = activation_bytes(
-        inputs.model, batch=inputs.batch, seq=inputs.seq, finetune=inputs.finetune,
-        lora_rank=inputs.lora_rank, lora_targets=inputs.lora_targets,
-        checkpointing=inputs.checkpointing, kernels=inputs.kernels).total
+    activations = activations_of(inputs)
 
     # The peak less the optimizer state on the device, which offload moves.
     nothing = resident_bytes(StaticPlacement().place(shards), shards, param_bytes=p,
@@ -331,43 +388,56 @@ def budget(inputs: BudgetInputs) -> Budget:
     )
 
 
-def example() -> Budget:
+def example(family, model) -> Budget:
     r"""
     ## Worked example
 
-    The calculator's default, computed by `budget(BudgetInputs())` when the site
-    is built: Pythia-1.4B trained whole on $N_d$ =
-    {{py: memory_budget.BudgetInputs().world_size}} ranks, bf16 chunks, an fp32
-    reduction, the searched chunk size ($C$ =
-    {{py: memory_budget.example().chunk_numel}} elements), one sequence of
-    {{py: memory_budget.BudgetInputs().seq}} tokens a micro-batch, no
+    The calculator's default, computed by
+    `budget(BudgetInputs(model, family=family))` when the site is built:
+    GPT-NeoX's Pythia-1.4B trained whole on $N_d$ =
+    {{py: memory_budget.BudgetInputs(neox_model.pythia_1_4b(),
+    family=families.NEOX).world_size}} ranks, bf16 chunks, an fp32 reduction, the searched chunk size ($C$ =
+    {{py: memory_budget.example(families.NEOX,
+    neox_model.pythia_1_4b()).chunk_numel}} elements), one sequence of
+    {{py: memory_budget.BudgetInputs(
+    neox_model.pythia_1_4b(), family=families.NEOX).seq}} tokens a micro-batch, no
     accumulation, nothing on the host. Per rank, in GiB:
 
     | part | symbol | GiB |
     | --- | --- | --- |
     | parameter shards | $p \sum_k S_k$ | {{py:
-    memory_budget.example().params / 2**30 | .3f}} |
+    memory_budget.example(families.NEOX,
+    neox_model.pythia_1_4b()).params / 2**30 | .3f}} |
     | gradient shards | $g\,S_t$ | {{py:
-    memory_budget.example().grad_shards / 2**30 | .3f}} |
+    memory_budget.example(families.NEOX,
+    neox_model.pythia_1_4b()).grad_shards / 2**30 | .3f}} |
     | master and moments | $K S_t$ | {{py:
-    memory_budget.example().optimizer_device / 2**30 | .3f}} |
+    memory_budget.example(families.NEOX,
+    neox_model.pythia_1_4b()).optimizer_device / 2**30 | .3f}} |
     | gathered chunks | $G$ | {{py:
-    memory_budget.example().gathered / 2**30 | .3f}} |
+    memory_budget.example(families.NEOX,
+    neox_model.pythia_1_4b()).gathered / 2**30 | .3f}} |
     | activations | $A$ | {{py:
-    memory_budget.example().activations / 2**30 | .3f}} |
+    memory_budget.example(families.NEOX,
+    neox_model.pythia_1_4b()).activations / 2**30 | .3f}} |
     | largest gradient buffer, with its held gradients | $B$ | {{py:
-    memory_budget.example().grad_buffer / 2**30 | .3f}} |
+    memory_budget.example(families.NEOX,
+    neox_model.pythia_1_4b()).grad_buffer / 2**30 | .3f}} |
     | peak | $M_{\text{peak}}$ | {{py:
-    memory_budget.example().peak / 2**30 | .3f}} |
+    memory_budget.example(families.NEOX,
+    neox_model.pythia_1_4b()).peak / 2**30 | .3f}} |
 
     The peak is the second term, $M_{\text{dev}} - g\,S_t + G + A + B$: the
     activations of a whole sequence outweigh the gradient shards. A step moves
-    {{py: memory_budget.example().all_gather / 2**30 | .2f}} GiB of all-gathers
-    and {{py: memory_budget.example().reduce_scatter / 2**30 | .2f}} GiB of
+    {{py: memory_budget.example(families.NEOX,
+    neox_model.pythia_1_4b()).all_gather / 2**30 | .2f}} GiB of all-gathers
+    and {{py: memory_budget.example(families.NEOX,
+    neox_model.pythia_1_4b()).reduce_scatter / 2**30 | .2f}} GiB of
     reduce-scatters (full sizes), and each rank sends
-    {{py: memory_budget.example().wire_inside / 2**30 | .2f}} GiB of them.
+    {{py: memory_budget.example(families.NEOX,
+    neox_model.pythia_1_4b()).wire_inside / 2**30 | .2f}} GiB of them.
     """
-    return budget(BudgetInputs())
+    return budget(BudgetInputs(model, family=family))
 
 
 def with_inputs(inputs: BudgetInputs, **changes) -> BudgetInputs:

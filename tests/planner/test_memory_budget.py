@@ -1,4 +1,4 @@
-"""`labml_zero/neox/memory_budget.py` against the engine: the tiny GPT-NeoX,
+"""`labml_zero/planner/memory_budget.py` against the engine: the tiny GPT-NeoX,
 assembled as the fine-tune assembles it, on two CPU ranks; the bytes it really
 holds and moves are the budget's (and the calculator's: the same inputs are in
 its grid, tests/docs/calculator_grid.py)."""
@@ -15,11 +15,12 @@ from labml_zero.assembly import Recipe, assemble
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.activation_memory import activation_bytes
 from labml_zero.neox.finetuners import finetuner
-from labml_zero.neox import memory_budget
-from labml_zero.neox.memory_budget import TORCH_DTYPES, BudgetInputs, budget
+from labml_zero.neox.family import NEOX
+from labml_zero.planner import memory_budget
+from labml_zero.planner.memory_budget import TORCH_DTYPES, budget
 from labml_zero.zero3 import ZeroConfig
 from tests.distributed import run_distributed
-from tests.docs.calculator_grid import ENGINE_CASES
+from tests.docs.calculator_grid import ENGINE_CASES, neox_inputs as BudgetInputs
 from tests.zero3.test_memory_and_comm import held_bytes
 
 
@@ -137,7 +138,7 @@ def test_fitting_the_device_offloads_the_fewest_chunks():
     fitted = budget(job)
     assert fitted.fits and 0 < fitted.offloaded_fraction < 1
     assert fitted.host_down == 4 * fitted.optimizer_host // 16
-    assert not budget(BudgetInputs(**{**job.__dict__, "device_bytes": 2**30})).fits
+    assert not budget(replace(job, device_bytes=2**30)).fits
     with pytest.raises(ValueError, match="shard_group_size 3 does not divide"):
         budget(BudgetInputs(world_size=8, shard_group_size=3))
     with pytest.raises(ValueError, match="param_dtype must be one of"):
@@ -201,3 +202,32 @@ def test_the_state_layout_sets_k_on_the_device_and_the_host():
         BudgetInputs(states="bf16-stochastic", offload_fraction=0.5)
     with pytest.raises(ValueError, match="states must be one of fp32"):
         BudgetInputs(states="int8")
+
+
+def test_a_llama_models_budget_asks_its_family():
+    """The same sum for another family: Llama-3.2-1B's parameters are its
+    family's count (the tied readout once), its activations the family's
+    count, and LoRA's trainable elements $r (d_{in} + d_{out})$ per adapter;
+    a fine-tuner the family lacks is refused in one line."""
+    from labml_zero.llama.config import llama_3_2_1b
+    from labml_zero.llama.family import LLAMA
+
+    model = llama_3_2_1b()
+    job = memory_budget.BudgetInputs(model, family=LLAMA, world_size=8, batch=2,
+                                     seq=1024, chunk_numel=2**24)
+    got = budget(job)
+    layers = LLAMA.build(model, device="meta")
+    assert got.psi_trainable + got.psi_frozen == LLAMA.count_parameters(layers)
+    assert got.psi_frozen == 0
+    assert got.activations == LLAMA.activation_memory(
+        model, batch=2, seq=1024, finetune="all", checkpointing=False,
+        kernels=LLAMA.resolve_kernels("none", "cpu"))
+    assert job.lora_targets == LLAMA.lora_targets
+    lora = budget(replace(job, finetune="lora", lora_rank=16,
+                          lora_targets=("q_proj", "down_proj")))
+    d, L = model.d_model, model.n_layers
+    q_out = model.n_heads * model.head_width
+    assert lora.psi_trainable == L * 16 * ((d + q_out) + (model.d_ff + d))
+    with pytest.raises(ValueError, match="^finetune must be one of all, lora for "
+                                         "the llama family, got 'biases'$"):
+        memory_budget.BudgetInputs(model, family=LLAMA, finetune="biases")
