@@ -148,18 +148,6 @@ def kernels_key(kernels) -> str:
                     for name, value in sorted(dataclasses.asdict(kernels).items()))
 
 
-def _affine_in_tokens(count, where: str) -> list[int]:
-    """`[a, b]` with `count(batch, seq) = a + b * batch * seq`, from two
-    points, checked at two more; the script evaluates the line."""
-    slope = count(1, 2) - count(1, 1)
-    intercept = count(1, 1) - slope
-    for batch, seq in ((3, 7), (2, 64)):
-        if count(batch, seq) != intercept + slope * batch * seq:
-            raise ValueError(f"{where}: the activation count is not a + b * "
-                             f"tokens; the calculator cannot carry it as a line")
-    return [intercept, slope]
-
-
 # `_family_numbers` computed so far, by the family's name and the model (a
 # family, a table of functions and presets, is not hashable)
 _NUMBERS: dict[tuple, dict] = {}
@@ -171,10 +159,10 @@ def _family_numbers(family, model) -> dict:
 
     The parameters of its four units (embedding, one transformer layer,
     final norm, readout; a tied readout has none of its own) in the order
-    the engine lays them out; the activation count per fine-tuner,
-    recomputation and kernels (plain, or the job's `auto` on a GPU) as a line
-    in the tokens; $N$ and the attention's forward FLOPs per token of
-    sequence, for the step time.
+    the engine lays them out; $N$ and the attention's forward FLOPs per token
+    of sequence, for the step time. The activations are the script's port of
+    the family's [activation count](../labml_zero/llama/activation_memory.html), from the
+    shape `model_json` gives.
     """
     from labml_zero.zero3.unit_chunks import param_specs
 
@@ -185,21 +173,9 @@ def _family_numbers(family, model) -> dict:
     units = [[] for _ in layers]
     for spec in specs:
         units[spec.group].append([spec.name, list(spec.shape)])
-    activations = {}
-    for finetune in family.finetuners:
-        for checkpointing in (False, True):
-            for kernels in (family.resolve_kernels("none", "cpu"),
-                            family.resolve_kernels("auto", "cuda")):
-                def count(batch, seq):
-                    return family.activation_memory(
-                        model, batch=batch, seq=seq, finetune=finetune,
-                        checkpointing=checkpointing, kernels=kernels)
-
-                key = f"{finetune}/{int(checkpointing)}/{kernels_key(kernels)}"
-                activations[key] = _affine_in_tokens(count, f"{family.name} {key}")
     flops = family.flops_per_token
     _NUMBERS[family.name, model] = {
-        "units": units, "activations": activations,
+        "units": units,
         "matmul_params": family.matmul_parameters(model),
         "attention_flops": (flops(model, 1) - flops(model, 0)) / 3}
     return _NUMBERS[family.name, model]
@@ -213,7 +189,10 @@ def model_json(family, model) -> dict:
              "n_layers": model.n_layers, "max_position": model.max_position}
     if family.name == "gpt-neox":
         return {**shape, "d_ff": model.d_ff, "rotary_pct": model.rotary_pct}
-    return {**shape, **_family_numbers(family, model)}
+    # what the port of Llama's activation count reads
+    counted = {"d_ff": model.d_ff, "n_kv_heads": model.n_kv_heads,
+               "head_width": model.head_width, "tie_embeddings": model.tie_embeddings}
+    return {**shape, **counted, **_family_numbers(family, model)}
 
 
 def inputs_json(inputs) -> dict:
@@ -437,6 +416,7 @@ def render(page: str) -> str:
     model = example["model"]
     static = rel_href("static/calculator.js", page).rsplit("calculator.js", 1)[0]
     activation_page = rel_href("labml_zero/neox/activation_memory.html", page)
+    llama_activation_page = rel_href("labml_zero/llama/activation_memory.html", page)
     budget_page = rel_href("labml_zero/planner/memory_budget.html", page)
     presets = [(name, preset_names()[name]) for name in PRESETS + LLAMA_PRESETS]
     dtypes = [(name, name) for name in data["dtype_bytes"]]
@@ -543,9 +523,10 @@ def render(page: str) -> str:
         'row named by its symbol. GPT-NeoX\'s activations are the '
         f'<a href="{activation_page}">activation count</a>\'s for every '
         'fine-tuner, LoRA\'s adapters at their rank and targets included; a '
-        'Llama-family preset brings its parameters, its family\'s activation '
-        'estimate and its FLOPs as numbers the library computed when this page '
-        'was built. A custom shape is a GPT-NeoX one.</p>'
+        'Llama-family preset brings its parameters and its FLOPs as numbers '
+        'the library computed when this page was built, and its activations '
+        f'are the <a href="{llama_activation_page}">Llama activation count</a>\'s, '
+        'ported as GPT-NeoX\'s is. A custom shape is a GPT-NeoX one.</p>'
         '<noscript><p>The calculator runs in the browser; with scripting off the '
         'form and the table show the worked example, computed by '
         '<code>memory_budget.budget</code> when this page was built.</p></noscript>'

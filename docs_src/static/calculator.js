@@ -376,23 +376,77 @@
     const adapters = [...trains].filter(name => name.endsWith(".lora_B")).length;
     return total + adapters * n * loraRank * dtypeBytes;
   }
-  // the family's count, a + b BT, for its fine-tuner, recomputation and kernels
-  function kernelsKey(kernels) {
-    return Object.keys(kernels).sort().map(n => `${n}=${JSON.stringify(kernels[n])}`).join(",");
+  // llama/activation_memory.py: what a Llama layer, its final norm, readout
+  // and loss keep, for the fine-tuner's trainable names and the kernels
+  function llamaNormBytes(d, p, inputGrad, weightTrains, fused) {
+    if (!(inputGrad || weightTrains)) return 0;
+    if (fused) return p * d + FP32;
+    return (inputGrad ? FP32 * d + FP32 : 0) + (weightTrains ? p * d : 0);
   }
-  function familyActivationBytes(inputs, data) {
-    const m = inputs.model, family = data.families[familyOf(m)];
-    const kernels = inputs.kernels || family.plain_kernels;
-    const line = m.activations[
-      `${inputs.finetune}/${Number(inputs.checkpointing)}/${kernelsKey(kernels)}`];
-    if (!line) fail(`has no activation count for these kernels`, "finetune");
-    return line[0] + line[1] * inputs.batch * inputs.seq;
+  function llamaSwigluBytes(dff, p, gateGrad, upGrad, fused) {
+    if (fused && gateGrad) return 2 * p * dff;
+    return p * dff * (2 * Number(gateGrad) + Number(upGrad));
+  }
+  function llamaLayerBytes(m, trains, n, inputRequiresGrad, loraRank, k) {
+    const p = 2, d = m.d_model, dff = m.d_ff, dh = m.head_width;
+    const trainsAny = (...paths) => [...trains].some(
+      name => paths.some(path => name.startsWith(path + ".")));
+    const inputSaved = (...paths) => paths.some(
+      path => trains.has(path + ".weight") || trains.has(path + ".lora_A"));
+    const qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"];
+    const norm1Grad = inputRequiresGrad || trainsAny("input_layernorm");
+    const attentionGrad = norm1Grad || trainsAny(...qkv);
+    const hGrad = attentionGrad || trainsAny("self_attn.o_proj");
+    const norm2Grad = hGrad || trainsAny("post_attention_layernorm");
+    let perToken = llamaNormBytes(d, p, inputRequiresGrad, trainsAny("input_layernorm"),
+                                  k.rms_norm);
+    if (inputSaved(...qkv)) perToken += p * d;
+    if (attentionGrad) perToken += p * (2 * m.n_heads + 2 * m.n_kv_heads) * dh + FP32 * m.n_heads;
+    else if (inputSaved("self_attn.o_proj")) perToken += p * m.n_heads * dh;
+    perToken += llamaNormBytes(d, p, hGrad, trainsAny("post_attention_layernorm"), k.rms_norm);
+    if (inputSaved("mlp.gate_proj", "mlp.up_proj")) perToken += p * d;
+    perToken += llamaSwigluBytes(dff, p, norm2Grad || trainsAny("mlp.gate_proj"),
+                                 norm2Grad || trainsAny("mlp.up_proj"), k.swiglu);
+    if (inputSaved("mlp.down_proj")) perToken += p * dff;
+    const adapters = [...trains].filter(name => name.endsWith(".lora_B")).length;
+    return n * (perToken + adapters * p * loraRank);
+  }
+  function llamaReadoutLossPeak(m, others, n, checkpointing, k) {
+    const p = 2, d = m.d_model, V = m.n_vocab, nd = n * p * d;
+    const norm = checkpointing ? nd
+      : n * llamaNormBytes(d, p, true, others.has("norm.weight"), k.rms_norm);
+    if (k.loss) {
+      const chunk = Math.min(k.loss_chunk_rows, n) * V * p, gradW = V * d * FP32;
+      const saved = norm + nd + gradW;
+      const work = Math.max(3 * chunk + gradW, 2 * chunk + 2 * gradW);
+      return Math.max(norm + nd + nd + work, saved + nd + gradW + V * d * p);
+    }
+    // a tied readout's weight is the embedding's, trained with it
+    const readoutTrains = others.has(m.tie_embeddings ? "embed_tokens.weight"
+                                                      : "lm_head.weight");
+    const readoutInput = readoutTrains ? nd : 0, nV = n * V;
+    return Math.max(norm + nd + (p + 2 * FP32) * nV, norm + readoutInput + 3 * FP32 * nV);
+  }
+  function llamaActivationBytes(inputs, data) {
+    const m = inputs.model, n = inputs.batch * inputs.seq, L = m.n_layers;
+    const k = inputs.kernels || data.families[familyOf(m)].plain_kernels;
+    const [block, others] = trainableNames(inputs, data);
+    const loss = llamaReadoutLossPeak(m, others, n, inputs.checkpointing, k);
+    const full = llamaLayerBytes(m, block, n, true, inputs.lora_rank, k);
+    const first = llamaLayerBytes(m, block, n, others.has("embed_tokens.weight"),
+                                  inputs.lora_rank, k);
+    if (inputs.checkpointing) {
+      const kept = n * m.d_model * 2;
+      const recomputed = (L > 1 ? full : first) - (k.rms_norm ? kept : 0);
+      return L * kept + Math.max(loss, recomputed);
+    }
+    return first + (L - 1) * full + loss;
   }
   function activationBytes(inputs, data) {
     const m = inputs.model, batch = inputs.batch, seq = inputs.seq;
     if (seq > m.max_position)
       fail(`longer than the model's ${m.max_position} positions`, "seq");
-    if (familyOf(m) !== NEOX) return familyActivationBytes(inputs, data);
+    if (familyOf(m) !== NEOX) return llamaActivationBytes(inputs, data);
     const [block, others] = trainableNames(inputs, data);
     const n = batch * seq, nd = n * m.d_model * 2;
     const k = inputs.kernels || {};

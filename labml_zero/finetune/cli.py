@@ -200,6 +200,7 @@ def add_field_flags(parser: Parser) -> None:
         default = f.default
         shown = "off" if default is False else repr(default) if isinstance(
             default, str) else default
+        shown = f.metadata.get("shown_default") or shown
         options["help"] = f"{plain(notes.get(f.name, ''))} (default: {shown})"
         options["default"] = argparse.SUPPRESS
         kind = converter(f.name, hints[f.name])

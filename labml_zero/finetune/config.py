@@ -72,14 +72,15 @@ def snapshot_model_type(checkpoint: str) -> str:
     return value["model_type"]
 
 
-def flag(**options) -> dict:
+def flag(*, shown_default: str | None = None, **options) -> dict:
     """
     #### How the command line shows a field
 
     `metavar`, `choices`: as in argparse. The type and the default come from the
-    field itself.
+    field itself; `shown_default` is what the help says of a default that is
+    resolved later (`None` meaning "the family's").
     """
-    return {"flag": options}
+    return {"flag": options, "shown_default": shown_default}
 
 
 @dataclass(frozen=True)
@@ -238,10 +239,12 @@ class FinetuneConfig:
     `out` needs room for one more than are kept (checked before start)."""
     resume: str | None = field(default=None, metadata=flag(metavar="DIR"))
     """A checkpoint directory written by this job, to continue from."""
-    out: str | None = field(default=None, metadata=flag(metavar="DIR"))
-    """Run outputs: `checkpoints/step-NNNNNN/` under it; `None` is the
-    experiment's folder under runs/, the experiment named by the model's
-    family (zero3_neox, zero3_llama; read `out_dir`)."""
+    out: str | None = field(default=None, metadata=flag(
+        metavar="DIR", shown_default="runs/<experiment>"))
+    """Run outputs: `checkpoints/step-NNNNNN/` under it. Unset, the
+    experiment's folder under `runs/`, the experiment named by the model's
+    family: `runs/zero3_neox` for GPT-NeoX, `runs/zero3_llama` for Llama
+    (`out_dir`)."""
     log_dir: str = field(default="logs", metadata=flag(metavar="DIR"))
     """labml's experiments directory: runs go to `<log_dir>/<experiment>/`,
     the experiment named by the model's family (`zero3_neox`, `zero3_llama`)."""
