@@ -242,8 +242,8 @@ class FinetuneConfig:
     out: str | None = field(default=None, metadata=flag(
         metavar="DIR", shown_default="runs/<experiment>"))
     """Run outputs: `checkpoints/step-NNNNNN/` under it. Unset, the
-    experiment's folder under `runs/`, the experiment named by the model's
-    family: `runs/zero3_neox` for GPT-NeoX, `runs/zero3_llama` for Llama
+    experiment's folder under runs, the experiment named by the model's
+    family: runs/zero3_neox for GPT-NeoX, runs/zero3_llama for Llama
     (`out_dir`)."""
     log_dir: str = field(default="logs", metadata=flag(metavar="DIR"))
     """labml's experiments directory: runs go to `<log_dir>/<experiment>/`,
