@@ -35,7 +35,6 @@ from typing import Callable, Collection, Iterable
 
 import torch
 
-from labml_zero.zero3.communication import current_cuda_stream
 from labml_zero.zero3.state_layout import StateLayout, state_layout
 
 from . import (blockwise_moments, narrow_moments, rounded_update,
@@ -44,6 +43,7 @@ from .captured_update import CapturedUpdates
 from .early_update import EarlyUpdate, EarlyUpdates, NonFiniteGradient
 from .host_offload import HostShard
 from .shard_home import ShardHome, add_group_homes, build_homes
+from .step_scalars import StepScalars
 
 __all__ = ["AdamFP16", "NonFiniteGradient"]
 
@@ -152,12 +152,9 @@ class AdamFP16(torch.optim.Optimizer):
         for home in self.homes.host:
             self._state(home)
         self.early_updates = EarlyUpdates(self._apply, free_grads=free_grads)
-        # (step, 0-dim step tensor) per (device, stream): every shard updated
-        # at that step there reads the same one, one fill a step, not a shard
-        self._step_tensors: dict[tuple, tuple[int, torch.Tensor]] = {}
-        # (step and hyperparameters, `[3]` fp32 scalars) per (device, stream,
-        # group) for the one-pass kernel: one computation a step, not a shard
-        self._coefficient_cache: dict[tuple, tuple[tuple, torch.Tensor]] = {}
+        # $t$ and the one-pass coefficients on each device, once a step
+        # ([the step's scalars](step_scalars.html))
+        self.scalars = StepScalars()
         # set while the step is captured as a CUDA graph and replayed (see
         # [the update inside a captured step](captured_update.html))
         self.capture: CapturedUpdates | None = None
@@ -540,8 +537,8 @@ class AdamFP16(torch.optim.Optimizer):
         """
         lead = homes[0]
         group = self.param_groups[lead.group_index]
-        coefficients = self._coefficients(lead.state_device, lead.group_index,
-                                          step)
+        coefficients = self.scalars.coefficients(
+            lead.state_device, lead.group_index, group, step, self.capture)
         betas = rounded_update.Betas(*group["betas"], group["eps"])
         states = [self.state[h.param] for h in homes]
         for home, grad, state in zip(homes, grads, states):
@@ -561,50 +558,8 @@ class AdamFP16(torch.optim.Optimizer):
         if self.layout.blockwise and not lead.shard_beside_state:
             lead.write_back(homes, [s[self.layout.master.name] for s in states])
 
-    def _coefficients(self, device: torch.device, group_index: int,
-                      step: int) -> torch.Tensor:
-        r"""
-        #### The step's scalars for the one-pass kernel, on the device
-
-        `rounded_update.step_coefficients` of this step's $t$ and $\alpha$,
-        computed once per step, group and stream; in a captured step at every
-        call, from the tensors the graph reads.
-        """
-        group = self.param_groups[group_index]
-        beta1, beta2 = group["betas"]
-        hyper = dict(beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"])
-        steps = self._step_tensor(device, step)
-        if self.capture is not None:
-            return rounded_update.step_coefficients(
-                steps, self.capture.lr(group_index), **hyper)
-        stream = self._stream_of(device)
-        key = (step, group["lr"], *hyper.values())
-        held = self._coefficient_cache.get((device, stream, group_index))
-        if held is None or held[0] != key:
-            # $\alpha$ as each fused kernel reads it (`CapturedUpdates.lrs`)
-            dtype = torch.float32 if device.type == "cuda" else torch.float64
-            lr = torch.full((), float(group["lr"]), device=device, dtype=dtype)
-            held = (key, rounded_update.step_coefficients(steps, lr, **hyper))
-            self._coefficient_cache[(device, stream, group_index)] = held
-        return held[1]
-
-    @staticmethod
-    def _stream_of(device: torch.device):
-        """The stream a device tensor made now is written on (`None` on CPU):
-        the step tensors and the coefficients are cached per stream, which
-        reads what it wrote."""
-        return current_cuda_stream(device.index) if device.type == "cuda" else None
-
     def _step_tensor(self, device: torch.device, step: int) -> torch.Tensor:
-        """The kernel only reads it, so shards of one step may share it."""
-        stream = self._stream_of(device)
-        if self.capture is not None:
-            return self.capture.step_tensor(stream, step)
-        held = self._step_tensors.get((device, stream))
-        if held is None or held[0] != step:
-            held = (step, torch.full((), float(step), device=device))
-            self._step_tensors[(device, stream)] = held
-        return held[1]
+        return self.scalars.step(device, step, self.capture)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Free every gradient; `set_to_none` is always true (the engine's

@@ -337,11 +337,9 @@ def adamw_coded_(master: torch.Tensor, grad: torch.Tensor,
 
 @functools.cache
 def compiled_update():
-    """`adamw_coded_` compiled, made once at its first GPU call; pointwise
-    autotuning off, as for `rounded_update.compiled_update` (it would time
-    kernels inside a CUDA graph's capture)."""
-    return torch.compile(adamw_coded_,
-                         options={"triton.autotune_pointwise": False})
+    """`adamw_coded_` compiled (`rounded_update.compile_update`), made once at
+    its first GPU call."""
+    return rounded_update.compile_update(adamw_coded_)
 
 
 # Values a padded element takes: a zero gradient, master and moments (the

@@ -177,13 +177,17 @@ def adamw_rounded_(shard: torch.Tensor, state: tuple[torch.Tensor, ...],
     shard.copy_(theta)
 
 
+def compile_update(update):
+    """A one-pass update compiled for the GPU. Pointwise autotuning is off: it
+    would time the kernel at the first launch of each size, which inside a
+    CUDA graph's capture is not allowed."""
+    return torch.compile(update, options={"triton.autotune_pointwise": False})
+
+
 @functools.cache
 def compiled_update():
-    """`adamw_rounded_` compiled, made once at its first GPU call. Pointwise
-    autotuning is off: it would time the kernel at the first launch of each
-    size, which inside a CUDA graph's capture is not allowed."""
-    return torch.compile(adamw_rounded_,
-                         options={"triton.autotune_pointwise": False})
+    """`adamw_rounded_` compiled, made once at its first GPU call."""
+    return compile_update(adamw_rounded_)
 
 
 def one_pass(shard: torch.Tensor, state: tuple[torch.Tensor, ...],
