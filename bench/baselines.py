@@ -240,11 +240,10 @@ def compile_calls(layers: list[nn.Module], workload: Workload,
     """
     for layer in layers:
         if isinstance(layer, TransformerLayer) and workload.model.rotary_dim > 0:
-            layer.attention.rotary_tables.prepare(workload.seq, device,
-                                                  torch.bfloat16)
+            layer.attention.rotary_tables(workload.seq, device, torch.bfloat16)
         elif isinstance(layer, DECODER_LAYERS):
-            # Llama's `LlamaRotary`: the first call at a length builds the
-            # tables, later calls (the traced one) read them
+            # Llama's `LlamaRotary`, the same cache: the first call at a
+            # length builds the tables, later calls (the traced one) read them
             layer.self_attn.rotary(workload.seq, device, torch.bfloat16)
         if isinstance(layer, DECODER_LAYERS):
             layer.compile(backend=default_compile_backend(device))

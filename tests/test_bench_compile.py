@@ -21,9 +21,10 @@ from tests.distributed import run_distributed
 STEPS = 3
 
 
-def three_layers() -> Workload:
-    """The tiny W4 with three transformer layers: enough to see one graph shared."""
-    tiny = shrink(workloads()["W4"])
+def three_layers(name: str = "W4") -> Workload:
+    """A tiny workload with three transformer layers: enough to see one graph
+    shared."""
+    tiny = shrink(workloads()[name])
     return replace(tiny, model=replace(tiny.model, n_layers=3))
 
 
@@ -50,6 +51,10 @@ def eager_and_compiled(ctx: DistContext) -> dict:
         "labml_zero_recompute": (
             engine.build_labml_zero, replace(workload, activation_checkpointing=True)
         ),
+        # Llama (L2 recomputes): its rotary entry made before the compiled
+        # forward, or the recomputation traces another graph than the forward
+        "labml_zero_llama_recompute": (engine.build_labml_zero,
+                                       three_layers("L2")),
         "fsdp2": (baselines.build_fsdp2, workload),
         "ddp": (baselines.build_ddp, workload),
     }
@@ -66,7 +71,7 @@ def eager_and_compiled(ctx: DistContext) -> dict:
 def test_compiled_layers_train_like_eager_and_compile_once():
     """
     Two gloo ranks, 3 layers, 3 steps. For our engine (with and without
-    recomputation), FSDP2 and DDP, the compiled layers give the losses of the eager
+    recomputation, GPT-NeoX and Llama), FSDP2 and DDP, the compiled layers give the losses of the eager
     ones, and dynamo makes **one** graph and one AOT forward/backward pair for
     all 3 layers and 3 steps: no compilation per layer (the parameters are
     inputs of the graph, not constants), none per step (the storage of our

@@ -220,6 +220,14 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, rotary, kernels=kernels, **factory)
         self.post_attention_layernorm = RMSNorm(d, eps, **norm)
         self.mlp = MLP(config, kernels=kernels, **factory)
+        self.register_forward_pre_hook(DecoderLayer.prepare_rotary_tables)
+
+    def prepare_rotary_tables(self, args: tuple) -> None:
+        """The rotary tables' entry, made outside a compiled forward
+        (`RotaryTables.prepare`), so that its recomputation under activation
+        checkpointing traces the same graph as the forward."""
+        attention = self.self_attn
+        attention.rotary.prepare(args[0], attention.q_proj.weight.dtype)
 
     def reset_parameters(self):
         init_llama(self, self.config.init_std)

@@ -19,13 +19,12 @@ so that a model pretrained on $L_0$ positions reaches $s L_0$
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 
 import torch
 
 from labml_zero.llama.config import LlamaConfig
 from labml_zero.neox.kernels import on_gpu_compiled
-from labml_zero.neox.rotary import rotate_half
+from labml_zero.neox.rotary import RotaryTables, rotate_half
 
 __all__ = ["inverse_frequencies", "LlamaRotary", "apply_rotary", "rotate_qk",
            "rotate_qk_fused"]
@@ -69,39 +68,30 @@ def inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
     return torch.where(middle, blended, slowed)
 
 
-class LlamaRotary:
+class LlamaRotary(RotaryTables):
     r"""
     ## The cos and sin tables, once for every layer
 
-    As GPT-NeoX's `RotaryTables`: a plain attribute shared by the layers, not
-    a buffer, so the engine neither shards nor saves it; the first layer to
-    run at a length $T$, device and dtype builds `[T, d_h]` tables, the others
-    read them. Only the `max_entries` latest keys stay.
+    GPT-NeoX's `RotaryTables` ([its page](../neox/rotary.html)): one cache
+    shared by the layers, its entry made by each layer's forward pre-hook
+    before a compiled forward traces the lookup, so a recomputed forward
+    (activation checkpointing) runs the graph of the forward it replays.
+    Only the angles differ: $m\theta_i'$ over the whole head, from
+    `inverse_frequencies`.
     """
 
     def __init__(self, config: LlamaConfig, max_entries: int = 4):
+        super().__init__(config, max_entries)
         self.inv_freq = inverse_frequencies(config)  # [d_h / 2] fp32
-        self.max_entries = max_entries
-        self._tables: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = \
-            OrderedDict()
 
-    def __call__(self, n_positions: int, device: torch.device, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute(self, n_positions: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         r"""$\cos m\theta_i'$ and $\sin m\theta_i'$, each `[n_positions, d_h]`."""
-        key = (n_positions, torch.device(device), dtype)
-        if key in self._tables:
-            self._tables.move_to_end(key)
-            return self._tables[key]
-        with torch.inference_mode(False), torch.no_grad():
-            positions = torch.arange(n_positions, device=device).float()
-            # [T, d_h / 2] fp32: in bf16 the positions themselves are not exact
-            angles = torch.outer(positions, self.inv_freq.to(device))
-            angles = torch.cat([angles, angles], dim=-1)  # [T, d_h], both halves
-            tables = angles.cos().to(dtype), angles.sin().to(dtype)
-        self._tables[key] = tables
-        while len(self._tables) > self.max_entries:
-            self._tables.popitem(last=False)
-        return tables
+        positions = torch.arange(n_positions, device=device).float()
+        # [T, d_h / 2] fp32: in bf16 the positions themselves are not exact
+        angles = torch.outer(positions, self.inv_freq.to(device))
+        angles = torch.cat([angles, angles], dim=-1)  # [T, d_h], both halves
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -299,21 +299,12 @@ class TransformerLayer(nn.Module):
         """
         #### The rotary tables' entry, made before the forward
 
-        A forward pre-hook runs in `nn.Module.__call__`, outside the forward
-        that `compile_layers` compiles, so the tables exist before Dynamo
-        traces the attention's lookup, which then reads them as graph inputs
-        (the [rotary page](rotary.html), `RotaryTables`). The dtype is the one
-        the QKV product will have: autocast's where it is on, else the weight's.
+        So that a compiled forward reads the tables as graph inputs
+        (`RotaryTables.prepare` on the [rotary page](rotary.html)).
         """
-        if torch.compiler.is_compiling():
-            return  # traced with the whole call: the lookup computes in the graph
-        x = args[0]
-        device_type = x.device.type
-        autocast = (torch.amp.is_autocast_available(device_type)
-                    and torch.is_autocast_enabled(device_type))
-        dtype = (torch.get_autocast_dtype(device_type) if autocast
-                 else self.attention.query_key_value.weight.dtype)
-        self.attention.rotary_tables.prepare(x.shape[-2], x.device, dtype)
+        attention = self.attention
+        attention.rotary_tables.prepare(args[0],
+                                        attention.query_key_value.weight.dtype)
 
     def reset_parameters(self):
         _init_like_hf(self, self.config.init_std)

@@ -136,8 +136,7 @@ class RotaryTables:
         if tables is None:
             # inference_mode(False) alone would turn gradients on: no_grad after
             with torch.inference_mode(False), torch.no_grad():
-                tables = rotary_cos_sin(n_positions, self.config, device=device,
-                                        dtype=dtype)
+                tables = self.compute(n_positions, device, dtype)
             if compiling:
                 return tables  # the graph's own: it changes nothing outside
             self._tables[key] = tables
@@ -147,12 +146,30 @@ class RotaryTables:
             self._tables.move_to_end(key)
         return tables
 
-    def prepare(self, n_positions: int, device: torch.device,
-                dtype: torch.dtype) -> None:
-        """Make the entry a later call reads (from the layer's forward
-        pre-hook, `TransformerLayer.prepare_rotary_tables`, outside compiled
-        code)."""
-        self(n_positions, device, dtype)
+    def compute(self, n_positions: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables of a missing entry (a family with other angles, as
+        Llama's, overrides this and keeps the cache)."""
+        return rotary_cos_sin(n_positions, self.config, device=device,
+                              dtype=dtype)
+
+    def prepare(self, x: torch.Tensor, weight_dtype: torch.dtype) -> None:
+        """
+        Make the entry that the attention of input `x` `[B, T, d]` reads,
+        from a layer's forward pre-hook: it runs in `nn.Module.__call__`,
+        outside the forward that `compile_layers` compiles, so the entry
+        exists before Dynamo traces the lookup. The dtype is the one the
+        query's product will have: autocast's where it is on, else the
+        weight's. Under compilation of the whole call it does nothing (the
+        lookup then computes in the graph).
+        """
+        if torch.compiler.is_compiling():
+            return
+        device_type = x.device.type
+        autocast = (torch.amp.is_autocast_available(device_type)
+                    and torch.is_autocast_enabled(device_type))
+        dtype = torch.get_autocast_dtype(device_type) if autocast else weight_dtype
+        self(x.shape[-2], x.device, dtype)
 
     def keys(self) -> list[tuple[int, torch.device, torch.dtype]]:
         """The `(T, device, dtype)` held, least recently used first."""

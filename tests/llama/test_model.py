@@ -1,6 +1,7 @@
 """`labml_zero/llama/model.py`: fp32 logits equal transformers' for Llama
 (scaled rotary), tied Llama, Qwen 2 (q/k/v biases) and Mistral."""
 
+import pytest
 import torch
 
 from labml_zero.llama.hf_checkpoint import LlamaCheckpoint, load_layers
@@ -55,3 +56,29 @@ def test_sequences_past_the_window_or_the_context_are_refused():
         assert "sequence length 6 exceeds the model's 5" in str(error)
     else:
         raise AssertionError("a sequence past the window was accepted")
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_layer_makes_its_rotary_entry_before_its_forward(autocast):
+    """The pre-hook makes the tables' entry outside the forward, in the dtype
+    of the query's product, so a compiled forward reads it and a recomputed
+    one traces the same graph; the forward alone under compilation stores
+    nothing (GPT-NeoX's `RotaryTables`, which `LlamaRotary` is)."""
+    import dataclasses
+
+    from labml_zero.llama.config import llama_3_2_1b
+    from labml_zero.llama.model import DecoderLayer
+
+    config = dataclasses.replace(llama_3_2_1b(), n_vocab=11, d_model=16,
+                                 n_heads=2, n_kv_heads=1, n_layers=2, d_ff=8)
+    layer = next(m for m in build_layers(config) if isinstance(m, DecoderLayer))
+    rotary = layer.self_attn.rotary
+    x = torch.randn(1, 5, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        want = layer(x)
+        dtype = torch.bfloat16 if autocast else torch.float32
+        assert rotary.keys() == [(5, torch.device("cpu"), dtype)]
+        rotary._tables.clear()
+        got = torch.compile(layer.forward, backend="eager")(x)  # no pre-hook
+    assert rotary.keys() == []
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
