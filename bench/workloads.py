@@ -45,10 +45,12 @@ not fit without it.
 
 L1 and L2 are the [Llama model](../labml_zero/llama/model.html), built from
 its presets by every engine. Llama-3.2-1B ties its readout to its embedding;
-labml_zero's assembly shards layer by layer (`zero3_layers`), which refuses a
-parameter of two layers, so L1 runs the same shape with the readout a matrix
-of its own, $V d$ = {{py: workloads.workloads()['L1'].model.n_vocab *
-workloads.workloads()['L1'].model.d_model | ,}} parameters more. L2's $18 \cdot 8
+L1 runs the same shape with the readout a matrix of its own, $V d$ =
+{{py: workloads.workloads()['L1'].model.n_vocab *
+workloads.workloads()['L1'].model.d_model | ,}} parameters more, as it was
+first measured, when labml_zero's layer-by-layer sharding refused a parameter
+of two layers (it now holds a tied matrix in its first layer: the [sharded
+model](../labml_zero/zero3/sharded_model.html)). L2's $18 \cdot 8
 \cdot 10^9$ bytes of model states are spread over the GPUs.
 
 ## FLOPs per token
