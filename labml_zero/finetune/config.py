@@ -185,8 +185,10 @@ class FinetuneConfig:
     """The optimizer's [state layout](../zero3/state_layout.html): `fp32` (an
     fp32 master and fp32 moments), `bf16-moments` (the moments in bf16),
     `bf16-stochastic` (no master: the bf16 parameters updated with stochastic
-    rounding, bf16 moments; nothing offloaded, no fp16) or `8bit-moments` (the
-    moments coded in 8 bits, one fp32 scale per block). A `--resume` from a
+    rounding, bf16 moments; nothing offloaded, no fp16), `bf16-kahan` (as
+    `bf16-stochastic`, but rounded to nearest with a bf16 compensation of
+    what rounding lost) or `8bit-moments` (the moments coded in 8 bits, one
+    fp32 scale per block). A `--resume` from a
     checkpoint of another layout converts its states once and says so."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass."""

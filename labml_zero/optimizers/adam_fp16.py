@@ -37,8 +37,8 @@ import torch
 
 from labml_zero.zero3.state_layout import StateLayout, state_layout
 
-from . import (blockwise_moments, narrow_moments, rounded_update,
-               stochastic_rounding)
+from . import (blockwise_moments, kahan_summation, narrow_moments,
+               rounded_update, stochastic_rounding)
 from .captured_update import CapturedUpdates
 from .early_update import EarlyUpdate, EarlyUpdates, NonFiniteGradient
 from .host_offload import HostShard
@@ -75,9 +75,10 @@ class AdamFP16(torch.optim.Optimizer):
       default), `"bf16-moments"` (an fp32 master, the moments rounded to
       bf16 when stored: [narrow moments](narrow_moments.html)) or
       `"bf16-stochastic"` (bf16 moments, no master: [stochastic
-      rounding](stochastic_rounding.html)) or `"8bit-moments"` (an fp32
-      master, the moments coded in 8 bits per block: [8-bit
-      moments](blockwise_moments.html)).
+      rounding](stochastic_rounding.html)), `"bf16-kahan"` (bf16 moments, no
+      master, a bf16 compensation: [Kahan summation](kahan_summation.html))
+      or `"8bit-moments"` (an fp32 master, the moments coded in 8 bits per
+      block: [8-bit moments](blockwise_moments.html)).
 
     It holds `homes` (each shard's {{term: home}}, device or host,
     and the kernels' batches) and `early_updates` (the updates during the
@@ -271,13 +272,16 @@ class AdamFP16(torch.optim.Optimizer):
         The tensors are used as given (put them on `state_device(param)`), cast
         to the layout's dtypes where they differ (a state saved with another
         choice; 8-bit moments are encoded or decoded:
-        [`convert`](blockwise_moments.html)); an fp32 shard's `master` may be
+        [`convert`](blockwise_moments.html), a compensation made or added:
+        [`converted`](kahan_summation.html)); an fp32 shard's `master` may be
         the shard itself, which a host home copies (`HostHome.adopt`).
         """
         home = self._home(param)
         if state is None:
             self.state.pop(param, None)
             return
+        # a compensation made from the master, or a master from the pair
+        state = kahan_summation.converted(state, self.layout, param.detach())
         missing = {"step", *(t.name for t in self.layout.tensors
                              if t.block is None)} - set(state)
         if missing:
@@ -467,6 +471,11 @@ class AdamFP16(torch.optim.Optimizer):
             kernel = functools.partial(self._kernel, step=step,
                                        group_index=lead.group_index,
                                        found_inf=found_inf)
+            if self.layout.compensation is not None:
+                # the shards are the weights, their compensations beside them
+                kahan_summation.update(kernel, [h.param.detach() for h in same],
+                                       grads, *moments)
+                continue
             if self.layout.master is None:
                 # the shards are the weights, rounded into stochastically
                 stochastic_rounding.update(

@@ -59,14 +59,39 @@ def update(kernel: Kernel, masters: Sequence[torch.Tensor],
     if all(m.dtype == torch.float32 for m in (*exp_avgs, *exp_avg_sqs)):
         kernel(list(masters), list(grads), list(exp_avgs), list(exp_avg_sqs))
         return
-    for master, grad, exp_avg, exp_avg_sq in zip(masters, grads, exp_avgs,
-                                                 exp_avg_sqs):
-        for start in range(0, master.numel(), WIDE_NUMEL):
+    # the kernel writes the master's slice in place: nothing left to store
+    widened_update(kernel, grads, exp_avgs, exp_avg_sqs,
+                   widen=lambda i, piece: masters[i][piece],
+                   store=lambda i, piece, weight: None)
+
+
+def widened_update(kernel: Kernel, grads: Sequence[torch.Tensor],
+                   exp_avgs: Sequence[torch.Tensor],
+                   exp_avg_sqs: Sequence[torch.Tensor], *,
+                   widen: Callable[[int, slice], torch.Tensor],
+                   store: Callable[[int, slice, torch.Tensor], None]) -> None:
+    """
+    #### The slice loop every narrow state shares
+
+    Per shard `i` and slice `piece` of `WIDE_NUMEL` elements: `widen(i, piece)`
+    gives the fp32 weight the kernel updates (the master's slice itself, or
+    a copy made from narrower states), the moments are widened beside it,
+    the kernel runs, the moments are rounded back into place and
+    `store(i, piece, weight)` puts the updated fp32 weight wherever it is
+    kept ([stochastic rounding](stochastic_rounding.html), [Kahan
+    summation](kahan_summation.html)).
+    """
+    for i, (grad, exp_avg, exp_avg_sq) in enumerate(zip(grads, exp_avgs,
+                                                        exp_avg_sqs)):
+        for start in range(0, exp_avg.numel(), WIDE_NUMEL):
             piece = slice(start, start + WIDE_NUMEL)
-            # [min(S - start, WIDE_NUMEL)] fp32, exact copies of the stored
+            # [min(S - start, WIDE_NUMEL)] fp32 each, exact copies of the
+            # stored
+            weight = widen(i, piece)
             wide_avg = exp_avg[piece].float()
             wide_avg_sq = exp_avg_sq[piece].float()
-            kernel([master[piece]], [grad[piece]], [wide_avg], [wide_avg_sq])
+            kernel([weight], [grad[piece]], [wide_avg], [wide_avg_sq])
             # round to nearest even, as every cast to bf16
             exp_avg[piece].copy_(wide_avg)
             exp_avg_sq[piece].copy_(wide_avg_sq)
+            store(i, piece, weight)

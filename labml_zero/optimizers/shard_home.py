@@ -32,7 +32,7 @@ import torch
 from labml_zero.zero3.shard import LocalShard, grad_device
 from labml_zero.zero3.state_layout import StateLayout
 
-from . import rounded_update
+from . import kahan_summation, rounded_update
 from .host_offload import HostOffload, HostShard, non_finite_flag
 
 
@@ -156,8 +156,13 @@ class DeviceHome(ShardHome):
         master = self.first_master()
         if self.layout.master is None:
             # no master kept: the engine's fp32 copy is dropped, the shard
-            # is the weight
-            return self.state_of(self.param.detach())
+            # is the weight (a compensation keeps what rounding lost of it)
+            state = self.state_of(self.param.detach())
+            compensation = self.layout.compensation
+            if compensation is not None and master is not None:
+                state[compensation.name] = kahan_summation.compensation_of(
+                    master, self.param.detach())
+            return state
         if master is None:
             dtype = self.layout.master.dtype
             master = (self.param.data if self.param.dtype == dtype

@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from .narrow_moments import WIDE_NUMEL, Kernel
+from .narrow_moments import Kernel, widened_update
 
 # Odd constants of the hash (xxHash's and the golden ratio's): any odd
 # multiplier is a bijection mod $2^{32}$.
@@ -90,24 +90,17 @@ def update(kernel: Kernel, shards: Sequence[torch.Tensor],
     ### One update of bf16 shards that are their own weights
 
     `kernel` is the fp32 update of [narrow moments](narrow_moments.html);
-    per shard and slice the weight and the moments are widened, updated in
-    fp32, and stored: the moments rounded to nearest, a bf16 weight
-    stochastically (an fp32 one is its own master, updated in place). A
-    skipped update (`found_inf`) leaves the widened values as they were,
-    which round back to themselves.
+    per shard and slice (`widened_update`) the weight and the moments are
+    widened, updated in fp32, and stored: the moments rounded to nearest, a
+    bf16 weight stochastically (an fp32 one is its own master, updated in
+    place). A skipped update (`found_inf`) leaves the widened values as they
+    were, which round back to themselves.
     """
-    for shard, grad, exp_avg, exp_avg_sq, salt in zip(shards, grads, exp_avgs,
-                                                      exp_avg_sqs, salts):
-        for start in range(0, shard.numel(), WIDE_NUMEL):
-            piece = slice(start, start + WIDE_NUMEL)
-            # [n] fp32 each, exact copies of the stored bf16
-            weight = shard[piece].float()
-            wide_avg = exp_avg[piece].float()
-            wide_avg_sq = exp_avg_sq[piece].float()
-            kernel([weight], [grad[piece]], [wide_avg], [wide_avg_sq])
-            exp_avg[piece].copy_(wide_avg)
-            exp_avg_sq[piece].copy_(wide_avg_sq)
-            # an fp32 shard was updated in place (`.float()` is itself)
-            if shard.dtype == torch.bfloat16:
-                shard[piece].copy_(stochastic_round(
-                    weight, noise(start, weight.numel(), step, salt)))
+    def store(i: int, piece: slice, weight: torch.Tensor) -> None:
+        # an fp32 shard was updated in place (`.float()` is itself)
+        if shards[i].dtype == torch.bfloat16:
+            shards[i][piece].copy_(stochastic_round(
+                weight, noise(piece.start, weight.numel(), step, salts[i])))
+
+    widened_update(kernel, grads, exp_avgs, exp_avg_sqs,
+                   widen=lambda i, piece: shards[i][piece].float(), store=store)

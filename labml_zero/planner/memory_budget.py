@@ -96,8 +96,9 @@ class BudgetInputs:
     """The dtype of the gradient buffers and the reduction, $g_r$."""
     states: str = "fp32"
     """The optimizer's [state layout](../zero3/state_layout.html), its $K$:
-    `fp32` (master and moments), `bf16-moments`, or `bf16-stochastic` (no
-    master, so nothing can be offloaded)."""
+    `fp32` (master and moments), `bf16-moments`, `8bit-moments`, or
+    `bf16-stochastic` and `bf16-kahan` (no master, so nothing can be
+    offloaded)."""
     finetune: str = "all"
     """What trains: one of the family's fine-tuners (`all` and `lora` in
     every family; GPT-NeoX's `biases` and `ffn`)."""

@@ -17,7 +17,9 @@ $$K = \sum_{s \in \text{layout}} b_s,$$
 $b_s$ the bytes of state $s$'s dtype:
 {{py: state_layout.FP32_STATES.bytes_per_element()}} with fp32 moments,
 {{py: state_layout.BF16_MOMENTS.bytes_per_element()}} with bf16 ones and
-{{py: state_layout.BF16_STOCHASTIC.bytes_per_element()}} without a master and
+{{py: state_layout.BF16_STOCHASTIC.bytes_per_element()}} without a master,
+{{py: state_layout.BF16_KAHAN.bytes_per_element()}} without a master but with
+a bf16 compensation and
 {{py: state_layout.EIGHT_BIT_MOMENTS.bytes_per_element() | .5g}} with 8-bit
 ones. Each layout is declared once, here; the optimizer, the
 [checkpoint](checkpoint/index.html), the [memory model](../planner/memory_model.html),
@@ -33,7 +35,7 @@ from typing import Protocol
 import torch
 
 __all__ = ["StateTensor", "StateLayout", "FP32_STATES", "BF16_MOMENTS",
-           "BF16_STOCHASTIC", "EIGHT_BIT_MOMENTS", "EIGHT_BIT_BLOCK",
+           "BF16_STOCHASTIC", "BF16_KAHAN", "EIGHT_BIT_MOMENTS", "EIGHT_BIT_BLOCK",
            "LAYOUTS", "state_layout", "BF16_WEIGHT_BYTES", "bytes_table",
            "ShardOptimizer"]
 
@@ -53,6 +55,10 @@ class StateTensor:
     * `block`: `None` for one value per element; $B$ for one value per block
       of $B$ elements (an 8-bit moment's scales), $\lceil S / B \rceil$ values
       per shard, the last block partial.
+    * `compensation`: whether it is the low-order part of the weight, $c$ in
+      $w + c$ ([Kahan summation](../optimizers/kahan_summation.html)). It is
+      not a master (the shard is the weight), so it is saved, loaded and
+      resharded as a moment is; a load of a layout without one computes it.
 
     Every state of a shard lives in the shard's
     [home](../optimizers/shard_home.html), device or host, together: the
@@ -64,6 +70,7 @@ class StateTensor:
     dtype: torch.dtype
     master: bool = False
     block: int | None = None
+    compensation: bool = False
 
     @property
     def nbytes(self) -> float:
@@ -85,7 +92,8 @@ class StateLayout:
     ## A choice of states
 
     * `name`: the choice as a user names it (`states="bf16-moments"`).
-    * `tensors`: its states, the master first; at most one master.
+    * `tensors`: its states, the master first; at most one master, and a
+      compensation only where there is none.
     """
 
     name: str
@@ -97,6 +105,9 @@ class StateLayout:
             raise ValueError(f"layout {self.name!r} names a state twice: {names}")
         if sum(t.master for t in self.tensors) > 1:
             raise ValueError(f"layout {self.name!r} has more than one master")
+        if self.compensation is not None and self.master is not None:
+            raise ValueError(f"layout {self.name!r} has a master and a "
+                             "compensation: the master already keeps every bit")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -107,8 +118,13 @@ class StateLayout:
         return next((t for t in self.tensors if t.master), None)
 
     @property
+    def compensation(self) -> StateTensor | None:
+        return next((t for t in self.tensors if t.compensation), None)
+
+    @property
     def moments(self) -> tuple[StateTensor, ...]:
-        """Every state but the master, in order."""
+        """Every state but the master, in order (a compensation too: the
+        checkpoint saves and reshards it as it does a moment)."""
         return tuple(t for t in self.tensors if not t.master)
 
     def dtype(self, name: str) -> torch.dtype:
@@ -159,6 +175,9 @@ class StateLayout:
 # most $2^{-9}$ per store (see the optimizer's page). `BF16_STOCHASTIC` keeps
 # no master at all: the bf16 shard is the weight, and each update is rounded
 # into it stochastically, so that small updates survive on average.
+# `BF16_KAHAN` keeps no master either, but a bf16 compensation $c$ beside
+# the bf16 weight $w$: the pair $w + c$ carries twice bf16's mantissa, and
+# what rounding $w$ to nearest loses is kept in $c$ (Kahan summation).
 # `EIGHT_BIT_MOMENTS` keeps the fp32 master and stores each moment as uint8
 # codes with one fp32 absmax scale per block of `EIGHT_BIT_BLOCK` elements
 # ([8-bit moments](../optimizers/blockwise_moments.html)).
@@ -180,6 +199,11 @@ BF16_STOCHASTIC = StateLayout("bf16-stochastic", (
     StateTensor("exp_avg", torch.bfloat16),
     StateTensor("exp_avg_sq", torch.bfloat16),
 ))
+BF16_KAHAN = StateLayout("bf16-kahan", (
+    StateTensor("compensation", torch.bfloat16, compensation=True),
+    StateTensor("exp_avg", torch.bfloat16),
+    StateTensor("exp_avg_sq", torch.bfloat16),
+))
 EIGHT_BIT_MOMENTS = StateLayout("8bit-moments", (
     StateTensor("master", torch.float32, master=True),
     StateTensor("exp_avg", torch.uint8),
@@ -189,7 +213,7 @@ EIGHT_BIT_MOMENTS = StateLayout("8bit-moments", (
 ))
 LAYOUTS = {layout.name: layout
            for layout in (FP32_STATES, BF16_MOMENTS, BF16_STOCHASTIC,
-                          EIGHT_BIT_MOMENTS)}
+                          BF16_KAHAN, EIGHT_BIT_MOMENTS)}
 """Every choice by name; the first is the default."""
 
 
@@ -209,6 +233,10 @@ def state_layout(choice: str | StateLayout) -> StateLayout:
 BF16_WEIGHT_BYTES = torch.bfloat16.itemsize
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def bytes_table() -> str:
     r"""
     ## Bytes per parameter, by choice
@@ -223,19 +251,24 @@ def bytes_table() -> str:
     byte per element for its per-block scales. `bf16-stochastic` drops the
     master: the bf16 weight is the only copy, and an update smaller than half
     a bf16 step survives only on average, by [stochastic
-    rounding](../optimizers/stochastic_rounding.html).
+    rounding](../optimizers/stochastic_rounding.html). `bf16-kahan` pays 2
+    bytes more for a bf16 compensation, the part of the weight the bf16 shard
+    could not hold, so that such an update survives every time, to twice
+    bf16's precision ([Kahan summation](../optimizers/kahan_summation.html)).
     """
     rows = ["| choice | master | moments | $K$ (bytes) | with the bf16 weight |",
             "| --- | --- | --- | --- | --- |"]
     for layout in LAYOUTS.values():
-        master = layout.master
-        moments = sorted({str(t.dtype).removeprefix("torch.")
-                          for t in layout.moments if t.block is None})
-        moments += sorted({f"{str(t.dtype).removeprefix('torch.')} scale per {t.block}"
+        master, compensation = layout.master, layout.compensation
+        moments = sorted({_dtype_name(t.dtype) for t in layout.moments
+                          if t.block is None and not t.compensation})
+        moments += sorted({f"{_dtype_name(t.dtype)} scale per {t.block}"
                            for t in layout.moments if t.block is not None})
+        kept = _dtype_name(master.dtype) if master else "none"
+        if compensation:
+            kept += f"; {_dtype_name(compensation.dtype)} compensation"
         k = layout.bytes_per_element()
-        rows.append(f"| `{layout.name}` | "
-                    f"{str(master.dtype).removeprefix('torch.') if master else 'none'} | "
+        rows.append(f"| `{layout.name}` | {kept} | "
                     f"{', '.join(moments)} | {k:.6g} | {BF16_WEIGHT_BYTES + k:.6g} |")
     return "\n".join(rows)
 

@@ -16,6 +16,7 @@ from labml_zero.neox.family import NEOX
 from labml_zero.neox.kernels import ModelKernels
 from labml_zero.neox.lora import TARGETS
 from labml_zero.planner.memory_budget import BudgetInputs
+from labml_zero.zero3.state_layout import LAYOUTS
 
 
 def neox_inputs(model=None, **fields) -> BudgetInputs:
@@ -27,6 +28,7 @@ WORLDS = (1, 2, 3, 8, 16, 64, 256, 1024)
 DTYPES = (("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "fp32"))
 FINETUNES = ("all", "biases", "ffn", "lora")
 OFFLOADS = (0.0, 0.35, 1.0, None)
+LAYOUT_NAMES = tuple(LAYOUTS)
 # fixed chunk sizes in elements, odd ones included (the granule rounds them)
 CHUNKS = (2**20, 3 * 2**20 + 17, 5_000_000, 2**24, 40_000_000)
 GIB = 2**30
@@ -62,11 +64,10 @@ def grid_inputs(count: int = 224) -> list[BudgetInputs]:
         # all four projections, two of them, or the attention output alone
         targets = (("query_key_value", "dense_4h_to_h"), ("dense",))[i % 5] \
             if i % 5 < 2 else tuple(TARGETS)
-        # every state layout; the one without a master offloads nothing
-        states = ("fp32", "bf16-moments", "bf16-stochastic",
-                  "8bit-moments")[(i // 11) % 4]
+        # every state layout; those without a master offload nothing
+        states = LAYOUT_NAMES[(i // 11) % len(LAYOUT_NAMES)]
         offload = OFFLOADS[(i // 6) % 4]
-        if states == "bf16-stochastic" and offload:
+        if LAYOUTS[states].master is None and offload:
             offload = 0.0
         cases.append(neox_inputs(
             model=model, world_size=world, shard_group_size=group,
@@ -95,10 +96,9 @@ def llama_inputs(count: int = 42) -> list[BudgetInputs]:
     cases = []
     for i in range(count):
         world = WORLDS[(i // 2) % len(WORLDS)]
-        states = ("fp32", "bf16-moments", "bf16-stochastic",
-                  "8bit-moments")[(i // 5) % 4]
+        states = LAYOUT_NAMES[(i // 5) % len(LAYOUT_NAMES)]
         offload = OFFLOADS[(i // 4) % 4]
-        if states == "bf16-stochastic" and offload:
+        if LAYOUTS[states].master is None and offload:
             offload = 0.0
         cases.append(BudgetInputs(
             getattr(llama_config, LLAMA_PRESETS[i % len(LLAMA_PRESETS)])(),

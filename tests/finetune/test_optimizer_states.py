@@ -14,12 +14,16 @@ from tests.test_finetune import check_ok, finetune, run_dirs, tracked
 RUN = ["--steps", "4", "--checkpoint-every", "2", "--sample-tokens", "0"]
 
 
-def test_a_layout_that_cannot_apply_is_refused_in_one_line():
-    with pytest.raises(ValueError, match="bf16-stochastic keeps no master.*"
-                                         "--offload-optimizer must be 0"):
-        FinetuneConfig(optimizer_states="bf16-stochastic", offload_optimizer=0.5)
-    with pytest.raises(ValueError, match="not --dtype fp16"):
-        FinetuneConfig(optimizer_states="bf16-stochastic", dtype="fp16")
+@pytest.mark.parametrize("states", ["bf16-stochastic", "bf16-kahan"])
+def test_a_layout_that_cannot_apply_is_refused_in_one_line(states):
+    with pytest.raises(ValueError, match=f"^--optimizer-states {states} keeps "
+                                         "no master.*--offload-optimizer must "
+                                         "be 0, got 0.5$"):
+        FinetuneConfig(optimizer_states=states, offload_optimizer=0.5)
+    with pytest.raises(ValueError, match=f"^--optimizer-states {states} rounds "
+                                         "into bf16 or fp32 parameters, not "
+                                         "--dtype fp16$"):
+        FinetuneConfig(optimizer_states=states, dtype="fp16")
     with pytest.raises(ValueError, match="unknown optimizer_states 'int8'; "
                                          "expected one of fp32, bf16-moments"):
         FinetuneConfig(optimizer_states="int8")
@@ -56,6 +60,25 @@ def test_each_layout_trains_and_a_resume_keeps_or_converts_it(tmp_path):
     stochastic = tmp_path / "stochastic"
     check_ok(finetune(stochastic, *RUN, "--optimizer-states", "bf16-stochastic"))
     assert losses(stochastic)[4] < losses(stochastic)[1]
+
+
+def test_bf16_kahan_trains_and_a_resume_keeps_it_bit_exact(tmp_path):
+    """bf16 chunks, so the compensation is used; it is saved with the
+    moments: a resume that names no layout keeps it, and steps 3 and 4
+    repeat the same losses exactly."""
+    kahan = tmp_path / "kahan"
+    check_ok(finetune(kahan, *RUN, "--dtype", "bf16",
+                      "--optimizer-states", "bf16-kahan"))
+    trained = losses(kahan)
+    assert sorted(trained) == [1, 2, 3, 4]
+    assert trained[4] < trained[1]
+    saved = kahan / "out" / "checkpoints" / "step-000002"
+    kept = finetune(tmp_path / "kept", *RUN, "--dtype", "bf16", "--resume",
+                    str(saved))
+    check_ok(kept)
+    assert "converted" not in kept.stderr
+    again = losses(tmp_path / "kept")
+    assert {s: again[s] for s in (3, 4)} == {s: trained[s] for s in (3, 4)}
 
 
 def test_8bit_moments_train_and_a_resume_keeps_them(tmp_path):

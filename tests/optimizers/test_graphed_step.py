@@ -93,7 +93,7 @@ def assert_same_training(a, b) -> None:
 
 
 @pytest.mark.parametrize("states", ["fp32", "bf16-moments", "bf16-stochastic",
-                                    "8bit-moments"])
+                                    "bf16-kahan", "8bit-moments"])
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_graphed_step_trains_as_the_eager_step(dtype, early, states):

@@ -178,7 +178,7 @@ def test_the_one_pass_kernel_with_bf16_moments_is_the_twin_within_rounding():
 def test_bad_states_choice_is_refused():
     with pytest.raises(ValueError, match="states must be one of fp32, "
                                          "bf16-moments, bf16-stochastic, "
-                                         "8bit-moments; got 'fp8'"):
+                                         "bf16-kahan, 8bit-moments; got 'fp8'"):
         AdamFP16([torch.nn.Parameter(torch.ones(2))], states="fp8")
 
 

@@ -158,13 +158,13 @@ def test_memory_per_rank_and_bytes_per_step(world_size, dtype, reduce_dtype):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("states", ["bf16-moments", "bf16-stochastic",
-                                    "8bit-moments"])
+                                    "bf16-kahan", "8bit-moments"])
 @pytest.mark.parametrize("world_size,dtype", [(2, "bfloat16"), (1, "float32")])
 def test_bf16_moments_hold_the_layouts_bytes(world_size, dtype, states):
     """With bf16 moments the engine and the optimizer hold exactly the
     layout's $K$ per trainable element, $4 + 2 + 2$ ($2 + 2$ where the fp32
-    shard is its own master) or, without a master, $2 + 2$, as the memory
-    model and placement count it."""
+    shard is its own master) or, without a master, $2 + 2$ ($2 + 2 + 2$ with
+    a compensation), as the memory model and placement count it."""
     from labml_zero.planner.placement import (ShardSpec, StaticPlacement,
                                               device_optimizer_bytes,
                                               resident_bytes)
@@ -195,6 +195,7 @@ def test_bf16_moments_hold_the_layouts_bytes(world_size, dtype, states):
         assert device_optimizer_bytes(p, chosen) == {
             ("bf16-moments", 2): 4 + 2 + 2, ("bf16-moments", 4): 2 + 2,
             ("bf16-stochastic", 2): 2 + 2, ("bf16-stochastic", 4): 2 + 2,
+            ("bf16-kahan", 2): 2 + 2 + 2, ("bf16-kahan", 4): 2 + 2 + 2,
             ("8bit-moments", 2): 4 + 1 + 1 + 8 / 256,
             ("8bit-moments", 4): 1 + 1 + 8 / 256,
         }[states, p]

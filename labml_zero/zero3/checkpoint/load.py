@@ -205,7 +205,8 @@ def states_conversion(reader: CheckpointReader,
     A checkpoint saved with one [state layout](../state_layout.html) resumes
     an optimizer built with another: each state is cast once, as it is
     installed (fp32 to bf16 rounds to nearest even; bf16 to fp32 is exact;
-    8-bit moments are decoded, or encoded block by block).
+    8-bit moments are decoded, or encoded block by block; a compensation is
+    made from the master, or added to it).
     The resume is then not bit-exact with a run that kept either layout.
     """
     saved = reader.states
@@ -214,8 +215,10 @@ def states_conversion(reader: CheckpointReader,
     if all(chunk["step"] is None for chunk in reader.chunks):
         return None
     # a master is always there to read: the saved one, else the parameter
-    # (an 8-bit moment's scales are made when it is encoded)
-    missing = ({t.name for t in optimizer.layout.moments if t.block is None}
+    # (an 8-bit moment's scales are made when it is encoded, a compensation
+    # from the master)
+    missing = ({t.name for t in optimizer.layout.moments
+                if t.block is None and not t.compensation}
                - set(saved["dtypes"]))
     if missing:
         raise CheckpointError(
