@@ -9,8 +9,8 @@ summary: The results page's section on the optimizer-state choices' quality:
 # Drawing the quality runs
 
 [`bench/quality.py`](../bench/quality.html) writes one JSON line per
-optimizer-state choice, each with `"kind": "quality"`. For each model the
-latest file's lines are drawn as an SVG figure (validation loss against step,
+optimizer-state choice, each with `"kind": "quality"`. For each model,
+device and set of choices the latest file's lines are drawn as an SVG figure (validation loss against step,
 one line per choice) and a table of final validation losses with
 $\delta = (L_\text{choice} - L_\text{fp32}) / L_\text{fp32}$. With no such file
 the section says so, and draws nothing.
@@ -32,10 +32,12 @@ COLOURS = ("#222222", "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e")
 WIDTH, HEIGHT, MARGIN = 640, 320, 48
 
 
-def load_quality(root: Path) -> dict[str, tuple[str, list[dict]]]:
-    """`{model: (file name, lines)}` from the latest quality file of each model
-    (files sort by their date prefix, so the last one read wins)."""
-    found: dict[str, tuple[str, list[dict]]] = {}
+def load_quality(root: Path) -> dict[tuple, tuple[str, list[dict]]]:
+    """`{(model, device, choices): (file name, lines)}` from the latest quality
+    file of each model, device and set of choices (files sort by their date
+    prefix, so the last one read wins): a run of some choices on another
+    device stands beside the earlier runs, not instead of them."""
+    found: dict[tuple, tuple[str, list[dict]]] = {}
     folder = root / RESULTS_DIR
     if not folder.is_dir():
         return found
@@ -44,7 +46,9 @@ def load_quality(root: Path) -> dict[str, tuple[str, list[dict]]]:
                  if t.strip()]
         lines = [l for l in lines if l.get("kind") == "quality"]
         if lines:
-            found[lines[0]["model"]] = (path.name, lines)
+            key = (lines[0]["model"], lines[0]["device"],
+                   tuple(l["optimizer_states"] for l in lines))
+            found[key] = (path.name, lines)
     return dict(sorted(found.items()))
 
 
@@ -94,7 +98,7 @@ def quality_markdown(root: Path) -> str:
     if not runs:
         return "\n".join(out + ["No quality run is recorded in `bench/results/` yet.",
                                 ""])
-    for model, (name, lines) in runs.items():
+    for (model, _, _), (name, lines) in runs.items():
         first = lines[0]
         out += [f"### {model}, {first['steps']} steps on {first['device']}", "",
                 '<figure class="data">', curves_svg(lines), "</figure>", "",

@@ -53,7 +53,7 @@ def test_every_choice_is_recorded_against_fp32(written):
 
 def test_the_results_page_draws_the_runs(written):
     root, lines = written
-    assert list(load_quality(root)) == ["tiny"]
+    assert [model for model, _, _ in load_quality(root)] == ["tiny"]
     page = quality_markdown(root)
     assert page.count("<polyline") == len(LAYOUTS)
     for line in lines:
@@ -94,3 +94,19 @@ def test_a_checkpoint_gives_the_model(tmp_path):
     assert "--model" not in command and command[-2:] == ["--checkpoint", "ckpt"]
     plain = quality.job_command(quality.parse_args(["--model", "tiny"]), "fp32", tmp_path)
     assert plain[plain.index("--model") + 1] == "tiny"
+
+
+def test_a_run_of_other_choices_stands_beside_the_earlier_one(written):
+    """A later file of the same model with another set of choices (or another
+    device) is drawn beside the first; the same set on the same device
+    replaces it."""
+    root, lines = written
+    folder = root / "bench" / "results"
+    two = [dict(lines[0]), dict(lines[-1])]
+    later = folder / "2099-01-01-quality-tiny-1xcpu.jsonl"
+    later.write_text("".join(json.dumps(l) + "\n" for l in two))
+    assert len(load_quality(root)) == 2
+    later.write_text("".join(json.dumps(l) + "\n" for l in lines))
+    assert len(load_quality(root)) == 1
+    assert next(iter(load_quality(root).values()))[0] == later.name
+    later.unlink()  # the fixture's folder is shared by this file's tests
