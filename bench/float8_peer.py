@@ -197,7 +197,9 @@ def build_fsdp2_float8(ctx: DistContext, workload: Workload) -> Engine:
         float8.precompute_float8_dynamic_scale_for_fsdp(model)
         return loss.detach()
 
-    converted = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    from torchao.float8.float8_linear import Float8Linear
+
+    converted = sum(isinstance(m, Float8Linear) for m in model.modules())
     return Engine(
         step=step,
         memory_model=fsdp2_memory(psi_t, psi_f, ctx.world_size, offload=offload),
