@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
+from bench import baselines, engine, float8_peer
 from bench import pair as bench_pair
 from bench import run as bench_run
 from bench.baselines import EngineUnavailable
@@ -27,12 +29,12 @@ from labml_zero.launch import DistContext
 from tests.distributed import run_distributed
 from tests.tolerance import unit_roundoff
 
-float8 = pytest.importorskip("torchao.float8", reason="torchao is not installed")
-
-from torchao.float8.float8_linear import Float8Linear  # noqa: E402
-
-from bench import float8_peer  # noqa: E402  (after the skip: it needs torchao)
-from bench import baselines, engine  # noqa: E402
+try:
+    import torchao.float8 as float8
+    from torchao.float8.float8_linear import Float8Linear
+except Exception:  # not installed, or built for another torch
+    float8 = Float8Linear = None
+needs_torchao = pytest.mark.skipif(float8 is None, reason="torchao does not import")
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -54,6 +56,7 @@ def float8_names(layers) -> set[str]:
             if isinstance(m, Float8Linear)}
 
 
+@needs_torchao
 def test_the_layers_linears_are_converted_and_nothing_else():
     """GPT-NeoX at width 64: the four linears of each layer; the readout stays."""
     _, layers, before = converted("W4")
@@ -72,6 +75,7 @@ def test_the_layers_linears_are_converted_and_nothing_else():
             assert type(weight).__name__ == "WeightWithDynamicFloat8CastTensor"
 
 
+@needs_torchao
 def test_a_dimension_not_a_multiple_of_16_stays_plain():
     """Tiny Llama: d 64 (q, k, v, o convert), d_ff 172 (the MLP's three stay)."""
     workload, layers, _ = converted("L1")
@@ -86,6 +90,7 @@ def test_a_dimension_not_a_multiple_of_16_stays_plain():
     assert float8_peer.fp8_linear(nn.Linear(64, 176, device="meta"))
 
 
+@needs_torchao
 def test_frozen_weights_stay_frozen():
     """Bias-only: the swap makes a new weight parameter; it must stay frozen."""
     _, layers, _ = converted("W3", finetune="biases")
@@ -116,6 +121,7 @@ def product_bound(a, da, b, db) -> torch.Tensor:
             + n * unit_roundoff(torch.float32) * exact)
 
 
+@needs_torchao
 def test_one_float8_linear_is_within_its_bound():
     """
     One `Float8Linear` (emulated, fp32) against `nn.Linear` on the same weights:
@@ -184,6 +190,7 @@ def first_losses(ctx: DistContext, workload) -> dict:
     return out
 
 
+@needs_torchao
 @pytest.mark.distributed
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_trains_beside_fsdp2_within_fp8_tolerance(world_size):
@@ -209,6 +216,7 @@ def test_trains_beside_fsdp2_within_fp8_tolerance(world_size):
 
 
 @pytest.mark.distributed
+@needs_torchao
 def test_tiny_run_writes_an_ok_line(tmp_path):
     out = tmp_path / "results.jsonl"
     lines = bench_run.main(["--tiny", "--cpu", "--workloads", "W4",
@@ -223,11 +231,9 @@ def test_tiny_run_writes_an_ok_line(tmp_path):
     assert line["info"]["float8_linears"] == 8
     assert "emulated" in line["info"]["float8"]
     # FSDP2's model states
-    tiny = shrink(all_workloads()["W4"])
     fsdp2 = baselines.fsdp2_memory(line["psi_trainable"], line["psi_frozen"], 2,
                                    offload=False)
     assert line["memory_model_gib"] == {k: v / 2**30 for k, v in fsdp2.items()}
-    assert tiny.model.d_model == 64
 
 
 def test_engine_is_listed_and_compiled():
@@ -262,7 +268,7 @@ def test_skipped_without_torchao(monkeypatch):
                                backend="gloo", timeout_s=10)
     assert line["status"] == "skipped" and "torchao" in line["reason"]
 
-    monkeypatch.setitem(__import__("sys").modules, "torchao.float8", None)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(EngineUnavailable, match="torchao"):
         float8_peer.import_float8()
 
