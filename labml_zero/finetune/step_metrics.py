@@ -33,10 +33,9 @@ __all__ = ["PEAK_FLOPS", "flops_per_token", "peak_flops", "peak_flops_of", "mfu"
 
 # Dense (not 2:4 sparse) peak FLOP/s per GPU from the vendors' data sheets:
 # name fragment → (bf16/fp16 tensor cores, fp32 through TF32, fp8 tensor
-# cores or None). The fp8 figures are the NVIDIA H100 data sheet's (FP8
-# Tensor Core, 3,958 TFLOP/s "with sparsity" for the SXM part, 3,026 for
-# PCIe, halved to dense); the H200's sheet gives the SXM figure again; the
-# A100 has no fp8. The first fragment in the device's name wins, so a PCIe
+# cores or None). The fp8 figures are the NVIDIA H100 data sheet's FP8
+# Tensor Core rows, given "with sparsity" and halved here to dense; the
+# H200's sheet repeats the SXM row; the A100 has no fp8. The first fragment in the device's name wins, so a PCIe
 # part precedes its SXM twin. Another GPU gets no MFU. A large matrix product
 # measured on the GPU reaches less than the data sheet's figure, so a share of
 # that measured peak reads higher; it may be shown beside MFU, named as such,
