@@ -300,7 +300,16 @@ def deepspeed_memory(psi_t: int, psi_f: int, world_size: int, *,
 # ## FSDP2
 
 
-def build_fsdp2(ctx: DistContext, workload: Workload) -> Engine:
+def fsdp2_model(ctx: DistContext, workload: Workload, *,
+                convert=None) -> tuple[nn.Module, list[nn.Module], int, int]:
+    r"""
+    ### The model under FSDP2, as the section above builds it
+
+    Returns the sharded `LayerChain`, its layers (the unwrapped ones, which the
+    initial weights are copied into), $\Psi_t$ and $\Psi_f$. `convert`, if
+    given, rewrites the meta layers in place before anything is compiled or
+    sharded (the [float8 peer](float8_peer.html) swaps the layers' linears).
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
@@ -313,6 +322,8 @@ def build_fsdp2(ctx: DistContext, workload: Workload) -> Engine:
     # anything below draws or reseeds
     seed = torch.initial_seed()
     layers, psi_t, psi_f = meta_layers(workload)
+    if convert is not None:
+        convert(layers)
     modules = with_recompute(layers, workload)
     model = LayerChain(*modules)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
@@ -340,15 +351,25 @@ def build_fsdp2(ctx: DistContext, workload: Workload) -> Engine:
     #    on the host when they are to live there
     model.to_empty(device="cpu" if offload else ctx.device)
     InitialWeights(workload, seed=seed, device=ctx.device).copy_into(layers)
-    # With offload the optimizer steps host tensors: fused has a CPU kernel.
-    optimizer = adamw(trainable(model), fused=offload or ctx.device.type == "cuda")
+    return model, layers, psi_t, psi_f
+
+
+def fsdp2_formula(offload: bool) -> str:
     formula = "(4+4+8)·Ψt/N + 4·Ψf/N (fp32 params are the masters)"
     if offload:
         formula = "GPU: 0; host: " + formula + ", CPUOffloadPolicy"
+    return formula
+
+
+def build_fsdp2(ctx: DistContext, workload: Workload) -> Engine:
+    model, _, psi_t, psi_f = fsdp2_model(ctx, workload)
+    offload = workload.offload is not None
+    # With offload the optimizer steps host tensors: fused has a CPU kernel.
+    optimizer = adamw(trainable(model), fused=offload or ctx.device.type == "cuda")
     return Engine(
         step=plain_step(model, optimizer),
         memory_model=fsdp2_memory(psi_t, psi_f, ctx.world_size, offload=offload),
-        memory_formula=formula,
+        memory_formula=fsdp2_formula(offload),
         psi_trainable=psi_t,
         psi_frozen=psi_f,
     )

@@ -34,8 +34,9 @@ cannot disturb the next.
   does the same, with `"where": "host"`, when the host has less than
   `--host-reserve-gib` available (offloading engines on W5), before the
   kernel's out-of-memory killer would pick a process.
-* **Engine unavailable** (DeepSpeed not installed): `"status": "skipped"` with
-  the reason; no process is spawned if the module cannot even be found.
+* **Engine unavailable** (DeepSpeed or torchao not installed): `"status":
+  "skipped"` with the reason; no process is spawned if the module cannot even
+  be found.
 * **Anything else**: `"status": "error"` with the last line of the traceback; the
   remaining pairs still run.
 
@@ -68,9 +69,13 @@ from .gpu_clocks import CLOCK_FIELDS, ClockWatch, gpu_id
 from .host_memory import HostMemoryWatch, exit_on_exhausted, rss_peak
 from .workloads import Workload, mfu
 
-ENGINES = ("labml_zero", "fsdp2", "ddp", "deepspeed")
+ENGINES = ("labml_zero", "fsdp2", "fsdp2_float8", "ddp", "deepspeed")
 # the engines whose builders honour `workload.compile`
-COMPILED_ENGINES = ("labml_zero", "fsdp2", "ddp")
+COMPILED_ENGINES = ("labml_zero", "fsdp2", "fsdp2_float8", "ddp")
+# the engines whose matrix products run in fp8: their lines also have `mfu_fp8`
+FP8_ENGINES = ("fsdp2_float8",)
+# an optional engine's module: without it the pair is skipped, no process spawned
+OPTIONAL_MODULES = {"deepspeed": "deepspeed", "fsdp2_float8": "torchao"}
 GIB = 2**30
 
 
@@ -118,13 +123,14 @@ class RunConfig:
 
 def builder(engine: str):
     """The builder function of `engine` (imported late: each pulls its own deps)."""
-    from . import baselines, bounds, engine as ours
+    from . import baselines, bounds, engine as ours, float8_peer
 
     if engine in BOUNDS:
         return lambda ctx, workload: bounds.build_bound(engine, ctx, workload)
     return {
         "labml_zero": ours.build_labml_zero,
         "fsdp2": baselines.build_fsdp2,
+        "fsdp2_float8": float8_peer.build_fsdp2_float8,
         "ddp": baselines.build_ddp,
         "deepspeed": baselines.build_deepspeed,
     }[engine]
@@ -346,6 +352,10 @@ def merge(line: dict, records: list[dict], workload: Workload, world_size: int,
         # rank 0's GPU (gpu_clocks): absent where nothing was sampled
         **{key: first[key] for key in CLOCK_FIELDS if key in first},
         "mfu": mfu(workload, tokens_per_s, world_size, first["device"]),
+        # the same FLOPs over the dense fp8 peak, for the engines computing in fp8
+        **({"mfu_fp8": mfu(workload, tokens_per_s, world_size, first["device"],
+                           dtype=torch.float8_e4m3fn)}
+           if line["engine"] in FP8_ENGINES else {}),
         "init_s": max(r["init_s"] for r in records),
         "psi_trainable": first["psi_trainable"],
         "psi_frozen": first["psi_frozen"],
@@ -385,9 +395,10 @@ def run_pair(engine: str, workload: Workload, run: RunConfig, *, world_size: int
     if engine in BOUNDS:
         if (reason := unavailable(engine, workload)) is not None:
             return {**line, "status": "skipped", "reason": reason}
-    if engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+    module = OPTIONAL_MODULES.get(engine)
+    if module is not None and importlib.util.find_spec(module) is None:
         return {**line, "status": "skipped",
-                "reason": "deepspeed is not installed (no module named deepspeed)"}
+                "reason": f"{module} is not installed (no module named {module})"}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as out_dir:
         error = None

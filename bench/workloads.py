@@ -231,13 +231,15 @@ def flops_per_token(workload: Workload) -> float:
 
 
 def mfu(workload: Workload, tokens_per_s: float, world_size: int,
-        device_name: str | None) -> float | None:
-    """Model FLOPs utilisation against the bf16 data-sheet peak of
-    `device_name` (`None`: a CPU or an unknown GPU)."""
+        device_name: str | None, *,
+        dtype: torch.dtype = torch.bfloat16) -> float | None:
+    """Model FLOPs utilisation against the `dtype` (bf16, or e4m3 for the fp8
+    engine's `mfu_fp8`) data-sheet peak of `device_name` (`None`: a CPU, an
+    unknown GPU, or one without fp8 tensor cores)."""
     return step_metrics.mfu(
         token_flops=flops_per_token(workload), tokens_per_s=tokens_per_s,
         world_size=world_size,
-        peak=step_metrics.peak_flops_of(device_name, torch.bfloat16))
+        peak=step_metrics.peak_flops_of(device_name, dtype))
 
 
 # ## The workloads

@@ -310,7 +310,8 @@ COLUMN_ROWS: list[Row] = [
      "(every one, only the biases, or adapters). Each workload of the tables:",
      "bench/workloads.py", "workloads", 0, ""),
     ("### engine\n\n"
-     "What trains the workload: `labml_zero`, PyTorch's FSDP2 or DDP, or "
+     "What trains the workload: `labml_zero`, PyTorch's FSDP2 (also as "
+     "`fsdp2_float8`, with torchao's float8 linears), DDP, or "
      "DeepSpeed; or one of the two one-device bounds of `bench/bounds.py`, "
      "`model_only` (the model's forward and backward passes alone, no update) "
      "and `update_floor` (the same with AdamW's update in one pass over fp32 "

@@ -32,13 +32,19 @@ __all__ = ["PEAK_FLOPS", "flops_per_token", "peak_flops", "peak_flops_of", "mfu"
            "local_grad_squares", "StepClock", "peak_memory_gib", "StepMeter"]
 
 # Dense (not 2:4 sparse) peak FLOP/s per GPU from the vendors' data sheets:
-# name fragment → (bf16/fp16 tensor cores, fp32 through TF32). The first
-# fragment in the device's name wins, so a PCIe part precedes its SXM twin.
-# Another GPU gets no MFU. A large matrix product measured on the GPU reaches
-# less than the data sheet's figure, so a share of that measured peak reads
-# higher; it may be shown beside MFU, named as such, never instead of it.
-PEAK_FLOPS = {"H200": (989.4e12, 494.7e12), "H100 PCIe": (756e12, 378e12),
-              "H100": (989.4e12, 494.7e12), "A100": (312e12, 156e12)}
+# name fragment → (bf16/fp16 tensor cores, fp32 through TF32, fp8 tensor
+# cores or None). The fp8 figures are the NVIDIA H100 data sheet's FP8
+# Tensor Core rows, given "with sparsity" and halved here to dense; the
+# H200's sheet repeats the SXM row; the A100 has no fp8. The first fragment in the device's name wins, so a PCIe
+# part precedes its SXM twin. Another GPU gets no MFU. A large matrix product
+# measured on the GPU reaches less than the data sheet's figure, so a share of
+# that measured peak reads higher; it may be shown beside MFU, named as such,
+# never instead of it.
+PEAK_FLOPS = {"H200": (989.4e12, 494.7e12, 1978.9e12),
+              "H100 PCIe": (756e12, 378e12, 1513e12),
+              "H100": (989.4e12, 494.7e12, 1978.9e12),
+              "A100": (312e12, 156e12, None)}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def flops_per_token(*, matmul_params: int, n_layers: int, d_model: int,
@@ -62,13 +68,17 @@ def peak_flops_of(name: str | None, dtype: torch.dtype) -> float | None:
     #### A GPU's dense peak FLOP/s from its name
 
     `name` as `torch.cuda.get_device_name` gives it (`'NVIDIA H200'`); bf16 and
-    fp16 run on the tensor cores at one rate, fp32 through TF32 at half of it.
-    `None` for a name not in `PEAK_FLOPS` (a CPU has none).
+    fp16 run on the tensor cores at one rate, fp32 through TF32 at half of it,
+    either fp8 (e4m3, e5m2) at twice it. `None` for a name not in `PEAK_FLOPS`
+    (a CPU has none), or fp8 on a GPU without it.
     """
-    if not name or dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    known = (torch.bfloat16, torch.float16, torch.float32, *FP8_DTYPES)
+    if not name or dtype not in known:
         return None
-    for fragment, (half, single) in PEAK_FLOPS.items():
+    for fragment, (half, single, fp8) in PEAK_FLOPS.items():
         if fragment in name:
+            if dtype in FP8_DTYPES:
+                return fp8
             return single if dtype == torch.float32 else half
     return None
 

@@ -40,6 +40,13 @@ def test_peak_is_the_data_sheets_dense_figure_in_flops():
     assert peak_flops_of("NVIDIA GeForce GT 710", torch.bfloat16) is None
     assert peak_flops_of("cpu", torch.bfloat16) is None
     assert peak_flops_of("NVIDIA H200", torch.float64) is None
+    # fp8 (either format): the H100 data sheet's sparse figures halved, SXM
+    # 3958 and PCIe 3026; none on an A100
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert peak_flops_of("NVIDIA H200", fp8) == 1978.9e12
+        assert peak_flops_of("NVIDIA H100 80GB HBM3", fp8) == 1978.9e12
+        assert peak_flops_of("NVIDIA H100 PCIe", fp8) == 3026e12 / 2
+        assert peak_flops_of("NVIDIA A100-SXM4-80GB", fp8) is None
 
 
 def test_mfu_of_a_step_on_the_data_sheet():
