@@ -208,7 +208,7 @@ class FinetuneConfig:
     are [its own](../llama/kernels.html): `rms_norm`, `swiglu`, `rotary`,
     `loss`. `fp8` (either family, never in `auto`; `auto,fp8` adds it) runs
     the layers' linears in [fp8](../layers/float8.html): GPUs of compute
-    capability 8.9 or more with torchao, refused before start elsewhere."""
+    with fp8 products (Ada, Hopper) and torchao, refused before start elsewhere."""
     cuda_graph: bool = False
     """Record the whole training step as one CUDA graph after two eager steps
     and replay it ([the step as one CUDA

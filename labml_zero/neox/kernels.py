@@ -87,7 +87,7 @@ class ModelKernels:
     """The transformer layers' linears in fp8 ([fp8 matrix
     products](../layers/float8.html)). A precision, not a fusion with an exact
     twin: named on its own (`'fp8'`, `'loss,fp8'`), never in `all` or
-    `auto`; GPUs of compute capability 8.9 and more only."""
+    `auto`; GPUs with fp8 products (Ada, Hopper) only."""
     fp8_emulate: bool = field(default=False, metadata={"test": True})
     """torchao's emulation of the fp8 products, for the CPU tests only: no
     name turns it on."""

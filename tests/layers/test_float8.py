@@ -140,6 +140,16 @@ def test_a_wrong_scale_fails_the_tolerance(name):
     assert not within(name, plain, fp8, size), (plain, fp8, size)
 
 
+def test_the_formats_of_the_notes():
+    e4m3, e5m2 = torch.finfo(torch.float8_e4m3fn), torch.finfo(torch.float8_e5m2)
+    assert (e4m3.max, e5m2.max) == (448, 57344)
+    assert (e4m3.eps / 2, e5m2.eps / 2) == (U8, 2 * U8)  # 3 and 2 mantissa bits
+    config = float8.torchao_config()
+    assert config.cast_config_input.target_dtype == torch.float8_e4m3fn
+    assert config.cast_config_weight.target_dtype == torch.float8_e4m3fn
+    assert config.cast_config_grad_output.target_dtype == torch.float8_e5m2
+
+
 # ## Which linears
 
 
