@@ -48,6 +48,7 @@ from dataclasses import replace
 import torch
 
 from labml_zero.llama.config import LlamaConfig
+from labml_zero.layers.float8 import check_fp8
 from labml_zero.llama.kernels import LlamaKernels, resolve_llama_kernels
 from labml_zero.neox.build import resolve_kernels
 from labml_zero.neox.kernels import ATTENTION_BACKENDS, ModelKernels
@@ -118,7 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the model's fused kernels, comma-separated from "
                         f"{','.join(ModelKernels.fusions())} (GPT-NeoX) or "
                         f"{','.join(LlamaKernels.fusions())} (Llama), or all, "
-                        "none, or auto (all on the GPUs, none on CPU, as the job)")
+                        "none, or auto (all on the GPUs, none on CPU, as the job); "
+                        "fp8 (never in auto; auto,fp8 adds it) runs the layers' "
+                        "linears in fp8 (GPUs of compute capability >= 8.9, torchao)")
     parser.add_argument("--attention", default=None,
                         help="pin the attention backend: "
                         f"{', '.join(ATTENTION_BACKENDS)} (default: PyTorch's choice)")
@@ -165,6 +168,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             if args.attention is not None:
                 raise ValueError("Llama's attention backend is PyTorch's choice")
             args.llama_kernels = resolve_llama_kernels(args.kernels, device)
+        # fp8 refused here, before any pair starts, where it cannot run
+        for kernels in (args.model_kernels, args.llama_kernels):
+            check_fp8(kernels, device)
     except ValueError as error:
         raise SystemExit(f"--kernels/--attention: {error}")
     return args

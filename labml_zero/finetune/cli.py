@@ -324,6 +324,8 @@ def check_before_start(config: FinetuneConfig, parser: Parser, *,
     device = torch.device("cuda" if backend == "nccl" else "cpu")
     if (why := config.cuda_graph_refusal(device)) is not None:
         parser.error(f"--cuda-graph {why}")
+    if (why := config.fp8_refusal(device)) is not None:
+        parser.error(f"--kernels fp8 {why}")
     try:
         with Signals():
             return preflight(config, world_size=world_size, device=device)

@@ -33,6 +33,7 @@ from labml_zero.app.client import check_app_url
 from labml_zero.families import (FAMILIES, family_for_model_type,
                                  family_for_preset)
 from labml_zero.family import ModelFamily
+from labml_zero.layers.float8 import fp8_refusal
 from labml_zero.finetune.lr_schedule import SCHEDULES, LRSchedule
 from labml_zero.zero3.state_layout import LAYOUTS as STATE_LAYOUTS
 
@@ -205,7 +206,9 @@ class FinetuneConfig:
     build](../neox/build.html)); `none`; or names from `loss`, `rotary`,
     `norms`, `bias_gelu`, comma-separated, for GPT-NeoX; the Llama family's
     are [its own](../llama/kernels.html): `rms_norm`, `swiglu`, `rotary`,
-    `loss`."""
+    `loss`. `fp8` (either family, never in `auto`; `auto,fp8` adds it) runs
+    the layers' linears in [fp8](../layers/float8.html): GPUs of compute
+    with fp8 products (Ada, Hopper) and torchao, refused before start elsewhere."""
     cuda_graph: bool = False
     """Record the whole training step as one CUDA graph after two eager steps
     and replay it ([the step as one CUDA
@@ -358,6 +361,12 @@ class FinetuneConfig:
         if self.sample_tokens and not self.prompt:
             raise ValueError("prompt must be non-empty to sample")
 
+    def fp8_refusal(self, device: torch.device) -> str | None:
+        """#### Why `--kernels` with fp8 cannot run on `device`, or `None`"""
+        if "fp8" not in [n.strip() for n in self.kernels.split(",")]:
+            return None
+        return fp8_refusal(device)
+
     def cuda_graph_refusal(self, device: torch.device) -> str | None:
         """
         #### Why `cuda_graph` cannot apply to this run, or `None`
@@ -502,9 +511,13 @@ class FinetuneConfig:
             raise ValueError(f"lora_targets names a projection twice: "
                              f"{','.join(self.lora_targets)}")
         try:
-            family.resolve_kernels(self.kernels, "cpu")  # names, whatever the device
+            # names, whatever the device
+            kernels = family.resolve_kernels(self.kernels, "cpu")
         except ValueError as e:
             raise ValueError(f"kernels {self.kernels!r}: {e}") from None
+        if kernels.fp8 and self.finetune == "lora":
+            raise ValueError("kernels fp8 with finetune 'lora': the adapter's "
+                             "wrapper computes the product itself, in bf16")
 
     def tuner(self):
         """

@@ -32,6 +32,7 @@ from typing import NamedTuple, Sequence
 
 from labml_zero.llama.config import LlamaConfig
 from labml_zero.llama.finetuners import finetuner
+from labml_zero.layers.float8 import check_fp8_count
 from labml_zero.llama.kernels import LlamaKernels
 from labml_zero.llama.model import build_layers
 
@@ -262,6 +263,7 @@ def layer_activation_bytes(config: LlamaConfig, *, batch: int, seq: int,
     kernels=llama_kernels.LlamaKernels.all_fused()) / 2**20 | ,.0f}} MiB fused.
     """
     _check(config, batch, seq, dtype_bytes)
+    check_fp8_count(kernels, finetune)  # fp8: the plain count, or refused
     trains, _ = _trainable(config, finetune, lora_rank, lora_targets)
     if checkpointing:
         return batch * seq * config.d_model * dtype_bytes

@@ -45,6 +45,7 @@ from labml_zero.llama.model import (DecoderLayer, build_layers, count_parameters
                                     hf_prefix, tie_embeddings)
 from labml_zero.llama.tokenizer import TOKENIZER_FILE, checkpoint_tokenizer
 from labml_zero.neox.generate import Sampling, generate
+from labml_zero.layers.float8 import check_fp8
 from labml_zero.llama.kernels import resolve_llama_kernels
 from labml_zero.layers.lora import load_base_weights, reset_adapters
 from labml_zero.hf.export_destination import (check_export_destination,
@@ -107,9 +108,10 @@ def assemble(build: TrainingBuild, recipe: Recipe, *, device: torch.device,
     fusion on CUDA, none elsewhere); with `compile`, each decoder layer's
     forward is compiled.
     """
+    kernels = resolve_llama_kernels(build.kernels, device)
+    check_fp8(kernels, device)
     layers = build_layers(build.model, filter_layers=build.filter_layers,
-                          device="meta",
-                          kernels=resolve_llama_kernels(build.kernels, device))
+                          device="meta", kernels=kernels)
     compiled = (DecoderLayer,) if build.compile else ()
     return assemble_layers(layers, dataclasses.replace(recipe, compile_types=compiled),
                            device=device, init_param=init_param, load=load,

@@ -18,12 +18,12 @@ field below.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from labml_zero.neox.kernels import ModelKernels, on_gpu_compiled
+from labml_zero.neox.kernels import ModelKernels, on_gpu_compiled, resolve_auto
 
 __all__ = ["LlamaKernels", "resolve_llama_kernels", "rms_norm", "rms_norm_fused",
            "swiglu", "swiglu_fused"]
@@ -66,6 +66,12 @@ class LlamaKernels:
     loss_chunk_rows: int = 2048
     """Rows (tokens) per chunk of the chunked loss: one chunk's fp32 logits are
     `loss_chunk_rows` × $V$ × 4 bytes."""
+    fp8: bool = field(default=False, metadata={"precision": True})
+    """The decoder layers' linears in fp8 ([fp8 matrix
+    products](../layers/float8.html)): a precision, named on its own, never in
+    `all` or `auto`."""
+    fp8_emulate: bool = field(default=False, metadata={"test": True})
+    """torchao's emulation of the fp8 products, for the CPU tests only."""
 
     def __post_init__(self):
         if self.loss_chunk_rows < 1:
@@ -73,6 +79,7 @@ class LlamaKernels:
                              f"got {self.loss_chunk_rows}")
 
     fusions = classmethod(ModelKernels.fusions.__func__)
+    choices = classmethod(ModelKernels.choices.__func__)
     all_fused = classmethod(ModelKernels.all_fused.__func__)
     from_names = classmethod(ModelKernels.from_names.__func__)
     names = ModelKernels.names
@@ -83,13 +90,11 @@ def resolve_llama_kernels(spec: str, device: torch.device | str) -> LlamaKernels
     ## `'auto'`, `'none'` or fusion names, to `LlamaKernels` for `device`
 
     `'auto'` is every fusion on CUDA and none elsewhere, where the compiled
-    functions would run as their twins anyway. An unknown name is a
-    `ValueError` naming it.
+    functions would run as their twins anyway; `'auto,fp8'` adds fp8. An
+    unknown name is a `ValueError` naming it. Names only: whether fp8 can
+    run on the device is `check_fp8`'s, before the start.
     """
-    if spec.strip() == AUTO:
-        on_gpu = torch.device(device).type == "cuda"
-        return LlamaKernels.all_fused() if on_gpu else LlamaKernels()
-    return LlamaKernels.from_names(spec)
+    return resolve_auto(LlamaKernels, spec, device)
 
 
 # ## RMSNorm

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from labml_zero.layers.float8 import to_float8
 from labml_zero.layers.layer_list import (LayerChain, count_parameters,
                                           init_like_hf, layer_indices)
 from labml_zero.llama.config import LlamaConfig
@@ -344,7 +345,9 @@ def build_layers(config: LlamaConfig, *, filter_layers: Iterable[int] | None = N
     * Off meta, weights are initialised as Hugging Face does.
     * `kernels` chooses the [fused kernels](kernels.html) once for every
       layer; `None` is the plain model (no fused kernel). The rotary tables
-      are built here, outside any compiled function.
+      are built here, outside any compiled function. With `kernels.fp8` the
+      decoder layers' linears become `Float8Linear` ([fp8
+      products](../layers/float8.html)).
     """
     indices = layer_indices(config.n_layers, filter_layers)
     factory = dict(device=device, dtype=dtype)
@@ -355,6 +358,9 @@ def build_layers(config: LlamaConfig, *, filter_layers: Iterable[int] | None = N
                for i in indices]
     layers += [FinalNorm(config, kernels=kernels, **factory),
                Readout(config, kernels=kernels, **factory)]
+    if kernels.fp8:  # the decoder layers' linears only, before any chunk exists
+        for layer in layers[1:-2]:
+            to_float8(layer, emulate=kernels.fp8_emulate)
     if config.tie_embeddings:
         tie_embeddings(layers)
     if torch.device(device or "cpu").type != "meta":

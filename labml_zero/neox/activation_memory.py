@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
+from labml_zero.layers.float8 import check_fp8_count
 from labml_zero.neox.kernels import ModelKernels
 from labml_zero.neox.layer_memory import (FP32, _check, _layer_bytes,
                                           _trainable, layer_activation_bytes)
@@ -316,6 +317,7 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
     the largest sum of the two parts alive at one time.
     """
     _check(config, batch, seq, 2)
+    check_fp8_count(kernels, finetune)  # fp8: the plain count, or refused
     block, others = _trainable(config, finetune, lora_rank, lora_targets)
     kernels = kernels or ModelKernels()
     size = {"batch": batch, "seq": seq, "dtype_bytes": 2, "lora_rank": lora_rank,

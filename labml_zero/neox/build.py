@@ -28,7 +28,8 @@ from typing import Callable, Sequence
 import torch
 
 from labml_zero.assembly import Assembled, AutoLimits, Recipe, assemble
-from labml_zero.neox.kernels import ModelKernels
+from labml_zero.layers.float8 import check_fp8
+from labml_zero.neox.kernels import ModelKernels, resolve_auto
 from labml_zero.neox.model import NeoXConfig, TransformerLayer, build_layers
 from labml_zero.planner.placement import ShardSpec
 from labml_zero.zero3.sharded_model import Zero3Layer, Zero3Sequential
@@ -48,11 +49,11 @@ def resolve_kernels(spec: str, device: torch.device | str) -> ModelKernels:
     builds the plain model there. `'auto'` follows the device's type, not its
     speed: on a GPU where a fused kernel is slower than its twin (a small model
     whose step the host sets the pace of), name the kernels instead.
+    `'auto,fp8'` adds the [fp8 products](../layers/float8.html), which `auto`
+    never turns on (a change of precision, not a fusion with an exact twin);
+    whether they can run on the device is `check_fp8`'s, before the start.
     """
-    if spec.strip() == AUTO:
-        on_gpu = torch.device(device).type == "cuda"
-        return ModelKernels.all_fused() if on_gpu else ModelKernels()
-    return ModelKernels.from_names(spec)
+    return resolve_auto(ModelKernels, spec, device)
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ def build_neox(build: NeoXBuild, recipe: Recipe, *, device: torch.device,
     the callbacks are `assemble`'s, passed through. `recipe.compile_types` is
     set here from `build.compile`, so no caller compiles another set of layers.
     """
+    check_fp8(build.kernels, device)
     layers = build_layers(build.model, filter_layers=build.filter_layers,
                           device="meta", kernels=build.kernels)
     compiled = (TransformerLayer,) if build.compile else ()

@@ -24,14 +24,14 @@ plain PyTorch twin beside it, the reference the tests compare against
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ModelKernels", "chunked_readout_loss", "plain_readout_loss",
+__all__ = ["ModelKernels", "resolve_auto", "chunked_readout_loss", "plain_readout_loss",
            "IGNORE_INDEX"]
 
 # `F.cross_entropy`'s default: targets equal to it count neither in the loss
@@ -83,6 +83,14 @@ class ModelKernels:
     attention: str | None = None
     """`None` lets `scaled_dot_product_attention` pick its backend;
     `'cudnn'`, `'flash'`, `'efficient'` or `'math'` pins one."""
+    fp8: bool = field(default=False, metadata={"precision": True})
+    """The transformer layers' linears in fp8 ([fp8 matrix
+    products](../layers/float8.html)). A precision, not a fusion with an exact
+    twin: named on its own (`'fp8'`, `'loss,fp8'`), never in `all` or
+    `auto`; GPUs with fp8 products (Ada, Hopper) only."""
+    fp8_emulate: bool = field(default=False, metadata={"test": True})
+    """torchao's emulation of the fp8 products, for the CPU tests only: no
+    name turns it on."""
 
     def __post_init__(self):
         if self.loss_chunk_rows < 1:
@@ -92,11 +100,20 @@ class ModelKernels:
             raise ValueError(f"ModelKernels: attention must be None or one of "
                              f"{', '.join(ATTENTION_BACKENDS)}, got "
                              f"{self.attention!r}")
+        fp8_needs_linear_call(self)
 
     @classmethod
     def fusions(cls) -> tuple[str, ...]:
-        """The names of the on/off fields, in order."""
-        return tuple(f.name for f in fields(cls) if f.type in ("bool", bool))
+        """The names of the fusions, the on/off fields with an exact twin, in
+        order: `fp8` (a precision) and the test-only emulation are not."""
+        return tuple(f.name for f in fields(cls) if f.type in ("bool", bool)
+                     and not f.metadata)
+
+    @classmethod
+    def choices(cls) -> tuple[str, ...]:
+        """Every name `from_names` reads: the fusions, then the precisions."""
+        return cls.fusions() + tuple(f.name for f in fields(cls)
+                                     if f.metadata.get("precision"))
 
     @classmethod
     def all_fused(cls) -> "ModelKernels":
@@ -105,22 +122,55 @@ class ModelKernels:
     @classmethod
     def from_names(cls, names: str) -> "ModelKernels":
         """`'loss,rotary'` → those fusions on; `''` or `'none'` → plain;
-        `'all'` → `all_fused()`. An unknown name is an error naming it."""
+        `'all'` → `all_fused()`, `'all,fp8'` with fp8 too. An unknown name is
+        an error naming it."""
         wanted = [n.strip() for n in names.split(",") if n.strip()]
         if wanted in ([], ["none"]):
             return cls()
-        if wanted == ["all"]:
-            return cls.all_fused()
-        unknown = [n for n in wanted if n not in cls.fusions()]
+        if "all" in wanted:
+            wanted = [*cls.fusions(), *(n for n in wanted if n != "all")]
+        unknown = [n for n in wanted if n not in cls.choices()]
         if unknown:
             raise ValueError(f"unknown kernel(s) {', '.join(unknown)}: choose "
-                             f"from {', '.join(cls.fusions())}, all or none")
+                             f"from {', '.join(cls.choices())}, all or none")
         return cls(**{n: True for n in wanted})
 
     def names(self) -> str:
-        """The inverse of `from_names`: the fusions on, comma-separated."""
-        on = [n for n in self.fusions() if getattr(self, n)]
+        """The inverse of `from_names`: the names on, comma-separated."""
+        on = [n for n in self.choices() if getattr(self, n)]
         return ",".join(on) or "none"
+
+
+def fp8_needs_linear_call(kernels) -> None:
+    """GPT-NeoX's fused bias + GELU computes the MLP's first product with
+    `F.linear` on the weight, past `Float8Linear`'s forward: the two are
+    refused together rather than the product silently left in bf16."""
+    if kernels.fp8 and getattr(kernels, "bias_gelu", False):
+        raise ValueError("fp8 and bias_gelu: the fused bias + GELU computes the "
+                         "MLP's first product itself, in bf16; leave out one "
+                         "of them")
+
+
+FP8_EXCLUDES = ("bias_gelu",)
+"""The fusions that `auto,fp8` leaves out (`fp8_needs_linear_call`)."""
+
+
+def resolve_auto(cls, spec: str, device: torch.device | str):
+    """
+    ### `'auto'` among the names, for either family's kernels class
+
+    `'auto'` is every fusion of `cls` on CUDA and none elsewhere; the other
+    names are added to it (`'auto,fp8'`), and with `fp8` the fusions that
+    call a product themselves (`FP8_EXCLUDES`) are left out of `auto`.
+    """
+    wanted = [n.strip() for n in spec.split(",") if n.strip()]
+    if "auto" not in wanted:
+        return cls.from_names(spec)
+    rest = [n for n in wanted if n != "auto"]
+    on_gpu = torch.device(device).type == "cuda"
+    auto = [n for n in (cls.fusions() if on_gpu else ())
+            if not ("fp8" in rest and n in FP8_EXCLUDES)]
+    return cls.from_names(",".join([*auto, *rest]) or "none")
 
 
 # ## Compiled on the GPU, the twin elsewhere

@@ -32,6 +32,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from labml_zero.layers.float8 import to_float8
 from labml_zero.layers.layer_list import (LayerChain, count_parameters,
                                           init_like_hf, layer_indices)
 from labml_zero.neox import kernels as K
@@ -403,7 +404,9 @@ def build_layers(config: NeoXConfig, *, filter_layers: Iterable[int] | None = No
       `reset_parameters()` on each layer, or load a checkpoint into it.
     * Weights are initialised as HF does (see `_init_like_hf`) unless on meta.
     * `kernels` chooses the [fused kernels](kernels.html), once for every
-      layer; by default none, the plain PyTorch model.
+      layer; by default none, the plain PyTorch model. With `kernels.fp8` the
+      transformer layers' linears become `Float8Linear` ([fp8
+      products](../layers/float8.html)).
     """
     indices = layer_indices(config.n_layers, filter_layers)
     factory = dict(device=device, dtype=dtype)
@@ -415,6 +418,9 @@ def build_layers(config: NeoXConfig, *, filter_layers: Iterable[int] | None = No
                for i in indices]
     layers += [FinalNorm(config, **factory),
                Readout(config, kernels=kernels, **factory)]
+    if kernels.fp8:  # the layers' linears only, before any chunk exists
+        for layer in layers[1:-2]:
+            to_float8(layer, emulate=kernels.fp8_emulate)
     if torch.device(device or "cpu").type != "meta":
         for layer in layers:
             layer.reset_parameters()

@@ -54,6 +54,14 @@ def test_an_unknown_kernel_is_a_flag_error(capsys):
     assert "--kernels: kernels 'loss,fast': unknown kernel(s) fast" in err
 
 
+def test_fp8_is_refused_before_start_on_cpu_and_with_lora(capsys):
+    err = run_main(["--kernels", "loss,fp8"], capsys)
+    assert "--kernels fp8 needs" in err  # a CUDA GPU, or torchao where it is missing
+    err = run_main(["--kernels", "fp8", "--finetune", "lora"], capsys)
+    assert "kernels fp8 with finetune 'lora'" in err
+    assert FinetuneConfig(kernels="loss").fp8_refusal(CUDA) is None
+
+
 STEPS = 6
 
 

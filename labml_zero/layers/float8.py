@@ -1,0 +1,214 @@
+r"""
+---
+title: fp8 matrix products
+summary: The transformer layers' linears in fp8 with tensorwise dynamic
+  scaling (torchao's Float8Linear), which linears, why only large products
+  gain, and when the choice is refused; the plain bf16 model is its CPU twin.
+---
+
+# fp8 matrix products
+
+An H100 or H200 multiplies fp8 matrices at twice its bf16 rate. The
+`fp8` kernel choice runs the products of every transformer layer's linears
+in fp8 through torchao's `Float8Linear`, a subclass of `nn.Linear` whose
+forward casts both operands to fp8 before the product and whose backward
+casts the incoming gradient too. The weights, their gradients, the optimizer
+and the chunks the engine gathers stay as they are: fp8 lives only inside
+the three products of a linear (forward, gradient of the input, gradient of
+the weight).
+
+## What is and is not done
+
+* Done: the products of the chosen linears in fp8, forward and backward,
+  tensorwise dynamic scales, on GPUs with fp8 matrix products
+  (Ada, Hopper and later: `FP8_MIN_CAPABILITY`) with torchao installed; every other place refuses the choice
+  before the start, in one line (`fp8_refusal`).
+* Not done: the per-chunk fp8 all-gather of the weights (torchao's
+  fp8 all-gather option, made for FSDP2's DTensor parameters). The
+  engine gathers its bf16 chunks as before and each `Float8Linear` casts
+  the gathered weight. At world size 1 nothing is gathered, so this matters
+  only on several GPUs, where fp8 chunks would halve the gathered bytes.
+* The conversion happens on the meta device when the layers are built,
+  before the engine lays the parameters out in chunks: `Float8Linear`'s
+  weight is the same `nn.Parameter` (torchao's conversion moves it over),
+  and its forward reads `self.weight` at every call, so it reads the
+  engine's gathered view like any linear.
+* Not with LoRA: the adapter's wrapper replaces the linear and calls the
+  product itself, in bf16; nor with GPT-NeoX's fused bias + GELU, which calls
+  the MLP's first product itself; both combinations are refused.
+
+On a CPU the `fp8` choice is refused; the tests run torchao's emulation
+(`Float8LinearConfig(emulate=True)`: the same fp8 roundings, the product done
+by `torch.mm` on the decoded values), which only tests may ask for.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from torch import nn
+
+__all__ = ["FP8_MULTIPLE", "FP8_MIN_CAPABILITY", "fp8_linear", "to_float8",
+           "fp8_refusal", "check_fp8", "check_fp8_count"]
+
+FP8_MULTIPLE = 16
+"""Both dimensions of a linear must be multiples of this to run in fp8."""
+
+FP8_MIN_CAPABILITY = (8, 9)
+"""The first compute capability with fp8 matrix products (Ada; Hopper comes after)."""
+
+
+def fp8_linear(module: nn.Module, name: str = "") -> bool:
+    r"""
+    ### Which linears: whether a submodule of a transformer layer runs in fp8
+
+    An `nn.Linear` (LoRA's wrapper excluded, see the introduction) with both
+    dimensions multiples of `FP8_MULTIPLE`. The signature is torchao's
+    `module_filter_fn`'s.
+
+    This picks the linears of a transformer layer whose `in_features`
+    and `out_features` are both multiples of `FP8_MULTIPLE`, the shapes the fp8 matrix
+    product of the GPU takes. Never the embedding (a lookup, no product) nor the
+    readout: its logits feed the softmax of the loss, where an error of $2u_8$ of
+    a logit's terms moves every probability, and it is already the chunked
+    loss's own product. A layer of another width (Llama's tiny test model, whose
+    $d_{ff}$ is not such a multiple) keeps those linears in bf16.
+    """
+    from labml_zero.layers.lora import LoRALinear
+
+    return (isinstance(module, nn.Linear) and not isinstance(module, LoRALinear)
+            and module.in_features % FP8_MULTIPLE == 0
+            and module.out_features % FP8_MULTIPLE == 0)
+
+
+def torchao_config(*, emulate: bool = False):
+    r"""
+    ### The format and the scale: torchao's default recipe
+
+    torchao's default recipe uses two formats:
+
+    * **e4m3** (4 exponent bits, 3 mantissa bits, largest finite value $m_4$) for
+      the forward operands $x$ and $W$: a rounding is off by at most
+      $u_8 = 2^{-4}$ of the value;
+    * **e5m2** (5 exponent bits, 2 mantissa bits, largest $m_5$) for the
+      gradient $\partial L / \partial y$, which spans more octaves and needs
+      fewer digits: $u = 2^{-3}$.
+
+    With so few exponent bits the values must be moved into the format's range
+    first. *Tensorwise dynamic scaling* takes one scale per tensor, from the
+    tensor itself, at every call:
+
+    $$s = \frac{m}{\max |A|}, \qquad A_8 = \operatorname{fp8}(s A), \qquad
+      A \approx A_8 / s,$$
+
+    with $m$ = $m_4$ = 448 for e4m3
+    (tested: tests/layers/test_float8.py::test_the_formats_of_the_notes) and
+    $m_5$ = 57344 for e5m2
+    (tested: tests/layers/test_float8.py::test_the_formats_of_the_notes), so the largest element lands on
+    the largest finite value and nothing overflows. The product runs on the fp8
+    codes, $x W^\top \approx (x_8 W_8^\top) / (s_x s_W)$, accumulated in fp32 and
+    written in bf16. Each product term $x_i W_{ji}$ is off by at most
+    $2 u_8 + u_8^2$ of itself, so an output is off by at most that fraction of
+    $\sum_i |x_i W_{ji}|$.
+    """
+    from torchao.float8 import Float8LinearConfig
+
+    return Float8LinearConfig(emulate=emulate)
+
+
+def to_float8(layer: nn.Module, *, emulate: bool = False) -> list[str]:
+    r"""
+    ### Swap a layer's chosen linears for `Float8Linear`, in place
+
+    `layer` is one transformer layer (never the embedding or readout layer:
+    the family's builder calls this on its repeated layers only). Works on the
+    meta device: the swap moves the `weight` and `bias` parameters, it copies
+    nothing. Returns the names of the converted linears.
+
+    #### When it pays
+
+    The casts are extra passes over memory. Each is an amax pass (2 bytes read
+    an element of bf16) and the cast itself (2 read, 1 written): 5 bytes an
+    element. The forward casts $x$ and $W$; the backward casts $W$, $x$ and the
+    gradient $\partial L / \partial y$ twice, once for each product (torchao
+    saves the bf16 $x$ and $W$ for the backward pass, as a plain linear does,
+    and casts them again). For $n$ tokens through a $d_\text{in} \to
+    d_\text{out}$ linear that is about
+    $5 \cdot (3 n d_\text{in} + 2 d_\text{in} d_\text{out} + 2 n d_\text{out})$
+    bytes moved, against the $3 \cdot 2 n d_\text{in} d_\text{out}$ FLOPs of the
+    three products; the FLOPs grow with one more factor of the sizes than the
+    bytes, so halving the products' time pays for the passes only when the
+    matrices are large: $d$ in the thousands and many tokens a step. On a small
+    model the step is set by the host and the passes between products, and fp8
+    adds passes. Its speed is a figure to measure on the device (the benchmark's
+    `--kernels fp8`), model by model.
+    """
+    from torchao.float8 import convert_to_float8_training
+
+    names = [name for name, module in layer.named_modules() if fp8_linear(module)]
+    convert_to_float8_training(layer, module_filter_fn=fp8_linear,
+                               config=torchao_config(emulate=emulate))
+    return names
+
+
+def torchao_missing() -> bool:
+    """Whether `torchao.float8` cannot be imported here."""
+    if importlib.util.find_spec("torchao") is None:
+        return True
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
+def fp8_refusal(device: torch.device | str, *, emulate: bool = False) -> str | None:
+    """
+    ### Why fp8 products cannot run on `device`, or `None`
+
+    Known before the start: torchao missing, not a CUDA device (unless
+    `emulate`, a test's choice), or a GPU older than `FP8_MIN_CAPABILITY`.
+    """
+    if torchao_missing():
+        return "needs torchao (pip install torchao)"
+    if emulate:
+        return None
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"needs a CUDA GPU (fp8 matrix products); this run is on {device.type}"
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (fp8 matrix products); none is visible"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        name = torch.cuda.get_device_name(device)
+        return (f"needs compute capability >= 8.9 (Ada, Hopper); {name} is "
+                f"{capability[0]}.{capability[1]}")
+    return None
+
+
+def check_fp8_count(kernels, finetune: str) -> None:
+    """
+    ### The activation counts with fp8: exact when every weight trains
+
+    `Float8Linear`'s backward saves the bf16 input and weight, as a plain
+    linear with a trained weight and an input that needs its gradient does:
+    the same bytes (tested: tests/layers/test_float8.py::
+    test_fp8_layer_saves_what_the_plain_layer_saves). A plain linear with a
+    frozen weight does not save its input; `Float8Linear` does, so with any
+    fine-tuner but `'all'` the count would be short: refused.
+    """
+    if getattr(kernels, "fp8", False) and finetune != "all":
+        raise ValueError(f"kernels fp8 with finetune {finetune!r}: the activation "
+                         "count has fp8 only for finetune 'all' (Float8Linear "
+                         "saves the input of a frozen linear too)")
+
+
+def check_fp8(kernels, device: torch.device | str) -> None:
+    """`ValueError` with `fp8_refusal`'s line when `kernels.fp8` cannot run on
+    `device`; nothing when fp8 is off."""
+    if not getattr(kernels, "fp8", False):
+        return
+    why = fp8_refusal(device, emulate=kernels.fp8_emulate)
+    if why is not None:
+        raise ValueError(f"kernels fp8 {why}")
