@@ -173,6 +173,7 @@ class FinetuneConfig:
     offload_optimizer: float | str = field(
         default=0.0, metadata=flag(metavar="FRACTION|auto"))
     """Fraction of the trainable elements whose fp32 master and Adam moments
+    (for a layout without a master, its states and a copy of the weight)
     live in host memory (whole chunks, from the output end; see
     [placement](../planner/placement.html)): 0 keeps all on the device.
     `'auto'` (GPUs only): as few chunks as make the step fit, decided from a

@@ -192,6 +192,9 @@ class StateLayout:
 # `BF16_KAHAN` keeps no master either, but a bf16 compensation $c$ beside
 # the bf16 weight $w$: the pair $w + c$ carries twice bf16's mantissa, and
 # what rounding $w$ to nearest loses is kept in $c$ (Kahan summation).
+# Without a master the update works on the weight itself, so a host home of
+# either keeps a copy of it beside the states: $K + p$ bytes an element on
+# the host (`host_bytes_per_element`), $K$ saved on the device.
 # `EIGHT_BIT_MOMENTS` keeps the fp32 master and stores each moment as uint8
 # codes with one fp32 absmax scale per block of `EIGHT_BIT_BLOCK` elements
 # ([8-bit moments](../optimizers/blockwise_moments.html)).
