@@ -25,8 +25,8 @@ survives on average
 ## Limitations
 
 * On a GPU the twin runs, not the one-pass kernel.
-* Offloaded, the host keeps a copy of the weight to update, $p$ bytes an
-  element beside the $K$ (see the host home's Note: a host home without a
+* Offloaded, the host keeps a copy of the weight to update: $p$ bytes an
+  element more than $K$ (see the host home's Note: a host home without a
   master, in [where a shard's optimizer state lives](shard_home.html)); the
   noise hashes the shard's position and the step, wherever the update runs,
   so the host draws the device's bits.
