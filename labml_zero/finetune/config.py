@@ -174,6 +174,7 @@ class FinetuneConfig:
     offload_optimizer: float | str = field(
         default=0.0, metadata=flag(metavar="FRACTION|auto"))
     """Fraction of the trainable elements whose fp32 master and Adam moments
+    (for a layout without a master, its states and a copy of the weight)
     live in host memory (whole chunks, from the output end; see
     [placement](../planner/placement.html)): 0 keeps all on the device.
     `'auto'` (GPUs only): as few chunks as make the step fit, decided from a
@@ -186,7 +187,8 @@ class FinetuneConfig:
     """The optimizer's [state layout](../zero3/state_layout.html): `fp32` (an
     fp32 master and fp32 moments), `bf16-moments` (the moments in bf16),
     `bf16-stochastic` (no master: the bf16 parameters updated with stochastic
-    rounding, bf16 moments; nothing offloaded, no fp16), `bf16-kahan` (as
+    rounding, bf16 moments; offloaded, the host keeps a copy of the weight;
+    no fp16), `bf16-kahan` (as
     `bf16-stochastic`, but rounded to nearest with a bf16 compensation of
     what rounding lost) or `8bit-moments` (the moments coded in 8 bits, one
     fp32 scale per block). A `--resume` from a
@@ -334,10 +336,6 @@ class FinetuneConfig:
             raise ValueError(f"unknown optimizer_states {self.optimizer_states!r}; "
                              f"expected one of {', '.join(STATE_LAYOUTS)}")
         layout = STATE_LAYOUTS[self.optimizer_states]
-        if layout.master is None and self.offload_optimizer != 0:
-            raise ValueError(f"--optimizer-states {self.optimizer_states} keeps no "
-                             f"master for the host to update: --offload-optimizer "
-                             f"must be 0, got {self.offload_optimizer!r}")
         if layout.master is None and self.dtype == "fp16":
             raise ValueError(f"--optimizer-states {self.optimizer_states} rounds "
                              f"into bf16 or fp32 parameters, not --dtype fp16")

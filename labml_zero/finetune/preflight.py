@@ -249,7 +249,8 @@ def check_host_memory(config, layers: list[nn.Module], *, world_size: int,
     A rank is estimated at `RANK_BASE_BYTES` plus the model states it keeps
     in host memory: on CPU its whole share, $(p\Psi + (4 + K)\Psi_t) / N$
     (`checkpoint_bytes` and the fp32 gradient shards); on GPUs the offloaded
-    fraction of the optimizer states. Too many ranks for the host would be
+    fraction of the optimizer states ($K_h$ bytes an element, the layout's
+    `host_bytes_per_element`). Too many ranks for the host would be
     killed one by one by the kernel; refused here instead.
     """
     available = available_host_bytes()
@@ -262,9 +263,12 @@ def check_host_memory(config, layers: list[nn.Module], *, world_size: int,
     if device.type == "cpu":
         held = states + 4 * trainable
     else:
+        # the state's bytes in a host home (with a copy of the weight where
+        # the layout keeps no master)
         offload = config.offload_optimizer
+        param_bytes = config.torch_dtype(device).itemsize
         held = (offload if isinstance(offload, float) else 0.0) * \
-            layout.bytes_per_element() * trainable
+            layout.host_bytes_per_element(param_bytes) * trainable
     rank = RANK_BASE_BYTES + held / world_size
     need = ranks_here * rank
     if need > available:

@@ -132,7 +132,7 @@ class AdamFP16(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         if self.layout.master is None:
-            self._check_no_master(offload)
+            self._check_no_master()
         # None: the fused kernel where this PyTorch has it
         self.fused = hasattr(torch, "_fused_adamw_") if fused is None else fused
         if self.fused and not hasattr(torch, "_fused_adamw_"):
@@ -160,17 +160,16 @@ class AdamFP16(torch.optim.Optimizer):
         # [the update inside a captured step](captured_update.html))
         self.capture: CapturedUpdates | None = None
 
-    def _check_no_master(self, offload) -> None:
-        """A layout without a master: bf16 (rounded stochastically) or fp32
-        (its own master) shards, on the device."""
+    def _check_no_master(self) -> None:
+        """A layout without a master: bf16 (rounded stochastically or with a
+        compensation) or fp32 (its own master) shards; a host home updates
+        its own copy of the weight (the home's Note: a host home without a
+        master)."""
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype not in (torch.bfloat16, torch.float32):
                     raise ValueError(f"states {self.layout.name!r} rounds into "
                                      f"bf16 or fp32 parameters, got {p.dtype}")
-        if offload is not None and self._offloaded(offload):
-            raise ValueError(f"states {self.layout.name!r} keeps no master "
-                             "for a host update to work on: no offload")
 
     def add_param_group(self, param_group: dict) -> None:
         """A group added after construction: its homes on the device."""
@@ -471,17 +470,21 @@ class AdamFP16(torch.optim.Optimizer):
             kernel = functools.partial(self._kernel, step=step,
                                        group_index=lead.group_index,
                                        found_inf=found_inf)
-            if self.layout.compensation is not None:
-                # the shards are the weights, their compensations beside them
-                kahan_summation.update(kernel, [h.param.detach() for h in same],
-                                       grads, *moments)
-                continue
             if self.layout.master is None:
-                # the shards are the weights, rounded into stochastically
-                stochastic_rounding.update(
-                    kernel, [h.param.detach() for h in same], grads, *moments,
-                    step=self._step_tensor(lead.param.device, step),
-                    salts=[h.position for h in same])
+                # the weights: the shards, or a host home's copies of them
+                weights = [h.weight() for h in same]
+                if self.layout.compensation is not None:
+                    # their compensations beside them
+                    kahan_summation.update(kernel, weights, grads, *moments)
+                else:
+                    # rounded into stochastically, the noise from the step
+                    # on the weights' device
+                    stochastic_rounding.update(
+                        kernel, weights, grads, *moments,
+                        step=self._step_tensor(lead.state_device, step),
+                        salts=[h.position for h in same])
+                # a host copy goes up; a device shard is already written
+                lead.write_back(same, weights)
                 continue
             masters = [s[self.layout.master.name] for s in states]
             if self.layout.blockwise:

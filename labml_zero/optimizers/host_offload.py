@@ -118,7 +118,8 @@ class HostShard:
     The device saves $K$ bytes per element; the host holds $K + 4$: the state and a
     *staging buffer* of $4S$ bytes, which holds the gradient after its copy down
     and then, once the update has consumed it, the $pS$ bytes of the rounded master
-    going up.
+    going up (without a master, of the updated weight, whose copy the host
+    keeps beside the state: $p$ more, see the [home](shard_home.html)).
     """
 
     def __init__(self, param: torch.Tensor, *, pin: bool):

@@ -45,8 +45,10 @@ moments](narrow_moments.html)
 
 ## Limitations
 
-* No host offload, and on a GPU the twin runs, not the one-pass kernel, as for
-  stochastic rounding.
+* On a GPU the twin runs, not the one-pass kernel, as for stochastic
+  rounding; offloaded, as there, the host updates a copy of the weight beside
+  its compensation ([where a shard's optimizer state
+  lives](shard_home.html)).
 * An fp32 shard (one rank may keep the parameter dtype) is its own master,
   updated in place; its compensation stays zero, and is counted in $K$.
 * A skipped update leaves $x$ as it was, but where $|c|$ is exactly half a

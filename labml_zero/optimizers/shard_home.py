@@ -20,7 +20,8 @@ $$\underbrace{(p + 4 + K)\,S}_{\texttt{DeviceHome}} \quad\text{or}\quad
   \underbrace{(p + 4)\,S}_{\texttt{HostHome}},$$
 
 and a host home holds the $K S$ bytes and a $4 S$-byte staging buffer in host
-memory instead.
+memory instead, and for a layout without a master a copy of the weight, $p S$
+bytes more (see Note: a host home without a master).
 """
 
 from __future__ import annotations
@@ -122,6 +123,19 @@ class ShardHome:
                             master.new_zeros(t.numel(master.numel()), dtype=t.dtype))
                    for t in self.layout.moments}}
 
+    def weight_state(self, weight: torch.Tensor,
+                     master: torch.Tensor | None) -> dict:
+        """The state of a layout without a master, beside `weight` (the
+        tensor the update works on): zero moments, and a compensation of
+        what rounding lost of the engine's fp32 `master` where it kept one
+        (zero where not)."""
+        state = self.state_of(weight)
+        compensation = self.layout.compensation
+        if compensation is not None and master is not None:
+            state[compensation.name] = kahan_summation.compensation_of(
+                master, weight)
+        return state
+
 
 class DeviceHome(ShardHome):
     """
@@ -157,12 +171,7 @@ class DeviceHome(ShardHome):
         if self.layout.master is None:
             # no master kept: the engine's fp32 copy is dropped, the shard
             # is the weight (a compensation keeps what rounding lost of it)
-            state = self.state_of(self.param.detach())
-            compensation = self.layout.compensation
-            if compensation is not None and master is not None:
-                state[compensation.name] = kahan_summation.compensation_of(
-                    master, self.param.detach())
-            return state
+            return self.weight_state(self.param.detach(), master)
         if master is None:
             dtype = self.layout.master.dtype
             master = (self.param.data if self.param.dtype == dtype
@@ -178,6 +187,10 @@ class DeviceHome(ShardHome):
 
     def grad_ready(self, grad: torch.Tensor, *, after=None) -> None:
         """Nothing to move: the update reads the gradient where it is."""
+
+    def weight(self) -> torch.Tensor:
+        """The weight a layout without a master updates: the shard itself."""
+        return self.param.detach()
 
     @staticmethod
     def found_inf(grad: torch.Tensor) -> torch.Tensor:
@@ -208,6 +221,29 @@ class HostHome(ShardHome):
       into and its rounded master goes up from.
 
     The master never aliases the shard, also for an fp32 shard on CPU.
+
+    ### Note: a host home without a master
+
+    A layout without a master (`"bf16-stochastic"`, `"bf16-kahan"`) updates
+    the weight itself, and the weight is the shard, in device memory. The
+    host cannot update what it does not hold, so the home keeps
+    `host_weight`, a copy of the shard in host memory ($p$ bytes an element,
+    the same values). The update is the device's, run eagerly on the
+    host's copy: the gradient comes down as for a master, the same
+    `stochastic_rounding.update` or `kahan_summation.update` runs on
+    `host_weight` and the states beside it, and `write_back` sends
+    `host_weight` up into the shard, as it sends a master's rounding. Every
+    input is the same (the noise hashes the shard's position and the step,
+    wherever it runs), so the result is the device update's bit for bit
+    (tested: tests/optimizers/test_offload_no_master.py::test_no_master_offload_is_bitwise).
+
+    Copying the shard down with each gradient would save the $p S$ host
+    bytes for $p S$ more down a step; the copy is kept instead, since the
+    shard changes only by this update. It is not a state: a checkpoint
+    saves the shard as the weight, once, and a load (`adopt`) or a fresh
+    state (`new_state`) takes the copy from the shard again, so it never
+    outlives the shard it copies. A weight written into the shard by other
+    means than a checkpoint load must be followed by `refresh_weight`.
     """
 
     copies_gradient = True
@@ -227,22 +263,40 @@ class HostHome(ShardHome):
 
     def new_state(self) -> dict:
         """`master` [S] fp32 and both moments on the host; `copy=True`: on CPU
-        an fp32 shard is already there, and its master must be its own."""
+        an fp32 shard is already there, and its master must be its own.
+        Without a master, the host copy of the weight (see Note: a host home
+        without a master) and the states beside it."""
         master = self.first_master()
+        if self.layout.master is None:
+            self.refresh_weight()
+            return self.weight_state(self.host_weight, master)
         if master is None:
             master = self.param.detach()
         dtype = self.layout.master.dtype
         return self.state_of(master.to("cpu", dtype, copy=True))
 
+    def refresh_weight(self) -> None:
+        """The host copy of the weight, from the shard: `[S]` in the shard's
+        dtype, in host memory of its own."""
+        self.host_weight = self.param.detach().to("cpu", copy=True)
+
+    def weight(self) -> torch.Tensor:
+        """The weight a layout without a master updates: the host copy."""
+        return self.host_weight
+
     def adopt(self, state: dict) -> None:
         """A state loaded onto the device (an fp32 shard's master as the shard
         itself) is copied home, so the device memory is freed and the master
-        does not alias the shard; each in its layout dtype."""
+        does not alias the shard; each in its layout dtype. Without a master
+        the host copy of the weight is taken again from the shard, which
+        the checkpoint has just loaded."""
         for spec in self.layout.tensors:
             t = state[spec.name]
             if (t.device.type != "cpu" or t.dtype != spec.dtype
                     or t.data_ptr() == self.param.data_ptr()):
                 state[spec.name] = t.to("cpu", spec.dtype, copy=True)
+        if self.layout.master is None:
+            self.refresh_weight()
 
     def grad_ready(self, grad: torch.Tensor, *, after=None) -> None:
         """Start the copy down as soon as `after` (the reduce stream) wrote it."""

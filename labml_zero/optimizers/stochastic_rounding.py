@@ -24,7 +24,12 @@ survives on average
 
 ## Limitations
 
-* No host offload, and on a GPU the twin runs, not the one-pass kernel.
+* On a GPU the twin runs, not the one-pass kernel.
+* Offloaded, the host keeps a copy of the weight to update: $p$ bytes an
+  element more than $K$ (see the host home's Note: a host home without a
+  master, in [where a shard's optimizer state lives](shard_home.html)); the
+  noise hashes the shard's position and the step, wherever the update runs,
+  so the host draws the device's bits.
 """
 
 from __future__ import annotations

@@ -97,8 +97,8 @@ class BudgetInputs:
     states: str = "fp32"
     """The optimizer's [state layout](../zero3/state_layout.html), its $K$:
     `fp32` (master and moments), `bf16-moments`, `8bit-moments`, or
-    `bf16-stochastic` and `bf16-kahan` (no master, so nothing can be
-    offloaded)."""
+    `bf16-stochastic` and `bf16-kahan` (no master: an offloaded shard's host
+    keeps a copy of the weight besides, `host_bytes_per_element`)."""
     finetune: str = "all"
     """What trains: one of the family's fine-tuners (`all` and `lora` in
     every family; GPT-NeoX's `biases` and `ffn`)."""
@@ -157,10 +157,7 @@ class BudgetInputs:
                              f"{', '.join(family.lora_targets)}")
         if self.kernels is None:
             object.__setattr__(self, "kernels", family.resolve_kernels("none", "cpu"))
-        layout = state_layout(self.states)  # one line naming the choices
-        if layout.master is None and self.offload_fraction:
-            raise ValueError(f"offload_fraction must be 0 with states "
-                             f"{self.states!r}: no master, nothing to offload")
+        state_layout(self.states)  # one line naming the choices
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPE_BYTES:
                 raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}, "
@@ -341,9 +338,7 @@ def budget(inputs: BudgetInputs) -> Budget:
                 + max(buffer, accumulation + held) + early)
     other = backward if inputs.update_during_backward else max(without_optimizer,
                                                                 backward)
-    if states.master is None:
-        placement = StaticPlacement().place(shards)  # no master: all resident
-    elif inputs.offload_fraction is None and other <= inputs.device_bytes:
+    if inputs.offload_fraction is None and other <= inputs.device_bytes:
         placement = auto_placement(shards, device_capacity=inputs.device_bytes,
                                    measured_peak_other=other,
                                    param_bytes=p, states=states).placement

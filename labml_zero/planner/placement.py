@@ -237,8 +237,11 @@ def offload_traffic(placement: Placement, shards: Sequence[ShardSpec], *,
     so $F$ offloaded elements cost $4F$ bytes down and $pF$ up per step, and save
     $K_d F$ bytes of device memory: $K_d = K$, or $K - 4$ for an fp32 shard (its
     master was the shard itself; `device_optimizer_bytes`). The host then holds
-    $(K + 4)F$ bytes: $KF$ of state and $4F$ of pinned staging buffer, which carries
-    the gradient down and the rounded master up.
+    $(K_h + 4)F$ bytes: $K_h F$ of state and $4F$ of pinned staging buffer,
+    which carries the gradient down and the rounded master up. $K_h = K$ with
+    a master; a layout without one (`bf16-stochastic`, `bf16-kahan`) updates
+    the weight, so the host keeps a copy of it, $K_h = K + p$, and sends that
+    up instead of a master's rounding: the same traffic.
 
     A parameter shard on the host (`Chunk.offload_shard`, applied by
     [`apply_placement`](placement_probe.html)) saves $p$ more bytes per element
@@ -317,8 +320,10 @@ def resident_bytes(placement: Placement, shards: Sequence[ShardSpec], *,
     ### Model-state bytes per rank on the device and on the host
 
     Per element of a trainable chunk: $p + 4 + K_d$ on the device; an offloaded
-    optimizer state moves $K_d$ off it and puts $K + 4$ (state and staging) on
-    the host; a parameter shard on the host moves $p$. Frozen chunks hold $p$.
+    optimizer state moves $K_d$ off it and puts $K_h + 4$ (state and staging) on
+    the host, $K_h$ the layout's `host_bytes_per_element`: $K$, and for a
+    layout without a master $K + p$, the host's copy of the weight it
+    updates; a parameter shard on the host moves $p$. Frozen chunks hold $p$.
     Gathered chunks and activations are not model states (see the
     [memory model](memory_model.html)). $K$ is the `states` layout's
     ([the optimizer's state layout](../zero3/state_layout.html)).
@@ -347,12 +352,10 @@ def resident_bytes(placement: Placement, shards: Sequence[ShardSpec], *,
     per offloaded element.
     """
     placement.check(shards)
-    if states.master is None and placement.optimizer_on_host:
-        raise ValueError(f"states {states.name!r} keeps no master: its "
-                         "optimizer state cannot go to the host")
     k_device = device_optimizer_bytes(param_bytes, states)
-    # a host home's master never aliases the shard: all $K$ bytes
-    k_host = states.bytes_per_element()
+    # all $K$ (a host master never aliases the shard), and without a master
+    # the host's copy of the weight
+    k_host = states.host_bytes_per_element(param_bytes)
     device = host = 0
     for i, shard in enumerate(shards):
         n = shard.numel
@@ -457,10 +460,6 @@ def auto_placement(
             f"{budget / GIB:.2f} GiB usable, short by "
             f"{(measured_peak_other - budget) / GIB:.2f} GiB"
         )
-    if states.master is None and peak > budget:
-        raise ValueError(f"does not fit: {(peak - budget) / GIB:.2f} GiB short, "
-                         f"and states {states.name!r} keeps no master, so no "
-                         "optimizer state can go to the host")
     chosen = []
     # largest first; equal sizes, the later chunk first
     for i in sorted(saving, key=lambda i: (-saving[i], -i)):

@@ -33,7 +33,6 @@ from labml_zero.planner.devices import GIB, Cluster
 from labml_zero.planner.memory_budget import Budget, budget
 from labml_zero.planner.setting import Job, Setting, budget_inputs, budget_of
 from labml_zero.planner.step_time import StepTime, model_flops_per_token, step_time
-from labml_zero.zero3.state_layout import state_layout
 
 __all__ = ["DEVICE_MARGIN", "CUDA_CONTEXT_BYTES", "HOST_MARGIN",
            "HOST_PROCESS_BYTES", "Pinned", "Candidate", "Plan", "NoFit", "plan",
@@ -142,8 +141,6 @@ def with_offload(job: Job, setting: Setting, cluster: Cluster, *,
     first = budget_of(job, setting, world_size=world, device_bytes=limit)
     if first.peak <= limit or not search:
         return (setting, first) if first.peak <= limit else None
-    if state_layout(job.states).master is None:
-        return None  # no master: nothing can live on the host
     auto = budget(budget_inputs(job, setting, world_size=world,
                                 device_bytes=limit, auto_offload=True))
     if not auto.fits:
@@ -239,11 +236,9 @@ def plan(job: Job, cluster: Cluster, pinned: Pinned = Pinned()) -> Plan:
 def smallest(job: Job, cluster: Cluster, *, micro_batches: int
              ) -> tuple[Budget, bool]:
     """The least memory a rank can run with: one sequence a micro-batch,
-    recomputation, all the optimizer state on the host (if it has a master).
-    Returns its budget and whether the host holds it."""
-    has_master = state_layout(job.states).master is not None
-    setting = Setting(1, micro_batches, checkpointing=True,
-                      offload_fraction=1.0 if has_master else 0.0)
+    recomputation, all the optimizer state on the host. Returns its budget
+    and whether the host holds it."""
+    setting = Setting(1, micro_batches, checkpointing=True, offload_fraction=1.0)
     b = budget_of(job, setting, world_size=cluster.world_size,
                   device_bytes=device_limit(cluster))
     return b, host_fits(host_need(b, cluster), cluster)
@@ -293,10 +288,8 @@ def no_fit_line(job: Job, cluster: Cluster, pinned: Pinned) -> str:
                 break
             seq //= 2
     fix = " or ".join(fixes) if fixes else "on none of the clusters tried"
-    offload = ("all optimizer state on the host"
-               if state_layout(job.states).master is not None
-               else f"states {job.states} (no master to offload)")
-    return (f"nothing fits: even micro-batch 1, recomputation and {offload} "
+    return (f"nothing fits: even micro-batch 1, recomputation and all "
+            f"optimizer state on the host "
             f"peak at {least.peak / GIB:.1f} GiB a rank, "
             f"{limit / GIB:.1f} GiB usable on {world} x {gpu}; it would fit {fix}")
 

@@ -157,6 +157,20 @@ class StateLayout:
         drop = master.nbytes if shard_is_master and master is not None else 0
         return sum(t.nbytes for t in self.tensors) - drop
 
+    def host_bytes_per_element(self, param_bytes: int) -> float:
+        r"""
+        ### $K_h$, the state's bytes per element in a host home
+
+        All of $K$ (a host master never aliases the shard), and for a layout
+        without a master the host's copy of the weight, $p$ bytes: the update
+        works on the weight, which the host must hold to update it
+        (see the host home in [where a shard's optimizer state
+        lives](../optimizers/shard_home.html)). The staging buffer is the
+        memory model's, apart.
+        """
+        weight = param_bytes if self.master is None else 0
+        return self.bytes_per_element() + weight
+
     def shard_is_master(self, param_bytes: int) -> bool:
         """Whether a device shard of `param_bytes` per element is its own master:
         the master is fp32, and fp32 is the only dtype of 4 bytes the engine
@@ -178,6 +192,9 @@ class StateLayout:
 # `BF16_KAHAN` keeps no master either, but a bf16 compensation $c$ beside
 # the bf16 weight $w$: the pair $w + c$ carries twice bf16's mantissa, and
 # what rounding $w$ to nearest loses is kept in $c$ (Kahan summation).
+# Without a master the update works on the weight itself, so a host home of
+# either keeps a copy of it beside the states: $K + p$ bytes an element on
+# the host (`host_bytes_per_element`), $K$ saved on the device.
 # `EIGHT_BIT_MOMENTS` keeps the fp32 master and stores each moment as uint8
 # codes with one fp32 absmax scale per block of `EIGHT_BIT_BLOCK` elements
 # ([8-bit moments](../optimizers/blockwise_moments.html)).

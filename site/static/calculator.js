@@ -520,9 +520,6 @@
       fail(`must be between 0 and 1, got ${f}`, "offload_fraction");
     if (!(inputs.states in data.state_layouts))
       fail(`must be one of ${Object.keys(data.state_layouts).join(", ")}`, "states");
-    if (data.state_layouts[inputs.states].master_bytes === 0 && f)
-      fail(`must be 0 with states ${inputs.states}: no master, nothing to offload`,
-           "offload_fraction");
     if (!data.finetuners.includes(inputs.finetune))
       fail(`must be one of ${data.finetuners.join(", ")}`, "finetune");
     const family = data.families[familyOf(inputs.model)];
@@ -586,9 +583,7 @@
     const trainablePositions = [];
     shards.forEach((s, i) => { if (s.trainable) trainablePositions.push(i); });
     let onHost;
-    if (states.master_bytes === 0) {
-      onHost = new Set();  // no master: every state stays on the device
-    } else if (inputs.offload_fraction == null && other <= inputs.device_bytes) {
+    if (inputs.offload_fraction == null && other <= inputs.device_bytes) {
       onHost = autoPlacement(shards, inputs.device_bytes, other, kDevice);
     } else {
       const fraction = inputs.offload_fraction == null ? 1 : inputs.offload_fraction;
@@ -610,7 +605,9 @@
       padding: totalNumel(layout) - usedNumel(layout),
       params: p * all, grad_shards: grads,
       optimizer_device: kDevice * (trainable - offloaded),
-      optimizer_host: (states.bytes + data.staging_bytes) * offloaded,
+      // K_h: K, and without a master the host's copy of the weight (p)
+      optimizer_host: (states.bytes + (states.master_bytes === 0 ? p : 0)
+                       + data.staging_bytes) * offloaded,
       gathered, grad_buffer: gradBuffer, accumulation, early_grads: earlyGrads, activations,
       offloaded_fraction: trainable ? offloaded / trainable : 0,
       peak, fits: peak <= inputs.device_bytes,
@@ -735,7 +732,6 @@
     const batches = [];
     for (let d = perRank; d >= 1; d--) if (perRank % d === 0) batches.push(d);
     const depths = world > 1 ? [1, 2] : [1];
-    const hasMaster = data.state_layouts[inputs.states].master_bytes !== 0;
     let tried = 0, best = null, bestKey = null, fitting = 0;
     for (const batch of batches) for (const checkpointing of [false, true])
       for (const prefetch_depth of depths) for (const compile of [false, true]) {
@@ -745,7 +741,6 @@
         // with_offload: as it is, else the fewest chunks from the output end
         let b = computeBudget({ ...job, ...setting }, data);
         if (b.peak > limit) {
-          if (!hasMaster) continue;
           const auto = computeBudget({ ...job, ...setting, offload_fraction: null }, data);
           if (!auto.fits) continue;
           setting = { ...setting, offload_fraction: auto.offloaded_fraction };

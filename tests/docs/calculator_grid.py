@@ -64,11 +64,9 @@ def grid_inputs(count: int = 224) -> list[BudgetInputs]:
         # all four projections, two of them, or the attention output alone
         targets = (("query_key_value", "dense_4h_to_h"), ("dense",))[i % 5] \
             if i % 5 < 2 else tuple(TARGETS)
-        # every state layout; those without a master offload nothing
+        # every state layout, each with every offload
         states = LAYOUT_NAMES[(i // 11) % len(LAYOUT_NAMES)]
         offload = OFFLOADS[(i // 6) % 4]
-        if LAYOUTS[states].master is None and offload:
-            offload = 0.0
         cases.append(neox_inputs(
             model=model, world_size=world, shard_group_size=group,
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, states=states,
@@ -98,8 +96,6 @@ def llama_inputs(count: int = 42) -> list[BudgetInputs]:
         world = WORLDS[(i // 2) % len(WORLDS)]
         states = LAYOUT_NAMES[(i // 5) % len(LAYOUT_NAMES)]
         offload = OFFLOADS[(i // 4) % 4]
-        if LAYOUTS[states].master is None and offload:
-            offload = 0.0
         cases.append(BudgetInputs(
             getattr(llama_config, LLAMA_PRESETS[i % len(LLAMA_PRESETS)])(),
             family=LLAMA, world_size=world,

@@ -179,7 +179,8 @@ def test_early_updates_add_q_of_the_largest_gradient_shards():
 
 def test_the_state_layout_sets_k_on_the_device_and_the_host():
     """Each layout's $K$ scales the optimizer's bytes, on the device and, where
-    offloaded, on the host; the layout without a master offloads nothing."""
+    offloaded, on the host; a layout without a master keeps a copy of the
+    weight on the host besides."""
     from labml_zero.zero3.state_layout import LAYOUTS
 
     def run(states, offload):
@@ -197,9 +198,14 @@ def test_the_state_layout_sets_k_on_the_device_and_the_host():
     assert fitted.offloaded_fraction == 0.0 and fitted.optimizer_host == 0
     assert fitted.optimizer_device == (LAYOUTS["bf16-stochastic"].bytes_per_element()
                                        * fitted.grad_shards // 4)
-    with pytest.raises(ValueError, match="offload_fraction must be 0 with states "
-                                         "'bf16-stochastic'"):
-        BudgetInputs(states="bf16-stochastic", offload_fraction=0.5)
+    for name in ("bf16-stochastic", "bf16-kahan"):
+        none, half = run(name, 0.0), run(name, 0.5)
+        layout = LAYOUTS[name]
+        offloaded = half.offloaded_fraction * half.grad_shards // 4
+        assert 0 < half.offloaded_fraction < 1
+        # the device saves K; the host holds K + p (the weight's copy) + 4
+        assert none.peak - half.peak == layout.bytes_per_element() * offloaded
+        assert half.optimizer_host == (layout.bytes_per_element() + 2 + 4) * offloaded
     with pytest.raises(ValueError, match="states must be one of fp32"):
         BudgetInputs(states="int8")
 

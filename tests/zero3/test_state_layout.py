@@ -63,14 +63,13 @@ def test_placement_counts_each_layouts_bytes():
             k = layout.bytes_per_element()
             k_device = device_optimizer_bytes(p, layout)
             assert k_device == (k - 4 if p == 4 and layout.master else k)
-            if layout.master is None:
-                with pytest.raises(ValueError, match="keeps no master"):
-                    resident_bytes(on_host, shards, param_bytes=p, states=layout)
-                continue
             split = resident_bytes(on_host, shards, param_bytes=p, states=layout)
             # a host home's master never aliases the shard: all of K, plus
-            # the 4-byte staging buffer
-            assert split.host == (k + 4) * 40
+            # the 4-byte staging buffer; without a master, the host's copy
+            # of the weight (p) besides
+            weight = p if layout.master is None else 0
+            assert layout.host_bytes_per_element(p) == k + weight
+            assert split.host == (k + weight + 4) * 40
             assert split.device == (p + 4 + k_device) * 100 + (p + 4) * 40 + p * 60
 
 
