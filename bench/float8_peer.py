@@ -47,7 +47,7 @@ Three choices make it the strongest setting of this peer:
   converted weight's $\max|W|$ with one all-reduce after each optimizer step,
   and each rank casts its shard with it. It is part of the step here.
 * **Which linears**: those of the transformer layers whose two dimensions are
-  multiples of 16, the fp8 GEMM's alignment (`fp8_linear`). The embedding is a
+  multiples of 16, the fp8 GEMM's alignment (`to_float8`'s filter). The embedding is a
   lookup and the readout stays bf16: its logits feed the loss directly, and
   torchtitan leaves it out for the same reason.
 * **Compiled**: eagerly, the casts and the scale's reduction are separate
@@ -100,6 +100,7 @@ import torch
 from torch import nn
 
 from labml_zero.launch import DistContext
+from labml_zero.layers.float8 import to_float8
 from labml_zero.neox.kernels import ModelKernels
 
 from .baselines import (
@@ -113,10 +114,6 @@ from .baselines import (
 from .engine import Engine, lm_loss
 from .workloads import DECODER_LAYERS, Workload
 
-FP8_ALIGNMENT = 16
-"""Both dimensions of an fp8 GEMM's operands must be multiples of this."""
-
-
 def import_float8():
     """`torchao.float8`, or `EngineUnavailable` saying why it does not import."""
     try:
@@ -126,12 +123,6 @@ def import_float8():
         raise EngineUnavailable(
             f"torchao is not installed or does not import: {error!r}") from error
     return torchao, float8
-
-
-def fp8_linear(module: nn.Module, fqn: str = "") -> bool:
-    """The filter: a plain linear whose dimensions are multiples of 16."""
-    return (isinstance(module, nn.Linear)
-            and all(n % FP8_ALIGNMENT == 0 for n in module.weight.shape))
 
 
 def float8_config(device: torch.device):
@@ -145,21 +136,15 @@ def convert_layers(layers: list[nn.Module], config) -> None:
     """
     ### The transformer layers' linears to `Float8Linear`, in place
 
-    Only the repeating layers: the embedding, final norm and readout are left
-    as they are. `Float8Linear` wraps the weight in a new `nn.Parameter`
-    (torchao's fp8 all-gather tensor), which would make a frozen weight
-    trainable; each parameter's `requires_grad` is restored by name, which the
-    swap keeps.
+    Only the repeating layers, with labml_zero's own choice of linears and
+    swap ([fp8 linears](../labml_zero/layers/float8.html), `to_float8`: a
+    linear whose dimensions are multiples of 16, frozen weights kept frozen);
+    the embedding, final norm and readout are left as they are.
     """
-    _, float8 = import_float8()
+    import_float8()
     for layer in layers:
-        if not isinstance(layer, DECODER_LAYERS):
-            continue
-        trains = {name: p.requires_grad for name, p in layer.named_parameters()}
-        float8.convert_to_float8_training(layer, config=config,
-                                          module_filter_fn=fp8_linear)
-        for name, p in layer.named_parameters():
-            p.requires_grad_(trains[name])
+        if isinstance(layer, DECODER_LAYERS):
+            to_float8(layer, config=config)
 
 
 def without_weight_kernels(workload: Workload) -> Workload:

@@ -117,14 +117,20 @@ def torchao_config(*, emulate: bool = False):
     return Float8LinearConfig(emulate=emulate)
 
 
-def to_float8(layer: nn.Module, *, emulate: bool = False) -> list[str]:
+def to_float8(layer: nn.Module, *, emulate: bool = False, config=None
+              ) -> list[str]:
     r"""
     ### Swap a layer's chosen linears for `Float8Linear`, in place
 
     `layer` is one transformer layer (never the embedding or readout layer:
     the family's builder calls this on its repeated layers only). Works on the
     meta device: the swap moves the `weight` and `bias` parameters, it copies
-    nothing. Returns the names of the converted linears.
+    nothing. Returns the names of the converted linears. `config` is a
+    torchao `Float8LinearConfig` (default `torchao_config(emulate=emulate)`;
+    the benchmark's FSDP2 peer passes one that gathers in fp8).
+    `Float8Linear` wraps the weight in a new `nn.Parameter`, which would make
+    a frozen weight trainable: each parameter's `requires_grad` is restored by
+    name, which the swap keeps.
 
     #### When it pays
 
@@ -147,8 +153,11 @@ def to_float8(layer: nn.Module, *, emulate: bool = False) -> list[str]:
     from torchao.float8 import convert_to_float8_training
 
     names = [name for name, module in layer.named_modules() if fp8_linear(module)]
+    trains = {name: p.requires_grad for name, p in layer.named_parameters()}
     convert_to_float8_training(layer, module_filter_fn=fp8_linear,
-                               config=torchao_config(emulate=emulate))
+                               config=config or torchao_config(emulate=emulate))
+    for name, p in layer.named_parameters():
+        p.requires_grad_(trains[name])
     return names
 
 
