@@ -179,20 +179,21 @@ def fp8_refusal(device: torch.device | str, *, emulate: bool = False) -> str | N
     Known before the start: torchao missing, not a CUDA device (unless
     `emulate`, a test's choice), or a GPU older than `FP8_MIN_CAPABILITY`.
     """
+    # the device first: importing torchao prints its own warnings
+    if not emulate:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return (f"needs a CUDA GPU (fp8 matrix products); this run is on "
+                    f"{device.type}")
+        if not torch.cuda.is_available():
+            return "needs a CUDA GPU (fp8 matrix products); none is visible"
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_MIN_CAPABILITY:
+            name = torch.cuda.get_device_name(device)
+            return (f"needs compute capability >= 8.9 (Ada, Hopper); {name} is "
+                    f"{capability[0]}.{capability[1]}")
     if torchao_missing():
         return "needs torchao (pip install torchao)"
-    if emulate:
-        return None
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"needs a CUDA GPU (fp8 matrix products); this run is on {device.type}"
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU (fp8 matrix products); none is visible"
-    capability = torch.cuda.get_device_capability(device)
-    if capability < FP8_MIN_CAPABILITY:
-        name = torch.cuda.get_device_name(device)
-        return (f"needs compute capability >= 8.9 (Ada, Hopper); {name} is "
-                f"{capability[0]}.{capability[1]}")
     return None
 
 
