@@ -28,18 +28,10 @@ the weight).
   engine gathers its bf16 chunks as before and each `Float8Linear` casts
   the gathered weight. At world size 1 nothing is gathered, so this matters
   only on several GPUs, where fp8 chunks would halve the gathered bytes.
-* The conversion happens on the meta device when the layers are built,
-  before the engine lays the parameters out in chunks: `Float8Linear`'s
-  weight is the same `nn.Parameter` (torchao's conversion moves it over),
-  and its forward reads `self.weight` at every call, so it reads the
-  engine's gathered view like any linear.
 * Not with LoRA: the adapter's wrapper replaces the linear and calls the
   product itself, in bf16; nor with GPT-NeoX's fused bias + GELU, which calls
   the MLP's first product itself; both combinations are refused.
 
-On a CPU the `fp8` choice is refused; the tests run torchao's emulation
-(`Float8LinearConfig(emulate=True)`: the same fp8 roundings, the product done
-by `torch.mm` on the decoded values), which only tests may ask for.
 """
 
 from __future__ import annotations
@@ -111,6 +103,10 @@ def torchao_config(*, emulate: bool = False):
     written in bf16. Each product term $x_i W_{ji}$ is off by at most
     $2 u_8 + u_8^2$ of itself, so an output is off by at most that fraction of
     $\sum_i |x_i W_{ji}|$.
+
+    `emulate` is torchao's emulation, for tests on a CPU, where the `fp8`
+    choice is otherwise refused: the same fp8 roundings, the product done by
+    `torch.mm` on the decoded values.
     """
     from torchao.float8 import Float8LinearConfig
 
@@ -125,7 +121,10 @@ def to_float8(layer: nn.Module, *, emulate: bool = False, config=None
     `layer` is one transformer layer (never the embedding or readout layer:
     the family's builder calls this on its repeated layers only). Works on the
     meta device: the swap moves the `weight` and `bias` parameters, it copies
-    nothing. Returns the names of the converted linears. `config` is a
+    nothing, before the engine lays the parameters out in chunks; the
+    forward reads `self.weight` at every call, so it reads the engine's
+    gathered view like any linear. Returns the names of the converted
+    linears. `config` is a
     torchao `Float8LinearConfig` (default `torchao_config(emulate=emulate)`;
     the benchmark's FSDP2 peer passes one that gathers in fp8).
     `Float8Linear` wraps the weight in a new `nn.Parameter`, which would make
@@ -203,8 +202,9 @@ def check_fp8_count(kernels, finetune: str) -> None:
 
     `Float8Linear`'s backward saves the bf16 input and weight, as a plain
     linear with a trained weight and an input that needs its gradient does:
-    the same bytes (tested: tests/layers/test_float8.py::
-    test_fp8_layer_saves_what_the_plain_layer_saves). A plain linear with a
+    the same bytes
+    (tested: tests/layers/test_float8.py::test_fp8_layer_saves_what_the_plain_layer_saves).
+    A plain linear with a
     frozen weight does not save its input; `Float8Linear` does, so with any
     fine-tuner but `'all'` the count would be short: refused.
     """
