@@ -22,13 +22,16 @@ before it is sharded. What changes is inside the layers' linears.
 
 $$y = \frac{1}{s_x s_W}\,\bigl(\operatorname{fp8}(s_x x)\,
   \operatorname{fp8}(s_W W)^\top\bigr),
-\qquad s = \frac{448}{\max |t|},$$
+\qquad s_A = \frac{448}{\max |A|} \text{ for } A = x, W,$$
 
 with one scale per tensor (tensorwise, the dynamic recipe), 448 the largest
-e4m3 number, and the product accumulated in fp32 by the fp8 tensor cores.
+e4m3 number
+(tested: tests/layers/test_float8.py::test_the_formats_of_the_notes), and the product accumulated in fp32 by the fp8 tensor cores.
 Backward does the same for the two gradient products, with the output
 gradient cast to e5m2 (torchao's default for this recipe: 2 mantissa bits for
-a range up to 57344, which gradients need more than precision). Each e4m3 cast
+a range up to 57344
+(tested: tests/layers/test_float8.py::test_the_formats_of_the_notes),
+which gradients need more than precision). Each e4m3 cast
 rounds to 3 mantissa bits, a relative error of at most $u = 2^{-4}$ against
 bf16's $2^{-8}$ (below $2^{-6}$, e4m3's subnormals, an absolute error of at
 most $2^{-10}$ before the scale is undone). So one product's element is off by
@@ -47,7 +50,9 @@ Three choices make it the strongest setting of this peer:
   converted weight's $\max|W|$ with one all-reduce after each optimizer step,
   and each rank casts its shard with it. It is part of the step here.
 * **Which linears**: those of the transformer layers whose two dimensions are
-  multiples of 16, the fp8 GEMM's alignment (`to_float8`'s filter). The embedding is a
+  multiples of 16, the fp8 GEMM's alignment (`fp8_linear`, the filter
+  `to_float8` passes to torchao: labml_zero's own choice, so both engines
+  run the same products in fp8). The embedding is a
   lookup and the readout stays bf16: its logits feed the loss directly, and
   torchtitan leaves it out for the same reason.
 * **Compiled**: eagerly, the casts and the scale's reduction are separate

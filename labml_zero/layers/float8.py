@@ -12,10 +12,16 @@ An H100 or H200 multiplies fp8 matrices at twice its bf16 rate. The
 `fp8` kernel choice runs the products of every transformer layer's linears
 in fp8 through torchao's `Float8Linear`, a subclass of `nn.Linear` whose
 forward casts both operands to fp8 before the product and whose backward
-casts the incoming gradient too. The weights, their gradients, the optimizer
-and the chunks the engine gathers stay as they are: fp8 lives only inside
-the three products of a linear (forward, gradient of the input, gradient of
-the weight).
+casts the incoming gradient too. Each operand $A$ gets one scale $s_A$ per
+tensor, from the tensor itself (`torchao_config`), and the product is taken
+on the fp8 codes and the scales divided out:
+
+$$y = x W^\top \approx \frac{\operatorname{fp8}(s_x x)\,
+  \operatorname{fp8}(s_W W)^\top}{s_x s_W}.$$
+
+The weights, their gradients, the optimizer and the chunks the engine
+gathers stay as they are: fp8 lives only inside the three products of a
+linear (forward, gradient of the input, gradient of the weight).
 
 ## What is and is not done
 
@@ -24,13 +30,16 @@ the weight).
   (Ada, Hopper and later: `FP8_MIN_CAPABILITY`) with torchao installed; every other place refuses the choice
   before the start, in one line (`fp8_refusal`).
 * Not done: the per-chunk fp8 all-gather of the weights (torchao's
-  fp8 all-gather option, made for FSDP2's DTensor parameters). The
-  engine gathers its bf16 chunks as before and each `Float8Linear` casts
-  the gathered weight. At world size 1 nothing is gathered, so this matters
-  only on several GPUs, where fp8 chunks would halve the gathered bytes.
-* Not with LoRA: the adapter's wrapper replaces the linear and calls the
-  product itself, in bf16; nor with GPT-NeoX's fused bias + GELU, which calls
-  the MLP's first product itself; both combinations are refused.
+  fp8 all-gather option, made for FSDP2's DTensor parameters, which the
+  benchmark's FSDP2 float8 peer, `bench/float8_peer.py`, turns on). The
+  engine gathers its bf16 chunks and each `Float8Linear` casts the gathered
+  weight. At world size 1 nothing is gathered, so this matters only on
+  several GPUs, where fp8 chunks would halve the gathered bytes.
+* Only when every weight trains (`finetune='all'`, `check_fp8_count`): a
+  frozen linear's saved bytes would be miscounted, and LoRA's wrapper
+  replaces the linear and calls the product itself, in bf16. Nor with
+  GPT-NeoX's fused bias + GELU, which calls the MLP's first product itself.
+  Every such combination is refused before the start.
 
 """
 

@@ -158,7 +158,7 @@ def _layer_bytes(config: LlamaConfig, trains: set[str], *, n: int, p: int,
     | each adapter's $A a$, input of its $B$ | $p r$ | | ✓ |
 
     The rotation multiplies by tables that need no gradient, so it keeps only
-    the tables, one pair for every layer (`LlamaRotary`), counted as the
+    the tables, one pair shared by every layer (`LlamaRotary`), counted as the
     parameters are, not at all; the compiled rotation keeps the same. The
     attention kernel keeps its inputs, its output and the log-sum-exp of each
     query's row, never the $T \times T$ probabilities (flash-style kernels;

@@ -344,8 +344,9 @@ def build_layers(config: LlamaConfig, *, filter_layers: Iterable[int] | None = N
       checkpoint.
     * Off meta, weights are initialised as Hugging Face does.
     * `kernels` chooses the [fused kernels](kernels.html) once for every
-      layer; `None` is the plain model (no fused kernel). The rotary tables
-      are built here, outside any compiled function. With `kernels.fp8` the
+      layer; `None` is the plain model (no fused kernel). One `LlamaRotary`
+      is made here for every layer; its tables are computed by the first
+      layer's forward pre-hook, outside any compiled forward. With `kernels.fp8` the
       decoder layers' linears become `Float8Linear` ([fp8
       products](../layers/float8.html)).
     """

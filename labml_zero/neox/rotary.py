@@ -9,10 +9,16 @@ summary: GPT-NeoX's partial rotary embeddings, their tables computed once per
 
 GPT-NeoX's partial rotary embeddings ([Su et al.](https://arxiv.org/abs/2104.09864)):
 only the first $d_r$ of the $d_h$ dimensions of each query and key head are
-rotated, by an angle that grows with the position; the rest carry no
-position. The angles are a table (`rotary_cos_sin`) that depends on the
+rotated, pair $i$ at position $m$ by the angle
+
+$$m\,\theta_i, \qquad \theta_i = b^{-2i/d_r},$$
+
+$b$ the base (`rotary_base`), so the angle grows with the position; the
+other dimensions carry no position. The angles'
+cosines and sines are a table (`rotary_cos_sin`) that depends on the
 position and the config, not on the layer, so one `RotaryTables` serves every
-layer of a model, and the rotation of q and k is one pass over both. The
+layer of a model (Llama's [rotary page](../llama/rotary.html) subclasses it
+for its own angles), and the rotation of q and k is one pass over both. The
 [model](model.html) calls it from its attention; the [fused
 kernels](kernels.html) choose between the plain rotation and its compiled
 twin (`rotary_joint_fused`).

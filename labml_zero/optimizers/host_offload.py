@@ -2,7 +2,7 @@ r"""
 ---
 title: Optimizer state in host memory
 summary: Staging buffers, copy streams and the host worker that let AdamFP16 keep
-  master and moments of chosen shards in host memory.
+  the optimizer states of chosen shards in host memory.
 ---
 
 # Optimizer state in host memory
@@ -16,7 +16,8 @@ moves them, shard by shard, to host memory and runs the update there
 ({{term: offload}}), as ColossalAI's Gemini and ZeRO-Offload do; where each
 chunk keeps its states is the model's {{term: placement}}
 ([its page](../planner/placement.html)). An offloaded element moves $4 + p$
-bytes a step: its fp32 gradient down, its new master up in the shard's dtype.
+bytes a step: its fp32 gradient down, its new master (without a master, its
+new weight) up in the shard's dtype.
 """
 
 from __future__ import annotations

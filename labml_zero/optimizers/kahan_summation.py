@@ -45,9 +45,13 @@ moments](narrow_moments.html)
 
 ## Limitations
 
-* On a GPU the twin runs, not the one-pass kernel, as for stochastic
-  rounding; offloaded, as there, the host updates a copy of the weight beside
-  its compensation ([where a shard's optimizer state
+* On a GPU the widened twin runs (`widened_update`, the fp32 kernel on
+  slices), not the [one-pass kernel](rounded_update.html), as for stochastic
+  rounding.
+* Offloaded, as there, the host updates a copy of the weight beside its
+  compensation: $K + p$ =
+  {{py: state_layout.BF16_KAHAN.host_bytes_per_element(2)}} bytes an element
+  in host memory for a bf16 shard ([where a shard's optimizer state
   lives](shard_home.html)).
 * An fp32 shard (one rank may keep the parameter dtype) is its own master,
   updated in place; its compensation stays zero, and is counted in $K$.

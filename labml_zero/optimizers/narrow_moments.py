@@ -29,8 +29,10 @@ from typing import Callable, Sequence
 import torch
 
 # Elements widened at once: bounds the fp32 temporaries of the twin to
-# $2 \cdot 4 \cdot 2^{22}$ bytes whatever the shard's size; a multiple of
-# every vector width, so a slice ends where a whole shard's loop would.
+# $2 \cdot 4 \cdot 2^{22}$ bytes for the two moments whatever the shard's
+# size, and $4 \cdot 2^{22}$ more where the weight is widened too (a layout
+# without a master); a multiple of every vector width, so a slice ends where
+# a whole shard's loop would.
 WIDE_NUMEL = 2**22
 
 Kernel = Callable[[list, list, list, list], None]

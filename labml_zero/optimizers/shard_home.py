@@ -2,15 +2,15 @@ r"""
 ---
 title: Where a shard's optimizer state lives
 summary: One home object per shard, device or host, chosen once when AdamFP16 is
-  built; it holds the shard's master and moments and moves its gradient and its
+  built; it holds the shard's optimizer states and moves its gradient and its
   update, so the optimizer never asks where a shard is.
 ---
 
 # Where a shard's optimizer state lives
 
-This page deepens [AdamFP16](adam_fp16.html). Each shard's states (the fp32
-master and two moments, in the dtypes of the optimizer's
-[state layout](../zero3/state_layout.html)) live in one place, its *home*:
+This page deepens [AdamFP16](adam_fp16.html). Each shard's states (those of
+the optimizer's [state layout](../zero3/state_layout.html): by default the
+fp32 master and two moments) live in one place, its *home*:
 device memory (`DeviceHome`) or host memory (`HostHome`, the {{see: offload}} of
 [optimizer state in host memory](host_offload.html)). Of the $p + 4 + K$
 bytes a trainable element costs a rank, a shard of $S$ elements keeps on its

@@ -24,12 +24,15 @@ survives on average
 
 ## Limitations
 
-* On a GPU the twin runs, not the one-pass kernel.
-* Offloaded, the host keeps a copy of the weight to update: $p$ bytes an
-  element more than $K$ (see the host home's Note: a host home without a
-  master, in [where a shard's optimizer state lives](shard_home.html)); the
-  noise hashes the shard's position and the step, wherever the update runs,
-  so the host draws the device's bits.
+* On a GPU the widened twin runs (`widened_update`, the fp32 kernel on
+  slices), not the [one-pass kernel](rounded_update.html), which writes a
+  master this layout does not have.
+* Offloaded, the host keeps a copy of the weight to update: $K + p$ =
+  {{py: state_layout.BF16_STOCHASTIC.host_bytes_per_element(2)}} bytes an
+  element in host memory for a bf16 shard (see the host home's Note: a host
+  home without a master, in [where a shard's optimizer state
+  lives](shard_home.html)); the noise hashes the shard's position and the
+  step, wherever the update runs, so the host draws the device's bits.
 """
 
 from __future__ import annotations
