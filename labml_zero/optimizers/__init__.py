@@ -15,5 +15,8 @@ $K = 12$
 bytes a parameter, against 2 for the bf16 parameter and 4 for its fp32
 gradient: $\frac{K}{2 + 4 + K} = \frac{2}{3}$ of the model states, which is
 why ZeRO shards the optimizer state first. Under ZeRO-3 each rank holds these
-for its own [shards](../zero3/shard.html) only.
+for its own [shards](../zero3/shard.html) only. The other choices of
+[state layout](../zero3/state_layout.html) keep fewer bytes: narrower
+moments beside the fp32 master, or no master at all, the bf16 weight
+rounded stochastically or kept with a bf16 compensation.
 """

@@ -373,10 +373,13 @@ class AdamFP16(torch.optim.Optimizer):
         sequence of `foreach` multi-tensor kernels (about three times the
         memory traffic), one launch per batch of device homes (one param
         group, device and dtype). Both are tested against
-        `torch.optim.AdamW`. On a GPU a half-precision shard takes [the
-        update in one pass](rounded_update.html) instead, whose twin is the
-        fused kernel and the copy, and 8-bit moments [one of their
-        own](blockwise_moments.html). Every update, whenever and wherever it
+        `torch.optim.AdamW`. On a GPU a half-precision shard with a master
+        takes [the update in one pass](rounded_update.html) instead, whose
+        twin is the fused kernel and the copy, and 8-bit moments [one of
+        their own](blockwise_moments.html); a layout without a master runs
+        the twin on widened slices ([stochastic
+        rounding](stochastic_rounding.html), [Kahan
+        summation](kahan_summation.html)). Every update, whenever and wherever it
         runs, goes through one method, `_apply`.
 
         #### All ranks agree on an overflow

@@ -200,7 +200,8 @@ class Budget:
     r"""$g\,S_t$, the fp32 gradient shards."""
     optimizer_device: int
     optimizer_host: int
-    """Master and moments on the host, with their pinned staging buffer."""
+    """The optimizer states on the host (without a master, the weight's copy
+    too), with their pinned staging buffer."""
     gathered: int
     grad_buffer: int
     r"""$B$, the largest chunk's gradient buffer beside the gradients held for it
