@@ -54,7 +54,7 @@ def load_quality(root: Path) -> dict[tuple, tuple[str, list[dict]]]:
 
 def curves_svg(lines: list[dict], series: str = "valid_loss") -> str:
     """
-    One polyline per choice over shared axes
+    ### One polyline per choice over shared axes
 
     The axes span every line's steps and losses, so the curves are comparable
     by eye; a line's legend entry is its choice's name in its colour.

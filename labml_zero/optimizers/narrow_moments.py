@@ -20,6 +20,9 @@ $$\hat m_t = \operatorname{bf16}\big(\beta_1 \hat m_{t-1} + (1 - \beta_1) g_t\bi
 while the master's step uses the unrounded fp32 values: `torch.optim.AdamW`
 whose moments are rounded to bf16 after every step, bit for bit
 (tested: tests/optimizers/test_narrow_moments.py::test_bf16_moments_are_adamw_with_moments_rounded_each_step).
+The loop that widens and rounds, `widened_update`, also serves the layouts
+without a master, which widen the weight too ([stochastic
+rounding](stochastic_rounding.html), [Kahan summation](kahan_summation.html)).
 """
 
 from __future__ import annotations

@@ -294,7 +294,7 @@ class ShardOptimizer(Protocol):
     """
     ## What the engine and its checkpoint call on an optimizer
 
-    Typed, where they used to probe the optimizer with `hasattr`. `AdamFP16`
+    Typed, so that no caller probes the optimizer with `hasattr`. `AdamFP16`
     implements it; a checkpoint, the placement probe and the engine's
     gradient callbacks take a `ShardOptimizer` and call these, nothing else.
 
