@@ -50,6 +50,8 @@ import importlib.util
 import torch
 from torch import nn
 
+from labml_zero.layers.lora import LoRALinear
+
 __all__ = ["FP8_MULTIPLE", "FP8_MIN_CAPABILITY", "fp8_linear", "to_float8",
            "fp8_refusal", "check_fp8", "check_fp8_count"]
 
@@ -76,8 +78,6 @@ def fp8_linear(module: nn.Module, name: str = "") -> bool:
     loss's own product. A layer of another width (Llama's tiny test model, whose
     $d_{ff}$ is not such a multiple) keeps those linears in bf16.
     """
-    from labml_zero.layers.lora import LoRALinear
-
     return (isinstance(module, nn.Linear) and not isinstance(module, LoRALinear)
             and module.in_features % FP8_MULTIPLE == 0
             and module.out_features % FP8_MULTIPLE == 0)

@@ -235,12 +235,18 @@ def plan(job: Job, cluster: Cluster, pinned: Pinned = Pinned()) -> Plan:
 
 def smallest(job: Job, cluster: Cluster, *, micro_batches: int
              ) -> tuple[Budget, bool]:
-    """The least memory a rank can run with: one sequence a micro-batch,
-    recomputation, all the optimizer state on the host. Returns its budget
-    and whether the host holds it."""
-    setting = Setting(1, micro_batches, checkpointing=True, offload_fraction=1.0)
-    b = budget_of(job, setting, world_size=cluster.world_size,
-                  device_bytes=device_limit(cluster))
+    """The least a rank can run with: one sequence a micro-batch,
+    recomputation, and the fewest chunks offloaded that fit the device
+    (`with_offload`) where the host holds them; else all the optimizer state
+    on the host, the least device memory there is. Returns the budget and
+    whether the host holds it. (All on the host alone would call a small host
+    the cause where more GPUs without offload fit.)"""
+    setting = Setting(1, micro_batches, checkpointing=True, offload_fraction=0.0)
+    placed = with_offload(job, setting, cluster)
+    if placed is not None and host_fits(host_need(placed[1], cluster), cluster):
+        return placed[1], True
+    b = budget_of(job, replace(setting, offload_fraction=1.0),
+                  world_size=cluster.world_size, device_bytes=device_limit(cluster))
     return b, host_fits(host_need(b, cluster), cluster)
 
 

@@ -75,10 +75,10 @@ def test_refusals_are_one_line(capsys, nothing_starts):
     # a global batch the ranks cannot split
     err = refused(capsys, [*W1, "--gpus", "2", "--global-batch", "7", "--plan"])
     assert "--global-batch 7 is not a multiple of the 2 ranks" in err
-    # a job that fits no setting
+    # a job that fits no setting: a host too small for the offloaded states
     err = refused(capsys, ["--model", "gpt-neox-20b", "--gpu", "h100",
-                           "--seq-len", "2048", "--optimizer-states",
-                           "bf16-stochastic", "--plan"])
+                           "--host-gib", "16", "--seq-len", "2048",
+                           "--optimizer-states", "bf16-stochastic", "--plan"])
     assert "nothing fits" in err and "would fit on 2 h100 GPUs" in err
     # the cluster's flags mean nothing without a plan
     assert "--gpu needs --plan or --auto" in refused(capsys, ["--gpu", "h200"])
