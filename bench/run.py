@@ -32,6 +32,11 @@ warm-up and replays it ([the step as one CUDA
 graph](../labml_zero/optimizers/graphed_step.html)); the other engines run eagerly,
 and the line says `"cuda_graph"`. On CPU the step's twin re-runs it.
 
+`--plan` prints the setting the fine-tune's planner chooses for labml_zero on
+each workload and starts nothing; `--auto` runs labml_zero's line with it and
+records the prediction beside the measurement ([the planner's
+choice](plan.html)).
+
 `--tiny` shrinks every workload to two layers of width 64 so that the whole
 matrix runs in seconds: on CPU (gloo, two processes, `--cpu` where GPUs exist)
 it is the smoke test; on the GPUs it is a dry run of every code path, NCCL

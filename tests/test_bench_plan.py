@@ -5,11 +5,15 @@ flags given win; what the bench cannot run is refused in one line."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 
 from bench import run as bench_run
+from bench.pair import RunConfig
+from bench.workloads import shrink
+from bench.workloads import workloads as all_workloads
 from labml_zero import launch
 from labml_zero.planner.setting import Setting
 from tests.tolerance import sum_error
@@ -145,3 +149,22 @@ def test_refusals_are_one_line_before_any_start(nothing_starts, argv, says):
         bench_run.main(argv)
     message = str(refused.value)
     assert says in message and "\n" not in message, message
+
+
+def test_workload_takes_an_offload_fraction():
+    w4 = shrink(all_workloads()["W4"])
+    assert replace(w4, offload=0.25).offload == 0.25
+    for wrong in (0.0, 1.5, "yes"):
+        with pytest.raises(ValueError, match="a fraction in \\(0, 1\\]"):
+            replace(w4, offload=wrong)
+
+
+@pytest.mark.distributed
+def test_a_planned_offload_fraction_runs_on_labml_zero():
+    """`--auto`'s fraction: static, no probe (which needs the automatic one)."""
+    workload = replace(shrink(all_workloads()["W4"]), offload=0.5)
+    line = bench_run.run_pair("labml_zero", workload,
+                              RunConfig(steps=1, warmup=1, profile=False),
+                              world_size=2, backend="gloo", timeout_s=120)
+    assert line["status"] == "ok" and line["loss_finite"], line
+    assert line["offload"] == 0.5 and "offloaded_fraction" not in line.get("info", {})
