@@ -19,4 +19,6 @@ Pages, in reading order:
 * [One pair](pair.html): an engine and a workload in their own processes,
   failures as lines.
 * [Run](run.html): the command line.
+* [The planner's choice](plan.html): `--plan` and `--auto`, the fine-tune's
+  planner asked for labml_zero's setting of each workload.
 """

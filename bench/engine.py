@@ -64,6 +64,11 @@ fraction offloaded, host-link bytes, predicted peaks) when it is made, and the
 measured peaks after the timed steps; the line's `predicted_peak` is the
 placement's.
 
+A fraction as `workload.offload` (the planner's, `bench.run --auto`) is
+static: no probe, at least that share of the trainable elements' optimizer
+state on the host from the output end, as the fine-tune's
+`--offload-optimizer` places it.
+
 With `workload.resident` the same decision also keeps frozen chunks gathered
 in the device memory left over ([keeping chunks
 resident](../labml_zero/planner/placement.html)): on W3R, GPT-NeoX-20B's frozen
@@ -305,7 +310,7 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     automatic = workload.offload == "auto" or workload.resident
     recipe = Recipe(
         zero=config, finetune=finetuner(workload.finetune),
-        offload_optimizer="auto" if automatic else 0.0,
+        offload_optimizer="auto" if automatic else (workload.offload or 0.0),
         resident=workload.resident, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
         # no clipping or loss scaling here, so every shard can be updated
         # during the backward pass, as soon as its chunk is reduced, and its

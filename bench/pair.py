@@ -303,6 +303,8 @@ def describe(engine: str, workload: Workload, world_size: int, backend: str) -> 
         "seq": workload.seq,
         "finetune": workload.finetune,
         "compiled": workload.compile,
+        "activation_checkpointing": workload.activation_checkpointing,
+        "offload": workload.offload,
         "cuda_graph": workload.cuda_graph and engine == "labml_zero",
         "prefetch_depth": workload.prefetch_depth,
         "peer_gather": workload.peer_gather,

@@ -32,6 +32,11 @@ warm-up and replays it ([the step as one CUDA
 graph](../labml_zero/optimizers/graphed_step.html)); the other engines run eagerly,
 and the line says `"cuda_graph"`. On CPU the step's twin re-runs it.
 
+`--plan` prints the setting the fine-tune's planner chooses for labml_zero on
+each workload and starts nothing; `--auto` runs labml_zero's line with it and
+records the prediction beside the measurement ([the planner's
+choice](plan.html)).
+
 `--tiny` shrinks every workload to two layers of width 64 so that the whole
 matrix runs in seconds: on CPU (gloo, two processes, `--cpu` where GPUs exist)
 it is the smoke test; on the GPUs it is a dry run of every code path, NCCL
@@ -53,8 +58,13 @@ from labml_zero.llama.kernels import LlamaKernels, resolve_llama_kernels
 from labml_zero.neox.build import resolve_kernels
 from labml_zero.neox.kernels import ATTENTION_BACKENDS, ModelKernels
 
+from labml_zero.finetune.planning import (FLAG_DESTS, Request, add_plan_flags,
+                                          auto_line, cluster_of, pop_request)
+from labml_zero.planner.search import describe as plan_text
+
 from .bounds import BOUNDS
-from .workloads import GRAPH_WARMUP, shrink, workloads
+from .plan import BENCH_PINS, applied, plan_workload, planned_fields, pinned_of
+from .workloads import GRAPH_WARMUP, Workload, shrink, workloads
 from .pair import (COMPILED_ENGINES, ENGINES, GIB, RunConfig, builder,
                    describe, measure_rank, merge, run_pair, worker)
 
@@ -65,7 +75,7 @@ __all__ = ["ENGINES", "COMPILED_ENGINES", "GIB", "RunConfig", "builder",
 # ## Command line
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.run",
         description="Tokens/s, MFU, memory and communication share of labml_zero "
@@ -132,11 +142,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="leave the objects alive after the warm-up to the "
                         "garbage collector's walks")
     parser.add_argument("--out", default=None, help="append the JSON lines here")
-    args = parser.parse_args(argv)
+    # the fine-tune's --plan/--auto and its cluster flags (bench/plan.py)
+    add_plan_flags(parser)
+    return parser
+
+
+def given_flags(argv: list[str] | None) -> set[str]:
+    """The destinations of the flags on the command line: a second parse with
+    every default suppressed leaves only those."""
+    quiet = build_parser()
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(quiet.parse_args(argv)))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.given = given_flags(argv)
 
     known = workloads()
     args.workload_list = split_names(args.workloads, known, "--workloads")
     args.engine_list = split_names(args.engines, ENGINES + BOUNDS, "--engines")
+    try:
+        args.request = plan_request(args)
+    except ValueError as error:
+        raise SystemExit(str(error))
     args.batch_list = [None] if args.batch is None else split_batches(args.batch)
     args.compile_modes = {"no": [False], "yes": [True],
                           "both": [False, True]}[args.compile]
@@ -150,7 +180,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # only once the placement has measured, and GraphedStep refuses it then.
     recomputed = [name for name in args.workload_list
                   if known[name].activation_checkpointing]
-    if args.cuda_graph and "labml_zero" in args.engine_list and recomputed:
+    # under --auto labml_zero's recomputation is the planner's, pinned off
+    if (args.cuda_graph and "labml_zero" in args.engine_list and recomputed
+            and args.request.mode != "auto"):
         raise SystemExit(f"--cuda-graph: workload {recomputed[0]} recomputes its "
                          "activations, which the graph does not capture")
     if args.prefetch_depth < 0:
@@ -158,22 +190,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         # `auto` as the job resolves it: every fusion on the GPUs, none on CPU
         device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-        # each family's kernels, resolved for the workloads listed of it
         listed = [known[name].model for name in args.workload_list]
-        args.model_kernels = args.llama_kernels = None
-        if any(not isinstance(m, LlamaConfig) for m in listed):
-            args.model_kernels = replace(resolve_kernels(args.kernels, device),
-                                         attention=args.attention)
-        if any(isinstance(m, LlamaConfig) for m in listed):
-            if args.attention is not None:
-                raise ValueError("Llama's attention backend is PyTorch's choice")
-            args.llama_kernels = resolve_llama_kernels(args.kernels, device)
-        # fp8 refused here, before any pair starts, where it cannot run
-        for kernels in (args.model_kernels, args.llama_kernels):
-            check_fp8(kernels, device)
+        args.model_kernels, args.llama_kernels = family_kernels(
+            args.kernels, args.attention, device, listed)
+        # labml_zero's under --auto: the job's `auto` unless --kernels is given
+        args.auto_kernels = args.kernels if "kernels" in args.given else "auto"
+        args.auto_model_kernels, args.auto_llama_kernels = family_kernels(
+            args.auto_kernels, args.attention, device, listed)
     except ValueError as error:
         raise SystemExit(f"--kernels/--attention: {error}")
     return args
+
+
+def family_kernels(names: str, attention: str | None, device: str, listed: list):
+    """Each family's kernels named by `names`, resolved for the workloads
+    listed of it (`None` for a family none is of); fp8 refused here, before
+    any pair starts, where it cannot run."""
+    model_kernels = llama_kernels = None
+    if any(not isinstance(m, LlamaConfig) for m in listed):
+        model_kernels = replace(resolve_kernels(names, device), attention=attention)
+    if any(isinstance(m, LlamaConfig) for m in listed):
+        if attention is not None:
+            raise ValueError("Llama's attention backend is PyTorch's choice")
+        llama_kernels = resolve_llama_kernels(names, device)
+    for kernels in (model_kernels, llama_kernels):
+        check_fp8(kernels, device)
+    return model_kernels, llama_kernels
+
+
+def plan_request(args: argparse.Namespace) -> Request:
+    """
+    ### `--plan`/`--auto` and the cluster's flags, taken off `args`
+
+    The benchmark has no gradient accumulation: its global batch is `--batch`
+    times the ranks, never `--global-batch`; `--auto` plans labml_zero's line,
+    which must be one of `--engines`.
+    """
+    flags = {name: getattr(args, name) for name in FLAG_DESTS if hasattr(args, name)}
+    for name in flags:
+        delattr(args, name)
+    request = pop_request(flags)
+    if "global_batch" in request.cluster:
+        raise ValueError("bench.run: the global batch is --batch x ranks (no "
+                         "gradient accumulation); give --batch, not --global-batch")
+    if request.mode == "auto" and "labml_zero" not in args.engine_list:
+        raise ValueError("--auto runs the planner's setting on labml_zero's line; "
+                         "add labml_zero to --engines")
+    return request
 
 
 def split_names(value: str, known, flag: str) -> list[str]:
@@ -243,25 +306,81 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(f"--engines {bounds[0]}: the bounds run on one device; "
                          f"pass --world-size 1, not {world_size}")
     known = workloads()
+    mode = args.request.mode
+    # `--compile` given pins it; else the planner chooses (one labml_zero line)
+    planned_compile = (args.compile_modes if "compile" in args.given else [None])
+
+    def given_workload(name: str, batch: int | None, compiled: bool | None,
+                       *, auto: bool = False) -> Workload:
+        workload = shrink(known[name]) if args.tiny else known[name]
+        llama = isinstance(workload.model, LlamaConfig)
+        kernels = ((args.auto_llama_kernels if llama else args.auto_model_kernels)
+                   if auto else
+                   (args.llama_kernels if llama else args.model_kernels))
+        return replace(workload, compile=bool(compiled),
+                       cuda_graph=args.cuda_graph,
+                       prefetch_depth=args.prefetch_depth,
+                       peer_gather=args.peer_gather,
+                       peer_reduce=args.peer_reduce, kernels=kernels,
+                       batch=workload.batch if batch is None else batch)
+
+    plans = {}
+    if mode is not None:
+        # every plan made, and every refusal said, before any pair starts
+        plan_world = world_size if mode == "auto" else args.world_size
+        try:
+            cluster = cluster_of(args.request, plan_world)
+            for name in args.workload_list:
+                for batch in args.batch_list:
+                    for compiled in planned_compile:
+                        workload = given_workload(name, batch, compiled, auto=True)
+                        given = {flag: value for flag, value in (
+                            ("batch", workload.batch), ("compile", compiled),
+                            ("prefetch_depth", args.prefetch_depth))
+                            if flag in args.given}
+                        chosen = plan_workload(
+                            workload, cluster,
+                            pinned_of(workload, given, cuda_graph=args.cuda_graph),
+                            kernels=args.auto_kernels)
+                        if (mode == "auto" and chosen.best.setting.compile
+                                and run.warmup < 1):
+                            raise ValueError(
+                                f"--auto: the planner compiles workload {name}'s "
+                                f"layers, which needs --warmup >= 1 (or pin "
+                                f"--compile no)")
+                        plans[name, batch, compiled] = (workload, chosen)
+        except ValueError as error:
+            raise SystemExit(str(error))
+        kept = [f"--{flag.replace('_', '-')}" for flag in BENCH_PINS
+                if flag in args.given]
+        for (name, _, _), (_, chosen) in plans.items():
+            if mode == "plan":
+                print(plan_text(chosen, model_name=f"{name} (labml_zero)"),
+                      flush=True)
+            else:
+                print(f"{name}: {auto_line(chosen, kept)}", flush=True)
+        if mode == "plan":
+            return []
     lines = []
-    # an engine's eager and compiled runs side by side, in the same lease
+    # an engine's eager and compiled runs side by side, in the same lease;
+    # under --auto, labml_zero's compilation is the planner's unless given
     pairs = [(name, batch, engine, compiled) for name in args.workload_list
              for batch in args.batch_list for engine in args.engine_list
-             for compiled in args.compile_modes]
+             for compiled in (planned_compile
+                              if mode == "auto" and engine == "labml_zero"
+                              else args.compile_modes)]
     for name, batch, engine, compiled in pairs:
-        workload = shrink(known[name]) if args.tiny else known[name]
-        workload = replace(workload, compile=compiled,
-                           cuda_graph=args.cuda_graph,
-                           prefetch_depth=args.prefetch_depth,
-                           peer_gather=args.peer_gather,
-                           peer_reduce=args.peer_reduce,
-                           kernels=(args.llama_kernels
-                                    if isinstance(workload.model, LlamaConfig)
-                                    else args.model_kernels),
-                           batch=workload.batch if batch is None else batch)
+        planned = mode == "auto" and engine == "labml_zero"
+        if planned:
+            workload, chosen = plans[name, batch, compiled]
+            workload = applied(workload, chosen)
+        else:
+            workload = given_workload(name, batch, compiled)
         result = run_pair(engine, workload, run, world_size=world_size,
                           backend=backend, timeout_s=args.timeout)
         result["tiny"] = args.tiny
+        if planned:
+            result.update(planned_fields(chosen))
         lines.append(result)
         text = json.dumps(result)
         print(text, flush=True)

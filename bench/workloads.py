@@ -127,9 +127,12 @@ class Workload:
     """labml_zero's chunk size; `None` lets the engine search for it."""
     activation_checkpointing: bool = False
     """Recompute each transformer layer's activations in backward."""
-    offload: str | None = None
+    offload: str | float | None = None
     """`None`: everything on the GPUs. `'auto'`: each engine's host offload of
-    the optimizer (see W5); labml_zero decides how much from the first step."""
+    the optimizer (see W5); labml_zero decides how much from the first step.
+    A fraction in $(0, 1]$: labml_zero offloads at least that share of the
+    trainable elements' optimizer state, whole chunks from the output end (the
+    fine-tune's `--offload-optimizer`, the planner's choice under `--auto`)."""
     resident: bool = False
     """labml_zero keeps frozen chunks gathered where memory allows, decided from
     a probe step (W3R); the other engines run as without it."""
@@ -191,10 +194,12 @@ class Workload:
                 f"Workload {self.name}: prefetch_depth must be >= 0, "
                 f"got {self.prefetch_depth}"
             )
-        if self.offload not in (None, "auto"):
+        fraction = (isinstance(self.offload, float)
+                    and 0.0 < self.offload <= 1.0)
+        if self.offload not in (None, "auto") and not fraction:
             raise ValueError(
-                f"Workload {self.name}: offload must be None or 'auto', "
-                f"got {self.offload!r}"
+                f"Workload {self.name}: offload must be None, 'auto' or a "
+                f"fraction in (0, 1], got {self.offload!r}"
             )
         if self.finetune not in FINETUNES:
             raise ValueError(

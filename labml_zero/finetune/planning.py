@@ -28,10 +28,11 @@ import torch
 from labml_zero import launch
 from labml_zero.finetune.config import FinetuneConfig
 from labml_zero.planner.devices import GIB, GPUS, Cluster, gpu_by_name, this_machine
-from labml_zero.planner.search import NoFit, Pinned, describe, plan
+from labml_zero.planner.search import NoFit, Pinned, Plan, describe, plan
 from labml_zero.planner.setting import Job, gpu_kernels
 
-__all__ = ["add_plan_flags", "FLAG_DESTS", "Request", "pop_request", "settle"]
+__all__ = ["add_plan_flags", "FLAG_DESTS", "Request", "pop_request", "settle",
+           "auto_line", "cluster_of"]
 
 # The flags of the cluster and the global batch, which only a plan reads.
 PLAN_FLAGS = ("gpu", "gpus", "nodes", "host_gib", "global_batch")
@@ -211,11 +212,18 @@ def settle(config: FinetuneConfig, request: Request, given: dict[str, Any], *,
         return describe(result, model_name=name)
     s = result.best.setting
     kept = [f"--{name.replace('_', '-')}" for name in SETTING_FIELDS if name in given]
-    print(f"--auto: {s.flags()} (predicted {result.best.time.total:.3f} s a "
-          f"step on {cluster.describe()}"
-          + (f"; kept as given: {', '.join(kept)})" if kept else ")"), flush=True)
+    print(auto_line(result, kept), flush=True)
     return dataclasses.replace(
         config, batch_size=s.batch, grad_accum=s.micro_batches,
         activation_checkpointing=s.checkpointing,
         offload_optimizer=s.offload_fraction, prefetch_depth=s.prefetch_depth,
         compile=s.compile)
+
+
+def auto_line(result: Plan, kept: list[str]) -> str:
+    """The line `--auto` prints before it starts: the setting as flags, its
+    predicted step, and the setting's flags kept as given (the benchmark's
+    `--auto` prints it too, with its own flags)."""
+    return (f"--auto: {result.best.setting.flags()} (predicted "
+            f"{result.best.time.total:.3f} s a step on {result.cluster.describe()}"
+            + (f"; kept as given: {', '.join(kept)})" if kept else ")"))
