@@ -2,7 +2,7 @@ r"""
 ---
 title: How fast any engine could be
 summary: Two reference steps on one device, the model alone and the model with the
-  cheapest update that keeps fp32 masters and moments, that bound every engine's step.
+  cheapest update of its optimizer states, that bound every engine's step.
 ---
 
 # How fast any engine could be
@@ -32,6 +32,19 @@ can be put beside the best it could do on the same device, in the same command:
   of fp32 states can move. Its step is the floor of any engine with
   [AdamFP16's](../labml_zero/optimizers/adam_fp16.html) numerics.
 
+`--optimizer-states` gives `update_floor` labml_zero's layout: the floor keeps
+that [layout's](../labml_zero/zero3/state_layout.html) states and takes its
+one pass, $2K + 2 + 2$ bytes an element
+(`one_pass_bytes(2, 2, layout)`):
+{{py: rounded_update.one_pass_bytes(2, 2, state_layout.BF16_MOMENTS)}} with
+bf16 moments, {{py: rounded_update.one_pass_bytes(2, 2,
+state_layout.EIGHT_BIT_MOMENTS) | .4g}} with 8-bit ones
+([their pass](../labml_zero/optimizers/blockwise_moments.html)). A layout
+without a master (`bf16-stochastic`, `bf16-kahan`) has no one pass (AdamFP16
+runs its twin on widened slices), so the floor skips it and says why; there
+is no floor to set beside such a line. `model_only` has no optimizer: its
+line says `fp32`, as the peers' do.
+
 Both run on one device only (`--world-size 1`), with every state on it (a
 workload that offloads is skipped), eagerly (skipped with `--compile`, eager
 with `--cuda-graph` as the peers are), and with the workload's recomputation
@@ -49,6 +62,7 @@ from torch import nn
 from labml_zero.launch import DistContext
 from labml_zero.neox.finetuners import finetuner
 from labml_zero.layers.layer_list import LayerChain
+from labml_zero.optimizers import blockwise_moments
 from labml_zero.optimizers.rounded_update import (
     Betas,
     adamw_rounded_,
@@ -56,6 +70,7 @@ from labml_zero.optimizers.rounded_update import (
     step_coefficients,
 )
 from labml_zero.planner.memory_model import zero_model_states
+from labml_zero.zero3.state_layout import FP32_STATES, StateLayout, state_layout
 
 from .baselines import with_recompute
 from .engine import LEARNING_RATE, WEIGHT_DECAY, Engine, InitialWeights, lm_loss
@@ -66,8 +81,8 @@ BOUNDS = ("model_only", "update_floor")
 
 PARAM_BYTES = 2
 """bf16 weights, and autograd's bf16 gradients."""
-STATE_BYTES = 12
-"""fp32 master, first and second moment."""
+STATE_BYTES = FP32_STATES.bytes_per_element()
+"""fp32 master, first and second moment: $K$ of the default layout."""
 
 
 def unavailable(name: str, workload: Workload) -> str | None:
@@ -75,6 +90,11 @@ def unavailable(name: str, workload: Workload) -> str | None:
     if workload.offload is not None:
         return (f"{name} keeps every state on the device; workload "
                 f"{workload.name} offloads")
+    if (name == "update_floor"
+            and state_layout(workload.optimizer_states).master is None):
+        return (f"update_floor has no one-pass update of "
+                f"{workload.optimizer_states} states (no master: AdamFP16 "
+                f"runs their twin)")
     return None
 
 
@@ -100,22 +120,29 @@ class FloorUpdate:
     r"""
     ## AdamW of each parameter in one pass, from its own gradient
 
-    Holds each trainable parameter's fp32 master (its initial value), and both
-    moments (zeros): `STATE_BYTES`, 12 bytes a parameter. `step()`
-    updates every parameter that has a gradient and drops the gradient, as
-    `zero_grad(set_to_none=True)` would. The arithmetic is AdamFP16's one
-    pass; on a CPU the function runs as written, on a GPU compiled.
+    Holds each trainable parameter's states in `states`' layout, in its
+    order: the fp32 master (its initial value) and zero moments; with fp32
+    states `STATE_BYTES`, {{py: state_layout.FP32_STATES.bytes_per_element()}}
+    bytes a parameter. `step()` updates every parameter that has a gradient
+    and drops the gradient, as `zero_grad(set_to_none=True)` would. The
+    arithmetic is AdamFP16's one pass (8-bit moments: theirs); on a CPU the
+    function runs as written, on a GPU compiled.
     """
 
     def __init__(self, params: list[nn.Parameter], *, lr: float,
                  weight_decay: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8):
-        self.params = params
+                 eps: float = 1e-8, states: StateLayout = FP32_STATES):
+        if states.master is None:
+            raise ValueError(f"FloorUpdate: {states.name} states have no "
+                             f"master, and no one-pass update")
+        self.params, self.layout = params, states
         device = params[0].device
-        # (master, exp_avg, exp_avg_sq), [numel] fp32 each, per parameter
-        self.states = [(p.detach().float().view(-1),
-                        torch.zeros(p.numel(), device=device),
-                        torch.zeros(p.numel(), device=device)) for p in params]
+        # each state of the layout, [numel] (a per-block one: [blocks]), per
+        # parameter; zeros but the master
+        self.states = [tuple(p.detach().float().view(-1) if t.master else
+                             torch.zeros(t.numel(p.numel()), dtype=t.dtype,
+                                         device=p.device)
+                             for t in states.tensors) for p in params]
         self.betas = Betas(betas[0], betas[1], eps)
         self.weight_decay = weight_decay
         self.lr = torch.tensor(lr, device=device)
@@ -130,9 +157,16 @@ class FloorUpdate:
         for param, state in zip(self.params, self.states):
             if param.grad is None:
                 continue
-            update = one_pass if param.is_cuda else adamw_rounded_
-            update(param.view(-1), state, param.grad.view(-1), coefficients,
-                   None, self.betas)
+            if self.layout.blockwise:
+                # master, then codes and scales of each moment
+                master, *moments = state
+                blockwise_moments.one_pass(
+                    master, param.grad.view(-1), tuple(moments), param.view(-1),
+                    coefficients, None, self.betas)
+            else:
+                update = one_pass if param.is_cuda else adamw_rounded_
+                update(param.view(-1), state, param.grad.view(-1), coefficients,
+                       None, self.betas)
             param.grad = None
 
 
@@ -141,11 +175,14 @@ def build_bound(name: str, ctx: DistContext, workload: Workload) -> Engine:
     ## `model_only` or `update_floor` as a benchmark engine
 
     Its memory model counts bf16 weights and gradients, and for
-    `update_floor` the fp32 states beside them.
+    `update_floor` the states of the workload's layout beside them, $K$
+    bytes an element.
     """
     model, psi_t, psi_f = bare_model(ctx, workload)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    update = (FloorUpdate(trainable, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY)
+    layout = state_layout(workload.optimizer_states)
+    update = (FloorUpdate(trainable, lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
+                          states=layout)
               if name == "update_floor" else None)
 
     def step(batch: torch.Tensor) -> torch.Tensor:
@@ -157,13 +194,15 @@ def build_bound(name: str, ctx: DistContext, workload: Workload) -> Engine:
             param.grad = None
         return loss.detach()
 
-    state_bytes = STATE_BYTES if update is not None else 0
+    state_bytes = layout.bytes_per_element() if update is not None else 0
+    kept = f" ({layout.name} states)" if update is not None else ""
     return Engine(
         step=step,
         memory_model={"zero_states": zero_model_states(
             psi_t, psi_f, 1, param_bytes=PARAM_BYTES, grad_bytes=PARAM_BYTES,
             optimizer_bytes=state_bytes)},
-        memory_formula=f"(2+2+{state_bytes})·Ψt + 2·Ψf on one device",
+        memory_formula=f"(2+2+K)·Ψt + 2·Ψf on one device with K = "
+        f"{state_bytes:g}{kept}",
         psi_trainable=psi_t,
         psi_frozen=psi_f,
     )

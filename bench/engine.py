@@ -44,7 +44,22 @@ time:
 The peak during the build is one fp32 layer plus the shards built so far.
 
 The optimizer is `AdamFP16` on the trainable shards: AdamW with fp32 master
-weights and moments, gradients reduce-scattered in fp32.
+weights and moments, gradients reduce-scattered in fp32. `--optimizer-states`
+(`workload.optimizer_states`) gives it another of the fine-tune's [state
+layouts](../labml_zero/zero3/state_layout.html), and the memory model counts
+that layout's $K$ bytes an element where fp32 states count
+{{py: state_layout.FP32_STATES.bytes_per_element()}}:
+
+$$M = \frac{(2 + 4 + K)\,\Psi_t + 2\,\Psi_f}{N},$$
+
+so `bf16-moments` ($K$ = {{py: state_layout.BF16_MOMENTS.bytes_per_element()}})
+holds {{py: state_layout.FP32_STATES.bytes_per_element() -
+state_layout.BF16_MOMENTS.bytes_per_element()}} bytes an element of
+$\Psi_t/N$ less than `fp32`
+(tested: tests/test_bench_states.py::test_each_choice_runs_with_its_own_k).
+An offloaded chunk moves $K$ off the device and puts the layout's $K_h$
+(with the weight's copy for a layout without a master) and the staging
+buffer on the host ([placement](../labml_zero/planner/placement.html)).
 
 ## Offload (W5)
 
@@ -62,12 +77,13 @@ sets them), so the ranks of one host do not fight over the cores. The probe is
 part of the build time (`init_s`). Rank 0 prints the decision (chunks and
 fraction offloaded, host-link bytes, predicted peaks) when it is made, and the
 measured peaks after the timed steps; the line's `predicted_peak` is the
-placement's.
+placement's, which counts the layout's $K$ too.
 
 A fraction as `workload.offload` (the planner's, `bench.run --auto`) is
 static: no probe, at least that share of the trainable elements' optimizer
 state on the host from the output end, as the fine-tune's
-`--offload-optimizer` places it.
+`--offload-optimizer` places it; the predicted peak counts the device's share
+of the model states (`device_states`).
 
 With `workload.resident` the same decision also keeps frozen chunks gathered
 in the device memory left over ([keeping chunks
@@ -119,6 +135,7 @@ from labml_zero.planner.placement import (
     AutoPlacement,
     Placement,
     ShardSpec,
+    device_optimizer_bytes,
     resident_bytes,
     shard_specs,
 )
@@ -127,12 +144,12 @@ from labml_zero.planner.grad_buffers import early_update_grads
 from labml_zero.planner.memory_model import (
     GRAD_BYTES,
     MASTER_INIT_BYTES,
-    OPTIMIZER_BYTES,
     PARAM_BYTES,
     gathered_memory,
     layout_model_states,
     zero_model_states,
 )
+from labml_zero.zero3.state_layout import state_layout
 
 from .workloads import DECODER_LAYERS, GRAPH_WARMUP, Workload, model_layers
 
@@ -315,7 +332,8 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         # no clipping or loss scaling here, so every shard can be updated
         # during the backward pass, as soon as its chunk is reduced, and its
         # fp32 gradient freed then (fewer optimizer states to offload)
-        update_during_backward=True, free_grads=True)
+        update_during_backward=True, free_grads=True,
+        states=workload.optimizer_states)
     # zero3_layers materialises, initialises and shards one layer at a time
     # (steps 1 to 3 above), with one chunk size searched over all of them.
     # the run's seed, which `bench.run` set just before building
@@ -339,18 +357,22 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     model = built.model
     psi_t = built.counts.trainable
     psi_f = built.counts.total - psi_t
+    # the layout the optimizer was built with, and its $K_d$, its bytes an
+    # element on the device (a bf16 shard is never its own master: all of $K$)
+    states = built.optimizer.layout
+    k = device_optimizer_bytes(PARAM_BYTES, states)
     sizes = dict(param_bytes=PARAM_BYTES, grad_bytes=GRAD_BYTES,
-                 optimizer_bytes=OPTIMIZER_BYTES)
+                 optimizer_bytes=k)
     # the model's one layout, a group per layer: a group is a unit
     layout = model.layout
-    states = layout_model_states(layout, **sizes)
+    model_states = layout_model_states(layout, **sizes)
     memory = {
         "zero_states": zero_model_states(psi_t, psi_f, ctx.world_size, **sizes),
-        "layout_states": states,
+        "layout_states": model_states,
         # the fp32 shard gradients exist from their reduce-scatter to zero_grad
         # (to their early update with free_grads): at most all of them at once
-        "shard_grads": states - layout_model_states(layout,
-                                                    **{**sizes, "grad_bytes": 0}),
+        "shard_grads": model_states - layout_model_states(
+            layout, **{**sizes, "grad_bytes": 0}),
         "gathered_peak": gathered_memory(layout, config.prefetch_depth, PARAM_BYTES),
         # the freed gradients the queued early updates hold: bf16 on one rank
         # (the shard's Note: one rank keeps the parameter dtype)
@@ -360,10 +382,16 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     info = {"chunk_numel": layout.chunk_numel,
             "chunks": len(model.chunks)}
     measured = None
+    shards = shard_specs(model)
+    if built.placement is not None:
+        # the model states a placement leaves on the device and puts on the
+        # host: $K_d$ moved off the device, $K_h$ and the staging buffer on
+        # the host, for each offloaded element
+        split = resident_bytes(built.placement, shards, states=states)
+        memory["device_states"], memory["host_states"] = split.device, split.host
     memory.update(predicted_peak(workload, memory))
     if built.decided is not None:
-        shards = shard_specs(model)
-        report_placement(built.decided, shards, memory, info)
+        report_placement(built.decided, shards, info)
         # One source of truth: the placement's prediction stands on a measured
         # probe, which the analytic formula cannot match once states are on
         # the host (its activations and gathered buffers are estimates).
@@ -382,7 +410,9 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     return Engine(
         step=step,
         memory_model=memory,
-        memory_formula="(2+4+12)·Ψt/N + 2·Ψf/N; layout = same with padding; "
+        memory_formula=f"(2+4+K)·Ψt/N + 2·Ψf/N with K = {k:g} "
+        f"({states.name} states); layout = same with padding; "
+        "device_states, host_states = the placement's split (K_h on the host); "
         "gathered_peak = bf16 chunks of 1 + prefetch_depth units and of the held "
         "units (none with one rank); "
         "predicted_peak = device states - shard grads + gathered_peak "
@@ -449,37 +479,40 @@ def simulated_limits(ctx: DistContext, workload: Workload
 
     The probe's "peak" is the states without optimizer, and the device holds
     half of the optimizer state more (and, for a resident workload, room for
-    the frozen chunks gathered).
+    the frozen chunks gathered); the optimizer state is the workload's
+    layout's, $K_d$ bytes an element.
     """
+    states = state_layout(workload.optimizer_states)
+
     def limits(shards: list[ShardSpec]) -> AutoLimits:
-        states = resident_bytes(Placement(), shards)
+        split = resident_bytes(Placement(), shards, states=states)
         trainable = sum(s.numel for s in shards if s.trainable)
-        optimizer_bytes = OPTIMIZER_BYTES * trainable
+        optimizer_bytes = int(device_optimizer_bytes(PARAM_BYTES, states)
+                              * trainable)
+        without = int(split.device) - optimizer_bytes
 
         def measure_peak(run) -> int:
             run()
             # the fp32 `master_init` copies are on the device during the probe
-            return states.device - optimizer_bytes + MASTER_INIT_BYTES * trainable
+            return without + MASTER_INIT_BYTES * trainable
 
         frozen_bytes = PARAM_BYTES * sum(s.numel for s in shards if not s.trainable)
         room = ctx.world_size * frozen_bytes if workload.resident else 0
         return AutoLimits(measure_peak=measure_peak, margin=0,
-                          device_capacity=states.device - optimizer_bytes // 2
+                          device_capacity=int(split.device) - optimizer_bytes // 2
                           + room)
 
     return limits
 
 
 def report_placement(decided: AutoPlacement, shards: list[ShardSpec],
-                     memory: dict, info: dict) -> None:
+                     info: dict) -> None:
     """
     ### What the automatic offload decided
 
-    Adds the device/host split of the model states to `memory` and the
-    decision to `info`.
+    Adds the decision to `info`; the device/host split of the model states
+    is the memory model's, from the same placement.
     """
-    split = resident_bytes(decided.placement, shards)
-    memory["device_states"], memory["host_states"] = split.device, split.host
     trainable = sum(s.numel for s in shards if s.trainable)
     offloaded = sum(shards[i].numel for i in decided.placement.optimizer_on_host)
     info.update(

@@ -72,6 +72,9 @@ from .workloads import Workload, mfu
 ENGINES = ("labml_zero", "fsdp2", "fsdp2_float8", "ddp", "deepspeed")
 # the engines whose builders honour `workload.compile`
 COMPILED_ENGINES = ("labml_zero", "fsdp2", "fsdp2_float8", "ddp")
+# the engines that keep the optimizer state layout `--optimizer-states` names;
+# every other keeps fp32 master weights and moments, and its line says "fp32"
+STATE_ENGINES = ("labml_zero", "update_floor")
 # the engines whose matrix products run in fp8: their lines also have `mfu_fp8`
 FP8_ENGINES = ("fsdp2_float8",)
 # an optional engine's module: without it the pair is skipped, no process spawned
@@ -310,6 +313,8 @@ def describe(engine: str, workload: Workload, world_size: int, backend: str) -> 
         "peer_gather": workload.peer_gather,
         "peer_reduce": workload.peer_reduce,
         "kernels": ("none" if engine == "deepspeed" else workload.kernels.names()),
+        "optimizer_states": (workload.optimizer_states
+                             if engine in STATE_ENGINES else "fp32"),
         "attention": getattr(workload.kernels, "attention", None),
         "model": {"n_layers": model.n_layers, "d_model": model.d_model,
                   "n_heads": model.n_heads, "n_vocab": model.n_vocab},

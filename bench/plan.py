@@ -25,9 +25,9 @@ optimizer state, the prefetch depth and compilation; its chunk size is the
 search's. The kernels are the job's: `auto` (every fusion of the family on
 the GPUs) unless `--kernels` is given.
 
-`--plan` prints, for each workload and `--batch`, the job's lines (setting,
-device and host memory, step time term by term, tokens/s, MFU) and starts no
-process. `--auto` runs labml_zero's line with the choice (`applied`) and adds
+`--plan` prints, for each workload, `--batch` and `--optimizer-states`, the
+job's lines (setting, device and host memory, step time term by term,
+tokens/s, MFU) and starts no process. `--auto` runs labml_zero's line with the choice (`applied`) and adds
 to it `"auto": true`, the setting, and the prediction as `planned_peak_gib`,
 `planned_step_s`, `planned_tokens_per_s`, `planned_mfu`; the other engines
 run the workload as given. Flags given win, as in the job: `--batch`,
@@ -68,14 +68,17 @@ def job_of(workload: Workload, *, world_size: int, kernels: str) -> Job:
     """
     ## The planner's job of a workload
 
-    bf16 chunks, fp32 optimizer states, no clipping nor loss scaling (so every
-    shard is updated during the backward pass, as [our
+    bf16 chunks, the workload's optimizer state layout (`--optimizer-states`,
+    fp32 unless named: the planner plans with the layout given, as the job's
+    `--plan` does, and never chooses one), no clipping nor loss scaling (so
+    every shard is updated during the backward pass, as [our
     engine](engine.html) builds it); `kernels` named as the job's `--kernels`.
     """
     family = family_for_config(workload.model)
     return Job(model=workload.model, family=family, seq=workload.seq,
                global_batch=workload.batch * world_size,
-               finetune=workload.finetune, states="fp32", param_dtype="bf16",
+               finetune=workload.finetune, states=workload.optimizer_states,
+               param_dtype="bf16",
                kernels=gpu_kernels(family, kernels),
                update_during_backward=True)
 

@@ -32,6 +32,14 @@ warm-up and replays it ([the step as one CUDA
 graph](../labml_zero/optimizers/graphed_step.html)); the other engines run eagerly,
 and the line says `"cuda_graph"`. On CPU the step's twin re-runs it.
 
+`--optimizer-states fp32,bf16-moments` runs labml_zero (and the one-device
+`update_floor`) once per [state layout](../labml_zero/zero3/state_layout.html)
+named, the fine-tune's choices, as `--batch` does per batch; its line says
+`"optimizer_states"` and its memory model counts that layout's $K$. The other
+engines keep fp32 states: they run once, and their lines say `fp32`. An
+unknown name stops the command in one line (exit status 2) before anything
+starts.
+
 `--plan` prints the setting the fine-tune's planner chooses for labml_zero on
 each workload and starts nothing; `--auto` runs labml_zero's line with it and
 records the prediction beside the measurement ([the planner's
@@ -48,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import replace
 
 import torch
@@ -61,12 +70,13 @@ from labml_zero.neox.kernels import ATTENTION_BACKENDS, ModelKernels
 from labml_zero.finetune.planning import (FLAG_DESTS, Request, add_plan_flags,
                                           auto_line, cluster_of, pop_request)
 from labml_zero.planner.search import describe as plan_text
+from labml_zero.zero3.state_layout import LAYOUTS as STATE_LAYOUTS
 
 from .bounds import BOUNDS
 from .plan import BENCH_PINS, applied, plan_workload, planned_fields, pinned_of
 from .workloads import GRAPH_WARMUP, Workload, shrink, workloads
-from .pair import (COMPILED_ENGINES, ENGINES, GIB, RunConfig, builder,
-                   describe, measure_rank, merge, run_pair, worker)
+from .pair import (COMPILED_ENGINES, ENGINES, GIB, STATE_ENGINES, RunConfig,
+                   builder, describe, measure_rank, merge, run_pair, worker)
 
 __all__ = ["ENGINES", "COMPILED_ENGINES", "GIB", "RunConfig", "builder",
            "describe", "measure_rank", "merge", "run_pair", "worker",
@@ -90,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", default=None,
                         help="comma-separated sequences per GPU, e.g. 2,4,8: each "
                         "workload runs once per value (default: the workload's)")
+    parser.add_argument("--optimizer-states", default="fp32",
+                        help="comma-separated state layouts of labml_zero's "
+                        f"optimizer, from {','.join(STATE_LAYOUTS)}: each "
+                        "workload runs once per name (update_floor keeps the "
+                        "same; the other engines keep fp32)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--world-size", type=int, default=None,
@@ -163,6 +178,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     known = workloads()
     args.workload_list = split_names(args.workloads, known, "--workloads")
     args.engine_list = split_names(args.engines, ENGINES + BOUNDS, "--engines")
+    args.states_list = split_states(args.optimizer_states)
     try:
         args.request = plan_request(args)
     except ValueError as error:
@@ -248,6 +264,19 @@ def split_names(value: str, known, flag: str) -> list[str]:
     return names
 
 
+def split_states(value: str) -> list[str]:
+    """The state layouts named, each once, in order; an unknown or empty
+    name is refused in one line with exit status 2, before anything starts."""
+    names = list(dict.fromkeys(n.strip() for n in value.split(",")))
+    unknown = [name for name in names if name not in STATE_LAYOUTS]
+    if unknown or not value.strip():
+        print(f"bench.run: --optimizer-states: unknown or empty "
+              f"{unknown or value!r}; choose from {','.join(STATE_LAYOUTS)}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    return names
+
+
 def split_batches(value: str) -> list[int]:
     try:
         batches = [int(b) for b in value.split(",") if b.strip()]
@@ -264,9 +293,12 @@ def table(lines: list[dict]) -> str:
     rows = ["| workload | engine | tok/s | step s | MFU | peak GiB | model GiB "
             "| predicted GiB | host GiB | comm exposed | loss |", "|" + " --- |" * 11]
     for r in lines:
+        # a layout other than fp32 named beside the engine that kept it
+        states = r.get("optimizer_states", "fp32")
+        engine = r["engine"] + ("" if states == "fp32" else f" ({states})")
         if r["status"] != "ok":
             reason = r.get("error") or r.get("reason") or ""
-            rows.append(f"| {r['workload']} | {r['engine']} | {r['status']}: "
+            rows.append(f"| {r['workload']} | {engine} | {r['status']}: "
                         f"{reason[:60]} | | | | | | | | |")
             continue
         peak = "—" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
@@ -275,7 +307,7 @@ def table(lines: list[dict]) -> str:
         exposed = r.get("comm_exposed")
         share = "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         rows.append(
-            f"| {r['workload']} | {r['engine']} | {r['tokens_per_s']:,.0f} "
+            f"| {r['workload']} | {engine} | {r['tokens_per_s']:,.0f} "
             f"| {r['step_time_mean_s']:.3f} | {share} | {peak} "
             f"| {model:.1f} | "
             + ("—" if "predicted_peak" not in analytic
@@ -311,7 +343,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     planned_compile = (args.compile_modes if "compile" in args.given else [None])
 
     def given_workload(name: str, batch: int | None, compiled: bool | None,
-                       *, auto: bool = False) -> Workload:
+                       states: str = "fp32", *, auto: bool = False) -> Workload:
         workload = shrink(known[name]) if args.tiny else known[name]
         llama = isinstance(workload.model, LlamaConfig)
         kernels = ((args.auto_llama_kernels if llama else args.auto_model_kernels)
@@ -322,7 +354,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                        prefetch_depth=args.prefetch_depth,
                        peer_gather=args.peer_gather,
                        peer_reduce=args.peer_reduce, kernels=kernels,
-                       batch=workload.batch if batch is None else batch)
+                       batch=workload.batch if batch is None else batch,
+                       optimizer_states=states)
 
     plans = {}
     if mode is not None:
@@ -330,52 +363,64 @@ def main(argv: list[str] | None = None) -> list[dict]:
         plan_world = world_size if mode == "auto" else args.world_size
         try:
             cluster = cluster_of(args.request, plan_world)
-            for name in args.workload_list:
-                for batch in args.batch_list:
-                    for compiled in planned_compile:
-                        workload = given_workload(name, batch, compiled, auto=True)
-                        given = {flag: value for flag, value in (
-                            ("batch", workload.batch), ("compile", compiled),
-                            ("prefetch_depth", args.prefetch_depth))
-                            if flag in args.given}
-                        chosen = plan_workload(
-                            workload, cluster,
-                            pinned_of(workload, given, cuda_graph=args.cuda_graph),
-                            kernels=args.auto_kernels)
-                        if (mode == "auto" and chosen.best.setting.compile
-                                and run.warmup < 1):
-                            raise ValueError(
-                                f"--auto: the planner compiles workload {name}'s "
-                                f"layers, which needs --warmup >= 1 (or pin "
-                                f"--compile no)")
-                        plans[name, batch, compiled] = (workload, chosen)
+            # the layout is the user's, as the job's --optimizer-states: the
+            # planner plans with it and never chooses it
+            for name, batch, states, compiled in (
+                    (name, batch, states, compiled)
+                    for name in args.workload_list for batch in args.batch_list
+                    for states in args.states_list
+                    for compiled in planned_compile):
+                workload = given_workload(name, batch, compiled, states,
+                                          auto=True)
+                given = {flag: value for flag, value in (
+                    ("batch", workload.batch), ("compile", compiled),
+                    ("prefetch_depth", args.prefetch_depth))
+                    if flag in args.given}
+                chosen = plan_workload(
+                    workload, cluster,
+                    pinned_of(workload, given, cuda_graph=args.cuda_graph),
+                    kernels=args.auto_kernels)
+                if (mode == "auto" and chosen.best.setting.compile
+                        and run.warmup < 1):
+                    raise ValueError(
+                        f"--auto: the planner compiles workload {name}'s "
+                        f"layers, which needs --warmup >= 1 (or pin "
+                        f"--compile no)")
+                plans[name, batch, states, compiled] = (workload, chosen)
         except ValueError as error:
             raise SystemExit(str(error))
         kept = [f"--{flag.replace('_', '-')}" for flag in BENCH_PINS
                 if flag in args.given]
-        for (name, _, _), (_, chosen) in plans.items():
+        for (name, _, states, _), (_, chosen) in plans.items():
+            kept_states = "" if states == "fp32" else f", {states} states"
             if mode == "plan":
-                print(plan_text(chosen, model_name=f"{name} (labml_zero)"),
+                print(plan_text(chosen,
+                                model_name=f"{name} (labml_zero{kept_states})"),
                       flush=True)
             else:
-                print(f"{name}: {auto_line(chosen, kept)}", flush=True)
+                print(f"{name}{kept_states}: {auto_line(chosen, kept)}",
+                      flush=True)
         if mode == "plan":
             return []
     lines = []
     # an engine's eager and compiled runs side by side, in the same lease;
-    # under --auto, labml_zero's compilation is the planner's unless given
-    pairs = [(name, batch, engine, compiled) for name in args.workload_list
+    # under --auto, labml_zero's compilation is the planner's unless given;
+    # an engine that keeps fp32 states whatever is named runs once, as fp32
+    pairs = [(name, batch, engine, states, compiled)
+             for name in args.workload_list
              for batch in args.batch_list for engine in args.engine_list
+             for states in (args.states_list if engine in STATE_ENGINES
+                            else ["fp32"])
              for compiled in (planned_compile
                               if mode == "auto" and engine == "labml_zero"
                               else args.compile_modes)]
-    for name, batch, engine, compiled in pairs:
+    for name, batch, engine, states, compiled in pairs:
         planned = mode == "auto" and engine == "labml_zero"
         if planned:
-            workload, chosen = plans[name, batch, compiled]
+            workload, chosen = plans[name, batch, states, compiled]
             workload = applied(workload, chosen)
         else:
-            workload = given_workload(name, batch, compiled)
+            workload = given_workload(name, batch, compiled, states)
         result = run_pair(engine, workload, run, world_size=world_size,
                           backend=backend, timeout_s=args.timeout)
         result["tiny"] = args.tiny

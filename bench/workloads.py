@@ -9,7 +9,9 @@ summary: The GPT-NeoX and Llama training jobs every engine runs, and the FLOPs a
 Each workload is a model shape, a per-GPU micro-batch and a fine-tuner, the same
 for every engine: GPT-NeoX or Llama layers (`model_layers`), random
 initialisation, random tokens, bf16 computation, AdamW with fp32 master
-weights.
+weights and moments (`--optimizer-states` gives labml_zero, and the update
+floor, another of the fine-tune's [state
+layouts](../labml_zero/zero3/state_layout.html); the peers keep fp32).
 
 | name | model | per-GPU batch × sequence | trains |
 | --- | --- | --- | --- |
@@ -100,6 +102,7 @@ from labml_zero.neox.model import (
     pythia_6_9b,
     pythia_12b,
 )
+from labml_zero.zero3.state_layout import LAYOUTS as STATE_LAYOUTS
 
 FINETUNES = ("all", "biases")
 # eager steps of a `cuda_graph` workload before its step is recorded: the
@@ -161,6 +164,11 @@ class Workload:
     every engine but DeepSpeed, whose hooks gather a submodule's weights only
     when that submodule is called: it runs the plain model. `None` is the
     plain model of the workload's family."""
+    optimizer_states: str = "fp32"
+    """labml_zero's optimizer [state layout](../labml_zero/zero3/state_layout.html)
+    by name (`--optimizer-states`), the fine-tune's choices; `update_floor`
+    keeps the same states. The other engines keep fp32 master weights and
+    moments whatever it says."""
 
     def __post_init__(self):
         llama = isinstance(self.model, LlamaConfig)
@@ -200,6 +208,11 @@ class Workload:
             raise ValueError(
                 f"Workload {self.name}: offload must be None, 'auto' or a "
                 f"fraction in (0, 1], got {self.offload!r}"
+            )
+        if self.optimizer_states not in STATE_LAYOUTS:
+            raise ValueError(
+                f"Workload {self.name}: optimizer_states must be one of "
+                f"{', '.join(STATE_LAYOUTS)}, got {self.optimizer_states!r}"
             )
         if self.finetune not in FINETUNES:
             raise ValueError(

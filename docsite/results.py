@@ -11,15 +11,17 @@ Every measured figure of the site comes from the benchmark's JSON lines in
 `python -m bench.run --out FILE`; `bench/README.md` describes the fields). This
 module reads them all and keeps, for each *configuration* (workload, engine,
 compiled or not, number of GPUs, sequences per GPU, the step replayed as a CUDA
-graph or not), the **latest** line: files are
+graph or not, the optimizer's state layout), the **latest** line: files are
 ordered by the date in their name, then by their run number, and lines within a file
 by their position, so a later measurement of the same configuration replaces an
 earlier one. Lines without a `status` (loss curves, probes) are not measurements of
 a step and are skipped.
 
 A note inserts a figure with `{{bench: W2 labml_zero tokens_per_s}}`, adding
-`compiled`, `graph`, `gpus=1` and/or `batch=8` to pick another configuration (`batch=`
-is needed only where one configuration was measured at several batch sizes);
+`compiled`, `graph`, `gpus=1`, `batch=8` and/or `states=bf16-moments` to pick
+another configuration (`batch=`
+is needed only where one configuration was measured at several batch sizes;
+without `states=`, the fp32 states);
 the figure links to its row here, so each number exists once and says where it
 comes from.
 
@@ -103,11 +105,15 @@ class Key:
     """Sequences per GPU (`batch_per_gpu`)."""
     graphed: bool = False
     """labml_zero's whole step replayed as one CUDA graph (`cuda_graph`)."""
+    states: str = "fp32"
+    """The optimizer's state layout (`optimizer_states`; a line older than
+    the field kept fp32 states)."""
 
     @property
     def anchor(self) -> str:
         tail = (("-compiled" if self.compiled else "") + f"-{self.gpus}gpu"
-                + f"-b{self.batch}" + ("-graph" if self.graphed else ""))
+                + f"-b{self.batch}" + ("-graph" if self.graphed else "")
+                + ("" if self.states == "fp32" else f"-{self.states}"))
         return f"result-{self.workload}-{self.engine}{tail}".lower()
 
 
@@ -146,12 +152,14 @@ def load_results(root: Path) -> dict[Key, Measurement]:
             key = Key(line["workload"], line["engine"], bool(line.get("compiled")),
                       int(line.get("world_size") or 1),
                       int(line.get("batch_per_gpu") or 0),
-                      bool(line.get("cuda_graph")))
+                      bool(line.get("cuda_graph")),
+                      line.get("optimizer_states") or "fp32")
             latest[key] = Measurement(key, line, path.name, date)
     order = {w: i for i, w in enumerate(("labml_zero", "fsdp2", "ddp", "deepspeed"))}
     return dict(sorted(latest.items(), key=lambda kv: (
         kv[0].workload, kv[0].gpus, kv[0].compiled, kv[0].batch,
-        order.get(kv[0].engine, 9), kv[0].engine, kv[0].graphed)))
+        order.get(kv[0].engine, 9), kv[0].engine, kv[0].graphed,
+        kv[0].states != "fp32", kv[0].states)))
 
 
 def command(m: Measurement) -> str:
@@ -169,6 +177,8 @@ def command(m: Measurement) -> str:
         parts.append("--compile")
     if m.key.graphed:
         parts.append("--cuda-graph")
+    if m.key.states != "fp32":
+        parts.append(f"--optimizer-states {m.key.states}")
     if line.get("kernels") not in (None, "none"):
         parts.append(f"--kernels {line['kernels']}")
     if m.key.engine == "labml_zero" and line.get("prefetch_depth", 1) != 1:
@@ -182,8 +192,8 @@ def command(m: Measurement) -> str:
 
 def lookup(results: dict[Key, Measurement], spec: str) -> tuple[str, Key]:
     """
-    `W2 labml_zero [compiled] [graph] [gpus=N] [batch=B] FIELD` -> (formatted
-    value, its key).
+    `W2 labml_zero [compiled] [graph] [gpus=N] [batch=B] [states=NAME] FIELD`
+    -> (formatted value, its key).
 
     Raises `BuildError` for an unknown field or a configuration never measured.
     """
@@ -193,26 +203,29 @@ def lookup(results: dict[Key, Measurement], spec: str) -> tuple[str, Key]:
     workload, engine, *mods, name = words
     compiled = "compiled" in mods
     graphed = "graph" in mods
-    gpus, batch = 2, None
+    gpus, batch, states = 2, None, "fp32"
     for mod in mods:
         if mod.startswith("gpus="):
             gpus = int(mod[5:])
         elif mod.startswith("batch="):
             batch = int(mod[6:])
+        elif mod.startswith("states="):
+            states = mod[7:]
         elif mod not in ("compiled", "graph"):
             raise BuildError(f"bench directive {spec!r}: unknown word {mod!r}")
     if name not in FIELDS:
         raise BuildError(f"bench directive {spec!r}: field {name!r} is not one of "
                          f"{', '.join(FIELDS)}")
     batches = sorted(k.batch for k in results
-                     if (k.workload, k.engine, k.compiled, k.gpus, k.graphed)
-                     == (workload, engine, compiled, gpus, graphed))
+                     if (k.workload, k.engine, k.compiled, k.gpus, k.graphed,
+                         k.states)
+                     == (workload, engine, compiled, gpus, graphed, states))
     if batch is None and len(batches) > 1:
         raise BuildError(f"bench directive {spec!r}: measured at batch sizes "
                          f"{batches}; add batch=B")
     if batch is None:
         batch = batches[0] if batches else 0
-    key = Key(workload, engine, compiled, gpus, batch, graphed)
+    key = Key(workload, engine, compiled, gpus, batch, graphed, states)
     m = results.get(key)
     if m is None or m.line.get("status") != "ok":
         raise BuildError(f"bench directive {spec!r}: no successful measurement of "
@@ -233,10 +246,12 @@ def _workload(line: dict) -> str:
 
 
 def setting(key: Key) -> str:
-    """How a configuration ran: eager, compiled, a CUDA graph (or both)."""
+    """How a configuration ran: eager, compiled, a CUDA graph (or both), and
+    the optimizer's states where they are not fp32."""
     words = (["compiled"] if key.compiled else []) + (
         ["CUDA graph"] if key.graphed else [])
-    return " + ".join(words) or "eager"
+    states = [] if key.states == "fp32" else [f"{key.states} states"]
+    return " + ".join((words or ["eager"]) + states)
 
 
 def best_settings(results: dict[Key, Measurement]
@@ -323,7 +338,9 @@ COLUMN_ROWS: list[Row] = [
      "`torch.compile`, how many GPUs of which kind, and the engine's options; "
      "*settings* lists those that differ from labml_zero's defaults (peer "
      "gather, peer reduce, the prefetch depth, the step replayed as one CUDA "
-     "graph). The other engines ignore these options.",
+     "graph, and an optimizer state layout other than fp32, such as "
+     "`bf16-moments`). The other engines ignore these options and keep fp32 "
+     "states, as `model_only` does; `update_floor` keeps labml_zero's.",
      "bench/pair.py", "describe", 0, ""),
     ("### step s (± std)\n\n"
      "Each rank runs `warmup` untimed steps, then `steps` timed ones, and "
@@ -443,6 +460,8 @@ def _tables_markdown(results: dict[Key, Measurement]) -> str:
             settings.append(f"prefetch depth {line['prefetch_depth']}")
         if key.graphed:
             settings.append("CUDA graph")
+        if key.states != "fp32":
+            settings.append(f"{key.states} optimizer states")
         gpus = f"{key.gpus} × {line.get('device') or 'GPU'}"
         anchor = f'<span id="{key.anchor}"></span>'
         shape = f"{key.batch} × {line.get('seq')}"

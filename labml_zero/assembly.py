@@ -39,6 +39,7 @@ from labml_zero.planner.placement_report import decision_lines
 from labml_zero.planner.sharding import zero3_layers
 from labml_zero.zero3.sharded_model import Zero3Layer, Zero3Sequential
 from labml_zero.zero3.shard import LocalShard
+from labml_zero.zero3.state_layout import state_layout
 from labml_zero.zero3.trainable import TrainableCount, train_all
 
 __all__ = ["Recipe", "AutoLimits", "Assembled", "assemble"]
@@ -272,7 +273,9 @@ def place(model: Zero3Sequential, recipe: Recipe,
         freeing = (model.runtime.on_grad_ready(free_probe_grad)
                    if recipe.free_grads else None)
         step = accumulated_step(model, lambda: probe(model), recipe.grad_accum)
+        # the optimizer's layout: its $K_d$ is what each offload saves
         decided = first_step_placement(model, step, resident=recipe.resident,
+                                       states=state_layout(recipe.states),
                                        **limits)
         if freeing is not None:
             freeing.remove()  # the optimizer frees them from here on

@@ -10,7 +10,8 @@ from labml_zero.assembly import Assembled, AutoLimits, Recipe, assemble
 from labml_zero.neox import model as neox_model
 from labml_zero.neox.finetuners import finetuner
 from labml_zero.zero3 import ZeroConfig
-from labml_zero.planner.placement import shard_specs
+from labml_zero.planner.placement import device_optimizer_bytes, shard_specs
+from labml_zero.zero3.state_layout import state_layout
 
 CPU = torch.device("cpu")
 
@@ -95,6 +96,30 @@ def test_auto_placement_with_a_simulated_device():
     assert built.decided is not None
     assert built.placement == built.decided.placement
     assert 0 < len(built.optimizer.host) == len(built.placement.optimizer_on_host)
+
+
+@pytest.mark.parametrize("states", ["fp32", "bf16-moments"])
+def test_auto_placement_counts_the_optimizers_layout(states):
+    # fp32 shards are their own masters: 8 bytes of fp32 moments an element,
+    # 4 of bf16 ones. The simulated device holds the probe's 1000 bytes and
+    # 4 bytes an element more: all of the bf16 moments, half of the fp32 ones.
+    def limits(shards):
+        trainable = sum(s.numel for s in shards if s.trainable)
+        return AutoLimits(measure_peak=lambda run: (run(), 1000)[1],
+                          device_capacity=1000 + 4 * trainable)
+
+    built = assemble(tiny_layers(), recipe(offload_optimizer="auto",
+                                           resident=False, states=states),
+                     device=CPU, probe=lm_probe, auto_limits=limits)
+    layout = state_layout(states)
+    assert built.optimizer.layout is layout and built.decided.states is layout
+    shards = shard_specs(built.model)
+    trainable = sum(s.numel for s in shards if s.trainable)
+    on_device = trainable - sum(shards[i].numel
+                                for i in built.placement.optimizer_on_host)
+    k_device = device_optimizer_bytes(4, layout)
+    assert built.decided.predicted_peak == 1000 + k_device * on_device
+    assert (on_device == trainable) == (states == "bf16-moments")
 
 
 def test_auto_placement_counts_the_gradients_held_between_micro_batches():

@@ -380,11 +380,14 @@ class AutoPlacement(NamedTuple):
     * `placement`: the chunks whose optimizer state goes to the host.
     * `predicted_peak`: device bytes at the step's peak under it.
     * `traffic`: host-link bytes per step.
+    * `states`: the state layout it was decided for, whose $K_d$ and $K_h$
+      its report counts the split with.
     """
 
     placement: Placement
     predicted_peak: int
     traffic: OffloadTraffic
+    states: StateLayout = FP32_STATES
 
 
 def auto_placement(
@@ -478,7 +481,8 @@ def auto_placement(
     placement = Placement(optimizer_on_host=frozenset(chosen),
                           resident=frozenset(resident))
     return AutoPlacement(placement, peak,
-                         offload_traffic(placement, shards, param_bytes=param_bytes))
+                         offload_traffic(placement, shards, param_bytes=param_bytes),
+                         states)
 
 
 def shard_specs(model) -> list[ShardSpec]:

@@ -47,8 +47,9 @@ class PlacementSummary(NamedTuple):
       ($\text{measured\_peak\_other} + K_d \sum_{\text{on device}} S_c$).
     * `host_states`: model-state bytes in host memory (the offloaded optimizer
       states and their staging buffers, and any parameter shards there, from
-      `resident_bytes`); the process's own memory (Python, CUDA's host side,
-      pinned pools) comes on top of it.
+      `resident_bytes`, for the state layout the placement was decided for);
+      the process's own memory (Python, CUDA's host side, pinned pools) comes
+      on top of it.
     """
 
     offloaded_chunks: int
@@ -67,7 +68,7 @@ def summarize(decided: AutoPlacement, shards: Sequence[ShardSpec]
     trainable = [i for i, s in enumerate(shards) if s.trainable]
     total = sum(shards[i].numel for i in trainable)
     offloaded = sum(shards[i].numel for i in placement.optimizer_on_host)
-    split = resident_bytes(placement, shards)
+    split = resident_bytes(placement, shards, states=decided.states)
     return PlacementSummary(
         offloaded_chunks=len(placement.optimizer_on_host),
         trainable_chunks=len(trainable),

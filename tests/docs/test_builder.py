@@ -167,6 +167,40 @@ def test_results_keep_the_latest_line_of_each_configuration(tmp_path):
     assert "| 8 × 2048 | oom (host) |" in results.results_markdown(found)
 
 
+def test_results_keep_and_name_each_optimizer_state_layout(tmp_path):
+    """A labml_zero line with bf16 moments is a configuration of its own beside
+    the fp32 one (a line without the field kept fp32), named in its settings,
+    its best setting and its command, and picked by `states=`."""
+    folder = tmp_path / "bench" / "results"
+    folder.mkdir(parents=True)
+    line = {"engine": "labml_zero", "workload": "W2-1", "world_size": 1,
+            "status": "ok", "tokens_per_s": 100.0, "peak_mem_gib": 1.0,
+            "step_time_mean_s": 1.0, "step_time_std_s": 0.1, "loss": 2.0,
+            "device": "GPU", "batch_per_gpu": 8, "seq": 2048}
+    rows = [line, {**line, "optimizer_states": "bf16-moments",
+                   "tokens_per_s": 120.0},
+            {**line, "engine": "fsdp2", "optimizer_states": "fp32",
+             "tokens_per_s": 110.0}]
+    (folder / "2026-01-02-run1-x.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows))
+    found = results.load_results(tmp_path)
+    assert sorted(k.states for k in found) == ["bf16-moments", "fp32", "fp32"]
+    assert results.lookup(found, "W2-1 labml_zero gpus=1 tokens_per_s")[0] == (
+        "100 tokens/s")
+    value, key = results.lookup(
+        found, "W2-1 labml_zero gpus=1 states=bf16-moments tokens_per_s")
+    assert value == "120 tokens/s"
+    assert key.anchor == "result-w2-1-labml_zero-1gpu-b8-bf16-moments"
+    best = results.best_settings(found)[("W2-1", 1, 8)]
+    assert results.setting(best["labml_zero"].key) == "eager + bf16-moments states"
+    page = results.results_markdown(found)
+    assert "| 2.00 | bf16-moments optimizer states |" in page
+    assert "--batch 8 --optimizer-states bf16-moments`" in page
+    # the fp32 lines' commands name no layout
+    assert page.count("--engines labml_zero --world-size 1 --batch 8`") == 1
+    assert page.count("--engines fsdp2 --world-size 1 --batch 8`") == 1
+
+
 def test_measured_figures_on_the_site_come_from_the_data(site_files):
     found = results.load_results(REPO)
     home = site_files["index.html"].decode()
