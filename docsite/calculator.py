@@ -101,7 +101,8 @@ the page's own total, `params + grad_shards + optimizer_device`."""
 TIME_ROWS = (
     ("total", "s", r"t", "predicted time of one optimizer step"),
     ("compute", "s", r"t_{\text{compute}}",
-     "matrix products and element-wise work, every micro-batch"),
+     "matrix products, element-wise work, the readout and the gaps between "
+     "kernels, every micro-batch"),
     ("update", "s", r"t_{\text{update}}", "the optimizer's pass on the device"),
     ("comm_exposed", "s", r"t_{\text{comm}}^{\text{exposed}}",
      "collectives that compute does not hide"),
@@ -329,6 +330,8 @@ def calculator_data() -> dict:
         # the roofline of a step: its constants and the GPUs' rates
         "step_time": {"matmul_efficiency": step_time.MATMUL_EFFICIENCY,
                       "elementwise_bytes": step_time.ELEMENTWISE_BYTES,
+                      "readout_bytes": step_time.READOUT_BYTES,
+                      "layer_pass_idle": step_time.LAYER_PASS_IDLE,
                       "update_bandwidth_share": step_time.UPDATE_BANDWIDTH_SHARE,
                       "compiled_elementwise": step_time.COMPILED_ELEMENTWISE,
                       "host_update_rate": step_time.HOST_UPDATE_RATE},

@@ -72,6 +72,7 @@ PY_NAMESPACE = {
     "rounded_update": "labml_zero.optimizers.rounded_update",
     "blockwise_moments": "labml_zero.optimizers.blockwise_moments",
     "state_layout": "labml_zero.zero3.state_layout",
+    "step_time": "labml_zero.planner.step_time",
     "workloads": "bench.workloads",
     "math": "math",
 }

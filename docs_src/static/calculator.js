@@ -681,7 +681,10 @@
     let elementwise = (tokens * k.elementwise_bytes * m.n_layers * m.d_model
                        * passes / gpu.memory_bandwidth);
     if (inputs.compile) elementwise *= k.compiled_elementwise;
-    const compute = matmul + elementwise;
+    // the readout and its loss run once a micro-batch, never recomputed
+    const readout = tokens * k.readout_bytes * m.n_vocab / gpu.memory_bandwidth;
+    const idle = a * m.n_layers * passes * k.layer_pass_idle;
+    const compute = matmul + elementwise + readout + idle;
     const trainable = Math.floor(result.grad_shards / data.grad_bytes);
     const offloaded = Math.round(trainable * result.offloaded_fraction);
     const alone = world === 1 && result.reduce_scatter === 0;
@@ -702,7 +705,7 @@
     const total = compute + update + commExposed + hostExposed;
     const tokensPerS = inputs.batch * a * world * inputs.seq / total;
     return {
-      matmul, elementwise, compute, update, comm, comm_exposed: commExposed, host,
+      matmul, elementwise, readout, idle, compute, update, comm, comm_exposed: commExposed, host,
       host_exposed: hostExposed, total, tokens_per_s: tokensPerS,
       mfu: modelFlopsPerToken(m, inputs.seq) * tokensPerS / (world * gpu.peak_flops),
     };

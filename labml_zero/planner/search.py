@@ -328,7 +328,8 @@ def describe(result: Plan, *, model_name: str) -> str:
         f"host memory a rank: optimizer {gib(b.optimizer_host)} + process "
         f"{gib(HOST_PROCESS_BYTES)}; a node {gib(best.host_bytes)}, {host}",
         f"step time: {t.total:.3f} s = compute {t.compute:.3f} (matrix products "
-        f"{t.matmul:.3f}, element-wise {t.elementwise:.3f}) + update "
+        f"{t.matmul:.3f}, element-wise {t.elementwise:.3f}, readout "
+        f"{t.readout:.3f}, gaps {t.idle:.3f}) + update "
         f"{t.update:.3f} + exposed collectives {t.comm_exposed:.3f} (of "
         f"{t.comm:.3f}) + exposed host {t.host_exposed:.3f} (of {t.host:.3f})",
         f"throughput: {result.tokens_per_s:,.0f} tokens/s, MFU "
