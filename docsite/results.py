@@ -50,6 +50,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.predictions import prediction_markdown
+
 from .paths import REPO, BuildError
 from .quality_curves import quality_markdown
 
@@ -418,7 +420,8 @@ def results_rows(results: dict[Key, Measurement]) -> list[Row]:
     tables = _tables_markdown(results).split("\n## ")[1:]
     beside = [("", ""), ("docsite/results.py", "best_settings"),
               ("docsite/results.py", "command"),
-              ("docsite/quality_curves.py", "quality_markdown")]
+              ("docsite/quality_curves.py", "quality_markdown"),
+              ("bench/predictions.py", "prediction_markdown")]
     assert len(tables) == len(beside), "a table of the page has no row"
     for table, (file, name) in zip(tables, beside):
         if DATA_OPEN not in table:  # the quality curves: drawings, not a table
@@ -493,4 +496,5 @@ def _tables_markdown(results: dict[Key, Measurement]) -> str:
             f"| {key.gpus} | {key.batch} | {m.date} | {m.line.get('torch', '')} "
             f"| `{m.file}` "
             f"| `{command(m)}` |")
-    return "\n".join(out + ["", DATA_CLOSE]) + "\n" + quality_markdown(REPO)
+    return ("\n".join(out + ["", DATA_CLOSE]) + "\n" + quality_markdown(REPO)
+            + prediction_markdown(REPO / "bench" / "results"))

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.plan import job_of
+from bench.predictions import (H100_FILES, H200_FILES, engine_lines, gpu_of,
+                               job_setting)
 from bench.workloads import workloads
 from labml_zero.neox.family import NEOX
 from labml_zero.planner.devices import GPUS, Cluster
@@ -29,19 +30,8 @@ TABLE = RESULTS / "2026-12-04-run50-1xH200-table.jsonl"
 COMPILED_PAIR = RESULTS / "2026-12-04-run51-1xH200-job-vs-bench-W1.jsonl"
 # W1's eager step under the profiler, beside the one-rank lines
 W1_IDLE = RESULTS / "2026-12-02-run31-1xH200-W1-rotary-tables.jsonl"
-# Every file of one-GPU engine lines on one H200 since the one-rank alias
-# (run43), the last change that moved these steps (W3's by a tenth): the
-# engine this model is of. The earlier files time an older engine (W3 18%
-# and W6 20% slower, W4's eager step held back by its host).
-H200_LINES = [RESULTS / name for name in (
-    "2026-12-03-run43-1xH200-table-one-rank-alias.jsonl",
-    "2026-12-03-run44-1xH200-W2-1-batches.jsonl",
-    "2026-12-03-run45-1xH200-table-one-pass-update.jsonl",
-    BOUNDS.name, TABLE.name, COMPILED_PAIR.name,
-    "2026-12-05-run54-1xH200-L1.jsonl",
-    "2026-12-05-run55-1xH200-L2-b2-b4.jsonl")]
-H100_LINES = [RESULTS / "2026-12-05-run52-1xH100-table.jsonl",
-              RESULTS / "2026-12-05-run53-1xH100-L1.jsonl"]
+H200_LINES = [RESULTS / name for name in H200_FILES]
+H100_LINES = [RESULTS / name for name in H100_FILES]
 H200 = GPUS["h200"]
 # A constant is the fit's solution rounded to about three figures.
 ROUNDING = 0.01
@@ -50,27 +40,7 @@ STEP_TOLERANCE = 0.10
 
 
 def lines(path: Path, engine: str) -> list[dict]:
-    """The one-GPU lines of `engine` that ran (none of a tiny model)."""
-    found = [json.loads(line) for line in path.read_text().splitlines()]
-    return [d for d in found if d["engine"] == engine and d["status"] == "ok"
-            and d["world_size"] == 1 and not d.get("tiny")]
-
-
-def gpu_of(line: dict):
-    """The GPU of the table that the line's device name names."""
-    return next(g for g in GPUS.values() if g.cuda_name in line["device"])
-
-
-def job_setting(line: dict) -> tuple[Job, Setting]:
-    """The line's job as `bench.run --plan` builds it (its family's, its
-    kernels resolved for a GPU), at the line's batch, and its setting."""
-    workload = replace(workloads()[line["workload"]], batch=line["batch_per_gpu"],
-                       seq=line["seq"])
-    job = job_of(workload, world_size=1, kernels=line["kernels"])
-    offloaded = line.get("info", {}).get("offloaded_fraction", 0.0)
-    return job, Setting(line["batch_per_gpu"], 1,
-                        checkpointing=workload.activation_checkpointing,
-                        offload_fraction=offloaded, compile=line["compiled"])
+    return engine_lines(path, engine)
 
 
 def timed(line: dict):
