@@ -97,13 +97,16 @@ def job_setting(line: dict) -> tuple[Job, Setting]:
     ### A measured line as the planner sees it
 
     The line's job as `bench.run --plan` builds it (its family's, its kernels
-    resolved for a GPU, its optimizer states), at the line's batch, and the
+    resolved for a GPU, its optimizer states), at the line's batch and depth, and the
     setting the line ran: one micro-batch, its recomputation, the offloaded
     fraction the engine reported, compiled or not.
     """
     workload = replace(workloads()[line["workload"]], batch=line["batch_per_gpu"],
                        seq=line["seq"],
                        optimizer_states=line.get("optimizer_states", "fp32"))
+    # a line of `bench.run --layers N` ran the model with its own depth
+    workload = replace(workload, model=replace(workload.model,
+                                               n_layers=line["model"]["n_layers"]))
     job = job_of(workload, world_size=1, kernels=line["kernels"])
     offloaded = line.get("info", {}).get("offloaded_fraction", 0.0)
     return job, Setting(line["batch_per_gpu"], 1,

@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", default=None,
                         help="comma-separated sequences per GPU, e.g. 2,4,8: each "
                         "workload runs once per value (default: the workload's)")
+    parser.add_argument("--layers", type=int, default=None, metavar="N",
+                        help="every workload's model with N transformer layers, "
+                        "the rest of its shape kept: lines at several N split a "
+                        "measured peak or step into a part per layer and a fixed "
+                        "part (default: the workload's)")
     parser.add_argument("--optimizer-states", default="fp32",
                         help="comma-separated state layouts of labml_zero's "
                         f"optimizer, from {','.join(STATE_LAYOUTS)}: each "
@@ -203,6 +208,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "activations, which the graph does not capture")
     if args.prefetch_depth < 0:
         raise SystemExit(f"--prefetch-depth must be >= 0, got {args.prefetch_depth}")
+    if args.layers is not None and args.layers < 1:
+        raise SystemExit(f"--layers must be >= 1, got {args.layers}")
     try:
         # `auto` as the job resolves it: every fusion on the GPUs, none on CPU
         device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
@@ -345,6 +352,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     def given_workload(name: str, batch: int | None, compiled: bool | None,
                        states: str = "fp32", *, auto: bool = False) -> Workload:
         workload = shrink(known[name]) if args.tiny else known[name]
+        if args.layers is not None:
+            workload = replace(workload, model=replace(workload.model,
+                                                       n_layers=args.layers))
         llama = isinstance(workload.model, LlamaConfig)
         kernels = ((args.auto_llama_kernels if llama else args.auto_model_kernels)
                    if auto else

@@ -325,3 +325,21 @@ def test_cuda_graph_reaches_labml_zero_and_recomputation_is_refused():
                         "--cuda-graph", "--warmup", "3"])
     with pytest.raises(SystemExit, match="--cuda-graph needs --warmup >= 3"):
         bench_run.main(common + ["--cuda-graph", "--warmup", "2"])
+
+
+@pytest.mark.distributed
+def test_layers_sets_every_workloads_depth():
+    """`--layers N`: the model runs with N layers, its line and its memory
+    model say so, and the activations grow with the depth."""
+    lines = {
+        n: bench_run.main([
+            "--tiny", "--cpu", "--workloads", "W2-1", "--engines", "labml_zero",
+            "--steps", "1", "--warmup", "0", "--no-profile", "--layers", str(n)])[0]
+        for n in (1, 3)
+    }
+    for n, line in lines.items():
+        assert line["status"] == "ok" and line["model"]["n_layers"] == n
+    assert (lines[3]["memory_model_gib"]["activations"]
+            > lines[1]["memory_model_gib"]["activations"])
+    with pytest.raises(SystemExit, match="--layers must be >= 1"):
+        bench_run.main(["--tiny", "--cpu", "--layers", "0"])
