@@ -20,6 +20,7 @@ the embedding a lookup), the job's MFU figure for a whole model.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -83,9 +84,17 @@ def tokenizer(path: str | os.PathLike | None, config: neox_config.NeoXConfig
     return loaded, end_of_text_id(loaded)
 
 
+@functools.lru_cache(maxsize=64)
+def meta_parameter_count(config: neox_config.NeoXConfig) -> int:
+    """$\Psi_m$, counted on the meta device; kept per shape (a config is frozen),
+    as the planner asks for it once per setting it weighs and building a
+    large model's layers, even on meta, takes a tenth of a second."""
+    return count_parameters(build_layers(config, device="meta"))
+
+
 def flops_per_token(config: neox_config.NeoXConfig, seq: int) -> float:
     r"""$C$ of the introduction; $\Psi_m$ counted on the meta device."""
-    psi = count_parameters(build_layers(config, device="meta"))
+    psi = meta_parameter_count(config)
     matmul = psi - config.n_vocab * config.d_model  # all but the embedding
     return 6.0 * matmul + 12.0 * config.n_layers * config.d_model * seq
 

@@ -23,7 +23,6 @@ byte, each term beside the line of `score_candidate` that computes it.
 
 from __future__ import annotations
 
-import bisect
 import math
 import statistics
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from labml_zero.zero3.chunk_layout import (
 from labml_zero.planner.chunk_search_shortcuts import (
     GroupShape,
     group_shapes,
-    is_saturated,
+    next_packing_change,
 )
 from labml_zero.planner.grad_buffers import largest_grad_buffer
 from labml_zero.planner.memory_model import peak_window_numel, zero3_step_comm
@@ -216,7 +215,7 @@ class ChunkSearchResult:
 
     * `layout` is the full layout for `chunk_numel`.
     * `candidates` are the rows scored, by increasing size; skipped candidates
-      (equal after rounding, or packed as a saturated one is) are not in it.
+      (equal after rounding, or packed as the last scored one is) are not in it.
     * `candidates_in_range` is how many sizes the range held.
     * `excluded` names the parameters left out of the start size.
     """
@@ -280,17 +279,16 @@ def search_chunk_size(
     plan_chunks(params, start, world_size, align=config.align)
 
     # Two shortcuts keep the search fast ([their page](chunk_search_shortcuts.html)):
-    # repeated layers are packed once, and saturated candidates are skipped.
+    # repeated layers are packed once, and sizes that pack as the last scored
+    # one did are skipped.
     shapes, shape_of_group = group_shapes(params)
-    # Every size a parameter has, sorted: where the set of oversized ones changes.
-    param_sizes = sorted({spec.numel for spec in params})
     granule = world_size * config.align
 
     rows: list[CandidateScore] = []
     best: CandidateScore | None = None
     best_chunks: list[tuple[ChunkSpec, ...]] = []
     last = 0
-    # While saturated, candidates (after rounding) below this size are skipped.
+    # Candidates (after rounding) below this size pack as the last scored one.
     skip_below = 0
     # #### Note: GPT-NeoX-20B
     #
@@ -345,20 +343,19 @@ def search_chunk_size(
         # fewer, larger collectives, which use the links better; ColossalAI
         # keeps the smallest). Equal scores, the same layout under another
         # size: the first, smaller size that gives it is kept, which is what
-        # makes skipping saturated sizes exact (`is_saturated`).
+        # makes skipping sizes that pack alike exact (`next_packing_change`).
         if (
             best is None
             or row.score < best.score
             or (row.score == best.score and chunks != best_chunks)
         ):
             best, best_chunks = row, chunks
-        if is_saturated(plans):
-            # Same chunks, so the same score, until a parameter stops being
-            # oversized: jump to that size.
-            i = bisect.bisect_right(param_sizes, chunk_numel)
-            if i == len(param_sizes):
-                break
-            skip_below = param_sizes[i]
+        # The same packing, so no better score, until a decision of the packer
+        # flips: jump to that size.
+        change = next_packing_change(plans)
+        if change is None:
+            break
+        skip_below = change
 
     assert best is not None, "the range always holds its first candidate"
     layout = plan_chunks(params, best.chunk_numel, world_size, align=config.align)
@@ -475,7 +472,8 @@ def score_candidate(
     # tied matrix) counts here as one of the window's, not beside every
     # window as `gathered_peak` counts it: the search only ranks candidates,
     # and the held matrix is nearly the same size under all of them.
-    group_numels = [plans[i].total_numel() for i in shape_of_group]
+    shape_numels = [plan.total_numel() for plan in plans]
+    group_numels = [shape_numels[i] for i in shape_of_group]
     peak = peak_window_numel(group_numels, config.prefetch_depth) * config.param_bytes
     # #### Note: why not padding alone
     #

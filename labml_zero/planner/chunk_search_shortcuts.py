@@ -1,7 +1,7 @@
 r"""
 ---
 title: Search shortcuts
-summary: Two shortcuts that keep the chunk-size search to seconds of pure Python: repeated layers are packed once, saturated candidates are skipped.
+summary: Two shortcuts that keep the chunk-size search to seconds of pure Python: repeated layers are packed once, and sizes that pack as the last scored one are skipped.
 ---
 
 # Search shortcuts
@@ -10,8 +10,8 @@ The [chunk-size search](chunk_search.html) scores every candidate size of its
 range by planning the layout that size gives, and planning is linear in the
 number of parameters. Two shortcuts make the search cheap without changing its
 answer: `group_shapes` packs each
-distinct layer once, and `is_saturated` tells the search when a larger size can
-no longer change the packing. With $m$ the candidates in the range, $m'$ those
+distinct layer once, and `next_packing_change` tells the search the next size
+at which the packing can change. With $m$ the candidates in the range, $m'$ those
 left after the skips, $L$ the groups and $U$ their distinct shapes, the search
 plans
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from labml_zero.zero3.chunk_layout import ChunkLayout, ChunkSpec, ParamSpec
+from labml_zero.zero3.chunk_layout import ChunkLayout, ChunkSpec, ParamSpec, round_up
 
 
 class GroupShape(NamedTuple):
@@ -84,25 +84,46 @@ def is_oversized(plan: ChunkLayout, chunk: ChunkSpec) -> bool:
     return len(chunk.slots) == 1 and oversized
 
 
-def is_saturated(plans: Sequence[ChunkLayout]) -> bool:
-    """
-    #### Does every group hold at most one regular chunk of each kind?
+def next_packing_change(plans: Sequence[ChunkLayout]) -> int | None:
+    r"""
+    #### The next size at which the packing can change
 
-    The second shortcut: *saturated candidates are skipped*. Once each group's
-    trainable parameters, and its frozen ones, fit in one chunk (oversized
-    parameters aside, in chunks of their own), a larger $c$ packs every group
-    into exactly the same chunks: every parameter is placed where it was, the one
-    chunk of a kind is the group's last and so trimmed to the same size, and an
-    oversized parameter's chunk does not depend on $c$. Waste, peak and gradient
-    buffer all stay equal, and for the same layout the tie rule keeps the first,
-    smaller size that gives it, so the search
-    jumps to the next size at which a parameter stops being oversized, the first
-    at which the packing can change. The tests check this against scoring every
-    candidate.
+    The second shortcut: *sizes that pack as the last scored one did are
+    skipped*. The packer decides by two comparisons with $c$ and nothing else:
+    a parameter of $n$ elements is oversized while $n > c$, and it closes the
+    open chunk while $o + n > c$, $o$ the aligned fill of that chunk. Each
+    decision that came out true flips at its own threshold, $n$ or $o + n$,
+    and those that came out false stay false for any larger $c$. Below the
+    smallest threshold $t$ every decision, so every offset and every chunk's
+    parameters, stays as it was; only the regular chunks (those closed by an
+    overflow) grow with $c$, since trimmed chunks and oversized ones are sized
+    by what they hold.
+
+    So from the scored size up to $t$ the score cannot fall. With a regular
+    chunk its padding grows with $c$ while the collectives stay and the peak and
+    gradient buffer do not shrink: every larger size scores strictly worse.
+    Without one (every group packed into one trimmed chunk of each kind, the
+    case ColossalAI's search never reaches) the chunks are exactly the same,
+    so the score is equal and the tie rule keeps the first, smaller size. Either
+    way no size below $t$ can win, and the search jumps to $t$; `None` when no
+    decision can flip, and no larger size can change anything. The tests check
+    the jump against scoring every candidate.
+
+    The threshold of a closing is read off the finished plan: within a group
+    and kind, each regular chunk was closed by the first parameter of the next
+    chunk of its kind that is not oversized.
     """
-    return all(
-        sum(c.trainable == kind and not is_oversized(plan, c) for c in plan.chunks)
-        <= 1
-        for plan in plans
-        for kind in (True, False)
-    )
+    changes: list[int] = []
+    for plan in plans:
+        previous: dict[tuple[int, bool], ChunkSpec] = {}
+        for chunk in plan.chunks:
+            first = chunk.slots[0]
+            if is_oversized(plan, chunk):
+                changes.append(first.numel)
+                continue
+            key = (chunk.group, chunk.trainable)
+            closed = previous.get(key)
+            if closed is not None:
+                changes.append(round_up(closed.slots[-1].end, plan.align) + first.numel)
+            previous[key] = chunk
+    return min(changes, default=None)

@@ -234,9 +234,11 @@ class Budget:
         return self.params + self.grad_shards + self.optimizer_device
 
 
-# The layouts computed so far: the search takes seconds on the large presets,
-# and a layout is immutable. Keyed by the family's name, as a family (a table
-# of functions and presets) is not hashable.
+# The layouts computed so far: building a large preset's layers on meta and
+# searching its chunk size take up to a second, the planner and the
+# calculator's checks weigh the same layout many times, and a layout is
+# immutable. Keyed by the family's name, as a family (a table of functions and
+# presets) is not hashable; the oldest goes past 256 layouts.
 _LAYOUTS: dict[tuple, tuple] = {}
 
 
@@ -247,7 +249,7 @@ def _layout(inputs: BudgetInputs):
            inputs.lora_targets, inputs.group_size, inputs.param_dtype,
            inputs.reduce_dtype, inputs.chunk_numel, inputs.prefetch_depth)
     if key not in _LAYOUTS:
-        if len(_LAYOUTS) >= 32:
+        if len(_LAYOUTS) >= 256:
             _LAYOUTS.pop(next(iter(_LAYOUTS)))  # the oldest
         _LAYOUTS[key] = _new_layout(inputs)
     return _LAYOUTS[key]
