@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import build_docs  # noqa: E402
+import docsite.cli  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +98,12 @@ def test_build_is_deterministic(site_files):
     assert build_docs.build_site(REPO) == site_files
 
 
-def test_check_detects_stale_missing_and_extra_files(tmp_path, capsys, site_files):
+def test_check_detects_stale_missing_and_extra_files(tmp_path, capsys, site_files,
+                                                     monkeypatch):
     files = site_files
+    # In process, `--check` compares with the session's build (building is
+    # `test_build_is_deterministic`'s); the command line below builds its own.
+    monkeypatch.setattr(docsite.cli, "build_site", lambda repo: files)
     build_docs.write_site(tmp_path, files)
     assert build_docs.main(["--check", "--site", str(tmp_path)]) == 0
     (tmp_path / "labml_zero" / "index.html").write_text("stale")
