@@ -238,8 +238,9 @@ class Budget:
 # searching its chunk size take up to a second, the planner and the
 # calculator's checks weigh the same layout many times, and a layout is
 # immutable. Keyed by the family's name, as a family (a table of functions and
-# presets) is not hashable; the oldest goes past 256 layouts.
+# presets) is not hashable; past `LAYOUT_CACHE_SIZE` layouts the oldest goes.
 _LAYOUTS: dict[tuple, tuple] = {}
+LAYOUT_CACHE_SIZE = 256
 
 
 def _layout(inputs: BudgetInputs):
@@ -249,7 +250,7 @@ def _layout(inputs: BudgetInputs):
            inputs.lora_targets, inputs.group_size, inputs.param_dtype,
            inputs.reduce_dtype, inputs.chunk_numel, inputs.prefetch_depth)
     if key not in _LAYOUTS:
-        if len(_LAYOUTS) >= 256:
+        if len(_LAYOUTS) >= LAYOUT_CACHE_SIZE:
             _LAYOUTS.pop(next(iter(_LAYOUTS)))  # the oldest
         _LAYOUTS[key] = _new_layout(inputs)
     return _LAYOUTS[key]
