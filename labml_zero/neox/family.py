@@ -87,8 +87,8 @@ def tokenizer(path: str | os.PathLike | None, config: neox_config.NeoXConfig
 @functools.lru_cache(maxsize=64)
 def meta_parameter_count(config: neox_config.NeoXConfig) -> int:
     r"""$\Psi_m$, counted on the meta device; kept per shape (a config is frozen),
-    as the planner asks for it once per setting it weighs and building a
-    large model's layers, even on meta, takes a tenth of a second."""
+    as the planner asks for it once per setting it weighs and building every
+    layer of a large model, even on meta, runs each layer's constructor."""
     return count_parameters(build_layers(config, device="meta"))
 
 

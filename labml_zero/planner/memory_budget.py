@@ -234,10 +234,9 @@ class Budget:
         return self.params + self.grad_shards + self.optimizer_device
 
 
-# The layouts computed so far: building a large preset's layers on meta and
-# searching its chunk size take up to a second, the planner and the
-# calculator's checks weigh the same layout many times, and a layout is
-# immutable. Keyed by the family's name, as a family (a table of functions and
+# The layouts computed so far: a layout means building the preset's layers on
+# meta and searching its chunk size, the planner and the calculator's checks
+# weigh the same layout many times, and a layout is immutable. Keyed by the family's name, as a family (a table of functions and
 # presets) is not hashable; past `LAYOUT_CACHE_SIZE` layouts the oldest goes.
 _LAYOUTS: dict[tuple, tuple] = {}
 LAYOUT_CACHE_SIZE = 256

@@ -58,10 +58,15 @@ def every_row(params, world_size, cfg):
     """Every candidate of the range scored, none skipped: the rows the notes'
     tables show. The search scores only those where the packing changes."""
     shapes, shape_of_group = group_shapes(params)
+    return [score_candidate(shapes, shape_of_group, c, world_size, cfg)[0]
+            for c in candidate_sizes(params, world_size, cfg)]
+
+
+def candidate_sizes(params, world_size, cfg):
+    """Every size of the range, rounded to the granule, each once."""
     start = start_size(params, excluded_params(params), cfg)
     sizes = range(start, start + cfg.search_range + 1, cfg.hidden_dim)
-    return [score_candidate(shapes, shape_of_group, c, world_size, cfg)[0]
-            for c in sorted({round_up(size, world_size * cfg.align) for size in sizes})]
+    return sorted({round_up(size, world_size * cfg.align) for size in sizes})
 
 
 def two_groups():
@@ -179,11 +184,8 @@ def test_skipped_candidates_pack_the_same_chunks():
 def exhaustive(params, world_size, cfg):
     """Score every candidate on the full layout, with the search's tie rule:
     a tie goes to the larger size unless it packs the same chunks."""
-    granule = world_size * cfg.align
-    start = start_size(params, excluded_params(params), cfg)
     best = None
-    sizes = range(start, start + cfg.search_range + 1, cfg.hidden_dim)
-    for c in sorted({round_up(size, granule) for size in sizes}):
+    for c in candidate_sizes(params, world_size, cfg):
         layout = plan_chunks(params, c, world_size, align=cfg.align)
         score = cfg.param_bytes * layout.padding() + cfg.memory_weight * (
             gathered_peak(layout, cfg.prefetch_depth, cfg.param_bytes)
@@ -233,10 +235,7 @@ def test_the_skip_is_exact():
         score, layout = exhaustive(params, world_size, cfg)
         assert (result.score, result.layout.chunks) == (score, layout.chunks), trial
         assert result.chunk_numel == layout.chunk_numel, trial
-        start = start_size(params, excluded_params(params), cfg)
-        requested = range(start, start + 41)
-        sizes = {round_up(size, world_size * align) for size in requested}
-        skipped += len(result.candidates) < len(sizes)
+        skipped += len(result.candidates) < len(candidate_sizes(params, world_size, cfg))
     # The skip really ran in most trials.
     assert skipped > 200
 
