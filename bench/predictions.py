@@ -71,7 +71,9 @@ H200_FILES = (
     "2026-12-05-run55-1xH200-L2-b2-b4.jsonl")
 H100_FILES = (
     "2026-12-05-run52-1xH100-table.jsonl",
-    "2026-12-05-run53-1xH100-L1.jsonl")
+    "2026-12-05-run53-1xH100-L1.jsonl",
+    "2026-12-06-run57-1xH100-W1-L1-fp8.jsonl",
+    "2026-12-06-run58-1xH100-L1-W4-every-engine-best.jsonl")
 # The plain model (`--kernels none`): the roofline's element-wise bytes and the
 # activation count of a compiled layer are those of the fused kernels and of
 # eager PyTorch, so these lines show what that leaves out.

@@ -1,6 +1,10 @@
 """fp8 products (labml_zero/layers/float8.py) on the CPU through torchao's
 emulation: which linears convert, training under the chunk engine at world 1
-and 2 against the plain model, the activation count, and the refusals."""
+and 2 against the plain model, the activation count, and the refusals.
+
+`LABML_ZERO_TEST_BACKEND=nccl` (on the device machine) trains the same models
+with the real fp8 kernels (`torch._scaled_mm`) against the plain model on that
+GPU: the emulation is written to round as they do, so the same tolerance holds."""
 
 from __future__ import annotations
 
@@ -36,13 +40,16 @@ def family(name: str):
         else (llama_model, llama_family.init_parameter, LlamaKernels)
 
 
-def build(name: str, *, fp8: bool, zero_fp8_weights: bool = False):
-    """The tiny model of `name`, built on meta and assembled at fp32 with a fixed
-    seed; `zero_fp8_weights` zeroes the weights of the linears fp8 would take."""
+def build(name: str, *, fp8: bool, device: torch.device,
+          zero_fp8_weights: bool = False):
+    """The tiny model of `name`, built on meta and assembled at fp32 on `device`
+    with a fixed seed (the CPU emulates fp8, a GPU runs the real kernels);
+    `zero_fp8_weights` zeroes the weights of the linears fp8 would take."""
     model, init_parameter, kernels = family(name)
     config = CONFIGS[name]
     layers = model.build_layers(config, device="meta",
-                                kernels=kernels(fp8=fp8, fp8_emulate=fp8))
+                                kernels=kernels(fp8=fp8,
+                                                fp8_emulate=fp8 and device.type == "cpu"))
     chosen = {f"{n}.weight" for layer in layers[1:-2]
               for n, m in layer.named_modules() if float8.fp8_linear(m)}
     base = init_parameter(config)
@@ -54,7 +61,7 @@ def build(name: str, *, fp8: bool, zero_fp8_weights: bool = False):
 
     recipe = Recipe(zero=ZeroConfig(dtype=torch.float32, chunk_numel=8192),
                     lr=1e-3, seed=3)
-    return assemble(layers, recipe, device=torch.device("cpu"), init_param=init)
+    return assemble(layers, recipe, device=device, init_param=init)
 
 
 def fp8_depth(name: str) -> int:
@@ -75,7 +82,7 @@ def losses(model, ctx, steps: int = STEPS) -> list[float]:
     for step in range(steps):
         g = torch.Generator().manual_seed(100 + step)
         ids = torch.randint(0, n_vocab, (2 * ctx.world_size, 33), generator=g)
-        mine = ids[2 * ctx.rank:2 * ctx.rank + 2]
+        mine = ids[2 * ctx.rank:2 * ctx.rank + 2].to(ctx.device)
         loss = model.model(mine[:, :-1], mine[:, 1:])
         loss.backward()
         model.optimizer.step()
@@ -96,11 +103,12 @@ def wrong_scale():
 def train_three(ctx, name: str, wrong: bool):
     """Per rank: the plain losses, the fp8 losses (same weights and rows) and
     C, how much the loss moves when the fp8 linears' weights are zero."""
-    plain = losses(build(name, fp8=False), ctx)
-    removed = losses(build(name, fp8=False, zero_fp8_weights=True), ctx, steps=1)
+    plain = losses(build(name, fp8=False, device=ctx.device), ctx)
+    removed = losses(build(name, fp8=False, device=ctx.device, zero_fp8_weights=True),
+                     ctx, steps=1)
     if wrong:
         wrong_scale()
-    fp8 = losses(build(name, fp8=True), ctx)
+    fp8 = losses(build(name, fp8=True, device=ctx.device), ctx)
     return plain, fp8, abs(plain[0] - removed[0])
 
 
