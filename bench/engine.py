@@ -441,15 +441,15 @@ def predicted_peak(workload: Workload, memory: dict) -> dict[str, int]:
     every layer's saved tensors plus the readout's and the loss's peak, for
     the kernels the workload runs: the chunked loss holds no logits), and the freed gradients
     the early updates still queued hold ($E$, `early_update_grads`: at most
-    `EARLY_UPDATES_IN_FLIGHT` of them). Eager PyTorch: compiled
-    layers choose what they save themselves. With the automatic offload the
+    `EARLY_UPDATES_IN_FLIGHT` of them). Compiled layers keep what the
+    family's count says of them (with fp8 products, not their inputs). With the automatic offload the
     builder replaces it by the placement's own prediction, which stands on the
     probe's measured peak.
     """
     activations = family_for_config(workload.model).activation_memory(
         workload.model, batch=workload.batch, seq=workload.seq,
         finetune=workload.finetune, checkpointing=workload.activation_checkpointing,
-        kernels=workload.kernels)
+        kernels=workload.kernels, compiled=workload.compile)
     states = memory.get("device_states", memory["layout_states"])
     return {"activations": activations,
             "predicted_peak": states - memory["shard_grads"]

@@ -128,11 +128,11 @@ class ModelFamily:
     it trains, which alone cost a weight gradient."""
     activation_memory: Callable[..., int]
     """`activation_memory(config, *, batch, seq, finetune, checkpointing,
-    kernels, lora_rank, lora_targets)`: the activation bytes a rank holds when
-    its last backward pass starts (every layer's saved tensors, or its
-    checkpointed inputs, and the readout's and loss's), for the kernels
-    `resolve_kernels` gave; `lora_*` (LoRA's adapters) are given with
-    `finetune='lora'` only."""
+    kernels, compiled, lora_rank, lora_targets)`: the activation bytes a rank
+    holds when its last backward pass starts (every layer's saved tensors, or
+    its checkpointed inputs, and the readout's and loss's), for the kernels
+    `resolve_kernels` gave, the layers compiled or not; `lora_*` (LoRA's
+    adapters) are given with `finetune='lora'` only."""
     finetuner: Callable[..., Any]
     """`finetuner(name, **options)`: `all`, or `lora` with `rank`, `alpha`,
     `targets`, and any others the family has."""

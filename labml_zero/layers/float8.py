@@ -52,14 +52,21 @@ from torch import nn
 
 from labml_zero.layers.lora import LoRALinear
 
-__all__ = ["FP8_MULTIPLE", "FP8_MIN_CAPABILITY", "fp8_linear", "to_float8",
-           "fp8_refusal", "check_fp8", "check_fp8_count"]
+__all__ = ["FP8_MULTIPLE", "FP8_MIN_CAPABILITY", "fp8_shape", "fp8_linear",
+           "to_float8", "fp8_refusal", "check_fp8", "check_fp8_count",
+           "fp8_inputs_recomputed"]
 
 FP8_MULTIPLE = 16
 """Both dimensions of a linear must be multiples of this to run in fp8."""
 
 FP8_MIN_CAPABILITY = (8, 9)
 """The first compute capability with fp8 matrix products (Ada; Hopper comes after)."""
+
+
+def fp8_shape(in_features: int, out_features: int) -> bool:
+    """Whether a linear of this shape runs in fp8: both dimensions multiples of
+    `FP8_MULTIPLE` (the activation counts ask by shape, without a module)."""
+    return in_features % FP8_MULTIPLE == 0 and out_features % FP8_MULTIPLE == 0
 
 
 def fp8_linear(module: nn.Module, name: str = "") -> bool:
@@ -79,8 +86,7 @@ def fp8_linear(module: nn.Module, name: str = "") -> bool:
     $d_{ff}$ is not such a multiple) keeps those linears in bf16.
     """
     return (isinstance(module, nn.Linear) and not isinstance(module, LoRALinear)
-            and module.in_features % FP8_MULTIPLE == 0
-            and module.out_features % FP8_MULTIPLE == 0)
+            and fp8_shape(module.in_features, module.out_features))
 
 
 def torchao_config(*, emulate: bool = False):
@@ -221,6 +227,29 @@ def check_fp8_count(kernels, finetune: str) -> None:
         raise ValueError(f"kernels fp8 with finetune {finetune!r}: the activation "
                          "count has fp8 only for finetune 'all' (Float8Linear "
                          "saves the input of a frozen linear too)")
+
+
+def fp8_inputs_recomputed(kernels, compiled: bool) -> bool:
+    r"""
+    ### Compiled, an fp8 layer keeps no input of its products
+
+    Eager, `Float8Linear` keeps its bf16 input, as counted above. Compiled
+    (`--compile`), the layer's forward and backward are one traced graph, and
+    AOT autograd's partitioner chooses what crosses from one to the other: it
+    keeps neither the bf16 input of an fp8 product nor its fp8 cast, and
+    recomputes the input in the backward from tensors kept anyway: the
+    normalised input from the layer's input and the norm's statistics, the
+    heads concatenated from the attention's output, the MLP's activation from
+    its pre-activation. The cast is cheap element-wise work; the saving is the
+    products' inputs, on GPT-NeoX $3nd + n d_{ff}$ elements a layer ($\operatorname{LN}_1$,
+    $\operatorname{LN}_2$, the heads, $\operatorname{GELU}(h)$), on Llama
+    $2nd + n d_{ff}$ (the two norms' outputs and $\operatorname{SiLU}(g)
+    \odot u$). Measured on one GPU, a layer of each family at the benchmark's
+    width keeps exactly the count with these rows dropped
+    (tested: tests/layers/test_fp8_activation_count.py::test_the_count_is_what_a_layer_kept_on_the_gpu).
+    A compiled bf16 layer with the fused kernels keeps the eager count.
+    """
+    return bool(getattr(kernels, "fp8", False)) and compiled
 
 
 def check_fp8(kernels, device: torch.device | str) -> None:

@@ -32,7 +32,7 @@ from typing import NamedTuple, Sequence
 
 from labml_zero.llama.config import LlamaConfig
 from labml_zero.llama.finetuners import finetuner
-from labml_zero.layers.float8 import check_fp8_count
+from labml_zero.layers.float8 import check_fp8_count, fp8_inputs_recomputed, fp8_shape
 from labml_zero.llama.kernels import LlamaKernels
 from labml_zero.llama.model import build_layers
 
@@ -133,7 +133,7 @@ def _swiglu_bytes(d_ff: int, p: int, *, gate_grad: bool, up_grad: bool,
 
 def _layer_bytes(config: LlamaConfig, trains: set[str], *, n: int, p: int,
                  input_requires_grad: bool, lora_rank: int,
-                 kernels: LlamaKernels) -> int:
+                 kernels: LlamaKernels, fp8_recomputed: bool = False) -> int:
     r"""
     #### Bytes a decoder layer keeps, without recomputation
 
@@ -174,6 +174,10 @@ def _layer_bytes(config: LlamaConfig, trains: set[str], *, n: int, p: int,
     gradient that reads it is needed; `trains` are the layer's trainable
     names, and `input_requires_grad` is false only for a first layer behind a
     frozen embedding, which keeps only what its own trainable weights need.
+    `fp8_recomputed`: the layer runs its products in fp8, compiled, and keeps
+    none of their inputs that other rows do not keep already ([fp8
+    products](../layers/float8.html), `fp8_inputs_recomputed`; the attention's
+    output, $W_o$'s input, is kept by the attention).
     """
     d, d_ff, d_h = config.d_model, config.d_ff, config.head_width
     n_h, n_kv = config.n_heads, config.n_kv_heads
@@ -185,6 +189,11 @@ def _layer_bytes(config: LlamaConfig, trains: set[str], *, n: int, p: int,
         # W's gradient, or an adapter's A's, reads the product's input
         return any(f"{path}.weight" in trains or f"{path}.lora_A" in trains
                    for path in paths)
+
+    def input_kept(*shapes: tuple[int, int]) -> bool:
+        # unless every product reading it runs in fp8, compiled: then the
+        # backward recomputes it
+        return not (fp8_recomputed and all(fp8_shape(*s) for s in shapes))
 
     qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     gate_up = ("mlp.gate_proj", "mlp.up_proj")
@@ -198,7 +207,7 @@ def _layer_bytes(config: LlamaConfig, trains: set[str], *, n: int, p: int,
     per_token = _rms_norm_bytes(d, p, input_grad=input_requires_grad,
                                 weight_trains=trains_any("input_layernorm"),
                                 fused=kernels.rms_norm)
-    if input_saved(*qkv):
+    if input_saved(*qkv) and input_kept((d, n_h * d_h), (d, n_kv * d_h)):
         per_token += p * d  # RMS1(x), one storage read by all three
     if attention_grad:
         per_token += p * (2 * n_h + 2 * n_kv) * d_h  # q, k, v; the output
@@ -208,12 +217,12 @@ def _layer_bytes(config: LlamaConfig, trains: set[str], *, n: int, p: int,
     per_token += _rms_norm_bytes(d, p, input_grad=h_grad,
                                  weight_trains=trains_any("post_attention_layernorm"),
                                  fused=kernels.rms_norm)
-    if input_saved(*gate_up):
+    if input_saved(*gate_up) and input_kept((d, d_ff)):
         per_token += p * d  # RMS2(h)
     per_token += _swiglu_bytes(d_ff, p, gate_grad=norm2_grad or trains_any(gate_up[0]),
                                up_grad=norm2_grad or trains_any(gate_up[1]),
                                fused=kernels.swiglu)
-    if input_saved("mlp.down_proj"):
+    if input_saved("mlp.down_proj") and input_kept((d_ff, d)):
         per_token += p * d_ff  # SiLU(g) ⊙ u
     adapters = sum(name.endswith(".lora_B") for name in trains)
     per_token += adapters * p * lora_rank  # A a, [n, r] each
@@ -225,7 +234,8 @@ def layer_activation_bytes(config: LlamaConfig, *, batch: int, seq: int,
                            lora_targets: Sequence[str] | None = None,
                            checkpointing: bool = False,
                            input_requires_grad: bool = True, dtype_bytes: int = 2,
-                           kernels: LlamaKernels | None = None) -> int:
+                           kernels: LlamaKernels | None = None,
+                           compiled: bool = False) -> int:
     r"""
     ### Bytes one decoder layer keeps from forward to backward
 
@@ -242,6 +252,9 @@ def layer_activation_bytes(config: LlamaConfig, *, batch: int, seq: int,
       functions run as their plain twins and keep the plain set; count them
       with `kernels=None` there. `rotary` and `loss` change nothing a layer
       keeps.
+    * `compiled`: the layer runs under `torch.compile` (`--compile`): with
+      the fused kernels it keeps the same set, with fp8 products the set
+      without their inputs (`fp8_inputs_recomputed`).
 
     Under the full fine-tune, with $d_{ff}$ and the heads as they are, the
     bf16 layer keeps
@@ -263,13 +276,14 @@ def layer_activation_bytes(config: LlamaConfig, *, batch: int, seq: int,
     kernels=llama_kernels.LlamaKernels.all_fused()) / 2**20 | ,.0f}} MiB fused.
     """
     _check(config, batch, seq, dtype_bytes)
-    check_fp8_count(kernels, finetune)  # fp8: the plain count, or refused
+    check_fp8_count(kernels, finetune)  # fp8 only where every weight trains
     trains, _ = _trainable(config, finetune, lora_rank, lora_targets)
     if checkpointing:
         return batch * seq * config.d_model * dtype_bytes
     return _layer_bytes(config, trains, n=batch * seq, p=dtype_bytes,
                         input_requires_grad=input_requires_grad,
-                        lora_rank=lora_rank, kernels=kernels or LlamaKernels())
+                        lora_rank=lora_rank, kernels=kernels or LlamaKernels(),
+                        fp8_recomputed=fp8_inputs_recomputed(kernels, compiled))
 
 
 # ## Final norm, readout and loss
@@ -388,7 +402,8 @@ def activation_bytes(config: LlamaConfig, *, batch: int, seq: int,
                      finetune: str = "all", lora_rank: int = 8,
                      lora_targets: Sequence[str] | None = None,
                      checkpointing: bool = False,
-                     kernels: LlamaKernels | None = None) -> ActivationMemory:
+                     kernels: LlamaKernels | None = None,
+                     compiled: bool = False) -> ActivationMemory:
     r"""
     ### Activation bytes of the whole model, per rank
 
@@ -398,8 +413,9 @@ def activation_bytes(config: LlamaConfig, *, batch: int, seq: int,
     (`all`), so behind LoRA's frozen embedding the first layer keeps less
     (`input_requires_grad=False`). Not counted: the gradients in flight during
     the backward pass, the attention kernels' workspace and RNG scalars, the
-    allocator's rounding. Eager PyTorch only: a compiled layer (`--compile`)
-    lets the partitioner choose what it keeps.
+    allocator's rounding. `compiled`: the layers run under `torch.compile`
+    (`--compile`), whose partitioner chooses what they keep: as
+    `layer_activation_bytes` says.
 
     With recomputation (the engine's `activation_checkpointing`) every unit but
     the loss head keeps its input, and the backward pass recomputes one layer
@@ -423,7 +439,8 @@ def activation_bytes(config: LlamaConfig, *, batch: int, seq: int,
                                       finetune=finetune,
                                       checkpointing=checkpointing, kernels=kernels)
     embedding_trains = "embed_tokens.weight" in others
-    size = dict(n=n, p=2, lora_rank=lora_rank, kernels=kernels)
+    size = dict(n=n, p=2, lora_rank=lora_rank, kernels=kernels,
+                fp8_recomputed=fp8_inputs_recomputed(kernels, compiled))
     full = _layer_bytes(config, trains, input_requires_grad=True, **size)
     first = _layer_bytes(config, trains, input_requires_grad=embedding_trains,
                          **size)
@@ -444,7 +461,8 @@ def activation_bytes(config: LlamaConfig, *, batch: int, seq: int,
 
 def activation_memory(config: LlamaConfig, *, batch: int, seq: int,
                       finetune: str = "all", checkpointing: bool = False,
-                      kernels: LlamaKernels | None = None, lora_rank: int = 8,
+                      kernels: LlamaKernels | None = None, compiled: bool = False,
+                      lora_rank: int = 8,
                       lora_targets: Sequence[str] | None = None) -> int:
     """
     ### The family's question: `activation_bytes(...).total`
@@ -454,4 +472,5 @@ def activation_memory(config: LlamaConfig, *, batch: int, seq: int,
     """
     return activation_bytes(config, batch=batch, seq=seq, finetune=finetune,
                             lora_rank=lora_rank, lora_targets=lora_targets,
-                            checkpointing=checkpointing, kernels=kernels).total
+                            checkpointing=checkpointing, kernels=kernels,
+                            compiled=compiled).total

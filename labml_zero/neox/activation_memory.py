@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from labml_zero.layers.float8 import check_fp8_count
+from labml_zero.layers.float8 import check_fp8_count, fp8_inputs_recomputed
 from labml_zero.neox.kernels import ModelKernels
 from labml_zero.neox.layer_memory import (FP32, _check, _layer_bytes,
                                           _trainable, layer_activation_bytes)
@@ -233,7 +233,8 @@ def chunked_loss_bytes(config: NeoXConfig, *, batch: int, seq: int,
 def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
                      lora_rank: int = 8, lora_targets: Sequence[str] = tuple(TARGETS),
                      checkpointing: bool = False,
-                     kernels: ModelKernels | None = None) -> ActivationMemory:
+                     kernels: ModelKernels | None = None,
+                     compiled: bool = False) -> ActivationMemory:
     r"""
     ### Activation bytes of the whole model per rank
 
@@ -248,10 +249,13 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
     kernels' workspaces and the allocator's rounding and fragmentation are not
     counted. `lora_rank`, `lora_targets` and `kernels` are as in
     `layer_activation_bytes`; with the `loss` kernel the last part is
-    `chunked_loss_bytes`, which holds no logits. Eager PyTorch only:
-    `torch.compile` (the bench's `--compile`) lets the partitioner choose what
-    to save and what to recompute, e.g. the GELU output from $h$, which this
-    count does not know. The tests check each count tensor by tensor against
+    `chunked_loss_bytes`, which holds no logits. `compiled`: the layers run
+    under `torch.compile` (the bench's `--compile`), whose partitioner chooses
+    what to save and what to recompute; with the fused kernels it keeps the
+    eager set, with fp8 products the set without their inputs (e.g. the GELU
+    output, recomputed from $h$; `layer_activation_bytes`); with the plain
+    model's element-wise operations it keeps less, which this count does not
+    know. The tests check each count tensor by tensor against
     what PyTorch saves (`torch.autograd.graph.saved_tensors_hooks`) on CPU.
 
     Per rank, for the five jobs of the benchmark ({{see: W1}}, {{see: W2}},
@@ -317,11 +321,12 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
     the largest sum of the two parts alive at one time.
     """
     _check(config, batch, seq, 2)
-    check_fp8_count(kernels, finetune)  # fp8: the plain count, or refused
+    check_fp8_count(kernels, finetune)  # fp8 only where every weight trains
     block, others = _trainable(config, finetune, lora_rank, lora_targets)
     kernels = kernels or ModelKernels()
     size = {"batch": batch, "seq": seq, "dtype_bytes": 2, "lora_rank": lora_rank,
-            "fused_norms": kernels.norms}
+            "fused_norms": kernels.norms,
+            "fp8_recomputed": fp8_inputs_recomputed(kernels, compiled)}
     full = _layer_bytes(config, block, input_requires_grad=True, **size)
     readout_loss = readout_loss_bytes(config, batch=batch, seq=seq,
                                       finetune=finetune,

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Sequence
 
+from labml_zero.layers.float8 import check_fp8_count, fp8_inputs_recomputed, fp8_shape
 from labml_zero.neox.finetuners import finetuner
 from labml_zero.neox.kernels import ModelKernels
 from labml_zero.neox.lora import TARGETS
@@ -101,7 +102,8 @@ def _check(config: NeoXConfig, batch: int, seq: int, dtype_bytes: int) -> None:
 
 def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
                  input_requires_grad: bool, dtype_bytes: int,
-                 lora_rank: int = 0, fused_norms: bool = False) -> int:
+                 lora_rank: int = 0, fused_norms: bool = False,
+                 fp8_recomputed: bool = False) -> int:
     r"""
     #### Bytes a layer saves without recomputation
 
@@ -148,7 +150,9 @@ def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
 
     Each term is one row of the table, under the condition that makes autograd
     save it; `trains` are the layer's trainable parameter names, `lora_rank` $r$
-    the adapters' rank. A model without
+    the adapters' rank. `fp8_recomputed`: the layer runs its products in fp8,
+    compiled, and keeps none of their inputs that other rows do not keep
+    already ([fp8 products](../layers/float8.html), `fp8_inputs_recomputed`). A model without
     rotary dimensions (`rotary_pct=0`, none released) differs and is counted so:
     $q$ and $k$ are then views of the fused QKV output and keep all of it ($nd$
     more), and the attention output comes out `[B, T, n_h, d_h]`, so the dense
@@ -160,8 +164,11 @@ def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
     def any_trains(prefix: str) -> bool:
         return any(name.startswith(prefix) for name in trains)
 
-    def input_saved(path: str) -> bool:
-        # W's gradient, or an adapter's A's, reads the linear's input
+    def input_saved(path: str, in_features: int, out_features: int) -> bool:
+        # W's gradient, or an adapter's A's, reads the linear's input; a
+        # compiled fp8 product recomputes it in the backward instead
+        if fp8_recomputed and fp8_shape(in_features, out_features):
+            return False
         return f"{path}.weight" in trains or f"{path}.lora_A" in trains
 
     # A layer norm saves its input and statistics when any of its inputs (x,
@@ -181,7 +188,7 @@ def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
         total += 2 * n * FP32
     else:
         total += (int(ln1) + int(ln2)) * 2 * n * FP32  # mean, 1/σ: [B, T, 1] fp32
-    if input_saved("attention.query_key_value"):
+    if input_saved("attention.query_key_value", d, 3 * d):
         total += nd  # LN1(x)
     if attn:
         # v (a copy) and the attention output, each [B, n_h, T, d_h]
@@ -197,17 +204,17 @@ def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
             # Unrotated, q and k stay views of the fused QKV output, and saving
             # them keeps all of it, [B, T, 3d].
             total += 3 * nd
-    if input_saved("attention.dense") and (config.rotary_dim > 0 or not attn):
+    if input_saved("attention.dense", d, d) and (config.rotary_dim > 0 or not attn):
         # The heads concatenated: a copy (see Note: the attention output is
         # copied). Without rotation q, and
         # so the attention output, is laid out [B, T, n_h, d_h] and this is a
         # view of the output, already saved when the attention saves it.
         total += nd
-    if input_saved("mlp.dense_h_to_4h"):
+    if input_saved("mlp.dense_h_to_4h", d, d_ff):
         total += nd  # LN2(x)
     if mlp:
         total += n * d_ff * dtype_bytes  # h, read by the GELU's backward
-    if input_saved("mlp.dense_4h_to_h"):
+    if input_saved("mlp.dense_4h_to_h", d_ff, d):
         total += n * d_ff * dtype_bytes  # GELU(h)
     # u = A x [n, r] of each adapter, read by B's gradient
     adapters = sum(name.endswith(".lora_B") for name in trains)
@@ -221,12 +228,15 @@ def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
                            checkpointing: bool = False,
                            input_requires_grad: bool = True,
                            dtype_bytes: int = 2,
-                           kernels: ModelKernels | None = None) -> int:
+                           kernels: ModelKernels | None = None,
+                           compiled: bool = False) -> int:
     r"""
     ### Bytes one transformer layer keeps from forward to backward
 
-    Eager PyTorch only: under `torch.compile` the partitioner chooses what a
-    layer saves. CUDA's memory-efficient attention backend saves $nd$ less
+    Eager PyTorch; compiled (`compiled`, the bench's and the job's
+    `--compile`) the partitioner chooses what a layer saves, which with the
+    fused kernels is the same set, and with fp8 products the set without the
+    products' inputs (`fp8_inputs_recomputed`). CUDA's memory-efficient attention backend saves $nd$ less
     under the full fine-tune (see Note: the attention output is copied).
 
     * `batch`, `seq` are $B$ and $T$ per rank; everything scales with
@@ -270,10 +280,12 @@ def layer_activation_bytes(config: NeoXConfig, *, batch: int, seq: int,
     memory](activation_memory.html) counts the readout that returns the logits.
     """
     _check(config, batch, seq, dtype_bytes)
+    check_fp8_count(kernels, finetune)
     trains, _ = _trainable(config, finetune, lora_rank, lora_targets)
     if checkpointing:
         return batch * seq * config.d_model * dtype_bytes
     return _layer_bytes(config, trains, batch=batch, seq=seq,
                         input_requires_grad=input_requires_grad,
                         dtype_bytes=dtype_bytes, lora_rank=lora_rank,
-                        fused_norms=(kernels or ModelKernels()).norms)
+                        fused_norms=(kernels or ModelKernels()).norms,
+                        fp8_recomputed=fp8_inputs_recomputed(kernels, compiled))

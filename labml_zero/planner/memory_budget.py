@@ -113,6 +113,10 @@ class BudgetInputs:
     """$D$, units gathered ahead of the running one."""
     checkpointing: bool = False
     """Activation checkpointing (recomputation) of every unit."""
+    compiled: bool = False
+    """The layers run under `torch.compile`: what they keep is the
+    partitioner's choice, which the family's count knows for its fused kernels
+    and fp8 products."""
     kernels: Any = None
     r"""The family's fused kernels (its `resolve_kernels` result); `None` is
     none (`'none'`). GPT-NeoX's chunked `loss` holds no logits, its fused
@@ -278,7 +282,8 @@ def activations_of(inputs: BudgetInputs) -> int:
             if inputs.finetune == "lora" else {})
     return inputs.family.activation_memory(
         inputs.model, batch=inputs.batch, seq=inputs.seq, finetune=inputs.finetune,
-        checkpointing=inputs.checkpointing, kernels=inputs.kernels, **lora)
+        checkpointing=inputs.checkpointing, kernels=inputs.kernels,
+        compiled=inputs.compiled, **lora)
 
 
 def budget(inputs: BudgetInputs) -> Budget:

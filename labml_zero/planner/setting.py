@@ -130,7 +130,8 @@ def budget_inputs(job: Job, setting: Setting, *, world_size: int,
         shard_group_size=job.shard_group_size, param_dtype=job.param_dtype,
         states=job.states, finetune=job.finetune, lora_rank=job.lora_rank,
         lora_targets=job.lora_targets, prefetch_depth=setting.prefetch_depth,
-        checkpointing=setting.checkpointing, kernels=job.kernels,
+        checkpointing=setting.checkpointing, compiled=setting.compile,
+        kernels=job.kernels,
         batch=setting.batch, seq=job.seq, micro_batches=setting.micro_batches,
         update_during_backward=job.update_during_backward,
         offload_fraction=None if auto_offload else setting.offload_fraction,
@@ -142,8 +143,8 @@ def budget_of(job: Job, setting: Setting, *, world_size: int,
     """
     ### The memory budget of one setting on one rank
 
-    The compiled layers' activations are counted as the eager ones (the
-    budget's own limitation).
+    Compiled layers' activations are the family's count for compiled layers:
+    the eager set with the fused kernels, less with fp8 products.
     """
     return budget(budget_inputs(job, setting, world_size=world_size,
                                 device_bytes=device_bytes))
