@@ -73,7 +73,9 @@ H100_FILES = (
     "2026-12-05-run52-1xH100-table.jsonl",
     "2026-12-05-run53-1xH100-L1.jsonl",
     "2026-12-06-run57-1xH100-W1-L1-fp8.jsonl",
-    "2026-12-06-run58-1xH100-L1-W4-every-engine-best.jsonl")
+    "2026-12-06-run58-1xH100-L1-W4-every-engine-best.jsonl",
+    "2026-12-06-run60-1xH100-W2-1-by-depth-fp8.jsonl",
+    "2026-12-06-run61-1xH100-W4-fp8.jsonl")
 # The plain model (`--kernels none`): the roofline's element-wise bytes and the
 # activation count of a compiled layer are those of the fused kernels and of
 # eager PyTorch, so these lines show what that leaves out.
@@ -150,7 +152,8 @@ def predictions(root: Path = RESULTS) -> tuple[Prediction, ...]:
     out, seen = [], set()
     for name in MEASURED_FILES:
         for line in engine_lines(root / name):
-            key = (name, line["workload"], line["batch_per_gpu"], line["compiled"],
+            key = (name, line["workload"], line["model"]["n_layers"],
+                   line["batch_per_gpu"], line["compiled"],
                    line.get("cuda_graph", False), line["kernels"],
                    line.get("optimizer_states", "fp32"))
             if key not in seen:
