@@ -3,10 +3,11 @@ it keeps, and the one line when nothing fits."""
 
 import pytest
 
+from labml_zero.neox.build import resolve_kernels
 from labml_zero.neox.family import NEOX
 from labml_zero.neox.model import gpt_neox_20b, pythia_1_4b, pythia_6_9b, pythia_12b
 from labml_zero.planner.devices import GIB, GPUS, Cluster
-from labml_zero.planner.search import NoFit, Pinned, plan
+from labml_zero.planner.search import NoFit, Pinned, describe, plan
 from labml_zero.planner.setting import Job
 from labml_zero.planner.search import (HOST_MARGIN, HOST_PROCESS_BYTES,
                                        device_limit)
@@ -97,3 +98,18 @@ def test_a_global_batch_the_ranks_cannot_split_is_refused():
     with pytest.raises(NoFit, match="--batch-size 3 does not divide"):
         plan(Job(pythia_1_4b(), family=NEOX, seq=2048, global_batch=8), Cluster(H200),
              Pinned(batch=3))
+
+
+def test_fp8_compiled_keeps_less_and_the_plan_says_its_time_is_bf16s():
+    # with fp8 products the compiled layers keep less than the eager ones
+    # (their inputs are recomputed), and the printed plan says that its step
+    # time counts those products at the bf16 rate
+    job = Job(pythia_1_4b(), family=NEOX, seq=2048, global_batch=8,
+              kernels=resolve_kernels("auto,fp8", "cuda"))
+    compiled = plan(job, Cluster(H100), Pinned(compile=True))
+    eager = plan(job, Cluster(H100), Pinned(compile=False))
+    assert compiled.best.budget.activations < eager.best.budget.activations
+    assert "fp8 products at the bf16 rate" in describe(compiled, model_name="W1")
+    bf16 = plan(Job(pythia_1_4b(), family=NEOX, seq=2048, global_batch=8,
+                    kernels=resolve_kernels("auto", "cuda")), Cluster(H100))
+    assert "fp8" not in describe(bf16, model_name="W1")
