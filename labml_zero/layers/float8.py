@@ -40,12 +40,8 @@ linear (forward, gradient of the input, gradient of the weight).
   replaces the linear and calls the product itself, in bf16. Nor with
   GPT-NeoX's fused bias + GELU, which calls the MLP's first product itself.
   Every such combination is refused before the start.
-* Not done: choosing fp8 per layer where it pays. It is one choice for the
-  whole model, never part of `auto`: wide products gain and narrow ones lose
-  (bench/README.md has the measurements on one H100).
-* The memory counts know what an fp8 layer keeps, eager and compiled
-  (`check_fp8_count`, `fp8_inputs_recomputed`); the step-time model does not
-  yet time fp8 products, and the plan says so.
+* Not done: fp8 per layer where it pays (one choice, never in `auto`), and
+  fp8 in the step-time model.
 
 """
 
