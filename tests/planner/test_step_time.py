@@ -197,11 +197,13 @@ def test_an_h100s_steps_at_its_data_sheet_rates():
     bandwidth, 4.8/3.35 of the H200's time, where W1's and L1's measured
     steps (the same kernels on both GPUs) grow by less than a tenth of that.
     """
-    # the bf16 lines of these four (W2-1's products are long enough that the
-    # bandwidth terms barely count; the model has no fp8 products yet)
+    # the bf16 lines of these four (the model has no fp8 products yet; W2-1's
+    # shorter models come out within the step goal either way, one compiled
+    # line 0.7% fast)
     found = [x for path in H100_LINES for x in lines(path, "labml_zero")
              if x["workload"] in ("W1", "W3", "W4", "L1")
              and "fp8" not in x["kernels"].split(",")]
+    assert {x["workload"] for x in found} == {"W1", "W3", "W4", "L1"}
     assert all(error(x) > 0 for x in found)
     h200 = [x for path in H200_LINES for x in lines(path, "labml_zero")]
     for workload in ("W1", "L1"):
