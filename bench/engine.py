@@ -381,6 +381,11 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     }
     info = {"chunk_numel": layout.chunk_numel,
             "chunks": len(model.chunks)}
+    if getattr(workload.kernels, "fp8", False):
+        # how many linears the per-linear choice ran in fp8 (none on a
+        # small model): the line says which setting it measured
+        info["float8_linears"] = sum(type(m).__name__ == "Float8Linear"
+                                     for m in model.modules())
     measured = None
     shards = shard_specs(model)
     if built.placement is not None:

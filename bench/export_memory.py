@@ -19,13 +19,16 @@ a constant $M_0$ (the interpreter, torch, the tokenizer), the largest tensor
 as read (fp32 where the checkpoint keeps a master) and one output shard, which
 safetensors copies once more while writing it ($c \le 2$), independent of
 the model's size $\Psi$. For each model this script builds it sharded at world
-size 1 (gloo, the host), in bf16 with random weights, saves it with the engine's
+size 1 (gloo, the host), in bf16 (one constant in every weight: `constant_fill`), saves it with the engine's
 own `save_checkpoint` and the job's export record, then runs the export as a
 child process and reads the child's peak resident set (`ru_maxrss` from
 `os.wait4`). One JSON line per model; the `tiny` line is $M_0$ in practice.
 
-Writing a 1B-parameter model takes its bf16 size on the host to build and
-twice that on disk (checkpoint and export) under `--dir`.
+A trainable bf16 chunk keeps an fp32 master beside its bf16 weights, so
+writing a model takes 6 bytes a parameter on the host to build and as much
+again for its checkpoint, and the export its bf16 size under `--dir`.
+`--frozen` saves every weight frozen, without masters (2 bytes a parameter
+each): how the 12B and 20B shapes fit a 128 GB host.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -44,7 +48,7 @@ import torch
 from labml_zero.finetune.checkpoints import export_meta
 from labml_zero.finetune.config import MODEL_PRESETS, FinetuneConfig
 from labml_zero.launch import spawn
-from labml_zero.neox.model import build_layers, init_parameter
+from labml_zero.neox.model import build_layers
 from labml_zero.planner.sharding import zero3_layers
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.checkpoint import CheckpointReader, save_checkpoint
@@ -52,15 +56,24 @@ from labml_zero.zero3.checkpoint import CheckpointReader, save_checkpoint
 REPO = Path(__file__).resolve().parent.parent
 
 
-def save_random(ctx, preset: str, path: str) -> None:
-    """One rank: the model in bf16, random, saved with the job's export record."""
+def save_constant(ctx, preset: str, path: str, frozen: bool = False) -> None:
+    """One rank: the model in bf16, saved with the job's export record;
+    `frozen`, every weight frozen, so no chunk keeps an fp32 master."""
     config = FinetuneConfig(model=preset, dtype="bf16")
     neox = config.model_config()
     layers = build_layers(neox, device="meta")
+    for p in (p for layer in layers for p in layer.parameters()):
+        p.requires_grad_(not frozen)
     model = Zero3Sequential(zero3_layers(
         layers, device=ctx.device, config=ZeroConfig(dtype=torch.bfloat16),
-        init_param=init_parameter(neox)))
+        init_param=constant_fill))
     save_checkpoint(path, model, meta={"export": export_meta(config, model)})
+
+
+def constant_fill(name: str, p: torch.Tensor) -> None:
+    """The weights' values change neither the export's memory nor its bytes
+    (safetensors stores them raw): one constant, no random numbers to draw."""
+    p.fill_(0.01)
 
 
 def largest_read_bytes(path: Path) -> int:
@@ -71,10 +84,12 @@ def largest_read_bytes(path: Path) -> int:
                for name, p in reader.params.items())
 
 
-def measure(preset: str, work: Path, max_shard: int) -> dict:
-    ckpt, out = work / f"{preset}-ckpt", work / f"{preset}-hf"
-    spawn(save_random, 1, preset, str(ckpt), backend="gloo")
+def measure(preset: str, work: Path, max_shard: int, ckpt_dir: Path,
+            frozen: bool) -> dict:
+    ckpt, out = ckpt_dir / f"{preset}-ckpt", work / f"{preset}-hf"
+    spawn(save_constant, 1, preset, str(ckpt), frozen, backend="gloo")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    started = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-m", "labml_zero.export", str(ckpt),
                               str(out), "--max-shard-size", str(max_shard)],
                              env=env, stdout=subprocess.DEVNULL)
@@ -82,11 +97,14 @@ def measure(preset: str, work: Path, max_shard: int) -> dict:
     child.returncode = os.waitstatus_to_exitcode(status)
     if child.returncode:
         raise SystemExit(f"the export of {preset} failed ({child.returncode})")
+    seconds = time.perf_counter() - started
     model_bytes = sum(f.stat().st_size for f in out.glob("model*.safetensors"))
     row = {"model": preset, "export_bytes": model_bytes,
            "largest_tensor_read_bytes": largest_read_bytes(ckpt),
+           "masters": not frozen,
            "max_shard_bytes": max_shard,
-           "peak_rss_bytes": usage.ru_maxrss * 1024}  # Linux reports KiB
+           "peak_rss_bytes": usage.ru_maxrss * 1024,  # Linux reports KiB
+           "export_s": round(seconds, 1)}
     shutil.rmtree(ckpt)
     shutil.rmtree(out)
     return row
@@ -100,11 +118,26 @@ def main(argv: list[str] | None = None) -> None:
                    help="bytes per output shard (default 256 MiB)")
     p.add_argument("--dir", default=None, help="where to write (a temporary "
                    "directory, removed after, by default)")
+    p.add_argument("--checkpoint-dir", default=None, help="where to write the "
+                   "checkpoint, when not beside the export (another disk, or "
+                   "/dev/shm: a 20B model is 40 GB in each place)")
+    p.add_argument("--frozen", action="store_true", help="save every weight "
+                   "frozen: bf16 only, no fp32 master (a 12B model's masters "
+                   "and weights, 6 bytes a parameter, do not fit beside its "
+                   "checkpoint in a 128 GB host)")
+    p.add_argument("--out", default=None, help="append the JSON lines here")
     args = p.parse_args(argv)
     work = Path(args.dir or tempfile.mkdtemp(prefix="export-memory-"))
     work.mkdir(parents=True, exist_ok=True)
+    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else work
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
     for preset in args.model or ["tiny", "pythia-160m"]:
-        print(json.dumps(measure(preset, work, args.max_shard_size)), flush=True)
+        line = json.dumps(measure(preset, work, args.max_shard_size, ckpt_dir,
+                                   args.frozen))
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
     if args.dir is None:
         shutil.rmtree(work)
 

@@ -50,7 +50,8 @@ Three choices make it the strongest setting of this peer:
   converted weight's $\max|W|$ with one all-reduce after each optimizer step,
   and each rank casts its shard with it. It is part of the step here.
 * **Which linears**: those of the transformer layers whose two dimensions are
-  multiples of 16, the fp8 GEMM's alignment (`fp8_linear`, the filter
+  multiples of 16, the fp8 GEMM's alignment, and whose weight is large enough
+  to gain (`fp8_linear`, the filter
   `to_float8` passes to torchao: labml_zero's own choice, so both engines
   run the same products in fp8). The embedding is a
   lookup and the readout stays bf16: its logits feed the loss directly, and
@@ -143,13 +144,16 @@ def convert_layers(layers: list[nn.Module], config) -> None:
 
     Only the repeating layers, with labml_zero's own choice of linears and
     swap ([fp8 linears](../labml_zero/layers/float8.html), `to_float8`: a
-    linear whose dimensions are multiples of 16, frozen weights kept frozen);
-    the embedding, final norm and readout are left as they are.
+    linear whose dimensions are multiples of 16 and whose weight is large
+    enough to gain, frozen weights kept frozen); the embedding, final norm
+    and readout are left as they are. Emulated (the CPU's runs of tiny
+    models, where no shape gains), every linear of such dimensions, so the
+    fp8 path runs at all.
     """
     import_float8()
     for layer in layers:
         if isinstance(layer, DECODER_LAYERS):
-            to_float8(layer, config=config)
+            to_float8(layer, config=config, every_linear=config.emulate)
 
 
 def without_weight_kernels(workload: Workload) -> Workload:

@@ -61,7 +61,7 @@ __all__ = ["BENCH_PINS", "job_of", "pinned_of", "plan_workload", "applied",
 
 # The benchmark's flags that pin a knob of the setting → the planner's pin.
 BENCH_PINS = {"batch": "batch", "compile": "compile",
-              "prefetch_depth": "prefetch_depth"}
+              "prefetch_depth": "prefetch_depth", "recompute": "checkpointing"}
 
 
 def job_of(workload: Workload, *, world_size: int, kernels: str) -> Job:

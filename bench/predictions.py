@@ -75,6 +75,15 @@ H100_FILES = (
     "2026-12-06-run57-1xH100-W1-L1-fp8.jsonl",
     "2026-12-06-run58-1xH100-L1-W4-every-engine-best.jsonl",
     "2026-12-06-run60-1xH100-W2-1-by-depth-fp8.jsonl",
+    "2026-12-06-run61-1xH100-W4-fp8.jsonl",
+    "2026-12-06-run63-1xH100-W4-fp8-per-linear.jsonl",
+    "2026-12-06-run64-1xH100-L1-fp8-per-linear.jsonl")
+# fp8 lines from before the per-linear choice (`fp8_pays`): every linear of
+# the layers ran in fp8, so they are predicted with `fp8_every_linear`. Lines
+# since record how many linears ran in fp8 (`info.float8_linears`).
+EVERY_LINEAR_FP8_FILES = (
+    "2026-12-06-run57-1xH100-W1-L1-fp8.jsonl",
+    "2026-12-06-run60-1xH100-W2-1-by-depth-fp8.jsonl",
     "2026-12-06-run61-1xH100-W4-fp8.jsonl")
 # The plain model (`--kernels none`): the roofline's element-wise bytes and the
 # activation count of a compiled layer are those of the fused kernels and of
@@ -96,7 +105,7 @@ def gpu_of(line: dict) -> GPU:
     return next(g for g in GPUS.values() if g.cuda_name in line["device"])
 
 
-def job_setting(line: dict) -> tuple[Job, Setting]:
+def job_setting(line: dict, file: str = "") -> tuple[Job, Setting]:
     """
     ### A measured line as the planner sees it
 
@@ -112,6 +121,8 @@ def job_setting(line: dict) -> tuple[Job, Setting]:
     workload = replace(workload, model=replace(workload.model,
                                                n_layers=line["model"]["n_layers"]))
     job = job_of(workload, world_size=1, kernels=line["kernels"])
+    if file in EVERY_LINEAR_FP8_FILES and job.kernels.fp8:
+        job = replace(job, kernels=replace(job.kernels, fp8_every_linear=True))
     offloaded = line.get("info", {}).get("offloaded_fraction", 0.0)
     return job, Setting(line["batch_per_gpu"], 1,
                         checkpointing=workload.activation_checkpointing,
@@ -137,7 +148,7 @@ class Prediction(NamedTuple):
 def predict(line: dict, file: str = "") -> Prediction:
     """The planner's peak and step for a line, on its own GPU's data-sheet
     rates and memory."""
-    job, setting = job_setting(line)
+    job, setting = job_setting(line, file)
     gpu = gpu_of(line)
     budget = budget_of(job, setting, world_size=1, device_bytes=gpu.memory_bytes)
     step = step_time(job, setting, Cluster(gpu), budget)

@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="labml_zero replays its whole step as one CUDA graph "
                         f"(needs --warmup >= {GRAPH_WARMUP + 1}: "
                         f"{GRAPH_WARMUP} eager steps, then the capture)")
+    parser.add_argument("--recompute", default=None, choices=("no", "yes"),
+                        help="every workload with (yes) or without (no) "
+                        "activation recomputation, where labml_zero's under "
+                        "--auto is pinned to it (default: the workload's, or "
+                        "the planner's choice)")
     parser.add_argument("--prefetch-depth", type=int, default=1,
                         help="labml_zero's units gathered ahead (default 1)")
     parser.add_argument("--peer-gather", action="store_true",
@@ -151,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{','.join(LlamaKernels.fusions())} (Llama), or all, "
                         "none, or auto (all on the GPUs, none on CPU, as the job); "
                         "fp8 (never in auto; auto,fp8 adds it) runs the layers' "
-                        "linears in fp8 (GPUs of compute capability >= 8.9, torchao)")
+                        "large linears in fp8 (GPUs of compute capability >= 8.9, torchao)")
     parser.add_argument("--attention", default=None,
                         help="pin the attention backend: "
                         f"{', '.join(ATTENTION_BACKENDS)} (default: PyTorch's choice)")
@@ -200,7 +205,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Recomputation is known before the start; a shard placed in host memory
     # only once the placement has measured, and GraphedStep refuses it then.
     recomputed = [name for name in args.workload_list
-                  if known[name].activation_checkpointing]
+                  if (known[name].activation_checkpointing
+                      if args.recompute is None else args.recompute == "yes")]
     # under --auto labml_zero's recomputation is the planner's, pinned off
     if (args.cuda_graph and "labml_zero" in args.engine_list and recomputed
             and args.request.mode != "auto"):
@@ -359,6 +365,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         kernels = ((args.auto_llama_kernels if llama else args.auto_model_kernels)
                    if auto else
                    (args.llama_kernels if llama else args.model_kernels))
+        if args.recompute is not None:
+            workload = replace(workload,
+                               activation_checkpointing=args.recompute == "yes")
         return replace(workload, compile=bool(compiled),
                        cuda_graph=args.cuda_graph,
                        prefetch_depth=args.prefetch_depth,
@@ -384,7 +393,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                           auto=True)
                 given = {flag: value for flag, value in (
                     ("batch", workload.batch), ("compile", compiled),
-                    ("prefetch_depth", args.prefetch_depth))
+                    ("prefetch_depth", args.prefetch_depth),
+                    ("recompute", args.recompute == "yes"))
                     if flag in args.given}
                 chosen = plan_workload(
                     workload, cluster,

@@ -73,8 +73,11 @@ def line_mfu(line: dict) -> float | None:
     model = line.get("model") or {}
     if workload is None or model.get("d_model") != workload.model.d_model:
         return None
+    # a line at another depth (`bench.run --layers`) has its own FLOPs
+    depth = model.get("n_layers") or workload.model.n_layers
     workload = replace(workload, seq=int(line.get("seq") or workload.seq),
-                       finetune=line.get("finetune") or workload.finetune)
+                       finetune=line.get("finetune") or workload.finetune,
+                       model=replace(workload.model, n_layers=depth))
     return mfu(workload, line["tokens_per_s"], int(line.get("world_size") or 1),
                line.get("device"))
 
@@ -110,13 +113,17 @@ class Key:
     states: str = "fp32"
     """The optimizer's state layout (`optimizer_states`; a line older than
     the field kept fp32 states)."""
+    fp8: bool = False
+    """labml_zero's linears in fp8 (`fp8` among the line's `kernels`): its own
+    configuration, never mistaken for the bf16 one."""
 
     @property
     def anchor(self) -> str:
         tail = (("-compiled" if self.compiled else "") + f"-{self.gpus}gpu"
                 + f"-b{self.batch}" + ("-graph" if self.graphed else "")
-                + ("" if self.states == "fp32" else f"-{self.states}"))
-        return f"result-{self.workload}-{self.engine}{tail}".lower()
+                + ("" if self.states == "fp32" else f"-{self.states}")
+                + ("-fp8" if self.fp8 else ""))
+        return f"result-{self.workload}-{self.engine}{tail}".lower().replace(" ", "-")
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,18 @@ def _file_order(path: Path) -> tuple[str, int, str]:
     if not match:
         return ("", 0, path.name)
     return (match.group(1), int(match.group(2) or 0), path.name)
+
+
+def workload_name(line: dict) -> str:
+    """The line's workload, with its depth where `bench.run --layers` changed
+    it (`W2-1 L8`): another model, never the same row as the full depth."""
+    from bench.workloads import workloads
+
+    workload = workloads().get(line["workload"])
+    depth = (line.get("model") or {}).get("n_layers")
+    if workload is None or not depth or depth == workload.model.n_layers:
+        return line["workload"]
+    return f"{line['workload']} L{depth}"
 
 
 def load_results(root: Path) -> dict[Key, Measurement]:
@@ -151,24 +170,27 @@ def load_results(root: Path) -> dict[Key, Measurement]:
                 raise BuildError(f"{RESULTS_DIR}/{path.name}:{n}: not JSON ({exc})")
             if "status" not in line or "workload" not in line:
                 continue
-            key = Key(line["workload"], line["engine"], bool(line.get("compiled")),
+            key = Key(workload_name(line), line["engine"], bool(line.get("compiled")),
                       int(line.get("world_size") or 1),
                       int(line.get("batch_per_gpu") or 0),
                       bool(line.get("cuda_graph")),
-                      line.get("optimizer_states") or "fp32")
+                      line.get("optimizer_states") or "fp32",
+                      "fp8" in (line.get("kernels") or "").split(","))
             latest[key] = Measurement(key, line, path.name, date)
     order = {w: i for i, w in enumerate(("labml_zero", "fsdp2", "ddp", "deepspeed"))}
     return dict(sorted(latest.items(), key=lambda kv: (
         kv[0].workload, kv[0].gpus, kv[0].compiled, kv[0].batch,
         order.get(kv[0].engine, 9), kv[0].engine, kv[0].graphed,
-        kv[0].states != "fp32", kv[0].states)))
+        kv[0].states != "fp32", kv[0].states, kv[0].fp8)))
 
 
 def command(m: Measurement) -> str:
     """The `bench.run` command line that measures this configuration."""
     line = m.line
-    parts = ["python -m bench.run", f"--workloads {m.key.workload}",
+    parts = ["python -m bench.run", f"--workloads {line['workload']}",
              f"--engines {m.key.engine}"]
+    if m.key.workload != line["workload"]:  # another depth
+        parts.append(f"--layers {line['model']['n_layers']}")
     if "steps" in line:
         parts.append(f"--steps {line['steps']} --warmup {line['warmup']}")
     if m.key.gpus != 2:
@@ -194,7 +216,7 @@ def command(m: Measurement) -> str:
 
 def lookup(results: dict[Key, Measurement], spec: str) -> tuple[str, Key]:
     """
-    `W2 labml_zero [compiled] [graph] [gpus=N] [batch=B] [states=NAME] FIELD`
+    `W2 labml_zero [compiled] [graph] [fp8] [gpus=N] [batch=B] [states=NAME] FIELD`
     -> (formatted value, its key).
 
     Raises `BuildError` for an unknown field or a configuration never measured.
@@ -205,6 +227,7 @@ def lookup(results: dict[Key, Measurement], spec: str) -> tuple[str, Key]:
     workload, engine, *mods, name = words
     compiled = "compiled" in mods
     graphed = "graph" in mods
+    fp8 = "fp8" in mods
     gpus, batch, states = 2, None, "fp32"
     for mod in mods:
         if mod.startswith("gpus="):
@@ -213,21 +236,21 @@ def lookup(results: dict[Key, Measurement], spec: str) -> tuple[str, Key]:
             batch = int(mod[6:])
         elif mod.startswith("states="):
             states = mod[7:]
-        elif mod not in ("compiled", "graph"):
+        elif mod not in ("compiled", "graph", "fp8"):
             raise BuildError(f"bench directive {spec!r}: unknown word {mod!r}")
     if name not in FIELDS:
         raise BuildError(f"bench directive {spec!r}: field {name!r} is not one of "
                          f"{', '.join(FIELDS)}")
     batches = sorted(k.batch for k in results
                      if (k.workload, k.engine, k.compiled, k.gpus, k.graphed,
-                         k.states)
-                     == (workload, engine, compiled, gpus, graphed, states))
+                         k.states, k.fp8)
+                     == (workload, engine, compiled, gpus, graphed, states, fp8))
     if batch is None and len(batches) > 1:
         raise BuildError(f"bench directive {spec!r}: measured at batch sizes "
                          f"{batches}; add batch=B")
     if batch is None:
         batch = batches[0] if batches else 0
-    key = Key(workload, engine, compiled, gpus, batch, graphed, states)
+    key = Key(workload, engine, compiled, gpus, batch, graphed, states, fp8)
     m = results.get(key)
     if m is None or m.line.get("status") != "ok":
         raise BuildError(f"bench directive {spec!r}: no successful measurement of "
@@ -253,18 +276,21 @@ def setting(key: Key) -> str:
     words = (["compiled"] if key.compiled else []) + (
         ["CUDA graph"] if key.graphed else [])
     states = [] if key.states == "fp32" else [f"{key.states} states"]
-    return " + ".join((words or ["eager"]) + states)
+    return " + ".join((words or ["eager"]) + states
+                      + (["fp8 products"] if key.fp8 else []))
 
 
 def best_settings(results: dict[Key, Measurement]
                   ) -> dict[tuple[str, int, int], dict[str, Measurement]]:
     """
     For each (workload, GPUs, batch): each engine's fastest successful
-    configuration, by tokens per second.
+    configuration, by tokens per second. labml_zero's fp8 lines are left out:
+    the peers here multiply in bf16 (FSDP2 with fp8 is an engine of its own).
     """
     best: dict[tuple[str, int, int], dict[str, Measurement]] = {}
     for key, m in results.items():
-        if m.line.get("status") != "ok" or key.engine in BOUND_ENGINES:
+        if (m.line.get("status") != "ok" or key.engine in BOUND_ENGINES
+                or key.fp8):
             continue
         engines = best.setdefault((key.workload, key.gpus, key.batch), {})
         held = engines.get(key.engine)
@@ -407,7 +433,10 @@ def results_rows(results: dict[Key, Measurement]) -> list[Row]:
     for key, m in results.items():
         if key.workload not in seen:
             seen.add(key.workload)
-            workloads.append(f"* {{{{term: {key.workload}}}}}: {_workload(m.line)}.")
+            # the glossary defines the workload; its depth is in the line
+            workloads.append(f"* {{{{term: {m.line['workload']}}}}}"
+                             f"{key.workload[len(m.line['workload']):]}: "
+                             f"{_workload(m.line)}.")
     from bench.workloads import workloads as known
 
     vocab = known()["W1"].model.n_vocab

@@ -72,6 +72,22 @@ def test_plan_keeps_the_flags_given(capsys, nothing_starts):
     assert "(kernels none)" in setting
 
 
+def test_recompute_is_a_pin_of_the_plan_and_a_knob_of_the_run(capsys, nothing_starts):
+    """`--recompute yes` pins the planner's recomputation (W1 fits without,
+    so it would not choose it), and without --plan/--auto sets the workload's."""
+    for given in ("yes", "no"):
+        bench_run.main(["--workloads", "W1", "--gpu", "h100", "--plan",
+                        "--recompute", given])
+        setting = capsys.readouterr().out.splitlines()[1]
+        assert ("--activation-checkpointing" in setting) == (given == "yes"), setting
+    args = bench_run.parse_args(["--workloads", "W1,W2-1", "--recompute", "no",
+                                 "--cuda-graph", "--warmup", "3"])
+    assert args.recompute == "no"  # W2-1 recomputes unless told: graphable now
+    with pytest.raises(SystemExit, match="W1 recomputes"):
+        bench_run.parse_args(["--workloads", "W1", "--recompute", "yes",
+                              "--cuda-graph", "--warmup", "3"])
+
+
 def settings_run(workload) -> str:
     """The workload's knobs as the fine-tune's flags, as the plan prints them."""
     return Setting(workload.batch, 1,

@@ -55,7 +55,7 @@ def test_one_ranks_peak_is_the_states_and_activations_alone(rows):
             continue
         if line["kernels"] == "none":
             continue  # a compiled plain layer saves less than the eager count
-        job, setting = job_setting(line)
+        job, setting = job_setting(line, p.file)
         b = budget_of(job, setting, world_size=1, device_bytes=gpu_of(line).memory_bytes)
         counted = (b.params + b.optimizer_device + b.activations) / GIB
         beside = line["peak_mem_gib"] - counted

@@ -209,7 +209,7 @@ class FinetuneConfig:
     `norms`, `bias_gelu`, comma-separated, for GPT-NeoX; the Llama family's
     are [its own](../llama/kernels.html): `rms_norm`, `swiglu`, `rotary`,
     `loss`. `fp8` (either family, never in `auto`; `auto,fp8` adds it) runs
-    the layers' linears in [fp8](../layers/float8.html): GPUs of compute
+    the layers' large linears in [fp8](../layers/float8.html): GPUs of compute
     with fp8 products (Ada, Hopper) and torchao, refused before start elsewhere."""
     cuda_graph: bool = False
     """Record the whole training step as one CUDA graph after two eager steps

@@ -40,21 +40,22 @@ linear (forward, gradient of the input, gradient of the weight).
   replaces the linear and calls the product itself, in bf16. Nor with
   GPT-NeoX's fused bias + GELU, which calls the MLP's first product itself.
   Every such combination is refused before the start.
-* Not done: fp8 per layer where it pays (one choice, never in `auto`), and
-  fp8 in the step-time model.
+* Not done: fp8 in the step-time model, and fp8 in `auto`.
 
 """
 
 from __future__ import annotations
 
 import importlib.util
+from typing import Callable
 
 import torch
 from torch import nn
 
 from labml_zero.layers.lora import LoRALinear
 
-__all__ = ["FP8_MULTIPLE", "FP8_MIN_CAPABILITY", "fp8_shape", "fp8_linear",
+__all__ = ["FP8_MULTIPLE", "FP8_MIN_CAPABILITY", "FP8_MIN_WEIGHT_NUMEL",
+           "fp8_fits", "fp8_pays", "fp8_shape", "fp8_linear", "no_fp8",
            "to_float8", "fp8_refusal", "check_fp8", "check_fp8_count",
            "fp8_inputs_recomputed"]
 
@@ -65,30 +66,76 @@ FP8_MIN_CAPABILITY = (8, 9)
 """The first compute capability with fp8 matrix products (Ada; Hopper comes after)."""
 
 
-def fp8_shape(in_features: int, out_features: int) -> bool:
-    """Whether a linear of this shape runs in fp8: both dimensions multiples of
-    `FP8_MULTIPLE` (the activation counts ask by shape, without a module)."""
+def fp8_fits(in_features: int, out_features: int) -> bool:
+    """Whether the GPU's fp8 product takes this shape: both dimensions
+    multiples of `FP8_MULTIPLE`."""
     return in_features % FP8_MULTIPLE == 0 and out_features % FP8_MULTIPLE == 0
 
 
-def fp8_linear(module: nn.Module, name: str = "") -> bool:
+FP8_MIN_WEIGHT_NUMEL = 2048 * 2048
+r"""The smallest weight, $d_\text{in} d_\text{out}$ elements, whose products
+run in fp8 by default (`fp8_pays`): Pythia-1.4B's square attention output."""
+
+
+def fp8_pays(in_features: int, out_features: int) -> bool:
     r"""
-    ### Which linears: whether a submodule of a transformer layer runs in fp8
+    ### Which linears gain: the per-linear choice
 
-    An `nn.Linear` (LoRA's wrapper excluded, see the introduction) with both
-    dimensions multiples of `FP8_MULTIPLE`. The signature is torchao's
-    `module_filter_fn`'s.
+    A linear's three products take $6 n d_\text{in} d_\text{out}$ FLOPs for
+    $n$ tokens; fp8 halves their time and adds passes over memory that grow
+    only as $n (d_\text{in} + d_\text{out}) + d_\text{in} d_\text{out}$
+    (`to_float8`'s *When it pays*). So a linear gains from some size of its
+    weight up, and the choice is by that size:
+    $d_\text{in} d_\text{out} \ge$ `FP8_MIN_WEIGHT_NUMEL`.
 
-    This picks the linears of a transformer layer whose `in_features`
-    and `out_features` are both multiples of `FP8_MULTIPLE`, the shapes the fp8 matrix
-    product of the GPU takes. Never the embedding (a lookup, no product) nor the
-    readout: its logits feed the softmax of the loss, where an error of $2u_8$ of
-    a logit's terms moves every probability, and it is already the chunked
-    loss's own product. A layer of another width (Llama's tiny test model, whose
-    $d_{ff}$ is not such a multiple) keeps those linears in bf16.
+    The threshold is measured two ways, on one GPU. Alone
+    (`bench/fp8_linears.py`: one linear, compiled, forward and backward, in
+    bf16 and in fp8, for each linear shape of the benchmark's models), every
+    shape that fp8 made faster at a micro-batch's 16384 tokens is at least
+    this size
+    (tested: tests/layers/test_fp8_choice.py::test_every_linear_fp8_made_faster_alone_is_chosen).
+    Alone is the pessimistic case: in a compiled layer the cast of a linear's
+    input fuses with the norm or activation that makes it, and the host's
+    launches hide behind the GPU's queue. So the threshold is set by whole
+    steps: Pythia-1.4B trained faster with all four of its linears in fp8
+    than with its MLP's two alone, though its attention's were slower alone;
+    Pythia-160M, whose largest weight is below the threshold, trained slower
+    with its linears in fp8 than in bf16
+    (tested: tests/layers/test_fp8_choice.py::test_the_steps_measured_agree_with_the_rule).
+    On Pythia-1.4B every linear runs in fp8, on Llama-3.2-1B all but its
+    narrow keys and values, on Pythia-160M none: asked for fp8, that model
+    runs as in bf16.
+    """
+    return in_features * out_features >= FP8_MIN_WEIGHT_NUMEL
+
+
+def fp8_shape(in_features: int, out_features: int, *,
+              every_linear: bool = False) -> bool:
+    """Whether a linear of this shape runs in fp8: the shapes the product
+    takes, and where it pays (`fp8_pays`) unless `every_linear` (the tests'
+    tiny models and the activation probe); the activation counts ask by
+    shape, without a module."""
+    return fp8_fits(in_features, out_features) and (
+        every_linear or fp8_pays(in_features, out_features))
+
+
+def fp8_linear(module: nn.Module, name: str = "", *,
+               every_linear: bool = False) -> bool:
+    r"""
+    ### Which modules: whether a submodule of a transformer layer runs in fp8
+
+    An `nn.Linear` (LoRA's wrapper excluded, see the introduction) of a shape
+    `fp8_shape` takes. The signature is torchao's `module_filter_fn`'s.
+
+    Never the embedding (a lookup, no product) nor the readout: its logits
+    feed the softmax of the loss, where an error of $2u_8$ of a logit's terms
+    moves every probability, and it is already the chunked loss's own
+    product. A layer of another width (Llama's tiny test model, whose $d_{ff}$
+    is not a multiple of `FP8_MULTIPLE`) keeps those linears in bf16.
     """
     return (isinstance(module, nn.Linear) and not isinstance(module, LoRALinear)
-            and fp8_shape(module.in_features, module.out_features))
+            and fp8_shape(module.in_features, module.out_features,
+                          every_linear=every_linear))
 
 
 def torchao_config(*, emulate: bool = False):
@@ -130,8 +177,8 @@ def torchao_config(*, emulate: bool = False):
     return Float8LinearConfig(emulate=emulate)
 
 
-def to_float8(layer: nn.Module, *, emulate: bool = False, config=None
-              ) -> list[str]:
+def to_float8(layer: nn.Module, *, emulate: bool = False, config=None,
+              every_linear: bool = False) -> list[str]:
     r"""
     ### Swap a layer's chosen linears for `Float8Linear`, in place
 
@@ -144,6 +191,8 @@ def to_float8(layer: nn.Module, *, emulate: bool = False, config=None
     linears. `config` is a
     torchao `Float8LinearConfig` (default `torchao_config(emulate=emulate)`;
     the benchmark's FSDP2 peer passes one that gathers in fp8).
+    `every_linear` converts every linear `fp8_fits`, not only where it pays
+    (the tests' tiny models, the per-linear benchmark).
     `Float8Linear` wraps the weight in a new `nn.Parameter`, which would make
     a frozen weight trainable: each parameter's `requires_grad` is restored by
     name, which the swap keeps.
@@ -168,9 +217,12 @@ def to_float8(layer: nn.Module, *, emulate: bool = False, config=None
     """
     from torchao.float8 import convert_to_float8_training
 
-    names = [name for name, module in layer.named_modules() if fp8_linear(module)]
+    def chosen(module: nn.Module, name: str = "") -> bool:
+        return fp8_linear(module, name, every_linear=every_linear)
+
+    names = [name for name, module in layer.named_modules() if chosen(module)]
     trains = {name: p.requires_grad for name, p in layer.named_parameters()}
-    convert_to_float8_training(layer, module_filter_fn=fp8_linear,
+    convert_to_float8_training(layer, module_filter_fn=chosen,
                                config=config or torchao_config(emulate=emulate))
     for name, p in layer.named_parameters():
         p.requires_grad_(trains[name])
@@ -231,7 +283,7 @@ def check_fp8_count(kernels, finetune: str) -> None:
                          "saves the input of a frozen linear too)")
 
 
-def fp8_inputs_recomputed(kernels, compiled: bool) -> bool:
+def fp8_inputs_recomputed(kernels, compiled: bool) -> Callable[[int, int], bool]:
     r"""
     ### Compiled, an fp8 layer keeps no input of its products
 
@@ -247,11 +299,24 @@ def fp8_inputs_recomputed(kernels, compiled: bool) -> bool:
     $\operatorname{LN}_2$, the heads, $\operatorname{GELU}(h)$), on Llama
     $2nd + n d_{ff}$ (the two norms' outputs and $\operatorname{SiLU}(g)
     \odot u$). Measured on one GPU, a layer of each family at the benchmark's
-    width keeps exactly the count with these rows dropped
+    width, every linear in fp8, keeps exactly the count with these rows dropped
     (tested: tests/layers/test_fp8_activation_count.py::test_the_count_is_what_a_layer_kept_on_the_gpu).
     A compiled bf16 layer with the fused kernels keeps the eager count.
+
+    Returns the predicate of a product's shape, $(d_\text{in},
+    d_\text{out})$ → whether its input is recomputed: the shapes that run in
+    fp8 (`fp8_shape`), when fp8 is on and the layer compiled; `no_fp8` else.
     """
-    return bool(getattr(kernels, "fp8", False)) and compiled
+    if not (getattr(kernels, "fp8", False) and compiled):
+        return no_fp8
+    every = getattr(kernels, "fp8_every_linear", False)
+    return lambda in_features, out_features: fp8_shape(
+        in_features, out_features, every_linear=every)
+
+
+def no_fp8(in_features: int, out_features: int) -> bool:
+    """No product in fp8: the counts' default."""
+    return False
 
 
 def check_fp8(kernels, device: torch.device | str) -> None:

@@ -28,11 +28,11 @@ the compiled kernels run by the partitioner that Inductor runs on the GPU.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from labml_zero.llama.config import LlamaConfig
 from labml_zero.llama.finetuners import finetuner
-from labml_zero.layers.float8 import check_fp8_count, fp8_inputs_recomputed, fp8_shape
+from labml_zero.layers.float8 import check_fp8_count, fp8_inputs_recomputed, no_fp8
 from labml_zero.llama.kernels import LlamaKernels
 from labml_zero.llama.model import build_layers
 
@@ -43,6 +43,8 @@ FP32 = 4
 r"""Bytes of the fp32 tensors a bf16 model keeps: the RMSNorms' $1/\mathrm{rms}$,
 attention's log-sum-exp, the plain loss's log-probabilities and the chunked
 loss's weight gradient."""
+FP8_BYTES = 1
+"""Bytes of an fp8 cast an fp8 product keeps beside a bf16 input."""
 
 
 def _check(config: LlamaConfig, batch: int, seq: int, dtype_bytes: int) -> None:
@@ -133,7 +135,8 @@ def _swiglu_bytes(d_ff: int, p: int, *, gate_grad: bool, up_grad: bool,
 
 def _layer_bytes(config: LlamaConfig, trains: set[str], *, n: int, p: int,
                  input_requires_grad: bool, lora_rank: int,
-                 kernels: LlamaKernels, fp8_recomputed: bool = False) -> int:
+                 kernels: LlamaKernels,
+                 fp8_recomputed: Callable[[int, int], bool] = no_fp8) -> int:
     r"""
     #### Bytes a decoder layer keeps, without recomputation
 
@@ -174,8 +177,12 @@ def _layer_bytes(config: LlamaConfig, trains: set[str], *, n: int, p: int,
     gradient that reads it is needed; `trains` are the layer's trainable
     names, and `input_requires_grad` is false only for a first layer behind a
     frozen embedding, which keeps only what its own trainable weights need.
-    `fp8_recomputed`: the layer runs its products in fp8, compiled, and keeps
-    none of their inputs that other rows do not keep already ([fp8
+    `fp8_recomputed`: of a product's shape, whether it runs in fp8, compiled,
+    so its input is kept only where another row keeps it, or where a bf16
+    product reads it too, and then beside it the fp8 cast, one byte an
+    element (measured: Llama-3.2-1B's norm output, read by an fp8 $W_q$ and
+    by $W_k$, $W_v$ too narrow for fp8, held exactly that much more
+    (tested: tests/test_bench_predictions.py::test_one_ranks_peak_is_the_states_and_activations_alone)) ([fp8
     products](../layers/float8.html), `fp8_inputs_recomputed`; the attention's
     output, $W_o$'s input, is kept by the attention).
     """
@@ -193,7 +200,13 @@ def _layer_bytes(config: LlamaConfig, trains: set[str], *, n: int, p: int,
     def input_kept(*shapes: tuple[int, int]) -> bool:
         # unless every product reading it runs in fp8, compiled: then the
         # backward recomputes it
-        return not (fp8_recomputed and all(fp8_shape(*s) for s in shapes))
+        return not all(fp8_recomputed(*s) for s in shapes)
+
+    def fp8_cast_kept(*shapes: tuple[int, int]) -> int:
+        # an input kept for a bf16 product that an fp8 product reads too:
+        # the compiled layer keeps the fp8 cast as well, one byte an element
+        # (measured once: RMS1(x) read by an fp8 q and bf16 k, v)
+        return FP8_BYTES * any(fp8_recomputed(*s) for s in shapes)
 
     qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     gate_up = ("mlp.gate_proj", "mlp.up_proj")
@@ -208,7 +221,8 @@ def _layer_bytes(config: LlamaConfig, trains: set[str], *, n: int, p: int,
                                 weight_trains=trains_any("input_layernorm"),
                                 fused=kernels.rms_norm)
     if input_saved(*qkv) and input_kept((d, n_h * d_h), (d, n_kv * d_h)):
-        per_token += p * d  # RMS1(x), one storage read by all three
+        # RMS1(x), one storage read by all three, and q's fp8 cast of it
+        per_token += (p + fp8_cast_kept((d, n_h * d_h), (d, n_kv * d_h))) * d
     if attention_grad:
         per_token += p * (2 * n_h + 2 * n_kv) * d_h  # q, k, v; the output
         per_token += FP32 * n_h  # log-sum-exp [B, n_h, T] fp32

@@ -67,11 +67,14 @@ class LlamaKernels:
     """Rows (tokens) per chunk of the chunked loss: one chunk's fp32 logits are
     `loss_chunk_rows` × $V$ × 4 bytes."""
     fp8: bool = field(default=False, metadata={"precision": True})
-    """The decoder layers' linears in fp8 ([fp8 matrix
+    """The decoder layers' large linears in fp8 ([fp8 matrix
     products](../layers/float8.html)): a precision, named on its own, never in
     `all` or `auto`."""
     fp8_emulate: bool = field(default=False, metadata={"test": True})
     """torchao's emulation of the fp8 products, for the CPU tests only."""
+    fp8_every_linear: bool = field(default=False, metadata={"test": True})
+    """fp8 on every linear of a shape the product takes, not only where it
+    pays (`fp8_pays`): the tests' tiny models and the activation probe."""
 
     def __post_init__(self):
         if self.loss_chunk_rows < 1:

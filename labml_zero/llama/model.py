@@ -361,7 +361,8 @@ def build_layers(config: LlamaConfig, *, filter_layers: Iterable[int] | None = N
                Readout(config, kernels=kernels, **factory)]
     if kernels.fp8:  # the decoder layers' linears only, before any chunk exists
         for layer in layers[1:-2]:
-            to_float8(layer, emulate=kernels.fp8_emulate)
+            to_float8(layer, emulate=kernels.fp8_emulate,
+                      every_linear=kernels.fp8_every_linear)
     if config.tie_embeddings:
         tie_embeddings(layers)
     if torch.device(device or "cpu").type != "meta":

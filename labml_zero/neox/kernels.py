@@ -84,13 +84,16 @@ class ModelKernels:
     """`None` lets `scaled_dot_product_attention` pick its backend;
     `'cudnn'`, `'flash'`, `'efficient'` or `'math'` pins one."""
     fp8: bool = field(default=False, metadata={"precision": True})
-    """The transformer layers' linears in fp8 ([fp8 matrix
+    """The transformer layers' large linears in fp8 ([fp8 matrix
     products](../layers/float8.html)). A precision, not a fusion with an exact
     twin: named on its own (`'fp8'`, `'loss,fp8'`), never in `all` or
     `auto`; GPUs with fp8 products (Ada, Hopper) only."""
     fp8_emulate: bool = field(default=False, metadata={"test": True})
     """torchao's emulation of the fp8 products, for the CPU tests only: no
     name turns it on."""
+    fp8_every_linear: bool = field(default=False, metadata={"test": True})
+    """fp8 on every linear of a shape the product takes, not only where it
+    pays (`fp8_pays`): the tests' tiny models and the activation probe."""
 
     def __post_init__(self):
         if self.loss_chunk_rows < 1:

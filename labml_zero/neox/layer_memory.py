@@ -26,9 +26,9 @@ $$M_{\text{layer}} = 2 c\, nd + 4 \cdot 4n + 4 n_h n
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
-from labml_zero.layers.float8 import check_fp8_count, fp8_inputs_recomputed, fp8_shape
+from labml_zero.layers.float8 import check_fp8_count, fp8_inputs_recomputed, no_fp8
 from labml_zero.neox.finetuners import finetuner
 from labml_zero.neox.kernels import ModelKernels
 from labml_zero.neox.lora import TARGETS
@@ -103,7 +103,7 @@ def _check(config: NeoXConfig, batch: int, seq: int, dtype_bytes: int) -> None:
 def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
                  input_requires_grad: bool, dtype_bytes: int,
                  lora_rank: int = 0, fused_norms: bool = False,
-                 fp8_recomputed: bool = False) -> int:
+                 fp8_recomputed: Callable[[int, int], bool] = no_fp8) -> int:
     r"""
     #### Bytes a layer saves without recomputation
 
@@ -150,9 +150,9 @@ def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
 
     Each term is one row of the table, under the condition that makes autograd
     save it; `trains` are the layer's trainable parameter names, `lora_rank` $r$
-    the adapters' rank. `fp8_recomputed`: the layer runs its products in fp8,
-    compiled, and keeps none of their inputs that other rows do not keep
-    already ([fp8 products](../layers/float8.html), `fp8_inputs_recomputed`). A model without
+    the adapters' rank. `fp8_recomputed`: of a product's shape, whether it
+    runs in fp8, compiled, so the layer keeps its input only where another
+    row keeps it ([fp8 products](../layers/float8.html), `fp8_inputs_recomputed`). A model without
     rotary dimensions (`rotary_pct=0`, none released) differs and is counted so:
     $q$ and $k$ are then views of the fused QKV output and keep all of it ($nd$
     more), and the attention output comes out `[B, T, n_h, d_h]`, so the dense
@@ -167,7 +167,7 @@ def _layer_bytes(config: NeoXConfig, trains: set[str], *, batch: int, seq: int,
     def input_saved(path: str, in_features: int, out_features: int) -> bool:
         # W's gradient, or an adapter's A's, reads the linear's input; a
         # compiled fp8 product recomputes it in the backward instead
-        if fp8_recomputed and fp8_shape(in_features, out_features):
+        if fp8_recomputed(in_features, out_features):
             return False
         return f"{path}.weight" in trains or f"{path}.lora_A" in trains
 

@@ -420,7 +420,8 @@ def build_layers(config: NeoXConfig, *, filter_layers: Iterable[int] | None = No
                Readout(config, kernels=kernels, **factory)]
     if kernels.fp8:  # the layers' linears only, before any chunk exists
         for layer in layers[1:-2]:
-            to_float8(layer, emulate=kernels.fp8_emulate)
+            to_float8(layer, emulate=kernels.fp8_emulate,
+                      every_linear=kernels.fp8_every_linear)
     if torch.device(device or "cpu").type != "meta":
         for layer in layers:
             layer.reset_parameters()

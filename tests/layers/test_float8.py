@@ -49,9 +49,10 @@ def build(name: str, *, fp8: bool, device: torch.device,
     config = CONFIGS[name]
     layers = model.build_layers(config, device="meta",
                                 kernels=kernels(fp8=fp8,
-                                                fp8_emulate=fp8 and device.type == "cpu"))
+                                                fp8_emulate=fp8 and device.type == "cpu",
+                                                fp8_every_linear=fp8))
     chosen = {f"{n}.weight" for layer in layers[1:-2]
-              for n, m in layer.named_modules() if float8.fp8_linear(m)}
+              for n, m in layer.named_modules() if float8.fp8_linear(m, every_linear=True)}
     base = init_parameter(config)
 
     def init(param_name: str, p: torch.Tensor) -> None:
@@ -165,7 +166,7 @@ def test_filter_takes_the_layers_linears_of_multiples_of_16():
     from torchao.float8.float8_linear import Float8Linear
 
     neox = neox_model.build_layers(CONFIGS["neox"], device="meta",
-                                   kernels=ModelKernels(fp8=True, fp8_emulate=True))
+                                   kernels=ModelKernels(fp8=True, fp8_emulate=True, fp8_every_linear=True))
     names = {n for layer in neox for n, m in layer.named_modules()
              if isinstance(m, Float8Linear)}
     assert names == {"attention.query_key_value", "attention.dense",
@@ -173,7 +174,7 @@ def test_filter_takes_the_layers_linears_of_multiples_of_16():
     assert not isinstance(neox[-1].embed_out, Float8Linear)  # the readout
     # Llama's tiny d_ff = 172 is no multiple of 16: its MLP stays bf16
     llama = llama_model.build_layers(CONFIGS["llama"], device="meta",
-                                     kernels=LlamaKernels(fp8=True, fp8_emulate=True))
+                                     kernels=LlamaKernels(fp8=True, fp8_emulate=True, fp8_every_linear=True))
     names = {n for layer in llama for n, m in layer.named_modules()
              if isinstance(m, Float8Linear)}
     assert names == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
@@ -195,7 +196,7 @@ def test_fp8_layer_saves_what_the_plain_layer_saves():
     torch.manual_seed(0)
     plain = neox_model.build_layers(config)[1].to(torch.bfloat16)
     fp8 = neox_model.build_layers(config, kernels=ModelKernels(
-        fp8=True, fp8_emulate=True))[1].to(torch.bfloat16)
+        fp8=True, fp8_emulate=True, fp8_every_linear=True))[1].to(torch.bfloat16)
     x = torch.randn(2, 16, config.d_model, dtype=torch.bfloat16, requires_grad=True)
     sizes = []
     for layer in (plain, fp8):
