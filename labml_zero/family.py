@@ -78,7 +78,7 @@ class ModelFamily:
        model (every rank gathers) and samples with `generate`.
 
     The other fields (`materialize`, `load_layer`, `save_hf`, `save_merged`,
-    `save_adapter`, `flops_per_token`, `matmul_parameters`,
+    `save_adapter`, `flops_per_token`, `matmul_parameters`, `fp8_linears`,
     `activation_memory`) serve unsharded layers (tests and small models), the
     offline export and [the planner](planner/index.html).
 
@@ -126,6 +126,11 @@ class ModelFamily:
     matrix products a token passes (the readout's; the embedding is a
     lookup); given a fine-tuner's name, those of the products whose weights
     it trains, which alone cost a weight gradient."""
+    fp8_linears: Callable[[Any, Any], tuple[tuple[int, int], ...]]
+    r"""`fp8_linears(config, kernels)`: $(d_\text{in}, d_\text{out})$ of each
+    matrix product of one repeating layer that `kernels` run in
+    [fp8](layers/float8.html) (none without `fp8`), for the planner's step
+    time."""
     activation_memory: Callable[..., int]
     """`activation_memory(config, *, batch, seq, finetune, checkpointing,
     kernels, compiled, lora_rank, lora_targets)`: the activation bytes a rank

@@ -40,7 +40,10 @@ linear (forward, gradient of the input, gradient of the weight).
   replaces the linear and calls the product itself, in bf16. Nor with
   GPT-NeoX's fused bias + GELU, which calls the MLP's first product itself.
   Every such combination is refused before the start.
-* Not done: fp8 in the step-time model, and fp8 in `auto`.
+* Done: compiled fp8 products in [the step-time
+  model](../planner/step_time.html) (`fp8_products`). Not done: eager fp8
+  there (counted at the bf16 rate, and said), and fp8 in `auto`: the planner
+  never chooses a precision.
 
 """
 
@@ -55,7 +58,8 @@ from torch import nn
 from labml_zero.layers.lora import LoRALinear
 
 __all__ = ["FP8_MULTIPLE", "FP8_MIN_CAPABILITY", "FP8_MIN_WEIGHT_NUMEL",
-           "fp8_fits", "fp8_pays", "fp8_shape", "fp8_linear", "no_fp8",
+           "fp8_fits", "fp8_pays", "fp8_shape", "fp8_shapes", "fp8_linear",
+           "no_fp8",
            "to_float8", "fp8_refusal", "check_fp8", "check_fp8_count",
            "fp8_inputs_recomputed"]
 
@@ -117,6 +121,15 @@ def fp8_shape(in_features: int, out_features: int, *,
     shape, without a module."""
     return fp8_fits(in_features, out_features) and (
         every_linear or fp8_pays(in_features, out_features))
+
+
+def fp8_shapes(shapes, kernels) -> tuple[tuple[int, int], ...]:
+    r"""Of a layer's products' $(d_\text{in}, d_\text{out})$, those `kernels`
+    run in fp8 (`fp8_shape`); none without `fp8`."""
+    if not getattr(kernels, "fp8", False):
+        return ()
+    every = getattr(kernels, "fp8_every_linear", False)
+    return tuple(s for s in shapes if fp8_shape(*s, every_linear=every))
 
 
 def fp8_linear(module: nn.Module, name: str = "", *,

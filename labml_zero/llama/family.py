@@ -45,7 +45,7 @@ from labml_zero.llama.model import (DecoderLayer, build_layers, count_parameters
                                     hf_prefix, tie_embeddings)
 from labml_zero.llama.tokenizer import TOKENIZER_FILE, checkpoint_tokenizer
 from labml_zero.neox.generate import Sampling, generate
-from labml_zero.layers.float8 import check_fp8
+from labml_zero.layers.float8 import check_fp8, fp8_shapes
 from labml_zero.llama.kernels import resolve_llama_kernels
 from labml_zero.layers.lora import load_base_weights, reset_adapters
 from labml_zero.hf.export_destination import (check_export_destination,
@@ -86,6 +86,12 @@ def load_layer(checkpoint: LlamaCheckpoint, layer: nn.Module, *,
     with LoRA's adapters gets its base tensors (the adapters keep their
     initialisation: `load_state_dict(..., strict=False)`)."""
     return checkpoint.layer_state_dict(base_layer(layer), dtype=dtype)
+
+
+def fp8_linears(config: llama_config.LlamaConfig, kernels) -> tuple[tuple[int, int], ...]:
+    """Of the decoder layer's products ([the FLOPs page](flops.html),
+    `layer_linears`), those `kernels` run in fp8."""
+    return fp8_shapes(llama_flops.layer_linears(config), kernels)
 
 
 def matmul_parameters(config: llama_config.LlamaConfig, finetune: str | None = None
@@ -240,7 +246,7 @@ LLAMA = ModelFamily(
     open_checkpoint=LlamaCheckpoint, build=build_layers, materialize=materialize,
     load_layer=load_layer, tokenizer=tokenizer,
     count_parameters=count_parameters, flops_per_token=flops_per_token,
-    matmul_parameters=matmul_parameters,
+    matmul_parameters=matmul_parameters, fp8_linears=fp8_linears,
     activation_memory=activation_memory, finetuner=finetuner,
     lora_targets=tuple(TARGETS), named_tensors=hf_named_tensors,
     save_hf=save_hf, save_merged=save_merged,

@@ -17,7 +17,15 @@ from __future__ import annotations
 
 from labml_zero.llama.config import LlamaConfig
 
-__all__ = ["matmul_parameters", "flops_per_token"]
+__all__ = ["layer_linears", "matmul_parameters", "flops_per_token"]
+
+
+def layer_linears(config: LlamaConfig) -> tuple[tuple[int, int], ...]:
+    r"""$(d_\text{in}, d_\text{out})$ of each product of a decoder layer:
+    $W_q$, $W_k$, $W_v$, $W_o$, the gate, up and down projections."""
+    d, d_ff = config.d_model, config.d_ff
+    q, kv = config.n_heads * config.head_width, config.n_kv_heads * config.head_width
+    return ((d, q), (d, kv), (d, kv), (q, d), (d, d_ff), (d, d_ff), (d_ff, d))
 
 
 def matmul_parameters(config: LlamaConfig) -> int:
@@ -33,9 +41,8 @@ def matmul_parameters(config: LlamaConfig) -> int:
     against multi-head attention; the readout adds $V d$, tied or not (the
     embedding is a lookup, no product).
     """
-    d, d_h, d_ff = config.d_model, config.head_width, config.d_ff
-    attention = 2 * d * config.n_heads * d_h + 2 * d * config.n_kv_heads * d_h
-    return config.n_layers * (attention + 3 * d * d_ff) + config.n_vocab * d
+    layer = sum(d_in * d_out for d_in, d_out in layer_linears(config))
+    return config.n_layers * layer + config.n_vocab * config.d_model
 
 
 def flops_per_token(config: LlamaConfig, seq: int) -> int:

@@ -32,6 +32,7 @@ from torch import nn
 from labml_zero.assembly import Assembled, Recipe
 from labml_zero.family import ModelFamily, TrainingBuild
 from labml_zero.hf.peft_adapter import save_layers_adapter
+from labml_zero.layers.float8 import fp8_shapes
 from labml_zero.layers.lora import reset_adapters
 from labml_zero.neox import build as neox_build
 from labml_zero.neox import config as neox_config
@@ -97,6 +98,18 @@ def flops_per_token(config: neox_config.NeoXConfig, seq: int) -> float:
     psi = meta_parameter_count(config)
     matmul = psi - config.n_vocab * config.d_model  # all but the embedding
     return 6.0 * matmul + 12.0 * config.n_layers * config.d_model * seq
+
+
+def layer_linears(config: neox_config.NeoXConfig) -> tuple[tuple[int, int], ...]:
+    r"""$(d_\text{in}, d_\text{out})$ of a layer's four products: the fused
+    QKV, the attention's output, the MLP's two."""
+    d, d_ff = config.d_model, config.ff_dim
+    return ((d, 3 * d), (d, d), (d, d_ff), (d_ff, d))
+
+
+def fp8_linears(config: neox_config.NeoXConfig, kernels) -> tuple[tuple[int, int], ...]:
+    """Of `layer_linears`, those `kernels` run in fp8."""
+    return fp8_shapes(layer_linears(config), kernels)
 
 
 def matmul_parameters(config: neox_config.NeoXConfig, finetune: str | None = None
@@ -197,6 +210,7 @@ NEOX = ModelFamily(
     build=build_layers, materialize=materialize, load_layer=load_layer,
     tokenizer=tokenizer, count_parameters=count_parameters,
     flops_per_token=flops_per_token, matmul_parameters=matmul_parameters,
+    fp8_linears=fp8_linears,
     activation_memory=activation_memory,
     finetuner=finetuner, lora_targets=tuple(TARGETS),
     named_tensors=hf_named_tensors, save_hf=save_hf, save_merged=save_merged,

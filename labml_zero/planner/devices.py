@@ -63,6 +63,9 @@ class GPU:
     of one node, at large sizes (NVLink through NVSwitch)."""
     node_bus_bandwidth: float
     """The same for a ring that crosses nodes: one InfiniBand NIC per GPU."""
+    peak_flops_fp8: float | None = None
+    """$P_8$: dense fp8 tensor-core FLOP/s from the data sheet; `None` for a
+    GPU without fp8 products."""
 
 
 # ## The table
@@ -79,11 +82,11 @@ GPUS = {
     "h100": GPU("h100", "H100", peak_flops=989.4e12,
                 memory_bytes=int(79.1 * GIB), memory_bandwidth=3.35e12,
                 host_link=55e9, peer_bus_bandwidth=360e9,
-                node_bus_bandwidth=45e9),
+                node_bus_bandwidth=45e9, peak_flops_fp8=1978.9e12),
     "h200": GPU("h200", "H200", peak_flops=989.4e12,
                 memory_bytes=150_109_880_320, memory_bandwidth=4.8e12,
                 host_link=55e9, peer_bus_bandwidth=360e9,
-                node_bus_bandwidth=45e9),
+                node_bus_bandwidth=45e9, peak_flops_fp8=1978.9e12),
     "a100": GPU("a100", "A100", peak_flops=312e12,
                 memory_bytes=int(79.15 * GIB), memory_bandwidth=2.039e12,
                 host_link=26e9, peer_bus_bandwidth=230e9,

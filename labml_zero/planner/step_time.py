@@ -46,7 +46,8 @@ from labml_zero.zero3.state_layout import state_layout
 
 __all__ = ["MATMUL_EFFICIENCY", "ELEMENTWISE_BYTES", "READOUT_BYTES",
            "LAYER_PASS_IDLE", "UPDATE_BANDWIDTH_SHARE", "COMPILED_ELEMENTWISE",
-           "HOST_UPDATE_RATE", "StepTime", "step_time",
+           "HOST_UPDATE_RATE", "FP8_CAST_BYTES", "StepTime", "step_time",
+           "fp8_products",
            "matmul_params", "attention_flops", "model_flops_per_token",
            "hardware_flops_per_token"]
 
@@ -95,6 +96,16 @@ COMPILED_ELEMENTWISE = 0.84
 # {{see: W6}} timed alone on the benchmark's host (the test holds the figures).
 HOST_UPDATE_RATE = 2.6e9
 """Offloaded elements the host updates per second and rank."""
+# An fp8 product runs at the same share $e$ of the fp8 peak as a bf16 one of
+# its peak; what it adds are the casts of its operands (an amax pass and the
+# cast, forward and backward), bytes that grow with $d_\text{in} +
+# d_\text{out}$. The least-squares solution for the compiled fp8 steps on one
+# H100, each over the bf16 step of its own lease: {{see: W1}} and W2-1's model
+# at eight layers with every linear in fp8, {{see: L1}} with the per-linear
+# choice (tested: tests/planner/test_step_time.py::test_fp8_cast_bytes_are_the_bench_fit).
+FP8_CAST_BYTES = 3.65
+r"""$b_8$: bytes per token, fp8 linear, unit of $d_\text{in} + d_\text{out}$
+and pass, of the casts."""
 
 
 def matmul_params(family, model) -> int:
@@ -146,6 +157,26 @@ def hardware_flops_per_token(family, model, seq: int, *, finetune: str,
     return flops
 
 
+def fp8_products(job: Job, setting: Setting, gpu) -> tuple[float, int]:
+    r"""
+    ### The products that run in fp8: their FLOPs a token, and their widths
+
+    With the `fp8` kernels, compiled, on a GPU with fp8 products: the
+    FLOPs a token of the layers' linears that [the per-linear
+    choice](../layers/float8.html) runs in fp8, $(6 + 2c) L N_8$ with
+    $N_8 = \sum d_\text{in} d_\text{out}$ over them and $c = 1$ when
+    recomputing (fp8 trains every weight), and their $\sum (d_\text{in} +
+    d_\text{out})$, what their casts' bytes grow with. Eager fp8 products
+    are slower (each cast is a pass of its own) and are counted as bf16:
+    `(0, 0)`, as for every other case.
+    """
+    if not (setting.compile and gpu.peak_flops_fp8):
+        return 0.0, 0
+    chosen = job.family.fp8_linears(job.model, job.kernels)
+    n8 = job.model.n_layers * sum(d_in * d_out for d_in, d_out in chosen)
+    return (6.0 + 2 * setting.checkpointing) * n8, sum(map(sum, chosen))
+
+
 def update_bytes_per_element(job: Job, *, alone: bool, micro_batches: int) -> int:
     """
     #### Bytes the update moves per trainable element
@@ -173,8 +204,10 @@ class StepTime(NamedTuple):
     """The readout's and the loss's element-wise work."""
     idle: float
     """The gaps between the layers' kernels."""
+    casts: float
+    """The fp8 products' casts (0 without them)."""
     compute: float
-    """The four, over the step's micro-batches, compiled or not."""
+    """The five, over the step's micro-batches, compiled or not."""
     update: float
     comm: float
     """The collectives' whole time on the link."""
@@ -218,7 +251,8 @@ def step_time(job: Job, setting: Setting, cluster: Cluster,
     its host traffic are the ones timed. Term by term:
 
     * **compute**, per token: the products' FLOPs over the peak at their
-      efficiency $e$, the layers' element-wise work (norms, GELU or SwiGLU,
+      efficiency $e$ (those in fp8 over the fp8 peak, plus their casts'
+      bytes, `fp8_products`), the layers' element-wise work (norms, GELU or SwiGLU,
       residuals, rotary, the softmax's passes) and the readout's over the
       memory bandwidth,
       $t_{\text{tok}} = \frac{F_{\text{hw}}}{e P} + \frac{b_e L d\, m + b_V V}{W}$,
@@ -237,8 +271,13 @@ def step_time(job: Job, setting: Setting, cluster: Cluster,
     flops = hardware_flops_per_token(job.family, model, job.seq,
                                      finetune=job.finetune,
                                      checkpointing=setting.checkpointing)
-    matmul = tokens * flops / (MATMUL_EFFICIENCY * gpu.peak_flops)
+    fp8_flops, fp8_widths = fp8_products(job, setting, gpu)
+    matmul = tokens * (
+        (flops - fp8_flops) / (MATMUL_EFFICIENCY * gpu.peak_flops)
+        + (fp8_flops / (MATMUL_EFFICIENCY * gpu.peak_flops_fp8) if fp8_flops else 0.0))
     passes = 3 + setting.checkpointing  # forward, backward as two, recompute
+    casts = (tokens * FP8_CAST_BYTES * model.n_layers * fp8_widths * passes
+             / gpu.memory_bandwidth)
     elementwise = (tokens * ELEMENTWISE_BYTES * model.n_layers * model.d_model
                    * passes / gpu.memory_bandwidth)
     if setting.compile:
@@ -246,7 +285,7 @@ def step_time(job: Job, setting: Setting, cluster: Cluster,
     # the readout and its loss run once a micro-batch, never recomputed
     readout = tokens * READOUT_BYTES * model.n_vocab / gpu.memory_bandwidth
     idle = a * model.n_layers * passes * LAYER_PASS_IDLE
-    compute = matmul + elementwise + readout + idle
+    compute = matmul + elementwise + readout + idle + casts
 
     # the update of the device-resident shard, a pass over its states
     trainable = budget.grad_shards // GRAD_BYTES  # S_t, this rank's elements
@@ -275,6 +314,6 @@ def step_time(job: Job, setting: Setting, cluster: Cluster,
     host_exposed = max(0.0, host - backward)
     total = compute + update + comm_exposed + host_exposed
     return StepTime(matmul=matmul, elementwise=elementwise, readout=readout,
-                    idle=idle, compute=compute,
+                    idle=idle, casts=casts, compute=compute,
                     update=update, comm=comm, comm_exposed=comm_exposed,
                     host=host, host_exposed=host_exposed, total=total)

@@ -684,7 +684,9 @@
     // the readout and its loss run once a micro-batch, never recomputed
     const readout = tokens * k.readout_bytes * m.n_vocab / gpu.memory_bandwidth;
     const idle = a * m.n_layers * passes * k.layer_pass_idle;
-    const compute = matmul + elementwise + readout + idle;
+    // the calculator offers no fp8 products: step_time.py's casts term is 0
+    const casts = 0.0;
+    const compute = matmul + elementwise + readout + idle + casts;
     const trainable = Math.floor(result.grad_shards / data.grad_bytes);
     const offloaded = Math.round(trainable * result.offloaded_fraction);
     const alone = world === 1 && result.reduce_scatter === 0;
@@ -705,7 +707,7 @@
     const total = compute + update + commExposed + hostExposed;
     const tokensPerS = inputs.batch * a * world * inputs.seq / total;
     return {
-      matmul, elementwise, readout, idle, compute, update, comm, comm_exposed: commExposed, host,
+      matmul, elementwise, readout, idle, casts, compute, update, comm, comm_exposed: commExposed, host,
       host_exposed: hostExposed, total, tokens_per_s: tokensPerS,
       mfu: modelFlopsPerToken(m, inputs.seq) * tokensPerS / (world * gpu.peak_flops),
     };

@@ -17,6 +17,7 @@ from labml_zero.neox.family import NEOX
 from labml_zero.planner.devices import GPUS, Cluster
 from labml_zero.planner.setting import Job, Setting, budget_of
 from labml_zero.planner.step_time import (COMPILED_ELEMENTWISE, ELEMENTWISE_BYTES,
+                                          FP8_CAST_BYTES,
                                           HOST_UPDATE_RATE, LAYER_PASS_IDLE,
                                           MATMUL_EFFICIENCY, READOUT_BYTES,
                                           UPDATE_BANDWIDTH_SHARE,
@@ -197,7 +198,7 @@ def test_an_h100s_steps_at_its_data_sheet_rates():
     bandwidth, 4.8/3.35 of the H200's time, where W1's and L1's measured
     steps (the same kernels on both GPUs) grow by less than a tenth of that.
     """
-    # the bf16 lines of these four (the model has no fp8 products yet; W2-1's
+    # the bf16 lines of these four (the fp8 lines are the next test's; W2-1's
     # shorter models come out within the step goal either way, one compiled
     # line 0.7% fast)
     found = [x for path in H100_LINES for x in lines(path, "labml_zero")
@@ -215,6 +216,54 @@ def test_an_h100s_steps_at_its_data_sheet_rates():
             measured = h100[0]["step_time_mean_s"] / same[0]["step_time_mean_s"]
             model = predicted(h100[0]) / predicted(same[0])
             assert measured - 1 < (model - 1) / 2
+
+
+# The compiled fp8 steps and the bf16 step of the same lease and model: W1 and
+# W2-1's model at eight layers ran every linear in fp8, L1 the per-linear choice.
+FP8_PAIRS = (("2026-12-06-run57-1xH100-W1-L1-fp8.jsonl", "W1", 24),
+             ("2026-12-06-run60-1xH100-W2-1-by-depth-fp8.jsonl", "W2-1", 8),
+             ("2026-12-06-run64-1xH100-L1-fp8-per-linear.jsonl", "L1", 16))
+# The fit's residuals: the measured fp8-over-bf16 speed-up against the model's.
+FP8_RATIO_TOLERANCE = 0.05
+
+
+def fp8_pair(name: str, workload: str, depth: int):
+    """(fp8 line's StepTime, bf16 line's StepTime, measured bf16/fp8 ratio)."""
+    found = [x for x in lines(RESULTS / name, "labml_zero")
+             if (x["workload"], x["compiled"], x["model"]["n_layers"])
+             == (workload, True, depth)]
+    fp8, = [x for x in found if "fp8" in x["kernels"].split(",")]
+    bf16, = [x for x in found if "fp8" not in x["kernels"].split(",")]
+
+    def model(line):
+        job, setting = job_setting(line, name)
+        gpu = gpu_of(line)
+        b = budget_of(job, setting, world_size=1, device_bytes=gpu.memory_bytes)
+        return step_time(job, setting, Cluster(gpu), b)
+    return model(fp8), model(bf16), bf16["step_time_mean_s"] / fp8["step_time_mean_s"]
+
+
+def test_fp8_cast_bytes_are_the_bench_fit():
+    # each pair asks the fp8 prediction to be the bf16 one over the measured
+    # speed-up; the casts' term is what is left, linear in FP8_CAST_BYTES
+    widths, left = [], []
+    for pair in FP8_PAIRS:
+        fp8, bf16, ratio = fp8_pair(*pair)
+        assert fp8.casts > 0 and bf16.casts == 0
+        widths.append(fp8.casts / FP8_CAST_BYTES)
+        left.append(bf16.total / ratio - (fp8.total - fp8.casts))
+    fit = np.dot(widths, left) / np.dot(widths, widths)
+    assert FP8_CAST_BYTES == pytest.approx(fit, rel=ROUNDING)
+
+
+def test_fp8_steps_are_as_much_faster_as_measured():
+    for pair in FP8_PAIRS:
+        fp8, bf16, ratio = fp8_pair(*pair)
+        assert bf16.total / fp8.total == pytest.approx(ratio, rel=FP8_RATIO_TOLERANCE), pair
+        # without the casts' term the speed-up is overstated past the tolerance
+        # on the narrowest model
+    fp8, bf16, ratio = fp8_pair(*FP8_PAIRS[0])
+    assert bf16.total / (fp8.total - fp8.casts) > ratio * (1 + FP8_RATIO_TOLERANCE)
 
 
 def test_a_wrong_constant_misses_the_measurement():
