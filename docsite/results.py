@@ -494,6 +494,8 @@ def _tables_markdown(results: dict[Key, Measurement]) -> str:
             settings.append("CUDA graph")
         if key.states != "fp32":
             settings.append(f"{key.states} optimizer states")
+        if key.fp8:
+            settings.append("fp8 products")
         gpus = f"{key.gpus} × {line.get('device') or 'GPU'}"
         anchor = f'<span id="{key.anchor}"></span>'
         shape = f"{key.batch} × {line.get('seq')}"

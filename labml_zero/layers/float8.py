@@ -1,16 +1,18 @@
 r"""
 ---
 title: fp8 matrix products
-summary: The transformer layers' linears in fp8 with tensorwise dynamic
-  scaling (torchao's Float8Linear), which linears, why only large products
-  gain, and when the choice is refused; the plain bf16 model is its CPU twin.
+summary: The transformer layers' large linears in fp8 with tensorwise dynamic
+  scaling (torchao's Float8Linear), which linears and why only large products
+  gain (measured), and when the choice is refused; the plain bf16 model is its
+  CPU twin.
 ---
 
 # fp8 matrix products
 
 An H100 or H200 multiplies fp8 matrices at twice its bf16 rate. The
-`fp8` kernel choice runs the products of every transformer layer's linears
-in fp8 through torchao's `Float8Linear`, a subclass of `nn.Linear` whose
+`fp8` kernel choice runs the products of the transformer layers' linears
+that are large enough to gain (`fp8_pays`) in fp8 through torchao's
+`Float8Linear`, a subclass of `nn.Linear` whose
 forward casts both operands to fp8 before the product and whose backward
 casts the incoming gradient too. Each operand $A$ gets one scale $s_A$ per
 tensor, from the tensor itself (`torchao_config`), and the product is taken

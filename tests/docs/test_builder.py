@@ -167,6 +167,43 @@ def test_results_keep_the_latest_line_of_each_configuration(tmp_path):
     assert "| 8 × 2048 | oom (host) |" in results.results_markdown(found)
 
 
+def test_results_keep_fp8_lines_and_other_depths_apart(tmp_path):
+    """A labml_zero line with fp8 products, or of a model at another depth
+    (`bench.run --layers`), is a configuration of its own: neither replaces
+    the bf16 full-depth line, nor is an fp8 line labml_zero's best against
+    peers that multiply in bf16; a shallower line's MFU has its own FLOPs."""
+    folder = tmp_path / "bench" / "results"
+    folder.mkdir(parents=True)
+    line = {"engine": "labml_zero", "workload": "W1", "world_size": 1,
+            "status": "ok", "tokens_per_s": 100.0, "peak_mem_gib": 1.0,
+            "step_time_mean_s": 1.0, "step_time_std_s": 0.1, "loss": 2.0,
+            "device": "NVIDIA H100 80GB HBM3", "batch_per_gpu": 8, "seq": 2048,
+            "compiled": True, "kernels": "loss,rotary,norms",
+            "model": {"n_layers": 24, "d_model": 2048}}
+    rows = [line, {**line, "kernels": "loss,rotary,norms,fp8", "tokens_per_s": 150.0},
+            {**line, "engine": "fsdp2", "tokens_per_s": 90.0},
+            {**line, "model": {"n_layers": 12, "d_model": 2048},
+             "tokens_per_s": 200.0}]
+    (folder / "2026-01-02-run1-x.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows))
+    found = results.load_results(tmp_path)
+    assert sorted((k.workload, k.engine, k.fp8) for k in found) == [
+        ("W1", "fsdp2", False), ("W1", "labml_zero", False),
+        ("W1", "labml_zero", True), ("W1 L12", "labml_zero", False)]
+    assert results.lookup(found, "W1 labml_zero compiled gpus=1 tokens_per_s")[0] \
+        == "100 tokens/s"
+    value, key = results.lookup(found, "W1 labml_zero compiled fp8 gpus=1 tokens_per_s")
+    assert value == "150 tokens/s" and key.anchor.endswith("-fp8")
+    best = results.best_settings(found)[("W1", 1, 8)]
+    assert best["labml_zero"].line["tokens_per_s"] == 100.0
+    page = results.results_markdown(found)
+    assert "fp8 products |" in page and "--layers 12" in page
+    # half the layers: the same tokens/s would be about half the MFU
+    full, half = (results.line_mfu({**line, "tokens_per_s": 1e4}),
+                  results.line_mfu({**rows[3], "tokens_per_s": 1e4}))
+    assert 0.4 < half / full < 0.6
+
+
 def test_results_keep_and_name_each_optimizer_state_layout(tmp_path):
     """A labml_zero line with bf16 moments is a configuration of its own beside
     the fp32 one (a line without the field kept fp32), named in its settings,
