@@ -227,8 +227,8 @@ def to_float8(layer: nn.Module, *, emulate: bool = False, config=None,
     bytes, so halving the products' time pays for the passes only when the
     matrices are large: $d$ in the thousands and many tokens a step. On a small
     model the step is set by the host and the passes between products, and fp8
-    adds passes. Its speed is a figure to measure on the device (the benchmark's
-    `--kernels fp8`), model by model.
+    adds passes. Where the line falls is measured, not derived: `fp8_pays`
+    above is the choice the measurements set.
     """
     from torchao.float8 import convert_to_float8_training
 

@@ -202,7 +202,7 @@ def _layer_bytes(config: LlamaConfig, trains: set[str], *, n: int, p: int,
         # backward recomputes it
         return not all(fp8_recomputed(*s) for s in shapes)
 
-    def fp8_cast_kept(*shapes: tuple[int, int]) -> int:
+    def fp8_cast_bytes(*shapes: tuple[int, int]) -> int:
         # an input kept for a bf16 product that an fp8 product reads too:
         # the compiled layer keeps the fp8 cast as well, one byte an element
         # (measured once: RMS1(x) read by an fp8 q and bf16 k, v)
@@ -222,7 +222,7 @@ def _layer_bytes(config: LlamaConfig, trains: set[str], *, n: int, p: int,
                                 fused=kernels.rms_norm)
     if input_saved(*qkv) and input_kept((d, n_h * d_h), (d, n_kv * d_h)):
         # RMS1(x), one storage read by all three, and q's fp8 cast of it
-        per_token += (p + fp8_cast_kept((d, n_h * d_h), (d, n_kv * d_h))) * d
+        per_token += (p + fp8_cast_bytes((d, n_h * d_h), (d, n_kv * d_h))) * d
     if attention_grad:
         per_token += p * (2 * n_h + 2 * n_kv) * d_h  # q, k, v; the output
         per_token += FP32 * n_h  # log-sum-exp [B, n_h, T] fp32
