@@ -77,7 +77,10 @@ H100_FILES = (
     "2026-12-06-run60-1xH100-W2-1-by-depth-fp8.jsonl",
     "2026-12-06-run61-1xH100-W4-fp8.jsonl",
     "2026-12-06-run63-1xH100-W4-fp8-per-linear.jsonl",
-    "2026-12-06-run64-1xH100-L1-fp8-per-linear.jsonl")
+    "2026-12-06-run64-1xH100-L1-fp8-per-linear.jsonl",
+    "2026-12-06-run65-1xH100-W1-grid.jsonl",
+    "2026-12-06-run66-1xH100-W1-auto.jsonl",
+    "2026-12-06-run67-1xH100-W2-1-narrow-states.jsonl")
 # fp8 lines from before the per-linear choice (`fp8_pays`): every linear of
 # the layers ran in fp8, so they are predicted with `fp8_every_linear`. Lines
 # since record how many linears ran in fp8 (`info.float8_linears`).
@@ -116,7 +119,10 @@ def job_setting(line: dict, file: str = "") -> tuple[Job, Setting]:
     """
     workload = replace(workloads()[line["workload"]], batch=line["batch_per_gpu"],
                        seq=line["seq"],
-                       optimizer_states=line.get("optimizer_states", "fp32"))
+                       optimizer_states=line.get("optimizer_states", "fp32"),
+                       activation_checkpointing=line.get(
+                           "activation_checkpointing",
+                           workloads()[line["workload"]].activation_checkpointing))
     # a line of `bench.run --layers N` ran the model with its own depth
     workload = replace(workload, model=replace(workload.model,
                                                n_layers=line["model"]["n_layers"]))
@@ -166,7 +172,8 @@ def predictions(root: Path = RESULTS) -> tuple[Prediction, ...]:
             key = (name, line["workload"], line["model"]["n_layers"],
                    line["batch_per_gpu"], line["compiled"],
                    line.get("cuda_graph", False), line["kernels"],
-                   line.get("optimizer_states", "fp32"))
+                   line.get("optimizer_states", "fp32"),
+                   line.get("activation_checkpointing"))
             if key not in seen:
                 seen.add(key)
                 out.append(predict(line, name))
@@ -199,7 +206,10 @@ def prediction_markdown(root: Path = RESULTS) -> str:
         setting = ", ".join(
             ["compiled" if line["compiled"] else "eager"]
             + (["CUDA graph"] if line.get("cuda_graph") else [])
-            + [f"kernels {line['kernels']}"])
+            + (["recomputation"] if line.get("activation_checkpointing") else [])
+            + [f"kernels {line['kernels']}"]
+            + ([f"{line['optimizer_states']} states"]
+               if line.get("optimizer_states", "fp32") != "fp32" else []))
         gpu = "H200" if "H200" in line["device"] else "H100"
         out.append(
             f"| {line['workload']} | {line['batch_per_gpu']} | {setting} | {gpu} "

@@ -376,10 +376,11 @@ class AdamFP16(torch.optim.Optimizer):
         `torch.optim.AdamW`. On a GPU a half-precision shard with a master
         takes [the update in one pass](rounded_update.html) instead, whose
         twin is the fused kernel and the copy, and 8-bit moments [one of
-        their own](blockwise_moments.html); a layout without a master runs
-        the twin on widened slices ([stochastic
+        their own](blockwise_moments.html), and a bf16 shard without a
+        master one pass of its layout's ([stochastic
         rounding](stochastic_rounding.html), [Kahan
-        summation](kahan_summation.html)). Every update, whenever and wherever it
+        summation](kahan_summation.html)), whose twin on a CPU runs the
+        fused kernel on widened slices. Every update, whenever and wherever it
         runs, goes through one method, `_apply`.
 
         #### All ranks agree on an overflow
@@ -545,7 +546,8 @@ class AdamFP16(torch.optim.Optimizer):
         """
         #### Steps 3 and 4 of `_apply` in one pass per shard
 
-        A half-precision device shard's on a GPU, or 8-bit moments'
+        A half-precision device shard's on a GPU (with a master, or a bf16
+        one without), or 8-bit moments'
         ([`blockwise_moments.one_pass`](blockwise_moments.html), eager on a
         CPU), which rounds into the shard beside its state; a host home's
         master goes up by `write_back`.
@@ -559,6 +561,11 @@ class AdamFP16(torch.optim.Optimizer):
         for home, grad, state in zip(homes, grads, states):
             shard, tensors = home.param.detach(), [state[name] for name in
                                                    self.layout.names]
+            if self.layout.master is None:
+                self._one_pass_without_master(home, shard, tuple(tensors), grad,
+                                              coefficients, found_inf, betas,
+                                              step)
+                continue
             if not self.layout.blockwise:
                 rounded_update.one_pass(shard, tuple(tensors), grad,
                                         coefficients, found_inf, betas)
@@ -572,6 +579,23 @@ class AdamFP16(torch.optim.Optimizer):
                 coefficients, found_inf, betas)
         if self.layout.blockwise and not lead.shard_beside_state:
             lead.write_back(homes, [s[self.layout.master.name] for s in states])
+
+    def _one_pass_without_master(self, home: ShardHome, shard: torch.Tensor,
+                                 state: tuple, grad: torch.Tensor,
+                                 coefficients: torch.Tensor,
+                                 found_inf: torch.Tensor | None,
+                                 betas: rounded_update.Betas, step: int) -> None:
+        """A bf16 device shard that is its own weight, compiled: beside its
+        compensation ([Kahan summation](kahan_summation.html)), or rounded
+        stochastically with the twin's bits (the step's device tensor and the
+        home's position)."""
+        if self.layout.compensation is not None:
+            kahan_summation.compiled_update()(shard, state, grad, coefficients,
+                                              found_inf, betas)
+            return
+        stochastic_rounding.compiled_update()(
+            shard, state, grad, coefficients, found_inf, betas,
+            self._step_tensor(home.state_device, step), home.position)
 
     def _step_tensor(self, device: torch.device, step: int) -> torch.Tensor:
         return self.scalars.step(device, step, self.capture)

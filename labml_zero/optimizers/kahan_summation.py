@@ -45,9 +45,10 @@ moments](narrow_moments.html)
 
 ## Limitations
 
-* On a GPU the widened twin runs (`widened_update`, the fp32 kernel on
-  slices), not the [one-pass kernel](rounded_update.html), as for stochastic
-  rounding.
+* As for stochastic rounding, a GPU runs one compiled pass per shard
+  (`adamw_kahan_`) and a CPU, or a host home, the twin on widened slices
+  (`update`); they agree within the fp32 roundings of an update
+  (tested: tests/optimizers/test_kahan_summation.py::test_one_pass_is_the_twin_within_rounding).
 * Offloaded, as there, the host updates a copy of the weight beside its
   compensation: $K + p$ =
   {{py: state_layout.BF16_KAHAN.host_bytes_per_element(2)}} bytes an element
@@ -64,10 +65,13 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import functools
+
 import torch
 
 from labml_zero.zero3.state_layout import BF16_KAHAN, StateLayout
 
+from . import rounded_update
 from .narrow_moments import Kernel, widened_update
 
 
@@ -142,3 +146,34 @@ def update(kernel: Kernel, shards: Sequence[torch.Tensor],
 
     widened_update(kernel, grads, exp_avgs, exp_avg_sqs, widen=widen,
                    store=store)
+
+
+def adamw_kahan_(shard: torch.Tensor, state: tuple[torch.Tensor, ...],
+                 grad: torch.Tensor, coefficients: torch.Tensor,
+                 found_inf: torch.Tensor | None,
+                 betas: rounded_update.Betas) -> None:
+    r"""
+    ### The pair's update in one pass
+
+    `update`'s arithmetic for a whole bf16 shard, compiled on a GPU into one
+    kernel that reads $w, c, m, v, g$ once and writes $w', c', m, v$ once.
+    `state` is `(compensation, exp_avg, exp_avg_sq)`, `[S]` bf16 each, the
+    layout's order; the rest as for [`adamw_rounded_`](rounded_update.html).
+    """
+    compensation, exp_avg, exp_avg_sq = state
+    # [S] fp32, $x = w + c$
+    pair = shard.float() + compensation.float()
+    theta, m, v = rounded_update.adamw_fp32(pair, grad, exp_avg, exp_avg_sq,
+                                            coefficients, found_inf, betas)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    # $w' = \operatorname{rn}(x')$, then $c' = \operatorname{rn}(x' - w')$
+    weight = theta.bfloat16()
+    shard.copy_(weight)
+    compensation.copy_(theta - weight.float())
+
+
+@functools.cache
+def compiled_update():
+    """`adamw_kahan_` compiled, made once at its first GPU call."""
+    return rounded_update.compile_update(adamw_kahan_, exact_casts=True)

@@ -154,6 +154,29 @@ def adamw_rounded_(shard: torch.Tensor, state: tuple[torch.Tensor, ...],
     so two ways of running the same training on a GPU still agree bit for bit.
     """
     master, exp_avg, exp_avg_sq = state
+    theta, m, v = adamw_fp32(master, grad, exp_avg, exp_avg_sq, coefficients,
+                             found_inf, betas)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    master.copy_(theta)
+    shard.copy_(theta)
+
+
+def adamw_fp32(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+               exp_avg_sq: torch.Tensor, coefficients: torch.Tensor,
+               found_inf: torch.Tensor | None, betas: Betas
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""
+    #### The arithmetic every one-pass update shares
+
+    The new $(\theta, m, v)$, `[S]` fp32 each, from the fp32 `weight` (a
+    master, or a weight widened from bf16), the gradient and the stored
+    moments, all read in fp32; with `found_inf` set, the old values. The
+    caller stores them: into a master and a rounded shard here, rounded
+    stochastically or split with a compensation where there is no master
+    ([stochastic rounding](stochastic_rounding.html), [Kahan
+    summation](kahan_summation.html)).
+    """
     step_size, bias_correction2_sqrt, decay = coefficients.unbind()
     g = grad.float()
     # widened first: a bf16 moment times a Python float would round in bf16
@@ -163,25 +186,27 @@ def adamw_rounded_(shard: torch.Tensor, state: tuple[torch.Tensor, ...],
     v = betas.beta2 * v0 + (1 - betas.beta2) * g * g
     # $\theta \leftarrow \theta (1 - \alpha\lambda) - \frac{\alpha}{1 - \beta_1^t}
     # \cdot \frac{m}{\sqrt{v} / \sqrt{1 - \beta_2^t} + \epsilon}$
-    theta = master * decay - step_size * m / (
+    theta = weight * decay - step_size * m / (
         v.sqrt() / bias_correction2_sqrt + betas.eps)
     if found_inf is not None:
         skip = found_inf != 0
         m = torch.where(skip, m0, m)
         v = torch.where(skip, v0, v)
-        # skipped, the shard is written with the rounding it already holds
-        theta = torch.where(skip, master, theta)
-    exp_avg.copy_(m)
-    exp_avg_sq.copy_(v)
-    master.copy_(theta)
-    shard.copy_(theta)
+        # skipped, the weight is stored as it was
+        theta = torch.where(skip, weight, theta)
+    return theta, m, v
 
 
-def compile_update(update):
+def compile_update(update, *, exact_casts: bool = False):
     """A one-pass update compiled for the GPU. Pointwise autotuning is off: it
     would time the kernel at the first launch of each size, which inside a
-    CUDA graph's capture is not allowed."""
-    return torch.compile(update, options={"triton.autotune_pointwise": False})
+    CUDA graph's capture is not allowed. `exact_casts` for an update that
+    reads back what a cast to a narrower dtype lost ([Kahan
+    summation](kahan_summation.html)'s $x' - \operatorname{rn}(x')$): the
+    compiler otherwise keeps a value narrowed and widened again in fp32,
+    which makes that difference zero."""
+    return torch.compile(update, options={"triton.autotune_pointwise": False,
+                                          "emulate_precision_casts": exact_casts})
 
 
 @functools.cache

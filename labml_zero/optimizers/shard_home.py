@@ -155,10 +155,14 @@ class DeviceHome(ShardHome):
 
     @property
     def one_pass(self) -> bool:
-        # the one pass writes a master; without one the widened twin runs
-        # (8-bit moments take a one pass of their own)
-        return (self.layout.master is not None and not self.layout.blockwise
-                and rounded_update.applies(self.param))
+        # 8-bit moments take a one pass of their own; a bf16 shard without a
+        # master is rounded in one pass of its layout's (stochastically, or
+        # beside its compensation)
+        if self.layout.blockwise:
+            return False
+        if self.layout.master is None:
+            return self.param.is_cuda and self.param.dtype == torch.bfloat16
+        return rounded_update.applies(self.param)
 
     @property
     def state_device(self) -> torch.device:

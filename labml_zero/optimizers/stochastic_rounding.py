@@ -24,9 +24,12 @@ survives on average
 
 ## Limitations
 
-* On a GPU the widened twin runs (`widened_update`, the fp32 kernel on
-  slices), not the [one-pass kernel](rounded_update.html), which writes a
-  master this layout does not have.
+* The update has two forms that draw the same bits: on a GPU one compiled
+  pass per shard (`adamw_stochastic_`, [the update in one
+  pass](rounded_update.html) without its master), and on a CPU, or for a
+  host home, the twin (`update`: the fp32 kernel on widened slices). They
+  agree within the fp32 roundings of an update
+  (tested: tests/optimizers/test_stochastic_rounding.py::test_one_pass_is_the_twin_within_rounding).
 * Offloaded, the host keeps a copy of the weight to update: $K + p$ =
   {{py: state_layout.BF16_STOCHASTIC.host_bytes_per_element(2)}} bytes an
   element in host memory for a bf16 shard (see the host home's Note: a host
@@ -37,15 +40,21 @@ survives on average
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
 
+from . import rounded_update
 from .narrow_moments import Kernel, widened_update
 
 # Odd constants of the hash (xxHash's and the golden ratio's): any odd
-# multiplier is a bijection mod $2^{32}$.
-MIX = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)
+# multiplier is a bijection mod $2^{32}$. Each is kept as its signed 32-bit
+# residue, $c - 2^{32}$ where $c \ge 2^{31}$: the same number mod $2^{32}$,
+# so the same hash, and a literal that a compiled kernel may multiply with
+# an element's index, a 32-bit integer there.
+MIX = tuple(c - 2**32 if c >= 2**31 else c
+            for c in (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1))
 LOW_32 = 0xFFFFFFFF
 
 
@@ -112,3 +121,37 @@ def update(kernel: Kernel, shards: Sequence[torch.Tensor],
 
     widened_update(kernel, grads, exp_avgs, exp_avg_sqs,
                    widen=lambda i, piece: shards[i][piece].float(), store=store)
+
+
+def adamw_stochastic_(shard: torch.Tensor, moments: tuple[torch.Tensor, ...],
+                      grad: torch.Tensor, coefficients: torch.Tensor,
+                      found_inf: torch.Tensor | None,
+                      betas: rounded_update.Betas, step: torch.Tensor,
+                      salt: int) -> None:
+    r"""
+    ### The whole update of a bf16 shard in one pass
+
+    The twin's three passes over each slice (widen, the fp32 kernel, round)
+    and its hash, which runs as a dozen int64 kernels, move some hundreds of
+    bytes an element; compiled, this one reads the weight, the moments and
+    the gradient once and writes the three once. `shard` `[S]` bf16, updated
+    in place; `moments` `(exp_avg, exp_avg_sq)` `[S]` bf16; the rest as for
+    [`adamw_rounded_`](rounded_update.html). The bits are the twin's for the
+    same element, step and `salt`, since the hash reads the element's
+    position in the shard, not in a slice. A skipped update writes the
+    widened weight, which rounds back to itself.
+    """
+    exp_avg, exp_avg_sq = moments
+    theta, m, v = rounded_update.adamw_fp32(shard.float(), grad, exp_avg,
+                                            exp_avg_sq, coefficients,
+                                            found_inf, betas)
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+    shard.copy_(stochastic_round(theta, noise(0, shard.numel(), step, salt)))
+
+
+@functools.cache
+def compiled_update():
+    """`adamw_stochastic_` compiled, made once at its first GPU call; a
+    second `salt` or size makes Dynamo compile it once more, for any."""
+    return rounded_update.compile_update(adamw_stochastic_)

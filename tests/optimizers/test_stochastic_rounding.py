@@ -16,12 +16,16 @@ import math
 import pytest
 import torch
 
+from labml_zero.optimizers import stochastic_rounding
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.optimizers.stochastic_rounding import noise, stochastic_round
 from labml_zero.zero3.shard import LocalShard
 from labml_zero.zero3.state_layout import BF16_STOCHASTIC
+from tests import tolerance
+from tests.optimizers import no_master_steps as steps_driver
 from tests.optimizers.test_narrow_moments import MOMENTS, round_moments, sharded
-from tests.optimizers.test_offload import HYPER, gradients, run_steps, set_grad, shards
+from tests.optimizers.test_offload import (DEVICE, HYPER, gradients, run_steps,
+                                           set_grad, shards)
 
 STEPS = 20
 # a draw is one of two neighbours a step $h$ apart: its spread is at most
@@ -80,12 +84,12 @@ def test_small_updates_survive_on_average():
 
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("bug", [None, "rounded to nearest", "moments kept fp32",
-                                 "lr x 1.001"])
+                                 "lr x 1.01"])
 def test_the_update_is_adamw_rounded_stochastically(fused, bug):
     ours = shards(torch.bfloat16)
     theirs = [torch.nn.Parameter(p.detach().float()) for p in ours]
     opt = AdamFP16(ours, **HYPER, fused=fused, states="bf16-stochastic")
-    lr = HYPER["lr"] * (1.001 if bug == "lr x 1.001" else 1)
+    lr = HYPER["lr"] * (1.01 if bug == "lr x 1.01" else 1)
     ref = torch.optim.AdamW(theirs, **{**HYPER, "lr": lr}, fused=fused or None,
                             foreach=not fused)
     for step in range(STEPS):
@@ -98,14 +102,24 @@ def test_the_update_is_adamw_rounded_stochastically(fused, bug):
         with torch.no_grad():
             for salt, q in enumerate(theirs):
                 # the step count the kernel saw, as a tensor (as the optimizer's)
-                bits = noise(0, q.numel(), torch.tensor(float(step + 1)), salt)
+                bits = noise(0, q.numel(),
+                             torch.tensor(float(step + 1), device=DEVICE), salt)
                 rounded = (q.bfloat16() if bug == "rounded to nearest"
                            else stochastic_round(q, bits))
                 q.copy_(rounded.float())
         opt.zero_grad()
-    equal = all(torch.equal(p.detach().float(), q.detach())
-                for p, q in zip(ours, theirs))
-    assert equal == (bug is None)
+    # weights and moments stored differently: none on CPU, bit for bit; a
+    # GPU's kernels round their fp32 values in their own orders, so a few
+    # values may round to the other neighbour
+    differing = sum(int((p.detach().float() != q.detach()).sum())
+                    + sum(int((opt.state[p][key]
+                               != ref.state[q][key].bfloat16()).sum())
+                          for key in MOMENTS)
+                    for p, q in zip(ours, theirs))
+    elements = 3 * sum(p.numel() for p in ours)
+    allowed = (0 if DEVICE.type == "cpu"
+               else steps_driver.flips_at_most(elements, STEPS))
+    assert (differing <= allowed) == (bug is None)
     for p in ours:
         assert list(opt.state[p]) == ["step", *MOMENTS]
         assert LocalShard.of(p).master_init is None  # dropped, not kept
@@ -183,3 +197,46 @@ def test_resume_is_bit_exact_and_converts_from_fp32(tmp_path, capsys):
         # each optimized parameter is a trainable chunk's shard
         assert torch.equal(again_opt.state[q]["master"], q.detach().float())
     assert BF16_STOCHASTIC.bytes_per_element() == 2 + 2
+
+
+FLIPS_AT_MOST = steps_driver.flips_at_most(steps_driver.SIZE, steps_driver.STEPS)
+
+
+def twin_step(state, grad, step, lr):
+    stochastic_rounding.update(
+        steps_driver.fp32_kernel(step, lr), [state["weight"]], [grad],
+        [state["exp_avg"]], [state["exp_avg_sq"]],
+        step=torch.full((), float(step), device=DEVICE), salts=[SALT])
+
+
+def one_pass_step(state, grad, step, lr):
+    step_t, coefficients = steps_driver.scalars(step, lr)
+    run = (stochastic_rounding.compiled_update() if DEVICE.type == "cuda"
+           else stochastic_rounding.adamw_stochastic_)
+    run(state["weight"], (state["exp_avg"], state["exp_avg_sq"]), grad,
+        coefficients, None, steps_driver.betas(), step_t, SALT)
+
+
+SALT = 3
+
+
+def flips(a: dict, b: dict) -> int:
+    """Weights that the two programs rounded differently (the moments, which
+    read no weight, within one step of bf16)."""
+    for key in MOMENTS:
+        torch.testing.assert_close(a[key].float(), b[key].float(),
+                                   rtol=torch.finfo(torch.bfloat16).eps, atol=0)
+    return int((a["weight"] != b["weight"]).sum())
+
+
+def test_one_pass_is_the_twin_within_rounding():
+    reference = steps_driver.train(twin_step, MOMENTS)
+    done = steps_driver.train(one_pass_step, MOMENTS)
+    assert flips(done, reference) <= FLIPS_AT_MOST
+    # a flip picks the other neighbour: bf16 bit patterns one apart
+    apart = (done["weight"].view(torch.int16).int()
+             - reference["weight"].view(torch.int16).int()).abs()
+    assert int(apart.max()) <= 1
+    wrong = steps_driver.train(one_pass_step, MOMENTS,
+                               lr=steps_driver.HYPER["lr"] * 1.01)
+    assert flips(wrong, reference) > FLIPS_AT_MOST
