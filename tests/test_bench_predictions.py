@@ -44,14 +44,18 @@ def test_a_row_says_missed_exactly_where_the_goal_is_missed(rows, goal_of, error
 
 def test_one_ranks_peak_is_the_states_and_activations_alone(rows):
     # W1, W3, W4, L1 and L2 on one GPU, eager or compiled with the fused
-    # kernels: the measured peak is the parameters, the optimizer's states and
-    # the counted activations, and nothing of the gradients (the held chunk's
-    # and the queued early updates', which the budget adds: what puts L1's
-    # prediction 3.4% over)
+    # kernels and nothing recomputed: the measured peak is the parameters, the
+    # optimizer's states and the counted activations, and nothing of the
+    # gradients (the held chunk's and the queued early updates', which the
+    # budget adds: what puts L1's prediction 3.4% over). Recomputed, W1's
+    # peak comes within the goal but not within this margin (W1 at 16
+    # sequences eager: 0.9 GiB beside the count)
     checked = 0
     for p in rows:
         line = p.line
         if line["workload"] not in ("W1", "W3", "W4", "L1", "L2"):
+            continue
+        if line.get("activation_checkpointing"):
             continue
         if line["kernels"] == "none":
             continue  # a compiled plain layer saves less than the eager count
@@ -72,14 +76,20 @@ def full_depth(line: dict) -> bool:
     return line["model"]["n_layers"] == workloads()[line["workload"]].model.n_layers
 
 
+def fp32_states(line: dict) -> bool:
+    return line.get("optimizer_states", "fp32") == "fp32"
+
+
 def test_gpt_neox_recomputed_at_full_depth_held_more_than_the_count(rows):
-    # W2-1 and W6 at their full depth, measured on an H200 with the kernels
-    # of then (loss, rotary, norms): the measured peak exceeds the budget, and
-    # the gap shrinks as the batch grows: not a per-token term the count misses
+    # W2-1 and W6 at their full depth with fp32 states, measured on an H200
+    # with the kernels of then (loss, rotary, norms): the measured peak
+    # exceeds the budget, and the gap shrinks as the batch grows: not a
+    # per-token term the count misses
     gaps = {}
     for p in rows:
         line = p.line
-        if line["workload"] not in ("W2-1", "W6") or not full_depth(line):
+        if (line["workload"] not in ("W2-1", "W6") or not full_depth(line)
+                or not fp32_states(line)):
             continue
         assert p.memory_error < -0.02, line["workload"]
         if line["workload"] == "W2-1":
@@ -98,3 +108,16 @@ def test_gpt_neox_recomputed_at_lesser_depths_is_counted_per_layer(rows):
     assert all(0 < p.memory_error <= MEMORY_GOAL for p in eager)
     over = [p.memory_gib - p.line["peak_mem_gib"] for p in eager]
     assert max(over) - min(over) < 0.02, over
+
+
+def test_gpt_neox_recomputed_at_full_depth_with_bf16_moments_is_counted(rows):
+    # W2-1 at its full depth with bf16 moments, with or without a master
+    # (their update moves fewer bytes than fp32 states'), measured on an
+    # H100: within the goal and over, as at lesser depths. So what the fp32
+    # lines above hold beside the count comes with the fp32 states, not
+    # with the depth or the recomputation
+    narrow = [p for p in rows if p.line["workload"] == "W2-1"
+              and full_depth(p.line) and not fp32_states(p.line)]
+    assert {p.line["optimizer_states"] for p in narrow} == {"bf16-moments",
+                                                            "bf16-stochastic"}
+    assert all(0 < p.memory_error <= MEMORY_GOAL for p in narrow)

@@ -198,7 +198,7 @@ def adamw_fp32(weight: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 
 
 def compile_update(update, *, exact_casts: bool = False):
-    """A one-pass update compiled for the GPU. Pointwise autotuning is off: it
+    r"""A one-pass update compiled for the GPU. Pointwise autotuning is off: it
     would time the kernel at the first launch of each size, which inside a
     CUDA graph's capture is not allowed. `exact_casts` for an update that
     reads back what a cast to a narrower dtype lost ([Kahan
