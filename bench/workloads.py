@@ -87,8 +87,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from labml_zero.families import family_for_config
 from labml_zero.finetune import step_metrics
-from labml_zero.llama import flops as llama_flops
 from labml_zero.llama import model as llama_model
 from labml_zero.llama.config import LlamaConfig, llama_3_1_8b, llama_3_2_1b
 from labml_zero.llama.kernels import LlamaKernels
@@ -102,6 +102,7 @@ from labml_zero.neox.model import (
     pythia_6_9b,
     pythia_12b,
 )
+from labml_zero.planner.step_time import model_flops_per_token
 from labml_zero.zero3.state_layout import LAYOUTS as STATE_LAYOUTS
 
 FINETUNES = ("all", "biases")
@@ -225,27 +226,12 @@ class Workload:
         return self.batch * self.seq
 
 
-def matmul_params(config: NeoXConfig) -> int:
-    r"""
-    ### $N$: parameters of the matrix products
-
-    Per layer the fused QKV ($3d^2$), the attention output ($d^2$) and the two
-    MLP matrices ($2 d\, d_{ff}$); then the readout ($d\, n_{vocab}$).
-    """
-    d = config.d_model
-    per_layer = 3 * d * d + d * d + 2 * d * config.ff_dim
-    return config.n_layers * per_layer + d * config.n_vocab
-
-
 def flops_per_token(workload: Workload) -> float:
-    """$F = 6N + 12LTd$, or $4N + 12LTd$ when only biases train."""
+    """$F = 6N + 12LTd$, or $4N + 12LTd$ when only biases train: the
+    planner's `model_flops_per_token`, the one count of every MFU."""
     config = workload.model
-    if isinstance(config, LlamaConfig):
-        return float(llama_flops.flops_per_token(config, workload.seq))
-    n = matmul_params(config)
-    weight_passes = 6 if workload.finetune == "all" else 4
-    attention = 12 * config.n_layers * workload.seq * config.d_model
-    return float(weight_passes * n + attention)
+    return model_flops_per_token(family_for_config(config), config,
+                                 workload.seq, workload.finetune)
 
 
 def mfu(workload: Workload, tokens_per_s: float, world_size: int,

@@ -265,7 +265,8 @@ def step_time_json(inputs, *, gpu: str = DEFAULT_GPU, nodes: int = 1,
                       prefetch_depth=inputs.prefetch_depth, compile=compile)
     time = step_time(job, setting, cluster, budget(inputs))._asdict()
     time["tokens_per_s"] = job.global_batch * job.seq / time["total"]
-    time["mfu"] = (model_flops_per_token(job.family, job.model, job.seq)
+    time["mfu"] = (model_flops_per_token(job.family, job.model, job.seq,
+                                          job.finetune)
                    * time["tokens_per_s"]
                    / (cluster.world_size * cluster.gpu.peak_flops))
     return time

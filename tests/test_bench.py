@@ -16,7 +16,8 @@ from bench.measure import (
     after_arrival, classify, length, nccl_kernels, peer_copies, subtract, union,
 )
 from labml_zero.neox.activation_memory import activation_bytes
-from bench.workloads import Workload, flops_per_token, matmul_params, mfu, shrink
+from bench.workloads import Workload, flops_per_token, mfu, shrink
+from labml_zero.neox.family import matmul_parameters
 from bench.workloads import workloads as all_workloads
 from labml_zero.launch import DistContext
 from labml_zero.neox.kernels import ModelKernels
@@ -147,12 +148,12 @@ def test_mfu_is_on_the_data_sheet_peak():
     assert mfu(w2, 19.2e3, 2, "cpu") is None
     assert mfu(w2, 19.2e3, 2, "NVIDIA Some Future GPU") is None
     # Pythia-6.9B: 32 layers of 12 d^2 plus the 4096 x 50432 readout.
-    assert matmul_params(w2.model) == 32 * 12 * 4096**2 + 4096 * 50432
+    assert matmul_parameters(w2.model) == 32 * 12 * 4096**2 + 4096 * 50432
 
 
 def test_bias_only_skips_the_weight_gradients():
     w3 = all_workloads()["W3"]
-    n = matmul_params(w3.model)
+    n = matmul_parameters(w3.model)
     attention = 12 * 44 * 128 * 6144
     assert flops_per_token(w3) == 4 * n + attention
 

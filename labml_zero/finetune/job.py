@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,8 +44,7 @@ from labml_zero.finetune.dataset import RankSampler
 from labml_zero.finetune.steps import (GRAPH_WARMUP, Totals, Training,
                                        batch_loss, device_step, evaluate,
                                        micro_batch, train_step)
-from labml_zero.finetune.step_metrics import (StepMeter, flops_per_token,
-                                              peak_flops)
+from labml_zero.finetune.step_metrics import StepMeter, peak_flops
 from labml_zero.finetune.tracking import (labml_configs, local_log_written,
                                           start_labml)
 from labml_zero.family import TrainingBuild
@@ -54,6 +54,7 @@ from labml_zero.optimizers.grad_scaler import LossScaler
 from labml_zero.optimizers.graphed_step import GraphedStep
 from labml_zero.zero3.config import ZeroConfig
 from labml_zero.planner.placement import shard_specs
+from labml_zero.planner.step_time import model_flops_per_token
 from labml_zero.planner.placement_report import measured_lines
 from labml_zero.zero3.sharded_model import Zero3Sequential
 
@@ -264,13 +265,14 @@ def layers_kept(config: FinetuneConfig, model) -> int:
     return len(config.filter_layers)
 
 
-def token_flops(config: FinetuneConfig, model, counts) -> float:
-    """A token's FLOPs for the MFU, over the layers kept: the parameters in
-    matrix products (all but the embedding) and the kept layers' attention.
-    `model` is the family's config; every family has these four fields."""
-    return flops_per_token(matmul_params=counts.total - model.n_vocab * model.d_model,
-                           n_layers=layers_kept(config, model), d_model=model.d_model,
-                           seq_len=config.seq_len)
+def token_flops(config: FinetuneConfig, model) -> float:
+    """A token's FLOPs for the MFU, over the layers kept: the planner's
+    `model_flops_per_token` for what trains (the weight gradients of the
+    matrices that train only), the count of every MFU in the project.
+    `model` is the family's config, a dataclass with `n_layers`."""
+    kept = replace(model, n_layers=layers_kept(config, model))
+    return model_flops_per_token(config.family, kept, config.seq_len,
+                                 config.finetune)
 
 
 def banner(config: FinetuneConfig, model, counts, *, step: int,
@@ -360,7 +362,7 @@ def train(ctx: DistContext, config: FinetuneConfig,
         n_layers=shape.n_layers, d_model=shape.d_model,
         n_vocab=shape.n_vocab))
     dtype = config.torch_dtype(ctx.device)
-    meter = StepMeter(token_flops=token_flops(config, shape, built.counts),
+    meter = StepMeter(token_flops=token_flops(config, shape),
                       peak=peak_flops(ctx.device, dtype), world_size=ctx.world_size,
                       device=ctx.device, warmup=STEADY_AFTER)
     fail_at = env_step(FAIL_AT_STEP_ENV, ctx.rank)

@@ -14,7 +14,10 @@ gradient norm before clipping; `tokens_per_s`; `mfu`, model FLOPs utilisation,
 
 $$\text{MFU} = \frac{F \cdot \text{tokens/s}}{N_d \, P}$$
 
-with $F$ a token's FLOPs and $P$ one device's dense peak; `memory.peak`; and
+with $F$ a token's FLOPs for what trains (the planner's
+[`model_flops_per_token`](../planner/step_time.html): PaLM's $6N + 12LTd$ for
+a full fine-tune, $4N + 12LTd$ where the matrices are frozen) and $P$ one
+device's dense peak; `memory.peak`; and
 `loss_scale` with fp16, the loss scale after the step.
 """
 
@@ -28,7 +31,7 @@ import torch
 
 from labml_zero.optimizers.clip_grad import shard_grads
 
-__all__ = ["PEAK_FLOPS", "flops_per_token", "peak_flops", "peak_flops_of", "mfu",
+__all__ = ["PEAK_FLOPS", "peak_flops", "peak_flops_of", "mfu",
            "local_grad_squares", "StepClock", "peak_memory_gib", "StepMeter"]
 
 # Dense (not 2:4 sparse) peak FLOP/s per GPU from the vendors' data sheets:
@@ -45,22 +48,6 @@ PEAK_FLOPS = {"H200": (989.4e12, 494.7e12, 1978.9e12),
               "H100": (989.4e12, 494.7e12, 1978.9e12),
               "A100": (312e12, 156e12, None)}
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def flops_per_token(*, matmul_params: int, n_layers: int, d_model: int,
-                    seq_len: int) -> float:
-    r"""
-    #### A token's forward and backward FLOPs
-
-    About $6\Psi_m + 12 L d T$
-    (tested: tests/finetune/test_step_metrics.py::test_flops_per_token), PaLM's
-    count: $2\Psi_m$ forward and $4\Psi_m$ backward for the $\Psi_m$ weights of
-    its matmuls (all but the input embedding, a lookup), plus attention's
-    scores and values. Every weight's gradient counts, as PaLM counts it; with
-    frozen weights (biases, LoRA) the hardware does about $4/6$ of those FLOPs,
-    so MFU understates its use.
-    """
-    return 6.0 * matmul_params + 12.0 * n_layers * d_model * seq_len
 
 
 def peak_flops_of(name: str | None, dtype: torch.dtype) -> float | None:
@@ -161,7 +148,7 @@ class StepMeter:
     """
     ## A step's indicators, from its totals, its rate and its time
 
-    * `token_flops`: `flops_per_token` of the model at `seq_len`;
+    * `token_flops`: the planner's `model_flops_per_token` of the fine-tune;
     * `peak`: one device's peak FLOP/s, or `None` for no `mfu`;
     * `warmup`: the first steps, left out of the steady rate (`steady_line`):
       a compilation or a graph's recording is in them.

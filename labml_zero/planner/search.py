@@ -100,10 +100,10 @@ class Plan:
 
     @property
     def mfu(self) -> float:
-        r"""$\frac{F \cdot \text{tokens/s}}{N_d P}$ with PaLM's $F$, as the job
-        counts it."""
+        r"""$\frac{F \cdot \text{tokens/s}}{N_d P}$ with the fine-tune's $F$
+        (`model_flops_per_token`), as the job counts it."""
         flops = model_flops_per_token(self.job.family, self.job.model,
-                                      self.job.seq)
+                                      self.job.seq, self.job.finetune)
         return flops * self.tokens_per_s / (self.cluster.world_size
                                              * self.cluster.gpu.peak_flops)
 

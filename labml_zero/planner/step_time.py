@@ -129,11 +129,21 @@ def attention_flops(family, model, seq: int) -> float:
     return (flops(model, seq) - flops(model, 0)) / 3
 
 
-def model_flops_per_token(family, model, seq: int) -> float:
-    r"""$6N + 12 L T d$
-    (tested: tests/planner/test_step_time.py::test_flops_are_palm_count_and_the_hardwares):
-    PaLM's count, the job's and the benchmark's MFU."""
-    return 6.0 * matmul_params(family, model) + 3 * attention_flops(family, model, seq)
+def model_flops_per_token(family, model, seq: int, finetune: str = "all") -> float:
+    r"""
+    ### $F$: the FLOPs a token of the fine-tune needs, the MFU's count
+
+    The one count behind every MFU in the project (the job's line, the
+    benchmark's, the planner's, the calculator's, the results page's):
+    `hardware_flops_per_token` without recomputation, which is work the
+    setting adds, not the model. A full fine-tune's is PaLM's $6N + 12 L T d$
+    (tested: tests/planner/test_step_time.py::test_flops_are_palm_count_and_the_hardwares);
+    where only some weights train, the frozen matrices' weight gradients are
+    not computed and not counted: $4N + 12 L T d$ for biases and LoRA, whose
+    MFU would otherwise claim half as many FLOPs again as the GPU ran.
+    """
+    return hardware_flops_per_token(family, model, seq, finetune=finetune,
+                                    checkpointing=False)
 
 
 def hardware_flops_per_token(family, model, seq: int, *, finetune: str,

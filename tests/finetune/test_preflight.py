@@ -209,15 +209,17 @@ def test_the_banner_counts_the_layers_kept(filter_layers, words):
     assert line.startswith(words) and line.endswith("(all) on 1 rank")
 
 
-def test_the_mfu_counts_the_attention_of_the_layers_kept():
-    # --filter-layers 0 of the two-layer tiny model: one layer's attention
+def test_the_mfu_counts_the_layers_kept_and_what_trains():
+    # --filter-layers 0 of the two-layer tiny model: one layer's products and
+    # attention; with LoRA the frozen products' weight gradients do not count
     config = FinetuneConfig(filter_layers=(0,))
     neox = config.model_config()
-    counts = finetuner("all")(neox_model.build_layers(
-        neox, filter_layers=(0,), device="meta"))
-    matmul = counts.total - neox.n_vocab * neox.d_model
-    assert token_flops(config, neox, counts) == (
-        6 * matmul + 12 * 1 * neox.d_model * config.seq_len)
+    d, ff, vocab = neox.d_model, neox.ff_dim, neox.n_vocab
+    matmul = 1 * (4 * d * d + 2 * d * ff) + d * vocab
+    attention = 12 * 1 * d * config.seq_len
+    assert token_flops(config, neox) == 6 * matmul + attention
+    lora = FinetuneConfig(filter_layers=(0,), finetune="lora")
+    assert token_flops(lora, neox) == 4 * matmul + attention
 
 
 def test_a_global_batch_over_one_rank_says_1_rank():

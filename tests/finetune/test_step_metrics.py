@@ -5,14 +5,11 @@ import math
 import torch
 
 from labml_zero.finetune.job import Totals
-from labml_zero.finetune.step_metrics import (StepMeter, flops_per_token, mfu,
-                                              peak_flops, peak_flops_of)
+from labml_zero.finetune.step_metrics import (StepMeter, mfu, peak_flops,
+                                              peak_flops_of)
 
 
-def test_flops_per_token():
-    # 6Ψ_m for the weights' forward and backward, 12·L·d·T for attention
-    assert flops_per_token(matmul_params=1000, n_layers=2, d_model=8,
-                           seq_len=4) == 6 * 1000 + 12 * 2 * 8 * 4
+def test_a_cpu_has_no_peak():
     assert peak_flops(torch.device("cpu"), torch.float32) is None
 
 

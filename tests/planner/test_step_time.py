@@ -77,6 +77,13 @@ def test_flops_are_palm_count_and_the_hardwares():
                                     checkpointing=True) == 8 * n + 16 * L * T * d
     assert hardware_flops_per_token(NEOX, model, T, finetune="biases",
                                     checkpointing=False) == 4 * n + 12 * L * T * d
+    # the MFU's count is the fine-tune's, recomputation left out: frozen
+    # matrices' weight gradients neither run nor count
+    for finetune in ("biases", "lora", "ffn"):
+        assert model_flops_per_token(NEOX, model, T, finetune) == (
+            hardware_flops_per_token(NEOX, model, T, finetune=finetune,
+                                     checkpointing=False))
+    assert model_flops_per_token(NEOX, model, T, "lora") == 4 * n + 12 * L * T * d
     # the ffn tuner's weight gradients: the MLP's two products
     mlp = L * 2 * d * model.ff_dim
     assert hardware_flops_per_token(NEOX, model, T, finetune="ffn",
