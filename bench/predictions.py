@@ -82,7 +82,8 @@ H100_FILES = (
     "2026-12-06-run66-1xH100-W1-auto.jsonl",
     "2026-12-06-run67-1xH100-W2-1-narrow-states.jsonl",
     "2026-12-06-run68-1xH100-W2-1-stochastic-one-pass.jsonl",
-    "2026-12-06-run68-1xH100-W1-graphed-stochastic.jsonl")
+    "2026-12-06-run68-1xH100-W1-graphed-stochastic.jsonl",
+    "2026-12-06-run69-1xH100-W2-1-kahan-one-pass-stochastic-b4.jsonl")
 # Lines of a layout without a master (`bf16-stochastic`, `bf16-kahan`) in
 # these files ran its update as the twin on widened slices, before the one
 # compiled pass: an engine the planner no longer models, left out.

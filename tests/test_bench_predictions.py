@@ -113,11 +113,11 @@ def test_gpt_neox_recomputed_at_lesser_depths_is_counted_per_layer(rows):
 def test_gpt_neox_recomputed_at_full_depth_with_bf16_moments_is_counted(rows):
     # W2-1 at its full depth with bf16 moments, with or without a master
     # (their update moves fewer bytes than fp32 states'), measured on an
-    # H100: within the goal and over, as at lesser depths. So what the fp32
+    # H100 at 4 and 8 sequences: within the goal and over, as at lesser depths. So what the fp32
     # lines above hold beside the count comes with the fp32 states, not
     # with the depth or the recomputation
     narrow = [p for p in rows if p.line["workload"] == "W2-1"
               and full_depth(p.line) and not fp32_states(p.line)]
-    assert {p.line["optimizer_states"] for p in narrow} == {"bf16-moments",
-                                                            "bf16-stochastic"}
+    assert {p.line["optimizer_states"] for p in narrow} == {
+        "bf16-moments", "bf16-stochastic", "bf16-kahan"}
     assert all(0 < p.memory_error <= MEMORY_GOAL for p in narrow)

@@ -15,9 +15,9 @@ gradient norm before clipping; `tokens_per_s`; `mfu`, model FLOPs utilisation,
 $$\text{MFU} = \frac{F \cdot \text{tokens/s}}{N_d \, P}$$
 
 with $F$ a token's FLOPs for what trains (the planner's
-[`model_flops_per_token`](../planner/step_time.html): PaLM's $6N + 12LTd$ for
-a full fine-tune, $4N + 12LTd$ where the matrices are frozen) and $P$ one
-device's dense peak; `memory.peak`; and
+[`model_flops_per_token`](../planner/step_time.html): PaLM's count for a full
+fine-tune, without the frozen matrices' weight gradients for biases and LoRA)
+and $P$ one device's dense peak; `memory.peak`; and
 `loss_scale` with fp16, the loss scale after the step.
 """
 

@@ -49,10 +49,10 @@ from . import rounded_update
 from .narrow_moments import Kernel, widened_update
 
 # Odd constants of the hash (xxHash's and the golden ratio's): any odd
-# multiplier is a bijection mod $2^{32}$. Each is kept as its signed 32-bit
+# multiplier is a bijection mod $2^{32}$. Each is kept as its signed
 # residue, $c - 2^{32}$ where $c \ge 2^{31}$: the same number mod $2^{32}$,
 # so the same hash, and a literal that a compiled kernel may multiply with
-# an element's index, a 32-bit integer there.
+# an element's index, an int32 there.
 MIX = tuple(c - 2**32 if c >= 2**31 else c
             for c in (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1))
 LOW_32 = 0xFFFFFFFF

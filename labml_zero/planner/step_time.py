@@ -139,8 +139,9 @@ def model_flops_per_token(family, model, seq: int, finetune: str = "all") -> flo
     setting adds, not the model. A full fine-tune's is PaLM's $6N + 12 L T d$
     (tested: tests/planner/test_step_time.py::test_flops_are_palm_count_and_the_hardwares);
     where only some weights train, the frozen matrices' weight gradients are
-    not computed and not counted: $4N + 12 L T d$ for biases and LoRA, whose
-    MFU would otherwise claim half as many FLOPs again as the GPU ran.
+    not computed and not counted, so biases and LoRA count $4N$ where a full
+    fine-tune counts $6N$; their MFU would otherwise claim half as many FLOPs
+    again as the GPU ran.
     """
     return hardware_flops_per_token(family, model, seq, finetune=finetune,
                                     checkpointing=False)

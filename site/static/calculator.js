@@ -633,8 +633,9 @@
   function attentionFlops(m, seq) {
     return familyOf(m) !== NEOX ? m.attention_flops * seq : 4.0 * m.n_layers * seq * m.d_model;
   }
-  function modelFlopsPerToken(m, seq) {
-    return 6.0 * matmulParams(m) + 3 * attentionFlops(m, seq);
+  function modelFlopsPerToken(m, seq, finetune) {
+    // the MFU's count: the fine-tune's FLOPs, recomputation not counted
+    return hardwareFlopsPerToken(m, seq, finetune, false);
   }
   function hardwareFlopsPerToken(m, seq, finetune, checkpointing) {
     const n = matmulParams(m), d = m.d_model, L = m.n_layers;
@@ -709,7 +710,7 @@
     return {
       matmul, elementwise, readout, idle, casts, compute, update, comm, comm_exposed: commExposed, host,
       host_exposed: hostExposed, total, tokens_per_s: tokensPerS,
-      mfu: modelFlopsPerToken(m, inputs.seq) * tokensPerS / (world * gpu.peak_flops),
+      mfu: modelFlopsPerToken(m, inputs.seq, inputs.finetune) * tokensPerS / (world * gpu.peak_flops),
     };
   }
   window.computeStepTime = computeStepTime;
@@ -768,7 +769,7 @@
     if (best === null) return null;
     const tokensPerS = perRank * world * inputs.seq / best.time.total;
     return { ...best, flags: flagsOf(best.setting), tokens_per_s: tokensPerS,
-             mfu: modelFlopsPerToken(inputs.model, inputs.seq) * tokensPerS
+             mfu: modelFlopsPerToken(inputs.model, inputs.seq, inputs.finetune) * tokensPerS
                / (world * gpu.peak_flops),
              tried, fitting };
   }
