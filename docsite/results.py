@@ -116,13 +116,18 @@ class Key:
     fp8: bool = False
     """labml_zero's linears in fp8 (`fp8` among the line's `kernels`): its own
     configuration, never mistaken for the bf16 one."""
+    recompute: bool | None = None
+    """`None` where the line recomputes activations as its workload does;
+    else whether it did (`bench.run --recompute`): W1 recomputed is a
+    configuration of its own."""
 
     @property
     def anchor(self) -> str:
         tail = (("-compiled" if self.compiled else "") + f"-{self.gpus}gpu"
                 + f"-b{self.batch}" + ("-graph" if self.graphed else "")
                 + ("" if self.states == "fp32" else f"-{self.states}")
-                + ("-fp8" if self.fp8 else ""))
+                + ("-fp8" if self.fp8 else "")
+                + {None: "", True: "-recompute", False: "-no-recompute"}[self.recompute])
         return f"result-{self.workload}-{self.engine}{tail}".lower().replace(" ", "-")
 
 
@@ -153,6 +158,18 @@ def workload_name(line: dict) -> str:
     return f"{line['workload']} L{depth}"
 
 
+def recompute_of(line: dict) -> bool | None:
+    """`Key.recompute` of a line: `None` where it recomputes as its workload
+    does (or says nothing of it)."""
+    from bench.workloads import workloads as known
+
+    ran = line.get("activation_checkpointing")
+    workload = known().get(line["workload"])
+    if ran is None or workload is None or ran == workload.activation_checkpointing:
+        return None
+    return bool(ran)
+
+
 def load_results(root: Path) -> dict[Key, Measurement]:
     """The latest measurement of each configuration, ordered by key."""
     folder = root / RESULTS_DIR
@@ -175,13 +192,15 @@ def load_results(root: Path) -> dict[Key, Measurement]:
                       int(line.get("batch_per_gpu") or 0),
                       bool(line.get("cuda_graph")),
                       line.get("optimizer_states") or "fp32",
-                      "fp8" in (line.get("kernels") or "").split(","))
+                      "fp8" in (line.get("kernels") or "").split(","),
+                      recompute_of(line))
             latest[key] = Measurement(key, line, path.name, date)
     order = {w: i for i, w in enumerate(("labml_zero", "fsdp2", "ddp", "deepspeed"))}
     return dict(sorted(latest.items(), key=lambda kv: (
         kv[0].workload, kv[0].gpus, kv[0].compiled, kv[0].batch,
         order.get(kv[0].engine, 9), kv[0].engine, kv[0].graphed,
-        kv[0].states != "fp32", kv[0].states, kv[0].fp8)))
+        kv[0].states != "fp32", kv[0].states, kv[0].fp8,
+        kv[0].recompute is not None, bool(kv[0].recompute))))
 
 
 def command(m: Measurement) -> str:
@@ -203,6 +222,8 @@ def command(m: Measurement) -> str:
         parts.append("--cuda-graph")
     if m.key.states != "fp32":
         parts.append(f"--optimizer-states {m.key.states}")
+    if m.key.recompute is not None:
+        parts.append(f"--recompute {'yes' if m.key.recompute else 'no'}")
     if line.get("kernels") not in (None, "none"):
         parts.append(f"--kernels {line['kernels']}")
     if m.key.engine == "labml_zero" and line.get("prefetch_depth", 1) != 1:
@@ -216,7 +237,8 @@ def command(m: Measurement) -> str:
 
 def lookup(results: dict[Key, Measurement], spec: str) -> tuple[str, Key]:
     """
-    `W2 labml_zero [compiled] [graph] [fp8] [gpus=N] [batch=B] [states=NAME] FIELD`
+    `W2 labml_zero [compiled] [graph] [fp8] [recompute|no-recompute] [gpus=N]
+    [batch=B] [states=NAME] FIELD`
     -> (formatted value, its key).
 
     Raises `BuildError` for an unknown field or a configuration never measured.
@@ -228,6 +250,8 @@ def lookup(results: dict[Key, Measurement], spec: str) -> tuple[str, Key]:
     compiled = "compiled" in mods
     graphed = "graph" in mods
     fp8 = "fp8" in mods
+    recompute = (True if "recompute" in mods
+                 else False if "no-recompute" in mods else None)
     gpus, batch, states = 2, None, "fp32"
     for mod in mods:
         if mod.startswith("gpus="):
@@ -236,21 +260,23 @@ def lookup(results: dict[Key, Measurement], spec: str) -> tuple[str, Key]:
             batch = int(mod[6:])
         elif mod.startswith("states="):
             states = mod[7:]
-        elif mod not in ("compiled", "graph", "fp8"):
+        elif mod not in ("compiled", "graph", "fp8", "recompute", "no-recompute"):
             raise BuildError(f"bench directive {spec!r}: unknown word {mod!r}")
     if name not in FIELDS:
         raise BuildError(f"bench directive {spec!r}: field {name!r} is not one of "
                          f"{', '.join(FIELDS)}")
     batches = sorted(k.batch for k in results
                      if (k.workload, k.engine, k.compiled, k.gpus, k.graphed,
-                         k.states, k.fp8)
-                     == (workload, engine, compiled, gpus, graphed, states, fp8))
+                         k.states, k.fp8, k.recompute)
+                     == (workload, engine, compiled, gpus, graphed, states, fp8,
+                         recompute))
     if batch is None and len(batches) > 1:
         raise BuildError(f"bench directive {spec!r}: measured at batch sizes "
                          f"{batches}; add batch=B")
     if batch is None:
         batch = batches[0] if batches else 0
-    key = Key(workload, engine, compiled, gpus, batch, graphed, states, fp8)
+    key = Key(workload, engine, compiled, gpus, batch, graphed, states, fp8,
+              recompute)
     m = results.get(key)
     if m is None or m.line.get("status") != "ok":
         raise BuildError(f"bench directive {spec!r}: no successful measurement of "
@@ -276,8 +302,10 @@ def setting(key: Key) -> str:
     words = (["compiled"] if key.compiled else []) + (
         ["CUDA graph"] if key.graphed else [])
     states = [] if key.states == "fp32" else [f"{key.states} states"]
+    recompute = {None: [], True: ["recomputed"],
+                 False: ["not recomputed"]}[key.recompute]
     return " + ".join((words or ["eager"]) + states
-                      + (["fp8 products"] if key.fp8 else []))
+                      + (["fp8 products"] if key.fp8 else []) + recompute)
 
 
 def best_settings(results: dict[Key, Measurement]
@@ -496,6 +524,8 @@ def _tables_markdown(results: dict[Key, Measurement]) -> str:
             settings.append(f"{key.states} optimizer states")
         if key.fp8:
             settings.append("fp8 products")
+        if key.recompute is not None:
+            settings.append("recomputed" if key.recompute else "not recomputed")
         gpus = f"{key.gpus} × {line.get('device') or 'GPU'}"
         anchor = f'<span id="{key.anchor}"></span>'
         shape = f"{key.batch} × {line.get('seq')}"

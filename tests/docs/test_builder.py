@@ -204,6 +204,36 @@ def test_results_keep_fp8_lines_and_other_depths_apart(tmp_path):
     assert 0.4 < half / full < 0.6
 
 
+def test_results_keep_a_recomputation_other_than_the_workloads_apart(tmp_path):
+    """W1 recomputed (`bench.run --recompute yes`) is a configuration of its
+    own: the later grid line does not replace W1's plain line of the same
+    batch; W2-1 recomputed, as its workload does, keeps its plain key."""
+    folder = tmp_path / "bench" / "results"
+    folder.mkdir(parents=True)
+    line = {"engine": "labml_zero", "workload": "W1", "world_size": 1,
+            "status": "ok", "tokens_per_s": 100.0, "peak_mem_gib": 1.0,
+            "step_time_mean_s": 1.0, "step_time_std_s": 0.1, "loss": 2.0,
+            "device": "NVIDIA H100 80GB HBM3", "batch_per_gpu": 8, "seq": 2048,
+            "compiled": True, "kernels": "loss,rotary,norms",
+            "activation_checkpointing": False,
+            "model": {"n_layers": 24, "d_model": 2048}}
+    rows = [line, {**line, "activation_checkpointing": True, "tokens_per_s": 80.0},
+            {**line, "workload": "W2-1", "activation_checkpointing": True,
+             "model": {"n_layers": 32, "d_model": 4096}}]
+    (folder / "2026-01-02-run1-x.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows))
+    found = results.load_results(tmp_path)
+    assert [(k.workload, k.recompute) for k in found] == [
+        ("W1", None), ("W1", True), ("W2-1", None)]
+    assert results.lookup(found, "W1 labml_zero compiled gpus=1 tokens_per_s")[0] \
+        == "100 tokens/s"
+    value, key = results.lookup(
+        found, "W1 labml_zero compiled recompute gpus=1 tokens_per_s")
+    assert value == "80 tokens/s" and key.anchor.endswith("-recompute")
+    page = results.results_markdown(found)
+    assert "recomputed |" in page and "--recompute yes" in page
+
+
 def test_results_keep_and_name_each_optimizer_state_layout(tmp_path):
     """A labml_zero line with bf16 moments is a configuration of its own beside
     the fp32 one (a line without the field kept fp32), named in its settings,
