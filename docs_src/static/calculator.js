@@ -679,11 +679,13 @@
     const flops = hardwareFlopsPerToken(m, inputs.seq, inputs.finetune, inputs.checkpointing);
     const matmul = tokens * flops / (k.matmul_efficiency * gpu.peak_flops);
     const passes = 3 + Number(inputs.checkpointing);  // forward, backward as two, recompute
+    // the layers' element-wise kernels and the readout's at the GPU's own rate
+    const kernelsRate = gpu.elementwise_bandwidth || gpu.memory_bandwidth;
     let elementwise = (tokens * k.elementwise_bytes * m.n_layers * m.d_model
-                       * passes / gpu.memory_bandwidth);
+                       * passes / kernelsRate);
     if (inputs.compile) elementwise *= k.compiled_elementwise;
     // the readout and its loss run once a micro-batch, never recomputed
-    const readout = tokens * k.readout_bytes * m.n_vocab / gpu.memory_bandwidth;
+    const readout = tokens * k.readout_bytes * m.n_vocab / kernelsRate;
     const idle = a * m.n_layers * passes * k.layer_pass_idle;
     // the calculator offers no fp8 products: step_time.py's casts term is 0
     const casts = 0.0;

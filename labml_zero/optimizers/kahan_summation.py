@@ -63,9 +63,8 @@ moments](narrow_moments.html)
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import functools
+from typing import Sequence
 
 import torch
 

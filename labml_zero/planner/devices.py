@@ -32,7 +32,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["GPU", "GPUS", "Cluster", "gpu_by_name", "this_machine", "GIB"]
+__all__ = ["GPU", "GPUS", "Cluster", "gpu_by_name", "this_machine", "GIB",
+           "H100_ELEMENTWISE_FACTOR"]
 
 # binary units, as PyTorch's memory figures and `--host-gib` count them
 GIB = 1024**3
@@ -66,6 +67,10 @@ class GPU:
     peak_flops_fp8: float | None = None
     """$P_8$: dense fp8 tensor-core FLOP/s from the data sheet; `None` for a
     GPU without fp8 products."""
+    elementwise_bandwidth: float | None = None
+    """$W_e$: the rate at which the roofline times the layers' element-wise
+    kernels and the readout's, where the benchmark measured one other than
+    $W$; `None`: $W$."""
 
 
 # ## The table
@@ -78,11 +83,21 @@ class GPU:
 # sizes, below NVLink's rate each way; across nodes each GPU has one InfiniBand
 # NIC (NDR, HDR for the A100), of which a ring reaches about nine tenths.
 
+# The element-wise bytes of the [step time](step_time.html) were fitted on the
+# H200, at its $W$. The H100 has the same SMs at the same clocks and less
+# bandwidth, and its element-wise kernels and readout ran faster than its $W$
+# allows against that fit: they are not bound by the memory alone at these
+# sizes. Their rate on the H100 is its $W$ times this factor, the
+# least-squares solution over its bf16 lines in the benchmark's results
+# (tested: tests/planner/test_step_time.py::test_an_h100s_element_wise_rate_is_the_bench_fit).
+H100_ELEMENTWISE_FACTOR = 1.33
+
 GPUS = {
     "h100": GPU("h100", "H100", peak_flops=989.4e12,
                 memory_bytes=int(79.1 * GIB), memory_bandwidth=3.35e12,
                 host_link=55e9, peer_bus_bandwidth=360e9,
-                node_bus_bandwidth=45e9, peak_flops_fp8=1978.9e12),
+                node_bus_bandwidth=45e9, peak_flops_fp8=1978.9e12,
+                elementwise_bandwidth=H100_ELEMENTWISE_FACTOR * 3.35e12),
     "h200": GPU("h200", "H200", peak_flops=989.4e12,
                 memory_bytes=150_109_880_320, memory_bandwidth=4.8e12,
                 host_link=55e9, peer_bus_bandwidth=360e9,

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from bench.predictions import (H100_FILES, H200_FILES, engine_lines, gpu_of,
-                               job_setting)
+                               job_setting, predictions)
 from bench.workloads import workloads
 from labml_zero.neox.family import NEOX
-from labml_zero.planner.devices import GPUS, Cluster
+from labml_zero.planner.devices import GPUS, H100_ELEMENTWISE_FACTOR, Cluster
 from labml_zero.planner.setting import Job, Setting, budget_of
 from labml_zero.planner.step_time import (COMPILED_ELEMENTWISE, ELEMENTWISE_BYTES,
                                           FP8_CAST_BYTES,
@@ -198,31 +198,47 @@ def test_the_lines_cover_both_families_and_every_way_of_running():
     assert {x["compiled"] for x in found if x["workload"] == "L1"} == {True, False}
 
 
-def test_an_h100s_steps_at_its_data_sheet_rates():
+def h100_bf16_lines() -> list[dict]:
+    """The H100's bf16 lines of the fused kernels on the current engine (the
+    prediction table's) but W4's, whose steps varied by a quarter between
+    leases (compiled: 37.9 to 48.1 ms)."""
+    return [p.line for p in predictions() if "H100" in p.line["device"]
+            and p.line["workload"] != "W4" and p.line["kernels"] != "none"
+            and "fp8" not in p.line["kernels"].split(",")]
+
+
+def test_an_h100s_element_wise_rate_is_the_bench_fit():
     """
-    With the H100's data-sheet rates every line comes out slower than
-    measured: the element-wise, readout and update terms scale with the
-    bandwidth, 4.8/3.35 of the H200's time, where W1's and L1's measured
-    steps (the same kernels on both GPUs) grow by less than a tenth of that.
+    The step at the H100's data-sheet bandwidth $W$ for every term is $a + b$,
+    $b$ the element-wise and readout terms; at $W$ times a factor $f$ it is
+    $a + b/f$. The least-squares $x = 1/f$ over the lines' relative errors is
+    $\sum_i (b_i/m_i)(1 - a_i/m_i) / \sum_i (b_i/m_i)^2$, $m_i$ the measured
+    step.
     """
-    # the bf16 lines of these four (the fp8 lines are the next test's; W2-1's
-    # shorter models come out within the step goal either way, one compiled
-    # line 0.7% fast)
-    found = [x for path in H100_LINES for x in lines(path, "labml_zero")
-             if x["workload"] in ("W1", "W3", "W4", "L1")
-             and "fp8" not in x["kernels"].split(",")]
-    assert {x["workload"] for x in found} == {"W1", "W3", "W4", "L1"}
-    assert all(error(x) > 0 for x in found)
-    h200 = [x for path in H200_LINES for x in lines(path, "labml_zero")]
-    for workload in ("W1", "L1"):
-        for compiled in (False, True):
-            h100 = [x for x in found if (x["workload"], x["compiled"], x["cuda_graph"])
-                    == (workload, compiled, False)]
-            same = [x for x in h200 if (x["workload"], x["compiled"], x["kernels"])
-                    == (workload, compiled, h100[0]["kernels"])]
-            measured = h100[0]["step_time_mean_s"] / same[0]["step_time_mean_s"]
-            model = predicted(h100[0]) / predicted(same[0])
-            assert measured - 1 < (model - 1) / 2
+    h100 = GPUS["h100"]
+    assert h100.elementwise_bandwidth == H100_ELEMENTWISE_FACTOR * h100.memory_bandwidth
+    found = h100_bf16_lines()
+    assert {x["workload"] for x in found} == {"W1", "W3", "L1", "W2-1"}
+    num = den = 0.0
+    for x in found:
+        t, m = timed(x), x["step_time_mean_s"]
+        b = (t.elementwise + t.readout) * H100_ELEMENTWISE_FACTOR
+        a = t.total - (t.elementwise + t.readout)
+        num += b / m * (1 - a / m)
+        den += (b / m) ** 2
+    assert H100_ELEMENTWISE_FACTOR == pytest.approx(den / num, rel=ROUNDING)
+
+
+def test_an_h100s_steps_are_within_the_goal():
+    # at the data sheet's rate alone they came out up to 16.5% slow (W1
+    # recomputed, eager): the element-wise kernels are the same as the
+    # H200's, which has the bandwidth to spare
+    for x in h100_bf16_lines():
+        assert abs(error(x)) <= STEP_TOLERANCE, (x["workload"], error(x))
+        slow = replace(GPUS["h100"], elementwise_bandwidth=None)
+        job, setting = job_setting(x)
+        b = budget_of(job, setting, world_size=1, device_bytes=slow.memory_bytes)
+        assert step_time(job, setting, Cluster(slow), b).total > predicted(x)
 
 
 # The compiled fp8 steps and the bf16 step of the same lease and model: W1 and
