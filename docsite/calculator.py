@@ -187,7 +187,10 @@ def model_json(family, model) -> dict:
     script's port sizes, or another family's shape and `_family_numbers`."""
     shape = {"family": family.name, "n_vocab": model.n_vocab,
              "d_model": model.d_model, "n_heads": model.n_heads,
-             "n_layers": model.n_layers, "max_position": model.max_position}
+             "n_layers": model.n_layers, "max_position": model.max_position,
+             # each LoRA target's (d_in, d_out), for its adapter's bytes
+             "layer_linears": dict(zip(family.lora_targets,
+                                       map(list, family.layer_linears(model))))}
     if family.name == "gpt-neox":
         return {**shape, "d_ff": model.d_ff, "rotary_pct": model.rotary_pct}
     # what the port of Llama's activation count reads
@@ -335,7 +338,9 @@ def calculator_data() -> dict:
                       "layer_pass_idle": step_time.LAYER_PASS_IDLE,
                       "update_bandwidth_share": step_time.UPDATE_BANDWIDTH_SHARE,
                       "compiled_elementwise": step_time.COMPILED_ELEMENTWISE,
-                      "host_update_rate": step_time.HOST_UPDATE_RATE},
+                      "host_update_rate": step_time.HOST_UPDATE_RATE,
+                      "adapter_forward": step_time.ADAPTER_FORWARD,
+                      "adapter_backward": step_time.ADAPTER_BACKWARD},
         "gpus": {name: dataclasses.asdict(gpu) for name, gpu in GPUS.items()},
         # the planner's search: its margins and the job's kernels (`auto`)
         "planner": {"device_margin": planner_search.DEVICE_MARGIN,

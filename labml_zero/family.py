@@ -78,7 +78,8 @@ class ModelFamily:
        model (every rank gathers) and samples with `generate`.
 
     The other fields (`materialize`, `load_layer`, `save_hf`, `save_merged`,
-    `save_adapter`, `flops_per_token`, `matmul_parameters`, `fp8_linears`,
+    `save_adapter`, `flops_per_token`, `matmul_parameters`, `layer_linears`,
+    `fp8_linears`,
     `activation_memory`) serve unsharded layers (tests and small models), the
     offline export and [the planner](planner/index.html).
 
@@ -126,6 +127,10 @@ class ModelFamily:
     matrix products a token passes (the readout's; the embedding is a
     lookup); given a fine-tuner's name, those of the products whose weights
     it trains, which alone cost a weight gradient."""
+    layer_linears: Callable[[Any], tuple[tuple[int, int], ...]]
+    r"""`layer_linears(config)`: $(d_\text{in}, d_\text{out})$ of each matrix
+    product of one repeating layer, in `lora_targets`' order, for the
+    planner's step time."""
     fp8_linears: Callable[[Any, Any], tuple[tuple[int, int], ...]]
     r"""`fp8_linears(config, kernels)`: $(d_\text{in}, d_\text{out})$ of each
     matrix product of one repeating layer that `kernels` run in

@@ -210,7 +210,7 @@ NEOX = ModelFamily(
     build=build_layers, materialize=materialize, load_layer=load_layer,
     tokenizer=tokenizer, count_parameters=count_parameters,
     flops_per_token=flops_per_token, matmul_parameters=matmul_parameters,
-    fp8_linears=fp8_linears,
+    layer_linears=layer_linears, fp8_linears=fp8_linears,
     activation_memory=activation_memory,
     finetuner=finetuner, lora_targets=tuple(TARGETS),
     named_tensors=hf_named_tensors, save_hf=save_hf, save_merged=save_merged,

@@ -31,8 +31,6 @@ own FLOPs, layers, width and vocabulary, with no constant of its own
   come within the goal
   (tested: tests/planner/test_step_time.py::test_an_h100s_steps_are_within_the_goal);
   an A100 keeps its data sheet's.
-* LoRA's adapters add work the roofline does not count (their rank-$r$
-  products and the sums beside the adapted products).
 * The element-wise bytes are one count for every layer of both families and
   every choice of fused kernels (the fits' lines ran the benchmark's kernels);
   the readout's assume the chunked loss.
@@ -51,8 +49,9 @@ from labml_zero.zero3.state_layout import state_layout
 
 __all__ = ["MATMUL_EFFICIENCY", "ELEMENTWISE_BYTES", "READOUT_BYTES",
            "LAYER_PASS_IDLE", "UPDATE_BANDWIDTH_SHARE", "COMPILED_ELEMENTWISE",
-           "HOST_UPDATE_RATE", "FP8_CAST_BYTES", "StepTime", "step_time",
-           "fp8_products",
+           "HOST_UPDATE_RATE", "FP8_CAST_BYTES", "ADAPTER_FORWARD",
+           "ADAPTER_BACKWARD", "StepTime", "step_time", "fp8_products",
+           "adapter_widths",
            "matmul_params", "attention_flops", "model_flops_per_token",
            "hardware_flops_per_token"]
 
@@ -173,6 +172,32 @@ def hardware_flops_per_token(family, model, seq: int, *, finetune: str,
     return flops
 
 
+# LoRA's adapter beside an adapted product moves, in bf16, per token: forward,
+# the product's input read for $A x$, then $B A x$ written, scaled and added to
+# the product's output, each of those three steps reading and writing a row
+# of $d_\text{out}$; backward, the output's gradient scaled and read for $B$'s
+# gradient and $A x$'s, the input read again for $A$'s, and the input's
+# gradient written and added to the product's. Bytes per unit of
+# $(d_\text{in}, d_\text{out})$, counted from the layer's code, not fitted; the
+# LoRA step measured checks them
+# (tested: tests/planner/test_step_time.py::test_a_lora_step_counts_its_adapters).
+ADAPTER_FORWARD = (2, 12)
+"""Bytes per token and unit of $(d_\text{in}, d_\text{out})$, forward."""
+ADAPTER_BACKWARD = (10, 8)
+"""The same, backward."""
+
+
+def adapter_widths(job: Job) -> tuple[int, int]:
+    r"""$(\sum d_\text{in}, \sum d_\text{out})$ over one layer's adapted products:
+    the fine-tune's targets, or every one the family has; none but for LoRA."""
+    if job.finetune != "lora":
+        return 0, 0
+    family = job.family
+    shapes = dict(zip(family.lora_targets, family.layer_linears(job.model)))
+    targets = job.lora_targets or family.lora_targets
+    return (sum(shapes[t][0] for t in targets), sum(shapes[t][1] for t in targets))
+
+
 def fp8_products(job: Job, setting: Setting, gpu) -> tuple[float, int]:
     r"""
     ### The products that run in fp8: their FLOPs a token, and their widths
@@ -215,7 +240,7 @@ class StepTime(NamedTuple):
 
     matmul: float
     elementwise: float
-    """The layers' element-wise work."""
+    """The layers' element-wise work, LoRA's adapters' with it."""
     readout: float
     """The readout's and the loss's element-wise work."""
     idle: float
@@ -269,8 +294,9 @@ def step_time(job: Job, setting: Setting, cluster: Cluster,
     * **compute**, per token: the products' FLOPs over the peak at their
       efficiency $e$ (those in fp8 over the fp8 peak, plus their casts'
       bytes, `fp8_products`), the layers' element-wise work (norms, GELU or SwiGLU,
-      residuals, rotary, the softmax's passes) and the readout's over the
-      memory bandwidth,
+      residuals, rotary, the softmax's passes; LoRA's adapters, `adapter_widths`)
+      and the readout's over the memory bandwidth (the GPU's measured rate for
+      these kernels where it has one),
       $t_{\text{tok}} = \frac{F_{\text{hw}}}{e P} + \frac{b_e L d\, m + b_V V}{W}$,
       and per micro-batch the gaps between the kernels of the $L m$ layer
       passes, $\tau L m$;
@@ -297,8 +323,14 @@ def step_time(job: Job, setting: Setting, cluster: Cluster,
     # the layers' element-wise kernels and the readout's at the GPU's own
     # measured rate where it has one (the [GPU table](devices.html))
     kernels_rate = gpu.elementwise_bandwidth or gpu.memory_bandwidth
-    elementwise = (tokens * ELEMENTWISE_BYTES * model.n_layers * model.d_model
-                   * passes / kernels_rate)
+    d_in, d_out = adapter_widths(job)
+    # the forward runs again where the layers are recomputed
+    adapter = ((1 + setting.checkpointing)
+               * (ADAPTER_FORWARD[0] * d_in + ADAPTER_FORWARD[1] * d_out)
+               + ADAPTER_BACKWARD[0] * d_in + ADAPTER_BACKWARD[1] * d_out)
+    elementwise = (tokens * model.n_layers
+                   * (ELEMENTWISE_BYTES * model.d_model * passes + adapter)
+                   / kernels_rate)
     if setting.compile:
         elementwise *= COMPILED_ELEMENTWISE
     # the readout and its loss run once a micro-batch, never recomputed

@@ -637,6 +637,16 @@
     // the MFU's count: the fine-tune's FLOPs, recomputation not counted
     return hardwareFlopsPerToken(m, seq, finetune, false);
   }
+  // LoRA's adapters: bytes a token and layer (step_time.py's adapter_widths)
+  function adapterBytes(inputs, k) {
+    if (inputs.finetune !== "lora") return 0;
+    const linears = inputs.model.layer_linears;
+    let dIn = 0, dOut = 0;
+    for (const t of inputs.lora_targets) { dIn += linears[t][0]; dOut += linears[t][1]; }
+    const [fIn, fOut] = k.adapter_forward, [bIn, bOut] = k.adapter_backward;
+    return (1 + Number(inputs.checkpointing)) * (fIn * dIn + fOut * dOut)
+      + bIn * dIn + bOut * dOut;
+  }
   function hardwareFlopsPerToken(m, seq, finetune, checkpointing) {
     const n = matmulParams(m), d = m.d_model, L = m.n_layers;
     // the products whose weights train: every one, or GPT-NeoX's MLP for ffn
@@ -681,8 +691,9 @@
     const passes = 3 + Number(inputs.checkpointing);  // forward, backward as two, recompute
     // the layers' element-wise kernels and the readout's at the GPU's own rate
     const kernelsRate = gpu.elementwise_bandwidth || gpu.memory_bandwidth;
-    let elementwise = (tokens * k.elementwise_bytes * m.n_layers * m.d_model
-                       * passes / kernelsRate);
+    let elementwise = (tokens * m.n_layers
+                       * (k.elementwise_bytes * m.d_model * passes + adapterBytes(inputs, k))
+                       / kernelsRate);
     if (inputs.compile) elementwise *= k.compiled_elementwise;
     // the readout and its loss run once a micro-batch, never recomputed
     const readout = tokens * k.readout_bytes * m.n_vocab / kernelsRate;

@@ -4,6 +4,7 @@ engine's whole measured steps of both families on one H200, each line's job
 built as `bench.run --plan` builds it."""
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -317,3 +318,31 @@ def test_l1_checks_the_readout_term():
         t = timed(line)
         assert abs(t.total / measured - 1) < noise, line["compiled"]
         assert abs((t.total - t.readout) / measured - 1) > noise, line["compiled"]
+
+
+# The LoRA fine-tune of GPT-NeoX-20B that `--auto` planned and ran on one H100
+LORA_20B = RESULTS / "2026-12-06-run66-1xH100-job-lora-gpt-neox-20b.txt"
+
+
+def test_a_lora_step_counts_its_adapters():
+    """The job's own measured step (the log's closing tokens/s, 8 sequences
+    of 2,048 a step) within the goal of the plan's setting, 1 x 8 compiled;
+    without the adapters' bytes it misses the goal."""
+    from labml_zero.finetune.config import FinetuneConfig
+    from labml_zero.finetune.planning import job_of
+
+    text = LORA_20B.read_text()
+    assert "--batch-size 1 --grad-accum 8 --prefetch-depth 1 --compile" in text
+    rate = float(re.search(r"\(after \d+ warm-up\): ([\d,]+)", text)[1]
+                 .replace(",", ""))
+    measured = 8 * 2048 / rate
+    config = FinetuneConfig(model="gpt-neox-20b", finetune="lora", seq_len=2048)
+    job = job_of(config, global_batch=8)
+    setting = Setting(batch=1, micro_batches=8, compile=True)
+    gpu = GPUS["h100"]
+    b = budget_of(job, setting, world_size=1, device_bytes=gpu.memory_bytes)
+    t = step_time(job, setting, Cluster(gpu), b)
+    assert abs(t.total / measured - 1) <= STEP_TOLERANCE
+    # the same FLOPs and no adapter: only the biases train
+    bare = step_time(replace(job, finetune="biases"), setting, Cluster(gpu), b)
+    assert abs(bare.total / measured - 1) > STEP_TOLERANCE
