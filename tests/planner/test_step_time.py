@@ -209,7 +209,7 @@ def h100_bf16_lines() -> list[dict]:
 
 
 def test_an_h100s_element_wise_rate_is_the_bench_fit():
-    """
+    r"""
     The step at the H100's data-sheet bandwidth $W$ for every term is $a + b$,
     $b$ the element-wise and readout terms; at $W$ times a factor $f$ it is
     $a + b/f$. The least-squares $x = 1/f$ over the lines' relative errors is
