@@ -561,10 +561,18 @@ class AdamFP16(torch.optim.Optimizer):
         for home, grad, state in zip(homes, grads, states):
             shard, tensors = home.param.detach(), [state[name] for name in
                                                    self.layout.names]
+            if self.layout.master is None and self.layout.compensation is not None:
+                # a bf16 shard beside its compensation
+                # ([Kahan summation](kahan_summation.html))
+                kahan_summation.compiled_update()(shard, tuple(tensors), grad,
+                                                  coefficients, found_inf, betas)
+                continue
             if self.layout.master is None:
-                self._one_pass_without_master(home, shard, tuple(tensors), grad,
-                                              coefficients, found_inf, betas,
-                                              step)
+                # rounded stochastically with the twin's bits: the step's
+                # device tensor, the home's position
+                stochastic_rounding.compiled_update()(
+                    shard, tuple(tensors), grad, coefficients, found_inf, betas,
+                    self._step_tensor(home.state_device, step), home.position)
                 continue
             if not self.layout.blockwise:
                 rounded_update.one_pass(shard, tuple(tensors), grad,
@@ -579,23 +587,6 @@ class AdamFP16(torch.optim.Optimizer):
                 coefficients, found_inf, betas)
         if self.layout.blockwise and not lead.shard_beside_state:
             lead.write_back(homes, [s[self.layout.master.name] for s in states])
-
-    def _one_pass_without_master(self, home: ShardHome, shard: torch.Tensor,
-                                 state: tuple, grad: torch.Tensor,
-                                 coefficients: torch.Tensor,
-                                 found_inf: torch.Tensor | None,
-                                 betas: rounded_update.Betas, step: int) -> None:
-        """A bf16 device shard that is its own weight, compiled: beside its
-        compensation ([Kahan summation](kahan_summation.html)), or rounded
-        stochastically with the twin's bits (the step's device tensor and the
-        home's position)."""
-        if self.layout.compensation is not None:
-            kahan_summation.compiled_update()(shard, state, grad, coefficients,
-                                              found_inf, betas)
-            return
-        stochastic_rounding.compiled_update()(
-            shard, state, grad, coefficients, found_inf, betas,
-            self._step_tensor(home.state_device, step), home.position)
 
     def _step_tensor(self, device: torch.device, step: int) -> torch.Tensor:
         return self.scalars.step(device, step, self.capture)
