@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from labml_zero.planner.devices import GPU, GPUS, Cluster
-from labml_zero.planner.setting import Job, Setting, budget_of
+from labml_zero.planner.memory_budget import budget as memory_budget
+from labml_zero.planner.setting import Job, Setting, budget_inputs
 from labml_zero.planner.step_time import step_time
 
 from .plan import job_of
@@ -164,7 +165,10 @@ def predict(line: dict, file: str = "") -> Prediction:
     rates and memory."""
     job, setting = job_setting(line, file)
     gpu = gpu_of(line)
-    budget = budget_of(job, setting, world_size=1, device_bytes=gpu.memory_bytes)
+    inputs = budget_inputs(job, setting, world_size=1, device_bytes=gpu.memory_bytes)
+    # the automatic placement's own chunks, where the line reports them
+    offloaded = line.get("info", {}).get("offloaded_chunks")
+    budget = memory_budget(replace(inputs, offloaded_chunks=offloaded))
     step = step_time(job, setting, Cluster(gpu), budget)
     return Prediction(line, file, budget.peak / 2 ** 30, step.total)
 

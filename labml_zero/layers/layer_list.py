@@ -25,7 +25,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-__all__ = ["layer_indices", "init_like_hf", "LayerChain", "count_parameters"]
+__all__ = ["layer_indices", "token_table", "init_like_hf", "LayerChain", "count_parameters"]
 
 
 def layer_indices(n_layers: int, filter_layers: Iterable[int] | None) -> list[int]:
@@ -43,6 +43,24 @@ def layer_indices(n_layers: int, filter_layers: Iterable[int] | None) -> list[in
         raise ValueError(f"filter_layers {bad} out of range: the model has "
                          f"{n_layers} layers (0..{n_layers - 1})")
     return indices
+
+
+def token_table(n_vocab: int, d_model: int, *, device=None, dtype=None) -> nn.Embedding:
+    """
+    ## The token embedding's table
+
+    `nn.Embedding` draws its weight from a normal distribution as it is made.
+    On the meta device there are no values to draw, yet PyTorch's meta
+    `normal_` is a reference implementation whose first call imports
+    `torch._dynamo`, seconds of start-up for every process that lays a model
+    out on meta (the plan, the preflight, the sharded build). There the table
+    is made empty; elsewhere as PyTorch makes it, and the family's
+    `reset_parameters` sets the values either way.
+    """
+    if device is not None and torch.device(device).type == "meta":
+        weight = torch.empty(n_vocab, d_model, device="meta", dtype=dtype)
+        return nn.Embedding(n_vocab, d_model, _weight=weight)
+    return nn.Embedding(n_vocab, d_model, device=device, dtype=dtype)
 
 
 def init_like_hf(module: nn.Module, std: float,

@@ -30,7 +30,8 @@ from torch import nn
 
 from labml_zero.layers.float8 import to_float8
 from labml_zero.layers.layer_list import (LayerChain, count_parameters,
-                                          init_like_hf, layer_indices)
+                                          init_like_hf, layer_indices,
+                                          token_table)
 from labml_zero.llama.config import LlamaConfig
 from labml_zero.llama import kernels as K
 from labml_zero.llama.kernels import LlamaKernels
@@ -93,8 +94,8 @@ class Embedding(nn.Module):
     def __init__(self, config: LlamaConfig, *, device=None, dtype=None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.n_vocab, config.d_model,
-                                         device=device, dtype=dtype)
+        self.embed_tokens = token_table(config.n_vocab, config.d_model,
+                                        device=device, dtype=dtype)
 
     def reset_parameters(self):
         init_llama(self, self.config.init_std)

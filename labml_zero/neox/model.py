@@ -34,7 +34,8 @@ from torch import nn
 
 from labml_zero.layers.float8 import to_float8
 from labml_zero.layers.layer_list import (LayerChain, count_parameters,
-                                          init_like_hf, layer_indices)
+                                          init_like_hf, layer_indices,
+                                          token_table)
 from labml_zero.neox import kernels as K
 from labml_zero.neox.kernels import ModelKernels
 
@@ -146,8 +147,8 @@ class Embedding(nn.Module):
     def __init__(self, config: NeoXConfig, *, device=None, dtype=None):
         super().__init__()
         self.config = config
-        self.embed_in = nn.Embedding(config.n_vocab, config.d_model,
-                                     device=device, dtype=dtype)
+        self.embed_in = token_table(config.n_vocab, config.d_model,
+                                    device=device, dtype=dtype)
 
     def reset_parameters(self):
         _init_like_hf(self, self.config.init_std)

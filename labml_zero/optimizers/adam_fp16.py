@@ -52,6 +52,13 @@ __all__ = ["AdamFP16", "NonFiniteGradient"]
 OffloadRule = Callable[[int, torch.Tensor], bool]
 
 
+# torch.optim marks `add_param_group` never to be compiled, and the mark's first
+# call imports `torch._dynamo`: a second of start-up in every rank. This optimizer
+# is never built inside a compiled region, so it calls the function under the mark.
+_add_param_group = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__",
+                           torch.optim.Optimizer.add_param_group)
+
+
 class AdamFP16(torch.optim.Optimizer):
     """
     ## The optimizer
@@ -173,7 +180,7 @@ class AdamFP16(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """A group added after construction: its homes on the device."""
-        super().add_param_group(param_group)
+        _add_param_group(self, param_group)
         # during `__init__` the homes are built after all groups
         if hasattr(self, "homes"):
             add_group_homes(self.homes, len(self.param_groups) - 1,

@@ -48,9 +48,10 @@ from labml_zero.planner.grad_buffers import (
 )
 from labml_zero.planner.hybrid_memory import hybrid_step_comm, hybrid_wire_bytes
 from labml_zero.planner.memory_model import GRAD_BYTES, gathered_memory
-from labml_zero.planner.placement import (ShardSpec, StaticPlacement,
+from labml_zero.planner.placement import (Placement, ShardSpec, StaticPlacement,
                                           auto_placement, device_optimizer_bytes,
-                                          offload_traffic, resident_bytes)
+                                          offload_order, offload_traffic,
+                                          resident_bytes)
 from labml_zero.planner.sharding import choose_chunk_numel
 from labml_zero.zero3.chunk_layout import plan_chunks
 from labml_zero.zero3.config import ZeroConfig
@@ -137,6 +138,11 @@ class BudgetInputs:
     the host (the {{see: offload}}, `StaticPlacement`), whole chunks from the
     output end; `None` fits the device: the fewest chunks, largest first, that
     bring the peak under `device_bytes` (`auto_placement`)."""
+    offloaded_chunks: int | None = None
+    """An offload already chosen, in place of `offload_fraction`: the first
+    this many chunks of `offload_order`, the count a run that chose its own
+    offload reports. The fraction's chunks from the output end differ from
+    these where the last chunk is a smaller one."""
     device_bytes: int = H200_BYTES
     """The device memory the peak must fit in."""
 
@@ -171,6 +177,9 @@ class BudgetInputs:
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, "
                                  f"got {getattr(self, name)}")
+        if self.offloaded_chunks is not None and self.offloaded_chunks < 0:
+            raise ValueError(f"offloaded_chunks must be >= 0, "
+                             f"got {self.offloaded_chunks}")
         if self.offload_fraction is not None and not 0 <= self.offload_fraction <= 1:
             raise ValueError(f"offload_fraction must be in [0, 1], "
                              f"got {self.offload_fraction}")
@@ -346,7 +355,9 @@ def budget(inputs: BudgetInputs) -> Budget:
                 + max(buffer, accumulation + held) + early)
     other = backward if inputs.update_during_backward else max(without_optimizer,
                                                                 backward)
-    if inputs.offload_fraction is None and other <= inputs.device_bytes:
+    if inputs.offloaded_chunks is not None:
+        placement = Placement(frozenset(offload_order(shards)[:inputs.offloaded_chunks]))
+    elif inputs.offload_fraction is None and other <= inputs.device_bytes:
         placement = auto_placement(shards, device_capacity=inputs.device_bytes,
                                    measured_peak_other=other,
                                    param_bytes=p, states=states).placement

@@ -390,6 +390,19 @@ class AutoPlacement(NamedTuple):
     states: StateLayout = FP32_STATES
 
 
+def offload_order(shards: Sequence[ShardSpec]) -> list[int]:
+    """
+    #### The order in which the automatic placement offloads
+
+    The trainable chunks largest first, so that the fewest chunks move; among
+    equal sizes the later chunk first, for the reasons of `from_output_end`.
+    A run that reports how many chunks it offloaded has offloaded the first
+    that many of this list.
+    """
+    trainable = [i for i, s in enumerate(shards) if s.trainable]
+    return sorted(trainable, key=lambda i: (-shards[i].numel, -i))
+
+
 def auto_placement(
     shards: Sequence[ShardSpec],
     *,
@@ -418,8 +431,8 @@ def auto_placement(
     * `margin`: bytes kept free (fragmentation, variation between steps).
     * `states`: the optimizer's state layout, whose $K_d$ each offload saves.
 
-    Chunks are offloaded largest first (fewest chunks), equal sizes from the
-    output end (see Which chunks first). Raises `ValueError` when even
+    Chunks are offloaded in `offload_order`: largest first (fewest chunks),
+    equal sizes from the output end. Raises `ValueError` when even
     everything offloaded does not fit.
 
     With `resident_world_size` ($N_d$), memory left over then keeps frozen
@@ -464,8 +477,7 @@ def auto_placement(
             f"{(measured_peak_other - budget) / GIB:.2f} GiB"
         )
     chosen = []
-    # largest first; equal sizes, the later chunk first
-    for i in sorted(saving, key=lambda i: (-saving[i], -i)):
+    for i in offload_order(shards):
         if peak <= budget:
             break
         chosen.append(i)
