@@ -61,3 +61,24 @@ def test_the_job_and_the_bench_build_through_build_neox(monkeypatch):
         build_model(FinetuneConfig(), cpu)
     assert job.value.args[0].kernels == ModelKernels()
     assert not job.value.args[0].compile
+
+
+def test_laying_out_a_model_and_its_optimizer_imports_no_compiler():
+    """A model on the meta device (the plan, the preflight) and `AdamFP16`'s
+    parameter groups import no `torch._dynamo`: a second or more of start-up
+    in every process that would need none of it."""
+    import subprocess
+    import sys
+    script = (
+        "import sys, torch\n"
+        "from labml_zero.neox.model import build_layers, tiny\n"
+        "from labml_zero.llama.model import Embedding\n"
+        "from labml_zero.llama.config import tiny as llama_tiny\n"
+        "from labml_zero.optimizers.adam_fp16 import AdamFP16\n"
+        "build_layers(tiny(), device='meta'); Embedding(llama_tiny(), device='meta')\n"
+        "AdamFP16([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)\n"
+        "print('torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -145,6 +145,26 @@ def test_fitting_the_device_offloads_the_fewest_chunks():
         BudgetInputs(param_dtype="int8")
 
 
+def test_an_offload_a_run_chose_is_replayed_chunk_for_chunk():
+    """`offloaded_chunks=k` offloads the first k chunks of `offload_order`, the
+    automatic placement's chunks: where the fitted count is given back, the
+    budget is the fitted one, and a fraction of the same elements, taken from
+    the output end, may move other chunks."""
+    job = BudgetInputs(model=neox_model.pythia_1b(), world_size=1, batch=2,
+                       chunk_numel=2**22, offload_fraction=None,
+                       device_bytes=12 * 2**30)
+    fitted = budget(job)
+    by_count = [budget(replace(job, offloaded_chunks=k)) for k in range(fitted.chunks + 1)]
+    same = [b for b in by_count if b.offloaded_fraction == fitted.offloaded_fraction]
+    assert 0 < fitted.offloaded_fraction < 1 and len(same) == 1
+    assert (same[0].peak, same[0].optimizer_host) == (fitted.peak, fitted.optimizer_host)
+    # each count offloads more than the one before it
+    assert all(a.optimizer_device > b.optimizer_device for a, b in zip(by_count, by_count[1:]))
+    assert budget(replace(job, offloaded_chunks=0)).optimizer_host == 0
+    with pytest.raises(ValueError, match="offloaded_chunks must be >= 0"):
+        replace(job, offloaded_chunks=-1)
+
+
 def test_the_kernels_reach_the_activations():
     """The budget's activations are the activation page's count for the kernels
     of the job: the chunked loss holds no logits, so the peak drops."""
