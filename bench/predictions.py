@@ -39,9 +39,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from labml_zero.planner.devices import GPU, GPUS, Cluster
+from labml_zero.planner.memory_budget import Budget
 from labml_zero.planner.memory_budget import budget as memory_budget
 from labml_zero.planner.setting import Job, Setting, budget_inputs
-from labml_zero.planner.step_time import step_time
+from labml_zero.planner.step_time import StepTime, step_time
 
 from .plan import job_of
 from .workloads import workloads
@@ -84,7 +85,10 @@ H100_FILES = (
     "2026-12-06-run67-1xH100-W2-1-narrow-states.jsonl",
     "2026-12-06-run68-1xH100-W2-1-stochastic-one-pass.jsonl",
     "2026-12-06-run68-1xH100-W1-graphed-stochastic.jsonl",
-    "2026-12-06-run69-1xH100-W2-1-kahan-one-pass-stochastic-b4.jsonl")
+    "2026-12-06-run69-1xH100-W2-1-kahan-one-pass-stochastic-b4.jsonl",
+    "2026-12-06-run70-1xH100-W2-1-peaks-by-depth-and-batch.jsonl",
+    "2026-12-06-run71-1xH100-W2-1O-grid.jsonl",
+    "2026-12-06-run71-1xH100-W2-1O-auto.jsonl")
 # Lines of a layout without a master (`bf16-stochastic`, `bf16-kahan`) in
 # these files ran its update as the twin on widened slices, before the one
 # compiled pass: an engine the planner no longer models, left out.
@@ -124,7 +128,7 @@ def job_setting(line: dict, file: str = "") -> tuple[Job, Setting]:
     The line's job as `bench.run --plan` builds it (its family's, its kernels
     resolved for a GPU, its optimizer states), at the line's batch and depth, and the
     setting the line ran: one micro-batch, its recomputation, the offloaded
-    fraction the engine reported, compiled or not.
+    fraction the engine reported or was given, compiled or not.
     """
     workload = replace(workloads()[line["workload"]], batch=line["batch_per_gpu"],
                        seq=line["seq"],
@@ -138,7 +142,11 @@ def job_setting(line: dict, file: str = "") -> tuple[Job, Setting]:
     job = job_of(workload, world_size=1, kernels=line["kernels"])
     if file in EVERY_LINEAR_FP8_FILES and job.kernels.fp8:
         job = replace(job, kernels=replace(job.kernels, fp8_every_linear=True))
-    offloaded = line.get("info", {}).get("offloaded_fraction", 0.0)
+    # an automatic placement reports what it offloaded; a static one (a
+    # planned `--auto` line's `offload`) is the fraction it was given
+    given = line.get("offload")
+    offloaded = line.get("info", {}).get(
+        "offloaded_fraction", given if isinstance(given, float) else 0.0)
     return job, Setting(line["batch_per_gpu"], 1,
                         checkpointing=workload.activation_checkpointing,
                         offload_fraction=offloaded, compile=line["compiled"])
@@ -148,8 +156,18 @@ class Prediction(NamedTuple):
     """One measured line beside the planner's two predictions for it."""
     line: dict
     file: str
-    memory_gib: float
-    step_s: float
+    budget: Budget
+    """The planner's memory budget for the line."""
+    step: StepTime
+    """The planner's step, term by term."""
+
+    @property
+    def memory_gib(self) -> float:
+        return self.budget.peak / 2 ** 30
+
+    @property
+    def step_s(self) -> float:
+        return self.step.total
 
     @property
     def memory_error(self) -> float:
@@ -170,7 +188,7 @@ def predict(line: dict, file: str = "") -> Prediction:
     offloaded = line.get("info", {}).get("offloaded_chunks")
     budget = memory_budget(replace(inputs, offloaded_chunks=offloaded))
     step = step_time(job, setting, Cluster(gpu), budget)
-    return Prediction(line, file, budget.peak / 2 ** 30, step.total)
+    return Prediction(line, file, budget, step)
 
 
 @functools.lru_cache(maxsize=None)

@@ -102,12 +102,22 @@ def test_gpt_neox_recomputed_at_lesser_depths_is_counted_per_layer(rows):
     # kernels `auto` gives now, eager: each within the goal, and over by the
     # same bytes at every depth, so the per-layer terms are exact and what is
     # left is fixed
-    eager = [p for p in rows if p.line["workload"] == "W2-1"
-             and not full_depth(p.line) and not p.line["compiled"]]
-    assert sorted(p.line["model"]["n_layers"] for p in eager) == [4, 8, 16]
+    lesser = [p for p in rows if p.line["workload"] == "W2-1"
+              and not full_depth(p.line) and not p.line["compiled"]
+              and fp32_states(p.line)]
+    eager = [p for p in lesser if p.line["batch_per_gpu"] == 8]
+    assert {p.line["model"]["n_layers"] for p in eager} == {4, 8, 16}
     assert all(0 < p.memory_error <= MEMORY_GOAL for p in eager)
     over = [p.memory_gib - p.line["peak_mem_gib"] for p in eager]
     assert max(over) - min(over) < 0.02, over
+    # at one, two and four sequences (16, 20 and 24 layers) the budget is
+    # over by more, the same at each, and still within the goal: the
+    # count keeps a term that a short backward pass does not hold at its peak
+    fewer = [p for p in lesser if p.line["batch_per_gpu"] < 8]
+    assert {p.line["batch_per_gpu"] for p in fewer} == {1, 2, 4}
+    assert all(0 < p.memory_error <= MEMORY_GOAL for p in fewer)
+    more = [p.memory_gib - p.line["peak_mem_gib"] for p in fewer]
+    assert min(more) > max(over) and max(more) - min(more) < 0.02, more
 
 
 def test_gpt_neox_recomputed_at_full_depth_with_bf16_moments_is_counted(rows):

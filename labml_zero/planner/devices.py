@@ -71,6 +71,11 @@ class GPU:
     """$W_e$: the rate at which the roofline times the layers' element-wise
     kernels and the readout's, where the benchmark measured one other than
     $W$; `None`: $W$."""
+    host_update_rate: float | None = None
+    """$R_h$: offloaded elements per second that the host of the machine
+    this GPU came in updates (AdamW and the rounding to the parameter's
+    dtype), where the benchmark measured one other than the [step
+    time](step_time.html)'s `HOST_UPDATE_RATE`; `None`: that rate."""
 
 
 # ## The table
@@ -90,14 +95,23 @@ class GPU:
 # sizes. Their rate on the H100 is its $W$ times this factor, the
 # least-squares solution over its bf16 lines in the benchmark's results
 # (tested: tests/planner/test_step_time.py::test_an_h100s_element_wise_rate_is_the_bench_fit).
-H100_ELEMENTWISE_FACTOR = 1.33
+H100_ELEMENTWISE_FACTOR = 1.34
+
+# The step time's host rate was timed on the H200's host. The H100's host
+# updated faster: on the lines of {{see: W2-1O}} whose host update outlasted
+# the backward pass (two and four sequences, with and without recomputation),
+# the step is the rest plus the offloaded elements over this rate, and this is
+# the least-squares solution over those lines' relative errors
+# (tested: tests/planner/test_step_time.py::test_an_h100s_host_update_rate_is_the_bench_fit).
+H100_HOST_UPDATE_RATE = 3.9e9
 
 GPUS = {
     "h100": GPU("h100", "H100", peak_flops=989.4e12,
                 memory_bytes=int(79.1 * GIB), memory_bandwidth=3.35e12,
                 host_link=55e9, peer_bus_bandwidth=360e9,
                 node_bus_bandwidth=45e9, peak_flops_fp8=1978.9e12,
-                elementwise_bandwidth=H100_ELEMENTWISE_FACTOR * 3.35e12),
+                elementwise_bandwidth=H100_ELEMENTWISE_FACTOR * 3.35e12,
+                host_update_rate=H100_HOST_UPDATE_RATE),
     "h200": GPU("h200", "H200", peak_flops=989.4e12,
                 memory_bytes=150_109_880_320, memory_bandwidth=4.8e12,
                 host_link=55e9, peer_bus_bandwidth=360e9,

@@ -359,8 +359,9 @@ def step_time(job: Job, setting: Setting, cluster: Cluster,
 
     # offloaded shards: the link and the host's update run beside the last
     # micro-batch's backward (the chunks from the output end reduce first)
+    host_rate = gpu.host_update_rate or HOST_UPDATE_RATE
     host = (max(budget.host_down, budget.host_up) / gpu.host_link
-            + offloaded / HOST_UPDATE_RATE) if offloaded else 0.0
+            + offloaded / host_rate) if offloaded else 0.0
     backward = compute / a * (3 if setting.checkpointing else 2) / passes
     host_exposed = max(0.0, host - backward)
     total = compute + update + comm_exposed + host_exposed

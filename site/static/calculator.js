@@ -714,7 +714,7 @@
     const commExposed = exposedCollectives(comm, compute, m.n_layers + 2, a,
                                            inputs.prefetch_depth);
     const host = offloaded
-      ? Math.max(result.host_down, result.host_up) / gpu.host_link + offloaded / k.host_update_rate
+      ? Math.max(result.host_down, result.host_up) / gpu.host_link + offloaded / (gpu.host_update_rate || k.host_update_rate)
       : 0.0;
     const backward = compute / a * (inputs.checkpointing ? 3 : 2) / passes;
     const hostExposed = Math.max(0.0, host - backward);

@@ -15,7 +15,8 @@ from bench.predictions import (H100_FILES, H200_FILES, engine_lines, gpu_of,
                                job_setting, predictions)
 from bench.workloads import workloads
 from labml_zero.neox.family import NEOX
-from labml_zero.planner.devices import GPUS, H100_ELEMENTWISE_FACTOR, Cluster
+from labml_zero.planner.devices import (GPUS, H100_ELEMENTWISE_FACTOR,
+                                        H100_HOST_UPDATE_RATE, Cluster)
 from labml_zero.planner.setting import Job, Setting, budget_of
 from labml_zero.planner.step_time import (COMPILED_ELEMENTWISE, ELEMENTWISE_BYTES,
                                           FP8_CAST_BYTES,
@@ -201,11 +202,67 @@ def test_the_lines_cover_both_families_and_every_way_of_running():
 
 def h100_bf16_lines() -> list[dict]:
     """The H100's bf16 lines of the fused kernels on the current engine (the
-    prediction table's) but W4's, whose steps varied by a quarter between
-    leases (compiled: 37.9 to 48.1 ms)."""
+    prediction table's) with every state on the device, but W4's, whose
+    steps varied by a quarter between leases (compiled: 37.9 to 48.1 ms)."""
     return [p.line for p in predictions() if "H100" in p.line["device"]
             and p.line["workload"] != "W4" and p.line["kernels"] != "none"
-            and "fp8" not in p.line["kernels"].split(",")]
+            and "fp8" not in p.line["kernels"].split(",")
+            and p.line.get("offload") is None]
+
+
+def h100_offloaded():
+    """The H100's predictions of lines with optimizer state on the host."""
+    return [p for p in predictions() if "H100" in p.line["device"]
+            and p.line.get("offload") is not None]
+
+
+def test_an_h100s_host_update_rate_is_the_bench_fit():
+    r"""
+    Where the host's update outlasts the backward pass $t_b$, the step is
+    $a + F x$: $a$ the compute, the device's update, the link's time less
+    $t_b$; $F$ the offloaded elements and $x = 1/R_h$. The least-squares $x$
+    over those lines' relative errors is $\sum_i (F_i/m_i)(1 - a_i/m_i) /
+    \sum_i (F_i/m_i)^2$. The other lines (eight sequences: the host hidden)
+    say nothing of the rate.
+    """
+    h100 = GPUS["h100"]
+    assert h100.host_update_rate == H100_HOST_UPDATE_RATE
+    num = den = 0.0
+    exposed = set()
+    for p in h100_offloaded():
+        t, m = p.step, p.line["step_time_mean_s"]
+        if t.host_exposed <= 0:
+            continue
+        # the host term at an endless rate is the link's alone
+        job, setting = job_setting(p.line, p.file)
+        instant = replace(h100, host_update_rate=float("inf"))
+        link = step_time(job, setting, Cluster(instant), p.budget).host
+        backward = t.host - t.host_exposed
+        offloaded = (t.host - link) * H100_HOST_UPDATE_RATE
+        a = t.total - t.host_exposed + link - backward
+        num += offloaded / m * (1 - a / m)
+        den += (offloaded / m) ** 2
+        exposed.add((p.line["batch_per_gpu"], p.line["activation_checkpointing"]))
+    assert exposed == {(2, True), (4, True), (4, False)}
+    assert H100_HOST_UPDATE_RATE == pytest.approx(den / num, rel=ROUNDING)
+
+
+def test_an_h100s_offloaded_steps_are_within_the_goal_but_one():
+    # At the H200's host rate the lines with the host exposed came out up to
+    # 40% slow. The one miss: eight sequences compiled, which ran slower than
+    # eager in the same lease (the model makes compiling save time), under by
+    # a tenth of a percent more than the goal; its eager twin is within it
+    found = h100_offloaded()
+    assert len(found) >= 10
+    missed = [p for p in found if abs(p.step_error) > STEP_TOLERANCE]
+    assert len(missed) == 1
+    miss = missed[0]
+    assert miss.line["compiled"] and miss.line["batch_per_gpu"] == 8
+    assert abs(miss.step_error) <= STEP_TOLERANCE + 0.002
+    twin = next(p for p in found if p.file == miss.file and not p.line["compiled"]
+                and p.line["batch_per_gpu"] == 8)
+    assert twin.line["step_time_mean_s"] < miss.line["step_time_mean_s"]
+    assert abs(twin.step_error) <= STEP_TOLERANCE
 
 
 def test_an_h100s_element_wise_rate_is_the_bench_fit():
