@@ -421,8 +421,8 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
         "gathered_peak = bf16 chunks of 1 + prefetch_depth units and of the held "
         "units (none with one rank); "
         "predicted_peak = device states - shard grads + gathered_peak "
-        "+ activations (of the line's kernels) + early_update_grads, or the "
-        "automatic placement's own prediction",
+        "+ max(activations, activations_beside_grads + early_update_grads) "
+        "(of the line's kernels), or the automatic placement's own prediction",
         psi_trainable=psi_t,
         psi_frozen=psi_f,
         counter=model.runtime.comm.counter,
@@ -436,7 +436,7 @@ def predicted_peak(workload: Workload, memory: dict) -> dict[str, int]:
     r"""
     ### The peak the notes predict: states, gathered chunks, activations
 
-    $M_\text{states} - 4\Psi_t/N + G + A + E$, in the backward pass:
+    $M_\text{states} - 4\Psi_t/N + G + \max(A, A_g + E)$, in the backward pass:
     the model states on the device (from the layout) but the fp32 shard
     gradients, which exist only
     from their chunk's reduce-scatter on, the gathered chunks of $1 +$
@@ -446,20 +446,22 @@ def predicted_peak(workload: Workload, memory: dict) -> dict[str, int]:
     every layer's saved tensors plus the readout's and the loss's peak, for
     the kernels the workload runs: the chunked loss holds no logits), and the freed gradients
     the early updates still queued hold ($E$, `early_update_grads`: at most
-    `EARLY_UPDATES_IN_FLIGHT` of them). Compiled layers keep what the
+    `EARLY_UPDATES_IN_FLIGHT` of them), which come after the loss's peak,
+    beside what the layers keep then ($A_g$, `beside_gradients`). Compiled layers keep what the
     family's count says of them (with fp8 products, not their inputs). With the automatic offload the
     builder replaces it by the placement's own prediction, which stands on the
     probe's measured peak.
     """
-    activations = family_for_config(workload.model).activation_memory(
+    activations, beside = (family_for_config(workload.model).activation_memory(
         workload.model, batch=workload.batch, seq=workload.seq,
         finetune=workload.finetune, checkpointing=workload.activation_checkpointing,
-        kernels=workload.kernels, compiled=workload.compile)
+        kernels=workload.kernels, compiled=workload.compile,
+        beside_gradients=phase) for phase in (False, True))
     states = memory.get("device_states", memory["layout_states"])
-    return {"activations": activations,
+    return {"activations": activations, "activations_beside_grads": beside,
             "predicted_peak": states - memory["shard_grads"]
-            + memory["gathered_peak"] + activations
-            + memory["early_update_grads"]}
+            + memory["gathered_peak"]
+            + max(activations, beside + memory["early_update_grads"])}
 
 
 def probe_step(ctx: DistContext, workload: Workload

@@ -313,6 +313,7 @@ def calculator_data() -> dict:
         "staging_bytes": memory_model.STAGING_BYTES,
         "backward_extra_units": memory_model.BACKWARD_EXTRA_UNITS,
         "early_updates_in_flight": early_update.EARLY_UPDATES_IN_FLIGHT,
+        "link_queue_chunks": memory_budget.LINK_QUEUE_CHUNKS,
         "align": ZeroConfig().align,
         "finetuners": list(FINETUNERS),
         "biases": list(FineTuneBiases.BIASES),

@@ -138,11 +138,13 @@ class ModelFamily:
     time."""
     activation_memory: Callable[..., int]
     """`activation_memory(config, *, batch, seq, finetune, checkpointing,
-    kernels, compiled, lora_rank, lora_targets)`: the activation bytes a rank
+    kernels, compiled, lora_rank, lora_targets, beside_gradients)`: the activation bytes a rank
     holds when its last backward pass starts (every layer's saved tensors, or
     its checkpointed inputs, and the readout's and loss's), for the kernels
     `resolve_kernels` gave, the layers compiled or not; `lora_*` (LoRA's
-    adapters) are given with `finetune='lora'` only."""
+    adapters) are given with `finetune='lora'` only. With
+    `beside_gradients=True`: those alive while the layers' gradients are made,
+    after the loss's peak."""
     finetuner: Callable[..., Any]
     """`finetuner(name, **options)`: `all`, or `lora` with `rank`, `alpha`,
     `targets`, and any others the family has."""

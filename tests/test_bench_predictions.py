@@ -7,6 +7,8 @@ from bench.predictions import (MEASURED_FILES, MEMORY_GOAL, RESULTS, STEP_GOAL,
                                engine_lines, job_setting, gpu_of, predictions,
                                prediction_markdown)
 from bench.workloads import workloads
+from labml_zero.planner.memory_budget import LINK_QUEUE_CHUNKS
+from labml_zero.planner.memory_model import GRAD_BYTES
 from labml_zero.planner.setting import budget_of
 
 GIB = 2 ** 30
@@ -81,53 +83,88 @@ def fp32_states(line: dict) -> bool:
 
 
 def test_gpt_neox_recomputed_at_full_depth_held_more_than_the_count(rows):
-    # W2-1 and W6 at their full depth with fp32 states, measured on an H200
-    # with the kernels of then (loss, rotary, norms): the measured peak
-    # exceeds the budget, and the gap shrinks as the batch grows: not a
-    # per-token term the count misses
+    # W2-1 at its full depth with fp32 states, measured on an H200 with the
+    # engine and kernels of then (loss, rotary, norms): the measured peak
+    # exceeds the budget by more than the goal, and the gap shrinks as the
+    # batch grows: not a per-token term the count misses. W6, of the same
+    # lease, is within the goal
     gaps = {}
     for p in rows:
         line = p.line
         if (line["workload"] not in ("W2-1", "W6") or not full_depth(line)
                 or not fp32_states(line)):
             continue
-        assert p.memory_error < -0.02, line["workload"]
-        if line["workload"] == "W2-1":
-            gaps[line["batch_per_gpu"]] = line["peak_mem_gib"] - p.memory_gib
+        if line["workload"] == "W6":
+            assert abs(p.memory_error) <= MEMORY_GOAL
+            continue
+        assert p.memory_error < -0.02
+        gaps[line["batch_per_gpu"]] = line["peak_mem_gib"] - p.memory_gib
     assert gaps[8] > gaps[12] > gaps[16] > 0
 
 
+# What a line of W2-1's model at a lesser depth held beyond the count, eager:
+# the same at every depth and batch size of a kind (the library's workspaces)
+BESIDE_A_RECOMPUTED_COUNT_GIB = 0.2
+
+
 def test_gpt_neox_recomputed_at_lesser_depths_is_counted_per_layer(rows):
-    # W2-1's model at 4, 8 and 16 layers (`--layers`) on an H100 with the
-    # kernels `auto` gives now, eager: each within the goal, and over by the
-    # same bytes at every depth, so the per-layer terms are exact and what is
-    # left is fixed
+    # W2-1's model at 4, 8, 16, 20 and 24 layers (`--layers`) on an H100 with
+    # the kernels `auto` gives now, eager: each within the goal and under by
+    # the same bytes at every depth, so the per-layer terms are exact and
+    # what is left is fixed; at one, two and four sequences (their peak the
+    # loss's, before any gradient) by less than at eight (later, beside the
+    # gradients)
     lesser = [p for p in rows if p.line["workload"] == "W2-1"
               and not full_depth(p.line) and not p.line["compiled"]
               and fp32_states(p.line)]
-    eager = [p for p in lesser if p.line["batch_per_gpu"] == 8]
-    assert {p.line["model"]["n_layers"] for p in eager} == {4, 8, 16}
-    assert all(0 < p.memory_error <= MEMORY_GOAL for p in eager)
-    over = [p.memory_gib - p.line["peak_mem_gib"] for p in eager]
-    assert max(over) - min(over) < 0.02, over
-    # at one, two and four sequences (16, 20 and 24 layers) the budget is
-    # over by more, the same at each, and still within the goal: the
-    # count keeps a term that a short backward pass does not hold at its peak
-    fewer = [p for p in lesser if p.line["batch_per_gpu"] < 8]
-    assert {p.line["batch_per_gpu"] for p in fewer} == {1, 2, 4}
-    assert all(0 < p.memory_error <= MEMORY_GOAL for p in fewer)
-    more = [p.memory_gib - p.line["peak_mem_gib"] for p in fewer]
-    assert min(more) > max(over) and max(more) - min(more) < 0.02, more
+    by_batch = {}
+    for p in lesser:
+        assert abs(p.memory_error) <= MEMORY_GOAL
+        under = p.line["peak_mem_gib"] - p.memory_gib
+        assert 0 < under < BESIDE_A_RECOMPUTED_COUNT_GIB
+        by_batch.setdefault(p.line["batch_per_gpu"] == 8, []).append(under)
+    assert {p.line["model"]["n_layers"] for p in lesser} == {4, 8, 16, 20, 24}
+    for unders in by_batch.values():
+        assert max(unders) - min(unders) < 0.02, unders
+    assert min(by_batch[True]) > max(by_batch[False])
 
 
 def test_gpt_neox_recomputed_at_full_depth_with_bf16_moments_is_counted(rows):
     # W2-1 at its full depth with bf16 moments, with or without a master
     # (their update moves fewer bytes than fp32 states'), measured on an
-    # H100 at 4 and 8 sequences: within the goal and over, as at lesser depths. So what the fp32
-    # lines above hold beside the count comes with the fp32 states, not
-    # with the depth or the recomputation
+    # H100 at 4 and 8 sequences: within the goal, as at lesser depths
     narrow = [p for p in rows if p.line["workload"] == "W2-1"
               and full_depth(p.line) and not fp32_states(p.line)]
     assert {p.line["optimizer_states"] for p in narrow} == {
         "bf16-moments", "bf16-stochastic", "bf16-kahan"}
-    assert all(0 < p.memory_error <= MEMORY_GOAL for p in narrow)
+    assert all(abs(p.memory_error) <= MEMORY_GOAL for p in narrow)
+
+
+def test_an_offloaded_run_holds_gradients_on_the_link(rows):
+    # Pythia-6.9B recomputed with a part of its optimizer state on the host
+    # (W2-1O, one H100): the peak without the gradients queued for the link
+    # is under every measured one, and the measured excess is, on average,
+    # LINK_QUEUE_CHUNKS of the largest chunk's gradients; without
+    # recomputation too the peak is within the goal
+    recomputed = [p for p in rows if p.line["workload"] == "W2-1O"
+                  and p.line["activation_checkpointing"]]
+    assert len(recomputed) >= 6
+    chunk = GRAD_BYTES * p_largest(recomputed[0]) / GIB
+    excess = []
+    for p in recomputed:
+        b = p.budget
+        assert b.link_grads / GIB == pytest.approx(LINK_QUEUE_CHUNKS * chunk)
+        without = (b.peak - b.link_grads) / GIB
+        assert without < p.line["peak_mem_gib"]
+        assert abs(p.memory_error) <= MEMORY_GOAL
+        excess.append((p.line["peak_mem_gib"] - without) / chunk)
+    assert round(sum(excess) / len(excess)) == LINK_QUEUE_CHUNKS
+    plain = [p for p in rows if p.line["workload"] == "W2-1O"
+             and not p.line["activation_checkpointing"]]
+    assert plain
+    assert all(abs(p.memory_error) <= MEMORY_GOAL for p in plain)
+
+
+def p_largest(p) -> int:
+    """The largest trainable shard's elements of a prediction's layout."""
+    return p.budget.link_grads // (LINK_QUEUE_CHUNKS * GRAD_BYTES)

@@ -435,12 +435,15 @@
     const full = llamaLayerBytes(m, block, n, true, inputs.lora_rank, k);
     const first = llamaLayerBytes(m, block, n, others.has("embed_tokens.weight"),
                                   inputs.lora_rank, k);
+    // total: the most alive at once; beside: alive while the layers'
+    // gradients are made, after the loss's peak
     if (inputs.checkpointing) {
       const kept = n * m.d_model * 2;
       const recomputed = (L > 1 ? full : first) - (k.rms_norm ? kept : 0);
-      return L * kept + Math.max(loss, recomputed);
+      return { total: L * kept + Math.max(loss, recomputed), beside: L * kept + recomputed };
     }
-    return first + (L - 1) * full + loss;
+    const layers = first + (L - 1) * full;
+    return { total: layers + loss, beside: layers };
   }
   function activationBytes(inputs, data) {
     const m = inputs.model, batch = inputs.batch, seq = inputs.seq;
@@ -470,12 +473,14 @@
     if (inputs.checkpointing) {
       const perLayer = batch * seq * m.d_model * 2;
       const recomputed = full - perLayer;
-      return L * perLayer + Math.max(lossPeak, logits + recomputed);
+      return { total: L * perLayer + Math.max(lossPeak, logits + recomputed),
+               beside: L * perLayer + recomputed + logits };
     }
     const embeddingTrains = [...others].some(name => name.startsWith("embed_in."));
     const first = layerBytes(m, block, batch, seq, embeddingTrains, 2, inputs.lora_rank,
                              k.norms);
-    return first + (L - 1) * full + lossPeak;
+    const layers = first + (L - 1) * full;
+    return { total: layers + lossPeak, beside: layers + logits };
   }
 
   // ---------------------------------------------------------------------
@@ -567,7 +572,8 @@
     const held = heldGrads(layout, p);
     const gradBuffer = alone ? held : largestGradBuffer(layout, gR, p);
     const accumulation = inputs.micro_batches > 1 ? totalNumel(layout, true) * gR : 0;
-    const activations = activationBytes(inputs, data);
+    const counted = activationBytes(inputs, data);
+    const activations = counted.total, besideGrads = counted.beside;
     // the freed gradients the queued early updates hold: the parameter
     // dtype's on one rank alone, else fp32
     const largestTrainable = Math.max(0, ...shards.filter(s => s.trainable).map(s => s.numel));
@@ -576,21 +582,27 @@
         * largestTrainable : 0;
     const grads = data.grad_bytes * trainable;
     const withoutOptimizer = p * all + grads;
-    const backward = withoutOptimizer - grads + gathered + activations
-      + Math.max(gradBuffer, accumulation + held) + earlyGrads;
-    const other = inputs.update_during_backward ? backward
-      : Math.max(withoutOptimizer, backward);
+    // no gradient at the loss's peak; the gradients beside the layers' activations
+    const withGrads = besideGrads + Math.max(gradBuffer, accumulation + held) + earlyGrads;
+    // with a chunk offloaded, the largest's gradients queued for the link beside those
+    const queued = data.link_queue_chunks * data.grad_bytes * largestTrainable;
+    const phase = q => {
+      const b = withoutOptimizer - grads + gathered + Math.max(activations, withGrads + q);
+      return inputs.update_during_backward ? b : Math.max(withoutOptimizer, b);
+    };
+    const other = phase(0), offloading = phase(queued);
     const trainablePositions = [];
     shards.forEach((s, i) => { if (s.trainable) trainablePositions.push(i); });
     let onHost;
-    if (inputs.offload_fraction == null && other <= inputs.device_bytes) {
-      onHost = autoPlacement(shards, inputs.device_bytes, other, kDevice);
+    if (inputs.offload_fraction == null && offloading <= inputs.device_bytes) {
+      onHost = autoPlacement(shards, inputs.device_bytes, offloading, kDevice);
     } else {
       const fraction = inputs.offload_fraction == null ? 1 : inputs.offload_fraction;
       onHost = fromOutputEnd(shards.map(s => s.numel), trainablePositions, fraction);
     }
     const offloaded = sum([...onHost].map(i => shards[i].numel));
-    const peak = other + kDevice * (trainable - offloaded);
+    const linkGrads = offloaded ? queued : 0;
+    const peak = (offloaded ? offloading : other) + kDevice * (trainable - offloaded);
     const psiTrainable = sum(specs.filter(s => s.trainable).map(s => s.numel));
     const fwd = totalNumel(layout) * p, rs = totalNumel(layout, true) * gR;
     // gathered again for backward: the units from the first one that trains on
@@ -609,6 +621,7 @@
       optimizer_host: (states.bytes + (states.master_bytes === 0 ? p : 0)
                        + data.staging_bytes) * offloaded,
       gathered, grad_buffer: gradBuffer, accumulation, early_grads: earlyGrads, activations,
+      activations_beside_grads: besideGrads, link_grads: linkGrads,
       offloaded_fraction: trainable ? offloaded / trainable : 0,
       peak, fits: peak <= inputs.device_bytes,
       all_gather: nD === 1 ? 0 : fwd + bwd, reduce_scatter: alone ? 0 : rs,

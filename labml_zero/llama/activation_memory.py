@@ -410,6 +410,9 @@ class ActivationMemory(NamedTuple):
     """The most alive at one time: `layers` plus the loss's peak; with
     recomputation, `layers` plus the larger of the loss's peak and a
     recomputed layer, which never coexist."""
+    beside_gradients: int
+    """What is alive while the layers' gradients are made: `layers`, and
+    with recomputation a recomputed layer; the loss's peak has passed."""
 
 
 def activation_bytes(config: LlamaConfig, *, batch: int, seq: int,
@@ -467,24 +470,27 @@ def activation_bytes(config: LlamaConfig, *, batch: int, seq: int,
         layers = L * kept
         total = layers + max(readout_loss.peak, recomputed)
         return ActivationMemory(kept, kept, layers, recomputed, readout_loss,
-                                total)
+                                total, layers + recomputed)
     layers = first + (L - 1) * full
     return ActivationMemory(first, full, layers, 0, readout_loss,
-                            layers + readout_loss.peak)
+                            layers + readout_loss.peak, layers)
 
 
 def activation_memory(config: LlamaConfig, *, batch: int, seq: int,
                       finetune: str = "all", checkpointing: bool = False,
                       kernels: LlamaKernels | None = None, compiled: bool = False,
                       lora_rank: int = 8,
-                      lora_targets: Sequence[str] | None = None) -> int:
+                      lora_targets: Sequence[str] | None = None,
+                      beside_gradients: bool = False) -> int:
     """
     ### The family's question: `activation_bytes(...).total`
 
     The bytes a rank's activations take at their peak, which the benchmark's
-    predicted peak adds to the model states and gathered chunks.
+    predicted peak adds to the model states and gathered chunks; with
+    `beside_gradients`, those alive while the layers' gradients are made.
     """
-    return activation_bytes(config, batch=batch, seq=seq, finetune=finetune,
-                            lora_rank=lora_rank, lora_targets=lora_targets,
-                            checkpointing=checkpointing, kernels=kernels,
-                            compiled=compiled).total
+    count = activation_bytes(config, batch=batch, seq=seq, finetune=finetune,
+                             lora_rank=lora_rank, lora_targets=lora_targets,
+                             checkpointing=checkpointing, kernels=kernels,
+                             compiled=compiled)
+    return count.beside_gradients if beside_gradients else count.total

@@ -83,6 +83,9 @@ class ActivationMemory(NamedTuple):
     `readout_loss.peak`; with recomputation the layers' inputs plus the larger
     of the loss's peak and a recomputed layer (beside the held logits), since
     the two never coexist."""
+    beside_gradients: int
+    """What is alive while the layers' gradients are made: `layers` and the
+    held logits; the loss's peak has passed."""
 
 
 # ## Readout and loss
@@ -343,6 +346,7 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
         layers = L * per_layer + recomputed
         total = L * per_layer + max(readout_loss.peak,
                                     readout_loss.logits + recomputed)
+        beside = layers + readout_loss.logits
     else:
         embedding_trains = any(name.startswith("embed_in.") for name in others)
         first = _layer_bytes(config, block, input_requires_grad=embedding_trains,
@@ -350,5 +354,7 @@ def activation_bytes(config: NeoXConfig, *, batch: int, seq: int, finetune: str,
         per_layer = full
         layers = first + (L - 1) * full
         total = layers + readout_loss.peak
+        beside = layers + readout_loss.logits
     return ActivationMemory(per_layer=per_layer, layers=layers,
-                            readout_loss=readout_loss, total=total)
+                            readout_loss=readout_loss, total=total,
+                            beside_gradients=beside)

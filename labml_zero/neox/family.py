@@ -127,14 +127,17 @@ def matmul_parameters(config: neox_config.NeoXConfig, finetune: str | None = Non
 def activation_memory(config: neox_config.NeoXConfig, *, batch: int, seq: int,
                       finetune: str = "all", checkpointing: bool = False,
                       kernels=None, compiled: bool = False, lora_rank: int = 8,
-                      lora_targets: Sequence[str] = tuple(TARGETS)) -> int:
+                      lora_targets: Sequence[str] = tuple(TARGETS),
+                      beside_gradients: bool = False) -> int:
     """The whole model's activation bytes per rank, [activation
-    memory](activation_memory.html)'s total, LoRA's adapters at their rank and
-    targets."""
-    return activation_bytes(config, batch=batch, seq=seq, finetune=finetune,
-                            lora_rank=lora_rank, lora_targets=lora_targets,
-                            checkpointing=checkpointing, kernels=kernels,
-                            compiled=compiled).total
+    memory](activation_memory.html)'s total (or, `beside_gradients`, those
+    alive while the layers' gradients are made), LoRA's adapters at their
+    rank and targets."""
+    count = activation_bytes(config, batch=batch, seq=seq, finetune=finetune,
+                             lora_rank=lora_rank, lora_targets=lora_targets,
+                             checkpointing=checkpointing, kernels=kernels,
+                             compiled=compiled)
+    return count.beside_gradients if beside_gradients else count.total
 
 
 def save_hf(out_dir: str | os.PathLike, config: neox_config.NeoXConfig,

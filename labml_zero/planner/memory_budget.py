@@ -12,12 +12,17 @@ summary: Every byte a rank holds and moves for one fine-tune of any model
 The [memory model](memory_model.html) counts each kind of byte alone;
 this page adds them up for one fine-tune of this engine, the sum the
 calculator on the memory model's page computes in the reader's browser. A
-rank's device memory peaks at the start of the last backward pass of a step,
-when every activation is alive, or at the optimizer step, when every gradient
-shard is:
+rank's device memory peaks in the last backward pass of a step, at the
+loss's peak, when every activation is alive, or later, when the layers'
+gradients come beside what is left of them; or at the optimizer step, when
+every gradient shard is:
 
 $$M_{\text{peak}} = \max\left(M_{\text{dev}},\;
-  M_{\text{dev}} - g\,S_t + G + A + B'\right)$$
+  M_{\text{dev}} - g\,S_t + G + \max(A,\; A_g + B')\right)$$
+
+with $A$ every activation at the loss's peak and $A_g$ what the layers keep
+while their gradients $B'$ are made (the symbols are those of the budget's
+parts below).
 
 The model is asked of its [family](../family.html), given as an object: its
 layers built on the meta device, its fine-tuner, its LoRA targets, its kernels
@@ -228,6 +233,11 @@ class Budget:
     (`update_during_backward`)."""
     activations: int
     """$A$, with LoRA's adapters at their rank and targets."""
+    activations_beside_grads: int
+    """$A_g$, the activations alive while the layers' gradients are made."""
+    link_grads: int
+    r"""$Q_h\,g\,S_{\max}$, the offloaded gradients waiting for the link; 0
+    with nothing offloaded."""
     offloaded_fraction: float
     peak: int
     fits: bool
@@ -284,15 +294,26 @@ def _new_layout(inputs: BudgetInputs):
                                align=config.align)
 
 
-def activations_of(inputs: BudgetInputs) -> int:
+def activations_of(inputs: BudgetInputs, *, beside_gradients: bool = False) -> int:
     """$A$: the family's count, LoRA's rank and targets given where it trains
-    adapters."""
+    adapters; with `beside_gradients`, $A_g$: those alive while the layers'
+    gradients are made, after the loss's peak."""
     lora = ({"lora_rank": inputs.lora_rank, "lora_targets": inputs.lora_targets}
             if inputs.finetune == "lora" else {})
     return inputs.family.activation_memory(
         inputs.model, batch=inputs.batch, seq=inputs.seq, finetune=inputs.finetune,
         checkpointing=inputs.checkpointing, kernels=inputs.kernels,
-        compiled=inputs.compiled, **lora)
+        compiled=inputs.compiled, beside_gradients=beside_gradients, **lora)
+
+
+# An offloaded shard's fp32 gradient stays on the device until its copy down
+# has run: the copies queue on one stream behind the backward pass. Measured
+# on one H100 with Pythia-6.9B at four sequences, recomputed, a third of the
+# chunks offloaded: the backward pass held 1.6 GiB beyond $A_g + B' + E$,
+# about two of its chunks' gradients
+# (tested: tests/test_bench_predictions.py::test_an_offloaded_run_holds_gradients_on_the_link).
+LINK_QUEUE_CHUNKS = 2
+"""$Q_h$: the offloaded chunks whose gradients wait for the link to the host."""
 
 
 def budget(inputs: BudgetInputs) -> Budget:
@@ -308,8 +329,12 @@ def budget(inputs: BudgetInputs) -> Budget:
     chunk's (`largest_grad_buffer`), or under accumulation all the buffers and
     one chunk's held gradients. The gradient shards are made by the reduction,
     while the activations are being freed, so the backward term leaves them out;
-    with `update_during_backward` the first term drops out and the second adds
-    $E$, the freed gradients that the queued updates still hold.
+    with `update_during_backward` the first term drops out and $E$, the freed
+    gradients that the queued updates still hold, joins $B'$. No gradient
+    exists at the loss's peak ($A$); the gradients come beside $A_g$, what
+    the layers keep then (and with recomputation the layer recomputed). With
+    any chunk offloaded, $Q_h$ of the largest chunk's gradients wait for the
+    link beside those.
 
     What it leaves out: what its parts leave out (eager activations, no
     allocator fragmentation, no temporaries of the optimizer step, ring
@@ -345,21 +370,30 @@ def budget(inputs: BudgetInputs) -> Budget:
     early = (early_update_grads(layout, queued)
              if inputs.update_during_backward else 0)
     activations = activations_of(inputs)
+    beside = activations_of(inputs, beside_gradients=True)
 
     # The peak less the optimizer state on the device, which offload moves.
     nothing = resident_bytes(StaticPlacement().place(shards), shards, param_bytes=p,
                              states=states)
     grads = GRAD_BYTES * trainable
     without_optimizer = nothing.device - k_device * trainable
-    backward = (without_optimizer - grads + gathered + activations
-                + max(buffer, accumulation + held) + early)
-    other = backward if inputs.update_during_backward else max(without_optimizer,
-                                                                backward)
+    # the loss's peak comes before any gradient; the gradients come beside
+    # the layers' activations
+    with_grads = beside + max(buffer, accumulation + held) + early
+    # with any chunk offloaded, the largest's (the first offloaded) gradients
+    # queued for the link, beside the others
+    largest = max((s.numel for s in shards if s.trainable), default=0)
+    link = LINK_QUEUE_CHUNKS * GRAD_BYTES * largest
+    others = [without_optimizer - grads + gathered + max(activations, with_grads + q)
+              for q in (0, link)]
+    if not inputs.update_during_backward:
+        others = [max(without_optimizer, b) for b in others]
+    other, offloading = others
     if inputs.offloaded_chunks is not None:
         placement = Placement(frozenset(offload_order(shards)[:inputs.offloaded_chunks]))
-    elif inputs.offload_fraction is None and other <= inputs.device_bytes:
+    elif inputs.offload_fraction is None and offloading <= inputs.device_bytes:
         placement = auto_placement(shards, device_capacity=inputs.device_bytes,
-                                   measured_peak_other=other,
+                                   measured_peak_other=offloading,
                                    param_bytes=p, states=states).placement
     else:
         # a fixed fraction; or, when even all of it offloaded does not fit, all
@@ -367,7 +401,9 @@ def budget(inputs: BudgetInputs) -> Budget:
         placement = StaticPlacement(fraction).place(shards)
     split = resident_bytes(placement, shards, param_bytes=p, states=states)
     offloaded = sum(shards[i].numel for i in placement.optimizer_on_host)
-    peak = other + k_device * (trainable - offloaded)
+    if not offloaded:
+        link = 0
+    peak = (offloading if offloaded else other) + k_device * (trainable - offloaded)
     traffic = offload_traffic(placement, shards, param_bytes=p)
 
     # A unit is gathered again for backward when its output needs a gradient
@@ -388,7 +424,7 @@ def budget(inputs: BudgetInputs) -> Budget:
         optimizer_host=split.host,
         gathered=gathered, grad_buffer=buffer, accumulation=accumulation,
         early_grads=early,
-        activations=activations,
+        activations=activations, activations_beside_grads=beside, link_grads=link,
         offloaded_fraction=offloaded / trainable if trainable else 0.0,
         peak=peak,
         fits=peak <= inputs.device_bytes,
@@ -442,8 +478,9 @@ def example(family, model) -> Budget:
     memory_budget.example(families.NEOX,
     neox_model.pythia_1_4b()).peak / 2**30 | .3f}} |
 
-    The peak is the second term, $M_{\text{dev}} - g\,S_t + G + A + B$: the
-    activations of a whole sequence outweigh the gradient shards. A step moves
+    The peak is the second term, $M_{\text{dev}} - g\,S_t + G + \max(A,
+    A_g + B)$: the activations of a whole sequence outweigh the gradient
+    shards. A step moves
     {{py: memory_budget.example(families.NEOX,
     neox_model.pythia_1_4b()).all_gather / 2**30 | .2f}} GiB of all-gathers
     and {{py: memory_budget.example(families.NEOX,

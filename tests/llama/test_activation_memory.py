@@ -298,6 +298,20 @@ def test_family_asks_this_page():
                                     kernels=kernels).total
 
 
+def test_beside_the_gradients_the_loss_has_passed():
+    """What is alive while the layers' gradients are made: the layers' own
+    (with recomputation their inputs and one layer recomputed), without the
+    loss's peak; never more than the total."""
+    config = CONFIGS["gqa"]
+    for checkpointing in (False, True):
+        count = A.activation_bytes(config, batch=B, seq=T, checkpointing=checkpointing)
+        assert count.beside_gradients == count.layers + count.recomputed
+        assert count.beside_gradients <= count.total
+        assert LLAMA.activation_memory(
+            config, batch=B, seq=T, checkpointing=checkpointing,
+            beside_gradients=True) == count.beside_gradients
+
+
 def test_the_fused_layer_formula():
     """The page's two formulas for a fully trained bf16 layer."""
     config = llama_3_2_1b()

@@ -164,6 +164,23 @@ def test_activation_memory_is_the_activation_pages_total():
                              checkpointing=checkpointing).total
 
 
+def test_beside_the_gradients_are_the_layers_and_the_held_logits():
+    """What is alive while the layers' gradients are made: the layers' own
+    (with recomputation their inputs and one layer recomputed) and the
+    logits a plain loss holds, without the loss's peak."""
+    config = neox_config.pythia_160m()
+    for checkpointing in (False, True):
+        for kernels in (None, NEOX.resolve_kernels("auto", "cuda")):
+            count = activation_bytes(config, batch=2, seq=512, finetune="all",
+                                     checkpointing=checkpointing, kernels=kernels)
+            assert count.beside_gradients == (count.layers
+                                              + count.readout_loss.logits)
+            assert count.beside_gradients <= count.total
+            assert NEOX.activation_memory(
+                config, batch=2, seq=512, checkpointing=checkpointing,
+                kernels=kernels, beside_gradients=True) == count.beside_gradients
+
+
 def test_the_finetuners_by_name():
     assert isinstance(NEOX.finetuner("lora", rank=4), FineTuneLoRA)
     with pytest.raises(ValueError, match="unknown fine-tuner 'qkv'"):

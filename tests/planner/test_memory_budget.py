@@ -103,12 +103,14 @@ def test_one_rank_accumulates_through_its_buffer():
 
 
 def test_the_worked_example_peaks_at_the_start_of_backward():
-    """The notes' worked example: its peak is the backward term, which leaves
-    the gradient shards out and the activations in."""
+    """The notes' worked example: its peak is the backward term at the loss's
+    peak, which leaves the gradient shards out and every activation in; the
+    layers' gradients come later, beside fewer activations."""
     example = budget(BudgetInputs())
     backward = (example.device_states - example.grad_shards + example.gathered
-                + example.activations + example.grad_buffer)
+                + example.activations)
     assert example.peak == backward > example.device_states
+    assert example.activations > example.activations_beside_grads + example.grad_buffer
 
 
 def test_lora_activations_are_in_the_peak():
@@ -123,7 +125,7 @@ def test_lora_activations_are_in_the_peak():
         job.model, batch=2, seq=512, finetune="lora", lora_rank=16,
         lora_targets=("query_key_value", "dense")).total
     assert got.peak == (got.device_states - got.grad_shards + got.gathered
-                        + got.activations + got.grad_buffer) > got.device_states
+                        + got.activations) > got.device_states
     wider = budget(replace(job, lora_rank=32))
     n, L = 2 * 512, job.model.n_layers
     assert wider.activations - got.activations == L * 2 * n * (32 - 16) * 2
@@ -192,9 +194,12 @@ def test_early_updates_add_q_of_the_largest_gradient_shards():
         largest = max(layout.shard_numel(c) for c in layout.chunks if c.trainable)
         assert kept.early_grads == 0
         assert early.early_grads == EARLY_UPDATES_IN_FLIGHT * grad_bytes * largest
-        backward = (early.device_states - early.grad_shards + early.gathered
-                    + early.activations + early.grad_buffer)
-        assert early.peak == backward + early.early_grads
+        # the queued gradients come beside the layers' activations, which
+        # with them outweigh the loss's peak here
+        beside = early.activations_beside_grads + early.grad_buffer + early.early_grads
+        assert beside > early.activations
+        assert early.peak == (early.device_states - early.grad_shards
+                              + early.gathered + beside)
 
 
 def test_the_state_layout_sets_k_on_the_device_and_the_host():
