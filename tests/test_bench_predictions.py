@@ -149,11 +149,15 @@ def test_an_offloaded_run_holds_gradients_on_the_link(rows):
     recomputed = [p for p in rows if p.line["workload"] == "W2-1O"
                   and p.line["activation_checkpointing"]]
     assert len(recomputed) >= 6
-    chunk = GRAD_BYTES * p_largest(recomputed[0]) / GIB
     excess = []
     for p in recomputed:
         b = p.budget
-        assert b.link_grads / GIB == pytest.approx(LINK_QUEUE_CHUNKS * chunk)
+        # one rank: the largest shard is a whole chunk, at least the chunk size
+        # (a group wider than it stretches its chunk)
+        queued = LINK_QUEUE_CHUNKS * GRAD_BYTES
+        assert b.link_grads % queued == 0
+        assert b.link_grads >= queued * b.chunk_numel
+        chunk = b.link_grads / LINK_QUEUE_CHUNKS / GIB
         without = (b.peak - b.link_grads) / GIB
         assert without < p.line["peak_mem_gib"]
         assert abs(p.memory_error) <= MEMORY_GOAL
@@ -163,8 +167,3 @@ def test_an_offloaded_run_holds_gradients_on_the_link(rows):
              and not p.line["activation_checkpointing"]]
     assert plain
     assert all(abs(p.memory_error) <= MEMORY_GOAL for p in plain)
-
-
-def p_largest(p) -> int:
-    """The largest trainable shard's elements of a prediction's layout."""
-    return p.budget.link_grads // (LINK_QUEUE_CHUNKS * GRAD_BYTES)
