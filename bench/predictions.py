@@ -70,7 +70,8 @@ H200_FILES = (
     "2026-12-04-run50-1xH200-table.jsonl",
     "2026-12-04-run51-1xH200-job-vs-bench-W1.jsonl",
     "2026-12-05-run54-1xH200-L1.jsonl",
-    "2026-12-05-run55-1xH200-L2-b2-b4.jsonl")
+    "2026-12-05-run55-1xH200-L2-b2-b4.jsonl",
+    "2026-12-06-run73-1xH200-every-engine-best-W4-W1-W2-1.jsonl")
 H100_FILES = (
     "2026-12-05-run52-1xH100-table.jsonl",
     "2026-12-05-run53-1xH100-L1.jsonl",

@@ -111,6 +111,10 @@ class Recipe:
     update has consumed it (`AdamFP16(free_grads=True)`), so the $4\Psi_t/N_d$
     bytes of them never exist at once; `'auto'`'s probe frees them the same way,
     so the measured peak, and the placement, know it."""
+    grad_squares: bool = False
+    """Sum the squares of the gradients the updates consume
+    (`AdamFP16(grad_squares=True)`), the step's gradient norm where
+    `free_grads` leaves no gradient to read after `backward()`."""
     states: str = "fp32"
     """The optimizer's [state layout](zero3/state_layout.html) by name
     (`AdamFP16(states=...)`)."""
@@ -219,7 +223,8 @@ def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
     optimizer = AdamFP16(model.get_trainable_chunk(), lr=recipe.lr,
                          weight_decay=recipe.weight_decay, offload=offload,
                          update_during_backward=recipe.update_during_backward,
-                         free_grads=recipe.free_grads, states=recipe.states)
+                         free_grads=recipe.free_grads,
+                         grad_squares=recipe.grad_squares, states=recipe.states)
 
     # 6. **wire** the optimizer's gradient-ready callback to the runtime: as each
     # chunk is reduced, an offloaded gradient starts its copy to the host and

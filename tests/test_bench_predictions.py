@@ -83,23 +83,26 @@ def fp32_states(line: dict) -> bool:
 
 
 def test_gpt_neox_recomputed_at_full_depth_held_more_than_the_count(rows):
-    # W2-1 at its full depth with fp32 states, measured on an H200 with the
-    # engine and kernels of then (loss, rotary, norms): the measured peak
-    # exceeds the budget by more than the goal, and the gap shrinks as the
-    # batch grows: not a per-token term the count misses. W6, of the same
-    # lease, is within the goal
-    gaps = {}
+    # W2-1 at its full depth with fp32 states on an H200. With the engine and
+    # kernels of 12-03/04 (loss, rotary, norms: the MLP's bias and GELU not
+    # fused) the measured peak exceeds the budget by more than the goal, and
+    # the gap shrinks as the batch grows: not a per-token term the count
+    # misses. With today's engine and kernels (`bias_gelu` fused) the same
+    # setting is within the goal, as is W6, of the older lease
+    gaps, today = {}, 0
     for p in rows:
         line = p.line
         if (line["workload"] not in ("W2-1", "W6") or not full_depth(line)
                 or not fp32_states(line)):
             continue
-        if line["workload"] == "W6":
+        if line["workload"] == "W6" or "bias_gelu" in line["kernels"]:
             assert abs(p.memory_error) <= MEMORY_GOAL
+            today += line["workload"] == "W2-1"
             continue
         assert p.memory_error < -0.02
         gaps[line["batch_per_gpu"]] = line["peak_mem_gib"] - p.memory_gib
     assert gaps[8] > gaps[12] > gaps[16] > 0
+    assert today >= 1
 
 
 # What a line of W2-1's model at a lesser depth held beyond the count, eager:

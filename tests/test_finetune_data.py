@@ -124,3 +124,25 @@ def test_elastic_resume_two_three_one_ranks(tmp_path: Path, capsys):
     assert err.count("\n") == 1, err
     assert "saved with a global batch of 6 sequences" in err
     assert "6 sequences cannot be split over 4 ranks" in err
+
+
+def test_grad_norm_is_the_same_where_the_updates_free_the_gradients(
+        tmp_path: Path):
+    # Without clipping each update frees its gradient during the backward
+    # pass and sums its squares (`ConsumedGradSquares`); with a bound no
+    # gradient reaches (the coefficient is exactly 1), nothing is freed and
+    # the norm is read from the shards after `backward()`. Same weights, same
+    # updates, so the same norm at every step, half the state on the host
+    # (its squares are summed on the host worker). Each norm is a sum of fp32
+    # squares over 2 ranks, then one fp32 sqrt and square: a few fp32 roundings.
+    runs = {}
+    for name, flags in (("freed", []), ("kept", ["--clip-grad", "1e30"])):
+        result = finetune(tmp_path / name, "--steps", "3", "--sample-tokens", "0",
+                          "--offload-optimizer", "0.5", *flags)
+        check_ok(result)
+        runs[name] = tracked(run_dirs(tmp_path / name)[0])
+    freed, kept = runs["freed"]["grad_norm"], runs["kept"]["grad_norm"]
+    assert sorted(freed) == sorted(kept) == [1, 2, 3]
+    for step in freed:
+        assert freed[step] == pytest.approx(kept[step], rel=8 * 2.0 ** -24), step
+    assert runs["freed"]["loss.train"] == runs["kept"]["loss.train"]

@@ -135,6 +135,7 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
                           filter_layers=config.filter_layers)
     dtype = config.torch_dtype(ctx.device)
     scaled = dtype == torch.float16
+    early = config.clip_grad is None and not scaled
     tuner = config.tuner()
     recipe = Recipe(
         zero=ZeroConfig(dtype=dtype,
@@ -148,8 +149,9 @@ def build_model(config: FinetuneConfig, ctx: DistContext,
         offload_params=config.offload_params, grad_accum=config.grad_accum,
         lr=config.lr, weight_decay=config.weight_decay,
         # updates overlap the backward pass unless clipping or unscaling
-        # changes the gradients after it
-        update_during_backward=config.clip_grad is None and not scaled,
+        # changes the gradients after it; each then frees its gradient, as
+        # the planner's budget counts, and sums its squares for `grad_norm`
+        update_during_backward=early, free_grads=early, grad_squares=early,
         states=config.optimizer_states, seed=config.seed)
     if config.checkpoint is None:
         # Random weights, drawn one chunk at a time into the chunk's buffer.

@@ -29,10 +29,8 @@ import time
 
 import torch
 
-from labml_zero.optimizers.clip_grad import shard_grads
-
 __all__ = ["PEAK_FLOPS", "peak_flops", "peak_flops_of", "mfu",
-           "local_grad_squares", "StepClock", "peak_memory_gib", "StepMeter"]
+           "StepClock", "peak_memory_gib", "StepMeter"]
 
 # Dense (not 2:4 sparse) peak FLOP/s per GPU from the vendors' data sheets:
 # name fragment → (bf16/fp16 tensor cores, fp32 through TF32, fp8 tensor
@@ -91,24 +89,6 @@ def mfu(*, token_flops: float, tokens_per_s: float, world_size: int,
     if peak is None:
         return None
     return token_flops * tokens_per_s / (world_size * peak)
-
-
-def local_grad_squares(shards: list[torch.Tensor]) -> torch.Tensor:
-    r"""
-    ### This rank's share of `grad_norm`
-
-    $\sum_i g_i^2$ over this rank's shard gradients, 0-dim fp64, no sync. With
-    fp16 or clipping the engine reduces the norm already (the [loss
-    scaler](../optimizers/grad_scaler.html)'s overflow check, the
-    [clip](../optimizers/clip_grad.html)); otherwise this sum rides in the job's
-    one all-reduce of the step's totals, so the norm costs no collective of its
-    own either way. With hybrid sharding every shard is held by $N_d / K$ ranks,
-    so the sum is divided by $N_d / K$.
-    """
-    grads = shard_grads(shards)
-    if not grads:
-        return torch.zeros((), dtype=torch.float64)
-    return torch.stack(torch._foreach_norm(grads)).double().square().sum()
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 
 from labml_zero.finetune.config import FinetuneConfig
 from labml_zero.finetune.dataset import RankSampler, TextDataset
-from labml_zero.finetune.step_metrics import local_grad_squares
 from labml_zero.launch import DistContext
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.optimizers.clip_grad import clip_grad_norm_
@@ -164,9 +163,12 @@ def train_step(training: Training, batches: list[list[int]],
     AdamFP16 steps. Without either (bf16 or fp32, no `clip_grad`), no gradient
     changes after its chunk is reduced, so each shard is updated right then,
     during the rest of the backward pass
-    ([`update_during_backward`](../optimizers/adam_fp16.html)). The schedule has
-    set the rate before the step, so an update during the backward pass uses it
-    too. Tracking costs one more all-reduce, of four numbers (loss sum, correct
+    ([`update_during_backward`](../optimizers/adam_fp16.html)), and its
+    gradient is freed (`free_grads`): the fp32 gradients of all the shards
+    never exist at once, as [the planner's budget](../planner/memory_budget.html)
+    counts. The gradient norm is then summed by the updates themselves, as
+    each consumes its gradient. The schedule has set the rate before the step,
+    so an update during the backward pass uses it too. Tracking costs one more all-reduce, of four numbers (loss sum, correct
     tokens, tokens and, when nothing reduced it yet, the squared gradient norm),
     and one host sync per step.
     """
@@ -208,17 +210,21 @@ def device_step(training: Training, batch: torch.Tensor,
     norm = scaler.unscale_(shards) if scaler is not None else None
     if config.clip_grad is not None:
         norm = clip_grad_norm_(shards, config.clip_grad, comm, norm=norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+    else:
+        optimizer.step()
     world = dist.get_world_size()
     if norm is not None:
         # the same on every rank: the all-reduce's sum of N_d copies is ‖g‖²
         stats[3] = norm.double().square() / world
     else:
-        # each replica of a shard adds its squares once (see step_metrics)
+        # the updates freed the gradients and summed their squares as they
+        # consumed them (`ConsumedGradSquares`). With hybrid sharding each
+        # shard is held by N_d / K ranks, whose squares the all-reduce adds
+        # N_d / K times: divided here, so the sum is ‖g‖² once.
         replicas = world // (config.shard_group_size or world)
-        stats[3] = local_grad_squares(shards).to(comm.device) / replicas
-    if scaler is not None:
-        scaler.step(optimizer)
-    else:
-        optimizer.step()
+        squares = optimizer.consumed_squares.take(comm.device)
+        stats[3] = squares / replicas
     optimizer.zero_grad()
     return stats

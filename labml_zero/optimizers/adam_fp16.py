@@ -40,6 +40,7 @@ from labml_zero.zero3.state_layout import StateLayout, state_layout
 from . import (blockwise_moments, kahan_summation, narrow_moments,
                rounded_update, stochastic_rounding)
 from .captured_update import CapturedUpdates
+from .clip_grad import ConsumedGradSquares
 from .early_update import EarlyUpdate, EarlyUpdates, NonFiniteGradient
 from .host_offload import HostShard
 from .shard_home import ShardHome, add_group_homes, build_homes
@@ -78,6 +79,10 @@ class AdamFP16(ShardStates, torch.optim.Optimizer):
       called for it (see Note: updating during the backward pass).
     * `free_grads`: with it, free each shard's gradient once its early update
       has consumed it (see `EarlyUpdates.free_grad`).
+    * `grad_squares`: sum the squares of every gradient an update consumes
+      into `consumed_squares` (a [`ConsumedGradSquares`](clip_grad.html)),
+      for the step's gradient norm where `free_grads` leaves nothing to read
+      after `backward()`; it reads each gradient once more.
     * `states`: the [state layout](../zero3/state_layout.html), by name or
       as a `StateLayout`: `"fp32"` (master and moments in fp32, the
       default), `"bf16-moments"` (an fp32 master, the moments rounded to
@@ -125,6 +130,7 @@ class AdamFP16(ShardStates, torch.optim.Optimizer):
         offload: Collection[int] | OffloadRule | None = None,
         update_during_backward: bool = False,
         free_grads: bool = False,
+        grad_squares: bool = False,
         states: str | StateLayout = "fp32",
     ):
         if not lr >= 0:
@@ -163,6 +169,7 @@ class AdamFP16(ShardStates, torch.optim.Optimizer):
         for home in self.homes.host:
             self._state(home)
         self.early_updates = EarlyUpdates(self._apply, free_grads=free_grads)
+        self.consumed_squares = ConsumedGradSquares() if grad_squares else None
         # $t$ and the one-pass coefficients on each device, once a step
         # ([the step's scalars](step_scalars.html))
         self.scalars = StepScalars()
@@ -355,6 +362,9 @@ class AdamFP16(ShardStates, torch.optim.Optimizer):
         for step, same in by_step.items():
             states = [self.state[h.param] for h in same]
             grads = lead.gradients(same)
+            if self.consumed_squares is not None:
+                # beside the update, on its stream or thread, before a skip
+                self.consumed_squares.add(grads)
             found_inf = None
             if early is not None:
                 found_inf = early.flag_non_finite(grads[0])

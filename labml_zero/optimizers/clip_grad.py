@@ -14,10 +14,16 @@ $$\mathbf{g} \leftarrow \mathbf{g} \cdot \min\left(1, \frac{c}{\lVert \mathbf{g}
 exactly as `torch.nn.utils.clip_grad_norm_` does on an unsharded model
 (tested: tests/optimizers/test_clip_grad.py::test_clipping_is_torchs_on_one_rank).
 The norm is over *all* parameters, while each rank holds a shard of each.
+
+The same sum of squares also reports the norm where nothing is clipped: an
+update during the backward pass that frees each gradient adds the gradient's
+squares as it consumes it (`ConsumedGradSquares`), since after `backward()`
+there is nothing left to read.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Sequence
 
 import torch
@@ -34,6 +40,57 @@ def shard_grads(shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     already moved away: the clipping did nothing.)"""
     grads = [shard_grad(s) for s in shards]
     return [g for g in grads if g is not None]
+
+
+def sum_of_squares(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    r"""$\sum_i g_i^2$ over `grads`, a 0-dim fp64 tensor on their device; no
+    host sync. Each tensor's norm is taken in fp32 whatever its dtype (a bf16
+    gradient's norm in bf16 would keep 8 bits), then squared and summed in
+    fp64."""
+    norms = torch._foreach_norm(list(grads), 2, dtype=torch.float32)
+    return torch.stack(norms).double().square().sum()
+
+
+class ConsumedGradSquares:
+    r"""
+    ### The squares of the gradients an optimizer consumed
+
+    `AdamFP16(free_grads=True)` frees each gradient as its update consumes it,
+    so the step's $\lVert \mathbf{g} \rVert_2^2$ is summed where the update
+    reads the gradient: `add` runs beside the update, on the update's stream
+    or host thread, into one fp64 accumulator per device; `take`, after
+    `step()` has waited for every update, returns the sum on one device and
+    starts the next step's at zero. The accumulators are made once and kept,
+    so a recorded step (a CUDA graph) adds into the same memory on every
+    replay. A lock orders the host worker's adds against the main thread's
+    (on a CPU both add into the CPU's accumulator).
+    """
+
+    def __init__(self):
+        self.sums: dict[torch.device, torch.Tensor] = {}
+        self.lock = threading.Lock()
+
+    def add(self, grads: Sequence[torch.Tensor]) -> None:
+        """Add the squares of `grads` (one device) to that device's sum."""
+        if not grads:
+            return
+        squares = sum_of_squares(grads)
+        with self.lock:
+            total = self.sums.get(squares.device)
+            if total is None:
+                self.sums[squares.device] = squares.clone()
+            else:
+                total.add_(squares)
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """The sum of every `add` since the last `take`, 0-dim fp64 on
+        `device`; the sums start again at zero."""
+        out = torch.zeros((), dtype=torch.float64, device=device)
+        with self.lock:
+            for total in self.sums.values():
+                out += total.to(device)
+                total.zero_()
+        return out
 
 
 def check_readable(shards: Sequence[torch.Tensor], reader: str) -> None:
@@ -67,8 +124,8 @@ def global_grad_norm(
     check_readable(shards, "the gradient norm (clipping, the loss scaler)")
     grads = shard_grads(shards)
     if grads:
-        # [n_shards] fp32 per-shard norms, squared and summed: Σ_i g_i² on this rank
-        local = torch.stack(torch._foreach_norm(grads)).float().square().sum()
+        # Σ_i g_i² on this rank
+        local = sum_of_squares(grads).float()
     else:
         local = torch.zeros((), dtype=torch.float32, device=comm.device)
     comm.all_reduce(local)

@@ -134,10 +134,11 @@ class BudgetInputs:
     micro_batches: int = 1
     """Micro-batches accumulated per step (`no_sync`)."""
     update_during_backward: bool = False
-    """`AdamFP16(update_during_backward=True, free_grads=True)`, as the benchmark
-    runs (no clipping, no loss scale): each shard is updated as soon as it is
-    reduced and its gradient freed, so the gradient shards are never all alive
-    and the optimizer step is no peak of its own."""
+    """`AdamFP16(update_during_backward=True, free_grads=True)`, as the
+    benchmark and the fine-tune job run without clipping or a loss scale:
+    each shard is updated as soon as it is reduced and its gradient freed, so
+    the gradient shards are never all alive and the optimizer step is no peak
+    of its own."""
     offload_fraction: float | None = 0.0
     """The least fraction of the trainable elements whose optimizer state is on
     the host (the {{see: offload}}, `StaticPlacement`), whole chunks from the
