@@ -168,9 +168,10 @@ def train_step(training: Training, batches: list[list[int]],
     never exist at once, as [the planner's budget](../planner/memory_budget.html)
     counts. The gradient norm is then summed by the updates themselves, as
     each consumes its gradient. The schedule has set the rate before the step,
-    so an update during the backward pass uses it too. Tracking costs one more all-reduce, of four numbers (loss sum, correct
-    tokens, tokens and, when nothing reduced it yet, the squared gradient norm),
-    and one host sync per step.
+    so an update during the backward pass uses it too. Tracking costs one more
+    all-reduce, of four numbers (loss sum, correct tokens, tokens and, when
+    nothing reduced it yet, the squared gradient norm), and one host sync per
+    step.
     """
     device = training.model.runtime.comm.device
     # [A, 2, B, T] int64: every micro-batch's inputs and targets
