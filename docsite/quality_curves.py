@@ -1,7 +1,7 @@
 r"""
 ---
 title: Drawing the quality runs
-summary: The results page's section on the optimizer-state choices' quality:
+summary: The results page's section on the precision choices' quality:
   one figure of loss curves per model and a table of final validation losses,
   read from the quality runs' result files.
 ---
@@ -9,7 +9,7 @@ summary: The results page's section on the optimizer-state choices' quality:
 # Drawing the quality runs
 
 [`bench/quality.py`](../bench/quality.html) writes one JSON line per
-optimizer-state choice, each with `"kind": "quality"`. For each model,
+precision choice (a state layout, or fp8 products), each with `"kind": "quality"`. For each model,
 device and set of choices the latest file's lines are drawn as an SVG figure (validation loss against step,
 one line per choice) and a table of final validation losses with
 $\delta = (L_\text{choice} - L_\text{fp32}) / L_\text{fp32}$. With no such file
@@ -22,7 +22,7 @@ import json
 from html import escape
 from pathlib import Path
 
-from bench.quality import QUALITY_GOAL
+from bench.quality import QUALITY_GOAL, choice_of
 
 __all__ = ["load_quality", "curves_svg", "quality_markdown"]
 
@@ -47,7 +47,7 @@ def load_quality(root: Path) -> dict[tuple, tuple[str, list[dict]]]:
         lines = [l for l in lines if l.get("kind") == "quality"]
         if lines:
             key = (lines[0]["model"], lines[0]["device"],
-                   tuple(l["optimizer_states"] for l in lines))
+                   tuple(choice_of(l) for l in lines))
             found[key] = (path.name, lines)
     return dict(sorted(found.items()))
 
@@ -80,17 +80,19 @@ def curves_svg(lines: list[dict], series: str = "valid_loss") -> str:
                    f'points="{path}"/>')
         out.append(f'<text x="{WIDTH - MARGIN - 130}" y="{MARGIN + 14 * i}" '
                    f'font-size="12" fill="{colour}">'
-                   f'{escape(line["optimizer_states"])}</text>')
+                   f'{escape(choice_of(line))}</text>')
     return "\n".join(out + ["</svg>"])
 
 
 def quality_markdown(root: Path) -> str:
-    """The results page's section on the optimizer-state choices' quality."""
-    out = ["", "## Quality of the optimizer-state choices", "",
-           "Each choice of optimizer states trains the same model on the same data "
+    """The results page's section on the precision choices' quality."""
+    out = ["", "## Quality of the precision choices", "",
+           "Each choice of optimizer states, and fp8 products with fp32 states, "
+           "trains the same model on the same data "
            "and seed (`python -m bench.quality`); the figure draws the validation "
            "loss against the step, and the table gives the final validation loss "
-           "and its relative difference $\\delta$ to the fp32 states. A choice "
+           "and its relative difference $\\delta$ to the fp32 states with bf16 "
+           "products. A choice "
            f"meets the goal when $\\lvert\\delta\\rvert \\le$ {QUALITY_GOAL:.1%}. The runs "
            "start from the preset's random weights, so the losses are those of "
            "a model trained from scratch for these steps.", ""]
@@ -103,15 +105,16 @@ def quality_markdown(root: Path) -> str:
         out += [f"### {model}, {first['steps']} steps on {first['device']}", "",
                 '<figure class="data">', curves_svg(lines), "</figure>", "",
                 '<figure class="data">', "",
-                "| optimizer states | final validation loss | δ against fp32 | goal |",
+                "| choice | final validation loss | δ against fp32 | goal |",
                 "| --- | --- | --- | --- |"]
         for line in lines:
             delta = line["valid_loss_rel_diff"]
-            out.append(f"| {line['optimizer_states']} | "
+            out.append(f"| {choice_of(line)} | "
                        f"{line['final_valid_loss']:.4f} | {delta:+.2%} | "
                        f"{'met' if abs(delta) <= QUALITY_GOAL else 'missed'} |")
-        command = " ".join(["python -m bench.quality --model", model, "--steps",
-                            str(first["steps"]), "--valid-every",
+        choices = ",".join(choice_of(l) for l in lines)
+        command = " ".join(["python -m bench.quality --model", model, "--choices",
+                            choices, "--steps", str(first["steps"]), "--valid-every",
                             str(first["valid_every"]), "--", *first["job_args"]])
         out += ["", "</figure>", "", f"From `{name}`, measured by `{command}`.", ""]
     return "\n".join(out)

@@ -75,6 +75,10 @@ def test_no_quality_run_is_said_plainly(tmp_path):
     (["--choices", "int4"], "--choices: unknown int4"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--valid-every", "0"], "--valid-every must be at least 1"),
+    (["--model", "pythia-160m", "--choices", "fp8"],
+     "--choices fp8: no linear of pythia-160m runs in fp8"),
+    (["--model", "pythia-410m", "--choices", "fp8", "--", "--kernels", "none"],
+     "--kernels among the job's flags: the fp8 choice sets it"),
 ])
 def test_bad_flags_are_refused_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -94,6 +98,39 @@ def test_a_checkpoint_gives_the_model(tmp_path):
     assert "--model" not in command and command[-2:] == ["--checkpoint", "ckpt"]
     plain = quality.job_command(quality.parse_args(["--model", "tiny"]), "fp32", tmp_path)
     assert plain[plain.index("--model") + 1] == "tiny"
+
+
+def test_fp8_differs_from_the_baseline_only_in_its_products(tmp_path):
+    """The fp8 run keeps fp32 states and adds `--kernels auto,fp8` after the
+    shared flags; on a model whose MLP is large enough (Pythia-410M's), the
+    choice is taken, and its file is named by it."""
+    args = quality.parse_args(["--model", "pythia-410m", "--choices", "fp8"])
+    assert args.choices == ["fp32", "fp8"]
+    base, fp8 = (quality.job_command(args, c, tmp_path) for c in args.choices)
+    assert fp8[fp8.index("--optimizer-states") + 1] == "fp32"
+    assert [a for a in fp8 if a not in base] == ["--kernels", "auto,fp8"]
+    day = quality.datetime.date(2026, 1, 1)
+    assert quality.default_out("pythia-410m", "NVIDIA H200", day, args.choices).name \
+        == "2026-01-01-quality-pythia-410m-fp8-1xH200.jsonl"
+    assert quality.default_out("pythia-410m", "NVIDIA H200", day).name \
+        == "2026-01-01-quality-pythia-410m-1xH200.jsonl"
+
+
+def test_the_page_names_each_lines_choice(written):
+    """An fp8 line, its states fp32, is drawn and tabled as `fp8`; a line
+    written before products were a choice is named by its states."""
+    root, lines = written
+    fp8 = dict(lines[0], choice="fp8", products="fp8", valid_loss_rel_diff=0.25)
+    old = {k: v for k, v in lines[0].items() if k != "choice"}
+    later = root / "bench" / "results" / "2099-01-01-quality-tiny-fp8-1xcpu.jsonl"
+    later.write_text("".join(json.dumps(l) + "\n" for l in (old, fp8)))
+    try:
+        assert ("tiny", "CPU", ("fp32", "fp8")) in load_quality(root)
+        page = quality_markdown(root)
+        assert f"| fp8 | {fp8['final_valid_loss']:.4f} | +25.00% | missed |" in page
+        assert "--choices fp32,fp8" in page
+    finally:
+        later.unlink()  # the fixture's folder is shared by this file's tests
 
 
 def test_a_run_of_other_choices_stands_beside_the_earlier_one(written):
