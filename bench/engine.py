@@ -391,8 +391,9 @@ def build_labml_zero(ctx: DistContext, workload: Workload) -> Engine:
     if built.placement is not None:
         # the model states a placement leaves on the device and puts on the
         # host: $K_d$ moved off the device, $K_h$ and the staging buffer on
-        # the host, for each offloaded element
-        split = resident_bytes(built.placement, shards, states=states)
+        # the host, for each offloaded element (pinned beside a GPU)
+        split = resident_bytes(built.placement, shards, states=states,
+                               pinned=ctx.device.type == "cuda")
         memory["device_states"], memory["host_states"] = split.device, split.host
     memory.update(predicted_peak(workload, memory))
     if built.decided is not None:

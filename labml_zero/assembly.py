@@ -286,7 +286,9 @@ def place(model: Zero3Sequential, recipe: Recipe,
             freeing.remove()  # the optimizer frees them from here on
         apply_placement(model, decided.placement)
         if model.runtime.comm.rank == 0:
-            print("\n".join(decision_lines(decided, shard_specs(model))), flush=True)
+            lines = decision_lines(decided, shard_specs(model),
+                                   pinned=device.type == "cuda")
+            print("\n".join(lines), flush=True)
         return decided.placement, decided
     if recipe.offload_optimizer == 0 and recipe.offload_params == 0:
         return None, None

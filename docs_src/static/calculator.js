@@ -12,6 +12,12 @@
   // Integer helpers (bytes stay below 2^53, so Numbers are exact)
   function roundUp(value, multiple) { return Math.ceil(value / multiple) * multiple; }
   function sum(xs) { let s = 0; for (const x of xs) s += x; return s; }
+  // memory_model.pinned_bytes: a pinned block rounded up to a power of two
+  function pinnedBytes(n) {
+    let block = 1;
+    while (block < n) block *= 2;
+    return n > 0 ? block : 0;
+  }
   // `field`: the form control the reader must change (the page shows the message
   // beside it)
   function fail(message, field) {
@@ -618,8 +624,9 @@
       params: p * all, grad_shards: grads,
       optimizer_device: kDevice * (trainable - offloaded),
       // K_h: K, and without a master the host's copy of the weight (p)
-      optimizer_host: (states.bytes + (states.master_bytes === 0 ? p : 0)
-                       + data.staging_bytes) * offloaded,
+      // and each shard's pinned staging buffer, a power of two (pinned_bytes)
+      optimizer_host: (states.bytes + (states.master_bytes === 0 ? p : 0)) * offloaded
+                      + sum([...onHost].map(i => pinnedBytes(data.staging_bytes * shards[i].numel))),
       gathered, grad_buffer: gradBuffer, accumulation, early_grads: earlyGrads, activations,
       activations_beside_grads: besideGrads, link_grads: linkGrads,
       offloaded_fraction: trainable ? offloaded / trainable : 0,

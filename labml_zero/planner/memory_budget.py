@@ -220,7 +220,8 @@ class Budget:
     optimizer_device: int
     optimizer_host: int
     """The optimizer states on the host (without a master, the weight's copy
-    too), with their pinned staging buffer."""
+    too), with their pinned staging buffers as the host's allocator rounds
+    them (`pinned_bytes`)."""
     gathered: int
     grad_buffer: int
     r"""$B$, the largest chunk's gradient buffer beside the gradients held for it
@@ -400,7 +401,9 @@ def budget(inputs: BudgetInputs) -> Budget:
         # a fixed fraction; or, when even all of it offloaded does not fit, all
         fraction = 1.0 if inputs.offload_fraction is None else inputs.offload_fraction
         placement = StaticPlacement(fraction).place(shards)
-    split = resident_bytes(placement, shards, param_bytes=p, states=states)
+    # a GPU rank's: its staging buffers are page-locked
+    split = resident_bytes(placement, shards, param_bytes=p, states=states,
+                           pinned=True)
     offloaded = sum(shards[i].numel for i in placement.optimizer_on_host)
     if not offloaded:
         link = 0

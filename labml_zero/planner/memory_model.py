@@ -59,6 +59,7 @@ __all__ = [
     "REDUCE_BYTES",
     "OPTIMIZER_BYTES",
     "STAGING_BYTES",
+    "pinned_bytes",
     "MASTER_INIT_BYTES",
     "zero_model_states",
     "layout_model_states",
@@ -100,6 +101,20 @@ REDUCE_BYTES = 4
 OPTIMIZER_BYTES = FP32_STATES.bytes_per_element()
 # the pinned fp32 staging buffer of a shard whose optimizer state is on the host
 STAGING_BYTES = 4
+
+
+def pinned_bytes(nbytes: int) -> int:
+    r"""
+    #### The host memory a page-locked buffer takes
+
+    PyTorch serves page-locked ("pinned") host tensors from its host caching
+    allocator, which rounds each block up to the next power of two so that a
+    freed block fits later requests of other sizes: a staging buffer of $4S$
+    bytes takes $2^{\lceil \log_2 4S \rceil}$, between once and twice its
+    size
+    (tested: tests/planner/test_memory_budget.py::test_pinned_staging_is_rounded_to_a_power_of_two).
+    """
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 # the fp32 copy of a trainable shard's initial values, held until the first step
 MASTER_INIT_BYTES = 4
 

@@ -61,14 +61,16 @@ class PlacementSummary(NamedTuple):
     host_states: int
 
 
-def summarize(decided: AutoPlacement, shards: Sequence[ShardSpec]
-              ) -> PlacementSummary:
-    """The numbers of the decision, for `shards` (`shard_specs(model)`)."""
+def summarize(decided: AutoPlacement, shards: Sequence[ShardSpec], *,
+              pinned: bool = False) -> PlacementSummary:
+    """The numbers of the decision, for `shards` (`shard_specs(model)`);
+    `pinned` where the staging buffers are page-locked (beside a GPU)."""
     placement = decided.placement
     trainable = [i for i, s in enumerate(shards) if s.trainable]
     total = sum(shards[i].numel for i in trainable)
     offloaded = sum(shards[i].numel for i in placement.optimizer_on_host)
-    split = resident_bytes(placement, shards, states=decided.states)
+    split = resident_bytes(placement, shards, states=decided.states,
+                           pinned=pinned)
     return PlacementSummary(
         offloaded_chunks=len(placement.optimizer_on_host),
         trainable_chunks=len(trainable),
@@ -77,8 +79,8 @@ def summarize(decided: AutoPlacement, shards: Sequence[ShardSpec]
         device_peak=decided.predicted_peak, host_states=split.host)
 
 
-def decision_lines(decided: AutoPlacement, shards: Sequence[ShardSpec]
-                   ) -> list[str]:
+def decision_lines(decided: AutoPlacement, shards: Sequence[ShardSpec], *,
+                   pinned: bool = False) -> list[str]:
     """
     ### The decision, as lines to print before the first step
 
@@ -116,7 +118,7 @@ def measured_lines(decided: AutoPlacement, shards: Sequence[ShardSpec], *,
     says so instead of a number. The host's is the process's peak resident set
     (`ru_maxrss`).
     """
-    s = summarize(decided, shards)
+    s = summarize(decided, shards, pinned=device.type == "cuda")
     if device.type == "cuda":
         # host sync: the peak must include every kernel queued so far
         torch.cuda.synchronize(device)

@@ -6,7 +6,10 @@ its grid, tests/docs/calculator_grid.py)."""
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import replace
+from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -16,8 +19,14 @@ from labml_zero.neox import model as neox_model
 from labml_zero.neox.activation_memory import activation_bytes
 from labml_zero.neox.finetuners import finetuner
 from labml_zero.neox.family import NEOX
-from labml_zero.planner import memory_budget
+from labml_zero.neox import config as neox_config
+from labml_zero.planner import memory_budget, placement
+from labml_zero.planner.devices import GPUS
 from labml_zero.planner.memory_budget import TORCH_DTYPES, budget
+from labml_zero.planner.memory_model import pinned_bytes
+from labml_zero.planner.placement import Placement, ShardSpec, resident_bytes
+from labml_zero.planner.search import HOST_PROCESS_BYTES
+from labml_zero.planner.setting import Job, Setting, budget_inputs, budget_of
 from labml_zero.zero3 import ZeroConfig
 from tests.distributed import run_distributed
 from tests.docs.calculator_grid import ENGINE_CASES, neox_inputs as BudgetInputs
@@ -131,6 +140,57 @@ def test_lora_activations_are_in_the_peak():
     assert wider.activations - got.activations == L * 2 * n * (32 - 16) * 2
 
 
+def unpinned(inputs) -> memory_budget.Budget:
+    """The budget with each staging buffer at its own $4S$ bytes."""
+    with mock.patch.object(placement, "pinned_bytes", lambda nbytes: nbytes):
+        return budget(inputs)
+
+
+def test_pinned_staging_is_rounded_to_a_power_of_two():
+    assert [pinned_bytes(n) for n in (0, 1, 4, 5, 2**24, 2**24 + 1)] == \
+        [0, 1, 4, 8, 2**24, 2**25]
+    shards = [ShardSpec(numel=5, trainable=True), ShardSpec(numel=8, trainable=True)]
+    both = Placement(optimizer_on_host=frozenset({0, 1}))
+    # 12 of state each element; staging 20 -> 32 and 32 -> 32 bytes
+    assert resident_bytes(both, shards).host == 12 * 13 + 4 * 13
+    assert resident_bytes(both, shards, pinned=True).host == 12 * 13 + 32 + 32
+
+
+# GPT-NeoX-20B's full fine-tune on one H200, bf16 states rounded
+# stochastically, 8 x 2048 tokens: three runs of the job, each with the
+# machine's used memory (`free`, every process) sampled every second
+RUN74 = (Path(__file__).resolve().parents[2] / "bench" / "results"
+         / "2026-12-06-run74-1xH200-job-20b-gradients-kept.txt")
+HOST_GOAL = 0.05  # issue 49: host memory within 5%
+
+
+def test_the_20b_runs_host_memory_is_the_budgets():
+    """With a quarter and with 0.4 of the state on the host, the node's host
+    memory the planner counts (the state, the pinned staging buffers as
+    allocated, one process) is what the machine used, within 1%; without
+    the staging buffers' rounding it was 7 to 8% short. (These runs ran out
+    of device memory in their first step, after the host state was made.)"""
+    job = Job(model=neox_config.PRESETS["gpt-neox-20b"](), seq=2048, global_batch=8,
+              states="bf16-stochastic", family=NEOX)
+    checked = 0
+    for run in RUN74.read_text().split("## run")[1:]:
+        fraction = re.search(r"--offload-optimizer ([\d.]+) ", run)
+        if fraction is None:
+            continue  # nothing offloaded: the process alone
+        setting = Setting(batch=8, micro_batches=1, checkpointing=True,
+                          offload_fraction=float(fraction.group(1)), compile=True)
+        used = int(re.search(r"max host used MiB: (\d+)", run).group(1)) * 2**20
+        node = budget_of(job, setting, world_size=1,
+                         device_bytes=GPUS["h200"].memory_bytes).optimizer_host
+        node += HOST_PROCESS_BYTES
+        assert node / used - 1 == pytest.approx(0, abs=0.01)
+        flat = unpinned(budget_inputs(job, setting, world_size=1,
+                                      device_bytes=GPUS["h200"].memory_bytes))
+        assert flat.optimizer_host + HOST_PROCESS_BYTES < (1 - HOST_GOAL) * used
+        checked += 1
+    assert checked == 2
+
+
 def test_fitting_the_device_offloads_the_fewest_chunks():
     """`offload_fraction=None` offloads until the peak fits, and no more; a device
     too small for everything offloaded says it does not fit."""
@@ -139,7 +199,11 @@ def test_fitting_the_device_offloads_the_fewest_chunks():
                        device_bytes=12 * 2**30)
     fitted = budget(job)
     assert fitted.fits and 0 < fitted.offloaded_fraction < 1
-    assert fitted.host_down == 4 * fitted.optimizer_host // 16
+    # per offloaded element 12 bytes of state and 4 of staging buffer, which
+    # the host's allocator rounds up to a power of two a shard
+    flat = unpinned(job)
+    assert flat.host_down == 4 * flat.optimizer_host // 16
+    assert flat.optimizer_host <= fitted.optimizer_host < 2 * flat.optimizer_host
     assert not budget(replace(job, device_bytes=2**30)).fits
     with pytest.raises(ValueError, match="shard_group_size 3 does not divide"):
         budget(BudgetInputs(world_size=8, shard_group_size=3))
@@ -228,9 +292,11 @@ def test_the_state_layout_sets_k_on_the_device_and_the_host():
         layout = LAYOUTS[name]
         offloaded = half.offloaded_fraction * half.grad_shards // 4
         assert 0 < half.offloaded_fraction < 1
-        # the device saves K; the host holds K + p (the weight's copy) + 4
+        # the device saves K; the host holds K + p (the weight's copy) + 4,
+        # the staging buffer's 4 before its pinned rounding
         assert none.peak - half.peak == layout.bytes_per_element() * offloaded
-        assert half.optimizer_host == (layout.bytes_per_element() + 2 + 4) * offloaded
+        flat = unpinned(BudgetInputs(states=name, offload_fraction=0.5))
+        assert flat.optimizer_host == (layout.bytes_per_element() + 2 + 4) * offloaded
     with pytest.raises(ValueError, match="states must be one of fp32"):
         BudgetInputs(states="int8")
 
