@@ -102,7 +102,9 @@ def quality_markdown(root: Path) -> str:
                                 ""])
     for (model, _, _), (name, lines) in runs.items():
         first = lines[0]
-        out += [f"### {model}, {first['steps']} steps on {first['device']}", "",
+        # the choices in the heading: one model may have several runs
+        out += [f"### {model}, {', '.join(choice_of(l) for l in lines)}: "
+                f"{first['steps']} steps on {first['device']}", "",
                 '<figure class="data">', curves_svg(lines), "</figure>", "",
                 '<figure class="data">', "",
                 "| choice | final validation loss | δ against fp32 | goal |",
