@@ -103,12 +103,11 @@ EVERY_LINEAR_FP8_FILES = (
     "2026-12-06-run60-1xH100-W2-1-by-depth-fp8.jsonl",
     "2026-12-06-run61-1xH100-W4-fp8.jsonl")
 # The plain model (`--kernels none`) and the kernels added in steps: the
-# roofline's element-wise bytes are one count for every choice of kernels, and
-# the activation count of a compiled layer is eager PyTorch's, so these lines
-# show what that leaves out. They are not in the fits: W4's CUDA-graphed
-# step of one lease took 55.3 ms plain, 45.8 with the chunked loss and 40.8
-# with every fusion, where the model says 44.9 for each
-# (tested: tests/planner/test_step_time.py::test_the_element_wise_term_is_blind_to_the_kernels).
+# roofline adds the bytes each plain twin moves, counted from the code, to the
+# element-wise count of every fusion on; these lines check it, in no fit. W4's
+# CUDA-graphed step of one lease, plain, with the chunked loss and with every
+# fusion, each within the goal
+# (tested: tests/planner/test_step_time.py::test_the_kernels_are_timed_by_their_twins_bytes).
 KERNEL_CHOICE_FILES = ("2026-12-05-run56-1xH100-L1-every-engine.jsonl",
                        "2026-12-06-run75-1xH100-W4-kernels-graphed-every-engine-best.jsonl")
 MEASURED_FILES = H200_FILES + H100_FILES + KERNEL_CHOICE_FILES

@@ -256,13 +256,16 @@ def step_time_json(inputs, *, gpu: str = DEFAULT_GPU, nodes: int = 1,
                    compile: bool = False) -> dict:
     """`step_time.step_time` of a `BudgetInputs` on `nodes` nodes of `gpu`s,
     with tokens/s and MFU as the planner's `Plan` counts them: what
-    `computeStepTime` returns."""
+    `computeStepTime` returns. The step is the job's on a GPU, every fusion on
+    (`auto`), whatever kernels size the memory: the script has no count of the
+    plain twins' bytes, which the planner takes from running the model on the
+    meta device."""
     from labml_zero.planner.memory_budget import budget
     from labml_zero.planner.setting import Setting
     from labml_zero.planner.step_time import model_flops_per_token, step_time
 
     cluster = _cluster(inputs, gpu, nodes)
-    job = _job(inputs, kernels=inputs.kernels)
+    job = _job(inputs)
     setting = Setting(batch=inputs.batch, micro_batches=inputs.micro_batches,
                       checkpointing=inputs.checkpointing,
                       prefetch_depth=inputs.prefetch_depth, compile=compile)

@@ -80,7 +80,7 @@ class ModelFamily:
     The other fields (`materialize`, `load_layer`, `save_hf`, `save_merged`,
     `save_adapter`, `flops_per_token`, `matmul_parameters`, `layer_linears`,
     `fp8_linears`,
-    `activation_memory`) serve unsharded layers (tests and small models), the
+    `activation_memory`, `unfused_bytes`) serve unsharded layers (tests and small models), the
     offline export and [the planner](planner/index.html).
 
     It holds functions, not a base class to override: each family package
@@ -145,6 +145,11 @@ class ModelFamily:
     adapters) are given with `finetune='lora'` only. With
     `beside_gradients=True`: those alive while the layers' gradients are made,
     after the loss's peak."""
+    unfused_bytes: Callable[..., Any]
+    """`unfused_bytes(config, kernels, *, batch, seq)`: the bytes per token
+    that the plain twins of the fusions `kernels` leave off add to a step,
+    a layer's forward and backward and the rest's ([their
+    count](layers/kernel_traffic.html)), for the planner's step time."""
     finetuner: Callable[..., Any]
     """`finetuner(name, **options)`: `all`, or `lora` with `rank`, `alpha`,
     `targets`, and any others the family has."""

@@ -709,7 +709,8 @@
     const flops = hardwareFlopsPerToken(m, inputs.seq, inputs.finetune, inputs.checkpointing);
     const matmul = tokens * flops / (k.matmul_efficiency * gpu.peak_flops);
     const passes = 3 + Number(inputs.checkpointing);  // forward, backward as two, recompute
-    // the layers' element-wise kernels and the readout's at the GPU's own rate
+    // the layers' element-wise kernels and the readout's at the GPU's own rate,
+    // every fusion on (the job's `auto`): no plain twin's bytes to add
     const kernelsRate = gpu.elementwise_bandwidth || gpu.memory_bandwidth;
     let elementwise = (tokens * m.n_layers
                        * (k.elementwise_bytes * m.d_model * passes + adapterBytes(inputs, k))

@@ -20,6 +20,7 @@ override; `LLAMA` is this package's one instance, at the bottom of the page.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 from typing import Callable, Iterator
@@ -45,6 +46,7 @@ from labml_zero.llama.model import (DecoderLayer, build_layers, count_parameters
                                     hf_prefix, tie_embeddings)
 from labml_zero.llama.tokenizer import TOKENIZER_FILE, checkpoint_tokenizer
 from labml_zero.neox.generate import Sampling, generate
+from labml_zero.layers import kernel_traffic
 from labml_zero.layers.float8 import check_fp8, fp8_shapes
 from labml_zero.llama.kernels import resolve_llama_kernels
 from labml_zero.layers.lora import load_base_weights, reset_adapters
@@ -248,7 +250,9 @@ LLAMA = ModelFamily(
     count_parameters=count_parameters, flops_per_token=flops_per_token,
     matmul_parameters=matmul_parameters,
     layer_linears=llama_flops.layer_linears, fp8_linears=fp8_linears,
-    activation_memory=activation_memory, finetuner=finetuner,
+    activation_memory=activation_memory,
+    unfused_bytes=functools.partial(kernel_traffic.unfused_bytes, build_layers),
+    finetuner=finetuner,
     lora_targets=tuple(TARGETS), named_tensors=hf_named_tensors,
     save_hf=save_hf, save_merged=save_merged,
     save_adapter=save_llama_adapter, title="Llama", experiment="zero3_llama",

@@ -32,6 +32,7 @@ from torch import nn
 from labml_zero.assembly import Assembled, Recipe
 from labml_zero.family import ModelFamily, TrainingBuild
 from labml_zero.hf.peft_adapter import save_layers_adapter
+from labml_zero.layers import kernel_traffic
 from labml_zero.layers.float8 import fp8_shapes
 from labml_zero.layers.lora import reset_adapters
 from labml_zero.neox import build as neox_build
@@ -215,6 +216,7 @@ NEOX = ModelFamily(
     flops_per_token=flops_per_token, matmul_parameters=matmul_parameters,
     layer_linears=layer_linears, fp8_linears=fp8_linears,
     activation_memory=activation_memory,
+    unfused_bytes=functools.partial(kernel_traffic.unfused_bytes, build_layers),
     finetuner=finetuner, lora_targets=tuple(TARGETS),
     named_tensors=hf_named_tensors, save_hf=save_hf, save_merged=save_merged,
     save_adapter=save_adapter, title="GPT-NeoX", experiment="zero3_neox",

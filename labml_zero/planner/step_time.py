@@ -31,9 +31,11 @@ own FLOPs, layers, width and vocabulary, with no constant of its own
   come within the goal
   (tested: tests/planner/test_step_time.py::test_an_h100s_steps_are_within_the_goal);
   an A100 keeps its data sheet's.
-* The element-wise bytes are one count for every layer of both families and
-  every choice of fused kernels (the fits' lines ran the benchmark's kernels);
-  the readout's assume the chunked loss.
+* The element-wise bytes are one count for every layer of both families with
+  every fusion on; a choice with some off adds the bytes its plain twins move,
+  counted from the model's code ([the kernels' bytes](../layers/kernel_traffic.html)),
+  but not the gaps of their extra launches, so a plain eager step comes out
+  short (tested: tests/planner/test_step_time.py::test_the_kernels_are_timed_by_their_twins_bytes).
 * One bus bandwidth at large sizes.
 """
 
@@ -72,9 +74,9 @@ r"""$\tau$: seconds a layer's pass leaves the GPU idle between its kernels."""
 # no engine: no collectives, no update) of W1 and {{see: W2-1}} (recomputed)
 # and W4's graphed step less its update, on one H200: three workloads of
 # different width and vocabulary, three unknowns.
-MATMUL_EFFICIENCY = 0.796
+MATMUL_EFFICIENCY = 0.801
 """$e$: the share of the data sheet's peak that the products reach."""
-ELEMENTWISE_BYTES = 115
+ELEMENTWISE_BYTES = 118
 """$b_e$: element-wise bytes per token, layer, unit of width and pass."""
 # The readout's logits, written by one product and read twice by the loss, and
 # their gradient, written by the loss and read by the two products, are
@@ -86,7 +88,7 @@ ELEMENTWISE_BYTES = 115
 # vocabulary has {{py: llama_config.llama_3_2_1b().n_vocab | ,}} entries, W4's
 # {{py: workloads.workloads()["W4"].model.n_vocab | ,}}
 # (tested: tests/planner/test_step_time.py::test_l1_checks_the_readout_term).
-READOUT_BYTES = 51.9
+READOUT_BYTES = 41.1
 """$b_V$: the readout's and the loss's bytes per token and vocabulary entry."""
 # W2-1's whole engine step less its model-only bound, over the update's bytes:
 # the share of the memory bandwidth the update pass reaches.
@@ -328,13 +330,22 @@ def step_time(job: Job, setting: Setting, cluster: Cluster,
     adapter = ((1 + setting.checkpointing)
                * (ADAPTER_FORWARD[0] * d_in + ADAPTER_FORWARD[1] * d_out)
                + ADAPTER_BACKWARD[0] * d_in + ADAPTER_BACKWARD[1] * d_out)
+    # the bytes the plain twins of the fusions left off add ([their
+    # count](../layers/kernel_traffic.html)); a compiled layer fuses them itself
+    unfused = job.family.unfused_bytes(model, job.kernels, batch=setting.batch,
+                                       seq=job.seq)
+    twins = (0.0 if setting.compile else
+             unfused.layer_forward * (1 + setting.checkpointing)
+             + unfused.layer_backward)
     elementwise = (tokens * model.n_layers
                    * (ELEMENTWISE_BYTES * model.d_model * passes + adapter)
                    / kernels_rate)
     if setting.compile:
         elementwise *= COMPILED_ELEMENTWISE
+    elementwise += tokens * model.n_layers * twins / kernels_rate
     # the readout and its loss run once a micro-batch, never recomputed
-    readout = tokens * READOUT_BYTES * model.n_vocab / kernels_rate
+    readout = (tokens * (READOUT_BYTES * model.n_vocab + unfused.rest)
+               / kernels_rate)
     idle = a * model.n_layers * passes * LAYER_PASS_IDLE
     compute = matmul + elementwise + readout + idle + casts
 
