@@ -109,7 +109,8 @@ EVERY_LINEAR_FP8_FILES = (
 # fusion, each within the goal
 # (tested: tests/planner/test_step_time.py::test_the_kernels_are_timed_by_their_twins_bytes).
 KERNEL_CHOICE_FILES = ("2026-12-05-run56-1xH100-L1-every-engine.jsonl",
-                       "2026-12-06-run75-1xH100-W4-kernels-graphed-every-engine-best.jsonl")
+                       "2026-12-06-run75-1xH100-W4-kernels-graphed-every-engine-best.jsonl",
+                       "2026-12-07-run76-1xH100-W1-kernels-none-every.jsonl")
 MEASURED_FILES = H200_FILES + H100_FILES + KERNEL_CHOICE_FILES
 
 
