@@ -19,9 +19,8 @@ fusion on are
 $$\Delta(K) = \sum_{\text{op} \in \text{model}(K)} (r + w)
             - \sum_{\text{op} \in \text{model}(\text{all})} (r + w),$$
 
-where, in each model, a fused function counts as one op: its inputs and
-outputs forward, and backward its incoming gradients, its inputs read again
-and the gradients it writes. The matrix products and the attention count in
+where, in each model, a fused function counts as one op (a region, below).
+The matrix products and the attention count in
 neither (their time is the FLOPs term's), nor does any view. Both sums run the
 model's own layers on the meta device, so no count is written by hand: a
 change to a twin changes its bytes here.
@@ -35,22 +34,6 @@ for $n$ tokens, $L$ layers, $c = 1$ with recomputation, at the element-wise
 rate $W$. A compiled layer is one graph that Inductor fuses by itself whatever
 its twins, so compiled, $\Delta_f = \Delta_b = 0$; the readout is never
 compiled, and its loss keeps $\Delta_r$.
-
-For Pythia-1.4B's step of 8 sequences of {{py: 2048 | ,}} tokens with every
-fusion off, a layer's forward moves {{py:
-(families.NEOX.unfused_bytes(neox_model.pythia_1_4b(),
-families.NEOX.resolve_kernels('none', 'cuda'), batch=8, seq=2048).layer_forward
-/ neox_model.pythia_1_4b().d_model) | .0f}} bytes more a token and unit of
-width, its backward {{py:
-(families.NEOX.unfused_bytes(neox_model.pythia_1_4b(),
-families.NEOX.resolve_kernels('none', 'cuda'), batch=8, seq=2048).layer_backward
-/ neox_model.pythia_1_4b().d_model) | .0f}}, against the {{py:
-step_time.ELEMENTWISE_BYTES}} a pass of the fused layer that the step time
-fits; the plain loss moves {{py:
-(families.NEOX.unfused_bytes(neox_model.pythia_1_4b(),
-families.NEOX.resolve_kernels('none', 'cuda'), batch=8, seq=2048).rest
-/ neox_model.pythia_1_4b().n_vocab) | .1f}} bytes more a token and
-vocabulary entry, its fp32 logits read and written pass after pass.
 """
 
 from __future__ import annotations
@@ -305,6 +288,22 @@ def unfused_bytes(build: Callable, model, kernels, *, batch: int, seq: int
     planner calls. Zero with every fusion on, and without counting. The fp8
     products are a precision, timed on their own ([the step
     time](../planner/step_time.html)), so the count runs without them.
+
+    For Pythia-1.4B's step of 8 sequences of {{py: 2048 | ,}} tokens with every
+    fusion off, a layer's forward moves {{py:
+    (families.NEOX.unfused_bytes(neox_model.pythia_1_4b(),
+    families.NEOX.resolve_kernels('none', 'cuda'), batch=8, seq=2048).layer_forward
+    / neox_model.pythia_1_4b().d_model) | .0f}} bytes more a token and unit of
+    width, its backward {{py:
+    (families.NEOX.unfused_bytes(neox_model.pythia_1_4b(),
+    families.NEOX.resolve_kernels('none', 'cuda'), batch=8, seq=2048).layer_backward
+    / neox_model.pythia_1_4b().d_model) | .0f}}, against the {{py:
+    step_time.ELEMENTWISE_BYTES}} a pass of the fused layer that the step time
+    fits; the plain loss moves {{py:
+    (families.NEOX.unfused_bytes(neox_model.pythia_1_4b(),
+    families.NEOX.resolve_kernels('none', 'cuda'), batch=8, seq=2048).rest
+    / neox_model.pythia_1_4b().n_vocab) | .1f}} bytes more a token and
+    vocabulary entry, its fp32 logits read and written pass after pass.
     """
     plain = replace(kernels, **{f.name: False for f in fields(kernels)
                                 if f.metadata})
