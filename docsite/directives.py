@@ -67,6 +67,7 @@ PY_NAMESPACE = {
     "llama_activations": "labml_zero.llama.activation_memory",
     "llama_config": "labml_zero.llama.config",
     "llama_kernels": "labml_zero.llama.kernels",
+    "neox_kernels": "labml_zero.neox.kernels",
     "app": "labml_zero.app.server",
     "finetuners": "labml_zero.neox.finetuners",
     "rounded_update": "labml_zero.optimizers.rounded_update",

@@ -31,12 +31,10 @@ linear (forward, gradient of the input, gradient of the weight).
   tensorwise dynamic scales, on GPUs with fp8 matrix products
   (Ada, Hopper and later: `FP8_MIN_CAPABILITY`) with torchao installed; every other place refuses the choice
   before the start, in one line (`fp8_refusal`).
-* Not done: the per-chunk fp8 all-gather of the weights (torchao's
-  fp8 all-gather option, made for FSDP2's DTensor parameters, which the
-  benchmark's FSDP2 float8 peer, `bench/float8_peer.py`, turns on). The
-  engine gathers its bf16 chunks and each `Float8Linear` casts the gathered
-  weight. At world size 1 nothing is gathered, so this matters only on
-  several GPUs, where fp8 chunks would halve the gathered bytes.
+* Done: the chosen weights gathered in fp8 on several ranks, one
+  power-of-two scale a chunk ([gathering in fp8](../zero3/float8_gather.html)):
+  half the gathered bytes of bf16, the product reading the same codes. At
+  world size 1 nothing is gathered and each product casts its own weight.
 * Only when every weight trains (`finetune='all'`, `check_fp8_count`): a
   frozen linear's saved bytes would be miscounted, and LoRA's wrapper
   replaces the linear and calls the product itself, in bf16. Nor with
@@ -58,6 +56,7 @@ import torch
 from torch import nn
 
 from labml_zero.layers.lora import LoRALinear
+from labml_zero.zero3.float8_gather import mark_fp8_gathered
 
 __all__ = ["FP8_MULTIPLE", "FP8_MIN_CAPABILITY", "FP8_MIN_WEIGHT_NUMEL",
            "fp8_fits", "fp8_pays", "fp8_shape", "fp8_shapes", "fp8_linear",
@@ -183,13 +182,21 @@ def torchao_config(*, emulate: bool = False):
     $2 u_8 + u_8^2$ of itself, so an output is off by at most that fraction of
     $\sum_i |x_i W_{ji}|$.
 
+    Each scale is rounded down to a power of two (torchao's
+    `round_scales_to_power_of_2`): the largest element then lands between
+    $m/2$ and $m$, which costs nothing of an e4m3 number's relative precision
+    (its three mantissa bits are the same in every octave), and it is what lets
+    the engine [gather the weights in fp8](../zero3/float8_gather.html): a
+    weight decoded at one power-of-two scale and cast again at another is the
+    same code.
+
     `emulate` is torchao's emulation, for tests on a CPU, where the `fp8`
     choice is otherwise refused: the same fp8 roundings, the product done by
     `torch.mm` on the decoded values.
     """
     from torchao.float8 import Float8LinearConfig
 
-    return Float8LinearConfig(emulate=emulate)
+    return Float8LinearConfig(emulate=emulate, round_scales_to_power_of_2=True)
 
 
 def to_float8(layer: nn.Module, *, emulate: bool = False, config=None,
@@ -241,6 +248,11 @@ def to_float8(layer: nn.Module, *, emulate: bool = False, config=None,
                                config=config or torchao_config(emulate=emulate))
     for name, p in layer.named_parameters():
         p.requires_grad_(trains[name])
+    if config is None:
+        # only the fp8 products read these weights, at power-of-two scales:
+        # the engine may gather them in fp8
+        for name in names:
+            mark_fp8_gathered(layer.get_submodule(name).weight)
     return names
 
 

@@ -52,7 +52,7 @@ from labml_zero.planner.grad_buffers import (
     largest_grad_buffer,
 )
 from labml_zero.planner.hybrid_memory import hybrid_step_comm, hybrid_wire_bytes
-from labml_zero.planner.memory_model import GRAD_BYTES, gathered_memory
+from labml_zero.planner.memory_model import GRAD_BYTES, gathered_memory, ring_wire_bytes
 from labml_zero.planner.placement import (Placement, ShardSpec, StaticPlacement,
                                           auto_placement, device_optimizer_bytes,
                                           offload_order, offload_traffic,
@@ -60,6 +60,7 @@ from labml_zero.planner.placement import (Placement, ShardSpec, StaticPlacement,
 from labml_zero.planner.sharding import choose_chunk_numel
 from labml_zero.zero3.chunk_layout import plan_chunks
 from labml_zero.zero3.config import ZeroConfig
+from labml_zero.zero3.float8_gather import gathered_bytes
 from labml_zero.zero3.state_layout import state_layout
 from labml_zero.zero3.unit_chunks import param_specs
 
@@ -272,7 +273,8 @@ def _layout(inputs: BudgetInputs):
     the chunk size is the config's or the search's, as `zero3_layers` does it."""
     key = (inputs.family.name, inputs.model, inputs.finetune, inputs.lora_rank,
            inputs.lora_targets, inputs.group_size, inputs.param_dtype,
-           inputs.reduce_dtype, inputs.chunk_numel, inputs.prefetch_depth)
+           inputs.reduce_dtype, inputs.chunk_numel, inputs.prefetch_depth,
+           fp8_gathers(inputs) and inputs.kernels)
     if key not in _LAYOUTS:
         if len(_LAYOUTS) >= LAYOUT_CACHE_SIZE:
             _LAYOUTS.pop(next(iter(_LAYOUTS)))  # the oldest
@@ -280,20 +282,33 @@ def _layout(inputs: BudgetInputs):
     return _LAYOUTS[key]
 
 
+def fp8_gathers(inputs: BudgetInputs) -> bool:
+    """Whether some weights are [gathered in fp8](../zero3/float8_gather.html):
+    fp8 products on several ranks."""
+    return bool(getattr(inputs.kernels, "fp8", False)) and inputs.group_size > 1
+
+
 def _new_layout(inputs: BudgetInputs):
     family = inputs.family
-    layers = family.build(inputs.model, device="meta")
+    # with fp8 products the layers are built with them, whose weights are
+    # marked for the fp8 gather; the layout is the same
+    kernels = {"kernels": inputs.kernels} if fp8_gathers(inputs) else {}
+    layers = family.build(inputs.model, device="meta", **kernels)
     options = ({"rank": inputs.lora_rank, "targets": inputs.lora_targets}
                if inputs.finetune == "lora" else {})
     counts = family.finetuner(inputs.finetune, **options)(layers)
-    specs, _ = param_specs([layer.named_parameters() for layer in layers])
+    specs, params = param_specs([layer.named_parameters() for layer in layers])
     config = ZeroConfig(dtype=TORCH_DTYPES[inputs.param_dtype],
                         reduce_dtype=TORCH_DTYPES[inputs.reduce_dtype],
                         chunk_numel=inputs.chunk_numel,
                         prefetch_depth=inputs.prefetch_depth)
     chunk_numel = choose_chunk_numel(specs, inputs.group_size, config)
-    return counts, plan_chunks(specs, chunk_numel, inputs.group_size,
-                               align=config.align)
+    layout = plan_chunks(specs, chunk_numel, inputs.group_size, align=config.align)
+    # each chunk's gather: its bytes and its buffers' (`gathered_bytes`)
+    itemsize = DTYPE_BYTES[inputs.param_dtype]
+    gathers = [gathered_bytes(c, [params[s.param_index] for s in c.slots],
+                              inputs.group_size, itemsize) for c in layout.chunks]
+    return counts, layout, gathers
 
 
 def activations_of(inputs: BudgetInputs, *, beside_gradients: bool = False) -> int:
@@ -325,7 +340,9 @@ def budget(inputs: BudgetInputs) -> Budget:
     Each part is the function of its own page; only the sum is new.
     $M_{\text{dev}}$ is the model states on the device (the parameter shards,
     the fp32 gradient shards $g\,S_t$, the optimizer state not on the host), $G$
-    the gathered chunks of the widest window (none with one rank), $A$ the
+    the gathered chunks of the widest window (none with one rank; with
+    weights [gathered in fp8](../zero3/float8_gather.html), the buffers of
+    one chunk's codes beside them, `gathered_bytes`), $A$ the
     activations (LoRA's with each target's input and each adapter's $A x$) and
     $B'$ the gradient buffers with the gradients held for them: the largest
     chunk's (`largest_grad_buffer`), or under accumulation all the buffers and
@@ -350,12 +367,16 @@ def budget(inputs: BudgetInputs) -> Budget:
                          f"the world size {inputs.world_size}")
     p = DTYPE_BYTES[inputs.param_dtype]
     g_r = DTYPE_BYTES[inputs.reduce_dtype]
-    counts, layout = _layout(inputs)
+    counts, layout, gathers = _layout(inputs)
     shards = [ShardSpec(layout.shard_numel(c), c.trainable) for c in layout.chunks]
     trainable = sum(s.numel for s in shards if s.trainable)
     states = state_layout(inputs.states)
     k_device = device_optimizer_bytes(p, states)
     gathered = gathered_memory(layout, inputs.prefetch_depth, p)
+    # weights gathered in fp8 ([gathering in fp8](../zero3/float8_gather.html)):
+    # fewer bytes on the wire, and while a chunk is gathered its codes'
+    # buffers (the chunks are gathered one after another)
+    gathered += max(transient for _, transient in gathers)
     replicas = inputs.world_size // inputs.group_size
     # One rank and an fp32 reduction: the gradients are cast straight into the
     # shard, no buffer and no collective (the chunk's `reduce`).
@@ -417,6 +438,11 @@ def budget(inputs: BudgetInputs) -> Budget:
     comm = hybrid_step_comm(layout, replicas=replicas, param_bytes=p, grad_bytes=g_r,
                             backward_groups=backward)
     inside, across = hybrid_wire_bytes(comm, inputs.group_size, replicas)
+    # the all-gathers counted at p bytes an element, less what fp8 saves, once
+    # forward and once more for each chunk gathered again backward
+    fp8_saved = sum((p * c.chunk_numel - moved) * (1 + (c.group in backward))
+                    for c, (moved, _) in zip(layout.chunks, gathers))
+    inside -= ring_wire_bytes(fp8_saved, inputs.group_size)
     return Budget(
         psi_trainable=counts.trainable,
         psi_frozen=counts.total - counts.trainable,
@@ -435,7 +461,7 @@ def budget(inputs: BudgetInputs) -> Budget:
         # one rank: its full buffers are its shards, nothing is gathered
         all_gather=0 if inputs.group_size == 1 else (
             comm.intra.forward_all_gather.nbytes
-            + comm.intra.backward_all_gather.nbytes),
+            + comm.intra.backward_all_gather.nbytes - fp8_saved),
         reduce_scatter=0 if alone else comm.intra.reduce_scatter.nbytes,
         all_reduce=comm.inter.nbytes,
         wire_inside=inside, wire_across=across,

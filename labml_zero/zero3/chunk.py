@@ -30,6 +30,7 @@ from torch import nn
 from .chunk_grads import ChunkGrads
 from .chunk_layout import ChunkSpec
 from .communication import profiled
+from .float8_gather import Float8Gather
 from .shard import LocalShard
 from .transport import CollectiveGather, HostStagedGather, PeerGather, Transports
 
@@ -141,6 +142,15 @@ class Chunk:
         # and the [transport](transport.html) that gathers it (with
         # `peer_gather` the shard lies in memory the other ranks read).
         shard, self.transport = transports.new_shard(self.shard_numel, dtype)
+        # weights that only fp8 products read travel as fp8 codes
+        # ([gathering in fp8](float8_gather.html)), with several ranks
+        fp8 = Float8Gather.for_chunk(comm, spec, self.params, dtype=dtype)
+        if fp8 is not None:
+            if isinstance(self.transport, PeerGather):
+                raise ValueError(f"chunk {spec.index} holds weights gathered in "
+                                 "fp8, which peer memory does not gather: turn "
+                                 "peer_gather off or fp8 products off")
+            self.transport = fp8
         # and the reduction that averages its gradients into this rank's shard
         self.reduction = transports.reduction(self.trainable)
         # [S] fp32; the original fp32 values, when the parameters were fp32 and the
@@ -328,7 +338,11 @@ class Chunk:
             self._free_full()
         # the peer memory (if any) is let go; NCCL gathers a host shard
         self.transport.close()
-        self.transport = HostStagedGather(self.comm, self.shard_offset)
+        # the fp8 gather copies a host shard up itself
+        if isinstance(self.transport, Float8Gather):
+            self.transport.staged = True
+        else:
+            self.transport = HostStagedGather(self.comm, self.shard_offset)
 
     def keep_resident(self) -> None:
         r"""

@@ -41,7 +41,11 @@ from .peer_memory import PeerBuffer, PeerMemory
 # * **host-staged**: the shard is in host memory (`Chunk.offload_shard`); it is
 #   first copied up into its own slice of `full`, and the all-gather then runs in
 #   place there (the in-place form of NCCL's all-gather: the input is the output's
-#   slice of this rank).
+#   slice of this rank);
+# * **fp8**: the chunk holds weights that only fp8 products read; they travel
+#   as one-byte codes at one scale for the chunk, the rest beside them, and
+#   are decoded into `full` ([gathering in fp8](float8_gather.html)). The chunk
+#   picks it over the collective, from a device or a host shard.
 
 
 class CollectiveGather:

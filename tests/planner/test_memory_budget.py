@@ -44,7 +44,8 @@ def engine_bytes(ctx, inputs: BudgetInputs) -> dict:
                         reduce_dtype=TORCH_DTYPES[inputs.reduce_dtype],
                         chunk_numel=inputs.chunk_numel,
                         prefetch_depth=inputs.prefetch_depth)
-    built = assemble(neox_model.build_layers(inputs.model, device="meta"),
+    built = assemble(neox_model.build_layers(inputs.model, device="meta",
+                                             kernels=inputs.kernels),
                      Recipe(zero=config, finetune=finetuner(inputs.finetune), seed=0),
                      device=ctx.device,
                      init_param=neox_model.init_parameter(inputs.model))
@@ -82,6 +83,29 @@ def test_the_engine_holds_and_moves_the_budget(case):
         assert got["buffers"] == expected.accumulation
         assert got["moved"]["all_gather"] == expected.all_gather
         assert got["moved"]["reduce_scatter"] == expected.reduce_scatter
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_fp8_gathers_move_and_hold_the_budget(world_size):
+    """With fp8 products (emulated) on several ranks the layers' weights are
+    gathered in fp8: the engine moves the budget's bytes, fewer than the same
+    job's in bf16, and holds its states."""
+    pytest.importorskip("torchao.float8")
+    from labml_zero.neox.kernels import ModelKernels
+
+    kernels = ModelKernels(fp8=True, fp8_emulate=True, fp8_every_linear=True)
+    inputs = replace(ENGINE_CASES[0], world_size=world_size, kernels=kernels,
+                     param_dtype="bf16", micro_batches=1)
+    expected = budget(inputs)
+    plain = budget(replace(inputs, kernels=ModelKernels()))
+    assert expected.all_gather < plain.all_gather
+    assert expected.gathered > plain.gathered  # the codes' buffers
+    for got in run_distributed(engine_bytes, world_size, inputs):
+        assert got["moved"]["all_gather"] == expected.all_gather
+        assert got["moved"]["reduce_scatter"] == expected.reduce_scatter
+        assert got["states"] == (expected.params + expected.grad_shards
+                                 + expected.optimizer_device)
 
 
 def accumulated_grads(ctx, accumulate: bool) -> list[torch.Tensor]:
@@ -254,7 +278,7 @@ def test_early_updates_add_q_of_the_largest_gradient_shards():
         job = BudgetInputs(model=neox_model.pythia_160m(), world_size=world_size,
                            batch=1, seq=256, chunk_numel=2**22)
         kept, early = budget(job), budget(replace(job, update_during_backward=True))
-        _, layout = memory_budget._layout(job)
+        _, layout, _ = memory_budget._layout(job)
         largest = max(layout.shard_numel(c) for c in layout.chunks if c.trainable)
         assert kept.early_grads == 0
         assert early.early_grads == EARLY_UPDATES_IN_FLIGHT * grad_bytes * largest
