@@ -516,6 +516,10 @@ class FinetuneConfig:
         if kernels.fp8 and self.finetune == "lora":
             raise ValueError("kernels fp8 with finetune 'lora': the adapter's "
                              "wrapper computes the product itself, in bf16")
+        if kernels.fp8 and self.peer_memory:
+            raise ValueError("kernels fp8 with peer_memory: the fp8 products' "
+                             "weights are gathered in fp8, which peer memory "
+                             "does not do (it copies the chunks as they are)")
 
     def tuner(self):
         """

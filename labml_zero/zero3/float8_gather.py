@@ -27,7 +27,8 @@ from $pC$ to about $C$.
 ## Limitations
 
 * Not with shards in [peer memory](peer_memory.html), which the peers read
-  in the parameter dtype: refused when the chunk is built.
+  in the parameter dtype: refused when the chunk is built, and by the
+  fine-tune job before the start.
 * One GPU runs none of it, so its speed is not measured here; the CPU tests
   check the gathered values, the bytes and training at several world sizes.
   The [step time](../planner/step_time.html) counts its bytes on the wire,

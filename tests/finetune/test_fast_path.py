@@ -59,6 +59,8 @@ def test_fp8_is_refused_before_start_on_cpu_and_with_lora(capsys):
     assert "--kernels fp8 needs" in err  # a CUDA GPU, or torchao where it is missing
     err = run_main(["--kernels", "fp8", "--finetune", "lora"], capsys)
     assert "kernels fp8 with finetune 'lora'" in err
+    err = run_main(["--kernels", "fp8", "--peer-memory"], capsys)
+    assert "kernels fp8 with peer_memory" in err
     assert FinetuneConfig(kernels="loss").fp8_refusal(CUDA) is None
 
 
