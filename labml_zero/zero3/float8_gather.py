@@ -45,7 +45,7 @@ from .chunk_layout import ChunkSpec
 from .communication import Communicator
 
 __all__ = ["E4M3_MAX", "mark_fp8_gathered", "fp8_gathered", "fp8_slots",
-           "side_pieces", "gathered_bytes", "power_of_two_scale", "Float8Gather"]
+           "other_slots", "side_pieces", "gathered_bytes", "power_of_two_scale", "Float8Gather"]
 
 E4M3_MAX = 448.0
 """$m_4$: the largest finite e4m3 value."""
@@ -74,6 +74,12 @@ def fp8_slots(spec: ChunkSpec, params) -> list[tuple[int, int]]:
             if fp8_gathered(p)]
 
 
+def other_slots(spec: ChunkSpec, params) -> list[tuple[int, int]]:
+    """The element ranges of the chunk's other (unmarked) parameters."""
+    return [(slot.offset, slot.end) for slot, p in zip(spec.slots, params)
+            if not fp8_gathered(p)]
+
+
 def side_pieces(other_ranges: list[tuple[int, int]], shard: int, n: int
                 ) -> tuple[list[tuple[int, int, int]], list[int]]:
     """The elements outside $F$ as pieces `(rank, start, end)` in the chunk,
@@ -92,20 +98,30 @@ def gathered_bytes(spec: ChunkSpec, params, world_size: int, itemsize: int
     ### What one gather of a chunk moves, and what it holds meanwhile
 
     `(bytes, transient)`: the all-gather's full size, $N_d (S + pM)$ for a
-    chunk gathered in fp8 (else $pC$), and the bytes its buffers hold beside
-    the full buffer while it is gathered: the codes sent and received,
-    $(N_d + 1)(S + pM)$, and the fp32 product $s w$ of the shard, $4S$ (none
-    for a plain gather). For [the memory budget](../planner/memory_budget.html),
-    from a layout and the marked parameters, before any tensor exists.
+    chunk gathered in fp8 (else $pC$), and the most its temporaries hold
+    beside the full buffer while it is gathered (none for a plain gather),
+    the larger of two moments of `Float8Gather.gather`:
+
+    * making the codes: the bytes sent, $S + pM$, and the fp32 product $s w$
+      of the shard, $4S$;
+    * decoding: the bytes sent and received, $(N_d + 1)(S + pM)$, the
+      received elements outside $F$ made contiguous, $N_d M p$, and for each
+      of the $P$ of them its positions (`_positions`: at most five int64
+      temporaries at once, $5 \cdot 8$ bytes) and its value, $p$.
+
+    For [the memory budget](../planner/memory_budget.html), from a layout and
+    the marked parameters, before any tensor exists.
     """
     fp8 = fp8_slots(spec, params)
     if not fp8 or world_size < 2:
         return itemsize * spec.chunk_numel, 0
     shard = spec.chunk_numel // world_size
-    other = [(slot.offset, slot.end) for slot, p in zip(spec.slots, params)
-             if not fp8_gathered(p)]
-    send = shard + itemsize * max(side_pieces(other, shard, world_size)[1])
-    return world_size * send, (world_size + 1) * send + 4 * shard
+    per_rank = side_pieces(other_slots(spec, params), shard, world_size)[1]
+    send = shard + itemsize * max(per_rank)
+    codes = send + 4 * shard
+    decode = ((world_size + 1) * send + world_size * max(per_rank) * itemsize
+              + sum(per_rank) * (5 * 8 + itemsize))
+    return world_size * send, max(codes, decode)
 
 
 def power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -124,7 +140,6 @@ def power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
     (or fp32) number. At a scale that is not a power of two the product would
     round every weight a second time
     (tested: tests/zero3/test_float8_gather.py::test_a_products_power_of_two_cast_reads_the_gathered_codes).
-
 
     `amax` is a one-element fp32 tensor; a chunk of zeros gets $s = 1$ (every
     code is zero whatever the scale). No host synchronisation: the scale never
@@ -248,9 +263,8 @@ class Float8Gather:
         fp8 = fp8_slots(spec, params)
         if not fp8 or comm.world_size < 2:
             return None
-        other = [(slot.offset, slot.end) for slot, p in zip(spec.slots, params)
-                 if not fp8_gathered(p)]
-        return cls(comm, fp8, other, chunk_numel=spec.chunk_numel, dtype=dtype)
+        return cls(comm, fp8, other_slots(spec, params),
+                   chunk_numel=spec.chunk_numel, dtype=dtype)
 
     def gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         r"""
