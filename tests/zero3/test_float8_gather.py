@@ -141,3 +141,28 @@ def test_a_products_power_of_two_cast_reads_the_gathered_codes():
 
 def test_the_largest_e4m3_value():
     assert E4M3_MAX == torch.finfo(torch.float8_e4m3fn).max == 448
+
+
+def gather_in_groups(ctx):
+    """Hybrid sharding, groups of two ranks: the gathered parameters."""
+    m = model().to(torch.bfloat16)
+    for name in MARKED:
+        mark_fp8_gathered(m.get_parameter(name))
+    layer = Zero3Layer(m, ctx.rank % 2, 2, ctx.device, torch.bfloat16,
+                       config=ZeroConfig(dtype=torch.bfloat16, chunk_numel=1200,
+                                         align=4, shard_group_size=2))
+    assert all(isinstance(c.transport, Float8Gather) for c in layer.chunks)
+    for chunk in layer.chunks:
+        chunk.gather()
+        chunk.wait()
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+@pytest.mark.distributed
+def test_hybrid_groups_gather_what_one_group_gathers():
+    """Four ranks in two shard groups: each group agrees on its chunks' scales
+    within itself, and both decode what two ranks alone decode."""
+    alone = run_distributed(gather_once, 2, "bf16", 1200, False)[0][0]
+    for got in run_distributed(gather_in_groups, 4):
+        for name, value in alone.items():
+            assert torch.equal(got[name], value), name
