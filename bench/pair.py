@@ -75,7 +75,8 @@ COMPILED_ENGINES = ("labml_zero", "fsdp2", "fsdp2_float8", "ddp")
 # the engines that keep the optimizer state layout `--optimizer-states` names;
 # every other keeps fp32 master weights and moments, and its line says "fp32"
 STATE_ENGINES = ("labml_zero", "update_floor")
-# the engines whose matrix products run in fp8: their lines also have `mfu_fp8`
+# the engines whose matrix products always run in fp8 (labml_zero's do with
+# `--kernels fp8`): their lines also have `mfu_fp8`
 FP8_ENGINES = ("fsdp2_float8",)
 # an optional engine's module: without it the pair is skipped, no process spawned
 OPTIONAL_MODULES = {"deepspeed": "deepspeed", "fsdp2_float8": "torchao"}
@@ -321,6 +322,12 @@ def describe(engine: str, workload: Workload, world_size: int, backend: str) -> 
     }
 
 
+def computes_in_fp8(engine: str, workload: Workload) -> bool:
+    """Whether the line's matrix products run in fp8: the fp8 peer's always,
+    labml_zero's with the `fp8` kernel."""
+    return engine in FP8_ENGINES or bool(getattr(workload.kernels, "fp8", False))
+
+
 def merge(line: dict, records: list[dict], workload: Workload, world_size: int,
           run: RunConfig) -> dict:
     """One line from the ranks' records (see the introduction)."""
@@ -362,7 +369,7 @@ def merge(line: dict, records: list[dict], workload: Workload, world_size: int,
         # the same FLOPs over the dense fp8 peak, for the engines computing in fp8
         **({"mfu_fp8": mfu(workload, tokens_per_s, world_size, first["device"],
                            dtype=torch.float8_e4m3fn)}
-           if line["engine"] in FP8_ENGINES else {}),
+           if computes_in_fp8(line["engine"], workload) else {}),
         "init_s": max(r["init_s"] for r in records),
         "psi_trainable": first["psi_trainable"],
         "psi_frozen": first["psi_frozen"],

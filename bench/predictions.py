@@ -89,7 +89,10 @@ H100_FILES = (
     "2026-12-06-run69-1xH100-W2-1-kahan-one-pass-stochastic-b4.jsonl",
     "2026-12-06-run70-1xH100-W2-1-peaks-by-depth-and-batch.jsonl",
     "2026-12-06-run71-1xH100-W2-1O-grid.jsonl",
-    "2026-12-06-run71-1xH100-W2-1O-auto.jsonl")
+    "2026-12-06-run71-1xH100-W2-1O-auto.jsonl",
+    "2026-12-07-run77-1xH100-W1-W4-every-engine-best.jsonl",
+    "2026-12-07-run77-1xH100-W1-grid.jsonl",
+    "2026-12-07-run77-1xH100-W4-W3-W2-1-auto.jsonl")
 # Lines of a layout without a master (`bf16-stochastic`, `bf16-kahan`) in
 # these files ran its update as the twin on widened slices, before the one
 # compiled pass: an engine the planner no longer models, left out.

@@ -26,6 +26,7 @@ from bench.workloads import (DECODER_LAYERS, flops_per_token, mfu,
                              model_layers, shrink)
 from bench.workloads import workloads as all_workloads
 from labml_zero.launch import DistContext
+from labml_zero.neox.kernels import ModelKernels
 from tests.distributed import run_distributed
 from tests.tolerance import unit_roundoff
 
@@ -259,6 +260,16 @@ def test_mfu_fp8_is_on_the_fp8_data_sheet_peak():
         flops_per_token(w2) * 19.2e3 / 2 / 1513e12, rel=1e-12)
     assert mfu(w2, 19.2e3, 2, "NVIDIA A100-SXM4-80GB", dtype=E4M3) is None
     assert mfu(w2, 19.2e3, 2, "cpu", dtype=E4M3) is None
+
+
+def test_every_line_computing_in_fp8_has_mfu_fp8():
+    """The peer always; labml_zero only with its `fp8` kernel."""
+    w1 = all_workloads()["W1"]
+    fp8 = replace(w1, kernels=ModelKernels.from_names("loss,fp8"))
+    assert bench_pair.computes_in_fp8("fsdp2_float8", w1)
+    assert bench_pair.computes_in_fp8("labml_zero", fp8)
+    assert not bench_pair.computes_in_fp8("labml_zero", w1)
+    assert not bench_pair.computes_in_fp8("fsdp2", w1)
 
 
 def test_skipped_without_torchao(monkeypatch):

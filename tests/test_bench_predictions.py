@@ -44,6 +44,14 @@ def test_a_row_says_missed_exactly_where_the_goal_is_missed(rows, goal_of, error
         assert marked == (abs(error_of(p)) > goal_of()), row
 
 
+def test_the_readme_counts_the_peaks_within_the_goal(rows):
+    """The README's count of peaks within `MEMORY_GOAL` is the table's."""
+    readme = " ".join((RESULTS.parent.parent / "README.md").read_text().split())
+    within = sum(abs(p.memory_error) <= MEMORY_GOAL for p in rows)
+    assert (f"The peak is within {MEMORY_GOAL:.0%} on {within} of the "
+            f"{len(rows)} lines") in readme
+
+
 def test_one_ranks_peak_is_the_states_and_activations_alone(rows):
     # W1, W3, W4, L1 and L2 on one GPU, eager or compiled with the fused
     # kernels and nothing recomputed: the measured peak is the parameters, the

@@ -95,7 +95,7 @@ class GPU:
 # sizes. Their rate on the H100 is its $W$ times this factor, the
 # least-squares solution over its bf16 lines in the benchmark's results
 # (tested: tests/planner/test_step_time.py::test_an_h100s_element_wise_rate_is_the_bench_fit).
-H100_ELEMENTWISE_FACTOR = 1.30
+H100_ELEMENTWISE_FACTOR = 1.28
 
 # The step time's host rate was timed on the H200's host. The H100's host
 # updated faster: on the lines of {{see: W2-1O}} whose host update outlasted

@@ -275,10 +275,18 @@ def no_fit_line(job: Job, cluster: Cluster, pinned: Pinned) -> str:
                 f"memory a node, {(1 - HOST_MARGIN) * cluster.host_bytes / GIB:,.0f}"
                 f" GiB usable (--host-gib)")
     fixes = []
+    # accumulation's buffers hold every chunk's gradients; without them a rank
+    # may fit its device and still not the host, which is then the cause
+    host_note = ""
     if per_rank > 1:
         b, ok = smallest(job, cluster, micro_batches=1)
         if b.peak <= limit and ok:
             fixes.append(f"with --global-batch {world} (no accumulation)")
+        elif b.peak <= limit:
+            host_note = (f" (without accumulation {b.peak / GIB:.1f} GiB, but "
+                         f"the host needs {host_need(b, cluster) / GIB:,.0f} GiB a "
+                         f"node, {(1 - HOST_MARGIN) * cluster.host_bytes / GIB:,.0f}"
+                         f" GiB usable: --host-gib)")
     if not fixes:
         for factor in (2, 4, 8, 16, 32, 64):
             bigger = replace(cluster, nodes=cluster.nodes * factor)
@@ -294,10 +302,13 @@ def no_fit_line(job: Job, cluster: Cluster, pinned: Pinned) -> str:
                 break
             seq //= 2
     fix = " or ".join(fixes) if fixes else "on none of the clusters tried"
+    accumulated = (f" with {per_rank} micro-batches accumulated"
+                   if per_rank > 1 else "")
     return (f"nothing fits: even micro-batch 1, recomputation and all "
             f"optimizer state on the host "
-            f"peak at {least.peak / GIB:.1f} GiB a rank, "
-            f"{limit / GIB:.1f} GiB usable on {world} x {gpu}; it would fit {fix}")
+            f"peak at {least.peak / GIB:.1f} GiB a rank{accumulated}, "
+            f"{limit / GIB:.1f} GiB usable on {world} x {gpu}{host_note}; "
+            f"it would fit {fix}")
 
 
 def gib(n: float) -> str:

@@ -109,7 +109,7 @@ HOST_UPDATE_RATE = 2.6e9
 # H100, each over the bf16 step of its own lease: {{see: W1}} and W2-1's model
 # at eight layers with every linear in fp8, {{see: L1}} with the per-linear
 # choice (tested: tests/planner/test_step_time.py::test_fp8_cast_bytes_are_the_bench_fit).
-FP8_CAST_BYTES = 3.92
+FP8_CAST_BYTES = 3.87
 r"""$b_8$: bytes per token, fp8 linear, unit of $d_\text{in} + d_\text{out}$
 and pass, of the casts."""
 

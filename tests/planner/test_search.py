@@ -10,7 +10,7 @@ from labml_zero.planner.devices import GIB, GPUS, Cluster
 from labml_zero.planner.search import NoFit, Pinned, describe, plan
 from labml_zero.planner.setting import Job
 from labml_zero.planner.search import (HOST_MARGIN, HOST_PROCESS_BYTES,
-                                       device_limit)
+                                       device_limit, host_need, smallest)
 
 H100, H200 = GPUS["h100"], GPUS["h200"]
 
@@ -84,6 +84,17 @@ def test_nothing_fits_is_one_line_with_the_smallest_fix():
     assert "\n" not in line and line.startswith("nothing fits: ")
     assert ("all optimizer state on the host" in line
             and "would fit on 2 h100 GPUs" in line)
+    # the device's peak is accumulation's; without it the host is the cause
+    assert "a rank with 8 micro-batches accumulated" in line
+    without = Job(gpt_neox_20b(), family=NEOX, seq=2048, global_batch=1,
+                  states="bf16-stochastic")
+    alone, host_ok = smallest(without, Cluster(H100, host_bytes=128 * GIB),
+                              micro_batches=1)
+    assert alone.peak <= device_limit(Cluster(H100)) and not host_ok
+    need = host_need(alone, Cluster(H100, host_bytes=128 * GIB))
+    assert (f"(without accumulation {alone.peak / GIB:.1f} GiB, but the host "
+            f"needs {need / GIB:,.0f} GiB a node, 115 GiB usable: --host-gib)"
+            in line)
     # accumulation holds every chunk's gradient buffer: one sequence a step fits
     with pytest.raises(NoFit, match="with --global-batch 1 \\(no accumulation\\)"):
         plan(Job(gpt_neox_20b(), family=NEOX, seq=2048, global_batch=8), Cluster(H100),
