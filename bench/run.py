@@ -317,14 +317,15 @@ def table(lines: list[dict]) -> str:
         peak = "—" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.1f}"
         analytic = r["memory_model_gib"]
         model = analytic.get("layout_states", analytic["zero_states"])
+        # a planned line's prediction is the planner's, which it ran on
+        predicted = r.get("planned_peak_gib", analytic.get("predicted_peak"))
         exposed = r.get("comm_exposed")
         share = "—" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         rows.append(
             f"| {r['workload']} | {engine} | {r['tokens_per_s']:,.0f} "
             f"| {r['step_time_mean_s']:.3f} | {share} | {peak} "
             f"| {model:.1f} | "
-            + ("—" if "predicted_peak" not in analytic
-               else f"{analytic['predicted_peak']:.1f}")
+            + ("—" if predicted is None else f"{predicted:.1f}")
             + f" | {r['host_rss_peak_gib']:.1f} | "
             + ("—" if exposed is None else f"{100 * exposed:.1f}%")
             + ("" if r.get("comm_exposed_transfer") is None

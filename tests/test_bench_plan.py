@@ -125,6 +125,9 @@ def test_auto_runs_the_planned_setting_and_peers_as_given(capsys, ran):
             chosen["batch"] * 32 / ours["planned_step_s"],
             rel=sum_error(torch.float64, 2))
         assert ours["planned_for"].startswith("1 x h200")
+        # the table's predicted peak is the planner's, which the line ran on
+        row = bench_run.table([ours]).splitlines()[-1]
+        assert row.split("|")[8].strip() == f"{ours['planned_peak_gib']:.1f}"
     # the peer runs W2-1 as given, recomputing; ours without
     assert by["ddp", "W2-1"]["activation_checkpointing"] is True
     assert by["labml_zero", "W2-1"]["activation_checkpointing"] is False
