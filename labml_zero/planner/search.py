@@ -123,8 +123,13 @@ def host_need(budget: Budget, cluster: Cluster) -> int:
     return cluster.gpus_per_node * (budget.optimizer_host + HOST_PROCESS_BYTES)
 
 
+def host_usable(cluster: Cluster) -> float:
+    """A node's host bytes the ranks may take: all but the margin."""
+    return (1 - HOST_MARGIN) * cluster.host_bytes
+
+
 def host_fits(need: int, cluster: Cluster) -> bool:
-    return cluster.host_bytes is None or need <= (1 - HOST_MARGIN) * cluster.host_bytes
+    return cluster.host_bytes is None or need <= host_usable(cluster)
 
 
 def with_offload(job: Job, setting: Setting, cluster: Cluster, *,
@@ -272,7 +277,7 @@ def no_fit_line(job: Job, cluster: Cluster, pinned: Pinned) -> str:
     if least.peak <= limit:
         return (f"nothing fits: the optimizer state offloaded to fit the {gpu} "
                 f"needs {host_need(least, cluster) / GIB:,.0f} GiB of host "
-                f"memory a node, {(1 - HOST_MARGIN) * cluster.host_bytes / GIB:,.0f}"
+                f"memory a node, {host_usable(cluster) / GIB:,.0f}"
                 f" GiB usable (--host-gib)")
     fixes = []
     # accumulation's buffers hold every chunk's gradients; without them a rank
@@ -285,7 +290,7 @@ def no_fit_line(job: Job, cluster: Cluster, pinned: Pinned) -> str:
         elif b.peak <= limit:
             host_note = (f" (without accumulation {b.peak / GIB:.1f} GiB, but "
                          f"the host needs {host_need(b, cluster) / GIB:,.0f} GiB a "
-                         f"node, {(1 - HOST_MARGIN) * cluster.host_bytes / GIB:,.0f}"
+                         f"node, {host_usable(cluster) / GIB:,.0f}"
                          f" GiB usable: --host-gib)")
     if not fixes:
         for factor in (2, 4, 8, 16, 32, 64):
@@ -324,7 +329,7 @@ def describe(result: Plan, *, model_name: str) -> str:
     job, cluster, best = result.job, result.cluster, result.best
     s, b, t = best.setting, best.budget, best.time
     host = ("not checked (no --host-gib)" if cluster.host_bytes is None else
-            f"of {(1 - HOST_MARGIN) * cluster.host_bytes / GIB:,.0f} GiB usable")
+            f"of {host_usable(cluster) / GIB:,.0f} GiB usable")
     lines = [
         f"plan: {model_name}, finetune {job.finetune}, {job.global_batch} "
         f"sequences of {job.seq} tokens a step, on {cluster.describe()}",

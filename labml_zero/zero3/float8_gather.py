@@ -45,7 +45,8 @@ from .chunk_layout import ChunkSpec
 from .communication import Communicator
 
 __all__ = ["E4M3_MAX", "mark_fp8_gathered", "fp8_gathered", "fp8_slots",
-           "other_slots", "side_pieces", "gathered_bytes", "power_of_two_scale", "Float8Gather"]
+           "other_slots", "side_pieces", "gathered_bytes", "power_of_two_scale",
+           "Float8Gather"]
 
 E4M3_MAX = 448.0
 """$m_4$: the largest finite e4m3 value."""
