@@ -305,19 +305,27 @@ def chromium(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess
 
 def test_the_run_page_draws_the_loss_chart(app, runs, tmp_path):
     page = app.web_url + f"run/{runs.finetune_uuid}"
-    # The page loads its data after the first paint; a cold start can miss the
-    # budget once, so it gets three tries.
-    for attempt in range(3):
-        dom = chromium(page, tmp_path / f"dom{attempt}", "--dump-dom").stdout
-        if 'class="smoothed-line' in dom:
-            break
-    assert '<svg id="chart"' in dom, dom[-3000:]
-    chart = dom[dom.index('<svg id="chart"'):]
-    chart = chart[:chart.index("</svg>")]
-    lines = re.findall(r'<path class="unsmoothed-line[^"]*"[^>]*\sd="([^"]+)"', chart)
+
+    def drawn_lines(dom: str) -> list[str]:
+        if '<svg id="chart"' not in dom:
+            return []
+        chart = dom[dom.index('<svg id="chart"'):]
+        chart = chart[:chart.index("</svg>")]
+        return re.findall(r'<path class="unsmoothed-line[^"]*"[^>]*\sd="([^"]+)"', chart)
+
     # d3's curve: one move, then one cubic segment per further point: 12 training
     # and 4 validation losses.
-    assert sorted(d.count("C") for d in lines) == [3, 11], lines
+    expected = [3, 11]
+    # The page fetches its series after the first paint and draws each as it
+    # arrives; on a loaded machine the dump can come before the second, so
+    # the page gets up to four looks.
+    for attempt in range(4):
+        dom = chromium(page, tmp_path / f"dom{attempt}", "--dump-dom").stdout
+        lines = drawn_lines(dom)
+        if sorted(d.count("C") for d in lines) == expected:
+            break
+    assert '<svg id="chart"' in dom, dom[-3000:]
+    assert sorted(d.count("C") for d in lines) == expected, lines
     assert "loss.train" in dom and "loss.valid" in dom
 
     png = tmp_path / "run.png"

@@ -17,8 +17,10 @@ $$\text{MFU} = \frac{F \cdot \text{tokens/s}}{N_d \, P}$$
 with $F$ a token's FLOPs for what trains (the planner's
 [`model_flops_per_token`](../planner/step_time.html): PaLM's count for a full
 fine-tune, without the frozen matrices' weight gradients for biases and LoRA)
-and $P$ one device's dense peak; `memory.peak`; and
-`loss_scale` with fp16, the loss scale after the step.
+and $P$ one device's dense peak; `memory.peak`, the device's peak; on a GPU
+`memory.host`, the rank process's peak resident set on the host (where
+offloaded optimizer state lives, and what runs out first when too much of it
+does); and `loss_scale` with fp16, the loss scale after the step.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import time
 import torch
 
 __all__ = ["PEAK_FLOPS", "peak_flops", "peak_flops_of", "mfu",
-           "StepClock", "peak_memory_gib", "StepMeter"]
+           "StepClock", "peak_memory_gib", "host_peak_gib", "StepMeter"]
 
 # Dense (not 2:4 sparse) peak FLOP/s per GPU from the vendors' data sheets:
 # name fragment → (bf16/fp16 tensor cores, fp32 through TF32, fp8 tensor
@@ -91,14 +93,20 @@ def mfu(*, token_flops: float, tokens_per_s: float, world_size: int,
     return token_flops * tokens_per_s / (world_size * peak)
 
 
+def host_peak_gib() -> float:
+    """`memory.host`: this process's peak resident set in GiB (page-locked
+    buffers are resident, so they count)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """`memory.peak`: this rank's peak memory in GiB, the CUDA allocator's, or
     on CPU the process's peak resident memory."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports KiB, macOS bytes
-    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+    return host_peak_gib()
 
 
 class StepClock:
@@ -156,6 +164,8 @@ class StepMeter:
         rate = totals.tokens / took  # tokens/s, all ranks
         out = {"lr": lr, "grad_norm": totals.grad_norm, "tokens_per_s": rate,
                "memory.peak": peak_memory_gib(self.device)}
+        if self.device.type != "cpu":  # on a CPU `memory.peak` is the host's
+            out["memory.host"] = host_peak_gib()
         share = mfu(token_flops=self.token_flops, tokens_per_s=rate,
                     world_size=self.world_size, peak=self.peak)
         if share is not None:
@@ -168,13 +178,17 @@ class StepMeter:
         """
         ### The rate after the warm-up, one line for the end of the run
 
-        `None` when no step came after the warm-up.
+        With the run's peak memory beside it: the device's, and off the CPU
+        the host's. `None` when no step came after the warm-up.
         """
         if self.steps <= self.warmup:
             return None
         rate = self.steady_tokens / self.steady_s
         share = mfu(token_flops=self.token_flops, tokens_per_s=rate,
                     world_size=self.world_size, peak=self.peak)
+        memory = f"; peak memory {peak_memory_gib(self.device):.2f} GiB"
+        if self.device.type != "cpu":
+            memory += f", host {host_peak_gib():.2f} GiB"
         return (f"tokens/s over steps {self.warmup + 1}..{self.steps} of this run "
                 f"(after {self.warmup} warm-up): {rate:,.0f}"
-                + ("" if share is None else f", MFU {100 * share:.1f}%"))
+                + ("" if share is None else f", MFU {100 * share:.1f}%") + memory)

@@ -238,13 +238,15 @@ def install_bounded_sender(app_url: str, rank: int, log_dir: Path) -> None:
 
 # The charts a run's page shows beside labml-app's own loss chart, one series
 # each: what [a step records](step_metrics.html) about the run's health. `mfu`
-# exists only where the device's peak is known (GPUs), `loss_scale` only in fp16.
+# exists only where the device's peak is known (GPUs), `memory.host` only off
+# the CPU (where the device's peak is the host's), `loss_scale` only in fp16.
 HEALTH_CHARTS = {
     "learning rate": ("lr",),
     "gradient norm": ("grad_norm",),
     "tokens per second": ("tokens_per_s",),
     "MFU": ("mfu",),
     "peak memory (GiB)": ("memory.peak",),
+    "host memory (GiB)": ("memory.host",),
     "loss scale": ("loss_scale",),
 }
 # Every step records these together, so once they are in the app, so is any

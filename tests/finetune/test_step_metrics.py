@@ -5,8 +5,8 @@ import math
 import torch
 
 from labml_zero.finetune.job import Totals
-from labml_zero.finetune.step_metrics import (StepMeter, mfu, peak_flops,
-                                              peak_flops_of)
+from labml_zero.finetune.step_metrics import (StepMeter, host_peak_gib, mfu,
+                                              peak_flops, peak_flops_of)
 
 
 def test_a_cpu_has_no_peak():
@@ -22,6 +22,25 @@ def test_indicators_of_a_step():
     assert out["loss_scale"] == 1024.0 and out["memory.peak"] > 0
     # MFU: tokens/s × FLOPs a token over the peak of both devices
     assert math.isclose(out["mfu"], out["tokens_per_s"] * 10.0 / 200.0)
+    # on a CPU the device's peak is the host's: no second series
+    assert "memory.host" not in out
+
+
+def test_a_device_off_the_host_records_the_hosts_memory_too():
+    """Any device but the CPU (here `meta`, whose peak falls back on the
+    host's as a CPU's does): `memory.host` is the process's resident peak,
+    and the run's last line names both peaks."""
+    meter = StepMeter(token_flops=10.0, peak=None, world_size=1,
+                      device=torch.device("meta"), warmup=1)
+    totals = Totals(loss_sum=5.0, correct=1.0, tokens=10.0, grad_squares=9.0)
+    meter.indicators(totals, lr=0.5, scale=None)
+    out = meter.indicators(totals, lr=0.5, scale=None)
+    resident = host_peak_gib()
+    assert 0 < out["memory.host"] <= resident
+    assert "mfu" not in out  # no peak FLOP/s given
+    line = meter.steady_line()
+    assert line.startswith("tokens/s over steps 2..2 of this run (after 1 warm-up): ")
+    assert line.endswith(f"GiB, host {host_peak_gib():.2f} GiB")
 
 
 def test_peak_is_the_data_sheets_dense_figure_in_flops():
