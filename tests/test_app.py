@@ -306,26 +306,27 @@ def chromium(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess
 def test_the_run_page_draws_the_loss_chart(app, runs, tmp_path):
     page = app.web_url + f"run/{runs.finetune_uuid}"
 
-    def drawn_lines(dom: str) -> list[str]:
+    def segments(dom: str) -> list[int]:
+        """Each drawn line's cubic segments, fewest first: d3's curve is one
+        move, then one segment per further point."""
         if '<svg id="chart"' not in dom:
             return []
         chart = dom[dom.index('<svg id="chart"'):]
         chart = chart[:chart.index("</svg>")]
-        return re.findall(r'<path class="unsmoothed-line[^"]*"[^>]*\sd="([^"]+)"', chart)
+        lines = re.findall(r'<path class="unsmoothed-line[^"]*"[^>]*\sd="([^"]+)"', chart)
+        return sorted(d.count("C") for d in lines)
 
-    # d3's curve: one move, then one cubic segment per further point: 12 training
-    # and 4 validation losses.
+    # 12 training and 4 validation losses
     expected = [3, 11]
     # The page fetches its series after the first paint and draws each as it
     # arrives; on a loaded machine the dump can come before the second, so
     # the page gets up to four looks.
     for attempt in range(4):
         dom = chromium(page, tmp_path / f"dom{attempt}", "--dump-dom").stdout
-        lines = drawn_lines(dom)
-        if sorted(d.count("C") for d in lines) == expected:
+        if segments(dom) == expected:
             break
     assert '<svg id="chart"' in dom, dom[-3000:]
-    assert sorted(d.count("C") for d in lines) == expected, lines
+    assert segments(dom) == expected, dom[-3000:]
     assert "loss.train" in dom and "loss.valid" in dom
 
     png = tmp_path / "run.png"
