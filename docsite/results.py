@@ -10,18 +10,20 @@ Every measured figure of the site comes from the benchmark's JSON lines in
 `bench/results/` (one line per engine and workload, written by
 `python -m bench.run --out FILE`; `bench/README.md` describes the fields). This
 module reads them all and keeps, for each *configuration* (workload, engine,
-compiled or not, number of GPUs, sequences per GPU, the step replayed as a CUDA
-graph or not, the optimizer's state layout), the **latest** line: files are
+compiled or not, number and kind of GPUs, sequences per GPU, the step replayed
+as a CUDA graph or not, the optimizer's state layout, fp8 products,
+recomputation, labml_zero's prefetch depth), the **latest** line: files are
 ordered by the date in their name, then by their run number, and lines within a file
 by their position, so a later measurement of the same configuration replaces an
 earlier one. Lines without a `status` (loss curves, probes) are not measurements of
 a step and are skipped.
 
 A note inserts a figure with `{{bench: W2 labml_zero tokens_per_s}}`, adding
-`compiled`, `graph`, `gpus=1`, `batch=8` and/or `states=bf16-moments` to pick
-another configuration (`batch=`
-is needed only where one configuration was measured at several batch sizes;
-without `states=`, the fp32 states);
+`compiled`, `graph`, `gpus=1`, `gpu=h200`, `batch=8`, `depth=2` and/or
+`states=bf16-moments` to pick another configuration (`batch=` and `gpu=` are
+needed only where one configuration was measured at several batch sizes or on
+several kinds of GPU; without `states=`, the fp32 states; without `depth=`,
+prefetch depth 1);
 the figure links to its row here, so each number exists once and says where it
 comes from.
 
@@ -31,9 +33,9 @@ TFLOP/s on an H200, [the one `mfu`](labml_zero/finetune/step_metrics.html)):
 older lines wrote theirs over a measured matrix product's 790 TFLOP/s, and the
 lines themselves are raw data, kept as they were written.
 
-For each workload and number of GPUs, **each engine's best setting** is the
-fastest of its configurations (eager, compiled, replayed as a CUDA graph) at
-the same batch; "Best settings" lists them, so that engines are compared at
+For each workload, kind and number of GPUs, **each engine's best setting** is
+the fastest of its configurations (eager, compiled, replayed as a CUDA graph) at
+the same batch: an H100's line never stands for an H200's; "Best settings" lists them, so that engines are compared at
 their best, each saying which setting that is.
 
 Two "engines" of the rows are not engines but the one-device bounds of
@@ -120,6 +122,12 @@ class Key:
     """`None` where the line recomputes activations as its workload does;
     else whether it did (`bench.run --recompute`): W1 recomputed is a
     configuration of its own."""
+    gpu: str = ""
+    """The kind of GPU, a short name of the planner's table (`h200`, `h100`;
+    `gpu_of`), "" on a CPU or an unknown device: the same step on an H100 is
+    another measurement, never a later one of the H200's."""
+    depth: int = 1
+    """labml_zero's prefetch depth (`--prefetch-depth`; the peers ignore it)."""
 
     @property
     def anchor(self) -> str:
@@ -127,7 +135,9 @@ class Key:
                 + f"-b{self.batch}" + ("-graph" if self.graphed else "")
                 + ("" if self.states == "fp32" else f"-{self.states}")
                 + ("-fp8" if self.fp8 else "")
-                + {None: "", True: "-recompute", False: "-no-recompute"}[self.recompute])
+                + {None: "", True: "-recompute", False: "-no-recompute"}[self.recompute]
+                + (f"-{self.gpu}" if self.gpu else "")
+                + ("" if self.depth == 1 else f"-depth{self.depth}"))
         return f"result-{self.workload}-{self.engine}{tail}".lower().replace(" ", "-")
 
 
@@ -156,6 +166,23 @@ def workload_name(line: dict) -> str:
     if workload is None or not depth or depth == workload.model.n_layers:
         return line["workload"]
     return f"{line['workload']} L{depth}"
+
+
+def gpu_of(line: dict) -> str:
+    """`Key.gpu` of a line: the planner's short name found in its `device`
+    (`NVIDIA H100 80GB HBM3` -> `h100`), "" for none."""
+    from labml_zero.planner.devices import GPUS
+
+    device = (line.get("device") or "").lower()
+    return next((name for name in GPUS if name in device), "")
+
+
+def depth_of(line: dict) -> int:
+    """`Key.depth` of a line: labml_zero's prefetch depth, 1 for the peers
+    (`bench.run` writes its flag on every engine's line)."""
+    if line.get("engine") != "labml_zero":
+        return 1
+    return int(line.get("prefetch_depth") or 1)
 
 
 def recompute_of(line: dict) -> bool | None:
@@ -193,14 +220,14 @@ def load_results(root: Path) -> dict[Key, Measurement]:
                       bool(line.get("cuda_graph")),
                       line.get("optimizer_states") or "fp32",
                       "fp8" in (line.get("kernels") or "").split(","),
-                      recompute_of(line))
+                      recompute_of(line), gpu_of(line), depth_of(line))
             latest[key] = Measurement(key, line, path.name, date)
     order = {w: i for i, w in enumerate(("labml_zero", "fsdp2", "ddp", "deepspeed"))}
     return dict(sorted(latest.items(), key=lambda kv: (
-        kv[0].workload, kv[0].gpus, kv[0].compiled, kv[0].batch,
+        kv[0].workload, kv[0].gpu, kv[0].gpus, kv[0].compiled, kv[0].batch,
         order.get(kv[0].engine, 9), kv[0].engine, kv[0].graphed,
         kv[0].states != "fp32", kv[0].states, kv[0].fp8,
-        kv[0].recompute is not None, bool(kv[0].recompute))))
+        kv[0].recompute is not None, bool(kv[0].recompute), kv[0].depth)))
 
 
 def command(m: Measurement) -> str:
@@ -238,7 +265,7 @@ def command(m: Measurement) -> str:
 def lookup(results: dict[Key, Measurement], spec: str) -> tuple[str, Key]:
     """
     `W2 labml_zero [compiled] [graph] [fp8] [recompute|no-recompute] [gpus=N]
-    [batch=B] [states=NAME] FIELD`
+    [gpu=NAME] [batch=B] [depth=D] [states=NAME] FIELD`
     -> (formatted value, its key).
 
     Raises `BuildError` for an unknown field or a configuration never measured.
@@ -252,12 +279,16 @@ def lookup(results: dict[Key, Measurement], spec: str) -> tuple[str, Key]:
     fp8 = "fp8" in mods
     recompute = (True if "recompute" in mods
                  else False if "no-recompute" in mods else None)
-    gpus, batch, states = 2, None, "fp32"
+    gpus, batch, states, gpu, depth = 2, None, "fp32", None, 1
     for mod in mods:
         if mod.startswith("gpus="):
             gpus = int(mod[5:])
+        elif mod.startswith("gpu="):
+            gpu = mod[4:]
         elif mod.startswith("batch="):
             batch = int(mod[6:])
+        elif mod.startswith("depth="):
+            depth = int(mod[6:])
         elif mod.startswith("states="):
             states = mod[7:]
         elif mod not in ("compiled", "graph", "fp8", "recompute", "no-recompute"):
@@ -265,18 +296,26 @@ def lookup(results: dict[Key, Measurement], spec: str) -> tuple[str, Key]:
     if name not in FIELDS:
         raise BuildError(f"bench directive {spec!r}: field {name!r} is not one of "
                          f"{', '.join(FIELDS)}")
-    batches = sorted(k.batch for k in results
-                     if (k.workload, k.engine, k.compiled, k.gpus, k.graphed,
-                         k.states, k.fp8, k.recompute)
-                     == (workload, engine, compiled, gpus, graphed, states, fp8,
-                         recompute))
+    # the configurations the words name, batch and GPU kind left open
+    named = [k for k in results
+             if (k.workload, k.engine, k.compiled, k.gpus, k.graphed, k.states,
+                 k.fp8, k.recompute, k.depth)
+             == (workload, engine, compiled, gpus, graphed, states, fp8,
+                 recompute, depth)]
+    kinds = sorted({k.gpu for k in named})
+    if gpu is None and len(kinds) > 1:
+        raise BuildError(f"bench directive {spec!r}: measured on GPUs "
+                         f"{kinds}; add gpu=NAME")
+    if gpu is None:
+        gpu = kinds[0] if kinds else ""
+    batches = sorted(k.batch for k in named if k.gpu == gpu)
     if batch is None and len(batches) > 1:
         raise BuildError(f"bench directive {spec!r}: measured at batch sizes "
                          f"{batches}; add batch=B")
     if batch is None:
         batch = batches[0] if batches else 0
     key = Key(workload, engine, compiled, gpus, batch, graphed, states, fp8,
-              recompute)
+              recompute, gpu, depth)
     m = results.get(key)
     if m is None or m.line.get("status") != "ok":
         raise BuildError(f"bench directive {spec!r}: no successful measurement of "
@@ -304,23 +343,24 @@ def setting(key: Key) -> str:
     states = [] if key.states == "fp32" else [f"{key.states} states"]
     recompute = {None: [], True: ["recomputed"],
                  False: ["not recomputed"]}[key.recompute]
+    depth = [] if key.depth == 1 else [f"prefetch depth {key.depth}"]
     return " + ".join((words or ["eager"]) + states
-                      + (["fp8 products"] if key.fp8 else []) + recompute)
+                      + (["fp8 products"] if key.fp8 else []) + recompute + depth)
 
 
 def best_settings(results: dict[Key, Measurement]
-                  ) -> dict[tuple[str, int, int], dict[str, Measurement]]:
+                  ) -> dict[tuple[str, str, int, int], dict[str, Measurement]]:
     """
-    For each (workload, GPUs, batch): each engine's fastest successful
+    For each (workload, kind of GPU, GPUs, batch): each engine's fastest successful
     configuration, by tokens per second. labml_zero's fp8 lines are left out:
     the peers here multiply in bf16 (FSDP2 with fp8 is an engine of its own).
     """
-    best: dict[tuple[str, int, int], dict[str, Measurement]] = {}
+    best: dict[tuple[str, str, int, int], dict[str, Measurement]] = {}
     for key, m in results.items():
         if (m.line.get("status") != "ok" or key.engine in BOUND_ENGINES
                 or key.fp8):
             continue
-        engines = best.setdefault((key.workload, key.gpus, key.batch), {})
+        engines = best.setdefault((key.workload, key.gpu, key.gpus, key.batch), {})
         held = engines.get(key.engine)
         if held is None or m.line["tokens_per_s"] > held.line["tokens_per_s"]:
             engines[key.engine] = m
@@ -335,7 +375,7 @@ def best_markdown(results: dict[Key, Measurement]) -> list[str]:
            DATA_OPEN, "",
            "| workload | GPUs | B | engine | best setting | tokens/s | MFU "
            "| × labml_zero |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for (workload, gpus, batch), engines in best_settings(results).items():
+    for (workload, gpu, gpus, batch), engines in best_settings(results).items():
         if len(engines) < 2:
             continue  # nothing to compare with
         ours = engines.get("labml_zero")
@@ -344,7 +384,8 @@ def best_markdown(results: dict[Key, Measurement]) -> list[str]:
                      f"{m.line['tokens_per_s'] / ours.line['tokens_per_s']:.3f}")
             # the kernels may differ between the best lines: say which
             kernels = m.line.get("kernels") or "none"
-            out.append(f"| {workload} | {gpus} | {batch} | {engine} | "
+            kind = f"{gpus} × {gpu.upper()}" if gpu else f"{gpus}"
+            out.append(f"| {workload} | {kind} | {batch} | {engine} | "
                        f"[{setting(m.key)}](#{m.key.anchor}), kernels {kernels} | "
                        f"{m.line['tokens_per_s']:,.0f} | {_mfu_cell(m.line)} "
                        f"| {ratio} |")

@@ -46,8 +46,10 @@ class ZeroConfig:
 
     chunk_numel: int | None = None
     """
-    Elements per chunk. `None` searches for it (see the
-    [chunk-size search](../planner/chunk_search.html)); an integer fixes it.
+    Elements per chunk; an integer fixes it. `None` leaves it to a chooser:
+    `labml_zero.planner.sharding`'s `shard_model` and `zero3_layers` pass the
+    [chunk-size search](../planner/chunk_search.html); the engine's own refuse
+    `None` with no chooser.
     """
 
     prefetch_depth: int = 1

@@ -193,8 +193,8 @@ def test_results_keep_fp8_lines_and_other_depths_apart(tmp_path):
     assert results.lookup(found, "W1 labml_zero compiled gpus=1 tokens_per_s")[0] \
         == "100 tokens/s"
     value, key = results.lookup(found, "W1 labml_zero compiled fp8 gpus=1 tokens_per_s")
-    assert value == "150 tokens/s" and key.anchor.endswith("-fp8")
-    best = results.best_settings(found)[("W1", 1, 8)]
+    assert value == "150 tokens/s" and key.anchor.endswith("-fp8-h100")
+    best = results.best_settings(found)[("W1", "h100", 1, 8)]
     assert best["labml_zero"].line["tokens_per_s"] == 100.0
     page = results.results_markdown(found)
     assert "fp8 products |" in page and "--layers 12" in page
@@ -229,9 +229,50 @@ def test_results_keep_a_recomputation_other_than_the_workloads_apart(tmp_path):
         == "100 tokens/s"
     value, key = results.lookup(
         found, "W1 labml_zero compiled recompute gpus=1 tokens_per_s")
-    assert value == "80 tokens/s" and key.anchor.endswith("-recompute")
+    assert value == "80 tokens/s" and key.anchor.endswith("-recompute-h100")
     page = results.results_markdown(found)
     assert "recomputed |" in page and "--recompute yes" in page
+
+
+def test_results_keep_each_kind_of_gpu_and_prefetch_depth_apart(tmp_path):
+    """A later H100 line of a configuration does not replace the H200's, nor a
+    labml_zero line at prefetch depth 3 the one at depth 1 (a peer's depth
+    flag is ignored); a note must name the GPU where both were measured, and
+    each kind of GPU has its own best settings."""
+    folder = tmp_path / "bench" / "results"
+    folder.mkdir(parents=True)
+    line = {"engine": "labml_zero", "workload": "W1", "world_size": 1,
+            "status": "ok", "tokens_per_s": 100.0, "peak_mem_gib": 1.0,
+            "step_time_mean_s": 1.0, "step_time_std_s": 0.1, "loss": 2.0,
+            "device": "NVIDIA H200", "batch_per_gpu": 8, "seq": 2048,
+            "compiled": True, "prefetch_depth": 1}
+    h100 = {**line, "device": "NVIDIA H100 80GB HBM3"}
+    (folder / "2026-01-02-run1-x.jsonl").write_text(
+        json.dumps(line) + "\n"
+        + json.dumps({**line, "engine": "fsdp2", "tokens_per_s": 90.0}) + "\n")
+    (folder / "2026-01-03-run1-x.jsonl").write_text(
+        json.dumps({**h100, "tokens_per_s": 80.0}) + "\n"
+        + json.dumps({**h100, "prefetch_depth": 3, "tokens_per_s": 85.0}) + "\n"
+        + json.dumps({**h100, "engine": "fsdp2", "prefetch_depth": 3,
+                      "tokens_per_s": 70.0}) + "\n")
+    found = results.load_results(tmp_path)
+    assert sorted((k.engine, k.gpu, k.depth) for k in found) == [
+        ("fsdp2", "h100", 1), ("fsdp2", "h200", 1), ("labml_zero", "h100", 1),
+        ("labml_zero", "h100", 3), ("labml_zero", "h200", 1)]
+    with pytest.raises(BuildError, match=r"GPUs \['h100', 'h200'\]; add gpu=NAME"):
+        results.lookup(found, "W1 labml_zero compiled gpus=1 tokens_per_s")
+    assert results.lookup(
+        found, "W1 labml_zero compiled gpus=1 gpu=h200 tokens_per_s")[0] == "100 tokens/s"
+    value, key = results.lookup(
+        found, "W1 labml_zero compiled gpus=1 gpu=h100 depth=3 tokens_per_s")
+    assert value == "85 tokens/s" and key.anchor.endswith("-h100-depth3")
+    best = results.best_settings(found)
+    assert best[("W1", "h200", 1, 8)]["labml_zero"].line["tokens_per_s"] == 100.0
+    h100_best = best[("W1", "h100", 1, 8)]["labml_zero"]
+    assert results.setting(h100_best.key) == "compiled + prefetch depth 3"
+    page = results.results_markdown(found)
+    assert "| W1 | 1 × H100 | 8 | labml_zero |" in page
+    assert "--prefetch-depth 3" in page
 
 
 def test_results_keep_and_name_each_optimizer_state_layout(tmp_path):
@@ -258,7 +299,7 @@ def test_results_keep_and_name_each_optimizer_state_layout(tmp_path):
         found, "W2-1 labml_zero gpus=1 states=bf16-moments tokens_per_s")
     assert value == "120 tokens/s"
     assert key.anchor == "result-w2-1-labml_zero-1gpu-b8-bf16-moments"
-    best = results.best_settings(found)[("W2-1", 1, 8)]
+    best = results.best_settings(found)[("W2-1", "", 1, 8)]
     assert results.setting(best["labml_zero"].key) == "eager + bf16-moments states"
     page = results.results_markdown(found)
     assert "| 2.00 | bf16-moments optimizer states |" in page
@@ -271,7 +312,7 @@ def test_results_keep_and_name_each_optimizer_state_layout(tmp_path):
 def test_measured_figures_on_the_site_come_from_the_data(site_files):
     found = results.load_results(REPO)
     home = site_files["index.html"].decode()
-    m = found[results.Key("W2", "labml_zero", False, 2, 2)]
+    m = found[results.Key("W2", "labml_zero", False, 2, 2, gpu="h200")]
     assert f"{m.line['tokens_per_s']:,.0f} tokens/s</a>" in home
     assert "| workload | labml_zero | FSDP2 |" not in home  # no benchmark table
     page = site_files["results.html"].decode()
@@ -432,11 +473,11 @@ def test_results_restate_mfu_on_the_data_sheet_and_pick_each_best(tmp_path):
     expected = 100 * flops_per_token(w1) * 59.2e3 / 989.4e12
     assert results.lookup(found, "W1 labml_zero gpus=1 mfu")[0] == f"{expected:.1f}%"
     assert expected < 55  # the line's own 68% is not what the page shows
-    best = results.best_settings(found)[("W1", 1, 8)]
+    best = results.best_settings(found)[("W1", "h200", 1, 8)]
     assert {e: results.setting(m.key) for e, m in best.items()} == {
         "labml_zero": "compiled", "ddp": "compiled"}
     page = results.results_markdown(found)
-    assert "| W1 | 1 | 8 | ddp | [compiled](#result-w1-ddp-compiled-1gpu-b8), " \
+    assert "| W1 | 1 × H200 | 8 | ddp | [compiled](#result-w1-ddp-compiled-1gpu-b8-h200), " \
            "kernels none | 61,000 |" in page and f"| {61 / 62:.3f} |" in page
     # a CPU line, or a GPU not in the table, has no MFU
     assert results.line_mfu({**line, "device": "cpu"}) is None
