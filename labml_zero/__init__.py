@@ -40,8 +40,9 @@ leaves each rank its shard's slice:
 
 ![shards, all-gather and reduce-scatter on 2 to 4 ranks](figures/shard_collectives.svg)
 
-A step moves $3\Psi$ elements against data parallelism's $2\Psi$, for
-$\frac{1}{N_d}$ of the memory.
+A step moves at most $3\Psi$ elements against data parallelism's $2\Psi$, for
+$\frac{1}{N_d}$ of the memory (frozen chunks are never reduced, and the
+root unit is not gathered again for the backward pass).
 
 ## The core path
 

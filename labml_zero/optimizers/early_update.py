@@ -31,8 +31,8 @@ from .shard_home import ShardHome
 
 # $Q$: the early updates (`AdamFP16(update_during_backward=True,
 # free_grads=True)`) a rank lets queue on its update stream; `EarlyUpdates`
-# waits for the oldest before queueing another, and [the memory
-# model](../planner/memory_model.html) counts $Q$ gradients.
+# waits for the oldest before queueing another, and [the gradient
+# buffers](../planner/grad_buffers.html) count $Q$ gradients.
 EARLY_UPDATES_IN_FLIGHT = 2
 
 

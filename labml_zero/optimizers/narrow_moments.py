@@ -55,8 +55,8 @@ def update(kernel: Kernel, masters: Sequence[torch.Tensor],
     gradient, `found_inf`) leaves the copies as they were, and a bf16 value
     widened and rounded back is itself.
 
-    Each store rounds to 8 bits of mantissa, a relative error of at most
-    $2^{-9}$ in $m$ and $v$; the master, where the small updates add up,
+    Each store rounds to bf16's 8 significant bits (7 stored), a relative
+    error of at most $2^{-8}$ in $m$ and $v$; the master, where the small updates add up,
     keeps all of fp32's. On a GPU the [one-pass kernel](rounded_update.html)
     does the same in one kernel; here the widening costs fp32 temporaries
     (`WIDE_NUMEL`) beside the kernel's own traffic.

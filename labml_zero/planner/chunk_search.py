@@ -100,8 +100,9 @@ class ChunkSearchConfig:
 
     align: int = 1
     """
-    Element alignment of each parameter's offset in its chunk; the engine's value,
-    since the skipped elements are padding.
+    Element alignment of each parameter's offset in its chunk. Pass the engine's
+    (`ZeroConfig.align`), since the skipped elements are padding
+    (`planner.sharding` does); 1 aligns nothing.
     """
 
     param_bytes: int = 2
@@ -518,7 +519,8 @@ def score_candidate(
     # $c = 3$, 6 at $c = 5$) turns it back to $c = 5$. In a real model the same
     # trades set how many chunks a layer gets.
     #
-    # *Gradient buffer* is the memory model's `largest_grad_buffer`: in backward
+    # *Gradient buffer* is [the gradient buffers'](grad_buffers.html)
+    # `largest_grad_buffer`: in backward
     # each trainable chunk holds its parameters' gradients ($p$ bytes an element)
     # until all of them have arrived, copies them into a full-size buffer of
     # $C_k$ elements in the reduce dtype, and reduce-scatters and frees it. A

@@ -349,7 +349,7 @@ class Chunk:
         ### Keep a frozen chunk gathered from its first gather on
 
         The opposite of offloading, for when device memory allows: the full
-        buffer, $N_d S p$ bytes instead of $S p$, stays, and the chunk is never
+        buffer, $N_d S p$ bytes beside the shard's $S p$, stays, and the chunk is never
         gathered again, neither in the backward pass nor in later steps. Only
         frozen chunks: a trainable chunk's buffer would be stale after each
         optimizer step.

@@ -41,8 +41,10 @@ class Phase(Enum):
     """
     ## Where the step is
 
-    * `IDLE`: between steps; every chunk is sharded.
-    * `FORWARD`: between the first pre-forward and the first backward hook.
+    * `IDLE`: between steps; every chunk is sharded but the resident ones
+      (frozen chunks kept gathered, `keep_resident`).
+    * `FORWARD`: from the runtime's `begin_forward` (which gathers the root
+      unit) to the first backward hook.
     * `BACKWARD`: until the end-of-backward callback.
     """
 

@@ -530,14 +530,23 @@ def shard_model(
     comm = Communicator.for_config(device, config, group=group)
     transports = Transports.for_config(comm, config)
     qualified = {id(m): name for name, m in model.named_modules()}
-    # A parameter shared by two layers goes to the root unit: gathered for the
-    # whole step, it is there whichever layer reads it.
+    # A parameter shared by two layers, or by a layer and a module outside
+    # every layer (a readout tied to a layer's matrix), goes to the root unit:
+    # gathered for the whole step, it is there whoever reads it.
     owners: dict[int, set[int]] = {}
     for i, layer in enumerate(layers):
         for param in layer.parameters():
             owners.setdefault(id(param), set()).add(i)
-    layer_ids = {key for key, owner in owners.items() if len(owner) == 1}
-    root = [(n, p) for n, p in model.named_parameters() if id(p) not in layer_ids]
+    # every path to a module, shared ones too: `head` may be a layer's `up`
+    paths = list(model.named_modules(remove_duplicate=False))
+    layer_ids = {id(layer) for layer in layers}
+    layer_paths = tuple(name + "." for name, m in paths if id(m) in layer_ids)
+    outside = {id(p) for name, m in paths
+               if id(m) not in layer_ids and not (name + ".").startswith(layer_paths)
+               for p in m.parameters(recurse=False)}
+    alone = {key for key, owner in owners.items()
+             if len(owner) == 1 and key not in outside}
+    root = [(n, p) for n, p in model.named_parameters() if id(p) not in alone]
 
     # Group 0 is the root; layer i is group i + 1.
     specs, params = param_specs([root, *(layer.named_parameters() for layer in layers)])

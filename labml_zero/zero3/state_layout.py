@@ -185,8 +185,8 @@ class StateLayout:
 # parameter. `BF16_MOMENTS` keeps the master in fp32 (the update still adds
 # every small step to it) and rounds $m$ and $v$ to bf16 each time they are
 # stored: the update itself computes in fp32 from the rounded moments it
-# read, and a bf16 moment carries 8 bits of mantissa, a relative error of at
-# most $2^{-9}$ per store (see the optimizer's page). `BF16_STOCHASTIC` keeps
+# read, and a bf16 moment carries 8 significant bits (7 stored), a relative
+# error of at most $2^{-8}$ per store (see the optimizer's page). `BF16_STOCHASTIC` keeps
 # no master at all: the bf16 shard is the weight, and each update is rounded
 # into it stochastically, so that small updates survive on average.
 # `BF16_KAHAN` keeps no master either, but a bf16 compensation $c$ beside

@@ -238,6 +238,60 @@ def test_parameter_shared_by_two_layers_goes_to_the_root():
         assert abs(losses[0] - losses[1]) <= VALUE_ERROR
 
 
+class HeadTiedToALayer(nn.Module):
+    """The readout is block 1's `up`, read again after the last block: a
+    parameter of one wrapped layer and of the rest of the model."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.embed = nn.Linear(7, 13)
+        self.h = nn.ModuleList(Block(13, 29) for _ in range(3))
+        self.head = self.h[1].up
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.h:
+            x = block(x)
+        return self.head(x)
+
+
+def train_head_tied_to_a_layer(ctx):
+    """Every rank trains on the same rows, so the averaged gradient is the
+    unsharded model's; the losses of both, step by step."""
+    model = HeadTiedToALayer()
+    reference = copy.deepcopy(model)
+    config = ZeroConfig(dtype=torch.float32, chunk_numel=96, align=4)
+    sharded = shard_model(model, list(model.h), device=ctx.device, config=config)
+    root = [name for c in sharded.runtime.root.chunks for name in c.names]
+    optimizer = AdamFP16(sharded.get_trainable_chunk(), lr=1e-2)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2,
+                                      weight_decay=0.0)
+    losses = []
+    for step in range(3):
+        x = torch.randn(4, 7, generator=torch.Generator().manual_seed(step))
+        pair = []
+        for net, opt in ((sharded, optimizer), (reference, ref_optimizer)):
+            loss = net(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(loss.item())
+        losses.append(pair)
+    return {"root": root, "losses": losses}
+
+
+@pytest.mark.distributed
+def test_a_parameter_of_a_layer_and_the_rest_goes_to_the_root():
+    """The readout reads block 1's `up` outside every wrapped layer, where
+    that layer's chunks are released: laid out in the root, gathered for the
+    whole step, it trains as the unsharded model on two ranks."""
+    for report in run_distributed(train_head_tied_to_a_layer, 2):
+        assert "h.1.up.weight" in report["root"] and "h.1.up.bias" in report["root"]
+        for ours, theirs in report["losses"]:
+            assert abs(ours - theirs) <= VALUE_ERROR
+
+
 def test_zero3_layers_lends_a_shared_parameter_to_the_later_layer():
     """Laid out in the first layer that has it, which stays gathered for the
     step; the later layer borrows it, and the model trains as the unsharded
