@@ -200,6 +200,14 @@ class ChunkGrads:
         self.flush()
         self.seen.clear()
 
+    def discard(self) -> None:
+        """Forget every gradient of the pass and of the accumulation: a backward
+        pass that raised (the runtime's `_abandon_backward`)."""
+        self.held.clear()
+        self.seen.clear()
+        self.written.clear()
+        self.full = None
+
     ### Reduced
 
     def _zero_unwritten(self) -> None:

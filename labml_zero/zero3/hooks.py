@@ -22,6 +22,7 @@ each hook is explained beside its code.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
@@ -237,9 +238,12 @@ class Zero3Runtime:
     def begin_forward(self) -> None:
         """Called by the wrapper before the model's forward."""
         if self.phase is Phase.BACKWARD:
-            raise RuntimeError(
-                "forward called while a backward pass is running through the same model"
-            )
+            if torch._C._current_graph_task_id() != -1:
+                raise RuntimeError("forward called while a backward pass is "
+                                   "running through the same model")
+            # No backward runs: the last one raised before its end, and autograd
+            # dropped its end-of-backward callback with it.
+            self._abandon_backward()
         if self.phase is Phase.FORWARD:
             # The last forward had no backward (an evaluation with grad enabled):
             # nothing is pending but gathered chunks.
@@ -250,12 +254,18 @@ class Zero3Runtime:
             self.root.gather()
             self.root.wait()
 
-    def end_forward(self, output: Any) -> None:
-        """Called by the wrapper after the model's forward."""
-        if not (torch.is_grad_enabled() and needing_grad(output)):
+    def end_forward(self, output: Any) -> Any:
+        """Called by the wrapper after the model's forward; the wrapper returns
+        what it returns: the output, hooked so that its backward pass starts
+        with `_enter_backward`, before any of the root's parameters is read
+        (a readout in the root is the first thing a backward pass runs)."""
+        outputs = needing_grad(output) if torch.is_grad_enabled() else []
+        if not outputs:
             # No backward will follow.
             self._release_all()
             self._finish_step()
+            return output
+        return before_backward_of(output, outputs, self._enter_backward)
 
     ### Forward hooks
 
@@ -353,6 +363,15 @@ class Zero3Runtime:
             self.phase = Phase.BACKWARD
             self._reduced = set()
             queue_end_of_backward(self._end_backward)
+            # The root and held units stay gathered from the forward to here,
+            # unless something released them in between: an earlier backward
+            # through the same graph (`retain_graph=True`) or a forward without
+            # gradients. No hook of theirs runs in the backward pass, so gather
+            # them here (a no-op where they are still gathered).
+            for unit in self.all_units():
+                if unit.module is None or unit.held:
+                    unit.gather()
+                    unit.wait()
 
     def _pre_backward(self, unit: Unit) -> None:
         """
@@ -457,6 +476,28 @@ class Zero3Runtime:
         self._finish_step()
 
     ### Step bookkeeping
+
+    def _abandon_backward(self) -> None:
+        """
+        #### A backward pass that raised
+
+        An exception inside the backward pass (a hook's check, anomaly
+        detection) ends it before its end-of-backward callback (6), which
+        autograd drops. The caller caught it and runs the next forward: the
+        failed pass's gradients, partly held, partly reduced, are discarded
+        on every trainable chunk, with those of the micro-batches accumulated
+        before it, and said in one warning, so that the next step starts from
+        nothing rather than from a part of a step.
+        """
+        warnings.warn("the last backward pass raised before its end: its "
+                      "gradients (and those accumulated before it) are discarded")
+        self.comm.reduce_stream_waited()
+        for chunk in self.all_chunks():
+            if chunk.trainable:
+                chunk.grads.discard()
+                chunk.local.zero_grad()
+        self._release_all()
+        self._finish_step()
 
     def _release_all(self) -> None:
         for unit in self.all_units():

@@ -221,8 +221,7 @@ class Zero3Layer(nn.Module):
             return self.module(*args, **kwargs)
         self.runtime.begin_forward()
         output = self.module(*args, **kwargs)
-        self.runtime.end_forward(output)
-        return output
+        return self.runtime.end_forward(output)
 
     def get_trainable_chunk(self) -> list[nn.Parameter]:
         """The shards the optimizer updates (labml-nn's name)."""
@@ -340,8 +339,7 @@ class Zero3Sequential(ShardedRoot):
                 x = checkpoint(layer, *args, use_reentrant=False)
             else:
                 x = layer(*args)
-        self.runtime.end_forward(x)
-        return x
+        return self.runtime.end_forward(x)
 
 
 def materialize_on(module: nn.Module, device: torch.device) -> None:
@@ -498,8 +496,7 @@ class ShardedModel(ShardedRoot):
     def forward(self, *args, **kwargs):
         self.runtime.begin_forward()
         output = self.model(*args, **kwargs)
-        self.runtime.end_forward(output)
-        return output
+        return self.runtime.end_forward(output)
 
 
 def shard_model(
