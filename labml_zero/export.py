@@ -130,7 +130,8 @@ class ExportPlan:
         try:
             self.out = self.family.check_export_destination(
                 args.out, HF_EXPORT, flag="DIR", need_bytes=self.need_bytes,
-                protected={"CHECKPOINT": args.checkpoint})
+                protected={"CHECKPOINT": args.checkpoint,
+                           "the checkpoint's base snapshot": snapshot})
         except ValueError as error:  # the exports' `ExportDestinationError`
             raise ExportError(str(error)) from None
         self.max_shard_bytes = args.max_shard_size

@@ -203,6 +203,30 @@ def test_bad_input_is_one_line_and_nothing_is_written(full_run, tmp_path, capsys
     assert not list(tmp_path.glob(".*")), "no temporary directory is left"
 
 
+def test_an_export_goes_neither_into_a_checkpoint_nor_onto_its_base(
+        full_run, snapshot, tmp_path, capsys):
+    """Inside a checkpoint an export would go when pruning removes the
+    checkpoint; onto the snapshot the run started from it would replace the
+    base its adapters and the checkpoint refer to. Both are refused in one
+    line, nothing written."""
+    ckpt = saved(full_run)
+    before = sorted(p.name for p in ckpt.iterdir())
+    err = one_line_refusal([str(ckpt), str(ckpt / "hf")], capsys)
+    assert f"is inside the checkpoint {ckpt}" in err
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+    base = tmp_path / "base"
+    shutil.copytree(snapshot, base)
+    moved = tmp_path / "moved"
+    shutil.copytree(ckpt, moved)
+    manifest = json.loads((moved / "manifest.json").read_text())
+    manifest["meta"]["export"]["snapshot"] = str(base)
+    (moved / "manifest.json").write_text(json.dumps(manifest))
+    err = one_line_refusal([str(moved), str(base)], capsys)
+    assert f"is the checkpoint's base snapshot {base}" in err
+    assert sorted(p.name for p in base.iterdir()) == sorted(
+        p.name for p in snapshot.iterdir())
+
+
 @pytest.mark.parametrize("text, size", [("1000", 1000), ("2GB", 2 * 10**9),
                                         ("512MiB", 512 * 2**20), ("1.5kb", 1500)])
 def test_sizes(text, size):

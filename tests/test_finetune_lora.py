@@ -84,3 +84,34 @@ def test_bad_lora_flags_exit_2_with_one_line(args, message, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_a_resume_keeps_the_adapters_alpha_or_refuses_another(tmp_path: Path, capsys):
+    """LoRA's $\\alpha$ scales the adapters a checkpoint trained, but no chunk
+    has its shape: `--resume` keeps the saved one when the flag is left out,
+    and refuses a different one in one line before any rank starts."""
+    from labml_zero.finetune.checkpoints import resume_settings
+    from labml_zero.finetune.config import FinetuneConfig
+
+    check_ok(finetune(tmp_path, "--finetune", "lora", "--lora-alpha", "256",
+                      "--steps", "2", "--checkpoint-every", "2", "--sample-tokens", "0"))
+    saved = tmp_path / "out" / "checkpoints" / "step-000002"
+    config = FinetuneConfig(model="tiny", finetune="lora", resume=str(saved), steps=4)
+    assert config.lora_alpha != 256
+    kept, _ = resume_settings(config, {"finetune", "resume", "steps"})
+    assert kept.lora_alpha == 256
+    given, _ = resume_settings(FinetuneConfig(model="tiny", finetune="lora",
+                                              resume=str(saved), steps=4,
+                                              lora_alpha=8.0),
+                               {"finetune", "resume", "steps", "lora_alpha"})
+    assert given.lora_alpha == 8.0
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "tiny", "--finetune", "lora", "--lora-alpha", "8",
+              "--resume", str(saved), "--steps", "4", "--seq-len", "32",
+              "--batch-size", "2", "--world-size", "2",
+              "--out", str(tmp_path / "again"), "--log-dir", str(tmp_path / "logs")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "trained its adapters with --lora-alpha 256, this run gives 8" in err
+    assert not list((tmp_path / "again").iterdir())  # nothing written

@@ -28,11 +28,12 @@ from labml_zero.zero3.checkpoint import (CheckpointReader, load_checkpoint,
 
 __all__ = ["SETTINGS", "saved_settings", "override_settings", "resume_settings",
            "check_global_batch", "checkpoint_path", "export_meta", "save",
-           "resume"]
+           "resume", "saved_lora_alpha"]
 
 # The hyperparameters a checkpoint keeps and a flag on `--resume` overrides.
 # The model's own settings (shape, fine-tuner, LoRA, dtype) are not among them:
-# a checkpoint holds their chunks.
+# a checkpoint holds their chunks; LoRA's alpha, which no chunk's shape holds,
+# comes from the manifest's `meta` (`resume_settings`).
 SETTINGS = ("lr", "weight_decay", "clip_grad", "lr_schedule", "warmup_steps",
             "min_lr", "steps", "epochs", "optimizer_states")
 LENGTH = ("steps", "epochs")
@@ -84,13 +85,28 @@ def resume_settings(config, given: set[str]):
     say why in one line.
     """
     try:
-        extra = CheckpointReader(config.resume).extra() or {}
+        reader = CheckpointReader(config.resume)
+        extra = reader.extra() or {}
     except Exception:  # any unreadable checkpoint: preflight reports it
         return config, None
+    # LoRA's scale $\alpha / r$ is no chunk's shape but part of the model the
+    # adapters were trained in: kept unless its flag is given (a different one
+    # is refused by `check_resume`)
+    if "lora_alpha" not in given and config.finetune == "lora":
+        alpha = saved_lora_alpha(reader.meta)
+        if alpha is not None:
+            config = dataclasses.replace(config, lora_alpha=alpha)
     saved = extra.get("settings") if isinstance(extra, dict) else None
     if not isinstance(saved, dict):
         return config, None
     return override_settings(config, given, saved)
+
+
+def saved_lora_alpha(meta: dict) -> float | None:
+    r"""The LoRA $\alpha$ a checkpoint's adapters were trained with, from its
+    manifest's `meta` (`export_meta`); `None` for no adapters."""
+    lora = (meta.get("export") or {}).get("lora") if isinstance(meta, dict) else None
+    return lora.get("alpha") if isinstance(lora, dict) else None
 
 
 def check_global_batch(path: Path, sampler: dict, config, world_size: int

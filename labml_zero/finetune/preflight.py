@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from labml_zero.finetune.checkpoints import check_global_batch
+from labml_zero.finetune.checkpoints import check_global_batch, saved_lora_alpha
 from labml_zero.finetune.corpus import DataError
 from labml_zero.finetune.data import JobData, job_data
 from labml_zero.files import size_text
@@ -301,6 +301,12 @@ def check_resume(path: Path, layers: list[nn.Module], config, world_size: int,
     if not isinstance(extra, dict) or "step" not in extra or "sampler" not in extra:
         raise PreflightError(f"--resume {path} is not a checkpoint of this job "
                              f"(its extra state has no step and sampler position)")
+    alpha = saved_lora_alpha(CheckpointReader(path).meta)
+    if alpha is not None and config.finetune == "lora" and alpha != config.lora_alpha:
+        raise PreflightError(f"--resume {path} trained its adapters with "
+                             f"--lora-alpha {alpha:g}, this run gives "
+                             f"{config.lora_alpha:g}: the adapters would scale "
+                             f"otherwise (leave the flag out to keep {alpha:g})")
     sampler = extra["sampler"]
     if sampler.get("seed") != config.seed:
         raise PreflightError(f"--resume {path} was saved with seed "

@@ -32,6 +32,7 @@ from labml_zero.hf.snapshot_layout import (ADAPTER_CONFIG, ADAPTER_WEIGHTS,
                                            CONFIG_FILE, EXPORT_MARKER, INDEX_FILE,
                                            SHARD_PATTERN, SIDE_FILES, SINGLE_FILE)
 from labml_zero.layers.lora import is_adapter
+from labml_zero.zero3.checkpoint.pruning import is_complete
 
 __all__ = ["ADAPTER", "MERGED", "EXPORT_MARKER", "ExportDestinationError",
            "check_export_destination", "export_bytes", "marker_text"]
@@ -86,8 +87,8 @@ def check_export_destination(path: str | os.PathLike, kind: str, *, flag: str,
     Returns the path, or raises `ExportDestinationError` for a file, a
     symbolic link, a directory that holds anything but a previous export of
     this kind, one that is or holds a protected one (`--out`, `--log-dir`,
-    `--checkpoint`, `--resume`), or too little room. Nothing is created or
-    changed.
+    `--checkpoint`, `--resume`), one inside a checkpoint, or too little room.
+    Nothing is created or changed.
     """
     given = Path(path).expanduser()
     target = given.resolve()
@@ -97,6 +98,13 @@ def check_export_destination(path: str | os.PathLike, kind: str, *, flag: str,
             raise ExportDestinationError(
                 f"{flag} {given} {'is' if same else 'contains'} {other} {where}: "
                 f"an export replaces its whole directory; give another one")
+    # inside a checkpoint, an export would go when the checkpoint is pruned
+    # (a checkpoint with anything its save did not write is kept, but would
+    # then never be pruned)
+    inside = next((d for d in target.parents if d.is_dir() and is_complete(d)), None)
+    if inside is not None:
+        raise ExportDestinationError(f"{flag} {given} is inside the checkpoint "
+                                     f"{inside}; give a directory outside it")
     if given.is_symlink():
         raise ExportDestinationError(f"{flag} {given} is a symbolic link; give the "
                                      f"directory itself")

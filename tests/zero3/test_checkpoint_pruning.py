@@ -61,6 +61,20 @@ def test_keeps_the_newest_and_removes_only_checkpoints(tmp_path, one):
     assert is_complete(out / "step-000008")
 
 
+def test_a_checkpoint_holding_what_its_save_did_not_write_is_kept(tmp_path, one):
+    """Rule 5: an export or a note written into an old checkpoint keeps it,
+    said in one warning; the others go as before."""
+    out = run_dir(tmp_path, one, [2, 4, 6])
+    (out / "step-000002" / "hf").mkdir()
+    (out / "step-000002" / "hf" / "model.safetensors").write_bytes(b"mine")
+    with pytest.warns(UserWarning, match=r"kept checkpoint .*step-000002: it "
+                      r"holds 'hf', which its save did not write"):
+        removed = prune_checkpoints(out, keep=1)
+    assert removed == [out / "step-000004"]
+    assert (out / "step-000002" / "hf" / "model.safetensors").read_bytes() == b"mine"
+    assert is_complete(out / "step-000002") and is_complete(out / "step-000006")
+
+
 def test_nothing_is_removed_until_the_newest_is_complete(tmp_path, one):
     out = run_dir(tmp_path, one, [2, 4])
     # a newest step directory whose save has not finished (no manifest yet)

@@ -11,8 +11,8 @@ A job that saves every $n$ steps fills its disk: each checkpoint holds every
 shard, master and moment. `prune_checkpoints(directory, keep)` keeps the `keep`
 newest and removes the others, under four rules, each beside its lines, that
 make it safe to call after every save: only after the newest is complete, only
-checkpoints of this layout, never half removed, and
-leftovers go.
+checkpoints of this layout, never half removed, leftovers go, and only what a
+save wrote.
 
 With $k$ = `keep`, the disk holds at most $k + 1$ checkpoints: the $k$ kept ones
 and, during a save, the new one being written.
@@ -23,13 +23,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 from ...files import temporary_sibling
-from .format import CheckpointError
+from .format import MANIFEST, CheckpointError
 from .reader import CheckpointReader
 
-__all__ = ["checkpoint_dirs", "is_complete", "prune_checkpoints"]
+__all__ = ["checkpoint_dirs", "foreign_entries", "is_complete",
+           "prune_checkpoints"]
 
 STEP_NAME = re.compile(r"step-(\d{6,})")
 """`step-NNNNNN`: the fine-tune's `checkpoints/step-{step:06d}`."""
@@ -68,6 +70,14 @@ def is_complete(path: str | os.PathLike) -> bool:
     except CheckpointError:
         return False
     return True
+
+
+def foreign_entries(path: str | os.PathLike) -> list[str]:
+    """What a complete checkpoint's directory holds beside its manifest and the
+    files the manifest lists: what its save did not write."""
+    written = {name.split("/")[0] for name in CheckpointReader(path).manifest["files"]}
+    return sorted(entry.name for entry in Path(path).iterdir()
+                  if entry.name not in written | {MANIFEST})
 
 
 def prune_checkpoints(directory: str | os.PathLike, keep: int, *,
@@ -111,7 +121,16 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int, *,
         if LEFTOVER_NAME.fullmatch(entry.name) and entry.is_dir() \
                 and not entry.is_symlink():
             shutil.rmtree(entry)
-    for path in removed:
+    for path in list(removed):
+        # Rule 5, **only what a save wrote**: a checkpoint that holds anything
+        # else (an export written into it, a user's notes) is kept, and said.
+        foreign = foreign_entries(path)
+        if foreign:
+            more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+            warnings.warn(f"kept checkpoint {path}: it holds {foreign[0]!r}{more}, "
+                          f"which its save did not write")
+            removed.remove(path)
+            continue
         # Rule 3, **never half removed**: renamed first to a hidden
         # `.step-NNNNNN.pruned-<token>` name, which nothing loads, then deleted;
         # a crash during the deletion leaves a hidden directory, not a checkpoint
