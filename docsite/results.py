@@ -35,7 +35,8 @@ lines themselves are raw data, kept as they were written.
 
 For each workload, kind and number of GPUs, **each engine's best setting** is
 the fastest of its configurations (eager, compiled, replayed as a CUDA graph) at
-the same batch: an H100's line never stands for an H200's; "Best settings" lists them, so that engines are compared at
+the same batch: an H100's line never stands for an H200's; "Best settings"
+lists them, so that engines are compared at
 their best, each saying which setting that is.
 
 Two "engines" of the rows are not engines but the one-device bounds of

@@ -294,14 +294,15 @@ def check_resume(path: Path, layers: list[nn.Module], config, world_size: int,
         check_resumable(path, world_size=world_size,
                         shapes=sequential_shapes(layers),
                         expect={"seed": config.seed})
-        extra = CheckpointReader(path).extra() or {}
+        reader = CheckpointReader(path)
+        extra = reader.extra() or {}
     except (CheckpointError, OSError) as e:
         # the package's messages name the checkpoint already
         raise PreflightError(f"--resume: {e}") from e
     if not isinstance(extra, dict) or "step" not in extra or "sampler" not in extra:
         raise PreflightError(f"--resume {path} is not a checkpoint of this job "
                              f"(its extra state has no step and sampler position)")
-    alpha = saved_lora_alpha(CheckpointReader(path).meta)
+    alpha = saved_lora_alpha(reader.meta)
     if alpha is not None and config.finetune == "lora" and alpha != config.lora_alpha:
         raise PreflightError(f"--resume {path} trained its adapters with "
                              f"--lora-alpha {alpha:g}, this run gives "

@@ -112,7 +112,6 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int, *,
     if not found or not is_complete(found[-1]):
         return []
     complete = [path for path in found if is_complete(path)]
-    removed = complete[:-keep]
     # Rule 4, **leftovers go**: a save killed outright (`SIGKILL`, a power cut)
     # cannot remove its `.step-NNNNNN.tmp-<id>` directory, nor a crash mid-delete
     # its `.pruned-` one, and nothing loads either. This job's own save is
@@ -121,7 +120,8 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int, *,
         if LEFTOVER_NAME.fullmatch(entry.name) and entry.is_dir() \
                 and not entry.is_symlink():
             shutil.rmtree(entry)
-    for path in list(removed):
+    removed = []
+    for path in complete[:-keep]:
         # Rule 5, **only what a save wrote**: a checkpoint that holds anything
         # else (an export written into it, a user's notes) is kept, and said.
         foreign = foreign_entries(path)
@@ -129,7 +129,6 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int, *,
             more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
             warnings.warn(f"kept checkpoint {path}: it holds {foreign[0]!r}{more}, "
                           f"which its save did not write")
-            removed.remove(path)
             continue
         # Rule 3, **never half removed**: renamed first to a hidden
         # `.step-NNNNNN.pruned-<token>` name, which nothing loads, then deleted;
@@ -138,4 +137,5 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int, *,
         aside = temporary_sibling(path, kind="pruned")
         os.rename(path, aside)
         shutil.rmtree(aside)
+        removed.append(path)
     return removed
