@@ -308,6 +308,9 @@ def test_a_loss_that_stays_nan_stops_the_job_and_keeps_good_checkpoints(
      "run's has 19138"),
     ("step-000003", ["--steps", "6"], None),
     ("step-000003", ["--model", "pythia-70m"], "is of a different model"),
+    ("step-000003", ["--finetune", "biases"], "was trained with --finetune all, "
+     "this run gives --finetune biases: '0.embed_in.weight' is trained there and "
+     "frozen here (leave the flag out to resume it"),
 ])
 def test_resume_is_checked_before_any_rank_starts(reference: Path, tmp_path: Path,
                                                   capsys, checkpoint, args,
@@ -331,6 +334,24 @@ def test_resume_is_checked_before_any_rank_starts(reference: Path, tmp_path: Pat
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_a_resume_keeps_the_fine_tuner_it_was_trained_with(tmp_path: Path):
+    """`--finetune` left out of a resume is the checkpoint's, not the default
+    `all`: a chunk keeps one optimizer step, so resuming with another set of
+    trained parameters could only fail once the ranks read the shards (or train
+    frozen weights from no state)."""
+    from labml_zero.finetune.preflight import preflight
+
+    check_ok(finetune(tmp_path, "--finetune", "biases", "--steps", "1",
+                      "--checkpoint-every", "1", "--sample-tokens", "0"))
+    path = tmp_path / "out" / "checkpoints" / "step-000001"
+    config, world_size = parse_config(
+        [*SMALL, "--out", str(tmp_path / "again"), "--resume", str(path),
+         "--steps", "2"], make_parser())
+    assert config.finetune == "biases"
+    assert preflight(config, world_size=world_size,
+                     device=torch.device("cpu")).resumed_step == 1
 
 
 def test_every_flag_has_help_and_shows_its_default():

@@ -28,12 +28,13 @@ from labml_zero.zero3.checkpoint import (CheckpointReader, load_checkpoint,
 
 __all__ = ["SETTINGS", "saved_settings", "override_settings", "resume_settings",
            "check_global_batch", "checkpoint_path", "export_meta", "save",
-           "resume", "saved_lora_alpha"]
+           "resume", "saved_model_settings"]
 
 # The hyperparameters a checkpoint keeps and a flag on `--resume` overrides.
 # The model's own settings (shape, fine-tuner, LoRA, dtype) are not among them:
-# a checkpoint holds their chunks; LoRA's alpha, which no chunk's shape holds,
-# comes from the manifest's `meta` (`resume_settings`).
+# a checkpoint holds their chunks, and the fine-tuner with LoRA's options
+# (alpha is no chunk's shape) comes from the manifest's `meta`
+# (`resume_settings`).
 SETTINGS = ("lr", "weight_decay", "clip_grad", "lr_schedule", "warmup_steps",
             "min_lr", "steps", "epochs", "optimizer_states")
 LENGTH = ("steps", "epochs")
@@ -89,24 +90,45 @@ def resume_settings(config, given: set[str]):
         extra = reader.extra() or {}
     except Exception:  # any unreadable checkpoint: preflight reports it
         return config, None
-    # LoRA's scale $\alpha / r$ is no chunk's shape but part of the model the
-    # adapters were trained in: kept unless its flag is given (a different one
-    # is refused by `check_resume`)
-    if "lora_alpha" not in given and config.finetune == "lora":
-        alpha = saved_lora_alpha(reader.meta)
-        if alpha is not None:
-            config = dataclasses.replace(config, lora_alpha=alpha)
+    # The fine-tuner and LoRA's options are part of the model the checkpoint
+    # trained: kept unless their flag is given (a different one is refused by
+    # `check_resume`). LoRA's scale $\alpha / r$ is no chunk's shape, so only
+    # the manifest's `meta` knows it.
+    kept = {name: value for name, value in saved_model_settings(reader.meta).items()
+            if name not in given}
+    if kept.get("finetune", config.finetune) != "lora":
+        kept = {name: value for name, value in kept.items()
+                if not name.startswith("lora_")}
+    if kept:
+        config = dataclasses.replace(config, **kept)
     saved = extra.get("settings") if isinstance(extra, dict) else None
     if not isinstance(saved, dict):
         return config, None
     return override_settings(config, given, saved)
 
 
-def saved_lora_alpha(meta: dict) -> float | None:
-    r"""The LoRA $\alpha$ a checkpoint's adapters were trained with, from its
-    manifest's `meta` (`export_meta`); `None` for no adapters."""
-    lora = (meta.get("export") or {}).get("lora") if isinstance(meta, dict) else None
-    return lora.get("alpha") if isinstance(lora, dict) else None
+def saved_model_settings(meta: dict) -> dict:
+    r"""
+    ### The fine-tuner and LoRA options a checkpoint was trained with
+
+    From its manifest's `meta` (`save`, `export_meta`): `finetune` (saved
+    since the job recorded it; a checkpoint with adapters is a LoRA one) and,
+    for adapters, `lora_rank`, `lora_alpha` and `lora_targets`. Empty for a
+    checkpoint that recorded none of them.
+    """
+    if not isinstance(meta, dict):
+        return {}
+    lora = (meta.get("export") or {}).get("lora")
+    settings = {}
+    if isinstance(meta.get("finetune"), str):
+        settings["finetune"] = meta["finetune"]
+    if isinstance(lora, dict):
+        settings.setdefault("finetune", "lora")
+        for key in ("rank", "alpha", "targets"):
+            if key in lora:
+                value = lora[key]
+                settings[f"lora_{key}"] = tuple(value) if key == "targets" else value
+    return settings
 
 
 def check_global_batch(path: Path, sampler: dict, config, world_size: int
@@ -191,6 +213,7 @@ def save(config, step: int, training, sampler) -> Path:
         extra["scaler"] = training.scaler.state_dict()
     # `meta` is in the manifest, where `check_resumable` compares it
     meta = {"step": step, "global_batch": sampler.global_batch, "seed": config.seed,
+            "finetune": config.finetune,
             "export": export_meta(config, training.model)}
     path = save_checkpoint(checkpoint_path(config, step), training.model,
                            training.optimizer, extra=extra, meta=meta)

@@ -31,14 +31,15 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from labml_zero.finetune.checkpoints import check_global_batch, saved_lora_alpha
+from labml_zero.finetune.checkpoints import check_global_batch, saved_model_settings
 from labml_zero.finetune.corpus import DataError
 from labml_zero.finetune.data import JobData, job_data
 from labml_zero.files import size_text
 from labml_zero.family import ADAPTER_EXPORT, HF_EXPORT
 from labml_zero.launch import ranks_text
 from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
-                                         check_resumable, sequential_shapes)
+                                         check_resumable, sequential_shapes,
+                                         sequential_trainables)
 from labml_zero.zero3.checkpoint.pruning import checkpoint_dirs
 from labml_zero.planner.placement import device_optimizer_bytes
 from labml_zero.zero3.state_layout import FP32_STATES, StateLayout, state_layout
@@ -279,6 +280,32 @@ def check_host_memory(config, layers: list[nn.Module], *, world_size: int,
             f"available; use fewer ranks")
 
 
+def check_same_trainables(path: Path, reader: CheckpointReader,
+                          layers: list[nn.Module], config, saved: str | None):
+    """
+    ### The checkpoint trained the parameters this run trains
+
+    Each trained parameter resumes its optimizer state, and a chunk holds one
+    step of it: a parameter frozen in the checkpoint has none to resume (and
+    would share a chunk with ones that have), so another fine-tuner is refused
+    here, not when a rank reads the shards. The way to train more of a model
+    is a new run from its export.
+    """
+    trained = sequential_trainables(layers)
+    for name in sequential_shapes(layers):
+        there = bool(reader.chunk_of(name).get("trainable"))
+        if there != (name in trained):
+            was, keep = (f"--finetune {saved}", "leave the flag out") if saved \
+                else ("another fine-tuner", "give its --finetune")
+            raise PreflightError(
+                f"--resume {path} was trained with {was}, this run gives "
+                f"--finetune {config.finetune}: {name!r} is "
+                f"{'trained' if there else 'frozen'} there and "
+                f"{'trained' if name in trained else 'frozen'} here ({keep} to "
+                f"resume it, or export it with python -m labml_zero.export and "
+                f"start a new run from the export with --checkpoint)")
+
+
 def check_resume(path: Path, layers: list[nn.Module], config, world_size: int,
                  data: JobData) -> int:
     """
@@ -302,12 +329,14 @@ def check_resume(path: Path, layers: list[nn.Module], config, world_size: int,
     if not isinstance(extra, dict) or "step" not in extra or "sampler" not in extra:
         raise PreflightError(f"--resume {path} is not a checkpoint of this job "
                              f"(its extra state has no step and sampler position)")
-    alpha = saved_lora_alpha(reader.meta)
+    saved = saved_model_settings(reader.meta)
+    alpha = saved.get("lora_alpha")
     if alpha is not None and config.finetune == "lora" and alpha != config.lora_alpha:
         raise PreflightError(f"--resume {path} trained its adapters with "
                              f"--lora-alpha {alpha:g}, this run gives "
                              f"{config.lora_alpha:g}: the adapters would scale "
                              f"otherwise (leave the flag out to keep {alpha:g})")
+    check_same_trainables(path, reader, layers, config, saved.get("finetune"))
     sampler = extra["sampler"]
     if sampler.get("seed") != config.seed:
         raise PreflightError(f"--resume {path} was saved with seed "

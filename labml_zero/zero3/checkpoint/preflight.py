@@ -17,14 +17,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from torch import nn
 
 from .format import CheckpointError
 from .reader import CheckpointReader
 
-__all__ = ["CheckpointInfo", "check_resumable", "sequential_shapes"]
+__all__ = ["CheckpointInfo", "check_resumable", "sequential_parameters",
+           "sequential_shapes", "sequential_trainables"]
 
 
 @dataclass(frozen=True)
@@ -52,23 +53,32 @@ class CheckpointInfo:
     that has digests)."""
 
 
-def sequential_shapes(layers: Iterable[nn.Module]) -> dict[str, tuple[int, ...]]:
+def sequential_parameters(layers: Iterable[nn.Module]
+                          ) -> Iterator[tuple[str, nn.Parameter]]:
     """
-    ### The parameter shapes of `Zero3Sequential(zero3_layers(layers))`
+    ### The parameters of `Zero3Sequential(zero3_layers(layers))`, named
 
     Named `"<layer index>.<name in layer>"`, as `zero3_layers` names them; the
     layers may be on the meta device. A parameter of two layers (a tied
     embedding) is named once, in the first, which owns it (see Note: a
     parameter of two layers, in [sharding a model](../sharded_model.html)).
     """
-    shapes: dict[str, tuple[int, ...]] = {}
     seen: set[int] = set()
     for i, layer in enumerate(layers):
         for name, p in layer.named_parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                shapes[f"{i}.{name}"] = tuple(p.shape)
-    return shapes
+                yield f"{i}.{name}", p
+
+
+def sequential_shapes(layers: Iterable[nn.Module]) -> dict[str, tuple[int, ...]]:
+    """The shape of each of `sequential_parameters`, by name."""
+    return {name: tuple(p.shape) for name, p in sequential_parameters(layers)}
+
+
+def sequential_trainables(layers: Iterable[nn.Module]) -> set[str]:
+    """The names of `sequential_parameters` that train (`requires_grad`)."""
+    return {name for name, p in sequential_parameters(layers) if p.requires_grad}
 
 
 def check_resumable(path: str | os.PathLike, *, world_size: int,
