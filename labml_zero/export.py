@@ -39,7 +39,8 @@ from tokenizers import Tokenizer
 from labml_zero.families import family_for_model_type
 from labml_zero.family import HF_EXPORT
 from labml_zero.zero3.checkpoint import (CheckpointError, CheckpointReader,
-                                         prefix_rename, saved_tensors)
+                                         prefix_rename, saved_tensors,
+                                         sequential_parameters)
 
 __all__ = ["main", "ExportPlan", "plan_export", "parse_size"]
 
@@ -146,8 +147,10 @@ class ExportPlan:
         layers = self.family.build(self.config, device="meta")
         if self.lora is not None:
             self.lora(layers)  # the adapters were saved too
-        expected = {self.family.hf_prefix(layer) + name: tuple(t.shape)
-                    for layer in layers for name, t in layer.state_dict().items()}
+        # a tied matrix is one parameter, saved once in its first layer
+        prefixes = [self.family.hf_prefix(layer) for layer in layers]
+        expected = {prefix_rename(prefixes)(name): tuple(p.shape)
+                    for name, p in sequential_parameters(layers)}
         saved = {self.rename(name): p.shape for name, p in self.reader.params.items()}
         missing = sorted(expected.keys() - saved.keys())
         if missing:

@@ -148,9 +148,12 @@ def export_bytes(layers, kind: str, dtype: torch.dtype) -> int:
     is the checkpoint's. The adapter: $4\Psi_\text{lora}$; the checkpoint: $p\Psi$
     without the adapters, which are folded in.
     """
-    total = 0
+    total, seen = 0, set()
     for layer in layers:
         for name, param in layer.named_parameters():
+            if id(param) in seen:  # a tied matrix is written once
+                continue
+            seen.add(id(param))
             adapter = is_adapter(name)
             if kind == ADAPTER:
                 total += 4 * param.numel() if adapter else 0

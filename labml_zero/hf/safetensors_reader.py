@@ -22,10 +22,11 @@ a byte of it is read. A family's checkpoint page
 
 from __future__ import annotations
 
+
 import json
 import os
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, Callable, Hashable, Iterable, NamedTuple, TypeVar
 
@@ -296,6 +297,27 @@ class SafetensorsSnapshot:
                 for name in names:
                     check_tensor(f, file, name, wanted[name],
                                  shape_from=shape_from(name))
+
+    def equal_tensors(self, a: str, b: str, *, rows: int = 4096) -> bool:
+        """
+        ### Whether two stored tensors hold the same values
+
+        Compared `rows` rows at a time, so the host holds two blocks, not two
+        matrices of the vocabulary's size. Both must be in the snapshot.
+        """
+        files = self.files_of({a: a, b: b})
+        with ExitStack() as stack:
+            opened = {name: stack.enter_context(open_safetensors(file))
+                      for file, names in files.items() for name in names}
+            first, second = opened[a].get_slice(a), opened[b].get_slice(b)
+            if first.get_shape() != second.get_shape():
+                return False
+            n = first.get_shape()[0] if first.get_shape() else 1
+            for start in range(0, n, rows):
+                if not torch.equal(first[start:start + rows],
+                                   second[start:start + rows]):
+                    return False
+        return True
 
 
 def load_layers(checkpoint, layers: Iterable[nn.Module]) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 __all__ = ["CONFIG_FILE", "SINGLE_FILE", "INDEX_FILE", "SHARD_PATTERN",
            "shard_file_name", "TOKENIZER_FILE", "TOKENIZER_CONFIG",
-           "SPECIAL_TOKENS", "GENERATION_CONFIG", "SIDE_FILES",
+           "SPECIAL_TOKENS", "GENERATION_CONFIG", "CHAT_TEMPLATES", "SIDE_FILES",
            "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "EXPORT_MARKER"]
 
 # ## The model's shape and weights
@@ -46,14 +46,18 @@ def shard_file_name(k: int, n: int) -> str:
 
 # ## Beside the weights
 #
-# `AutoTokenizer` reads the first three, `generate` the last (its end-of-text
-# id); without `tokenizer.json` transformers builds a 2-token tokenizer that
-# encodes any text to `[]`.
+# `AutoTokenizer` reads the tokenizer's three files and the chat template
+# (transformers 5 writes it as `chat_template.jinja`, older versions as
+# `chat_template.json`; a chat prompt cannot be built without it), `generate`
+# the generation config (its end-of-text id); without `tokenizer.json`
+# transformers builds a 2-token tokenizer that encodes any text to `[]`.
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS = "special_tokens_map.json"
 GENERATION_CONFIG = "generation_config.json"
-SIDE_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG, SPECIAL_TOKENS, GENERATION_CONFIG)
+CHAT_TEMPLATES = ("chat_template.jinja", "chat_template.json")
+SIDE_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG, SPECIAL_TOKENS, *CHAT_TEMPLATES,
+              GENERATION_CONFIG)
 
 # ## A PEFT adapter, and our exports' marker
 #

@@ -66,6 +66,8 @@ class RopeScaling:
 # Hugging Face's `model_type` -> the architecture class its checkpoints name.
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "mistral": "MistralForCausalLM"}
+# The window of Mistral-7B-v0.1, transformers' default for `sliding_window`.
+MISTRAL_WINDOW = 4096
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,12 @@ class LlamaConfig:
     """Standard deviation of the normal init (HF's `initializer_range`)."""
     model_type: str = "llama"
     """The family's name in `config.json`: `llama`, `qwen2` or `mistral`."""
+    bos_token_id: int | None = None
+    """The tokenizer's first and last tokens of a text and its padding (Llama 3
+    ends a turn on any of several), carried from the snapshot's `config.json`
+    into an export's, where `model.config` reads them; `None`: not given."""
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
 
     def __post_init__(self):
         for name in ("n_vocab", "d_model", "n_heads", "n_kv_heads", "n_layers",
@@ -221,7 +229,7 @@ def mistral_7b() -> LlamaConfig:
     """Mistral-7B-v0.1, with its sliding window."""
     return LlamaConfig(n_vocab=32000, d_model=4096, n_heads=32, n_kv_heads=8,
                        n_layers=32, d_ff=14336, max_position=32768,
-                       sliding_window=4096, model_type="mistral")
+                       sliding_window=MISTRAL_WINDOW, model_type="mistral")
 
 
 def llama_3_1_8b() -> LlamaConfig:
@@ -301,7 +309,10 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
         except KeyError as error:
             raise ValueError(f"config.json: rope_scaling has no {error}") from None
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    window = hf.get("sliding_window") if model_type == "mistral" else None
+    # a missing key is transformers' Mistral default, `MISTRAL_WINDOW`; an
+    # explicit null is no window
+    window = hf.get("sliding_window", MISTRAL_WINDOW) if model_type == "mistral" \
+        else None
     # `head_dim` as d / n_h is kept unresolved (`None`), as the presets have it
     head_dim = hf.get("head_dim")
     if head_dim is not None and head_dim * n_h == hf["hidden_size"]:
@@ -316,7 +327,10 @@ def from_hf_config(hf: Mapping[str, Any]) -> LlamaConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position=hf.get("max_position_embeddings", 2048),
         sliding_window=window, init_std=float(hf.get("initializer_range", 0.02)),
-        model_type=model_type)
+        model_type=model_type, bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=(tuple(eos) if isinstance(eos := hf.get("eos_token_id"), list)
+                      else eos),
+        pad_token_id=hf.get("pad_token_id"))
 
 
 def to_hf_config(config: LlamaConfig, *, dtype: torch.dtype = torch.float32
@@ -351,6 +365,10 @@ def to_hf_config(config: LlamaConfig, *, dtype: torch.dtype = torch.float32
         "initializer_range": config.init_std,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(config, name)
+        if value is not None:
+            hf[name] = list(value) if isinstance(value, tuple) else value
     if config.model_type == "mistral":
         hf["sliding_window"] = config.sliding_window
     if config.model_type == "qwen2":

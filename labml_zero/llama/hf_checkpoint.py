@@ -28,6 +28,7 @@ from labml_zero.hf.safetensors_reader import (ConfigKeys, SafetensorsSnapshot,
                                               snapshot_directory)
 from labml_zero.llama.config import LlamaConfig, from_hf_config
 from labml_zero.llama.model import Readout, build_layers, hf_prefix
+from labml_zero.zero3.checkpoint import CheckpointError
 
 __all__ = ["llama_config_from_hf", "LlamaCheckpoint", "check_llama_snapshot",
            "hf_name", "load_layers"]
@@ -78,11 +79,15 @@ def llama_config_from_hf(path: str | os.PathLike) -> LlamaConfig:
     return read_hf_config(path, CONFIG_KEYS, from_hf_config)
 
 
+# The input embedding's matrix, which a tied readout reads too.
+EMBEDDING = "model.embed_tokens.weight"
+
+
 def hf_name(layer: nn.Module, name: str) -> str:
     """The checkpoint name of `layer.state_dict()[name]`: `hf_prefix(layer) +
     name`, except a tied readout's, which is the embedding's."""
     if isinstance(layer, Readout) and layer.config.tie_embeddings:
-        return "model.embed_tokens.weight"
+        return EMBEDDING
     return hf_prefix(layer) + name
 
 
@@ -132,4 +137,16 @@ def check_llama_snapshot(path: str | os.PathLike) -> LlamaConfig:
                                                         device="meta")
                               for n, t in layer.state_dict().items()},
                              shape_from=shape_fields)
+    # A tied snapshot that stores a readout of its own as well: transformers
+    # would load that one, this job reads the embedding; equal, they agree
+    # (`save_pretrained` may write both), different, one of them is not the
+    # model the file describes.
+    readout = "lm_head.weight"
+    if checkpoint.config.tie_embeddings and readout in checkpoint.weight_map \
+            and not checkpoint.equal_tensors(readout, EMBEDDING):
+        raise CheckpointError(f"checkpoint {checkpoint.path}: config.json ties the "
+                              f"readout to the embedding (tie_word_embeddings), but "
+                              f"its {readout} differs from {EMBEDDING}: set "
+                              f"tie_word_embeddings to false to train the stored "
+                              f"readout, or remove it")
     return checkpoint.config

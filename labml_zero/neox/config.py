@@ -236,9 +236,11 @@ def from_hf_config(hf: Mapping[str, Any]) -> NeoXConfig:
     if not hf.get("attention_bias", True):
         raise ValueError("config.json: attention_bias=false is not supported")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"config.json: rope_type {rope['rope_type']!r} is not "
-                         f"supported")
+    # transformers 4 spelled the scaling's kind `type`, transformers 5
+    # `rope_type`: a scaling in either spelling is refused, not dropped
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"config.json: rope_type {rope_type!r} is not supported")
     rotary_pct = rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25))
     rotary_base = rope.get("rope_theta", hf.get("rotary_emb_base", 10000.0))
     d_model = hf["hidden_size"]

@@ -28,8 +28,8 @@ import torch
 from labml_zero.hf.safetensors_reader import read_json
 # the files' names, [the snapshot layout's](../hf/snapshot_layout.html)
 from labml_zero.hf.snapshot_layout import (CONFIG_FILE, GENERATION_CONFIG,
-                                           SIDE_FILES, SPECIAL_TOKENS,
-                                           TOKENIZER_CONFIG, TOKENIZER_FILE)
+                                           SIDE_FILES, TOKENIZER_CONFIG,
+                                           TOKENIZER_FILE)
 from labml_zero.neox.tokenizer import end_of_text_id, load_tokenizer
 from labml_zero.zero3.checkpoint import CheckpointError
 
@@ -61,7 +61,7 @@ def hf_side_files(tokenizer: str | os.PathLike,
 
     * `tokenizer`: the `tokenizer.json` (or its `.gz`) the job encoded with;
     * `snapshot`: the directory the job started from; its own
-      `tokenizer_config.json`, `special_tokens_map.json` and
+      `tokenizer_config.json`, `special_tokens_map.json`, chat template and
       `generation_config.json` are copied as they are.
 
     Without a snapshot's, `tokenizer_config.json` names the generic fast
@@ -84,7 +84,9 @@ def hf_side_files(tokenizer: str | os.PathLike,
                  "add_eos_token": False}, indent=2),
              GENERATION_CONFIG: json.dumps({"bos_token_id": eot,
                                             "eos_token_id": eot}, indent=2)}
-    for name in (TOKENIZER_CONFIG, SPECIAL_TOKENS, GENERATION_CONFIG):
+    for name in SIDE_FILES:
+        if name == TOKENIZER_FILE:  # the one the job encoded with, above
+            continue
         own = Path(snapshot) / name if snapshot is not None else None
         if own is not None and own.is_file():
             files[name] = own.read_text()

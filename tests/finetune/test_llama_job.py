@@ -296,6 +296,26 @@ def test_a_tied_snapshot_trains_and_exports_its_matrix_once(tied):
     assert not torch.equal(ours, our_logits(tied / "snapshot", ids))
 
 
+def test_a_tied_checkpoint_exports_offline_as_the_job_did(tied, tmp_path):
+    """`python -m labml_zero.export` expects the tied matrix once, as the job
+    saved and exported it, and sizes its room so."""
+    from labml_zero import export
+    from labml_zero.hf.export_destination import export_bytes
+    from tests.test_export import tensors
+
+    out = tmp_path / "again"
+    assert export.main([str(tied / "out" / "checkpoints" / "step-000006"),
+                        str(out)]) == 0
+    ours, jobs = tensors(out), tensors(tied / "export")
+    assert ours.keys() == jobs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], jobs[name]), name
+    config = LlamaCheckpoint(tied / "snapshot").config
+    layers = build_layers(config, device="meta")
+    assert export_bytes(layers, "hf", torch.float32) == \
+        4 * sum(t.numel() for t in ours.values())
+
+
 def test_a_tied_checkpoint_resumes_to_the_same_losses(tied, tmp_path):
     saved = tied / "out" / "checkpoints" / "step-000003"
     result = job(tmp_path, "--checkpoint", str(tied / "snapshot"), "--steps", "6",

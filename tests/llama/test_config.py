@@ -46,6 +46,26 @@ def test_hf_config_round_trip(name):
     assert C.from_hf_config(C.to_hf_config(config)) == config
 
 
+def test_fields_a_config_may_leave_out_are_transformers_defaults():
+    """A Mistral `config.json` without `sliding_window` has transformers' 4,096
+    (an explicit `null` has none); the special tokens' ids travel into an
+    export's `config.json`, where `model.config` reads them."""
+    from transformers import MistralConfig
+
+    hf = C.to_hf_config(C.mistral_7b())
+    del hf["sliding_window"]
+    assert C.from_hf_config(hf).sliding_window == MistralConfig().sliding_window
+    assert C.from_hf_config({**hf, "sliding_window": None}).sliding_window is None
+    ids = {"bos_token_id": 128000, "eos_token_id": [128001, 128009],
+           "pad_token_id": None}
+    config = C.from_hf_config({**C.to_hf_config(C.tiny()), **ids})
+    written = C.to_hf_config(config)
+    assert written["bos_token_id"] == 128000
+    assert written["eos_token_id"] == [128001, 128009]
+    assert "pad_token_id" not in written
+    assert C.from_hf_config(written) == config
+
+
 def test_transformers_5_spelling_of_the_rotary_settings():
     hf = C.to_hf_config(C.llama_3_1_8b())
     scaling = hf.pop("rope_scaling")

@@ -98,3 +98,22 @@ def test_a_tied_readout_reads_the_embedding(hf_case):
     assert ("lm_head.weight" in checkpoint.weight_map) == (not tied)
     assert hf_name(readout, "lm_head.weight") == (
         "model.embed_tokens.weight" if tied else "lm_head.weight")
+
+
+def test_a_tied_snapshot_with_another_readout_stored_is_refused(tmp_path):
+    """transformers loads a stored `lm_head.weight` even when the config ties
+    it; this job reads the embedding. An equal copy is accepted, a different
+    one refused in one line before any rank starts (the logits would differ)."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "tied"
+    hf_model("llama_tied").save_pretrained(path, safe_serialization=True)
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, file, metadata={"format": "pt"})
+    assert check_llama_snapshot(path).tie_embeddings
+    tensors["lm_head.weight"][3, 5] += 1.0
+    save_file(tensors, file, metadata={"format": "pt"})
+    assert "ties the readout to the embedding (tie_word_embeddings), but its " \
+           "lm_head.weight differs from model.embed_tokens.weight" in refusal(path)

@@ -347,6 +347,9 @@ def test_config_json_that_is_not_an_object(hf_checkpoint_dir, tmp_path, content,
     ({"layer_norm_eps": "1e-5"}, "'layer_norm_eps' must be a number, got the "
                                  "string '1e-5'"),
     ({"rope_scaling": [1]}, "'rope_scaling' must be an object, got list [1]"),
+    # transformers 4's spelling of a scaling: refused, not dropped
+    ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 4.0}},
+     "rope_type 'linear' is not supported"),
     ({"hidden_act": "relu"}, "hidden_act 'relu' is not one of ['gelu', "
                              "'gelu_fast', 'gelu_new', 'gelu_pytorch_tanh']"),
     ({"num_attention_heads": 5}, "NeoXConfig.d_model=72 is not divisible by "
@@ -357,7 +360,7 @@ def test_config_json_with_a_bad_value(hf_checkpoint_dir, tmp_path, change, reaso
     hf = json.loads((path / "config.json").read_text())
     for key, value in change.items():
         if value is None:
-            del hf[key]
+            hf.pop(key, None)
         else:
             hf[key] = value
     (path / "config.json").write_text(json.dumps(hf))
@@ -448,9 +451,11 @@ def test_side_files_keep_a_snapshots_own_and_write_the_rest(tmp_path):
     snapshot.mkdir()
     (snapshot / "generation_config.json").write_text('{"eos_token_id": 7}')
     (snapshot / "special_tokens_map.json").write_text("{}")
+    (snapshot / "chat_template.jinja").write_text("{{ messages }}")
     kept = hf_side_files(BUNDLED_TOKENIZER, snapshot)
     assert kept["generation_config.json"] == '{"eos_token_id": 7}'
     assert kept["special_tokens_map.json"] == "{}"
+    assert kept["chat_template.jinja"] == "{{ messages }}"
     # the snapshot's dtype, in either spelling; none without a float one
     for key, value, dtype in [("torch_dtype", "bfloat16", torch.bfloat16),
                               ("dtype", "float16", torch.float16),

@@ -39,8 +39,8 @@ from .export import (consolidated_tensors, export_full_state_dict, prefix_rename
                      saved_tensors)
 from .format import CheckpointError
 from .load import LoadedCheckpoint, load_checkpoint
-from .preflight import (CheckpointInfo, check_resumable, sequential_shapes,
-                        sequential_trainables)
+from .preflight import (CheckpointInfo, check_resumable, sequential_parameters,
+                        sequential_shapes, sequential_trainables)
 from .pruning import prune_checkpoints
 from .reader import CheckpointReader
 from .save import save_checkpoint
@@ -58,6 +58,7 @@ __all__ = [
     "prune_checkpoints",
     "save_checkpoint",
     "saved_tensors",
+    "sequential_parameters",
     "sequential_shapes",
     "sequential_trainables",
 ]
