@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -352,6 +353,32 @@ def test_a_resume_keeps_the_fine_tuner_it_was_trained_with(tmp_path: Path):
     assert config.finetune == "biases"
     assert preflight(config, world_size=world_size,
                      device=torch.device("cpu")).resumed_step == 1
+
+
+def test_a_run_neither_overwrites_nor_prunes_another_runs_checkpoints(
+        reference: Path, tmp_path: Path, capsys):
+    """Checkpoints under `--out` that this run did not write stay as they are: a
+    fresh run that would save a step already there is refused before start,
+    and a run that branches off an earlier checkpoint prunes only its own."""
+    out = tmp_path / "out"
+    shutil.copytree(reference / "out", out)
+    saved = out / "checkpoints"
+    before = {p.name: (p / "manifest.json").read_bytes() for p in saved.iterdir()}
+    with pytest.raises(SystemExit) as exit_info:
+        main([*SMALL, "--steps", "6", "--checkpoint-every", "3", "--seed", "7",
+              "--out", str(out), "--log-dir", str(tmp_path / "logs")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--out {out} already holds step-000003, " \
+        "which this run would write over" in err, err
+    # a branch from step 3 at a lower rate, keeping 1 of its own
+    check_ok(finetune(tmp_path, "--resume", str(saved / "step-000003"),
+                      "--lr", "1e-4", "--steps", "5", "--checkpoint-every", "1",
+                      "--keep-checkpoints", "1"))
+    assert sorted(p.name for p in saved.iterdir()) == [
+        "step-000003", "step-000005", "step-000006"]
+    for name, manifest in before.items():
+        assert (saved / name / "manifest.json").read_bytes() == manifest
 
 
 def test_every_flag_has_help_and_shows_its_default():

@@ -25,10 +25,12 @@ from pathlib import Path
 from labml_zero.launch import ranks_text
 from labml_zero.zero3.checkpoint import (CheckpointReader, load_checkpoint,
                                          prune_checkpoints, save_checkpoint)
+from labml_zero.zero3.checkpoint.pruning import checkpoint_dirs
 
 __all__ = ["SETTINGS", "saved_settings", "override_settings", "resume_settings",
            "check_global_batch", "checkpoint_path", "export_meta", "save",
-           "resume", "saved_model_settings"]
+           "resume", "saved_model_settings", "saved_steps", "run_lineage",
+           "continued_checkpoints"]
 
 # The hyperparameters a checkpoint keeps and a flag on `--resume` overrides.
 # The model's own settings (shape, fine-tuner, LoRA, dtype) are not among them:
@@ -197,7 +199,64 @@ def export_meta(config, model) -> dict:
             "dtype": str(config.export_dtype(training)).removeprefix("torch.")}
 
 
-def save(config, step: int, training, sampler) -> Path:
+def saved_steps(config, first_step: int, total_steps: int) -> list[int]:
+    """The steps after which a run from `first_step` to `total_steps` saves:
+    every `checkpoint_every`-th and the last."""
+    every = config.checkpoint_every
+    if every is None:
+        return []
+    return [step for step in range(first_step + 1, total_steps + 1)
+            if step % every == 0 or step == total_steps]
+
+
+def lineage_of(path: Path) -> str | None:
+    """The `lineage` a checkpoint's manifest records; `None` for one saved
+    before the job recorded it, or one that does not read."""
+    try:
+        return CheckpointReader(path).meta.get("lineage")
+    except Exception:  # not a checkpoint: no lineage to continue
+        return None
+
+
+def continued_checkpoints(config) -> list[Path] | None:
+    """
+    ### The checkpoints under `--out` of the run this one continues
+
+    A *lineage* is a chain of runs, each resuming the newest checkpoint of the
+    one before (a preempted job, started again), recorded in every manifest's
+    `meta`. A run continues its checkpoint's lineage when nothing under `--out`
+    of that lineage is newer; a run that branches off (resumes an earlier
+    checkpoint, say with a lower rate) and a fresh run start their own:
+    `None`.
+    """
+    if config.resume is None:
+        return None
+    lineage = lineage_of(Path(config.resume))
+    step = CheckpointReader(config.resume).extra()["step"]
+    same = [(saved, path) for saved, path in
+            checkpoint_dirs(config.out_dir / "checkpoints")
+            if lineage_of(path) == lineage]
+    if any(saved > step for saved, _ in same):
+        return None
+    return [path for _, path in same]
+
+
+def run_lineage(config, run_uuid: str) -> str | None:
+    """
+    ### The lineage this run's checkpoints record
+
+    Its checkpoint's, when it continues one (`continued_checkpoints`), else its
+    own, named by its labml run's `run_uuid`. Pruning removes only checkpoints
+    of the run's lineage: neither another run's nor, after a branch, the
+    branch point's later ones. Every rank reads the same manifests before any
+    save, so all agree.
+    """
+    if continued_checkpoints(config) is None:
+        return run_uuid
+    return lineage_of(Path(config.resume))
+
+
+def save(config, step: int, training, sampler, lineage: str | None) -> Path:
     """
     ### A sharded checkpoint after `step`, then the older ones pruned
 
@@ -205,7 +264,8 @@ def save(config, step: int, training, sampler) -> Path:
     it): `step`, the last step trained; `sampler`, the data order's position
     (epoch, step) with its seed, the number of training samples and $G$, the
     same on every rank; `scaler`, the fp16 loss scale, agreed by an all-reduce;
-    `settings`, the run's `SETTINGS`.
+    `settings`, the run's `SETTINGS`. `lineage` is `run_lineage`'s: pruning
+    removes only checkpoints of the same one.
     """
     extra = {"step": step, "sampler": sampler.state_dict(),
              "settings": saved_settings(config)}
@@ -213,13 +273,14 @@ def save(config, step: int, training, sampler) -> Path:
         extra["scaler"] = training.scaler.state_dict()
     # `meta` is in the manifest, where `check_resumable` compares it
     meta = {"step": step, "global_batch": sampler.global_batch, "seed": config.seed,
-            "finetune": config.finetune,
+            "finetune": config.finetune, "lineage": lineage,
             "export": export_meta(config, training.model)}
     path = save_checkpoint(checkpoint_path(config, step), training.model,
                            training.optimizer, extra=extra, meta=meta)
     # save_checkpoint returns once the checkpoint is complete on every rank
     if training.model.runtime.comm.rank == 0 and config.keep_checkpoints:
-        prune_checkpoints(path.parent, config.keep_checkpoints, just_saved=path)
+        prune_checkpoints(path.parent, config.keep_checkpoints, just_saved=path,
+                          same_meta="lineage")
     return path
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from labml_zero.assembly import Assembled, Recipe
-from labml_zero.finetune.checkpoints import resume, save
+from labml_zero.finetune.checkpoints import resume, run_lineage, save
 from labml_zero.finetune.config import (DTYPES, FINETUNERS, MODEL_PRESETS,
                                         FinetuneConfig, laptop, neox_20b_biases)
 from labml_zero.finetune.data import job_data
@@ -319,7 +319,7 @@ def train(ctx: DistContext, config: FinetuneConfig,
     """
     from labml import experiment, logger, monit, tracker
 
-    start_labml(config, ctx, python_file=__file__)
+    run_uuid = start_labml(config, ctx, python_file=__file__)
     family = config.family
     shape = config.model_config()
     # checked before any rank started; `caches` are the token files the launcher
@@ -370,6 +370,8 @@ def train(ctx: DistContext, config: FinetuneConfig,
     fail_at = env_step(FAIL_AT_STEP_ENV, ctx.rank)
     nan_at = env_step(NAN_AT_STEP_ENV, ctx.rank)
     last_saved = Path(config.resume) if config.resume is not None else None
+    # whose checkpoints pruning may remove: this run's chain of resumes only
+    lineage = run_lineage(config, run_uuid)
 
     def track_valid(at: int) -> None:
         valid = evaluate(model, data.valid, config, ctx)
@@ -421,7 +423,7 @@ def train(ctx: DistContext, config: FinetuneConfig,
             if config.checkpoint_every is not None and (
                     step % config.checkpoint_every == 0 or step == total_steps):
                 check_shards_finite(training, step)
-                last_saved = save(config, step, training, sampler)
+                last_saved = save(config, step, training, sampler, lineage)
             if fail_at is not None and step >= fail_at:
                 raise RuntimeError(f"injected failure on rank {ctx.rank} after step "
                                    f"{step} ({FAIL_AT_STEP_ENV})")

@@ -31,7 +31,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from labml_zero.finetune.checkpoints import check_global_batch, saved_model_settings
+from labml_zero.finetune.checkpoints import (check_global_batch,
+                                             continued_checkpoints,
+                                             saved_model_settings, saved_steps)
 from labml_zero.finetune.corpus import DataError
 from labml_zero.finetune.data import JobData, job_data
 from labml_zero.files import size_text
@@ -129,8 +131,9 @@ def saves_at_peak(config, *, first_step: int, total_steps: int,
     The run saves every `checkpoint_every` steps and at its last step: $n$ saves
     after `first_step`. With `keep_checkpoints` $k \geq 1$, an old checkpoint is
     removed only once the new one is complete, so during a save $k + 1$ are on
-    the disk; the $e$ complete ones already under `out` (`existing`) are counted
-    in its used space. So the run needs room for $\min(k + 1, e + n) - e$ new ones, at
+    the disk; the $e$ complete ones already under `out` of the lineage the run
+    continues (`existing`, the ones pruning may remove; see [resuming](checkpoints.html))
+    are counted in its used space. So the run needs room for $\min(k + 1, e + n) - e$ new ones, at
     least the one it writes first (pruning starts only after it); with $k = 0$,
     all $n$.
     """
@@ -159,7 +162,19 @@ def check_checkpoint_room(config, layers: list[nn.Module], dtype: torch.dtype, *
     if config.checkpoint_every is None:
         return
     out = config.out_dir
-    existing = len(checkpoint_dirs(out / "checkpoints"))
+    # A save replaces a directory of its name: one this run would write that
+    # is already there (another run's, or this run's own later ones when it
+    # branches off an earlier checkpoint) is refused, never overwritten.
+    steps = set(saved_steps(config, first_step, total_steps))
+    taken = [path for step, path in checkpoint_dirs(out / "checkpoints")
+             if step in steps]
+    if taken:
+        raise PreflightError(
+            f"--out {out} already holds {taken[0].name}, which this run would "
+            f"write over: it is another run's (or this run's past the step "
+            f"resumed); give another --out, or --resume its newest checkpoint")
+    # the ones pruning may remove: the lineage's this run continues
+    existing = len(continued_checkpoints(config) or [])
     saves = saves_at_peak(config, first_step=first_step, total_steps=total_steps,
                           existing=existing)
     one = checkpoint_bytes(layers, dtype, state_layout(config.optimizer_states))

@@ -9,10 +9,10 @@ summary: Old checkpoints are removed only once a newer one is complete, and only
 
 A job that saves every $n$ steps fills its disk: each checkpoint holds every
 shard, master and moment. `prune_checkpoints(directory, keep)` keeps the `keep`
-newest and removes the others, under four rules, each beside its lines, that
+newest and removes the others, under six rules, each beside its lines, that
 make it safe to call after every save: only after the newest is complete, only
-checkpoints of this layout, never half removed, leftovers go, and only what a
-save wrote.
+checkpoints of this layout, never half removed, leftovers go, only what a save
+wrote, and, when asked, only this run's.
 
 With $k$ = `keep`, the disk holds at most $k + 1$ checkpoints: the $k$ kept ones
 and, during a save, the new one being written.
@@ -81,7 +81,8 @@ def foreign_entries(path: str | os.PathLike) -> list[str]:
 
 
 def prune_checkpoints(directory: str | os.PathLike, keep: int, *,
-                      just_saved: str | os.PathLike | None = None) -> list[Path]:
+                      just_saved: str | os.PathLike | None = None,
+                      same_meta: str | None = None) -> list[Path]:
     r"""
     ## Remove all but the `keep` newest complete checkpoints
 
@@ -93,6 +94,9 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int, *,
     * `just_saved` is the checkpoint the job has just written: it is the newest
       whatever its step (a job that resumed from an earlier step may find later
       ones from a previous run) and is never removed.
+    * `same_meta` names a key of the manifests' `meta` that says which run
+      wrote a checkpoint (the fine-tune's `lineage`): only checkpoints with
+      `just_saved`'s value count, kept or removed (rule 6).
 
     Returns the removed paths, oldest first; `[]` when the newest is not
     complete.
@@ -112,6 +116,12 @@ def prune_checkpoints(directory: str | os.PathLike, keep: int, *,
     if not found or not is_complete(found[-1]):
         return []
     complete = [path for path in found if is_complete(path)]
+    # Rule 6, **only this run's**: with `same_meta`, a checkpoint another run
+    # wrote into the same directory is neither counted nor removed.
+    if same_meta is not None:
+        owner = CheckpointReader(found[-1]).meta.get(same_meta)
+        complete = [path for path in complete
+                    if CheckpointReader(path).meta.get(same_meta) == owner]
     # Rule 4, **leftovers go**: a save killed outright (`SIGKILL`, a power cut)
     # cannot remove its `.step-NNNNNN.tmp-<id>` directory, nor a crash mid-delete
     # its `.pruned-` one, and nothing loads either. This job's own save is
