@@ -63,19 +63,18 @@ def check_fits(dataset: TextDataset, samples: int, *, what: str, layout: str
                     f"{layout} needs {samples:,} samples, {need:,} tokens")
 
 
-def job_data(config, *, world_size: int, n_vocab: int, check_ids: bool = True,
+def job_data(config, *, world_size: int, n_vocab: int,
              caches: tuple[TokenCache, ...] = ()) -> JobData:
     """
     ## Tokenizer, datasets and steps of the job
 
     `config` is a `FinetuneConfig`, `n_vocab` the model's embedding rows;
-    `check_ids` scans a pre-tokenised file for ids past the vocabulary (the
-    pre-flight checks do; the ranks need not again); `caches` are the
-    launcher's token files, given on a rank, which then tokenises nothing. The
-    launcher's call does the slow part, tokenising `--data` into its [token
-    file](token_file.html), and returns that decision (`JobData.caches`); the
-    ranks' calls check the data is unchanged and only map the file, so they
-    start in seconds whatever the corpus size.
+    `caches` are the launcher's token files, given on a rank, which then
+    tokenises nothing. The launcher's call does the slow part, tokenising
+    `--data` into its [token file](token_file.html) (or scanning a
+    pre-tokenised file's ids against the vocabulary), and returns that
+    decision (`JobData.caches`); the ranks' calls check the data is unchanged
+    and only map the file, so they start in seconds whatever the corpus size.
     """
     # 1. The tokenizer, the [family](../family.html)'s: `--checkpoint`'s own
     # `tokenizer.json` (GPT-NeoX's may lack one), else, for random weights, the
@@ -103,7 +102,7 @@ def job_data(config, *, world_size: int, n_vocab: int, check_ids: bool = True,
                          tokenizer=tokenizer, eot=eot,
                          valid_fraction=config.valid_fraction,
                          valid_source=config.valid_data,
-                         text_field=config.text_field, check_ids=check_ids,
+                         text_field=config.text_field,
                          caches=caches)
     # 3. The steps: the training split must hold $G$ samples, about $GT$ tokens,
     # and validation one batch of $B N_d$, so `--batch-size 100000` is refused

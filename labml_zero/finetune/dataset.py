@@ -36,9 +36,9 @@ import torch
 from tokenizers import Tokenizer
 
 from labml_zero.finetune.corpus import DataError
-from labml_zero.finetune.token_file import (TokenCache, corpus_tokens, is_token_file,
-                                           open_cache, prepare_token_file,
-                                           vocab_size)
+from labml_zero.finetune.token_file import (TokenCache, checked_token_file,
+                                           is_token_file, open_cache,
+                                           prepare_token_file, vocab_size)
 
 __all__ = ["load_text", "tokenize", "split_tokens", "TextDataset", "RankSampler",
            "load_datasets", "BUNDLED_SHAKESPEARE"]
@@ -221,7 +221,7 @@ def load_datasets(*, seq_len: int, tokenizer: Tokenizer, eot: int | None = None,
                   source: str | os.PathLike | None = None,
                   valid_fraction: float = 0.1,
                   valid_source: str | os.PathLike | None = None,
-                  text_field: str = "text", check_ids: bool = True,
+                  text_field: str = "text",
                   caches: tuple[TokenCache, ...] = ()) -> DatasetSplits:
     """
     ### Corpus → tokens → train and validation datasets
@@ -245,9 +245,11 @@ def load_datasets(*, seq_len: int, tokenizer: Tokenizer, eot: int | None = None,
                             f"token, so documents cannot be separated")
         try:
             if is_token_file(path):
-                return corpus_tokens(path, tokenizer, eot=eot, check_ids=check_ids)
-            cache = decided.get(str(path)) or prepare_token_file(
-                path, tokenizer, eot=eot, text_field=text_field)
+                cache = decided.get(str(path)) or checked_token_file(
+                    path, vocab=vocab_size(tokenizer))
+            else:
+                cache = decided.get(str(path)) or prepare_token_file(
+                    path, tokenizer, eot=eot, text_field=text_field)
             used.append(cache)
             return open_cache(cache, vocab=vocab_size(tokenizer))
         except DataError as e:

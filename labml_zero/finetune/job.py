@@ -325,7 +325,7 @@ def train(ctx: DistContext, config: FinetuneConfig,
     # checked before any rank started; `caches` are the token files the launcher
     # decided, so this checks the data is unchanged and maps them
     data = job_data(config, world_size=ctx.world_size, n_vocab=shape.n_vocab,
-                    check_ids=False, caches=caches)
+                    caches=caches)
     tokenizer, total_steps = data.tokenizer, data.total_steps
     sampler = RankSampler(len(data.train), batch_size=config.batch_size,
                           grad_accum=config.grad_accum, rank=ctx.rank,

@@ -42,7 +42,7 @@ from labml_zero.finetune.corpus import DataError, Source, find_sources, read_doc
 __all__ = ["TOKEN_DTYPES", "is_token_file", "open_token_file", "cache_path",
            "build_token_file", "corpus_tokens", "token_dtype", "BATCH_BYTES",
            "TokenCache", "FileStamp", "prepare_token_file", "open_cache",
-           "vocab_size"]
+           "vocab_size", "checked_token_file"]
 
 # Suffix → dtype of a pre-tokenised file. A file written by another tool
 # (nanoGPT's train.bin, say) is used as it is; its size must be a whole number
@@ -536,12 +536,26 @@ def open_cache(cache: TokenCache, *, vocab: int) -> np.ndarray:
             what = "same size and time, other content"
         else:
             continue
-        raise DataError(f"--data {path}: changed since the launcher tokenised it "
-                        f"({what}); start the run again to tokenise it anew")
+        raise DataError(f"--data {path}: changed since the launcher read it "
+                        f"({what}); start the run again to read it anew")
     if not cache.path.is_file():
         raise DataError(f"--data {cache.data}: its token file {cache.path} is gone")
     # ids of our own tokenizer: below its vocabulary by construction
     return open_token_file(cache.path, vocab=vocab, check_ids=False)
+
+
+def checked_token_file(data: str | os.PathLike, *, vocab: int) -> TokenCache:
+    """
+    ## The launcher's decision for a token file: checked once, then stamped
+
+    A token file is its own "token file": the launcher scans its ids against
+    the vocabulary (`open_token_file`) and stamps it, so a rank opens it through
+    `open_cache` like text's, and a file rewritten between the two (ids the
+    scan never saw) stops the rank instead of training on them.
+    """
+    path = Path(data)
+    open_token_file(path, vocab=vocab)
+    return TokenCache(str(data), path, "", (stamp(path),))
 
 
 def corpus_tokens(data: str | os.PathLike, tokenizer: Tokenizer, *, eot: int,

@@ -90,7 +90,7 @@ def test_a_rank_refuses_data_changed_after_the_launcher(tokenizer, tmp_path,
                       eot=end_of_text_id(tokenizer), caches=splits.caches)
     line = str(refused.value)
     assert "\n" not in line and str(data) in line and message in line
-    assert "changed since the launcher tokenised it" in line
+    assert "changed since the launcher read it" in line
     assert cache.path.is_file()
 
 
@@ -199,7 +199,34 @@ def test_a_rank_stops_in_one_line_when_the_data_changed(tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert status == 1
     assert err.count("\n") == 1, err
-    assert f"--data {data}: changed since the launcher tokenised it" in err
+    assert f"--data {data}: changed since the launcher read it" in err
+
+
+def test_a_token_file_rewritten_after_its_check_stops_the_rank(tmp_path,
+                                                               monkeypatch, capsys):
+    """A pre-tokenised file's ids are scanned by the launcher alone; one
+    rewritten afterwards with ids past the vocabulary would reach the ranks
+    unscanned, so they check its stamp as they do a text file's."""
+    from labml_zero.finetune import cli
+
+    data = tmp_path / "c.u16"
+    np.arange(2000, dtype=np.uint16).tofile(data)
+    checks = cli.check_before_start
+
+    def then_change(*args, **kwargs):
+        checked = checks(*args, **kwargs)
+        np.full(2000, 65000, dtype=np.uint16).tofile(data)
+        return checked
+
+    monkeypatch.setattr(cli, "check_before_start", then_change)
+    monkeypatch.setattr(cli.launch, "default_backend", lambda: "gloo")
+    status = cli.main(["--world-size", "1", "--batch-size", "2", "--seq-len",
+                       "16", "--steps", "1", "--data", str(data), "--out",
+                       str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert err.count("\n") == 1, err
+    assert f"--data {data}: changed since the launcher read it" in err
 
 
 # A process of a torchrun host: it prepares `data`, writing `looked` to `log` as
