@@ -355,6 +355,22 @@ def test_a_resume_keeps_the_fine_tuner_it_was_trained_with(tmp_path: Path):
                      device=torch.device("cpu")).resumed_step == 1
 
 
+def test_a_resume_keeps_the_layers_it_trained(tmp_path: Path, capsys):
+    """A `--filter-layers` run names its layers by position: another choice of
+    the same shapes passes the names check, so the layers' recorded prefixes
+    are compared (layer 0's weights would otherwise train as layer 1)."""
+    check_ok(finetune(tmp_path, "--filter-layers", "0", "--steps", "1",
+                      "--checkpoint-every", "1", "--sample-tokens", "0"))
+    path = tmp_path / "out" / "checkpoints" / "step-000001"
+    with pytest.raises(SystemExit) as exit_info:
+        main([*SMALL, "--filter-layers", "1", "--resume", str(path), "--steps", "2",
+              "--out", str(tmp_path / "again"), "--log-dir", str(tmp_path / "logs")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--resume {path} trained other layers: its " \
+        "layer 1 is 'gpt_neox.layers.0.', this run's 'gpt_neox.layers.1.'" in err, err
+
+
 def test_a_run_neither_overwrites_nor_prunes_another_runs_checkpoints(
         reference: Path, tmp_path: Path, capsys):
     """Checkpoints under `--out` that this run did not write stay as they are: a

@@ -32,13 +32,14 @@ __all__ = ["SETTINGS", "saved_settings", "override_settings", "resume_settings",
            "resume", "saved_model_settings", "saved_steps", "run_lineage",
            "continued_checkpoints"]
 
-# The hyperparameters a checkpoint keeps and a flag on `--resume` overrides.
-# The model's own settings (shape, fine-tuner, LoRA, dtype) are not among them:
-# a checkpoint holds their chunks, and the fine-tuner with LoRA's options
-# (alpha is no chunk's shape) comes from the manifest's `meta`
-# (`resume_settings`).
+# The run's settings a checkpoint keeps and a flag on `--resume` overrides:
+# hyperparameters, precision, and how often it validates and saves. The
+# model's own settings (shape, fine-tuner, LoRA) are not among them: a
+# checkpoint holds their chunks, and the fine-tuner with LoRA's options (alpha
+# is no chunk's shape) comes from the manifest's `meta` (`resume_settings`).
 SETTINGS = ("lr", "weight_decay", "clip_grad", "lr_schedule", "warmup_steps",
-            "min_lr", "steps", "epochs", "optimizer_states")
+            "min_lr", "steps", "epochs", "optimizer_states", "dtype",
+            "checkpoint_every", "keep_checkpoints", "valid_every", "valid_batches")
 LENGTH = ("steps", "epochs")
 
 

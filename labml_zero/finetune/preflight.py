@@ -352,6 +352,20 @@ def check_resume(path: Path, layers: list[nn.Module], config, world_size: int,
                              f"{config.lora_alpha:g}: the adapters would scale "
                              f"otherwise (leave the flag out to keep {alpha:g})")
     check_same_trainables(path, reader, layers, config, saved.get("finetune"))
+    # The layers a `--filter-layers` run kept are named by position, so another
+    # choice of the same shapes would pass the names check: their Hugging Face
+    # prefixes, recorded for the export, tell them apart.
+    export = reader.meta.get("export") if isinstance(reader.meta, dict) else None
+    kept = export.get("prefixes") if isinstance(export, dict) else None
+    ours = [config.family.hf_prefix(layer) for layer in layers]
+    if isinstance(kept, list) and kept != ours:
+        i = next((i for i, (a, b) in enumerate(zip(kept, ours)) if a != b),
+                 min(len(kept), len(ours)))
+        theirs, mine = (repr(names[i]) if i < len(names) else "none"
+                        for names in (kept, ours))
+        raise PreflightError(f"--resume {path} trained other layers: its layer {i} "
+                             f"is {theirs}, this run's {mine} (another "
+                             f"--filter-layers?)")
     sampler = extra["sampler"]
     if sampler.get("seed") != config.seed:
         raise PreflightError(f"--resume {path} was saved with seed "

@@ -254,3 +254,22 @@ def test_out_defaults_to_the_familys_experiment(tmp_path, monkeypatch):
     # parsed from the command line: the flag left out is the family's default
     config, _ = parse_config(["--model", "llama-3.2-1b"], make_parser())
     assert config.out_dir == Path("runs/zero3_llama")
+
+
+def test_a_resume_keeps_the_runs_cadence_and_precision_unless_flagged():
+    """A preempted run started again with `--resume` alone saves, validates and
+    computes as before (it used to stop saving and fall back to the default
+    dtype); a flag still overrides, and says so."""
+    from labml_zero.finetune.checkpoints import override_settings, saved_settings
+
+    was = FinetuneConfig(dtype="bf16", checkpoint_every=3, keep_checkpoints=2,
+                         valid_every=5, valid_batches=1)
+    kept, line = override_settings(FinetuneConfig(), {"resume"}, saved_settings(was))
+    assert (kept.dtype, kept.checkpoint_every, kept.keep_checkpoints,
+            kept.valid_every, kept.valid_batches) == ("bf16", 3, 2, 5, 1)
+    assert line is None
+    given, line = override_settings(FinetuneConfig(checkpoint_every=10),
+                                    {"resume", "checkpoint_every"},
+                                    saved_settings(was))
+    assert given.checkpoint_every == 10 and given.dtype == "bf16"
+    assert line == "--resume: flags override saved settings: checkpoint_every 3 → 10"
