@@ -34,6 +34,7 @@ from typing import Any, NoReturn, Sequence
 import torch
 
 from labml_zero import launch
+from labml_zero.finetune.corpus import JSONL_SUFFIXES
 from labml_zero.finetune.checkpoints import resume_settings
 from labml_zero.finetune.job import FinetuneConfig, train
 from labml_zero.finetune.planning import add_plan_flags, pop_request, settle
@@ -240,6 +241,39 @@ def flag_error(message: str) -> str:
     return f"--{name.replace('_', '-')}: {message}" if name in fields else message
 
 
+def flag_without_effect(config: FinetuneConfig, given: set[str]) -> str | None:
+    """
+    ### A flag the user gave that this run would not use, or `None`
+
+    Each would be silently ignored in this run's mode, which reads as if it
+    took effect: refused in one line that says what it needs. Only flags in
+    `given` count; defaults never trip it.
+    """
+    data = Path(config.data) if config.data is not None else None
+    rules = [
+        ("min_lr", config.lr_schedule == "constant",
+         "needs --lr-schedule linear or cosine (a constant rate never decays)"),
+        ("keep_checkpoints", config.checkpoint_every is None,
+         "needs --checkpoint-every (this run saves no checkpoint)"),
+        ("valid_fraction", config.valid_data is not None,
+         "has no effect with --valid-data (all of --data trains)"),
+        ("text_field", data is None or (data.is_file() and not
+                                        data.name.lower().endswith(JSONL_SUFFIXES)),
+         f"needs a JSON Lines --data ({', '.join(JSONL_SUFFIXES)})"),
+        *((name, config.sample_tokens == 0,
+           "needs --sample-tokens above 0 (this run samples nothing)")
+          for name in ("prompt", "top_k")),
+    ]
+    for name, unused, needs in rules:
+        if name in given and unused:
+            return f"--{name.replace('_', '-')} {needs}"
+    if data is not None and config.valid_data is not None \
+            and data.resolve() == Path(config.valid_data).resolve():
+        return (f"--valid-data {config.valid_data} is --data: the run would "
+                f"validate on the text it trains on")
+    return None
+
+
 def parse_config(argv: Sequence[str] | None, parser: Parser
                  ) -> tuple[FinetuneConfig, int | None]:
     """Flags → a checked config and the requested world size; exits 2 on bad input."""
@@ -276,6 +310,9 @@ def parse_config(argv: Sequence[str] | None, parser: Parser
     if lora_flags and config.finetune != "lora":
         parser.error(f"--{lora_flags[0].replace('_', '-')} needs --finetune lora "
                      f"(this run fine-tunes {config.finetune!r})")
+    refusal = flag_without_effect(config, set(given))
+    if refusal is not None:
+        parser.error(refusal)
     if request.mode is not None:
         # [the plan](planning.html): printed, and nothing starts; or applied
         try:

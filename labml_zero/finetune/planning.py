@@ -142,6 +142,9 @@ def cluster_of(request: Request, world_size: int | None) -> Cluster:
                              f"--nodes {nodes} plans {gpus * nodes}")
     else:
         gpus = flags.get("gpus", world_size)
+        if world_size is not None and gpus * nodes != world_size:
+            raise ValueError(f"--world-size {world_size} disagrees with --gpus "
+                             f"{gpus} x --nodes {nodes}: give one of them")
     host = flags["host_gib"] * GIB if "host_gib" in flags else None
     if "gpu" in flags:
         return Cluster(gpu_by_name(flags["gpu"]), gpus_per_node=gpus or 1,

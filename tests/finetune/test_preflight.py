@@ -273,3 +273,23 @@ def test_a_resume_keeps_the_runs_cadence_and_precision_unless_flagged():
                                     saved_settings(was))
     assert given.checkpoint_every == 10 and given.dtype == "bf16"
     assert line == "--resume: flags override saved settings: checkpoint_every 3 → 10"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--min-lr", "1e-4"], "--min-lr needs --lr-schedule linear or cosine"),
+    (["--keep-checkpoints", "5"], "--keep-checkpoints needs --checkpoint-every"),
+    (["--text-field", "body"], "--text-field needs a JSON Lines --data"),
+    (["--valid-fraction", "0.5", "--valid-data", "{readme}"],
+     "--valid-fraction has no effect with --valid-data"),
+    (["--sample-tokens", "0", "--prompt", "Hello"],
+     "--prompt needs --sample-tokens above 0"),
+    (["--sample-tokens", "0", "--top-k", "3"], "--top-k needs --sample-tokens above 0"),
+    (["--data", "{readme}", "--valid-data", "{readme}"],
+     "is --data: the run would validate on the text it trains on"),
+    (["--plan", "--gpu", "h100", "--world-size", "3", "--gpus", "2"],
+     "--world-size 3 disagrees with --gpus 2 x --nodes 1"),
+])
+def test_a_flag_this_run_would_ignore_is_refused(args, message, capsys):
+    readme = str(Path(__file__).resolve().parents[2] / "README.md")
+    err = run_main([a.format(readme=readme) for a in args], capsys)
+    assert message in err, err
