@@ -66,7 +66,7 @@ def test_an_export_is_never_the_runs_own_output(tmp_path, snapshot, capsys):
     err = refused(tmp_path, snapshot, "--checkpoint-every", "3",
                   "--export-adapter", str(tmp_path / "out"), capsys=capsys)
     assert f"--export-adapter {tmp_path / 'out'} is --out" in err
-    assert (tmp_path / "out").is_dir()
+    assert not (tmp_path / "out").exists()  # nothing made for a refused run
 
 
 @pytest.mark.parametrize("inside", [("out", "checkpoints"),

@@ -75,19 +75,30 @@ class Preflight(NamedTuple):
     data: JobData | None = None
 
 
+def existing_ancestor(path: Path) -> Path:
+    """`path`, or the nearest directory above it that exists."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def check_writable_dir(path: str | os.PathLike, what: str) -> Path:
     """
-    ### A directory this process can write, made if missing
+    ### A directory this process can write, or could make
 
-    Writes and removes one temporary file: permission bits do not tell about
-    read-only mounts or quotas.
+    Writes and removes one temporary file in it, or in the nearest directory
+    above it that exists (where the job will make it): permission bits do not
+    tell about read-only mounts or quotas. Nothing is made here, so a run
+    refused by a later check leaves no directory behind.
     """
     directory = Path(path)
-    if directory.exists() and not directory.is_dir():
-        raise PreflightError(f"{what} {directory} is a file, not a directory")
+    there = existing_ancestor(directory)
+    if not there.is_dir():
+        raise PreflightError(f"{what} {directory}: {there} is a file, not a "
+                             f"directory")
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
+        with tempfile.TemporaryFile(dir=there):
             pass
     except OSError as e:
         raise PreflightError(f"{what} {directory} is not writable "
@@ -178,7 +189,7 @@ def check_checkpoint_room(config, layers: list[nn.Module], dtype: torch.dtype, *
     saves = saves_at_peak(config, first_step=first_step, total_steps=total_steps,
                           existing=existing)
     one = checkpoint_bytes(layers, dtype, state_layout(config.optimizer_states))
-    free = shutil.disk_usage(out).free
+    free = shutil.disk_usage(existing_ancestor(out)).free
     if free < saves * one:
         kept = (f"--keep-checkpoints {config.keep_checkpoints}"
                 if config.keep_checkpoints else "--keep-checkpoints 0 (all kept)")

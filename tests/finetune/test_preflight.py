@@ -48,14 +48,21 @@ def broken_copy(snapshot: Path, tmp_path: Path) -> Path:
     return copy
 
 
-def test_output_directories(tmp_path):
-    assert check_writable_dir(tmp_path / "a" / "b", "--out").is_dir()
+def test_output_directories(tmp_path, capsys):
+    # checked where they would be made, and not made: a run refused by a later
+    # check leaves nothing behind
+    assert check_writable_dir(tmp_path / "a" / "b", "--out") == tmp_path / "a" / "b"
+    assert not (tmp_path / "a").exists()
     file = tmp_path / "file"
     file.write_text("")
     with pytest.raises(PreflightError, match="--out .* is a file"):
         check_writable_dir(file, "--out")
-    with pytest.raises(PreflightError, match="--log-dir .* is not writable"):
+    with pytest.raises(PreflightError, match="--log-dir .*file is a file"):
         check_writable_dir(file / "logs", "--log-dir")
+    run_main(["--data", str(tmp_path / "missing.txt"), "--out",
+              str(tmp_path / "out" / "a"), "--log-dir", str(tmp_path / "logs" / "x")],
+             capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
 def test_checkpoint_bytes_is_p_psi_plus_k_psi_t():
