@@ -185,9 +185,10 @@ def assemble(layers: Sequence[nn.Module], recipe: Recipe, *,
     counts = recipe.finetune(layers)
 
     # 2. **shard**: `zero3_layers` cuts the layers into chunks of one common size
-    # (a group's last chunk may be shorter) and gives each rank its
-    # $\frac{1}{N_d}$ slice, initialising (or loading) one chunk or one layer at
-    # a time, so that no rank ever holds the whole model.
+    # (a layer's last trainable and last frozen chunk trimmed to what they
+    # hold, a parameter larger than that size in a chunk of its own) and gives
+    # each rank its $\frac{1}{N_d}$ slice, initialising (or loading) one chunk
+    # or one layer at a time, so that no rank ever holds the whole model.
     # Every rank seeds alike and visits the chunks in the same order, so all draw
     # the same weights and each keeps only its slice of them.
     seeded = contextlib.nullcontext()

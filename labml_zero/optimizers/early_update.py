@@ -357,8 +357,9 @@ class EarlyUpdates:
         came down with its gradient (computed on the device, `non_finite_flag`).
         On the host `step()` then raises at once; on a GPU the flags are copied to the
         host behind the backward pass and read at the next `step()` or `shard_state()`
-        (so before any checkpoint holds the step). It raises naming the shards whose
-        update was skipped, with their step counts unchanged. `LossScaler.step` refuses
+        (so before any checkpoint holds the step). It raises `NonFiniteGradient`, whose
+        message gives how many shards' updates were skipped; their step counts are
+        set back, so unchanged. `LossScaler.step` refuses
         an optimizer with `update_during_backward=True` outright: skipping a whole step
         is impossible once other shards were updated.
         """

@@ -54,8 +54,9 @@ moments](narrow_moments.html)
   {{py: state_layout.BF16_KAHAN.host_bytes_per_element(2)}} bytes an element
   in host memory for a bf16 shard ([where a shard's optimizer state
   lives](shard_home.html)).
-* An fp32 shard (one rank may keep the parameter dtype) is its own master,
-  updated in place; its compensation stays zero, and is counted in $K$.
+* An fp32 shard (fp32 parameters, `ZeroConfig(dtype=torch.float32)`) is its
+  own master, updated in place; its compensation stays zero, and is counted in
+  $K$.
 * A skipped update leaves $x$ as it was, but where $|c|$ is exactly half a
   step, rounding $x$ to nearest even may move $w$ by one step and $c$ by
   minus one: the same $x$, written the other way.

@@ -452,9 +452,14 @@ def auto_placement(
 
     The opposite case: when device memory is plentiful, a chunk need not be
     gathered again at all. A frozen chunk never changes, so once gathered it can
-    stay (`Chunk.keep_resident`): each resident chunk costs $(N_d - 1) S p$ more
-    device bytes and saves $2 (N_d - 1) S p$ bytes of all-gather traffic per step
-    and rank (the forward and the backward gather). For bias-only fine-tuning of
+    stay (`Chunk.keep_resident`): each resident chunk keeps its full buffer,
+    $N_d S p = C p$ bytes, on the device beside its shard (nothing more on one
+    rank, where the full buffer is the shard, though the estimate above still
+    counts it). It saves the chunk's all-gathers, each $(N_d - 1) S p$ bytes a
+    rank receives in a ring: up to $2 (N_d - 1) S p$ bytes of traffic per step
+    and rank, the forward's gather and the backward's (a unit that the
+    [hooks](../zero3/hooks.html) do not gather again in the backward pass saves
+    only the first). For bias-only fine-tuning of
     GPT-NeoX-20B on 2 ranks, the frozen model is {{py: 2 * neox_model.count_parameters(
     neox_model.build_layers(neox_model.gpt_neox_20b(), device="meta")) / 1e9
     | .0f}} GB in bf16 and fits an H200

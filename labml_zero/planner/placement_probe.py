@@ -16,7 +16,10 @@ before the optimizer exists and measures their peak, and `apply_placement`
 moves the chosen chunks. The probe must hold what the real step holds; under
 gradient accumulation that includes every trainable chunk's buffer at once,
 
-$$g \sum_{c \text{ trainable}} C_c \approx g\,\Psi_t \text{ bytes per rank.}$$
+$$g_r \sum_{c \text{ trainable}} C_c \approx g_r\,\Psi_t \text{ bytes per rank,}$$
+
+with $g_r$ the bytes per element of the reduce dtype, in which the
+[gradient buffers](../zero3/chunk_grads.html) are kept.
 """
 
 from __future__ import annotations
@@ -42,13 +45,13 @@ def accumulated_step(model, micro_batch: Callable[[], None],
     `micro_batch()` runs one micro-batch's forward and backward pass; the
     returned function runs it `micro_batches` times, the first
     `micro_batches - 1` under `model.no_sync()` ([hooks](../zero3/hooks.html)), so every
-    trainable chunk keeps its full-size gradient buffer, $C_c$ elements of $g$
-    bytes, until the last backward reduces them, and the last micro-batch runs
-    on top of them: the formula above, which one micro-batch without `no_sync`
-    never holds at once (each chunk's buffer goes at its reduce-scatter). A
-    probe of one micro-batch would under-offload by that much and the first
-    real step would run out of memory. The probe's micro-batches cost one
-    step's compute, spent before training.
+    trainable chunk keeps its full-size gradient buffer, $C_c$ elements of $g_r$
+    bytes (the reduce dtype's), until the last backward reduces them, and the
+    last micro-batch runs on top of them: the formula above, which one
+    micro-batch without `no_sync` never holds at once (each chunk's buffer goes
+    at its reduce-scatter). A probe of one micro-batch would under-offload by
+    that much and the first real step would run out of memory. The probe's
+    micro-batches cost one step's compute, spent before training.
     """
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")

@@ -1,7 +1,9 @@
 r"""
 ---
 title: Chunk layout
-summary: Packing parameters, in execution order, into flat chunks of one common size, a group's last chunk trimmed.
+summary: Packing parameters, in execution order, into flat chunks of one common
+  size; a group's last trainable and last frozen chunk trimmed, a parameter
+  larger than that size in a chunk of its own.
 ---
 
 # Chunk layout

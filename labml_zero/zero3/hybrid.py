@@ -21,8 +21,8 @@ over its $N_s$ ranks. The ranks that hold the same shard in every group form a
 2. one all-reduce (mean) per trainable chunk across the replica group, of the
    $S = C / N_s$ elements of the shard only.
 
-`ZeroConfig(shard_group_size=K)` turns it on; `--shard-group-size K` in the
-fine-tune.
+Setting `ZeroConfig.shard_group_size` to $N_s$, which must divide $N_d$,
+turns it on; `--shard-group-size` in the fine-tune.
 
 """
 

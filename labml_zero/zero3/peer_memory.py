@@ -317,8 +317,11 @@ class PeerMemory:
         """
         #### A reduction workspace with room for `full`; grown, never shrunk
 
-        A reduction already queued on the reduce stream may still read the
-        old one, so it is kept (see Limitations).
+        A reduction already queued on the reduce stream may still use the
+        old one: its copies and its average run later, and the peers' copies
+        write into it too. Nothing records when the last of them has ended on
+        every rank, so the old workspace is kept, not freed, and stays counted
+        in `bytes`.
 
         Every rank holds one chunk's full gradient here, which the
         [memory model](../planner/memory_model.html) does not count.
