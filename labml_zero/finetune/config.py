@@ -160,8 +160,9 @@ class FinetuneConfig:
     random tiny model; pre-trained weights want about a tenth of it (as in
     labml-nn)."""
     lr_schedule: str = field(default="constant", metadata=flag(choices=SCHEDULES))
-    """After the warm-up: `constant`, or `linear` or `cosine` decay to `min_lr`
-    at the last step (see [the schedule](lr_schedule.html))."""
+    """After the warm-up: `constant`, or `linear` or `cosine` decay towards
+    `min_lr`, reached just after the last step (see [the
+    schedule](lr_schedule.html))."""
     warmup_steps: int = 0
     """Steps of linear warm-up from `lr / warmup_steps` to `lr`; fewer than
     the run's steps."""

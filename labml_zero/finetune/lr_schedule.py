@@ -12,7 +12,10 @@ first updates are sized by a few noisy gradients; a *warm-up* raises the rate
 from near 0 to its peak $\eta$ over $W$ steps while the moments settle. The rate
 then decays towards a floor $\eta_\text{min}$ over the rest of the $T_{\text{run}}$ steps, as
 Hugging Face's Trainer, torchtitan and DeepSpeed's examples do. With
-$p = \frac{s - W}{T_{\text{run}} - W}$ the fraction of the decay done at step $s$:
+$p = \frac{s - W - 1}{T_{\text{run}} - W}$ the fraction of the decay done before step $s$
+(the first step after the warm-up trains at the peak, and the decay would end
+after the last, so no step trains at a floor of 0, which would only move
+Adam's moments):
 
 $$\eta_s = \begin{cases}
   \eta \, \frac{s}{W} & s \le W \\
@@ -53,13 +56,13 @@ class LRSchedule:
     lr: float
     r"""$\eta$, the peak rate (after the warm-up)."""
     total_steps: int
-    r"""$T_{\text{run}}$, the steps of the whole run; the decay ends at the last."""
+    r"""$T_{\text{run}}$, the steps of the whole run; the decay ends after the last."""
     kind: str = "constant"
     """One of `SCHEDULES`."""
     warmup_steps: int = 0
     """$W$; 0 starts at the peak."""
     min_lr: float = 0.0
-    r"""$\eta_\text{min}$, where linear and cosine decay end."""
+    r"""$\eta_\text{min}$, which linear and cosine decay reach after the last step."""
 
     def __post_init__(self):
         if self.kind not in SCHEDULES:
@@ -80,7 +83,7 @@ class LRSchedule:
             return self.lr * step / self.warmup_steps
         if self.kind == "constant":
             return self.lr
-        p = (step - self.warmup_steps) / (self.total_steps - self.warmup_steps)
+        p = (step - self.warmup_steps - 1) / (self.total_steps - self.warmup_steps)
         p = min(max(p, 0.0), 1.0)
         if self.kind == "linear":
             return self.min_lr + (self.lr - self.min_lr) * (1.0 - p)

@@ -10,11 +10,17 @@ from labml_zero.finetune.lr_schedule import LRSchedule
 def test_warmup_then_decay_to_the_floor():
     cosine = LRSchedule(lr=1.0, total_steps=12, kind="cosine", warmup_steps=2,
                         min_lr=0.1)
-    assert [cosine.rate(s) for s in (1, 2)] == [0.5, 1.0]
-    assert cosine.rate(7) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway
-    assert cosine.rate(12) == pytest.approx(0.1)
+    # the peak after the warm-up, the floor only after the last step
+    assert [cosine.rate(s) for s in (1, 2, 3)] == [0.5, 1.0, 1.0]
+    assert cosine.rate(8) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway
+    assert cosine.rate(12) == pytest.approx(
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 9 / 10)))
     linear = LRSchedule(lr=1.0, total_steps=12, kind="linear", warmup_steps=2)
-    assert linear.rate(7) == pytest.approx(0.5) and linear.rate(12) == 0.0
+    assert linear.rate(8) == pytest.approx(0.5)
+    # no step trains at rate 0: the last at 1 / (T - W) of the peak
+    assert linear.rate(12) == pytest.approx(0.1)
+    assert LRSchedule(lr=3e-3, total_steps=2, kind="linear",
+                      warmup_steps=1).rate(2) == 3e-3
     constant = LRSchedule(lr=3e-3, total_steps=5)
     assert {constant.rate(s) for s in range(1, 6)} == {3e-3}
     rates = [cosine.rate(s) for s in range(2, 13)]
