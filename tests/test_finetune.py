@@ -355,6 +355,25 @@ def test_a_resume_keeps_the_fine_tuner_it_was_trained_with(tmp_path: Path):
                      device=torch.device("cpu")).resumed_step == 1
 
 
+def test_a_runs_directory_given_for_a_checkpoint_says_which_to_give(
+        reference: Path, tmp_path: Path, capsys):
+    """`--resume` of a run's `--out` names its newest checkpoint; `--checkpoint`
+    of a sharded checkpoint says it is one, and what takes it."""
+    flags = ["--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")]
+    for given in (reference / "out", reference / "out" / "checkpoints"):
+        with pytest.raises(SystemExit):
+            main([*SMALL, *flags, "--resume", str(given)])
+        err = capsys.readouterr().err
+        newest = reference / "out" / "checkpoints" / "step-000006"
+        assert err.count("\n") == 1 and f"(its newest checkpoint is {newest})" in err
+    sharded = reference / "out" / "checkpoints" / "step-000006"
+    with pytest.raises(SystemExit):
+        main([*SMALL, *flags, "--checkpoint", str(sharded)])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--checkpoint: {sharded} is a sharded " \
+        "checkpoint, not a Hugging Face snapshot: continue it with --resume" in err
+
+
 def test_a_resume_keeps_the_layers_it_trained(tmp_path: Path, capsys):
     """A `--filter-layers` run names its layers by position: another choice of
     the same shapes passes the names check, so the layers' recorded prefixes

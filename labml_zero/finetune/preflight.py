@@ -350,8 +350,11 @@ def check_resume(path: Path, layers: list[nn.Module], config, world_size: int,
         reader = CheckpointReader(path)
         extra = reader.extra() or {}
     except (CheckpointError, OSError) as e:
-        # the package's messages name the checkpoint already
-        raise PreflightError(f"--resume: {e}") from e
+        # the package's messages name the checkpoint already; a run's `--out`
+        # (or its `checkpoints`) given for one of its checkpoints gets the newest
+        found = checkpoint_dirs(path) or checkpoint_dirs(path / "checkpoints")
+        hint = f" (its newest checkpoint is {found[-1][1]})" if found else ""
+        raise PreflightError(f"--resume: {e}{hint}") from e
     if not isinstance(extra, dict) or "step" not in extra or "sampler" not in extra:
         raise PreflightError(f"--resume {path} is not a checkpoint of this job "
                              f"(its extra state has no step and sampler position)")

@@ -36,6 +36,7 @@ from torch import nn
 
 from labml_zero.hf.snapshot_layout import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from labml_zero.zero3.checkpoint import CheckpointError
+from labml_zero.zero3.checkpoint.format import MANIFEST
 
 __all__ = ["SnapshotFileMissing", "ConfigKeys", "read_hf_config", "read_json",
            "describe", "open_safetensors", "check_tensor", "snapshot_directory",
@@ -110,6 +111,12 @@ def read_hf_config(path: str | os.PathLike, keys: ConfigKeys,
     if file.is_dir():
         file = file / CONFIG_FILE
     if not file.is_file():
+        if (file.parent / MANIFEST).is_file():
+            # a sharded checkpoint of the engine, not a Hugging Face snapshot
+            raise SnapshotFileMissing(
+                f"{file.parent} is a sharded checkpoint, not a Hugging Face "
+                f"snapshot: continue it with --resume, or export it with "
+                f"python -m labml_zero.export")
         raise SnapshotFileMissing(f"checkpoint config not found: {file}")
     hf = read_json(file)
     if not isinstance(hf, dict):
