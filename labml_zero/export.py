@@ -169,8 +169,9 @@ class ExportPlan:
         ### Stream the tensors into the Hugging Face writer
 
         `saved_tensors` yields one parameter at a time, assembled from the
-        ranks' files (fp32 where the checkpoint keeps a master), cast to the
-        export's dtype; `merged` holds a LoRA layer's $W$, $A$, $B$ until all
+        ranks' files (fp32 where the checkpoint keeps a master, or a
+        compensation: $w + c$), cast to the export's dtype; `merged` holds a
+        LoRA layer's $W$, $A$, $B$ until all
         three have come; the family's writer (GPT-NeoX's is [its checkpoint
         page](neox/hf_checkpoint.html)) holds one shard, which safetensors
         copies once more while it writes it: the formula above. Module buffers

@@ -418,7 +418,8 @@ def convert(state: dict, *, blockwise: bool) -> dict:
     `state` holds each moment as saved: fp32 or bf16, or codes with scales
     per block or per element. With `blockwise` the moments come back coded
     with scales per block; without, decoded to fp32 (the home then casts them
-    to its dtype) and without scales.
+    to its dtype) and without scales. A moment keeps its shape (a plain
+    parameter's may be N-d), coded and decoded by its flat elements.
     """
     state = dict(state)
     for name, signed in CODED:
@@ -427,8 +428,9 @@ def convert(state: dict, *, blockwise: bool) -> dict:
         if scale in state:
             if blockwise and state[scale].numel() == n_blocks(codes.numel()):
                 continue
-            # [S] fp32, from per-element scales
-            wide = decode(codes, state.pop(scale), signed=signed)
+            # [S] fp32 in the codes' shape, from per-block or per-element scales
+            wide = decode(codes.reshape(-1), state.pop(scale),
+                          signed=signed).view(codes.shape)
         elif blockwise:
             wide = codes.float()
         else:
@@ -436,7 +438,10 @@ def convert(state: dict, *, blockwise: bool) -> dict:
         if not blockwise:
             state[name] = wide
             continue
-        state[name] = torch.empty_like(wide, dtype=torch.uint8)
+        # [S] uint8 in the moment's shape, contiguous, and [n_blocks(S)] fp32
+        state[name] = torch.empty(wide.shape, dtype=torch.uint8,
+                                  device=wide.device)
         state[scale] = wide.new_empty(n_blocks(wide.numel()))
-        encode(wide, state[name], state[scale], signed=signed)
+        encode(wide.reshape(-1), state[name].view(-1), state[scale],
+               signed=signed)
     return state

@@ -120,18 +120,28 @@ class GraphedStep:
         self.loss: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.counted: CommCounter | None = None
+        # the optimizer's side of the recorded step, while it holds it
+        self.recorded: CapturedUpdates | None = None
 
     @property
     def captured(self) -> bool:
-        """Whether a recorded step is replayed now."""
-        return self.optimizer.capture is not None
+        """Whether a recorded step is replayed now: the optimizer still holds
+        this step's capture."""
+        return (self.recorded is not None
+                and self.optimizer.capture is self.recorded)
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         """The first `warmup` calls run eagerly: they allocate the optimizer's
         state, NCCL's communicators and cuBLAS's workspaces outside the graph,
-        and the engine learns its prefetch order."""
+        and the engine learns its prefetch order. A recorded step whose
+        capture the optimizer let go (a load replaced the tensors it
+        updates, see the Note: a load ends a captured step, in [a shard's
+        optimizer state](shard_state.html)) is dropped, and the calls warm
+        up and record again."""
         if self.captured:
             return self._replay(batch)
+        if self.recorded is not None:
+            self.drop()
         if self.eager_calls < self.warmup:
             self.eager_calls += 1
             return self.step(batch)
@@ -160,7 +170,7 @@ class GraphedStep:
         optimizer.early_updates.raise_if_skipped(optimizer.state)
         self.batch = batch.clone()
         capture = CapturedUpdates(optimizer.param_groups, batch.device)
-        optimizer.capture = capture
+        optimizer.capture = self.recorded = capture
         if batch.device.type != "cuda":
             try:
                 self.loss = self.step(self.batch)
@@ -187,8 +197,10 @@ class GraphedStep:
 
     def drop(self) -> None:
         """Forget the recorded step; the next calls warm up and record again."""
-        self.optimizer.capture = None
+        if self.optimizer.capture is self.recorded:
+            self.optimizer.capture = None
         self.graph = self.batch = self.loss = self.counted = None
+        self.recorded = None
         self.eager_calls = 0
 
     ### Replaying
@@ -213,7 +225,7 @@ class GraphedStep:
         A failure drops the graph: its step counts and flags no longer agree
         with the host's.
         """
-        capture = self.optimizer.capture
+        capture = self.recorded
         try:
             capture.before_replay(self.optimizer.param_groups)
             if self.graph is None:

@@ -93,9 +93,10 @@ def converted(state: dict, layout: StateLayout, weight: torch.Tensor) -> dict:
     r"""
     ### A checkpoint's state, into or out of a layout with a compensation
 
-    `state` as a checkpoint hands it to `AdamFP16.load_shard_state` (its
-    `master` the saved one, else the weight widened), for a shard whose
-    loaded weight is `weight`:
+    `state` as a checkpoint or a state dict hands it to
+    `AdamFP16.load_shard_state` (its `master` the saved one, else the weight
+    widened, or from a checkpoint $w + c$ already), for a shard whose loaded
+    weight is `weight`:
 
     * into `"bf16-kahan"` from a layout without a compensation: $c$ from the
       master (`compensation_of`), so $w + c$ is the saved master within

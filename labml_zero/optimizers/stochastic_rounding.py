@@ -41,6 +41,7 @@ survives on average
 from __future__ import annotations
 
 import functools
+import math
 from typing import Sequence
 
 import torch
@@ -94,7 +95,7 @@ def stochastic_round(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     $\text{low} / 2^{16}$, the fraction of the step that $x$ has gone.
     A bf16 value has nothing to round and stays itself.
     """
-    # [n] int32 view of fp32 bits; $-2^{16}$ keeps the high half
+    # int32 view of fp32 bits, `x`'s shape; $-2^{16}$ keeps the high half
     rounded = (x.view(torch.int32) + bits) & -65536
     return rounded.view(torch.float32).to(torch.bfloat16)
 
@@ -115,9 +116,14 @@ def update(kernel: Kernel, shards: Sequence[torch.Tensor],
     """
     def store(i: int, piece: slice, weight: torch.Tensor) -> None:
         # an fp32 shard was updated in place (`.float()` is itself)
-        if shards[i].dtype == torch.bfloat16:
-            shards[i][piece].copy_(stochastic_round(
-                weight, noise(piece.start, weight.numel(), step, salts[i])))
+        if shards[i].dtype != torch.bfloat16:
+            return
+        # `piece` slices dim 0 (a plain parameter may have any shape): the
+        # bits of its elements' flat row-major positions, as the one pass
+        # hashes them, shaped as the slice (a flat shard: one element a row)
+        first = piece.start * math.prod(shards[i].shape[1:])
+        bits = noise(first, weight.numel(), step, salts[i]).view(weight.shape)
+        shards[i][piece].copy_(stochastic_round(weight, bits))
 
     widened_update(kernel, grads, exp_avgs, exp_avg_sqs,
                    widen=lambda i, piece: shards[i][piece].float(), store=store)
@@ -147,7 +153,10 @@ def adamw_stochastic_(shard: torch.Tensor, moments: tuple[torch.Tensor, ...],
                                             found_inf, betas)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
-    shard.copy_(stochastic_round(theta, noise(0, shard.numel(), step, salt)))
+    # [S] int32 by flat position, shaped as the shard (a plain parameter's
+    # may be N-d)
+    bits = noise(0, shard.numel(), step, salt).view(shard.shape)
+    shard.copy_(stochastic_round(theta, bits))
 
 
 @functools.cache

@@ -246,3 +246,52 @@ def test_a_host_sync_in_the_step_names_its_cause():
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused as expected" in done.stdout
+
+
+@pytest.mark.parametrize("load", ["checkpoint", "state_dict"])
+def test_a_load_ends_the_captured_step(tmp_path, load):
+    """A run rolled back to an earlier step while its step is captured: the
+    load forgets the capture, the next calls warm up and record again, and
+    the training goes on from the loaded step as an eager run loaded from it
+    would (not from the capture's count, $t_c + r$)."""
+    import copy
+
+    from labml_zero.zero3.checkpoint import load_checkpoint, save_checkpoint
+
+    data = batches(WARMUP + 6)
+    saved_at = WARMUP + 1
+    model, opt = built(torch.bfloat16, early=False)
+    graphed = GraphedStep(training_step(model, opt), opt, warmup=WARMUP)
+    for batch in data[:saved_at]:
+        graphed(batch)
+    save_checkpoint(tmp_path / "ckpt", model, opt)
+    shards = [c.shard.detach().clone() for c in model.chunks]
+    state_dict = copy.deepcopy(opt.state_dict())
+    for batch in data[saved_at:saved_at + 3]:
+        graphed(batch)
+    assert graphed.captured
+    if load == "checkpoint":
+        load_checkpoint(tmp_path / "ckpt", model, opt)
+    else:
+        for chunk, shard in zip(model.chunks, shards):
+            chunk.shard.detach().copy_(shard)
+        opt.load_state_dict(state_dict)
+    assert not graphed.captured
+    # warm-up, capture and replays again, each a step from the loaded one
+    rest = data[saved_at:]
+    losses = [graphed(batch) for batch in rest]
+    assert graphed.captured and opt.capture.done == len(rest) - WARMUP
+
+    ref, ref_opt = built(torch.bfloat16, early=False)
+    load_checkpoint(tmp_path / "ckpt", ref, ref_opt)
+    eager = training_step(ref, ref_opt)
+    for loss, batch in zip(losses, rest):
+        assert_same(loss, eager(batch))
+    for p, q in zip(model.chunks, ref.chunks):
+        assert_same(p.shard, q.shard)
+    for p, q in zip(opt.param_groups[0]["params"],
+                    ref_opt.param_groups[0]["params"]):
+        assert (opt.shard_state(p)["step"] == ref_opt.shard_state(q)["step"]
+                == saved_at + len(rest))
+        for key in opt.layout.names:
+            assert_same(opt.state[p][key], ref_opt.state[q][key])

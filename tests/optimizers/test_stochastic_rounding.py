@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from labml_zero.optimizers import stochastic_rounding
+from labml_zero.optimizers import narrow_moments, stochastic_rounding
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.optimizers.stochastic_rounding import noise, stochastic_round
 from labml_zero.zero3.shard import LocalShard
@@ -24,8 +24,8 @@ from labml_zero.zero3.state_layout import BF16_STOCHASTIC
 from tests import tolerance
 from tests.optimizers import no_master_steps as steps_driver
 from tests.optimizers.test_narrow_moments import MOMENTS, round_moments, sharded
-from tests.optimizers.test_offload import (DEVICE, HYPER, gradients, run_steps,
-                                           set_grad, shards)
+from tests.optimizers.test_offload import (DEVICE, HYPER, assert_same, gradients,
+                                           run_steps, set_grad, shards)
 
 STEPS = 20
 # a draw is one of two neighbours a step $h$ apart: its spread is at most
@@ -240,3 +240,52 @@ def test_one_pass_is_the_twin_within_rounding():
     wrong = steps_driver.train(one_pass_step, MOMENTS,
                                lr=steps_driver.HYPER["lr"] * 1.01)
     assert flips(wrong, reference) > FLIPS_AT_MOST
+
+
+# A plain parameter of any shape (AdamFP16 takes any): `ROWS` x `COLS`
+ROWS, COLS = 10, 3
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_parameter_of_any_shape_is_rounded_as_its_flat_elements(fused,
+                                                                  monkeypatch):
+    """An N-d bf16 parameter is updated as the flat one of its elements,
+    bit for bit: each element draws the bits of its flat position. The twin
+    slices dim 0, here 4 rows of 3 at a time, the flat run's slices of 12
+    elements, so both kernels see the same operands and only the bits'
+    positions could differ: the second slice starts at element 12, not 4."""
+    torch.manual_seed(0)
+    start = torch.randn(ROWS * COLS, device=DEVICE).bfloat16()
+    runs = {}
+    for shape, wide_numel in (((ROWS * COLS,), 4 * COLS), ((ROWS, COLS), 4)):
+        monkeypatch.setattr(narrow_moments, "WIDE_NUMEL", wide_numel)
+        p = torch.nn.Parameter(start.clone().view(shape))
+        opt = AdamFP16([p], **HYPER, fused=fused, states="bf16-stochastic")
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            p.grad = torch.randn(shape, generator=g).to(DEVICE, torch.bfloat16)
+            opt.step()
+        runs[len(shape)] = (p.detach().reshape(-1),
+                            *(opt.state[p][k].reshape(-1) for k in MOMENTS))
+    flat, square = runs[1], runs[2]
+    for a, b in zip(flat, square):
+        assert_same(a, b)
+    assert not torch.equal(flat[0], start)
+
+
+def test_the_one_pass_rounds_a_parameter_of_any_shape():
+    """`adamw_stochastic_` on an N-d shard: the flat shard's update, its
+    bits by flat position."""
+    done = {}
+    for shape in ((ROWS * COLS,), (ROWS, COLS)):
+        torch.manual_seed(0)
+        weight = torch.randn(shape, device=DEVICE).bfloat16()
+        moments = (torch.zeros_like(weight), torch.zeros_like(weight))
+        step_t, coefficients = steps_driver.scalars(1, steps_driver.HYPER["lr"])
+        grad = torch.randn(shape, device=DEVICE)
+        stochastic_rounding.adamw_stochastic_(
+            weight, moments, grad, coefficients, None, steps_driver.betas(),
+            step_t, SALT)
+        done[len(shape)] = (weight.reshape(-1), *(m.reshape(-1) for m in moments))
+    for a, b in zip(done[1], done[2]):
+        assert torch.equal(a, b)

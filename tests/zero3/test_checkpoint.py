@@ -534,3 +534,85 @@ def test_save_refuses_bad_targets_and_values(tmp_path):
     with pytest.raises(CheckpointError, match=r"^extra must hold only tensors"):
         save_checkpoint(tmp_path / "ck", model, optimizer, extra={"s": Scaler()})
     assert sorted(os.listdir(tmp_path)) == ["notes"]
+
+
+# ## A checkpoint without a master: `"bf16-kahan"`
+#
+# Its weight is the pair $w + c$, the bf16 parameter and its compensation, so
+# whatever reads a master from it (a load that keeps one, the reader, the
+# exports) must read $w + c$, not $w$ alone. Both sides of each comparison
+# are the same fp32 sum of the same two bf16 values: equal bit for bit.
+
+
+def kahan_trained(path: Path, *, offload: bool = False):
+    """A bf16 model trained with `"bf16-kahan"`, saved at `path`, and each
+    trainable chunk's pair $w + c$, [S] fp32."""
+    from tests.optimizers.test_narrow_moments import sharded
+    from tests.optimizers.test_offload import run_steps
+
+    model, optimizer = sharded(torch.bfloat16, "bf16-kahan", offload=offload)
+    run_steps(model, optimizer, range(5))
+    save_checkpoint(path, model, optimizer)
+    pairs = {id(chunk): chunk.shard.detach().float()
+             + optimizer.state[chunk.shard]["compensation"].float()
+             for chunk in model.chunks if chunk.trainable}
+    # the compensation carries something: $w$ alone is not the weight
+    assert any(not torch.equal(pairs[id(c)], c.shard.detach().float())
+               for c in model.chunks if c.trainable)
+    return model, optimizer, pairs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_kahan_checkpoint_resumes_from_w_plus_c(tmp_path, dtype):
+    from tests.optimizers.test_narrow_moments import sharded
+
+    model, _, pairs = kahan_trained(tmp_path / "ck")
+    fresh, fresh_opt = sharded(dtype, "fp32")
+    load_checkpoint(tmp_path / "ck", fresh, fresh_opt)
+    reader = CheckpointReader(tmp_path / "ck")
+    for a, b in zip(model.chunks, fresh.chunks):
+        if not a.trainable:
+            continue
+        pair = pairs[id(a)]
+        # an fp32 shard is its own master
+        master = (b.shard.detach() if dtype == torch.float32
+                  else fresh_opt.state[b.shard]["master"])
+        assert torch.equal(master, pair)
+        # the shard: the saved $w$ itself in bf16, else the master's rounding
+        shard = a.shard if dtype == torch.bfloat16 else pair.to(dtype)
+        assert torch.equal(b.shard.detach(), shard)
+        for name, slot in zip(a.names, a.spec.slots):
+            # one rank: the shard is the whole chunk
+            assert torch.equal(reader.read(name, "master"),
+                               pair[slot.offset:slot.end]), name
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_kahan_model_exports_w_plus_c(tmp_path, offload):
+    """Live (`consolidated_tensors`) and saved (`saved_tensors`), fp32: the
+    pair's sum. Cast to bf16 it is $w$ but at a tie ($|c|$ half the step to
+    the neighbour it picks), where rounding to nearest even picks the even
+    neighbour."""
+    from labml_zero.zero3.checkpoint import saved_tensors
+
+    model, optimizer, pairs = kahan_trained(tmp_path / "ck", offload=offload)
+    live = dict(consolidated_tensors(model, optimizer))
+    saved = dict(saved_tensors(CheckpointReader(tmp_path / "ck")))
+    for chunk in model.chunks:
+        if not chunk.trainable:
+            continue
+        compensation = optimizer.state[chunk.shard]["compensation"].cpu()
+        for name, param, slot in zip(chunk.names, chunk.params, chunk.spec.slots):
+            want = pairs[id(chunk)][slot.offset:slot.end].view(param.shape)
+            assert live[name].dtype == saved[name].dtype == torch.float32
+            assert torch.equal(live[name], want), name
+            assert torch.equal(saved[name], want), name
+            w = chunk.shard.detach()[slot.offset:slot.end]
+            c = compensation[slot.offset:slot.end]
+            rounded = want.reshape(-1).bfloat16()
+            moved = rounded != w
+            bits = lambda t: t.view(torch.int16).int()  # noqa: E731
+            assert bool(((bits(rounded) - bits(w))[moved].abs() == 1).all())
+            assert bool(((rounded.float() - w.float())[moved].abs()
+                         == 2 * c.float()[moved].abs()).all())
+            assert bool((bits(rounded)[moved] % 2 == 0).all())

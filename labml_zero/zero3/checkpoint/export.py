@@ -35,7 +35,7 @@ from .agreement import agree
 from .format import DTYPES, SAFETENSORS_DTYPES, CheckpointError, tensors_file
 from .reader import CheckpointReader
 from .save import write_tensors
-from .state import master_of
+from .state import weight_of
 
 __all__ = ["consolidated_tensors", "export_full_state_dict", "prefix_rename",
            "saved_tensors"]
@@ -55,8 +55,13 @@ def consolidated_tensors(model: nn.Module, optimizer=None, *,
 
     * `optimizer`: where the fp32 masters are; without it, bf16/fp16 chunks
       export their own values (or `master_init`, before the first step).
+      A `"bf16-kahan"` optimizer keeps no master: its chunks export the
+      weight its updates continue from, $w + c$ in fp32 (`weight_of`).
     * `rename` maps a qualified name to the exported one (see `prefix_rename`).
-    * `dtype` casts every tensor, e.g. to bf16 for a release.
+    * `dtype` casts every tensor, e.g. to bf16 for a release. Cast to bf16,
+      $w + c$ rounds to $w$ itself but at a tie (where $|c|$ is exactly half
+      a step of $w$ and $w$ is odd), where rounding to nearest even gives the
+      other neighbour, as near to $w + c$: the rounding a master gets.
 
     Memory per rank: one gathered chunk on the device, $C$ elements in the
     master's or the parameter's dtype, for the duration of one all-gather. On
@@ -65,10 +70,10 @@ def consolidated_tensors(model: nn.Module, optimizer=None, *,
     """
     comm: Communicator = model.runtime.comm
     for chunk in model.chunks:
-        # 1. Every rank contributes its shard of the chunk: the fp32 master where
-        # one exists (more exact than the bf16/fp16 copy: that is what training
-        # would continue from), else the parameter shard.
-        master = master_of(optimizer, chunk)
+        # 1. Every rank contributes its shard of the chunk: the fp32 master, or
+        # $w + c$, where one exists (more exact than the bf16/fp16 copy: that
+        # is what training would continue from), else the parameter shard.
+        master = weight_of(optimizer, chunk)
         # [S] fp32 master or chunk dtype
         source = (master if master is not None else chunk.shard).detach()
         # 2. One all-gather builds the chunk's $C$ elements on every rank's
@@ -200,7 +205,11 @@ def saved_tensors(reader: CheckpointReader, *,
 
     Yields `(name, tensor)` in chunk order, each in the chunk's dtype or, where
     the checkpoint has one, from its fp32 master (the values training would
-    continue from), as `consolidated_tensors` does for a live model. Every
+    continue from), as `consolidated_tensors` does for a live model; a
+    `"bf16-kahan"` checkpoint's chunks, which keep no master, give $w + c$
+    in fp32, the parameter plus its compensation (as [the
+    reader](reader.html) reads their master), assembled from two bf16
+    tensors of the parameter's size, $w$ and $c$. Every
     file's digest is checked first (one streamed read of each, `verify_files`).
     A parameter at offset $o$ of a chunk whose ranks hold $S$ elements each is
     read from ranks $\lfloor o/S \rfloor \ldots \lfloor (o+n-1)/S \rfloor$, as
@@ -211,31 +220,51 @@ def saved_tensors(reader: CheckpointReader, *,
                for rank in range(reader.world_size)]
     for index, chunk in enumerate(reader.chunks):
         stored = "master" if chunk["has_master"] else "param"
-        key = f"{index}.{stored}"
         dtype = DTYPES[chunk["dtype"]] if stored == "param" else torch.float32
         shard = chunk["numel"] // reader.world_size
         for saved in chunk["params"]:
             lo = saved["offset"]
             hi = lo + math.prod(saved["shape"])
+            name = saved["name"]
             # [n] saved dtype, filled one rank's slice at a time
             out = torch.empty(hi - lo, dtype=dtype)
-            for rank in range(lo // shard, (hi - 1) // shard + 1) if hi > lo else ():
-                first, last = max(lo, rank * shard), min(hi, (rank + 1) * shard)
-                start, header = headers[rank]
-                file = reader.path / tensors_file(rank)
-                entry = header.get(key)
-                if entry is None or entry["dtype"] != SAFETENSORS_DTYPES[dtype] \
-                        or entry["shape"] != [shard]:
-                    raise CheckpointError(f"corrupted shard file {file}: tensor "
-                                          f"{key!r} is not [{shard}] {dtype}")
-                skip = (first - rank * shard) * dtype.itemsize
-                # [last − first] bytes of `out`, which the read fills in place
-                view = out[first - lo:last - lo].view(torch.uint8).numpy()
-                with open(file, "rb") as f:
-                    f.seek(start + entry["data_offsets"][0] + skip)
-                    got = f.readinto(memoryview(view))
-                if got != view.nbytes:
-                    raise CheckpointError(f"corrupted shard file {file}: tensor "
-                                          f"{key!r} is cut short")
-            name = saved["name"]
+            read_range(reader, headers, f"{index}.{stored}", shard, lo, out)
+            if reader.adds_compensation(name):
+                # [n] bf16, $c$, then [n] fp32 $w + c$ (the reader's Note:
+                # the master of a compensated weight)
+                compensation = reader.compensation
+                low = torch.empty(hi - lo, dtype=DTYPES[
+                    reader.states["dtypes"][compensation]])
+                read_range(reader, headers, f"{index}.{compensation}", shard, lo,
+                           low)
+                out = out.float().add_(low)
             yield (rename(name) if rename else name), out.view(saved["shape"])
+
+
+def read_range(reader: CheckpointReader, headers: list[tuple[int, dict]],
+               key: str, shard: int, lo: int, out: torch.Tensor) -> None:
+    """
+    #### Chunk elements `[lo, lo + len(out))` of tensor `key`, into `out`
+
+    Read from the rank files that hold them, each slice straight into `out`
+    (`readinto`); `shard` is the elements a rank holds of the chunk.
+    """
+    hi = lo + out.numel()
+    for rank in range(lo // shard, (hi - 1) // shard + 1) if hi > lo else ():
+        first, last = max(lo, rank * shard), min(hi, (rank + 1) * shard)
+        start, header = headers[rank]
+        file = reader.path / tensors_file(rank)
+        entry = header.get(key)
+        if entry is None or entry["dtype"] != SAFETENSORS_DTYPES[out.dtype] \
+                or entry["shape"] != [shard]:
+            raise CheckpointError(f"corrupted shard file {file}: tensor "
+                                  f"{key!r} is not [{shard}] {out.dtype}")
+        skip = (first - rank * shard) * out.dtype.itemsize
+        # [last − first] bytes of `out`, which the read fills in place
+        view = out[first - lo:last - lo].view(torch.uint8).numpy()
+        with open(file, "rb") as f:
+            f.seek(start + entry["data_offsets"][0] + skip)
+            got = f.readinto(memoryview(view))
+        if got != view.nbytes:
+            raise CheckpointError(f"corrupted shard file {file}: tensor "
+                                  f"{key!r} is cut short")

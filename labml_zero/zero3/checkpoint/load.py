@@ -122,7 +122,9 @@ def read_shard(reader: CheckpointReader, chunk: Chunk, with_state: bool) -> Shar
 
     def gather(kind: str) -> torch.Tensor:
         # [S] fp32 for the master (the saved one, else the parameter
-        # widened), else the saved dtype: a conversion is the optimizer's, once
+        # widened, plus its compensation where one was saved: the reader's
+        # Note: the master of a compensated weight), else the saved dtype: a
+        # conversion is the optimizer's, once
         dtype = (torch.float32 if kind == "master"
                  else DTYPES[reader.states["dtypes"][kind]])
         out = torch.zeros(chunk.shard_numel, dtype=dtype)

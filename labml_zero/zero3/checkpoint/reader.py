@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ..state_layout import LAYOUTS
 from .digest import file_digest
 from .format import (DTYPES, EXTRA, FORMAT, FORMAT_1, MANIFEST, MANIFEST_KEYS,
                      MANIFEST_KEYS_2, SAFETENSORS_DTYPES, CheckpointError,
@@ -203,6 +204,22 @@ class CheckpointReader:
         """The saved states other than the master, in the saved order."""
         return tuple(n for n in self.states["dtypes"] if n != "master")
 
+    @property
+    def compensation(self) -> str | None:
+        r"""The saved state that is the weight's low-order part, $c$ in
+        $w + c$ ([Kahan summation](../../optimizers/kahan_summation.html)),
+        or `None`."""
+        layout = LAYOUTS.get(self.states["name"])
+        state = None if layout is None else layout.compensation
+        return None if state is None else state.name
+
+    def adds_compensation(self, name: str) -> bool:
+        r"""Whether a parameter's master reads as $w + c$: its chunk saved no
+        master, and a compensation beside its optimizer state."""
+        chunk = self.chunk_of(name)
+        return (not chunk["has_master"] and chunk["step"] is not None
+                and self.compensation is not None)
+
     ### Reading elements
 
     def read(self, name: str, kind: str = "master", start: int = 0,
@@ -211,10 +228,24 @@ class CheckpointReader:
         ### Elements `[start, end)` of a saved parameter, flat, on the host
 
         `kind` is `param` (in the saved dtype), `master` (fp32: the saved master,
-        else the parameter) or a moment of the saved layout (`exp_avg`,
+        else the weight the optimizer continues from: the parameter, plus its
+        compensation where one was saved, see Note: the master of a
+        compensated weight) or a moment of the saved layout (`exp_avg`,
         `exp_avg_sq`, in its saved dtype; an 8-bit moment's scale, per
         element: `_per_block`); the saved ranks that hold them are
         the $k$ below.
+
+        #### Note: the master of a compensated weight
+
+        A `"bf16-kahan"` checkpoint keeps no master: its weight is the pair
+        $x = w + c$ of the bf16 parameter $w$ and its compensation $c$. So
+        its master reads as $w + c$ in fp32, and a load into a layout or a
+        dtype that keeps a master (or an fp32 shard) resumes from $x$, not
+        from $w$, which lost up to half a bf16 step of it
+        (tested: tests/zero3/test_checkpoint.py::test_a_kahan_checkpoint_resumes_from_w_plus_c).
+        The sum is exact in fp32 but where $|c| < u^2 |w|$ ($u$ bf16's unit
+        roundoff), which it rounds by at most $2^{-24}$ of $x$ ([Kahan
+        summation](../../optimizers/kahan_summation.html)).
 
         #### Finding elements: the resharding arithmetic
 
@@ -255,6 +286,11 @@ class CheckpointReader:
                              f"{name!r} of {saved.numel} elements")
         stored = kind
         if kind == "master" and not chunk["has_master"]:
+            if self.adds_compensation(name):
+                # [end − start] fp32, $w + c$ (see Note: the master of a
+                # compensated weight)
+                return (self.read(name, "param", start, end).float()
+                        + self.read(name, self.compensation, start, end).float())
             stored = "param"
         if kind in self.moments and chunk["step"] is None:
             raise CheckpointError(f"parameter {name!r} has no optimizer state in "

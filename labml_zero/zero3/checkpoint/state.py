@@ -78,6 +78,29 @@ def master_of(optimizer: ShardOptimizer | None, chunk: Chunk) -> torch.Tensor | 
     return chunk.local.master_init
 
 
+def weight_of(optimizer: ShardOptimizer | None, chunk: Chunk) -> torch.Tensor | None:
+    r"""
+    #### The fp32 weight training continues from, when it is not the shard
+
+    The master (`master_of`), or for a layout that keeps a compensation
+    instead ([Kahan summation](../../optimizers/kahan_summation.html)) the
+    pair's sum $w + c$, as [the reader](reader.html) reads a saved one
+    (its Note: the master of a compensated weight). `None`: the shard is the
+    weight.
+    """
+    master = master_of(optimizer, chunk)
+    if master is not None or chunk.dtype == torch.float32:
+        return master
+    state = optimizer_state(optimizer, chunk)
+    compensation = None if state is None else optimizer.layout.compensation
+    if compensation is None:
+        return None
+    shard = chunk.shard.detach()
+    # [S] fp32, $w + c$; a host home's compensation comes to the shard's device
+    return shard.float() + state[compensation.name].to(shard.device,
+                                                       torch.float32)
+
+
 # ## Hyperparameters
 #
 # A schedule may have changed them. The optimizer must be built the same way
