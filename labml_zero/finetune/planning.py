@@ -141,7 +141,7 @@ def cluster_of(request: Request, world_size: int | None) -> Cluster:
             raise ValueError(f"--auto runs {world} ranks here; --gpus {gpus} x "
                              f"--nodes {nodes} plans {gpus * nodes}")
     else:
-        gpus = flags.get("gpus", world_size)
+        gpus = flags.get("gpus", world_size // nodes if world_size else None)
         if world_size is not None and gpus * nodes != world_size:
             raise ValueError(f"--world-size {world_size} disagrees with --gpus "
                              f"{gpus} x --nodes {nodes}: give one of them")
@@ -193,6 +193,35 @@ def pinned_of(config: FinetuneConfig, given: dict[str, Any]) -> Pinned:
     return Pinned(**pins)
 
 
+def unplannable(config: FinetuneConfig, cluster: Cluster) -> str | None:
+    """
+    ### Why the planner cannot plan this run on `cluster`, or `None`
+
+    What the engine would refuse once it starts on that cluster, and what the
+    planner does not model, is refused before the search: a plan is never
+    printed that `--auto` could not run.
+    """
+    kernels = [name.strip() for name in config.kernels.split(",")]
+    if "fp8" in kernels and cluster.gpu.peak_flops_fp8 is None:
+        return (f"--kernels fp8: the {cluster.gpu.name} has no fp8 matrix "
+                f"products (compute capability 8.9 or newer)")
+    # the recording's rules that do not depend on the device (dtype, clipping,
+    # accumulation, recomputation, offload given as flags)
+    graph = config.cuda_graph_refusal(torch.device("cuda"))
+    if graph is not None:
+        return f"--cuda-graph {graph}"
+    group = config.shard_group_size or cluster.world_size
+    if config.peer_memory and cluster.nodes > 1 and group > cluster.gpus_per_node:
+        return (f"--peer-memory needs each shard group on one host: "
+                f"{cluster.nodes} nodes of {cluster.gpus_per_node} GPUs, shard "
+                f"groups of {group} (give --shard-group-size "
+                f"{cluster.gpus_per_node} or fewer)")
+    if config.offload_params:
+        return ("--offload-params: the planner does not model parameters in host "
+                "memory; leave it out, or plan without it and add it by hand")
+    return None
+
+
 def settle(config: FinetuneConfig, request: Request, given: dict[str, Any], *,
            world_size: int | None) -> FinetuneConfig | str:
     """
@@ -201,6 +230,9 @@ def settle(config: FinetuneConfig, request: Request, given: dict[str, Any], *,
     `NoFit` and every refusal is a `ValueError` of one line.
     """
     cluster = cluster_of(request, world_size)
+    refusal = unplannable(config, cluster)
+    if refusal is not None:
+        raise ValueError(refusal)
     global_batch = request.cluster.get(
         "global_batch", config.batch_size * config.grad_accum * cluster.world_size)
     job = job_of(config, global_batch=global_batch)

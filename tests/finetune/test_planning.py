@@ -196,3 +196,35 @@ def test_auto_runs_a_llama_checkpoint_on_cpu(tmp_path):
             "(predicted") in done.stdout
     assert (tmp_path / "runs" / "zero3_llama" / "checkpoints" / "step-000002").is_dir()
     assert not (tmp_path / "runs" / "zero3_neox").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpu", "a100", "--kernels", "fp8"],
+     "--kernels fp8: the a100 has no fp8 matrix products"),
+    (["--gpu", "h100", "--cuda-graph", "--dtype", "fp16"],
+     "--cuda-graph cannot record fp16's loss scaler"),
+    (["--gpu", "h100", "--cuda-graph", "--clip-grad", "1"],
+     "--cuda-graph cannot record clipping"),
+    (["--gpu", "h100", "--cuda-graph", "--grad-accum", "2"],
+     "--cuda-graph records one micro-batch a step"),
+    # one GPU on each of two nodes: the two ranks on two hosts
+    (["--gpu", "h100", "--nodes", "2", "--peer-memory"],
+     "--peer-memory needs each shard group on one host"),
+    (["--gpu", "h100", "--offload-optimizer", "1", "--offload-params", "1"],
+     "--offload-params: the planner does not model parameters in host memory"),
+])
+@pytest.mark.parametrize("mode", ["--plan", "--auto"])
+def test_a_plan_the_engine_would_refuse_is_refused(capsys, nothing_starts, args,
+                                                   message, mode):
+    """Neither `--plan` nor `--auto` chooses a setting the engine refuses once
+    it starts on the cluster, nor plans what the planner does not model."""
+    if mode == "--auto":  # the two ranks this command starts
+        args = [*args, "--world-size", "2", "--gpus", "1" if "--nodes" in args else "2"]
+    assert message in refused(capsys, [*W1, mode, *args])
+
+
+def test_plan_splits_the_world_size_over_the_nodes(capsys, nothing_starts):
+    # 16 ranks on 2 nodes: 8 GPUs a node, not --gpus 16 on each
+    argv = [a for a in W1 if a not in ("--gpus", "1")]
+    out = planned(capsys, [*argv, "--plan", "--world-size", "16", "--nodes", "2"])
+    assert out == planned(capsys, [*argv, "--plan", "--gpus", "8", "--nodes", "2"])
