@@ -207,9 +207,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     recomputed = [name for name in args.workload_list
                   if (known[name].activation_checkpointing
                       if args.recompute is None else args.recompute == "yes")]
-    # under --auto labml_zero's recomputation is the planner's, pinned off
+    # under --plan and --auto labml_zero's recomputation is the planner's,
+    # pinned off
     if (args.cuda_graph and "labml_zero" in args.engine_list and recomputed
-            and args.request.mode != "auto"):
+            and args.request.mode is None):
         raise SystemExit(f"--cuda-graph: workload {recomputed[0]} recomputes its "
                          "activations, which the graph does not capture")
     if args.prefetch_depth < 0:
@@ -457,5 +458,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return lines
 
 
+def command(argv: list[str] | None = None) -> None:
+    """`python -m bench.run`: a refused input (every `SystemExit` with a
+    message is one, raised before anything starts) is one line on stderr and
+    exit status 2, as argparse's own refusals."""
+    try:
+        main(argv)
+    except SystemExit as refusal:
+        if not isinstance(refusal.code, str):
+            raise
+        print(f"bench.run: error: {refusal.code}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
-    main()
+    command()

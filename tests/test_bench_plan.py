@@ -170,6 +170,25 @@ def test_refusals_are_one_line_before_any_start(nothing_starts, argv, says):
     assert says in message and "\n" not in message, message
 
 
+def test_the_command_exits_2_with_one_line(nothing_starts, capsys):
+    """`python -m bench.run`'s refusals exit 2, as argparse's do, one line."""
+    with pytest.raises(SystemExit) as refused:
+        bench_run.command(["--workloads", "W1", "--gpu", "h200"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "bench.run: error: --gpu needs --plan or --auto\n", err
+
+
+def test_a_plan_takes_a_graph_on_a_recomputing_workload(nothing_starts, capsys):
+    """The planner pins recomputation off for a recorded step, under --plan as
+    under --auto: the plan is printed, not refused for the workload's own
+    recomputation."""
+    bench_run.main(["--plan", "--gpu", "h200", "--gpus", "1", "--workloads",
+                    "W2-1", "--cuda-graph", "--warmup", "3", "--engines",
+                    "labml_zero"])
+    assert "W2-1" in capsys.readouterr().out
+
+
 def test_workload_takes_an_offload_fraction():
     w4 = shrink(all_workloads()["W4"])
     assert replace(w4, offload=0.25).offload == 0.25
