@@ -26,6 +26,7 @@ node's host memory $H$; the shortest [step](step_time.html) wins.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Iterator, NamedTuple
 
@@ -275,10 +276,15 @@ def no_fit_line(job: Job, cluster: Cluster, pinned: Pinned) -> str:
         return (f"no setting fits with {flags or 'these flags'} given: leave "
                 f"them out and the planner chooses them")
     if least.peak <= limit:
+        # the fewest chunks offloaded that fit the device: the least host it
+        # needs, and the `--host-gib` whose usable share holds it
+        placed = with_offload(job, Setting(1, per_rank, checkpointing=True,
+                                           offload_fraction=0.0), cluster)
+        need = host_need(placed[1] if placed is not None else least, cluster)
         return (f"nothing fits: the optimizer state offloaded to fit the {gpu} "
-                f"needs {host_need(least, cluster) / GIB:,.0f} GiB of host "
-                f"memory a node, {host_usable(cluster) / GIB:,.0f}"
-                f" GiB usable (--host-gib)")
+                f"needs {need / GIB:,.1f} GiB of host memory a node, "
+                f"{host_usable(cluster) / GIB:,.1f} GiB usable: it would fit "
+                f"with --host-gib {math.ceil(need / (1 - HOST_MARGIN) / GIB)}")
     fixes = []
     # accumulation's buffers hold every chunk's gradients; without them a rank
     # may fit its device and still not the host, which is then the cause

@@ -1,6 +1,8 @@
 """`labml_zero/planner/search.py`: the fastest setting that fits, the margins
 it keeps, and the one line when nothing fits."""
 
+import re
+
 import pytest
 
 from labml_zero.neox.build import resolve_kernels
@@ -52,11 +54,15 @@ def test_host_memory_is_checked_when_known():
     result = plan(job, Cluster(H200, host_bytes=1000 * GIB))
     need = result.best.host_bytes
     assert need == result.best.budget.optimizer_host + HOST_PROCESS_BYTES
-    # a node with less host memory than the offload needs: the one line says so
+    # a node with less host memory than the offload needs: the one line says
+    # so, with a --host-gib that fits (the fewest chunks offloaded that fit
+    # the device), and that one does
     small = int(need * 0.5 / (1 - HOST_MARGIN))
     with pytest.raises(NoFit, match=r"^nothing fits: .*host memory a node.*"
-                                    r"--host-gib\)$"):
+                                    r"it would fit with --host-gib (\d+)$") as e:
         plan(job, Cluster(H200, host_bytes=small))
+    enough = int(re.search(r"--host-gib (\d+)$", str(e.value)).group(1))
+    assert plan(job, Cluster(H200, host_bytes=enough * GIB)).best
 
 
 def test_several_ranks_time_their_collectives_and_prefetch():
