@@ -256,6 +256,13 @@ def smallest(job: Job, cluster: Cluster, *, micro_batches: int
     return b, host_fits(host_need(b, cluster), cluster)
 
 
+def larger_clusters(cluster: Cluster) -> Iterator[Cluster]:
+    """Twice, 4 times, … up to 64 times `cluster`'s nodes, each like its own
+    (its GPUs and its host memory)."""
+    for factor in (2, 4, 8, 16, 32, 64):
+        yield replace(cluster, nodes=cluster.nodes * factor)
+
+
 def no_fit_line(job: Job, cluster: Cluster, pinned: Pinned) -> str:
     """
     ### Why nothing fits, and the smallest change that would
@@ -299,15 +306,20 @@ def no_fit_line(job: Job, cluster: Cluster, pinned: Pinned) -> str:
                          f"node, {host_usable(cluster) / GIB:,.0f}"
                          f" GiB usable: --host-gib)")
     if not fixes:
-        for factor in (2, 4, 8, 16, 32, 64):
-            bigger = replace(cluster, nodes=cluster.nodes * factor)
-            b, ok = smallest(job, bigger, micro_batches=1)
+        # more nodes like these, at the user's global batch where they split
+        # it, else at one sequence a rank (said)
+        for bigger in larger_clusters(cluster):
+            per, batch = divmod(job.global_batch, bigger.world_size)
+            note = "" if per and not batch else \
+                f" with --global-batch {bigger.world_size}"
+            b, ok = smallest(job, bigger, micro_batches=per if not note else 1)
             if b.peak <= limit and ok:
-                fixes.append(f"on {bigger.world_size} {gpu} GPUs")
+                fixes.append(f"on {bigger.world_size} {gpu} GPUs (--nodes "
+                             f"{bigger.nodes}{note})")
                 break
         seq = job.seq // 2
         while seq >= 64:
-            b, ok = smallest(replace(job, seq=seq), cluster, micro_batches=1)
+            b, ok = smallest(replace(job, seq=seq), cluster, micro_batches=per_rank)
             if b.peak <= limit and ok:
                 fixes.append(f"with --seq-len {seq}")
                 break

@@ -76,10 +76,13 @@ def test_refusals_are_one_line(capsys, nothing_starts):
     err = refused(capsys, [*W1, "--gpus", "2", "--global-batch", "7", "--plan"])
     assert "--global-batch 7 is not a multiple of the 2 ranks" in err
     # a job that fits no setting: a host too small for the offloaded states
-    err = refused(capsys, ["--model", "gpt-neox-20b", "--gpu", "h100",
-                           "--host-gib", "16", "--seq-len", "2048",
-                           "--optimizer-states", "bf16-stochastic", "--plan"])
-    assert "nothing fits" in err and "would fit on 2 h100 GPUs" in err
+    job = ["--model", "gpt-neox-20b", "--gpu", "h100", "--host-gib", "16",
+           "--seq-len", "2048", "--optimizer-states", "bf16-stochastic",
+           "--global-batch", "8"]
+    err = refused(capsys, [*job, "--plan"])
+    # the suggestion is checked at the job's global batch, and fits as given
+    assert "nothing fits" in err and "would fit on 8 h100 GPUs (--nodes 8)" in err
+    assert "setting:" in planned(capsys, [*job, "--nodes", "8", "--plan"])
     # the cluster's flags mean nothing without a plan
     assert "--gpu needs --plan or --auto" in refused(capsys, ["--gpu", "h200"])
     assert "not both" in refused(capsys, ["--gpu", "h200", "--plan", "--auto"])

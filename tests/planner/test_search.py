@@ -88,8 +88,12 @@ def test_nothing_fits_is_one_line_with_the_smallest_fix():
         plan(job, Cluster(H100, host_bytes=128 * GIB))
     line = str(error.value)
     assert "\n" not in line and line.startswith("nothing fits: ")
+    # the fix is checked at the job's global batch: 8 nodes of one H100 take a
+    # sequence each (2 of them, which the line said before, only with a
+    # global batch of 2), and that cluster does fit
     assert ("all optimizer state on the host" in line
-            and "would fit on 2 h100 GPUs" in line)
+            and "would fit on 8 h100 GPUs (--nodes 8)" in line)
+    assert plan(job, Cluster(H100, nodes=8, host_bytes=128 * GIB)).best
     # the device's peak is accumulation's; without it the host is the cause
     assert "a rank with 8 micro-batches accumulated" in line
     without = Job(gpt_neox_20b(), family=NEOX, seq=2048, global_batch=1,
