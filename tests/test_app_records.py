@@ -40,7 +40,7 @@ def test_records_round_trip_through_json():
         "raw": b"\x00\xff",
         "nested": [{"k": None, "b": True}],
     }
-    serializer, _ = record_classes()
+    serializer, _, _ = record_classes()
     text = serializer().to_string(record)
     back = serializer().from_string(text)
     json.loads(text)  # the file is plain JSON
@@ -69,7 +69,7 @@ def test_storage_refuses_what_json_cannot_hold():
 
 
 def test_a_record_that_is_not_json_is_an_error_naming_its_file(tmp_path):
-    serializer, driver = record_classes()
+    serializer, driver, _ = record_classes()
 
     class Run:
         """The driver needs only the model's name."""
@@ -83,7 +83,7 @@ def test_a_record_that_is_not_json_is_an_error_naming_its_file(tmp_path):
 
 
 def test_a_record_that_cannot_be_encoded_leaves_its_file_as_it_was(tmp_path):
-    serializer, driver = record_classes()
+    serializer, driver, _ = record_classes()
 
     class Run:
         """The driver needs only the model's name."""
@@ -97,3 +97,34 @@ def test_a_record_that_cannot_be_encoded_leaves_its_file_as_it_was(tmp_path):
     back = records.load_dict("Run:a")
     assert back["name"] == "first"
     np.testing.assert_array_equal(back["step"], np.arange(3))
+
+
+def test_a_write_that_fails_leaves_the_record_and_index_as_they_were(tmp_path,
+                                                                    monkeypatch):
+    """A full disk (or a kill) in the middle of a write: the record and the
+    index keep what they held, and no temporary file is left (they used to be
+    emptied first, and then no run loaded)."""
+    serializer, driver, index_driver = record_classes()
+    from labml_db.serializer.json import JsonSerializer
+
+    class Run:
+        """The drivers need only the class's name."""
+
+    records = driver(serializer(), Run, tmp_path / "Run")
+    records.save_dict("Run:a", {"name": "first"})
+    index = index_driver(JsonSerializer(), Run, tmp_path / "indexes" / "Run.json")
+    index.set("a", "Run:a")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*.json")}
+
+    def full(self, text, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(OSError, match="No space left"):
+        records.save_dict("Run:a", {"name": "second"})
+    with pytest.raises(OSError, match="No space left"):
+        index.set("b", "Run:b")
+    monkeypatch.undo()
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*")
+            if p.is_file()} == before
+    assert records.load_dict("Run:a")["name"] == "first"

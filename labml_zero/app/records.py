@@ -17,11 +17,13 @@ records are JSON).
 """
 
 import base64
-import fcntl
 import json
+import os
 from pathlib import Path
 
 import numpy as np
+
+from labml_zero.files import temporary_sibling
 
 __all__ = ["RecordError", "encode", "decode", "record_classes", "init_file_db",
            "ignored_pickles"]
@@ -150,10 +152,12 @@ def record_classes():
     ## `labml_db`'s serializer and file driver, with our JSON in them
 
     Defined inside a function because `labml_db` belongs to the `app` extra,
-    which the core install does not have. Returns the two classes,
-    `(RecordSerializer, RecordDriver)`; `init_file_db` makes one driver per model.
+    which the core install does not have. Returns the three classes,
+    `(RecordSerializer, RecordDriver, IndexDriver)`; `init_file_db` makes one
+    driver per model and per index.
     """
     from labml_db.driver.file import FileDbDriver
+    from labml_db.index_driver.file import FileIndexDbDriver
     from labml_db.serializer import Serializer
 
     class RecordSerializer(Serializer):
@@ -186,15 +190,37 @@ def record_classes():
 
         def save_dict(self, key: str, data: dict) -> int:
             # `FileDbDriver.save_dict` opens the file, which empties it, before it
-            # encodes: a record that `encode` refuses would leave an empty file,
-            # which no longer loads. Encoding first keeps the old record whole.
+            # encodes: a record that `encode` refuses, a full disk or a kill
+            # between the two would leave a file that no longer loads. Encoded
+            # first, then written beside it and renamed over it.
             text = self._serializer.to_string(data)
-            with open(self.directory / f"{key}.json", "w") as f:
-                # The same exclusive lock as `labml_db`'s own driver takes.
-                fcntl.lockf(f, fcntl.LOCK_EX)
-                return f.write(text)
+            replace_text(self.directory / f"{key}.json", text)
+            return len(text)
 
-    return RecordSerializer, RecordDriver
+    class IndexDriver(FileIndexDbDriver):
+        """`labml_db`'s file index driver, its file replaced whole on each
+        change (it too emptied the file before writing it)."""
+
+        def _save_cache(self):
+            replace_text(self._index_path, self._serializer.to_string(self._cache))
+
+    return RecordSerializer, RecordDriver, IndexDriver
+
+
+def replace_text(path: Path, text: str) -> None:
+    """
+    `path` holds `text`, or what it held before: written to a hidden sibling,
+    then renamed over it, which readers see whole. Not flushed to the disk:
+    the app writes a record on every tracked step, and a record lost to a power
+    cut costs the app's copy of a few steps, not the run's own log.
+    """
+    tmp = temporary_sibling(path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def init_file_db(data_dir: Path) -> None:
@@ -212,15 +238,14 @@ def init_file_db(data_dir: Path) -> None:
     """
     from labml_app import db
     from labml_db import Index, Model
-    from labml_db.index_driver.file import FileIndexDbDriver
     from labml_db.serializer.json import JsonSerializer
 
-    serializer, driver = record_classes()
+    serializer, driver, index_driver = record_classes()
     # `db.models` and `db.indexes` include the analyses' (series, logs, ...).
     Model.set_db_drivers([driver(serializer(), m, data_dir / "models" / m.__name__)
                           for m in db.models])
-    Index.set_db_drivers([FileIndexDbDriver(JsonSerializer(), i,
-                                            data_dir / "indexes" / f"{i.__name__}.json")
+    Index.set_db_drivers([index_driver(JsonSerializer(), i,
+                                       data_dir / "indexes" / f"{i.__name__}.json")
                           for i in db.indexes])
 
 
