@@ -424,6 +424,29 @@ def test_probe_gives_up_on_a_silent_server_after_its_timeout():
         assert time.monotonic() - start < 3.0
 
 
+def test_probe_gives_up_on_a_trickling_server_after_its_timeout():
+    """A server that sends a byte a second never lets a read time out: the
+    probe's timeout bounds the whole request, or a run would wait on it (and
+    its other ranks with it) for as long as the server trickles."""
+    stop = threading.Event()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(4)
+
+        def trickle():
+            connection, _ = s.accept()
+            with connection:
+                while not stop.wait(0.2):
+                    connection.sendall(b"H")
+
+        threading.Thread(target=trickle, daemon=True).start()
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/api/v1/default/"
+        start = time.monotonic()
+        assert app_url_if_running(url, timeout_s=0.5) is None
+        assert time.monotonic() - start < 1.5
+        stop.set()
+
+
 def test_probe_says_no_to_a_web_server_that_is_not_a_labml_app(tmp_path):
     (tmp_path / "index.html").write_text("<html>not an app</html>")
 

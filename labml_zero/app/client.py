@@ -33,6 +33,7 @@ configuration in view.
 # The standard library only, so the core install (without the `app` extra) can
 # call this file.
 import json
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -81,7 +82,8 @@ def app_url_if_running(url: str, *, timeout_s: float = 2.0) -> str | None:
     ### The URL if a labml app answers there, else `None`
 
     * `url` is the app's API base, as in `DEFAULT_APP_URL`.
-    * `timeout_s` bounds the one request; the run waits at most this long.
+    * `timeout_s` bounds the one request, all of it; the run waits at most this
+      long.
 
     labml's sender is a non-daemon thread that retries a failed request forever;
     before retry $r$ it sleeps $10 r$ seconds
@@ -107,6 +109,22 @@ def app_url_if_running(url: str, *, timeout_s: float = 2.0) -> str | None:
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
     probe = web_api_root(url) + "run/status/labmlzeroprobe"
+    # `urlopen`'s timeout bounds each read, not the request: a server that
+    # sends a byte a second would hold the run (and every rank waiting for
+    # this one) for as long as it likes. So the request runs on a daemon
+    # thread, given `timeout_s` in all; one that has not answered by then is
+    # no app, and is left to end on its own.
+    answered: list[bool] = []
+    thread = threading.Thread(target=lambda: answered.append(
+        answers_as_an_app(probe, timeout_s)), daemon=True, name="labml app probe")
+    thread.start()
+    thread.join(timeout_s)
+    return url if answered and answered[0] else None
+
+
+def answers_as_an_app(probe: str, timeout_s: float) -> bool:
+    """Whether `probe` answers as a labml app does: status 200 or 404, with a
+    JSON body."""
     try:
         with urllib.request.urlopen(probe, timeout=timeout_s) as response:
             status, headers, body = response.status, response.headers, response.read()
@@ -116,16 +134,16 @@ def app_url_if_running(url: str, *, timeout_s: float = 2.0) -> str | None:
         # read its body like a success's.
         status, headers, body = e.code, e.headers, e.read()
     except (urllib.error.URLError, OSError):
-        return None
+        return False
     if status not in (200, 404):
-        return None
+        return False
     if "json" not in (headers.get("content-type") or ""):
-        return None
+        return False
     try:
         json.loads(body)
     except ValueError:
-        return None
-    return url
+        return False
+    return True
 
 
 def labml_app_settings(url: str) -> dict:
