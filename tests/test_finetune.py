@@ -374,6 +374,16 @@ def test_a_runs_directory_given_for_a_checkpoint_says_which_to_give(
         "checkpoint, not a Hugging Face snapshot: continue it with --resume" in err
 
 
+def test_the_sample_after_the_last_step_is_not_called_a_hang(tmp_path: Path):
+    """The sample gathers every layer for every token, seconds past the last
+    step's heartbeat: the watch keeps the rank alive while it runs (a run that
+    had trained was ended as hung, with exit 1, before its sample and exports)."""
+    result = finetune(tmp_path, "--steps", "2", "--sample-tokens", "400",
+                      "--hang-timeout", "3")
+    check_ok(result)
+    assert "Sample after 2 steps" in result.stdout
+
+
 def test_a_resume_keeps_the_layers_it_trained(tmp_path: Path, capsys):
     """A `--filter-layers` run names its layers by position: another choice of
     the same shapes passes the names check, so the layers' recorded prefixes

@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -433,12 +436,39 @@ def train(ctx: DistContext, config: FinetuneConfig,
 
         if ctx.rank == 0 and (steady := meter.steady_line()) is not None:
             logger.log(steady)
-        export(config, built, shape, ctx.device)
-        if config.sample_tokens:
-            text = sample(model, tokenizer, config, ctx)
-            if ctx.rank == 0:
-                logger.log(f"\nSample after {total_steps} steps:\n{config.prompt}"
-                           f"{text}\n")
+        with beating(ctx, config.hang_timeout):
+            export(config, built, shape, ctx.device)
+            if config.sample_tokens:
+                text = sample(model, tokenizer, config, ctx)
+                if ctx.rank == 0:
+                    logger.log(f"\nSample after {total_steps} steps:\n"
+                               f"{config.prompt}{text}\n")
+
+
+@contextmanager
+def beating(ctx: DistContext, hang_timeout: float) -> Iterator[None]:
+    """
+    ### The hang watch, after the last step
+
+    The exports and the sample gather every chunk (the sample once per token),
+    which on a large model takes longer than any step; no step count measures
+    them. So a thread beats for the rank four times per `hang_timeout` while
+    they run, and a rank stuck in one of their collectives is ended by the
+    collectives' own timeout, which the launcher sets above `hang_timeout`.
+    """
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(hang_timeout / 4):
+            ctx.heartbeat()
+
+    thread = threading.Thread(target=beat, daemon=True, name="after the last step")
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def export(config: FinetuneConfig, built: Assembled, model,
