@@ -38,12 +38,15 @@ __all__ = ["PEAK_FLOPS", "peak_flops", "peak_flops_of", "mfu",
 # name fragment → (bf16/fp16 tensor cores, fp32 through TF32, fp8 tensor
 # cores or None). The fp8 figures are the NVIDIA H100 data sheet's FP8
 # Tensor Core rows, given "with sparsity" and halved here to dense; the
-# H200's sheet repeats the SXM row; the A100 has no fp8. The first fragment in the device's name wins, so a PCIe
-# part precedes its SXM twin. Another GPU gets no MFU. A large matrix product
+# H200's sheet repeats the SXM row; the A100 has no fp8. The first fragment in
+# the device's name wins, so a PCIe or NVL part (a card with a lower power
+# limit, and its own sheet's lower rows) precedes its SXM twin. Another GPU gets no MFU. A large matrix product
 # measured on the GPU reaches less than the data sheet's figure, so a share of
 # that measured peak reads higher; it may be shown beside MFU, named as such,
 # never instead of it.
-PEAK_FLOPS = {"H200": (989.4e12, 494.7e12, 1978.9e12),
+PEAK_FLOPS = {"H200 NVL": (835.5e12, 417.5e12, 1670.5e12),
+              "H200": (989.4e12, 494.7e12, 1978.9e12),
+              "H100 NVL": (835.5e12, 417.5e12, 1670.5e12),
               "H100 PCIe": (756e12, 378e12, 1513e12),
               "H100": (989.4e12, 494.7e12, 1978.9e12),
               "A100": (312e12, 156e12, None)}

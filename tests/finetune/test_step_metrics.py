@@ -51,6 +51,10 @@ def test_peak_is_the_data_sheets_dense_figure_in_flops():
     assert peak_flops_of("NVIDIA H200", torch.float32) == 494.7e12
     assert peak_flops_of("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989.4e12
     assert peak_flops_of("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    # the NVL cards' sheets give 1,671 TFLOP/s bf16 "with sparsity": not the
+    # SXM figure their names' "H100" and "H200" would otherwise match
+    for nvl in ("NVIDIA H100 NVL", "NVIDIA H200 NVL"):
+        assert peak_flops_of(nvl, torch.bfloat16) == 1671e12 / 2
     assert peak_flops_of("NVIDIA A100-SXM4-80GB", torch.float32) == 156e12
     # an unknown GPU, a CPU and a dtype without tensor-core peak get none
     assert peak_flops_of("NVIDIA GeForce GT 710", torch.bfloat16) is None
