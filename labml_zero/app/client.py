@@ -123,8 +123,8 @@ def app_url_if_running(url: str, *, timeout_s: float = 2.0) -> str | None:
 
 
 def answers_as_an_app(probe: str, timeout_s: float) -> bool:
-    """Whether `probe` answers as a labml app does: status 200 or 404, with a
-    JSON body."""
+    """Whether `probe` answers as a labml app does: found, or not found (an
+    unknown run), with a JSON body."""
     try:
         with urllib.request.urlopen(probe, timeout=timeout_s) as response:
             status, headers, body = response.status, response.headers, response.read()

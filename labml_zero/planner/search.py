@@ -257,8 +257,8 @@ def smallest(job: Job, cluster: Cluster, *, micro_batches: int
 
 
 def larger_clusters(cluster: Cluster) -> Iterator[Cluster]:
-    """Twice, 4 times, … up to 64 times `cluster`'s nodes, each like its own
-    (its GPUs and its host memory)."""
+    """`cluster`'s nodes doubled, up to six times, each like its own (its GPUs
+    and its host memory)."""
     for factor in (2, 4, 8, 16, 32, 64):
         yield replace(cluster, nodes=cluster.nodes * factor)
 
