@@ -177,18 +177,16 @@ def test_a_signal_while_tokenising_is_one_line_and_no_file(tmp_path, signum):
     assert sorted(p.name for p in data.iterdir()) == ["big.txt"]
 
 
-def test_a_rank_stops_in_one_line_when_the_data_changed(tmp_path, monkeypatch,
-                                                       capsys):
-    # the data changes after the launcher's checks, before the rank starts
+def changed_after_the_checks(tmp_path, monkeypatch, capsys, data, change) -> str:
+    """Run the job on `data`, calling `change()` after the launcher's checks
+    and before the rank starts; the rank's one line of error."""
     from labml_zero.finetune import cli
 
-    data = tmp_path / "c.txt"
-    data.write_text(load_text()[:20_000])
     checks = cli.check_before_start
 
     def then_change(*args, **kwargs):
         checked = checks(*args, **kwargs)
-        data.write_text(load_text()[:10_000])
+        change()
         return checked
 
     monkeypatch.setattr(cli, "check_before_start", then_change)
@@ -199,6 +197,15 @@ def test_a_rank_stops_in_one_line_when_the_data_changed(tmp_path, monkeypatch,
     err = capsys.readouterr().err
     assert status == 1
     assert err.count("\n") == 1, err
+    return err
+
+
+def test_a_rank_stops_in_one_line_when_the_data_changed(tmp_path, monkeypatch,
+                                                       capsys):
+    data = tmp_path / "c.txt"
+    data.write_text(load_text()[:20_000])
+    err = changed_after_the_checks(tmp_path, monkeypatch, capsys, data,
+                                   lambda: data.write_text(load_text()[:10_000]))
     assert f"--data {data}: changed since the launcher read it" in err
 
 
@@ -207,25 +214,11 @@ def test_a_token_file_rewritten_after_its_check_stops_the_rank(tmp_path,
     """A pre-tokenised file's ids are scanned by the launcher alone; one
     rewritten afterwards with ids past the vocabulary would reach the ranks
     unscanned, so they check its stamp as they do a text file's."""
-    from labml_zero.finetune import cli
-
     data = tmp_path / "c.u16"
     np.arange(2000, dtype=np.uint16).tofile(data)
-    checks = cli.check_before_start
-
-    def then_change(*args, **kwargs):
-        checked = checks(*args, **kwargs)
-        np.full(2000, 65000, dtype=np.uint16).tofile(data)
-        return checked
-
-    monkeypatch.setattr(cli, "check_before_start", then_change)
-    monkeypatch.setattr(cli.launch, "default_backend", lambda: "gloo")
-    status = cli.main(["--world-size", "1", "--batch-size", "2", "--seq-len",
-                       "16", "--steps", "1", "--data", str(data), "--out",
-                       str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")])
-    err = capsys.readouterr().err
-    assert status == 1
-    assert err.count("\n") == 1, err
+    err = changed_after_the_checks(
+        tmp_path, monkeypatch, capsys, data,
+        lambda: np.full(2000, 65000, dtype=np.uint16).tofile(data))
     assert f"--data {data}: changed since the launcher read it" in err
 
 
