@@ -19,11 +19,10 @@ records are JSON).
 import base64
 import json
 import os
+import secrets
 from pathlib import Path
 
 import numpy as np
-
-from labml_zero.files import temporary_sibling
 
 __all__ = ["RecordError", "encode", "decode", "record_classes", "init_file_db",
            "ignored_pickles"]
@@ -214,7 +213,9 @@ def replace_text(path: Path, text: str) -> None:
     the app writes a record on every tracked step, and a record lost to a power
     cut costs the app's copy of a few steps, not the run's own log.
     """
-    tmp = temporary_sibling(path)
+    # hidden, and unique to this write (the app sits above the package's
+    # file helpers, so it names its own)
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
     try:
         tmp.write_text(text)
         os.replace(tmp, path)
