@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from labml_zero.assembly import Assembled, Recipe
-from labml_zero.finetune.checkpoints import resume, run_lineage, save
+from labml_zero.finetune.checkpoints import (resume, run_lineage, save,
+                                             saved_steps)
 from labml_zero.finetune.config import (DTYPES, FINETUNERS, MODEL_PRESETS,
                                         FinetuneConfig, laptop, neox_20b_biases)
 from labml_zero.finetune.data import job_data
@@ -375,6 +376,7 @@ def train(ctx: DistContext, config: FinetuneConfig,
     last_saved = Path(config.resume) if config.resume is not None else None
     # whose checkpoints pruning may remove: this run's chain of resumes only
     lineage = run_lineage(config, run_uuid)
+    saves = set(saved_steps(config, step, total_steps))
 
     def track_valid(at: int) -> None:
         valid = evaluate(model, data.valid, config, ctx)
@@ -423,8 +425,7 @@ def train(ctx: DistContext, config: FinetuneConfig,
                                     scaler.scale_value if scaler else None))})
             if step % config.valid_every == 0 or step == total_steps:
                 track_valid(step)
-            if config.checkpoint_every is not None and (
-                    step % config.checkpoint_every == 0 or step == total_steps):
+            if step in saves:
                 check_shards_finite(training, step)
                 last_saved = save(config, step, training, sampler, lineage)
             if fail_at is not None and step >= fail_at:

@@ -148,8 +148,7 @@ def saves_at_peak(config, *, first_step: int, total_steps: int,
     least the one it writes first (pruning starts only after it); with $k = 0$,
     all $n$.
     """
-    every = config.checkpoint_every
-    n = total_steps // every - first_step // every + (total_steps % every != 0)
+    n = len(saved_steps(config, first_step, total_steps))
     if n <= 0:
         return 0
     k = config.keep_checkpoints
