@@ -165,6 +165,13 @@ class Cluster:
         return (self.gpu.peer_bus_bandwidth if self.nodes == 1
                 else self.gpu.node_bus_bandwidth)
 
+    def group_bus_bandwidth(self, group: int) -> float:
+        """The bus bandwidth of a collective over `group` consecutive ranks:
+        NVLink where every such group lies within one node, as hybrid
+        sharding's shard groups of a node's GPUs do."""
+        return (self.gpu.peer_bus_bandwidth if self.gpus_per_node % group == 0
+                else self.bus_bandwidth)
+
     def describe(self) -> str:
         host = ("host memory not given" if self.host_bytes is None
                 else f"{self.host_bytes / GIB:,.0f} GiB host memory a node")

@@ -305,7 +305,8 @@ def step_time(job: Job, setting: Setting, cluster: Cluster,
     * **update**: one pass over the device-resident shard's states at the
       share $u$ of $W$ it reaches;
     * **collectives** (several ranks): every micro-batch's all-gathers and the
-      step's reduce-scatter, behind compute up to the prefetch depth;
+      step's reduce-scatter inside the shard group, and hybrid sharding's
+      all-reduce across it, behind compute up to the prefetch depth;
     * **host** (offloaded state): gradients down, masters up and the host's
       update, behind the last micro-batch's backward pass.
     """
@@ -357,12 +358,19 @@ def step_time(job: Job, setting: Setting, cluster: Cluster,
     update = ((trainable - offloaded) * per_element
               / (UPDATE_BANDWIDTH_SHARE * gpu.memory_bandwidth))
 
-    # ring collectives: each rank moves (n - 1)/n of the full size
-    share = (world - 1) / world
-    comm = (share * (a * budget.all_gather + budget.reduce_scatter)
-            / cluster.bus_bandwidth)
+    # ring collectives: each rank of a group of $n$ moves $\frac{n-1}{n}$ of
+    # the full size. The all-gathers and the reduce-scatter run inside the
+    # shard group of $N_s$ ranks; with [hybrid sharding](../zero3/hybrid.html)
+    # the shards' all-reduce across its $R$ replicas moves twice that share
+    # (a reduce-scatter and an all-gather of the shard). A group within one
+    # host talks over NVLink, so only the all-reduce crosses the hosts' NICs.
+    group = job.shard_group_size or world
+    replicas = world // group
+    comm = ((group - 1) / group * (a * budget.all_gather + budget.reduce_scatter)
+            / cluster.group_bus_bandwidth(group))
     if budget.all_reduce:
-        comm += share * budget.all_reduce / cluster.gpu.node_bus_bandwidth
+        comm += (2 * (replicas - 1) / replicas * budget.all_reduce
+                 / cluster.bus_bandwidth)
     units = model.n_layers + 2  # embedding, layers, final norm with readout
     comm_exposed = exposed_collectives(comm, compute, units=units,
                                        micro_batches=a,

@@ -466,3 +466,33 @@ def test_a_lora_step_counts_its_adapters():
     # the same FLOPs and no adapter: only the biases train
     bare = step_time(replace(job, finetune="biases"), setting, Cluster(gpu), b)
     assert abs(bare.total / measured - 1) > STEP_TOLERANCE
+
+
+def test_a_hybrid_step_sends_only_its_all_reduce_across_hosts():
+    """Two hosts of eight, shard groups of one host: the collectives' time is
+    the hybrid page's formula (all-gathers and reduce-scatter over NVLink,
+    the shards' all-reduce over the NICs), within the chunks' padding; timed
+    as a ring over all sixteen ranks at the NIC's pace it is several times
+    that."""
+    from labml_zero.finetune.config import FinetuneConfig
+    from labml_zero.finetune.planning import job_of
+    from labml_zero.planner.hybrid_memory import hybrid_step_seconds
+
+    gpu = GPUS["h200"]
+    cluster = Cluster(gpu, gpus_per_node=8, nodes=2)
+    config = FinetuneConfig(model="pythia-1.4b", seq_len=2048)
+    flat = job_of(config, global_batch=16 * 8)
+    hybrid = replace(flat, shard_group_size=8)
+    setting = Setting(batch=8, micro_batches=1)
+    b = budget_of(hybrid, setting, world_size=16, device_bytes=gpu.memory_bytes)
+    comm = step_time(hybrid, setting, cluster, b).comm
+    formula = hybrid_step_seconds(b.psi_trainable, 16, 8,
+                                  bandwidth_in=gpu.peer_bus_bandwidth,
+                                  bandwidth_out=gpu.node_bus_bandwidth)
+    # the padding is gathered twice and reduced once, as every element
+    assert comm >= formula
+    assert comm / formula - 1 <= b.padding / b.psi_trainable + 1e-9
+    # sharded over all sixteen, every collective crosses the hosts
+    flat_budget = budget_of(flat, setting, world_size=16,
+                            device_bytes=gpu.memory_bytes)
+    assert step_time(flat, setting, cluster, flat_budget).comm > 4 * comm
