@@ -7,6 +7,7 @@ CPU, gloo, 2 ranks. The rank bodies are module-level functions (processes spawn)
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -83,6 +84,17 @@ def sleepy_rank_1(ctx: launch.DistContext) -> None:
     for step in range(1000):
         if ctx.rank == 1 and step == 2:
             time.sleep(600)
+        dist.all_reduce(t)
+        ctx.heartbeat(step)
+
+
+def gil_holding_rank_1(ctx: launch.DistContext) -> None:
+    t = torch.zeros(1)
+    for step in range(1000):
+        if ctx.rank == 1 and step == 2:
+            # libc's sleep through a `PyDLL` keeps the GIL: no thread of this
+            # rank runs, its watchdog neither
+            ctypes.PyDLL(None).sleep(600)
         dist.all_reduce(t)
         ctx.heartbeat(step)
 
@@ -189,6 +201,19 @@ def test_hanging_rank_is_named_within_the_timeout():
                               "after step 1, at tests/test_launch.py:"), message
     assert message.endswith("in sleepy_rank_1"), message
     # spawn of two ranks, two beats, then the timeout and the end of both ranks
+    assert time.monotonic() - start < 60
+
+
+def test_a_rank_hung_holding_the_gil_is_named():
+    start = time.monotonic()
+    with pytest.raises(launch.RankFailed) as caught:
+        launch.spawn(gil_holding_rank_1, 2, backend="gloo", hang_timeout=2.0)
+    message = str(caught.value)
+    assert message.startswith("rank 1 stopped making progress: no heartbeat for 2 s "
+                              "after step 1, last seen at "), message
+    assert message.endswith("(its threads stopped too: its main thread holds "
+                            "the GIL, or the process is stopped)"), message
+    # SIGTERM waits for the GIL; the rank ends at SIGKILL, a grace later
     assert time.monotonic() - start < 60
 
 

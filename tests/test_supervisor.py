@@ -95,9 +95,11 @@ def test_report_is_one_line_with_the_place():
 
 
 def fake_shared(beats: list[int], waiting: list[int],
-                steps: list[int] | None = None) -> types.SimpleNamespace:
+                steps: list[int] | None = None,
+                published: list[int] | None = None) -> types.SimpleNamespace:
     return types.SimpleNamespace(beats=beats, waiting=waiting,
                                  steps=steps or [-1] * len(beats),
+                                 published=published or [0] * len(beats),
                                  where_of=lambda rank: f"where {rank}")
 
 
@@ -110,6 +112,21 @@ def test_hang_names_the_rank_not_waiting_for_a_peer():
     # no step named: the beats, counted as beats
     assert str(hung) == ("rank 1 stopped making progress: no heartbeat for 2 s "
                          "after 1 heartbeat, at where 1")
+
+
+def test_a_rank_hung_holding_the_gil_is_named_though_it_said_waiting():
+    # both ranks last said "waiting" (rank 1 from the collective before it
+    # hung); rank 1's watchdog then stopped publishing, rank 0's goes on
+    watch = HangWatch(2, 2.0)
+    for tick in range(12):
+        now = tick * 0.25
+        hung = watch.check(fake_shared([3, 3], [1, 1], published=[tick, 1]),
+                           now, [True, True])
+        assert hung is None or now > 2.0
+    assert str(hung) == ("rank 1 stopped making progress: no heartbeat for 2 s "
+                         "after 3 heartbeats, last seen at where 1 (its threads "
+                         "stopped too: its main thread holds the GIL, or the "
+                         "process is stopped)")
 
 
 def test_hang_is_reported_after_the_step_the_rank_named():

@@ -45,6 +45,10 @@ REPORT_WINDOW_S = 2.0
 GRACE_S = 5.0
 # Bytes of "file:line in function" each rank publishes about its main thread.
 WHERE_BYTES = 200
+# A rank's watchdog publishes every $p$; silent four times as long, its threads
+# do not run at all: its main thread holds the GIL (a C call that keeps it), or
+# the process is stopped.
+SILENT_S = 4 * POLL_S
 # Of each rank's stderr, what the launcher keeps for a death's report.
 TAIL_BYTES = 8192
 # Lines of it the one-line report quotes.
@@ -235,6 +239,8 @@ class Shared:
       rank named in a heartbeat, -1 before the first.
     * `waiting`: 1 while a rank's main thread is inside `torch.distributed`.
     * `where`: `WHERE_BYTES` per rank, its main thread's location.
+    * `published`: how many times each rank's watchdog published the two
+      above; while it stands still, they are stale.
     """
 
     parent_pid: int
@@ -245,6 +251,7 @@ class Shared:
     steps: Any
     waiting: Any
     where: Any
+    published: Any
 
     @classmethod
     def create(cls, context: Any, world_size: int) -> "Shared":
@@ -253,7 +260,8 @@ class Shared:
                    context.Array("q", world_size, lock=False),
                    context.Array("q", [-1] * world_size, lock=False),
                    context.Array("b", world_size, lock=False),
-                   context.Array("c", world_size * WHERE_BYTES, lock=False))
+                   context.Array("c", world_size * WHERE_BYTES, lock=False),
+                   context.Array("q", world_size, lock=False))
 
     def send(self, sent: dict) -> None:
         # a bound: a rank killed while holding the lock must not block the others
@@ -278,6 +286,7 @@ class Shared:
         data = where.encode()[:WHERE_BYTES].ljust(WHERE_BYTES, b"\0")
         self.where[rank * WHERE_BYTES:(rank + 1) * WHERE_BYTES] = data
         self.waiting[rank] = int(waiting)
+        self.published[rank] += 1
 
     def where_of(self, rank: int) -> str:
         data = self.where[rank * WHERE_BYTES:(rank + 1) * WHERE_BYTES]
@@ -384,15 +393,20 @@ class HangWatch:
     rank whose innermost frame is inside `torch.distributed` is waiting for a
     peer, so the rank named is one that is *not* waiting, then the one with the
     fewest beats. $T$ must exceed the longest gap between two beats (a
-    validation, a checkpoint save).
+    validation, a checkpoint save). A rank whose main thread hangs holding the
+    GIL stops its watchdog too, so what it last published is stale: it may
+    still say "waiting" from the collective before. A rank silent for
+    `SILENT_S` is therefore named before any rank that still answers.
 
-    It remembers when it last saw each rank's count move, so no clock is shared.
+    It remembers when it last saw each count move, so no clock is shared.
     """
 
     def __init__(self, world_size: int, timeout: float | None):
         self.timeout = timeout
         self.counts = [0] * world_size
         self.moved_at: list[float | None] = [None] * world_size
+        self.published = [-1] * world_size
+        self.published_at = [0.0] * world_size
 
     def check(self, shared: Shared, now: float, running: list[bool]
               ) -> RankFailed | None:
@@ -400,20 +414,33 @@ class HangWatch:
         for rank, count in enumerate(shared.beats[:len(self.counts)]):
             if count != self.counts[rank]:
                 self.counts[rank], self.moved_at[rank] = count, now
+        for rank, count in enumerate(shared.published[:len(self.counts)]):
+            if count != self.published[rank]:
+                self.published[rank], self.published_at[rank] = count, now
         if self.timeout is None or not any(
                 run and t is not None and now - t > self.timeout
                 for run, t in zip(running, self.moved_at)):
             return None
-        # running, not waiting for a peer, fewest beats, the longest still
+        silent = [run and now - t > SILENT_S
+                  for run, t in zip(running, self.published_at)]
+        if all(s or not run for s, run in zip(silent, running)):
+            silent = [False] * len(silent)  # none answers: nothing to tell apart
+        # running, silent, not waiting for a peer (a silent rank's "waiting"
+        # is stale), fewest beats, the longest still
         rank = min(range(len(self.counts)), key=lambda r: (
-            not running[r], shared.waiting[r], self.counts[r],
-            self.moved_at[r] or 0.0, r))
+            not running[r], not silent[r], not silent[r] and shared.waiting[r],
+            self.counts[r], self.moved_at[r] or 0.0, r))
         where = shared.where_of(rank)
         step = shared.steps[rank] if shared.steps[rank] >= 0 else None
+        place = ""
+        if where:
+            place = f", last seen at {where}" if silent[rank] else f", at {where}"
+        if silent[rank]:
+            place += (" (its threads stopped too: its main thread holds the "
+                      "GIL, or the process is stopped)")
         return RankFailed(rank, f"stopped making progress: no heartbeat for "
                           f"{self.timeout:g} s "
-                          f"{progress_text(self.counts[rank], step)}"
-                          + (f", at {where}" if where else ""))
+                          f"{progress_text(self.counts[rank], step)}" + place)
 
 
 def supervise(processes: list[Any], shared: Shared,
