@@ -487,6 +487,19 @@ def test_torchrun_hang_is_named_by_the_rank_that_stopped(tmp_path: Path):
     assert time.monotonic() - start < 90
 
 
+def test_torchrun_names_the_peer_that_hung_holding_the_gil(tmp_path: Path):
+    # rank 1's watchdog cannot run, so rank 0, waiting in the collective, is
+    # the one that speaks: it says it waited, not that it stopped
+    result = torchrun(tmp_path, "gil_holding_rank_1", "2")
+    assert result.returncode != 0
+    lines = [x for x in result.stderr.splitlines()
+             if x.startswith("rank 0 waited 4 s in a collective after step 1, at ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].endswith(", for a peer that stopped without a word (its main "
+                             "thread may hold the GIL)")
+    assert "stopped making progress" not in result.stderr
+
+
 def test_a_hang_watchdog_stays_silent_while_its_rank_reports(capsys, monkeypatch):
     """
     The race behind a flaky torchrun hang: rank 0's collective fails because

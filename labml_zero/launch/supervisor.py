@@ -590,9 +590,15 @@ def self_watch(progress: Heartbeat, rank: int, timeout: float) -> None:
         if count and now - moved_at > timeout * (2 if waiting else 1):
             if not speak_once():
                 return  # the main thread is reporting its own failure
-            line = (f"rank {rank} stopped making progress: no heartbeat for "
-                    f"{timeout:g} s {progress_text(count, progress.step())}"
-                    + (f", at {where}" if where else ""))
+            done = progress_text(count, progress.step())
+            at = f", at {where}" if where else ""
+            # Still waiting after twice the time: the peer that stopped never
+            # spoke, as one whose main thread holds the GIL cannot.
+            line = (f"rank {rank} waited {2 * timeout:g} s in a collective "
+                    f"{done}{at}, for a peer that stopped without a word (its "
+                    f"main thread may hold the GIL)" if waiting else
+                    f"rank {rank} stopped making progress: no heartbeat for "
+                    f"{timeout:g} s {done}{at}")
             print(line, file=sys.stderr, flush=True)
             tell_torchrun(line)
             os._exit(1)
