@@ -15,10 +15,12 @@ python -m bench.export_memory --model tiny --model pythia-160m --model pythia-1b
 
 $$M \approx M_0 + \max_p |p| + c\,B_{shard},$$
 
-a constant $M_0$ (the interpreter, torch, the tokenizer), the largest tensor
-as read (fp32 where the checkpoint keeps a master) and one output shard, which
-safetensors copies once more while writing it ($c \le 2$), independent of
-the model's size $\Psi$. For each model this script builds it sharded at world
+a constant $M_0$ (the interpreter, torch, the tokenizer), what reading the
+largest tensor allocates (`read_bytes`: its fp32 bytes where the checkpoint
+keeps a master; where a `"bf16-kahan"` one keeps a compensation instead, the
+weight, the compensation and their fp32 sum at once) and one output shard,
+which safetensors copies once more while writing it ($c \le 2$), independent
+of the model's size $\Psi$. For each model this script builds it sharded at world
 size 1 (gloo, the host), in bf16 (one constant in every weight: `constant_fill`), saves it with the engine's
 own `save_checkpoint` and the job's export record, then runs the export as a
 child process and reads the child's peak resident set (`ru_maxrss` from
@@ -52,6 +54,7 @@ from labml_zero.neox.model import build_layers
 from labml_zero.planner.sharding import zero3_layers
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.checkpoint import CheckpointReader, save_checkpoint
+from labml_zero.zero3.checkpoint.format import DTYPES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,12 +79,36 @@ def constant_fill(name: str, p: torch.Tensor) -> None:
     p.fill_(0.01)
 
 
+def read_bytes(reader: CheckpointReader, name: str) -> int:
+    r"""
+    The bytes `saved_tensors` holds at once to assemble parameter `name`
+    of $n$ elements, $p$ bytes each in the chunk's dtype:
+
+    * a saved master: read straight into an fp32 tensor, $4n$;
+    * a weight alone: read in its dtype, $p n$;
+    * a weight beside a compensation (`"bf16-kahan"`, no master): $w$ and
+      $c$ as read ($p n + c_b n$), then $w + c$, a new fp32 tensor unless
+      $w$ is fp32 ($4n$), and the add casts $c$ to fp32 first, on a CPU
+      ($4n$ more, unless it is fp32): $12n$ in bf16, six times the weight
+      alone, three times a master.
+    """
+    n = reader.params[name].numel
+    if reader.chunk_of(name)["has_master"]:
+        return 4 * n
+    weight = reader.dtype(name)
+    if not reader.adds_compensation(name):
+        return weight.itemsize * n
+    low = DTYPES[reader.states["dtypes"][reader.compensation]]
+    # w and c as read, and each widened to fp32 unless it is: alive at once
+    widened = [d for d in (weight, low) if d != torch.float32]
+    return (weight.itemsize + low.itemsize + 4 * len(widened)) * n
+
+
 def largest_read_bytes(path: Path) -> int:
-    """The largest tensor the export assembles: fp32 where a master is saved."""
+    """The most that reading one tensor allocates (`read_bytes`), over the
+    checkpoint's tensors."""
     reader = CheckpointReader(path)
-    return max(p.numel * (4 if reader.chunk_of(name)["has_master"]
-                          else reader.dtype(name).itemsize)
-               for name, p in reader.params.items())
+    return max(read_bytes(reader, name) for name in reader.params)
 
 
 def measure(preset: str, work: Path, max_shard: int, ckpt_dir: Path,

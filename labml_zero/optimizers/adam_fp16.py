@@ -422,6 +422,8 @@ class AdamFP16(ShardStates, torch.optim.Optimizer):
         tensors ([the update inside a captured step](captured_update.html)).
 
         The foreach fallback checks an early gradient's finiteness with a host sync.
+        The fused kernel takes its operands contiguous (see Note: operands in
+        memory order, on [narrow moments](narrow_moments.html)).
         """
         group = self.param_groups[group_index]
         lr, (beta1, beta2) = group["lr"], group["betas"]
@@ -430,11 +432,17 @@ class AdamFP16(ShardStates, torch.optim.Optimizer):
             steps = [self._step_tensor(m.device, step) for m in masters]
             if self.capture is not None:
                 lr = self.capture.lr(group_index)
-            torch._fused_adamw_(
-                masters, grads, exp_avgs, exp_avg_sqs, [], steps,
-                lr=lr, beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                eps=group["eps"], amsgrad=False, maximize=False, found_inf=found_inf,
-            )
+            # read only: a copy, where one is needed, goes nowhere after
+            grads = [g.contiguous() for g in grads]
+            n = len(masters)
+            with narrow_moments.contiguous([*masters, *exp_avgs,
+                                            *exp_avg_sqs]) as dense:
+                torch._fused_adamw_(
+                    dense[:n], grads, dense[n:2 * n], dense[2 * n:], [], steps,
+                    lr=lr, beta1=beta1, beta2=beta2,
+                    weight_decay=group["weight_decay"], eps=group["eps"],
+                    amsgrad=False, maximize=False, found_inf=found_inf,
+                )
             return
         if group["weight_decay"] != 0:
             torch._foreach_mul_(masters, 1 - lr * group["weight_decay"])

@@ -33,6 +33,7 @@ import torch
 from labml_zero.zero3.state_layout import EIGHT_BIT_BLOCK, EIGHT_BIT_MOMENTS
 
 from . import rounded_update
+from .narrow_moments import contiguous
 
 BLOCK = EIGHT_BIT_BLOCK
 """$B$, elements per scale: a scale costs $4 / B$ bytes per element."""
@@ -202,18 +203,20 @@ def update(kernel: Kernel, masters: Sequence[torch.Tensor],
     exp_avgs, avg_scales, exp_avg_sqs, sq_scales = moments
     for master, grad, m, m_scale, v, v_scale in zip(
             masters, grads, exp_avgs, avg_scales, exp_avg_sqs, sq_scales):
-        # flat views: a plain parameter's master may have any shape
-        master, m, v = (t.view(-1) for t in (master, m, v))
-        grad = grad.reshape(-1)
-        for start in range(0, master.numel(), WIDE_NUMEL):
-            piece = slice(start, start + WIDE_NUMEL)
-            blocks = slice(start // BLOCK, (start + WIDE_NUMEL) // BLOCK)
-            # [min(S - start, WIDE_NUMEL)] fp32
-            wide_m = decode(m[piece], m_scale[blocks], signed=True)
-            wide_v = decode(v[piece], v_scale[blocks], signed=False)
-            kernel([master[piece]], [grad[piece]], [wide_m], [wide_v])
-            encode(wide_m, m[piece], m_scale[blocks], signed=True)
-            encode(wide_v, v[piece], v_scale[blocks], signed=False)
+        # flat views: a plain parameter's master may have any shape, and
+        # any strides (see Note: operands in memory order)
+        with contiguous([master, m, v]) as dense:
+            master, m, v = (t.view(-1) for t in dense)
+            grad = grad.reshape(-1)
+            for start in range(0, master.numel(), WIDE_NUMEL):
+                piece = slice(start, start + WIDE_NUMEL)
+                blocks = slice(start // BLOCK, (start + WIDE_NUMEL) // BLOCK)
+                # [min(S - start, WIDE_NUMEL)] fp32
+                wide_m = decode(m[piece], m_scale[blocks], signed=True)
+                wide_v = decode(v[piece], v_scale[blocks], signed=False)
+                kernel([master[piece]], [grad[piece]], [wide_m], [wide_v])
+                encode(wide_m, m[piece], m_scale[blocks], signed=True)
+                encode(wide_v, v[piece], v_scale[blocks], signed=False)
 
 
 # ## The update in one pass
@@ -355,46 +358,51 @@ def one_pass(master: torch.Tensor, grad: torch.Tensor,
     """
     ### `adamw_coded_` on a shard of $S$ elements
 
-    The same arguments with `[S]` tensors (any shape of $S$ elements). The
-    whole blocks go in one call, as `[S // B, B]` views: on CUDA compiled,
-    one kernel launch (a second shard size makes Dynamo compile it again for
-    any size, once); on a CPU eagerly, slice by slice of `WIDE_NUMEL`
-    elements, which bounds its fp32 temporaries. A partial last block is
-    copied into one padded row, updated by the same function and copied back.
-    Nothing reads a value on the host, so a [captured step](captured_update.html)
-    records it as it is.
+    The same arguments with `[S]` tensors (any shape and strides of $S$
+    elements, blocked in their row-major order). The whole blocks go in one
+    call, as `[S // B, B]` views: on CUDA compiled, one kernel launch (a
+    second shard size makes Dynamo compile it again for any size, once); on
+    a CPU eagerly, slice by slice of `WIDE_NUMEL` elements, which bounds its
+    fp32 temporaries. A partial last block is copied into one padded row,
+    updated by the same function and copied back. Nothing reads a value on
+    the host, so a [captured step](captured_update.html) records it as it is.
     """
     run = compiled_update() if master.is_cuda else adamw_coded_
     # elements per call: the whole shard compiled, a bounded slice eagerly
     span = master.numel() if master.is_cuda else WIDE_NUMEL
-    # flat views: a plain parameter's master may have any shape
-    flat = {"master": master.view(-1), "grad": grad.reshape(-1),
-            "m": moments[0].view(-1), "v": moments[2].view(-1),
-            "shard": None if shard is None else shard.view(-1)}
-    m_scales, v_scales = moments[1], moments[3]
-    whole = master.numel() // BLOCK * BLOCK
-    for start in range(0, whole, max(span, BLOCK)):
-        end = min(start + span, whole)
-        rows = {k: None if t is None else t[start:end].view(-1, BLOCK)
-                for k, t in flat.items()}
-        blocks = slice(start // BLOCK, end // BLOCK)
-        run(rows["master"], rows["grad"],
-            (rows["m"], m_scales[blocks], rows["v"], v_scales[blocks]),
-            rows["shard"], coefficients, found_inf, betas)
-    if whole == master.numel():
-        return
-    # [1, B] each: the partial block, padded
-    tail = {}
-    for k, t in flat.items():
-        if t is not None:
-            tail[k] = t.new_full((1, BLOCK), _PAD[k])
-            tail[k][0, :t.numel() - whole].copy_(t[whole:])
-    run(tail["master"], tail["grad"],
-        (tail["m"], m_scales[-1:], tail["v"], v_scales[-1:]),
-        tail.get("shard"), coefficients, found_inf, betas)
-    for k in ("master", "m", "v", "shard"):
-        if flat[k] is not None:
-            flat[k][whole:].copy_(tail[k][0, :master.numel() - whole])
+    written = [master, moments[0], moments[2]] + ([] if shard is None
+                                                  else [shard])
+    # flat views: a plain parameter's master may have any shape, and any
+    # strides (see Note: operands in memory order)
+    with contiguous(written) as dense:
+        flat = dict(zip(("master", "m", "v", "shard"),
+                        (t.view(-1) for t in dense)))
+        flat.setdefault("shard", None)
+        flat["grad"] = grad.reshape(-1)
+        m_scales, v_scales = moments[1], moments[3]
+        whole = master.numel() // BLOCK * BLOCK
+        for start in range(0, whole, max(span, BLOCK)):
+            end = min(start + span, whole)
+            rows = {k: None if t is None else t[start:end].view(-1, BLOCK)
+                    for k, t in flat.items()}
+            blocks = slice(start // BLOCK, end // BLOCK)
+            run(rows["master"], rows["grad"],
+                (rows["m"], m_scales[blocks], rows["v"], v_scales[blocks]),
+                rows["shard"], coefficients, found_inf, betas)
+        if whole == master.numel():
+            return
+        # [1, B] each: the partial block, padded
+        tail = {}
+        for k, t in flat.items():
+            if t is not None:
+                tail[k] = t.new_full((1, BLOCK), _PAD[k])
+                tail[k][0, :t.numel() - whole].copy_(t[whole:])
+        run(tail["master"], tail["grad"],
+            (tail["m"], m_scales[-1:], tail["v"], v_scales[-1:]),
+            tail.get("shard"), coefficients, found_inf, betas)
+        for k in ("master", "m", "v", "shard"):
+            if flat[k] is not None:
+                flat[k][whole:].copy_(tail[k][0, :master.numel() - whole])
 
 # ## Loading a state of another layout
 #

@@ -107,9 +107,9 @@ class HostShard:
     """
     ## What an offloaded shard keeps besides its optimizer state
 
-    * `staging` [S] fp32, pinned when the gradient is on CUDA: the gradient
-      after the copy down, then (viewed in the shard dtype) the rounded master
-      going up.
+    * `staging` [S] fp32 in the parameter's shape (a flat shard's: [S]),
+      pinned when the gradient is on CUDA: the gradient after the copy down,
+      then (viewed in the shard dtype) the rounded master going up.
     * `grad_ready`: event after the copy down (`None` on CPU, or none queued).
     * `uploaded`: event after the copy up; the next copy down waits for it.
     * `copied`: which gradient, at which version, `staging` holds.
@@ -124,8 +124,9 @@ class HostShard:
     """
 
     def __init__(self, param: torch.Tensor, *, pin: bool):
-        # [S] fp32 on the host
-        self.staging = torch.empty(param.numel(), dtype=torch.float32,
+        # [S] fp32 on the host, shaped as the update's other operands (a
+        # plain parameter's may be N-d, or 0-d), contiguous
+        self.staging = torch.empty(param.shape, dtype=torch.float32,
                                    pin_memory=pin)
         self.found_inf = torch.zeros((), dtype=torch.float32, pin_memory=pin)
         self.grad_ready: torch.cuda.Event | None = None
@@ -280,8 +281,10 @@ class HostOffload:
         The rounded copy goes into the staging buffer, whose gradient the
         update has consumed: $p S$ bytes of its $4 S$.
         """
-        # [S] shard dtype, a view of the staging buffer's first p·S bytes
-        rounded = host.staging.view(param.dtype)[: param.numel()]
+        # [S] shard dtype in the shard's shape, a view of the staging
+        # buffer's first p·S bytes
+        rounded = host.staging.view(-1).view(param.dtype)[: param.numel()]
+        rounded = rounded.view(param.shape)
         rounded.copy_(master)
         host.copied = None
         if self.up_stream is None:

@@ -130,6 +130,10 @@ def update(kernel: Kernel, shards: Sequence[torch.Tensor],
     stored, and $x'$ is split into $w'$ and $c'$. An fp32 shard is its own
     master, updated in place (`.float()` is itself).
     """
+    # a 0-d parameter as its one element (views): the pieces slice dim 0
+    shards, compensations = (torch.atleast_1d(list(ts))
+                             for ts in (shards, compensations))
+
     def widen(i: int, piece: slice) -> torch.Tensor:
         if shards[i].dtype != torch.bfloat16:
             return shards[i][piece].float()

@@ -27,7 +27,8 @@ rounding](stochastic_rounding.html), [Kahan summation](kahan_summation.html)).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import contextlib
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -64,6 +65,8 @@ def update(kernel: Kernel, masters: Sequence[torch.Tensor],
     if all(m.dtype == torch.float32 for m in (*exp_avgs, *exp_avg_sqs)):
         kernel(list(masters), list(grads), list(exp_avgs), list(exp_avg_sqs))
         return
+    # a 0-d parameter as its one element: `widened_update` slices dim 0
+    masters = torch.atleast_1d(list(masters))
     # the kernel writes the master's slice in place: nothing left to store
     widened_update(kernel, grads, exp_avgs, exp_avg_sqs,
                    widen=lambda i, piece: masters[i][piece],
@@ -85,7 +88,13 @@ def widened_update(kernel: Kernel, grads: Sequence[torch.Tensor],
     `store(i, piece, weight)` puts the updated fp32 weight wherever it is
     kept ([stochastic rounding](stochastic_rounding.html), [Kahan
     summation](kahan_summation.html)).
+
+    Every tensor is sliced along dim 0, so each must have one: a caller
+    whose `widen` and `store` index a 0-d parameter's tensors passes them as
+    one element each (`torch.atleast_1d`, a view).
     """
+    grads, exp_avgs, exp_avg_sqs = (torch.atleast_1d(list(ts)) for ts in
+                                    (grads, exp_avgs, exp_avg_sqs))
     for i, (grad, exp_avg, exp_avg_sq) in enumerate(zip(grads, exp_avgs,
                                                         exp_avg_sqs)):
         for start in range(0, exp_avg.numel(), WIDE_NUMEL):
@@ -100,3 +109,41 @@ def widened_update(kernel: Kernel, grads: Sequence[torch.Tensor],
             exp_avg[piece].copy_(wide_avg)
             exp_avg_sq[piece].copy_(wide_avg_sq)
             store(i, piece, weight)
+
+
+@contextlib.contextmanager
+def contiguous(tensors: Sequence[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    r"""
+    #### `tensors` laid out in memory order, for the kernels that need it
+
+    Yields each tensor itself where it is contiguous, else a contiguous copy,
+    which is copied back into it when the block ends without an error.
+
+    #### Note: operands in memory order
+
+    Two kernels of the update read a tensor's memory, not its indices:
+
+    * PyTorch's fused AdamW (`torch._fused_adamw_`, its CPU kernel at least)
+      pairs the elements of its operands by their place in memory: a
+      transposed master beside a row-major gradient, or a slice of a wider
+      tensor, is updated with other elements' gradients and moments,
+      silently;
+    * the [8-bit update](blockwise_moments.html) views each tensor flat
+      (`view(-1)`) to cut it into blocks, which a tensor whose elements are
+      not evenly spaced in memory refuses.
+
+    The engine's shards, their gradients and their states are flat and
+    contiguous, so neither hazard arises there; but `AdamFP16` takes any
+    parameter, a transposed view registered as one or a parameter whose
+    `.data` is a slice included. Those kernels get contiguous operands: one
+    copy in and one out per step for each tensor that is not (the gradient,
+    only read, is copied in alone); the `foreach` kernels index by strides
+    and need none. The elements keep their row-major order, so such a
+    parameter is updated as the flat parameter of its elements, bit for bit
+    (tested: tests/optimizers/test_adam_fp16.py::test_a_parameter_of_any_layout_is_updated_as_its_flat_elements).
+    """
+    dense = [t.contiguous() for t in tensors]
+    yield dense
+    for t, d in zip(tensors, dense):
+        if d is not t:
+            t.copy_(d)

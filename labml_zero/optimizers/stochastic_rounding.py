@@ -114,6 +114,9 @@ def update(kernel: Kernel, shards: Sequence[torch.Tensor],
     place). A skipped update (`found_inf`) leaves the widened values as they
     were, which round back to themselves.
     """
+    # a 0-d parameter as its one element (a view): `store` slices dim 0
+    shards = torch.atleast_1d(list(shards))
+
     def store(i: int, piece: slice, weight: torch.Tensor) -> None:
         # an fp32 shard was updated in place (`.float()` is itself)
         if shards[i].dtype != torch.bfloat16:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from labml_zero.optimizers.adam_fp16 import AdamFP16
 from labml_zero.zero3.shard import LocalShard
+from labml_zero.zero3.state_layout import LAYOUTS
 from tests import tolerance
+from tests.optimizers.test_offload import (DEVICE, HYPER, STEPS_AT_MOST,
+                                           assert_same)
 
 
 def gradients(step: int, sizes) -> list[torch.Tensor]:
@@ -159,3 +164,156 @@ def test_shard_state_round_trip():
         fresh.load_shard_state(p, {"step": 1})
     with pytest.raises(ValueError, match="not one of this optimizer's"):
         fresh.load_shard_state(torch.nn.Parameter(torch.ones(2)), None)
+
+
+# ## Parameters of any shape and layout
+#
+# `AdamFP16` takes any parameter, not only the engine's flat shards: a scalar
+# (0-d), a transposed view registered as a parameter, a parameter whose
+# `.data` is a slice of a wider tensor. Each is updated as the flat,
+# contiguous parameter of its elements in row-major order: the same kernels
+# read the same operands in the same order (a copy in memory order where a
+# kernel needs one, see Note: operands in memory order), so on a CPU the
+# result is equal bit for bit, every state included.
+
+# the 8-bit layout's blocks: whole ones and a partial one in each N-d form
+ROWS, COLS = 300, 5
+
+
+def any_layout(form: str, dtype: torch.dtype) -> torch.nn.Parameter:
+    """A parameter of `form`, its values fixed by the seed."""
+    torch.manual_seed(0)
+    if form == "0-d":
+        return torch.nn.Parameter(torch.randn((), device=DEVICE).to(dtype))
+    if form == "transposed":
+        # [ROWS, COLS], strides (1, ROWS)
+        return torch.nn.Parameter(
+            torch.randn(COLS, ROWS, device=DEVICE).to(dtype).t())
+    # [ROWS, COLS], strides (2 * COLS, 1): `.data` the left half of a wider
+    # tensor, not viewable flat
+    p = torch.nn.Parameter(torch.empty(ROWS, COLS, device=DEVICE, dtype=dtype))
+    p.data = torch.randn(ROWS, 2 * COLS, device=DEVICE).to(dtype)[:, :COLS]
+    return p
+
+
+def flat_twin(p: torch.Tensor) -> torch.nn.Parameter:
+    """`p`'s elements as a flat contiguous parameter, [numel] (a 0-d one: [1])."""
+    return torch.nn.Parameter(p.detach().reshape(-1).clone())
+
+
+def a_step(params, step: int) -> None:
+    """The same gradient values for each parameter, in its own shape; as
+    autograd leaves it, with the parameter's strides where they are dense."""
+    g = torch.Generator().manual_seed(step)
+    values = torch.randn(params[0].numel(), generator=g)
+    for p in params:
+        p.grad = torch.empty_like(p).copy_(values.view(p.shape))
+
+
+@pytest.mark.parametrize("form", ["0-d", "transposed", "slice"])
+@pytest.mark.parametrize("states", tuple(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("offload", [None, {0}])
+def test_a_parameter_of_any_layout_is_updated_as_its_flat_elements(
+        form, states, dtype, fused, offload):
+    shaped = any_layout(form, dtype)
+    assert shaped.dim() == 0 or not shaped.is_contiguous()
+    layout = (shaped.data_ptr(), shaped.stride())
+    flat = flat_twin(shaped)
+    opts = [AdamFP16([p], **HYPER, fused=fused, offload=offload, states=states)
+            for p in (shaped, flat)]
+    for step in range(STEPS_AT_MOST):
+        a_step([shaped, flat], step)
+        for opt in opts:
+            opt.step()
+    # updated in place, in its own memory
+    assert (shaped.data_ptr(), shaped.stride()) == layout
+    assert_same(shaped.detach().reshape(-1), flat.detach())
+    mine, theirs = (opt.state[p] for opt, p in zip(opts, (shaped, flat)))
+    assert mine["step"] == theirs["step"] == STEPS_AT_MOST
+    for t in LAYOUTS[states].tensors:
+        assert_same(mine[t.name].reshape(-1), theirs[t.name].reshape(-1))
+    # and it moved: a step that did nothing would pass the comparisons too
+    assert not torch.equal(shaped.detach(), any_layout(form, dtype).detach())
+
+
+# ## A 0-d parameter in every layout, against the fp32 layout
+#
+# Each layout is AdamW with its own roundings (its page says which), so a
+# scalar parameter's weight follows the fp32 layout's within them. The
+# gradients are of one sign: every moment is then a sum of positive terms,
+# whose relative error after $t$ stores rounded to bf16's unit roundoff $u$
+# is at most $e_t = (1 + u)^t - 1$ (each store adds one rounding to the
+# sum's), and a step $\alpha \hat m / \sqrt{\hat v}$ is off by at most
+# $(1 + e_t) / \sqrt{1 - e_t} - 1$ of itself. An 8-bit moment of one element
+# is its own block's scale, stored exactly (its code is the top of the map).
+# Both programs' fp32 kernels round in their own orders ($\rho$, each step's
+# `ADAMW_ROUNDINGS`), and each stores its fp32 weight once a step ($u_{32}$);
+# a bf16 weight without a master is rounded once a step too: to a
+# neighbour, stochastically (one bf16 step, $2u|x|$), or with its
+# compensation ($2u^2|x|$, the Kahan page's bound).
+
+SCALAR_STEPS = 4
+SCALAR_START = 2.0**-5  # a bf16 value: every layout starts from the same weight
+
+
+def scalar_run(states: str, dtype, *, fused, offload, lr=HYPER["lr"]):
+    """The fp32 weight each step continues from (the master, $w + c$, or the
+    weight itself), from the start and after each of `SCALAR_STEPS` steps."""
+    p = torch.nn.Parameter(torch.tensor(SCALAR_START, device=DEVICE, dtype=dtype))
+    opt = AdamFP16([p], **{**HYPER, "lr": lr}, fused=fused, offload=offload,
+                   states=states)
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.tensor(SCALAR_START)]
+    for _ in range(SCALAR_STEPS):
+        # in [0.5, 1.5): of one sign
+        p.grad = (0.5 + torch.rand((), generator=g)).to(DEVICE, dtype)
+        opt.step()
+        state = opt.state[p]
+        weight = state.get("master", p.detach()).float()
+        if "compensation" in state:
+            weight = weight + state["compensation"].float()
+        weights.append(weight.cpu().clone())
+    return torch.stack(weights)
+
+
+def scalar_bound(states: str, dtype, reference: torch.Tensor) -> float:
+    """How far `states`' weights may be from the fp32 layout's `reference`
+    after `SCALAR_STEPS` steps (the rule above)."""
+    u = tolerance.unit_roundoff(torch.bfloat16)
+    u32 = tolerance.unit_roundoff(torch.float32)
+    rho = tolerance.sum_error(torch.float32, tolerance.ADAMW_ROUNDINGS)
+    lr, decay = HYPER["lr"], 1 - HYPER["lr"] * HYPER["weight_decay"]
+    # each step's AdamW move, the decay apart: [SCALAR_STEPS]
+    moves = (reference[1:] - decay * reference[:-1]).abs().tolist()
+    # its own weights are within far less than a step of the reference's
+    top = reference.abs().max().item() + lr
+    stored = {"bf16-stochastic": 2 * u, "bf16-kahan": 2 * u**2}.get(states, 0)
+    if dtype == torch.float32:
+        # an fp32 parameter is its own master, in every layout
+        stored = 0
+    rounded = states in ("bf16-moments", "bf16-stochastic", "bf16-kahan")
+    bound = 0.0
+    for t, move in enumerate(moves, start=1):
+        e = (1 + u) ** t - 1 if rounded else 0.0
+        step_error = (1 + e) / math.sqrt(1 - e) - 1 + 2 * rho
+        # a difference made earlier is only decayed since, never grown
+        bound += step_error * move + (2 * u32 + stored) * top
+    return bound
+
+
+@pytest.mark.parametrize("states", tuple(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("offload", [None, {0}])
+@pytest.mark.parametrize("bug", [None, "lr x 1.1"])
+def test_a_0d_parameter_follows_the_fp32_layout_within_its_roundings(
+        states, dtype, fused, offload, bug):
+    lr = HYPER["lr"] * (1.1 if bug else 1)
+    reference = scalar_run("fp32", dtype, fused=fused, offload=offload, lr=lr)
+    ours = scalar_run(states, dtype, fused=fused, offload=offload)
+    bound = scalar_bound(states, dtype, reference)
+    # the bound leaves room to catch an update 10% too large
+    assert bound < 0.5 * SCALAR_STEPS * 0.1 * HYPER["lr"]
+    assert ((ours[-1] - reference[-1]).abs().item() <= bound) == (bug is None)
