@@ -18,7 +18,7 @@ $$M \approx M_0 + \max_p |p| + c\,B_{shard},$$
 a constant $M_0$ (the interpreter, torch, the tokenizer), what reading the
 largest tensor allocates (`read_bytes`: its fp32 bytes where the checkpoint
 keeps a master; where a `"bf16-kahan"` one keeps a compensation instead, the
-weight, the compensation and their fp32 sum at once) and one output shard,
+weight and their fp32 sum at once) and one output shard,
 which safetensors copies once more while writing it ($c \le 2$), independent
 of the model's size $\Psi$. For each model this script builds it sharded at world
 size 1 (gloo, the host), in bf16 (one constant in every weight: `constant_fill`), saves it with the engine's
@@ -54,6 +54,7 @@ from labml_zero.neox.model import build_layers
 from labml_zero.planner.sharding import zero3_layers
 from labml_zero.zero3 import ZeroConfig, Zero3Sequential
 from labml_zero.zero3.checkpoint import CheckpointReader, save_checkpoint
+from labml_zero.zero3.checkpoint.export import ADD_NUMEL
 from labml_zero.zero3.checkpoint.format import DTYPES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -86,11 +87,12 @@ def read_bytes(reader: CheckpointReader, name: str) -> int:
 
     * a saved master: read straight into an fp32 tensor, $4n$;
     * a weight alone: read in its dtype, $p n$;
-    * a weight beside a compensation (`"bf16-kahan"`, no master): $w$ and
-      $c$ as read ($p n + c_b n$), then $w + c$, a new fp32 tensor unless
-      $w$ is fp32 ($4n$), and the add casts $c$ to fp32 first, on a CPU
-      ($4n$ more, unless it is fp32): $12n$ in bf16, six times the weight
-      alone, three times a master.
+    * a weight beside a compensation (`"bf16-kahan"`, no master,
+      `add_compensation`): $w$ as read ($p n$) and $w + c$, a new fp32 tensor
+      unless $w$ is fp32 ($4n$); $c$ is read into $w$'s buffer where their
+      dtypes agree (else $c_b n$ more), and each slice of `ADD_NUMEL` that the
+      add reads is widened to fp32 first ($4 \min(n, A)$, unless $c$ is
+      fp32): $6n$ and a slice in bf16, three times the weight alone.
     """
     n = reader.params[name].numel
     if reader.chunk_of(name)["has_master"]:
@@ -99,9 +101,10 @@ def read_bytes(reader: CheckpointReader, name: str) -> int:
     if not reader.adds_compensation(name):
         return weight.itemsize * n
     low = DTYPES[reader.states["dtypes"][reader.compensation]]
-    # w and c as read, and each widened to fp32 unless it is: alive at once
-    widened = [d for d in (weight, low) if d != torch.float32]
-    return (weight.itemsize + low.itemsize + 4 * len(widened)) * n
+    wide = 0 if weight == torch.float32 else 4 * n
+    apart = 0 if low == weight else low.itemsize * n
+    widened = 0 if low == torch.float32 else 4 * min(n, ADD_NUMEL)
+    return weight.itemsize * n + wide + apart + widened
 
 
 def largest_read_bytes(path: Path) -> int:

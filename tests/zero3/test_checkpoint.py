@@ -587,14 +587,17 @@ def test_a_kahan_checkpoint_resumes_from_w_plus_c(tmp_path, dtype):
                                pair[slot.offset:slot.end]), name
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_a_kahan_model_exports_w_plus_c(tmp_path, offload):
+@pytest.mark.parametrize("offload, add_numel", [(False, None), (True, None),
+                                                 (False, 3)])
+def test_a_kahan_model_exports_w_plus_c(tmp_path, monkeypatch, offload, add_numel):
     """Live (`consolidated_tensors`) and saved (`saved_tensors`), fp32: the
-    pair's sum. Cast to bf16 it is $w$ but at a tie ($|c|$ half the step to
-    the neighbour it picks), where rounding to nearest even picks the even
-    neighbour."""
-    from labml_zero.zero3.checkpoint import saved_tensors
+    pair's sum, also where $c$ is added a few elements at a time. Cast to
+    bf16 it is $w$ but at a tie ($|c|$ half the step to the neighbour it
+    picks), where rounding to nearest even picks the even neighbour."""
+    from labml_zero.zero3.checkpoint import export, saved_tensors
 
+    if add_numel:
+        monkeypatch.setattr(export, "ADD_NUMEL", add_numel)
     model, optimizer, pairs = kahan_trained(tmp_path / "ck", offload=offload)
     live = dict(consolidated_tensors(model, optimizer))
     saved = dict(saved_tensors(CheckpointReader(tmp_path / "ck")))

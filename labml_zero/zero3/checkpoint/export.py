@@ -230,15 +230,35 @@ def saved_tensors(reader: CheckpointReader, *,
             out = torch.empty(hi - lo, dtype=dtype)
             read_range(reader, headers, f"{index}.{stored}", shard, lo, out)
             if reader.adds_compensation(name):
-                # [n] bf16, $c$, then [n] fp32 $w + c$ (the reader's Note:
-                # the master of a compensated weight)
-                compensation = reader.compensation
-                low = torch.empty(hi - lo, dtype=DTYPES[
-                    reader.states["dtypes"][compensation]])
-                read_range(reader, headers, f"{index}.{compensation}", shard, lo,
-                           low)
-                out = out.float().add_(low)
+                out = add_compensation(reader, headers, index, shard, lo, out)
             yield (rename(name) if rename else name), out.view(saved["shape"])
+
+
+# Elements of $c$ widened at a time while it is added (`add_compensation`).
+ADD_NUMEL = 2**20
+
+
+def add_compensation(reader: CheckpointReader, headers: list[tuple[int, dict]],
+                     index: int, shard: int, lo: int,
+                     weight: torch.Tensor) -> torch.Tensor:
+    r"""
+    #### $w + c$ in fp32, from the weight $w$ as read and its saved $c$
+
+    (the reader's Note: the master of a compensated weight). The sum is
+    widened from $w$ first; $c$ is then read into $w$'s buffer, which the sum
+    no longer needs, and added `ADD_NUMEL` elements at a time, since the add
+    widens the operand it reads into a temporary of its size. A bf16 weight
+    of $n$ elements so holds $2n + 4n$ bytes at most, not the $12n$ of
+    reading both and adding them whole.
+    """
+    low_dtype = DTYPES[reader.states["dtypes"][reader.compensation]]
+    wide = weight.float()  # [n] fp32; `weight` itself if it is fp32
+    low = weight if low_dtype == weight.dtype else torch.empty(
+        weight.numel(), dtype=low_dtype)
+    read_range(reader, headers, f"{index}.{reader.compensation}", shard, lo, low)
+    for start in range(0, low.numel(), ADD_NUMEL):
+        wide[start:start + ADD_NUMEL].add_(low[start:start + ADD_NUMEL])
+    return wide
 
 
 def read_range(reader: CheckpointReader, headers: list[tuple[int, dict]],
