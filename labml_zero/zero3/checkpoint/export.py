@@ -247,9 +247,9 @@ def add_compensation(reader: CheckpointReader, headers: list[tuple[int, dict]],
     (the reader's Note: the master of a compensated weight). The sum is
     widened from $w$ first; $c$ is then read into $w$'s buffer, which the sum
     no longer needs, and added `ADD_NUMEL` elements at a time, since the add
-    widens the operand it reads into a temporary of its size. A bf16 weight
-    of $n$ elements so holds $2n + 4n$ bytes at most, not the $12n$ of
-    reading both and adding them whole.
+    widens the operand it reads into a temporary of its size. So a bf16
+    weight holds its own bytes and its fp32 sum's at most, not also a second
+    bf16 tensor and an fp32 copy of the whole of it.
     """
     low_dtype = DTYPES[reader.states["dtypes"][reader.compensation]]
     wide = weight.float()  # [n] fp32; `weight` itself if it is fp32
