@@ -291,6 +291,29 @@ def test_a_token_the_app_does_not_know_is_filed_under_default(app):
     assert uuid in [r["run_uuid"] for r in runs]
 
 
+def test_a_runs_last_request_is_answered_at_once(app):
+    """labml-app answers a `track` request after its pause; the one with the
+    run's status, its last, at once: a rank that waits for that answer before
+    it exits has it within the launcher's grace period
+    (tests/finetune/test_tracking.py)."""
+    from labml_zero.app.server import TRACK_PAUSE_S
+
+    uuid = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"
+    url = f"{app.api_url}track?run_uuid={uuid}&labml_version=0.5.3"
+
+    def answered_after(body: list) -> float:
+        started = time.monotonic()
+        assert get_json(url, body)["errors"] == []
+        return time.monotonic() - started
+
+    paused = answered_after([{"name": "paused", "time": time.time()}])
+    last = answered_after([{"time": time.time(), "status": {
+        "rank": 0, "status": "completed", "details": None, "time": time.time()}}])
+    assert paused >= TRACK_PAUSE_S and last < 1.0, (paused, last)
+    status = get_json(app.web_url + f"api/v1/run/status/{uuid}")["run_status"]
+    assert status["status"] == "completed"
+
+
 def chromium(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess:
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     if exe is None:

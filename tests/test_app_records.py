@@ -82,6 +82,27 @@ def test_a_record_that_is_not_json_is_an_error_naming_its_file(tmp_path):
     assert not (tmp_path / "ran").exists()
 
 
+@pytest.mark.parametrize("text, why", [
+    ("[]", "a list, not an object of fields"),
+    ('"Run"', "a str, not an object of fields"),
+    ('{"__dict__": [[1, "x"]]}', "a field name is not a string"),
+])
+def test_a_record_that_is_not_an_object_of_fields_is_an_error_naming_its_file(
+        tmp_path, text, why):
+    """JSON, but not a record: `labml_db` would fail on it with a `TypeError`
+    that names neither the file nor the fault."""
+    serializer, driver, _ = record_classes()
+
+    class Run:
+        """The driver needs only the model's name."""
+
+    records = driver(serializer(), Run, tmp_path / "Run")
+    (tmp_path / "Run" / "Run:bad.json").write_text(text)
+    with pytest.raises(RecordError, match=rf"Run:bad\.json is not a record this "
+                                          rf"app wrote: {why}"):
+        records.load_dict("Run:bad")
+
+
 def test_a_record_that_cannot_be_encoded_leaves_its_file_as_it_was(tmp_path):
     serializer, driver, _ = record_classes()
 

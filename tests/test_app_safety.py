@@ -5,8 +5,9 @@ request-size limit and the loopback-only default; its JSON record storage is in
 Most cases run in process: `RequestGuard` around a small ASGI app. One app server
 on a free port checks the same things end to end: a crafted pickle in its data
 directory never runs, malformed requests get a 4xx and one log line without a
-traceback, and a 100 MB body is refused with 413 while the server's memory stays
-flat.
+traceback, a 100 MB body is refused with 413 while the server's memory stays
+flat, and a damaged record leaves its run out of the runs list, which lists the
+others.
 """
 
 import asyncio
@@ -21,6 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -367,3 +369,96 @@ def test_a_100_mb_body_is_refused_with_413_and_memory_stays_flat(server, chunked
               f" {after['VmRSS'] / MiB:.0f} MiB, peak {after['VmHWM'] / MiB:.0f} MiB")
     # At most the limit's buffer and a copy, never the 95 MiB body.
     assert grew < 3 * 16 * MiB, (before, after)
+
+
+# ---------------------------------------------------------------- damaged records
+
+
+def record_of(config, run_uuid: str) -> Path:
+    """The file of a run's `Run` record (its key is not its uuid)."""
+    found = [p for p in (config.data_dir / "models" / "Run").glob("*.json")
+             if f'"run_uuid": "{run_uuid}"' in p.read_text()]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def status_record_of(config, run_uuid: str) -> Path:
+    """The file of a run's `Status` record, which the runs list reads too."""
+    key = json.loads(record_of(config, run_uuid).read_text())["status"]["__key__"]
+    return config.data_dir / "models" / "Status" / f"{key}.json"
+
+
+def ended_run(config, run_uuid: str, name: str) -> None:
+    """A run of one request, with its status: the app answers it at once."""
+    now = time.time()
+    body = [{"name": name, "time": now,
+             "status": {"rank": 0, "status": "completed", "details": None,
+                        "time": now}}]
+    status, reply = request(config, f"api/v1/default/track?run_uuid={run_uuid}"
+                                    f"&labml_version=0.5.3", json.dumps(body).encode())
+    assert status == 200, reply
+
+
+# How a record can be damaged: cut short (a full disk, a kill while another
+# tool wrote it), not an object, or an object with a field of the wrong type.
+DAMAGES = {
+    "Run cut short": (record_of, lambda text: text[:len(text) // 2]),
+    "Run a list": (record_of, lambda text: "[]"),
+    "Run start_time a string": (record_of, lambda text: json.dumps(
+        {**json.loads(text), "start_time": "yesterday"})),
+    "Status cut short": (status_record_of, lambda text: text[:len(text) // 2]),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_record_leaves_its_run_out_of_the_list(server, damage):
+    """One run's damaged record used to fail the whole list (500, or 400 for
+    a field of the wrong type): the page listed no run at all."""
+    config, _, log_path = server
+    good, bad = uuid.uuid4().hex, uuid.uuid4().hex
+    for run_uuid in (good, bad):
+        ended_run(config, run_uuid, damage)
+    which, damaged = DAMAGES[damage]
+    record = which(config, bad)
+    kept = record.read_text()
+    logged = len(log_path.read_text())
+    record.write_text(damaged(kept))
+    try:
+        status, reply = request(config, "api/v1/runs/null")
+        log = log_path.read_text()[logged:]
+    finally:
+        record.write_text(kept)
+    # the others are listed, the damaged run is not, and one line says which
+    assert status == 200, reply
+    listed = [r["run_uuid"] for r in json.loads(reply)["runs"]]
+    assert good in listed and bad not in listed
+    assert log.count("\n") == 1 and "Traceback" not in log, log
+    assert log.startswith(f"labml app: the runs list leaves out run {bad}: "), log
+    if damage != "Run start_time a string":
+        assert f"{record.name} is not a record this app wrote" in log, log
+
+
+@pytest.mark.parametrize("damage, path", [
+    ("Run cut short", "api/v1/run/{uuid}"), ("Run a list", "api/v1/run/{uuid}"),
+    ("Status cut short", "api/v1/run/status/{uuid}")])
+def test_a_damaged_record_is_a_500_naming_its_file(server, damage, path):
+    """The damaged run's own page asks for the record: a short error that names
+    the file, not a traceback, nor a 400 that blames the request."""
+    config, _, log_path = server
+    bad = uuid.uuid4().hex
+    ended_run(config, bad, damage)
+    which, damaged = DAMAGES[damage]
+    record = which(config, bad)
+    kept = record.read_text()
+    record.write_text(damaged(kept))
+    logged = len(log_path.read_text())
+    try:
+        status, reply = request(config, path.format(uuid=bad))
+    finally:
+        record.write_text(kept)
+    assert status == 500, reply
+    error = json.loads(reply)["error"]
+    assert error.startswith("the app failed: RecordError: ") and \
+        f"{record.name} is not a record this app wrote" in error, error
+    log = log_path.read_text()[logged:]
+    assert log.count("\n") == 1 and "Traceback" not in log, log

@@ -142,7 +142,9 @@ class RecordError(RuntimeError):
 
     A `RuntimeError`, not a `ValueError`, so that the app's guard answers it
     with a `500` (see Note: every request passes one guard): the fault is in
-    the data directory, not in the request.
+    the data directory, not in the request. The runs list leaves out the run
+    whose record it is, and lists the others (see Note: a damaged record
+    costs only its run).
     """
 
 
@@ -182,10 +184,21 @@ def record_classes():
 
         def load_dict(self, key: str) -> dict | None:
             try:
-                return super().load_dict(key)
+                data = super().load_dict(key)
             except (ValueError, TypeError) as e:
                 raise RecordError(f"{self.directory / key}.json is not a record "
                                   f"this app wrote: {e}") from None
+            # `labml_db` makes the model with `Model(key, **data)`: anything but
+            # an object of named fields would fail there, as a `TypeError` that
+            # names neither the file nor the fault and reads as the request's
+            if data is not None and not isinstance(data, dict):
+                raise RecordError(f"{self.directory / key}.json is not a record "
+                                  f"this app wrote: a {type(data).__name__}, not "
+                                  f"an object of fields")
+            if data is not None and not all(isinstance(k, str) for k in data):
+                raise RecordError(f"{self.directory / key}.json is not a record "
+                                  f"this app wrote: a field name is not a string")
+            return data
 
         def save_dict(self, key: str, data: dict) -> int:
             # `FileDbDriver.save_dict` opens the file, which empties it, before it

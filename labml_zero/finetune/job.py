@@ -49,8 +49,7 @@ from labml_zero.finetune.steps import (GRAPH_WARMUP, Totals, Training,
                                        batch_loss, device_step, evaluate,
                                        micro_batch, train_step)
 from labml_zero.finetune.step_metrics import StepMeter, peak_flops
-from labml_zero.finetune.tracking import (labml_configs, local_log_written,
-                                          start_labml)
+from labml_zero.finetune.tracking import labml_configs, start_labml
 from labml_zero.family import TrainingBuild
 from labml_zero.launch import DistContext, ranks_text
 from labml_zero.optimizers.adam_fp16 import NonFiniteGradient
@@ -321,9 +320,29 @@ def train(ctx: DistContext, config: FinetuneConfig,
     command line is [`finetune_neox`](cli.html), which runs [the pre-flight
     checks](preflight.html) before it starts the ranks.
     """
+    from labml import experiment
+
+    run = start_labml(config, ctx, python_file=__file__)
+    # labml saves the configuration from the run's start on; the build's facts
+    # join it once they are known
+    experiment.configs(labml_configs(config, ctx))
+    # the run is in the app from here on, and ends there whatever ends it: a
+    # rank that fails to build, to load or to step ends it too (see
+    # [tracking](tracking.html), Note: the end of a run that failed)
+    with run.started():
+        fine_tune(ctx, config, caches, run_uuid=run.uuid)
+
+
+def fine_tune(ctx: DistContext, config: FinetuneConfig,
+              caches: tuple[TokenCache, ...], *, run_uuid: str) -> None:
+    """
+    ### The job inside its labml run
+
+    The steps of `train` after the first: the data, the model, the loop, the
+    exports and the sample. `run_uuid` names this run's checkpoints.
+    """
     from labml import experiment, logger, monit, tracker
 
-    run_uuid = start_labml(config, ctx, python_file=__file__)
     family = config.family
     shape = config.model_config()
     # checked before any rank started; `caches` are the token files the launcher
@@ -386,64 +405,62 @@ def train(ctx: DistContext, config: FinetuneConfig,
             logger.log(f"step {at}: loss.valid {valid.loss:.4f}, "
                        f"acc.valid {valid.accuracy:.4f}")
 
-    # the local log complete before the rank ends, whatever ends the run
-    with local_log_written(), experiment.start():
-        if ctx.rank == 0:
-            logger.log(banner(config, shape, built.counts, step=step,
-                              world_size=ctx.world_size))
-        if step == 0:
-            track_valid(0)
-            tracker.new_line()
-        first = step + 1
-        peaks_at = first - 1 + min(PEAKS_AFTER_STEPS, total_steps - step)
-        if ctx.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(ctx.device)
-        meter.clock.restart()
-        for step in monit.loop(range(first, total_steps + 1)):
-            # the rate is a pure function of the step: the same after a resume
-            lr = schedule.rate(step)
-            for group in training.optimizer.param_groups:
-                group["lr"] = lr
-            try:
-                totals = train_step(training, sampler.next_step(), data.train, config)
-            except NonFiniteGradient as e:  # an early update met it first
-                raise NonFiniteLoss(f"loss became non-finite at step {step}; lower "
-                                    f"the learning rate (--lr {lr:g})") from e
-            if step == peaks_at:
-                for line in measured_peaks(built, ctx, step - first + 1):
-                    logger.log(line)
-            # the launcher's hang watch: a rank silent for `hang_timeout` is hung
-            ctx.heartbeat(step)
-            if nan_at is not None and step >= nan_at:
-                totals = totals._replace(loss_sum=math.nan)
-            check_loss(totals, step, scaler, last_saved)
-            # the fused loss knows no prediction: no training accuracy then
-            accuracy = ({} if math.isnan(totals.correct)
-                        else {"acc.train": totals.accuracy})
-            tracker.save(step, {"loss.train": totals.loss, **accuracy,
-                                **meter.indicators(totals, lr=lr, scale=(
-                                    scaler.scale_value if scaler else None))})
-            if step % config.valid_every == 0 or step == total_steps:
-                track_valid(step)
-            if step in saves:
-                check_shards_finite(training, step)
-                last_saved = save(config, step, training, sampler, lineage)
-            if fail_at is not None and step >= fail_at:
-                raise RuntimeError(f"injected failure on rank {ctx.rank} after step "
-                                   f"{step} ({FAIL_AT_STEP_ENV})")
-            ctx.heartbeat(step)  # again after a validation or a save, which take long
-            tracker.new_line()
-            meter.clock.restart()  # the next step's time excludes this one's extras
+    if ctx.rank == 0:
+        logger.log(banner(config, shape, built.counts, step=step,
+                          world_size=ctx.world_size))
+    if step == 0:
+        track_valid(0)
+        tracker.new_line()
+    first = step + 1
+    peaks_at = first - 1 + min(PEAKS_AFTER_STEPS, total_steps - step)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    meter.clock.restart()
+    for step in monit.loop(range(first, total_steps + 1)):
+        # the rate is a pure function of the step: the same after a resume
+        lr = schedule.rate(step)
+        for group in training.optimizer.param_groups:
+            group["lr"] = lr
+        try:
+            totals = train_step(training, sampler.next_step(), data.train, config)
+        except NonFiniteGradient as e:  # an early update met it first
+            raise NonFiniteLoss(f"loss became non-finite at step {step}; lower "
+                                f"the learning rate (--lr {lr:g})") from e
+        if step == peaks_at:
+            for line in measured_peaks(built, ctx, step - first + 1):
+                logger.log(line)
+        # the launcher's hang watch: a rank silent for `hang_timeout` is hung
+        ctx.heartbeat(step)
+        if nan_at is not None and step >= nan_at:
+            totals = totals._replace(loss_sum=math.nan)
+        check_loss(totals, step, scaler, last_saved)
+        # the fused loss knows no prediction: no training accuracy then
+        accuracy = ({} if math.isnan(totals.correct)
+                    else {"acc.train": totals.accuracy})
+        tracker.save(step, {"loss.train": totals.loss, **accuracy,
+                            **meter.indicators(totals, lr=lr, scale=(
+                                scaler.scale_value if scaler else None))})
+        if step % config.valid_every == 0 or step == total_steps:
+            track_valid(step)
+        if step in saves:
+            check_shards_finite(training, step)
+            last_saved = save(config, step, training, sampler, lineage)
+        if fail_at is not None and step >= fail_at:
+            raise RuntimeError(f"injected failure on rank {ctx.rank} after step "
+                               f"{step} ({FAIL_AT_STEP_ENV})")
+        ctx.heartbeat(step)  # again after a validation or a save, which take long
+        tracker.new_line()
+        meter.clock.restart()  # the next step's time excludes this one's extras
 
-        if ctx.rank == 0 and (steady := meter.steady_line()) is not None:
-            logger.log(steady)
-        with beating(ctx, config.hang_timeout):
-            export(config, built, shape, ctx.device)
-            if config.sample_tokens:
-                text = sample(model, tokenizer, config, ctx)
-                if ctx.rank == 0:
-                    logger.log(f"\nSample after {total_steps} steps:\n"
-                               f"{config.prompt}{text}\n")
+    if ctx.rank == 0 and (steady := meter.steady_line()) is not None:
+        logger.log(steady)
+    with beating(ctx, config.hang_timeout):
+        export(config, built, shape, ctx.device)
+        if config.sample_tokens:
+            text = sample(model, tokenizer, config, ctx)
+            if ctx.rank == 0:
+                logger.log(f"\nSample after {total_steps} steps:\n"
+                           f"{config.prompt}{text}\n")
 
 
 @contextmanager
