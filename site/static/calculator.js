@@ -727,11 +727,15 @@
     const alone = world === 1 && result.reduce_scatter === 0;
     const update = ((trainable - offloaded) * updateBytesPerElement(inputs, data, alone)
                     / (k.update_bandwidth_share * gpu.memory_bandwidth));
-    // ring collectives: each rank moves (n - 1)/n of the full size
+    // ring collectives: the all-gathers and the reduce-scatter inside the
+    // shard group (over NVLink where each group lies in one node), hybrid's
+    // all-reduce across the replicas, twice the share
     const bus = nodes === 1 ? gpu.peer_bus_bandwidth : gpu.node_bus_bandwidth;
-    const share = (world - 1) / world;
-    let comm = share * (a * result.all_gather + result.reduce_scatter) / bus;
-    if (result.all_reduce) comm += share * result.all_reduce / gpu.node_bus_bandwidth;
+    const group = inputs.shard_group_size || world;
+    const replicas = world / group;
+    const groupBus = (world / nodes) % group === 0 ? gpu.peer_bus_bandwidth : bus;
+    let comm = (group - 1) / group * (a * result.all_gather + result.reduce_scatter) / groupBus;
+    if (result.all_reduce) comm += 2 * (replicas - 1) / replicas * result.all_reduce / bus;
     const commExposed = exposedCollectives(comm, compute, m.n_layers + 2, a,
                                            inputs.prefetch_depth);
     const host = offloaded
