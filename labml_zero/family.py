@@ -204,7 +204,8 @@ class ModelFamily:
     export_hf: Callable[..., Any]
     """`export_hf(dir, model, lora, config, optimizer, *, dtype, overwrite,
     tokenizer, snapshot)`: the sharded model as a Hugging Face checkpoint,
-    LoRA's adapters merged; every rank calls it, rank 0 writes."""
+    LoRA's adapters merged; every rank calls it, one writes (`writes_export`:
+    rank 0 of the first shard group)."""
     export_adapter: Callable[..., Any]
     """`export_adapter(dir, model, lora, optimizer, *, base_model_name_or_path,
     overwrite)`: the sharded model's adapters in PEFT's format; every rank

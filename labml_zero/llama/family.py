@@ -208,10 +208,11 @@ def export_hf(out_dir: str | os.PathLike, model, lora: LlamaLoRA | None,
     r"""
     ### The sharded model as a Hugging Face checkpoint, adapters merged
 
-    Every rank calls it; the tensors come to rank 0 one chunk at a time, from
-    the fp32 masters when `optimizer` is given, each adapted $W$ folded into
+    Every rank calls it; the tensors come to the one writer (rank 0 of the
+    first shard group) one chunk at a time, from the fp32 masters when
+    `optimizer` is given, each adapted $W$ folded into
     $W + \frac{\alpha}{r} B A$ by `merged`, and `save_llama_checkpoint`
-    writes them; rank 0 returns the directory, the others `None`.
+    writes them; the writer returns the directory, the others `None`.
     """
     def write(tensors: Iterator[tuple[str, torch.Tensor]]) -> Path:
         if overwrite:  # again at the end: the directory may have changed since

@@ -53,6 +53,7 @@ from labml_zero.neox.model import (build_layers, count_parameters, hf_prefix,
 from labml_zero.neox.side_files import hf_side_files, snapshot_dtype
 from labml_zero.neox.tokenizer import (end_of_text_id, job_tokenizer_path,
                                        load_tokenizer)
+from labml_zero.zero3.checkpoint.export import writes_export
 
 __all__ = ["NEOX", "flops_per_token", "matmul_parameters", "materialize",
            "assemble", "export_hf"]
@@ -199,9 +200,10 @@ def export_hf(out_dir: str | os.PathLike, model, lora: FineTuneLoRA | None,
               tokenizer: str | os.PathLike | None = None,
               snapshot: str | os.PathLike | None = None, **options) -> Path | None:
     """`save_merged_checkpoint` with the tokenizer and the snapshot's side
-    files, read on rank 0 only (the one that writes)."""
+    files, read by the export's one writer only (`writes_export`: with hybrid
+    sharding, `comm.rank` 0 is one rank in each shard group)."""
     side = (hf_side_files(tokenizer, snapshot)
-            if tokenizer is not None and model.runtime.comm.rank == 0 else None)
+            if tokenizer is not None and writes_export(model) else None)
     return save_merged_checkpoint(out_dir, model, lora, config, optimizer,
                                   side_files=side, **options)
 

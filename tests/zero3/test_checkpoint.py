@@ -449,6 +449,130 @@ def test_export_streams_into_hf_checkpoint(at_2):
     assert results[1]["first"] == {}
 
 
+# ## Export with hybrid sharding: one writer in the world
+#
+# Every shard group holds the same shards and `comm.rank` 0 is one rank in each
+# group; only the first group's rank 0 may write, or the groups' renames race.
+
+
+def hybrid_export_run(ctx, out_dir, shard_group_size=None):
+    """A tiny GPT-NeoX, sharded in bf16 over shard groups of `shard_group_size`,
+    exported three ways: the job's `export_hf` (with its side files), the
+    adapter export's view of the trainable chunks, and a target that fails.
+    Returns the world ranks that wrote or read anything, and what each
+    rank raised."""
+    from labml_zero.hf.peft_adapter import TrainableOnly
+    from labml_zero.neox import family
+    from labml_zero.neox.model import NeoXConfig, build_layers
+
+    config = NeoXConfig(n_vocab=97, d_model=32, n_heads=2, n_layers=2)
+    torch.manual_seed(0)
+    model = Zero3Sequential(zero3_layers(
+        build_layers(config), device=ctx.device,
+        config=ZeroConfig(dtype=torch.bfloat16, chunk_numel=1000, align=8,
+                          shard_group_size=shard_group_size)))
+    optimizer = AdamFP16(model.get_trainable_chunk(), lr=1e-3)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    seen = {"side files": [], "adapter": []}
+
+    def side_files(tokenizer, snapshot):
+        seen["side files"].append(rank)
+        return {"tokenizer.json": "{}"}
+
+    reads = family.hf_side_files
+    family.hf_side_files = side_files
+    try:
+        exported = family.export_hf(Path(out_dir), model, None, config, optimizer,
+                                    tokenizer="tokenizer.json")
+    finally:
+        family.hf_side_files = reads
+
+    def count(tensors):
+        seen["adapter"].append(rank)
+        return len(list(tensors))
+
+    trainable = TrainableOnly(model.runtime,
+                              [c for c in model.chunks if c.trainable])
+    counted = export_full_state_dict(count, trainable, optimizer)
+
+    def fail(tensors):
+        next(tensors)
+        raise ValueError("disk full")
+
+    try:
+        export_full_state_dict(fail, model, optimizer)
+        raised = None
+    except Exception as error:
+        raised = (type(error).__name__, str(error))
+    return {"rank": rank, "seen": seen, "exported": exported, "counted": counted,
+            "raised": raised}
+
+
+@pytest.mark.distributed
+def test_hybrid_export_has_one_writer_and_fails_on_every_rank(tmp_path):
+    hybrid = run_distributed(hybrid_export_run, 4, str(tmp_path / "hybrid"), 2)
+    single = hybrid_export_run(Local, str(tmp_path / "single"))
+    for result in hybrid:
+        # rank 0 of the first shard group wrote, read and returned; none else
+        writer = result["rank"] == 0
+        assert result["seen"] == ({"side files": [0], "adapter": [0]} if writer
+                                  else {"side files": [], "adapter": []})
+        assert result["exported"] == (tmp_path / "hybrid" if writer else None)
+        assert result["counted"] == (single["counted"] if writer else None)
+        # the writer's failure reached every rank: its own error there, the
+        # first group's outcome in the other group
+        assert result["raised"] == (
+            ("ValueError", "disk full") if writer else
+            ("CheckpointError", "export failed on rank 0; see its error")
+            if result["rank"] < 2 else
+            ("CheckpointError", "export failed in the first shard group; see its "
+                                "error"))
+    # the files are those one rank writes
+    files = sorted(p.name for p in (tmp_path / "hybrid").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "single").iterdir())
+    assert "tokenizer.json" in files
+    for name in files:
+        assert ((tmp_path / "hybrid" / name).read_bytes()
+                == (tmp_path / "single" / name).read_bytes()), name
+    assert not [p for p in tmp_path.iterdir() if p.name not in ("hybrid", "single")]
+
+
+# ## Export of what lives on the host
+
+
+@pytest.mark.parametrize("offloaded", ["optimizer", "params"])
+def test_export_gathers_offloaded_state_from_the_device(monkeypatch, offloaded):
+    """NCCL's all-gather reads device tensors only, and an offloaded master or
+    parameter shard lives on the host. On the CPU the two are one, so the
+    communicator is told its device is `meta`: a source left on the host
+    shows as `cpu`."""
+    model, _ = build(Local, torch.bfloat16, chunk_numel=64)
+    shards = model.get_trainable_chunk()
+    optimizer = AdamFP16(shards, lr=3e-3, offload=(
+        range(len(shards)) if offloaded == "optimizer" else None))
+    if offloaded == "params":
+        for chunk in model.chunks:
+            chunk.offload_shard()
+        optimizer = None  # the export reads the shards themselves
+    else:
+        train(Local, model, optimizer, range(2))
+    assert (optimizer is not None and len(optimizer.host) == len(shards)
+            or all(chunk.shard_on_host for chunk in model.chunks))
+    comm = model.runtime.comm
+    handed = []
+    monkeypatch.setattr(comm, "device", torch.device("meta"))
+    monkeypatch.setattr(comm, "all_gather",
+                        lambda full, shard: handed.append((full.device,
+                                                           shard.device)))
+    # a rank that only contributes: it gathers every chunk and copies none of
+    # it to the host (a meta tensor has no data to copy)
+    monkeypatch.setattr(comm, "rank", 1)
+    for _ in consolidated_tensors(model, optimizer):
+        pass
+    meta = torch.device("meta")
+    assert handed == [(meta, meta)] * len(model.chunks)
+
+
 # ## Errors, at world size 1 in this process
 
 

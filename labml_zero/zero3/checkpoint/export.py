@@ -14,6 +14,10 @@ directory, say). Gathering the whole model would cost the device memory that
 ZeRO-3 exists to avoid, so the export goes **one chunk at a time**, and the
 consumer sees a stream of `(name, tensor)`.
 
+With [hybrid sharding](../hybrid.html) every shard group holds the same
+shards, so, as for a [save](save.html), the first group alone gathers and one
+rank of the world writes (see Note: one writer in the world).
+
 A checkpoint already saved needs no ranks: `saved_tensors` streams the same
 pairs out of the ranks' files.
 """
@@ -31,6 +35,8 @@ from torch import nn
 
 from ...files import atomic_file
 from ..communication import Communicator
+from ..hybrid import ReplicaGroup
+from ..transport import HybridReduce
 from .agreement import agree
 from .format import DTYPES, SAFETENSORS_DTYPES, CheckpointError, tensors_file
 from .reader import CheckpointReader
@@ -38,7 +44,49 @@ from .save import write_tensors
 from .state import weight_of
 
 __all__ = ["consolidated_tensors", "export_full_state_dict", "prefix_rename",
-           "saved_tensors"]
+           "saved_tensors", "writes_export"]
+
+
+# ## Note: one writer in the world
+#
+# With hybrid sharding `comm.rank` is a rank's place in its shard group, so
+# "rank 0" is one rank in *each* group: each would gather the same chunks and
+# write the same directory, and their renames race. So only the first shard
+# group (replica rank 0) exports; the other groups skip the gathers, which run
+# inside each group, and learn the outcome from their replica in the first,
+# as a [save](save.html) does (`agree_with_replicas`). The one writer is
+# rank 0 of the first group, world rank 0.
+
+
+def replica_group(model) -> ReplicaGroup | None:
+    """
+    #### The model's replica group, or `None` without hybrid sharding
+
+    A model has its transports'; a view of some trainable chunks (the adapter
+    export's `TrainableOnly`) has the one their reductions average over.
+    """
+    transports = getattr(model, "transports", None)
+    if transports is not None:
+        return transports.replicas
+    return next((chunk.reduction.replicas for chunk in model.chunks
+                 if isinstance(chunk.reduction, HybridReduce)), None)
+
+
+def in_first_group(model) -> bool:
+    """Whether this rank's shard group is the one that exports."""
+    replicas = replica_group(model)
+    return replicas is None or replicas.rank == 0
+
+
+def writes_export(model) -> bool:
+    """
+    ### Whether this rank is the export's one writer
+
+    Rank 0 of the first shard group (see Note: one writer in the world); what
+    only the writer needs (a tokenizer to copy beside the weights) is read
+    where this is true.
+    """
+    return model.runtime.comm.rank == 0 and in_first_group(model)
 
 
 def consolidated_tensors(model: nn.Module, optimizer=None, *,
@@ -49,9 +97,11 @@ def consolidated_tensors(model: nn.Module, optimizer=None, *,
     ## Every parameter, whole, one chunk at a time
 
     Every rank must run the iterator to its end (each chunk is an all-gather);
-    only rank 0 gets the `(name, tensor)` pairs, on the host, in chunk order,
-    and a slow consumer keeps the other ranks waiting in the next all-gather.
-    Module buffers are not exported (the engine does not shard them).
+    only the writer (`writes_export`) gets the `(name, tensor)` pairs, on the
+    host, in chunk order, and a slow consumer keeps the other ranks waiting in
+    the next all-gather. With hybrid sharding the shard groups but the first
+    gather nothing and get nothing (see Note: one writer in the world). Module
+    buffers are not exported (the engine does not shard them).
 
     * `optimizer`: where the fp32 masters are; without it, bf16/fp16 chunks
       export their own values (or `master_init`, before the first step).
@@ -64,29 +114,36 @@ def consolidated_tensors(model: nn.Module, optimizer=None, *,
       other neighbour, as near to $w + c$: the rounding a master gets.
 
     Memory per rank: one gathered chunk on the device, $C$ elements in the
-    master's or the parameter's dtype, for the duration of one all-gather. On
-    rank 0's host, one chunk plus whatever the consumer keeps: everything, $\Psi$
+    master's or the parameter's dtype, for the duration of one all-gather,
+    and $S$ more where the shard or its master is on the host. On
+    the writer's host, one chunk plus whatever the consumer keeps: everything, $\Psi$
     elements, when the target is a single file.
     """
     comm: Communicator = model.runtime.comm
+    if not in_first_group(model):
+        return  # its replicas in the first group export the same shards
+    writer = writes_export(model)
     for chunk in model.chunks:
         # 1. Every rank contributes its shard of the chunk: the fp32 master, or
         # $w + c$, where one exists (more exact than the bf16/fp16 copy: that
         # is what training would continue from), else the parameter shard.
         master = weight_of(optimizer, chunk)
-        # [S] fp32 master or chunk dtype
+        # [S] fp32 master or chunk dtype, on the device: an offloaded master
+        # or shard is on the host, which NCCL's all-gather refuses to read
         source = (master if master is not None else chunk.shard).detach()
+        source = source.to(comm.device)
         # 2. One all-gather builds the chunk's $C$ elements on every rank's
         # device: [C], one chunk on the device at a time.
         full = torch.empty(chunk.numel, dtype=source.dtype, device=comm.device)
         comm.all_gather(full, source)
-        if comm.rank != 0:
+        del source
+        if not writer:
             continue
-        # 3. Rank 0 copies it to host memory and the device buffer is freed.
+        # 3. The writer copies it to host memory and the device buffer is freed.
         # [C] host sync: device-to-host copy
         host = full.cpu()
         del full
-        # 4. Rank 0 yields each of the chunk's parameters, `(name, tensor)`, in
+        # 4. The writer yields each of the chunk's parameters, `(name, tensor)`, in
         # chunk order; a copy, not a view: safetensors refuses tensors that share
         # memory.
         for name, param, slot in zip(chunk.names, chunk.params, chunk.spec.slots):
@@ -122,18 +179,20 @@ def export_full_state_dict(target: str | os.PathLike | Callable, model: nn.Modul
     """
     ## Export the whole model
 
-    Called by every rank. `target` is either
+    Called by every rank; one writes, rank 0 of the first shard group (see
+    Note: one writer in the world). `target` is either
 
-    * a file path: rank 0 writes one safetensors file atomically (temporary file,
-      `fsync`, rename); it holds the whole model in host memory to do so;
-    * or a callable: rank 0 calls it with the `(name, tensor)` iterator and may
-      stream it (`save_hf_checkpoint` holds one output shard at a time); its
-      result is returned on rank 0.
+    * a file path: the writer writes one safetensors file atomically
+      (temporary file, `fsync`, rename); it holds the whole model in host
+      memory to do so;
+    * or a callable: the writer calls it with the `(name, tensor)` iterator and
+      may stream it (`save_hf_checkpoint` holds one output shard at a time);
+      its result is returned on the writer.
 
-    Other ranks return `None` once the export is complete. The consumer can
-    write each tensor as it comes, as the [GPT-NeoX
-    exporter](../../neox/hf_checkpoint.html) does, holding one output shard at a
-    time:
+    Other ranks return `None` once the export is complete; if it failed
+    anywhere, every rank raises. The consumer can write each tensor as it
+    comes, as the [GPT-NeoX exporter](../../neox/hf_checkpoint.html) does,
+    holding one output shard at a time:
 
     ```python
     rename = prefix_rename([hf_prefix(layer) for layer in layers])
@@ -148,7 +207,7 @@ def export_full_state_dict(target: str | os.PathLike | Callable, model: nn.Modul
     result = None
     error = None
     try:
-        if comm.rank == 0:
+        if writes_export(model):
             if callable(target):
                 result = target(tensors)
             else:
@@ -160,8 +219,38 @@ def export_full_state_dict(target: str | os.PathLike | Callable, model: nn.Modul
     # next all-gather, bounded by the process group's timeout.
     for _ in tensors:
         pass
-    agree(comm, error, "export")
+    agree_with_replicas(comm, replica_group(model), error, "export")
     return result
+
+
+def agree_with_replicas(comm: Communicator, replicas: ReplicaGroup | None,
+                        error: BaseException | None, what: str) -> None:
+    """
+    #### `agree` in the first shard group, then across the replicas
+
+    The first group's ranks agree among themselves; each other rank learns the
+    outcome from its replica there (one flag, summed across the replica
+    group), so a failure raises on every rank of the world, as after a
+    [save](save.html). The other groups did nothing, so fail nothing.
+    """
+    if replicas is None:
+        agree(comm, error, what)
+        return
+    if replicas.rank == 0:
+        try:
+            agree(comm, error, what)
+        except Exception as caught:
+            error = caught
+    # [1] int32: did the first group's export fail? summed across the replicas
+    failed = torch.tensor([int(error is not None)], dtype=torch.int32,
+                          device=comm.device)
+    replicas.all_reduce_sum(failed)
+    if error is not None:
+        raise error
+    # host sync: .item()
+    if failed.item():
+        raise CheckpointError(f"{what} failed in the first shard group; see its "
+                              "error")
 
 
 def write_one_file(file: Path, tensors: dict[str, torch.Tensor]) -> None:
