@@ -286,7 +286,12 @@ def place(model: Zero3Sequential, recipe: Recipe,
         if freeing is not None:
             freeing.remove()  # the optimizer frees them from here on
         apply_placement(model, decided.placement)
-        if model.runtime.comm.rank == 0:
+        # every rank decided the same (`first_step_placement` agrees first), so
+        # one prints: world rank 0, rank 0 of the first shard group, since
+        # under hybrid sharding `comm.rank` is the rank inside a shard group
+        replicas = model.transports.replicas
+        if model.runtime.comm.rank == 0 and (replicas is None
+                                             or replicas.rank == 0):
             lines = decision_lines(decided, shard_specs(model),
                                    pinned=device.type == "cuda")
             print("\n".join(lines), flush=True)

@@ -3,6 +3,9 @@ CPU rank, marked, sharded, placed and given its optimizer in order."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+
 import pytest
 import torch
 
@@ -12,6 +15,7 @@ from labml_zero.neox.finetuners import finetuner
 from labml_zero.zero3 import ZeroConfig
 from labml_zero.planner.placement import device_optimizer_bytes, shard_specs
 from labml_zero.zero3.state_layout import state_layout
+from tests.distributed import run_distributed
 
 CPU = torch.device("cpu")
 
@@ -215,3 +219,83 @@ def test_the_fine_tune_prints_the_measured_peaks_of_an_auto_placement():
     assert measured_peaks(built, DistContext(1, 2, 1, CPU, "gloo"), 2) == []
     static = assemble(tiny_layers(), recipe(), device=CPU)
     assert measured_peaks(static, rank0, 2) == []
+
+
+# ## `'auto'` on several ranks: one decision, printed once
+#
+# Each rank measures its own peak and reads its own capacity, which differ
+# between GPUs; a placement decided from a rank's own numbers can differ from
+# its neighbour's, and then their collectives no longer match. Here a simulated
+# device gives each rank its own capacity: a roomy one, and a tight one with
+# room for only part of the optimizer's state.
+
+ROOMY = 10**9
+
+
+def auto_on_each_rank(ctx, capacities: tuple[int | None, ...],
+                      shard_group_size: int | None) -> dict:
+    """Assemble with `'auto'` (rank `r`'s capacity `capacities[r]`, `None` for
+    the tight one), train two steps; the placement, the losses, and whether the
+    rank printed the decision."""
+    def limits(shards):
+        trainable = sum(s.numel for s in shards if s.trainable)
+        tight = 1000 + 4 * trainable
+        return AutoLimits(measure_peak=lambda run: (run(), 1000)[1],
+                          device_capacity=capacities[ctx.rank] or tight)
+
+    def step_loss(model) -> torch.Tensor:
+        # the same batch on every rank: the ranks' losses must then agree
+        ids = torch.randint(0, 100, (1, 9), generator=torch.Generator().manual_seed(0))
+        logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                 ids[:, 1:].flatten())
+        loss.backward()
+        return loss.detach()
+
+    printed = io.StringIO()
+    zero = ZeroConfig(dtype=torch.float32, chunk_numel=512,
+                      shard_group_size=shard_group_size)
+    with contextlib.redirect_stdout(printed):
+        built = assemble(tiny_layers(), Recipe(zero=zero, lr=1e-3,
+                                               finetune=finetuner("biases"),
+                                               offload_optimizer="auto",
+                                               resident=True, seed=0),
+                         device=ctx.device,
+                         init_param=neox_model.init_parameter(neox_model.tiny()),
+                         probe=step_loss, auto_limits=limits)
+    losses = []
+    for _ in range(2):
+        losses.append(step_loss(built.model).item())
+        built.optimizer.step()
+        built.optimizer.zero_grad()
+    p = built.placement
+    return {"placement": (sorted(p.optimizer_on_host), sorted(p.param_on_host),
+                          sorted(p.resident)),
+            "losses": losses, "printed": bool(printed.getvalue())}
+
+
+@pytest.mark.distributed
+def test_auto_placement_is_the_same_on_every_rank():
+    mixed = run_distributed(auto_on_each_rank, 2, (ROOMY, None), None)
+    tight = run_distributed(auto_on_each_rank, 2, (None, None), None)
+    # every rank takes the tightest rank's decision: its optimizer state goes
+    # (in part) to the host, which the roomy rank alone would not have sent
+    decision = tight[0]["placement"]
+    assert decision[0], decision
+    assert [r["placement"] for r in mixed + tight] == [decision] * 4
+    # the same decision is the same program: the same losses, bit for bit
+    assert [r["losses"] for r in mixed] == [tight[0]["losses"]] * 2
+    assert [r["printed"] for r in mixed] == [True, False]
+
+
+@pytest.mark.distributed
+def test_auto_placement_under_hybrid_sharding_agrees_and_prints_once():
+    # shard groups of one rank: two groups, each a whole copy; the ranks agree
+    # through the replica group, and only world rank 0 prints, though each
+    # rank is rank 0 of its own shard group
+    reports = run_distributed(auto_on_each_rank, 2, (ROOMY, None), 1)
+    assert reports[0]["placement"] == reports[1]["placement"]
+    assert reports[0]["placement"][0]
+    assert reports[0]["losses"] == reports[1]["losses"]
+    assert [r["printed"] for r in reports] == [True, False]
+

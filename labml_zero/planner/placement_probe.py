@@ -28,13 +28,14 @@ import contextlib
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from labml_zero.planner.placement import (AutoPlacement, Placement, auto_placement,
                                           shard_specs)
 from labml_zero.zero3.state_layout import FP32_STATES, StateLayout
 
-__all__ = ["accumulated_step", "first_step_placement", "apply_placement",
-           "cuda_peak", "cuda_capacity"]
+__all__ = ["accumulated_step", "first_step_placement", "agreed_limits",
+           "apply_placement", "cuda_peak", "cuda_capacity"]
 
 
 def accumulated_step(model, micro_batch: Callable[[], None],
@@ -109,8 +110,9 @@ def first_step_placement(
     2. the gradients it left are cleared: the probe trains nothing, the step
        then runs again with the optimizer;
     3. the fp32 `master_init` copies still on the shards are taken off the
-       peak (they become the masters, which `auto_placement` counts in $K_d$),
-       and `auto_placement` picks the chunks to offload.
+       peak (they become the masters, which `auto_placement` counts in $K_d$);
+    4. the ranks agree on the numbers (`agreed_limits`), and `auto_placement`
+       picks, on every rank alike, the chunks to offload.
 
     * `margin`: bytes kept free; default 5% of the capacity, for the
       allocator's fragmentation and steps that use a little more. The peak is
@@ -169,14 +171,57 @@ def first_step_placement(
     model.zero_grad()
     if device_capacity is None:
         device_capacity = cuda_capacity(device)
+    peak_other, device_capacity, margin = agreed_limits(
+        model, peak_other=max(peak - master_bytes, 0),
+        device_capacity=device_capacity, margin=margin)
     if margin is None:
         margin = device_capacity // 20
     param_bytes = shards[0].element_size() if shards else 2
     return auto_placement(shard_specs(model), device_capacity=device_capacity,
-                          measured_peak_other=max(peak - master_bytes, 0),
+                          measured_peak_other=peak_other,
                           margin=margin, param_bytes=param_bytes, states=states,
                           resident_world_size=(model.runtime.comm.world_size
                                                if resident else None))
+
+
+def agreed_limits(model, *, peak_other: int, device_capacity: int,
+                  margin: int | None) -> tuple[int, int, int | None]:
+    r"""
+    ## Every rank decides the same placement
+
+    A placement changes which collectives a chunk runs (a resident chunk skips
+    the all-gathers a sharded one issues), and the ranks must issue the same
+    collectives in the same order. But each rank measured its own peak and
+    reads its own capacity, and GPUs differ there (the CUDA context, another
+    process, what the allocator keeps), so a decision from a rank's own numbers
+    can differ from its neighbour's, and then the collectives stop matching (a
+    hang, or a message of the wrong size). So before deciding, the ranks take
+    the worst case of each number, the same on all of them: the largest peak
+    and margin, the smallest capacity,
+
+    $$\text{peak} = \max_r \text{peak}_r, \qquad
+      \text{capacity} = \min_r \text{capacity}_r,$$
+
+    and each then computes the same decision, which fits on every rank. The
+    maximum runs over the shard group, then, with [hybrid
+    sharding](../zero3/hybrid.html), over the replica group: the two together
+    are every rank of the model. `margin` stays `None` (the default) only if no
+    rank gave one.
+    """
+    comm = model.runtime.comm
+    # [3] int64: one MAX gives all three, the capacity negated for its minimum
+    # and a missing margin as -1, below any margin given
+    limits = torch.tensor([peak_other, -device_capacity,
+                           -1 if margin is None else margin],
+                          dtype=torch.int64, device=comm.device)
+    if comm.distributed:
+        dist.all_reduce(limits, op=dist.ReduceOp.MAX, group=comm.group)
+        replicas = model.transports.replicas
+        if replicas is not None:
+            dist.all_reduce(limits, op=dist.ReduceOp.MAX, group=replicas.group)
+    # host sync: the decision is made on the host
+    peak_other, capacity, agreed_margin = limits.tolist()
+    return peak_other, -capacity, None if agreed_margin < 0 else agreed_margin
 
 
 def apply_placement(model, placement: Placement) -> None:

@@ -232,8 +232,10 @@ class ChunkGrads:
         the mean over ranks is the gradient of the mean loss over the global
         batch, the one an unsharded model gets from the whole batch. It is
         *added* to `local.grad`, so that gradients accumulate until
-        `zero_grad`, as `param.grad` does. Ends the accumulation: the buffer is
-        freed and `seen` and `written` are empty.
+        `zero_grad`, as `param.grad` does; for an fp32 shard `local.grad` *is*
+        `param.grad`, so an optimizer's own `zero_grad` ends them as well (the
+        shard's Note: why the gradient lives beside the parameter). Ends the
+        accumulation: the buffer is freed and `seen` and `written` are empty.
         """
         comm, local = self.comm, self.local
         # The first reduction of a step in fp32 writes straight into the
@@ -289,7 +291,6 @@ class ChunkGrads:
         self.full = None
         self.seen.clear()
         self.written.clear()
-        local.expose_grad()
 
     def exact_dtype(self) -> torch.dtype | None:
         """

@@ -41,12 +41,15 @@ class LocalShard:
        the bf16 `param` rounds;
     2. after each reduction the [chunk](chunk.html) writes `grad`: the first
        of a step allocates it (`new_grad`), later ones (micro-batches reduced
-       one by one, without `no_sync`) add into it (`grad.add_`);
+       one by one, without `no_sync`) add into it (`grad.add_`); an fp32
+       shard's `grad` is `param.grad` itself (see Note: why the gradient lives
+       beside the parameter);
     3. `take_master_init()`: the optimizer takes the first master and the
        shard drops it; `AdamFP16` takes it at its first step when the shard's
        optimizer state is on the device, and at its construction when that
        state is on the host (`offload`);
-    4. `zero_grad()`: the gradient is freed;
+    4. `zero_grad()`: the gradient is freed (for an fp32 shard, so does any
+       optimizer's `zero_grad()`, which clears `param.grad`);
     5. `move_to_host()` (between steps, optional): `param` moves to host memory,
        `grad` stays on `grad_device`.
 
@@ -66,8 +69,10 @@ class LocalShard:
         self.param: torch.Tensor = (nn.Parameter(data, requires_grad=True)
                                     if trainable else data)
         # [S] fp32 (or the parameter dtype: see Note: one rank keeps the
-        # parameter dtype); see Note: why the gradient lives beside the parameter
-        self.grad: torch.Tensor | None = None
+        # parameter dtype), read and written through `grad`, which keeps it in
+        # `param.grad` instead when the two can be one (`_grad_in_param`); see
+        # Note: why the gradient lives beside the parameter
+        self._grad: torch.Tensor | None = None
         # whether `grad`'s only reader is an early update that frees it, set
         # by the optimizer (see Note: one rank keeps the parameter dtype)
         self.grad_read_once = False
@@ -80,6 +85,7 @@ class LocalShard:
         # on the host (the reduce-scatter runs there)
         self.grad_device: torch.device = data.device
         self.on_host = False
+        self._grad_in_param = trainable and data.dtype == torch.float32
         if trainable:
             LocalShard._of[self.param] = self
 
@@ -130,10 +136,28 @@ class LocalShard:
     # #### Note: why the gradient lives beside the parameter
     #
     # `param.grad` must have the parameter's dtype, and the shard's gradient is an fp32
-    # average over ranks (summing in bf16 would round every partial sum). So the
-    # gradient lives in `LocalShard.grad`. For an fp32 chunk the two dtypes agree and
-    # the same tensor is also set as `param.grad`, so plain `torch.optim` optimizers
-    # work on fp32 shards.
+    # average over ranks (summing in bf16 would round every partial sum). So a bf16 or
+    # fp16 shard keeps its gradient in `LocalShard.grad`, beside the parameter. For an
+    # fp32 shard the two dtypes agree, and there is one gradient, not two: `grad` *is*
+    # `param.grad`, read and written through it, so that a plain `torch.optim`
+    # optimizer works on fp32 shards. Two copies would disagree as soon as that
+    # optimizer's `zero_grad()` set `param.grad` to `None`: the engine would go on
+    # adding each step's gradient into the one it kept, the sum of every step so far.
+    # Whatever clears `param.grad`, the optimizer or the user, clears the gradient.
+    # A shard whose parameter moved to the host while its gradient stays on the
+    # device keeps the gradient here again: `param.grad` must be on `param`'s device.
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """`[S]` gradient shard, or `None` between `zero_grad` and a reduction."""
+        return self.param.grad if self._grad_in_param else self._grad
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        if self._grad_in_param:
+            self.param.grad = value
+        else:
+            self._grad = value
 
     def new_grad(self, *, zeroed: bool,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -165,15 +189,9 @@ class LocalShard:
                              device=self.grad_device)
         return self.grad
 
-    def expose_grad(self) -> None:
-        """For an fp32 shard, `param.grad` is `grad` too (see Note: why the
-        gradient lives beside the parameter)."""
-        if self.param.dtype == torch.float32:
-            self.param.grad = self.grad
-
     def zero_grad(self) -> None:
         if self.trainable:
-            self.grad = None
+            self._grad = None
             self.param.grad = None
 
     ### Where it lives
@@ -193,6 +211,12 @@ class LocalShard:
                            pin_memory=pin)
         host.copy_(self.param.detach())
         if self.trainable:
+            if self._grad_in_param and self.grad_device.type != "cpu":
+                # the gradient stays on `grad_device`, so it leaves
+                # `param.grad`, which must be on `param`'s device (see Note:
+                # why the gradient lives beside the parameter)
+                self._grad, self.param.grad = self.param.grad, None
+                self._grad_in_param = False
             self.param.data = host
             if self._master_init is not None:
                 self._master_init = self._master_init.cpu()
