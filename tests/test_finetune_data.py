@@ -1,20 +1,22 @@
 """The fine-tune on the user's data, with a schedule, resumed: `--data` as JSON
 Lines, warm-up and cosine decay, the step's metrics, a resume that continues the
-same curve bit for bit, flags that override saved settings, and an elastic
-resume 2 → 3 → 1 ranks against an uninterrupted run."""
+same curve bit for bit, flags that override saved settings, a resume on other
+data of as many samples refused, and an elastic resume 2 → 3 → 1 ranks against
+an uninterrupted run."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from labml_zero.finetune.cli import main
+from labml_zero.finetune.cli import main, make_parser, parse_config
 from labml_zero.finetune.dataset import load_text
 from labml_zero.finetune.lr_schedule import LRSchedule
-from tests.test_finetune import check_ok, finetune, run_dirs, tracked
+from tests.test_finetune import SMALL, check_ok, finetune, run_dirs, tracked
 
 SCHEDULE = ["--lr-schedule", "cosine", "--warmup-steps", "2", "--min-lr", "3e-4"]
 
@@ -76,6 +78,47 @@ def test_resume_continues_the_curve_and_flags_override(scheduled: Path,
                        min_lr=3e-4)
     assert changed["lr"] == {s: curve.rate(s) for s in (4, 5, 6)}
     assert changed["loss.train"][5] != full["loss.train"][5]
+
+
+def test_a_resume_on_other_data_of_as_many_samples_is_refused(
+        scheduled: Path, corpus: Path, tmp_path: Path, capsys):
+    """The same paragraphs in the reverse order hold as many samples, other
+    ones: the checkpoint's recorded split tells them apart, before start. The
+    same file elsewhere is the same split; a checkpoint saved before the split
+    was recorded keeps the count of samples as its only check."""
+    from labml_zero.finetune.preflight import preflight
+
+    checkpoint = scheduled / "out" / "checkpoints" / "step-000003"
+    records = corpus.read_text().splitlines(keepends=True)
+    reversed_ = tmp_path / "reversed.jsonl"
+    reversed_.write_text("".join(reversed(records)))
+    moved = tmp_path / "moved" / corpus.name
+    moved.parent.mkdir()
+    shutil.copy(corpus, moved)
+    flags = [*SMALL, "--out", str(tmp_path / "out"), "--log-dir",
+             str(tmp_path / "logs"), *SCHEDULE, "--steps", "6"]
+
+    def resumed_step(path: Path, data: Path) -> int:
+        config, world_size = parse_config(
+            [*flags, "--resume", str(path), "--data", str(data)], make_parser())
+        return preflight(config, world_size=world_size,
+                         device=torch.device("cpu")).resumed_step
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*flags, "--resume", str(checkpoint), "--data", str(reversed_)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"--resume {checkpoint} trained on another training split than " \
+        f"--data {reversed_} gives" in err, err
+    assert resumed_step(checkpoint, moved) == 3
+
+    older = tmp_path / "older"
+    shutil.copytree(checkpoint, older)
+    manifest = json.loads((older / "manifest.json").read_text())
+    del manifest["meta"]["training_data"]
+    (older / "manifest.json").write_text(json.dumps(manifest))
+    assert resumed_step(older, reversed_) == 3
 
 
 def test_elastic_resume_two_three_one_ranks(tmp_path: Path, capsys):

@@ -22,9 +22,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from labml_zero.finetune.data import training_key
+from labml_zero.finetune.token_file import TokenCache
 from labml_zero.launch import ranks_text
 from labml_zero.zero3.checkpoint import (CheckpointReader, load_checkpoint,
                                          prune_checkpoints, save_checkpoint)
+from labml_zero.zero3.checkpoint.export import in_first_group
 from labml_zero.zero3.checkpoint.pruning import checkpoint_dirs
 
 __all__ = ["SETTINGS", "saved_settings", "override_settings", "resume_settings",
@@ -257,7 +260,8 @@ def run_lineage(config, run_uuid: str) -> str | None:
     return lineage_of(Path(config.resume))
 
 
-def save(config, step: int, training, sampler, lineage: str | None) -> Path:
+def save(config, step: int, training, sampler, lineage: str | None, *,
+         caches: tuple[TokenCache, ...] = ()) -> Path:
     """
     ### A sharded checkpoint after `step`, then the older ones pruned
 
@@ -266,7 +270,9 @@ def save(config, step: int, training, sampler, lineage: str | None) -> Path:
     (epoch, step) with its seed, the number of training samples and $G$, the
     same on every rank; `scaler`, the fp16 loss scale, agreed by an all-reduce;
     `settings`, the run's `SETTINGS`. `lineage` is `run_lineage`'s: pruning
-    removes only checkpoints of the same one.
+    removes only checkpoints of the same one. The manifest's `meta` records
+    the training split's identity ([`training_key`](data.html), from `caches`'
+    stamps, else from the files read once more), which a resume compares.
     """
     extra = {"step": step, "sampler": sampler.state_dict(),
              "settings": saved_settings(config)}
@@ -276,10 +282,17 @@ def save(config, step: int, training, sampler, lineage: str | None) -> Path:
     meta = {"step": step, "global_batch": sampler.global_batch, "seed": config.seed,
             "finetune": config.finetune, "lineage": lineage,
             "export": export_meta(config, training.model)}
+    # rank 0 of the first shard group alone writes the manifest (under hybrid
+    # sharding each group has a rank 0): the others skip the digest, and one
+    # rank in the world prunes
+    writer = (training.model.runtime.comm.rank == 0
+              and in_first_group(training.model))
+    if writer:
+        meta["training_data"] = training_key(config, caches)
     path = save_checkpoint(checkpoint_path(config, step), training.model,
                            training.optimizer, extra=extra, meta=meta)
     # save_checkpoint returns once the checkpoint is complete on every rank
-    if training.model.runtime.comm.rank == 0 and config.keep_checkpoints:
+    if writer and config.keep_checkpoints:
         prune_checkpoints(path.parent, config.keep_checkpoints, just_saved=path,
                           same_meta="lineage")
     return path

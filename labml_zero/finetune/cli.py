@@ -34,7 +34,8 @@ from typing import Any, NoReturn, Sequence
 import torch
 
 from labml_zero import launch
-from labml_zero.finetune.corpus import JSONL_SUFFIXES
+from labml_zero.finetune.corpus import (JSONL_SUFFIXES, DataError, Source,
+                                        find_sources)
 from labml_zero.finetune.checkpoints import resume_settings
 from labml_zero.finetune.job import FinetuneConfig, train
 from labml_zero.finetune.planning import add_plan_flags, pop_request, settle
@@ -107,10 +108,10 @@ def layer_list(text: str) -> tuple[int, ...]:
 
 layer_list.__name__ = "comma-separated layer list"
 
-# Integers that may be 0, and any integer; every other one is at least 1.
+# Integers that may be 0; every other one is at least 1 (the seed's upper
+# bound is `FinetuneConfig`'s).
 MAY_BE_ZERO = ("sample_tokens", "keep_checkpoints", "warmup_steps",
-               "prefetch_depth")
-ANY_INT = ("seed",)
+               "prefetch_depth", "seed")
 # LaTeX in the notes, as the terminal can show it
 SYMBOLS = {r"\cdot": "·", r"\times": "×", r"\lfloor": "⌊", r"\rfloor": "⌋",
            r"\approx": "≈", r"\ln": "ln", r"\Psi": "Ψ"}
@@ -174,8 +175,6 @@ def converter(name: str, hint: Any) -> Any:
         return layer_list
     base = next(iter(args)) if args else hint
     if base is int:
-        if name in ANY_INT:
-            return int
         return non_negative_int if name in MAY_BE_ZERO else positive_int
     if base is float:
         return finite_float
@@ -210,7 +209,7 @@ def add_field_flags(parser: Parser) -> None:
         elif kind is not str or "choices" not in options:
             options["type"] = kind
             options.setdefault("metavar", "N" if kind in (
-                int, positive_int, non_negative_int) else None)
+                positive_int, non_negative_int) else None)
             if options["metavar"] is None:
                 del options["metavar"]
         target = length if f.name in ("steps", "epochs") else parser
@@ -241,15 +240,35 @@ def flag_error(message: str) -> str:
     return f"--{name.replace('_', '-')}: {message}" if name in fields else message
 
 
+def sources(path: str | None) -> list[Source] | None:
+    """
+    #### The files `--data` or `--valid-data` reads
+
+    None without the flag (the bundled text is no file of the user's); `None`
+    for a path that does not read, which [the data's own checks](data.html)
+    name.
+    """
+    if path is None:
+        return []
+    try:
+        return find_sources(path)
+    except (DataError, OSError):
+        return None
+
+
 def flag_without_effect(config: FinetuneConfig, given: set[str]) -> str | None:
     """
     ### A flag the user gave that this run would not use, or `None`
 
     Each would be silently ignored in this run's mode, which reads as if it
     took effect: refused in one line that says what it needs. Only flags in
-    `given` count; defaults never trip it.
+    `given` count; defaults never trip it. `--text-field` is used if either
+    `--data` or `--valid-data` reads a JSON Lines file (a directory's files
+    included).
     """
-    data = Path(config.data) if config.data is not None else None
+    data, valid = sources(config.data), sources(config.valid_data)
+    no_jsonl = all(found is not None and not any(s.jsonl for s in found)
+                   for found in (data, valid))
     rules = [
         ("min_lr", config.lr_schedule == "constant",
          "needs --lr-schedule linear or cosine (a constant rate never decays)"),
@@ -257,9 +276,8 @@ def flag_without_effect(config: FinetuneConfig, given: set[str]) -> str | None:
          "needs --checkpoint-every (this run saves no checkpoint)"),
         ("valid_fraction", config.valid_data is not None,
          "has no effect with --valid-data (all of --data trains)"),
-        ("text_field", data is None or (data.is_file() and not
-                                        data.name.lower().endswith(JSONL_SUFFIXES)),
-         f"needs a JSON Lines --data ({', '.join(JSONL_SUFFIXES)})"),
+        ("text_field", no_jsonl, f"needs a JSON Lines --data or --valid-data "
+                                 f"({', '.join(JSONL_SUFFIXES)})"),
         *((name, config.sample_tokens == 0,
            "needs --sample-tokens above 0 (this run samples nothing)")
           for name in ("prompt", "top_k")),
@@ -267,11 +285,33 @@ def flag_without_effect(config: FinetuneConfig, given: set[str]) -> str | None:
     for name, unused, needs in rules:
         if name in given and unused:
             return f"--{name.replace('_', '-')} {needs}"
-    if data is not None and config.valid_data is not None \
-            and data.resolve() == Path(config.valid_data).resolve():
+    return shared_text(config, data, valid)
+
+
+def shared_text(config: FinetuneConfig, data: list[Source] | None,
+                valid: list[Source] | None) -> str | None:
+    """
+    #### Why `--valid-data` overlaps `--data`, or `None`
+
+    A file both read (the same path, one inside the other's directory, or a
+    link to it) would validate the model on text it trained on, and the
+    validation loss would flatter it. Compared by the files each reads,
+    resolved.
+    """
+    if config.data is None or config.valid_data is None:
+        return None
+    if Path(config.data).resolve() == Path(config.valid_data).resolve():
         return (f"--valid-data {config.valid_data} is --data: the run would "
                 f"validate on the text it trains on")
-    return None
+    if not data or not valid:
+        return None
+    shared = sorted({s.path.resolve() for s in data}
+                    & {s.path.resolve() for s in valid})
+    if not shared:
+        return None
+    return (f"--valid-data {config.valid_data} overlaps --data {config.data} "
+            f"({shared[0]} is in both): the run would validate on the text it "
+            f"trains on")
 
 
 def parse_config(argv: Sequence[str] | None, parser: Parser
@@ -323,6 +363,28 @@ def parse_config(argv: Sequence[str] | None, parser: Parser
             print(config, flush=True)
             parser.exit(0)
     return config, world_size
+
+
+def peer_memory_refusal(config: FinetuneConfig, world_size: int) -> str | None:
+    """
+    #### Why `--peer-memory` would have no effect at this world size, or `None`
+
+    A chunk is gathered over its shard group: with one rank in it the shard is
+    the whole chunk and there is no peer to read from, so [the
+    transports](../zero3/transport.html) leave peer memory off. Given there,
+    the flag is refused, not quietly dropped; the world size is known here,
+    before any rank starts (the launcher's, or torchrun's `WORLD_SIZE`).
+    """
+    if not config.peer_memory:
+        return None
+    if world_size == 1:
+        return ("--peer-memory needs more than one rank (with one, the shard is "
+                "the whole chunk: there is no peer to read from)")
+    if config.shard_group_size == 1:
+        return ("--peer-memory needs shard groups of more than one rank (with "
+                "--shard-group-size 1 each rank holds whole chunks: there is no "
+                "peer to read from)")
+    return None
 
 
 def machine_facts(backend: str, world_size: int) -> None:
@@ -403,6 +465,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
         if world_size is not None and world_size != ranks:
             parser.error(f"--world-size {world_size} disagrees with torchrun's "
                          f"WORLD_SIZE={ranks}")
+        if (why := peer_memory_refusal(config, ranks)) is not None:
+            parser.error(why)
         checked = check_before_start(config, parser, world_size=ranks,
                                      backend=backend)
         if os.environ["RANK"] == "0":
@@ -416,6 +480,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = PROG) -> int:
     if backend == "nccl" and world_size > torch.cuda.device_count():
         parser.error(f"--world-size {world_size} needs {world_size} GPUs, found "
                      f"{torch.cuda.device_count()}")
+    if (why := peer_memory_refusal(config, world_size)) is not None:
+        parser.error(why)
     try:
         # one handler from the checks to the ranks' end: a signal between the
         # token file's build and the ranks' start ends the job like one during

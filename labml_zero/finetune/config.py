@@ -55,6 +55,9 @@ FINETUNERS = tuple(dict.fromkeys(name for family in FAMILIES
                                  for name in family.finetuners))
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The largest seed, the largest signed integer of 8 bytes: every consumer of
+# the seed takes it (torch's generators, the seed sequence of NumPy's order).
+MAX_SEED = 2**63 - 1
 
 
 def snapshot_model_type(checkpoint: str) -> str:
@@ -260,7 +263,8 @@ class FinetuneConfig:
     """A labml app's API URL (`http://127.0.0.1:5005/api/v1/default/` for
     `python -m labml_zero.app`); used only if an app answers there."""
     seed: int = 0
-    """Seeds the random init and the data order."""
+    """Seeds the random init and the data order: from 0 to `MAX_SEED`, the
+    largest signed integer of 8 bytes."""
     hang_timeout: float = field(default=300.0, metadata=flag(metavar="SECONDS"))
     """Seconds a rank may go without progress, after its first step, before the
     launcher calls it hung and ends the job (passed to `launch.spawn` /
@@ -357,6 +361,10 @@ class FinetuneConfig:
                 raise ValueError(str(e).replace("app url", "app_url", 1)) from None
         if self.sample_tokens < 0:
             raise ValueError(f"sample_tokens must be >= 0, got {self.sample_tokens}")
+        # a seed out of range fails only in a rank (NumPy's order refuses a
+        # negative one), or overflows there
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
         if self.sample_tokens and not self.prompt:
             raise ValueError("prompt must be non-empty to sample")
 
@@ -557,9 +565,15 @@ class FinetuneConfig:
             if bad:
                 raise ValueError(f"filter_layers {bad} out of range: the model has "
                                  f"{config.n_layers} layers (0..{config.n_layers - 1})")
-        if self.seq_len > config.max_position:
+        # the family's limit, which its model refuses to exceed: the context,
+        # or a Mistral's shorter sliding window (a GPT-NeoX's config has no
+        # `max_sequence`: its context is its limit)
+        longest = getattr(config, "max_sequence", config.max_position)
+        limit = "max_position" if longest == config.max_position else \
+            "sliding_window"
+        if self.seq_len > longest:
             raise ValueError(f"seq_len {self.seq_len} exceeds the model's "
-                             f"max_position {config.max_position}")
+                             f"{limit} {longest}")
         return config
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:

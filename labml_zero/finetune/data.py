@@ -21,17 +21,20 @@ and what the settings need.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import NamedTuple
 
 from tokenizers import Tokenizer
 
-from labml_zero.finetune.corpus import DataError
-from labml_zero.finetune.dataset import TextDataset, load_datasets
-from labml_zero.finetune.token_file import TokenCache, vocab_size
+from labml_zero.finetune.corpus import DataError, find_sources
+from labml_zero.finetune.dataset import (BUNDLED_SHAKESPEARE, TextDataset,
+                                         load_datasets)
+from labml_zero.finetune.token_file import TokenCache, stamp, vocab_size
 from labml_zero.launch import ranks_text
 from labml_zero.zero3.checkpoint import CheckpointError
 
-__all__ = ["JobData", "job_data", "step_samples"]
+__all__ = ["JobData", "job_data", "step_samples", "training_key"]
 
 
 class JobData(NamedTuple):
@@ -121,3 +124,33 @@ def job_data(config, *, world_size: int, n_vocab: int,
         raise DataError(f"--warmup-steps {config.warmup_steps} must be fewer than "
                         f"the run's {total} steps")
     return JobData(tokenizer, data.train, data.valid, total, data.caches)
+
+
+def training_key(config, caches: tuple[TokenCache, ...] = ()) -> str:
+    r"""
+    ## What the training split is, wherever its files lie
+
+    A digest of each file `--data` reads (its size and content digest, in the
+    order it is read; the bundled text's without `--data`), of the JSON field
+    it is read by, and of the part that trains: all of it with
+    `--valid-data`, else the first $1 - f$. The paths are left out, so a
+    corpus moved or mounted elsewhere is the same split. A checkpoint records
+    it (see [resuming](checkpoints.html)), and a resume whose data has
+    another is refused before start, even where its samples number the same.
+
+    `caches` are the launcher's token files: their stamps spare reading the
+    files again; without them the files are digested here, once more.
+    """
+    if config.data is None:
+        stamps, jsonl = [stamp(BUNDLED_SHAKESPEARE)], False
+    else:
+        sources = find_sources(config.data)
+        jsonl = any(s.jsonl for s in sources)
+        decided = {cache.data: cache for cache in caches}.get(str(config.data))
+        stamps = (decided.stamps if decided is not None
+                  else [stamp(s.path) for s in sources])
+    facts = {"files": [(s.size, s.digest) for s in stamps],
+             "text_field": config.text_field if jsonl else None,
+             "valid_fraction": (None if config.valid_data is not None
+                                else config.valid_fraction)}
+    return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]

@@ -444,7 +444,8 @@ def fine_tune(ctx: DistContext, config: FinetuneConfig,
             track_valid(step)
         if step in saves:
             check_shards_finite(training, step)
-            last_saved = save(config, step, training, sampler, lineage)
+            last_saved = save(config, step, training, sampler, lineage,
+                              caches=data.caches)
         if fail_at is not None and step >= fail_at:
             raise RuntimeError(f"injected failure on rank {ctx.rank} after step "
                                f"{step} ({FAIL_AT_STEP_ENV})")

@@ -35,7 +35,7 @@ from labml_zero.finetune.checkpoints import (check_global_batch,
                                              continued_checkpoints,
                                              saved_model_settings, saved_steps)
 from labml_zero.finetune.corpus import DataError
-from labml_zero.finetune.data import JobData, job_data
+from labml_zero.finetune.data import JobData, job_data, training_key
 from labml_zero.files import size_text
 from labml_zero.family import ADAPTER_EXPORT, HF_EXPORT
 from labml_zero.launch import ranks_text
@@ -83,17 +83,21 @@ def existing_ancestor(path: Path) -> Path:
     return path
 
 
-def check_writable_dir(path: str | os.PathLike, what: str) -> Path:
+def check_writable_dir(path: str | os.PathLike, what: str, *,
+                       writes: str | None = None) -> Path:
     """
     ### A directory this process can write, or could make
 
     Writes and removes one temporary file in it, or in the nearest directory
     above it that exists (where the job will make it): permission bits do not
     tell about read-only mounts or quotas. Nothing is made here, so a run
-    refused by a later check leaves no directory behind.
+    refused by a later check leaves no directory behind. `writes` is the
+    folder below `path` that the run writes into (`checkpoints`, labml's
+    experiment): a file of that name would otherwise be found only by the
+    rank that first makes it, after the start or the first steps.
     """
     directory = Path(path)
-    there = existing_ancestor(directory)
+    there = existing_ancestor(directory / writes if writes else directory)
     if not there.is_dir():
         raise PreflightError(f"{what} {directory}: {there} is a file, not a "
                              f"directory")
@@ -340,7 +344,9 @@ def check_resume(path: Path, layers: list[nn.Module], config, world_size: int,
     model's parameter names and shapes (`layers` on the meta device); then the
     small `extra` state must hold the step and a data order of the same seed,
     training split and global batch (another would train on other samples
-    than the interrupted run). No shard is read.
+    than the interrupted run). The split is compared by the identity the
+    checkpoint recorded (`training_key`), and by its count of samples in one
+    saved before it did. No shard is read.
     """
     try:
         check_resumable(path, world_size=world_size,
@@ -387,6 +393,19 @@ def check_resume(path: Path, layers: list[nn.Module], config, world_size: int,
     refusal = check_global_batch(path, sampler, config, world_size)
     if refusal is not None:
         raise PreflightError(refusal)
+    # the split's identity, recorded since checkpoints saved it; an older
+    # checkpoint has only its count of samples, compared below
+    recorded = reader.meta.get("training_data") if isinstance(reader.meta, dict) \
+        else None
+    if recorded is not None and recorded != training_key(config, data.caches):
+        given = (f"--data {config.data}" if config.data is not None
+                 else "the bundled text (no --data)")
+        raise PreflightError(f"--resume {path} trained on another training "
+                             f"split than {given} gives (the files' content, "
+                             f"--text-field and --valid-data or --valid-fraction "
+                             f"decide it): the data order would continue over "
+                             f"other samples; give the data it trained on, or "
+                             f"start a new run from its export with --checkpoint")
     if sampler.get("n_samples") != len(data.train):
         raise PreflightError(f"--resume {path} was saved with a training split of "
                              f"{sampler.get('n_samples')} samples, this run's has "
@@ -433,10 +452,12 @@ def preflight(config, *, world_size: int, device: torch.device) -> Preflight:
     config.tuner()(layers)
 
     # **Outputs**: `out` and `log_dir` are directories (or can be made) that this
-    # user can write; their room for checkpoints is checked once the run's steps
-    # are known, below.
-    check_writable_dir(config.out_dir, "--out")
-    check_writable_dir(config.log_dir, "--log-dir")
+    # user can write, and so are the folders the run makes in them: `out`'s
+    # `checkpoints` when it saves, and labml's experiment under `log_dir`. Their
+    # room for checkpoints is checked once the run's steps are known, below.
+    saved_into = "checkpoints" if config.checkpoint_every is not None else None
+    check_writable_dir(config.out_dir, "--out", writes=saved_into)
+    check_writable_dir(config.log_dir, "--log-dir", writes=family.experiment)
 
     # **Exports** (`export_hf`, LoRA's `export_adapter`): each is a new or
     # empty directory or a previous export of its kind, never a file nor a

@@ -7,6 +7,7 @@ test_checkpoint.py); here they are reached through the command line."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from labml_zero.finetune.cli import main, make_parser, parse_config
 from labml_zero.finetune.config import FinetuneConfig
 from labml_zero.finetune.job import banner, token_flops
 from labml_zero.files import size_text
+from labml_zero.llama import config as llama_config
 from labml_zero.finetune.preflight import (PreflightError, check_writable_dir,
                                            checkpoint_bytes, preflight,
                                            saves_at_peak)
@@ -156,6 +158,10 @@ def test_command_line_refuses_before_starting(snapshot, tmp_path, capsys):
     (["--clip-grad", "inf"], "argument --clip-grad: invalid finite number"),
     (["--hang-timeout", "0"], "--hang-timeout: hang_timeout must be > 0"),
     (["--keep-checkpoints", "-1"], "argument --keep-checkpoints"),
+    # NumPy's data order refuses a negative seed, and one past a signed
+    # 8-byte integer overflows: found in a rank, before this check
+    (["--seed", "-1"], "argument --seed: invalid non-negative integer value: '-1'"),
+    (["--seed", str(2**63)], f"--seed: seed must be in [0, 2**63 - 1], got {2**63}"),
 ])
 def test_numbers_must_be_finite_and_in_range(args, message, capsys):
     assert message in run_main(args, capsys)
@@ -166,6 +172,9 @@ def test_config_refuses_non_finite_numbers():
         FinetuneConfig(lr=float("nan"))
     with pytest.raises(ValueError, match="weight_decay must be a finite number"):
         FinetuneConfig(weight_decay=float("inf"))
+    with pytest.raises(ValueError, match="seed must be in"):
+        FinetuneConfig(seed=-1)
+    assert FinetuneConfig(seed=2**63 - 1).seed == 2**63 - 1
 
 
 def test_valid_data_errors_name_valid_data(tmp_path, capsys):
@@ -295,8 +304,111 @@ def test_a_resume_keeps_the_runs_cadence_and_precision_unless_flagged():
      "is --data: the run would validate on the text it trains on"),
     (["--plan", "--gpu", "h100", "--world-size", "3", "--gpus", "2"],
      "--world-size 3 disagrees with --gpus 2 x --nodes 1"),
+    # a shard group of one rank holds whole chunks: no peer to read from
+    (["--peer-memory", "--world-size", "1", "--steps", "1"],
+     "--peer-memory needs more than one rank"),
+    (["--peer-memory", "--world-size", "2", "--shard-group-size", "1",
+      "--steps", "1"], "--peer-memory needs shard groups of more than one rank"),
 ])
 def test_a_flag_this_run_would_ignore_is_refused(args, message, capsys):
     readme = str(Path(__file__).resolve().parents[2] / "README.md")
     err = run_main([a.format(readme=readme) for a in args], capsys)
     assert message in err, err
+
+
+def test_peer_memory_under_torchrun_is_judged_by_its_world_size(
+        tmp_path, monkeypatch, capsys):
+    # torchrun's WORLD_SIZE is the world size: known before any rank starts
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "0")):
+        monkeypatch.setenv(name, value)
+    err = run_main(["--peer-memory", "--steps", "1", "--sample-tokens", "0",
+                    "--out", str(tmp_path / "out"), "--log-dir",
+                    str(tmp_path / "logs")], capsys)
+    assert "--peer-memory needs more than one rank" in err
+
+
+def write_text(path: Path, words: str = "Words to train on, all of them. ") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(words * 100)
+    return path
+
+
+def test_validation_text_that_data_reads_too_is_refused(tmp_path, capsys):
+    """Not only the same path: a file of a `--data` directory, a directory
+    holding `--data`'s file, one directory inside the other, a link to one of
+    `--data`'s files. The run would validate on text it trains on."""
+    outputs = ["--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")]
+    corpus = tmp_path / "corpus"
+    a = write_text(corpus / "a.txt")
+    b = write_text(corpus / "sub" / "b.txt")
+    link = tmp_path / "link.txt"
+    link.symlink_to(b)
+    for data, valid, shared in [(corpus, b, b), (a, corpus, a),
+                                (corpus, corpus / "sub", b), (corpus, link, b)]:
+        err = run_main(["--data", str(data), "--valid-data", str(valid),
+                        *outputs], capsys)
+        assert f"--valid-data {valid} overlaps --data {data} ({shared} is in " \
+            f"both): the run would validate on the text it trains on" in err, err
+    # files beside each other share nothing
+    other = write_text(tmp_path / "other.txt")
+    config, _ = parse_config(["--data", str(a), "--valid-data", str(other)],
+                             make_parser())
+    assert config.valid_data == str(other)
+
+
+def test_text_field_is_used_by_either_flags_json_lines(tmp_path, capsys):
+    """`--text-field` reads JSON Lines `--valid-data` too (it was refused, and
+    without it the run could not read the file); a `--data` directory of
+    text files alone would ignore it, so it is refused there."""
+    train = write_text(tmp_path / "train.txt")
+    valid = tmp_path / "valid.jsonl"
+    valid.write_text("".join(json.dumps({"content": "Validate on these words. "
+                                                    * 20}) + "\n"
+                             for _ in range(10)))
+    config, world_size = parse_config(
+        ["--data", str(train), "--valid-data", str(valid), "--text-field",
+         "content", "--world-size", "1", "--batch-size", "2", "--seq-len", "32",
+         "--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")],
+        make_parser())
+    assert config.text_field == "content"
+    checked = preflight(config, world_size=world_size, device=CPU)
+    assert len(checked.data.valid) >= 2
+    texts = tmp_path / "texts"
+    write_text(texts / "a.txt")
+    write_text(texts / "more" / "b.txt")
+    err = run_main(["--data", str(texts), "--text-field", "content"], capsys)
+    assert "--text-field needs a JSON Lines --data or --valid-data" in err
+
+
+def test_a_file_where_the_run_makes_a_folder_is_refused(tmp_path, capsys):
+    """`checkpoints` under `--out` (when the run saves) and the experiment's
+    folder under `--log-dir` are made by the ranks: a file there failed the
+    first save after training, or labml's start in a rank."""
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    experiment = FinetuneConfig().family.experiment
+    write_text(out / "checkpoints")
+    write_text(logs / experiment)
+    err = run_main(["--out", str(out), "--log-dir", str(tmp_path / "l"),
+                    "--checkpoint-every", "1"], capsys)
+    assert f"--out {out}: {out / 'checkpoints'} is a file, not a directory" in err
+    # a run that saves nothing does not write there
+    assert check_writable_dir(out, "--out") == out
+    err = run_main(["--out", str(tmp_path / "o"), "--log-dir", str(logs)], capsys)
+    assert f"--log-dir {logs}: {logs / experiment} is a file, not a " \
+        f"directory" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs", "out"]
+
+
+def test_a_sequence_longer_than_a_sliding_window_is_refused(tmp_path, capsys):
+    """A Mistral's model refuses a sequence past its window, as the plan does:
+    refused before start, naming `--seq-len` and the window."""
+    path = tmp_path / "mistral"
+    path.mkdir()
+    hf = llama_config.to_hf_config(dataclasses.replace(
+        llama_config.mistral_7b(), sliding_window=16))
+    (path / "config.json").write_text(json.dumps(hf))
+    err = run_main(["--checkpoint", str(path), "--seq-len", "32"], capsys)
+    assert "--seq-len: seq_len 32 exceeds the model's sliding_window 16" in err
+    config = FinetuneConfig(checkpoint=str(path), seq_len=16)
+    assert config.model_config().sliding_window == 16
