@@ -94,6 +94,34 @@ def source_of(path: Path) -> Source:
     return Source(path, name.endswith(JSONL_SUFFIXES), name.endswith(".gz"))
 
 
+# A `.json` file's first line read to tell JSON Lines (`misnamed_json_lines`).
+FIRST_LINE_BYTES = 1 << 20
+
+
+def misnamed_json_lines(source: Source) -> None:
+    """
+    #### Refuse JSON Lines saved as `.json`
+
+    Only the suffix says a file is JSON Lines, but some tools write JSON Lines
+    under `.json` (Hugging Face `datasets`' `to_json`): read as text, the run
+    would train on the records' markup, `{"text": ...}` and all. A `.json` file
+    whose first line is a whole JSON object by itself is such a file.
+    """
+    name = source.path.name.lower()
+    if not name.endswith((".json", ".json.gz")):
+        return
+    try:
+        with open_bytes(source) as f:
+            first = f.readline(FIRST_LINE_BYTES)
+        record = json.loads(first)
+    except (OSError, EOFError, ValueError):
+        return  # not one object on its first line: read as text, as named
+    if isinstance(record, dict):
+        raise DataError(f"{source.path}: JSON Lines under a .json name; name it "
+                        f".jsonl (or .jsonl.gz) to read its --text-field, or it "
+                        f"would train on the records' markup")
+
+
 def find_sources(data: str | os.PathLike) -> list[Source]:
     """
     ### The files of `--data`, checked to exist and hold something
@@ -110,14 +138,19 @@ def find_sources(data: str | os.PathLike) -> list[Source]:
         if not files:
             raise DataError(f"--data {path}: the directory has no text (no "
                             f"non-empty, non-hidden file under it)")
-        return [source_of(p) for p in files]
+        sources = [source_of(p) for p in files]
+        for source in sources:
+            misnamed_json_lines(source)
+        return sources
     if not path.exists():
         raise DataError(f"--data {path}: no such file or directory")
     if not path.is_file():
         raise DataError(f"--data {path}: not a regular file or directory")
     if path.stat().st_size == 0:
         raise DataError(f"--data {path}: the file is empty")
-    return [source_of(path)]
+    source = source_of(path)
+    misnamed_json_lines(source)
+    return [source]
 
 
 def open_bytes(source: Source) -> BinaryIO:

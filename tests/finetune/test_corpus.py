@@ -107,6 +107,13 @@ BAD_DATA = [
      "f.jsonl:3: no 'text' field"),
     ("lone surrogate", lambda d: write(d / "s.jsonl", b'{"text": "a\\ud800b"}\n'),
      "s.jsonl:1: 'text' holds a lone surrogate"),
+    # what `datasets`' `to_json` writes: read as text, it trains on the markup
+    ("json lines as .json", lambda d: write(d / "r.json", b'{"text": "a"}\n'
+                                            b'{"text": "b"}\n'),
+     "r.json: JSON Lines under a .json name; name it .jsonl"),
+    ("json lines in a dir", lambda d: (d / "j").mkdir() or write(
+        d / "j" / "r.json", b'{"text": "a"}\n') and str(d / "j"),
+     "r.json: JSON Lines under a .json name"),
     ("odd size", lambda d: write(d / "t.u16", b"\x01\x00\x02"),
      "3 bytes is not a whole number of uint16 tokens"),
     ("uint32 as uint16", lambda d: write(d / "w.u16", np.arange(
@@ -247,3 +254,14 @@ def test_a_record_longer_than_the_limit_is_refused(tmp_path, monkeypatch):
     assert list(next(documents)) == ["short"]
     with pytest.raises(DataError, match=r"big.jsonl:2: a line longer than"):
         next(documents)
+
+
+def test_a_json_document_that_is_not_json_lines_reads_as_text(tmp_path):
+    from labml_zero.finetune.corpus import find_sources
+
+    # an array, and an object spread over lines: one text document each
+    for name, data in (("a.json", b'[{"text": "a"},\n {"text": "b"}]\n'),
+                       ("o.json", b'{\n  "text": "a"\n}\n')):
+        write(tmp_path / name, data)
+        (source,) = find_sources(tmp_path / name)
+        assert not source.jsonl
