@@ -143,8 +143,12 @@ def cluster_of(request: Request, world_size: int | None) -> Cluster:
     else:
         gpus = flags.get("gpus", world_size // nodes if world_size else None)
         if world_size is not None and gpus * nodes != world_size:
-            raise ValueError(f"--world-size {world_size} disagrees with --gpus "
-                             f"{gpus} x --nodes {nodes}: give one of them")
+            # a `--gpus` the user did not give is the world size shared out
+            raise ValueError(
+                f"--world-size {world_size} disagrees with --gpus {gpus} x "
+                f"--nodes {nodes}: give one of them" if "gpus" in flags else
+                f"--world-size {world_size} is not a whole number of GPUs a "
+                f"node over --nodes {nodes}")
     host = flags["host_gib"] * GIB if "host_gib" in flags else None
     if "gpu" in flags:
         return Cluster(gpu_by_name(flags["gpu"]), gpus_per_node=gpus or 1,

@@ -304,6 +304,9 @@ def test_a_resume_keeps_the_runs_cadence_and_precision_unless_flagged():
      "is --data: the run would validate on the text it trains on"),
     (["--plan", "--gpu", "h100", "--world-size", "3", "--gpus", "2"],
      "--world-size 3 disagrees with --gpus 2 x --nodes 1"),
+    # no --gpus given: the message names only what was
+    (["--plan", "--gpu", "h100", "--world-size", "3", "--nodes", "2"],
+     "--world-size 3 is not a whole number of GPUs a node over --nodes 2"),
     # a shard group of one rank holds whole chunks: no peer to read from
     (["--peer-memory", "--world-size", "1", "--steps", "1"],
      "--peer-memory needs more than one rank"),
