@@ -335,6 +335,25 @@ def check_same_trainables(path: Path, reader: CheckpointReader,
                 f"start a new run from the export with --checkpoint)")
 
 
+def other_snapshot_hint(path: Path, config) -> str:
+    """
+    #### The snapshot a checkpoint trained from, where this run names another
+
+    A run from a Hugging Face `--checkpoint` builds that model; resumed without
+    it (or with another), the model built is another one, refused as such:
+    the manifest's export record names the snapshot to give again.
+    """
+    try:
+        export = CheckpointReader(path).meta.get("export") or {}
+        snapshot = export.get("snapshot")
+    except (CheckpointError, OSError, AttributeError):
+        return ""
+    ours = str(Path(config.checkpoint).resolve()) if config.checkpoint else None
+    if not isinstance(snapshot, str) or snapshot == ours:
+        return ""
+    return f" (it trained from --checkpoint {snapshot}: give it again)"
+
+
 def check_resume(path: Path, layers: list[nn.Module], config, world_size: int,
                  data: JobData) -> int:
     """
@@ -358,7 +377,8 @@ def check_resume(path: Path, layers: list[nn.Module], config, world_size: int,
         # the package's messages name the checkpoint already; a run's `--out`
         # (or its `checkpoints`) given for one of its checkpoints gets the newest
         found = checkpoint_dirs(path) or checkpoint_dirs(path / "checkpoints")
-        hint = f" (its newest checkpoint is {found[-1][1]})" if found else ""
+        hint = (f" (its newest checkpoint is {found[-1][1]})" if found
+                else other_snapshot_hint(path, config))
         raise PreflightError(f"--resume: {e}{hint}") from e
     if not isinstance(extra, dict) or "step" not in extra or "sampler" not in extra:
         raise PreflightError(f"--resume {path} is not a checkpoint of this job "

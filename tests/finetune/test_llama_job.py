@@ -165,6 +165,21 @@ def test_a_llama_checkpoint_resumes_to_the_same_losses(trained, snapshots,
         assert resumed["loss.train"][step] == full["loss.train"][step]
 
 
+def test_a_resume_without_its_snapshot_names_the_snapshot(trained, snapshots,
+                                                         tmp_path, capsys):
+    # without --checkpoint the run builds the default model, another one
+    saved = trained / "out" / "checkpoints" / "step-000003"
+    with pytest.raises(SystemExit) as info:
+        main(["--resume", str(saved), "--steps", "6", "--world-size", "2",
+              "--out", str(tmp_path / "out"), "--log-dir", str(tmp_path / "logs")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "is of a different model" in err, err
+    assert err.rstrip().endswith(
+        f"(it trained from --checkpoint {snapshots['llama'].resolve()}: give it "
+        f"again) (see --help)"), err
+
+
 def test_lora_on_qwen2_at_world_1_exports_for_peft_and_transformers(snapshots,
                                                                     tmp_path):
     from peft import PeftModel
