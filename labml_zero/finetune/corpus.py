@@ -103,7 +103,7 @@ def misnamed_json_lines(source: Source) -> None:
     #### Refuse JSON Lines saved as `.json`
 
     Only the suffix says a file is JSON Lines, but some tools write JSON Lines
-    under `.json` (Hugging Face `datasets`' `to_json`): read as text, the run
+    under `.json` (as Hugging Face `datasets` does when asked for JSON): read as text, the run
     would train on the records' markup, `{"text": ...}` and all. A `.json` file
     whose first line is a whole JSON object by itself is such a file.
     """
