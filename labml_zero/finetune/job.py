@@ -47,7 +47,8 @@ from labml_zero.finetune.token_file import TokenCache
 from labml_zero.finetune.dataset import RankSampler
 from labml_zero.finetune.steps import (GRAPH_WARMUP, Totals, Training,
                                        batch_loss, device_step, evaluate,
-                                       micro_batch, train_step)
+                                       micro_batch, train_step,
+                                       validation_micro_batches)
 from labml_zero.finetune.step_metrics import StepMeter, peak_flops
 from labml_zero.finetune.tracking import labml_configs, start_labml
 from labml_zero.family import TrainingBuild
@@ -408,6 +409,9 @@ def fine_tune(ctx: DistContext, config: FinetuneConfig,
     if ctx.rank == 0:
         logger.log(banner(config, shape, built.counts, step=step,
                           world_size=ctx.world_size))
+        _, short = validation_micro_batches(config, len(data.valid), ctx.world_size)
+        if short:
+            logger.log(short)
     if step == 0:
         track_valid(0)
         tracker.new_line()

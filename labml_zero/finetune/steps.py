@@ -111,6 +111,26 @@ def all_reduce_totals(stats: torch.Tensor) -> Totals:
     return Totals(*stats.tolist())
 
 
+def validation_micro_batches(config: FinetuneConfig, samples: int,
+                             world_size: int) -> tuple[int, str | None]:
+    """
+    ### The micro-batches one evaluation runs, and a line if fewer were asked
+
+    `valid_batches` steps' worth, $A$ micro-batches each, or the whole
+    validation split of `samples` where it holds fewer: the run then says so
+    once, rather than validating on less than its flag asked in silence.
+    """
+    held = len(RankSampler(samples, batch_size=config.batch_size, rank=0,
+                           world_size=world_size, shuffle=False))
+    asked = config.valid_batches * config.grad_accum
+    if asked <= held:
+        return asked, None
+    return held, (f"validation: the split holds {held} micro-batches of "
+                  f"{config.batch_size} x {world_size}, fewer than --valid-batches "
+                  f"{config.valid_batches} x --grad-accum {config.grad_accum}; "
+                  f"each evaluation uses all of it")
+
+
 @torch.no_grad()
 def evaluate(model: Zero3Sequential, dataset: TextDataset, config: FinetuneConfig,
              ctx: DistContext) -> Totals:
@@ -125,7 +145,9 @@ def evaluate(model: Zero3Sequential, dataset: TextDataset, config: FinetuneConfi
     sampler = RankSampler(len(dataset), batch_size=config.batch_size,
                           rank=ctx.rank, world_size=ctx.world_size, shuffle=False)
     stats = torch.zeros(3, dtype=torch.float64, device=ctx.device)
-    for micro in range(min(config.valid_batches * config.grad_accum, len(sampler))):
+    micro_batches, _ = validation_micro_batches(config, len(dataset),
+                                                ctx.world_size)
+    for micro in range(micro_batches):
         indices = sampler.step_batches(0, micro)[0]
         stats += forward_loss(model, dataset, indices, ctx.device)[1]
     return all_reduce_totals(stats)

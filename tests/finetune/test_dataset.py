@@ -162,3 +162,18 @@ def test_figures_in_the_notes(corpus_tokens):
     for seq_len in (7, 128):
         assert len(TextDataset(corpus_tokens, seq_len=seq_len)) == (
             (len(corpus_tokens) - 1) // seq_len)
+
+
+def test_an_evaluation_larger_than_the_split_says_so():
+    from labml_zero.finetune.config import FinetuneConfig
+    from labml_zero.finetune.steps import validation_micro_batches
+
+    config = FinetuneConfig(batch_size=2, grad_accum=3, valid_batches=4)
+    # 12 micro-batches of 2 x 2 samples asked; 100 samples hold 25
+    assert validation_micro_batches(config, 100, 2) == (12, None)
+    # 21 samples hold 5 micro-batches: all of them, said in one line
+    used, line = validation_micro_batches(config, 21, 2)
+    assert used == 5
+    assert line == ("validation: the split holds 5 micro-batches of 2 x 2, fewer "
+                    "than --valid-batches 4 x --grad-accum 3; each evaluation "
+                    "uses all of it")
