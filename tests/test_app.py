@@ -296,7 +296,7 @@ def test_a_runs_last_request_is_answered_at_once(app):
     run's status, its last, at once: a rank that waits for that answer before
     it exits has it within the launcher's grace period
     (tests/finetune/test_tracking.py)."""
-    from labml_zero.app.server import TRACK_PAUSE_S
+    from labml_zero.app.routes import TRACK_PAUSE_S
 
     uuid = "0f1e2d3c4b5a69788796a5b4c3d2e1f0"
     url = f"{app.api_url}track?run_uuid={uuid}&labml_version=0.5.3"
