@@ -280,7 +280,7 @@ def test_the_last_records_do_not_wait_behind_a_paused_request(
     """The app pauses before it answers a request; the run's last records,
     queued while one is in its pause, go beside it: the rank may go as soon
     as they are answered, not a pause later."""
-    from labml_zero.app.server import TRACK_PAUSE_S
+    from labml_zero.app.routes import TRACK_PAUSE_S
 
     uuid = "00ff00ff00ff00ff00ff00ff00ff00ff"
     sender = BoundedSender(f"{app.api_url}track?run_uuid={uuid}&labml_version=0.5.3",
